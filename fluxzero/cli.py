@@ -1,0 +1,34 @@
+"""The `fluxzero` command line: a Click group whose commands live in `fluxzero.commands.*`.
+
+Commands are loaded lazily by name, so `fluxzero gen-config` imports only what gen-config needs.
+"""
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# command name -> "module:attribute"; each module keeps torch/deepspeed imports inside command bodies.
+COMMANDS: dict[str, str] = {}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="fluxzero")
+def main():
+    """fluxzero: fine-tune the FLUX.1 transformer with DeepSpeed ZeRO, on one GPU or many."""
+
+
+if __name__ == "__main__":
+    main()
