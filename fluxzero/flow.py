@@ -1,0 +1,202 @@
+"""Rectified flow for FLUX.1: noising, targets, timestep sampling and shift, 2x2 packing, position ids.
+
+Small pure functions on tensors; `prepare_batch` strings them together for the training loop.
+Convention (BFL / SD3): t = 0 is data, t = 1 is noise, x_t = (1 - t) x0 + t noise, and the model
+predicts the velocity dx_t/dt = noise - x0.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+TIMESTEP_SAMPLING = ("uniform", "logit_normal")
+SHIFTS = ("none", "fixed", "resolution")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Latent packing and position ids
+# ---------------------------------------------------------------------------------------------------------
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """Fold 2x2 latent patches into channels, row-major over patches.
+
+    Shape: (B, C, H, W) -> (B, H/2 * W/2, C*4)  [FLUX: C=16 -> 64 channels]
+    """
+    b, c, h, w = latents.shape
+    if h % 2 or w % 2:
+        raise ValueError(f"latent height and width must be even to pack 2x2 patches, got {h}x{w}")
+    x = latents.reshape(b, c, h // 2, 2, w // 2, 2)  # b c h ph w pw
+    x = x.permute(0, 2, 4, 1, 3, 5)  # b h w c ph pw
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Inverse of `pack`; height and width are the latent (not token) sizes.
+
+    Shape: (B, H/2 * W/2, C*4) -> (B, C, H, W)
+    """
+    b, n, d = tokens.shape
+    h, w = height // 2, width // 2
+    if n != h * w or d % 4:
+        raise ValueError(f"cannot unpack {n} tokens of width {d} into a {height}x{width} latent")
+    x = tokens.reshape(b, h, w, d // 4, 2, 2)  # b h w c ph pw
+    x = x.permute(0, 3, 1, 4, 2, 5)  # b c h ph w pw
+    return x.reshape(b, d // 4, height, width)
+
+
+def img_ids(batch: int, height: int, width: int, device=None) -> torch.Tensor:
+    """Position ids of packed image tokens: (0, row, col) of each 2x2 patch, row-major like `pack`.
+
+    Shape: -> (B, H/2 * W/2, 3)
+    """
+    h, w = height // 2, width // 2
+    ids = torch.zeros(h, w, 3, device=device)
+    ids[..., 1] = torch.arange(h, device=device)[:, None]
+    ids[..., 2] = torch.arange(w, device=device)[None, :]
+    return ids.reshape(1, h * w, 3).expand(batch, -1, -1)
+
+
+def txt_ids(batch: int, length: int, device=None) -> torch.Tensor:
+    """Text tokens carry no position in FLUX.1's RoPE: all-zero ids.
+
+    Shape: -> (B, L, 3)
+    """
+    return torch.zeros(batch, length, 3, device=device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Flow matching
+# ---------------------------------------------------------------------------------------------------------
+def _bcast(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, *([1] * (x.dim() - 1))).to(x.dtype)
+
+
+def noisy(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """x_t = (1 - t) x0 + t noise, with t (B,) broadcast over the other dims."""
+    t = _bcast(t, x0)
+    return (1 - t) * x0 + t * noise
+
+
+def target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Velocity the model learns: d x_t / dt = noise - x0."""
+    return noise - x0
+
+
+def loss(pred: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    """Mean squared error in fp32 (bf16 predictions are upcast so the reduction does not lose bits)."""
+    return F.mse_loss(pred.float(), tgt.float())
+
+
+def sample_timesteps(n: int, sampling: str = "uniform", mean: float = 0.0, std: float = 1.0,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw n timesteps in (0, 1): uniform, or logit-normal (sigmoid of N(mean, std), SD3 section 3.1)."""
+    if sampling == "uniform":
+        return torch.rand(n, generator=generator)
+    if sampling == "logit_normal":
+        return torch.sigmoid(mean + std * torch.randn(n, generator=generator))
+    raise ValueError(f"unknown timestep sampling {sampling!r}; choose one of {TIMESTEP_SAMPLING}")
+
+
+def time_shift(t: torch.Tensor, mu: float) -> torch.Tensor:
+    """t' = e^mu / (e^mu + 1/t - 1): pushes t toward noise for mu > 0 (equals s t / (1 + (s-1) t), s = e^mu)."""
+    em = math.exp(mu)
+    return em / (em + 1 / t - 1)
+
+
+def resolution_mu(image_tokens: int, base_tokens: int = 256, max_tokens: int = 4096,
+                  base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+    """mu linear in the number of packed image tokens: 256 -> 0.5, 4096 -> 1.15 (BFL's schedule)."""
+    slope = (max_shift - base_shift) / (max_tokens - base_tokens)
+    return base_shift + slope * (image_tokens - base_tokens)
+
+
+def shift_timesteps(t: torch.Tensor, shift: str, image_tokens: int, shift_value: float = 3.0) -> torch.Tensor:
+    """Apply no shift, a fixed shift factor s (mu = ln s), or the resolution-dependent shift."""
+    if shift == "none":
+        return t
+    if shift == "fixed":
+        return time_shift(t, math.log(shift_value))
+    if shift == "resolution":
+        return time_shift(t, resolution_mu(image_tokens))
+    raise ValueError(f"unknown timestep shift {shift!r}; choose one of {SHIFTS}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Batch -> model inputs
+# ---------------------------------------------------------------------------------------------------------
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A 63-bit seed for one sample's noise and timestep (splitmix64 of seed, epoch, index)."""
+    z = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) & (2**63 - 1)
+
+
+def draw_noise(latents: torch.Tensor, index: torch.Tensor, seed: int, epoch: int, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """Noise (B, C, H, W) and timesteps (B,) on CPU, drawn per sample from (seed, epoch, sample index).
+
+    Why per sample: each data-parallel rank must draw different noise and timesteps (same-seeded ranks
+    would repeat one noise pattern and one t across the whole global batch). Keying the generator on the
+    sample also keeps the draws independent of world size, micro batch and accumulation, so those layouts
+    train on identical numbers (the parity tests rely on it) and resume needs no generator state.
+    """
+    b, c, h, w = latents.shape
+    noise = torch.empty(b, c, h, w)
+    t = torch.empty(b)
+    g = torch.Generator()
+    for i, idx in enumerate(index.tolist()):
+        g.manual_seed(sample_seed(seed, epoch, idx))
+        t[i] = sample_timesteps(1, cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, generator=g)[0]
+        noise[i] = torch.randn(c, h, w, generator=g)
+    t = shift_timesteps(t, cfg.shift, image_tokens=(h // 2) * (w // 2), shift_value=cfg.shift_value)
+    return noise, t
+
+
+def prepare_batch(batch: dict, cfg, seed: int, epoch: int, *, guidance_embed: bool,
+                  device=None, dtype: torch.dtype = torch.float32) -> tuple[dict, torch.Tensor]:
+    """Turn a data batch into Flux.forward keyword arguments and the velocity target.
+
+    batch: {"latents": (B,16,H,W), "t5": (B,L,D), "clip": (B,V), "index": (B,)}; cfg: a FlowConfig.
+    Shape: -> inputs {img (B,HW/4,64), img_ids (B,HW/4,3), txt (B,L,D), txt_ids (B,L,3), timesteps (B,),
+    y (B,V), guidance (B,) or None}, target (B,HW/4,64) in fp32.
+    """
+    x0 = batch["latents"].float()
+    b, _, h, w = x0.shape
+    noise, t = draw_noise(x0, batch["index"], seed, epoch, cfg)
+    x_t = pack(noisy(x0, noise, t))  # (B, HW/4, 64)
+    tgt = pack(target(x0, noise))  # (B, HW/4, 64)
+    txt = batch["t5"]
+    inputs = {
+        "img": x_t.to(device, dtype),
+        "img_ids": img_ids(b, h, w).to(device, dtype),
+        "txt": txt.to(device, dtype),
+        "txt_ids": txt_ids(b, txt.shape[1]).to(device, dtype),
+        "timesteps": t.to(device, dtype),
+        "y": batch["clip"].to(device, dtype),
+        # FLUX.1-dev is guidance distilled: it needs a guidance value. A constant keeps the distilled
+        # behaviour stable while the velocity target itself is the plain conditional one (no CFG in it).
+        "guidance": torch.full((b,), cfg.guidance, device=device, dtype=dtype) if guidance_embed else None,
+    }
+    return inputs, tgt.to(device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------------------
+def schedule(num_steps: int, image_tokens: int | None = None) -> list[float]:
+    """Euler time grid from 1 (noise) to 0 (data), resolution-shifted when image_tokens is given."""
+    ts = torch.linspace(1, 0, num_steps + 1)
+    if image_tokens is not None:
+        ts[:-1] = time_shift(ts[:-1], resolution_mu(image_tokens))
+    return ts.tolist()
+
+
+@torch.no_grad()
+def euler_sample(velocity_fn, noise_tokens: torch.Tensor, timesteps: list[float]) -> torch.Tensor:
+    """Integrate dx/dt = v(x, t) from timesteps[0] to timesteps[-1]; velocity_fn(x, t_batch) -> v."""
+    x = noise_tokens
+    for t_cur, t_next in zip(timesteps[:-1], timesteps[1:]):
+        v = velocity_fn(x, torch.full((x.shape[0],), t_cur, dtype=x.dtype, device=x.device))
+        x = x + (t_next - t_cur) * v
+    return x
