@@ -57,6 +57,47 @@ class ModelConfig:
         """Channels of the VAE latent before 2x2 packing (16 for FLUX.1)."""
         return self.in_channels // 4
 
+    def num_params(self) -> int:
+        """Parameter count of the transformer (flux-dev: 11,901,408,320), from the architecture alone."""
+        C, M, D = self.hidden_size, self.mlp_hidden_dim, self.head_dim
+
+        def linear(n_in: int, n_out: int, bias: bool = True) -> int:
+            return n_in * n_out + (n_out if bias else 0)
+
+        embed = linear(self.in_channels, C) + linear(self.context_in_dim, C)  # img_in, txt_in
+        embed += linear(256, C) + linear(C, C) + linear(self.vec_in_dim, C) + linear(C, C)  # time_in, vector_in
+        if self.guidance_embed:
+            embed += linear(256, C) + linear(C, C)  # guidance_in
+        stream = (linear(C, 6 * C) + linear(C, 3 * C, self.qkv_bias) + 2 * D  # mod, qkv, q/k norm scales
+                  + linear(C, C) + linear(C, M) + linear(M, C))  # proj, mlp
+        single = linear(C, 3 * C + M) + linear(C + M, C) + 2 * D + linear(C, 3 * C)  # linear1/2, norm, mod
+        final = linear(C, self.out_channels) + linear(C, 2 * C)
+        return embed + self.depth * 2 * stream + self.depth_single_blocks * single + final
+
+    def flops_per_sample(self, img_tokens: int, txt_tokens: int) -> float:
+        """Forward FLOPs of one sample (multiply-add = 2 FLOPs); training step is about 3x this.
+
+        Counted: every linear layer on the tokens that pass through it, attention's QK^T and AV, and the
+        per-sample work (modulation, embedders, final adaLN) once per sample. Not counted (memory-bound,
+        < 1% at FLUX sizes): norms, RoPE, softmax, activations, biases, residual adds.
+        With C hidden, M mlp hidden, I img tokens, T txt tokens, L = I + T:
+          double block: 2 (I + T) (3C^2 + C^2 + 2CM)   qkv, proj, mlp per stream
+                        + 4 L^2 C                      QK^T (2 L^2 D per head) + AV (the same), H heads
+                        + 2 * 2 * 6 C^2                img and txt modulation, per sample
+          single block: 2 L (C (3C + M) + (C + M) C) + 4 L^2 C + 2 * 3 C^2
+          embedders:    2 I in C + 2 T ctx C + 2 (256 C + C^2) (time, guidance) + 2 (vec C + C^2)
+          final layer:  2 I C out + 2 * 2 C^2
+        """
+        C, M, I, T = self.hidden_size, self.mlp_hidden_dim, img_tokens, txt_tokens
+        L = I + T
+        attn = 4 * L * L * C
+        double = 2 * L * (4 * C * C + 2 * C * M) + attn + 2 * 2 * 6 * C * C
+        single = 2 * L * (C * (3 * C + M) + (C + M) * C) + attn + 2 * 3 * C * C
+        embed = 2 * I * self.in_channels * C + 2 * T * self.context_in_dim * C
+        embed += 2 * (256 * C + C * C) * (2 if self.guidance_embed else 1) + 2 * (self.vec_in_dim * C + C * C)
+        final = 2 * I * C * self.out_channels + 2 * 2 * C * C
+        return float(self.depth * double + self.depth_single_blocks * single + embed + final)
+
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 

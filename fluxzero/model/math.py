@@ -1,0 +1,83 @@
+"""Attention, rotary position embedding and the sinusoidal timestep embedding of FLUX.1.
+
+Shapes: B batch, H heads, L tokens, D head dim.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# name -> SDPA backends allowed, in priority order. cuDNN is left out of "auto" on purpose: on H200 with
+# torch 2.11 its SDPA kernel gave non-finite FLUX gradients and illegal memory accesses under ZeRO-3.
+ATTENTION_BACKENDS: dict[str, list[SDPBackend]] = {
+    "auto": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+    "cudnn": [SDPBackend.CUDNN_ATTENTION],
+    "math": [SDPBackend.MATH],
+}
+_backends: list[SDPBackend] = ATTENTION_BACKENDS["auto"]
+_backend_name = "auto"
+
+
+def set_attention_backend(name: str) -> None:
+    """Choose which SDPA kernels `attention` may use (process-wide): auto, flash, efficient, cudnn or math."""
+    global _backends, _backend_name
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of: {', '.join(ATTENTION_BACKENDS)}")
+    _backends, _backend_name = ATTENTION_BACKENDS[name], name
+
+
+def get_attention_backend() -> str:
+    return _backend_name
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, pe: Tensor) -> Tensor:
+    """Rotate q and k by `pe`, attend, and merge heads.
+
+    Shape: q, k, v (B, H, L, D); pe (B, 1, L, D/2, 2) -> (B, L, H*D)
+    """
+    q, k = apply_rope(q, pe), apply_rope(k, pe)  # (B, H, L, D)
+    # The context manager only flips a few global flags (a few microseconds), negligible next to a block.
+    with sdpa_kernel(_backends):
+        x = F.scaled_dot_product_attention(q, k, v)  # (B, H, L, D)
+    return x.transpose(1, 2).flatten(2)  # (B, L, H*D)
+
+
+def rope(ids: Tensor, axes_dim: tuple[int, ...], theta: int) -> Tensor:
+    """Cos/sin tables of FLUX's multi-axis RoPE: axis i of the ids rotates its own axes_dim[i] channels.
+
+    Angles are computed in float64 and stored in float32 (as the reference does), so positions up to
+    thousands keep full float32 accuracy. Shape: ids (B, L, n_axes) -> (B, 1, L, D/2, 2) [cos, sin], float32
+    """
+    angles = []
+    for i, dim in enumerate(axes_dim):
+        omega = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=ids.device) / dim)  # (dim/2,)
+        angles.append(ids[..., i].to(torch.float64)[..., None] * omega)  # (B, L, dim/2)
+    angle = torch.cat(angles, dim=-1)  # (B, L, D/2)
+    return torch.stack((angle.cos(), angle.sin()), dim=-1).float().unsqueeze(1)  # (B, 1, L, D/2, 2)
+
+
+def apply_rope(x: Tensor, pe: Tensor) -> Tensor:
+    """Rotate each adjacent channel pair (2j, 2j+1) of x by its angle; computed in float32, cast back.
+
+    Shape: x (B, H, L, D), pe (B, 1, L, D/2, 2) -> (B, H, L, D)
+    """
+    cos, sin = pe[..., 0], pe[..., 1]  # (B, 1, L, D/2)
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, H, L, D/2) each
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
+
+
+def timestep_embedding(t: Tensor, dim: int = 256, max_period: float = 10_000, time_factor: float = 1000.0) -> Tensor:
+    """Sinusoidal embedding [cos | sin] of t * time_factor (t in [0, 1] becomes FLUX's 0..1000 scale).
+
+    Shape: t (B,) -> (B, dim), float32
+    """
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = (t.float() * time_factor)[:, None] * freqs  # (B, dim/2)
+    return torch.cat((args.cos(), args.sin()), dim=-1)  # (B, dim)

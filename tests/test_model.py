@@ -1,0 +1,127 @@
+"""The FLUX.1 module: shapes, parameter names and counts, guidance handling, RoPE, backends."""
+import pytest
+import torch
+
+from fluxzero.config import MODEL_PRESETS, get_model_config
+from fluxzero.model import Flux, build_model
+from fluxzero.model import math as fmath
+
+
+def make_inputs(cfg, batch=2, h=4, w=6, txt_len=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    img_ids = torch.stack((torch.zeros_like(rows), rows, cols), -1).reshape(1, h * w, 3).float().repeat(batch, 1, 1)
+    return dict(
+        img=torch.randn(batch, h * w, cfg.in_channels, generator=g),
+        img_ids=img_ids,
+        txt=torch.randn(batch, txt_len, cfg.context_in_dim, generator=g),
+        txt_ids=torch.zeros(batch, txt_len, 3),
+        timesteps=torch.rand(batch, generator=g),
+        y=torch.randn(batch, cfg.vec_in_dim, generator=g),
+        guidance=torch.full((batch,), 3.5) if cfg.guidance_embed else None,
+    )
+
+
+@pytest.mark.parametrize("name, expected", [("flux-dev", 11_901_408_320), ("flux-schnell", 11_891_178_560)])
+def test_param_count_full_size(name, expected):
+    cfg = get_model_config(name)
+    model = build_model(cfg, device="meta")
+    assert sum(p.numel() for p in model.parameters()) == expected
+    assert cfg.num_params() == expected
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
+def test_num_params_matches_meta_model(name):
+    cfg = get_model_config(name)
+    assert cfg.num_params() == sum(p.numel() for p in build_model(cfg, device="meta").parameters())
+
+
+def test_bfl_parameter_names():
+    names = set(build_model("flux-tiny", device="meta").state_dict())
+    for key in [
+        "img_in.weight", "txt_in.bias", "time_in.in_layer.weight", "time_in.out_layer.bias",
+        "vector_in.in_layer.weight", "guidance_in.out_layer.weight",
+        "double_blocks.1.img_mod.lin.weight", "double_blocks.0.img_attn.qkv.bias",
+        "double_blocks.0.img_attn.norm.query_norm.scale", "double_blocks.0.txt_attn.norm.key_norm.scale",
+        "double_blocks.0.img_attn.proj.weight", "double_blocks.0.img_mlp.0.weight", "double_blocks.0.txt_mlp.2.bias",
+        "double_blocks.0.txt_mod.lin.bias", "single_blocks.1.linear1.weight", "single_blocks.0.linear2.bias",
+        "single_blocks.0.norm.query_norm.scale", "single_blocks.0.norm.key_norm.scale",
+        "single_blocks.0.modulation.lin.weight", "final_layer.linear.weight", "final_layer.adaLN_modulation.1.bias",
+    ]:
+        assert key in names, key
+    schnell = set(build_model("flux-tiny-schnell", device="meta").state_dict())
+    assert not any(k.startswith("guidance_in") for k in schnell)
+    assert names - schnell == {k for k in names if k.startswith("guidance_in")}
+
+
+def test_forward_shapes_dtype_and_block_lists():
+    cfg = get_model_config("flux-tiny")
+    model = build_model(cfg, dtype=torch.bfloat16)
+    assert model.config is cfg and isinstance(model, Flux)
+    assert len(model.double_blocks) == cfg.depth and len(model.single_blocks) == cfg.depth_single_blocks
+    out = model(**make_inputs(cfg, batch=3, h=2, w=5, txt_len=7))  # float32 inputs follow the weights
+    assert out.shape == (3, 10, cfg.out_channels) and out.dtype == torch.bfloat16
+    assert torch.isfinite(out.float()).all()
+
+
+def test_guidance_required_and_used():
+    cfg = get_model_config("flux-tiny")
+    model = build_model(cfg)
+    x = make_inputs(cfg)
+    with pytest.raises(ValueError, match="guidance"):
+        model(**{**x, "guidance": None})
+    out_a = model(**x)
+    out_b = model(**{**x, "guidance": x["guidance"] * 2})
+    assert not torch.allclose(out_a, out_b)
+    schnell = build_model("flux-tiny-schnell")
+    assert schnell(**{**x, "guidance": None}).shape == out_a.shape
+
+
+def test_batch_items_independent():
+    # Each sample's output depends on its own inputs only (no cross-batch leakage through attention/modulation).
+    torch.manual_seed(0)
+    cfg = get_model_config("flux-tiny")
+    model = build_model(cfg)
+    x = make_inputs(cfg, batch=3)
+    full = model(**x)
+    one = model(**{k: v[1:2] for k, v in x.items()})
+    torch.testing.assert_close(full[1:2], one, rtol=1e-5, atol=1e-6)
+
+
+def test_rope_is_a_rotation_with_relative_positions():
+    torch.manual_seed(0)
+    axes, D = (4, 6, 6), 16
+    q, k = torch.randn(1, 2, 1, D), torch.randn(1, 2, 1, D)
+    ids_a = torch.tensor([[[0.0, 3, 5]]])
+    pe_a = fmath.rope(ids_a, axes, 10_000)
+    assert pe_a.shape == (1, 1, 1, D // 2, 2)
+    qa = fmath.apply_rope(q, pe_a)
+    torch.testing.assert_close(qa.norm(dim=-1), q.norm(dim=-1))
+    # q.k after rotation depends only on the difference of positions
+    pe_b = fmath.rope(torch.tensor([[[0.0, 1, 2]]]), axes, 10_000)
+    dot1 = (fmath.apply_rope(q, pe_b) * fmath.apply_rope(k, pe_a)).sum(-1)  # offset (0, 2, 3)
+    dot_ref = (fmath.apply_rope(q, fmath.rope(torch.tensor([[[0.0, 0, 0]]]), axes, 10_000))
+               * fmath.apply_rope(k, fmath.rope(torch.tensor([[[0.0, 2, 3]]]), axes, 10_000))).sum(-1)
+    torch.testing.assert_close(dot1, dot_ref, rtol=1e-5, atol=1e-5)
+    dot_other = (fmath.apply_rope(q, pe_a) * fmath.apply_rope(k, pe_b)).sum(-1)  # offset (0, -2, -3)
+    assert not torch.allclose(dot_other, dot_ref, rtol=1e-3, atol=1e-3)
+    # zero ids (text tokens) leave vectors unchanged
+    zero = fmath.rope(torch.zeros(1, 1, 3), axes, 10_000)
+    torch.testing.assert_close(fmath.apply_rope(q, zero), q)
+
+
+def test_attention_backends_agree_on_cpu():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 16) for _ in range(3))
+    pe = fmath.rope(torch.randint(0, 5, (2, 9, 3)).float(), (4, 6, 6), 10_000)
+    try:
+        fmath.set_attention_backend("math")
+        ref = fmath.attention(q, k, v, pe)
+        fmath.set_attention_backend("auto")
+        assert fmath.get_attention_backend() == "auto"
+        torch.testing.assert_close(fmath.attention(q, k, v, pe), ref, rtol=1e-5, atol=1e-6)
+        assert ref.shape == (2, 9, 64)
+        with pytest.raises(ValueError, match="choose one of"):
+            fmath.set_attention_backend("xformers")
+    finally:
+        fmath.set_attention_backend("auto")
