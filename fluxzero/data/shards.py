@@ -1,0 +1,371 @@
+"""The cached-latent shard format: safetensors shards plus a versioned `manifest.json`.
+
+Layout of a data directory (format version 1)::
+
+    manifest.json                 written last, atomically; its presence means "complete"
+    shard-00000.safetensors       one shard = samples of ONE latent size (one bucket)
+    ...
+
+A shard holds, for its n samples (row i = one sample):
+
+    latents  (n, C, h, w)   VAE latents after FLUX's shift and scale (C = 16; h, w = pixel size / 8)
+    t5       (n, L, D)      T5 encoder output, padded to L tokens (D = 4096 for T5-XXL)
+    clip     (n, V)         CLIP pooled output (V = 768 for CLIP-L)
+    t5_len   (n,) int32     real (unpadded) token count of each caption
+    header metadata: "format", "version", "captions" (JSON list of n strings),
+                     "samples" (JSON list of n dicts: source file, flip, ...; may be absent)
+
+The manifest lists the shards in order (file, num_samples, latent_hw, bytes, sha256, text_lens), the
+dims, the per-bucket sample counts and, under "cache", how the shards were made. Global sample index =
+position in the concatenation of the shards in manifest order.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+from fluxzero.data.errors import DataError
+
+FORMAT = "fluxzero-shards"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARD_TENSORS = ("latents", "t5", "clip", "t5_len")
+_DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_RECREATE = "re-create the shards with `fluxzero cache`"
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}.safetensors"
+
+
+def bucket_key(h: int, w: int) -> str:
+    return f"{h}x{w}"
+
+
+# --------------------------------------------------------------------------------------------- writing
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temp file in the same folder, fsync, then rename: readers never see a partial file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_shard(path, samples: list[dict], dtype="float32") -> dict:
+    """Write one shard of same-size samples atomically; return its manifest record.
+
+    Each sample: {"latents": (C,h,w), "t5": (L,D), "clip": (V,), "caption": str, "t5_len": int (optional),
+    "meta": dict (optional)}.
+    """
+    import torch
+    from safetensors.torch import save
+
+    if not samples:
+        raise ValueError("write_shard needs at least one sample")
+    tdtype = getattr(torch, dtype)
+    hw = tuple(samples[0]["latents"].shape[-2:])
+    for s in samples:
+        if tuple(s["latents"].shape[-2:]) != hw:
+            raise ValueError(f"all samples of one shard must share one latent size, got {hw} and {tuple(s['latents'].shape[-2:])}")
+    L = samples[0]["t5"].shape[0]
+    text_lens = [int(s.get("t5_len", L)) for s in samples]
+    tensors = {
+        "latents": torch.stack([s["latents"].detach().to("cpu", tdtype) for s in samples]).contiguous(),
+        "t5": torch.stack([s["t5"].detach().to("cpu", tdtype) for s in samples]).contiguous(),
+        "clip": torch.stack([s["clip"].detach().to("cpu", tdtype) for s in samples]).contiguous(),
+        "t5_len": torch.tensor(text_lens, dtype=torch.int32),
+    }
+    metadata = {
+        "format": FORMAT,
+        "version": str(FORMAT_VERSION),
+        "captions": json.dumps([s.get("caption", "") for s in samples], ensure_ascii=False),
+    }
+    if any(s.get("meta") for s in samples):
+        metadata["samples"] = json.dumps([s.get("meta") or {} for s in samples], ensure_ascii=False)
+    data = save(tensors, metadata=metadata)
+    path = Path(path)
+    atomic_write_bytes(path, data)
+    return {
+        "file": path.name,
+        "num_samples": len(samples),
+        "latent_hw": list(hw),
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "text_lens": text_lens,
+    }
+
+
+def build_manifest(records: list[dict], dims: dict, dtype: str, extra: dict | None = None) -> dict:
+    buckets: dict[str, dict] = {}
+    for r in records:
+        b = buckets.setdefault(bucket_key(*r["latent_hw"]), {"latent_hw": r["latent_hw"], "num_samples": 0, "num_shards": 0})
+        b["num_samples"] += r["num_samples"]
+        b["num_shards"] += 1
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "num_samples": sum(r["num_samples"] for r in records),
+        "dtype": dtype,
+        "dims": dims,
+        "buckets": dict(sorted(buckets.items())),
+        "shards": records,
+    }
+    if extra:
+        manifest["cache"] = extra
+    return manifest
+
+
+def write_manifest(out_dir, records: list[dict], dims: dict, dtype: str, extra: dict | None = None) -> dict:
+    manifest = build_manifest(records, dims, dtype, extra)
+    atomic_write_bytes(Path(out_dir) / MANIFEST, (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode())
+    return manifest
+
+
+class ShardWriter:
+    """Accumulate samples, group them by latent size, write full shards as they fill; manifest at close().
+
+        with ShardWriter(out_dir, samples_per_shard=256) as w:
+            w.add(latents, t5, clip, caption="a cat")      # (16,h,w), (L,D), (V,)
+        # manifest.json exists only if the block finished without an exception
+
+    Every shard and the manifest are written to a temp file and renamed, the manifest last, so a crash
+    leaves a directory that the reader refuses (no manifest) instead of one it half-reads.
+    """
+
+    def __init__(self, out_dir, *, samples_per_shard: int = 256, dtype: str = "float32", extra: dict | None = None):
+        if samples_per_shard < 1:
+            raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPE_NAMES)}, got {dtype!r}")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if (self.out_dir / MANIFEST).exists() or any(self.out_dir.glob("shard-*.safetensors")):
+            raise DataError(f"output directory {self.out_dir} already holds shards; choose an empty directory.")
+        self.samples_per_shard = samples_per_shard
+        self.dtype = dtype
+        self.extra = extra
+        self.records: list[dict] = []
+        self.dims: dict | None = None
+        self._pending: dict[tuple[int, int], list[dict]] = {}
+        self._closed = False
+
+    def add(self, latents, t5, clip, caption: str = "", t5_len: int | None = None, meta: dict | None = None) -> None:
+        """Shape: latents (C, h, w), t5 (L, D), clip (V,)."""
+        if latents.dim() != 3 or t5.dim() != 2 or clip.dim() != 1:
+            raise ValueError(f"expected latents (C,h,w), t5 (L,D), clip (V,); got {tuple(latents.shape)}, {tuple(t5.shape)}, {tuple(clip.shape)}")
+        dims = {"latent_channels": latents.shape[0], "t5_len": t5.shape[0], "t5_dim": t5.shape[1], "clip_dim": clip.shape[0]}
+        if self.dims is None:
+            self.dims = dims
+        elif dims != self.dims:
+            raise ValueError(f"sample dims {dims} differ from the first sample's {self.dims}")
+        sample = {"latents": latents, "t5": t5, "clip": clip, "caption": caption, "meta": meta}
+        if t5_len is not None:
+            sample["t5_len"] = t5_len
+        hw = tuple(latents.shape[-2:])
+        self._pending.setdefault(hw, []).append(sample)
+        if len(self._pending[hw]) >= self.samples_per_shard:
+            self._flush(hw)
+
+    def _flush(self, hw) -> None:
+        samples = self._pending.pop(hw)
+        self.records.append(write_shard(self.out_dir / shard_name(len(self.records)), samples, self.dtype))
+
+    def close(self) -> dict:
+        """Write the partial shards and then the manifest; returns the manifest."""
+        if self._closed:
+            raise RuntimeError("ShardWriter is already closed")
+        for hw in sorted(self._pending):
+            self._flush(hw)
+        self._closed = True
+        if not self.records:
+            raise DataError(f"no samples were added to {self.out_dir}; nothing to write.")
+        return write_manifest(self.out_dir, self.records, self.dims, self.dtype, self.extra)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        return False
+
+
+# --------------------------------------------------------------------------------------------- reading
+def read_manifest(data_dir) -> dict:
+    """Load and check `manifest.json`; every problem is a one-sentence DataError."""
+    d = Path(data_dir)
+    if not d.exists():
+        raise DataError(f"data directory {d} does not exist; pass a folder made by `fluxzero cache` or a synthetic spec such as 'synthetic:n=64,hw=32x32'.")
+    if not d.is_dir():
+        raise DataError(f"data path {d} is not a directory; pass a folder made by `fluxzero cache`.")
+    path = d / MANIFEST
+    if not path.exists():
+        if not any(d.iterdir()):
+            raise DataError(f"data directory {d} is empty; fill it with `fluxzero cache IMAGES_DIR {d}`.")
+        raise DataError(f"data directory {d} has no {MANIFEST} (unfinished or not a shard folder); {_RECREATE}.")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"manifest {path} cannot be read ({e}); {_RECREATE}.") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DataError(f"manifest {path} is not a fluxzero shard manifest; {_RECREATE}.")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise DataError(
+            f"manifest {path} has format version {manifest.get('version')!r} but this fluxzero reads version "
+            f"{FORMAT_VERSION}; {_RECREATE} or use the matching fluxzero version."
+        )
+    try:
+        shards = manifest["shards"]
+        for key in ("latent_channels", "t5_len", "t5_dim", "clip_dim"):
+            int(manifest["dims"][key])
+        for r in shards:
+            r["file"], int(r["num_samples"]), int(r["bytes"]), tuple(r["latent_hw"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise DataError(f"manifest {path} is missing field {e}; {_RECREATE}.") from None
+    if sum(r["num_samples"] for r in shards) == 0:
+        raise DataError(f"manifest {path} lists no samples; {_RECREATE} from a folder with images.")
+    return manifest
+
+
+def read_header(path) -> tuple[dict, dict]:
+    """Parse a safetensors header without loading data: returns (tensor entries, metadata).
+
+    Checks the cheap invariants that catch truncated and overwritten files: the header length fits in the
+    file, the header is JSON, and the last tensor ends exactly at the end of the file.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{size} bytes is shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100_000_000:
+            raise ValueError(f"header length {n} does not fit in a {size}-byte file")
+        header = json.loads(f.read(n))
+    meta = header.pop("__metadata__", {}) or {}
+    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    if 8 + n + end != size:
+        raise ValueError(f"tensor data ends at byte {8 + n + end} but the file has {size} bytes")
+    return header, meta
+
+
+def check_shard(data_dir, record: dict, dims: dict) -> None:
+    """Cheap open-time check of one shard against its manifest record (size, header, shapes)."""
+    path = Path(data_dir) / record["file"]
+    if not path.exists():
+        raise DataError(f"shard {path} listed in the manifest is missing; {_RECREATE} (a rerun rewrites missing shards).")
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        raise DataError(f"shard {path} has {size} bytes but the manifest says {record['bytes']} (truncated or overwritten); {_RECREATE}.")
+    try:
+        header, meta = read_header(path)
+    except (OSError, ValueError) as e:
+        raise DataError(f"shard {path} is corrupt ({e}); {_RECREATE}.") from None
+    n, (h, w) = record["num_samples"], record["latent_hw"]
+    want = {
+        "latents": [n, dims["latent_channels"], h, w],
+        "t5": [n, dims["t5_len"], dims["t5_dim"]],
+        "clip": [n, dims["clip_dim"]],
+    }
+    for key, shape in want.items():
+        got = header.get(key, {}).get("shape")
+        if got != shape:
+            raise DataError(f"shard {path} holds {key} of shape {got} but the manifest implies {shape}; {_RECREATE}.")
+    if meta.get("version") != str(FORMAT_VERSION):
+        raise DataError(f"shard {path} has format version {meta.get('version')!r}, expected {FORMAT_VERSION}; {_RECREATE}.")
+
+
+def verify_shards(data_dir, checksum: bool = True) -> dict:
+    """Check every shard (size, header, shapes and, with checksum=True, sha256 of all bytes).
+
+    The loader does the cheap checks at open; the checksum reads every byte, so it is opt-in.
+    """
+    manifest = read_manifest(data_dir)
+    for r in manifest["shards"]:
+        check_shard(data_dir, r, manifest["dims"])
+        if checksum and r.get("sha256"):
+            h = hashlib.sha256()
+            with open(Path(data_dir) / r["file"], "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 24), b""):
+                    h.update(chunk)
+            if h.hexdigest() != r["sha256"]:
+                raise DataError(f"shard {Path(data_dir) / r['file']} fails its sha256 check (corrupt bytes); {_RECREATE}.")
+    return manifest
+
+
+class ShardSource:
+    """Random access to the samples of a shard directory (picklable: file handles are opened lazily)."""
+
+    def __init__(self, data_dir):
+        self.data_dir = Path(data_dir)
+        self.manifest = read_manifest(self.data_dir)
+        self.dims = {k: int(v) for k, v in self.manifest["dims"].items()}
+        for r in self.manifest["shards"]:
+            check_shard(self.data_dir, r, self.dims)
+        self._starts = []  # first global index of each shard
+        total = 0
+        for r in self.manifest["shards"]:
+            self._starts.append(total)
+            total += r["num_samples"]
+        self.num_samples = total
+        self._handles: dict[int, object] = {}
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_handles"] = {}
+        return state
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def latent_sizes(self) -> list[tuple[int, int]]:
+        """Latent (h, w) of every sample, in global index order."""
+        out = []
+        for r in self.manifest["shards"]:
+            out += [tuple(r["latent_hw"])] * r["num_samples"]
+        return out
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        import bisect
+
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample index {i} out of range [0, {self.num_samples})")
+        s = bisect.bisect_right(self._starts, i) - 1
+        return s, i - self._starts[s]
+
+    def caption(self, i: int) -> str:
+        s, row = self._locate(i)
+        return json.loads(self._handle(s).metadata()["captions"])[row]
+
+    def _handle(self, s: int):
+        from safetensors import safe_open
+
+        if s not in self._handles:
+            self._handles[s] = safe_open(str(self.data_dir / self.manifest["shards"][s]["file"]), framework="pt")
+        return self._handles[s]
+
+    def get(self, i: int) -> dict:
+        """Shape: {"latents": (C,h,w) f32, "t5": (L,D) f32, "clip": (V,) f32, "index": int}."""
+        import torch
+
+        s, row = self._locate(i)
+        try:
+            f = self._handle(s)
+            out = {k: f.get_slice(k)[row : row + 1][0].to(torch.float32) for k in ("latents", "t5", "clip")}
+        except Exception as e:  # any read failure mid-training: name the shard, keep it one sentence
+            path = self.data_dir / self.manifest["shards"][s]["file"]
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"shard {path} could not be read at row {row} ({msg}); {_RECREATE}.") from None
+        out["index"] = i
+        return out
