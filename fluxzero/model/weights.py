@@ -1,0 +1,438 @@
+"""FLUX.1 weights on disk: BFL single file, ComfyUI single file and diffusers folders, safetensors only.
+
+Our state dict uses BFL's names, so a BFL file is read as is; ComfyUI adds the `model.diffusion_model.`
+prefix; diffusers renames everything and splits fused tensors:
+  double block  qkv (3C, C)          -> to_q / to_k / to_v (image), add_q_proj / add_k_proj / add_v_proj (text)
+  single block  linear1 (3C + M, C)  -> attn.to_q / to_k / to_v, proj_mlp;  linear2 -> proj_out
+  final layer   adaLN_modulation.1 rows [shift | scale] -> norm_out.linear rows [scale | shift]
+Reading goes tensor by tensor through `safe_open` (memory-mapped): `iter_weights` never holds more than
+one BFL tensor and its parts, so ZeRO-3 loaders can place each tensor as it arrives, and nothing is
+ever unpickled.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from ..config import MODEL_PRESETS, ModelConfig
+
+LAYOUTS = ("bfl", "comfyui", "diffusers")
+COMFY_PREFIX = "model.diffusion_model."
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+_SHOW = 5  # offenders listed in an error message
+
+
+class WeightsError(ValueError):
+    """A weights file or folder that cannot be read as FLUX.1 transformer weights."""
+
+
+# ------------------------------------------------------------------------------------------------------
+# BFL <-> diffusers names
+# ------------------------------------------------------------------------------------------------------
+_TOP = {  # BFL module -> diffusers module
+    "img_in": "x_embedder",
+    "txt_in": "context_embedder",
+    "time_in.in_layer": "time_text_embed.timestep_embedder.linear_1",
+    "time_in.out_layer": "time_text_embed.timestep_embedder.linear_2",
+    "vector_in.in_layer": "time_text_embed.text_embedder.linear_1",
+    "vector_in.out_layer": "time_text_embed.text_embedder.linear_2",
+    "guidance_in.in_layer": "time_text_embed.guidance_embedder.linear_1",
+    "guidance_in.out_layer": "time_text_embed.guidance_embedder.linear_2",
+    "final_layer.linear": "proj_out",
+    "final_layer.adaLN_modulation.1": "norm_out.linear",  # halves swapped
+}
+_DOUBLE = {  # inside double_blocks.N -> inside transformer_blocks.N; a list = row-split of a fused tensor
+    "img_mod.lin": "norm1.linear",
+    "txt_mod.lin": "norm1_context.linear",
+    "img_attn.qkv": ["attn.to_q", "attn.to_k", "attn.to_v"],
+    "txt_attn.qkv": ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
+    "img_attn.norm.query_norm": "attn.norm_q",
+    "img_attn.norm.key_norm": "attn.norm_k",
+    "txt_attn.norm.query_norm": "attn.norm_added_q",
+    "txt_attn.norm.key_norm": "attn.norm_added_k",
+    "img_attn.proj": "attn.to_out.0",
+    "txt_attn.proj": "attn.to_add_out",
+    "img_mlp.0": "ff.net.0.proj",
+    "img_mlp.2": "ff.net.2",
+    "txt_mlp.0": "ff_context.net.0.proj",
+    "txt_mlp.2": "ff_context.net.2",
+}
+_SINGLE = {  # inside single_blocks.N -> inside single_transformer_blocks.N
+    "linear1": ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"],
+    "linear2": "proj_out",
+    "norm.query_norm": "attn.norm_q",
+    "norm.key_norm": "attn.norm_k",
+    "modulation.lin": "norm.linear",
+}
+_BLOCK = re.compile(r"^(double_blocks|single_blocks)\.(\d+)\.(.+)$")
+
+
+def diffusers_names(bfl_key: str) -> tuple[list[str], str]:
+    """Diffusers keys holding one BFL tensor and how they combine: "copy", "cat" (rows) or "swap" (halves)."""
+    module, _, param = bfl_key.rpartition(".")
+    dparam = "weight" if param == "scale" else param  # RMSNorm scale is diffusers' weight
+    m = _BLOCK.match(module)
+    if m:
+        kind, index, inner = m.groups()
+        table, dprefix = (_DOUBLE, "transformer_blocks") if kind == "double_blocks" else (_SINGLE, "single_transformer_blocks")
+        target = table.get(inner)
+        if target is None:
+            raise KeyError(bfl_key)
+        targets = target if isinstance(target, list) else [target]
+        names = [f"{dprefix}.{index}.{t}.{dparam}" for t in targets]
+        return names, "cat" if isinstance(target, list) else "copy"
+    if module not in _TOP:
+        raise KeyError(bfl_key)
+    return [f"{_TOP[module]}.{dparam}"], "swap" if module == "final_layer.adaLN_modulation.1" else "copy"
+
+
+def _swap_halves(t: Tensor) -> Tensor:
+    return torch.cat(t.chunk(2, dim=0)[::-1], dim=0)
+
+
+def _split_sizes(bfl_key: str, t: Tensor, hidden: int) -> list[int]:
+    if ".linear1." in bfl_key:  # [q | k | v | mlp]
+        return [hidden, hidden, hidden, t.shape[0] - 3 * hidden]
+    return [t.shape[0] // 3] * 3
+
+
+def bfl_to_diffusers(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Rename and split a BFL-named state dict into diffusers' FluxTransformer2DModel names."""
+    hidden = state_dict["img_in.weight"].shape[0]
+    out = {}
+    for key, t in state_dict.items():
+        names, how = diffusers_names(key)
+        if how == "copy":
+            out[names[0]] = t
+        elif how == "swap":
+            out[names[0]] = _swap_halves(t)
+        else:
+            out.update(zip(names, t.split(_split_sizes(key, t, hidden), dim=0)))
+    return out
+
+
+def diffusers_to_bfl(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Inverse of `bfl_to_diffusers`; raises WeightsError on missing or unexpected keys."""
+    plan, unexpected = _plan_from_diffusers(state_dict)
+    missing = sorted({p for parts, _ in plan.values() for p in parts} - set(state_dict))
+    _raise_if(missing, unexpected, [], "diffusers")
+    return {key: _combine([state_dict[p] for p in parts], how) for key, (parts, how) in plan.items()}
+
+
+def _combine(parts: list[Tensor], how: str) -> Tensor:
+    if how == "copy":
+        return parts[0]
+    if how == "swap":
+        return _swap_halves(parts[0])
+    return torch.cat(parts, dim=0)
+
+
+def _bfl_keys(depth: int, depth_single: int, guidance: bool, qkv_bias: bool) -> list[str]:
+    # The names of our own module tree with this structure (built on meta with tiny widths: instant).
+    from .flux import build_model
+
+    cfg = MODEL_PRESETS["flux-tiny"].replace(
+        depth=depth, depth_single_blocks=depth_single, guidance_embed=guidance, qkv_bias=qkv_bias
+    )
+    return list(build_model(cfg, device="meta").state_dict())
+
+
+def _plan_from_diffusers(keys) -> tuple[dict[str, tuple[list[str], str]], list[str]]:
+    """BFL key -> (diffusers parts, how) for the structure those diffusers keys describe; plus unexpected keys."""
+    keys = set(keys)
+
+    def count(prefix: str) -> int:
+        idx = [int(k.split(".")[1]) for k in keys if k.startswith(prefix + ".")]
+        return max(idx) + 1 if idx else 0
+
+    bfl = _bfl_keys(
+        count("transformer_blocks"), count("single_transformer_blocks"),
+        any(k.startswith("time_text_embed.guidance_embedder.") for k in keys),
+        "transformer_blocks.0.attn.to_q.bias" in keys or not count("transformer_blocks"),
+    )
+    plan = {k: diffusers_names(k) for k in bfl}
+    used = {p for parts, _ in plan.values() for p in parts}
+    return plan, sorted(keys - used)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Files
+# ------------------------------------------------------------------------------------------------------
+def _safe_open(path, device="cpu"):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", device=str(device))
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a corrupt header
+        raise WeightsError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def _diffusers_dir(path: Path) -> Path | None:
+    for d in (path / "transformer", path):
+        if (d / DIFFUSERS_INDEX).is_file() or (d / DIFFUSERS_WEIGHTS).is_file():
+            return d
+    return None
+
+
+def _raw_files(path: str | os.PathLike) -> tuple[str, dict[str, Path]]:
+    """(layout, raw key -> file holding it)."""
+    path = Path(path)
+    if not path.exists():
+        raise WeightsError(f"{path}: no such file or folder")
+    if path.is_dir():
+        d = _diffusers_dir(path)
+        if d is None:
+            raise WeightsError(
+                f"{path}: folder holds no {DIFFUSERS_INDEX} or {DIFFUSERS_WEIGHTS} (nor a transformer/ folder "
+                "with one); pass a diffusers model folder or a .safetensors file"
+            )
+        if (d / DIFFUSERS_INDEX).is_file():
+            try:
+                weight_map = json.loads((d / DIFFUSERS_INDEX).read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise WeightsError(f"{d / DIFFUSERS_INDEX}: not a valid index file ({e})") from None
+            files = {k: d / f for k, f in weight_map.items()}
+            absent = sorted({str(f) for f in files.values() if not f.is_file()})
+            if absent:
+                raise WeightsError(f"{d / DIFFUSERS_INDEX} names shard files that do not exist: {', '.join(absent[:_SHOW])}")
+        else:
+            with _safe_open(d / DIFFUSERS_WEIGHTS) as f:
+                files = {k: d / DIFFUSERS_WEIGHTS for k in f.keys()}
+        return "diffusers", files
+    if path.suffix != ".safetensors":
+        raise WeightsError(f"{path}: only .safetensors weights are read (pickled .pt/.ckpt/.bin files are refused)")
+    with _safe_open(path) as f:
+        keys = list(f.keys())
+    files = {k: path for k in keys}
+    if any(k.startswith(COMFY_PREFIX) for k in keys):
+        return "comfyui", files
+    if "img_in.weight" in keys or any(k.startswith(("double_blocks.", "single_blocks.")) for k in keys):
+        return "bfl", files
+    if "x_embedder.weight" in keys or any(k.startswith("transformer_blocks.") for k in keys):
+        return "diffusers", files
+    raise WeightsError(
+        f"{path}: cannot tell the layout (keys start like {', '.join(sorted(keys)[:3]) or 'nothing'}); "
+        "expected FLUX.1 transformer weights in BFL, ComfyUI or diffusers naming"
+    )
+
+
+def detect_layout(path: str | os.PathLike) -> str:
+    """"bfl", "comfyui" or "diffusers" for a .safetensors file or a diffusers (transformer) folder."""
+    return _raw_files(path)[0]
+
+
+class _Source:
+    """One weights source seen in BFL names: plan (BFL key -> raw parts, how), shapes without reading data."""
+
+    def __init__(self, path):
+        self.path = path
+        self.layout, self.files = _raw_files(path)
+        if self.layout == "diffusers":
+            plan, self.unexpected = _plan_from_diffusers(self.files)
+            # Missing parts are reported under their diffusers names; the BFL tensors they feed are dropped.
+            self.missing_raw = sorted({p for parts, _ in plan.values() for p in parts} - set(self.files))
+            self.plan = {k: v for k, v in plan.items() if all(p in self.files for p in v[0])}
+            self.known = set(plan)
+        else:
+            prefix = COMFY_PREFIX if self.layout == "comfyui" else ""
+            self.plan = {k[len(prefix):]: ([k], "copy") for k in self.files if k.startswith(prefix)}
+            self.unexpected = sorted(k for k in self.files if not k.startswith(prefix))
+            self.missing_raw = []
+            self.known = set(self.plan)
+        self._handles: dict[Path, object] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+    def _handle(self, file: Path, device="cpu"):
+        if (file, device) not in self._handles:
+            self._handles[(file, device)] = self._stack.enter_context(_safe_open(file, device))
+        return self._handles[(file, device)]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        parts, how = self.plan[key]
+        shapes = [tuple(self._handle(self.files[p]).get_slice(p).get_shape()) for p in parts]
+        if how == "cat":
+            return (sum(s[0] for s in shapes), *shapes[0][1:])
+        return shapes[0]
+
+    def read(self, key: str, device="cpu") -> Tensor:
+        parts, how = self.plan[key]
+        return _combine([self._handle(self.files[p], device).get_tensor(p) for p in parts], how)
+
+
+def _raise_if(missing, unexpected, wrong_shape, layout, path=""):
+    if not (missing or unexpected or wrong_shape):
+        return
+    problems = []
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape)):
+        if items:
+            more = f" (+{len(items) - _SHOW} more)" if len(items) > _SHOW else ""
+            problems.append(f"{len(items)} {label}: {', '.join(items[:_SHOW])}{more}")
+    where = f"{path}: " if path else ""
+    raise WeightsError(
+        f"{where}weights in {layout} layout do not match the model: {'; '.join(problems)}; "
+        "pass weights of the same FLUX.1 variant as the model preset"
+    )
+
+
+def infer_config(shapes: dict[str, tuple[int, ...]], name: str = "custom", axes_dim=None) -> ModelConfig:
+    """The ModelConfig a BFL-named set of tensor shapes describes (a preset when one matches exactly)."""
+    try:
+        hidden, in_channels = shapes["img_in.weight"]
+        head_dim = shapes["double_blocks.0.img_attn.norm.query_norm.scale" if "double_blocks.0.img_attn.norm.query_norm.scale" in shapes else "single_blocks.0.norm.query_norm.scale"][0]
+        mlp = (shapes["double_blocks.0.img_mlp.0.weight"][0] if "double_blocks.0.img_mlp.0.weight" in shapes
+               else shapes["single_blocks.0.linear1.weight"][0] - 3 * hidden)
+        fields = dict(
+            in_channels=in_channels, out_channels=shapes["final_layer.linear.weight"][0],
+            vec_in_dim=shapes["vector_in.in_layer.weight"][1], context_in_dim=shapes["txt_in.weight"][1],
+            hidden_size=hidden, mlp_ratio=mlp / hidden, num_heads=hidden // head_dim,
+            depth=len({k.split(".")[1] for k in shapes if k.startswith("double_blocks.")}),
+            depth_single_blocks=len({k.split(".")[1] for k in shapes if k.startswith("single_blocks.")}),
+            qkv_bias="double_blocks.0.img_attn.qkv.bias" in shapes,
+            guidance_embed="guidance_in.in_layer.weight" in shapes,
+        )
+    except KeyError as e:
+        raise WeightsError(f"cannot infer the model shape: tensor {e.args[0]} is missing") from None
+    for preset in MODEL_PRESETS.values():
+        if all(getattr(preset, f) == v for f, v in fields.items()) and axes_dim in (None, preset.axes_dim):
+            return preset
+    if axes_dim is None:
+        if head_dim != 128:
+            raise WeightsError(f"cannot infer RoPE axes for head dim {head_dim}; pass a model preset")
+        axes_dim = (16, 56, 56)
+    return ModelConfig(name=name, axes_dim=tuple(axes_dim), **fields)
+
+
+def _diffusers_axes(path) -> tuple[int, ...] | None:
+    d = Path(path).is_dir() and _diffusers_dir(Path(path))
+    if d and (d / "config.json").is_file():
+        axes = json.loads((d / "config.json").read_text()).get("axes_dims_rope")
+        return tuple(axes) if axes else None
+    return None
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    from .flux import build_model
+
+    return {k: tuple(v.shape) for k, v in build_model(cfg, device="meta").state_dict().items()}
+
+
+def iter_weights(
+    path: str | os.PathLike, cfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
+    keys=None, device: str | torch.device = "cpu",
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield (BFL name, tensor) one tensor at a time, in the model's parameter order.
+
+    The whole file set is checked against `cfg` (inferred from the file when None) before the first
+    tensor is read: missing, unexpected or wrong-shape tensors raise one WeightsError. `keys` limits
+    what is read (e.g. one ZeRO-3 partition's parameters); `dtype` converts each tensor as it is read.
+    """
+    with _Source(path) as src:
+        shapes = {k: src.shape(k) for k in src.plan}
+        if cfg is None:
+            cfg = infer_config(shapes, axes_dim=_diffusers_axes(path)) if src.layout == "diffusers" else infer_config(shapes)
+        expected = _expected_shapes(cfg)
+        missing = src.missing_raw + sorted(set(expected) - src.known)
+        unexpected = src.unexpected + sorted(set(shapes) - set(expected))
+        wrong = [f"{k} {shapes[k]} != {expected[k]}" for k in expected if k in shapes and shapes[k] != expected[k]]
+        _raise_if(missing, unexpected, wrong, src.layout, path)
+        wanted = list(expected) if keys is None else [k for k in expected if k in set(keys)]
+        if keys is not None and len(wanted) != len(set(keys)):
+            _raise_if([], sorted(set(keys) - set(expected)), [], src.layout, path)
+        for key in wanted:
+            t = src.read(key, device)
+            yield key, t if dtype is None else t.to(dtype)
+
+
+def load_weights(
+    path: str | os.PathLike, cfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
+    keys=None, device: str | torch.device = "cpu",
+) -> dict[str, Tensor]:
+    """BFL-named state dict from any layout (auto-detected); see `iter_weights` for the checks."""
+    return dict(iter_weights(path, cfg=cfg, dtype=dtype, keys=keys, device=device))
+
+
+def load_model(path, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.bfloat16, device="cpu"):
+    """A Flux holding the file's weights: built on meta, tensors assigned, so 12B never exists twice."""
+    from .flux import build_model
+
+    sd = load_weights(path, cfg=cfg, dtype=dtype, device=device)
+    if cfg is None:
+        cfg = infer_config({k: tuple(v.shape) for k, v in sd.items()}, axes_dim=_diffusers_axes(path))
+    model = build_model(cfg, device="meta", dtype=dtype)
+    model.load_state_dict(sd, strict=True, assign=True)
+    return model
+
+
+def _diffusers_config(cfg: ModelConfig) -> dict:
+    if cfg.mlp_ratio != 4.0 or not cfg.qkv_bias:
+        raise WeightsError(f"model {cfg.name!r}: diffusers' FluxTransformer2DModel needs mlp_ratio 4 and qkv_bias")
+    return {
+        "_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels": cfg.in_channels,
+        "out_channels": cfg.out_channels, "num_layers": cfg.depth, "num_single_layers": cfg.depth_single_blocks,
+        "attention_head_dim": cfg.head_dim, "num_attention_heads": cfg.num_heads,
+        "joint_attention_dim": cfg.context_in_dim, "pooled_projection_dim": cfg.vec_in_dim,
+        "guidance_embeds": cfg.guidance_embed, "axes_dims_rope": list(cfg.axes_dim),
+    }
+
+
+def save_weights(
+    state_dict: dict[str, Tensor], path: str | os.PathLike, layout: str = "bfl", dtype: torch.dtype | None = None,
+    cfg: ModelConfig | None = None, max_shard_bytes: int = 10 * 2**30,
+) -> None:
+    """Write a BFL-named state dict as a BFL or ComfyUI .safetensors file, or a diffusers transformer folder.
+
+    diffusers: `path` is the folder; weights above `max_shard_bytes` are sharded with an index JSON, and a
+    config.json lets `FluxTransformer2DModel.from_pretrained(path)` load it.
+    """
+    from safetensors.torch import save_file
+
+    if layout not in LAYOUTS:
+        raise WeightsError(f"unknown layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
+    sd = {k: (v if dtype is None else v.to(dtype)) for k, v in state_dict.items()}
+    if cfg is None:
+        cfg = infer_config({k: tuple(v.shape) for k, v in sd.items()})
+    path = Path(path)
+    if layout != "diffusers":
+        prefix = COMFY_PREFIX if layout == "comfyui" else ""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({prefix + k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(path), metadata={"format": "pt"})
+        return
+    # Split parts share storage with their fused tensor; safetensors refuses shared storage, hence clone.
+    out = {k: v.detach().cpu().clone() for k, v in bfl_to_diffusers(sd).items()}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(_diffusers_config(cfg), indent=2) + "\n")
+    shards, current, size = [], {}, 0
+    for k, v in out.items():
+        nbytes = v.numel() * v.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[k], size = v, size + nbytes
+    shards.append(current)
+    for old in list(path.glob("diffusion_pytorch_model*.safetensors")) + [path / DIFFUSERS_INDEX]:
+        old.unlink(missing_ok=True)  # a previous save with another shard count would confuse the reader
+    if len(shards) == 1:
+        save_file(shards[0], str(path / DIFFUSERS_WEIGHTS), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"diffusion_pytorch_model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(v.numel() * v.element_size() for v in out.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / DIFFUSERS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
