@@ -9,7 +9,9 @@ import importlib
 import click
 
 # command name -> "module:attribute"; each module keeps torch/deepspeed imports inside command bodies.
-COMMANDS: dict[str, str] = {}
+COMMANDS: dict[str, str] = {
+    "convert": "fluxzero.commands.model:convert",
+}
 
 
 class LazyGroup(click.Group):

@@ -316,7 +316,8 @@ def infer_config(shapes: dict[str, tuple[int, ...]], name: str = "custom", axes_
     return ModelConfig(name=name, axes_dim=tuple(axes_dim), **fields)
 
 
-def _diffusers_axes(path) -> tuple[int, ...] | None:
+def diffusers_axes(path) -> tuple[int, ...] | None:
+    """RoPE axes declared by a diffusers folder's config.json, if any."""
     d = Path(path).is_dir() and _diffusers_dir(Path(path))
     if d and (d / "config.json").is_file():
         axes = json.loads((d / "config.json").read_text()).get("axes_dims_rope")
@@ -343,7 +344,7 @@ def iter_weights(
     with _Source(path) as src:
         shapes = {k: src.shape(k) for k in src.plan}
         if cfg is None:
-            cfg = infer_config(shapes, axes_dim=_diffusers_axes(path)) if src.layout == "diffusers" else infer_config(shapes)
+            cfg = infer_config(shapes, axes_dim=diffusers_axes(path)) if src.layout == "diffusers" else infer_config(shapes)
         expected = _expected_shapes(cfg)
         missing = src.missing_raw + sorted(set(expected) - src.known)
         unexpected = src.unexpected + sorted(set(shapes) - set(expected))
@@ -371,7 +372,7 @@ def load_model(path, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.
 
     sd = load_weights(path, cfg=cfg, dtype=dtype, device=device)
     if cfg is None:
-        cfg = infer_config({k: tuple(v.shape) for k, v in sd.items()}, axes_dim=_diffusers_axes(path))
+        cfg = infer_config({k: tuple(v.shape) for k, v in sd.items()}, axes_dim=diffusers_axes(path))
     model = build_model(cfg, device="meta", dtype=dtype)
     model.load_state_dict(sd, strict=True, assign=True)
     return model

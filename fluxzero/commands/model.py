@@ -1,0 +1,52 @@
+"""`fluxzero convert`: move FLUX.1 transformer weights between BFL, ComfyUI and diffusers layouts."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+DTYPES = ("keep", "fp32", "bf16", "fp16")
+
+
+@click.command("convert")
+@click.argument("src", metavar="IN", type=click.Path(exists=True, path_type=Path))
+@click.argument("dst", metavar="OUT", type=click.Path(path_type=Path))
+@click.option("--to", "layout", type=click.Choice(["bfl", "diffusers", "comfyui"]), required=True,
+              help="Layout to write: a BFL or ComfyUI .safetensors file, or a diffusers transformer folder.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="keep", show_default=True,
+              help="Convert tensors to this dtype while writing.")
+@click.option("--model", "preset", default=None,
+              help="Model preset the weights must match (default: inferred from the tensor shapes).")
+@click.option("--max-shard-gb", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Largest diffusers shard, in GB (2**30 bytes); more than one shard writes an index JSON.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, max_shard_gb: float, overwrite: bool):
+    """Convert FLUX.1 transformer weights between BFL, ComfyUI and diffusers layouts.
+
+    IN is a .safetensors file (BFL, ComfyUI or diffusers naming, detected from its keys) or a diffusers
+    folder (a pipeline folder with transformer/, or the transformer folder itself). OUT is a
+    .safetensors file for --to bfl/comfyui and a folder for --to diffusers.
+    """
+    import torch
+
+    from ..config import get_model_config
+    from ..model.weights import WeightsError, diffusers_axes, infer_config, load_weights, save_weights
+
+    if dst.exists() and not overwrite:
+        raise click.UsageError(f"{dst} exists; pass --overwrite to replace it or choose another OUT")
+    if layout != "diffusers" and dst.suffix != ".safetensors":
+        raise click.BadParameter(f"--to {layout} writes one file: give OUT a .safetensors name", param_hint="OUT")
+    try:
+        cfg = get_model_config(preset) if preset else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--model") from None
+    torch_dtype = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    try:
+        state = load_weights(src, cfg=cfg, dtype=torch_dtype)
+        if cfg is None:  # keeps RoPE axes a diffusers config.json declared, for its config.json on output
+            cfg = infer_config({k: tuple(t.shape) for k, t in state.items()}, axes_dim=diffusers_axes(src))
+        save_weights(state, dst, layout=layout, cfg=cfg, max_shard_bytes=int(max_shard_gb * 2**30))
+    except WeightsError as e:
+        raise click.BadParameter(str(e), param_hint="IN") from None
+    n = sum(t.numel() for t in state.values())
+    click.echo(f"wrote {dst} ({layout}, {len(state)} tensors, {n:,} parameters)")
