@@ -1,0 +1,713 @@
+"""Memory model of a fluxzero run: what every GPU and every host holds at the peak of a training step.
+
+Pure Python (no torch, no deepspeed): `fluxzero estimate` and `gen-config --fit` answer instantly.
+
+The model is an itemised sum, each item derived from FLUX.1's architecture or from what DeepSpeed 0.19.8
+allocates (file and function named next to each formula):
+
+  model states    bf16/fp16 parameters, gradients, fp32 master copy and optimizer states, per ZeRO stage
+                  and offload choice; DeepSpeed's transient copies at the optimizer step
+  communication   gradient reduction buckets, ZeRO-3 gathered ("live") and prefetched parameters,
+                  parameters under the persistence threshold
+  activations     tensors autograd saves for backward, counted tensor by tensor from fluxzero.model's
+                  blocks (tests check the count against saved_tensors_hooks on the real model), block
+                  inputs only for checkpointed blocks, plus one block's recompute and backward working set
+  allocator       the caching allocator's fragmentation (reserved - allocated) and the CUDA context
+
+A step has two memory peaks and the larger one decides: the end of forward / start of backward
+(activations) and the optimizer step (fp32 gradient copies). Sizes are bytes; GiB = 2**30 bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from .config import ModelConfig, get_model_config
+
+GiB = 1024**3
+
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# fp32 optimizer states per parameter (Adam/AdamW: exp_avg + exp_avg_sq; SGD with momentum, Lion: one buffer)
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4}
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+# Usable GPU memory as torch reports it (total_memory), for `--gpu NAME`.
+GPU_MEMORY_GIB = {
+    "h200": 139.8, "h100": 79.1, "a100-80": 79.1, "a100-40": 39.4, "l40s": 44.4, "a6000": 47.5,
+    "rtx4090": 23.6, "mi300x": 191.5,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parameters, from the architecture (module by module, BFL names)
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamInventory:
+    """Parameter counts of one FLUX.1 transformer. `modules` maps a module name to its own tensors' sizes."""
+
+    total: int
+    double_block: int  # one double-stream block
+    single_block: int  # one single-stream block
+    outside_blocks: int  # embedders and final layer
+    largest_layer: int  # largest module's own parameters (DeepSpeed's `largest_layer_params`)
+    tensor_sizes: tuple[int, ...]  # every parameter tensor, for the ZeRO-3 persistence threshold
+
+    def persistent(self, threshold: int) -> int:
+        """Elements ZeRO-3 keeps whole on every rank: tensors with fewer than `threshold` elements."""
+        return sum(n for n in self.tensor_sizes if n < threshold)
+
+
+def _linear(n_in: int, n_out: int, bias: bool = True) -> list[int]:
+    return [n_in * n_out] + ([n_out] if bias else [])
+
+
+def param_inventory(cfg: ModelConfig) -> ParamInventory:
+    C, M, D = cfg.hidden_size, cfg.mlp_hidden_dim, cfg.head_dim
+    stream = [_linear(C, 6 * C), _linear(C, 3 * C, cfg.qkv_bias), [D], [D], _linear(C, C),
+              _linear(C, M), _linear(M, C)]  # mod.lin, attn.qkv, q/k norm scales, attn.proj, mlp.0, mlp.2
+    double = stream + stream  # img_* and txt_*
+    single = [_linear(C, 3 * C + M), _linear(C + M, C), [D], [D], _linear(C, 3 * C)]
+    outside = [_linear(cfg.in_channels, C), _linear(256, C), _linear(C, C), _linear(cfg.vec_in_dim, C),
+               _linear(C, C), _linear(cfg.context_in_dim, C), _linear(C, cfg.out_channels), _linear(C, 2 * C)]
+    if cfg.guidance_embed:
+        outside += [_linear(256, C), _linear(C, C)]
+    modules = double * cfg.depth + single * cfg.depth_single_blocks + outside
+    n_double, n_single = sum(map(sum, double)), sum(map(sum, single))
+    n_outside = sum(map(sum, outside))
+    return ParamInventory(
+        total=cfg.depth * n_double + cfg.depth_single_blocks * n_single + n_outside,
+        double_block=n_double, single_block=n_single, outside_blocks=n_outside,
+        largest_layer=max(map(sum, modules)),
+        tensor_sizes=tuple(n for m in modules for n in m),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Activations, from fluxzero.model.layers (per sample; L = L_txt + L_img, C hidden, M mlp hidden, H heads)
+# ---------------------------------------------------------------------------------------------------------
+def image_tokens(height: int, width: int) -> int:
+    """Packed latent tokens of an image: VAE /8, then 2x2 patches -> (H/16) * (W/16)."""
+    for name, v in (("height", height), ("width", width)):
+        if v <= 0 or v % 16:
+            raise ValueError(f"{name} must be a positive multiple of 16 pixels, got {v}")
+    return (height // 16) * (width // 16)
+
+
+def _rms_saved(L: int, cfg: ModelConfig, b: int, device: str) -> dict[str, int]:
+    """What F.rms_norm saves for ONE of q/k, beyond its input (which is a view of the qkv projection).
+
+    CUDA (torch >= 2.8): the fused kernel saves its input and the fp32 rstd per row.
+    CPU: the composite saves the fp32 upcast input (the input itself if already fp32), rstd and the fp32
+    normalised tensor (it is multiplied by the learned scale).
+    """
+    H = cfg.num_heads
+    rstd = L * H * 4
+    if device == "cuda":
+        return {"rstd": rstd}
+    upcast = 0 if b == 4 else L * cfg.hidden_size * 4
+    return {"rstd": rstd, "fp32 upcast": upcast, "fp32 normalised": L * cfg.hidden_size * 4}
+
+
+def _attention_saved(L: int, cfg: ModelConfig, b: int, attention: str) -> dict[str, int]:
+    """SDPA's saved tensors besides v: rotated q and k (new bf16 tensors), the output, and the softmax.
+
+    flash / efficient: logsumexp, fp32 (H, L) -- O(L). math: the probabilities, (H, L, L) -- O(L^2); it also
+    saves q and k after scaling (new tensors) instead of the rotated ones.
+    """
+    C, H = cfg.hidden_size, cfg.num_heads
+    d = {"q, k after RoPE": 2 * L * C * b, "attention output": L * C * b}
+    if attention == "math":
+        d["softmax probabilities (L^2)"] = H * L * L * b
+    else:
+        d["logsumexp"] = L * H * 4
+    return d
+
+
+def _ln_stats(L: int, b: int, device: str) -> int:
+    return 2 * L * (4 if device == "cuda" else b)  # mean, rstd (fp32 on CUDA, input dtype on CPU)
+
+
+def double_block_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, *,
+                       device: str = "cuda", attention: str = "flash") -> dict[str, int]:
+    """Bytes autograd saves inside one DoubleStreamBlock for one sample, not counting its inputs."""
+    C, M = cfg.hidden_size, cfg.mlp_hidden_dim
+    L = img_tokens + txt_tokens
+    out: dict[str, int] = {}
+
+    def add(k, v):
+        out[k] = out.get(k, 0) + v
+
+    for Ls in (img_tokens, txt_tokens):
+        add("modulation (silu out, 6C chunk storage, 1+scale x2)", C * b + 6 * C * b + 2 * C * b)
+        add("layer norms (stats)", 2 * _ln_stats(Ls, b, device))
+        # norm1 out, modulated (qkv input), proj out, residual, norm2 out, modulated (mlp input), mlp out
+        add("7 hidden-size tensors per stream", 7 * Ls * C * b)
+        add("mlp hidden before/after GELU", 2 * Ls * M * b)
+        if device == "cuda" or b == 4:
+            add("qkv projection (kept by q/k norm input views)", 3 * Ls * C * b)
+        for key, v in _rms_saved(Ls, cfg, b, device).items():
+            add(f"q/k rms norm {key}", 2 * v)
+    add("v (concatenated)", L * C * b)
+    for key, v in _attention_saved(L, cfg, b, attention).items():
+        add(key, v)
+    add("merged heads (proj inputs)", L * C * b)
+    return out
+
+
+def single_block_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, *,
+                       device: str = "cuda", attention: str = "flash") -> dict[str, int]:
+    """Bytes autograd saves inside one SingleStreamBlock for one sample, not counting its input."""
+    C, M = cfg.hidden_size, cfg.mlp_hidden_dim
+    L = img_tokens + txt_tokens
+    out = {
+        "modulation (silu out, 3C chunk storage, 1+scale)": C * b + 3 * C * b + C * b,
+        "layer norm (stats)": _ln_stats(L, b, device),
+        "norm out, modulated (linear1 input)": 2 * L * C * b,
+        "linear1 output (kept by v and GELU input views)": L * (3 * C + M) * b,
+        "GELU output": L * M * b,
+        "concat(attn, mlp) (linear2 input)": L * (C + M) * b,
+        "linear2 output (gate)": L * C * b,
+    }
+    for key, v in _rms_saved(L, cfg, b, device).items():
+        out[f"q/k rms norm {key}"] = 2 * v
+    out.update(_attention_saved(L, cfg, b, attention))
+    return out
+
+
+def block_backward_workspace(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2,
+                             attention: str = "flash") -> int:
+    """Gradient tensors alive at once inside one block's backward, beyond its saved tensors (one sample).
+
+    The largest moment is single-block linear1 backward: grad of linear1's output (3C + M) and of the
+    concat (C + M) coexist with the incoming and outgoing hidden-size gradients (2C). Math attention adds
+    the (H, L, L) score gradient in fp32.
+    """
+    C, M, H = cfg.hidden_size, cfg.mlp_hidden_dim, cfg.num_heads
+    L = img_tokens + txt_tokens
+    ws = L * b * (3 * C + M + C + M + 2 * C)
+    if attention == "math":
+        ws = max(ws, 2 * H * L * L * 4 + 4 * L * C * b)
+    return ws
+
+
+def outside_blocks_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2) -> int:
+    """Embedders, RoPE table, final layer and loss for one sample (small next to the blocks)."""
+    C, L = cfg.hidden_size, img_tokens + txt_tokens
+    return (img_tokens * cfg.in_channels * b + txt_tokens * cfg.context_in_dim * b  # img_in, txt_in inputs
+            + L * cfg.head_dim * 4  # RoPE cos/sin, fp32
+            + L * C * b + 2 * img_tokens * C * b  # final layer: norm input, norm out, linear input
+            + 4 * img_tokens * cfg.in_channels * 4)  # prediction, target, noise, latents in fp32
+
+
+def checkpointed_blocks(n_blocks: int, every: int) -> int:
+    """Blocks of one list that are checkpointed with `every` = k: indices 0, k, 2k, ... (0 = none)."""
+    return 0 if every <= 0 else math.ceil(n_blocks / every)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ZeroSettings:
+    """DeepSpeed's communication settings that cost memory; defaults are deepspeed 0.19.8's."""
+
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's default (True at stage 3 only)
+    contiguous_gradients: bool = True
+    prefetch_bucket_size: int = 50_000_000
+    param_persistence_threshold: int = 100_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    sub_group_size: int = 1_000_000_000
+
+    @classmethod
+    def from_ds_config(cls, ds: dict) -> "ZeroSettings":
+        z = ds.get("zero_optimization") or {}
+        keys = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
+                "overlap_comm": "overlap_comm", "contiguous_gradients": "contiguous_gradients",
+                "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+                "param_persistence_threshold": "stage3_param_persistence_threshold",
+                "max_live_parameters": "stage3_max_live_parameters",
+                "max_reuse_distance": "stage3_max_reuse_distance", "sub_group_size": "sub_group_size"}
+        values = {ours: z[theirs] for ours, theirs in keys.items() if theirs in z and z[theirs] != "auto"}
+        return cls(**{k: (v if isinstance(v, bool) else int(v)) for k, v in values.items()})
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything the memory of a step depends on. Sizes in GiB; height/width in pixels."""
+
+    model: ModelConfig
+    nodes: int = 1
+    gpus_per_node: int = 1
+    height: int = 512
+    width: int = 512
+    txt_len: int = 512
+    micro_batch: int = 1
+    precision: str = "bf16"
+    stage: int = 2
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    checkpoint_every: int = 1  # 0 = off, 1 = every block, k = every k-th block of each block list
+    optimizer: str = "adamw"
+    optimizer_impl: str = "fused"  # "fused" (DeepSpeed FusedAdam / CPUAdam) | "torch" (foreach: a temp copy)
+    attention: str = "flash"  # "flash" / "efficient": O(L) softmax statistics; "math": O(L^2)
+    zero: ZeroSettings = field(default_factory=ZeroSettings)
+    zero_init: bool = True  # stage 3 builds the model partitioned (deepspeed.zero.Init)
+    load_bytes: int = 4  # bytes per parameter of the host copy each rank loads before initialize
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    fragmentation: float | None = None  # reserved/allocated - 1; None: 0.05, or 0.01 with expandable_segments
+    cuda_context_gib: float = 1.0  # CUDA context, cuBLAS workspace, NCCL buffers: outside the allocator
+    device: str = "cuda"  # "cpu" only to compare with CPU measurements (rms_norm saves more there)
+
+    def __post_init__(self):
+        if isinstance(self.model, str):
+            object.__setattr__(self, "model", get_model_config(self.model))
+        for f in ("nodes", "gpus_per_node", "micro_batch", "txt_len"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f} must be at least 1, got {getattr(self, f)}")
+        image_tokens(self.height, self.width)
+        if self.precision not in PRECISION_BYTES:
+            raise ValueError(f"precision must be one of {', '.join(PRECISION_BYTES)}, got {self.precision!r}")
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage}")
+        for f in ("offload_optimizer", "offload_param"):
+            if getattr(self, f) not in OFFLOAD_DEVICES:
+                raise ValueError(f"{f} must be one of {', '.join(OFFLOAD_DEVICES)}, got {getattr(self, f)!r}")
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3")
+        if self.offload_param != "none" and self.stage != 3:
+            raise ValueError("offload_param needs ZeRO stage 3")
+        if self.offload_optimizer == "nvme" and self.stage != 3:
+            raise ValueError("NVMe optimizer offload needs ZeRO stage 3 in deepspeed 0.19.8")
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {self.optimizer!r}")
+        if self.optimizer_impl not in ("fused", "torch"):
+            raise ValueError(f"optimizer_impl must be fused or torch, got {self.optimizer_impl!r}")
+        if self.attention not in ("flash", "efficient", "math", "auto", "cudnn"):
+            raise ValueError(f"attention must be flash, efficient, cudnn, auto or math, got {self.attention!r}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be 0 (off) or more, got {self.checkpoint_every}")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be cuda or cpu, got {self.device!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def img_tokens(self) -> int:
+        return image_tokens(self.height, self.width)
+
+    def replace(self, **changes) -> "RunSpec":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One line of the breakdown. `phase`: resident (all step long), train (forward/backward peak only),
+    step (optimizer step only), load (host, before deepspeed.initialize). `ds`: counted by DeepSpeed's own
+    estimate_zero2/zero3_model_states_mem_needs."""
+
+    name: str
+    bytes: int
+    where: str  # gpu | host | nvme
+    phase: str
+    note: str = ""
+    ds: bool = False
+
+
+@dataclass
+class Estimate:
+    spec: RunSpec
+    items: list[Item]
+
+    def _sum(self, where: str, phases: tuple[str, ...], ds_only: bool = False) -> int:
+        return sum(i.bytes for i in self.items if i.where == where and i.phase in phases and (i.ds or not ds_only))
+
+    def gpu_phase(self, phase: str, ds_only: bool = False) -> int:
+        """Allocated bytes per GPU at the peak of `phase` ("train" or "step")."""
+        return self._sum("gpu", ("resident", phase), ds_only)
+
+    @property
+    def gpu_allocated(self) -> int:
+        """Predicted torch.cuda.max_memory_allocated() per rank."""
+        return max(self.gpu_phase("train"), self.gpu_phase("step"))
+
+    @property
+    def peak_phase(self) -> str:
+        return "step" if self.gpu_phase("step") > self.gpu_phase("train") else "train"
+
+    @property
+    def fragmentation(self) -> float:
+        if self.spec.fragmentation is not None:
+            return self.spec.fragmentation
+        return 0.01 if self.spec.expandable_segments else 0.05
+
+    @property
+    def gpu_reserved(self) -> int:
+        """Predicted torch.cuda.max_memory_reserved() per rank."""
+        return int(self.gpu_allocated * (1 + self.fragmentation))
+
+    @property
+    def gpu_total(self) -> int:
+        """What the GPU must have: reserved plus the CUDA context outside PyTorch's allocator."""
+        return self.gpu_reserved + int(self.spec.cuda_context_gib * GiB)
+
+    def host_per_rank(self, ds_only: bool = False) -> int:
+        """Host bytes of one rank: the larger of model loading and the run's resident host state."""
+        return max(self._sum("host", ("load",), ds_only), self._sum("host", ("resident", "step"), ds_only))
+
+    @property
+    def host_per_node(self) -> int:
+        return self.host_per_rank() * self.spec.gpus_per_node
+
+    @property
+    def nvme_per_node(self) -> int:
+        return self._sum("nvme", ("resident",)) * self.spec.gpus_per_node
+
+    def deepspeed_view(self) -> tuple[int, int]:
+        """(GPU bytes per rank, host bytes per node) counted the way DeepSpeed's
+        estimate_zero2/zero3_model_states_mem_needs count them: every model-state item DeepSpeed knows,
+        all phases summed, host without its additional_buffer_factor."""
+        gpu = sum(i.bytes for i in self.items if i.where == "gpu" and i.ds)
+        return gpu, self.host_per_rank(ds_only=True) * self.spec.gpus_per_node
+
+    def group(self, where: str = "gpu") -> list[Item]:
+        return [i for i in self.items if i.where == where and i.bytes]
+
+
+def estimate(spec: RunSpec) -> Estimate:
+    """Itemised memory of one rank (GPU) and one node (host) for `spec`."""
+    inv = param_inventory(spec.model)
+    items = _model_state_items(spec, inv) + _communication_items(spec, inv) + _activation_items(spec)
+    return Estimate(spec, items)
+
+
+def _model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
+    P, N, b = inv.total, s.world_size, PRECISION_BYTES[s.precision]
+    part = math.ceil(P / N)  # elements of one rank's partition
+    opt = OPTIMIZER_STATE_BYTES[s.optimizer]
+    off_opt, off_par = s.offload_optimizer != "none", s.offload_param != "none"
+    opt_dev = {"none": "gpu", "cpu": "host", "nvme": "nvme"}[s.offload_optimizer]
+    items: list[Item] = []
+
+    def add(name, nbytes, where="gpu", phase="resident", note="", ds=False):
+        items.append(Item(name, int(nbytes), where, phase, note, ds))
+
+    # --- parameters and gradients in the model's dtype
+    if s.stage < 3:
+        add("parameters (full, %s)" % s.precision, b * P, note="every rank holds all of them below stage 3",
+            ds=True)
+    else:
+        where = {"none": "gpu", "cpu": "host", "nvme": "nvme"}[s.offload_param]
+        add("parameter partition (%s)" % s.precision, b * part, where, note="1/N of the parameters", ds=True)
+    if s.stage <= 1:
+        add("gradients (full, %s)" % s.precision, b * P, note="kept whole until the step below stage 2",
+            ds=s.stage == 1 and not off_opt)
+    elif not off_opt:
+        add("gradient partition (%s)" % s.precision, b * part,
+            note="stage2: grads_in_partition, stage3: grad_partitions_flat_buffer", ds=True)
+
+    # --- fp32 master copy and optimizer states
+    if s.stage == 0:
+        if b < 4:
+            add("fp32 master parameters", 4 * P, note="DeepSpeed FP16_Optimizer (bf16/fp16 at stage 0)")
+        add("optimizer states (fp32)", opt * P)
+    else:
+        add("fp32 master partition", 4 * part, opt_dev, note="single_partition_of_fp32_groups", ds=True)
+        add("optimizer state partition (fp32)", opt * part, opt_dev, ds=True)
+
+    # --- transient copies at the optimizer step
+    if s.stage == 0:
+        if b < 4:
+            add("fp32 gradient copies at step", 8 * P, phase="step",
+                note="FP16_Optimizer.step: list of p.grad.float() (4 B) flattened into one fp32 buffer (4 B)")
+        if s.optimizer_impl == "torch":
+            add("optimizer temporary (torch foreach)", 4 * P, phase="step", note="_foreach_sqrt(exp_avg_sq)")
+    elif not off_opt:
+        sg = part if s.stage < 3 else min(part, s.zero.sub_group_size)
+        note = "stage_1_and_2.step: flatten(averaged_gradients) then .float()" if s.stage < 3 else \
+            "stage3._prepare_fp32_grad_for_sub_group, one sub_group_size at a time"
+        add("fp32 gradient partition at step", 4 * sg, phase="step", note=note, ds=True)
+        add("flattened %s gradient copy at step" % s.precision, b * sg, phase="step", note=note)
+        if s.optimizer_impl == "torch":
+            add("optimizer temporary (torch foreach)", 4 * sg, phase="step", note="_foreach_sqrt(exp_avg_sq)")
+    else:
+        # The optimizer runs on the host; gradients travel there in fp32 during backward.
+        add("fp32 gradient partition (offloaded)", 4 * part, opt_dev, ds=True,
+            note="pinned buffers that receive the reduced gradients")
+        if s.stage < 3:
+            add("%s partition staging buffer" % s.precision, b * part, "host",
+                note="param_buffer_of_bit16_for_cpu_offload_groups")
+    if off_opt and s.stage == 3 and b < 4:
+        add("%s gradient partition (offloaded)" % s.precision, b * part, "host",
+            note="grad_partitions_flat_buffer lives on the host with optimizer offload")
+    if s.offload_optimizer == "nvme" or s.offload_param == "nvme":
+        swap = min(part, s.zero.sub_group_size)
+        add("NVMe swap buffers (pinned)", 4 * (4 + opt) * swap // 4 + (5 * 100_000_000 * b if off_par else 0),
+            "host", note="optimizer sub-group swap-in buffers, parameter buffer_count x buffer_size")
+
+    # --- host copy of the model while loading (each local rank, before deepspeed.initialize)
+    zero_init = s.stage == 3 and s.zero_init
+    loaded = inv.largest_layer if zero_init else P
+    add("model load (%d B/param)" % s.load_bytes, s.load_bytes * loaded, "host", "load",
+        note="largest layer at a time under zero.Init" if zero_init else "whole model on every local rank",
+        ds=True)
+    add("process (CUDA runtime, libraries)", 2 * GiB, "host", note="per rank, measured order of magnitude")
+    return items
+
+
+def _communication_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
+    b = PRECISION_BYTES[s.precision]
+    z = s.zero
+    items: list[Item] = []
+    overlap = z.overlap_comm if z.overlap_comm is not None else s.stage == 3
+    if s.stage == 0:
+        items.append(Item("allreduce bucket", b * min(z.reduce_bucket_size, inv.total), "gpu", "train",
+                          "engine.buffered_allreduce_fallback flattens one bucket"))
+    elif s.stage in (1, 2):
+        n = 2 if overlap else 1
+        items.append(Item("gradient reduction buckets", n * b * z.reduce_bucket_size, "gpu", "resident",
+                          f"ipg buffers: reduce_bucket_size x {n} (overlap_comm={overlap})"))
+        items.append(Item("gradient being produced", b * inv.largest_layer, "gpu", "train",
+                          "one layer's full gradient before it is copied into a bucket"))
+        # allgather_bucket_size costs nothing with NCCL: all_gather_into_tensor writes into the flat buffer.
+    else:
+        items.append(Item("gradient reduction bucket", b * z.reduce_bucket_size, "gpu", "resident",
+                          "ipg bucket (reduce_bucket_size)"))
+        items.append(Item("reduce-scatter staging", b * z.reduce_bucket_size // 2, "gpu", "train",
+                          "half a bucket on average in flight"))
+        unit = inv.largest_layer
+        block = max(inv.double_block, inv.single_block)
+        if s.checkpoint_every and z.max_reuse_distance >= block:
+            unit = block  # recompute then backward reuses the whole block's params: not released in between
+        prefetch = min(z.prefetch_bucket_size, max(0, z.max_live_parameters - unit))
+        items.append(Item("live (gathered) parameters", b * (unit + prefetch), "gpu", "train",
+                          "largest gather unit + prefetch bucket (capped by max_live_parameters)", ds=True))
+        items.append(Item("gradient being produced", b * inv.largest_layer, "gpu", "train",
+                          "one layer's full gradient before it enters the bucket", ds=True))
+        persistent = inv.persistent(z.param_persistence_threshold)
+        items.append(Item("persistent parameters", b * persistent, "gpu", "resident",
+                          f"tensors under param_persistence_threshold={z.param_persistence_threshold}"))
+    return items
+
+
+def activation_bytes(s: RunSpec) -> dict[str, int]:
+    """Per-rank activation bytes: stored for backward, one block's recompute, its backward working set."""
+    cfg, b, B = s.model, PRECISION_BYTES[s.precision], s.micro_batch
+    I, T = s.img_tokens, s.txt_len
+    L, C = I + T, cfg.hidden_size
+    att = "math" if s.attention == "math" else "flash"
+    d = sum(double_block_saved(cfg, I, T, b, device=s.device, attention=att).values())
+    si = sum(single_block_saved(cfg, I, T, b, device=s.device, attention=att).values())
+    cd = checkpointed_blocks(cfg.depth, s.checkpoint_every)
+    cs = checkpointed_blocks(cfg.depth_single_blocks, s.checkpoint_every)
+    blocks = cfg.depth + cfg.depth_single_blocks
+    stored = B * (blocks * L * C * b + (cfg.depth - cd) * d + (cfg.depth_single_blocks - cs) * si
+                  + outside_blocks_saved(cfg, I, T, b))
+    recompute = B * max(d if cd else 0, si if cs else 0)
+    workspace = B * block_backward_workspace(cfg, I, T, b, att)
+    return {"stored": stored, "recompute": recompute, "workspace": workspace,
+            "per_block_double": d, "per_block_single": si, "checkpointed": cd + cs}
+
+
+def _activation_items(s: RunSpec) -> list[Item]:
+    a = activation_bytes(s)
+    ck = f"{a['checkpointed']} of {s.model.depth + s.model.depth_single_blocks} blocks checkpointed"
+    return [
+        Item("activations saved for backward", a["stored"], "gpu", "train",
+             f"micro batch {s.micro_batch}; {ck} (block inputs only for those)"),
+        Item("one block's recompute", a["recompute"], "gpu", "train", "checkpointed block re-run in backward"),
+        Item("backward working set", a["workspace"], "gpu", "train", "gradients alive inside one block"),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tables and fitting
+# ---------------------------------------------------------------------------------------------------------
+STAGE_OFFLOAD_GRID: tuple[tuple[int, str, str], ...] = (
+    (0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none"),
+    (1, "cpu", "none"), (2, "cpu", "none"), (3, "cpu", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme"),
+)
+
+
+def table(spec: RunSpec) -> list[tuple[RunSpec, Estimate]]:
+    """The same run over ZeRO stages 0-3 x offload choices, fastest first."""
+    return [(r, estimate(r)) for r in (spec.replace(stage=st, offload_optimizer=oo, offload_param=op)
+                                       for st, oo, op in STAGE_OFFLOAD_GRID)]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu_memory_gib: float
+    host_memory_gib: float | None = None  # per node; None = do not check
+    nodes: int = 1
+    gpus_per_node: int = 1
+
+    def __post_init__(self):
+        if self.gpu_memory_gib <= 0:
+            raise ValueError(f"gpu memory must be positive, got {self.gpu_memory_gib} GiB")
+        if self.host_memory_gib is not None and self.host_memory_gib <= 0:
+            raise ValueError(f"host memory must be positive, got {self.host_memory_gib} GiB")
+
+
+def verdict(est: Estimate, hw: Hardware, margin: float) -> tuple[bool, str]:
+    """(fits, reason): GPU total within (1 - margin) x capacity, host likewise when known."""
+    budget = hw.gpu_memory_gib * (1 - margin)
+    need = est.gpu_total / GiB
+    if need > budget:
+        top = max(est.group("gpu"), key=lambda i: i.bytes if i.phase in ("resident", est.peak_phase) else 0)
+        return False, (f"GPU needs {need:.1f} GiB > {budget:.1f} GiB budget (peak at {est.peak_phase}; "
+                       f"largest item: {top.name} {top.bytes / GiB:.1f} GiB)")
+    if hw.host_memory_gib is not None:
+        hbudget = hw.host_memory_gib * (1 - margin)
+        hneed = est.host_per_node / GiB
+        if hneed > hbudget:
+            return False, f"host needs {hneed:.1f} GiB per node > {hbudget:.1f} GiB budget"
+    return True, f"GPU {need:.1f} of {budget:.1f} GiB budget"
+
+
+def throughput_proxy(spec: RunSpec) -> float:
+    """Relative speed of a (micro batch, checkpointing) choice at fixed stage and offload.
+
+    Recompute costs the forward of each checkpointed block again: a step is 3 forwards' worth of FLOPs,
+    so time grows by (checkpointed fraction) / 3. Small micro batches underfill the GEMMs and amortise
+    per-micro-step overheads (ZeRO-3 gathers, launches) badly: efficiency tokens / (tokens + 2048).
+    """
+    cfg = spec.model
+    blocks = cfg.depth + cfg.depth_single_blocks
+    frac = (checkpointed_blocks(cfg.depth, spec.checkpoint_every)
+            + checkpointed_blocks(cfg.depth_single_blocks, spec.checkpoint_every)) / max(1, blocks)
+    tokens = spec.micro_batch * (spec.img_tokens + spec.txt_len)
+    return tokens / (tokens + 2048) / (1 + frac / 3)
+
+
+@dataclass
+class FitResult:
+    spec: RunSpec | None
+    estimate: Estimate | None
+    reason: str  # which constraint decided, in sentences
+    options: dict = field(default_factory=dict)  # stage, offload_optimizer, offload_param, micro_batch, checkpoint_every
+
+
+CHECKPOINT_CHOICES = (0, 8, 4, 2, 1)  # every k-th block: none, 1/8, 1/4, 1/2, all
+
+
+def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int = 16,
+        micro_batches: tuple[int, ...] | None = None) -> FitResult:
+    """The fastest configuration of `base` that fits `hw` with `margin`, and why.
+
+    Order (each level dominates the next): no offload, then optimizer offload, then parameter offload, then
+    NVMe -- offload moves the optimizer step to the CPU and every step's states over PCIe, slower than any
+    other choice here; then the lowest ZeRO stage -- stage 3 re-gathers all parameters in forward and
+    backward (1.5x the communication of stages 1-2) and stages 1-2 cost nothing over 0 but memory only when
+    gradients are partitioned; then, at that stage, the (micro batch, checkpointing) pair with the best
+    `throughput_proxy` -- fewest checkpointed blocks unless a larger micro batch gains more, largest micro
+    batch on ties.
+    """
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
+    base = base.replace(nodes=hw.nodes, gpus_per_node=hw.gpus_per_node)
+    micros = micro_batches or tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= max_micro_batch)
+    rejected: list[str] = []
+    for st, oo, op in STAGE_OFFLOAD_GRID_BY_SPEED:
+        fitting = []
+        for ck in CHECKPOINT_CHOICES:
+            for mb in micros:
+                cand = base.replace(stage=st, offload_optimizer=oo, offload_param=op, micro_batch=mb,
+                                    checkpoint_every=ck)
+                est = estimate(cand)
+                ok, _ = verdict(est, hw, margin)
+                if ok:
+                    fitting.append((throughput_proxy(cand), mb, -_ckpt_count(cand), cand, est))
+                else:
+                    break  # a larger micro batch will not fit either
+        label = _label(st, oo, op)
+        if not fitting:
+            smallest = base.replace(stage=st, offload_optimizer=oo, offload_param=op, micro_batch=micros[0],
+                                    checkpoint_every=1)
+            _, why = verdict(estimate(smallest), hw, margin)
+            rejected.append(f"{label}: even micro batch {micros[0]} with every block checkpointed does not fit "
+                            f"({why})")
+            continue
+        fitting.sort(key=lambda t: t[:3], reverse=True)
+        _, mb, _, spec, est = fitting[0]
+        reason = rejected + [f"chose {label}: " + _why_choice(spec, est, hw, margin, micros)]
+        options = {"stage": st, "offload_optimizer": oo, "offload_param": op, "micro_batch": mb,
+                   "checkpoint_every": spec.checkpoint_every}
+        return FitResult(spec, est, "\n".join(reason), options)
+    return FitResult(None, None, "\n".join(rejected + [_what_would_fit(base, hw, margin, micros[0])]))
+
+
+STAGE_OFFLOAD_GRID_BY_SPEED = STAGE_OFFLOAD_GRID  # already ordered: no offload by stage, then offloads
+
+
+def _ckpt_count(spec: RunSpec) -> int:
+    return (checkpointed_blocks(spec.model.depth, spec.checkpoint_every)
+            + checkpointed_blocks(spec.model.depth_single_blocks, spec.checkpoint_every))
+
+
+def _label(stage: int, oo: str, op: str) -> str:
+    off = [f"optimizer offload {oo}"] if oo != "none" else []
+    off += [f"parameter offload {op}"] if op != "none" else []
+    return f"ZeRO-{stage}" + (f" with {', '.join(off)}" if off else " without offload")
+
+
+def _ckpt_text(k: int) -> str:
+    return {0: "no activation checkpointing", 1: "every block checkpointed"}.get(k, f"every {k}th block checkpointed")
+
+
+def _why_choice(spec: RunSpec, est: Estimate, hw: Hardware, margin: float, micros: tuple[int, ...]) -> str:
+    text = (f"micro batch {spec.micro_batch}, {_ckpt_text(spec.checkpoint_every)}; predicted "
+            f"{est.gpu_allocated / GiB:.1f} GiB allocated, {est.gpu_total / GiB:.1f} GiB with allocator slack "
+            f"and CUDA context, of {hw.gpu_memory_gib * (1 - margin):.1f} GiB budget "
+            f"({hw.gpu_memory_gib:g} GiB - {margin:.0%} margin)")
+    bigger = [m for m in micros if m > spec.micro_batch]
+    if bigger:
+        nxt = estimate(spec.replace(micro_batch=bigger[0]))
+        fits, why = verdict(nxt, hw, margin)
+        text += (f". Micro batch {bigger[0]} " + (f"also fits but is not faster" if fits else f"does not fit: {why}"))
+    if spec.checkpoint_every != 0:
+        fewer = sorted(k for k in CHECKPOINT_CHOICES if k > spec.checkpoint_every)
+        alt = spec.replace(checkpoint_every=fewer[0] if fewer else 0)
+        fits, why = verdict(estimate(alt), hw, margin)
+        text += (f". With {_ckpt_text(alt.checkpoint_every)} " + ("it fits but is slower (smaller micro batch)"
+                                                                    if fits else f"it does not fit: {why}"))
+    return text
+
+
+def _what_would_fit(base: RunSpec, hw: Hardware, margin: float, micro: int) -> str:
+    """Nothing fits: say what would (more GPUs, a lower resolution, a larger host)."""
+    tips = []
+    lean = base.replace(stage=3, micro_batch=micro, checkpoint_every=1, offload_optimizer="none",
+                        offload_param="none")
+    for gpus in (2, 4, 8, 16, 32, 64, 128, 256):
+        if gpus <= base.world_size:
+            continue
+        gpn = min(gpus, max(base.gpus_per_node, 8))
+        r = lean.replace(nodes=math.ceil(gpus / gpn), gpus_per_node=gpn)
+        if verdict(estimate(r), dataclasses.replace(hw, nodes=r.nodes, gpus_per_node=gpn), margin)[0]:
+            tips.append(f"{r.world_size} GPUs ({r.nodes} node(s) x {gpn}) with ZeRO-3, micro batch {micro}, "
+                        f"every block checkpointed")
+            break
+    for px in (1024, 768, 512, 384, 256):
+        if px * px >= base.height * base.width:
+            continue
+        for st, oo, op in STAGE_OFFLOAD_GRID:
+            r = base.replace(height=px, width=px, stage=st, offload_optimizer=oo, offload_param=op,
+                             micro_batch=micro, checkpoint_every=1)
+            if verdict(estimate(r), hw, margin)[0]:
+                tips.append(f"{px}x{px} px with {_label(st, oo, op)}")
+                break
+        else:
+            continue
+        break
+    full_off = estimate(base.replace(stage=3, offload_optimizer="cpu", offload_param="cpu", micro_batch=micro,
+                                     checkpoint_every=1))
+    if full_off.gpu_total / GiB <= hw.gpu_memory_gib * (1 - margin):
+        tips.append(f"ZeRO-3 with CPU offload of parameters and optimizer, given "
+                    f"{full_off.host_per_node / GiB / (1 - margin):.0f} GiB of host memory per node")
+    return "nothing fits; it would with: " + ("; or ".join(tips) if tips else "a larger GPU")
