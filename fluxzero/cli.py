@@ -10,6 +10,8 @@ import click
 
 # command name -> "module:attribute"; each module keeps torch/deepspeed imports inside command bodies.
 COMMANDS: dict[str, str] = {
+    "gen-config": "fluxzero.commands.config:gen_config",
+    "check-config": "fluxzero.commands.config:check_config",
     "convert": "fluxzero.commands.model:convert",
 }
 

@@ -1,0 +1,244 @@
+"""`fluxzero gen-config` and `fluxzero check-config`: write and validate DeepSpeed JSON configs.
+
+Only pure modules are imported at the top; deepspeed is imported by check-config's parser step alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+import click
+from click.core import ParameterSource
+
+from fluxzero import ds_config
+from fluxzero.config import MODEL_PRESETS
+from fluxzero.ds_config import DSConfigError, DSOptions
+
+_D = DSOptions()
+
+
+def _opt(field: str, type_=None, help_: str = "", flag_pair: bool = False):
+    """A gen-config option for DSOptions.<field>, showing the DSOptions default.
+
+    Only options given on the command line override the preset (gen_config asks Click for each value's source).
+    """
+    name = "--" + field.replace("_", "-")
+    decls = [f"{name}/--no-{field.replace('_', '-')}"] if flag_pair else [name]
+    default = getattr(_D, field)
+    return click.option(*decls, field, type=type_, default=default, help=help_, show_default=default is not None)
+
+
+_POS = click.IntRange(min=1)
+_NONNEG = click.IntRange(min=0)
+_OPTIONS = [
+    # preset, model, output
+    click.option("--preset", type=click.Choice(list(ds_config.PRESETS)), default=None,
+                 help="Named starting point (ds_configs/README.md); every other option overrides it."),
+    _opt("model", click.Choice(list(MODEL_PRESETS)),
+         "Model preset the config is for (sizes stage-3 buckets and number_checkpoints)."),
+    click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+                 help="Write the JSON here (atomically) instead of stdout."),
+    # batch arithmetic
+    _opt("micro_batch", _POS, "Samples per GPU per forward/backward (train_micro_batch_size_per_gpu)."),
+    _opt("grad_accum", _POS, "Gradient accumulation steps."),
+    _opt("global_batch", _POS, "Target train_batch_size; accumulation steps are derived from it (needs the "
+                               "world size)."),
+    click.option("--hostfile", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="DeepSpeed hostfile ('host slots=N' lines); world size = sum of slots."),
+    click.option("--nodes", type=_POS, default=None, help="Number of nodes (world size = nodes x GPUs per node)."),
+    click.option("--gpus-per-node", type=_POS, default=None, help="GPUs per node."),
+    click.option("--world-size", type=_POS, default=None, help="Total number of GPUs (ranks)."),
+    # ZeRO and offload
+    _opt("zero_stage", click.IntRange(0, 3), "ZeRO stage: 0 data parallel, 1 optimizer states, 2 + gradients, "
+                                             "3 + parameters."),
+    _opt("offload_optimizer", click.Choice(ds_config.OFFLOAD_DEVICES), "Offload optimizer states (and the "
+         "optimizer step) to CPU (stage 1-3) or NVMe (stage 3)."),
+    _opt("offload_param", click.Choice(ds_config.OFFLOAD_DEVICES), "Offload parameters to CPU or NVMe "
+                                                                   "(stage 3 only)."),
+    _opt("nvme_path", click.Path(file_okay=False), "Directory on a local NVMe drive for NVMe offload."),
+    _opt("offload_pin_memory", None, "Offload to page-locked CPU memory (faster transfers).", flag_pair=True),
+    _opt("nvme_param_buffer_count", _POS, "NVMe parameter offload: number of buffers."),
+    _opt("nvme_param_buffer_size", _POS, "NVMe parameter offload: elements per buffer (>= largest parameter)."),
+    _opt("nvme_param_max_in_cpu", _POS, "NVMe parameter offload: parameter elements kept in CPU memory."),
+    _opt("nvme_optimizer_buffer_count", _POS, "NVMe optimizer offload: number of buffers."),
+    _opt("nvme_optimizer_pipeline", None, "NVMe optimizer offload: overlap swap-in/out with the step.",
+         flag_pair=True),
+    # communication
+    _opt("overlap_comm", None, "Overlap gradient reduction with backward [default: on at stage 1-3].",
+         flag_pair=True),
+    _opt("contiguous_gradients", None, "Copy gradients into one buffer as produced [default: on at stage 1-3].",
+         flag_pair=True),
+    _opt("reduce_bucket_size", _POS, "Elements reduced at a time [default: 2e8 at stage 1/2, hidden^2 at 3]."),
+    _opt("allgather_bucket_size", _POS, "Elements all-gathered at a time, stage 1/2 [default: 2e8]."),
+    _opt("stage3_prefetch_bucket_size", _NONNEG, "Stage 3: parameter elements fetched ahead "
+                                                 "[default: 0.9 x hidden^2]."),
+    _opt("stage3_param_persistence_threshold", _NONNEG, "Stage 3: parameters smaller than this stay unpartitioned "
+                                                        "[default: 10 x hidden]."),
+    _opt("stage3_max_live_parameters", _POS, "Stage 3: parameter elements resident per GPU [default: 1e9]."),
+    _opt("stage3_max_reuse_distance", _NONNEG, "Stage 3: keep a parameter if reused within this many elements "
+                                               "[default: 1e9]."),
+    _opt("stage3_gather_16bit_weights_on_model_save", None, "Stage 3: gather whole 16-bit weights when saving "
+         "the model [default: on].", flag_pair=True),
+    # precision
+    _opt("precision", click.Choice(ds_config.PRECISIONS), "Training precision (fp16 needs a GPU)."),
+    _opt("fp16_loss_scale", click.FloatRange(min=0), "fp16: static loss scale; 0 = dynamic loss scaling."),
+    _opt("fp16_initial_scale_power", _NONNEG, "fp16: dynamic scaling starts at 2^this."),
+    _opt("fp16_loss_scale_window", _POS, "fp16: clean steps before the scale doubles."),
+    _opt("fp16_hysteresis", _POS, "fp16: overflows tolerated before the scale halves."),
+    _opt("fp16_consecutive_hysteresis", None, "fp16: refill the hysteresis after every clean step.",
+         flag_pair=True),
+    _opt("fp16_min_loss_scale", _POS, "fp16: lowest dynamic loss scale."),
+    # activation checkpointing
+    _opt("checkpoint_every", _NONNEG, "Activation checkpointing: recompute every k-th block (0 off, 1 all)."),
+    _opt("checkpoint_impl", click.Choice(ds_config.CHECKPOINT_IMPLS), "Checkpointing implementation: "
+         "torch.utils.checkpoint or deepspeed.checkpointing."),
+    _opt("partition_activations", None, "deepspeed checkpointing: partition saved activations across "
+                                        "model-parallel ranks.", flag_pair=True),
+    _opt("cpu_checkpointing", None, "deepspeed checkpointing: keep saved activations in CPU memory.",
+         flag_pair=True),
+    _opt("contiguous_memory_optimization", None, "deepspeed checkpointing: one contiguous buffer for saved "
+                                                 "activations (needs --partition-activations).", flag_pair=True),
+    # optimizer
+    _opt("adam_impl", click.Choice(ds_config.ADAM_IMPLS), "AdamW implementation: torch (no build), fused "
+         "(DeepSpeed FusedAdam, GPU), cpu (DeepSpeedCPUAdam, with optimizer offload)."),
+    _opt("lr", click.FloatRange(min=0, min_open=True), "AdamW learning rate (peak, after warm-up)."),
+    _opt("beta1", click.FloatRange(0, 1, max_open=True), "AdamW beta1."),
+    _opt("beta2", click.FloatRange(0, 1, max_open=True), "AdamW beta2."),
+    _opt("eps", click.FloatRange(min=0, min_open=True), "AdamW epsilon."),
+    _opt("weight_decay", click.FloatRange(min=0), "AdamW decoupled weight decay."),
+    _opt("gradient_clipping", click.FloatRange(min=0), "Clip the global gradient norm; 0 disables."),
+    # scheduler
+    _opt("scheduler", click.Choice(ds_config.SCHEDULERS), "DeepSpeed LR scheduler (none: constant lr)."),
+    _opt("warmup_steps", _POS, "Warm-up steps of the LR scheduler."),
+    _opt("total_steps", _POS, "Total optimizer steps (WarmupCosineLR, WarmupDecayLR)."),
+    _opt("warmup_type", click.Choice(ds_config.WARMUP_TYPES), "Warm-up curve."),
+    _opt("min_lr", click.FloatRange(min=0), "LR at the start of warm-up."),
+    _opt("cos_min_ratio", click.FloatRange(min=0), "WarmupCosineLR: final lr as a fraction of --lr."),
+    # logging
+    _opt("steps_per_print", _POS, "DeepSpeed progress print interval (steps)."),
+    _opt("wall_clock_breakdown", None, "DeepSpeed forward/backward/step timers.", flag_pair=True),
+    _opt("tensorboard_dir", click.Path(file_okay=False), "Enable DeepSpeed's TensorBoard monitor, writing here."),
+    _opt("job_name", str, "TensorBoard job name [default: fluxzero]."),
+]
+
+
+def _with_options(fn):
+    for decorator in reversed(_OPTIONS):
+        fn = decorator(fn)
+    return fn
+
+
+def world_size_from(hostfile, nodes, gpus_per_node, world_size) -> int | None:
+    """World size from exactly one of: a hostfile, nodes x GPUs per node, an explicit count (None if none)."""
+    given = [name for name, v in (("--hostfile", hostfile), ("--world-size", world_size)) if v is not None]
+    if nodes is not None or gpus_per_node is not None:
+        given.append("--nodes/--gpus-per-node")
+    if len(given) > 1:
+        raise click.UsageError(f"give the world size one way only, not {' and '.join(given)}")
+    if hostfile is not None:
+        from fluxzero.hostfile import HostfileError, parse_hostfile, world_size as hosts_world_size
+
+        try:
+            return hosts_world_size(parse_hostfile(hostfile))
+        except HostfileError as e:
+            raise click.BadParameter(str(e), param_hint="--hostfile") from None
+    if nodes is not None or gpus_per_node is not None:
+        if gpus_per_node is None:
+            raise click.UsageError("--nodes needs --gpus-per-node too (world size = nodes x GPUs per node)")
+        return (nodes or 1) * gpus_per_node
+    return world_size
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write text to path via a temporary file in the same directory and a rename: all or nothing."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+@click.command("gen-config", context_settings={"max_content_width": 110})
+@_with_options
+@click.pass_context
+def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, **fields):
+    """Write a DeepSpeed JSON config (ZeRO, offload, precision, batch, checkpointing, optimizer, schedule).
+
+    Start from --preset NAME and override any option. Settings DeepSpeed does not know (activation
+    checkpointing policy) go into the top-level "fluxzero" section, which the trainer reads.
+    """
+    world = world_size_from(hostfile, nodes, gpus_per_node, world_size)
+    given = {k: v for k, v in fields.items()
+             if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
+    try:
+        options = ds_config.options_from(preset, world_size=world, **given)
+        cfg = ds_config.build(options)
+    except DSConfigError as e:
+        raise click.UsageError("\n".join(e.problems)) from None
+    text = ds_config.to_json(cfg)
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    try:
+        write_atomic(output, text)
+    except OSError as e:
+        raise click.BadParameter(f"cannot write {output}: {e.strerror}", param_hint="--output") from None
+    click.echo(f"wrote {output}", err=True)
+
+
+def _load_json(path: str) -> tuple[object, list[str]]:
+    def no_duplicates(pairs):
+        seen = {}
+        for key, value in pairs:
+            if key in seen:
+                problems.append(f"duplicate key {key!r} (DeepSpeed refuses duplicates)")
+            seen[key] = value
+        return seen
+
+    problems: list[str] = []
+    try:
+        with open(path) as f:
+            return json.load(f, object_pairs_hook=no_duplicates), problems
+    except json.JSONDecodeError as e:
+        return None, [f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"]
+    except UnicodeDecodeError:
+        return None, ["not a text file"]
+
+
+@click.command("check-config")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--hostfile", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Check batch arithmetic for the world size of this DeepSpeed hostfile.")
+@click.option("--world-size", type=_POS, default=None, help="Check batch arithmetic for this many ranks.")
+@click.option("--deepspeed/--no-deepspeed", "run_deepspeed", default=True, show_default=True,
+              help="Also run DeepSpeed's own config parser (imports deepspeed, a few seconds) once fluxzero's "
+                   "checks pass.")
+def check_config(file, hostfile, world_size, run_deepspeed):
+    """Validate a DeepSpeed JSON config: unknown keys, ZeRO/offload rules, batch arithmetic, DeepSpeed's parser.
+
+    Prints one line per problem and exits with status 2 if there is any.
+    """
+    world = world_size_from(hostfile, None, None, world_size)
+    cfg, problems = _load_json(file)
+    if cfg is not None:
+        problems += ds_config.check(cfg, world)
+    if not problems and run_deepspeed:
+        from fluxzero.ds_validate import deepspeed_problems
+
+        problems += deepspeed_problems(cfg, world or ds_config.implied_world_size(cfg) or 1)
+    for line in problems:
+        click.echo(f"{file}: {line}")
+    if problems:
+        sys.exit(2)
+    where = f"world size {world}" if world else "any world size (pass --world-size or --hostfile to check batch)"
+    checked = "fluxzero's checks and DeepSpeed's parser" if run_deepspeed else "fluxzero's checks"
+    click.echo(f"{file}: OK ({checked}; {where})")
