@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,7 @@ from fluxzero.launcher import (
     read_deepspeed_env,
     write_deepspeed_env,
 )
-from fluxzero.nccl import NcclError, PROFILES, check_user_env, profile_env
+from fluxzero.nccl import NcclError, PROFILES, check_user_env, profile_env, profiles_markdown
 
 HOSTS = {"node-a": 2, "node-b": 2}
 HOSTILE_ARGS = ["$(touch pwned)", "`id`", "; rm -rf ~", "a b", "it's", '"q"', "*", "--x=${HOME}", "", "\n"]
@@ -240,3 +241,8 @@ def test_nccl_profiles_keep_nvls_off():
         profile_env("ethernet+fast")
     with pytest.raises(NcclError, match="NCCL_NVLS_ENABLE must stay 0"):
         check_user_env({"NCCL_NVLS_ENABLE": "1"})
+
+
+def test_readme_nccl_table_is_the_code():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert profiles_markdown() in readme
