@@ -10,6 +10,9 @@ import click
 
 # command name -> "module:attribute"; each module keeps torch/deepspeed imports inside command bodies.
 COMMANDS: dict[str, str] = {
+    "launch": "fluxzero.commands.launch:launch",
+    "doctor": "fluxzero.commands.launch:doctor",
+    "monitor": "fluxzero.commands.launch:monitor",
     "gen-config": "fluxzero.commands.config:gen_config",
     "check-config": "fluxzero.commands.config:check_config",
     "convert": "fluxzero.commands.model:convert",
