@@ -6,6 +6,7 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -120,3 +121,32 @@ def test_gpu_table_flags_uneven_use():
     assert "H200" in even and "40.0 /  141.0 GiB" in even and "uneven" not in even
     uneven = format_gpu_table([{**gpu, "index": 0, "util": 98}, {**gpu, "index": 1, "util": 41}])
     assert "uneven" in uneven and "GPU 1 lowest" in uneven
+
+
+def test_slurm_script_starts_one_launcher_per_node(tmp_path):
+    """launch/slurm.sbatch with stand-ins for scontrol/srun (two nodes) and --dry-run launches."""
+    repo = Path(__file__).resolve().parents[1]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-node-7\\ngpu-node-9\\n'\n")
+    (bin_dir / "srun").write_text(
+        "#!/bin/sh\n"
+        "while [ \"${1#--}\" != \"$1\" ]; do shift; done\n"  # drop srun's own --options
+        "for id in 0 1; do SLURM_NODEID=$id \"$@\" || exit 1; done\n"
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu-node-[7,9]",
+           "SLURM_GPUS_ON_NODE": "4", "NCCL_PROFILE": "ethernet", "NCCL_ENV": "NCCL_SOCKET_IFNAME==eth0",
+           "FLUXZERO_DRY_RUN": "1"}
+    out = subprocess.run(["bash", str(repo / "launch" / "slurm.sbatch"), "--config", "run file.yaml", "steps=10"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp_path / ".fluxzero" / "hostfile-42").read_text() == "gpu-node-7 slots=4\ngpu-node-9 slots=4\n"
+    commands = [shlex.split(line) for line in out.stdout.splitlines() if "deepspeed" in line and "--hostfile" in line]
+    assert len(commands) == 2
+    for rank, cmd in enumerate(commands):
+        assert f"--node_rank={rank}" in cmd and "--no_ssh" in cmd and "--master_addr=gpu-node-7" in cmd
+        assert cmd[-4:] == ["launch/train.py", "--config", "run file.yaml", "steps=10"]
+    assert out.stdout.count("NCCL_SOCKET_NTHREADS=4") == 2 and out.stdout.count("NCCL_SOCKET_IFNAME==eth0") == 2
