@@ -1,0 +1,260 @@
+"""Generated and committed configs against deepspeed 0.19.8's own parser (DeepSpeedConfig, no GPU, no engine).
+
+deepspeed is imported once for the whole module (a few seconds); each parse then takes milliseconds.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fluxzero import ds_config
+from fluxzero.cli import main
+from fluxzero.ds_config import DSConfigError, build, check, options_from
+from fluxzero.ds_validate import deepspeed_problems, parse
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESET_DIR = ROOT / "ds_configs"
+
+
+def _readme_commands() -> dict[str, list[str]]:
+    """file name -> gen-config argv, from the command lines in ds_configs/README.md."""
+    text = (PRESET_DIR / "README.md").read_text()
+    commands = {}
+    for line in text.splitlines():
+        m = re.fullmatch(r"fluxzero (gen-config .*) -o ds_configs/(\S+\.json)", line.strip())
+        if m:
+            commands[m.group(2)] = shlex.split(m.group(1))
+    return commands
+
+
+# ---------------------------------------------------------------------------------------------------------
+# committed presets
+
+
+def test_every_committed_config_has_its_command():
+    files = sorted(p.name for p in PRESET_DIR.glob("*.json"))
+    assert len(files) >= 8
+    assert sorted(_readme_commands()) == files
+
+
+@pytest.mark.parametrize("name", sorted(_readme_commands()))
+def test_committed_config_is_gen_config_output(tmp_path, name):
+    out = tmp_path / name
+    r = CliRunner().invoke(main, _readme_commands()[name] + ["-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes() == (PRESET_DIR / name).read_bytes(), f"regenerate ds_configs/{name} with its command"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in PRESET_DIR.glob("*.json")))
+@pytest.mark.parametrize("world", [1, 8])
+def test_committed_config_passes_deepspeed_and_our_checks(name, world):
+    cfg = json.loads((PRESET_DIR / name).read_text())
+    assert check(cfg, world) == []
+    ds = parse(cfg, world)
+    assert ds.train_batch_size == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world
+    assert ds.gradient_clipping == cfg["gradient_clipping"]
+    assert ds.zero_optimization_stage == cfg["zero_optimization"]["stage"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# grid of option combinations
+
+AXES = dict(
+    zero_stage=[0, 1, 2, 3],
+    offload_optimizer=["none", "cpu", "nvme"],
+    offload_param=["none", "cpu", "nvme"],
+    adam_impl=["torch", "fused", "cpu"],
+    precision=["bf16", "fp16", "fp32"],
+)
+# cycled over the grid so that every value meets many combinations without multiplying the grid size
+CYCLED = [
+    dict(scheduler="WarmupLR", world_size=None),
+    dict(scheduler="WarmupCosineLR", total_steps=1000, world_size=8, global_batch=64, micro_batch=2),
+    dict(scheduler="WarmupDecayLR", total_steps=500, warmup_steps=50, world_size=3, grad_accum=4),
+    dict(scheduler="none", checkpoint_impl="deepspeed", checkpoint_every=2, partition_activations=True,
+         contiguous_memory_optimization=True, cpu_checkpointing=True, world_size=2, micro_batch=3),
+    dict(checkpoint_every=0, tensorboard_dir="/tmp/tb", job_name="grid", overlap_comm=False, world_size=16),
+]
+
+
+def _grid():
+    for i, values in enumerate(itertools.product(*AXES.values())):
+        fields = dict(zip(AXES, values))
+        if "nvme" in (fields["offload_optimizer"], fields["offload_param"]):
+            fields["nvme_path"] = "/local_nvme"
+        yield {**fields, **CYCLED[i % len(CYCLED)]}
+
+
+def test_option_grid_passes_deepspeed_parser():
+    accepted = refused = 0
+    for fields in _grid():
+        options = ds_config.DSOptions(**fields)
+        try:
+            cfg = build(options)
+        except DSConfigError as e:
+            refused += 1
+            assert e.problems and all(isinstance(p, str) and p for p in e.problems)
+            continue
+        accepted += 1
+        world = options.world_size or 1
+        assert check(cfg, options.world_size) == [], fields
+        ds = parse(cfg, world)
+        micro, accum, train = ds_config.batch_numbers(options)
+        assert (ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == (micro, accum), fields
+        assert ds.train_batch_size == micro * accum * world
+        if train is not None:
+            assert ds.train_batch_size == train
+        z = ds.zero_config
+        assert z.stage == options.zero_stage
+        want_opt = options.offload_optimizer
+        assert (z.offload_optimizer.device if z.offload_optimizer else "none") == want_opt
+        assert (z.offload_param.device if z.offload_param else "none") == options.offload_param
+        assert ds.bfloat16_config.enabled == (options.precision == "bf16")
+        assert ds.float16_config.enabled == (options.precision == "fp16")
+        if options.precision == "fp16":
+            assert ds.float16_config.initial_dynamic_scale() == 2 ** 12 and ds.float16_config.loss_scale == 0
+        assert ds.optimizer_name == "adamw"
+        assert ds.optimizer_params["torch_adam"] == (options.adam_impl == "torch")
+        assert ds.scheduler_name == (None if options.scheduler == "none" else options.scheduler)
+        ac = ds.activation_checkpointing_config
+        assert ac.partition_activations == (options.checkpoint_impl == "deepspeed" and options.partition_activations)
+    # a grid that accepted (or refused) nothing would prove nothing
+    assert accepted >= 80 and refused >= 200, (accepted, refused)
+
+
+def test_deepspeed_catches_the_batch_mismatch_for_a_world_size():
+    cfg = build(options_from("zero2", world_size=2, micro_batch=4, grad_accum=2))
+    assert deepspeed_problems(cfg, 2) == []
+    (line,) = deepspeed_problems(cfg, 4)
+    assert line.startswith("deepspeed: ") and "16 != 4 * 2 * 4" in line
+
+
+def test_what_deepspeed_accepts_silently_and_we_refuse():
+    """The reason check() exists: each of these passes DeepSpeed's parser but is wrong."""
+    base = build(options_from("zero2"))
+    cases = []
+    c = json.loads(json.dumps(base))
+    c["zero_optimization"]["offload_param"] = {"device": "cpu"}  # ignored at stage 2
+    cases.append(c)
+    c = json.loads(json.dumps(base))
+    c["zero_optimization"] = {"stage": 3, "offload_param": {"device": "nvme"}}  # no nvme_path
+    cases.append(c)
+    c = json.loads(json.dumps(base))
+    c["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/n"}  # CPU at stage 2
+    cases.append(c)
+    c = json.loads(json.dumps(base))
+    c["gradient_clip"] = 0.0  # unknown top-level key
+    cases.append(c)
+    c = json.loads(json.dumps(base))
+    c["activation_checkpointing"] = {"partition_activation": True}
+    cases.append(c)
+    for c in cases:
+        assert deepspeed_problems(c) == [], c
+        assert len(check(c)) >= 1, c
+
+
+def test_deepspeed_problems_are_one_line_each():
+    cfg = build(options_from("zero2"))
+    cfg["zero_optimization"]["overlap_com"] = True
+    cfg["bf16"]["enabeld"] = True
+    lines = deepspeed_problems(cfg)
+    assert lines and all("\n" not in line and line.startswith("deepspeed: ") for line in lines)
+    assert any("zero_optimization.overlap_com" in line for line in lines)
+
+
+def test_check_config_runs_deepspeed_parser(tmp_path):
+    f = tmp_path / "ds.json"
+    cfg = build(options_from("zero3", world_size=4, micro_batch=2))
+    f.write_text(json.dumps(cfg))
+    r = CliRunner().invoke(main, ["check-config", str(f)])
+    assert r.exit_code == 0 and "OK (fluxzero's checks and DeepSpeed's parser" in r.output
+    # a value only DeepSpeed's parser knows is wrong: a non-boolean where it wants a boolean
+    cfg["zero_optimization"]["round_robin_gradients"] = "maybe"
+    f.write_text(json.dumps(cfg))
+    assert CliRunner().invoke(main, ["check-config", str(f), "--no-deepspeed"]).exit_code == 0
+    r = CliRunner().invoke(main, ["check-config", str(f), "--world-size", "4"])
+    assert r.exit_code == 2
+    (line,) = r.output.strip().splitlines()
+    assert line.startswith(f"{f}: deepspeed: zero_optimization.round_robin_gradients: Input should be a valid boolean")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# our key lists are deepspeed 0.19.8's
+
+
+def _fields(model) -> set[str]:
+    names = set()
+    for name, f in model.model_fields.items():
+        names.add(name)
+        if f.alias:
+            names.add(f.alias)
+    return names
+
+
+def test_section_key_lists_match_deepspeed_models():
+    from deepspeed.monitor.config import TensorBoardConfig
+    from deepspeed.runtime.activation_checkpointing.config import ACT_CHKPT_DEFAULT
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
+                                                       DeepSpeedZeroOffloadParamConfig)
+
+    assert ds_config.ZERO_KEYS == _fields(DeepSpeedZeroConfig)
+    assert ds_config.OFFLOAD_PARAM_KEYS == _fields(DeepSpeedZeroOffloadParamConfig)
+    assert ds_config.OFFLOAD_OPTIMIZER_KEYS == _fields(DeepSpeedZeroOffloadOptimizerConfig)
+    assert ds_config.BF16_KEYS == _fields(DeepSpeedBF16Config)
+    assert ds_config.FP16_KEYS == _fields(DeepSpeedFP16Config)
+    assert ds_config.TENSORBOARD_KEYS == _fields(TensorBoardConfig)
+    assert ds_config.ACTIVATION_CHECKPOINTING_KEYS == set(ACT_CHKPT_DEFAULT)
+
+
+def test_top_level_keys_cover_what_deepspeed_reads():
+    """Record every top-level key DeepSpeedConfig looks up; each must be known (or known-removed) to check()."""
+    from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS
+
+    seen = set()
+
+    class Keys:
+        def __init__(self, d):
+            self.d = d
+
+        def __contains__(self, k):
+            seen.add(k)
+            return dict.__contains__(self.d, k)
+
+        def __iter__(self):
+            return iter(dict.keys(self.d))
+
+    class Recording(dict):
+        def get(self, k, default=None):
+            seen.add(k)
+            return dict.get(self, k, default)
+
+        def __getitem__(self, k):
+            seen.add(k)
+            return dict.__getitem__(self, k)
+
+        def __contains__(self, k):
+            seen.add(k)
+            return dict.__contains__(self, k)
+
+        def keys(self):
+            return Keys(self)
+
+        def __copy__(self):
+            return self
+
+        def __deepcopy__(self, memo):
+            return self
+
+    parse(Recording(build(options_from("zero2"))))
+    assert len(seen) > 40
+    assert set(_REMOVED_TOP_LEVEL_CONFIG_KEYS) == ds_config.REMOVED_TOP_LEVEL_KEYS
+    missing = seen - ds_config.TOP_LEVEL_KEYS - ds_config.REMOVED_TOP_LEVEL_KEYS
+    assert not missing, f"add to ds_config.TOP_LEVEL_KEYS: {sorted(missing)}"
