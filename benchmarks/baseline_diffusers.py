@@ -1,0 +1,58 @@
+"""The baseline: diffusers' FluxTransformer2DModel wrapped by DeepSpeed, as users of other trainers do.
+
+Same dimensions as a fluxzero preset (via `from_config`), random init, diffusers' own
+`enable_gradient_checkpointing()` (every block or none), constructed under `deepspeed.zero.Init` for
+ZeRO-3. Used by benchmarks/sweep.py with `--impl diffusers`; the inputs are the fluxzero trainer's own
+`flow.prepare_batch` output, renamed to diffusers' argument names.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def diffusers_config(model_cfg) -> dict:
+    """FluxTransformer2DModel keyword arguments for a fluxzero ModelConfig (same architecture)."""
+    if model_cfg.in_channels != model_cfg.out_channels:
+        raise ValueError(f"model {model_cfg.name!r}: diffusers' Flux needs in_channels == out_channels")
+    return dict(
+        patch_size=1, in_channels=model_cfg.in_channels, out_channels=model_cfg.out_channels,
+        num_layers=model_cfg.depth, num_single_layers=model_cfg.depth_single_blocks,
+        attention_head_dim=model_cfg.head_dim, num_attention_heads=model_cfg.num_heads,
+        joint_attention_dim=model_cfg.context_in_dim, pooled_projection_dim=model_cfg.vec_in_dim,
+        guidance_embeds=model_cfg.guidance_embed, axes_dims_rope=tuple(model_cfg.axes_dim),
+    )
+
+
+def build_engine(model_cfg, ds: dict, ckpt_every: int, device: torch.device, seed: int = 0):
+    """diffusers model (partitioned at construction under ZeRO-3) -> DeepSpeed engine, as a user would write it."""
+    import deepspeed
+    from diffusers import FluxTransformer2DModel
+
+    if ckpt_every not in (0, 1):
+        raise ValueError("diffusers' enable_gradient_checkpointing checkpoints every block: use ckpt 0 or 1")
+    stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
+    torch.manual_seed(seed)
+    # Below ZeRO-3 the model is created in fp32 on the device and DeepSpeed casts it (the fluxzero engine
+    # does the same); under ZeRO-3, zero.Init creates each parameter on the device in the training dtype
+    # and partitions it at once.
+    with deepspeed.zero.Init(config_dict_or_path=ds, enabled=stage == 3), torch.device(device):
+        model = FluxTransformer2DModel.from_config(diffusers_config(model_cfg))
+    if ckpt_every:
+        model.enable_gradient_checkpointing()
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
+    return engine
+
+
+def forward(engine, inputs: dict) -> torch.Tensor:
+    """Call the wrapped diffusers model with fluxzero's `prepare_batch` inputs.
+
+    Shape: inputs as Flux.forward (img (B, L_img, 64), ids (B, L, 3), ...) -> (B, L_img, 64).
+    diffusers takes 2-D ids (shared by the batch) and multiplies timestep and guidance by 1000 itself.
+    """
+    return engine(
+        hidden_states=inputs["img"], encoder_hidden_states=inputs["txt"], pooled_projections=inputs["y"],
+        timestep=inputs["timesteps"], img_ids=inputs["img_ids"][0], txt_ids=inputs["txt_ids"][0],
+        guidance=inputs["guidance"], return_dict=False,
+    )[0]

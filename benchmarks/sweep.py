@@ -1,0 +1,767 @@
+"""Training-speed sweep: fluxzero (and the diffusers + DeepSpeed baseline) on synthetic cached latents.
+
+    PYTHONPATH=. python3 benchmarks/sweep.py --set lite1            # named set (see SETS / --list)
+    PYTHONPATH=. python3 benchmarks/sweep.py --model flux-dev-lite --zero 0,3 --mb 1,4 --res 512
+    PYTHONPATH=. python3 benchmarks/sweep.py --set cpu-test --device cpu   # the same code path on CPU
+
+Every configuration ("case") runs in its own `torch.distributed.run` process group with its own timeout,
+so an OOM or a hang costs one row, not the sweep. Each row is appended to $OUT/<set>.jsonl (or
+--out) as soon as it is measured, and a one-line summary is printed, so a sweep cut short still returns
+data. benchmarks/report.py turns the JSON lines into a markdown table and a plot.
+
+A step is the trainer's own path (fluxzero/train.py): flow.prepare_batch -> engine(**inputs) -> flow.loss
+-> engine.backward -> engine.step, on a fixed pair of synthetic batches from fluxzero.data's loader.
+The model and DeepSpeed engine come from fluxzero.engine.build_engine (checkpointing applied there) and
+the DeepSpeed config from fluxzero.ds_config; where either is missing, deepspeed.initialize is called
+directly with the same config dict (the row's `engine_api` / `ds_config_source` say which).
+
+Measurement: `warmup` steps, then `steps` timed steps, each from a synchronised start to a synchronised
+end (torch.cuda.synchronize); the row reports the median. Within a step CUDA events split the time into
+data (prepare_batch + host-to-device copy), forward (incl. loss), backward, optimizer step.
+FLOPs: ModelConfig.flops_per_sample(img_tokens, txt_tokens) is the forward cost of one sample (every
+linear layer on its real tokens, attention's two matmuls, per-sample modulation once). Training costs
+3x that (backward = 2x forward); recomputation by activation checkpointing is NOT counted, so MFU is
+"useful" work: MFU = 3 * F * micro_batch / step_time / peak, per GPU, with peak the bf16 dense matmul
+rate (8192^3, median of 20) measured once at the start of the same sweep.
+A row whose engine skipped steps (overflow / non-finite gradients) or whose loss went non-finite is
+marked invalid: its speed is not a training speed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+GIB = 1024**3
+OPTIMS = ("torch-fused", "torch", "deepspeed-fused")
+IMPLS = ("fluxzero", "diffusers")
+ATTENTION = ("flash", "auto", "cudnn", "efficient", "math")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cases and named sets
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    """One measured configuration. `gpus` is the number of ranks (processes on --device cpu)."""
+
+    impl: str = "fluxzero"
+    model: str = "flux-dev-lite"
+    gpus: int = 1
+    zero: int = 0
+    precision: str = "bf16"
+    ckpt: int = 1  # checkpoint every k-th block; 0 = off
+    mb: int = 1  # micro batch per GPU
+    res: int = 512  # image side in pixels: latent res/8, packed image tokens (res/16)^2
+    txt: int = 512  # T5 tokens
+    attn: str = "flash"
+    optim: str = "torch-fused"
+    zero_opts: dict = field(default_factory=dict)  # extra fluxzero.ds_config options, e.g. stage-3 buckets
+    env: dict = field(default_factory=dict)  # extra environment, e.g. PYTORCH_CUDA_ALLOC_CONF
+    warmup: int = 2
+    steps: int = 5
+    timeout: int = 120  # seconds for the whole case, start-up included
+    inject_oom: str = ""  # tests only: raise an OOM in this phase on rank 0
+
+    def __post_init__(self):
+        problems = []
+        if self.impl not in IMPLS:
+            problems.append(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.optim not in OPTIMS:
+            problems.append(f"optim must be one of {OPTIMS}, got {self.optim!r}")
+        if self.attn not in ATTENTION:
+            problems.append(f"attn must be one of {ATTENTION}, got {self.attn!r}")
+        if self.precision not in ("bf16", "fp16", "fp32"):
+            problems.append(f"precision must be bf16, fp16 or fp32, got {self.precision!r}")
+        if self.zero not in (0, 1, 2, 3):
+            problems.append(f"zero must be 0-3, got {self.zero}")
+        if self.res % 16:
+            problems.append(f"res must be a multiple of 16 pixels (8x VAE, 2x2 packing), got {self.res}")
+        if min(self.gpus, self.mb, self.txt, self.steps) < 1 or self.ckpt < 0 or self.warmup < 0:
+            problems.append("gpus, mb, txt, steps must be >= 1 and ckpt, warmup >= 0")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def latent(self) -> int:
+        return self.res // 8
+
+    @property
+    def img_tokens(self) -> int:
+        return (self.res // 16) ** 2
+
+    @property
+    def name(self) -> str:
+        short = {"fluxzero": "fz", "diffusers": "diffusers"}[self.impl]
+        model = self.model.replace("flux-", "")
+        parts = [short, model, f"z{self.zero}", self.precision, f"ck{self.ckpt}", f"mb{self.mb}", f"{self.res}px",
+                 self.attn, f"{self.gpus}g"]
+        if self.optim != "torch-fused":
+            parts.append(self.optim)
+        parts += [f"{k}={v}" for k, v in sorted(self.zero_opts.items())]
+        parts += [f"{k}={v}" for k, v in sorted(self.env.items())]
+        if self.inject_oom:
+            parts.append(f"inject-oom@{self.inject_oom}")
+        return " ".join(parts)
+
+
+def _cases(base: dict, rows: list[dict]) -> list[Case]:
+    return [Case(**{**base, **r}) for r in rows]
+
+
+def _lite1() -> list[Case]:
+    # one H200, flux-dev-lite (3.18B): ~15-25 s a case (start-up dominates), 15 cases
+    b = dict(model="flux-dev-lite", gpus=1, precision="bf16", attn="flash", warmup=2, steps=5, timeout=90)
+    sizes = [dict(mb=1, res=512), dict(mb=4, res=512), dict(mb=8, res=512), dict(mb=2, res=1024)]
+    return (
+        _cases({**b, "zero": 0, "ckpt": 1}, sizes)
+        + _cases(b, [dict(impl="diffusers", zero=0, ckpt=1, mb=8, res=512),
+                     dict(impl="diffusers", zero=3, ckpt=1, mb=4, res=512)])
+        + _cases({**b, "zero": 0, "ckpt": 0}, sizes)
+        + _cases({**b, "zero": 3, "ckpt": 1}, sizes)
+        + _cases(b, [dict(zero=0, ckpt=1, mb=8, res=512, attn="cudnn")])
+    )
+
+
+def _dev2() -> list[Case]:
+    # two H200s, flux-dev (11.9B) under ZeRO-3: ~45-75 s a case (12B init + 5 steps of 2-7 s)
+    b = dict(model="flux-dev", gpus=2, zero=3, precision="bf16", ckpt=1, attn="flash", warmup=2, steps=3,
+             timeout=150)
+    return _cases(b, [
+        dict(mb=16, res=512), dict(mb=8, res=1024), dict(impl="diffusers", mb=16, res=512),
+        dict(mb=4, res=512), dict(impl="diffusers", mb=4, res=512), dict(mb=4, res=1024), dict(mb=1, res=512),
+        # expected to run out of memory (12B bf16 weights + grads replicated): shows why ZeRO-3
+        dict(zero=2, mb=1, res=512, timeout=120),
+    ])
+
+
+def _scale() -> list[Case]:
+    # flux-dev-lite, 1 vs 2 GPUs at the same per-GPU micro batch
+    b = dict(model="flux-dev-lite", precision="bf16", attn="flash", ckpt=1, mb=8, res=512, warmup=2, steps=5,
+             timeout=90)
+    return _cases(b, [dict(zero=z, gpus=g) for z in (0, 2, 3) for g in (1, 2)])
+
+
+def _levers() -> list[Case]:
+    # one H200, flux-dev-lite ZeRO-0 mb 8 512 px: one lever changed per row against the first row
+    b = dict(model="flux-dev-lite", gpus=1, zero=0, precision="bf16", ckpt=1, mb=8, res=512, attn="flash",
+             warmup=2, steps=5, timeout=90)
+    return _cases(b, [
+        {}, dict(attn="cudnn"), dict(attn="auto"), dict(optim="torch"), dict(ckpt=2), dict(ckpt=3),
+        dict(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+        dict(optim="deepspeed-fused", timeout=180),  # JIT build of FusedAdam (~62 s) the first time
+    ])
+
+
+def _cpu(gpus=1, **kw) -> dict:
+    return dict(model="flux-tiny", gpus=gpus, precision="bf16", res=64, txt=16, attn="auto", warmup=1, steps=2,
+                timeout=120, **kw)
+
+
+def _cpu_test() -> list[Case]:
+    # --device cpu: the GPU sets' code path on flux-tiny (tests/test_benchmarks.py)
+    return [
+        Case(**_cpu(zero=3, ckpt=1, mb=2)),
+        Case(**_cpu(impl="diffusers", zero=3, ckpt=1, mb=2)),
+        Case(**_cpu(gpus=2, zero=2, ckpt=2, mb=1)),
+        # an OOM on rank 0 while rank 1 waits in the gradient all-reduce: the row must say "OOM at backward"
+        # and the sweep must go on after killing the hung rank
+        Case(**_cpu(gpus=2, zero=0, ckpt=0, mb=1, inject_oom="backward")),
+    ]
+
+
+SETS = {
+    "lite1": (_lite1, 350, "1 GPU, flux-dev-lite: ZeRO-0/3 x ckpt on/off x mb 1/4/8 @512 + mb 2 @1024, baseline x2"),
+    "dev2": (_dev2, 540, "2 GPUs, flux-dev ZeRO-3: 512 mb 1/4/16, 1024 mb 4/8, baseline mb 4/16, ZeRO-2 OOM"),
+    "scale": (_scale, 240, "1 vs 2 GPUs, flux-dev-lite mb 8 @512, ZeRO-0/2/3"),
+    "levers": (_levers, 330, "1 GPU, flux-dev-lite ZeRO-0 mb 8: attention, optimizer, ckpt every k, allocator"),
+    "cpu-test": (_cpu_test, 400, "--device cpu, flux-tiny: the same code path, for tests"),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker: one case, inside torch.distributed.run
+# ---------------------------------------------------------------------------------------------------------
+class _Phase:
+    """Where the worker is, for 'OOM at <phase>' and 'timeout at <phase>' rows."""
+
+    def __init__(self, rowdir: Path, rank: int):
+        self.rowdir, self.rank, self.name, self.persist = rowdir, rank, "start", True
+
+    def __call__(self, name: str):
+        self.name = name
+        if self.persist:  # not during timed steps: a file write there would be measured
+            (self.rowdir / f"phase{self.rank}").write_text(name)
+
+
+def _is_oom(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _ds_config(case: Case, world: int, model_cfg) -> tuple[dict, str]:
+    """DeepSpeed config dict from fluxzero's generator; a plain equivalent dict where it is unavailable."""
+    adam = {"torch-fused": "torch", "torch": "torch", "deepspeed-fused": "fused"}[case.optim]
+    try:
+        from fluxzero import ds_config as gen
+
+        opts = gen.options_from(model=case.model, micro_batch=case.mb, grad_accum=1, world_size=world,
+                                zero_stage=case.zero, precision=case.precision, checkpoint_every=case.ckpt,
+                                checkpoint_impl="torch", adam_impl=adam, gradient_clipping=1.0, scheduler="none",
+                                steps_per_print=10**9, **case.zero_opts)
+        ds, source = gen.build(opts), "fluxzero.ds_config"
+    except (ImportError, AttributeError, TypeError) as e:
+        ds = _plain_ds_config(case, world, model_cfg, adam)
+        source = f"plain dict ({type(e).__name__}: {e})"[:200]
+    if case.optim == "torch-fused":
+        # deepspeed 0.19.8 (engine.get_optimizer_configuration) passes every optimizer param left after
+        # popping torch_adam to torch.optim.AdamW: "fused" reaches it and picks the fused CUDA kernel.
+        ds["optimizer"]["params"]["fused"] = True
+    return ds, source
+
+
+def _plain_ds_config(case: Case, world: int, model_cfg, adam: str) -> dict:
+    z = {"stage": case.zero}
+    if case.zero in (1, 2):
+        z.update(overlap_comm=True, contiguous_gradients=True, reduce_scatter=True,
+                 reduce_bucket_size=200_000_000, allgather_bucket_size=200_000_000)
+    elif case.zero == 3:
+        h = model_cfg.hidden_size
+        z.update(overlap_comm=True, contiguous_gradients=True, reduce_bucket_size=h * h,
+                 stage3_prefetch_bucket_size=int(0.9 * h * h), stage3_param_persistence_threshold=10 * h,
+                 stage3_max_live_parameters=1_000_000_000, stage3_max_reuse_distance=1_000_000_000)
+    z.update(case.zero_opts)
+    ds = {
+        "train_batch_size": case.mb * world, "train_micro_batch_size_per_gpu": case.mb,
+        "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+        "wall_clock_breakdown": False, "zero_optimization": z,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                  "weight_decay": 0.01, "torch_adam": adam == "torch"}},
+        "fluxzero": {"activation_checkpointing": {"every_k_blocks": case.ckpt, "implementation": "torch"}},
+    }
+    if case.precision != "fp32":
+        ds[case.precision] = {"enabled": True}
+    return ds
+
+
+def _init_distributed():
+    """fluxzero.engine.init_distributed when present (it also skips DeepSpeed's CPU shm-op build)."""
+    try:
+        from fluxzero import engine as fz_engine
+
+        return fz_engine.init_distributed()
+    except (ImportError, AttributeError):
+        import importlib
+
+        import deepspeed
+        import torch
+        import torch.distributed as dist
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local)
+            device = torch.device("cuda", local)
+        else:
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+            device = torch.device("cpu")
+        deepspeed.init_distributed(verbose=False)
+        return dist.get_rank(), dist.get_world_size(), device
+
+
+def _build_fluxzero(case: Case, ds: dict, model_cfg, device, rowdir: Path):
+    """The trainer's engine builder; deepspeed.initialize directly with the same config if it is absent."""
+    import inspect
+
+    ours = ds.pop("fluxzero", {}) or {}
+    try:
+        from fluxzero import engine as fz_engine
+
+        params = list(inspect.signature(fz_engine.build_engine).parameters)
+        usable = params[:5] == ["cfg", "ds", "ours", "model_cfg", "device"]
+    except (ImportError, AttributeError):
+        usable = False
+    if usable:
+        from fluxzero.config import TrainConfig
+
+        tc = TrainConfig(deepspeed="<benchmark>", data="synthetic:", output_dir=str(rowdir), model=case.model,
+                         micro_batch=case.mb, precision=case.precision, attention=case.attn, seed=0,
+                         export_format=None)
+        return fz_engine.build_engine(tc, ds, ours, model_cfg, device), "fluxzero.engine.build_engine"
+    import deepspeed
+    import torch
+
+    from fluxzero.model import build_model
+
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=ds, enabled=case.zero == 3):
+        model = build_model(model_cfg, device=device)
+    _checkpoint_every(model, case.ckpt)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=ds)
+    return engine, "deepspeed.initialize (direct; fluxzero.engine.build_engine not usable)"
+
+
+def _checkpoint_every(model, k: int) -> None:
+    import functools
+
+    import torch.utils.checkpoint as cp
+
+    if k <= 0:
+        return
+    try:
+        from fluxzero.engine import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, k, "torch", {})
+        return
+    except (ImportError, AttributeError):
+        pass
+    for i, block in enumerate(list(model.double_blocks) + list(model.single_blocks)):
+        if i % k == 0:
+            block.forward = functools.partial(cp.checkpoint, block.forward, use_reentrant=False)
+
+
+def _synthetic_batches(case: Case, model_cfg, rank: int, world: int, device) -> list[dict]:
+    """Two micro batches per rank from fluxzero.data's synthetic source (cached-latent layout), kept in
+    (pinned) host memory and reused, so the data path costs what a prefetching loader costs."""
+    from fluxzero.data import build_dataloader
+
+    spec = (f"synthetic:n={2 * case.mb * world},hw={case.latent}x{case.latent},txt={case.txt},"
+            f"ctx={model_cfg.context_in_dim},vec={model_cfg.vec_in_dim},ch={model_cfg.latent_channels}")
+    loader = build_dataloader(spec, micro_batch=case.mb, rank=rank, world_size=world, seed=0,
+                              pin_memory=device.type == "cuda")
+    loader.set_epoch(0)
+    return list(loader)
+
+
+class _Clock:
+    """Phase marks: CUDA events on the device (no sync inside a step), perf_counter on CPU."""
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.torch = torch
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def mark(self):
+        if self.cuda:
+            e = self.torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def span(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+def run_case(case: Case, phase: _Phase) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from fluxzero import flow
+    from fluxzero.config import FlowConfig, get_model_config
+    from fluxzero.model.math import ATTENTION_BACKENDS, set_attention_backend
+
+    phase("init distributed")
+    t_start = time.perf_counter()
+    rank, world, device = _init_distributed()
+    if world != case.gpus:
+        raise RuntimeError(f"case wants {case.gpus} ranks but the process group has {world}")
+    model_cfg = get_model_config(case.model)
+    set_attention_backend(case.attn)
+    ds, ds_source = _ds_config(case, world, model_cfg)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[case.precision]
+
+    phase("data")
+    batches = _synthetic_batches(case, model_cfg, rank, world, device)
+
+    phase("model init")
+    t0 = time.perf_counter()
+    if case.impl == "fluxzero":
+        engine, engine_api = _build_fluxzero(case, ds, model_cfg, device, phase.rowdir)
+        call = lambda inputs: engine(**inputs)  # noqa: E731
+        sdpa = None  # fluxzero's attention applies the chosen backend itself
+    else:
+        import baseline_diffusers
+
+        ds.pop("fluxzero", None)
+        engine = baseline_diffusers.build_engine(model_cfg, ds, case.ckpt, device)
+        engine_api = "deepspeed.initialize (diffusers FluxTransformer2DModel, as users wrap it)"
+        call = lambda inputs: baseline_diffusers.forward(engine, inputs)  # noqa: E731
+        sdpa = ATTENTION_BACKENDS[case.attn]  # diffusers calls SDPA: restrict it the same way
+    clock = _Clock(device)
+    clock.sync()
+    init_s = time.perf_counter() - t0
+    mem_after_init = torch.cuda.memory_allocated(device) / GIB if device.type == "cuda" else None
+    skipped_before = int(getattr(engine, "skipped_steps", 0) or 0)
+
+    from contextlib import nullcontext
+
+    from torch.nn.attention import sdpa_kernel
+
+    flow_cfg = FlowConfig()
+    rows = []
+    for i in range(case.warmup + case.steps):
+        timed = i >= case.warmup
+        phase.persist = i == 0  # the first step's phases go to disk (a hang there is common), later ones not
+        phase("warm-up step" if not timed else "timed steps")
+        batch = batches[i % len(batches)]
+        clock.sync()
+        w0 = time.perf_counter()
+        m0 = clock.mark()
+        # the trainer's order: batch -> forward -> loss -> backward -> step
+        inputs, target = flow.prepare_batch(batch, flow_cfg, 0, i, guidance_embed=model_cfg.guidance_embed,
+                                            device=device, dtype=dtype)
+        m1 = clock.mark()
+        phase("forward")
+        with sdpa_kernel(sdpa) if sdpa else nullcontext():
+            pred = call(inputs)  # (B, L_img, 64)
+            loss = flow.loss(pred, target)
+            m2 = clock.mark()
+            phase("backward")
+            if case.inject_oom == "backward" and rank == 0:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected by the benchmark test)")
+            engine.backward(loss)
+        m3 = clock.mark()
+        phase("optimizer step")
+        engine.step()
+        m4 = clock.mark()
+        clock.sync()
+        wall = time.perf_counter() - w0
+        rows.append(dict(wall=wall, data=clock.span(m0, m1), fwd=clock.span(m1, m2), bwd=clock.span(m2, m3),
+                         opt=clock.span(m3, m4), loss=float(loss.detach()), timed=timed))
+    phase.persist = True
+    phase("report")
+    skipped = int(getattr(engine, "skipped_steps", 0) or 0) - skipped_before
+    mine = {
+        "rank": rank,
+        "peak_alloc_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda" else None,
+        "alloc_after_init_gib": mem_after_init,
+        "skipped_steps": skipped,
+        "losses": [r["loss"] for r in rows],
+    }
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank != 0:
+        return {"rank": rank, "ok": True}
+
+    timed = [r for r in rows if r["timed"]]
+    med = {k: statistics.median(r[k] for r in timed) for k in ("wall", "data", "fwd", "bwd", "opt")}
+    step_s = med["wall"]
+    flops = model_cfg.flops_per_sample(case.img_tokens, case.txt)
+    losses = [x for m in everyone for x in m["losses"]]
+    skipped_all = max(m["skipped_steps"] for m in everyone)
+    finite = all(x == x and abs(x) != float("inf") for x in losses)
+    peak = float(os.environ.get("FLUXZERO_BENCH_PEAK_TFLOPS", "0")) or None
+    tflops = 3 * flops * case.mb / step_s / 1e12
+    return {
+        "rank": 0, "ok": True,
+        "status": "ok" if finite and not skipped_all else ("skipped steps" if skipped_all else "non-finite loss"),
+        "valid": bool(finite and not skipped_all),
+        "step_s": step_s, "step_s_all": [r["wall"] for r in timed],
+        "data_s": med["data"], "fwd_s": med["fwd"], "bwd_s": med["bwd"], "opt_s": med["opt"],
+        "samples_per_s": case.mb * world / step_s,
+        "img_tokens_per_s": case.mb * world * case.img_tokens / step_s,
+        "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None, "peak_tflops": peak,
+        "flops_per_sample_fwd": flops,
+        "skipped_steps": skipped_all, "losses_rank0": everyone[0]["losses"],
+        "peak_alloc_gib": [m["peak_alloc_gib"] for m in everyone],
+        "peak_reserved_gib": [m["peak_reserved_gib"] for m in everyone],
+        "alloc_after_init_gib": [m["alloc_after_init_gib"] for m in everyone],
+        "init_s": init_s, "case_s": time.perf_counter() - t_start,
+        "engine_api": engine_api, "ds_config_source": ds_source, "ds_config": ds,
+        "versions": _versions(case, device),
+    }
+
+
+def _versions(case: Case, device) -> dict:
+    import deepspeed
+    import torch
+
+    v = {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "cuda": torch.version.cuda,
+         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    if case.impl == "diffusers":
+        import diffusers
+
+        v["diffusers"] = diffusers.__version__
+    return v
+
+
+def worker_main(case_json: str, rowdir: str) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    rowdir = Path(rowdir)
+    phase = _Phase(rowdir, rank)
+    case = Case(**json.loads(case_json))
+    sys.path.insert(0, str(HERE))  # baseline_diffusers
+    try:
+        out = run_case(case, phase)
+    except BaseException as e:  # noqa: BLE001 - every failure becomes this case's row
+        msg = f"OOM at {phase.name}" if _is_oom(e) else f"{type(e).__name__} at {phase.name}: {str(e)[:300]}"
+        (rowdir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "ok": False, "error": msg}))
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # no process-group teardown: the other ranks may be stuck in a collective
+    (rowdir / f"rank{rank}.json").write_text(json.dumps(out))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Peak: bf16 dense matmul, once per sweep
+# ---------------------------------------------------------------------------------------------------------
+def peak_main(device: str) -> int:
+    import torch
+
+    n, reps = (8192, 20) if device == "cuda" else (512, 5)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    times = []
+    for i in range(5 + reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if device == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            a @ b
+            e.record()
+            e.synchronize()
+            dt = s.elapsed_time(e) / 1e3
+        else:
+            a @ b
+            dt = time.perf_counter() - t0
+        if i >= 5:
+            times.append(dt)
+    print(json.dumps({"peak_tflops": 2 * n**3 / statistics.median(times) / 1e12, "n": n, "reps": reps,
+                      "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------
+def _kill(proc: subprocess.Popen) -> None:
+    """End the case's process group (torchrun and its ranks), which this driver started."""
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_one(case: Case, device: str, timeout: float, log_path: Path, env: dict, grace: float) -> dict:
+    """Launch one case under torch.distributed.run and turn whatever it left behind into a row."""
+    rowdir = Path(tempfile.mkdtemp(prefix="fzbench-"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}",
+           str(Path(__file__).resolve()), "--worker", json.dumps(dataclasses.asdict(case)), "--rowdir", str(rowdir)]
+    t0 = time.time()
+    outcome = "exit"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**env, **case.env},
+                                start_new_session=True, cwd=str(ROOT))
+        first_error = None
+        while proc.poll() is None:
+            time.sleep(0.25)
+            now = time.time()
+            if first_error is None and any("error" in _read_json(p) for p in rowdir.glob("rank*.json")):
+                first_error = now  # the other ranks are likely stuck in a collective: give them `grace`
+            if first_error is not None and now - first_error > grace:
+                outcome = "killed after error"
+                _kill(proc)
+            elif now - t0 > timeout:
+                outcome = "timeout"
+                _kill(proc)
+    wall = time.time() - t0
+    ranks = {p.name: _read_json(p) for p in sorted(rowdir.glob("rank*.json"))}
+    row = ranks.get("rank0.json", {})
+    if not (row.get("ok") and "status" in row):  # rank 0 measured the case: its row stands
+        errors = [r["error"] for r in ranks.values() if "error" in r]
+        oom = [e for e in errors if e.startswith("OOM")]
+        if oom or errors:
+            status = (oom or errors)[0]
+        elif outcome == "timeout":
+            phases = sorted({(rowdir / f).read_text() for f in os.listdir(rowdir) if f.startswith("phase")})
+            status = f"timeout after {timeout:.0f} s at {'/'.join(phases) or 'start-up'}"
+        else:
+            status = f"exit code {proc.returncode}: " + _tail(log_path)
+        row = {"status": status, "valid": False}
+    for f in rowdir.iterdir():
+        f.unlink()
+    rowdir.rmdir()
+    row["wall_s"] = wall
+    return row
+
+
+def _read_json(p: Path) -> dict:
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _tail(path: Path, n: int = 300) -> str:
+    text = path.read_text(errors="replace").strip().splitlines()
+    lines = [ln for ln in text if ln.strip() and not ln.startswith("[rank")][-3:]
+    return " | ".join(lines)[-n:]
+
+
+def summary(i: int, n: int, case: Case, row: dict) -> str:
+    head = f"[{i}/{n}] {case.name}:"
+    if row.get("status") != "ok":
+        extra = f" ({row['samples_per_s']:.2f} samples/s)" if "samples_per_s" in row else ""
+        return f"{head} {'INVALID ' if 'samples_per_s' in row else ''}{row['status']}{extra} [{row['wall_s']:.0f} s]"
+    mfu = f"MFU {100 * row['mfu']:.1f}%" if row.get("mfu") else f"{row['tflops_per_gpu']:.1f} TFLOP/s"
+    mem = max(x or 0 for x in row["peak_alloc_gib"])
+    res = max(x or 0 for x in row["peak_reserved_gib"])
+    return (f"{head} {row['samples_per_s']:.2f} samples/s, {mfu}, step {row['step_s']:.3f} s "
+            f"(data {row['data_s']:.3f} fwd {row['fwd_s']:.3f} bwd {row['bwd_s']:.3f} opt {row['opt_s']:.3f}), "
+            f"peak {mem:.1f}/{res:.1f} GiB alloc/reserved [{row['wall_s']:.0f} s]")
+
+
+def _measure_peak(device: str, env: dict) -> dict:
+    try:
+        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--peak", "--device", device],
+                           capture_output=True, text=True, timeout=120, env=env, cwd=str(ROOT))
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except Exception as e:  # noqa: BLE001 - a missing peak only leaves MFU empty
+        return {"peak_tflops": None, "error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def sweep(name: str, cases: list[Case], out_dir: Path, device: str, budget: float, grace: float,
+          peak_tflops: float | None = None) -> list[dict]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = out_dir / f"{name}.jsonl"
+    logs = out_dir / "logs" / name
+    logs.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    # FusedAdam (optim deepspeed-fused) is JIT-built once per machine, not once per case
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(tempfile.gettempdir()) / "fluxzero-torch-extensions"))
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # deprecation notes at every collective
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    t_start = time.time()
+    if peak_tflops is None:
+        peak = _measure_peak(device, env)
+        peak_tflops = peak.get("peak_tflops")
+        print(f"bf16 matmul peak: {peak_tflops and round(peak_tflops, 1)} TFLOP/s {peak}", flush=True)
+    env["FLUXZERO_BENCH_PEAK_TFLOPS"] = str(peak_tflops or 0)
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    rows = []
+    for i, case in enumerate(cases, 1):
+        left = budget - (time.time() - t_start)
+        if left < min(30, case.timeout):
+            row = {"status": f"not run (sweep budget {budget:.0f} s spent)", "valid": False, "wall_s": 0.0}
+        else:
+            log = logs / f"{i:02d}-{case.name.replace(' ', '_').replace('/', '-')}.log"
+            row = run_one(case, device, min(case.timeout, left), log, env, grace)
+        row = {"set": name, "index": i, "name": case.name, **dataclasses.asdict(case),
+               "img_tokens": case.img_tokens, "device_kind": device, "date": stamp, **row}
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(summary(i, len(cases), case, row), flush=True)
+        rows.append(row)
+    print(f"{name}: {len(rows)} rows in {time.time() - t_start:.0f} s -> {jsonl}", flush=True)
+    return rows
+
+
+def _csv(kind):
+    return lambda s: [kind(x) for x in s.split(",") if x != ""]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--set", choices=sorted(SETS), help="a named sweep (see --list)")
+    p.add_argument("--list", action="store_true", help="print the named sets and their cases, then exit")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench_out", help="folder for <set>.jsonl and logs")
+    p.add_argument("--name", help="file stem of the results (default: the set name, or 'custom')")
+    p.add_argument("--budget", type=float, help="seconds for the whole sweep; later cases are recorded as not run")
+    p.add_argument("--grace", type=float, default=15.0, help="seconds the other ranks get after one rank failed")
+    p.add_argument("--peak-tflops", type=float, help="skip the matmul measurement and use this peak")
+    p.add_argument("--only", help="run only cases whose name contains each of these comma-separated words")
+    g = p.add_argument_group("a custom sweep: the cartesian product of these comma-separated lists")
+    g.add_argument("--impl", type=_csv(str), default=["fluxzero"])
+    g.add_argument("--model", type=_csv(str), default=["flux-dev-lite"])
+    g.add_argument("--gpus", type=_csv(int), default=[1])
+    g.add_argument("--zero", type=_csv(int), default=[0])
+    g.add_argument("--precision", type=_csv(str), default=["bf16"])
+    g.add_argument("--ckpt", type=_csv(int), default=[1], help="checkpoint every k-th block; 0 = off")
+    g.add_argument("--mb", type=_csv(int), default=[1])
+    g.add_argument("--res", type=_csv(int), default=[512])
+    g.add_argument("--txt", type=int, default=512)
+    g.add_argument("--attn", type=_csv(str), default=["flash"])
+    g.add_argument("--optim", type=_csv(str), default=["torch-fused"])
+    g.add_argument("--warmup", type=int, default=2)
+    g.add_argument("--steps", type=int, default=5)
+    g.add_argument("--timeout", type=int, default=150, help="seconds per case")
+    # internal
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--rowdir", help=argparse.SUPPRESS)
+    p.add_argument("--peak", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.worker:
+        return worker_main(args.worker, args.rowdir)
+    if args.peak:
+        return peak_main(args.device)
+    if args.list:
+        for name, (fn, budget, doc) in SETS.items():
+            cases = fn()
+            print(f"{name} ({len(cases)} cases, budget {budget} s): {doc}")
+            for c in cases:
+                print(f"    {c.name}")
+        return 0
+    if args.set:
+        fn, budget, _ = SETS[args.set]
+        cases, name = fn(), args.name or args.set
+    else:
+        budget, name = 1e9, args.name or "custom"
+        cases = [Case(impl=i, model=m, gpus=g, zero=z, precision=p, ckpt=k, mb=b, res=r, txt=args.txt, attn=a,
+                      optim=o, warmup=args.warmup, steps=args.steps, timeout=args.timeout)
+                 for i, m, g, z, p, k, b, r, a, o in itertools.product(
+                     args.impl, args.model, args.gpus, args.zero, args.precision, args.ckpt, args.mb, args.res,
+                     args.attn, args.optim)]
+    if args.only:
+        words = args.only.split(",")
+        cases = [c for c in cases if all(w in c.name for w in words)]
+    if not cases:
+        print("no cases selected", file=sys.stderr)
+        return 2
+    sweep(name, cases, Path(args.out), args.device, args.budget or budget, args.grace, args.peak_tflops)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
