@@ -4,6 +4,7 @@ Only pure modules are imported at the top; deepspeed is imported by check-config
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -232,6 +233,9 @@ def check_config(file, hostfile, world_size, run_deepspeed):
     if cfg is not None:
         problems += ds_config.check(cfg, world)
     if not problems and run_deepspeed:
+        # importing deepspeed logs its accelerator choice on stdout; keep stdout for the problem lines
+        with contextlib.redirect_stdout(sys.__stderr__):
+            import deepspeed  # noqa: F401
         from fluxzero.ds_validate import deepspeed_problems
 
         problems += deepspeed_problems(cfg, world or ds_config.implied_world_size(cfg) or 1)

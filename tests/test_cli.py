@@ -1,0 +1,92 @@
+"""Every registered command: `--help` works, and every option is documented in README.md's Command reference.
+
+New commands are covered as soon as they are added to fluxzero.cli.COMMANDS.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from fluxzero.cli import COMMANDS, main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _commands():
+    """(path, click command) for every registered command and, for groups, every subcommand."""
+    ctx = click.Context(main)
+    out = []
+
+    def walk(path, cmd):
+        out.append((path, cmd))
+        if isinstance(cmd, click.Group):
+            for name in cmd.list_commands(ctx):
+                walk(path + [name], cmd.get_command(ctx, name))
+
+    for name in sorted(COMMANDS):
+        walk([name], main.get_command(ctx, name))
+    return out
+
+
+def _reference_sections() -> dict[str, str]:
+    """'### fluxzero <cmd ...>' heading -> its text, within '## Command reference'."""
+    text = README.read_text()
+    m = re.search(r"^## Command reference\s*$(.*?)(?=^## |\Z)", text, flags=re.M | re.S)
+    assert m, "README.md needs a '## Command reference' section"
+    sections = {}
+    for part in re.split(r"^(?=### )", m.group(1), flags=re.M):
+        head = re.match(r"### fluxzero ([\w-]+(?: [\w-]+)*)", part)
+        if head:
+            sections[head.group(1)] = part
+    return sections
+
+
+COMMAND_PATHS = [" ".join(path) for path, _ in _commands()]
+
+
+def test_commands_are_registered():
+    assert {"gen-config", "check-config"} <= set(COMMANDS)
+    r = CliRunner().invoke(main, ["--help"])
+    assert r.exit_code == 0
+    for name in COMMANDS:
+        assert name in r.output
+
+
+@pytest.mark.parametrize("path", COMMAND_PATHS)
+def test_help_works(path):
+    r = CliRunner().invoke(main, path.split() + ["--help"])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("Usage:") and "--help" in r.output
+
+
+@pytest.mark.parametrize("path", COMMAND_PATHS)
+def test_every_option_is_in_the_readme(path):
+    cmd = dict((" ".join(p), c) for p, c in _commands())[path]
+    sections = _reference_sections()
+    words = path.split()
+    # options of `cache build` may be documented under '### fluxzero cache build' or '### fluxzero cache'
+    text = "\n".join(t for head, t in sections.items() if head.split() == words[:len(head.split())])
+    assert text, f"README.md's Command reference has no '### fluxzero {path}' subsection"
+    missing = []
+    for param in cmd.params:
+        if not isinstance(param, click.Option) or param.hidden:
+            continue
+        for opt in param.opts + param.secondary_opts:
+            if opt in ("-h", "--help"):
+                continue
+            if not re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", text):
+                missing.append(opt)
+    assert not missing, f"document these options of `fluxzero {path}` in README.md: {', '.join(missing)}"
+
+
+def test_the_readme_check_can_fail():
+    """The option search must not be fooled by prefixes (--lr inside --lr-warmup) or by other sections."""
+    sections = _reference_sections()
+    text = sections["gen-config"]
+    assert re.search(r"(?<![\w-])--lr(?![\w-])", text)
+    assert not re.search(r"(?<![\w-])--lr(?![\w-])", "use --lr-warmup here")
+    assert "--ssh-timeout" not in text  # a doctor option: sections do not leak into each other
