@@ -125,3 +125,28 @@ def test_attention_backends_agree_on_cpu():
             fmath.set_attention_backend("xformers")
     finally:
         fmath.set_attention_backend("auto")
+
+
+def test_attention_backend_survives_outside_flag_changes():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = (torch.randn(1, 2, 5, 16) for _ in range(3))
+    pe = fmath.rope(torch.zeros(1, 5, 3), (4, 6, 6), 10_000)
+
+    def bmm_flops():
+        with FlopCounterMode(display=False) as fc:
+            fmath.attention(q, k, v, pe)
+        return fc.get_total_flops()  # attention has no other matmul
+
+    try:
+        fmath.set_attention_backend("math")  # math decomposes into bmm's; CPU flash is one opaque op
+        assert torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+        assert bmm_flops() == 2 * 2 * (2 * 5 * 5 * 16)
+        torch.backends.cuda.enable_math_sdp(False)  # someone else changes the global flags
+        torch.backends.cuda.enable_flash_sdp(True)
+        assert bmm_flops() == 2 * 2 * (2 * 5 * 5 * 16)  # still math, through sdpa_kernel
+        assert torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.math_sdp_enabled()  # restored
+        fmath.set_attention_backend("auto")
+        assert bmm_flops() == 0 and not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        fmath.set_attention_backend("auto")

@@ -22,18 +22,36 @@ ATTENTION_BACKENDS: dict[str, list[SDPBackend]] = {
 }
 _backends: list[SDPBackend] = ATTENTION_BACKENDS["auto"]
 _backend_name = "auto"
+_FLAGS = (  # (backend, global getter, global setter) for the backends a name can allow
+    (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.enable_flash_sdp),
+    (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled,
+     torch.backends.cuda.enable_mem_efficient_sdp),
+    (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled, torch.backends.cuda.enable_math_sdp),
+    (SDPBackend.CUDNN_ATTENTION, torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.enable_cudnn_sdp),
+)
 
 
 def set_attention_backend(name: str) -> None:
-    """Choose which SDPA kernels `attention` may use (process-wide): auto, flash, efficient, cudnn or math."""
+    """Choose which SDPA kernels `attention` may use: auto, flash, efficient, cudnn or math.
+
+    Also sets torch's process-wide SDPA flags to match, so `attention` can call SDPA directly; if anything
+    changes those flags later, `attention` falls back to entering `sdpa_kernel` around each call.
+    """
     global _backends, _backend_name
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of: {', '.join(ATTENTION_BACKENDS)}")
     _backends, _backend_name = ATTENTION_BACKENDS[name], name
+    for backend, _, enable in _FLAGS:
+        enable(backend in _backends)
 
 
 def get_attention_backend() -> str:
     return _backend_name
+
+
+def _flags_match() -> bool:
+    # ~1 us; entering sdpa_kernel reads and writes every flag twice through a generator (~20-90 us a call).
+    return all(enabled() == (backend in _backends) for backend, enabled, _ in _FLAGS)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, pe: Tensor) -> Tensor:
@@ -42,9 +60,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, pe: Tensor) -> Tensor:
     Shape: q, k, v (B, H, L, D); pe (B, 1, L, D/2, 2) -> (B, L, H*D)
     """
     q, k = apply_rope(q, pe), apply_rope(k, pe)  # (B, H, L, D)
-    # The context manager only flips a few global flags (a few microseconds), negligible next to a block.
-    with sdpa_kernel(_backends):
+    if _flags_match():
         x = F.scaled_dot_product_attention(q, k, v)  # (B, H, L, D)
+    else:
+        with sdpa_kernel(_backends):
+            x = F.scaled_dot_product_attention(q, k, v)  # (B, H, L, D)
     return x.transpose(1, 2).flatten(2)  # (B, L, H*D)
 
 

@@ -104,9 +104,12 @@ def _split_sizes(bfl_key: str, t: Tensor, hidden: int) -> list[int]:
     return [t.shape[0] // 3] * 3
 
 
-def bfl_to_diffusers(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Rename and split a BFL-named state dict into diffusers' FluxTransformer2DModel names."""
-    hidden = state_dict["img_in.weight"].shape[0]
+def bfl_to_diffusers(state_dict: dict[str, Tensor], hidden_size: int | None = None) -> dict[str, Tensor]:
+    """Rename and split a BFL-named state dict into diffusers' FluxTransformer2DModel names.
+
+    `hidden_size` is read from img_in when not given (needed to split single-block linear1).
+    """
+    hidden = hidden_size or state_dict["img_in.weight"].shape[0]
     out = {}
     for key, t in state_dict.items():
         names, how = diffusers_names(key)
