@@ -1,0 +1,356 @@
+"""The DeepSpeed side of training (the only training module that imports deepspeed).
+
+Distributed init, model construction (partitioned under ZeRO-3), pretrained weight load into the
+partitioned model, activation checkpointing applied from outside, checkpoint save / load, export.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import importlib
+import json
+import logging
+import os
+import random
+import shutil
+import socket
+from pathlib import Path
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from fluxzero.config import ModelConfig, TrainConfig
+
+CHECKPOINTING = ("torch", "deepspeed")
+
+
+class TrainingError(RuntimeError):
+    """A user-facing training failure; the message is one sentence that says what to change."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Distributed setup
+# ---------------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join (or create) the process group; returns (rank, world_size, device).
+
+    Works under the deepspeed launcher, torchrun and a plain `python` start: with no launcher the rank
+    variables are set for a one-process group here, so DeepSpeed does not try MPI discovery.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    for name in ("deepspeed", "DeepSpeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    accel = get_accelerator()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if accel.device_name() == "cpu":
+        # DeepSpeed compiles a shared-memory allreduce op (~60 s) at every CPU start; training uses gloo.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        if "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores: do not oversubscribe them
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    else:
+        accel.set_device(local_rank)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(verbose=False)
+    device = torch.device(accel.device_name(local_rank) if accel.device_name() != "cpu" else "cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DeepSpeed config
+# ---------------------------------------------------------------------------------------------------------
+def load_ds_config(path: str, cfg: TrainConfig, world_size: int) -> tuple[dict, dict]:
+    """Read the DeepSpeed JSON, check it against the run file, fill batch sizes, split off "fluxzero".
+
+    Returns (deepspeed_dict, fluxzero_section).
+    """
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except FileNotFoundError:
+        raise TrainingError(f"DeepSpeed config {path} does not exist; write one with `fluxzero gen-config`") from None
+    except json.JSONDecodeError as e:
+        raise TrainingError(f"DeepSpeed config {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    ours = ds.pop("fluxzero", {}) or {}
+    cfg.check_deepspeed(ds, world_size, source=f"DeepSpeed config {path}")
+    ds["train_micro_batch_size_per_gpu"] = cfg.micro_batch
+    ds["gradient_accumulation_steps"] = cfg.grad_accum
+    ds["train_batch_size"] = cfg.global_batch(world_size)
+    ac = ours.get("activation_checkpointing", {}) or {}
+    if ac.get("implementation", "torch") not in CHECKPOINTING:
+        raise TrainingError(f"DeepSpeed config {path}: fluxzero.activation_checkpointing.implementation must be "
+                            f"'torch' or 'deepspeed', got {ac.get('implementation')!r}")
+    if int(ac.get("every_k_blocks", 0)) < 0:
+        raise TrainingError(f"DeepSpeed config {path}: fluxzero.activation_checkpointing.every_k_blocks must be >= 0")
+    return ds, ours
+
+
+def zero_stage(ds: dict) -> int:
+    return int((ds.get("zero_optimization") or {}).get("stage", 0))
+
+
+def param_dtype(ds: dict) -> torch.dtype:
+    if (ds.get("bf16") or {}).get("enabled"):
+        return torch.bfloat16
+    if (ds.get("fp16") or {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model under ZeRO
+# ---------------------------------------------------------------------------------------------------------
+def build_engine(cfg: TrainConfig, ds: dict, ours: dict, model_cfg: ModelConfig, device: torch.device):
+    """Model (partitioned at construction under ZeRO-3), weights, checkpointing -> DeepSpeed engine."""
+    from fluxzero.model import build_model
+
+    stage = zero_stage(ds)
+    torch.manual_seed(cfg.seed)  # identical random init on every rank (ZeRO-3 then keeps each rank's slice)
+    # Under ZeRO-3, zero.Init partitions every parameter as its module is constructed: no rank ever holds
+    # the whole model. Below stage 3 each rank holds a full copy anyway.
+    with deepspeed.zero.Init(config_dict_or_path=ds, enabled=stage == 3):
+        model = build_model(model_cfg, device="cpu" if stage == 3 else device)
+    if cfg.weights:
+        load_pretrained(model, cfg.weights, model_cfg, partitioned=stage == 3)
+    ac = ours.get("activation_checkpointing", {}) or {}
+    apply_activation_checkpointing(model, int(ac.get("every_k_blocks", 0)), ac.get("implementation", "torch"), ds)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
+    return engine
+
+
+@torch.no_grad()
+def load_pretrained(model: torch.nn.Module, path: str, model_cfg: ModelConfig, partitioned: bool) -> None:
+    """Copy pretrained weights into `model`; under ZeRO-3 module by module into the partitioned params.
+
+    Partitioned: only rank 0 reads the file, one tensor at a time; each module's own parameters are
+    gathered to full shape for the copy (GatheredParameters, modifier_rank=0) and re-partitioned on exit,
+    so no rank ever holds more than one module whole.
+    """
+    from fluxzero.model.weights import iter_weights, load_weights
+
+    if not partitioned:
+        model.load_state_dict(load_weights(path, cfg=model_cfg, dtype=torch.float32), strict=True)
+        return
+    rank = dist.get_rank()
+    tensors, error = None, [None]
+    if rank == 0:
+        try:  # iter_weights checks names and shapes of the whole file before the first read
+            tensors = iter_weights(path, cfg=model_cfg, dtype=torch.float32)
+            pending = dict([next(tensors)])
+        except (ValueError, OSError) as e:
+            error = [str(e)]
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise TrainingError(error[0])
+
+    def take(key):
+        while key not in pending:
+            k, v = next(tensors)
+            pending[k] = v
+        return pending.pop(key)
+
+    for name, module in model.named_modules():
+        local = list(module.named_parameters(recurse=False))
+        if not local:
+            continue
+        with deepspeed.zero.GatheredParameters([p for _, p in local], modifier_rank=0):
+            if rank == 0:
+                for pname, p in local:
+                    p.data.copy_(take(f"{name}.{pname}" if name else pname))
+
+
+def _checkpointed(checkpoint_fn, forward, *args):
+    return checkpoint_fn(forward, *args)
+
+
+def apply_activation_checkpointing(model, every_k: int, implementation: str, ds: dict) -> int:
+    """Recompute every k-th transformer block (double then single) in backward; returns how many.
+
+    Applied from outside: the block's bound forward is wrapped, so parameter names (and checkpoints)
+    do not change. Blocks take only positional tensors, which both implementations require.
+    """
+    if every_k <= 0:
+        return 0
+    if implementation == "deepspeed":
+        ac = ds.get("activation_checkpointing") or {}
+        deepspeed.checkpointing.configure(
+            None, partition_activations=bool(ac.get("partition_activations", False)),
+            checkpoint_in_cpu=bool(ac.get("cpu_checkpointing", False)), synchronize=False, profile=False)
+        fn = deepspeed.checkpointing.checkpoint
+    else:
+        fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    blocks = list(model.double_blocks) + list(model.single_blocks)
+    count = 0
+    for i, block in enumerate(blocks):
+        if i % every_k == 0:
+            block.forward = functools.partial(_checkpointed, fn, block.forward)
+            count += 1
+    return count
+
+
+def set_lr(engine, lr: float) -> None:
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------------------
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def latest_tag(ckpt_dir: str | Path) -> str | None:
+    p = Path(ckpt_dir) / "latest"
+    return p.read_text().strip() if p.is_file() else None
+
+
+def save_checkpoint(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, run_config_text: str,
+                    ds: dict) -> str:
+    """Save step `step` as tag step_XXXXXXXX; `latest` moves to it only after every rank finished.
+
+    A failure while writing (disk full, ...) leaves `latest` on the previous, complete checkpoint.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    rank = dist.get_rank()
+    tag = f"step_{step:08d}"
+    tag_dir = ckpt_dir / tag
+    previous = latest_tag(ckpt_dir)
+    if rank == 0:
+        if tag_dir.exists() and tag != previous:  # left over from an interrupted save: never the latest
+            shutil.rmtree(tag_dir)
+        tag_dir.mkdir(parents=True, exist_ok=True)
+    barrier()
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+        buf = _torch_bytes({**trainer_state, "rng": rng_state(), "world_size": dist.get_world_size()})
+        _atomic_write(tag_dir / f"trainer_state_rank{rank}.pt", buf)
+        if rank == 0:
+            _atomic_write(tag_dir / "run.yaml", run_config_text.encode())
+            _atomic_write(tag_dir / "ds_config.json", json.dumps(ds, indent=2).encode())
+        barrier()
+        if rank == 0:
+            _atomic_write(ckpt_dir / "latest", tag.encode())
+    except OSError as e:
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        raise TrainingError(f"could not save checkpoint {tag} in {ckpt_dir} ({e.strerror or e}); {kept}, "
+                            f"free disk space or change output_dir and resume") from None
+    barrier()
+    return str(tag_dir)
+
+
+def _torch_bytes(obj) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def load_checkpoint(engine, ckpt_dir: str | Path) -> dict | None:
+    """Restore the latest complete checkpoint (model, optimizer, this rank's RNG); returns the trainer state."""
+    ckpt_dir = Path(ckpt_dir)
+    tag = latest_tag(ckpt_dir)
+    if tag is None:
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state_file = ckpt_dir / tag / f"trainer_state_rank{rank}.pt"
+    if not state_file.is_file():
+        raise TrainingError(f"checkpoint {ckpt_dir / tag} has no state for rank {rank}; resume with the world "
+                            f"size it was saved with")
+    state = torch.load(state_file, weights_only=False)
+    if state["world_size"] != world:
+        raise TrainingError(f"checkpoint {ckpt_dir / tag} was saved by {state['world_size']} ranks but {world} are "
+                            f"running; resume with {state['world_size']} ranks (or convert it with DeepSpeed's "
+                            f"ds_to_universal)")
+    path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
+                                     load_lr_scheduler_states=True)
+    if path is None:
+        raise TrainingError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
+    set_rng_state(state["rng"])
+    return state
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Export
+# ---------------------------------------------------------------------------------------------------------
+def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
+    """A checkpoints folder (uses `latest`) or one tag folder inside it -> (checkpoints folder, tag)."""
+    path = Path(path)
+    if (path / "latest").is_file():
+        return path, latest_tag(path)
+    if (path / "checkpoints" / "latest").is_file():  # the run's output_dir
+        return path / "checkpoints", latest_tag(path / "checkpoints")
+    if (path / "mp_rank_00_model_states.pt").is_file():
+        return path.parent, path.name
+    raise TrainingError(f"{path} is not a fluxzero checkpoint (no 'latest' file and no DeepSpeed model states)")
+
+
+def consolidated_state_dict(path: str | Path) -> tuple[dict, Path]:
+    """Full fp32 weights from a checkpoint of any ZeRO stage (DeepSpeed's own zero_to_fp32 consolidation).
+
+    Returns (state_dict, tag folder).
+    """
+    ckpt_dir, tag = resolve_checkpoint(path)
+    tag_dir = ckpt_dir / tag
+    if glob.glob(str(tag_dir / "*zero_pp_rank_*optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+    else:  # ZeRO stage 0 in fp32: the module states file holds the full weights
+        sd = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    return {k: v.float() for k, v in sd.items()}, tag_dir
+
+
+def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dtype: str = "bf16") -> str:
+    """Consolidate a checkpoint and write safetensors in the BFL, diffusers or ComfyUI layout."""
+    from fluxzero.model.weights import save_weights
+
+    import yaml
+
+    from fluxzero.config import get_model_config
+
+    sd, tag_dir = consolidated_state_dict(path)
+    run = tag_dir / "run.yaml"
+    cfg = get_model_config(yaml.safe_load(run.read_text())["model"]) if run.is_file() else None
+    save_weights(sd, str(out), layout=layout, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], cfg=cfg)
+    return str(out)

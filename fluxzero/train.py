@@ -1,0 +1,196 @@
+"""Training entry: `main(argv)` parses the run file and overrides, `train(cfg)` runs the loop.
+
+    python launch/train.py --config launch/tiny.yaml [key=value ...]
+    torchrun --nproc_per_node 2 launch/train.py --config launch/tiny.yaml steps=20 flow.shift=none
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from fluxzero import engine as ds_engine
+from fluxzero import flow
+from fluxzero.config import TrainConfig, get_model_config
+from fluxzero.data import DataError, build_dataloader
+from fluxzero.metrics import Metrics
+from fluxzero.model.math import set_attention_backend
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Run file
+# ---------------------------------------------------------------------------------------------------------
+def _parse_value(text: str):
+    return yaml.safe_load(text) if text.strip() else ""
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
+    """YAML run file + `key=value` overrides (dotted keys for sections, e.g. flow.shift=none)."""
+    data = {}
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ValueError(f"run file {path} does not exist") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"run file {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"run file {path} must be a mapping of settings")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r} must look like key=value")
+        *parents, leaf = key.strip().split(".")
+        node = data
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = _parse_value(value)
+    return TrainConfig.from_dict(data)
+
+
+def config_text(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loop
+# ---------------------------------------------------------------------------------------------------------
+def _batches(loader):
+    """(epoch, batch) forever, continuing from the loader's (possibly restored) position."""
+    epoch = loader.epoch
+    while True:
+        loader.set_epoch(epoch)
+        for batch in loader:
+            yield epoch, batch
+        epoch += 1
+
+
+def _mean_across_ranks(value: torch.Tensor) -> float:
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train as configured; returns {"losses": [...], "step", "checkpoint", "export"}."""
+    rank, world, device = ds_engine.init_distributed()
+    set_attention_backend(cfg.attention)
+    ds, ours = ds_engine.load_ds_config(cfg.deepspeed, cfg, world)
+    model_cfg = get_model_config(cfg.model)
+    loader = build_dataloader(cfg.data, micro_batch=cfg.micro_batch, rank=rank, world_size=world, seed=cfg.seed,
+                              num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
+    loader.check_model(model_cfg)
+    total = cfg.total_steps(len(loader))
+    ckpt_dir = Path(cfg.output_dir) / "checkpoints"
+    engine = ds_engine.build_engine(cfg, ds, ours, model_cfg, device)
+    state = ds_engine.load_checkpoint(engine, ckpt_dir) if cfg.resume else None
+    if state:
+        loader.load_state_dict(state["loader"])
+    step = state["step"] if state else 0
+    own_schedule = "scheduler" not in ds  # otherwise DeepSpeed's scheduler drives the lr
+    base_lr = ds["optimizer"].get("params", {}).get("lr", 1e-3)
+    dtype = ds_engine.param_dtype(ds)
+    h, w = loader.dims["latent_sizes"][0]
+    tokens = (h // 2) * (w // 2) + loader.dims["t5_len"]
+    fps = getattr(model_cfg, "flops_per_sample", None)
+    metrics = Metrics(cfg.output_dir, rank, world, device, total, step, cfg.global_batch(world),
+                      fps((h // 2) * (w // 2), loader.dims["t5_len"]) if fps else None, dtype)
+    batches = _batches(loader)
+    stop = min(total, cfg.stop_after) if cfg.stop_after else total
+    losses, saved_step, result = [], step if state else None, {}
+    try:
+        while step < stop:
+            metrics.step_started()
+            # lr -> batch -> forward -> loss -> backward -> step -> log -> checkpoint
+            if own_schedule:
+                ds_engine.set_lr(engine, base_lr * cfg.lr_factor(step, total))
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(cfg.grad_accum):
+                epoch, batch = next(batches)
+                inputs, target = flow.prepare_batch(batch, cfg.flow, cfg.seed, epoch,
+                                                    guidance_embed=model_cfg.guidance_embed, device=device, dtype=dtype)
+                pred = engine(**inputs)  # (B, L_img, 64)
+                loss = flow.loss(pred, target)
+                engine.backward(loss)
+                loss_sum += loss.detach()
+                if micro < cfg.grad_accum - 1:
+                    engine.step()  # inside accumulation: DeepSpeed only counts the micro step
+            mean_loss = _mean_across_ranks(loss_sum) / cfg.grad_accum
+            if not math.isfinite(mean_loss):
+                raise ds_engine.TrainingError(
+                    f"loss is {mean_loss} at step {step + 1}; stopped before applying that update and without "
+                    f"saving (last checkpoint: {ds_engine.latest_tag(ckpt_dir) or 'none'}); lower the lr, "
+                    f"raise gradient clipping or check the data")
+            engine.step()
+            step += 1
+            losses.append(mean_loss)
+            norm = engine.get_global_grad_norm()
+            metrics.log(step, mean_loss, engine.get_lr()[0], None if norm is None else float(norm),
+                        engine.skipped_steps, tokens, log=step % cfg.log_every == 0 or step == stop)
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < stop:
+                ds_engine.save_checkpoint(engine, ckpt_dir, step, {"step": step, "loader": loader.state_dict()},
+                                          config_text(cfg), ds)
+                saved_step = step
+        if saved_step != step:
+            ds_engine.save_checkpoint(engine, ckpt_dir, step, {"step": step, "loader": loader.state_dict()},
+                                      config_text(cfg), ds)
+        result = {"losses": losses, "step": step, "checkpoint": str(ckpt_dir / ds_engine.latest_tag(ckpt_dir))}
+        if cfg.export_format and step >= total:
+            out = Path(cfg.output_dir) / ("export" if cfg.export_format == "diffusers" else "export.safetensors")
+            if rank == 0:
+                ds_engine.export_checkpoint(ckpt_dir, out, cfg.export_format, cfg.export_dtype)
+            ds_engine.barrier()
+            result["export"] = str(out)
+    finally:
+        metrics.close()
+        engine.destroy()
+    if rank == 0:
+        print(f"done: step {step}/{total}, checkpoint {result['checkpoint']}"
+              + (f", export {result['export']}" if "export" in result else ""), file=sys.stderr)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Entry
+# ---------------------------------------------------------------------------------------------------------
+OOM_HINT = ("out of GPU memory; lower micro_batch (raise grad_accum to keep the batch), checkpoint more "
+            "blocks (fluxzero.activation_checkpointing.every_k_blocks: 1), use ZeRO-3 or CPU offload, and "
+            "check the plan with `fluxzero estimate`")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="launch/train.py", description="Fine-tune FLUX.1 with DeepSpeed.")
+    p.add_argument("--config", required=True, help="YAML run file (see launch/tiny.yaml)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                   help="set by the deepspeed launcher; ignored (LOCAL_RANK is read from the environment)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="run-file overrides, e.g. steps=50 flow.shift=none")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        train(load_config(args.config, args.overrides))
+        return 0
+    except (ds_engine.TrainingError, DataError, ValueError) as e:
+        if os.environ.get("FLUXZERO_DEBUG"):
+            raise
+        _report(str(e))
+    except torch.OutOfMemoryError:
+        _report(OOM_HINT)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 1
+
+
+def _report(msg: str) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    prefix = f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
+    print(f"{prefix}error: {msg}", file=sys.stderr)
