@@ -12,8 +12,9 @@ A shard holds, for its n samples (row i = one sample):
     t5       (n, L, D)      T5 encoder output, padded to L tokens (D = 4096 for T5-XXL)
     clip     (n, V)         CLIP pooled output (V = 768 for CLIP-L)
     t5_len   (n,) int32     real (unpadded) token count of each caption
-    header metadata: "format", "version", "captions" (JSON list of n strings),
-                     "samples" (JSON list of n dicts: source file, flip, ...; may be absent)
+    header metadata: one key "fluxzero" whose value is JSON {"format", "version", "captions": [n strings],
+                     "samples": [n dicts: source file, flip, ...]} (one key, because safetensors writes
+                     several metadata keys in a random order and shards must be byte-reproducible)
 
 The manifest lists the shards in order (file, num_samples, latent_hw, bytes, sha256, text_lens), the
 dims, the per-bucket sample counts and, under "cache", how the shards were made. Global sample index =
@@ -33,6 +34,7 @@ FORMAT = "fluxzero-shards"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_TENSORS = ("latents", "t5", "clip", "t5_len")
+META_KEY = "fluxzero"
 _DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _RECREATE = "re-create the shards with `fluxzero cache`"
 
@@ -85,14 +87,9 @@ def write_shard(path, samples: list[dict], dtype="float32") -> dict:
         "clip": torch.stack([s["clip"].detach().to("cpu", tdtype) for s in samples]).contiguous(),
         "t5_len": torch.tensor(text_lens, dtype=torch.int32),
     }
-    metadata = {
-        "format": FORMAT,
-        "version": str(FORMAT_VERSION),
-        "captions": json.dumps([s.get("caption", "") for s in samples], ensure_ascii=False),
-    }
-    if any(s.get("meta") for s in samples):
-        metadata["samples"] = json.dumps([s.get("meta") or {} for s in samples], ensure_ascii=False)
-    data = save(tensors, metadata=metadata)
+    info = {"format": FORMAT, "version": FORMAT_VERSION, "captions": [s.get("caption", "") for s in samples],
+            "samples": [s.get("meta") or {} for s in samples]}
+    data = save(tensors, metadata={META_KEY: json.dumps(info, ensure_ascii=False)})
     path = Path(path)
     atomic_write_bytes(path, data)
     return {
@@ -282,8 +279,12 @@ def check_shard(data_dir, record: dict, dims: dict) -> None:
         got = header.get(key, {}).get("shape")
         if got != shape:
             raise DataError(f"shard {path} holds {key} of shape {got} but the manifest implies {shape}; {_RECREATE}.")
-    if meta.get("version") != str(FORMAT_VERSION):
-        raise DataError(f"shard {path} has format version {meta.get('version')!r}, expected {FORMAT_VERSION}; {_RECREATE}.")
+    try:
+        version = json.loads(meta[META_KEY])["version"]
+    except (KeyError, TypeError, ValueError):
+        raise DataError(f"shard {path} has no fluxzero metadata in its header; {_RECREATE}.") from None
+    if version != FORMAT_VERSION:
+        raise DataError(f"shard {path} has format version {version!r}, expected {FORMAT_VERSION}; {_RECREATE}.")
 
 
 def verify_shards(data_dir, checksum: bool = True) -> dict:
@@ -320,10 +321,11 @@ class ShardSource:
             total += r["num_samples"]
         self.num_samples = total
         self._handles: dict[int, object] = {}
+        self._infos: dict[int, dict] = {}
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_handles"] = {}
+        state["_handles"], state["_infos"] = {}, {}
         return state
 
     def __len__(self) -> int:
@@ -344,9 +346,19 @@ class ShardSource:
         s = bisect.bisect_right(self._starts, i) - 1
         return s, i - self._starts[s]
 
+    def _info(self, s: int) -> dict:
+        if s not in self._infos:
+            self._infos[s] = json.loads(self._handle(s).metadata()[META_KEY])
+        return self._infos[s]
+
     def caption(self, i: int) -> str:
         s, row = self._locate(i)
-        return json.loads(self._handle(s).metadata()["captions"])[row]
+        return self._info(s)["captions"][row]
+
+    def sample_meta(self, i: int) -> dict:
+        """What the writer recorded about sample i (for `fluxzero cache`: file, flip, caption_dropped, ...)."""
+        s, row = self._locate(i)
+        return self._info(s)["samples"][row]
 
     def _handle(self, s: int):
         from safetensors import safe_open

@@ -1,0 +1,99 @@
+"""`fluxzero cache`: encode a folder of images and captions into training shards."""
+from __future__ import annotations
+
+import click
+
+_DIR = click.Path(file_okay=False, path_type=str)
+
+
+@click.command("cache")
+@click.argument("images_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("out_dir", type=_DIR)
+@click.option("--flux-dir", type=_DIR, default=None,
+              help="Local FLUX.1 diffusers folder: vae/, text_encoder/ (CLIP), text_encoder_2/ (T5), tokenizer/, tokenizer_2/.")
+@click.option("--vae", type=_DIR, default=None, help="diffusers AutoencoderKL folder (overrides FLUX_DIR/vae).")
+@click.option("--t5", type=_DIR, default=None, help="transformers T5EncoderModel folder (overrides FLUX_DIR/text_encoder_2).")
+@click.option("--clip", type=_DIR, default=None, help="transformers CLIPTextModel folder (overrides FLUX_DIR/text_encoder).")
+@click.option("--t5-tokenizer", type=_DIR, default=None, help="T5 tokenizer folder (overrides FLUX_DIR/tokenizer_2).")
+@click.option("--clip-tokenizer", type=_DIR, default=None, help="CLIP tokenizer folder (overrides FLUX_DIR/tokenizer).")
+@click.option("--variant", type=click.Choice(["dev", "schnell"]), default="dev", show_default=True,
+              help="FLUX.1 variant: sets the T5 length (dev 512 tokens, schnell 256).")
+@click.option("--t5-max-length", type=click.IntRange(min=1), default=None,
+              help="T5 tokens per caption (padded); overrides the variant's length.")
+@click.option("--resolution", type=click.IntRange(min=16), default=1024, show_default=True,
+              help="Bucket pixel area is at most RESOLUTION squared; a multiple of 16.")
+@click.option("--min-side", type=click.IntRange(min=16), default=None,
+              help="Smallest bucket side in pixels, a multiple of 16  [default: resolution/4].")
+@click.option("--max-aspect", type=click.FloatRange(min=1.0), default=4.0, show_default=True,
+              help="Largest bucket aspect ratio (long side / short side).")
+@click.option("--flip", type=click.Choice(["none", "random", "both"]), default="none", show_default=True,
+              help="Horizontal flip: none, a seeded coin per image, or both copies (doubles the samples).")
+@click.option("--caption-dropout", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.0, show_default=True,
+              help="Share of samples stored with the empty caption (its embedding is encoded once).")
+@click.option("--captions", "caption_file", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
+              help="metadata .jsonl/.csv mapping file names to captions  [default: IMAGES_DIR/metadata.jsonl or .csv, else same-name .txt].")
+@click.option("--latent", type=click.Choice(["mode", "sample"]), default="mode", show_default=True,
+              help="Cache the VAE posterior's mode, or one seeded sample of it.")
+@click.option("--shard-size", type=click.IntRange(min=1), default=64, show_default=True, help="Samples per shard.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Images per encoder batch.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of flip, caption-dropout and VAE-sample draws.")
+@click.option("--device", default="auto", show_default=True,
+              help="Encoder device: auto = cuda:LOCAL_RANK when a GPU is present, else cpu.")
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,
+              help="Encoder precision and shard dtype: auto = bf16 on GPU, fp32 on CPU.")
+@click.option("--rank", type=click.IntRange(min=0), default=None,
+              help="This process's part of the work  [default: env RANK or SLURM_PROCID, else 0].")
+@click.option("--world-size", type=click.IntRange(min=1), default=None,
+              help="Number of processes sharing the work  [default: env WORLD_SIZE or SLURM_NTASKS, else 1].")
+def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_tokenizer, variant, t5_max_length,
+          resolution, min_side, max_aspect, flip, caption_dropout, caption_file, latent, shard_size, batch_size,
+          seed, device, dtype, rank, world_size):
+    """Encode a folder of images and captions into training shards (VAE latents, T5 and CLIP embeddings).
+
+    Images (png, jpg, webp; subfolders too) go to aspect-ratio buckets, are resized and center-cropped,
+    and are encoded in batches. Several processes split the work by --rank/--world-size (or the
+    launcher's RANK/WORLD_SIZE); rerunning skips finished shards. Unreadable images are skipped and
+    listed in OUT_DIR/cache_report.json.
+    """
+    from fluxzero.data.buckets import STEP
+    from fluxzero.data.cache import CacheOptions, env_rank_world, run_cache
+    from fluxzero.data.encode import T5_MAX_LENGTH, resolve_paths
+    from fluxzero.data.errors import DataError
+
+    if resolution % STEP:
+        raise click.BadParameter(f"must be a multiple of {STEP}, got {resolution}", param_hint="--resolution")
+    if min_side is not None and (min_side % STEP or min_side > resolution):
+        raise click.BadParameter(f"must be a multiple of {STEP} no larger than --resolution, got {min_side}", param_hint="--min-side")
+    env_rank, env_world = env_rank_world()
+    rank = env_rank if rank is None else rank
+    world_size = env_world if world_size is None else world_size
+    if rank >= world_size:
+        raise click.UsageError(f"--rank {rank} must be smaller than --world-size {world_size}.")
+    try:
+        paths = resolve_paths(flux_dir, vae=vae, t5=t5, clip=clip, t5_tokenizer=t5_tokenizer, clip_tokenizer=clip_tokenizer)
+    except DataError as e:
+        raise click.UsageError(str(e)) from None
+    opts = CacheOptions(
+        images_dir=images_dir, out_dir=out_dir, resolution=resolution, min_side=min_side, max_aspect=max_aspect,
+        flip=flip, caption_dropout=caption_dropout, caption_file=caption_file, shard_size=shard_size,
+        batch_size=batch_size, seed=seed, t5_max_length=t5_max_length or T5_MAX_LENGTH[variant], latent=latent,
+        rank=rank, world_size=world_size,
+    )
+
+    def load_encoders():
+        from fluxzero.data.encode import Encoders, pick_device_dtype
+
+        dev, dt = pick_device_dtype(device, dtype)
+        click.echo(f"loading encoders on {dev} ({str(dt).replace('torch.', '')})", err=True)
+        return Encoders(paths, device=dev, dtype=dt, t5_max_length=opts.t5_max_length, latent=latent)
+
+    try:
+        result = run_cache(opts, load_encoders, log=lambda m: click.echo(m, err=True))
+    except DataError as e:
+        raise click.ClickException(str(e)) from None
+    m, report = result["manifest"], result["report"]
+    if m is not None:
+        buckets = ", ".join(f"{k} px: {v['num_samples']}" for k, v in m["cache"]["pixel_buckets"].items())
+        click.echo(f"wrote {m['num_samples']} samples in {len(m['shards'])} shards to {out_dir} ({buckets})")
+        if report["skipped"]:
+            click.echo(f"skipped {len(report['skipped'])} unreadable image(s); see {out_dir}/cache_report.json")

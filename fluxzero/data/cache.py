@@ -1,0 +1,302 @@
+"""The `fluxzero cache` pipeline: image folder -> planned shards -> encoded shards -> manifest + report.
+
+Every process computes the same plan (sorted image list, bucket per image, flip and caption-dropout draws
+seeded by file name), so work splits without communication: process `rank` of `world_size` encodes the
+planned shards whose id % world_size == rank. Each finished shard gets a small "part" file under
+`parts/` written after the shard itself; a rerun skips shards whose part exists and whose shard passes the
+size/header check. Whichever process finds every part present writes the manifest (deterministic content,
+atomic rename, so two writers at once are harmless) and `cache_report.json`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fluxzero.data import shards as fmt
+from fluxzero.data.buckets import make_buckets, nearest_bucket
+from fluxzero.data.errors import DataError
+from fluxzero.data.images import captions_for, list_images, load_bucketed, probe_size
+
+PLAN_FILE = "cache_plan.json"
+REPORT_FILE = "cache_report.json"
+EMPTY_FILE = "empty_caption.safetensors"
+PARTS_DIR = "parts"
+FLIP_MODES = ("none", "random", "both")
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    images_dir: str
+    out_dir: str
+    resolution: int = 1024
+    min_side: int | None = None
+    max_aspect: float = 4.0
+    flip: str = "none"
+    caption_dropout: float = 0.0
+    caption_file: str | None = None
+    shard_size: int = 64
+    batch_size: int = 8
+    seed: int = 0
+    t5_max_length: int = 512
+    latent: str = "mode"
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self):
+        if self.flip not in FLIP_MODES:
+            raise ValueError(f"flip must be one of {FLIP_MODES}, got {self.flip!r}")
+        if not 0.0 <= self.caption_dropout < 1.0:
+            raise ValueError(f"caption_dropout must be in [0, 1), got {self.caption_dropout}")
+        if self.shard_size < 1 or self.batch_size < 1 or self.t5_max_length < 1:
+            raise ValueError("shard_size, batch_size and t5_max_length must be >= 1")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={self.rank}, world_size={self.world_size}")
+        if self.latent not in ("mode", "sample"):
+            raise ValueError(f"latent must be 'mode' or 'sample', got {self.latent!r}")
+
+    def output_options(self) -> dict:
+        """The options that change the output (the plan fingerprint covers these, not rank/batch size)."""
+        d = asdict(self)
+        for k in ("images_dir", "out_dir", "rank", "world_size", "batch_size"):
+            d.pop(k)
+        return d
+
+
+def _unit(*parts) -> float:
+    """Deterministic number in [0, 1) from the parts (same on every process and every rerun)."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") / 2**64
+
+
+def make_plan(opts: CacheOptions) -> dict:
+    """Shards to write: [{"id", "bucket": (h, w) px, "items": [{"file", "flip", "caption", "dropped"}]}]."""
+    root = Path(opts.images_dir)
+    if not root.is_dir():
+        raise DataError(f"image folder {root} does not exist; pass a folder of .png/.jpg/.webp images.")
+    images = list_images(root)
+    if not images:
+        raise DataError(f"image folder {root} holds no .png, .jpg, .jpeg or .webp files.")
+    captions, caption_source = captions_for(root, images, opts.caption_file)
+    buckets = make_buckets(opts.resolution, opts.min_side, opts.max_aspect)
+    skipped, no_caption, by_bucket = [], [], {}
+    fp = hashlib.sha256(json.dumps(opts.output_options(), sort_keys=True).encode())
+    for im in images:
+        try:
+            w, h = probe_size(root / im)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is skipped and reported, never fatal
+            skipped.append({"file": im, "reason": f"unreadable image: {str(e).splitlines()[0] if str(e) else type(e).__name__}"})
+            continue
+        caption = captions[im]
+        if caption is None:
+            no_caption.append(im)
+        fp.update(json.dumps([im, (root / im).stat().st_size, caption]).encode())
+        flips = {"none": [False], "both": [False, True], "random": [_unit(opts.seed, "flip", im) < 0.5]}[opts.flip]
+        bucket = nearest_bucket(w, h, buckets)
+        for flip in flips:
+            dropped = opts.caption_dropout > 0 and _unit(opts.seed, "drop", im, flip) < opts.caption_dropout
+            by_bucket.setdefault(bucket, []).append(
+                {"file": im, "flip": flip, "caption": caption or "", "dropped": dropped, "size": [w, h]})
+    shards = []
+    for bucket in sorted(by_bucket):
+        items = by_bucket[bucket]
+        for k in range(0, len(items), opts.shard_size):
+            shards.append({"id": len(shards), "bucket": bucket, "items": items[k : k + opts.shard_size]})
+    return {"fingerprint": fp.hexdigest(), "shards": shards, "skipped": skipped, "no_caption": no_caption,
+            "caption_source": caption_source, "num_images": len(images)}
+
+
+# ------------------------------------------------------------------------------------------ resume state
+def _part_path(out: Path, sid: int) -> Path:
+    return out / PARTS_DIR / f"shard-{sid:05d}.json"
+
+
+def _read_part(out: Path, sid: int) -> dict | None:
+    """The part of a finished shard, or None when the shard must be (re)encoded."""
+    p = _part_path(out, sid)
+    if not p.exists():
+        return None
+    try:
+        part = json.loads(p.read_text())
+        rec = part["record"]
+        if rec is not None:
+            fmt.check_shard(out, rec, part["dims"])
+    except (ValueError, KeyError, DataError):
+        return None  # damaged part or shard: encode again
+    return part
+
+
+def _claim_dir(out: Path, plan: dict, opts: CacheOptions) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / PARTS_DIR).mkdir(exist_ok=True)
+    plan_file = out / PLAN_FILE
+    if plan_file.exists():
+        old = json.loads(plan_file.read_text())
+        if old.get("fingerprint") != plan["fingerprint"]:
+            raise DataError(
+                f"{out} was cached from other images, captions or options; choose a new output folder or delete it to start over."
+            )
+    else:
+        if (out / fmt.MANIFEST).exists() or any(out.glob("shard-*.safetensors")):
+            raise DataError(f"{out} already holds shards not made by this cache run; choose a new output folder.")
+        doc = {"fingerprint": plan["fingerprint"], "options": opts.output_options(), "num_shards": len(plan["shards"])}
+        fmt.atomic_write_bytes(plan_file, (json.dumps(doc, indent=1) + "\n").encode())
+
+
+# ------------------------------------------------------------------------------------------------ encode
+def _empty_caption(out: Path, enc) -> dict:
+    """T5/CLIP embedding of "" computed once and kept in EMPTY_FILE (also useful for dropout at train time)."""
+    from safetensors.torch import load_file, save
+
+    path = out / EMPTY_FILE
+    if path.exists():
+        try:
+            d = load_file(str(path))
+            if d["t5"].shape == (enc.t5_max_length, enc.dims["t5_dim"]):
+                return d
+        except Exception:  # noqa: BLE001 - unreadable: recompute
+            pass
+    t5, t5_len, clip = enc.encode_text([""])
+    d = {"t5": t5[0].contiguous(), "clip": clip[0].contiguous(), "t5_len": t5_len}
+    fmt.atomic_write_bytes(path, save(d))
+    return d
+
+
+def _encode_shard(shard: dict, opts: CacheOptions, enc, empty: dict, storage_dtype: str, bar) -> tuple[dict | None, list]:
+    import torch
+
+    root, samples, skipped = Path(opts.images_dir), [], []
+    items = shard["items"]
+    for b0 in range(0, len(items), opts.batch_size):
+        pixels, ok = [], []
+        for it in items[b0 : b0 + opts.batch_size]:
+            try:
+                pixels.append(load_bucketed(root / it["file"], tuple(shard["bucket"]), it["flip"]))
+                ok.append(it)
+            except Exception as e:  # noqa: BLE001 - a bad file is skipped and reported, never fatal
+                skipped.append({"file": it["file"], "reason": f"could not decode: {str(e).splitlines()[0] if str(e) else type(e).__name__}"})
+            bar.update(1)
+        if not ok:
+            continue
+        latents = enc.encode_images(torch.stack(pixels), seed=int(_unit(opts.seed, "vae", shard["id"], b0) * 2**62))
+        texts = [it["caption"] for it in ok if not it["dropped"]]
+        t5, t5_len, clip = enc.encode_text(texts) if texts else (None, None, None)
+        k = 0
+        for j, it in enumerate(ok):
+            if it["dropped"]:
+                e5, elen, ec = empty["t5"], int(empty["t5_len"][0]), empty["clip"]
+            else:
+                e5, elen, ec = t5[k], int(t5_len[k]), clip[k]
+                k += 1
+            meta = {"file": it["file"], "flip": it["flip"], "caption_dropped": it["dropped"], "image_size": it["size"]}
+            samples.append({"latents": latents[j], "t5": e5, "clip": ec, "t5_len": elen,
+                            "caption": "" if it["dropped"] else it["caption"], "meta": meta})
+    if not samples:
+        return None, skipped
+    return fmt.write_shard(Path(opts.out_dir) / fmt.shard_name(shard["id"]), samples, storage_dtype), skipped
+
+
+def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
+    """Encode this process's share of the plan; write the manifest when every share is done.
+
+    `load_encoders()` -> Encoders, called only if something is left to encode (a rerun loads nothing).
+    Returns {"encoded", "skipped_shards", "manifest": dict | None, "report": dict | None}.
+    """
+    from tqdm import tqdm
+
+    out = Path(opts.out_dir)
+    plan = make_plan(opts)
+    _claim_dir(out, plan, opts)
+    mine = [s for s in plan["shards"] if s["id"] % opts.world_size == opts.rank]
+    todo = [s for s in mine if _read_part(out, s["id"]) is None]
+    if len(todo) < len(mine):
+        log(f"rank {opts.rank}: {len(mine) - len(todo)} of {len(mine)} shards already done, skipping them")
+    if todo:
+        enc = load_encoders()
+        empty = _empty_caption(out, enc)
+        storage = "bfloat16" if str(enc.dtype) == "torch.bfloat16" else "float32"
+        total = sum(len(s["items"]) for s in todo)
+        t0 = time.perf_counter()
+        with tqdm(total=total, unit="img", desc=f"cache {opts.rank}/{opts.world_size}", dynamic_ncols=True) as bar:
+            for s in todo:
+                record, skipped = _encode_shard(s, opts, enc, empty, storage, bar)
+                for sk in {sk["file"]: sk for sk in skipped}.values():
+                    bar.write(f"skipped {sk['file']}: {sk['reason']}")
+                part = {"record": record, "skipped": skipped, "dims": enc.dims, "dtype": storage,
+                        "vae_scale": enc.scale, "vae_shift": enc.shift, "encoders": vars(enc.paths)}
+                fmt.atomic_write_bytes(_part_path(out, s["id"]), (json.dumps(part) + "\n").encode())
+        log(f"rank {opts.rank}: encoded {total} samples in {time.perf_counter() - t0:.1f} s")
+    manifest, report = _finalize(out, plan, opts)
+    if manifest is None:
+        log(f"rank {opts.rank}: done; the manifest is written by the last process to finish")
+    return {"encoded": sum(len(s["items"]) for s in todo), "skipped_shards": len(mine) - len(todo),
+            "manifest": manifest, "report": report}
+
+
+def _finalize(out: Path, plan: dict, opts: CacheOptions):
+    parts = []
+    for s in plan["shards"]:
+        p = _read_part(out, s["id"])
+        if p is None:
+            return None, None
+        parts.append(p)
+    records = [p["record"] for p in parts if p["record"] is not None]
+    skipped = list({sk["file"]: sk for sk in plan["skipped"] + [sk for p in parts for sk in p["skipped"]]}.values())
+    report = {"num_images": plan["num_images"], "num_samples": sum(r["num_samples"] for r in records),
+              "skipped": skipped, "no_caption": plan["no_caption"]}
+    _write_if_changed(out / REPORT_FILE, report)
+    if not records:
+        raise DataError(f"no image in {opts.images_dir} could be read; see {out / REPORT_FILE}.")
+    first = next(p for p in parts if p["record"] is not None)
+    bad = {sk["file"] for p in parts for sk in p["skipped"]}
+    kept = [it for s, p in zip(plan["shards"], parts) if p["record"] is not None for it in s["items"] if it["file"] not in bad]
+    total = sum(r["num_samples"] for r in records)
+    stats = {}
+    for s, part in zip(plan["shards"], parts):
+        if part["record"] is not None:
+            h, w = s["bucket"]
+            b = stats.setdefault(f"{h}x{w}", {"latent_hw": [h // 8, w // 8], "num_samples": 0})
+            b["num_samples"] += part["record"]["num_samples"]
+    for b in stats.values():
+        b["share"] = round(b["num_samples"] / total, 4)
+    extra = {
+        "images_dir": str(Path(opts.images_dir).resolve()),
+        "num_images": plan["num_images"],
+        "num_skipped": len(skipped),
+        "report": REPORT_FILE,
+        "caption_source": plan["caption_source"],
+        "caption_dropout": opts.caption_dropout,
+        "num_caption_dropped": sum(it["dropped"] for it in kept),
+        "empty_caption": EMPTY_FILE,
+        "flip": opts.flip,
+        "num_flipped": sum(it["flip"] for it in kept),
+        "resolution": opts.resolution,
+        "min_side": opts.min_side,
+        "max_aspect": opts.max_aspect,
+        "latent": opts.latent,
+        "vae_scale": first["vae_scale"],
+        "vae_shift": first["vae_shift"],
+        "t5_max_length": opts.t5_max_length,
+        "encoders": first["encoders"],
+        "seed": opts.seed,
+        "plan_fingerprint": plan["fingerprint"],
+        "pixel_buckets": stats,
+    }
+    manifest = fmt.build_manifest(records, first["dims"], first["dtype"], extra)
+    _write_if_changed(out / fmt.MANIFEST, manifest)
+    return manifest, report
+
+
+def _write_if_changed(path: Path, doc: dict) -> None:
+    data = (json.dumps(doc, indent=1, ensure_ascii=False) + "\n").encode()
+    if not (path.exists() and path.read_bytes() == data):
+        fmt.atomic_write_bytes(path, data)
+
+
+def env_rank_world() -> tuple[int, int]:
+    """RANK / WORLD_SIZE from a launcher (torchrun, deepspeed, srun via SLURM_PROCID/SLURM_NTASKS), else 0 / 1."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    world = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
+    return int(rank), int(world)

@@ -1,0 +1,135 @@
+"""FLUX.1's frozen encoders, loaded from local files only: VAE (latents), T5 (sequence), CLIP-L (pooled)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from fluxzero.data.errors import DataError
+
+# FLUX.1's autoencoder: latents are (z - shift) * scale; used when the VAE config does not carry them.
+FLUX_VAE_SCALE = 0.3611
+FLUX_VAE_SHIFT = 0.1159
+T5_MAX_LENGTH = {"dev": 512, "schnell": 256}
+CLIP_MAX_LENGTH = 77
+
+LAYOUT = ("a FLUX.1 diffusers folder holds vae/ (AutoencoderKL), text_encoder/ (CLIP-L), text_encoder_2/ (T5), "
+          "tokenizer/ (CLIP) and tokenizer_2/ (T5)")
+# role -> (subfolder in a FLUX.1 diffusers folder, option name, what it is, file that must exist in it)
+ROLES = {
+    "vae": ("vae", "--vae", "diffusers AutoencoderKL folder", "config.json"),
+    "t5": ("text_encoder_2", "--t5", "transformers T5EncoderModel folder", "config.json"),
+    "clip": ("text_encoder", "--clip", "transformers CLIPTextModel folder", "config.json"),
+    "t5_tokenizer": ("tokenizer_2", "--t5-tokenizer", "T5 tokenizer folder", None),
+    "clip_tokenizer": ("tokenizer", "--clip-tokenizer", "CLIP tokenizer folder", None),
+}
+
+
+@dataclass(frozen=True)
+class EncoderPaths:
+    vae: str
+    t5: str
+    clip: str
+    t5_tokenizer: str
+    clip_tokenizer: str
+
+
+def resolve_paths(flux_dir=None, **explicit) -> EncoderPaths:
+    """Explicit paths win; the rest come from `flux_dir`'s subfolders. Missing -> DataError naming the layout."""
+    out = {}
+    for role, (sub, opt, what, must) in ROLES.items():
+        given = explicit.get(role)
+        if given:
+            path = Path(given)
+        elif flux_dir:
+            path = Path(flux_dir) / sub
+        else:
+            raise DataError(f"no {what} given; pass {opt} DIR or --flux-dir DIR ({LAYOUT}).")
+        where = f"{opt} {path}" if given else f"--flux-dir {flux_dir} (expected {sub}/ inside)"
+        if not path.is_dir():
+            raise DataError(f"{what} not found at {where}; {LAYOUT}.")
+        if must and not (path / must).exists():
+            raise DataError(f"{path} is not a {what} (no {must}) given by {where}; {LAYOUT}.")
+        if not must and not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")):
+            raise DataError(f"{path} is not a {what} (no tokenizer.json, tokenizer_config.json, vocab.json or spiece.model) given by {where}; {LAYOUT}.")
+        out[role] = str(path)
+    return EncoderPaths(**out)
+
+
+def pick_device_dtype(device: str = "auto", dtype: str = "auto"):
+    """bf16 on a GPU when present (each process on cuda:LOCAL_RANK), fp32 on CPU."""
+    import torch
+
+    if device == "auto":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % max(1, torch.cuda.device_count())}" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bf16" if device.startswith("cuda") else "fp32"
+    return torch.device(device), {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+
+
+class Encoders:
+    """VAE + T5 + CLIP in eval mode on one device. Built from local folders (no network: local_files_only)."""
+
+    def __init__(self, paths: EncoderPaths, *, device, dtype, t5_max_length: int = 512, latent: str = "mode"):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub is imported: it reads this once
+        import diffusers.utils.logging
+        import torch
+        import transformers.utils.logging
+        from diffusers import AutoencoderKL
+        from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
+
+        transformers.utils.logging.disable_progress_bar()  # one progress bar (ours) is enough
+        diffusers.utils.logging.disable_progress_bar()
+        self.device, self.dtype, self.t5_max_length, self.latent = device, dtype, t5_max_length, latent
+        local = {"local_files_only": True}
+        try:
+            self.vae = AutoencoderKL.from_pretrained(paths.vae, torch_dtype=dtype, low_cpu_mem_usage=False, **local).to(device).eval()
+            self.t5 = T5EncoderModel.from_pretrained(paths.t5, dtype=dtype, **local).to(device).eval()
+            self.clip = CLIPTextModel.from_pretrained(paths.clip, dtype=dtype, **local).to(device).eval()
+            self.t5_tok = AutoTokenizer.from_pretrained(paths.t5_tokenizer, **local)
+            self.clip_tok = AutoTokenizer.from_pretrained(paths.clip_tokenizer, **local)
+        except (OSError, ValueError) as e:
+            raise DataError(f"could not load the encoders ({str(e).splitlines()[0]}); {LAYOUT}.") from None
+        cfg = self.vae.config
+        if getattr(cfg, "latent_channels", 16) != 16:
+            raise DataError(f"the VAE at {paths.vae} has {cfg.latent_channels} latent channels but FLUX.1 needs 16; use FLUX's vae/ folder.")
+        # FLUX's VAE config carries shift_factor 0.1159 and scaling_factor 0.3611; a config without a
+        # shift is not FLUX's own, and its scaling_factor default (0.18215, SD's) would be wrong: use FLUX's.
+        if getattr(cfg, "shift_factor", None) is not None:
+            self.shift, self.scale = float(cfg.shift_factor), float(cfg.scaling_factor)
+        else:
+            self.shift, self.scale = FLUX_VAE_SHIFT, FLUX_VAE_SCALE
+        self.paths = paths
+        self._gen = torch.Generator(device=device)
+
+    @property
+    def dims(self) -> dict:
+        return {"latent_channels": 16, "t5_len": self.t5_max_length, "t5_dim": self.t5.config.d_model,
+                "clip_dim": self.clip.config.hidden_size}
+
+    def encode_images(self, pixels, seed: int = 0):
+        """Shape: pixels (B, 3, H, W) in [-1, 1] -> latents (B, 16, H/8, W/8) float32 on CPU."""
+        import torch
+
+        with torch.inference_mode():
+            dist = self.vae.encode(pixels.to(self.device, self.dtype)).latent_dist
+            if self.latent == "sample":
+                self._gen.manual_seed(seed)
+                z = dist.mean + dist.std * torch.randn(dist.mean.shape, generator=self._gen, device=self.device, dtype=dist.mean.dtype)
+            else:
+                z = dist.mode()
+            return ((z.float() - self.shift) * self.scale).cpu()
+
+    def encode_text(self, captions: list[str]):
+        """Shape: B captions -> t5 (B, L, D), t5_len (B,) real token counts, clip (B, V); float32 on CPU.
+
+        As in FLUX.1's pipeline: T5 padded to max length, no attention mask; CLIP's pooled output, 77 tokens.
+        """
+        import torch
+
+        with torch.inference_mode():
+            t = self.t5_tok(captions, padding="max_length", max_length=self.t5_max_length, truncation=True, return_tensors="pt")
+            t5 = self.t5(input_ids=t.input_ids.to(self.device)).last_hidden_state
+            c = self.clip_tok(captions, padding="max_length", max_length=CLIP_MAX_LENGTH, truncation=True, return_tensors="pt")
+            clip = self.clip(input_ids=c.input_ids.to(self.device)).pooler_output
+            return t5.float().cpu(), t.attention_mask.sum(1).to(torch.int32), clip.float().cpu()

@@ -1,0 +1,106 @@
+"""Image folder input for `fluxzero cache`: file listing, captions, size probing, bucket resize + crop."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from fluxzero.data.buckets import cover_and_crop
+from fluxzero.data.errors import DataError
+
+IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp")
+METADATA_FILES = ("metadata.jsonl", "metadata.csv")
+_FILE_KEYS = ("file_name", "file", "image", "path")
+_TEXT_KEYS = ("text", "caption", "prompt")
+
+
+def list_images(root) -> list[str]:
+    """Image paths relative to `root` (recursive, sorted, '/' separators)."""
+    root = Path(root)
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTS and p.is_file())
+
+
+def _pick(row: dict, keys, what: str, source) -> str:
+    for k in keys:
+        if k in row:
+            return row[k]
+    raise DataError(f"{source}: a row has no {what} column; use one of {', '.join(keys)}.")
+
+
+def read_caption_table(path) -> dict[str, str]:
+    """file name -> caption from a metadata .jsonl or .csv (columns file_name|file|image|path and text|caption|prompt)."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"caption file {path} does not exist.")
+    rows = []
+    if path.suffix == ".jsonl":
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    raise DataError(f"{path} line {n} is not valid JSON.") from None
+    elif path.suffix == ".csv":
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    else:
+        raise DataError(f"caption file {path} must be a .jsonl or .csv file.")
+    out = {}
+    for row in rows:
+        name = Path(str(_pick(row, _FILE_KEYS, "file name", path))).as_posix()
+        out[name] = str(_pick(row, _TEXT_KEYS, "caption", path) or "").strip()
+    return out
+
+
+def captions_for(root, images: list[str], caption_file=None) -> tuple[dict[str, str | None], str]:
+    """Caption of every image (None = no caption found) and a word naming the source used.
+
+    Order of preference: `caption_file`, then metadata.jsonl / metadata.csv in `root`, then same-name .txt.
+    """
+    root = Path(root)
+    table_path = Path(caption_file) if caption_file else next((root / m for m in METADATA_FILES if (root / m).exists()), None)
+    if table_path is not None:
+        table = read_caption_table(table_path)
+        return {im: table.get(im, table.get(Path(im).name)) for im in images}, table_path.name
+    out = {}
+    for im in images:
+        txt = (root / im).with_suffix(".txt")
+        out[im] = txt.read_text(encoding="utf-8", errors="replace").strip() if txt.exists() else None
+    return out, "txt"
+
+
+def probe_size(path) -> tuple[int, int]:
+    """(width, height) as displayed (EXIF rotation applied), reading only the header. Raises on bad files."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        w, h = im.size
+        if im.format not in ("PNG", "JPEG", "WEBP", "MPO"):
+            raise ValueError(f"unsupported image format {im.format}")
+        orientation = im.getexif().get(0x0112, 1)
+    return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+
+
+def load_bucketed(path, bucket: tuple[int, int], flip: bool):
+    """Decode, EXIF-rotate, RGB (alpha over white), resize to cover `bucket`, center crop, optional flip.
+
+    Shape: returns (3, H, W) float32 in [-1, 1] with (H, W) = bucket.
+    """
+    import numpy as np
+    import torch
+    from PIL import Image, ImageOps
+
+    with Image.open(path) as im:
+        im.load()
+        im = ImageOps.exif_transpose(im)
+        if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
+            im = im.convert("RGBA")
+            bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
+            im = Image.alpha_composite(bg, im)
+        im = im.convert("RGB")
+        size, box = cover_and_crop(im.width, im.height, bucket)
+        im = im.resize(size, Image.Resampling.LANCZOS).crop(box)
+        if flip:
+            im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        arr = np.asarray(im, dtype=np.float32)
+    return torch.from_numpy(arr).permute(2, 0, 1).div(127.5).sub(1.0).contiguous()

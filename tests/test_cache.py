@@ -1,0 +1,265 @@
+"""`fluxzero cache`: buckets, captions, and the real command on tiny random encoders saved in FLUX's layout."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fluxzero.cli import main
+from fluxzero.data.buckets import cover_and_crop, make_buckets, nearest_bucket
+from fluxzero.data.errors import DataError
+from fluxzero.data.images import captions_for, list_images
+
+WORDS = "a an the photo of cat dog red blue green house tree sky on in with small big".split()
+# flux-tiny: context_in_dim 64 (tiny T5 d_model), vec_in_dim 32 (tiny CLIP hidden size)
+T5_DIM, CLIP_DIM, T5_LEN = 64, 32, 16
+CACHE_ARGS = ["--resolution", "64", "--min-side", "32", "--t5-max-length", str(T5_LEN), "--shard-size", "2", "--batch-size", "2"]
+
+
+# ------------------------------------------------------------------------------------------ buckets
+def test_buckets_respect_step_area_and_aspect():
+    for res, min_side, max_aspect in [(1024, None, 4.0), (512, 256, 2.0), (64, 32, 4.0)]:
+        buckets = make_buckets(res, min_side, max_aspect)
+        assert (res, res) in buckets
+        for h, w in buckets:
+            assert h % 16 == 0 and w % 16 == 0
+            assert h * w <= res * res
+            assert max(h / w, w / h) <= max_aspect + 1e-9
+            assert (w, h) in buckets  # portrait and landscape both present
+    assert make_buckets(1024)[0] == (512, 2048) and make_buckets(1024)[-1] == (2048, 512)
+
+
+def test_nearest_bucket_by_log_aspect():
+    buckets = make_buckets(1024)
+    assert nearest_bucket(1000, 1000, buckets) == (1024, 1024)
+    assert nearest_bucket(2048, 1024, buckets) == (720, 1440)  # exactly 2:1 within 1024^2
+    assert nearest_bucket(1024, 2048, buckets) == (1440, 720)
+    for w, h in [(1920, 1080), (1080, 1920), (640, 480), (3000, 400), (333, 777)]:
+        got = nearest_bucket(w, h, buckets)
+        dist = lambda b: abs(math.log(b[0] / b[1]) - math.log(h / w))  # noqa: E731
+        assert dist(got) == pytest.approx(min(dist(b) for b in buckets))
+    # extreme aspect ratios go to the most extreme bucket
+    assert nearest_bucket(10000, 10, buckets) == (512, 2048)
+
+
+def test_cover_and_crop():
+    size, box = cover_and_crop(200, 100, (64, 64))
+    assert size == (128, 64) and box == (32, 0, 96, 64)
+    size, box = cover_and_crop(30, 90, (96, 48))  # upscales to cover
+    assert size[0] >= 48 and size[1] >= 96 and box[2] - box[0] == 48 and box[3] - box[1] == 96
+
+
+# ------------------------------------------------------------------------------------------ captions
+def test_caption_sources(tmp_path):
+    for name in ("a.png", "sub/b.jpg", "c.webp"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "a.txt").write_text("a cat \n")
+    images = list_images(tmp_path)
+    assert images == ["a.png", "c.webp", "sub/b.jpg"]
+    caps, src = captions_for(tmp_path, images)
+    assert src == "txt" and caps == {"a.png": "a cat", "c.webp": None, "sub/b.jpg": None}
+    (tmp_path / "metadata.jsonl").write_text('{"file_name": "sub/b.jpg", "text": "a dog"}\n{"file_name": "c.webp", "caption": "sky"}\n')
+    caps, src = captions_for(tmp_path, images)
+    assert src == "metadata.jsonl" and caps == {"a.png": None, "c.webp": "sky", "sub/b.jpg": "a dog"}
+    csv = tmp_path / "caps.csv"
+    csv.write_text("file_name,text\na.png,\"red, blue\"\nb.jpg,tree\n")
+    caps, src = captions_for(tmp_path, images, csv)
+    assert caps == {"a.png": "red, blue", "c.webp": None, "sub/b.jpg": "tree"}  # bare names match too
+    (tmp_path / "bad.jsonl").write_text('{"file_name": "a.png"}\n')
+    with pytest.raises(DataError, match="no caption column"):
+        captions_for(tmp_path, images, tmp_path / "bad.jsonl")
+
+
+# ------------------------------------------------------------------------------------------ tiny encoders
+def _tokenizer(kind: str, out: Path) -> tuple[int, int]:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    bos, unk, eos = ("<pad>", "<unk>", "</s>") if kind == "t5" else ("<|startoftext|>", "<unk>", "<|endoftext|>")
+    vocab = {w: i for i, w in enumerate([bos, unk, *WORDS, eos])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if kind == "t5":  # T5: "... </s>", padded with <pad> (id 0)
+        tok.post_processor = processors.TemplateProcessing(single=f"$A {eos}", special_tokens=[(eos, vocab[eos])])
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=bos, unk_token=unk, eos_token=eos)
+    else:  # CLIP: "<|startoftext|> ... <|endoftext|>", padded with <|endoftext|>
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A {eos}", special_tokens=[(bos, 0), (eos, vocab[eos])])
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=eos, unk_token=unk, bos_token=bos, eos_token=eos)
+    fast.save_pretrained(out)
+    return len(vocab), vocab[eos]
+
+
+def build_tiny_flux_dir(root: Path) -> Path:
+    """Random-initialised VAE (16 latent channels), T5 (d_model 64) and CLIP (hidden 32) in FLUX's diffusers layout."""
+    import torch
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    n5, eos5 = _tokenizer("t5", root / "tokenizer_2")
+    nc, eosc = _tokenizer("clip", root / "tokenizer")
+    T5EncoderModel(T5Config(vocab_size=n5, d_model=T5_DIM, d_kv=16, d_ff=128, num_layers=1, num_heads=4,
+                            pad_token_id=0, eos_token_id=eos5)).save_pretrained(root / "text_encoder_2")
+    # eos id != 2, so CLIP pools at the first <|endoftext|> like the real CLIP-L
+    CLIPTextModel(CLIPTextConfig(vocab_size=nc, hidden_size=CLIP_DIM, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, max_position_embeddings=77, projection_dim=CLIP_DIM,
+                                 bos_token_id=0, eos_token_id=eosc, pad_token_id=eosc)).save_pretrained(root / "text_encoder")
+    AutoencoderKL(latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                  block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4, scaling_factor=0.3611,
+                  shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False).save_pretrained(root / "vae")
+    return root
+
+
+def make_images(root: Path) -> Path:
+    """Five good images in several aspect ratios and formats, one corrupt, one truncated; captions as .txt."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    (root / "sub").mkdir(parents=True)
+    sizes = {"square.png": (64, 64), "wide.jpg": (128, 64), "tall.webp": (48, 96), "sub/near.png": (80, 64), "alpha.png": (70, 70)}
+    for i, (name, (w, h)) in enumerate(sizes.items()):
+        im = Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+        (im.convert("RGBA") if name == "alpha.png" else im).save(root / name)
+        if name != "alpha.png":  # one image without a caption
+            (root / name).with_suffix(".txt").write_text(f"a photo of a {WORDS[5 + i]}")
+    (root / "corrupt.png").write_bytes(os.urandom(300))
+    data = (root / "wide.jpg").read_bytes()
+    (root / "truncated.jpg").write_bytes(data[: len(data) // 3])
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cache")
+    return build_tiny_flux_dir(base / "flux"), make_images(base / "images")
+
+
+def _cache(*args):
+    return CliRunner().invoke(main, ["cache", *map(str, args)], catch_exceptions=False)
+
+
+def _state(out: Path) -> dict:
+    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_cache_end_to_end_and_rerun_is_noop(tiny, tmp_path):
+    import torch
+    from diffusers import AutoencoderKL
+    from safetensors.torch import load_file
+
+    from fluxzero.data import build_dataloader
+    from fluxzero.data.images import load_bucketed
+
+    flux, images = tiny
+    out = tmp_path / "shards"
+    r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, "--flip", "both", "--caption-dropout", "0.4")
+    assert r.exit_code == 0, r.output
+    assert "wrote 10 samples" in r.output and "skipped 2 unreadable" in r.output
+
+    report = json.loads((out / "cache_report.json").read_text())
+    assert sorted(s["file"] for s in report["skipped"]) == ["corrupt.png", "truncated.jpg"]
+    assert "alpha.png" in report["no_caption"]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["version"] == 1 and m["num_samples"] == 10  # 5 good images x (plain + flipped)
+    assert m["dims"] == {"latent_channels": 16, "t5_len": T5_LEN, "t5_dim": T5_DIM, "clip_dim": CLIP_DIM}
+    c = m["cache"]
+    assert c["num_flipped"] == 5 and c["flip"] == "both" and c["num_skipped"] == 2
+    assert (c["vae_scale"], c["vae_shift"]) == (0.3611, 0.1159)
+    assert 0 < c["num_caption_dropped"] < 10
+    assert sum(b["num_samples"] for b in c["pixel_buckets"].values()) == 10
+    assert set(c["pixel_buckets"]) == {"64x64", "48x80", "80x48"}  # square, 2:1-ish wide and tall
+
+    # the shards feed the trainer's loader; latents follow FLUX's (z - shift) * scale of the VAE mode
+    loader = build_dataloader(str(out), micro_batch=2, rank=0, world_size=1, seed=0)
+    assert len(loader) == 5
+    batches = list(loader)
+    assert sorted(i for b in batches for i in b["index"].tolist()) == list(range(10))
+    vae = AutoencoderKL.from_pretrained(flux / "vae", low_cpu_mem_usage=False).eval()
+    empty = load_file(str(out / "empty_caption.safetensors"))
+    src = loader.source
+    dropped = 0
+    for b in batches:
+        for j, i in enumerate(b["index"].tolist()):
+            meta = src.sample_meta(i)
+            h, w = b["latents"].shape[-2:]
+            px = load_bucketed(images / meta["file"], (h * 8, w * 8), meta["flip"])
+            with torch.no_grad():
+                z = vae.encode(px[None]).latent_dist.mode()[0]
+            torch.testing.assert_close(b["latents"][j], (z - 0.1159) * 0.3611, rtol=1e-5, atol=1e-5)
+            if meta["caption_dropped"]:
+                dropped += 1
+                assert torch.equal(b["t5"][j], empty["t5"]) and torch.equal(b["clip"][j], empty["clip"])
+                assert src.caption(i) == ""
+            elif meta["file"] != "alpha.png":
+                assert src.caption(i).startswith("a photo of a ")
+                assert not torch.equal(b["t5"][j], empty["t5"])
+    assert dropped == c["num_caption_dropped"]
+
+    before = _state(out)
+    r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, "--flip", "both", "--caption-dropout", "0.4")
+    assert r.exit_code == 0, r.output
+    assert "already done" in r.output and "loading encoders" not in r.output
+    assert _state(out) == before  # a rerun rewrites nothing
+
+
+def test_interrupted_and_damaged_shards_are_redone(tiny, tmp_path):
+    flux, images = tiny
+    out = tmp_path / "shards"
+    assert _cache(images, out, "--flux-dir", flux, *CACHE_ARGS).exit_code == 0
+    manifest = (out / "manifest.json").read_bytes()
+    shards = sorted(out.glob("shard-*.safetensors"))
+    # a crash after writing shard 0 but before its part file, and a truncated shard 1
+    (out / "parts" / "shard-00000.json").unlink()
+    (out / "manifest.json").unlink()
+    shards[1].write_bytes(shards[1].read_bytes()[:100])
+    r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS)
+    assert r.exit_code == 0, r.output
+    assert f"{len(shards) - 2} of {len(shards)} shards already done" in r.output
+    assert (out / "manifest.json").read_bytes() == manifest  # same bytes as the uninterrupted run
+
+
+@pytest.mark.slow
+def test_two_processes_split_the_work(tiny, tmp_path):
+    """Two real processes (RANK/WORLD_SIZE from the environment) give the same shards as one process."""
+    flux, images = tiny
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert _cache(images, one, "--flux-dir", flux, *CACHE_ARGS).exit_code == 0
+    cmd = [sys.executable, "-m", "fluxzero.cli", "cache", str(images), str(two), "--flux-dir", str(flux), *CACHE_ARGS]
+    procs = [subprocess.Popen(cmd, env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all("encoded 3 samples" in o for o in outs), outs  # shards 0, 2 and shards 1, 3
+    assert json.loads((two / "manifest.json").read_text()) == json.loads((one / "manifest.json").read_text())
+
+
+def test_bad_input_messages(tiny, tmp_path):
+    flux, images = tiny
+    r = _cache(images, tmp_path / "o", "--flux-dir", images)
+    assert r.exit_code == 2 and "vae/" in r.output and "text_encoder_2/" in r.output
+    r = _cache(images, tmp_path / "o")
+    assert r.exit_code == 2 and "--flux-dir" in r.output
+    r = _cache(images, tmp_path / "o", "--flux-dir", flux, "--t5", images)
+    assert r.exit_code == 2 and "T5EncoderModel" in r.output and "no config.json" in r.output
+    r = _cache(images, tmp_path / "o", "--flux-dir", flux, "--resolution", "100")
+    assert r.exit_code == 2 and "multiple of 16" in r.output
+    (tmp_path / "empty").mkdir()
+    r = _cache(tmp_path / "empty", tmp_path / "o", "--flux-dir", flux)
+    assert r.exit_code == 1 and "holds no .png" in r.output
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "x.png").write_bytes(b"not an image")
+    r = _cache(bad, tmp_path / "o2", "--flux-dir", flux, *CACHE_ARGS)
+    assert r.exit_code == 1 and "could be read" in r.output and "cache_report.json" in r.output
+    out = tmp_path / "o3"
+    assert _cache(images, out, "--flux-dir", flux, *CACHE_ARGS).exit_code == 0
+    r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, "--flip", "random")
+    assert r.exit_code == 1 and "other images, captions or options" in r.output
