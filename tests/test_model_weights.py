@@ -27,9 +27,10 @@ def assert_same(a, b):
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["bfl", "comfyui", "diffusers"])
-def test_round_trip_bit_exact(tmp_path, model, layout):
-    sd = model.state_dict()
+def test_round_trip_bit_exact(tmp_path, model, layout, dtype):
+    sd = {k: v.to(dtype) for k, v in model.state_dict().items()}
     path = tmp_path / ("out" if layout == "diffusers" else "out.safetensors")
     W.save_weights(sd, path, layout=layout)
     assert W.detect_layout(path) == layout

@@ -87,8 +87,10 @@ def apply_rope(x: Tensor, pe: Tensor) -> Tensor:
 
     Shape: x (B, H, L, D), pe (B, 1, L, D/2, 2) -> (B, H, L, D)
     """
-    cos, sin = pe[..., 0], pe[..., 1]  # (B, 1, L, D/2)
-    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, H, L, D/2) each
+    cos, sin = pe[..., 0], pe[..., 1]  # (B, 1, L, D/2) float32
+    # No explicit x.float(): bf16 * float32 promotes, so the products are computed in float32 anyway
+    # (bf16 -> fp32 is exact) without materialising a float32 copy of x.
+    x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)  # (B, H, L, D/2) each
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
