@@ -560,6 +560,11 @@ SCHEDULER_PARAM_KEYS = {
 }
 
 
+TORCH_SCHEDULERS = ("LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR",
+                    "ExponentialLR", "SequentialLR", "CosineAnnealingLR", "ChainedScheduler", "ReduceLROnPlateau",
+                    "CyclicLR", "CosineAnnealingWarmRestarts", "OneCycleLR", "PolynomialLR")
+
+
 def _closest(key: str, known) -> str:
     match = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
     return f" (did you mean {match[0]!r}?)" if match else ""
@@ -766,9 +771,11 @@ def _check_scheduler(cfg: dict, p: list[str]) -> None:
     typ = sch.get("type")
     params = _section(sch, "params", p, where="scheduler.params")
     if typ not in SCHEDULER_PARAM_KEYS:
-        # DeepSpeed falls back to torch.optim.lr_scheduler by name; we cannot list those without torch
-        if isinstance(typ, str) and _closest(typ, SCHEDULER_PARAM_KEYS) and not typ[:1].isupper():
-            p.append(f"scheduler.type {typ!r} is unknown{_closest(typ, SCHEDULER_PARAM_KEYS)}")
+        # DeepSpeed falls back to torch.optim.lr_scheduler by name (and fails at initialize if there is none)
+        if typ not in TORCH_SCHEDULERS:
+            known = tuple(SCHEDULER_PARAM_KEYS) + TORCH_SCHEDULERS
+            p.append(f"scheduler.type {json.dumps(typ)} is not a DeepSpeed or torch LR scheduler"
+                     f"{_closest(str(typ), known)}")
         return
     if SCHEDULER_PARAM_KEYS[typ] is not None:
         _unknown("scheduler.params", params, SCHEDULER_PARAM_KEYS[typ], p)

@@ -243,6 +243,11 @@ def test_optimizer_params_follow_the_adam_implementation():
     cfg["optimizer"]["params"]["max_grad_norm"] = 1.0
     assert check(cfg, 2) == ["optimizer.params.max_grad_norm is refused by the DeepSpeed engine: use top-level "
                              "gradient_clipping"]
+    cfg["scheduler"] = {"type": "WarmupCosine", "params": {}}
+    assert check(cfg, 2)[-1] == ('scheduler.type "WarmupCosine" is not a DeepSpeed or torch LR scheduler '
+                                 "(did you mean 'WarmupCosineLR'?)")
+    cfg["scheduler"] = {"type": "CosineAnnealingLR", "params": {"T_max": 10}}  # torch's, by name
+    assert len(check(cfg, 2)) == 1
     cfg["optimizer"] = {"type": "AdamWW"}
     assert check(cfg, 2) == ['optimizer.type "AdamWW" is not an optimizer DeepSpeed can build (did you mean '
                              "'AdamW'?)"]

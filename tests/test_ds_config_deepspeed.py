@@ -305,3 +305,12 @@ def test_cpu_safe_presets_train_one_rank():
     assert runs["zero0.json"]["optimizer"] == "FP16_UnfusedOptimizer"  # DeepSpeed's bf16 wrapper at stage 0
     assert runs["zero2-offload.json"]["optimizer"] == "DeepSpeedZeroOptimizer"
     assert runs["zero3-offload.json"]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+
+
+def test_torch_names_exist():
+    import torch
+
+    for name in ds_config.TORCH_SCHEDULERS:
+        assert hasattr(torch.optim.lr_scheduler, name), name
+    for name in ds_config.TORCH_OPTIMIZERS:
+        assert hasattr(torch.optim, name), name

@@ -182,6 +182,7 @@ def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, 
              if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
     try:
         options = ds_config.options_from(preset, world_size=world, **given)
+        # options that choose settings for the user (e.g. a memory fit) adjust `options` here, before build
         cfg = ds_config.build(options)
     except DSConfigError as e:
         raise click.UsageError("\n".join(e.problems)) from None
