@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "gen-config": "fluxzero.commands.config:gen_config",
     "check-config": "fluxzero.commands.config:check_config",
     "convert": "fluxzero.commands.model:convert",
+    "estimate": "fluxzero.commands.estimate:estimate",
 }
 
 

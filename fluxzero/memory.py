@@ -164,8 +164,7 @@ def single_block_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: in
         "modulation (silu out, 3C chunk storage, 1+scale)": C * b + 3 * C * b + C * b,
         "layer norm (stats)": _ln_stats(L, b, device),
         "norm out, modulated (linear1 input)": 2 * L * C * b,
-        "linear1 output (kept by v and GELU input views)": L * (3 * C + M) * b,
-        "GELU output": L * M * b,
+        "linear1 output (kept by v and GELU input views)": L * (3 * C + M) * b,  # GELU output: only cat reads it
         "concat(attn, mlp) (linear2 input)": L * (C + M) * b,
         "linear2 output (gate)": L * C * b,
     }
@@ -233,6 +232,37 @@ class ZeroSettings:
                 "max_reuse_distance": "stage3_max_reuse_distance", "sub_group_size": "sub_group_size"}
         values = {ours: z[theirs] for ours, theirs in keys.items() if theirs in z and z[theirs] != "auto"}
         return cls(**{k: (v if isinstance(v, bool) else int(v)) for k, v in values.items()})
+
+
+def run_options_from_ds_config(ds: dict) -> dict:
+    """RunSpec fields that a DeepSpeed config (gen-config's or hand-written) decides; absent keys are left out."""
+    out: dict = {}
+    z = ds.get("zero_optimization") or {}
+    if "stage" in z:
+        out["stage"] = int(z["stage"])
+    for ours in ("offload_optimizer", "offload_param"):
+        device = (z.get(ours) or {}).get("device")
+        if device is not None:
+            out[ours] = device
+    if (ds.get("bf16") or {}).get("enabled"):
+        out["precision"] = "bf16"
+    elif (ds.get("fp16") or {}).get("enabled"):
+        out["precision"] = "fp16"
+    elif "bf16" in ds or "fp16" in ds:
+        out["precision"] = "fp32"
+    mb = ds.get("train_micro_batch_size_per_gpu")
+    if isinstance(mb, int):
+        out["micro_batch"] = mb
+    opt = ds.get("optimizer") or {}
+    if opt:
+        kind = str(opt.get("type", "adamw")).lower()
+        out["optimizer"] = kind if kind in OPTIMIZER_STATE_BYTES else "adamw"
+        out["optimizer_impl"] = "torch" if (opt.get("params") or {}).get("torch_adam") else "fused"
+    ck = ((ds.get("fluxzero") or {}).get("activation_checkpointing") or {}).get("every_k_blocks")
+    if isinstance(ck, int):
+        out["checkpoint_every"] = ck
+    out["zero"] = ZeroSettings.from_ds_config(ds)
+    return out
 
 
 @dataclass(frozen=True)
@@ -657,7 +687,20 @@ def _label(stage: int, oo: str, op: str) -> str:
 
 
 def _ckpt_text(k: int) -> str:
-    return {0: "no activation checkpointing", 1: "every block checkpointed"}.get(k, f"every {k}th block checkpointed")
+    if k in (0, 1):
+        return {0: "no activation checkpointing", 1: "every block checkpointed"}[k]
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"every {k}{suffix} block checkpointed"
+
+
+def _best_micro(spec: RunSpec, hw: Hardware, margin: float, micros: tuple[int, ...]) -> RunSpec | None:
+    best = None
+    for mb in micros:
+        cand = spec.replace(micro_batch=mb)
+        if not verdict(estimate(cand), hw, margin)[0]:
+            break
+        best = cand
+    return best
 
 
 def _why_choice(spec: RunSpec, est: Estimate, hw: Hardware, margin: float, micros: tuple[int, ...]) -> str:
@@ -667,15 +710,20 @@ def _why_choice(spec: RunSpec, est: Estimate, hw: Hardware, margin: float, micro
             f"({hw.gpu_memory_gib:g} GiB - {margin:.0%} margin)")
     bigger = [m for m in micros if m > spec.micro_batch]
     if bigger:
-        nxt = estimate(spec.replace(micro_batch=bigger[0]))
-        fits, why = verdict(nxt, hw, margin)
-        text += (f". Micro batch {bigger[0]} " + (f"also fits but is not faster" if fits else f"does not fit: {why}"))
-    if spec.checkpoint_every != 0:
-        fewer = sorted(k for k in CHECKPOINT_CHOICES if k > spec.checkpoint_every)
-        alt = spec.replace(checkpoint_every=fewer[0] if fewer else 0)
-        fits, why = verdict(estimate(alt), hw, margin)
-        text += (f". With {_ckpt_text(alt.checkpoint_every)} " + ("it fits but is slower (smaller micro batch)"
-                                                                    if fits else f"it does not fit: {why}"))
+        fits, why = verdict(estimate(spec.replace(micro_batch=bigger[0])), hw, margin)
+        text += f". Micro batch {bigger[0]} " + ("fits but is not faster" if fits else f"does not fit: {why}")
+    else:
+        text += f". Micro batch {spec.micro_batch} is the largest allowed (--max-micro-batch)"
+    # checkpointing fewer blocks: the best micro batch it allows, and why that is not better
+    for k in sorted((k for k in CHECKPOINT_CHOICES if k > spec.checkpoint_every or (k == 0 and spec.checkpoint_every)),
+                    key=lambda k: (k == 0, k)):
+        alt = _best_micro(spec.replace(checkpoint_every=k), hw, margin, micros)
+        if alt is None:
+            _, why = verdict(estimate(spec.replace(checkpoint_every=k, micro_batch=micros[0])), hw, margin)
+            text += f". With {_ckpt_text(k)} not even micro batch {micros[0]} fits ({why})"
+            break  # checkpointing still fewer blocks needs more memory still
+        text += (f". With {_ckpt_text(k)} micro batch {alt.micro_batch} fits, estimated "
+                 f"{throughput_proxy(alt) / throughput_proxy(spec):.0%} of this speed")
     return text
 
 

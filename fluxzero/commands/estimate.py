@@ -1,0 +1,229 @@
+"""`fluxzero estimate`: will this run fit? Peak GPU memory per rank and host memory per node, itemised.
+
+Imports only pure modules: it answers without torch or deepspeed installed.
+"""
+from __future__ import annotations
+
+import json
+
+import click
+from click.core import ParameterSource
+
+from fluxzero import memory
+from fluxzero.config import MODEL_PRESETS, get_model_config
+from fluxzero.memory import GiB, GPU_MEMORY_GIB
+
+_POS = click.IntRange(min=1)
+
+
+def parse_resolution(value: str) -> tuple[int, int]:
+    """'512' -> (512, 512); '1024x768' -> (1024, 768) as (height, width). Raises ValueError."""
+    parts = value.lower().replace("*", "x").split("x")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"resolution must look like 512 or 1024x768, got {value!r}")
+    h, w = (int(parts[0]), int(parts[-1]))
+    memory.image_tokens(h, w)
+    return h, w
+
+
+def _resolution(ctx, param, value):
+    try:
+        return parse_resolution(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def gpu_memory_from(gpu: str | None, gpu_memory: float | None) -> float | None:
+    if gpu is not None and gpu_memory is not None:
+        raise click.UsageError("give the GPU memory one way only: --gpu NAME or --gpu-memory GIB")
+    return GPU_MEMORY_GIB[gpu] if gpu is not None else gpu_memory
+
+
+def topology_from(hostfile, nodes, gpus_per_node) -> tuple[int, int]:
+    """(nodes, GPUs per node) from a hostfile (largest slot count per node) or the two options."""
+    if hostfile is not None:
+        if nodes is not None or gpus_per_node is not None:
+            raise click.UsageError("give the topology one way only: --hostfile or --nodes/--gpus-per-node")
+        from fluxzero.hostfile import HostfileError, parse_hostfile
+
+        try:
+            hosts = parse_hostfile(hostfile)
+        except HostfileError as e:
+            raise click.BadParameter(str(e), param_hint="--hostfile") from None
+        return len(hosts), max(hosts.values())
+    return nodes or 1, gpus_per_node or 1
+
+
+OPTIONS = [
+    click.option("--model", type=click.Choice(list(MODEL_PRESETS)), default="flux-dev", show_default=True,
+                 help="Model preset."),
+    click.option("--config", "ds_path", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="Read stage, offload, precision, micro batch, optimizer, buckets and checkpointing from "
+                      "this DeepSpeed config (e.g. gen-config's); options given here override it."),
+    click.option("--hostfile", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="DeepSpeed hostfile: nodes = hosts, GPUs per node = largest slot count."),
+    click.option("--nodes", type=_POS, default=None, help="Number of nodes [default: 1]."),
+    click.option("--gpus-per-node", type=_POS, default=None, help="GPUs per node [default: 1]."),
+    click.option("--gpu", type=click.Choice(list(GPU_MEMORY_GIB)), default=None,
+                 help="GPU model, for its memory (h200 = 139.8 GiB as torch reports it)."),
+    click.option("--gpu-memory", type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="GPU memory in GiB (instead of --gpu); without either, no fit verdict."),
+    click.option("--host-memory", type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="Host memory per node in GiB; checked when given."),
+    click.option("--resolution", default="512", show_default=True, callback=_resolution,
+                 help="Image size in pixels: 512 or HEIGHTxWIDTH (tokens = H/16 x W/16)."),
+    click.option("--txt-len", type=_POS, default=512, show_default=True, help="T5 text tokens per sample."),
+    click.option("--micro-batch", type=_POS, default=1, show_default=True, help="Samples per GPU per step."),
+    click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
+                 help="Training precision."),
+    click.option("--zero-stage", type=click.IntRange(0, 3), default=2, show_default=True, help="ZeRO stage."),
+    click.option("--offload-optimizer", type=click.Choice(memory.OFFLOAD_DEVICES), default="none",
+                 show_default=True, help="Optimizer state offload (stage 1-3; nvme: stage 3)."),
+    click.option("--offload-param", type=click.Choice(memory.OFFLOAD_DEVICES), default="none", show_default=True,
+                 help="Parameter offload (stage 3)."),
+    click.option("--checkpoint-every", type=click.IntRange(min=0), default=1, show_default=True,
+                 help="Activation checkpointing: every k-th block (0 off, 1 all)."),
+    click.option("--optimizer", type=click.Choice(list(memory.OPTIMIZER_STATE_BYTES)), default="adamw",
+                 show_default=True, help="Optimizer (fp32 states: 8 B/param for Adam(W), 4 for SGD/Lion)."),
+    click.option("--adam-impl", type=click.Choice(["torch", "fused", "cpu"]), default="torch", show_default=True,
+                 help="torch's foreach AdamW keeps one fp32 temporary at the step; fused/cpu do not."),
+    click.option("--attention", type=click.Choice(["flash", "efficient", "math"]), default="flash",
+                 show_default=True, help="Attention kernel: flash/efficient keep O(L), math O(L^2)."),
+    click.option("--expandable-segments/--no-expandable-segments", default=False, show_default=True,
+                 help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)."),
+    click.option("--margin", type=click.FloatRange(0, 1, max_open=True), default=0.10, show_default=True,
+                 help="Safety margin: fits when the need is at most (1 - margin) x the memory."),
+    click.option("--json", "as_json", is_flag=True, default=False, help="Print one JSON object instead of tables."),
+]
+
+
+def _with_options(fn):
+    for decorator in reversed(OPTIONS):
+        fn = decorator(fn)
+    return fn
+
+
+_SPEC_OPTIONS = {"micro_batch": "micro_batch", "precision": "precision", "zero_stage": "stage",
+                 "offload_optimizer": "offload_optimizer", "offload_param": "offload_param",
+                 "checkpoint_every": "checkpoint_every", "optimizer": "optimizer"}
+
+
+def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, attention, expandable_segments,
+               adam_impl, **values) -> memory.RunSpec:
+    """RunSpec from defaults < DeepSpeed config (--config) < options given on the command line."""
+    fields = {ours: values[opt] for opt, ours in _SPEC_OPTIONS.items()}
+    fields["optimizer_impl"] = "torch" if adam_impl == "torch" else "fused"
+    if ds_path is not None:
+        try:
+            with open(ds_path) as f:
+                ds = json.load(f)
+        except (OSError, ValueError) as e:
+            raise click.BadParameter(f"cannot read {ds_path} as JSON: {e}", param_hint="--config") from None
+        if not isinstance(ds, dict):
+            raise click.BadParameter(f"{ds_path} is not a JSON object", param_hint="--config")
+        from_file = memory.run_options_from_ds_config(ds)
+        given = {ours for opt, ours in _SPEC_OPTIONS.items() if ctx.get_parameter_source(opt) == ParameterSource.COMMANDLINE}
+        if ctx.get_parameter_source("adam_impl") == ParameterSource.COMMANDLINE:
+            given.add("optimizer_impl")
+        fields.update({k: v for k, v in from_file.items() if k not in given})
+    h, w = resolution
+    try:
+        return memory.RunSpec(get_model_config(model), nodes=nodes, gpus_per_node=gpus_per_node, height=h, width=w,
+                              txt_len=txt_len, attention=attention, expandable_segments=expandable_segments,
+                              **fields)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:8.2f}"
+
+
+def describe(spec: memory.RunSpec) -> str:
+    inv = memory.param_inventory(spec.model)
+    opt = spec.optimizer + (" (torch foreach)" if spec.optimizer_impl == "torch" else "")
+    return (f"{spec.model.name} ({inv.total / 1e9:.2f}B parameters), {spec.world_size} GPU(s) "
+            f"({spec.nodes} node(s) x {spec.gpus_per_node}), {spec.height}x{spec.width} px = {spec.img_tokens} image "
+            f"+ {spec.txt_len} text tokens, micro batch {spec.micro_batch}, {spec.precision}, {opt}, "
+            f"{spec.attention} attention\n"
+            f"{memory._label(spec.stage, spec.offload_optimizer, spec.offload_param)}, "
+            f"{memory._ckpt_text(spec.checkpoint_every)}")
+
+
+def report(est: memory.Estimate, hw: memory.Hardware | None, margin: float) -> str:
+    s = est.spec
+    phase_name = {"resident": "always", "train": "fwd/bwd", "step": "step", "load": "loading"}
+    lines = [describe(s), "", f"GPU memory per rank{'':33}GiB  when     note"]
+    for i in est.group("gpu"):
+        lines.append(f"  {i.name:<48}{_gib(i.bytes)}  {phase_name[i.phase]:<8} {i.note}")
+    train, step = est.gpu_phase("train"), est.gpu_phase("step")
+    lines += [
+        f"  {'peak at forward/backward':<48}{_gib(train)}",
+        f"  {'peak at optimizer step':<48}{_gib(step)}",
+        f"  {'= max_memory_allocated':<48}{_gib(est.gpu_allocated)}  ({'step' if est.peak_phase == 'step' else 'fwd/bwd'})",
+        f"  {f'+ {est.fragmentation:.0%} allocator fragmentation = reserved':<48}{_gib(est.gpu_reserved)}",
+        f"  {f'+ CUDA context and NCCL ({s.cuda_context_gib:g} GiB) = needed':<48}{_gib(est.gpu_total)}",
+        "", f"Host memory per node ({s.gpus_per_node} rank(s)){'':22}GiB  when     note",
+    ]
+    for i in est.group("host"):
+        lines.append(f"  {i.name + ' x ' + str(s.gpus_per_node):<48}{_gib(i.bytes * s.gpus_per_node)}  "
+                     f"{phase_name[i.phase]:<8} {i.note}")
+    lines.append(f"  {'needed (larger of loading and training)':<48}{_gib(est.host_per_node)}")
+    if est.nvme_per_node:
+        lines.append(f"  {'NVMe per node':<48}{_gib(est.nvme_per_node)}")
+    if hw is not None:
+        ok, why = memory.verdict(est, hw, margin)
+        lines += ["", ("FITS: " if ok else "DOES NOT FIT: ") + why]
+    lines += ["", "The same run at every ZeRO stage and offload choice:",
+              f"  {'configuration':<58}{'allocated':>10}{'needed':>9}  {'peak at':<8}{'host/node':>10}  fits"]
+    for r, e in memory.table(s):
+        fits = "-" if hw is None else ("yes" if memory.verdict(e, hw, margin)[0] else "no")
+        label = memory._label(r.stage, r.offload_optimizer, r.offload_param)
+        lines.append(f"  {label:<58}{e.gpu_allocated / GiB:10.1f}{e.gpu_total / GiB:9.1f}  "
+                     f"{'step' if e.peak_phase == 'step' else 'fwd/bwd':<8}{e.host_per_node / GiB:10.1f}  {fits}")
+    return "\n".join(lines)
+
+
+def as_dict(est: memory.Estimate, hw: memory.Hardware | None, margin: float) -> dict:
+    s = est.spec
+    out = {
+        "model": s.model.name, "world_size": s.world_size, "nodes": s.nodes, "gpus_per_node": s.gpus_per_node,
+        "height": s.height, "width": s.width, "txt_len": s.txt_len, "micro_batch": s.micro_batch,
+        "precision": s.precision, "stage": s.stage, "offload_optimizer": s.offload_optimizer,
+        "offload_param": s.offload_param, "checkpoint_every": s.checkpoint_every,
+        "gpu_allocated_gib": est.gpu_allocated / GiB, "gpu_reserved_gib": est.gpu_reserved / GiB,
+        "gpu_needed_gib": est.gpu_total / GiB, "peak_phase": est.peak_phase,
+        "host_per_node_gib": est.host_per_node / GiB, "nvme_per_node_gib": est.nvme_per_node / GiB,
+        "items": [{"name": i.name, "gib": i.bytes / GiB, "where": i.where, "phase": i.phase} for i in est.items],
+        "table": [{"stage": r.stage, "offload_optimizer": r.offload_optimizer, "offload_param": r.offload_param,
+                   "gpu_allocated_gib": e.gpu_allocated / GiB, "gpu_needed_gib": e.gpu_total / GiB,
+                   "host_per_node_gib": e.host_per_node / GiB} for r, e in memory.table(s)],
+    }
+    if hw is not None:
+        out["fits"], out["reason"] = memory.verdict(est, hw, margin)
+    return out
+
+
+@click.command("estimate")
+@_with_options
+@click.pass_context
+def estimate(ctx, model, ds_path, hostfile, nodes, gpus_per_node, gpu, gpu_memory, host_memory, resolution,
+             txt_len, attention, expandable_segments, adam_impl, margin, as_json, **values):
+    """Predict peak GPU memory per rank and host memory per node of a run, itemised, before launching it.
+
+    The breakdown covers parameters, gradients, fp32 master copy and optimizer states (per ZeRO stage and
+    offload), communication buckets, ZeRO-3 gathered parameters, activations per block with checkpointing,
+    allocator slack and the CUDA context; a table repeats the run at every stage and offload choice.
+    """
+    nodes, gpus_per_node = topology_from(hostfile, nodes, gpus_per_node)
+    spec = build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, attention,
+                      expandable_segments, adam_impl, **values)
+    capacity = gpu_memory_from(gpu, gpu_memory)
+    hw = None
+    if capacity is not None:
+        hw = memory.Hardware(capacity, host_memory, nodes, gpus_per_node)
+    est = memory.estimate(spec)
+    if as_json:
+        click.echo(json.dumps(as_dict(est, hw, margin), indent=1))
+    else:
+        click.echo(report(est, hw, margin))

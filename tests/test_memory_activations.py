@@ -1,0 +1,97 @@
+"""Activation bytes of fluxzero.memory against what autograd really saves in fluxzero.model's blocks.
+
+Counted with torch.autograd.graph.saved_tensors_hooks on CPU: every tensor saved for backward, deduplicated
+by storage (a view keeps its whole storage alive), minus parameters and the block's own inputs. CPU's
+F.rms_norm is the composite kernel (it saves fp32 copies), so memory.py is asked for device="cpu" here; the
+CUDA difference (the fused kernel saves only rstd besides its input) is one documented term.
+"""
+import pytest
+import torch
+
+from fluxzero import memory
+from fluxzero.config import get_model_config
+from fluxzero.model import build_model
+from fluxzero.model.math import get_attention_backend, set_attention_backend
+
+
+def saved_bytes(fn, args, exclude) -> int:
+    """Bytes of distinct storages saved for backward while running fn(*args), excluding `exclude`."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        seen.setdefault(s.data_ptr(), s.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    return sum(n for ptr, n in seen.items() if ptr not in skip)
+
+
+def block_inputs(cfg, img_tokens, txt_tokens, dtype, batch=2):
+    g = torch.Generator().manual_seed(0)
+    C = cfg.hidden_size
+    img = torch.randn(batch, img_tokens, C, generator=g, dtype=dtype, requires_grad=True)
+    txt = torch.randn(batch, txt_tokens, C, generator=g, dtype=dtype, requires_grad=True)
+    vec = torch.randn(batch, C, generator=g, dtype=dtype, requires_grad=True)
+    ids = torch.zeros(batch, img_tokens + txt_tokens, 3)
+    ids[..., 1] = torch.arange(img_tokens + txt_tokens)
+    return img, txt, vec, ids
+
+
+CASES = [  # (model, dtype, img tokens, txt tokens)
+    ("flux-tiny", torch.float32, 64, 16),
+    ("flux-tiny", torch.bfloat16, 48, 24),
+    ("flux-dev", torch.bfloat16, 16, 8),  # full width (3072 hidden, 24 heads), one block of each kind
+]
+
+
+@pytest.fixture(autouse=True)
+def _flash_like_attention():
+    # The CPU flash kernel saves what CUDA flash saves (q, k, v, out, logsumexp).
+    previous = get_attention_backend()
+    set_attention_backend("auto")
+    yield
+    set_attention_backend(previous)
+
+
+@pytest.mark.parametrize("preset,dtype,I,T", CASES)
+def test_block_saved_bytes_match_autograd(preset, dtype, I, T):
+    cfg = get_model_config(preset).replace(depth=1, depth_single_blocks=1)
+    # Shapes are all that matter for what is saved: skip the random init of a full-width block (seconds).
+    model = build_model(cfg, device="meta", dtype=dtype).to_empty(device="cpu")
+    img, txt, vec, ids = block_inputs(cfg, I, T, dtype)
+    pe = model.pe_embedder(ids)
+    params = list(model.parameters())
+    b = torch.finfo(dtype).bits // 8
+    B = img.shape[0]
+
+    got = saved_bytes(model.double_blocks[0], (img, txt, vec, pe), params + [img, txt, vec, pe])
+    want = B * sum(memory.double_block_saved(cfg, I, T, b, device="cpu").values())
+    assert got == want, (got, want)
+
+    x = torch.cat((txt, img), dim=1).detach().requires_grad_()
+    got = saved_bytes(model.single_blocks[0], (x, vec, pe), params + [x, vec, pe])
+    want = B * sum(memory.single_block_saved(cfg, I, T, b, device="cpu").values())
+    assert got == want, (got, want)
+
+
+def test_whole_model_saved_bytes_within_5_percent():
+    """No checkpointing: the model's whole forward, blocks plus embedders and final layer."""
+    cfg = get_model_config("flux-tiny")
+    model = build_model(cfg, dtype=torch.float32)
+    B, h, w, T = 2, 128, 96, 24
+    spec = memory.RunSpec(cfg, height=h, width=w, txt_len=T, micro_batch=B, precision="fp32",
+                          checkpoint_every=0, stage=0, device="cpu")
+    I = spec.img_tokens
+    g = torch.Generator().manual_seed(0)
+    img = torch.randn(B, I, cfg.in_channels, generator=g)
+    txt = torch.randn(B, T, cfg.context_in_dim, generator=g)
+    img_ids, txt_ids = torch.zeros(B, I, 3), torch.zeros(B, T, 3)
+    args = (img, img_ids, txt, txt_ids, torch.rand(B, generator=g), torch.randn(B, cfg.vec_in_dim, generator=g),
+            torch.ones(B))
+    got = saved_bytes(model, args, list(model.parameters()))
+    want = memory.activation_bytes(spec)["stored"]
+    # Blocks are exact (test above); embedders, RoPE table and final layer are a rounded sum.
+    assert abs(got - want) / got < 0.05, (got, want)
