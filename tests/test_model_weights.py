@@ -149,3 +149,18 @@ def test_index_json_is_diffusers_format(tmp_path, model):
     index = json.loads((tmp_path / "d" / W.DIFFUSERS_INDEX).read_text())
     assert set(index) == {"metadata", "weight_map"} and index["metadata"]["total_size"] > 0
     assert "transformer_blocks.0.attn.to_q.weight" in index["weight_map"]
+
+
+def test_diffusers_single_file_and_comfyui_all_in_one(tmp_path, model):
+    sd = model.state_dict()
+    W.save_weights(sd, tmp_path / "d", layout="diffusers")
+    single = tmp_path / "d" / W.DIFFUSERS_WEIGHTS
+    assert W.detect_layout(single) == "diffusers"
+    assert_same(W.load_weights(single), sd)
+    # ComfyUI all-in-one checkpoints carry the VAE and text encoders next to the transformer: ignored.
+    comfy = {W.COMFY_PREFIX + k: v.contiguous() for k, v in sd.items()}
+    comfy["first_stage_model.decoder.conv_in.weight"] = torch.zeros(2, 2)
+    assert_same(W.load_weights(_save(tmp_path / "aio.safetensors", comfy)), sd)
+    comfy[W.COMFY_PREFIX + "double_blocks.0.lora_up.weight"] = torch.zeros(2, 2)
+    with pytest.raises(W.WeightsError, match="comfyui layout.*1 unexpected: double_blocks.0.lora_up.weight"):
+        W.load_weights(_save(tmp_path / "aio2.safetensors", comfy), cfg=model.config)

@@ -247,7 +247,9 @@ class _Source:
         else:
             prefix = COMFY_PREFIX if self.layout == "comfyui" else ""
             self.plan = {k[len(prefix):]: ([k], "copy") for k in self.files if k.startswith(prefix)}
-            self.unexpected = sorted(k for k in self.files if not k.startswith(prefix))
+            # A ComfyUI all-in-one checkpoint also holds the VAE and text encoders under other prefixes:
+            # those are not ours to check. Everything in a BFL file must be the transformer's.
+            self.unexpected = [] if prefix else sorted(k for k in self.files if not k.startswith(prefix))
             self.missing_raw = []
             self.known = set(self.plan)
         self._handles: dict[Path, object] = {}
@@ -295,7 +297,8 @@ def infer_config(shapes: dict[str, tuple[int, ...]], name: str = "custom", axes_
     """The ModelConfig a BFL-named set of tensor shapes describes (a preset when one matches exactly)."""
     try:
         hidden, in_channels = shapes["img_in.weight"]
-        head_dim = shapes["double_blocks.0.img_attn.norm.query_norm.scale" if "double_blocks.0.img_attn.norm.query_norm.scale" in shapes else "single_blocks.0.norm.query_norm.scale"][0]
+        norm = next(k for k in shapes if k.endswith("query_norm.scale"))  # StopIteration: no blocks at all
+        head_dim = shapes[norm][0]
         mlp = (shapes["double_blocks.0.img_mlp.0.weight"][0] if "double_blocks.0.img_mlp.0.weight" in shapes
                else shapes["single_blocks.0.linear1.weight"][0] - 3 * hidden)
         fields = dict(
@@ -309,6 +312,8 @@ def infer_config(shapes: dict[str, tuple[int, ...]], name: str = "custom", axes_
         )
     except KeyError as e:
         raise WeightsError(f"cannot infer the model shape: tensor {e.args[0]} is missing") from None
+    except StopIteration:
+        raise WeightsError("cannot infer the model shape: no transformer blocks in the weights") from None
     for preset in MODEL_PRESETS.values():
         if all(getattr(preset, f) == v for f, v in fields.items()) and axes_dim in (None, preset.axes_dim):
             return preset
