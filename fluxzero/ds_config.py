@@ -642,8 +642,24 @@ def implied_world_size(cfg: dict) -> int | None:
     return None
 
 
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def without_auto(cfg: dict) -> dict:
+    """A copy DeepSpeed's parser accepts: batch keys set to "auto" dropped (micro batch 1 if none is left).
+
+    "auto" batch sizes are fluxzero's: the trainer fills them from the run file (engine.load_ds_config).
+    """
+    out = {k: v for k, v in cfg.items() if not (k in BATCH_KEYS and v == "auto")}
+    if "train_batch_size" not in out and "train_micro_batch_size_per_gpu" not in out:
+        out["train_micro_batch_size_per_gpu"] = 1
+    return out
+
+
 def _check_batch(cfg: dict, world: int | None, p: list[str]) -> None:
-    names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    names = BATCH_KEYS
+    if any(cfg.get(n) == "auto" for n in names):
+        cfg = without_auto(cfg)
     vals = {}
     for n in names:
         if n in cfg:

@@ -291,6 +291,15 @@ def test_batch_arithmetic_mismatch():
     assert ds_config.implied_world_size(_good()) == 2
 
 
+def test_auto_batch_sizes_are_left_to_the_trainer():
+    cfg = _good()
+    cfg["train_batch_size"] = cfg["train_micro_batch_size_per_gpu"] = cfg["gradient_accumulation_steps"] = "auto"
+    assert check(cfg, 8) == []
+    assert ds_config.without_auto(cfg)["train_micro_batch_size_per_gpu"] == 1
+    cfg["gradient_accumulation_steps"] = 0
+    assert check(cfg, 8) == ["gradient_accumulation_steps must be a positive integer, got 0"]
+
+
 def test_fp16_and_bf16_both_on():
     cfg = _good()
     cfg["fp16"] = {"enabled": True}

@@ -239,6 +239,7 @@ def check_config(file, hostfile, world_size, run_deepspeed):
             import deepspeed  # noqa: F401
         from fluxzero.ds_validate import deepspeed_problems
 
+        cfg = ds_config.without_auto(cfg)
         problems += deepspeed_problems(cfg, world or ds_config.implied_world_size(cfg) or 1)
     for line in problems:
         click.echo(f"{file}: {line}")
