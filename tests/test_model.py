@@ -73,6 +73,8 @@ def test_guidance_required_and_used():
     out_a = model(**x)
     out_b = model(**{**x, "guidance": x["guidance"] * 2})
     assert not torch.allclose(out_a, out_b)
+    with pytest.raises(ValueError, match=r"img_ids and txt_ids must be \(B, L, 3\)"):
+        model(**{**x, "img_ids": x["img_ids"][0], "txt_ids": x["txt_ids"][0]})
     schnell = build_model("flux-tiny-schnell")
     assert schnell(**{**x, "guidance": None}).shape == out_a.shape
 
