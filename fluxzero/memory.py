@@ -627,52 +627,70 @@ CHECKPOINT_CHOICES = (0, 8, 4, 2, 1)  # every k-th block: none, 1/8, 1/4, 1/2, a
 
 
 def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int = 16,
-        micro_batches: tuple[int, ...] | None = None) -> FitResult:
+        micro_batches: tuple[int, ...] | None = None, fixed: dict | None = None,
+        zero_by_stage: dict[int, ZeroSettings] | None = None, allow_nvme: bool = True) -> FitResult:
     """The fastest configuration of `base` that fits `hw` with `margin`, and why.
 
     Order (each level dominates the next): no offload, then optimizer offload, then parameter offload, then
-    NVMe -- offload moves the optimizer step to the CPU and every step's states over PCIe, slower than any
-    other choice here; then the lowest ZeRO stage -- stage 3 re-gathers all parameters in forward and
-    backward (1.5x the communication of stages 1-2) and stages 1-2 cost nothing over 0 but memory only when
-    gradients are partitioned; then, at that stage, the (micro batch, checkpointing) pair with the best
-    `throughput_proxy` -- fewest checkpointed blocks unless a larger micro batch gains more, largest micro
+    NVMe -- offload runs the optimizer step on the CPU and moves states over PCIe every step, slower than
+    any other choice here; then the lowest ZeRO stage -- stage 3 re-gathers every parameter in forward,
+    again in backward (and in recompute), 1.5x the traffic of stages 1-2, and stage 1/2 only add memory
+    savings over 0; then, at that stage, the (micro batch, checkpointing) pair with the best
+    `throughput_proxy` -- fewest checkpointed blocks unless a larger micro batch gains more, larger micro
     batch on ties.
+
+    `fixed` pins any of stage, offload_optimizer, offload_param, micro_batch, checkpoint_every (what the user
+    chose himself); `zero_by_stage` gives the communication settings each stage will really be written with.
     """
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
+    fixed = dict(fixed or {})
+    unknown = set(fixed) - {"stage", "offload_optimizer", "offload_param", "micro_batch", "checkpoint_every"}
+    if unknown:
+        raise ValueError(f"fit cannot pin {sorted(unknown)}")
     base = base.replace(nodes=hw.nodes, gpus_per_node=hw.gpus_per_node)
     micros = micro_batches or tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= max_micro_batch)
+    if "micro_batch" in fixed:
+        micros = (fixed["micro_batch"],)
+    if not micros:
+        raise ValueError("no micro batch to try: raise the largest micro batch allowed")
+    ckpts = (fixed["checkpoint_every"],) if "checkpoint_every" in fixed else CHECKPOINT_CHOICES
+    grid = [(st, oo, op) for st, oo, op in STAGE_OFFLOAD_GRID
+            if fixed.get("stage", st) == st and fixed.get("offload_optimizer", oo) == oo
+            and fixed.get("offload_param", op) == op and (allow_nvme or "nvme" not in (oo, op))]
     rejected: list[str] = []
-    for st, oo, op in STAGE_OFFLOAD_GRID_BY_SPEED:
+    for st, oo, op in grid:
+        stage_base = base.replace(stage=st, offload_optimizer=oo, offload_param=op,
+                                  zero=(zero_by_stage or {}).get(st, base.zero))
         fitting = []
-        for ck in CHECKPOINT_CHOICES:
+        for ck in ckpts:
             for mb in micros:
-                cand = base.replace(stage=st, offload_optimizer=oo, offload_param=op, micro_batch=mb,
-                                    checkpoint_every=ck)
+                cand = stage_base.replace(micro_batch=mb, checkpoint_every=ck)
                 est = estimate(cand)
-                ok, _ = verdict(est, hw, margin)
-                if ok:
-                    fitting.append((throughput_proxy(cand), mb, -_ckpt_count(cand), cand, est))
-                else:
+                if not verdict(est, hw, margin)[0]:
                     break  # a larger micro batch will not fit either
+                fitting.append((throughput_proxy(cand), mb, -_ckpt_count(cand), cand, est))
         label = _label(st, oo, op)
         if not fitting:
-            smallest = base.replace(stage=st, offload_optimizer=oo, offload_param=op, micro_batch=micros[0],
-                                    checkpoint_every=1)
+            smallest = stage_base.replace(micro_batch=micros[0], checkpoint_every=max(ckpts, key=_ckpt_rank))
             _, why = verdict(estimate(smallest), hw, margin)
-            rejected.append(f"{label}: even micro batch {micros[0]} with every block checkpointed does not fit "
-                            f"({why})")
+            rejected.append(f"{label}: even micro batch {micros[0]} with {_ckpt_text(smallest.checkpoint_every)} "
+                            f"does not fit ({why})")
             continue
         fitting.sort(key=lambda t: t[:3], reverse=True)
         _, mb, _, spec, est = fitting[0]
-        reason = rejected + [f"chose {label}: " + _why_choice(spec, est, hw, margin, micros)]
+        reason = rejected + [f"chose {label}: " + _why_choice(spec, est, hw, margin, micros, ckpts)]
         options = {"stage": st, "offload_optimizer": oo, "offload_param": op, "micro_batch": mb,
                    "checkpoint_every": spec.checkpoint_every}
         return FitResult(spec, est, "\n".join(reason), options)
+    if not grid:
+        return FitResult(None, None, "nothing to try: the pinned stage and offload choices contradict each other")
     return FitResult(None, None, "\n".join(rejected + [_what_would_fit(base, hw, margin, micros[0])]))
 
 
-STAGE_OFFLOAD_GRID_BY_SPEED = STAGE_OFFLOAD_GRID  # already ordered: no offload by stage, then offloads
+def _ckpt_rank(k: int) -> float:
+    """Order checkpoint choices by memory saved: 1 (all) saves most, then 2, 4, ..., 0 (none) least."""
+    return 0.0 if k == 0 else 1.0 / k
 
 
 def _ckpt_count(spec: RunSpec) -> int:
@@ -703,7 +721,8 @@ def _best_micro(spec: RunSpec, hw: Hardware, margin: float, micros: tuple[int, .
     return best
 
 
-def _why_choice(spec: RunSpec, est: Estimate, hw: Hardware, margin: float, micros: tuple[int, ...]) -> str:
+def _why_choice(spec: RunSpec, est: Estimate, hw: Hardware, margin: float, micros: tuple[int, ...],
+                ckpts: tuple[int, ...] = CHECKPOINT_CHOICES) -> str:
     text = (f"micro batch {spec.micro_batch}, {_ckpt_text(spec.checkpoint_every)}; predicted "
             f"{est.gpu_allocated / GiB:.1f} GiB allocated, {est.gpu_total / GiB:.1f} GiB with allocator slack "
             f"and CUDA context, of {hw.gpu_memory_gib * (1 - margin):.1f} GiB budget "
@@ -713,10 +732,10 @@ def _why_choice(spec: RunSpec, est: Estimate, hw: Hardware, margin: float, micro
         fits, why = verdict(estimate(spec.replace(micro_batch=bigger[0])), hw, margin)
         text += f". Micro batch {bigger[0]} " + ("fits but is not faster" if fits else f"does not fit: {why}")
     else:
-        text += f". Micro batch {spec.micro_batch} is the largest allowed (--max-micro-batch)"
+        text += f". Micro batch {spec.micro_batch} is the largest allowed"
     # checkpointing fewer blocks: the best micro batch it allows, and why that is not better
-    for k in sorted((k for k in CHECKPOINT_CHOICES if k > spec.checkpoint_every or (k == 0 and spec.checkpoint_every)),
-                    key=lambda k: (k == 0, k)):
+    for k in sorted((k for k in ckpts if _ckpt_rank(k) < _ckpt_rank(spec.checkpoint_every)),
+                    key=_ckpt_rank, reverse=True):
         alt = _best_micro(spec.replace(checkpoint_every=k), hw, margin, micros)
         if alt is None:
             _, why = verdict(estimate(spec.replace(checkpoint_every=k, micro_batch=micros[0])), hw, margin)

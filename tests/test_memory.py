@@ -306,3 +306,71 @@ def test_estimate_runs_without_torch_or_deepspeed():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "FITS" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gen-config --fit
+# ---------------------------------------------------------------------------------------------------------
+def test_gen_config_fit_writes_the_choice_and_says_why(tmp_path):
+    out = tmp_path / "ds.json"
+    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "2", "--gpu", "h200", "--host-memory",
+                                  "1024", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads(out.read_text())
+    assert cfg["zero_optimization"]["stage"] == 3 and "offload_optimizer" not in cfg["zero_optimization"]
+    assert "ZeRO-2 without offload" in r.stderr and "chose ZeRO-3" in r.stderr
+    mb, k = cfg["train_micro_batch_size_per_gpu"], cfg["fluxzero"]["activation_checkpointing"]["every_k_blocks"]
+    assert f"micro batch {mb}" in r.stderr
+    # what was written is what the memory model says fits, with the settings gen-config wrote
+    spec = RunSpec(get_model_config("flux-dev"), gpus_per_node=2, **memory.run_options_from_ds_config(cfg))
+    assert (spec.micro_batch, spec.checkpoint_every) == (mb, k)
+    assert memory.verdict(estimate(spec), Hardware(H200, 1024, 1, 2), 0.10)[0]
+
+
+def test_gen_config_fit_keeps_what_the_user_chose():
+    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "8", "--gpu", "h100", "--zero-stage", "2",
+                                  "--micro-batch", "2"])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads(r.stdout)
+    assert cfg["zero_optimization"]["stage"] == 2 and cfg["train_micro_batch_size_per_gpu"] == 2
+
+
+def test_gen_config_fit_offloads_on_one_small_gpu():
+    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "1", "--gpu", "a100-80", "--host-memory",
+                                  "512"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+def test_gen_config_fit_refuses_when_nothing_fits(tmp_path):
+    out = tmp_path / "ds.json"
+    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "1", "--gpu", "rtx4090", "--host-memory",
+                                  "32", "--resolution", "1024", "-o", str(out)])
+    assert r.exit_code == 2 and "nothing fits" in r.output and "GPUs" in r.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args,word", [
+    (["--gpu", "h200"], "--fit needs the GPUs"),
+    (["--world-size", "2"], "--fit needs the GPU memory"),
+    (["--world-size", "2", "--gpu", "h200", "--global-batch", "3"], "divides global batch"),
+])
+def test_gen_config_fit_user_errors(args, word):
+    r = CliRunner().invoke(main, ["gen-config", "--fit"] + args)
+    assert r.exit_code == 2 and word in r.output and "Traceback" not in r.output
+
+
+def test_gen_config_fit_runs_without_torch_or_deepspeed():
+    code = textwrap.dedent("""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] in ('torch', 'deepspeed'):
+                    raise ImportError('blocked ' + name)
+        sys.meta_path.insert(0, Block())
+        from fluxzero.cli import main
+        main(['gen-config', '--fit', '--world-size', '2', '--gpu', 'h200'])
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["zero_optimization"]["stage"] == 3 and "chose ZeRO-3" in r.stderr

@@ -14,6 +14,7 @@ import click
 from click.core import ParameterSource
 
 from fluxzero import ds_config
+from fluxzero.commands.estimate import apply_fit, fit_options
 from fluxzero.config import MODEL_PRESETS
 from fluxzero.ds_config import DSConfigError, DSOptions
 
@@ -170,8 +171,9 @@ def write_atomic(path: str, text: str) -> None:
 
 @click.command("gen-config", context_settings={"max_content_width": 110})
 @_with_options
+@fit_options
 @click.pass_context
-def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, **fields):
+def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, fit, **fields):
     """Write a DeepSpeed JSON config (ZeRO, offload, precision, batch, checkpointing, optimizer, schedule).
 
     Start from --preset NAME and override any option. Settings DeepSpeed does not know (activation
@@ -180,6 +182,8 @@ def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, 
     world = world_size_from(hostfile, nodes, gpus_per_node, world_size)
     given = {k: v for k, v in fields.items()
              if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
+    if fit:  # fluxzero.memory picks stage, offload, micro batch, checkpointing; what was given stays pinned
+        given.update(apply_fit(fit, preset, given, hostfile, nodes, gpus_per_node, world_size))
     try:
         options = ds_config.options_from(preset, world_size=world, **given)
         # options that choose settings for the user (e.g. a memory fit) adjust `options` here, before build

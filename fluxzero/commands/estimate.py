@@ -227,3 +227,105 @@ def estimate(ctx, model, ds_path, hostfile, nodes, gpus_per_node, gpu, gpu_memor
         click.echo(json.dumps(as_dict(est, hw, margin), indent=1))
     else:
         click.echo(report(est, hw, margin))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# `gen-config --fit`: options added to gen-config, and the search it runs before writing
+# ---------------------------------------------------------------------------------------------------------
+FIT_OPTIONS = [
+    click.option("--fit", is_flag=True, default=False,
+                 help="Choose ZeRO stage, offload, micro batch and checkpointing: the fastest that fits the "
+                      "hardware (needs the world size and --gpu/--gpu-memory); prints why."),
+    click.option("--gpu", type=click.Choice(list(GPU_MEMORY_GIB)), default=None,
+                 help="--fit: GPU model, for its memory."),
+    click.option("--gpu-memory", type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="--fit: GPU memory in GiB (instead of --gpu)."),
+    click.option("--host-memory", type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="--fit: host memory per node in GiB (offload must fit it)."),
+    click.option("--resolution", default="512", show_default=True, callback=_resolution,
+                 help="--fit: training image size in pixels, 512 or HEIGHTxWIDTH."),
+    click.option("--txt-len", type=_POS, default=512, show_default=True, help="--fit: T5 text tokens per sample."),
+    click.option("--fit-margin", type=click.FloatRange(0, 1, max_open=True), default=0.10, show_default=True,
+                 help="--fit: keep this fraction of GPU and host memory free."),
+    click.option("--max-micro-batch", type=_POS, default=16, show_default=True,
+                 help="--fit: largest micro batch to consider."),
+]
+_FIT_KEYS = ("fit", "gpu", "gpu_memory", "host_memory", "resolution", "txt_len", "fit_margin", "max_micro_batch")
+# gen-config option -> memory.fit pin: what the user set himself is kept, --fit chooses the rest
+_PINS = {"zero_stage": "stage", "offload_optimizer": "offload_optimizer", "offload_param": "offload_param",
+         "micro_batch": "micro_batch", "checkpoint_every": "checkpoint_every"}
+
+
+def fit_options(fn):
+    """Add the --fit options to a command; the callback receives them as one `fit` dict (None without --fit)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        request = {k: kwargs.pop(k) for k in _FIT_KEYS}
+        kwargs["fit"] = request if request["fit"] else None
+        return fn(*args, **kwargs)
+
+    for decorator in reversed(FIT_OPTIONS):
+        wrapper = decorator(wrapper)
+    return wrapper
+
+
+def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node, world_size) -> dict:
+    """Run the fit for gen-config; returns the options to override (stage, offload, micro batch,
+    checkpointing). Prints the reason on stderr; a UsageError (nothing written) when nothing fits."""
+    from fluxzero import ds_config
+
+    if hostfile is not None:
+        nodes, gpus_per_node = topology_from(hostfile, None, None)
+    elif gpus_per_node is not None:
+        nodes = nodes or 1
+    elif world_size is not None:
+        nodes, gpus_per_node = 1, world_size
+    else:
+        raise click.UsageError("--fit needs the GPUs: give --hostfile, --nodes/--gpus-per-node or --world-size")
+    capacity = gpu_memory_from(request["gpu"], request["gpu_memory"])
+    if capacity is None:
+        raise click.UsageError("--fit needs the GPU memory: give --gpu NAME or --gpu-memory GIB")
+    world = nodes * gpus_per_node
+    try:
+        opts = ds_config.options_from(preset, world_size=world, **given)
+    except ds_config.DSConfigError as e:
+        raise click.UsageError("\n".join(e.problems)) from None
+
+    def zero_for(stage):  # the communication settings gen-config will write at that stage
+        try:
+            return memory.ZeroSettings.from_ds_config(ds_config.build(opts.replace(
+                zero_stage=stage, offload_optimizer="none", offload_param="none")))
+        except ds_config.DSConfigError:
+            return memory.ZeroSettings()
+
+    micros = None
+    if opts.global_batch is not None:
+        micros = tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128)
+                       if m <= request["max_micro_batch"] and opts.global_batch % (m * world) == 0)
+        if not micros:
+            raise click.UsageError(f"--fit: no micro batch up to {request['max_micro_batch']} divides global batch "
+                                   f"{opts.global_batch} over {world} GPUs")
+    h, w = request["resolution"]
+    try:
+        base = memory.RunSpec(get_model_config(opts.model), height=h, width=w, txt_len=request["txt_len"],
+                              precision=opts.precision,
+                              optimizer_impl="torch" if opts.adam_impl == "torch" else "fused")
+        result = memory.fit(base, memory.Hardware(capacity, request["host_memory"], nodes, gpus_per_node),
+                            margin=request["fit_margin"], max_micro_batch=request["max_micro_batch"],
+                            micro_batches=micros, fixed={_PINS[k]: v for k, v in given.items() if k in _PINS},
+                            zero_by_stage={st: zero_for(st) for st in range(4)},
+                            allow_nvme=opts.nvme_path is not None)
+    except ValueError as e:
+        raise click.UsageError(f"--fit: {e}") from None
+    if result.spec is None:
+        raise click.UsageError(f"--fit: {result.reason}")
+    click.echo("gen-config --fit:\n  " + result.reason.replace("\n", "\n  "), err=True)
+    out = {theirs: result.options[ours] for theirs, ours in _PINS.items()}
+    if "adam_impl" not in given:  # DeepSpeed's CPU Adam with optimizer offload, never without
+        if result.options["offload_optimizer"] != "none" and opts.adam_impl == "fused":
+            out["adam_impl"] = "cpu"
+        elif result.options["offload_optimizer"] == "none" and opts.adam_impl == "cpu":
+            out["adam_impl"] = "torch"
+    return out
