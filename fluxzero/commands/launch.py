@@ -64,7 +64,8 @@ def launch(hostfile, launcher, include, exclude, num_nodes, num_gpus, master_add
     Arguments after `--` go to the training script, e.g.
     `fluxzero launch --hostfile hosts --nccl infiniband -- --config run.yaml`.
     """
-    from fluxzero.launcher import LaunchError, LaunchSpec, build_command, merged_deepspeed_env, write_deepspeed_env
+    from fluxzero.launcher import (LOCAL_HOSTS, LaunchError, LaunchSpec, build_command, merged_deepspeed_env,
+                                   resolve_world, write_deepspeed_env)
     from fluxzero.nccl import NcclError, check_user_env, profile_env
 
     spec = LaunchSpec(
@@ -78,13 +79,16 @@ def launch(hostfile, launcher, include, exclude, num_nodes, num_gpus, master_add
         check_user_env(user_env)
         rank_env = {**profile_env(nccl_profile), **user_env}
         argv = build_command(spec)
+        world = resolve_world(spec) if hostfile is not None else {}
     except (LaunchError, NcclError) as e:
         raise click.UsageError(str(e)) from None
 
     # Ranks started by this process (single node, no-ssh) inherit its environment; multi-node backends
     # read the file named by DS_ENV_FILE and export its lines on every node.
     env = {**os.environ, **rank_env}
-    multi_node = hostfile is not None and launcher != "no-ssh"
+    # A single local host is launched locally by DeepSpeed too: no backend, no env file.
+    single_local = len(world) == 1 and next(iter(world)) in LOCAL_HOSTS
+    multi_node = hostfile is not None and launcher != "no-ssh" and not single_local
     file_env = {}
     if multi_node:
         try:
