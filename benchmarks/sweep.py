@@ -167,18 +167,18 @@ def _levers() -> list[Case]:
 
 
 def _cpu(gpus=1, **kw) -> dict:
-    return dict(model="flux-tiny", gpus=gpus, precision="bf16", res=64, txt=16, attn="auto", warmup=1, steps=2,
-                timeout=120, **kw)
+    return {**dict(model="flux-tiny", gpus=gpus, precision="bf16", res=64, txt=16, attn="auto", warmup=1, steps=2,
+                   timeout=120), **kw}
 
 
 def _cpu_test() -> list[Case]:
     # --device cpu: the GPU sets' code path on flux-tiny (tests/test_benchmarks.py)
     return [
-        Case(**_cpu(zero=3, ckpt=1, mb=2)),
-        Case(**_cpu(impl="diffusers", zero=3, ckpt=1, mb=2)),
-        Case(**_cpu(gpus=2, zero=2, ckpt=2, mb=1)),
+        Case(**_cpu(gpus=2, zero=3, ckpt=1, mb=2)),
+        Case(**_cpu(gpus=2, impl="diffusers", zero=3, ckpt=1, mb=2)),
+        Case(**_cpu(zero=2, ckpt=2, mb=1)),
         # an OOM on rank 0 while rank 1 waits in the gradient all-reduce: the row must say "OOM at backward"
-        # and the sweep must go on after killing the hung rank
+        # and the sweep must go on after the hung rank is ended
         Case(**_cpu(gpus=2, zero=0, ckpt=0, mb=1, inject_oom="backward")),
     ]
 
@@ -410,6 +410,7 @@ def run_case(case: Case, phase: _Phase) -> dict:
     init_s = time.perf_counter() - t0
     mem_after_init = torch.cuda.memory_allocated(device) / GIB if device.type == "cuda" else None
     skipped_before = int(getattr(engine, "skipped_steps", 0) or 0)
+    optimizer = _describe_optimizer(engine)
 
     from contextlib import nullcontext
 
@@ -486,9 +487,18 @@ def run_case(case: Case, phase: _Phase) -> dict:
         "peak_reserved_gib": [m["peak_reserved_gib"] for m in everyone],
         "alloc_after_init_gib": [m["alloc_after_init_gib"] for m in everyone],
         "init_s": init_s, "case_s": time.perf_counter() - t_start,
-        "engine_api": engine_api, "ds_config_source": ds_source, "ds_config": ds,
+        "engine_api": engine_api, "ds_config_source": ds_source, "ds_config": ds, "optimizer": optimizer,
         "versions": _versions(case, device),
     }
+
+
+def _describe_optimizer(engine) -> str:
+    """What actually steps: DeepSpeed's wrapper and the torch / DeepSpeed optimizer inside, with its flags."""
+    outer = engine.optimizer
+    inner = getattr(outer, "optimizer", outer)
+    defaults = getattr(inner, "defaults", {}) or {}
+    flags = ", ".join(f"{k}={defaults[k]}" for k in ("fused", "foreach") if k in defaults)
+    return f"{type(outer).__name__} > {type(inner).__module__}.{type(inner).__name__}" + (f" ({flags})" if flags else "")
 
 
 def _versions(case: Case, device) -> dict:
@@ -630,6 +640,14 @@ def _tail(path: Path, n: int = 300) -> str:
     return " | ".join(lines)[-n:]
 
 
+def _append_log(combined: Path, i: int, case: Case, row: dict, log: Path) -> None:
+    lines = log.read_text(errors="replace").splitlines()
+    keep = 40 if row.get("status") == "ok" else 150
+    with open(combined, "a") as f:
+        f.write(f"===== [{i}] {case.name}: {row.get('status')} (full log: {log})\n")
+        f.write("\n".join(lines[-keep:]) + "\n")
+
+
 def summary(i: int, n: int, case: Case, row: dict) -> str:
     head = f"[{i}/{n}] {case.name}:"
     if row.get("status") != "ok":
@@ -656,8 +674,9 @@ def sweep(name: str, cases: list[Case], out_dir: Path, device: str, budget: floa
           peak_tflops: float | None = None) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / f"{name}.jsonl"
-    logs = out_dir / "logs" / name
-    logs.mkdir(parents=True, exist_ok=True)
+    # Whole per-case logs stay outside out_dir (the device tool brings back at most 8 files from $OUT);
+    # out_dir gets one <name>.log with each case's tail (more of it when the case failed).
+    logs = Path(tempfile.mkdtemp(prefix=f"fzbench-logs-{name}-"))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     # FusedAdam (optim deepspeed-fused) is JIT-built once per machine, not once per case
@@ -671,6 +690,8 @@ def sweep(name: str, cases: list[Case], out_dir: Path, device: str, budget: floa
         peak = _measure_peak(device, env)
         peak_tflops = peak.get("peak_tflops")
         print(f"bf16 matmul peak: {peak_tflops and round(peak_tflops, 1)} TFLOP/s {peak}", flush=True)
+    else:
+        peak = {"peak_tflops": peak_tflops, "given": True}
     env["FLUXZERO_BENCH_PEAK_TFLOPS"] = str(peak_tflops or 0)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = []
@@ -681,8 +702,9 @@ def sweep(name: str, cases: list[Case], out_dir: Path, device: str, budget: floa
         else:
             log = logs / f"{i:02d}-{case.name.replace(' ', '_').replace('/', '-')}.log"
             row = run_one(case, device, min(case.timeout, left), log, env, grace)
+            _append_log(out_dir / f"{name}.log", i, case, row, log)
         row = {"set": name, "index": i, "name": case.name, **dataclasses.asdict(case),
-               "img_tokens": case.img_tokens, "device_kind": device, "date": stamp, **row}
+               "img_tokens": case.img_tokens, "device_kind": device, "date": stamp, "peak": peak, **row}
         with open(jsonl, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(summary(i, len(cases), case, row), flush=True)

@@ -1,0 +1,105 @@
+"""benchmarks/sweep.py and report.py: the GPU sweep's exact code path, end to end on CPU with flux-tiny."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"fluxzero_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sweep = _load("sweep")
+report = _load("report")
+
+
+def test_named_sets_are_well_formed():
+    for name, (fn, budget, _) in sweep.SETS.items():
+        cases = fn()
+        assert cases, name
+        assert len({c.name for c in cases}) == len(cases), f"{name}: two cases share a name"
+        # the budget must leave each case its own timeout at least for the first case
+        assert budget >= cases[0].timeout, name
+    # every baseline row has a fluxzero row with the same settings: the matched comparison exists
+    for name in ("lite1", "dev2"):
+        cases = sweep.SETS[name][0]()
+        ours = {tuple(getattr(c, k) if k not in ("zero_opts", "env") else json.dumps(getattr(c, k))
+                      for k in report.MATCH_KEYS) for c in cases if c.impl == "fluxzero"}
+        base = [c for c in cases if c.impl == "diffusers"]
+        assert len(base) == 2
+        for c in base:
+            key = tuple(getattr(c, k) if k not in ("zero_opts", "env") else json.dumps(getattr(c, k))
+                        for k in report.MATCH_KEYS)
+            assert key in ours, c.name
+    dev2 = sweep.SETS["dev2"][0]()
+    assert {c.gpus for c in dev2} == {2} and {c.model for c in dev2} == {"flux-dev"}
+    assert {(c.res, c.img_tokens) for c in dev2} == {(512, 1024), (1024, 4096)}
+
+
+def test_case_validation_names_the_field():
+    with pytest.raises(ValueError, match="optim"):
+        sweep.Case(optim="sgd")
+    with pytest.raises(ValueError, match="res must be a multiple of 16"):
+        sweep.Case(res=500)
+
+
+def test_timeout_and_budget_rows(tmp_path):
+    # a case that cannot start within 1 s becomes a "timeout" row; once the budget is spent, "not run" rows
+    cases = [sweep.Case(**sweep._cpu(zero=0, mb=1, timeout=1)), sweep.Case(**sweep._cpu(zero=0, mb=2))]
+    rows = sweep.sweep("t", cases[:1], tmp_path, "cpu", budget=100, grace=1, peak_tflops=1.0)
+    assert rows[0]["status"].startswith("timeout after 1 s") and rows[0]["valid"] is False
+    rows = sweep.sweep("b", cases[1:], tmp_path, "cpu", budget=0, grace=1, peak_tflops=1.0)
+    assert rows[0]["status"].startswith("not run") and rows[0]["valid"] is False
+    assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_cpu_sweep_end_to_end(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "benchmarks/sweep.py", "--set", "cpu-test", "--device", "cpu",
+                        "--out", str(tmp_path), "--grace", "5"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "cpu-test.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rows] == [1, 2, 3, 4]
+    from fluxzero.config import get_model_config
+
+    cfg = get_model_config("flux-tiny")
+    for r in rows[:3]:
+        assert r["status"] == "ok" and r["valid"] is True, r["name"]
+        assert r["skipped_steps"] == 0
+        assert len(r["step_s_all"]) == r["steps"] and len(r["losses_rank0"]) == r["warmup"] + r["steps"]
+        assert all(math.isfinite(x) for x in r["losses_rank0"])
+        assert min(r["step_s"], r["fwd_s"], r["bwd_s"], r["opt_s"]) > 0
+        assert r["fwd_s"] + r["bwd_s"] + r["opt_s"] <= r["step_s"] * 1.05
+        assert r["samples_per_s"] == pytest.approx(r["mb"] * r["gpus"] / r["step_s"])
+        flops = 3 * cfg.flops_per_sample(r["img_tokens"], r["txt"]) * r["mb"] / r["step_s"]
+        assert r["tflops_per_gpu"] == pytest.approx(flops / 1e12)
+        assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / r["peak_tflops"])
+        assert len(r["peak_alloc_gib"]) == r["gpus"]
+        assert "torch.optim.adamw.AdamW (fused=True" in r["optimizer"]  # "fused" reached torch's AdamW
+        assert r["ds_config"]["zero_optimization"]["stage"] == r["zero"]
+    assert rows[0]["impl"] == "fluxzero" and rows[0]["engine_api"] == "fluxzero.engine.build_engine"
+    assert rows[0]["ds_config_source"] == "fluxzero.ds_config"
+    assert rows[1]["impl"] == "diffusers" and rows[1]["versions"]["diffusers"]
+    assert rows[2]["ckpt"] == 2 and rows[2]["gpus"] == 1
+    assert rows[3]["status"] == "OOM at backward" and rows[3]["valid"] is False
+    assert "[4/4]" in p.stdout and "OOM at backward" in p.stdout
+
+    md = report.render(rows)
+    assert "**OOM at backward**" in md
+    assert "| tiny z3 bf16 ck1 mb2 64px auto 2g |" in md  # the matched fluxzero-vs-diffusers line
+    if importlib.util.find_spec("matplotlib"):
+        assert report.plot(rows, str(tmp_path / "sweep.png"))
+        assert (tmp_path / "sweep.png").stat().st_size > 1000
