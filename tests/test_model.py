@@ -152,3 +152,22 @@ def test_attention_backend_survives_outside_flag_changes():
         assert bmm_flops() == 0 and not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         fmath.set_attention_backend("auto")
+
+
+def test_blocks_trace_without_graph_breaks():
+    # torch.compile of a block (applied from outside, like checkpointing) must see one graph.
+    import torch._dynamo
+
+    cfg = get_model_config("flux-tiny")
+    model = build_model(cfg)
+    x = make_inputs(cfg, batch=2, h=2, w=3, txt_len=4)
+    pe = fmath.rope(torch.cat((x["txt_ids"], x["img_ids"]), 1), cfg.axes_dim, cfg.theta)
+    img, txt, vec = torch.randn(2, 6, 64), torch.randn(2, 4, 64), torch.randn(2, 64)
+    torch._dynamo.reset()
+    try:
+        for block, args in ((model.double_blocks[0], (img, txt, vec, pe)),
+                            (model.single_blocks[0], (torch.cat((txt, img), 1), vec, pe))):
+            explained = torch._dynamo.explain(block)(*args)
+            assert explained.graph_break_count == 0, explained.break_reasons
+    finally:
+        torch._dynamo.reset()

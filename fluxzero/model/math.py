@@ -60,7 +60,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, pe: Tensor) -> Tensor:
     Shape: q, k, v (B, H, L, D); pe (B, 1, L, D/2, 2) -> (B, L, H*D)
     """
     q, k = apply_rope(q, pe), apply_rope(k, pe)  # (B, H, L, D)
-    if _flags_match():
+    # Under torch.compile, take the context-manager path: Dynamo traces sdpa_kernel but breaks the graph on
+    # the flag getters, and a compiled graph pays no per-call Python cost anyway.
+    if not torch.compiler.is_compiling() and _flags_match():
         x = F.scaled_dot_product_attention(q, k, v)  # (B, H, L, D)
     else:
         with sdpa_kernel(_backends):
