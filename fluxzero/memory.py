@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from .config import ModelConfig, get_model_config
 
 GiB = 1024**3
+PHASES = ("train", "step", "init")
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # fp32 optimizer states per parameter (Adam/AdamW: exp_avg + exp_avg_sq; SGD with momentum, Lion: one buffer)
@@ -200,8 +201,17 @@ def outside_blocks_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: 
 
 
 def checkpointed_blocks(n_blocks: int, every: int) -> int:
-    """Blocks of one list that are checkpointed with `every` = k: indices 0, k, 2k, ... (0 = none)."""
+    """How many of n_blocks are checkpointed with `every` = k: indices 0, k, 2k, ... (0 = none)."""
     return 0 if every <= 0 else math.ceil(n_blocks / every)
+
+
+def checkpointed_split(cfg: ModelConfig, every: int) -> tuple[int, int]:
+    """(double, single) blocks checkpointed. As fluxzero.engine.apply_activation_checkpointing: one index
+    over double then single blocks, block i checkpointed iff i % k == 0."""
+    if every <= 0:
+        return 0, 0
+    d = checkpointed_blocks(cfg.depth, every)
+    return d, checkpointed_blocks(cfg.depth + cfg.depth_single_blocks, every) - d
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -358,17 +368,18 @@ class Estimate:
         return sum(i.bytes for i in self.items if i.where == where and i.phase in phases and (i.ds or not ds_only))
 
     def gpu_phase(self, phase: str, ds_only: bool = False) -> int:
-        """Allocated bytes per GPU at the peak of `phase` ("train" or "step")."""
-        return self._sum("gpu", ("resident", phase), ds_only)
+        """Allocated bytes per GPU at the peak of `phase`: "train" (forward/backward), "step" (optimizer
+        step), or "init" (building the model and the engine, before any resident state exists)."""
+        return self._sum("gpu", (phase,) if phase == "init" else ("resident", phase), ds_only)
 
     @property
     def gpu_allocated(self) -> int:
         """Predicted torch.cuda.max_memory_allocated() per rank."""
-        return max(self.gpu_phase("train"), self.gpu_phase("step"))
+        return max(self.gpu_phase(p) for p in PHASES)
 
     @property
     def peak_phase(self) -> str:
-        return "step" if self.gpu_phase("step") > self.gpu_phase("train") else "train"
+        return max(PHASES, key=self.gpu_phase)
 
     @property
     def fragmentation(self) -> float:
@@ -480,6 +491,17 @@ def _model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         add("NVMe swap buffers (pinned)", 4 * (4 + opt) * swap // 4 + (5 * 100_000_000 * b if off_par else 0),
             "host", note="optimizer sub-group swap-in buffers, parameter buffer_count x buffer_size")
 
+    # --- building the model and the engine (fluxzero.engine.build_engine): below stage 3 the model is born
+    # in fp32 on the GPU; deepspeed.initialize casts it tensor by tensor, then the ZeRO-1/2 optimizer copies
+    # the parameters into one flat buffer (on the GPU when it has room) and the FP16_Optimizer of stage 0
+    # clones them twice more (flat copy, then its fp32 master).
+    if s.stage == 0:
+        add("building the engine", (8 if b < 4 else 4) * P, phase="init",
+            note="fp32 model, bf16 cast, flat copy and fp32 master (FP16_Optimizer)")
+    elif s.stage < 3:
+        add("building the engine", max(4 * P + b * inv.largest_layer, 2 * b * P), phase="init",
+            note="fp32 model cast to %s, then flattened (stage_1_and_2 __init__)" % s.precision)
+
     # --- host copy of the model while loading (each local rank, before deepspeed.initialize)
     zero_init = s.stage == 3 and s.zero_init
     loaded = inv.largest_layer if zero_init else P
@@ -533,8 +555,7 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     att = "math" if s.attention == "math" else "flash"
     d = sum(double_block_saved(cfg, I, T, b, device=s.device, attention=att).values())
     si = sum(single_block_saved(cfg, I, T, b, device=s.device, attention=att).values())
-    cd = checkpointed_blocks(cfg.depth, s.checkpoint_every)
-    cs = checkpointed_blocks(cfg.depth_single_blocks, s.checkpoint_every)
+    cd, cs = checkpointed_split(cfg, s.checkpoint_every)
     blocks = cfg.depth + cfg.depth_single_blocks
     stored = B * (blocks * L * C * b + (cfg.depth - cd) * d + (cfg.depth_single_blocks - cs) * si
                   + outside_blocks_saved(cfg, I, T, b))
@@ -589,8 +610,10 @@ def verdict(est: Estimate, hw: Hardware, margin: float) -> tuple[bool, str]:
     budget = hw.gpu_memory_gib * (1 - margin)
     need = est.gpu_total / GiB
     if need > budget:
-        top = max(est.group("gpu"), key=lambda i: i.bytes if i.phase in ("resident", est.peak_phase) else 0)
-        return False, (f"GPU needs {need:.1f} GiB > {budget:.1f} GiB budget (peak at {est.peak_phase}; "
+        phases = (est.peak_phase,) if est.peak_phase == "init" else ("resident", est.peak_phase)
+        top = max(est.group("gpu"), key=lambda i: i.bytes if i.phase in phases else 0)
+        where = {"train": "forward/backward", "step": "the optimizer step", "init": "engine start"}[est.peak_phase]
+        return False, (f"GPU needs {need:.1f} GiB > {budget:.1f} GiB budget (peak at {where}; "
                        f"largest item: {top.name} {top.bytes / GiB:.1f} GiB)")
     if hw.host_memory_gib is not None:
         hbudget = hw.host_memory_gib * (1 - margin)
@@ -609,8 +632,7 @@ def throughput_proxy(spec: RunSpec) -> float:
     """
     cfg = spec.model
     blocks = cfg.depth + cfg.depth_single_blocks
-    frac = (checkpointed_blocks(cfg.depth, spec.checkpoint_every)
-            + checkpointed_blocks(cfg.depth_single_blocks, spec.checkpoint_every)) / max(1, blocks)
+    frac = sum(checkpointed_split(cfg, spec.checkpoint_every)) / max(1, blocks)
     tokens = spec.micro_batch * (spec.img_tokens + spec.txt_len)
     return tokens / (tokens + 2048) / (1 + frac / 3)
 
@@ -694,8 +716,7 @@ def _ckpt_rank(k: int) -> float:
 
 
 def _ckpt_count(spec: RunSpec) -> int:
-    return (checkpointed_blocks(spec.model.depth, spec.checkpoint_every)
-            + checkpointed_blocks(spec.model.depth_single_blocks, spec.checkpoint_every))
+    return sum(checkpointed_split(spec.model, spec.checkpoint_every))
 
 
 def _label(stage: int, oo: str, op: str) -> str:

@@ -14,6 +14,7 @@ from fluxzero.config import MODEL_PRESETS, get_model_config
 from fluxzero.memory import GiB, GPU_MEMORY_GIB
 
 _POS = click.IntRange(min=1)
+PHASE_NAMES = {"train": "fwd/bwd", "step": "step", "init": "init"}
 
 
 def parse_resolution(value: str) -> tuple[int, int]:
@@ -152,15 +153,15 @@ def describe(spec: memory.RunSpec) -> str:
 
 def report(est: memory.Estimate, hw: memory.Hardware | None, margin: float) -> str:
     s = est.spec
-    phase_name = {"resident": "always", "train": "fwd/bwd", "step": "step", "load": "loading"}
+    phase_name = {"resident": "always", "train": "fwd/bwd", "step": "step", "load": "loading", "init": "init"}
     lines = [describe(s), "", f"GPU memory per rank{'':33}GiB  when     note"]
     for i in est.group("gpu"):
         lines.append(f"  {i.name:<48}{_gib(i.bytes)}  {phase_name[i.phase]:<8} {i.note}")
-    train, step = est.gpu_phase("train"), est.gpu_phase("step")
     lines += [
-        f"  {'peak at forward/backward':<48}{_gib(train)}",
-        f"  {'peak at optimizer step':<48}{_gib(step)}",
-        f"  {'= max_memory_allocated':<48}{_gib(est.gpu_allocated)}  ({'step' if est.peak_phase == 'step' else 'fwd/bwd'})",
+        f"  {'peak while building the engine':<48}{_gib(est.gpu_phase('init'))}",
+        f"  {'peak at forward/backward':<48}{_gib(est.gpu_phase('train'))}",
+        f"  {'peak at optimizer step':<48}{_gib(est.gpu_phase('step'))}",
+        f"  {'= max_memory_allocated':<48}{_gib(est.gpu_allocated)}  ({PHASE_NAMES[est.peak_phase]})",
         f"  {f'+ {est.fragmentation:.0%} allocator fragmentation = reserved':<48}{_gib(est.gpu_reserved)}",
         f"  {f'+ CUDA context and NCCL ({s.cuda_context_gib:g} GiB) = needed':<48}{_gib(est.gpu_total)}",
         "", f"Host memory per node ({s.gpus_per_node} rank(s)){'':22}GiB  when     note",
@@ -180,7 +181,7 @@ def report(est: memory.Estimate, hw: memory.Hardware | None, margin: float) -> s
         fits = "-" if hw is None else ("yes" if memory.verdict(e, hw, margin)[0] else "no")
         label = memory._label(r.stage, r.offload_optimizer, r.offload_param)
         lines.append(f"  {label:<58}{e.gpu_allocated / GiB:10.1f}{e.gpu_total / GiB:9.1f}  "
-                     f"{'step' if e.peak_phase == 'step' else 'fwd/bwd':<8}{e.host_per_node / GiB:10.1f}  {fits}")
+                     f"{PHASE_NAMES[e.peak_phase]:<8}{e.host_per_node / GiB:10.1f}  {fits}")
     return "\n".join(lines)
 
 
