@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -164,22 +165,39 @@ def _empty_caption(out: Path, enc) -> dict:
     return d
 
 
-def _encode_shard(shard: dict, opts: CacheOptions, enc, empty: dict, storage_dtype: str, bar) -> tuple[dict | None, list]:
+def _load(path: Path, bucket, flip: bool):
+    """(pixels, None) or (None, reason): a bad file is skipped and reported, never fatal."""
+    try:
+        return load_bucketed(path, bucket, flip), None
+    except Exception as e:  # noqa: BLE001
+        return None, f"could not decode: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+
+
+def _encode_shard(shard: dict, opts: CacheOptions, enc, empty: dict, storage_dtype: str, bar, pool) -> tuple[dict | None, list]:
     import torch
 
     root, samples, skipped = Path(opts.images_dir), [], []
-    items = shard["items"]
-    for b0 in range(0, len(items), opts.batch_size):
+    bucket = tuple(shard["bucket"])
+    batches = [shard["items"][k : k + opts.batch_size] for k in range(0, len(shard["items"]), opts.batch_size)]
+
+    def submit(batch):  # decode in threads while the encoders work on the previous batch
+        return [pool.submit(_load, root / it["file"], bucket, it["flip"]) for it in batch]
+
+    pending = submit(batches[0])
+    for bi, batch in enumerate(batches):
+        loaded = [f.result() for f in pending]
+        pending = submit(batches[bi + 1]) if bi + 1 < len(batches) else []
         pixels, ok = [], []
-        for it in items[b0 : b0 + opts.batch_size]:
-            try:
-                pixels.append(load_bucketed(root / it["file"], tuple(shard["bucket"]), it["flip"]))
+        for it, (px, reason) in zip(batch, loaded):
+            if px is None:
+                skipped.append({"file": it["file"], "reason": reason})
+            else:
+                pixels.append(px)
                 ok.append(it)
-            except Exception as e:  # noqa: BLE001 - a bad file is skipped and reported, never fatal
-                skipped.append({"file": it["file"], "reason": f"could not decode: {str(e).splitlines()[0] if str(e) else type(e).__name__}"})
-            bar.update(1)
+        bar.update(len(batch))
         if not ok:
             continue
+        b0 = bi * opts.batch_size
         latents = enc.encode_images(torch.stack(pixels), seed=int(_unit(opts.seed, "vae", shard["id"], b0) * 2**62))
         texts = [it["caption"] for it in ok if not it["dropped"]]
         t5, t5_len, clip = enc.encode_text(texts) if texts else (None, None, None)
@@ -219,9 +237,10 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
         storage = "bfloat16" if str(enc.dtype) == "torch.bfloat16" else "float32"
         total = sum(len(s["items"]) for s in todo)
         t0 = time.perf_counter()
-        with tqdm(total=total, unit="img", desc=f"cache {opts.rank}/{opts.world_size}", dynamic_ncols=True) as bar:
+        with tqdm(total=total, unit="img", desc=f"cache {opts.rank}/{opts.world_size}", dynamic_ncols=True) as bar, \
+                ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             for s in todo:
-                record, skipped = _encode_shard(s, opts, enc, empty, storage, bar)
+                record, skipped = _encode_shard(s, opts, enc, empty, storage, bar, pool)
                 for sk in {sk["file"]: sk for sk in skipped}.values():
                     bar.write(f"skipped {sk['file']}: {sk['reason']}")
                 part = {"record": record, "skipped": skipped, "dims": enc.dims, "dtype": storage,
