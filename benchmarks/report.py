@@ -18,14 +18,17 @@ MATCH_KEYS = ("model", "gpus", "zero", "precision", "ckpt", "mb", "res", "txt", 
 
 
 def load(paths) -> list[dict]:
+    """Rows of each file in case order (a --parallel sweep writes them in the order they finished)."""
     rows = []
     for p in paths:
+        mine = []
         for n, line in enumerate(Path(p).read_text().splitlines(), 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    mine.append(json.loads(line))
                 except ValueError:
                     print(f"warning: {p}:{n} is not JSON, skipped", file=sys.stderr)
+        rows += sorted(mine, key=lambda r: r.get("index", 0))
     return rows
 
 

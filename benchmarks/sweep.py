@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ class Case:
     warmup: int = 2
     steps: int = 5
     timeout: int = 120  # seconds for the whole case, start-up included
+    min_s: int = 25  # a case is started only while at least this much of the sweep budget is left
     inject_oom: str = ""  # tests only: raise an OOM in this phase on rank 0
 
     def __post_init__(self):
@@ -139,7 +141,7 @@ def _lite1() -> list[Case]:
 def _dev2() -> list[Case]:
     # two H200s, flux-dev (11.9B) under ZeRO-3: ~45-75 s a case (12B init + 5 steps of 2-7 s)
     b = dict(model="flux-dev", gpus=2, zero=3, precision="bf16", ckpt=1, attn="flash", warmup=2, steps=3,
-             timeout=150)
+             timeout=150, min_s=60)
     return _cases(b, [
         dict(mb=16, res=512), dict(mb=8, res=1024), dict(impl="diffusers", mb=16, res=512),
         dict(mb=4, res=512), dict(impl="diffusers", mb=4, res=512), dict(mb=4, res=1024), dict(mb=1, res=512),
@@ -185,7 +187,7 @@ def _cpu_test() -> list[Case]:
 
 SETS = {
     "lite1": (_lite1, 350, "1 GPU, flux-dev-lite: ZeRO-0/3 x ckpt on/off x mb 1/4/8 @512 + mb 2 @1024, baseline x2"),
-    "dev2": (_dev2, 540, "2 GPUs, flux-dev ZeRO-3: 512 mb 1/4/16, 1024 mb 4/8, baseline mb 4/16, ZeRO-2 OOM"),
+    "dev2": (_dev2, 520, "2 GPUs, flux-dev ZeRO-3: 512 mb 1/4/16, 1024 mb 4/8, baseline mb 4/16, ZeRO-2 OOM"),
     "scale": (_scale, 240, "1 vs 2 GPUs, flux-dev-lite mb 8 @512, ZeRO-0/2/3"),
     "levers": (_levers, 330, "1 GPU, flux-dev-lite ZeRO-0 mb 8: attention, optimizer, ckpt every k, allocator"),
     "cpu-test": (_cpu_test, 400, "--device cpu, flux-tiny: the same code path, for tests"),
@@ -671,7 +673,10 @@ def _measure_peak(device: str, env: dict) -> dict:
 
 
 def sweep(name: str, cases: list[Case], out_dir: Path, device: str, budget: float, grace: float,
-          peak_tflops: float | None = None) -> list[dict]:
+          peak_tflops: float | None = None, parallel: int = 1) -> list[dict]:
+    """Run `cases` one after another (or `parallel` 1-GPU cases side by side, one GPU each)."""
+    if parallel > 1 and any(c.gpus > 1 for c in cases):
+        raise ValueError("--parallel runs 1-GPU cases side by side; this selection has multi-GPU cases")
     out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / f"{name}.jsonl"
     # Whole per-case logs stay outside out_dir (the device tool brings back at most 8 files from $OUT);
@@ -694,23 +699,54 @@ def sweep(name: str, cases: list[Case], out_dir: Path, device: str, budget: floa
         peak = {"peak_tflops": peak_tflops, "given": True}
     env["FLUXZERO_BENCH_PEAK_TFLOPS"] = str(peak_tflops or 0)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    rows = []
-    for i, case in enumerate(cases, 1):
-        left = budget - (time.time() - t_start)
-        if left < min(30, case.timeout):
-            row = {"status": f"not run (sweep budget {budget:.0f} s spent)", "valid": False, "wall_s": 0.0}
-        else:
-            log = logs / f"{i:02d}-{case.name.replace(' ', '_').replace('/', '-')}.log"
-            row = run_one(case, device, min(case.timeout, left), log, env, grace)
-            _append_log(out_dir / f"{name}.log", i, case, row, log)
-        row = {"set": name, "index": i, "name": case.name, **dataclasses.asdict(case),
-               "img_tokens": case.img_tokens, "device_kind": device, "date": stamp, "peak": peak, **row}
-        with open(jsonl, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(summary(i, len(cases), case, row), flush=True)
-        rows.append(row)
+    rows, pending, lock = [], list(enumerate(cases, 1)), threading.Lock()
+
+    def lane(lane_env: dict):
+        while True:
+            with lock:
+                if not pending:
+                    return
+                i, case = pending.pop(0)
+            left = budget - (time.time() - t_start)
+            if left < case.min_s:
+                row = {"status": f"not run (sweep budget {budget:.0f} s spent)", "valid": False, "wall_s": 0.0}
+                log = None
+            else:
+                log = logs / f"{i:02d}-{case.name.replace(' ', '_').replace('/', '-')}.log"
+                row = run_one(case, device, min(case.timeout, left), log, {**env, **lane_env}, grace)
+            row = {"set": name, "index": i, "name": case.name, **dataclasses.asdict(case),
+                   "img_tokens": case.img_tokens, "device_kind": device, "date": stamp, "peak": peak,
+                   "parallel": len(lanes), "lane_env": lane_env, **row}
+            with lock:
+                if log is not None:
+                    _append_log(out_dir / f"{name}.log", i, case, row, log)
+                with open(jsonl, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(summary(i, len(cases), case, row), flush=True)
+                rows.append(row)
+
+    lanes = _lanes(parallel, device, env)
+    threads = [threading.Thread(target=lane, args=(e,)) for e in lanes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows.sort(key=lambda r: r["index"])
     print(f"{name}: {len(rows)} rows in {time.time() - t_start:.0f} s -> {jsonl}", flush=True)
     return rows
+
+
+def _lanes(parallel: int, device: str, env: dict) -> list[dict]:
+    """Extra environment of each lane: one GPU per lane when 1-GPU cases run side by side."""
+    if parallel <= 1:
+        return [{}]
+    if device == "cpu":
+        return [{} for _ in range(parallel)]
+    visible = [x for x in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    ids = visible or [str(k) for k in range(parallel)]
+    if len(ids) < parallel:
+        raise ValueError(f"--parallel {parallel} needs {parallel} visible GPUs, CUDA_VISIBLE_DEVICES has {len(ids)}")
+    return [{"CUDA_VISIBLE_DEVICES": ids[k]} for k in range(parallel)]
 
 
 def _csv(kind):
@@ -728,6 +764,8 @@ def parse_args(argv):
     p.add_argument("--budget", type=float, help="seconds for the whole sweep; later cases are recorded as not run")
     p.add_argument("--grace", type=float, default=15.0, help="seconds the other ranks get after one rank failed")
     p.add_argument("--peak-tflops", type=float, help="skip the matmul measurement and use this peak")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="run this many 1-GPU cases side by side, one GPU each (e.g. 2 on a 2-GPU machine)")
     p.add_argument("--only", help="run only cases whose name contains each of these comma-separated words")
     g = p.add_argument_group("a custom sweep: the cartesian product of these comma-separated lists")
     g.add_argument("--impl", type=_csv(str), default=["fluxzero"])
@@ -781,7 +819,11 @@ def main(argv=None) -> int:
     if not cases:
         print("no cases selected", file=sys.stderr)
         return 2
-    sweep(name, cases, Path(args.out), args.device, args.budget or budget, args.grace, args.peak_tflops)
+    if args.parallel > 1 and any(c.gpus > 1 for c in cases):
+        print(f"--parallel runs 1-GPU cases side by side; {name} has multi-GPU cases: drop --parallel", file=sys.stderr)
+        return 2
+    sweep(name, cases, Path(args.out), args.device, args.budget or budget, args.grace, args.peak_tflops,
+          args.parallel)
     return 0
 
 
