@@ -18,6 +18,8 @@ COMMANDS: dict[str, str] = {
     "check-config": "fluxzero.commands.config:check_config",
     "convert": "fluxzero.commands.model:convert",
     "estimate": "fluxzero.commands.estimate:estimate",
+    "train": "fluxzero.commands.train:train",
+    "export": "fluxzero.commands.train:export",
 }
 
 

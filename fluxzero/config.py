@@ -173,7 +173,8 @@ class TrainConfig:
     epochs: int = 1
     stop_after: int = 0  # stop (with a checkpoint) after this step although the schedule runs to `steps`
     seed: int = 0
-    warmup_steps: int = 0  # linear warmup of the DeepSpeed optimizer's lr
+    # lr schedule on the DeepSpeed optimizer's lr, used when the DeepSpeed config has no "scheduler"
+    warmup_steps: int = 0  # linear warmup
     lr_decay: str = "constant"  # "constant" | "cosine" | "linear" after warmup
     min_lr_ratio: float = 0.0
     checkpoint_every: int = 0  # steps; 0 = only at the end
@@ -280,3 +281,6 @@ class TrainConfig:
                              f"silently defaults to 1.0; 0.0 turns clipping off)")
         if "optimizer" not in ds:
             raise ValueError(f"{source} has no optimizer section; add one (e.g. from `fluxzero gen-config`)")
+        if "scheduler" in ds and (self.warmup_steps or self.lr_decay != "constant"):
+            raise ValueError(f"{source} has a scheduler and the run file sets warmup_steps/lr_decay; keep one lr "
+                             f"schedule (gen-config --scheduler none, or drop warmup_steps and lr_decay)")

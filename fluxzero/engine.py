@@ -90,7 +90,10 @@ def load_ds_config(path: str, cfg: TrainConfig, world_size: int) -> tuple[dict, 
     except json.JSONDecodeError as e:
         raise TrainingError(f"DeepSpeed config {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
     ours = ds.pop("fluxzero", {}) or {}
-    cfg.check_deepspeed(ds, world_size, source=f"DeepSpeed config {path}")
+    try:
+        cfg.check_deepspeed(ds, world_size, source=f"DeepSpeed config {path}")
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
     ds["train_micro_batch_size_per_gpu"] = cfg.micro_batch
     ds["gradient_accumulation_steps"] = cfg.grad_accum
     ds["train_batch_size"] = cfg.global_batch(world_size)
@@ -270,9 +273,10 @@ def save_checkpoint(engine, ckpt_dir: str | Path, step: int, trainer_state: dict
         barrier()
         if rank == 0:
             _atomic_write(ckpt_dir / "latest", tag.encode())
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write (disk full) as RuntimeError
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else "a write failed; is the disk full?"
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-        raise TrainingError(f"could not save checkpoint {tag} in {ckpt_dir} ({e.strerror or e}); {kept}, "
+        raise TrainingError(f"could not save checkpoint {tag} in {ckpt_dir} ({reason}); {kept}, "
                             f"free disk space or change output_dir and resume") from None
     barrier()
     return str(tag_dir)

@@ -30,22 +30,35 @@ def _parse_value(text: str):
     return yaml.safe_load(text) if text.strip() else ""
 
 
+class ConfigError(ValueError):
+    """The run file or its overrides are invalid; the message names the key and the fix."""
+
+
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     """YAML run file + `key=value` overrides (dotted keys for sections, e.g. flow.shift=none)."""
+    try:
+        return _load_config(path, overrides)
+    except ConfigError:
+        raise
+    except ValueError as e:  # TrainConfig / FlowConfig validation
+        raise ConfigError(str(e)) from None
+
+
+def _load_config(path, overrides) -> TrainConfig:
     data = {}
     if path:
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError:
-            raise ValueError(f"run file {path} does not exist") from None
+            raise ConfigError(f"run file {path} does not exist") from None
         except yaml.YAMLError as e:
-            raise ValueError(f"run file {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+            raise ConfigError(f"run file {path} is not valid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(data, dict):
-            raise ValueError(f"run file {path} must be a mapping of settings")
+            raise ConfigError(f"run file {path} must be a mapping of settings")
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"override {item!r} must look like key=value")
+            raise ConfigError(f"override {item!r} must look like key=value")
         *parents, leaf = key.strip().split(".")
         node = data
         for p in parents:
@@ -175,17 +188,20 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from fluxzero.model.weights import WeightsError
+
+    owns_group = not dist.is_initialized()  # leave a caller's process group alone
     try:
         train(load_config(args.config, args.overrides))
         return 0
-    except (ds_engine.TrainingError, DataError, ValueError) as e:
+    except (ds_engine.TrainingError, DataError, WeightsError, ConfigError) as e:
         if os.environ.get("FLUXZERO_DEBUG"):
             raise
         _report(str(e))
     except torch.OutOfMemoryError:
         _report(OOM_HINT)
     finally:
-        if dist.is_initialized():
+        if owns_group and dist.is_initialized():
             dist.destroy_process_group()
     return 1
 

@@ -1,0 +1,54 @@
+"""`fluxzero train` (one process, or under torchrun / the deepspeed launcher) and `fluxzero export`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("train", context_settings={"ignore_unknown_options": True})
+@click.option("--config", "config", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="YAML run file (e.g. launch/tiny.yaml).")
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+def train(config: Path, overrides: tuple[str, ...]):
+    """Train FLUX.1 as the run file says (same as `python launch/train.py`).
+
+    One process when started plainly; under `torchrun` or the `deepspeed` launcher, one rank per process.
+    KEY=VALUE pairs override run-file settings, e.g. `steps=50 flow.shift=none`.
+    """
+    from fluxzero.train import main
+
+    for item in overrides:
+        if "=" not in item:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="[KEY=VALUE]...")
+    code = main(["--config", str(config), *overrides])
+    raise SystemExit(code)
+
+
+@click.command("export")
+@click.argument("ckpt_dir", metavar="CKPT_DIR", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", metavar="OUT", type=click.Path(path_type=Path))
+@click.option("--format", "layout", type=click.Choice(["bfl", "diffusers", "comfyui"]), default="bfl",
+              show_default=True, help="Layout to write: a BFL or ComfyUI .safetensors file, or a diffusers folder.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="Tensor dtype of the export (the checkpoint's fp32 master weights are the source).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, overwrite: bool):
+    """Consolidate a training checkpoint (any ZeRO stage) into FLUX.1 safetensors.
+
+    CKPT_DIR is a run's output_dir, its checkpoints/ folder (the `latest` checkpoint is used) or one
+    checkpoint folder such as checkpoints/step_00001000. ZeRO shards are merged with DeepSpeed's own
+    zero_to_fp32 consolidation, so this runs on one CPU process.
+    """
+    if out.exists() and not overwrite:
+        raise click.UsageError(f"{out} exists; pass --overwrite to replace it or choose another OUT")
+    if layout != "diffusers" and out.suffix != ".safetensors":
+        raise click.BadParameter(f"--format {layout} writes one file: give OUT a .safetensors name", param_hint="OUT")
+    from fluxzero.engine import TrainingError, export_checkpoint, resolve_checkpoint
+
+    try:
+        ckpt, tag = resolve_checkpoint(ckpt_dir)
+        export_checkpoint(ckpt / tag, out, layout, dtype)
+    except TrainingError as e:
+        raise click.BadParameter(str(e), param_hint="CKPT_DIR") from None
+    click.echo(f"wrote {out} ({layout}, {dtype}) from {ckpt / tag}")

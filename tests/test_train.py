@@ -1,0 +1,267 @@
+"""Run file, DeepSpeed cross-checks, user errors of the trainer (exit 1, one sentence, no checkpoint harmed),
+the `fluxzero train` / `fluxzero export` commands and the quick start.
+
+DeepSpeed itself never runs in the pytest process (later fork-based DataLoader workers could hang): every
+training case runs in one child process that calls fluxzero.train.main once per case.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from fluxzero.config import FlowConfig, TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = "synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32"
+
+
+def _ds(**kw):
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+          "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
+    ds.update(kw)
+    return ds
+
+
+def _cfg(**kw):
+    base = {"deepspeed": "ds.json", "data": DATA, "output_dir": "out", "micro_batch": 2}
+    return TrainConfig.from_dict({**base, **kw})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure: run file and cross-checks
+# ---------------------------------------------------------------------------------------------------------
+def test_load_config_with_overrides(tmp_path):
+    from fluxzero.train import load_config
+
+    run = tmp_path / "run.yaml"
+    run.write_text("deepspeed: ds.json\ndata: d\noutput_dir: o\nsteps: 5\nflow:\n  guidance: 3.5\n")
+    cfg = load_config(str(run), ["steps=7", "flow.shift=none", "weights=null", "export_format=diffusers"])
+    assert cfg.steps == 7 and cfg.flow.shift == "none" and cfg.flow.guidance == 3.5
+    assert cfg.weights is None and cfg.export_format == "diffusers"
+    assert TrainConfig.from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg  # the saved run.yaml
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"deepspeed": "a", "data": "b"}, "must set output_dir"),
+    ({"deepspeed": "a", "data": "b", "output_dir": "c", "stpes": 3}, "unknown run-file keys"),
+    ({"deepspeed": "a", "data": "b", "output_dir": "c", "flow": {"shfit": "none"}}, "unknown flow keys"),
+    ({"deepspeed": "a", "data": "b", "output_dir": "c", "precision": "fp8"}, "precision"),
+    ({"deepspeed": "a", "data": "b", "output_dir": "c", "model": "flux-huge"}, "unknown model preset"),
+    ({"deepspeed": "a", "data": "b", "output_dir": "c", "micro_batch": 0}, "micro_batch"),
+])
+def test_bad_run_files(data, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig.from_dict(data)
+
+
+def test_flow_config_validates():
+    with pytest.raises(ValueError, match="timestep_sampling"):
+        FlowConfig(timestep_sampling="beta")
+
+
+@pytest.mark.parametrize("ds, world, match", [
+    (_ds(train_micro_batch_size_per_gpu=4), 1, "train_micro_batch_size_per_gpu 4 .* micro_batch 2"),
+    (_ds(gradient_accumulation_steps=2), 1, "gradient_accumulation_steps 2"),
+    (_ds(train_batch_size=8), 2, "train_batch_size 8 .* world size 2 = 4; .* launch 4 ranks"),
+    (_ds(bf16={"enabled": True}), 1, "trains in bf16 but the run file has precision fp32"),
+    ({k: v for k, v in _ds().items() if k != "gradient_clipping"}, 1, "gradient_clipping"),
+    ({k: v for k, v in _ds().items() if k != "optimizer"}, 1, "no optimizer"),
+])
+def test_deepspeed_config_contradictions(ds, world, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg().check_deepspeed(ds, world)
+
+
+def test_deepspeed_config_agreeing_and_scheduler_conflict():
+    _cfg().check_deepspeed(_ds(train_batch_size=4), 2)
+    _cfg().check_deepspeed(_ds(train_micro_batch_size_per_gpu="auto"), 3)
+    with pytest.raises(ValueError, match="keep one lr schedule"):
+        _cfg(warmup_steps=5).check_deepspeed(_ds(scheduler={"type": "WarmupLR"}), 1)
+
+
+def test_lr_schedule():
+    c = _cfg(warmup_steps=4, lr_decay="cosine", min_lr_ratio=0.1)
+    assert [c.lr_factor(s, 14) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert c.lr_factor(4, 14) == pytest.approx(1.0)
+    assert c.lr_factor(9, 14) == pytest.approx(0.55)  # half way: 0.1 + 0.9 * 0.5
+    assert c.lr_factor(14, 14) == pytest.approx(0.1)
+    assert _cfg(lr_decay="linear").lr_factor(5, 10) == pytest.approx(0.5)
+    assert _cfg().lr_factor(123, 10) == 1.0
+
+
+def test_tiny_default_files():
+    from fluxzero.cli import main
+
+    run = yaml.safe_load((ROOT / "launch/tiny.yaml").read_text())
+    cfg = TrainConfig.from_dict(run)
+    ds = json.loads((ROOT / cfg.deepspeed).read_text())
+    cfg.check_deepspeed(ds, 2)
+    # the committed DeepSpeed config is exactly what the gen-config command in tiny.yaml's comment writes
+    text = (ROOT / "launch/tiny.yaml").read_text()
+    cmd = " ".join(line.strip("# \\") for line in text.splitlines() if line.startswith("#   fluxzero gen-config")
+                   or line.startswith("#     --warmup"))
+    args = cmd.split()[2:]
+    out = CliRunner().invoke(main, ["gen-config", *args[:-2]])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout) == ds
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training cases, one child process
+# ---------------------------------------------------------------------------------------------------------
+CHILD = textwrap.dedent("""
+    import contextlib, io, json, os, resource, sys, warnings
+    warnings.filterwarnings("ignore")
+    os.environ["FLUXZERO_NO_PROGRESS"] = "1"
+    from fluxzero.engine import init_distributed
+    from fluxzero.train import main
+    init_distributed()  # one process group for all cases (DeepSpeed caches its groups per process)
+    results = {}
+    for name, argv, fsize in json.load(open(sys.argv[1])):
+        err = io.StringIO()
+        if fsize:  # "disk full": writes past fsize bytes fail with EFBIG (Python ignores SIGXFSZ)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.RLIM_INFINITY))
+        with contextlib.redirect_stderr(err):
+            code = main(argv)
+        if fsize:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        results[name] = [code, err.getvalue()]
+    json.dump(results, open(sys.argv[2], "w"))
+""")
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    import torch
+
+    from fluxzero.data import ShardWriter
+
+    tmp = tmp_path_factory.mktemp("train_cases")
+    (tmp / "ds.json").write_text(json.dumps(_ds()))
+    nan = _ds(gradient_clipping=0.0)
+    nan["optimizer"]["params"]["lr"] = 1e30  # the first update blows the weights up: step 2 is non-finite
+    (tmp / "nan.json").write_text(json.dumps(nan))
+    (tmp / "empty").mkdir()
+    shards = tmp / "shards"
+    with ShardWriter(shards, samples_per_shard=2) as w:
+        for _ in range(4):
+            w.add(torch.randn(16, 8, 8), torch.randn(4, 64), torch.randn(32))
+    victim = sorted(shards.glob("shard-*.safetensors"))[0]
+    victim.write_bytes(victim.read_bytes()[:100])  # truncated shard
+    run = {"deepspeed": str(tmp / "ds.json"), "data": DATA, "micro_batch": 2, "steps": 4, "export_format": None}
+    (tmp / "run.yaml").write_text(yaml.safe_dump(run))
+
+    def case(name, *over, fsize=0, out=None):
+        return [name, ["--config", str(tmp / "run.yaml"), f"output_dir={tmp / (out or name)}", *over], fsize]
+
+    todo = [
+        case("missing_data", f"data={tmp / 'nope'}"),
+        case("empty_data", f"data={tmp / 'empty'}"),
+        case("corrupt_shard", f"data={shards}"),
+        case("wide_t5", "data=synthetic:n=8,hw=8x8,txt=4,ctx=4096,vec=32"),
+        case("odd_latent", "data=synthetic:n=8,hw=7x8,txt=4,ctx=64,vec=32"),
+        case("micro_mismatch", "micro_batch=1"),
+        case("precision_mismatch", "precision=bf16"),
+        case("nan", f"deepspeed={tmp / 'nan.json'}", "checkpoint_every=1"),
+        case("first", "stop_after=2", "checkpoint_every=2", out="disk"),
+        case("disk_full", fsize=600_000, out="disk"),  # the model states file alone is ~2 MB
+        case("after_disk_full", "export_format=bfl", out="disk"),
+    ]
+    (tmp / "cases.json").write_text(json.dumps(todo))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", CHILD, str(tmp / "cases.json"), str(tmp / "results.json")],
+                   check=True, env=env, cwd=tmp, timeout=600)
+    return tmp, json.loads((tmp / "results.json").read_text())
+
+
+def _one_sentence_error(result):
+    code, err = result
+    assert code == 1
+    lines = [l for l in err.splitlines() if l.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("name, match", [
+    ("missing_data", "nope"),
+    ("empty_data", "empty"),
+    ("corrupt_shard", "shard"),
+    ("wide_t5", "4096"),
+    ("odd_latent", "7x8"),
+    ("micro_mismatch", "train_micro_batch_size_per_gpu 2 but the run file has micro_batch 1"),
+    ("precision_mismatch", "trains in fp32 but the run file has precision bf16"),
+])
+def test_user_errors_exit_with_one_sentence(cases, name, match):
+    _, results = cases
+    assert match in _one_sentence_error(results[name])
+
+
+def test_non_finite_loss_stops_without_saving(cases):
+    tmp, results = cases
+    msg = _one_sentence_error(results["nan"])
+    assert "loss is nan at step 2" in msg and "step_00000001" in msg
+    ck = tmp / "nan" / "checkpoints"
+    assert (ck / "latest").read_text() == "step_00000001" and not (ck / "step_00000002").exists()
+
+
+def test_disk_full_keeps_previous_checkpoint_loadable(cases):
+    tmp, results = cases
+    assert results["first"][0] == 0
+    msg = _one_sentence_error(results["disk_full"])
+    assert "could not save checkpoint step_00000004" in msg and "step_00000002 is intact" in msg
+    # the next run resumed from step 2 (latest never moved to the broken step 4) and finished
+    assert results["after_disk_full"][0] == 0
+    steps = [json.loads(l)["step"] for l in (tmp / "disk" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 3, 4]
+    assert (tmp / "disk" / "checkpoints" / "latest").read_text() == "step_00000004"
+    assert (tmp / "disk" / "export.safetensors").is_file()
+
+
+def test_export_command(cases, tmp_path):
+    from fluxzero.cli import main
+    from fluxzero.model.weights import load_weights
+
+    tmp, _ = cases
+    run_dir = tmp / "disk"
+    r = CliRunner().invoke(main, ["export", str(run_dir), str(tmp_path / "w.safetensors"), "--dtype", "fp32"])
+    assert r.exit_code == 0, r.output
+    assert "step_00000004" in r.output
+    ours = load_weights(tmp_path / "w.safetensors")
+    bf16 = load_weights(run_dir / "export.safetensors")  # written by the run itself (export_dtype bf16)
+    assert all(bf16[k].equal(v.bfloat16()) for k, v in ours.items())
+    r = CliRunner().invoke(main, ["export", str(run_dir), str(tmp_path / "w.safetensors")])
+    assert r.exit_code == 2 and "--overwrite" in r.output
+    r = CliRunner().invoke(main, ["export", str(tmp_path), str(tmp_path / "x.safetensors")])
+    assert r.exit_code == 2 and "not a fluxzero checkpoint" in r.output
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Quick start: the README's command 1, shortened, on 2 ranks under torchrun
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_quick_start_torchrun_two_ranks(tmp_path):
+    from fluxzero.model.weights import load_weights
+
+    out = tmp_path / "tiny"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "launch/train.py",
+           "--config", "launch/tiny.yaml", "steps=12", "checkpoint_every=6", "log_every=3", f"output_dir={out}"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "done: step 12/12" in p.stderr
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000012"
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [3, 6, 9, 12]
+    assert len(records[0]["step_time_s_per_rank"]) == 2 and records[-1]["samples_per_s"] > 0
+    w = load_weights(out / "export.safetensors")
+    assert w["img_in.weight"].shape == (64, 64)
+    saved = yaml.safe_load((out / "checkpoints" / "step_00000006" / "run.yaml").read_text())
+    assert saved["steps"] == 12 and saved["output_dir"] == str(out)
