@@ -72,7 +72,7 @@ def make_inputs(cfg, batch, img_tokens, txt_tokens, device, dtype):
     rand = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
     return dict(
         img=rand(batch, img_tokens, C), txt=rand(batch, txt_tokens, C), vec=rand(batch, C),
-        pe=fmath.rope(ids[None], cfg.axes_dim, cfg.theta),  # (1, 1, L, D/2, 2), ours
+        pe=fmath.rope(ids[None], cfg.axes_dim, cfg.theta),  # (2, 1, 1, L, D), ours
         rotary=FluxPosEmbed(theta=cfg.theta, axes_dim=list(cfg.axes_dim))(ids),  # (cos, sin) (L, D), diffusers'
     )
 

@@ -96,7 +96,7 @@ def test_rope_is_a_rotation_with_relative_positions():
     q, k = torch.randn(1, 2, 1, D), torch.randn(1, 2, 1, D)
     ids_a = torch.tensor([[[0.0, 3, 5]]])
     pe_a = fmath.rope(ids_a, axes, 10_000)
-    assert pe_a.shape == (1, 1, 1, D // 2, 2)
+    assert pe_a.shape == (2, 1, 1, 1, D)
     qa = fmath.apply_rope(q, pe_a)
     torch.testing.assert_close(qa.norm(dim=-1), q.norm(dim=-1))
     # q.k after rotation depends only on the difference of positions
@@ -171,3 +171,20 @@ def test_blocks_trace_without_graph_breaks():
             assert explained.graph_break_count == 0, explained.break_reasons
     finally:
         torch._dynamo.reset()
+
+
+def test_rope_matches_complex_rotation_and_gradcheck():
+    # Independent formulation: each channel pair is a complex number multiplied by e^{i angle}.
+    torch.manual_seed(0)
+    axes, theta = (4, 6, 6), 10_000
+    ids = torch.randint(0, 40, (2, 7, 3)).double()
+    x = torch.randn(2, 3, 7, 16, dtype=torch.float64, requires_grad=True)
+    omega = [theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d) for d in axes]
+    angle = torch.cat([ids[..., i, None] * w for i, w in enumerate(omega)], -1)[:, None]  # (B, 1, L, D/2)
+    ref = torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * torch.polar(torch.ones_like(angle), angle))
+    pe = fmath.rope(ids, axes, theta)
+    torch.testing.assert_close(fmath.apply_rope(x, pe), ref.flatten(-2), rtol=1e-6, atol=1e-6)  # pe is float32
+    assert torch.autograd.gradcheck(lambda t: fmath.apply_rope(t, pe.double()), (x,))
+    # bf16 in, bf16 out, computed in float32: equals rotating the float32 copy then rounding
+    xb = x.detach().bfloat16()
+    torch.testing.assert_close(fmath.apply_rope(xb, pe), fmath.apply_rope(xb.float(), pe).bfloat16(), rtol=0, atol=0)

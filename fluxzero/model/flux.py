@@ -56,7 +56,7 @@ class Flux(nn.Module):
             vec = vec + self.guidance_in(timestep_embedding(guidance).to(dtype))  # (B, C)
         vec = vec + self.vector_in(y.to(dtype))  # (B, C)
         txt = self.txt_in(txt.to(dtype))  # (B, L_txt, C)
-        pe = self.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))  # (B, 1, L_txt+L_img, D/2, 2) float32
+        pe = self.pe_embedder(torch.cat((txt_ids, img_ids), dim=1))  # (2, B, 1, L_txt+L_img, D) float32
 
         for block in self.double_blocks:
             img, txt = block(img, txt, vec, pe)  # (B, L_img, C), (B, L_txt, C)

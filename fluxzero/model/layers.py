@@ -20,7 +20,7 @@ class EmbedND(nn.Module):
         self.axes_dim, self.theta = tuple(axes_dim), theta
 
     def forward(self, ids: Tensor) -> Tensor:
-        return rope(ids, self.axes_dim, self.theta)  # (B, 1, L, D/2, 2)
+        return rope(ids, self.axes_dim, self.theta)  # (2, B, 1, L, D)
 
 
 class MLPEmbedder(nn.Module):
@@ -110,7 +110,7 @@ class DoubleStreamBlock(nn.Module):
             ))
 
     def forward(self, img: Tensor, txt: Tensor, vec: Tensor, pe: Tensor) -> tuple[Tensor, Tensor]:
-        """Shape: img (B, L_img, C), txt (B, L_txt, C), vec (B, C), pe (B, 1, L_txt+L_img, D/2, 2)."""
+        """Shape: img (B, L_img, C), txt (B, L_txt, C), vec (B, C), pe (2, B, 1, L_txt+L_img, D)."""
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img_mod(vec)  # (B, 1, C) each
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt_mod(vec)
 
@@ -142,7 +142,7 @@ class SingleStreamBlock(nn.Module):
         self.modulation = Modulation(hidden_size, double=False)
 
     def forward(self, x: Tensor, vec: Tensor, pe: Tensor) -> Tensor:
-        """Shape: x (B, L, C), vec (B, C), pe (B, 1, L, D/2, 2) -> (B, L, C)."""
+        """Shape: x (B, L, C), vec (B, C), pe (2, B, 1, L, D) -> (B, L, C)."""
         shift, scale, gate = self.modulation(vec)  # (B, 1, C) each
         qkv, mlp = self.linear1(modulate(_layer_norm(x), shift, scale)).split(
             (3 * self.hidden_size, self.mlp_hidden_dim), dim=-1

@@ -57,7 +57,7 @@ def _flags_match() -> bool:
 def attention(q: Tensor, k: Tensor, v: Tensor, pe: Tensor) -> Tensor:
     """Rotate q and k by `pe`, attend, and merge heads.
 
-    Shape: q, k, v (B, H, L, D); pe (B, 1, L, D/2, 2) -> (B, L, H*D)
+    Shape: q, k, v (B, H, L, D); pe (2, B, 1, L, D) -> (B, L, H*D)
     """
     q, k = apply_rope(q, pe), apply_rope(k, pe)  # (B, H, L, D)
     # Under torch.compile, take the context-manager path: Dynamo traces sdpa_kernel but breaks the graph on
@@ -71,29 +71,52 @@ def attention(q: Tensor, k: Tensor, v: Tensor, pe: Tensor) -> Tensor:
 
 
 def rope(ids: Tensor, axes_dim: tuple[int, ...], theta: int) -> Tensor:
-    """Cos/sin tables of FLUX's multi-axis RoPE: axis i of the ids rotates its own axes_dim[i] channels.
+    """RoPE tables of FLUX's multi-axis RoPE: axis i of the ids rotates its own axes_dim[i] channels.
 
-    Angles are computed in float64 and stored in float32 (as the reference does), so positions up to
-    thousands keep full float32 accuracy. Shape: ids (B, L, n_axes) -> (B, 1, L, D/2, 2) [cos, sin], float32
+    Channel pair (2j, 2j+1) turns by angle_j = pos_axis * theta^(-2j'/axis_dim). Returned as two tables
+    made for `apply_rope`: C = (cos, cos) and S = (-sin, +sin) per pair, so that
+    rope(x) = x * C + swap_pairs(x) * S. Angles are computed in float64 and stored in float32 (as the
+    reference does), so large positions keep full float32 accuracy.
+    Shape: ids (B, L, n_axes) -> (2, B, 1, L, D) float32
     """
     angles = []
     for i, dim in enumerate(axes_dim):
         omega = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=ids.device) / dim)  # (dim/2,)
         angles.append(ids[..., i].to(torch.float64)[..., None] * omega)  # (B, L, dim/2)
     angle = torch.cat(angles, dim=-1)  # (B, L, D/2)
-    return torch.stack((angle.cos(), angle.sin()), dim=-1).float().unsqueeze(1)  # (B, 1, L, D/2, 2)
+    cos, sin = angle.cos(), angle.sin()
+    tables = torch.stack((torch.stack((cos, cos), -1), torch.stack((-sin, sin), -1)))  # (2, B, L, D/2, 2)
+    return tables.flatten(-2).unsqueeze(2).float()  # (2, B, 1, L, D)
+
+
+def _rotate(x: Tensor, pe: Tensor, sign: float) -> Tensor:
+    # x * C + sign * swap_pairs(x) * S in float32 (bf16 x promotes inside the kernels: no float32 copy of
+    # x is made), cast back to x's dtype. sign = -1 applies the inverse rotation (the transpose).
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (B, H, L, D): pairs (x1, x0)
+    return torch.addcmul(x * pe[0], swapped, pe[1], value=sign).to(x.dtype)
+
+
+class _Rope(torch.autograd.Function):
+    """RoPE with a hand-written backward: a rotation's gradient is the inverse rotation of the incoming
+    gradient, 4 kernels instead of autograd's ~12, and nothing saved but the shared tables."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, pe: Tensor) -> Tensor:
+        ctx.save_for_backward(pe)
+        return _rotate(x, pe, 1.0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (pe,) = ctx.saved_tensors
+        return _rotate(grad, pe, -1.0), None
 
 
 def apply_rope(x: Tensor, pe: Tensor) -> Tensor:
     """Rotate each adjacent channel pair (2j, 2j+1) of x by its angle; computed in float32, cast back.
 
-    Shape: x (B, H, L, D), pe (B, 1, L, D/2, 2) -> (B, H, L, D)
+    Shape: x (B, H, L, D), pe (2, B, 1, L, D) -> (B, H, L, D)
     """
-    cos, sin = pe[..., 0], pe[..., 1]  # (B, 1, L, D/2) float32
-    # No explicit x.float(): bf16 * float32 promotes, so the products are computed in float32 anyway
-    # (bf16 -> fp32 is exact) without materialising a float32 copy of x.
-    x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)  # (B, H, L, D/2) each
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
+    return _Rope.apply(x, pe)
 
 
 def timestep_embedding(t: Tensor, dim: int = 256, max_period: float = 10_000, time_factor: float = 1000.0) -> Tensor:
