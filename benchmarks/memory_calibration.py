@@ -1,0 +1,331 @@
+"""Predicted (fluxzero.memory) vs measured peak GPU memory of real fluxzero training steps.
+
+Each case runs in its own process group (`python -m torch.distributed.run --standalone`, one process per GPU,
+killed at its timeout) through the trainer's own pieces, in fluxzero.train.train's order:
+fluxzero.engine.init_distributed / load_ds_config / build_engine (zero.Init under ZeRO-3, activation
+checkpointing applied from outside, deepspeed.initialize), the fluxzero.data synthetic loader,
+fluxzero.flow.prepare_batch, model forward, flow.loss, engine.backward, engine.step. The final checkpoint and
+export of train() are left out: flux-dev's optimizer state alone is ~190 GB of disk.
+
+Measured per rank, for every step: torch.cuda.max_memory_allocated / max_memory_reserved of the engine start
+(model build + deepspeed.initialize), of forward+backward and of the optimizer step (peak counters reset
+between phases), and the process's peak RSS. The DeepSpeed config is exactly `fluxzero gen-config`'s (its
+bucket sizes, torch AdamW), and the prediction reads that same config (memory.run_options_from_ds_config).
+
+    PYTHONPATH=. python benchmarks/memory_calibration.py --grid lite            # 1 GPU, flux-dev-lite
+    PYTHONPATH=. python benchmarks/memory_calibration.py --grid dev2 --cases 1-3  # 2 GPUs, flux-dev
+    PYTHONPATH=. python benchmarks/memory_calibration.py --grid dev2 --list
+
+Results: one JSON line per case in $OUT/memory_calibration.jsonl (or ./memory_calibration.jsonl), a markdown
+table on stdout. A case that runs out of memory is a result (status "oom", with the phase), not a failure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fluxzero import ds_config, memory  # noqa: E402  (pure modules: the parent never imports torch)
+from fluxzero.config import get_model_config  # noqa: E402
+
+GiB = memory.GiB
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str
+    gpus: int
+    stage: int
+    micro_batch: int
+    px: int
+    checkpoint_every: int = 1
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    expandable: bool = False
+    adam_impl: str = "torch"
+    txt_len: int = 512
+    steps: int = 3
+    timeout_s: int = 240
+    extra: dict = field(default_factory=dict)  # more gen-config options (bucket sizes, ...)
+
+    def ds(self) -> dict:
+        opts = ds_config.options_from(
+            None, model=self.model, world_size=self.gpus, micro_batch=self.micro_batch, zero_stage=self.stage,
+            offload_optimizer=self.offload_optimizer, offload_param=self.offload_param,
+            checkpoint_every=self.checkpoint_every, adam_impl=self.adam_impl, precision="bf16",
+            steps_per_print=10**6, **self.extra)
+        return ds_config.build(opts)
+
+    def spec(self) -> memory.RunSpec:
+        # load_bytes=0: the benchmark trains from random init, no weights file is read on the host
+        return memory.RunSpec(get_model_config(self.model), gpus_per_node=self.gpus, height=self.px, width=self.px,
+                              txt_len=self.txt_len, expandable_segments=self.expandable, load_bytes=0,
+                              **memory.run_options_from_ds_config(self.ds()))
+
+
+def _case(prefix, model, gpus, stage, mb, px=512, ck=1, timeout_s=240, **kw):
+    tags = "".join(t for t, on in (("-offload", kw.get("offload_optimizer", "none") != "none"),
+                                   ("-fused", kw.get("adam_impl") == "fused"), ("-bigprefetch", "extra" in kw),
+                                   ("-expandable", kw.get("expandable"))) if on)
+    if kw.get("adam_impl") == "fused":
+        timeout_s += 90  # FusedAdam's JIT build (~62 s) the first time on a machine
+    return Case(f"{prefix}-z{stage}-ck{ck}-mb{mb}-{px}{tags}", model, gpus, stage, mb, px, ck,
+                timeout_s=timeout_s, **kw)
+
+
+def _lite(stage, mb, px=512, ck=1, **kw):
+    return _case("lite", "flux-dev-lite", 1, stage, mb, px, ck, timeout_s=180, **kw)
+
+
+def _dev2(stage, mb, px=512, ck=1, **kw):
+    return _case("dev2", "flux-dev", 2, stage, mb, px, ck, **kw)
+
+
+# The measured 1024 px facts used a larger ZeRO-3 prefetch / persistence than gen-config's defaults.
+BIG_PREFETCH = {"stage3_prefetch_bucket_size": 500_000_000, "stage3_param_persistence_threshold": 1_000_000}
+
+# Most informative first: a time budget cuts the tail.
+GRIDS: dict[str, list[Case]] = {
+    # CPU smoke test of the code path (tests/test_memory.py); no memory numbers on CPU
+    "tiny": [Case("tiny-z2-ck1-mb2-64", "flux-tiny", 1, 2, 2, 64, txt_len=16, steps=2, timeout_s=150),
+             Case("tiny2-z3-ck2-mb1-64", "flux-tiny", 2, 3, 1, 64, checkpoint_every=2, txt_len=16, steps=2,
+                  timeout_s=150)],
+    "lite": [
+        _lite(2, 1), _lite(2, 4), _lite(2, 1, ck=0), _lite(2, 4, ck=0),
+        _lite(0, 1), _lite(0, 2, ck=0), _lite(3, 1), _lite(3, 2, ck=0),
+        _lite(2, 2), _lite(2, 8), _lite(2, 1, 1024), _lite(2, 2, 1024), _lite(2, 1, 1024, ck=0),
+        _lite(3, 4, 1024), _lite(1, 1), _lite(2, 2, ck=2), _lite(2, 1, offload_optimizer="cpu"),
+        _lite(2, 1, adam_impl="fused"),
+    ],
+    "dev2": [
+        _dev2(3, 1), _dev2(2, 1, adam_impl="fused"), _dev2(2, 1, adam_impl="fused", expandable=True),
+        _dev2(3, 1, adam_impl="fused"), _dev2(3, 16), _dev2(3, 4, 1024, extra=BIG_PREFETCH),
+        _dev2(3, 8, 1024, extra=BIG_PREFETCH), _dev2(3, 32), _dev2(3, 1, ck=0), _dev2(3, 2), _dev2(3, 4),
+        _dev2(3, 8), _dev2(3, 2, ck=0), _dev2(3, 1, 1024), _dev2(3, 2, 1024), _dev2(2, 1),
+    ],
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker: one case, one rank (started by torch.distributed.run)
+# ---------------------------------------------------------------------------------------------------------
+def worker(case: Case, ds_path: str, result_path: str) -> None:
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    from fluxzero import engine as ds_engine
+    from fluxzero import flow
+    from fluxzero.config import TrainConfig
+    from fluxzero.data import build_dataloader
+    from fluxzero.model.math import set_attention_backend
+
+    out = tempfile.mkdtemp(prefix="memcal-")
+    world = case.gpus
+    hw = case.px // 8
+    mc = get_model_config(case.model)
+    data = (f"synthetic:n={max(64, 2 * case.micro_batch * world)},hw={hw}x{hw},txt={case.txt_len},"
+            f"ctx={mc.context_in_dim},vec={mc.vec_in_dim}")
+    cfg = TrainConfig(deepspeed=ds_path, data=data, output_dir=out, model=case.model, micro_batch=case.micro_batch,
+                      precision="bf16", steps=case.steps, export_format=None)
+    rank, world, device = ds_engine.init_distributed()
+    set_attention_backend(cfg.attention)
+    ds, ours = ds_engine.load_ds_config(cfg.deepspeed, cfg, world)
+    model_cfg = get_model_config(cfg.model)
+    cuda = torch.cuda.is_available()
+    loader = build_dataloader(cfg.data, micro_batch=cfg.micro_batch, rank=rank, world_size=world, seed=0,
+                              pin_memory=cuda)
+    dtype = ds_engine.param_dtype(ds)
+    rec: dict = {"rank": rank, "steps": [], "status": "ok"}
+    gib = lambda n: n / GiB  # noqa: E731
+
+    def mark(phase: str) -> dict:
+        if not cuda:  # CPU smoke runs (tests): the code path only
+            return {"phase": phase, "allocated": 0.0, "reserved": 0.0}
+        torch.cuda.synchronize()
+        return {"phase": phase, "allocated": gib(torch.cuda.max_memory_allocated()),
+                "reserved": gib(torch.cuda.max_memory_reserved())}
+
+    def reset():
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    phase = "init"
+    try:
+        reset()
+        engine = ds_engine.build_engine(cfg, ds, ours, model_cfg, device)
+        rec["init"] = mark("init")
+        batches = iter(loader)
+        for step in range(case.steps):
+            batch = next(batches)
+            phase = "train"
+            reset()
+            inputs, target = flow.prepare_batch(batch, cfg.flow, 0, 0, guidance_embed=model_cfg.guidance_embed,
+                                                device=device, dtype=dtype)
+            loss = flow.loss(engine(**inputs), target)
+            engine.backward(loss)
+            train = mark("train")
+            phase = "step"
+            reset()
+            engine.step()
+            rec["steps"].append({"train": train, "step": mark("step"), "loss": float(loss)})
+    except torch.OutOfMemoryError as e:
+        rec.update(status="oom", oom_phase=phase, oom_step=len(rec["steps"]), error=str(e).splitlines()[0][:300],
+                   at_oom=mark(phase))
+    rec["rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
+    everyone = [None] * world
+    dist.all_gather_object(everyone, rec)
+    if rank == 0:
+        Path(result_path).write_text(json.dumps(everyone))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parent: prediction, one subprocess per case, table
+# ---------------------------------------------------------------------------------------------------------
+def predict(case: Case) -> dict:
+    e = memory.estimate(case.spec())
+    return {"init": e.gpu_phase("init") / GiB, "train": e.gpu_phase("train") / GiB, "step": e.gpu_phase("step") / GiB,
+            "allocated": e.gpu_allocated / GiB, "reserved": e.gpu_reserved / GiB, "peak_phase": e.peak_phase,
+            "host_per_node": e.host_per_node / GiB,
+            "fits_h200": memory.verdict(e, memory.Hardware(memory.GPU_MEMORY_GIB["h200"], None, 1, case.gpus), 0.0)[0]}
+
+
+def summarise(ranks: list[dict]) -> dict:
+    """Max over ranks and steps of each phase's allocated/reserved peaks."""
+    m: dict = {"status": "oom" if any(r["status"] == "oom" for r in ranks) else "ok"}
+    for ph in ("init", "train", "step"):
+        if ph == "init":
+            vals = [r["init"] for r in ranks if "init" in r]
+        else:
+            vals = [s[ph] for r in ranks for s in r["steps"]]
+        if vals:
+            m[ph] = max(v["allocated"] for v in vals)
+            m[ph + "_reserved"] = max(v["reserved"] for v in vals)
+    oom = [r for r in ranks if r["status"] == "oom"]
+    if oom:
+        m.update(oom_phase=oom[0]["oom_phase"], oom_step=oom[0]["oom_step"], error=oom[0]["error"],
+                 at_oom=max(r["at_oom"]["allocated"] for r in oom))
+    peaks = [m[p] for p in ("init", "train", "step") if p in m]
+    if peaks and m["status"] == "ok":
+        m["allocated"] = max(peaks)
+        m["reserved"] = max(m[p + "_reserved"] for p in ("init", "train", "step") if p + "_reserved" in m)
+    m["host_per_node_rss"] = sum(r["rss_gib"] for r in ranks)
+    return m
+
+
+def run_case(case: Case, workdir: Path) -> dict:
+    ds_path, result = workdir / f"{case.name}.json", workdir / f"{case.name}.result.json"
+    ds_path.write_text(json.dumps(case.ds(), indent=1))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # compiled DeepSpeed ops (FusedAdam) are built once per machine, outside $OUT
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(tempfile.gettempdir()) / "fluxzero-torch-extensions"))
+    if case.expandable:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    else:
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}",
+           str(Path(__file__).resolve()), "--worker", json.dumps(asdict(case)), str(ds_path), str(result)]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=case.timeout_s)
+        status = None
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the whole process group of this case, nothing else
+        log, _ = proc.communicate()
+        status = "timeout"
+    out = {"wall_s": round(time.time() - t0, 1)}
+    if result.exists():
+        out.update(summarise(json.loads(result.read_text())))
+    else:
+        out.update(status=status or "error", rc=proc.returncode, log_tail=(log or "")[-1500:])
+    return out
+
+
+def parse_cases(text: str | None, grid: list[Case]) -> list[Case]:
+    if not text:
+        return grid
+    chosen = []
+    for part in text.split(","):
+        if "-" in part and part.replace("-", "").isdigit():
+            a, b = map(int, part.split("-"))
+            chosen += grid[a - 1:b]
+        elif part.isdigit():
+            chosen.append(grid[int(part) - 1])
+        else:
+            chosen += [c for c in grid if c.name == part]
+    return chosen
+
+
+def row(case: Case, pred: dict, meas: dict) -> str:
+    def cell(p, m):
+        if m is None:
+            return f"{p:.1f} / -"
+        if m <= 0:
+            return f"{p:.1f} / {m:.1f}"
+        return f"{p:.1f} / {m:.1f} ({(p - m) / m:+.0%})"
+    status = meas.get("status")
+    if status == "oom":
+        status = f"OOM at {meas['oom_phase']} of step {meas['oom_step'] + 1} ({meas.get('at_oom', 0):.1f} GiB)"
+    return (f"| {case.name} | {cell(pred['init'], meas.get('init'))} | {cell(pred['train'], meas.get('train'))} | "
+            f"{cell(pred['step'], meas.get('step'))} | {cell(pred['allocated'], meas.get('allocated'))} | "
+            f"{cell(pred['reserved'], meas.get('reserved'))} | {pred['host_per_node']:.0f} / "
+            f"{meas.get('host_per_node_rss', 0):.0f} | {'yes' if pred['fits_h200'] else 'no'} | {status} |")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--grid", choices=sorted(GRIDS), default="lite")
+    p.add_argument("--cases", help="1-based indices, ranges (1-3) or names, comma-separated (default: all)")
+    p.add_argument("--list", action="store_true", help="list the grid's cases with predictions and exit")
+    p.add_argument("--budget-s", type=float, default=540, help="start no case after this many seconds")
+    p.add_argument("--worker", nargs=3, metavar=("CASE", "DS", "RESULT"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        c = json.loads(a.worker[0])
+        worker(Case(**c), a.worker[1], a.worker[2])
+        return 0
+    cases = parse_cases(a.cases, GRIDS[a.grid])
+    header = ("| case | init GiB pred / meas | fwd+bwd | step | max allocated | max reserved | host/node pred / RSS "
+              "| H200 fits (pred) | status |\n|---|---|---|---|---|---|---|---|---|")
+    if a.list:
+        print(header)
+        for i, c in enumerate(GRIDS[a.grid], 1):
+            print(row(c, predict(c), {"status": f"#{i}"}))
+        return 0
+    out_dir = Path(os.environ.get("OUT", "."))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = out_dir / "memory_calibration.jsonl"
+    t0, rows = time.time(), []
+    with tempfile.TemporaryDirectory() as tmp, jsonl.open("a") as f:
+        for c in cases:
+            if time.time() - t0 + c.timeout_s > a.budget_s and rows:
+                print(f"budget: skipping {c.name} and the rest", file=sys.stderr)
+                break
+            pred = predict(c)
+            meas = run_case(c, Path(tmp))
+            f.write(json.dumps({"case": asdict(c), "predicted": pred, "measured": meas}) + "\n")
+            f.flush()
+            rows.append(row(c, pred, meas))
+            print(rows[-1], file=sys.stderr, flush=True)
+    print(header)
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
