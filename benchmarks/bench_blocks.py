@@ -180,7 +180,8 @@ def main(argv=None):
         json.dump(result, f, indent=2)
     print(f"{result['gpu']} torch {result['torch']} diffusers {result['diffusers']} {cfg.name} {args.dtype}, "
           f"fwd+bwd median of {iters}")
-    print("| block | batch | tokens (img+txt) | ours ms | diffusers ms | speedup | ours TFLOP/s | diffusers TFLOP/s | max abs diff |")
+    print("| block | batch | tokens (img+txt) | ours ms | diffusers ms | speedup | ours TFLOP/s "
+          "| diffusers TFLOP/s | max abs diff |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['block']} | {r['batch']} | {r['img_tokens']}+{r['txt_tokens']} | {r['ours_ms']:.2f} | "

@@ -164,3 +164,15 @@ def test_diffusers_single_file_and_comfyui_all_in_one(tmp_path, model):
     comfy[W.COMFY_PREFIX + "double_blocks.0.lora_up.weight"] = torch.zeros(2, 2)
     with pytest.raises(W.WeightsError, match="comfyui layout.*1 unexpected: double_blocks.0.lora_up.weight"):
         W.load_weights(_save(tmp_path / "aio2.safetensors", comfy), cfg=model.config)
+
+
+def test_diffusers_parts_that_do_not_fuse_are_a_shape_error(tmp_path, model):
+    from safetensors.torch import load_file
+
+    W.save_weights(model.state_dict(), tmp_path / "d", layout="diffusers")
+    f = tmp_path / "d" / W.DIFFUSERS_WEIGHTS
+    sd = load_file(str(f))
+    sd["single_transformer_blocks.0.attn.to_k.weight"] = torch.zeros(64, 32)
+    save_file(sd, str(f))
+    with pytest.raises(W.WeightsError, match="1 wrong shape: single_blocks.0.linear1.weight"):
+        W.load_weights(tmp_path / "d", cfg=model.config)

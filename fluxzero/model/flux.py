@@ -46,7 +46,9 @@ class Flux(nn.Module):
         if img.ndim != 3 or txt.ndim != 3:
             raise ValueError(f"img and txt must be (B, L, C); got {tuple(img.shape)} and {tuple(txt.shape)}")
         if img_ids.ndim != 3 or txt_ids.ndim != 3:  # diffusers passes (L, 3): catching it here beats a wrong RoPE
-            raise ValueError(f"img_ids and txt_ids must be (B, L, 3); got {tuple(img_ids.shape)} and {tuple(txt_ids.shape)}")
+            raise ValueError(
+                f"img_ids and txt_ids must be (B, L, 3); got {tuple(img_ids.shape)} and {tuple(txt_ids.shape)}"
+            )
         dtype = self.img_in.weight.dtype  # inputs follow the weights (no-op when they already match)
         img = self.img_in(img.to(dtype))  # (B, L_img, C)
         vec = self.time_in(timestep_embedding(timesteps).to(dtype))  # (B, C)

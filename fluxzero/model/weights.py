@@ -82,7 +82,10 @@ def diffusers_names(bfl_key: str) -> tuple[list[str], str]:
     m = _BLOCK.match(module)
     if m:
         kind, index, inner = m.groups()
-        table, dprefix = (_DOUBLE, "transformer_blocks") if kind == "double_blocks" else (_SINGLE, "single_transformer_blocks")
+        if kind == "double_blocks":
+            table, dprefix = _DOUBLE, "transformer_blocks"
+        else:
+            table, dprefix = _SINGLE, "single_transformer_blocks"
         target = table.get(inner)
         if target is None:
             raise KeyError(bfl_key)
@@ -153,7 +156,7 @@ def _plan_from_diffusers(keys) -> tuple[dict[str, tuple[list[str], str]], list[s
     keys = set(keys)
 
     def count(prefix: str) -> int:
-        idx = [int(k.split(".")[1]) for k in keys if k.startswith(prefix + ".")]
+        idx = [int(k.split(".")[1]) for k in keys if k.startswith(prefix + ".") and k.split(".")[1].isdigit()]
         return max(idx) + 1 if idx else 0
 
     bfl = _bfl_keys(
@@ -205,7 +208,9 @@ def _raw_files(path: str | os.PathLike) -> tuple[str, dict[str, Path]]:
             files = {k: d / f for k, f in weight_map.items()}
             absent = sorted({str(f) for f in files.values() if not f.is_file()})
             if absent:
-                raise WeightsError(f"{d / DIFFUSERS_INDEX} names shard files that do not exist: {', '.join(absent[:_SHOW])}")
+                raise WeightsError(
+                    f"{d / DIFFUSERS_INDEX} names shard files that do not exist: {', '.join(absent[:_SHOW])}"
+                )
         else:
             with _safe_open(d / DIFFUSERS_WEIGHTS) as f:
                 files = {k: d / DIFFUSERS_WEIGHTS for k in f.keys()}
@@ -270,6 +275,8 @@ class _Source:
         parts, how = self.plan[key]
         shapes = [tuple(self._handle(self.files[p]).get_slice(p).get_shape()) for p in parts]
         if how == "cat":
+            if len({s[1:] for s in shapes}) > 1:  # parts that cannot be fused: report them all as the shape
+                return tuple(shapes)
             return (sum(s[0] for s in shapes), *shapes[0][1:])
         return shapes[0]
 
@@ -327,10 +334,11 @@ def infer_config(shapes: dict[str, tuple[int, ...]], name: str = "custom", axes_
 def diffusers_axes(path) -> tuple[int, ...] | None:
     """RoPE axes declared by a diffusers folder's config.json, if any."""
     d = Path(path).is_dir() and _diffusers_dir(Path(path))
-    if d and (d / "config.json").is_file():
-        axes = json.loads((d / "config.json").read_text()).get("axes_dims_rope")
-        return tuple(axes) if axes else None
-    return None
+    try:
+        axes = json.loads((d / "config.json").read_text()).get("axes_dims_rope") if d else None
+    except (OSError, ValueError, AttributeError):  # no or unreadable config.json: infer from head dim
+        return None
+    return tuple(axes) if axes else None
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -352,7 +360,7 @@ def iter_weights(
     with _Source(path) as src:
         shapes = {k: src.shape(k) for k in src.plan}
         if cfg is None:
-            cfg = infer_config(shapes, axes_dim=diffusers_axes(path)) if src.layout == "diffusers" else infer_config(shapes)
+            cfg = infer_config(shapes, axes_dim=diffusers_axes(path))
         expected = _expected_shapes(cfg)
         missing = src.missing_raw + sorted(set(expected) - src.known)
         unexpected = src.unexpected + sorted(set(shapes) - set(expected))
@@ -418,7 +426,8 @@ def save_weights(
     if layout != "diffusers":
         prefix = COMFY_PREFIX if layout == "comfyui" else ""
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({prefix + k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(path), metadata={"format": "pt"})
+        tensors = {prefix + k: v.detach().cpu().contiguous() for k, v in sd.items()}
+        save_file(tensors, str(path), metadata={"format": "pt"})
         return
     # Split parts share storage with their fused tensor; safetensors refuses shared storage, hence clone.
     out = {k: v.detach().cpu().clone() for k, v in bfl_to_diffusers(sd).items()}
