@@ -91,7 +91,7 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
         if dev.type == "cpu" and world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # processes share the cores
         click.echo(f"loading encoders on {dev} ({str(dt).replace('torch.', '')})", err=True)
-        return Encoders(paths, device=dev, dtype=dt, t5_max_length=opts.t5_max_length, latent=latent)
+        return Encoders.load(paths, device=dev, dtype=dt, t5_max_length=opts.t5_max_length, latent=latent)
 
     try:
         result = run_cache(opts, load_encoders, log=lambda m: click.echo(m, err=True))

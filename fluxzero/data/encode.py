@@ -68,39 +68,52 @@ def pick_device_dtype(device: str = "auto", dtype: str = "auto"):
 
 
 class Encoders:
-    """VAE + T5 + CLIP in eval mode on one device. Built from local folders (no network: local_files_only)."""
+    """VAE + T5 + CLIP in eval mode on one device. `Encoders.load(paths, ...)` reads local folders only."""
 
-    def __init__(self, paths: EncoderPaths, *, device, dtype, t5_max_length: int = 512, latent: str = "mode"):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub is imported: it reads this once
-        import diffusers.utils.logging
+    def __init__(self, vae, t5, clip, t5_tokenizer, clip_tokenizer, *, device, dtype, t5_max_length: int = 512,
+                 latent: str = "mode", paths: EncoderPaths | None = None):
         import torch
-        import transformers.utils.logging
-        from diffusers import AutoencoderKL
-        from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
-        transformers.utils.logging.disable_progress_bar()  # one progress bar (ours) is enough
-        diffusers.utils.logging.disable_progress_bar()
+        def place(m):  # cast only when needed: diffusers warns on every dtype cast of a model
+            m = m.to(device)
+            return (m if next(m.parameters()).dtype == dtype else m.to(dtype)).eval()
+
+        self.vae, self.t5, self.clip = place(vae), place(t5), place(clip)
+        self.t5_tok, self.clip_tok = t5_tokenizer, clip_tokenizer
         self.device, self.dtype, self.t5_max_length, self.latent = device, dtype, t5_max_length, latent
-        local = {"local_files_only": True}
-        try:
-            self.vae = AutoencoderKL.from_pretrained(paths.vae, torch_dtype=dtype, low_cpu_mem_usage=False, **local).to(device).eval()
-            self.t5 = T5EncoderModel.from_pretrained(paths.t5, dtype=dtype, **local).to(device).eval()
-            self.clip = CLIPTextModel.from_pretrained(paths.clip, dtype=dtype, **local).to(device).eval()
-            self.t5_tok = AutoTokenizer.from_pretrained(paths.t5_tokenizer, **local)
-            self.clip_tok = AutoTokenizer.from_pretrained(paths.clip_tokenizer, **local)
-        except (OSError, ValueError) as e:
-            raise DataError(f"could not load the encoders ({str(e).splitlines()[0]}); {LAYOUT}.") from None
         cfg = self.vae.config
         if getattr(cfg, "latent_channels", 16) != 16:
-            raise DataError(f"the VAE at {paths.vae} has {cfg.latent_channels} latent channels but FLUX.1 needs 16; use FLUX's vae/ folder.")
+            raise DataError(f"the VAE has {cfg.latent_channels} latent channels but FLUX.1 needs 16; use FLUX's vae/ folder.")
         # FLUX's VAE config carries shift_factor 0.1159 and scaling_factor 0.3611; a config without a
         # shift is not FLUX's own, and its scaling_factor default (0.18215, SD's) would be wrong: use FLUX's.
         if getattr(cfg, "shift_factor", None) is not None:
             self.shift, self.scale = float(cfg.shift_factor), float(cfg.scaling_factor)
         else:
             self.shift, self.scale = FLUX_VAE_SHIFT, FLUX_VAE_SCALE
-        self.paths = paths
+        self.paths = paths or EncoderPaths("<memory>", "<memory>", "<memory>", "<memory>", "<memory>")
         self._gen = torch.Generator(device=device)
+
+    @classmethod
+    def load(cls, paths: EncoderPaths, *, device, dtype, t5_max_length: int = 512, latent: str = "mode") -> "Encoders":
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub is imported: it reads this once
+        import diffusers.utils.logging
+        import transformers.utils.logging
+        from diffusers import AutoencoderKL
+        from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
+
+        transformers.utils.logging.disable_progress_bar()  # one progress bar (ours) is enough
+        diffusers.utils.logging.disable_progress_bar()
+        local = {"local_files_only": True}
+        try:
+            vae = AutoencoderKL.from_pretrained(paths.vae, torch_dtype=dtype, low_cpu_mem_usage=False, **local)
+            t5 = T5EncoderModel.from_pretrained(paths.t5, dtype=dtype, **local)
+            clip = CLIPTextModel.from_pretrained(paths.clip, dtype=dtype, **local)
+            t5_tok = AutoTokenizer.from_pretrained(paths.t5_tokenizer, **local)
+            clip_tok = AutoTokenizer.from_pretrained(paths.clip_tokenizer, **local)
+        except (OSError, ValueError) as e:
+            raise DataError(f"could not load the encoders ({str(e).splitlines()[0]}); {LAYOUT}.") from None
+        return cls(vae, t5, clip, t5_tok, clip_tok, device=device, dtype=dtype, t5_max_length=t5_max_length,
+                   latent=latent, paths=paths)
 
     @property
     def dims(self) -> dict:
