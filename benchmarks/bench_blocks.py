@@ -111,14 +111,16 @@ def time_it(fn, grads, iters, warmup, device):
         step()
     times = []
     if device.type == "cuda":
+        # Events around each iteration, no sync in between: the host queues ahead as in training, so the
+        # times measure the GPU work, not Python launch latency at an idle GPU.
         torch.cuda.synchronize()
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in events:
             start.record()
             step()
             end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        torch.cuda.synchronize()
+        times = [start.elapsed_time(end) for start, end in events]
     else:
         for _ in range(iters):
             t0 = time.perf_counter()
@@ -134,15 +136,16 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--img-tokens", type=int, default=1024)
     ap.add_argument("--txt-tokens", type=int, default=512)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=None, help="timed iterations (default 20; 2 with --tiny)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5; 1 with --tiny)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cfg = get_model_config("flux-tiny" if args.tiny else "flux-dev")
     img_tokens, txt_tokens = (16, 8) if args.tiny else (args.img_tokens, args.txt_tokens)
-    iters, warmup = (2, 1) if args.tiny else (args.iters, args.warmup)
+    iters = args.iters or (2 if args.tiny else 20)
+    warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
     fmath.set_attention_backend("auto")
     rows = []
     for kind in ("double", "single"):
