@@ -263,6 +263,20 @@ def test_bad_input_messages(tiny, tmp_path):
     assert _cache(images, out, "--flux-dir", flux, *CACHE_ARGS).exit_code == 0
     r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, "--flip", "random")
     assert r.exit_code == 1 and "other images, captions or options" in r.output
+    r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, "--t5", flux / "text_encoder")  # other encoder
+    assert r.exit_code == 1 and "other images, captions or options" in r.output
+    from fluxzero.data import ShardWriter
+
+    with ShardWriter(tmp_path / "foreign") as w:
+        w.add(*[t[0] for t in _tiny_tensors()])
+    r = _cache(images, tmp_path / "foreign", "--flux-dir", flux, *CACHE_ARGS)
+    assert r.exit_code == 1 and "not made by this cache run" in r.output
+
+
+def _tiny_tensors():
+    import torch
+
+    return torch.zeros(1, 16, 2, 2), torch.zeros(1, 3, 4), torch.zeros(1, 5)
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """`fluxzero cache`: encode a folder of images and captions into training shards."""
 from __future__ import annotations
 
+import json
+
 import click
 
 _DIR = click.Path(file_okay=False, path_type=str)
@@ -55,9 +57,11 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
     launcher's RANK/WORLD_SIZE); rerunning skips finished shards. Unreadable images are skipped and
     listed in OUT_DIR/cache_report.json.
     """
+    import os
+
     from fluxzero.data.buckets import STEP
     from fluxzero.data.cache import CacheOptions, env_rank_world, run_cache
-    from fluxzero.data.encode import T5_MAX_LENGTH, resolve_paths
+    from fluxzero.data.encode import T5_MAX_LENGTH, pick_device_dtype, resolve_paths
     from fluxzero.data.errors import DataError
 
     if resolution % STEP:
@@ -73,21 +77,23 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
         paths = resolve_paths(flux_dir, vae=vae, t5=t5, clip=clip, t5_tokenizer=t5_tokenizer, clip_tokenizer=clip_tokenizer)
     except DataError as e:
         raise click.UsageError(str(e)) from None
+    try:
+        dev, dt = pick_device_dtype(device, dtype)
+    except RuntimeError as e:
+        raise click.BadParameter(str(e).splitlines()[0], param_hint="--device") from None
+    encoder_key = json.dumps({**{k: os.path.abspath(v) for k, v in vars(paths).items()}, "dtype": str(dt)})
     opts = CacheOptions(
         images_dir=images_dir, out_dir=out_dir, resolution=resolution, min_side=min_side, max_aspect=max_aspect,
         flip=flip, caption_dropout=caption_dropout, caption_file=caption_file, shard_size=shard_size,
         batch_size=batch_size, seed=seed, t5_max_length=t5_max_length or T5_MAX_LENGTH[variant], latent=latent,
-        rank=rank, world_size=world_size,
+        rank=rank, world_size=world_size, encoder_key=encoder_key,
     )
 
     def load_encoders():
-        from fluxzero.data.encode import Encoders, pick_device_dtype
-
-        import os
-
         import torch
 
-        dev, dt = pick_device_dtype(device, dtype)
+        from fluxzero.data.encode import Encoders
+
         if dev.type == "cpu" and world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # processes share the cores
         click.echo(f"loading encoders on {dev} ({str(dt).replace('torch.', '')})", err=True)

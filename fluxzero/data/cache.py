@@ -46,6 +46,7 @@ class CacheOptions:
     latent: str = "mode"
     rank: int = 0
     world_size: int = 1
+    encoder_key: str = ""  # encoder folders and dtype: part of the fingerprint, so shards never mix encoders
 
     def __post_init__(self):
         if self.flip not in FLIP_MODES:
@@ -133,6 +134,9 @@ def _claim_dir(out: Path, plan: dict, opts: CacheOptions) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / PARTS_DIR).mkdir(exist_ok=True)
     plan_file = out / PLAN_FILE
+    # Shards first, plan second: a process writes the plan before any shard, so seeing shards and then no
+    # plan means the shards came from elsewhere (the other order would race with a sibling process).
+    foreign = (out / fmt.MANIFEST).exists() or any(out.glob("shard-*.safetensors"))
     if plan_file.exists():
         old = json.loads(plan_file.read_text())
         if old.get("fingerprint") != plan["fingerprint"]:
@@ -140,7 +144,7 @@ def _claim_dir(out: Path, plan: dict, opts: CacheOptions) -> None:
                 f"{out} was cached from other images, captions or options; choose a new output folder or delete it to start over."
             )
     else:
-        if (out / fmt.MANIFEST).exists() or any(out.glob("shard-*.safetensors")):
+        if foreign:
             raise DataError(f"{out} already holds shards not made by this cache run; choose a new output folder.")
         doc = {"fingerprint": plan["fingerprint"], "options": opts.output_options(), "num_shards": len(plan["shards"])}
         fmt.atomic_write_bytes(plan_file, (json.dumps(doc, indent=1) + "\n").encode())
