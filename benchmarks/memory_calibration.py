@@ -193,6 +193,78 @@ def worker(case: Case, ds_path: str, result_path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Blocks: saved-for-backward bytes and backward peak of one block of each kind, on this device
+# ---------------------------------------------------------------------------------------------------------
+def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path) -> list[str]:
+    """Per block kind, resolution and attention kernel: bytes saved for backward (saved_tensors_hooks,
+    distinct storages, minus parameters and inputs) vs memory.double/single_block_saved, and (CUDA) the
+    allocator peak of forward+backward above the inputs vs saved + memory.block_backward_workspace."""
+    import torch
+
+    from fluxzero.model import build_model
+    from fluxzero.model.math import set_attention_backend
+
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    cfg = get_model_config(model).replace(depth=1, depth_single_blocks=1)
+    net = build_model(cfg, device=dev, dtype=torch.bfloat16)
+    params = list(net.parameters())
+    rows, C = [], cfg.hidden_size
+    for px in pxs:
+        I, T = (px // 16) ** 2, txt_len
+        for backend in ("auto", "math"):
+            set_attention_backend(backend)
+            att = "math" if backend == "math" else "flash"
+            g = torch.Generator(device=dev).manual_seed(0)
+            img = torch.randn(1, I, C, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
+            txt = torch.randn(1, T, C, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
+            vec = torch.randn(1, C, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
+            ids = torch.zeros(1, I + T, 3, device=dev)
+            ids[..., 1] = torch.arange(I + T, device=dev)
+            pe = net.pe_embedder(ids)
+            x = torch.cat((txt, img), 1).detach().requires_grad_()
+            for kind, block, args, predict_fn in (
+                    ("double", net.double_blocks[0], (img, txt, vec, pe), memory.double_block_saved),
+                    ("single", net.single_blocks[0], (x, vec, pe), memory.single_block_saved)):
+                seen: dict[int, int] = {}
+
+                def pack(t):
+                    st = t.untyped_storage()
+                    seen.setdefault(st.data_ptr(), st.nbytes())
+                    return t
+
+                if cuda:
+                    torch.cuda.synchronize()
+                    base = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = block(*args)
+                skip = {t.untyped_storage().data_ptr() for t in params + list(args)}
+                saved = sum(n for ptr, n in seen.items() if ptr not in skip)
+                outs = out if isinstance(out, tuple) else (out,)
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+                peak = (torch.cuda.max_memory_allocated() - base) / GiB if cuda else 0.0
+                del out, outs
+                for p_ in params + list(args):
+                    p_.grad = None
+                pred_saved = sum(predict_fn(cfg, I, T, 2, device=dev, attention=att).values())
+                grads = 2 * sum(p_.numel() for p_ in block.parameters())  # bf16 parameter gradients
+                pred_peak = (pred_saved + memory.block_backward_workspace(cfg, I, T, 2, att) + grads) / GiB
+                rec = {"model": model, "kind": kind, "px": px, "txt_len": T, "attention": backend, "device": dev,
+                       "saved_gib": saved / GiB, "saved_pred_gib": pred_saved / GiB,
+                       "bwd_peak_gib": peak, "bwd_peak_pred_gib": pred_peak}
+                with (out_dir / "memory_blocks.jsonl").open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                err = (pred_saved - saved) / saved
+                mib = GiB / 1024
+                rows.append(f"| {kind} | {px} | {backend} | {pred_saved / mib:.1f} / {saved / mib:.1f} ({err:+.1%}) | "
+                            f"{pred_peak * 1024:.1f} / {peak * 1024:.1f} |")
+                print(rows[-1], file=sys.stderr, flush=True)
+    set_attention_backend("auto")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Parent: prediction, one subprocess per case, table
 # ---------------------------------------------------------------------------------------------------------
 def predict(case: Case) -> dict:
@@ -293,8 +365,20 @@ def main(argv=None) -> int:
     p.add_argument("--cases", help="1-based indices, ranges (1-3) or names, comma-separated (default: all)")
     p.add_argument("--list", action="store_true", help="list the grid's cases with predictions and exit")
     p.add_argument("--budget-s", type=float, default=540, help="start no case after this many seconds")
+    p.add_argument("--blocks", action="store_true",
+                   help="instead of training: saved bytes and backward peak of one block of each kind")
+    p.add_argument("--blocks-model", default="flux-dev")
+    p.add_argument("--blocks-px", default="512,1024", help="resolutions for --blocks, comma-separated")
+    p.add_argument("--blocks-txt", type=int, default=512)
     p.add_argument("--worker", nargs=3, metavar=("CASE", "DS", "RESULT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.blocks:
+        out_dir = Path(os.environ.get("OUT", "."))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        rows = blocks_check(a.blocks_model, [int(v) for v in a.blocks_px.split(",")], a.blocks_txt, out_dir)
+        print("| block | px | attention | saved MiB pred / meas | fwd+bwd peak above inputs MiB pred / meas |\n"
+              "|---|---|---|---|---|\n" + "\n".join(rows))
+        return 0
     if a.worker:
         c = json.loads(a.worker[0])
         worker(Case(**c), a.worker[1], a.worker[2])
@@ -310,14 +394,17 @@ def main(argv=None) -> int:
     out_dir = Path(os.environ.get("OUT", "."))
     out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / "memory_calibration.jsonl"
-    t0, rows = time.time(), []
+    t0, rows, walls = time.time(), [], []
     with tempfile.TemporaryDirectory() as tmp, jsonl.open("a") as f:
         for c in cases:
-            if time.time() - t0 + c.timeout_s > a.budget_s and rows:
-                print(f"budget: skipping {c.name} and the rest", file=sys.stderr)
+            # expect a case to take 1.5x the slowest so far (its timeout before the first one finished)
+            expected = min(c.timeout_s, 1.5 * max(walls)) if walls else c.timeout_s
+            if time.time() - t0 + expected > a.budget_s:
+                print(f"budget: not starting {c.name} and the rest", file=sys.stderr)
                 break
             pred = predict(c)
             meas = run_case(c, Path(tmp))
+            walls.append(meas["wall_s"])
             f.write(json.dumps({"case": asdict(c), "predicted": pred, "measured": meas}) + "\n")
             f.flush()
             rows.append(row(c, pred, meas))

@@ -110,19 +110,21 @@ def _rms_saved(L: int, cfg: ModelConfig, b: int, device: str) -> dict[str, int]:
     return {"rstd": rstd, "fp32 upcast": upcast, "fp32 normalised": L * cfg.hidden_size * 4}
 
 
-def _attention_saved(L: int, cfg: ModelConfig, b: int, attention: str) -> dict[str, int]:
-    """SDPA's saved tensors besides v: rotated q and k (new bf16 tensors), the output, and the softmax.
+def _attention_saved(L: int, cfg: ModelConfig, b: int, attention: str, device: str,
+                     v_separate: bool) -> dict[str, int]:
+    """SDPA's saved tensors (v only when it is its own storage, as the double block's concatenation).
 
-    flash / efficient: logsumexp, fp32 (H, L) -- O(L). math: the probabilities, (H, L, L) -- O(L^2); it also
-    saves q and k after scaling (new tensors) instead of the rotated ones.
+    flash / efficient: rotated q and k (new tensors), v, the output and logsumexp -- fp32 (H, L), O(L).
+    math: q and k after scaling (new tensors), v and the softmax probabilities (H, L, L) -- O(L^2). On CPU
+    (measured) it keeps fp32 copies of q, k and v (upcast from bf16/fp16) and fp32 probabilities instead.
     """
     C, H = cfg.hidden_size, cfg.num_heads
-    d = {"q, k after RoPE": 2 * L * C * b, "attention output": L * C * b}
-    if attention == "math":
-        d["softmax probabilities (L^2)"] = H * L * L * b
-    else:
-        d["logsumexp"] = L * H * 4
-    return d
+    v = {"v (concatenated)": L * C * b} if v_separate else {}
+    if attention != "math":
+        return {"q, k after RoPE": 2 * L * C * b, **v, "attention output": L * C * b, "logsumexp": L * H * 4}
+    if device == "cpu":
+        return {"q, k, v fp32 copies (math)": 3 * L * C * 4, "softmax probabilities (L^2, fp32)": H * L * L * 4}
+    return {"q, k scaled (math)": 2 * L * C * b, **v, "softmax probabilities (L^2)": H * L * L * b}
 
 
 def _ln_stats(L: int, b: int, device: str) -> int:
@@ -149,8 +151,7 @@ def double_block_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: in
             add("qkv projection (kept by q/k norm input views)", 3 * Ls * C * b)
         for key, v in _rms_saved(Ls, cfg, b, device).items():
             add(f"q/k rms norm {key}", 2 * v)
-    add("v (concatenated)", L * C * b)
-    for key, v in _attention_saved(L, cfg, b, attention).items():
+    for key, v in _attention_saved(L, cfg, b, attention, device, v_separate=True).items():
         add(key, v)
     add("merged heads (proj inputs)", L * C * b)
     return out
@@ -171,7 +172,7 @@ def single_block_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: in
     }
     for key, v in _rms_saved(L, cfg, b, device).items():
         out[f"q/k rms norm {key}"] = 2 * v
-    out.update(_attention_saved(L, cfg, b, attention))
+    out.update(_attention_saved(L, cfg, b, attention, device, v_separate=False))
     return out
 
 

@@ -40,24 +40,27 @@ def block_inputs(cfg, img_tokens, txt_tokens, dtype, batch=2):
     return img, txt, vec, ids
 
 
-CASES = [  # (model, dtype, img tokens, txt tokens)
-    ("flux-tiny", torch.float32, 64, 16),
-    ("flux-tiny", torch.bfloat16, 48, 24),
-    ("flux-dev", torch.bfloat16, 16, 8),  # full width (3072 hidden, 24 heads), one block of each kind
+CASES = [  # (model, dtype, img tokens, txt tokens, attention backend)
+    ("flux-tiny", torch.float32, 64, 16, "auto"),
+    ("flux-tiny", torch.bfloat16, 48, 24, "auto"),
+    ("flux-dev", torch.bfloat16, 16, 8, "auto"),  # full width (3072 hidden, 24 heads), one block of each kind
+    ("flux-tiny", torch.float32, 64, 16, "math"),  # O(L^2) probabilities
+    ("flux-tiny", torch.bfloat16, 48, 24, "math"),  # CPU math upcasts to fp32 first
 ]
 
 
-@pytest.fixture(autouse=True)
-def _flash_like_attention():
-    # The CPU flash kernel saves what CUDA flash saves (q, k, v, out, logsumexp).
+@pytest.fixture
+def backend():
+    # "auto" is the CPU flash kernel, which saves what CUDA flash saves (q, k, v, out, logsumexp).
     previous = get_attention_backend()
-    set_attention_backend("auto")
-    yield
+    yield set_attention_backend
     set_attention_backend(previous)
 
 
-@pytest.mark.parametrize("preset,dtype,I,T", CASES)
-def test_block_saved_bytes_match_autograd(preset, dtype, I, T):
+@pytest.mark.parametrize("preset,dtype,I,T,attention", CASES)
+def test_block_saved_bytes_match_autograd(preset, dtype, I, T, attention, backend):
+    backend(attention)
+    att = "math" if attention == "math" else "flash"
     cfg = get_model_config(preset).replace(depth=1, depth_single_blocks=1)
     # Shapes are all that matter for what is saved: skip the random init of a full-width block (seconds).
     model = build_model(cfg, device="meta", dtype=dtype).to_empty(device="cpu")
@@ -68,16 +71,17 @@ def test_block_saved_bytes_match_autograd(preset, dtype, I, T):
     B = img.shape[0]
 
     got = saved_bytes(model.double_blocks[0], (img, txt, vec, pe), params + [img, txt, vec, pe])
-    want = B * sum(memory.double_block_saved(cfg, I, T, b, device="cpu").values())
+    want = B * sum(memory.double_block_saved(cfg, I, T, b, device="cpu", attention=att).values())
     assert got == want, (got, want)
 
     x = torch.cat((txt, img), dim=1).detach().requires_grad_()
     got = saved_bytes(model.single_blocks[0], (x, vec, pe), params + [x, vec, pe])
-    want = B * sum(memory.single_block_saved(cfg, I, T, b, device="cpu").values())
+    want = B * sum(memory.single_block_saved(cfg, I, T, b, device="cpu", attention=att).values())
     assert got == want, (got, want)
 
 
-def test_whole_model_saved_bytes_within_5_percent():
+def test_whole_model_saved_bytes_within_5_percent(backend):
+    backend("auto")
     """No checkpointing: the model's whole forward, blocks plus embedders and final layer."""
     cfg = get_model_config("flux-tiny")
     model = build_model(cfg, dtype=torch.float32)

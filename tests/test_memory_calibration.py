@@ -33,3 +33,16 @@ def test_tiny_zero3_case_trains_on_cpu(tmp_path):
     assert rec["measured"]["status"] == "ok", rec["measured"]
     assert rec["case"]["stage"] == 3 and rec["case"]["gpus"] == 2
     assert rec["predicted"]["allocated"] > 0 and rec["measured"]["host_per_node_rss"] > 0
+
+
+def test_blocks_mode_matches_on_cpu(tmp_path):
+    """--blocks counts what one block of each kind saves; on CPU memory.py is exact (device="cpu")."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OUT=str(tmp_path))
+    r = subprocess.run([sys.executable, "benchmarks/memory_calibration.py", "--blocks", "--blocks-model", "flux-tiny",
+                        "--blocks-px", "64,128", "--blocks-txt", "16"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    recs = [json.loads(line) for line in (tmp_path / "memory_blocks.jsonl").read_text().splitlines()]
+    assert len(recs) == 8  # 2 kinds x 2 resolutions x 2 attention kernels
+    for rec in recs:
+        assert rec["saved_gib"] == pytest.approx(rec["saved_pred_gib"], rel=1e-12), rec
