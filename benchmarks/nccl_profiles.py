@@ -91,8 +91,9 @@ def worker(out_path: str, sizes_mb: list[float], cpu: bool, time_per_point: floa
     elem = torch.tensor([], dtype=dtype).element_size()
     for size_mb in sizes_mb:
         n = int(size_mb * 1e6) // elem // world * world  # divisible by the rank count
-        full = torch.ones(n, dtype=dtype, device=device)
-        shard = torch.ones(n // world, dtype=dtype, device=device)
+        # zeros: repeated in-place sums stay finite (speed does not depend on the values)
+        full = torch.zeros(n, dtype=dtype, device=device)
+        shard = torch.zeros(n // world, dtype=dtype, device=device)
         calls = {
             "all_reduce": (lambda: dist.all_reduce(full), 2 * (world - 1) / world),
             "reduce_scatter": (lambda: dist.reduce_scatter_tensor(shard, full), (world - 1) / world),
