@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 import socket
+import warnings
 from pathlib import Path
 
 import deepspeed
@@ -53,6 +54,8 @@ def init_distributed() -> tuple[int, int, torch.device]:
     os.environ.setdefault("LOCAL_RANK", "0")
     for name in ("deepspeed", "DeepSpeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, once per step and rank: not actionable
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     accel = get_accelerator()
     local_rank = int(os.environ["LOCAL_RANK"])
     if accel.device_name() == "cpu":

@@ -123,6 +123,7 @@ def train(cfg: TrainConfig) -> dict:
             # lr -> batch -> forward -> loss -> backward -> step -> log -> checkpoint
             if own_schedule:
                 ds_engine.set_lr(engine, base_lr * cfg.lr_factor(step, total))
+            lr = engine.get_lr()[0]  # the lr of this step (DeepSpeed's scheduler moves on in engine.step)
             loss_sum = torch.zeros((), device=device)
             for micro in range(cfg.grad_accum):
                 epoch, batch = next(batches)
@@ -144,7 +145,7 @@ def train(cfg: TrainConfig) -> dict:
             step += 1
             losses.append(mean_loss)
             norm = engine.get_global_grad_norm()
-            metrics.log(step, mean_loss, engine.get_lr()[0], None if norm is None else float(norm),
+            metrics.log(step, mean_loss, lr, None if norm is None else float(norm),
                         engine.skipped_steps, tokens, log=step % cfg.log_every == 0 or step == stop)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < stop:
                 ds_engine.save_checkpoint(engine, ckpt_dir, step, {"step": step, "loader": loader.state_dict()},
