@@ -246,3 +246,24 @@ def test_nccl_profiles_keep_nvls_off():
 def test_readme_nccl_table_is_the_code():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert profiles_markdown() in readme
+
+
+@pytest.mark.slow
+def test_nccl_benchmark_script_runs_on_cpu(tmp_path):
+    """benchmarks/nccl_profiles.py end to end with gloo (fresh torchrun, JSON under $OUT, table)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(repo)}
+    out = subprocess.run([sys.executable, str(repo / "benchmarks" / "nccl_profiles.py"), "--cpu-smoke",
+                          "--configs", "default"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (result,) = tmp_path.glob("nccl_profiles_*.json")
+    run = json.loads(result.read_text())["runs"][0]
+    assert run["env"] == {"NCCL_NVLS_ENABLE": "0"}
+    assert {r["op"] for r in run["results"]} == {"all_reduce", "reduce_scatter", "all_gather"}
+    assert all(r["busbw_gbs"] > 0 for r in run["results"])
+    assert "busbw GB/s" in out.stdout
