@@ -92,6 +92,8 @@ OPTIONS = [
                  show_default=True, help="Attention kernel: flash/efficient keep O(L), math O(L^2)."),
     click.option("--expandable-segments/--no-expandable-segments", default=False, show_default=True,
                  help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)."),
+    click.option("--weights/--no-weights", default=True, show_default=True,
+                 help="Pretrained weights are loaded (each rank reads them in fp32 on the host below stage 3)."),
     click.option("--margin", type=click.FloatRange(0, 1, max_open=True), default=0.10, show_default=True,
                  help="Safety margin: fits when the need is at most (1 - margin) x the memory."),
     click.option("--json", "as_json", is_flag=True, default=False, help="Print one JSON object instead of tables."),
@@ -110,7 +112,7 @@ _SPEC_OPTIONS = {"micro_batch": "micro_batch", "precision": "precision", "zero_s
 
 
 def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, attention, expandable_segments,
-               adam_impl, **values) -> memory.RunSpec:
+               adam_impl, weights=True, **values) -> memory.RunSpec:
     """RunSpec from defaults < DeepSpeed config (--config) < options given on the command line."""
     fields = {ours: values[opt] for opt, ours in _SPEC_OPTIONS.items()}
     fields["optimizer_impl"] = "torch" if adam_impl == "torch" else "fused"
@@ -131,7 +133,7 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
     try:
         return memory.RunSpec(get_model_config(model), nodes=nodes, gpus_per_node=gpus_per_node, height=h, width=w,
                               txt_len=txt_len, attention=attention, expandable_segments=expandable_segments,
-                              **fields)
+                              load_bytes=4 if weights else 0, **fields)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 
@@ -209,7 +211,7 @@ def as_dict(est: memory.Estimate, hw: memory.Hardware | None, margin: float) -> 
 @_with_options
 @click.pass_context
 def estimate(ctx, model, ds_path, hostfile, nodes, gpus_per_node, gpu, gpu_memory, host_memory, resolution,
-             txt_len, attention, expandable_segments, adam_impl, margin, as_json, **values):
+             txt_len, attention, expandable_segments, adam_impl, weights, margin, as_json, **values):
     """Predict peak GPU memory per rank and host memory per node of a run, itemised, before launching it.
 
     The breakdown covers parameters, gradients, fp32 master copy and optimizer states (per ZeRO stage and
@@ -218,7 +220,7 @@ def estimate(ctx, model, ds_path, hostfile, nodes, gpus_per_node, gpu, gpu_memor
     """
     nodes, gpus_per_node = topology_from(hostfile, nodes, gpus_per_node)
     spec = build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, attention,
-                      expandable_segments, adam_impl, **values)
+                      expandable_segments, adam_impl, weights, **values)
     capacity = gpu_memory_from(gpu, gpu_memory)
     hw = None
     if capacity is not None:
