@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import os
 import signal
 import statistics
@@ -77,6 +78,7 @@ class Case:
     timeout: int = 120  # seconds for the whole case, start-up included
     min_s: int = 25  # a case is started only while at least this much of the sweep budget is left
     inject_oom: str = ""  # tests only: raise an OOM in this phase on rank 0
+    inject_nan: bool = False  # tests only: a NaN loss in the first timed step (its gradients are non-finite)
 
     def __post_init__(self):
         problems = []
@@ -113,11 +115,22 @@ class Case:
                  self.attn, f"{self.gpus}g"]
         if self.optim != "torch-fused":
             parts.append(self.optim)
-        parts += [f"{k}={v}" for k, v in sorted(self.zero_opts.items())]
+        parts += [f"{_SHORT.get(k, k)}={_num(v)}" for k, v in sorted(self.zero_opts.items())]
         parts += [f"{k}={v}" for k, v in sorted(self.env.items())]
         if self.inject_oom:
             parts.append(f"inject-oom@{self.inject_oom}")
+        if self.inject_nan:
+            parts.append("inject-nan")
         return " ".join(parts)
+
+
+_SHORT = {"stage3_prefetch_bucket_size": "prefetch", "stage3_param_persistence_threshold": "persist",
+          "reduce_bucket_size": "reduce", "allgather_bucket_size": "allgather",
+          "stage3_max_live_parameters": "live", "stage3_max_reuse_distance": "reuse"}
+
+
+def _num(v) -> str:
+    return f"{v:.0e}".replace("e+0", "e") if isinstance(v, int) and not isinstance(v, bool) and v >= 100_000 else str(v)
 
 
 def _cases(base: dict, rows: list[dict]) -> list[Case]:
@@ -150,6 +163,19 @@ def _dev2() -> list[Case]:
     ])
 
 
+def _dev2_extra() -> list[Case]:
+    # two H200s, flux-dev ZeRO-3 levers past dev2: larger micro batch, larger ZeRO-3 buckets / persistence
+    # (what the baseline needed at 1024 px), cuDNN attention
+    b = dict(model="flux-dev", gpus=2, zero=3, precision="bf16", ckpt=1, attn="flash", warmup=2, steps=3,
+             timeout=170, min_s=60)
+    big = dict(stage3_prefetch_bucket_size=200_000_000, stage3_param_persistence_threshold=1_000_000,
+               reduce_bucket_size=200_000_000)
+    return _cases(b, [
+        dict(mb=32, res=512), dict(mb=16, res=512, zero_opts=big), dict(mb=8, res=1024, zero_opts=big),
+        dict(mb=16, res=512, attn="cudnn"),
+    ])
+
+
 def _scale() -> list[Case]:
     # flux-dev-lite, 1 vs 2 GPUs at the same per-GPU micro batch
     b = dict(model="flux-dev-lite", precision="bf16", attn="flash", ckpt=1, mb=8, res=512, warmup=2, steps=5,
@@ -178,7 +204,9 @@ def _cpu_test() -> list[Case]:
     return [
         Case(**_cpu(gpus=2, zero=3, ckpt=1, mb=2)),
         Case(**_cpu(gpus=2, impl="diffusers", zero=3, ckpt=1, mb=2)),
-        Case(**_cpu(zero=2, ckpt=2, mb=1)),
+        # ZeRO-2, every other block checkpointed, and non-finite gradients in one step: DeepSpeed skips that
+        # step, so the row is measured but INVALID
+        Case(**_cpu(zero=2, ckpt=2, mb=1, inject_nan=True)),
         # an OOM on rank 0 while rank 1 waits in the gradient all-reduce: the row must say "OOM at backward"
         # and the sweep must go on after the hung rank is ended
         Case(**_cpu(gpus=2, zero=0, ckpt=0, mb=1, inject_oom="backward")),
@@ -188,6 +216,7 @@ def _cpu_test() -> list[Case]:
 SETS = {
     "lite1": (_lite1, 350, "1 GPU, flux-dev-lite: ZeRO-0/3 x ckpt on/off x mb 1/4/8 @512 + mb 2 @1024, baseline x2"),
     "dev2": (_dev2, 520, "2 GPUs, flux-dev ZeRO-3: 512 mb 1/4/16, 1024 mb 4/8, baseline mb 4/16, ZeRO-2 OOM"),
+    "dev2-extra": (_dev2_extra, 520, "2 GPUs, flux-dev ZeRO-3: mb 32, larger stage-3 buckets, cuDNN attention"),
     "scale": (_scale, 240, "1 vs 2 GPUs, flux-dev-lite mb 8 @512, ZeRO-0/2/3"),
     "levers": (_levers, 330, "1 GPU, flux-dev-lite ZeRO-0 mb 8: attention, optimizer, ckpt every k, allocator"),
     "cpu-test": (_cpu_test, 400, "--device cpu, flux-tiny: the same code path, for tests"),
@@ -436,6 +465,8 @@ def run_case(case: Case, phase: _Phase) -> dict:
         with sdpa_kernel(sdpa) if sdpa else nullcontext():
             pred = call(inputs)  # (B, L_img, 64)
             loss = flow.loss(pred, target)
+            if case.inject_nan and i == case.warmup:
+                loss = loss * float("nan")
             m2 = clock.mark()
             phase("backward")
             if case.inject_oom == "backward" and rank == 0:
@@ -447,8 +478,10 @@ def run_case(case: Case, phase: _Phase) -> dict:
         m4 = clock.mark()
         clock.sync()
         wall = time.perf_counter() - w0
+        norm = engine.get_global_grad_norm()  # after the sync: reading it costs nothing measured
         rows.append(dict(wall=wall, data=clock.span(m0, m1), fwd=clock.span(m1, m2), bwd=clock.span(m2, m3),
-                         opt=clock.span(m3, m4), loss=float(loss.detach()), timed=timed))
+                         opt=clock.span(m3, m4), loss=float(loss.detach()), timed=timed,
+                         norm=None if norm is None else float(norm)))
     phase.persist = True
     phase("report")
     skipped = int(getattr(engine, "skipped_steps", 0) or 0) - skipped_before
@@ -459,6 +492,7 @@ def run_case(case: Case, phase: _Phase) -> dict:
         "alloc_after_init_gib": mem_after_init,
         "skipped_steps": skipped,
         "losses": [r["loss"] for r in rows],
+        "grad_norms": [r["norm"] for r in rows],
     }
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -471,12 +505,13 @@ def run_case(case: Case, phase: _Phase) -> dict:
     flops = model_cfg.flops_per_sample(case.img_tokens, case.txt)
     losses = [x for m in everyone for x in m["losses"]]
     skipped_all = max(m["skipped_steps"] for m in everyone)
-    finite = all(x == x and abs(x) != float("inf") for x in losses)
+    norms = [x for m in everyone for x in m["grad_norms"] if x is not None]
+    finite = all(math.isfinite(x) for x in losses + norms)
     peak = float(os.environ.get("FLUXZERO_BENCH_PEAK_TFLOPS", "0")) or None
     tflops = 3 * flops * case.mb / step_s / 1e12
     return {
         "rank": 0, "ok": True,
-        "status": "ok" if finite and not skipped_all else ("skipped steps" if skipped_all else "non-finite loss"),
+        "status": "ok" if finite and not skipped_all else ("skipped steps" if skipped_all else "non-finite loss or grad norm"),
         "valid": bool(finite and not skipped_all),
         "step_s": step_s, "step_s_all": [r["wall"] for r in timed],
         "data_s": med["data"], "fwd_s": med["fwd"], "bwd_s": med["bwd"], "opt_s": med["opt"],
@@ -485,6 +520,7 @@ def run_case(case: Case, phase: _Phase) -> dict:
         "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None, "peak_tflops": peak,
         "flops_per_sample_fwd": flops,
         "skipped_steps": skipped_all, "losses_rank0": everyone[0]["losses"],
+        "grad_norms_rank0": everyone[0]["grad_norms"],
         "peak_alloc_gib": [m["peak_alloc_gib"] for m in everyone],
         "peak_reserved_gib": [m["peak_reserved_gib"] for m in everyone],
         "alloc_after_init_gib": [m["alloc_after_init_gib"] for m in everyone],
