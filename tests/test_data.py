@@ -252,3 +252,14 @@ def test_read_failure_during_training_names_the_shard(shard_dir, num_workers):
     with pytest.raises(DataError, match=r"shard .*shard-\d+\.safetensors could not be read") as e:
         list(loader)
     assert "\n" not in str(e.value) and "Traceback" not in str(e.value)
+
+
+def test_bounded_open_shards(shard_dir, monkeypatch):
+    import fluxzero.data.shards as shards
+
+    monkeypatch.setattr(shards, "MAX_OPEN_SHARDS", 2)
+    loader = build_dataloader(str(shard_dir), micro_batch=1, rank=0, world_size=1, seed=0)
+    ref = {int(b["index"][0]): b["latents"] for b in build_dataloader(str(shard_dir), micro_batch=1, rank=0, world_size=1, seed=0)}
+    for b in loader:
+        assert len(loader.source._handles) <= 2
+        assert torch.equal(b["latents"], ref[int(b["index"][0])])

@@ -91,6 +91,10 @@ def load_bucketed(path, bucket: tuple[int, int], flip: bool):
     from PIL import Image, ImageOps
 
     with Image.open(path) as im:
+        if im.format == "JPEG":  # decode at 1/2, 1/4 or 1/8 scale when the bucket is that much smaller
+            rotated = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)
+            bh, bw = bucket
+            im.draft("RGB", (bh, bw) if rotated else (bw, bh))
         im.load()
         im = ImageOps.exif_transpose(im)
         if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):

@@ -35,6 +35,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_TENSORS = ("latents", "t5", "clip", "t5_len")
 META_KEY = "fluxzero"
+MAX_OPEN_SHARDS = 64  # per process (each DataLoader worker has its own)
 _DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _RECREATE = "re-create the shards with `fluxzero cache`"
 
@@ -363,7 +364,11 @@ class ShardSource:
     def _handle(self, s: int):
         from safetensors import safe_open
 
-        if s not in self._handles:
+        if s in self._handles:
+            self._handles[s] = self._handles.pop(s)  # most recently used last
+        else:
+            if len(self._handles) >= MAX_OPEN_SHARDS:  # bound open maps per worker on 10k-shard datasets
+                del self._handles[next(iter(self._handles))]
             self._handles[s] = safe_open(str(self.data_dir / self.manifest["shards"][s]["file"]), framework="pt")
         return self._handles[s]
 
