@@ -451,8 +451,11 @@ def run_case(case: Case, phase: _Phase) -> dict:
     rows = []
     for i in range(case.warmup + case.steps):
         timed = i >= case.warmup
-        phase.persist = i == 0  # the first step's phases go to disk (a hang there is common), later ones not
-        phase("warm-up step" if not timed else "timed steps")
+        # The first step's phases go to disk (a hang there is common); later steps note only their start at
+        # the first timed step, so no file write lands inside a timed step.
+        phase.persist = i in (0, 1, case.warmup)
+        phase(f"{'timed' if timed else 'warm-up'} step {i + 1}")
+        phase.persist = i == 0
         batch = batches[i % len(batches)]
         clock.sync()
         w0 = time.perf_counter()
