@@ -14,7 +14,7 @@ def test_bench_blocks_cpu_smoke(tmp_path, monkeypatch, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     monkeypatch.setenv("OUT", str(tmp_path))
-    bench.main(["--device", "cpu", "--tiny", "--dtype", "fp32"])
+    bench.main(["--device", "cpu", "--tiny", "--dtype", "fp32", "--iters", "1", "--warmup", "0"])
     result = json.loads((tmp_path / "bench_blocks.json").read_text())
     assert [(r["block"], r["batch"]) for r in result["rows"]] == [("double", 1), ("double", 4), ("single", 1), ("single", 4)]
     for r in result["rows"]:
