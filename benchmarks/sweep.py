@@ -451,9 +451,9 @@ def run_case(case: Case, phase: _Phase) -> dict:
     rows = []
     for i in range(case.warmup + case.steps):
         timed = i >= case.warmup
-        # The first step's phases go to disk (a hang there is common); later steps note only their start at
-        # the first timed step, so no file write lands inside a timed step.
-        phase.persist = i in (0, 1, case.warmup)
+        # Every step's start goes to disk (before its clock starts); the phases inside a step only in the
+        # first step (a hang there is common), so no file write lands inside a timed step.
+        phase.persist = True
         phase(f"{'timed' if timed else 'warm-up'} step {i + 1}")
         phase.persist = i == 0
         batch = batches[i % len(batches)]
