@@ -45,21 +45,42 @@ def scratch_tokenizer(kind: str, vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=eos, unk_token=unk, bos_token=bos, eos_token=eos), vocab[eos]
 
 
-def build_encoders(tiny: bool, device, dtype):
+def build_vae(tiny: bool, device, dtype):
     from diffusers import AutoencoderKL
+
+    if tiny:
+        kw = dict(block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4)
+    else:  # FLUX.1's autoencoder shapes
+        kw = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32)
+    with torch.device(device):
+        vae = AutoencoderKL(latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 4,
+                            up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=0.3611, shift_factor=0.1159,
+                            use_quant_conv=False, use_post_quant_conv=False, **kw)
+    return (vae if dtype == torch.float32 else vae.to(dtype)).eval()
+
+
+def vae_only_encode(vae, dtype):
+    """Same computation as Encoders.encode_images, for machines without transformers."""
+    def encode(px):
+        with torch.inference_mode():
+            z = vae.encode(px.to(dtype)).latent_dist.mode()
+            return ((z.float() - 0.1159) * 0.3611).cpu()
+    return encode
+
+
+def build_encoders(tiny: bool, device, dtype):
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     from fluxzero.data.encode import Encoders
 
     t5_tok, eos5 = scratch_tokenizer("t5", 32128)
     clip_tok, eosc = scratch_tokenizer("clip", 49408)
+    vae = build_vae(tiny, device, dtype)
     if tiny:
-        vae_kw = dict(block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4)
         t5_cfg = T5Config(vocab_size=32128, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4)
         clip_cfg = CLIPTextConfig(vocab_size=49408, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=2, max_position_embeddings=77, projection_dim=32)
-    else:  # FLUX.1's VAE, google/t5-v1_1-xxl, openai/clip-vit-large-patch14 (text) shapes
-        vae_kw = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32)
+    else:  # google/t5-v1_1-xxl, openai/clip-vit-large-patch14 (text) shapes
         t5_cfg = T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
                           feed_forward_proj="gated-gelu")
         clip_cfg = CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
@@ -71,9 +92,6 @@ def build_encoders(tiny: bool, device, dtype):
     torch.set_default_dtype(dtype)  # build directly in bf16 on the GPU: T5-XXL is 4.7B parameters
     try:
         with torch.device(device):
-            vae = AutoencoderKL(latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 4,
-                                up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=0.3611, shift_factor=0.1159,
-                                use_quant_conv=False, use_post_quant_conv=False, **vae_kw)
             t5 = T5EncoderModel(t5_cfg)
             clip = CLIPTextModel(clip_cfg)
     finally:
@@ -123,8 +141,17 @@ def main():
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
     result = {"device": name, "dtype": str(dtype), "torch": torch.__version__, "tiny": args.tiny, "stages": [], "pipeline": {}}
 
+    try:
+        import transformers  # noqa: F401
+
+        have_text = True
+    except ImportError:
+        have_text = False
+        print("transformers is not installed here: measuring the VAE only (carry transformers and tokenizers "
+              "wheels, as in the development venv, for T5/CLIP and the whole pipeline)", file=sys.stderr)
     t0 = time.perf_counter()
-    enc = build_encoders(args.tiny, device, dtype)
+    enc = build_encoders(args.tiny, device, dtype) if have_text else None
+    encode_images = enc.encode_images if enc else vae_only_encode(build_vae(args.tiny, device, dtype), dtype)
     result["build_s"] = round(time.perf_counter() - t0, 1)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -132,8 +159,12 @@ def main():
     # ---- each encoder alone
     for bs in (1, 4, 8, 16):
         px = torch.randn(bs, 3, res, res, device=device, dtype=dtype).clamp(-1, 1)
-        s = timed(lambda: enc.encode_images(px), sync)
+        s = timed(lambda: encode_images(px), sync)
         result["stages"].append({"stage": f"VAE encode {res}x{res}", "batch": bs, "ms_per_item": round(1000 * s / bs, 2)})
+    if cuda:
+        result["vae_peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if not have_text:
+        return finish(result, out_dir, args, name, dtype, cuda)
     caps = [" ".join(WORDS[i % len(WORDS)] for i in range(k, k + 20)) for k in range(32)]
     for bs in (8, 32):
         s = timed(lambda: enc.encode_text(caps[:bs]), sync)
@@ -162,7 +193,10 @@ def main():
         })
     if cuda:
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    finish(result, out_dir, args, name, dtype, cuda)
 
+
+def finish(result, out_dir, args, name, dtype, cuda):
     tag = "tiny" if args.tiny else name.lower().replace("nvidia ", "").replace(" ", "-")
     path = out_dir / f"cache_speed_{tag}_{time.strftime('%Y-%m')}.json"
     path.write_text(json.dumps(result, indent=1))
@@ -171,10 +205,11 @@ def main():
     for s in result["stages"]:
         print(f"| {s['stage']} | {s['batch']} | {s['ms_per_item']} |")
     p = result["pipeline"]
-    print(f"\npipeline: {p['images']} JPEGs ({p['buckets']}), batch {p['batch_size']}: {p['wall_s']} s, "
-          f"{p['images_per_s']} images/s, {p['bytes_per_sample'] / 2**20:.2f} MiB per sample on disk")
+    if p:
+        print(f"\npipeline: {p['images']} JPEGs ({p['buckets']}), batch {p['batch_size']}: {p['wall_s']} s, "
+              f"{p['images_per_s']} images/s, {p['bytes_per_sample'] / 2**20:.2f} MiB per sample on disk")
     if cuda:
-        print(f"peak GPU memory {result['peak_memory_gib']} GiB")
+        print(f"peak GPU memory {result.get('peak_memory_gib', result['vae_peak_memory_gib'])} GiB")
     print(f"wrote {path}")
 
 
