@@ -5,9 +5,10 @@ Epoch plan (the same on every rank, computed from seed, epoch and the latent siz
      (seed, epoch, bucket);
   2. cut each bucket into GLOBAL batches of micro_batch x world_size samples; the bucket's remainder is
      either filled by wrapping around to the start of the same shuffled bucket (remainder="wrap", the
-     default: every sample is seen at least once per epoch, at most micro_batch x world_size - 1 samples
-     per bucket are seen twice) or dropped (remainder="drop": no sample twice, up to that many skipped;
-     a different random set each epoch);
+     default: every sample is seen at least once per epoch and each bucket adds fewer than
+     micro_batch x world_size repeats, cycling through the bucket again if it is smaller than that) or
+     dropped (remainder="drop": no sample twice, fewer than micro_batch x world_size per bucket skipped,
+     a different random set each epoch; a bucket smaller than that is skipped entirely);
   3. shuffle the order of the global batches (buckets interleave);
   4. rank r takes rows [r*micro_batch, (r+1)*micro_batch) of every global batch.
 So every rank runs exactly len(loader) batches per epoch, all ranks work on the same latent size at each
