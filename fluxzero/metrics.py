@@ -59,12 +59,16 @@ class Metrics:
         self._t = time.perf_counter()
         self.writer = self.jsonl = self.bar = None
         if rank == 0:
-            from torch.utils.tensorboard import SummaryWriter
             from tqdm import tqdm
 
             out = Path(output_dir)
             out.mkdir(parents=True, exist_ok=True)
-            self.writer = SummaryWriter(str(out / "tensorboard"))
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(out / "tensorboard"))
+            except ImportError:  # tensorboard is in the train extra; without it the JSON lines remain
+                print("tensorboard is not installed: logging to metrics.jsonl only", file=sys.stderr)
             self.jsonl = open(out / "metrics.jsonl", "a")
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                             file=sys.stderr, disable=os.environ.get("FLUXZERO_NO_PROGRESS") == "1")
@@ -95,16 +99,16 @@ class Metrics:
         }
         if self.peak and self.flops_per_sample:
             record["mfu"] = 3 * self.flops_per_sample * record["samples_per_s"] / (self.peak * self.world_size)
-        if self.rank == 0:
+        if self.writer is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and value is not None and key != "step":
                     self.writer.add_scalar(f"train/{key}", value, step)
+        if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
         return record
 
     def close(self) -> None:
-        if self.rank == 0:
-            self.bar.close()
-            self.writer.close()
-            self.jsonl.close()
+        for handle in (self.bar, self.writer, self.jsonl):
+            if handle is not None:
+                handle.close()

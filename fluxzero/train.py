@@ -97,7 +97,9 @@ def train(cfg: TrainConfig) -> dict:
     ds, ours = ds_engine.load_ds_config(cfg.deepspeed, cfg, world)
     model_cfg = get_model_config(cfg.model)
     loader = build_dataloader(cfg.data, micro_batch=cfg.micro_batch, rank=rank, world_size=world, seed=cfg.seed,
-                              num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
+                              num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
+                              # forked workers can hang once DeepSpeed's threads and process group exist
+                              multiprocessing_context="spawn" if cfg.num_workers else None)
     loader.check_model(model_cfg)
     total = cfg.total_steps(len(loader))
     ckpt_dir = Path(cfg.output_dir) / "checkpoints"
