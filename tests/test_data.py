@@ -263,3 +263,13 @@ def test_bounded_open_shards(shard_dir, monkeypatch):
     for b in loader:
         assert len(loader.source._handles) <= 2
         assert torch.equal(b["latents"], ref[int(b["index"][0])])
+
+
+def test_bucket_smaller_than_global_batch():
+    spec = "synthetic:n=5,hw=4x4+4x6,txt=2,ctx=2,vec=2"  # buckets of 3 and 2 samples, global batch 8
+    loaders = [build_dataloader(spec, micro_batch=4, rank=r, world_size=2, seed=0) for r in range(2)]
+    assert [len(l) for l in loaders] == [2, 2]
+    seen = Counter(i for l in loaders for b in l for i in b["index"].tolist())
+    assert set(seen) == set(range(5)) and sum(seen.values()) == 16  # cycled through each bucket
+    with pytest.raises(DataError, match="remainder='drop' leaves no batch"):
+        build_dataloader(spec, micro_batch=4, rank=0, world_size=2, seed=0, remainder="drop")
