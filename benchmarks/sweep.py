@@ -322,15 +322,20 @@ def _build_fluxzero(case: Case, ds: dict, model_cfg, device, rowdir: Path):
         from fluxzero import engine as fz_engine
 
         params = list(inspect.signature(fz_engine.build_engine).parameters)
-        usable = params[:5] == ["cfg", "ds", "ours", "model_cfg", "device"]
+        # FLUXZERO_BENCH_DIRECT=1 measures the direct path on purpose (to compare with the engine's)
+        usable = params[:5] == ["cfg", "ds", "ours", "model_cfg", "device"] and not os.environ.get("FLUXZERO_BENCH_DIRECT")
     except (ImportError, AttributeError):
         usable = False
     if usable:
         from fluxzero.config import TrainConfig
 
-        tc = TrainConfig(deepspeed="<benchmark>", data="synthetic:", output_dir=str(rowdir), model=case.model,
-                         micro_batch=case.mb, precision=case.precision, attention=case.attn, seed=0,
-                         export_format=None)
+        try:
+            tc = TrainConfig(deepspeed="<benchmark>", data="synthetic:", output_dir=str(rowdir), model=case.model,
+                             micro_batch=case.mb, precision=case.precision, attention=case.attn, seed=0,
+                             export_format=None)
+        except (TypeError, ValueError):
+            usable = False
+    if usable:
         return fz_engine.build_engine(tc, ds, ours, model_cfg, device), "fluxzero.engine.build_engine"
     import deepspeed
     import torch
@@ -342,7 +347,8 @@ def _build_fluxzero(case: Case, ds: dict, model_cfg, device, rowdir: Path):
         model = build_model(model_cfg, device=device)
     _checkpoint_every(model, case.ckpt)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=ds)
-    return engine, "deepspeed.initialize (direct; fluxzero.engine.build_engine not usable)"
+    why = "FLUXZERO_BENCH_DIRECT set" if os.environ.get("FLUXZERO_BENCH_DIRECT") else "engine API not usable"
+    return engine, f"deepspeed.initialize (direct: {why})"
 
 
 def _checkpoint_every(model, k: int) -> None:
