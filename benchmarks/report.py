@@ -90,6 +90,25 @@ def comparison(rows: list[dict]) -> str:
             "diffusers |\n|---|---|---|---|---|\n" + "\n".join(lines))
 
 
+def scaling(rows: list[dict]) -> str:
+    """Each multi-GPU row against the 1-GPU row with the same settings (same per-GPU micro batch)."""
+    def key(r):
+        return tuple(json.dumps(r.get(k), sort_keys=True) for k in ("impl",) + MATCH_KEYS if k != "gpus")
+
+    single = {key(r): r for r in rows if r.get("gpus") == 1 and measured(r)}
+    lines = []
+    for r in rows:
+        one = single.get(key(r))
+        if r.get("gpus", 1) > 1 and measured(r) and one:
+            ratio = r["samples_per_s"] / one["samples_per_s"]
+            valid = "" if r.get("valid") and one.get("valid") else " (a row is INVALID)"
+            lines.append(f"| {r['name']} | {one['samples_per_s']:.2f} | {r['samples_per_s']:.2f} | "
+                         f"{ratio:.2f}x ({100 * ratio / r['gpus']:.0f}% efficiency){valid} |")
+    if not lines:
+        return ""
+    return ("| scaling | 1 GPU samples/s | N GPUs samples/s | speed-up |\n|---|---|---|---|\n" + "\n".join(lines))
+
+
 def header(rows: list[dict]) -> str:
     ok = [r for r in rows if measured(r)]
     if not ok:
@@ -161,9 +180,9 @@ def plot(rows: list[dict], path: str) -> bool:
 
 def render(rows: list[dict]) -> str:
     parts = [header(rows), "", table(rows)]
-    comp = comparison(rows)
-    if comp:
-        parts += ["", comp]
+    for extra in (comparison(rows), scaling(rows)):
+        if extra:
+            parts += ["", extra]
     return "\n".join(parts) + "\n"
 
 
