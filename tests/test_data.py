@@ -273,3 +273,13 @@ def test_bucket_smaller_than_global_batch():
     assert set(seen) == set(range(5)) and sum(seen.values()) == 16  # cycled through each bucket
     with pytest.raises(DataError, match="remainder='drop' leaves no batch"):
         build_dataloader(spec, micro_batch=4, rank=0, world_size=2, seed=0, remainder="drop")
+
+
+def test_spawned_workers_as_the_trainer_uses_them(shard_dir):
+    """The trainer starts workers with spawn (fork can hang once DeepSpeed runs): the source must pickle."""
+    kw = dict(micro_batch=2, rank=1, world_size=2, seed=4)
+    ref = _all_batches(build_dataloader(str(shard_dir), **kw))
+    got = _all_batches(build_dataloader(str(shard_dir), num_workers=1, multiprocessing_context="spawn", **kw))
+    assert len(ref) == len(got)
+    for x, y in zip(ref, got):
+        assert all(torch.equal(x[k], y[k]) for k in x)
