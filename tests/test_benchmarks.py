@@ -47,6 +47,26 @@ def test_named_sets_are_well_formed():
     assert {(c.res, c.img_tokens) for c in dev2} == {(512, 1024), (1024, 4096)}
 
 
+def test_every_gpu_case_gets_a_config_deepspeed_accepts():
+    # configs are refused here, in seconds, not on the GPU machine after its start-up
+    from fluxzero import ds_config, ds_validate
+    from fluxzero.config import get_model_config
+
+    seen = set()
+    for name, (fn, _, _) in sweep.SETS.items():
+        for case in fn():
+            ds, source = sweep._ds_config(case, case.gpus, get_model_config(case.model))
+            assert source == "fluxzero.ds_config", (name, case.name, source)
+            assert ds["train_batch_size"] == case.mb * case.gpus and ds["zero_optimization"]["stage"] == case.zero
+            assert ds["optimizer"]["params"].get("fused") is (True if case.optim == "torch-fused" else None)
+            assert ds["optimizer"]["params"]["torch_adam"] is (case.optim != "deepspeed-fused")
+            key = json.dumps({k: v for k, v in ds.items() if k != ds_config.FLUXZERO_SECTION}, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                assert not ds_validate.deepspeed_problems(
+                    {k: v for k, v in ds.items() if k != ds_config.FLUXZERO_SECTION}, case.gpus), case.name
+
+
 def test_case_validation_names_the_field():
     with pytest.raises(ValueError, match="optim"):
         sweep.Case(optim="sgd")
