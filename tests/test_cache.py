@@ -69,7 +69,7 @@ def test_caption_sources(tmp_path):
     caps, src = captions_for(tmp_path, images)
     assert src == "metadata.jsonl" and caps == {"a.png": None, "c.webp": "sky", "sub/b.jpg": "a dog"}
     csv = tmp_path / "caps.csv"
-    csv.write_text("file_name,text\na.png,\"red, blue\"\nb.jpg,tree\n")
+    csv.write_text("\ufefffile_name,text\na.png,\"red, blue\"\nb.jpg,tree\n", encoding="utf-8")  # with a BOM
     caps, src = captions_for(tmp_path, images, csv)
     assert caps == {"a.png": "red, blue", "c.webp": None, "sub/b.jpg": "tree"}  # bare names match too
     (tmp_path / "bad.jsonl").write_text('{"file_name": "a.png"}\n')

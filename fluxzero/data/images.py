@@ -34,14 +34,14 @@ def read_caption_table(path) -> dict[str, str]:
         raise DataError(f"caption file {path} does not exist.")
     rows = []
     if path.suffix == ".jsonl":
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except ValueError:
                     raise DataError(f"{path} line {n} is not valid JSON.") from None
     elif path.suffix == ".csv":
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # tolerate a BOM (Excel)
             rows = list(csv.DictReader(f))
     else:
         raise DataError(f"caption file {path} must be a .jsonl or .csv file.")
