@@ -51,7 +51,8 @@ class Metrics:
     """Collects one record per logged step; writes only on rank 0."""
 
     def __init__(self, output_dir: str, rank: int, world_size: int, device: torch.device, total_steps: int,
-                 start_step: int, global_batch: int, flops_per_sample: float | None, dtype: torch.dtype):
+                 start_step: int, global_batch: int, flops_per_sample, dtype: torch.dtype):
+        """flops_per_sample(img_tokens, txt_tokens) -> forward FLOPs of one sample (ModelConfig's method)."""
         self.rank, self.world_size, self.device = rank, world_size, device
         self.global_batch = global_batch
         self.peak = peak_flops(device, dtype)
@@ -77,7 +78,7 @@ class Metrics:
         self._t = time.perf_counter()
 
     def log(self, step: int, loss: float, lr: float, grad_norm: float | None, skipped_steps: int,
-            tokens_per_sample: int, log: bool = True) -> dict | None:
+            img_tokens: int, txt_tokens: int, log: bool = True) -> dict | None:
         """Record optimizer step `step` (1-based). Collective: every rank must call it at every step."""
         step_time = time.perf_counter() - self._t
         if self.bar is not None:
@@ -94,11 +95,12 @@ class Metrics:
         record = {
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped_steps": skipped_steps,
             "step_time_s": slowest, "samples_per_s": self.global_batch / slowest,
-            "tokens_per_s": self.global_batch * tokens_per_sample / slowest,
+            "tokens_per_s": self.global_batch * (img_tokens + txt_tokens) / slowest,
             "peak_memory_gb": max(mems), "step_time_s_per_rank": times, "peak_memory_gb_per_rank": mems,
         }
-        if self.peak and self.flops_per_sample:
-            record["mfu"] = 3 * self.flops_per_sample * record["samples_per_s"] / (self.peak * self.world_size)
+        if self.peak and self.flops_per_sample:  # the batch's bucket sets the tokens, hence the FLOPs
+            flops = 3 * self.flops_per_sample(img_tokens, txt_tokens)
+            record["mfu"] = flops * record["samples_per_s"] / (self.peak * self.world_size)
         if self.writer is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and value is not None and key != "step":

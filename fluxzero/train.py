@@ -111,11 +111,8 @@ def train(cfg: TrainConfig) -> dict:
     own_schedule = "scheduler" not in ds  # otherwise DeepSpeed's scheduler drives the lr
     base_lr = ds["optimizer"].get("params", {}).get("lr", 1e-3)
     dtype = ds_engine.param_dtype(ds)
-    h, w = loader.dims["latent_sizes"][0]
-    tokens = (h // 2) * (w // 2) + loader.dims["t5_len"]
-    fps = getattr(model_cfg, "flops_per_sample", None)
     metrics = Metrics(cfg.output_dir, rank, world, device, total, step, cfg.global_batch(world),
-                      fps((h // 2) * (w // 2), loader.dims["t5_len"]) if fps else None, dtype)
+                      model_cfg.flops_per_sample, dtype)
     batches = _batches(loader)
     stop = min(total, cfg.stop_after) if cfg.stop_after else total
     losses, saved_step, result = [], step if state else None, {}
@@ -147,15 +144,16 @@ def train(cfg: TrainConfig) -> dict:
             step += 1
             losses.append(mean_loss)
             norm = engine.get_global_grad_norm()
-            metrics.log(step, mean_loss, lr, None if norm is None else float(norm),
-                        engine.skipped_steps, tokens, log=step % cfg.log_every == 0 or step == stop)
+            metrics.log(step, mean_loss, lr, None if norm is None else float(norm), engine.skipped_steps,
+                        img_tokens=inputs["img"].shape[1], txt_tokens=inputs["txt"].shape[1],
+                        log=step % cfg.log_every == 0 or step == stop)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < stop:
                 ds_engine.save_checkpoint(engine, ckpt_dir, step, {"step": step, "loader": loader.state_dict()},
-                                          config_text(cfg), ds)
+                                          config_text(cfg), {**ds, "fluxzero": ours})
                 saved_step = step
         if saved_step != step:
             ds_engine.save_checkpoint(engine, ckpt_dir, step, {"step": step, "loader": loader.state_dict()},
-                                      config_text(cfg), ds)
+                                      config_text(cfg), {**ds, "fluxzero": ours})
         result = {"losses": losses, "step": step, "checkpoint": str(ckpt_dir / ds_engine.latest_tag(ckpt_dir))}
         if cfg.export_format and step >= total:
             out = Path(cfg.output_dir) / ("export" if cfg.export_format == "diffusers" else "export.safetensors")

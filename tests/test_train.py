@@ -6,6 +6,7 @@ training case runs in one child process that calls fluxzero.train.main once per 
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -153,8 +154,17 @@ def cases(tmp_path_factory):
     with ShardWriter(shards, samples_per_shard=2) as w:
         for _ in range(4):
             w.add(torch.randn(16, 8, 8), torch.randn(4, 64), torch.randn(32))
+    old_version = tmp / "old_version"
+    shutil.copytree(shards, old_version)
+    manifest = json.loads((old_version / "manifest.json").read_text())
+    (old_version / "manifest.json").write_text(json.dumps({**manifest, "version": 999}))
     victim = sorted(shards.glob("shard-*.safetensors"))[0]
     victim.write_bytes(victim.read_bytes()[:100])  # truncated shard
+    (tmp / "ds3.json").write_text(json.dumps(_ds(zero_optimization={"stage": 3})))
+    from fluxzero.model import build_model
+    from fluxzero.model.weights import save_weights
+
+    save_weights(build_model("flux-tiny-schnell").state_dict(), tmp / "schnell.safetensors")
     run = {"deepspeed": str(tmp / "ds.json"), "data": DATA, "micro_batch": 2, "steps": 4, "export_format": None}
     (tmp / "run.yaml").write_text(yaml.safe_dump(run))
 
@@ -167,6 +177,8 @@ def cases(tmp_path_factory):
         case("corrupt_shard", f"data={shards}"),
         case("wide_t5", "data=synthetic:n=8,hw=8x8,txt=4,ctx=4096,vec=32"),
         case("odd_latent", "data=synthetic:n=8,hw=7x8,txt=4,ctx=64,vec=32"),
+        case("old_manifest", f"data={old_version}"),
+        case("wrong_weights_zero3", f"deepspeed={tmp / 'ds3.json'}", f"weights={tmp / 'schnell.safetensors'}"),
         case("micro_mismatch", "micro_batch=1"),
         case("precision_mismatch", "precision=bf16"),
         case("nan", f"deepspeed={tmp / 'nan.json'}", "checkpoint_every=1"),
@@ -195,6 +207,8 @@ def _one_sentence_error(result):
     ("corrupt_shard", "shard"),
     ("wide_t5", "4096"),
     ("odd_latent", "7x8"),
+    ("old_manifest", "version 999"),
+    ("wrong_weights_zero3", "guidance_in"),  # pretrained load into the partitioned model checks names first
     ("micro_mismatch", "train_micro_batch_size_per_gpu 2 but the run file has micro_batch 1"),
     ("precision_mismatch", "trains in fp32 but the run file has precision bf16"),
 ])
@@ -253,7 +267,7 @@ def test_quick_start_torchrun_two_ranks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "launch/train.py",
            "--config", "launch/tiny.yaml", "steps=12", "checkpoint_every=6", "log_every=3", f"output_dir={out}"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "FLUXZERO_PEAK_TFLOPS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "done: step 12/12" in p.stderr
     assert (out / "checkpoints" / "latest").read_text() == "step_00000012"
@@ -261,6 +275,7 @@ def test_quick_start_torchrun_two_ranks(tmp_path):
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [3, 6, 9, 12]
     assert len(records[0]["step_time_s_per_rank"]) == 2 and records[-1]["samples_per_s"] > 0
+    assert 0 < records[-1]["mfu"] < 1  # CPU has no known peak; FLUXZERO_PEAK_TFLOPS=1 stands in for one
     w = load_weights(out / "export.safetensors")
     assert w["img_in.weight"].shape == (64, 64)
     saved = yaml.safe_load((out / "checkpoints" / "step_00000006" / "run.yaml").read_text())
