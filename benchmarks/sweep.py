@@ -576,11 +576,10 @@ def worker_main(case_json: str, rowdir: str) -> int:
         sys.stderr.flush()
         os._exit(1)  # no process-group teardown: the other ranks may be stuck in a collective
     (rowdir / f"rank{rank}.json").write_text(json.dumps(out))
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
+    # The last collective is behind every rank: skip NCCL / DeepSpeed teardown, which can stall at exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -641,14 +640,20 @@ def run_one(case: Case, device: str, timeout: float, log_path: Path, env: dict, 
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**env, **case.env},
                                 start_new_session=True, cwd=str(ROOT))
-        first_error = None
+        first_error = finished = None
         while proc.poll() is None:
             time.sleep(0.25)
             now = time.time()
-            if first_error is None and any("error" in _read_json(p) for p in rowdir.glob("rank*.json")):
+            written = [_read_json(p) for p in rowdir.glob("rank*.json")]
+            if first_error is None and any("error" in r for r in written):
                 first_error = now  # the other ranks are likely stuck in a collective: give them `grace`
+            if finished is None and any("status" in r for r in written):
+                finished = now  # rank 0 has the row: exiting must not cost more than `grace`
             if first_error is not None and now - first_error > grace:
                 outcome = "killed after error"
+                _kill(proc)
+            elif finished is not None and now - finished > grace:
+                outcome = "killed after its row"
                 _kill(proc)
             elif now - t0 > timeout:
                 outcome = "timeout"
