@@ -446,12 +446,17 @@ def _model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     else:
         where = {"none": "gpu", "cpu": "host", "nvme": "nvme"}[s.offload_param]
         add("parameter partition (%s)" % s.precision, b * part, where, note="1/N of the parameters", ds=True)
-    if s.stage <= 1:
-        add("gradients (full, %s)" % s.precision, b * P, note="kept whole until the step below stage 2",
-            ds=s.stage == 1 and not off_opt)
+    overlap = s.zero.overlap_comm if s.zero.overlap_comm is not None else s.stage == 3
+    if s.stage == 0:
+        add("gradients (full, %s)" % s.precision, b * P, note="param.grad until FP16_Optimizer.step")
     elif not off_opt:
-        add("gradient partition (%s)" % s.precision, b * part,
-            note="stage2: grads_in_partition, stage3: grad_partitions_flat_buffer", ds=True)
+        add("gradient partition (%s)" % s.precision, b * part, ds=True,
+            note="stage 1/2: grads_in_partition, then averaged_gradients; stage 3: grad_partitions_flat_buffer")
+    if s.stage == 1 and not overlap:
+        # without overlap_comm, stage 1's gradient hooks do not reduce: every param.grad stays whole until
+        # the backward epilogue reduces them (stage_1_and_2.reduce_gradients)
+        add("gradients (full, %s) until backward ends" % s.precision, b * P, phase="train",
+            note="stage 1 without overlap_comm")
 
     # --- fp32 master copy and optimizer states
     if s.stage == 0:
@@ -523,8 +528,9 @@ def _communication_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
                           "engine.buffered_allreduce_fallback flattens one bucket"))
     elif s.stage in (1, 2):
         n = 2 if overlap else 1
-        items.append(Item("gradient reduction buckets", n * b * z.reduce_bucket_size, "gpu", "resident",
-                          f"ipg buffers: reduce_bucket_size x {n} (overlap_comm={overlap})"))
+        items.append(Item("gradient reduction buckets", n * b * z.reduce_bucket_size, "gpu", "train",
+                          f"ipg buffers: reduce_bucket_size x {n} (overlap_comm={overlap}), freed when "
+                          f"backward ends"))
         items.append(Item("gradient being produced", b * inv.largest_layer, "gpu", "train",
                           "one layer's full gradient before it is copied into a bucket"))
         # allgather_bucket_size costs nothing with NCCL: all_gather_into_tensor writes into the flat buffer.
