@@ -109,6 +109,29 @@ def scaling(rows: list[dict]) -> str:
     return ("| scaling | 1 GPU samples/s | N GPUs samples/s | speed-up |\n|---|---|---|---|\n" + "\n".join(lines))
 
 
+PROFILE_CATS = ("attention", "gemm", "nccl all-gather", "nccl reduce-scatter", "nccl all-reduce",
+                 "optimizer / foreach", "memcpy / memset", "other")
+
+
+def profiles(rows: list[dict]) -> str:
+    """Rows run with --profile: where one step's GPU time goes (kernel sums per category overlap across
+    streams; busy = union of all kernels, idle = step - busy, exposed comm = busy - union of compute)."""
+    lines = []
+    for r in rows:
+        p = r.get("profile") or {}
+        if "gpu_busy_s" not in p:
+            continue
+        cats = p.get("kernel_s", {})
+        cells = [f"{p['wall_s']:.3f}", f"{p['gpu_busy_s']:.3f}", f"{p['gpu_idle_s']:.3f}", f"{p['exposed_comm_s']:.3f}"]
+        cells += [f"{cats.get(c, 0.0):.3f}" for c in PROFILE_CATS]
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    if not lines:
+        return ""
+    head = ["configuration (profiled step, rank 0, seconds)", "step", "GPU busy", "GPU idle", "exposed comm",
+            *PROFILE_CATS]
+    return "| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|\n" + "\n".join(lines)
+
+
 def header(rows: list[dict]) -> str:
     ok = [r for r in rows if measured(r)]
     if not ok:
@@ -180,7 +203,7 @@ def plot(rows: list[dict], path: str) -> bool:
 
 def render(rows: list[dict]) -> str:
     parts = [header(rows), "", table(rows)]
-    for extra in (comparison(rows), scaling(rows)):
+    for extra in (comparison(rows), scaling(rows), profiles(rows)):
         if extra:
             parts += ["", extra]
     return "\n".join(parts) + "\n"

@@ -79,6 +79,7 @@ class Case:
     min_s: int = 25  # a case is started only while at least this much of the sweep budget is left
     inject_oom: str = ""  # tests only: raise an OOM in this phase on rank 0
     inject_nan: bool = False  # tests only: a NaN loss in the first timed step (its gradients are non-finite)
+    profile: bool = False  # one extra step under torch.profiler: where the time goes (row["profile"])
 
     def __post_init__(self):
         problems = []
@@ -121,6 +122,8 @@ class Case:
             parts.append(f"inject-oom@{self.inject_oom}")
         if self.inject_nan:
             parts.append("inject-nan")
+        if self.profile:
+            parts.append("profiled")
         return " ".join(parts)
 
 
@@ -454,14 +457,8 @@ def run_case(case: Case, phase: _Phase) -> dict:
     from torch.nn.attention import sdpa_kernel
 
     flow_cfg = FlowConfig()
-    rows = []
-    for i in range(case.warmup + case.steps):
-        timed = i >= case.warmup
-        # Every step's start goes to disk (before its clock starts); the phases inside a step only in the
-        # first step (a hang there is common), so no file write lands inside a timed step.
-        phase.persist = True
-        phase(f"{'timed' if timed else 'warm-up'} step {i + 1}")
-        phase.persist = i == 0
+
+    def step(i: int, timed: bool) -> dict:
         batch = batches[i % len(batches)]
         clock.sync()
         w0 = time.perf_counter()
@@ -488,9 +485,35 @@ def run_case(case: Case, phase: _Phase) -> dict:
         clock.sync()
         wall = time.perf_counter() - w0
         norm = engine.get_global_grad_norm()  # after the sync: reading it costs nothing measured
-        rows.append(dict(wall=wall, data=clock.span(m0, m1), fwd=clock.span(m1, m2), bwd=clock.span(m2, m3),
-                         opt=clock.span(m3, m4), loss=float(loss.detach()), timed=timed,
-                         norm=None if norm is None else float(norm)))
+        return dict(wall=wall, data=clock.span(m0, m1), fwd=clock.span(m1, m2), bwd=clock.span(m2, m3),
+                    opt=clock.span(m3, m4), loss=float(loss.detach()), timed=timed,
+                    norm=None if norm is None else float(norm))
+
+    rows = []
+    for i in range(case.warmup + case.steps):
+        timed = i >= case.warmup
+        # Every step's start goes to disk (before its clock starts); the phases inside a step only in the
+        # first step (a hang there is common), so no file write lands inside a timed step.
+        phase.persist = True
+        phase(f"{'timed' if timed else 'warm-up'} step {i + 1}")
+        phase.persist = i == 0
+        rows.append(step(i, timed))
+    profile = None
+    if case.profile:  # one more step under torch.profiler, after (and not part of) the timed ones
+        phase.persist = True
+        phase("profiled step")
+        phase.persist = False
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch_profile(activities=acts) if rank == 0 else nullcontext() as prof:
+            r = step(case.warmup + case.steps, timed=False)
+        if rank == 0:
+            try:
+                profile = _profile_summary(prof, r["wall"])
+            except Exception as e:  # noqa: BLE001 - a profile that cannot be read must not cost the row
+                profile = {"error": f"{type(e).__name__}: {e}"[:300]}
     phase.persist = True
     phase("report")
     skipped = int(getattr(engine, "skipped_steps", 0) or 0) - skipped_before
@@ -535,8 +558,56 @@ def run_case(case: Case, phase: _Phase) -> dict:
         "alloc_after_init_gib": [m["alloc_after_init_gib"] for m in everyone],
         "init_s": init_s, "case_s": time.perf_counter() - t_start,
         "engine_api": engine_api, "ds_config_source": ds_source, "ds_config": ds, "optimizer": optimizer,
+        "profile": profile,
         "versions": _versions(case, device),
     }
+
+
+# kernel name fragments -> category (first match wins; matched lower-case)
+_KERNEL_CATEGORIES = (
+    ("nccl all-gather", ("allgather", "all_gather")), ("nccl reduce-scatter", ("reducescatter", "reduce_scatter")),
+    ("nccl all-reduce", ("allreduce", "all_reduce")), ("nccl other", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm100_")),
+    ("optimizer / foreach", ("adam", "multi_tensor")),
+    ("memcpy / memset", ("memcpy", "memset")),
+)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _profile_summary(prof, wall: float) -> dict:
+    """Where one step's time goes: GPU kernel time per category (sums; streams overlap), GPU busy time
+    (union of all kernels) and compute-busy time (union of non-NCCL kernels), the top kernels.
+    On CPU: the top operators by self CPU time."""
+    from torch.autograd import DeviceType
+
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    if not events:
+        ops = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:10]
+        return {"wall_s": wall, "top": [[a.key[:90], a.self_cpu_time_total / 1e6] for a in ops]}
+    cats, kernels, spans, compute = {}, {}, [], []
+    for e in events:
+        start, end = e.time_range.start / 1e6, e.time_range.end / 1e6
+        name = e.name.lower()
+        cat = next((c for c, keys in _KERNEL_CATEGORIES if any(k in name for k in keys)), "other")
+        cats[cat] = cats.get(cat, 0.0) + end - start
+        kernels[e.name] = kernels.get(e.name, 0.0) + end - start
+        spans.append((start, end))
+        if not cat.startswith("nccl"):
+            compute.append((start, end))
+    busy, compute_busy = _union(spans), _union(compute)
+    top = sorted(kernels.items(), key=lambda kv: kv[1], reverse=True)[:12]
+    return {"wall_s": wall, "gpu_busy_s": busy, "compute_busy_s": compute_busy, "gpu_idle_s": max(0.0, wall - busy),
+            "exposed_comm_s": busy - compute_busy, "kernel_s": cats, "kernels": len(events),
+            "top": [[k[:90], v] for k, v in top]}
 
 
 def _describe_optimizer(engine) -> str:
@@ -816,6 +887,8 @@ def parse_args(argv):
     p.add_argument("--peak-tflops", type=float, help="skip the matmul measurement and use this peak")
     p.add_argument("--parallel", type=int, default=1,
                    help="run this many 1-GPU cases side by side, one GPU each (e.g. 2 on a 2-GPU machine)")
+    p.add_argument("--profile", action="store_true",
+                   help="add one torch.profiler step to every case (row 'profile': kernel time by category)")
     p.add_argument("--only", help="run only cases whose name contains each of these comma-separated words")
     g = p.add_argument_group("a custom sweep: the cartesian product of these comma-separated lists")
     g.add_argument("--impl", type=_csv(str), default=["fluxzero"])
@@ -866,6 +939,8 @@ def main(argv=None) -> int:
     if args.only:
         words = args.only.split(",")
         cases = [c for c in cases if all(w in c.name for w in words)]
+    if args.profile:
+        cases = [dataclasses.replace(c, profile=True, timeout=c.timeout + 60) for c in cases]
     if not cases:
         print("no cases selected", file=sys.stderr)
         return 2

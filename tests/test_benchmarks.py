@@ -140,9 +140,17 @@ def _row(index, impl="fluxzero", gpus=1, sps=1.0, alloc=10.0, **kw):
     return row
 
 
+def test_profile_busy_time_is_a_union_of_kernel_spans():
+    assert sweep._union([(5, 6), (0, 2), (1, 3), (2.5, 2.7)]) == pytest.approx(4.0)
+    assert sweep._union([]) == 0.0
+
+
 def test_report_comparison_scaling_and_plot(tmp_path):
     rows = [
-        _row(1, sps=2.6, alloc=60.0), _row(2, impl="diffusers", sps=2.0, alloc=80.0),
+        _row(1, sps=2.6, alloc=60.0, profile={"wall_s": 1.5, "gpu_busy_s": 1.2, "compute_busy_s": 1.0,
+                                              "gpu_idle_s": 0.3, "exposed_comm_s": 0.2,
+                                              "kernel_s": {"attention": 0.4, "gemm": 0.6}}),
+        _row(2, impl="diffusers", sps=2.0, alloc=80.0),
         _row(3, gpus=2, sps=4.94), _row(4, zero=3, status="OOM at backward", valid=False),
         _row(5, zero=2, status="skipped steps", valid=False, skipped_steps=2),
     ]
@@ -157,5 +165,6 @@ def test_report_comparison_scaling_and_plot(tmp_path):
     assert "| 1.30x | 60.0 vs 80.0 GiB (0.75x) |" in md  # fluxzero vs the matched baseline row
     assert "| 2.60 | 4.94 | 1.90x (95% efficiency) |" in md  # 2 GPUs vs 1 at the same per-GPU batch
     assert "**OOM at backward**" in md and "**INVALID: skipped steps** (2 skipped)" in md
+    assert "| 1.500 | 1.200 | 0.300 | 0.200 | 0.400 | 0.600 | 0.000 |" in md  # the profiled row
     if importlib.util.find_spec("matplotlib"):
         assert report.plot(loaded, str(tmp_path / "t.png")) and (tmp_path / "t.png").stat().st_size > 1000
