@@ -102,6 +102,7 @@ def train(cfg: TrainConfig) -> dict:
                               multiprocessing_context="spawn" if cfg.num_workers else None)
     loader.check_model(model_cfg)
     total = cfg.total_steps(len(loader))
+    stop = min(total, cfg.stop_after) if cfg.stop_after else total
     ckpt_dir = Path(cfg.output_dir) / "checkpoints"
     engine = ds_engine.build_engine(cfg, ds, ours, model_cfg, device)
     state = ds_engine.load_checkpoint(engine, ckpt_dir) if cfg.resume else None
@@ -114,53 +115,39 @@ def train(cfg: TrainConfig) -> dict:
     metrics = Metrics(cfg.output_dir, rank, world, device, total, step, cfg.global_batch(world),
                       model_cfg.flops_per_sample, dtype)
     batches = _batches(loader)
-    stop = min(total, cfg.stop_after) if cfg.stop_after else total
+
+    def save():
+        ds_engine.save_checkpoint(engine, ckpt_dir, step, {"step": step, "loader": loader.state_dict()},
+                                  config_text(cfg), {**ds, "fluxzero": ours})
+
     losses, saved_step, result = [], step if state else None, {}
     try:
-        while step < stop:
+        while step < stop:  # lr -> batch -> forward -> loss -> backward -> step -> log -> checkpoint
             metrics.step_started()
-            # lr -> batch -> forward -> loss -> backward -> step -> log -> checkpoint
             if own_schedule:
                 ds_engine.set_lr(engine, base_lr * cfg.lr_factor(step, total))
             lr = engine.get_lr()[0]  # the lr of this step (DeepSpeed's scheduler moves on in engine.step)
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(cfg.grad_accum):
-                epoch, batch = next(batches)
-                inputs, target = flow.prepare_batch(batch, cfg.flow, cfg.seed, epoch,
-                                                    guidance_embed=model_cfg.guidance_embed, device=device, dtype=dtype)
-                pred = engine(**inputs)  # (B, L_img, 64)
-                loss = flow.loss(pred, target)
-                engine.backward(loss)
-                loss_sum += loss.detach()
-                if micro < cfg.grad_accum - 1:
-                    engine.step()  # inside accumulation: DeepSpeed only counts the micro step
-            mean_loss = _mean_across_ranks(loss_sum) / cfg.grad_accum
-            if not math.isfinite(mean_loss):
+            loss, inputs = _forward_backward(engine, batches, cfg, model_cfg.guidance_embed, device, dtype)
+            if not math.isfinite(loss):
                 raise ds_engine.TrainingError(
-                    f"loss is {mean_loss} at step {step + 1}; stopped before applying that update and without "
+                    f"loss is {loss} at step {step + 1}; stopped before applying that update and without "
                     f"saving (last checkpoint: {ds_engine.latest_tag(ckpt_dir) or 'none'}); lower the lr, "
                     f"raise gradient clipping or check the data")
             engine.step()
             step += 1
-            losses.append(mean_loss)
+            losses.append(loss)
             norm = engine.get_global_grad_norm()
-            metrics.log(step, mean_loss, lr, None if norm is None else float(norm), engine.skipped_steps,
+            metrics.log(step, loss, lr, None if norm is None else float(norm), engine.skipped_steps,
                         img_tokens=inputs["img"].shape[1], txt_tokens=inputs["txt"].shape[1],
                         log=step % cfg.log_every == 0 or step == stop)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < stop:
-                ds_engine.save_checkpoint(engine, ckpt_dir, step, {"step": step, "loader": loader.state_dict()},
-                                          config_text(cfg), {**ds, "fluxzero": ours})
+                save()
                 saved_step = step
         if saved_step != step:
-            ds_engine.save_checkpoint(engine, ckpt_dir, step, {"step": step, "loader": loader.state_dict()},
-                                      config_text(cfg), {**ds, "fluxzero": ours})
+            save()
         result = {"losses": losses, "step": step, "checkpoint": str(ckpt_dir / ds_engine.latest_tag(ckpt_dir))}
         if cfg.export_format and step >= total:
-            out = Path(cfg.output_dir) / ("export" if cfg.export_format == "diffusers" else "export.safetensors")
-            if rank == 0:
-                ds_engine.export_checkpoint(ckpt_dir, out, cfg.export_format, cfg.export_dtype)
-            ds_engine.barrier()
-            result["export"] = str(out)
+            result["export"] = _export(cfg, ckpt_dir, rank)
     finally:
         metrics.close()
         engine.destroy()
@@ -168,6 +155,32 @@ def train(cfg: TrainConfig) -> dict:
         print(f"done: step {step}/{total}, checkpoint {result['checkpoint']}"
               + (f", export {result['export']}" if "export" in result else ""), file=sys.stderr)
     return result
+
+
+def _forward_backward(engine, batches, cfg: TrainConfig, guidance_embed: bool, device, dtype) -> tuple[float, dict]:
+    """batch -> forward -> loss -> backward for each micro batch of one optimizer step, but the last
+    engine.step(): the caller applies the update only once the loss (mean over ranks and micro batches)
+    is known to be finite. Returns (that loss, the last inputs)."""
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(cfg.grad_accum):
+        epoch, batch = next(batches)
+        inputs, target = flow.prepare_batch(batch, cfg.flow, cfg.seed, epoch, guidance_embed=guidance_embed,
+                                            device=device, dtype=dtype)
+        pred = engine(**inputs)  # (B, L_img, 64)
+        loss = flow.loss(pred, target)
+        engine.backward(loss)
+        loss_sum += loss.detach()
+        if micro < cfg.grad_accum - 1:
+            engine.step()  # inside accumulation: DeepSpeed only counts the micro step
+    return _mean_across_ranks(loss_sum) / cfg.grad_accum, inputs
+
+
+def _export(cfg: TrainConfig, ckpt_dir: Path, rank: int) -> str:
+    out = Path(cfg.output_dir) / ("export" if cfg.export_format == "diffusers" else "export.safetensors")
+    if rank == 0:
+        ds_engine.export_checkpoint(ckpt_dir, out, cfg.export_format, cfg.export_dtype)
+    ds_engine.barrier()
+    return str(out)
 
 
 # ---------------------------------------------------------------------------------------------------------
