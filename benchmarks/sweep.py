@@ -680,7 +680,8 @@ def peak_main(device: str) -> int:
         if i >= 5:
             times.append(dt)
     print(json.dumps({"peak_tflops": 2 * n**3 / statistics.median(times) / 1e12, "n": n, "reps": reps,
-                      "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}))
+                      "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                      "gpus": torch.cuda.device_count() if device == "cuda" else 0}))
     return 0
 
 
@@ -846,6 +847,9 @@ def sweep(name: str, cases: list[Case], out_dir: Path, device: str, budget: floa
                 print(summary(i, len(cases), case, row), flush=True)
                 rows.append(row)
 
+    if device == "cuda" and parallel > 1 and peak.get("gpus") and peak["gpus"] < parallel:
+        print(f"--parallel {parallel}: only {peak['gpus']} GPU(s) visible, running {peak['gpus']} at a time", flush=True)
+        parallel = peak["gpus"]
     lanes = _lanes(parallel, device, env)
     threads = [threading.Thread(target=lane, args=(e,)) for e in lanes]
     for t in threads:
