@@ -23,8 +23,9 @@ linear layer on its real tokens, attention's two matmuls, per-sample modulation 
 3x that (backward = 2x forward); recomputation by activation checkpointing is NOT counted, so MFU is
 "useful" work: MFU = 3 * F * micro_batch / step_time / peak, per GPU, with peak the bf16 dense matmul
 rate (8192^3, median of 20) measured once at the start of the same sweep.
-A row whose engine skipped steps (overflow / non-finite gradients) or whose loss went non-finite is
-marked invalid: its speed is not a training speed.
+A row whose engine skipped steps (overflow / non-finite gradients) or whose loss or gradient norm went
+non-finite is marked invalid: its speed is not a training speed.
+--profile adds one step under torch.profiler per case (row "profile": GPU time by kernel category).
 """
 from __future__ import annotations
 
