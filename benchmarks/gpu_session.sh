@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call = several measurements, each under its own timeout, all results packed into one
+# archive under $OUT (the device returns at most 8 files).
+#   bash benchmarks/gpu_session.sh A|B
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0
+R=/tmp/res; mkdir -p $R; OUTDIR=${OUT:-.}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $R/gpus.csv
+python3 -c "import torch,deepspeed;print(torch.__version__,torch.version.cuda,deepspeed.__version__)" > $R/versions.txt 2>&1
+case "$1" in
+A)
+  (OUT=$R timeout 110 python3 benchmarks/bench_blocks.py > $R/bench_blocks.log 2>&1)
+  tail -15 $R/bench_blocks.log
+  (OUT=$R timeout 180 python3 benchmarks/nccl_profiles.py > $R/nccl.log 2>&1)
+  tail -30 $R/nccl.log
+  timeout 290 python3 benchmarks/sweep.py --set lite1 --parallel 2 --budget 270 --out $R > $R/lite1.out 2>&1
+  tail -25 $R/lite1.out
+  ;;
+B)
+  timeout 450 python3 benchmarks/sweep.py --set dev2 --budget 430 --out $R > $R/dev2.out 2>&1
+  tail -15 $R/dev2.out
+  timeout 125 python3 benchmarks/sweep.py --name scale --model flux-dev-lite --gpus 1,2 --zero 3 --ckpt 1 --mb 8 --res 512 --budget 110 --out $R > $R/scale.out 2>&1
+  tail -8 $R/scale.out
+  ;;
+esac
+tar czf $OUTDIR/results_$1.tgz -C $R .
