@@ -269,9 +269,11 @@ def run_options_from_ds_config(ds: dict) -> dict:
         kind = str(opt.get("type", "adamw")).lower()
         out["optimizer"] = kind if kind in OPTIMIZER_STATE_BYTES else "adamw"
         out["optimizer_impl"] = "torch" if (opt.get("params") or {}).get("torch_adam") else "fused"
-    ck = ((ds.get("fluxzero") or {}).get("activation_checkpointing") or {}).get("every_k_blocks")
-    if isinstance(ck, int):
-        out["checkpoint_every"] = ck
+    ours = (ds.get("fluxzero") or {}).get("activation_checkpointing") or {}
+    if isinstance(ours.get("every_k_blocks"), int):
+        out["checkpoint_every"] = ours["every_k_blocks"]
+    if ours.get("implementation") == "deepspeed":
+        out["cpu_checkpointing"] = bool((ds.get("activation_checkpointing") or {}).get("cpu_checkpointing"))
     out["zero"] = ZeroSettings.from_ds_config(ds)
     return out
 
@@ -291,7 +293,8 @@ class RunSpec:
     stage: int = 2
     offload_optimizer: str = "none"
     offload_param: str = "none"
-    checkpoint_every: int = 1  # 0 = off, 1 = every block, k = every k-th block of each block list
+    checkpoint_every: int = 1  # 0 = off, 1 = every block, k = every k-th block (one index over both lists)
+    cpu_checkpointing: bool = False  # deepspeed.checkpointing keeps checkpointed blocks' inputs in host memory
     optimizer: str = "adamw"
     optimizer_impl: str = "fused"  # "fused" (DeepSpeed FusedAdam / CPUAdam) | "torch" (foreach: a temp copy)
     attention: str = "flash"  # "flash" / "efficient": O(L) softmax statistics; "math": O(L^2)
@@ -400,7 +403,8 @@ class Estimate:
 
     def host_per_rank(self, ds_only: bool = False) -> int:
         """Host bytes of one rank: the larger of model loading and the run's resident host state."""
-        return max(self._sum("host", ("load",), ds_only), self._sum("host", ("resident", "step"), ds_only))
+        running = self._sum("host", ("resident",), ds_only) + max(self._sum("host", (p,), ds_only) for p in PHASES)
+        return max(self._sum("host", ("load",), ds_only), running)
 
     @property
     def host_per_node(self) -> int:
@@ -489,6 +493,10 @@ def _model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         if s.stage < 3:
             add("%s partition staging buffer" % s.precision, b * part, "host",
                 note="param_buffer_of_bit16_for_cpu_offload_groups")
+            largest = max(inv.tensor_sizes)
+            add("gradient offload staging (largest tensor)", b * largest, note="temp_grad_buffer_for_gpu_offload")
+            add("gradient offload staging (largest tensor, pinned)", b * largest, "host",
+                note="temp_grad_buffer_for_cpu_offload")
     if off_opt and s.stage == 3 and b < 4:
         add("%s gradient partition (offloaded)" % s.precision, b * part, "host",
             note="grad_partitions_flat_buffer lives on the host with optimizer offload")
@@ -564,11 +572,12 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     si = sum(single_block_saved(cfg, I, T, b, device=s.device, attention=att).values())
     cd, cs = checkpointed_split(cfg, s.checkpoint_every)
     blocks = cfg.depth + cfg.depth_single_blocks
+    on_host = B * (cd + cs) * L * C * b if s.cpu_checkpointing else 0  # checkpointed blocks' inputs
     stored = B * (blocks * L * C * b + (cfg.depth - cd) * d + (cfg.depth_single_blocks - cs) * si
-                  + outside_blocks_saved(cfg, I, T, b))
+                  + outside_blocks_saved(cfg, I, T, b)) - on_host
     recompute = B * max(d if cd else 0, si if cs else 0)
     workspace = B * block_backward_workspace(cfg, I, T, b, att)
-    return {"stored": stored, "recompute": recompute, "workspace": workspace,
+    return {"stored": stored, "recompute": recompute, "workspace": workspace, "on_host": on_host,
             "per_block_double": d, "per_block_single": si, "checkpointed": cd + cs}
 
 
@@ -580,6 +589,8 @@ def _activation_items(s: RunSpec) -> list[Item]:
              f"micro batch {s.micro_batch}; {ck} (block inputs only for those)"),
         Item("one block's recompute", a["recompute"], "gpu", "train", "checkpointed block re-run in backward"),
         Item("backward working set", a["workspace"], "gpu", "train", "gradients alive inside one block"),
+        Item("checkpointed block inputs (cpu_checkpointing)", a["on_host"], "host", "train",
+             "deepspeed.checkpointing checkpoint_in_cpu"),
     ]
 
 

@@ -202,6 +202,20 @@ def test_monotone_in_the_obvious_directions():
     assert math_[1] / math_[0] > flash[1] / flash[0] + 1
 
 
+def test_cpu_checkpointing_moves_checkpointed_inputs_to_the_host():
+    from fluxzero import ds_config
+
+    ds = ds_config.build(ds_config.options_from(None, world_size=8, micro_batch=4, checkpoint_impl="deepspeed",
+                                                cpu_checkpointing=True))
+    spec = RunSpec(get_model_config("flux-dev"), gpus_per_node=8, load_bytes=0,  # no weights: host = running
+                   **memory.run_options_from_ds_config(ds))
+    assert spec.cpu_checkpointing
+    on, off = estimate(spec), estimate(spec.replace(cpu_checkpointing=False))
+    moved = 4 * 57 * (1024 + 512) * 3072 * 2  # micro batch x blocks x tokens x hidden x bf16
+    assert off.gpu_phase("train") - on.gpu_phase("train") == moved
+    assert on.host_per_node - off.host_per_node == 8 * moved
+
+
 def test_checkpointed_block_counts():
     assert memory.checkpointed_blocks(19, 0) == 0
     assert memory.checkpointed_blocks(19, 1) == 19
@@ -374,3 +388,17 @@ def test_gen_config_fit_runs_without_torch_or_deepspeed():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["zero_optimization"]["stage"] == 3 and "chose ZeRO-3" in r.stderr
+
+
+@pytest.mark.parametrize("path", sorted((__import__("pathlib").Path(__file__).resolve().parents[1] / "ds_configs")
+                                        .glob("*.json")), ids=lambda p: p.stem)
+def test_estimate_reads_every_committed_config(path):
+    ds = json.loads(path.read_text())
+    r = CliRunner().invoke(main, ["estimate", "--config", str(path), "--gpus-per-node", "8", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    z = ds.get("zero_optimization", {})
+    assert d["stage"] == z.get("stage", 0)
+    assert d["offload_optimizer"] == z.get("offload_optimizer", {}).get("device", "none")
+    assert d["offload_param"] == z.get("offload_param", {}).get("device", "none")
+    assert d["precision"] == ("fp16" if ds.get("fp16", {}).get("enabled") else "bf16")
