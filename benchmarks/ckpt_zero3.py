@@ -28,10 +28,13 @@ CASES = [(off, impl) for off in (False, True) for impl in ("none", "torch", "dee
 
 
 def ds_config(offload: bool, impl: str, world: int, precision: str) -> dict:
+    import torch
+
     zero = {"stage": 3}
     if offload:
-        zero.update(offload_param={"device": "cpu", "pin_memory": True},
-                    offload_optimizer={"device": "cpu", "pin_memory": True})
+        pin = torch.cuda.is_available()  # page-locked memory only matters for GPU transfers
+        zero.update(offload_param={"device": "cpu", "pin_memory": pin},
+                    offload_optimizer={"device": "cpu", "pin_memory": pin})
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
           "gradient_clipping": 1.0, "steps_per_print": 10**9, "zero_force_ds_cpu_optimizer": False,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0, "torch_adam": True}},
