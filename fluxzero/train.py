@@ -104,6 +104,7 @@ def train(cfg: TrainConfig) -> dict:
     total = cfg.total_steps(len(loader))
     stop = min(total, cfg.stop_after) if cfg.stop_after else total
     ckpt_dir = Path(cfg.output_dir) / "checkpoints"
+    _check_output_dir(cfg, ckpt_dir)
     engine = ds_engine.build_engine(cfg, ds, ours, model_cfg, device)
     state = ds_engine.load_checkpoint(engine, ckpt_dir) if cfg.resume else None
     if state:
@@ -155,6 +156,21 @@ def train(cfg: TrainConfig) -> dict:
         print(f"done: step {step}/{total}, checkpoint {result['checkpoint']}"
               + (f", export {result['export']}" if "export" in result else ""), file=sys.stderr)
     return result
+
+
+def _check_output_dir(cfg: TrainConfig, ckpt_dir: Path) -> None:
+    """Never train over someone else's checkpoints: resume only a run of the same model, never overwrite."""
+    tag = ds_engine.latest_tag(ckpt_dir)
+    if tag is None:
+        return
+    if not cfg.resume:
+        raise ds_engine.TrainingError(f"{ckpt_dir} already holds checkpoints (latest {tag}) and resume is off; "
+                                      f"choose another output_dir or set resume: true")
+    saved = ckpt_dir / tag / "run.yaml"
+    model = (yaml.safe_load(saved.read_text()) or {}).get("model") if saved.is_file() else None
+    if model and model != cfg.model:
+        raise ds_engine.TrainingError(f"{ckpt_dir / tag} is a checkpoint of {model} but the run file trains "
+                                      f"{cfg.model}; choose another output_dir")
 
 
 def _forward_backward(engine, batches, cfg: TrainConfig, guidance_embed: bool, device, dtype) -> tuple[float, dict]:
