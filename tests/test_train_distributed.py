@@ -63,12 +63,33 @@ def _worker(rank, world, port, jobs, out_file):
     try:
         for name, cfg in jobs:
             results[name] = train(TrainConfig.from_dict(cfg))["losses"]
+        results["z3_partition"] = _partition_probe(TrainConfig.from_dict(dict(jobs)["z3"]))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(results, f)
+
+
+def _partition_probe(cfg):
+    """Per rank: elements held locally vs the model's total, right after the ZeRO-3 build and weight load."""
+    import torch.distributed as dist
+
+    from fluxzero import engine as ds_engine
+    from fluxzero.config import get_model_config
+
+    ds, ours = ds_engine.load_ds_config(cfg.deepspeed, cfg, dist.get_world_size())
+    engine = ds_engine.build_engine(cfg, ds, ours, get_model_config(cfg.model), torch.device("cpu"))
+    params = list(engine.module.parameters())
+    local = sum(p.ds_tensor.numel() for p in params)
+    placeholders = sum(p.numel() for p in params)  # what a rank sees outside a gather: empty tensors
+    total = sum(p.ds_numel for p in params)
+    engine.destroy()
+    out = torch.tensor([local, placeholders, total])
+    every = [torch.zeros_like(out) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, out)
+    return [t.tolist() for t in every]
 
 
 def launch(world, jobs, tmp):
@@ -224,3 +245,13 @@ def test_resume_in_bf16(matrix):
     # Exact on CPU too: the fp32 master weights and Adam moments come back bit for bit and the bf16 copy is
     # derived from them. (On GPUs, kernels may choose other algorithms after a restart: allow bf16 noise there.)
     assert r["stop_bf16"] + r["resumed_bf16"] == r["full_bf16"]
+
+
+def test_zero3_ranks_hold_only_their_partition(matrix):
+    from fluxzero.config import get_model_config
+
+    total = get_model_config("flux-tiny").num_params()
+    probe = matrix["results"]["z3_partition"]
+    assert [row[2] for row in probe] == [total, total]
+    assert all(row[1] == 0 for row in probe)  # no rank materialises the model
+    assert sum(row[0] for row in probe) >= total and all(row[0] <= total // 2 + 64 for row in probe)
