@@ -122,3 +122,17 @@ def test_euler_sampler_follows_exact_velocity():
     assert torch.allclose(out, x0, atol=1e-6)  # the grid itself is float32
     ts = flow.schedule(4)
     assert ts[0] == 1.0 and ts[-1] == 0.0 and len(ts) == 5
+
+
+def test_packing_ids_and_mu_match_diffusers_flux_pipeline():
+    """diffusers' FluxPipeline is an independent implementation of the same conventions."""
+    pipe = pytest.importorskip("diffusers.pipelines.flux.pipeline_flux")
+    FluxPipeline = pipe.FluxPipeline
+    x = torch.randn(2, 16, 6, 10)
+    assert torch.equal(flow.pack(x), FluxPipeline._pack_latents(x, 2, 16, 6, 10))
+    # diffusers unpacks from pixel sizes with the VAE's factor 8
+    assert torch.equal(flow.unpack(flow.pack(x), 6, 10), FluxPipeline._unpack_latents(flow.pack(x), 48, 80, 8))
+    ids = FluxPipeline._prepare_latent_image_ids(2, 3, 5, "cpu", torch.float32)  # (h/2 * w/2, 3)
+    assert torch.equal(flow.img_ids(2, 6, 10)[0], ids)
+    for tokens in (256, 1024, 4096):
+        assert flow.resolution_mu(tokens) == pytest.approx(pipe.calculate_shift(tokens))
