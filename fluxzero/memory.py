@@ -178,15 +178,17 @@ def single_block_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: in
 
 def block_backward_workspace(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2,
                              attention: str = "flash") -> int:
-    """Gradient tensors alive at once inside one block's backward, beyond its saved tensors (one sample).
+    """Activation gradients alive at once inside one block's backward, beyond its saved tensors (one sample).
 
-    The largest moment is single-block linear1 backward: grad of linear1's output (3C + M) and of the
-    concat (C + M) coexist with the incoming and outgoing hidden-size gradients (2C). Math attention adds
-    the (H, L, L) score gradient in fp32.
+    Backward starts at the last single block, where the stored activations are largest; its peak is
+    linear2's backward: the gradient of the concat(attn, mlp) input (C + M), with the incoming and the
+    accumulating hidden-size gradients (2C) -- plus linear2's weight gradient in flight, counted by the
+    "gradient being produced" item. Measured on CPU with a live-storage tracker (tests): this is the
+    single block's peak to a few percent. Math attention adds the (H, L, L) score gradient in fp32.
     """
     C, M, H = cfg.hidden_size, cfg.mlp_hidden_dim, cfg.num_heads
     L = img_tokens + txt_tokens
-    ws = L * b * (3 * C + M + C + M + 2 * C)
+    ws = L * b * (C + M + 2 * C)
     if attention == "math":
         ws = max(ws, 2 * H * L * L * 4 + 4 * L * C * b)
     return ws
