@@ -166,19 +166,24 @@ def prepare_batch(batch: dict, cfg, seed: int, epoch: int, *, guidance_embed: bo
     noise, t = draw_noise(x0, batch["index"], seed, epoch, cfg)
     x_t = pack(noisy(x0, noise, t))  # (B, HW/4, 64)
     tgt = pack(target(x0, noise))  # (B, HW/4, 64)
+    def dev(x: torch.Tensor, to_dtype: torch.dtype | None = dtype) -> torch.Tensor:
+        # Copy first (asynchronous from pinned memory), cast on the device: casting the T5 embeddings on the
+        # host was a single-threaded pass over ~8 MB per sample, measured at 15-20% of a step on an H200.
+        return x.to(device, non_blocking=True).to(to_dtype)
+
     txt = batch["t5"]
     inputs = {
-        "img": x_t.to(device, dtype),
-        "img_ids": img_ids(b, h, w).to(device, dtype),
-        "txt": txt.to(device, dtype),
-        "txt_ids": txt_ids(b, txt.shape[1]).to(device, dtype),
-        "timesteps": t.to(device, dtype),
-        "y": batch["clip"].to(device, dtype),
+        "img": dev(x_t),
+        "img_ids": dev(img_ids(b, h, w), torch.float32),  # positions stay exact whatever the model dtype
+        "txt": dev(txt),
+        "txt_ids": dev(txt_ids(b, txt.shape[1]), torch.float32),
+        "timesteps": dev(t, torch.float32),  # the model embeds t in float32; rounding t to bf16 would not help
+        "y": dev(batch["clip"]),
         # FLUX.1-dev is guidance distilled: it needs a guidance value. A constant keeps the distilled
         # behaviour stable while the velocity target itself is the plain conditional one (no CFG in it).
-        "guidance": torch.full((b,), cfg.guidance, device=device, dtype=dtype) if guidance_embed else None,
+        "guidance": torch.full((b,), cfg.guidance, device=device, dtype=torch.float32) if guidance_embed else None,
     }
-    return inputs, tgt.to(device)
+    return inputs, dev(tgt, torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------
