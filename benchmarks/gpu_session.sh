@@ -18,10 +18,12 @@ A)
   tail -25 $R/lite1.out
   ;;
 B)
-  timeout 450 python3 benchmarks/sweep.py --set dev2 --budget 430 --out $R > $R/dev2.out 2>&1
+  timeout 410 python3 benchmarks/sweep.py --set dev2 --budget 395 --out $R > $R/dev2.out 2>&1
   tail -15 $R/dev2.out
-  timeout 125 python3 benchmarks/sweep.py --name scale --model flux-dev-lite --gpus 1,2 --zero 3 --ckpt 1 --mb 8 --res 512 --budget 110 --out $R > $R/scale.out 2>&1
-  tail -8 $R/scale.out
+  timeout 110 python3 benchmarks/sweep.py --name scale --model flux-dev-lite --gpus 1,2 --zero 3 --ckpt 1 --mb 8 --res 512 --budget 100 --out $R > $R/scale.out 2>&1
+  tail -4 $R/scale.out
+  timeout 60 python3 benchmarks/sweep.py --name lite_after --model flux-dev-lite --gpus 1 --zero 0 --ckpt 0,1 --mb 8 --res 512 --budget 55 --out $R > $R/lite_after.out 2>&1
+  tail -4 $R/lite_after.out
   ;;
 esac
 tar czf $OUTDIR/results_$1.tgz -C $R .
