@@ -194,13 +194,17 @@ def block_backward_workspace(cfg: ModelConfig, img_tokens: int, txt_tokens: int,
     return ws
 
 
-def outside_blocks_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2) -> int:
-    """Embedders, RoPE table, final layer and loss for one sample (small next to the blocks)."""
+def outside_blocks_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2) -> tuple[int, int]:
+    """(embedders, head) bytes saved outside the blocks for one sample, small next to the blocks.
+
+    Embedders (img_in, txt_in inputs, the fp32 RoPE table) live until backward reaches them; the head (final
+    layer's norm input and output, linear input; prediction, target, noise, latents in fp32) is freed before
+    backward reaches the blocks.
+    """
     C, L = cfg.hidden_size, img_tokens + txt_tokens
-    return (img_tokens * cfg.in_channels * b + txt_tokens * cfg.context_in_dim * b  # img_in, txt_in inputs
-            + L * cfg.head_dim * 4  # RoPE cos/sin, fp32
-            + L * C * b + 2 * img_tokens * C * b  # final layer: norm input, norm out, linear input
-            + 4 * img_tokens * cfg.in_channels * 4)  # prediction, target, noise, latents in fp32
+    embed = img_tokens * cfg.in_channels * b + txt_tokens * cfg.context_in_dim * b + L * cfg.head_dim * 4
+    head = L * C * b + 2 * img_tokens * C * b + 4 * img_tokens * cfg.in_channels * 4
+    return embed, head
 
 
 def checkpointed_blocks(n_blocks: int, every: int) -> int:
@@ -565,22 +569,35 @@ def _communication_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
 
 
 def activation_bytes(s: RunSpec) -> dict[str, int]:
-    """Per-rank activation bytes: stored for backward, one block's recompute, its backward working set."""
+    """Per-rank activation bytes at the backward peak: what is stored for backward when it starts, the
+    recompute of a checkpointed block net of what backward has freed before it, the backward working set.
+
+    Backward walks the blocks in reverse (single blocks first). At block j, the inputs and (for blocks not
+    checkpointed) saved tensors of blocks 0..j are still alive, block j's saved tensors are recomputed if it
+    is checkpointed, and its working set is live; the peak is the largest such moment.
+    """
     cfg, b, B = s.model, PRECISION_BYTES[s.precision], s.micro_batch
     I, T = s.img_tokens, s.txt_len
     L, C = I + T, cfg.hidden_size
     att = "math" if s.attention == "math" else "flash"
     d = sum(double_block_saved(cfg, I, T, b, device=s.device, attention=att).values())
     si = sum(single_block_saved(cfg, I, T, b, device=s.device, attention=att).values())
-    cd, cs = checkpointed_split(cfg, s.checkpoint_every)
-    blocks = cfg.depth + cfg.depth_single_blocks
-    on_host = B * (cd + cs) * L * C * b if s.cpu_checkpointing else 0  # checkpointed blocks' inputs
-    stored = B * (blocks * L * C * b + (cfg.depth - cd) * d + (cfg.depth_single_blocks - cs) * si
-                  + outside_blocks_saved(cfg, I, T, b)) - on_host
-    recompute = B * max(d if cd else 0, si if cs else 0)
-    workspace = B * block_backward_workspace(cfg, I, T, b, att)
-    return {"stored": stored, "recompute": recompute, "workspace": workspace, "on_host": on_host,
-            "per_block_double": d, "per_block_single": si, "checkpointed": cd + cs}
+    k = s.checkpoint_every
+    kinds = [d] * cfg.depth + [si] * cfg.depth_single_blocks
+    ckpt = [k > 0 and j % k == 0 for j in range(len(kinds))]
+    x_in = 0 if s.cpu_checkpointing else L * C * b  # a checkpointed block's input (on the host with cpu_ckpt)
+    kept = [(x_in if c else L * C * b + saved) for saved, c in zip(kinds, ckpt)]  # per block, one sample
+    embed, head = outside_blocks_saved(cfg, I, T, b)
+    stored = embed + sum(kept)  # alive when backward reaches the blocks (the head's tensors are freed by then)
+    peak, alive = stored, stored
+    for j in reversed(range(len(kinds))):
+        peak = max(peak, alive + (kinds[j] if ckpt[j] else 0))
+        alive -= kept[j]
+    # the forward's end holds the head instead of a working set: count the larger of the two
+    workspace = max(block_backward_workspace(cfg, I, T, b, att), head)
+    on_host = B * sum(L * C * b for c in ckpt if c) if s.cpu_checkpointing else 0
+    return {"stored": B * stored, "recompute": B * (peak - stored), "workspace": B * workspace, "on_host": on_host,
+            "per_block_double": d, "per_block_single": si, "checkpointed": sum(ckpt)}
 
 
 def _activation_items(s: RunSpec) -> list[Item]:
@@ -589,7 +606,8 @@ def _activation_items(s: RunSpec) -> list[Item]:
     return [
         Item("activations saved for backward", a["stored"], "gpu", "train",
              f"micro batch {s.micro_batch}; {ck} (block inputs only for those)"),
-        Item("one block's recompute", a["recompute"], "gpu", "train", "checkpointed block re-run in backward"),
+        Item("one block's recompute", a["recompute"], "gpu", "train",
+             "checkpointed block re-run in backward, net of what backward freed before it"),
         Item("backward working set", a["workspace"], "gpu", "train", "gradients alive inside one block"),
         Item("checkpointed block inputs (cpu_checkpointing)", a["on_host"], "host", "train",
              "deepspeed.checkpointing checkpoint_in_cpu"),
