@@ -623,10 +623,12 @@ STAGE_OFFLOAD_GRID: tuple[tuple[int, str, str], ...] = (
 )
 
 
-def table(spec: RunSpec) -> list[tuple[RunSpec, Estimate]]:
-    """The same run over ZeRO stages 0-3 x offload choices, fastest first."""
-    return [(r, estimate(r)) for r in (spec.replace(stage=st, offload_optimizer=oo, offload_param=op)
-                                       for st, oo, op in STAGE_OFFLOAD_GRID)]
+def table(spec: RunSpec, zero_by_stage: dict[int, ZeroSettings] | None = None) -> list[tuple[RunSpec, Estimate]]:
+    """The same run over ZeRO stages 0-3 x offload choices (fastest first); `zero_by_stage` gives each stage's
+    communication settings (default: the spec's own for every row)."""
+    rows = (spec.replace(stage=st, offload_optimizer=oo, offload_param=op,
+                         zero=(zero_by_stage or {}).get(st, spec.zero)) for st, oo, op in STAGE_OFFLOAD_GRID)
+    return [(r, estimate(r)) for r in rows]
 
 
 @dataclass(frozen=True)

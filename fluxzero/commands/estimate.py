@@ -106,6 +106,17 @@ def _with_options(fn):
     return fn
 
 
+def gen_config_zero(model: str, stage: int) -> memory.ZeroSettings:
+    """The communication settings `fluxzero gen-config` writes by default for this model and stage."""
+    from fluxzero import ds_config
+
+    try:
+        return memory.ZeroSettings.from_ds_config(ds_config.build(ds_config.options_from(
+            None, model=model, zero_stage=stage)))
+    except ds_config.DSConfigError:
+        return memory.ZeroSettings()
+
+
 _SPEC_OPTIONS = {"micro_batch": "micro_batch", "precision": "precision", "zero_stage": "stage",
                  "offload_optimizer": "offload_optimizer", "offload_param": "offload_param",
                  "checkpoint_every": "checkpoint_every", "optimizer": "optimizer"}
@@ -116,6 +127,7 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
     """RunSpec from defaults < DeepSpeed config (--config) < options given on the command line."""
     fields = {ours: values[opt] for opt, ours in _SPEC_OPTIONS.items()}
     fields["optimizer_impl"] = "torch" if adam_impl == "torch" else "fused"
+    fields["zero"] = gen_config_zero(model, fields["stage"])
     if ds_path is not None:
         try:
             with open(ds_path) as f:
@@ -153,7 +165,7 @@ def describe(spec: memory.RunSpec) -> str:
             f"{memory._ckpt_text(spec.checkpoint_every)}")
 
 
-def report(est: memory.Estimate, hw: memory.Hardware | None, margin: float) -> str:
+def report(est: memory.Estimate, hw: memory.Hardware | None, margin: float, zero_by_stage=None) -> str:
     s = est.spec
     phase_name = {"resident": "always", "train": "fwd/bwd", "step": "step", "load": "loading", "init": "init"}
     lines = [describe(s), "", f"GPU memory per rank{'':33}GiB  when     note"]
@@ -179,7 +191,7 @@ def report(est: memory.Estimate, hw: memory.Hardware | None, margin: float) -> s
         lines += ["", ("FITS: " if ok else "DOES NOT FIT: ") + why]
     lines += ["", "The same run at every ZeRO stage and offload choice:",
               f"  {'configuration':<58}{'allocated':>10}{'needed':>9}  {'peak at':<8}{'host/node':>10}  fits"]
-    for r, e in memory.table(s):
+    for r, e in memory.table(s, zero_by_stage):
         fits = "-" if hw is None else ("yes" if memory.verdict(e, hw, margin)[0] else "no")
         label = memory._label(r.stage, r.offload_optimizer, r.offload_param)
         lines.append(f"  {label:<58}{e.gpu_allocated / GiB:10.1f}{e.gpu_total / GiB:9.1f}  "
@@ -187,7 +199,7 @@ def report(est: memory.Estimate, hw: memory.Hardware | None, margin: float) -> s
     return "\n".join(lines)
 
 
-def as_dict(est: memory.Estimate, hw: memory.Hardware | None, margin: float) -> dict:
+def as_dict(est: memory.Estimate, hw: memory.Hardware | None, margin: float, zero_by_stage=None) -> dict:
     s = est.spec
     out = {
         "model": s.model.name, "world_size": s.world_size, "nodes": s.nodes, "gpus_per_node": s.gpus_per_node,
@@ -200,7 +212,7 @@ def as_dict(est: memory.Estimate, hw: memory.Hardware | None, margin: float) -> 
         "items": [{"name": i.name, "gib": i.bytes / GiB, "where": i.where, "phase": i.phase} for i in est.items],
         "table": [{"stage": r.stage, "offload_optimizer": r.offload_optimizer, "offload_param": r.offload_param,
                    "gpu_allocated_gib": e.gpu_allocated / GiB, "gpu_needed_gib": e.gpu_total / GiB,
-                   "host_per_node_gib": e.host_per_node / GiB} for r, e in memory.table(s)],
+                   "host_per_node_gib": e.host_per_node / GiB} for r, e in memory.table(s, zero_by_stage)],
     }
     if hw is not None:
         out["fits"], out["reason"] = memory.verdict(est, hw, margin)
@@ -226,10 +238,12 @@ def estimate(ctx, model, ds_path, hostfile, nodes, gpus_per_node, gpu, gpu_memor
     if capacity is not None:
         hw = memory.Hardware(capacity, host_memory, nodes, gpus_per_node)
     est = memory.estimate(spec)
+    # the table's other stages: gen-config's defaults, unless a config file fixes the settings for all rows
+    zero_by_stage = None if ds_path else {st: gen_config_zero(model, st) for st in range(4)}
     if as_json:
-        click.echo(json.dumps(as_dict(est, hw, margin), indent=1))
+        click.echo(json.dumps(as_dict(est, hw, margin, zero_by_stage), indent=1))
     else:
-        click.echo(report(est, hw, margin))
+        click.echo(report(est, hw, margin, zero_by_stage))
 
 
 # ---------------------------------------------------------------------------------------------------------
