@@ -508,8 +508,8 @@ def _model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
             note="grad_partitions_flat_buffer lives on the host with optimizer offload")
     if s.offload_optimizer == "nvme" or s.offload_param == "nvme":
         swap = min(part, s.zero.sub_group_size)
-        add("NVMe swap buffers (pinned)", 4 * (4 + opt) * swap // 4 + (5 * 100_000_000 * b if off_par else 0),
-            "host", note="optimizer sub-group swap-in buffers, parameter buffer_count x buffer_size")
+        add("NVMe swap buffers (pinned)", (4 + opt) * swap + (5 * 100_000_000 * b if off_par else 0), "host",
+            note="one sub-group's fp32 master + states swapped in; parameters: buffer_count 5 x buffer_size 1e8")
 
     # --- building the model and the engine (fluxzero.engine.build_engine): below stage 3 the model is born
     # in fp32 on the GPU; deepspeed.initialize casts it tensor by tensor, then the ZeRO-1/2 optimizer copies
@@ -528,7 +528,7 @@ def _model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     add("model load (%d B/param)" % s.load_bytes, s.load_bytes * loaded, "host", "load",
         note="largest layer at a time under zero.Init" if zero_init else "whole model on every local rank",
         ds=True)
-    add("process (CUDA runtime, libraries)", 2 * GiB, "host", note="per rank, measured order of magnitude")
+    add("process (CUDA runtime, libraries)", 2 * GiB, "host", note="per rank; assumed typical RSS")
     return items
 
 
