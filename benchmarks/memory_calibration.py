@@ -198,7 +198,8 @@ def worker(case: Case, ds_path: str, result_path: str) -> None:
 def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path) -> list[str]:
     """Per block kind, resolution and attention kernel: bytes saved for backward (saved_tensors_hooks,
     distinct storages, minus parameters and inputs) vs memory.double/single_block_saved, and (CUDA) the
-    allocator peak of forward+backward above the inputs vs saved + memory.block_backward_workspace."""
+    allocator peak of forward+backward above the inputs, weight gradients dropped as made, vs saved +
+    memory.block_backward_workspace + the block's largest weight gradient (in flight)."""
     import torch
 
     from fluxzero.model import build_model
@@ -209,6 +210,8 @@ def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path) -> lis
     cfg = get_model_config(model).replace(depth=1, depth_single_blocks=1)
     net = build_model(cfg, device=dev, dtype=torch.bfloat16)
     params = list(net.parameters())
+    for p_ in params:  # ZeRO-2/3 move each weight gradient into a bucket as soon as it exists: do the same
+        p_.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     rows, C = [], cfg.hidden_size
     for px in pxs:
         I, T = (px // 16) ** 2, txt_len
@@ -248,8 +251,9 @@ def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path) -> lis
                 for p_ in params + list(args):
                     p_.grad = None
                 pred_saved = sum(predict_fn(cfg, I, T, 2, device=dev, attention=att).values())
-                grads = 2 * sum(p_.numel() for p_ in block.parameters())  # bf16 parameter gradients
-                pred_peak = (pred_saved + memory.block_backward_workspace(cfg, I, T, 2, att) + grads) / GiB
+                in_flight = 2 * max(sum(q.numel() for q in m.parameters()) for m in block.modules()
+                                    if isinstance(m, torch.nn.Linear))  # one weight gradient, bf16
+                pred_peak = (pred_saved + memory.block_backward_workspace(cfg, I, T, 2, att) + in_flight) / GiB
                 rec = {"model": model, "kind": kind, "px": px, "txt_len": T, "attention": backend, "device": dev,
                        "saved_gib": saved / GiB, "saved_pred_gib": pred_saved / GiB,
                        "bwd_peak_gib": peak, "bwd_peak_pred_gib": pred_peak}
