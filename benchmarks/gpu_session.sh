@@ -25,5 +25,14 @@ B)
   timeout 60 python3 benchmarks/sweep.py --name lite_after --model flux-dev-lite --gpus 1 --zero 0 --ckpt 0,1 --mb 8 --res 512 --budget 55 --out $R > $R/lite_after.out 2>&1
   tail -4 $R/lite_after.out
   ;;
+C)
+  timeout 130 python3 benchmarks/ckpt_zero3.py --model flux-tiny --res 512 --precision bf16 --steps 5 --out $R/ckpt_zero3.json > $R/ckpt.out 2>&1
+  tail -12 $R/ckpt.out
+  (OUT=$R timeout 60 python3 benchmarks/memory_calibration.py --blocks > $R/mem_blocks.out 2>&1)
+  tail -8 $R/mem_blocks.out
+  timeout 250 python3 benchmarks/sweep.py --name dev2b --model flux-dev --gpus 2 --zero 3,2 --ckpt 1 --mb 1 --res 512 --budget 160 --out $R > $R/dev2b.out 2>&1
+  timeout 100 python3 benchmarks/sweep.py --name dev2c --model flux-dev --gpus 2 --zero 3 --ckpt 1 --mb 4 --res 1024 --budget 90 --out $R > $R/dev2c.out 2>&1
+  tail -4 $R/dev2b.out $R/dev2c.out
+  ;;
 esac
 tar czf $OUTDIR/results_$1.tgz -C $R .
