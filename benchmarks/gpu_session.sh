@@ -34,5 +34,9 @@ C)
   timeout 100 python3 benchmarks/sweep.py --name dev2c --model flux-dev --gpus 2 --zero 3 --ckpt 1 --mb 4 --res 1024 --budget 90 --out $R > $R/dev2c.out 2>&1
   tail -4 $R/dev2b.out $R/dev2c.out
   ;;
+D)
+  timeout 150 python3 benchmarks/ckpt_zero3.py --model flux-tiny --res 512 --precision bf16 --steps 4 --out $R/ckpt_zero3.json > $R/ckpt.out 2>&1
+  tail -12 $R/ckpt.out
+  ;;
 esac
 tar czf $OUTDIR/results_$1.tgz -C $R .
