@@ -32,6 +32,7 @@ PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # fp32 optimizer states per parameter (Adam/AdamW: exp_avg + exp_avg_sq; SGD with momentum, Lion: one buffer)
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+OPTIMIZER_IMPLS = ("fused", "torch", "torch-fused")
 
 # Usable GPU memory as torch reports it (total_memory), for `--gpu NAME`.
 GPU_MEMORY_GIB = {
@@ -52,11 +53,25 @@ class ParamInventory:
     single_block: int  # one single-stream block
     outside_blocks: int  # embedders and final layer
     largest_layer: int  # largest module's own parameters (DeepSpeed's `largest_layer_params`)
-    tensor_sizes: tuple[int, ...]  # every parameter tensor, for the ZeRO-3 persistence threshold
+    tensor_sizes: tuple[int, ...]  # every parameter tensor in the model's parameters() order
 
     def persistent(self, threshold: int) -> int:
         """Elements ZeRO-3 keeps whole on every rank: tensors with fewer than `threshold` elements."""
         return sum(n for n in self.tensor_sizes if n < threshold)
+
+    def largest_sub_group(self, world_size: int, sub_group_size: int) -> int:
+        """Elements of ZeRO-3's largest optimizer sub-group on one rank.
+
+        stage3._create_fp16_sub_groups walks the parameters in order and closes a sub-group once its
+        partitions reach sub_group_size, so a sub-group overshoots by up to one tensor's partition
+        (ceil(numel / world_size) elements each).
+        """
+        best = run = 0
+        for n in self.tensor_sizes:
+            run += -(-n // world_size)
+            if run >= sub_group_size:
+                best, run = max(best, run), 0
+        return max(best, run)
 
 
 def _linear(n_in: int, n_out: int, bias: bool = True) -> list[int]:
@@ -69,11 +84,14 @@ def param_inventory(cfg: ModelConfig) -> ParamInventory:
               _linear(C, M), _linear(M, C)]  # mod.lin, attn.qkv, q/k norm scales, attn.proj, mlp.0, mlp.2
     double = stream + stream  # img_* and txt_*
     single = [_linear(C, 3 * C + M), _linear(C + M, C), [D], [D], _linear(C, 3 * C)]
-    outside = [_linear(cfg.in_channels, C), _linear(256, C), _linear(C, C), _linear(cfg.vec_in_dim, C),
-               _linear(C, C), _linear(cfg.context_in_dim, C), _linear(C, cfg.out_channels), _linear(C, 2 * C)]
-    if cfg.guidance_embed:
-        outside += [_linear(256, C), _linear(C, C)]
-    modules = double * cfg.depth + single * cfg.depth_single_blocks + outside
+    # in fluxzero.model.Flux's parameters() order: img_in, time_in, vector_in, guidance_in, txt_in, the blocks,
+    # final_layer (ZeRO-3 cuts its optimizer sub-groups along this order)
+    embed = [_linear(cfg.in_channels, C), _linear(256, C), _linear(C, C), _linear(cfg.vec_in_dim, C), _linear(C, C)]
+    embed += [_linear(256, C), _linear(C, C)] if cfg.guidance_embed else []
+    embed += [_linear(cfg.context_in_dim, C)]
+    head = [_linear(C, cfg.out_channels), _linear(C, 2 * C)]
+    outside = embed + head
+    modules = embed + double * cfg.depth + single * cfg.depth_single_blocks + head
     n_double, n_single = sum(map(sum, double)), sum(map(sum, single))
     n_outside = sum(map(sum, outside))
     return ParamInventory(
@@ -274,7 +292,11 @@ def run_options_from_ds_config(ds: dict) -> dict:
     if opt:
         kind = str(opt.get("type", "adamw")).lower()
         out["optimizer"] = kind if kind in OPTIMIZER_STATE_BYTES else "adamw"
-        out["optimizer_impl"] = "torch" if (opt.get("params") or {}).get("torch_adam") else "fused"
+        params = opt.get("params") or {}
+        # torch_adam: DeepSpeed builds torch.optim.AdamW with the remaining params; "fused": true selects its
+        # single fused CUDA kernel (no foreach temporaries)
+        out["optimizer_impl"] = ("torch-fused" if params.get("fused") is True else "torch") \
+            if params.get("torch_adam") else "fused"
     ours = (ds.get("fluxzero") or {}).get("activation_checkpointing") or {}
     if isinstance(ours.get("every_k_blocks"), int):
         out["checkpoint_every"] = ours["every_k_blocks"]
@@ -302,13 +324,14 @@ class RunSpec:
     checkpoint_every: int = 1  # 0 = off, 1 = every block, k = every k-th block (one index over both lists)
     cpu_checkpointing: bool = False  # deepspeed.checkpointing keeps checkpointed blocks' inputs in host memory
     optimizer: str = "adamw"
-    optimizer_impl: str = "fused"  # "fused" (DeepSpeed FusedAdam / CPUAdam) | "torch" (foreach: a temp copy)
+    optimizer_impl: str = "fused"  # "fused" (DeepSpeed FusedAdam / CPUAdam) | "torch" (torch AdamW, foreach: a
+    # temp copy) | "torch-fused" (torch AdamW(fused=True): no temporaries). Both torch ones run unflattened at stage 0
     attention: str = "flash"  # "flash" / "efficient": O(L) softmax statistics; "math": O(L^2)
     zero: ZeroSettings = field(default_factory=ZeroSettings)
     zero_init: bool = True  # stage 3 builds the model partitioned (deepspeed.zero.Init)
     load_bytes: int = 4  # bytes per parameter of the host copy each rank loads before initialize
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    fragmentation: float | None = None  # reserved/allocated - 1; None: 0.05, or 0.01 with expandable_segments
+    fragmentation: float | None = None  # (reserved - allocated) / per-step transients; None: see Estimate.fragmentation
     cuda_context_gib: float = 1.0  # CUDA context, cuBLAS workspace, NCCL buffers: outside the allocator
     device: str = "cuda"  # "cpu" only to compare with CPU measurements (rms_norm saves more there)
 
@@ -334,8 +357,8 @@ class RunSpec:
             raise ValueError("NVMe optimizer offload needs ZeRO stage 3 in deepspeed 0.19.8")
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {self.optimizer!r}")
-        if self.optimizer_impl not in ("fused", "torch"):
-            raise ValueError(f"optimizer_impl must be fused or torch, got {self.optimizer_impl!r}")
+        if self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise ValueError(f"optimizer_impl must be one of {', '.join(OPTIMIZER_IMPLS)}, got {self.optimizer_impl!r}")
         if self.attention not in ("flash", "efficient", "math", "auto", "cudnn"):
             raise ValueError(f"attention must be flash, efficient, cudnn, auto or math, got {self.attention!r}")
         if self.checkpoint_every < 0:
@@ -392,15 +415,38 @@ class Estimate:
         return max(PHASES, key=self.gpu_phase)
 
     @property
+    def gpu_resident(self) -> int:
+        """Allocated bytes held all step long (model states, buckets): allocated once, never freed."""
+        return self._sum("gpu", ("resident",))
+
+    @property
     def fragmentation(self) -> float:
+        """The caching allocator's reserve beyond the allocated peak, as a fraction of the per-step transients
+        (peak allocated - resident): what is allocated and freed every step (activations, gathered
+        parameters, gradients, the step's copies) leaves cached blocks that later requests of other sizes
+        (or on other streams) cannot reuse. Model states are allocated once and do not fragment.
+
+        Calibrated on H200 measurements (benchmarks/results/2026-11-h200/memory_vs_estimate.md):
+        - stage 0, 0.25: the step's per-tensor gradients and fp32 copies have the sizes of the fp32 model's
+          tensors freed at engine start (cast to bf16), so they mostly reuse those cached blocks;
+        - ZeRO 1-3, 0.8: the step's copies are flat, GiB-sized (one partition or sub-group) and training's
+          are tensor-sized activations and gathered parameters (on their own streams): neither set can
+          reuse the other's cached blocks, so each keeps most of its own reserve (stages 1-2 unmeasured;
+          their step copies are flat like stage 3's);
+        - expandable_segments, 0.05: segments grow and shrink in place, little is stranded.
+        """
         if self.spec.fragmentation is not None:
             return self.spec.fragmentation
-        return 0.01 if self.spec.expandable_segments else 0.05
+        if self.spec.expandable_segments:
+            return 0.05
+        return 0.25 if self.spec.stage == 0 else 0.8
 
     @property
     def gpu_reserved(self) -> int:
-        """Predicted torch.cuda.max_memory_reserved() per rank."""
-        return int(self.gpu_allocated * (1 + self.fragmentation))
+        """Predicted torch.cuda.max_memory_reserved() per rank: resident states plus the transients with
+        their fragmentation."""
+        resident = self.gpu_resident
+        return int(resident + (self.gpu_allocated - resident) * (1 + self.fragmentation))
 
     @property
     def gpu_total(self) -> int:
@@ -458,7 +504,9 @@ def _model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         add("parameter partition (%s)" % s.precision, b * part, where, note="1/N of the parameters", ds=True)
     overlap = s.zero.overlap_comm if s.zero.overlap_comm is not None else s.stage == 3
     if s.stage == 0:
-        add("gradients (full, %s)" % s.precision, b * P, note="param.grad until FP16_Optimizer.step")
+        # made tensor by tensor in backward (the train phase counts what exists at its peak: "gradients made
+        # in backward ..."), all present at the step, freed by zero_grad(set_to_none=True) after it
+        add("gradients (full, %s)" % s.precision, b * P, phase="step", note="param.grad from backward to the step")
     elif not off_opt:
         add("gradient partition (%s)" % s.precision, b * part, ds=True,
             note="stage 1/2: grads_in_partition, then averaged_gradients; stage 3: grad_partitions_flat_buffer")
@@ -479,13 +527,17 @@ def _model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
 
     # --- transient copies at the optimizer step
     if s.stage == 0:
-        if b < 4:
+        if b < 4 and s.optimizer_impl == "fused":
             add("fp32 gradient copies at step", 8 * P, phase="step",
                 note="FP16_Optimizer.step: list of p.grad.float() (4 B) flattened into one fp32 buffer (4 B)")
+        elif b < 4:
+            add("fp32 gradient copies at step", 4 * P, phase="step",
+                note="FP16_UnfusedOptimizer.step: fp32_param.grad = p.grad.to(fp32) for every tensor, then one "
+                     "optimizer step over all")
         if s.optimizer_impl == "torch":
             add("optimizer temporary (torch foreach)", 4 * P, phase="step", note="_foreach_sqrt(exp_avg_sq)")
     elif not off_opt:
-        sg = part if s.stage < 3 else min(part, s.zero.sub_group_size)
+        sg = part if s.stage < 3 else inv.largest_sub_group(N, s.zero.sub_group_size)
         note = "stage_1_and_2.step: flatten(averaged_gradients) then .float()" if s.stage < 3 else \
             "stage3._prepare_fp32_grad_for_sub_group, one sub_group_size at a time"
         add("fp32 gradient partition at step", 4 * sg, phase="step", note=note, ds=True)
@@ -515,7 +567,14 @@ def _model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     # in fp32 on the GPU; deepspeed.initialize casts it tensor by tensor, then the ZeRO-1/2 optimizer copies
     # the parameters into one flat buffer (on the GPU when it has room) and the FP16_Optimizer of stage 0
     # clones them twice more (flat copy, then its fp32 master).
-    if s.stage == 0:
+    if s.stage == 0 and b < 4 and s.optimizer_impl != "fused":
+        # torch AdamW is not a DeepSpeed FusedAdam: the engine wraps it in FP16_UnfusedOptimizer, whose
+        # initialize_optimizer_states gives every tensor a zero bf16 and fp32 grad and runs one step (which
+        # creates the states) before it frees the grads: the same 20 B/param as the steady-state step
+        temp = 4 * P if s.optimizer_impl == "torch" else 0
+        add("building the engine", (b + 4 + b + 4 + opt) * P + temp, phase="init",
+            note="params, fp32 master clones, zero bf16 + fp32 grads, optimizer states (FP16_UnfusedOptimizer)")
+    elif s.stage == 0:
         add("building the engine", (8 if b < 4 else 4) * P, phase="init",
             note="fp32 model, bf16 cast, flat copy and fp32 master (FP16_Optimizer)")
     elif s.stage < 3:
@@ -589,15 +648,34 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     kept = [(x_in if c else L * C * b + saved) for saved, c in zip(kinds, ckpt)]  # per block, one sample
     embed, head = outside_blocks_saved(cfg, I, T, b)
     stored = embed + sum(kept)  # alive when backward reaches the blocks (the head's tensors are freed by then)
+    # At stage 0 every parameter's full gradient stays from the moment backward makes it until the step:
+    # they grow block by block (the head's first) while the activations shrink, and the peak may come later
+    inv = param_inventory(cfg)
+    params = [inv.double_block] * cfg.depth + [inv.single_block] * cfg.depth_single_blocks
+    g_bytes = b if s.stage == 0 else 0
+    grads = g_bytes * (inv.outside_blocks - _embedder_params(cfg))  # the head's, made before the blocks
     peak, alive = stored, stored
+    both = B * stored + grads  # activations and gradients together
     for j in reversed(range(len(kinds))):
-        peak = max(peak, alive + (kinds[j] if ckpt[j] else 0))
+        moment = alive + (kinds[j] if ckpt[j] else 0)
+        peak = max(peak, moment)
+        both = max(both, B * moment + grads)
         alive -= kept[j]
+        grads += g_bytes * params[j]
     # the forward's end holds the head instead of a working set: count the larger of the two
     workspace = max(block_backward_workspace(cfg, I, T, b, att), head)
     on_host = B * sum(L * C * b for c in ckpt if c) if s.cpu_checkpointing else 0
     return {"stored": B * stored, "recompute": B * (peak - stored), "workspace": B * workspace, "on_host": on_host,
-            "per_block_double": d, "per_block_single": si, "checkpointed": sum(ckpt)}
+            "grads_net": both - B * peak, "per_block_double": d, "per_block_single": si,
+            "checkpointed": sum(ckpt)}
+
+
+def _embedder_params(cfg: ModelConfig) -> int:
+    """Parameters of img_in, time_in, vector_in, guidance_in and txt_in: their gradients come last."""
+    C = cfg.hidden_size
+    n = cfg.in_channels * C + C + (256 * C + C) + (C * C + C) + (cfg.vec_in_dim * C + C) + (C * C + C)
+    n += (256 * C + C) + (C * C + C) if cfg.guidance_embed else 0
+    return n + cfg.context_in_dim * C + C
 
 
 def _activation_items(s: RunSpec) -> list[Item]:
@@ -606,6 +684,8 @@ def _activation_items(s: RunSpec) -> list[Item]:
     return [
         Item("activations saved for backward", a["stored"], "gpu", "train",
              f"micro batch {s.micro_batch}; {ck} (block inputs only for those)"),
+        Item("gradients made in backward, net of activations freed", a["grads_net"], "gpu", "train",
+             "stage 0: full gradients made before the backward peak, beyond the activations backward freed"),
         Item("one block's recompute", a["recompute"], "gpu", "train",
              "checkpointed block re-run in backward, net of what backward freed before it"),
         Item("backward working set", a["workspace"], "gpu", "train", "gradients alive inside one block"),

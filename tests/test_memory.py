@@ -123,11 +123,13 @@ def test_documented_differences_from_deepspeed_estimators():
     e2 = estimate(s2)
     ds_gpu, _ = e2.deepspeed_view()
     assert e2.gpu_phase("step") == ds_gpu + 2 * part
-    # ZeRO-3: fp32 gradients are made one sub-group (1e9 elements) at a time, not for the whole partition.
+    # ZeRO-3: fp32 gradients are made one sub-group (1e9 elements, overshooting by less than one tensor's
+    # partition) at a time, not for the whole partition.
     s3 = RunSpec(cfg, gpus_per_node=2, stage=3, optimizer_impl="fused", checkpoint_every=0,
                  zero=ZeroSettings(prefetch_bucket_size=0))
     fp32_grads = [i for i in estimate(s3).items if i.name == "fp32 gradient partition at step"]
-    assert fp32_grads[0].bytes == 4 * 1_000_000_000 < 4 * part
+    largest_part = -(-max(memory.param_inventory(cfg).tensor_sizes) // 2)
+    assert 4 * 1_000_000_000 <= fp32_grads[0].bytes < 4 * (1_000_000_000 + largest_part) < 4 * part
     # Multi-node: DeepSpeed's ZeRO-2 host figure is the whole model's offloaded states (16 B x P) and a model
     # load per GPU of the whole job; one node really holds its own ranks' partitions and loads.
     s = RunSpec(cfg, nodes=2, gpus_per_node=8, stage=2, offload_optimizer="cpu", precision="fp16")

@@ -70,7 +70,7 @@ def _worker(rank, world, port, out_dir):
             stage3_prefetch_bucket_size=0 if stage == 3 else None)
         ds = ds_config.build(opts)
         name = f"{stage}-{oo}-{op}"
-        path = f"{out_dir}/ds{name}.json"
+        path = f"{out_dir}/ds{name}-rank{rank}.json"  # one file per rank: a shared one can be read mid-rewrite
         with open(path, "w") as f:
             json.dump(ds, f)
         cfg = TrainConfig(deepspeed=path, data="synthetic:n=16,hw=16x16,txt=16,ctx=64,vec=32", output_dir=out_dir,
@@ -87,10 +87,11 @@ def _worker(rank, world, port, out_dir):
             engine.step()
         est = memory.estimate(memory.RunSpec(model_cfg, gpus_per_node=world,
                                              **memory.run_options_from_ds_config(ds)))
-        # resident model states wherever they live; not the per-process runtime estimate
-        results[name] = {"measured": measured,
-                         "predicted": sum(i.bytes for i in est.items if i.phase == "resident" and i.where != "nvme"
-                                          and not i.name.startswith("process"))}
+        # resident model states wherever they live, and stage 0's full gradients (made in backward, held to
+        # the step: measured here, after backward); not the per-process runtime estimate
+        held = [i for i in est.items if (i.phase == "resident" or i.name.startswith("gradients (full"))
+                and i.where != "nvme" and not i.name.startswith("process")]
+        results[name] = {"measured": measured, "predicted": sum(i.bytes for i in held)}
         engine.destroy()
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(results, f)

@@ -176,7 +176,7 @@ def report(est: memory.Estimate, hw: memory.Hardware | None, margin: float, zero
         f"  {'peak at forward/backward':<48}{_gib(est.gpu_phase('train'))}",
         f"  {'peak at optimizer step':<48}{_gib(est.gpu_phase('step'))}",
         f"  {'= max_memory_allocated':<48}{_gib(est.gpu_allocated)}  ({PHASE_NAMES[est.peak_phase]})",
-        f"  {f'+ {est.fragmentation:.0%} allocator fragmentation = reserved':<48}{_gib(est.gpu_reserved)}",
+        f"  {f'+ {est.fragmentation:.0%} of transients (fragmentation) = reserved':<48}{_gib(est.gpu_reserved)}",
         f"  {f'+ CUDA context and NCCL ({s.cuda_context_gib:g} GiB) = needed':<48}{_gib(est.gpu_total)}",
         "", f"Host memory per node ({s.gpus_per_node} rank(s)){'':22}GiB  when     note",
     ]
