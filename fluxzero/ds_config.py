@@ -387,6 +387,11 @@ def build(o: DSOptions) -> dict:
             "torch_adam": o.adam_impl == "torch",
         },
     }
+    if o.adam_impl == "torch":
+        # DeepSpeed hands the remaining params to torch.optim.AdamW: fused=True picks torch's single fused
+        # kernel (CPU and CUDA, torch >= 2.4) instead of the foreach path and its fp32 temporary per step;
+        # it is what every GPU benchmark row ran (benchmarks/RESULTS.md).
+        cfg["optimizer"]["params"]["fused"] = True
     if o.scheduler != "none":
         cfg["scheduler"] = {"type": o.scheduler, "params": _scheduler_params(o)}
     if o.checkpoint_impl == "deepspeed" and o.checkpoint_every > 0:

@@ -237,8 +237,10 @@ def test_optimizer_params_follow_the_adam_implementation():
     cfg = _good()
     cfg["optimizer"]["params"]["foreach"] = True  # a torch.optim.AdamW keyword
     assert check(cfg, 2) == []
-    cfg["optimizer"]["params"]["torch_adam"] = False  # now FusedAdam, which has no `foreach`
-    assert check(cfg, 2) == ["unknown key 'optimizer.params.foreach'"]
+    assert cfg["optimizer"]["params"]["fused"] is True  # gen-config's torch AdamW is torch's fused kernel
+    cfg["optimizer"]["params"]["torch_adam"] = False  # now FusedAdam, which has neither `foreach` nor `fused`
+    assert sorted(check(cfg, 2)) == ["unknown key 'optimizer.params.foreach'", "unknown key 'optimizer.params.fused'"]
+    cfg["optimizer"]["params"].pop("fused")
     cfg["optimizer"]["params"].pop("foreach")
     cfg["optimizer"]["params"]["max_grad_norm"] = 1.0
     assert check(cfg, 2) == ["optimizer.params.max_grad_norm is refused by the DeepSpeed engine: use top-level "

@@ -103,7 +103,7 @@ _OPTIONS = [
     _opt("contiguous_memory_optimization", None, "deepspeed checkpointing: one contiguous buffer for saved "
                                                  "activations (needs --partition-activations).", flag_pair=True),
     # optimizer
-    _opt("adam_impl", click.Choice(ds_config.ADAM_IMPLS), "AdamW implementation: torch (no build), fused "
+    _opt("adam_impl", click.Choice(ds_config.ADAM_IMPLS), "AdamW implementation: torch (torch.optim.AdamW(fused=True), no build), fused "
          "(DeepSpeed FusedAdam, GPU), cpu (DeepSpeedCPUAdam, with optimizer offload)."),
     _opt("lr", click.FloatRange(min=0, min_open=True), "AdamW learning rate (peak, after warm-up)."),
     _opt("beta1", click.FloatRange(0, 1, max_open=True), "AdamW beta1."),

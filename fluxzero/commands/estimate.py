@@ -87,7 +87,7 @@ OPTIONS = [
     click.option("--optimizer", type=click.Choice(list(memory.OPTIMIZER_STATE_BYTES)), default="adamw",
                  show_default=True, help="Optimizer (fp32 states: 8 B/param for Adam(W), 4 for SGD/Lion)."),
     click.option("--adam-impl", type=click.Choice(["torch", "fused", "cpu"]), default="torch", show_default=True,
-                 help="torch's foreach AdamW keeps one fp32 temporary at the step; fused/cpu do not."),
+                 help="torch: torch.optim.AdamW(fused=True), as gen-config writes it; fused: DeepSpeed FusedAdam; cpu: DeepSpeedCPUAdam."),
     click.option("--attention", type=click.Choice(["flash", "efficient", "math"]), default="flash",
                  show_default=True, help="Attention kernel: flash/efficient keep O(L), math O(L^2)."),
     click.option("--expandable-segments/--no-expandable-segments", default=False, show_default=True,
@@ -126,7 +126,7 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
                adam_impl, weights=True, **values) -> memory.RunSpec:
     """RunSpec from defaults < DeepSpeed config (--config) < options given on the command line."""
     fields = {ours: values[opt] for opt, ours in _SPEC_OPTIONS.items()}
-    fields["optimizer_impl"] = "torch" if adam_impl == "torch" else "fused"
+    fields["optimizer_impl"] = "torch-fused" if adam_impl == "torch" else "fused"  # gen-config writes fused=True
     fields["zero"] = gen_config_zero(model, fields["stage"])
     if ds_path is not None:
         try:
@@ -328,7 +328,7 @@ def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node
     try:
         base = memory.RunSpec(get_model_config(opts.model), height=h, width=w, txt_len=request["txt_len"],
                               precision=opts.precision,
-                              optimizer_impl="torch" if opts.adam_impl == "torch" else "fused")
+                              optimizer_impl="torch-fused" if opts.adam_impl == "torch" else "fused")
         result = memory.fit(base, memory.Hardware(capacity, request["host_memory"], nodes, gpus_per_node),
                             margin=request["fit_margin"], max_micro_batch=request["max_micro_batch"],
                             micro_batches=micros, fixed={_PINS[k]: v for k, v in given.items() if k in _PINS},
