@@ -105,6 +105,9 @@ class Metrics:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and value is not None and key != "step":
                     self.writer.add_scalar(f"train/{key}", value, step)
+            for r, (t, m) in enumerate(zip(times, mems)):  # one line per rank: an uneven rank stands out
+                self.writer.add_scalar(f"per_rank/step_time_s/rank{r}", t, step)
+                self.writer.add_scalar(f"per_rank/peak_memory_gb/rank{r}", m, step)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()

@@ -275,7 +275,11 @@ def test_quick_start_torchrun_two_ranks(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "done: step 12/12" in p.stderr
     assert (out / "checkpoints" / "latest").read_text() == "step_00000012"
-    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = EventAccumulator(str(out / "tensorboard")).Reload().Tags()["scalars"]
+    assert {"train/loss", "train/skipped_steps", "per_rank/step_time_s/rank0", "per_rank/step_time_s/rank1",
+            "per_rank/peak_memory_gb/rank1"} <= set(tags)
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [3, 6, 9, 12]
     assert len(records[0]["step_time_s_per_rank"]) == 2 and records[-1]["samples_per_s"] > 0
