@@ -13,6 +13,14 @@ trainer reads (DeepSpeed ignores unknown top-level keys):
 
 K = 0 means no activation checkpointing, K = 1 every block, K = k every k-th block (block i, counting the
 double-stream blocks first and then the single-stream blocks from 0, is checkpointed when i % k == 0).
+
+Opt-in torch.compile of the transformer blocks (`gen-config --compile` writes it; absent means off):
+
+    "fluxzero": {"compile": {"blocks": true, "mode": "default"|"max-autotune-no-cudagraphs",
+                             "backend": "inductor"|"aot_eager"|"eager"}}
+
+"mode" and "backend" are optional (defaults "default" and "inductor"; aot_eager and eager exist for tests
+and debugging).
 """
 from __future__ import annotations
 
@@ -27,6 +35,11 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 ADAM_IMPLS = ("torch", "fused", "cpu")
 CHECKPOINT_IMPLS = ("torch", "deepspeed")
+# torch.compile modes without CUDA graphs ("reduce-overhead" and "max-autotune" capture them): a captured graph
+# replays fixed memory addresses, while ZeRO-3 gathers parameters into fresh buffers every step and
+# DeepSpeed's hooks and checkpointing run eagerly between the blocks' graphs; not supported, not measured.
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 SCHEDULERS = ("none", "WarmupLR", "WarmupCosineLR", "WarmupDecayLR")
 WARMUP_TYPES = ("linear", "log")
 
@@ -95,6 +108,8 @@ class DSOptions:
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
+    # torch.compile of the transformer blocks (fluxzero.compile; off writes nothing)
+    compile: bool = False
     # optimizer (AdamW) and gradient clipping
     adam_impl: str = "torch"
     lr: float = 1e-5
@@ -410,6 +425,8 @@ def build(o: DSOptions) -> dict:
     cfg[FLUXZERO_SECTION] = {
         "activation_checkpointing": {"every_k_blocks": o.checkpoint_every, "implementation": o.checkpoint_impl},
     }
+    if o.compile:
+        cfg[FLUXZERO_SECTION]["compile"] = {"blocks": True, "mode": "default"}
     return cfg
 
 
@@ -539,8 +556,9 @@ ACTIVATION_CHECKPOINTING_KEYS = frozenset({
     "partition_activations", "number_checkpoints", "contiguous_memory_optimization", "cpu_checkpointing",
     "profile", "synchronize_checkpoint_boundary",
 })
-FLUXZERO_KEYS = frozenset({"activation_checkpointing"})
+FLUXZERO_KEYS = frozenset({"activation_checkpointing", "compile"})
 FLUXZERO_CHECKPOINTING_KEYS = frozenset({"every_k_blocks", "implementation"})
+FLUXZERO_COMPILE_KEYS = frozenset({"blocks", "mode", "backend"})
 # Constructor keywords of what deepspeed 0.19.8 builds for type Adam/AdamW, plus the keys the engine pops.
 _ADAM_ENGINE_KEYS = {"torch_adam", "adam_w_mode", "fp32_optimizer_states"}
 ADAM_PARAM_KEYS = {
@@ -633,6 +651,7 @@ def check(cfg, world_size: int | None = None) -> list[str]:
     _check_optimizer(cfg, offload, p)
     _check_scheduler(cfg, p)
     _check_checkpointing(cfg, p)
+    _check_compile(cfg, p)
     tb = _section(cfg, "tensorboard", p)
     _unknown("tensorboard", tb, TENSORBOARD_KEYS, p)
     return p
@@ -840,3 +859,25 @@ def _check_checkpointing(cfg: dict, p: list[str]) -> None:
     if ds_options_on and (impl != "deepspeed" or k == 0):
         p.append(f"activation_checkpointing.{ds_options_on[0]} takes effect only with "
                  f"fluxzero.activation_checkpointing.implementation deepspeed and every_k_blocks >= 1")
+
+
+def _check_compile(cfg: dict, p: list[str]) -> None:
+    fz = _section(cfg, FLUXZERO_SECTION, p)
+    comp = _section(fz, "compile", p, where="fluxzero.compile")
+    _unknown("fluxzero.compile", comp, FLUXZERO_COMPILE_KEYS, p)
+    if "blocks" in comp and not isinstance(comp["blocks"], bool):
+        p.append(f"fluxzero.compile.blocks must be true or false, got {json.dumps(comp['blocks'])}")
+    mode = comp.get("mode", "default")
+    if mode not in COMPILE_MODES:
+        why = " (it captures CUDA graphs, which fluxzero does not support)" \
+            if mode in ("reduce-overhead", "max-autotune") else ""
+        p.append(f"fluxzero.compile.mode must be one of {', '.join(COMPILE_MODES)}, got {json.dumps(mode)}{why}")
+    backend = comp.get("backend", "inductor")
+    if backend not in COMPILE_BACKENDS:
+        p.append(f"fluxzero.compile.backend must be one of {', '.join(COMPILE_BACKENDS)}, got {json.dumps(backend)}")
+    # DeepSpeed's own "compile" section (DeepCompile) is read only by engine.compile(), which fluxzero never
+    # calls: accepted by DeepSpeed's parser, then silently without effect.
+    ds_compile = _section(cfg, "compile", p)
+    if ds_compile.get("deepcompile") is True:
+        p.append("compile.deepcompile takes effect only through DeepSpeed's engine.compile(), which the fluxzero "
+                 "trainer does not call: remove it, and set fluxzero.compile.blocks true to compile the blocks")

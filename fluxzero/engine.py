@@ -26,6 +26,10 @@ from deepspeed.accelerator import get_accelerator
 from fluxzero.config import ModelConfig, TrainConfig
 
 CHECKPOINTING = ("torch", "deepspeed")
+# torch.compile modes without CUDA graphs (ds_config.COMPILE_MODES says why) and backends (aot_eager, eager:
+# tests and debugging)
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 class TrainingError(RuntimeError):
@@ -106,6 +110,13 @@ def load_ds_config(path: str, cfg: TrainConfig, world_size: int) -> tuple[dict, 
                             f"'torch' or 'deepspeed', got {ac.get('implementation')!r}")
     if int(ac.get("every_k_blocks", 0)) < 0:
         raise TrainingError(f"DeepSpeed config {path}: fluxzero.activation_checkpointing.every_k_blocks must be >= 0")
+    comp = ours.get("compile", {}) or {}
+    if comp.get("mode", "default") not in COMPILE_MODES:
+        raise TrainingError(f"DeepSpeed config {path}: fluxzero.compile.mode must be one of "
+                            f"{', '.join(COMPILE_MODES)}, got {comp.get('mode')!r}")
+    if comp.get("backend", "inductor") not in COMPILE_BACKENDS:
+        raise TrainingError(f"DeepSpeed config {path}: fluxzero.compile.backend must be one of "
+                            f"{', '.join(COMPILE_BACKENDS)}, got {comp.get('backend')!r}")
     return ds, ours
 
 
@@ -137,6 +148,9 @@ def build_engine(cfg: TrainConfig, ds: dict, ours: dict, model_cfg: ModelConfig,
     if cfg.weights:
         load_pretrained(model, cfg.weights, model_cfg, partitioned=stage == 3)
     ac = ours.get("activation_checkpointing", {}) or {}
+    comp = ours.get("compile", {}) or {}
+    if comp.get("blocks", False):  # compile first: checkpointing then wraps the compiled block
+        apply_compile(model, comp.get("mode", "default"), comp.get("backend", "inductor"))
     apply_activation_checkpointing(model, int(ac.get("every_k_blocks", 0)), ac.get("implementation", "torch"), ds)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
@@ -211,6 +225,38 @@ def apply_activation_checkpointing(model, every_k: int, implementation: str, ds:
             block.forward = functools.partial(_checkpointed, fn, block.forward)
             count += 1
     return count
+
+
+def apply_compile(model, mode: str = "default", backend: str = "inductor") -> int:
+    """torch.compile every transformer block (double and single); returns how many. Call it before
+    apply_activation_checkpointing.
+
+    Applied from outside, like checkpointing: each block's forward is replaced by a compiled callable, so
+    parameter names, state dicts and checkpoints do not change and the model stays plain PyTorch. One
+    compiled function per block class, with the block as its first argument: all blocks of a class share
+    its graphs (Dynamo treats the module as an input) instead of compiling once per block, which would pass
+    Dynamo's recompile limit (8) long before FLUX.1's 19 + 38 blocks.
+
+    Order with checkpointing: checkpoint(compiled block). torch.utils.checkpoint (non-reentrant) and
+    deepspeed.checkpointing then recompute through the compiled code. The other order, compile(checkpoint(
+    block)), is correct up to ZeRO-2 but not under ZeRO-3: DeepSpeed's parameter-gathering module hooks are
+    `torch.compiler.disable`d (deepspeed 0.19.8), a graph break inside the checkpointed region makes Dynamo
+    run the whole region eagerly, and nothing gets compiled. With this order, ZeRO-3's hooks only split each
+    block's graph at its submodules (what `engine.compile()` does to the whole model in deepspeed 0.19.8
+    without DeepCompile); blocks without partitioned parameters (stages 0-2) compile into one graph per
+    class.
+    """
+    kwargs = {"backend": backend}
+    if backend == "inductor":
+        kwargs["mode"] = mode
+    blocks = list(model.double_blocks) + list(model.single_blocks)
+    compiled = {}
+    for block in blocks:
+        cls = type(block)
+        if cls not in compiled:
+            compiled[cls] = torch.compile(cls.forward, **kwargs)
+        block.forward = functools.partial(compiled[cls], block)
+    return len(blocks)
 
 
 def set_lr(engine, lr: float) -> None:

@@ -102,6 +102,8 @@ _OPTIONS = [
          flag_pair=True),
     _opt("contiguous_memory_optimization", None, "deepspeed checkpointing: one contiguous buffer for saved "
                                                  "activations (needs --partition-activations).", flag_pair=True),
+    _opt("compile", None, "torch.compile each transformer block (inductor; checkpointing wraps the compiled "
+                          "block).", flag_pair=True),
     # optimizer
     _opt("adam_impl", click.Choice(ds_config.ADAM_IMPLS), "AdamW implementation: torch (torch.optim.AdamW(fused=True), no build), fused "
          "(DeepSpeed FusedAdam, GPU), cpu (DeepSpeedCPUAdam, with optimizer offload)."),
