@@ -63,10 +63,14 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _compiled(r: dict) -> bool:
+    return bool(r.get("compile"))  # rows written before the compile lever have no such key: eager
+
+
 def comparison(rows: list[dict]) -> str:
     """Each diffusers row against the fluxzero row with the same settings (the issue's matched targets)."""
     def key(r):
-        return tuple(json.dumps(r.get(k), sort_keys=True) for k in MATCH_KEYS)
+        return tuple(json.dumps(r.get(k), sort_keys=True) for k in MATCH_KEYS) + (_compiled(r),)
 
     ours = {key(r): r for r in rows if r.get("impl") == "fluxzero"}
     lines = []
@@ -93,7 +97,8 @@ def comparison(rows: list[dict]) -> str:
 def scaling(rows: list[dict]) -> str:
     """Each multi-GPU row against the 1-GPU row with the same settings (same per-GPU micro batch)."""
     def key(r):
-        return tuple(json.dumps(r.get(k), sort_keys=True) for k in ("impl",) + MATCH_KEYS if k != "gpus")
+        return tuple(json.dumps(r.get(k), sort_keys=True) for k in ("impl",) + MATCH_KEYS if k != "gpus") + (
+            _compiled(r),)
 
     single = {key(r): r for r in rows if r.get("gpus") == 1 and measured(r)}
     lines = []
@@ -201,9 +206,46 @@ def plot(rows: list[dict], path: str) -> bool:
     return True
 
 
+def compile_effect(rows: list[dict]) -> str:
+    """Each row with torch.compile'd blocks against its eager twin (same settings; same sweep when both come
+    from one file): speed, memory, the largest relative loss difference over the steps (same batches), what
+    Dynamo made, and the longest warm-up step (the compilation)."""
+    def key(r):
+        return tuple(json.dumps(r.get(k), sort_keys=True) for k in ("impl",) + MATCH_KEYS)
+
+    eager = {key(r): r for r in rows if not _compiled(r)}
+    lines = []
+    for c in rows:
+        if not _compiled(c) or key(c) not in eager:
+            continue
+        e = eager[key(c)]
+        name = c["name"].replace(" compiled", "")
+        graphs = f"{c.get('compile_graphs', '-')} / {c.get('compile_graph_breaks', '-')}"
+        warm = _max(c.get("warmup_s_all") or [])
+        warm = f"{warm:.0f}" if warm else "-"
+        if measured(c) and measured(e):
+            speed = c["samples_per_s"] / e["samples_per_s"]
+            cm, em = _max(c.get("peak_alloc_gib")), _max(e.get("peak_alloc_gib"))
+            mem = f"{cm:.1f} vs {em:.1f} GiB" if cm and em else "-"
+            lc, le = c.get("losses_rank0") or [], e.get("losses_rank0") or []
+            diff = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(lc, le)), default=None)
+            diff = f"{diff:.1e}" if diff is not None else "-"
+            valid = "" if c.get("valid") and e.get("valid") else " (a row is INVALID)"
+            lines.append(f"| {name} | {e['samples_per_s']:.2f} | {c['samples_per_s']:.2f} | {speed:.2f}x{valid} | "
+                         f"{mem} | {diff} | {graphs} | {warm} |")
+        else:
+            lines.append(f"| {name} | {e.get('samples_per_s', e.get('status'))} | "
+                         f"{c.get('samples_per_s', c.get('status'))} | - | - | - | {graphs} | {warm} |")
+    if not lines:
+        return ""
+    return ("| configuration | eager samples/s | compiled samples/s | speed-up | peak alloc compiled vs eager | "
+            "max rel. loss diff | graphs / breaks | longest warm-up step s |\n|---|---|---|---|---|---|---|---|\n"
+            + "\n".join(lines))
+
+
 def render(rows: list[dict]) -> str:
     parts = [header(rows), "", table(rows)]
-    for extra in (comparison(rows), scaling(rows), profiles(rows)):
+    for extra in (comparison(rows), compile_effect(rows), scaling(rows), profiles(rows)):
         if extra:
             parts += ["", extra]
     return "\n".join(parts) + "\n"

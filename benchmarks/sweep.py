@@ -81,6 +81,7 @@ class Case:
     inject_oom: str = ""  # tests only: raise an OOM in this phase on rank 0
     inject_nan: bool = False  # tests only: a NaN loss in the first timed step (its gradients are non-finite)
     profile: bool = False  # one extra step under torch.profiler: where the time goes (row["profile"])
+    compile: bool = False  # torch.compile of the transformer blocks (fluxzero.compile, inductor, mode default)
 
     def __post_init__(self):
         problems = []
@@ -125,6 +126,8 @@ class Case:
             parts.append("inject-nan")
         if self.profile:
             parts.append("profiled")
+        if self.compile:
+            parts.append("compiled")
         return " ".join(parts)
 
 
@@ -198,6 +201,22 @@ def _levers() -> list[Case]:
     ])
 
 
+def _levers2() -> list[Case]:
+    # one H200, torch.compile of the blocks, each compiled row right after its eager twin (same run, same
+    # batches: losses_rank0 of the two should agree to bf16 noise). Warm-up 3: the first step compiles
+    # (inductor, ~1 min on the host CPU), a recompile in step 2 would still land before the timed steps;
+    # warmup_s_all holds those step times and compile_graphs / compile_graph_breaks what Dynamo made.
+    b = dict(model="flux-dev-lite", gpus=1, precision="bf16", mb=8, res=512, attn="flash", warmup=3, steps=5,
+             timeout=90)
+    c = dict(compile=True, timeout=200, min_s=90)
+    return _cases(b, [
+        dict(zero=0, ckpt=1), dict(zero=0, ckpt=1, **c),
+        dict(zero=0, ckpt=0), dict(zero=0, ckpt=0, **c),
+        # ZeRO-3: DeepSpeed's gathering hooks split each block's graph at its submodules
+        dict(zero=3, ckpt=1), dict(zero=3, ckpt=1, **c),
+    ])
+
+
 def _cpu(gpus=1, **kw) -> dict:
     return {**dict(model="flux-tiny", gpus=gpus, precision="bf16", res=64, txt=16, attn="auto", warmup=1, steps=2,
                    timeout=120), **kw}
@@ -223,6 +242,8 @@ SETS = {
     "dev2-extra": (_dev2_extra, 520, "2 GPUs, flux-dev ZeRO-3: mb 32, larger stage-3 buckets, cuDNN attention"),
     "scale": (_scale, 240, "1 vs 2 GPUs, flux-dev-lite mb 8 @512, ZeRO-0/2/3"),
     "levers": (_levers, 330, "1 GPU, flux-dev-lite ZeRO-0 mb 8: attention, optimizer, ckpt every k, allocator"),
+    "levers2": (_levers2, 300, "1 GPU, flux-dev-lite mb 8 @512: eager vs torch.compile'd blocks, ZeRO-0 ck1/ck0, "
+                               "ZeRO-3 ck1"),
     "cpu-test": (_cpu_test, 400, "--device cpu, flux-tiny: the same code path, for tests"),
 }
 
@@ -254,10 +275,11 @@ def _ds_config(case: Case, world: int, model_cfg) -> tuple[dict, str]:
     try:
         from fluxzero import ds_config as gen
 
+        extra = {"compile": True} if case.compile else {}
         opts = gen.options_from(model=case.model, micro_batch=case.mb, grad_accum=1, world_size=world,
                                 zero_stage=case.zero, precision=case.precision, checkpoint_every=case.ckpt,
                                 checkpoint_impl="torch", adam_impl=adam, gradient_clipping=1.0, scheduler="none",
-                                steps_per_print=10**9, **case.zero_opts)
+                                steps_per_print=10**9, **extra, **case.zero_opts)
         ds, source = gen.build(opts), "fluxzero.ds_config"
     except (ImportError, AttributeError, TypeError) as e:
         ds = _plain_ds_config(case, world, model_cfg, adam)
@@ -266,6 +288,8 @@ def _ds_config(case: Case, world: int, model_cfg) -> tuple[dict, str]:
         # deepspeed 0.19.8 (engine.get_optimizer_configuration) passes every optimizer param left after
         # popping torch_adam to torch.optim.AdamW: "fused" reaches it and picks the fused CUDA kernel.
         ds["optimizer"]["params"]["fused"] = True
+    elif case.optim == "torch":  # foreach AdamW: gen-config's --adam-impl torch writes "fused": true since 4a1f765
+        ds["optimizer"]["params"].pop("fused", None)
     return ds, source
 
 
@@ -288,6 +312,8 @@ def _plain_ds_config(case: Case, world: int, model_cfg, adam: str) -> dict:
                                                   "weight_decay": 0.01, "torch_adam": adam == "torch"}},
         "fluxzero": {"activation_checkpointing": {"every_k_blocks": case.ckpt, "implementation": "torch"}},
     }
+    if case.compile:
+        ds["fluxzero"]["compile"] = {"blocks": True, "mode": "default"}
     if case.precision != "fp32":
         ds[case.precision] = {"enabled": True}
     return ds
@@ -349,6 +375,10 @@ def _build_fluxzero(case: Case, ds: dict, model_cfg, device, rowdir: Path):
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=ds, enabled=case.zero == 3):
         model = build_model(model_cfg, device=device)
+    if case.compile:  # as build_engine: compile the blocks, then checkpoint the compiled callables
+        from fluxzero.engine import apply_compile
+
+        apply_compile(model)
     _checkpoint_every(model, case.ckpt)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=ds)
     why = "FLUXZERO_BENCH_DIRECT set" if os.environ.get("FLUXZERO_BENCH_DIRECT") else "engine API not usable"
@@ -518,6 +548,12 @@ def run_case(case: Case, phase: _Phase) -> dict:
     phase.persist = True
     phase("report")
     skipped = int(getattr(engine, "skipped_steps", 0) or 0) - skipped_before
+    compiled = None
+    if case.compile:
+        from torch._dynamo.utils import counters
+
+        compiled = {"graphs": counters["stats"]["unique_graphs"],
+                    "graph_breaks": sum(counters["graph_break"].values())}
     mine = {
         "rank": rank,
         "peak_alloc_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
@@ -560,6 +596,8 @@ def run_case(case: Case, phase: _Phase) -> dict:
         "init_s": init_s, "case_s": time.perf_counter() - t_start,
         "engine_api": engine_api, "ds_config_source": ds_source, "ds_config": ds, "optimizer": optimizer,
         "profile": profile,
+        "warmup_s_all": [r["wall"] for r in rows if not r["timed"]],
+        "compile_graphs": compiled and compiled["graphs"], "compile_graph_breaks": compiled and compiled["graph_breaks"],
         "versions": _versions(case, device),
     }
 
@@ -907,6 +945,7 @@ def parse_args(argv):
     g.add_argument("--txt", type=int, default=512)
     g.add_argument("--attn", type=_csv(str), default=["flash"])
     g.add_argument("--optim", type=_csv(str), default=["torch-fused"])
+    g.add_argument("--compile", type=_csv(int), default=[0], help="torch.compile the blocks: 0 eager, 1 compiled")
     g.add_argument("--warmup", type=int, default=2)
     g.add_argument("--steps", type=int, default=5)
     g.add_argument("--timeout", type=int, default=150, help="seconds per case")
@@ -937,10 +976,10 @@ def main(argv=None) -> int:
     else:
         budget, name = 1e9, args.name or "custom"
         cases = [Case(impl=i, model=m, gpus=g, zero=z, precision=p, ckpt=k, mb=b, res=r, txt=args.txt, attn=a,
-                      optim=o, warmup=args.warmup, steps=args.steps, timeout=args.timeout)
-                 for i, m, g, z, p, k, b, r, a, o in itertools.product(
+                      optim=o, compile=bool(c), warmup=args.warmup, steps=args.steps, timeout=args.timeout)
+                 for i, m, g, z, p, k, b, r, a, o, c in itertools.product(
                      args.impl, args.model, args.gpus, args.zero, args.precision, args.ckpt, args.mb, args.res,
-                     args.attn, args.optim)]
+                     args.attn, args.optim, args.compile)]
     if args.only:
         words = args.only.split(",")
         cases = [c for c in cases if all(w in c.name for w in words)]

@@ -862,8 +862,8 @@ def _check_checkpointing(cfg: dict, p: list[str]) -> None:
 
 
 def _check_compile(cfg: dict, p: list[str]) -> None:
-    fz = _section(cfg, FLUXZERO_SECTION, p)
-    comp = _section(fz, "compile", p, where="fluxzero.compile")
+    fz = cfg.get(FLUXZERO_SECTION)  # a non-object "fluxzero" is reported by _check_checkpointing
+    comp = _section(fz if isinstance(fz, dict) else {}, "compile", p, where="fluxzero.compile")
     _unknown("fluxzero.compile", comp, FLUXZERO_COMPILE_KEYS, p)
     if "blocks" in comp and not isinstance(comp["blocks"], bool):
         p.append(f"fluxzero.compile.blocks must be true or false, got {json.dumps(comp['blocks'])}")

@@ -131,12 +131,12 @@ def test_cpu_sweep_end_to_end(tmp_path):
 
 
 def _row(index, impl="fluxzero", gpus=1, sps=1.0, alloc=10.0, **kw):
-    case = sweep.Case(impl=impl, gpus=gpus, mb=4, **{k: v for k, v in kw.items() if k in ("zero", "mb")})
+    case = sweep.Case(impl=impl, gpus=gpus, mb=4, **{k: v for k, v in kw.items() if k in ("zero", "mb", "compile")})
     row = {"set": "t", "index": index, "name": case.name, **sweep.dataclasses.asdict(case), "status": "ok",
            "valid": True, "samples_per_s": sps, "img_tokens_per_s": sps * 1024, "tflops_per_gpu": 100.0,
            "mfu": 0.25, "step_s": 4 * gpus / sps, "data_s": 0.01, "fwd_s": 0.1, "bwd_s": 0.2, "opt_s": 0.05,
            "peak_alloc_gib": [alloc] * gpus, "peak_reserved_gib": [alloc + 2] * gpus, "init_s": 3.0}
-    row.update({k: v for k, v in kw.items() if k not in ("zero", "mb")})
+    row.update({k: v for k, v in kw.items() if k not in ("zero", "mb", "compile")})
     return row
 
 
@@ -153,16 +153,22 @@ def test_report_comparison_scaling_and_plot(tmp_path):
         _row(2, impl="diffusers", sps=2.0, alloc=80.0),
         _row(3, gpus=2, sps=4.94), _row(4, zero=3, status="OOM at backward", valid=False),
         _row(5, zero=2, status="skipped steps", valid=False, skipped_steps=2),
+        # torch.compile'd blocks next to the eager row 1: compared with it, and not with the baseline
+        _row(6, compile=True, sps=3.25, alloc=58.0, losses_rank0=[1.0, 0.5], compile_graphs=2,
+             compile_graph_breaks=0, warmup_s_all=[61.2, 1.1, 1.0]),
     ]
+    rows[0]["losses_rank0"] = [1.0, 0.501]
     for r in rows[3:4]:
         for k in ("samples_per_s", "step_s"):
             r.pop(k)
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in reversed(rows)) + "\n")  # rows come back in case order
     loaded = report.load([path])
-    assert [r["index"] for r in loaded] == [1, 2, 3, 4, 5]
+    assert [r["index"] for r in loaded] == [1, 2, 3, 4, 5, 6]
     md = report.render(loaded)
     assert "| 1.30x | 60.0 vs 80.0 GiB (0.75x) |" in md  # fluxzero vs the matched baseline row
+    assert md.count("| 1.30x |") == 1 and "| 3.25 | 2.00 |" not in md  # the compiled row is not matched with it
+    assert "| 2.60 | 3.25 | 1.25x | 58.0 vs 60.0 GiB | 2.0e-03 | 2 / 0 | 61 |" in md  # compiled vs eager twin
     assert "| 2.60 | 4.94 | 1.90x (95% efficiency) |" in md  # 2 GPUs vs 1 at the same per-GPU batch
     assert "**OOM at backward**" in md and "**INVALID: skipped steps** (2 skipped)" in md
     assert "| 1.500 | 1.200 | 0.300 | 0.200 | 0.400 | 0.600 | 0.000 |" in md  # the profiled row

@@ -58,7 +58,7 @@ def test_check_refuses_deepcompile_the_trainer_never_runs():
 
 
 CHILD = textwrap.dedent("""
-    import json, os, sys, warnings
+    import json, os, sys, time, warnings
     warnings.filterwarnings("ignore")
     os.environ["FLUXZERO_NO_PROGRESS"] = "1"
     import torch, torch._dynamo
@@ -71,9 +71,10 @@ CHILD = textwrap.dedent("""
     for name, cfg in json.load(open(sys.argv[1])):
         torch._dynamo.reset()  # each case compiles from scratch
         counters.clear()
+        t = time.perf_counter()
         losses = train(TrainConfig.from_dict(cfg))["losses"]
         results[name] = {"losses": losses, "graphs": counters["stats"]["unique_graphs"],
-                         "graph_breaks": sum(counters["graph_break"].values())}
+                         "graph_breaks": sum(counters["graph_break"].values()), "s": time.perf_counter() - t}
     json.dump(results, open(sys.argv[2], "w"))
 """)
 
@@ -105,6 +106,7 @@ def test_compiled_blocks_train_like_eager(tmp_path):
     subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "jobs.json"), str(tmp_path / "out.json")],
                    check=True, cwd=tmp_path, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     r = json.loads((tmp_path / "out.json").read_text())
+    print({name: round(v["s"], 1) for name, v in r.items()})
 
     ref = r["z0"]["losses"]
     assert len(ref) == STEPS and r["z0"]["graphs"] == 0
