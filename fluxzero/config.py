@@ -5,6 +5,7 @@ No torch import here: `fluxzero gen-config`, `fluxzero estimate` and friends mus
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 
@@ -132,6 +133,32 @@ def get_model_config(name: str) -> ModelConfig:
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
+def _check_types(obj, prefix: str = "") -> None:
+    """Each field of a run-file dataclass has the type its annotation names (YAML gives `steps: abc` a str,
+    `resume: maybe` a str that would read as true); ints are accepted where a float is expected."""
+    for f in dataclasses.fields(obj):
+        value, kind = getattr(obj, f.name), str(f.type)
+        if value is None and "None" in kind:
+            continue
+        if kind.startswith("int"):
+            ok, want = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+        elif kind.startswith("float"):
+            ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+            if ok:
+                setattr(obj, f.name, float(value))
+        elif kind.startswith("bool"):
+            ok, want = isinstance(value, bool), "true or false"
+        elif kind.startswith("str"):
+            if isinstance(value, os.PathLike):  # Python callers may pass paths
+                value = os.fspath(value)
+                setattr(obj, f.name, value)
+            ok, want = isinstance(value, str), "text" + (" or null" if "None" in kind else "")
+        else:
+            continue
+        if not ok:
+            raise ValueError(f"{prefix}{f.name} must be {want}, got {value!r}")
+
+
 @dataclass
 class FlowConfig:
     """Rectified-flow options: how timesteps are drawn and shifted, and the guidance value fed to the model."""
@@ -147,6 +174,7 @@ class FlowConfig:
     guidance: float = 1.0
 
     def __post_init__(self):
+        _check_types(self, "flow.")
         if self.timestep_sampling not in ("uniform", "logit_normal"):
             raise ValueError(f"flow.timestep_sampling must be 'uniform' or 'logit_normal', got {self.timestep_sampling!r}")
         if self.shift not in ("none", "fixed", "resolution"):
@@ -189,6 +217,7 @@ class TrainConfig:
     def __post_init__(self):
         if isinstance(self.flow, dict):
             self.flow = FlowConfig(**self.flow)
+        _check_types(self)
         get_model_config(self.model)
         for f in ("micro_batch", "grad_accum", "epochs", "log_every"):
             if getattr(self, f) < 1:

@@ -96,6 +96,15 @@ def load_ds_config(path: str, cfg: TrainConfig, world_size: int) -> tuple[dict, 
         raise TrainingError(f"DeepSpeed config {path} does not exist; write one with `fluxzero gen-config`") from None
     except json.JSONDecodeError as e:
         raise TrainingError(f"DeepSpeed config {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise TrainingError(f"DeepSpeed config {path} is not a text file; point deepspeed at the JSON from "
+                            f"`fluxzero gen-config`") from None
+    except OSError as e:
+        raise TrainingError(f"cannot read DeepSpeed config {path} ({e.strerror or e}); point deepspeed at a "
+                            f"readable JSON file") from None
+    if not isinstance(ds, dict):
+        raise TrainingError(f"DeepSpeed config {path} must be a JSON object ({{...}}), got {type(ds).__name__}; "
+                            f"write one with `fluxzero gen-config`")
     ours = ds.pop("fluxzero", {}) or {}
     try:
         cfg.check_deepspeed(ds, world_size, source=f"DeepSpeed config {path}")
@@ -346,6 +355,16 @@ def load_checkpoint(engine, ckpt_dir: str | Path) -> dict | None:
     if tag is None:
         return None
     rank, world = dist.get_rank(), dist.get_world_size()
+    # A truncated file would fail on one rank inside DeepSpeed while the others wait in a collective: every
+    # rank checks the files it can see, and all of them stop with the same sentence if any rank found one.
+    bad = _unreadable_files(ckpt_dir / tag)
+    flag = torch.tensor([len(bad)], device=get_accelerator().current_device_name())
+    dist.all_reduce(flag)
+    if flag.item():
+        what = f" ({', '.join(bad[:3])} cannot be read)" if bad else ""
+        raise TrainingError(f"checkpoint {ckpt_dir / tag} is incomplete or corrupt{what}; write the previous "
+                            f"checkpoint's name into {ckpt_dir / 'latest'} to resume from it, or choose another "
+                            f"output_dir")
     state_file = ckpt_dir / tag / f"trainer_state_rank{rank}.pt"
     if not state_file.is_file():
         raise TrainingError(f"checkpoint {ckpt_dir / tag} has no state for rank {rank}; resume with the world "
@@ -361,6 +380,20 @@ def load_checkpoint(engine, ckpt_dir: str | Path) -> dict | None:
         raise TrainingError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
     set_rng_state(state["rng"])
     return state
+
+
+def _unreadable_files(tag_dir: Path) -> list[str]:
+    """Names of the checkpoint's torch files whose zip directory cannot be read (truncated, overwritten)."""
+    import zipfile
+
+    bad = []
+    for f in sorted(tag_dir.glob("*.pt")):
+        try:
+            with zipfile.ZipFile(f):
+                pass
+        except (zipfile.BadZipFile, OSError):
+            bad.append(f.name)
+    return bad
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -385,12 +418,17 @@ def consolidated_state_dict(path: str | Path) -> tuple[dict, Path]:
     """
     ckpt_dir, tag = resolve_checkpoint(path)
     tag_dir = ckpt_dir / tag
-    if glob.glob(str(tag_dir / "*zero_pp_rank_*optim_states.pt")):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    try:
+        if glob.glob(str(tag_dir / "*zero_pp_rank_*optim_states.pt")):
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-    else:  # ZeRO stage 0 in fp32: the module states file holds the full weights
-        sd = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+            sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+        else:  # ZeRO stage 0 in fp32: the module states file holds the full weights
+            sd = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    except Exception as e:  # truncated / missing shard files: torch and DeepSpeed raise many kinds
+        reason = str(e).splitlines()[0].split(". ")[0].rstrip(".") if str(e) else type(e).__name__
+        raise TrainingError(f"checkpoint {tag_dir} is incomplete or corrupt ({reason[:200]}); export another "
+                            f"checkpoint folder of {ckpt_dir}") from None
     return {k: v.float() for k, v in sd.items()}, tag_dir
 
 
@@ -405,5 +443,18 @@ def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dt
     sd, tag_dir = consolidated_state_dict(path)
     run = tag_dir / "run.yaml"
     cfg = get_model_config(yaml.safe_load(run.read_text())["model"]) if run.is_file() else None
-    save_weights(sd, str(out), layout=layout, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], cfg=cfg)
+    from safetensors import SafetensorError
+
+    try:
+        save_weights(sd, str(out), layout=layout, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
+                     cfg=cfg)
+    except (OSError, SafetensorError) as e:  # safetensors reports a failed write as SafetensorError
+        raise TrainingError(f"cannot write the export {out} ({_write_reason(e)}); choose a writable place with "
+                            f"free space") from None
     return str(out)
+
+
+def _write_reason(e: Exception) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -32,6 +33,10 @@ def _parse_value(text: str):
 
 class ConfigError(ValueError):
     """The run file or its overrides are invalid; the message names the key and the fix."""
+
+
+class Interrupted(ds_engine.TrainingError):
+    """Ctrl-C (SIGINT) during training; the message names the checkpoint a rerun resumes from."""
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
@@ -149,6 +154,12 @@ def train(cfg: TrainConfig) -> dict:
         result = {"losses": losses, "step": step, "checkpoint": str(ckpt_dir / ds_engine.latest_tag(ckpt_dir))}
         if cfg.export_format and step >= total:
             result["export"] = _export(cfg, ckpt_dir, rank)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C (or the launcher's) must not cut the cleanup
+        tag = ds_engine.latest_tag(ckpt_dir)
+        raise Interrupted(f"interrupted at step {step} of {total}; " + (
+            f"the last complete checkpoint is {ckpt_dir / tag}: run the same command again to resume from it"
+            if tag else "no checkpoint was saved: run the same command again to start over")) from None
     finally:
         metrics.close()
         engine.destroy()
@@ -160,6 +171,15 @@ def train(cfg: TrainConfig) -> dict:
 
 def _check_output_dir(cfg: TrainConfig, ckpt_dir: Path) -> None:
     """Never train over someone else's checkpoints: resume only a run of the same model, never overwrite."""
+    out = Path(cfg.output_dir)
+    try:  # fail here, in one sentence, rather than deep inside TensorBoard or DeepSpeed's save
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".fluxzero-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ds_engine.TrainingError(f"cannot write to output_dir {out} ({e.strerror or e}); choose a writable "
+                                      f"output_dir") from None
     tag = ds_engine.latest_tag(ckpt_dir)
     if tag is None:
         return
@@ -224,6 +244,19 @@ def main(argv=None) -> int:
     try:
         train(load_config(args.config, args.overrides))
         return 0
+    except Interrupted as e:
+        if os.environ.get("FLUXZERO_DEBUG"):
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank got the Ctrl-C: one line, not one per rank
+            _report(str(e))
+        return 130
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if os.environ.get("FLUXZERO_DEBUG"):
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            _report("interrupted before training started; nothing was saved")
+        return 130
     except (ds_engine.TrainingError, DataError, WeightsError, ConfigError) as e:
         if os.environ.get("FLUXZERO_DEBUG"):
             raise

@@ -44,6 +44,10 @@ def test_convert_user_mistakes_exit_2_without_traceback(tmp_path):
     ]
     (tmp_path / "w.ckpt").write_bytes(b"\x80\x04pickle")
     cases.append(((tmp_path / "w.ckpt", tmp_path / "x.safetensors", "--to", "bfl"), "only .safetensors"))
+    (tmp_path / "t.safetensors").write_bytes((tmp_path / "a.safetensors").read_bytes()[:2000])  # truncated copy
+    cases.append(((tmp_path / "t.safetensors", tmp_path / "x.safetensors", "--to", "bfl"), "not a readable safetensors"))
+    for dst, layout in [(tmp_path / "a.safetensors" / "x.safetensors", "bfl"), (tmp_path / "a.safetensors" / "d", "diffusers")]:
+        cases.append(((tmp_path / "a.safetensors", dst, "--to", layout), f"cannot write {dst}"))  # under a file
     for args, text in cases:
         r = run(*args)
         assert r.exit_code == 2, (args, r.output)

@@ -56,6 +56,10 @@ def test_load_config_with_overrides(tmp_path):
     ({"deepspeed": "a", "data": "b", "output_dir": "c", "precision": "fp8"}, "precision"),
     ({"deepspeed": "a", "data": "b", "output_dir": "c", "model": "flux-huge"}, "unknown model preset"),
     ({"deepspeed": "a", "data": "b", "output_dir": "c", "micro_batch": 0}, "micro_batch"),
+    ({"deepspeed": "a", "data": "b", "output_dir": "c", "steps": "abc"}, "steps must be a whole number, got 'abc'"),
+    ({"deepspeed": "a", "data": "b", "output_dir": "c", "resume": "maybe"}, "resume must be true or false"),
+    ({"deepspeed": "a", "data": "b", "output_dir": 5}, "output_dir must be text"),
+    ({"deepspeed": "a", "data": "b", "output_dir": "c", "flow": {"guidance": "x"}}, "flow.guidance must be a number"),
 ])
 def test_bad_run_files(data, match):
     with pytest.raises(ValueError, match=match):
@@ -161,6 +165,8 @@ def cases(tmp_path_factory):
     victim = sorted(shards.glob("shard-*.safetensors"))[0]
     victim.write_bytes(victim.read_bytes()[:100])  # truncated shard
     (tmp / "ds3.json").write_text(json.dumps(_ds(zero_optimization={"stage": 3})))
+    (tmp / "ds_list.json").write_text("[1, 2]")
+    (tmp / "a_file").write_text("")
     from fluxzero.model import build_model
     from fluxzero.model.weights import save_weights
 
@@ -181,6 +187,8 @@ def cases(tmp_path_factory):
         case("wrong_weights_zero3", f"deepspeed={tmp / 'ds3.json'}", f"weights={tmp / 'schnell.safetensors'}"),
         case("micro_mismatch", "micro_batch=1"),
         case("precision_mismatch", "precision=bf16"),
+        case("ds_not_object", f"deepspeed={tmp / 'ds_list.json'}"),
+        case("unwritable_output", out="a_file/run"),
         case("nan", f"deepspeed={tmp / 'nan.json'}", "checkpoint_every=1"),
         case("first", "stop_after=2", "checkpoint_every=2", out="disk"),
         case("disk_full", fsize=600_000, out="disk"),  # the model states file alone is ~2 MB
@@ -215,6 +223,8 @@ def _one_sentence_error(result):
     ("wrong_weights_zero3", "guidance_in"),  # pretrained load into the partitioned model checks names first
     ("micro_mismatch", "train_micro_batch_size_per_gpu 2 but the run file has micro_batch 1"),
     ("precision_mismatch", "trains in fp32 but the run file has precision bf16"),
+    ("ds_not_object", "ds_list.json must be a JSON object"),
+    ("unwritable_output", "cannot write to output_dir"),
 ])
 def test_user_errors_exit_with_one_sentence(cases, name, match):
     _, results = cases
@@ -258,6 +268,48 @@ def test_export_command(cases, tmp_path):
     assert r.exit_code == 2 and "--overwrite" in r.output
     r = CliRunner().invoke(main, ["export", str(tmp_path), str(tmp_path / "x.safetensors")])
     assert r.exit_code == 2 and "not a fluxzero checkpoint" in r.output
+    (tmp_path / "a_file").write_text("")
+    r = CliRunner().invoke(main, ["export", str(run_dir), str(tmp_path / "a_file" / "x.safetensors")])
+    assert r.exit_code == 2 and "cannot write the export" in r.output, r.output
+
+
+def test_truncated_checkpoint_is_one_sentence(cases, tmp_path):
+    from fluxzero.cli import main
+    from fluxzero.engine import _unreadable_files
+
+    tmp, _ = cases
+    shutil.copytree(tmp / "disk", tmp_path / "run")
+    tag = tmp_path / "run" / "checkpoints" / "step_00000004"
+    victim = sorted(tag.glob("*optim_states.pt"))[-1]
+    victim.write_bytes(victim.read_bytes()[:1000])  # what a killed copy or a full disk leaves
+    assert _unreadable_files(tag) == [victim.name]  # resume checks these on every rank before DeepSpeed loads
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "run"), str(tmp_path / "x.safetensors")])
+    assert r.exit_code == 2 and f"checkpoint {tag} is incomplete or corrupt" in r.output, r.output
+
+
+def test_ctrl_c_exits_cleanly_with_checkpoint_to_resume(tmp_path):
+    """SIGINT mid-run: exit 130, one line naming the last complete checkpoint, no traceback."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "launch/train.py", "--config", "launch/tiny.yaml", "steps=100000", "checkpoint_every=2",
+           "export_format=null", f"output_dir={out}"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "FLUXZERO_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a CI shell may ignore it
+    latest = out / "checkpoints" / "latest"
+    deadline = time.time() + 120
+    while not latest.is_file() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    err = p.communicate(timeout=120)[1]
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    line = [l for l in err.splitlines() if l.startswith("error: ")]
+    tag = latest.read_text()
+    assert len(line) == 1 and f"the last complete checkpoint is {out / 'checkpoints' / tag}" in line[0], err[-3000:]
+    assert (out / "checkpoints" / tag / "trainer_state_rank0.pt").is_file()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -41,12 +41,19 @@ def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, m
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--model") from None
     torch_dtype = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    from safetensors import SafetensorError
+
     try:
         state = load_weights(src, cfg=cfg, dtype=torch_dtype)
         if cfg is None:  # keeps RoPE axes a diffusers config.json declared, for its config.json on output
             cfg = infer_config({k: tuple(t.shape) for k, t in state.items()}, axes_dim=diffusers_axes(src))
-        save_weights(state, dst, layout=layout, cfg=cfg, max_shard_bytes=int(max_shard_gb * 2**30))
     except WeightsError as e:
         raise click.BadParameter(str(e), param_hint="IN") from None
+    try:
+        save_weights(state, dst, layout=layout, cfg=cfg, max_shard_bytes=int(max_shard_gb * 2**30))
+    except (OSError, SafetensorError) as e:  # unwritable folder, a file where a folder should be, disk full
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:200]
+        raise click.BadParameter(f"cannot write {dst} ({reason}); choose a writable place with free space",
+                                 param_hint="OUT") from None
     n = sum(t.numel() for t in state.values())
     click.echo(f"wrote {dst} ({layout}, {len(state)} tensors, {n:,} parameters)")

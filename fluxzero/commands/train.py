@@ -48,7 +48,10 @@ def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, overwrite: bool):
 
     try:
         ckpt, tag = resolve_checkpoint(ckpt_dir)
-        export_checkpoint(ckpt / tag, out, layout, dtype)
     except TrainingError as e:
         raise click.BadParameter(str(e), param_hint="CKPT_DIR") from None
+    try:
+        export_checkpoint(ckpt / tag, out, layout, dtype)
+    except TrainingError as e:  # a corrupt checkpoint or an unwritable OUT: the message names which
+        raise click.UsageError(str(e)) from None
     click.echo(f"wrote {out} ({layout}, {dtype}) from {ckpt / tag}")
