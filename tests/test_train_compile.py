@@ -81,12 +81,13 @@ CHILD = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_compiled_blocks_train_like_eager(tmp_path):
-    """Single process, flux-tiny, 3 steps: ZeRO-0 and ZeRO-3, no / torch / deepspeed checkpointing."""
+    """Single process, flux-tiny, 3 steps: ZeRO-0, 2 and 3, no / torch / deepspeed checkpointing."""
     cases = {  # name: (stage, checkpoint every k, implementation, compile)
         "z0": (0, 0, "torch", False),
         "z0_compiled": (0, 0, "torch", True),
         "z0_ck1_compiled": (0, 1, "torch", True),
         "z0_ck1_ds_compiled": (0, 1, "deepspeed", True),
+        "z2_ck1_compiled": (2, 1, "torch", True),
         "z3_ck1": (3, 1, "torch", False),
         "z3_ck1_compiled": (3, 1, "torch", True),
     }
@@ -116,6 +117,7 @@ def test_compiled_blocks_train_like_eager(tmp_path):
     # a recompile per block would show 4, no compile 0
     assert r["z0_compiled"]["graphs"] == 2 and r["z0_compiled"]["graph_breaks"] == 0
     assert r["z0_ck1_compiled"]["graphs"] == 2 and r["z0_ck1_compiled"]["graph_breaks"] == 0
+    assert r["z2_ck1_compiled"]["graphs"] == 2 and r["z2_ck1_compiled"]["graph_breaks"] == 0
     assert r["z0_ck1_ds_compiled"]["graphs"] >= 2  # reentrant recompute runs with grad on: a second variant
     # ZeRO-3: DeepSpeed's compiler-disabled gathering hooks split the blocks' graphs at their submodules
     assert r["z3_ck1_compiled"]["graphs"] > 2 and r["z3_ck1_compiled"]["graph_breaks"] > 0
