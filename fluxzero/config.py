@@ -159,6 +159,14 @@ def _check_types(obj, prefix: str = "") -> None:
             raise ValueError(f"{prefix}{f.name} must be {want}, got {value!r}")
 
 
+def _did_you_mean(unknown: list, names) -> str:
+    import difflib
+
+    hints = [f"{m[0]!r} for {k!r}" for k in unknown
+             if (m := difflib.get_close_matches(str(k), sorted(names), n=1, cutoff=0.6))]
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
 @dataclass
 class FlowConfig:
     """Rectified-flow options: how timesteps are drawn and shifted, and the guidance value fed to the model."""
@@ -243,7 +251,8 @@ class TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ValueError(f"unknown run-file keys {unknown}; valid keys: {', '.join(sorted(names))}")
+            raise ValueError(f"unknown run-file keys {unknown}{_did_you_mean(unknown, names)}; valid keys: "
+                             f"{', '.join(sorted(names))}")
         missing = sorted(f.name for f in dataclasses.fields(cls)
                          if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
                          and f.name not in d)
@@ -254,7 +263,9 @@ class TrainConfig:
             raise ValueError("flow must be a mapping of flow options")
         fnames = {f.name for f in dataclasses.fields(FlowConfig)}
         if set(flow) - fnames:
-            raise ValueError(f"unknown flow keys {sorted(set(flow) - fnames)}; valid keys: {', '.join(sorted(fnames))}")
+            unknown = sorted(set(flow) - fnames)
+            raise ValueError(f"unknown flow keys {unknown}{_did_you_mean(unknown, fnames)}; valid keys: "
+                             f"{', '.join(sorted(fnames))}")
         return cls(**{**d, "flow": FlowConfig(**flow)})
 
     def to_dict(self) -> dict:

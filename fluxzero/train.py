@@ -56,6 +56,12 @@ def _load_config(path, overrides) -> TrainConfig:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError:
             raise ConfigError(f"run file {path} does not exist") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"run file {path} is not a text file; pass a YAML run file such as "
+                              f"launch/tiny.yaml") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read run file {path} ({e.strerror or e}); pass a YAML run file such as "
+                              f"launch/tiny.yaml") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"run file {path} is not valid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(data, dict):
@@ -66,8 +72,11 @@ def _load_config(path, overrides) -> TrainConfig:
             raise ConfigError(f"override {item!r} must look like key=value")
         *parents, leaf = key.strip().split(".")
         node = data
-        for p in parents:
+        for i, p in enumerate(parents):
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parents[:i + 1])} is a value, not a section; "
+                                  f"write {'.'.join(parents[:i + 1])}=VALUE")
         node[leaf] = _parse_value(value)
     return TrainConfig.from_dict(data)
 

@@ -47,12 +47,21 @@ def test_load_config_with_overrides(tmp_path):
     assert cfg.steps == 7 and cfg.flow.shift == "none" and cfg.flow.guidance == 3.5
     assert cfg.weights is None and cfg.export_format == "diffusers"
     assert TrainConfig.from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg  # the saved run.yaml
+    from fluxzero.train import ConfigError
+
+    for over, match in [("steps.x=3", "steps is a value, not a section"), ("flow.guidance.x=1", "flow.guidance is a value")]:
+        with pytest.raises(ConfigError, match=match):
+            load_config(str(run), [over])
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe")
+    for path, match in [(tmp_path, "cannot read run file"), (tmp_path / "bin.yaml", "is not a text file")]:
+        with pytest.raises(ConfigError, match=match):
+            load_config(str(path))
 
 
 @pytest.mark.parametrize("data, match", [
     ({"deepspeed": "a", "data": "b"}, "must set output_dir"),
-    ({"deepspeed": "a", "data": "b", "output_dir": "c", "stpes": 3}, "unknown run-file keys"),
-    ({"deepspeed": "a", "data": "b", "output_dir": "c", "flow": {"shfit": "none"}}, "unknown flow keys"),
+    ({"deepspeed": "a", "data": "b", "output_dir": "c", "stpes": 3}, r"unknown run-file keys \['stpes'\] \(did you mean 'steps' for 'stpes'\?\)"),
+    ({"deepspeed": "a", "data": "b", "output_dir": "c", "flow": {"shfit": "none"}}, "unknown flow keys .* 'shift' for 'shfit'"),
     ({"deepspeed": "a", "data": "b", "output_dir": "c", "precision": "fp8"}, "precision"),
     ({"deepspeed": "a", "data": "b", "output_dir": "c", "model": "flux-huge"}, "unknown model preset"),
     ({"deepspeed": "a", "data": "b", "output_dir": "c", "micro_batch": 0}, "micro_batch"),
