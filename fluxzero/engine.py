@@ -120,6 +120,9 @@ def load_ds_config(path: str, cfg: TrainConfig, world_size: int) -> tuple[dict, 
     if int(ac.get("every_k_blocks", 0)) < 0:
         raise TrainingError(f"DeepSpeed config {path}: fluxzero.activation_checkpointing.every_k_blocks must be >= 0")
     comp = ours.get("compile", {}) or {}
+    if not isinstance(comp, dict) or not isinstance(comp.get("blocks", False), bool):
+        raise TrainingError(f"DeepSpeed config {path}: fluxzero.compile must be an object like "
+                            f'{{"blocks": true, "mode": "default"}}, got {json.dumps(comp)}')
     if comp.get("mode", "default") not in COMPILE_MODES:
         raise TrainingError(f"DeepSpeed config {path}: fluxzero.compile.mode must be one of "
                             f"{', '.join(COMPILE_MODES)}, got {comp.get('mode')!r}")

@@ -57,6 +57,27 @@ def test_check_refuses_deepcompile_the_trainer_never_runs():
                                     "fluxzero.compile.blocks true to compile the blocks"]
 
 
+@pytest.mark.parametrize("section, match", [
+    (True, 'fluxzero.compile must be an object like {"blocks": true, "mode": "default"}, got true'),
+    ({"blocks": "yes"}, 'fluxzero.compile must be an object like .*, got {"blocks": "yes"}'),
+    ({"blocks": True, "mode": "reduce-overhead"}, "fluxzero.compile.mode must be one of default, "
+                                                  "max-autotune-no-cudagraphs, got 'reduce-overhead'"),
+    ({"blocks": True, "backend": "tvm"}, "fluxzero.compile.backend must be one of inductor, aot_eager, eager"),
+])
+def test_trainer_refuses_bad_compile_sections(tmp_path, section, match):
+    from fluxzero.config import TrainConfig
+    from fluxzero.engine import TrainingError, load_ds_config
+
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+          "fluxzero": {"compile": section}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    cfg = TrainConfig.from_dict({"deepspeed": str(tmp_path / "ds.json"), "data": DATA, "output_dir": str(tmp_path),
+                                 "micro_batch": 2})
+    with pytest.raises(TrainingError, match=match):
+        load_ds_config(str(tmp_path / "ds.json"), cfg, 1)
+
+
 CHILD = textwrap.dedent("""
     import json, os, sys, time, warnings
     warnings.filterwarnings("ignore")
