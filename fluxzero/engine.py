@@ -110,6 +110,11 @@ def load_ds_config(path: str, cfg: TrainConfig, world_size: int) -> tuple[dict, 
         cfg.check_deepspeed(ds, world_size, source=f"DeepSpeed config {path}")
     except ValueError as e:
         raise TrainingError(str(e)) from None
+    accel = get_accelerator()
+    if (ds.get("fp16") or {}).get("enabled") and not accel.is_fp16_supported():
+        raise TrainingError(f"DeepSpeed config {path} trains in fp16, which DeepSpeed's {accel.device_name()} "
+                            f"accelerator does not support; use bf16 or fp32 here (`fluxzero gen-config "
+                            f"--precision`) and in the run file's precision")
     ds["train_micro_batch_size_per_gpu"] = cfg.micro_batch
     ds["gradient_accumulation_steps"] = cfg.grad_accum
     ds["train_batch_size"] = cfg.global_batch(world_size)

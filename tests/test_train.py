@@ -175,6 +175,7 @@ def cases(tmp_path_factory):
     victim.write_bytes(victim.read_bytes()[:100])  # truncated shard
     (tmp / "ds3.json").write_text(json.dumps(_ds(zero_optimization={"stage": 3})))
     (tmp / "ds_list.json").write_text("[1, 2]")
+    (tmp / "ds_fp16.json").write_text(json.dumps(_ds(fp16={"enabled": True})))
     (tmp / "a_file").write_text("")
     from fluxzero.model import build_model
     from fluxzero.model.weights import save_weights
@@ -197,6 +198,7 @@ def cases(tmp_path_factory):
         case("micro_mismatch", "micro_batch=1"),
         case("precision_mismatch", "precision=bf16"),
         case("ds_not_object", f"deepspeed={tmp / 'ds_list.json'}"),
+        case("fp16_on_cpu", f"deepspeed={tmp / 'ds_fp16.json'}", "precision=fp16"),
         case("unwritable_output", out="a_file/run"),
         case("nan", f"deepspeed={tmp / 'nan.json'}", "checkpoint_every=1"),
         case("first", "stop_after=2", "checkpoint_every=2", out="disk"),
@@ -233,6 +235,7 @@ def _one_sentence_error(result):
     ("micro_mismatch", "train_micro_batch_size_per_gpu 2 but the run file has micro_batch 1"),
     ("precision_mismatch", "trains in fp32 but the run file has precision bf16"),
     ("ds_not_object", "ds_list.json must be a JSON object"),
+    ("fp16_on_cpu", "trains in fp16, which DeepSpeed's cpu accelerator does not support"),  # the suite runs on CPU
     ("unwritable_output", "cannot write to output_dir"),
 ])
 def test_user_errors_exit_with_one_sentence(cases, name, match):
