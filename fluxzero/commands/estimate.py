@@ -136,6 +136,12 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
             raise click.BadParameter(f"cannot read {ds_path} as JSON: {e}", param_hint="--config") from None
         if not isinstance(ds, dict):
             raise click.BadParameter(f"{ds_path} is not a JSON object", param_hint="--config")
+        from fluxzero import ds_config
+
+        for problem in ds_config.check(ds):  # a misspelled key is ignored here as by DeepSpeed: say so
+            if problem.startswith("unknown key"):
+                click.echo(f"warning: {ds_path}: {problem}; estimated with DeepSpeed's default for it "
+                           f"(`fluxzero check-config {ds_path}` checks the whole file)", err=True)
         from_file = memory.run_options_from_ds_config(ds)
         given = {ours for opt, ours in _SPEC_OPTIONS.items() if ctx.get_parameter_source(opt) == ParameterSource.COMMANDLINE}
         if ctx.get_parameter_source("adam_impl") == ParameterSource.COMMANDLINE:
