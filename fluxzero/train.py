@@ -164,7 +164,7 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.export_format and step >= total:
             result["export"] = _export(cfg, ckpt_dir, rank)
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C (or the launcher's) must not cut the cleanup
+        _ignore_stop_signals()  # a second Ctrl-C, or the launcher's SIGTERM, must not cut the cleanup short
         tag = ds_engine.latest_tag(ckpt_dir)
         raise Interrupted(f"interrupted at step {step} of {total}; " + (
             f"the last complete checkpoint is {ckpt_dir / tag}: run the same command again to resume from it"
@@ -250,6 +250,9 @@ def main(argv=None) -> int:
     from fluxzero.model.weights import WeightsError
 
     owns_group = not dist.is_initialized()  # leave a caller's process group alone
+    # Launchers answer Ctrl-C by sending SIGTERM to every rank (DeepSpeed's launch.py, torchrun): stop the
+    # same way as on Ctrl-C (cleanly, with the checkpoint to resume from) instead of dying mid-line.
+    old_term = _on_sigterm(_raise_interrupt)
     try:
         train(load_config(args.config, args.overrides))
         return 0
@@ -260,7 +263,7 @@ def main(argv=None) -> int:
             _report(str(e))
         return 130
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _ignore_stop_signals()
         if os.environ.get("FLUXZERO_DEBUG"):
             raise
         if int(os.environ.get("RANK", "0")) == 0:
@@ -275,7 +278,29 @@ def main(argv=None) -> int:
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
+        _on_sigterm(old_term)
     return 1
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _on_sigterm(handler):
+    """Install a SIGTERM handler (main thread only; elsewhere signals cannot be set); returns the old one."""
+    import threading
+
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _ignore_stop_signals() -> None:
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _report(msg: str) -> None:

@@ -98,6 +98,34 @@ def test_real_deepspeed_launcher_passes_hostile_arguments_unchanged(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["hosts", "out.json", "rec.py"]  # nothing was touched by a shell
 
 
+def test_ctrl_c_waits_for_the_ranks_and_says_how_to_resume(tmp_path):
+    """Ctrl-C reaches every process of the terminal's group: launch lets the ranks stop (never kills them) and
+    ends with one line and exit status 130 instead of Click's bare 'Aborted!'."""
+    import signal
+    import time
+
+    (tmp_path / "rank.py").write_text(  # stops as launch/train.py does: SIGTERM from the launcher = Ctrl-C
+        "import pathlib, signal, time\n"
+        "def stop(*_): raise KeyboardInterrupt\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "pathlib.Path('started').touch()\n"
+        "try:\n    time.sleep(120)\n"
+        "except KeyboardInterrupt:\n"
+        "    signal.signal(signal.SIGTERM, signal.SIG_IGN); signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "    time.sleep(1); pathlib.Path('stopped').touch(); raise SystemExit(130)\n")
+    p = subprocess.Popen([sys.executable, "-m", "fluxzero.cli", "launch", "--master-port", "29614", "--script", "rank.py"],
+                         cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 60
+    while not (tmp_path / "started").exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGINT)
+    err = p.communicate(timeout=120)[1]
+    assert p.returncode == 130, err[-2000:]
+    assert (tmp_path / "stopped").exists()  # the rank finished its own cleanup
+    assert "Aborted!" not in err and err.rstrip().splitlines()[-1].startswith("interrupted: training stopped;")
+
+
 def test_monitor_without_gpus_says_so():
     r = CliRunner().invoke(monitor, ["--count", "1"])
     try:

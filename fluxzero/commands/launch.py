@@ -5,6 +5,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -121,7 +122,18 @@ def launch(hostfile, launcher, include, exclude, num_nodes, num_gpus, master_add
     if multi_node:
         env.update(write_deepspeed_env(env_file, file_env, launcher))
     click.echo(shlex.join(argv), err=True)
-    sys.exit(subprocess.run(argv, env=env).returncode)
+    proc = subprocess.Popen(argv, env=env)
+    try:
+        sys.exit(proc.wait())
+    except KeyboardInterrupt:  # Ctrl-C reached the launcher and the local ranks too: let them stop, never kill
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pass
+        click.echo("interrupted: training stopped; `latest` in the run's checkpoints folder names the last "
+                   "complete checkpoint, and the same command resumes from it", err=True)
+        sys.exit(130)
 
 
 @click.command()
