@@ -222,9 +222,17 @@ def _forward_backward(engine, batches, cfg: TrainConfig, guidance_embed: bool, d
 
 def _export(cfg: TrainConfig, ckpt_dir: Path, rank: int) -> str:
     out = Path(cfg.output_dir) / ("export" if cfg.export_format == "diffusers" else "export.safetensors")
+    error = [None]
     if rank == 0:
-        ds_engine.export_checkpoint(ckpt_dir, out, cfg.export_format, cfg.export_dtype)
-    ds_engine.barrier()
+        try:
+            ds_engine.export_checkpoint(ckpt_dir, out, cfg.export_format, cfg.export_dtype)
+        except ds_engine.TrainingError as e:
+            error = [f"{e} (training finished and is saved: `fluxzero export {cfg.output_dir} OUT` writes it "
+                     f"again)"]
+    if dist.get_world_size() > 1:  # the others wait for rank 0: they stop with its sentence, not a gloo error
+        dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise ds_engine.TrainingError(error[0])
     return str(out)
 
 

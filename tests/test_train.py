@@ -177,6 +177,7 @@ def cases(tmp_path_factory):
     (tmp / "ds_list.json").write_text("[1, 2]")
     (tmp / "ds_fp16.json").write_text(json.dumps(_ds(fp16={"enabled": True})))
     (tmp / "a_file").write_text("")
+    (tmp / "export_blocked" / "export.safetensors").mkdir(parents=True)  # a folder where the export goes
     from fluxzero.model import build_model
     from fluxzero.model.weights import save_weights
 
@@ -200,6 +201,7 @@ def cases(tmp_path_factory):
         case("ds_not_object", f"deepspeed={tmp / 'ds_list.json'}"),
         case("fp16_on_cpu", f"deepspeed={tmp / 'ds_fp16.json'}", "precision=fp16"),
         case("unwritable_output", out="a_file/run"),
+        case("export_blocked", "steps=1", "export_format=bfl"),
         case("nan", f"deepspeed={tmp / 'nan.json'}", "checkpoint_every=1"),
         case("first", "stop_after=2", "checkpoint_every=2", out="disk"),
         case("disk_full", fsize=600_000, out="disk"),  # the model states file alone is ~2 MB
@@ -237,6 +239,7 @@ def _one_sentence_error(result):
     ("ds_not_object", "ds_list.json must be a JSON object"),
     ("fp16_on_cpu", "trains in fp16, which DeepSpeed's cpu accelerator does not support"),  # the suite runs on CPU
     ("unwritable_output", "cannot write to output_dir"),
+    ("export_blocked", "cannot write the export"),
 ])
 def test_user_errors_exit_with_one_sentence(cases, name, match):
     _, results = cases
