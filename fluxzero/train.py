@@ -250,7 +250,14 @@ def parse_args(argv):
     p.add_argument("--local_rank", "--local-rank", type=int, default=None,
                    help="set by the deepspeed launcher; ignored (LOCAL_RANK is read from the environment)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="run-file overrides, e.g. steps=50 flow.shift=none")
-    return p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    flags = [a for a in unknown if a.startswith("--")]
+    if flags:  # `--steps 50`: say how run-file settings are overridden
+        name = flags[0].lstrip("-").split("=")[0].replace("-", "_")
+        p.error(f"unrecognized argument {flags[0]}; run-file settings are overridden as {name}=VALUE")
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def main(argv=None) -> int:

@@ -75,6 +75,18 @@ def test_bad_run_files(data, match):
         TrainConfig.from_dict(data)
 
 
+def test_flag_style_override_says_how_to_write_it(capsys):
+    from fluxzero.cli import main
+    from fluxzero.train import parse_args
+
+    r = CliRunner().invoke(main, ["train", "--config", str(ROOT / "launch/tiny.yaml"), "--steps", "5"])
+    assert r.exit_code == 2 and "run-file settings are overridden as steps=VALUE" in r.output, r.output
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--config", "run.yaml", "--export-format", "null"])
+    assert e.value.code == 2 and "overridden as export_format=VALUE" in capsys.readouterr().err
+    assert parse_args(["--config", "r.yaml", "--local_rank=1", "steps=3"]).overrides == ["steps=3"]
+
+
 def test_flow_config_validates():
     with pytest.raises(ValueError, match="timestep_sampling"):
         FlowConfig(timestep_sampling="beta")

@@ -20,7 +20,9 @@ def train(config: Path, overrides: tuple[str, ...]):
 
     for item in overrides:
         if "=" not in item:
-            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="[KEY=VALUE]...")
+            hint = f"; run-file settings are overridden as {item.lstrip('-').replace('-', '_')}=VALUE" \
+                if item.startswith("--") else ""
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE{hint}", param_hint="[KEY=VALUE]...")
     code = main(["--config", str(config), *overrides])
     raise SystemExit(code)
 
