@@ -67,10 +67,15 @@ def _compiled(r: dict) -> bool:
     return bool(r.get("compile"))  # rows written before the compile lever have no such key: eager
 
 
+def _variant(r: dict) -> tuple:
+    """Settings past MATCH_KEYS, normalised (rows written before them lack the keys)."""
+    return _compiled(r), bool(r.get("z3_leaf"))
+
+
 def comparison(rows: list[dict]) -> str:
     """Each diffusers row against the fluxzero row with the same settings (the issue's matched targets)."""
     def key(r):
-        return tuple(json.dumps(r.get(k), sort_keys=True) for k in MATCH_KEYS) + (_compiled(r),)
+        return tuple(json.dumps(r.get(k), sort_keys=True) for k in MATCH_KEYS) + _variant(r)
 
     ours = {key(r): r for r in rows if r.get("impl") == "fluxzero"}
     lines = []
@@ -97,8 +102,8 @@ def comparison(rows: list[dict]) -> str:
 def scaling(rows: list[dict]) -> str:
     """Each multi-GPU row against the 1-GPU row with the same settings (same per-GPU micro batch)."""
     def key(r):
-        return tuple(json.dumps(r.get(k), sort_keys=True) for k in ("impl",) + MATCH_KEYS if k != "gpus") + (
-            _compiled(r),)
+        return tuple(json.dumps(r.get(k), sort_keys=True) for k in ("impl",) + MATCH_KEYS if k != "gpus") + \
+            _variant(r)
 
     single = {key(r): r for r in rows if r.get("gpus") == 1 and measured(r)}
     lines = []
@@ -209,9 +214,10 @@ def plot(rows: list[dict], path: str) -> bool:
 def compile_effect(rows: list[dict]) -> str:
     """Each row with torch.compile'd blocks against its eager twin (same settings; same sweep when both come
     from one file): speed, memory, the largest relative loss difference over the steps (same batches), what
-    Dynamo made, and the longest warm-up step (the compilation)."""
+    Dynamo made, and the longest warm-up step (the compilation). At ZeRO-3 the twin is the plain eager row,
+    not the one with leaf blocks: the trainer makes compiled blocks leaves itself."""
     def key(r):
-        return tuple(json.dumps(r.get(k), sort_keys=True) for k in ("impl",) + MATCH_KEYS)
+        return tuple(json.dumps(r.get(k), sort_keys=True) for k in ("impl",) + MATCH_KEYS) + (bool(r.get("z3_leaf")),)
 
     eager = {key(r): r for r in rows if not _compiled(r)}
     lines = []

@@ -82,6 +82,9 @@ class Case:
     inject_nan: bool = False  # tests only: a NaN loss in the first timed step (its gradients are non-finite)
     profile: bool = False  # one extra step under torch.profiler: where the time goes (row["profile"])
     compile: bool = False  # torch.compile of the transformer blocks (fluxzero.compile, inductor, mode default)
+    # ZeRO-3: the blocks as DeepSpeed leaf modules (zero_optimization.leaf_module), each gathered whole by one
+    # hook; compiled rows get it from the trainer anyway (engine.zero3_leaf_blocks)
+    z3_leaf: bool = False
 
     def __post_init__(self):
         problems = []
@@ -97,6 +100,8 @@ class Case:
             problems.append(f"zero must be 0-3, got {self.zero}")
         if self.res % 16:
             problems.append(f"res must be a multiple of 16 pixels (8x VAE, 2x2 packing), got {self.res}")
+        if self.z3_leaf and self.zero != 3:
+            problems.append("z3_leaf needs zero 3")
         if min(self.gpus, self.mb, self.txt, self.steps) < 1 or self.ckpt < 0 or self.warmup < 0:
             problems.append("gpus, mb, txt, steps must be >= 1 and ckpt, warmup >= 0")
         if problems:
@@ -126,6 +131,8 @@ class Case:
             parts.append("inject-nan")
         if self.profile:
             parts.append("profiled")
+        if self.z3_leaf:
+            parts.append("leaf-blocks")
         if self.compile:
             parts.append("compiled")
         return " ".join(parts)
@@ -212,8 +219,9 @@ def _levers2() -> list[Case]:
     return _cases(b, [
         dict(zero=0, ckpt=1), dict(zero=0, ckpt=1, **c),
         dict(zero=0, ckpt=0), dict(zero=0, ckpt=0, **c),
-        # ZeRO-3: DeepSpeed's gathering hooks split each block's graph at its submodules
-        dict(zero=3, ckpt=1), dict(zero=3, ckpt=1, **c),
+        # ZeRO-3: compiled blocks are also made ZeRO-3 leaf modules (gathered whole); the middle row separates that
+        # change from the compilation
+        dict(zero=3, ckpt=1), dict(zero=3, ckpt=1, z3_leaf=True), dict(zero=3, ckpt=1, **c),
     ])
 
 
@@ -243,7 +251,7 @@ SETS = {
     "scale": (_scale, 240, "1 vs 2 GPUs, flux-dev-lite mb 8 @512, ZeRO-0/2/3"),
     "levers": (_levers, 330, "1 GPU, flux-dev-lite ZeRO-0 mb 8: attention, optimizer, ckpt every k, allocator"),
     "levers2": (_levers2, 300, "1 GPU, flux-dev-lite mb 8 @512: eager vs torch.compile'd blocks, ZeRO-0 ck1/ck0, "
-                               "ZeRO-3 ck1"),
+                               "ZeRO-3 ck1 (and leaf blocks eager)"),
     "cpu-test": (_cpu_test, 400, "--device cpu, flux-tiny: the same code path, for tests"),
 }
 
@@ -269,6 +277,9 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
+Z3_LEAF_CLASSES = ["fluxzero.model.layers.DoubleStreamBlock", "fluxzero.model.layers.SingleStreamBlock"]
+
+
 def _ds_config(case: Case, world: int, model_cfg) -> tuple[dict, str]:
     """DeepSpeed config dict from fluxzero's generator; a plain equivalent dict where it is unavailable."""
     adam = {"torch-fused": "torch", "torch": "torch", "deepspeed-fused": "fused"}[case.optim]
@@ -284,6 +295,8 @@ def _ds_config(case: Case, world: int, model_cfg) -> tuple[dict, str]:
     except (ImportError, AttributeError, TypeError) as e:
         ds = _plain_ds_config(case, world, model_cfg, adam)
         source = f"plain dict ({type(e).__name__}: {e})"[:200]
+    if case.z3_leaf:
+        ds["zero_optimization"]["leaf_module"] = {"classes": Z3_LEAF_CLASSES}
     if case.optim == "torch-fused":
         # deepspeed 0.19.8 (engine.get_optimizer_configuration) passes every optimizer param left after
         # popping torch_adam to torch.optim.AdamW: "fused" reaches it and picks the fused CUDA kernel.

@@ -168,6 +168,8 @@ def build_engine(cfg: TrainConfig, ds: dict, ours: dict, model_cfg: ModelConfig,
     comp = ours.get("compile", {}) or {}
     if comp.get("blocks", False):  # compile first: checkpointing then wraps the compiled block
         apply_compile(model, comp.get("mode", "default"), comp.get("backend", "inductor"))
+        if stage == 3:
+            zero3_leaf_blocks(model)
     apply_activation_checkpointing(model, int(ac.get("every_k_blocks", 0)), ac.get("implementation", "torch"), ds)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
@@ -255,13 +257,8 @@ def apply_compile(model, mode: str = "default", backend: str = "inductor") -> in
     Dynamo's recompile limit (8) long before FLUX.1's 19 + 38 blocks.
 
     Order with checkpointing: checkpoint(compiled block). torch.utils.checkpoint (non-reentrant) and
-    deepspeed.checkpointing then recompute through the compiled code. The other order, compile(checkpoint(
-    block)), is correct up to ZeRO-2 but not under ZeRO-3: DeepSpeed's parameter-gathering module hooks are
-    `torch.compiler.disable`d (deepspeed 0.19.8), a graph break inside the checkpointed region makes Dynamo
-    run the whole region eagerly, and nothing gets compiled. With this order, ZeRO-3's hooks only split each
-    block's graph at its submodules (what `engine.compile()` does to the whole model in deepspeed 0.19.8
-    without DeepCompile); blocks without partitioned parameters (stages 0-2) compile into one graph per
-    class.
+    deepspeed.checkpointing then recompute through the compiled code, at every ZeRO stage. Under ZeRO-3 call
+    zero3_leaf_blocks too, or DeepSpeed's per-submodule hooks split every block's graph.
     """
     kwargs = {"backend": backend}
     if backend == "inductor":
@@ -274,6 +271,24 @@ def apply_compile(model, mode: str = "default", backend: str = "inductor") -> in
             compiled[cls] = torch.compile(cls.forward, **kwargs)
         block.forward = functools.partial(compiled[cls], block)
     return len(blocks)
+
+
+def zero3_leaf_blocks(model) -> int:
+    """Make every transformer block a ZeRO-3 leaf module (DeepSpeed's `set_z3_leaf_modules`); returns how many.
+
+    DeepSpeed then hooks the block itself, gathering all its parameters before its forward (and before its
+    backward, hence before a checkpointed block's recompute), and none of its submodules. Those hooks run in
+    the block's `__call__`, outside the compiled forward, so each block class compiles into one graph as at
+    stages 0-2. Without it, deepspeed 0.19.8's per-submodule hooks (`torch.compiler.disable`d) break the graph
+    at every submodule, and Dynamo's recompile limit (8) sends most of nn.Linear.forward's frames back to
+    eager; compile(checkpoint(block)) would compile nothing at all. Costs one whole block gathered at a time
+    (FLUX.1-dev: 0.68 GB bf16 for a double block), which ZeRO-3's defaults here (max live parameters 1e9,
+    reuse distance 1e9) keep gathered through a block's forward anyway. Call before deepspeed.initialize.
+    """
+    from deepspeed.utils import set_z3_leaf_modules
+
+    classes = list(dict.fromkeys(type(b) for b in list(model.double_blocks) + list(model.single_blocks)))
+    return len(set_z3_leaf_modules(model, classes))
 
 
 def set_lr(engine, lr: float) -> None:
