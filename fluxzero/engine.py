@@ -253,8 +253,7 @@ def apply_compile(model, mode: str = "default", backend: str = "inductor") -> in
     Applied from outside, like checkpointing: each block's forward is replaced by a compiled callable, so
     parameter names, state dicts and checkpoints do not change and the model stays plain PyTorch. One
     compiled function per block class, with the block as its first argument: all blocks of a class share
-    its graphs (Dynamo treats the module as an input) instead of compiling once per block, which would pass
-    Dynamo's recompile limit (8) long before FLUX.1's 19 + 38 blocks.
+    its graphs (Dynamo treats the module and its parameters as inputs), two graphs for the whole model.
 
     Order with checkpointing: checkpoint(compiled block). torch.utils.checkpoint (non-reentrant) and
     deepspeed.checkpointing then recompute through the compiled code, at every ZeRO stage. Under ZeRO-3 call
