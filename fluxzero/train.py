@@ -118,7 +118,7 @@ def train(cfg: TrainConfig) -> dict:
     total = cfg.total_steps(len(loader))
     stop = min(total, cfg.stop_after) if cfg.stop_after else total
     ckpt_dir = Path(cfg.output_dir) / "checkpoints"
-    _check_output_dir(cfg, ckpt_dir)
+    _check_output_dir(cfg, ckpt_dir, ds)
     engine = ds_engine.build_engine(cfg, ds, ours, model_cfg, device)
     state = ds_engine.load_checkpoint(engine, ckpt_dir) if cfg.resume else None
     if state:
@@ -178,7 +178,7 @@ def train(cfg: TrainConfig) -> dict:
     return result
 
 
-def _check_output_dir(cfg: TrainConfig, ckpt_dir: Path) -> None:
+def _check_output_dir(cfg: TrainConfig, ckpt_dir: Path, ds: dict | None = None) -> None:
     """Never train over someone else's checkpoints: resume only a run of the same model, never overwrite."""
     out = Path(cfg.output_dir)
     try:  # fail here, in one sentence, rather than deep inside TensorBoard or DeepSpeed's save
@@ -200,6 +200,20 @@ def _check_output_dir(cfg: TrainConfig, ckpt_dir: Path) -> None:
     if model and model != cfg.model:
         raise ds_engine.TrainingError(f"{ckpt_dir / tag} is a checkpoint of {model} but the run file trains "
                                       f"{cfg.model}; choose another output_dir")
+    saved_ds = ckpt_dir / tag / "ds_config.json"
+    if ds is not None and saved_ds.is_file() and cfg.resume:
+        import json
+
+        try:
+            stage = ds_engine.zero_stage(json.loads(saved_ds.read_text()))
+        except (ValueError, TypeError, AttributeError):
+            stage = None
+        if stage is not None and stage != ds_engine.zero_stage(ds):
+            # DeepSpeed's loader fails with a bare assertion deep inside when the partitioning differs
+            raise ds_engine.TrainingError(
+                f"{ckpt_dir / tag} was written under ZeRO stage {stage} but {cfg.deepspeed} uses stage "
+                f"{ds_engine.zero_stage(ds)}; resume with a stage-{stage} DeepSpeed config, or choose another "
+                f"output_dir (DeepSpeed's ds_to_universal converts between layouts)")
 
 
 def _forward_backward(engine, batches, cfg: TrainConfig, guidance_embed: bool, device, dtype) -> tuple[float, dict]:

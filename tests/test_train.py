@@ -220,6 +220,7 @@ def cases(tmp_path_factory):
         case("after_disk_full", "export_format=bfl", out="disk"),
         case("no_resume_over_checkpoints", "resume=false", out="disk"),
         case("other_model", "model=flux-tiny-schnell", out="disk"),
+        case("other_stage", f"deepspeed={tmp / 'ds3.json'}", out="disk"),
     ]
     (tmp / "cases.json").write_text(json.dumps(todo))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -245,6 +246,7 @@ def _one_sentence_error(result):
     ("old_manifest", "version 999"),
     ("no_resume_over_checkpoints", "already holds checkpoints (latest step_00000004) and resume is off"),
     ("other_model", "is a checkpoint of flux-tiny but the run file trains flux-tiny-schnell"),
+    ("other_stage", "was written under ZeRO stage 2 but"),
     ("wrong_weights_zero3", "guidance_in"),  # pretrained load into the partitioned model checks names first
     ("micro_mismatch", "train_micro_batch_size_per_gpu 2 but the run file has micro_batch 1"),
     ("precision_mismatch", "trains in fp32 but the run file has precision bf16"),
