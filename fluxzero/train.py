@@ -205,15 +205,21 @@ def _check_output_dir(cfg: TrainConfig, ckpt_dir: Path, ds: dict | None = None) 
         import json
 
         try:
-            stage = ds_engine.zero_stage(json.loads(saved_ds.read_text()))
+            old = json.loads(saved_ds.read_text())
+            stage, dtype = ds_engine.zero_stage(old), ds_engine.param_dtype(old)
         except (ValueError, TypeError, AttributeError):
-            stage = None
+            stage = dtype = None
         if stage is not None and stage != ds_engine.zero_stage(ds):
             # DeepSpeed's loader fails with a bare assertion deep inside when the partitioning differs
             raise ds_engine.TrainingError(
                 f"{ckpt_dir / tag} was written under ZeRO stage {stage} but {cfg.deepspeed} uses stage "
                 f"{ds_engine.zero_stage(ds)}; resume with a stage-{stage} DeepSpeed config, or choose another "
                 f"output_dir (DeepSpeed's ds_to_universal converts between layouts)")
+        if dtype is not None and dtype != ds_engine.param_dtype(ds):  # DeepSpeed names its files per precision
+            names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+            raise ds_engine.TrainingError(
+                f"{ckpt_dir / tag} was written in {names[dtype]} but {cfg.deepspeed} trains in "
+                f"{names[ds_engine.param_dtype(ds)]}; resume in {names[dtype]}, or choose another output_dir")
 
 
 def _forward_backward(engine, batches, cfg: TrainConfig, guidance_embed: bool, device, dtype) -> tuple[float, dict]:

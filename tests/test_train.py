@@ -187,6 +187,7 @@ def cases(tmp_path_factory):
     victim.write_bytes(victim.read_bytes()[:100])  # truncated shard
     (tmp / "ds3.json").write_text(json.dumps(_ds(zero_optimization={"stage": 3})))
     (tmp / "ds_list.json").write_text("[1, 2]")
+    (tmp / "ds_bf16.json").write_text(json.dumps(_ds(bf16={"enabled": True})))
     (tmp / "ds_fp16.json").write_text(json.dumps(_ds(fp16={"enabled": True})))
     (tmp / "a_file").write_text("")
     (tmp / "export_blocked" / "export.safetensors").mkdir(parents=True)  # a folder where the export goes
@@ -221,6 +222,7 @@ def cases(tmp_path_factory):
         case("no_resume_over_checkpoints", "resume=false", out="disk"),
         case("other_model", "model=flux-tiny-schnell", out="disk"),
         case("other_stage", f"deepspeed={tmp / 'ds3.json'}", out="disk"),
+        case("other_precision", f"deepspeed={tmp / 'ds_bf16.json'}", "precision=bf16", out="disk"),
     ]
     (tmp / "cases.json").write_text(json.dumps(todo))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -247,6 +249,7 @@ def _one_sentence_error(result):
     ("no_resume_over_checkpoints", "already holds checkpoints (latest step_00000004) and resume is off"),
     ("other_model", "is a checkpoint of flux-tiny but the run file trains flux-tiny-schnell"),
     ("other_stage", "was written under ZeRO stage 2 but"),
+    ("other_precision", "was written in fp32 but"),
     ("wrong_weights_zero3", "guidance_in"),  # pretrained load into the partitioned model checks names first
     ("micro_mismatch", "train_micro_batch_size_per_gpu 2 but the run file has micro_batch 1"),
     ("precision_mismatch", "trains in fp32 but the run file has precision bf16"),
