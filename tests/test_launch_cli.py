@@ -108,8 +108,7 @@ def test_ctrl_c_waits_for_the_ranks_and_says_how_to_resume(tmp_path):
         "import pathlib, signal, time\n"
         "def stop(*_): raise KeyboardInterrupt\n"
         "signal.signal(signal.SIGTERM, stop)\n"
-        "pathlib.Path('started').touch()\n"
-        "try:\n    time.sleep(120)\n"
+        "try:\n    pathlib.Path('started').touch()\n    time.sleep(120)\n"  # SIGINT only after this point
         "except KeyboardInterrupt:\n"
         "    signal.signal(signal.SIGTERM, signal.SIG_IGN); signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
         "    time.sleep(1); pathlib.Path('stopped').touch(); raise SystemExit(130)\n")
