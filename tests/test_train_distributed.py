@@ -59,17 +59,23 @@ def _worker(rank, world, port, jobs, out_file):
     from fluxzero.config import TrainConfig
     from fluxzero.train import train
 
-    results = {}
+    results, done = {}, False
     try:
         for name, cfg in jobs:
             results[name] = train(TrainConfig.from_dict(cfg))["losses"]
         results["z3_partition"] = _partition_probe(TrainConfig.from_dict(dict(jobs)["z3"]))
+        done = True
     finally:
         if dist.is_initialized():
+            if done:
+                dist.barrier()  # neither rank tears its process group down while the other still talks
             dist.destroy_process_group()
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(results, f)
+    # Leave without interpreter teardown: once, on a heavily loaded machine, a rank aborted here
+    # ("terminate called without an active exception") after every result had been computed.
+    os._exit(0)
 
 
 def _partition_probe(cfg):
