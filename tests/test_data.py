@@ -158,14 +158,20 @@ def test_resume_mid_epoch_and_across_epochs(shard_dir):
     for _ in range(3):
         got.append(next(it)["index"].tolist())
     sd = run.state_dict()
-    assert sd == {"epoch": 0, "batches_done": 3}
+    assert (sd["epoch"], sd["batches_done"]) == (0, 3)
     resumed = build_dataloader(str(shard_dir), **kw)
     resumed.load_state_dict(json.loads(json.dumps(sd)))  # survives a JSON round trip
     for epoch in range(2):
         resumed.set_epoch(epoch)  # keeps the position for the current epoch
         got += [b["index"].tolist() for b in resumed]
     assert got == uninterrupted
-    assert resumed.state_dict() == {"epoch": 2, "batches_done": 0}
+    assert (resumed.state_dict()["epoch"], resumed.state_dict()["batches_done"]) == (2, 0)
+    # the position belongs to one epoch plan: another micro batch or seed is refused, not silently misread
+    for change in ({"micro_batch": kw["micro_batch"] + 1}, {"seed": kw["seed"] + 1}):
+        other = build_dataloader(str(shard_dir), **{**kw, **change})
+        key = next(iter(change))
+        with pytest.raises(DataError, match=f"saved with {key}={kw[key]} but this run uses {key}={change[key]}"):
+            other.load_state_dict(sd)
 
 
 def test_workers_match_in_process(shard_dir):

@@ -159,9 +159,17 @@ class ShardLoader:
             self.epoch, self.batches_done = int(epoch), 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches_done": self.batches_done}
+        return {"epoch": self.epoch, "batches_done": self.batches_done, "micro_batch": self.micro_batch,
+                "world_size": self.world_size, "seed": self.seed}
 
     def load_state_dict(self, sd: dict) -> None:
+        # The position counts batches of one epoch plan, which micro batch, world size and seed define:
+        # under other values it would silently point at other samples (some repeated, some skipped).
+        for key in ("micro_batch", "world_size", "seed"):
+            if key in sd and sd[key] != getattr(self, key):
+                raise DataError(f"the checkpoint's data position was saved with {key}={sd[key]} but this run "
+                                f"uses {key}={getattr(self, key)}; resume with {key}={sd[key]}, or start a new "
+                                f"output_dir")
         epoch, done = int(sd["epoch"]), int(sd["batches_done"])
         if not 0 <= done <= self._len:
             raise DataError(f"loader state batches_done={done} is outside [0, {self._len}]; the data or batch size changed since the checkpoint.")
