@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import textwrap
 
 import pytest
+from pure_python import run_without_torch
 from click.testing import CliRunner
 
 from fluxzero import ds_config
@@ -384,25 +382,8 @@ def test_check_config_command(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 # gen-config must not import torch or deepspeed
 
-_BLOCKER = textwrap.dedent("""
-    import sys
-    class _Block:
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("torch", "deepspeed"):
-                raise ImportError(f"import of {name} blocked by the test")
-            return None
-    sys.meta_path.insert(0, _Block())
-""")
-
-
-def _blocked(code: str, *args: str) -> subprocess.CompletedProcess:
-    script = _BLOCKER + textwrap.dedent(code)
-    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": os.getcwd()})
-
-
 def test_blocker_blocks():
-    r = _blocked("import torch")
+    r = run_without_torch("import torch")
     assert r.returncode != 0 and "blocked by the test" in r.stderr
 
 
@@ -417,8 +398,8 @@ def test_gen_config_and_pure_checks_run_without_torch(tmp_path):
             assert "torch" not in sys.modules and "deepspeed" not in sys.modules
             sys.exit(e.code)
     """
-    r = _blocked(code, "gen-config", "--preset", "zero3-offload", "--world-size", "4", "-o", str(out))
+    r = run_without_torch(code, "gen-config", "--preset", "zero3-offload", "--world-size", "4", "-o", str(out))
     assert r.returncode == 0, r.stderr
     assert json.loads(out.read_text())["train_batch_size"] == 4
-    r = _blocked(code, "check-config", str(out), "--world-size", "4", "--no-deepspeed")
+    r = run_without_torch(code, "check-config", str(out), "--world-size", "4", "--no-deepspeed")
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr

@@ -1,10 +1,9 @@
 """Hostfile parsing and DeepSpeed include/exclude filters (fluxzero.hostfile is pure Python)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
+from pure_python import run_without_torch
 
 from fluxzero.hostfile import (
     HostfileError,
@@ -165,16 +164,9 @@ def test_limit_hosts_matches_deepspeed_and_checks_bounds():
 
 def test_import_is_pure():
     """The module must load where torch and deepspeed cannot be imported (gen-config runs without them)."""
-    code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in ('torch', 'deepspeed'):\n"
-        "            raise ImportError('blocked ' + name)\n"
-        "sys.meta_path.insert(0, Block())\n"
-        "from fluxzero.hostfile import parse_hostfile_text, filter_hosts, world_size\n"
-        "print(world_size(filter_hosts(parse_hostfile_text('a slots=2'), include='a:1')))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = run_without_torch("""
+        from fluxzero.hostfile import parse_hostfile_text, filter_hosts, world_size
+        print(world_size(filter_hosts(parse_hostfile_text('a slots=2'), include='a:1')))
+    """)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"

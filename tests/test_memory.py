@@ -1,11 +1,9 @@
 """fluxzero.memory: parameter counts, parity with DeepSpeed's own estimators, the measured GPU facts it must
 reproduce, fit search, and the `fluxzero estimate` command (which must run without torch)."""
 import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
+from pure_python import run_without_torch
 from click.testing import CliRunner
 
 from fluxzero import memory
@@ -321,17 +319,10 @@ def test_estimate_user_errors_exit_2(args, word):
 
 
 def test_estimate_runs_without_torch_or_deepspeed():
-    code = textwrap.dedent("""
-        import sys
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split('.')[0] in ('torch', 'deepspeed'):
-                    raise ImportError('blocked ' + name)
-        sys.meta_path.insert(0, Block())
+    r = run_without_torch("""
         from fluxzero.cli import main
         main(['estimate', '--gpus-per-node', '2', '--gpu', 'h200', '--zero-stage', '3'])
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "FITS" in r.stdout
 
@@ -389,17 +380,10 @@ def test_gen_config_fit_user_errors(args, word):
 
 
 def test_gen_config_fit_runs_without_torch_or_deepspeed():
-    code = textwrap.dedent("""
-        import sys
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split('.')[0] in ('torch', 'deepspeed'):
-                    raise ImportError('blocked ' + name)
-        sys.meta_path.insert(0, Block())
+    r = run_without_torch("""
         from fluxzero.cli import main
         main(['gen-config', '--fit', '--world-size', '2', '--gpu', 'h200'])
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["zero_optimization"]["stage"] == 3 and "chose ZeRO-3" in r.stderr
 
