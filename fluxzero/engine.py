@@ -5,6 +5,7 @@ partitioned model, activation checkpointing applied from outside, checkpoint sav
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import glob
 import importlib
@@ -72,8 +73,21 @@ def init_distributed() -> tuple[int, int, torch.device]:
         accel.set_device(local_rank)
     if not dist.is_initialized():
         deepspeed.init_distributed(verbose=False)
+        atexit.register(_destroy_group_at_exit)
     device = torch.device(accel.device_name(local_rank) if accel.device_name() != "cpu" else "cpu")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _destroy_group_at_exit():
+    """Tear down the group this module created, while the interpreter is still whole.
+
+    A gloo group left for interpreter teardown can abort the process (SIGABRT, "terminate called without an
+    active exception") after all work is done: its worker threads still hold finished work whose tensors
+    are freed after Python is gone. Measured on the 2-core CI machine: 5 of 10 5-rank runs aborted
+    without this, 0 of 15 with it. A no-op when the caller destroyed the group already.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def barrier():

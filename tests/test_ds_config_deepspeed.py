@@ -285,6 +285,7 @@ for path in sys.argv[1:]:
         losses.append(loss.item())
     print(json.dumps({"file": os.path.basename(path), "optimizer": type(eng.optimizer).__name__,
                       "basic": type(eng.basic_optimizer).__name__, "steps": eng.global_steps, "losses": losses}))
+torch.distributed.destroy_process_group()  # a gloo group left to interpreter teardown can abort the process
 """
 
 

@@ -139,6 +139,26 @@ def test_tiny_default_files():
     assert json.loads(out.stdout) == ds
 
 
+def test_process_group_is_torn_down_before_interpreter_exit():
+    """A gloo group left to interpreter teardown can SIGABRT a finished rank: init_distributed owns its group.
+
+    atexit runs handlers last-registered first, so one registered before init_distributed sees the state
+    after fluxzero's own handler.
+    """
+    child = textwrap.dedent("""
+        import atexit, sys
+        import torch.distributed as dist
+        atexit.register(lambda: print("group alive at exit:", dist.is_initialized()))
+        from fluxzero.engine import init_distributed
+        init_distributed()
+        dist.barrier()
+    """)
+    p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "group alive at exit: False" in p.stdout
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Training cases, one child process
 # ---------------------------------------------------------------------------------------------------------
