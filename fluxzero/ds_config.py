@@ -556,6 +556,22 @@ ACTIVATION_CHECKPOINTING_KEYS = frozenset({
     "partition_activations", "number_checkpoints", "contiguous_memory_optimization", "cpu_checkpointing",
     "profile", "synchronize_checkpoint_boundary",
 })
+# Keys deepspeed 0.19.8 reads from these sections (runtime/constants.py, profiling/constants.py,
+# swap_tensor/aio_config.py, model_checkpointing/constants.py); a misspelled one is ignored silently.
+FLOPS_PROFILER_KEYS = frozenset({"enabled", "recompute_fwd_factor", "profile_step", "module_depth", "top_modules",
+                                 "detailed", "output_file"})
+AIO_KEYS = frozenset({"block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events",
+                      "use_gds"})
+DATA_TYPES_KEYS = frozenset({"grad_accum_dtype"})
+CHECKPOINT_KEYS = frozenset({"tag_validation", "load_universal", "use_node_local_storage", "parallel_write",
+                             "checkpoint_serialization", "writer"})
+# ZeRO knobs only one group of stages reads (the rest ignore them silently); gen-config refuses them as well.
+ZERO_STAGE3_ONLY = frozenset(k for k in ZERO_KEYS if k.startswith("stage3_")) | frozenset({
+    "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
+    "max_reuse_distance", "gather_16bit_weights_on_model_save", "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params", "allgather_sequential",
+})
+ZERO_STAGE12_ONLY = frozenset({"allgather_bucket_size", "allgather_partitions", "round_robin_gradients"})
 FLUXZERO_KEYS = frozenset({"activation_checkpointing", "compile"})
 FLUXZERO_CHECKPOINTING_KEYS = frozenset({"every_k_blocks", "implementation"})
 FLUXZERO_COMPILE_KEYS = frozenset({"blocks", "mode", "backend"})
@@ -589,7 +605,11 @@ TORCH_SCHEDULERS = ("LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR", "Co
 
 
 def _closest(key: str, known) -> str:
-    match = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    match = [k for k in sorted(known) if k.lower() == key.lower()]  # "Bf16" for "bf16": case alone
+    match = match or difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    if not match:
+        by_lower = {k.lower(): k for k in sorted(known)}
+        match = [by_lower[m] for m in difflib.get_close_matches(key.lower(), sorted(by_lower), n=1, cutoff=0.6)]
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
@@ -622,7 +642,8 @@ def _positive_ints(section: str, d: dict, keys, p: list[str], minimum: int = 1) 
     for key in keys:
         if key in d and not (_is_int(d[key]) and d[key] >= minimum) and not _pretty_int(d[key], minimum):
             what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-            p.append(f"{section}.{key} must be {what}, got {json.dumps(d[key])}")
+            where = f"{section}.{key}" if section else key
+            p.append(f"{where} must be {what}, got {json.dumps(d[key])}")
 
 
 def _pretty_int(v, minimum) -> bool:
@@ -654,6 +675,14 @@ def check(cfg, world_size: int | None = None) -> list[str]:
     _check_compile(cfg, p)
     tb = _section(cfg, "tensorboard", p)
     _unknown("tensorboard", tb, TENSORBOARD_KEYS, p)
+    for key, known in (("flops_profiler", FLOPS_PROFILER_KEYS), ("aio", AIO_KEYS), ("data_types", DATA_TYPES_KEYS),
+                       ("checkpoint", CHECKPOINT_KEYS)):
+        _unknown(key, _section(cfg, key, p), known, p)
+    _positive_ints("aio", _section(cfg, "aio", []), ("block_size", "queue_depth", "intra_op_parallelism"), p)
+    for key in ("bf16", "bfloat16", "fp16", "tensorboard", "flops_profiler"):
+        enabled = _section(cfg, key, []).get("enabled", False)
+        if not isinstance(enabled, bool):
+            p.append(f"{key}.enabled must be true or false, got {json.dumps(enabled)}")
     return p
 
 
@@ -733,6 +762,13 @@ def _check_zero(cfg: dict, p: list[str]) -> tuple[int, str]:
                                             "stage3_max_reuse_distance", "max_reuse_distance",
                                             "stage3_model_persistence_threshold", "model_persistence_threshold"),
                    p, minimum=0)
+    for key in sorted(z):
+        if key in ZERO_STAGE3_ONLY and stage != 3:
+            p.append(f"zero_optimization.{key} applies only at stage 3 (stage is {stage}, which ignores it): "
+                     "remove it")
+        elif key in ZERO_STAGE12_ONLY and stage in (0, 3):
+            p.append(f"zero_optimization.{key} applies only at stage 1 or 2 (stage is {stage}, which ignores it): "
+                     "remove it")
     devices = {}
     for key, known in (("offload_optimizer", OFFLOAD_OPTIMIZER_KEYS), ("offload_param", OFFLOAD_PARAM_KEYS)):
         off = _section(z, key, p, where=f"zero_optimization.{key}")
@@ -835,6 +871,8 @@ def _check_scheduler(cfg: dict, p: list[str]) -> None:
 def _check_checkpointing(cfg: dict, p: list[str]) -> None:
     ac = _section(cfg, "activation_checkpointing", p)
     _unknown("activation_checkpointing", ac, ACTIVATION_CHECKPOINTING_KEYS, p)
+    if ac.get("number_checkpoints") is not None:
+        _positive_ints("activation_checkpointing", ac, ("number_checkpoints",), p)
     if ac.get("contiguous_memory_optimization") is True:
         if ac.get("partition_activations") is not True:
             p.append("activation_checkpointing.contiguous_memory_optimization needs "

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from fluxzero.config import ModelConfig, TrainConfig
+from fluxzero.fsutil import atomic_write
 
 CHECKPOINTING = ("torch", "deepspeed")
 # torch.compile modes without CUDA graphs (ds_config.COMPILE_MODES says why) and backends (aot_eager, eager:
@@ -312,15 +313,6 @@ def set_lr(engine, lr: float) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------------------
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -360,13 +352,13 @@ def save_checkpoint(engine, ckpt_dir: str | Path, step: int, trainer_state: dict
     try:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
         buf = _torch_bytes({**trainer_state, "rng": rng_state(), "world_size": dist.get_world_size()})
-        _atomic_write(tag_dir / f"trainer_state_rank{rank}.pt", buf)
+        atomic_write(tag_dir / f"trainer_state_rank{rank}.pt", buf)
         if rank == 0:
-            _atomic_write(tag_dir / "run.yaml", run_config_text.encode())
-            _atomic_write(tag_dir / "ds_config.json", json.dumps(ds, indent=2).encode())
+            atomic_write(tag_dir / "run.yaml", run_config_text.encode())
+            atomic_write(tag_dir / "ds_config.json", json.dumps(ds, indent=2).encode())
         barrier()
         if rank == 0:
-            _atomic_write(ckpt_dir / "latest", tag.encode())
+            atomic_write(ckpt_dir / "latest", tag.encode())
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write (disk full) as RuntimeError
         reason = e.strerror if isinstance(e, OSError) and e.strerror else "a write failed; is the disk full?"
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"

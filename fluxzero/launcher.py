@@ -131,9 +131,13 @@ def _check_launcher_limits(spec: LaunchSpec, hosts: Mapping[str, int], world: Ma
 def _check_script(spec: LaunchSpec) -> None:
     if not spec.script or spec.script.startswith("-"):
         raise LaunchError(f"training script {spec.script!r} must be a path that does not start with '-'.")
-    if spec.launcher != "pdsh":
-        return
-    # pdsh: the remote command line goes through a shell (see the module docstring).
+
+
+def _check_pdsh_shell(spec: LaunchSpec) -> None:
+    """Multi-node pdsh only: the remote command line goes through a shell (see the module docstring).
+
+    Single-node launches (no hostfile, or one local host) start the ranks from an argument list instead.
+    """
     for what, text in [("the working directory", spec.cwd), ("the training script", spec.script)]:
         bad = _bad_chars(text, _PLAIN)
         if bad:
@@ -193,6 +197,8 @@ def build_command(spec: LaunchSpec, hosts: Mapping[str, int] | None = None) -> l
     world = resolve_world(spec, hosts)
     _check_launcher_limits(spec, hosts, world)
     single_local = len(world) == 1 and next(iter(world)) in LOCAL_HOSTS
+    if spec.launcher == "pdsh" and not single_local:
+        _check_pdsh_shell(spec)
 
     if spec.hostfile is not None:
         argv.append(f"--hostfile={os.fspath(spec.hostfile)}")

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 
 import pytest
 from pure_python import run_without_torch
 from click.testing import CliRunner
 
-from fluxzero import ds_config
+from fluxzero import ds_config, fsutil
 from fluxzero.cli import main
 from fluxzero.commands import config as config_cmd
 from fluxzero.ds_config import DSConfigError, build, check, options_from
@@ -183,7 +185,7 @@ def test_output_written_atomically(tmp_path, monkeypatch):
     assert r.exit_code == 0 and json.loads(out.read_text())["zero_optimization"]["stage"] == 1
     before = out.read_bytes()
     # a failing rename (disk full, killed run) must leave the old file and no temporary behind
-    monkeypatch.setattr(config_cmd.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    monkeypatch.setattr(fsutil.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
     r = run("gen-config", "--preset", "zero3", "-o", str(out))
     assert r.exit_code == 2 and "cannot write" in r.output
     assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]
@@ -191,6 +193,25 @@ def test_output_written_atomically(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert run("gen-config", "--zero-stage", "7", "-o", str(out)).exit_code == 2
     assert out.read_bytes() == before
+
+
+
+def test_output_permissions_and_symlinks(tmp_path):
+    """-o makes a file others can read (umask applies), keeps a replaced file's mode and follows symlinks."""
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "new.json"
+        assert run("gen-config", "--preset", "zero1", "-o", str(out)).exit_code == 0
+        assert stat.S_IMODE(out.stat().st_mode) == 0o644
+        out.chmod(0o640)
+        assert run("gen-config", "--preset", "zero2", "-o", str(out)).exit_code == 0
+        assert stat.S_IMODE(out.stat().st_mode) == 0o640
+        link = tmp_path / "link.json"
+        link.symlink_to(out)
+        assert run("gen-config", "--preset", "zero3", "-o", str(link)).exit_code == 0
+        assert link.is_symlink() and json.loads(out.read_text())["zero_optimization"]["stage"] == 3
+    finally:
+        os.umask(old)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -205,6 +226,34 @@ def test_check_accepts_generated_configs():
     for name in ds_config.PRESETS:
         o = options_from(name, nvme_path="/nvme" if "nvme" in name else None, world_size=4)
         assert check(build(o), 4) == [], name
+
+
+def test_silently_ignored_settings_are_reported():
+    """What DeepSpeed's parser accepts and then ignores: misspelled keys in minor sections, knobs of other stages."""
+    cfg = _good()  # stage 2
+    cfg["flops_profiler"] = {"enable": True}
+    cfg["aio"] = {"block_sz": 1048576, "queue_depth": -1}
+    cfg["data_types"] = {"grad_acum_dtype": "fp32"}
+    cfg["checkpoint"] = {"load_universl": True}
+    cfg["zero_optimization"]["stage3_max_live_parameters"] = 10**9
+    cfg["Bf16"] = {"enabled": True}
+    cfg["bf16"]["enabled"] = "yes"
+    cfg["steps_per_print"] = 0
+    got = check(cfg, 2)
+    for want in ("unknown key 'flops_profiler.enable' (did you mean 'enabled'?)",
+                 "unknown key 'aio.block_sz' (did you mean 'block_size'?)",
+                 "aio.queue_depth must be a positive integer, got -1",
+                 "unknown key 'data_types.grad_acum_dtype' (did you mean 'grad_accum_dtype'?)",
+                 "unknown key 'checkpoint.load_universl' (did you mean 'load_universal'?)",
+                 "zero_optimization.stage3_max_live_parameters applies only at stage 3",
+                 "unknown key 'Bf16' (did you mean 'bf16'?)",
+                 'bf16.enabled must be true or false, got "yes"',
+                 "steps_per_print must be a positive integer, got 0"):
+        assert any(line.startswith(want) for line in got), (want, got)
+    cfg = build(options_from("zero3", world_size=2))
+    cfg["zero_optimization"]["allgather_bucket_size"] = 5 * 10**8
+    assert check(cfg, 2) == ["zero_optimization.allgather_bucket_size applies only at stage 1 or 2 (stage is 3, "
+                             "which ignores it): remove it"]
 
 
 def test_unknown_keys_get_suggestions():
@@ -403,3 +452,6 @@ def test_gen_config_and_pure_checks_run_without_torch(tmp_path):
     assert json.loads(out.read_text())["train_batch_size"] == 4
     r = run_without_torch(code, "check-config", str(out), "--world-size", "4", "--no-deepspeed")
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+    # the parser needs deepspeed: without it, one sentence saying what to install or pass
+    r = run_without_torch(code, "check-config", str(out), "--world-size", "4")
+    assert r.returncode == 2 and "--no-deepspeed" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -175,13 +175,13 @@ def test_check_config_runs_deepspeed_parser(tmp_path):
     r = CliRunner().invoke(main, ["check-config", str(f)])
     assert r.exit_code == 0 and "OK (fluxzero's checks and DeepSpeed's parser" in r.output
     # a value only DeepSpeed's parser knows is wrong: a non-boolean where it wants a boolean
-    cfg["zero_optimization"]["round_robin_gradients"] = "maybe"
+    cfg["zero_optimization"]["overlap_comm"] = "maybe"
     f.write_text(json.dumps(cfg))
     assert CliRunner().invoke(main, ["check-config", str(f), "--no-deepspeed"]).exit_code == 0
     r = CliRunner().invoke(main, ["check-config", str(f), "--world-size", "4"])
     assert r.exit_code == 2
     (line,) = r.output.strip().splitlines()
-    assert line.startswith(f"{f}: deepspeed: zero_optimization.round_robin_gradients: Input should be a valid boolean")
+    assert line.startswith(f"{f}: deepspeed: zero_optimization.overlap_comm: Input should be a valid boolean")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -212,6 +212,24 @@ def test_section_key_lists_match_deepspeed_models():
     assert ds_config.FP16_KEYS == _fields(DeepSpeedFP16Config)
     assert ds_config.TENSORBOARD_KEYS == _fields(TensorBoardConfig)
     assert ds_config.ACTIVATION_CHECKPOINTING_KEYS == set(ACT_CHKPT_DEFAULT)
+
+
+def test_minor_section_key_lists_match_deepspeed_constants():
+    import deepspeed.profiling.constants as prof
+    import deepspeed.runtime.constants as rc
+    import deepspeed.runtime.model_checkpointing.constants as mc
+    from deepspeed.runtime.swap_tensor.aio_config import AIO_DEFAULT_DICT
+
+    def names(module, prefix):
+        return {v for k, v in vars(module).items() if k.startswith(prefix) and isinstance(v, str)
+                and not k.endswith("_DEFAULT") and v.isidentifier()}  # not the FORMAT help text
+
+    assert ds_config.AIO_KEYS == set(AIO_DEFAULT_DICT)
+    assert ds_config.FLOPS_PROFILER_KEYS == names(prof, "FLOPS_PROFILER_") - {prof.FLOPS_PROFILER}
+    assert ds_config.DATA_TYPES_KEYS == {rc.GRAD_ACCUM_DTYPE}
+    assert ds_config.CHECKPOINT_KEYS == {rc.CHECKPOINT_TAG_VALIDATION, rc.LOAD_UNIVERSAL_CHECKPOINT,
+                                         rc.USE_NODE_LOCAL_STORAGE_CHECKPOINT, rc.CHECKPOINT_PARALLEL_WRITE,
+                                         mc.CHECKPOINT_SERIALIZATION, mc.CHECKPOINT_WRITER}
 
 
 def test_top_level_keys_cover_what_deepspeed_reads():

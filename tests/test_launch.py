@@ -190,6 +190,16 @@ def test_pdsh_refuses_a_working_directory_the_remote_shell_would_split():
         build_command(spec(cwd="/home/me/my runs"), HOSTS)
 
 
+@pytest.mark.parametrize("hosts", [None, {"localhost": 2}])
+def test_single_node_launches_take_any_path_and_argument(hosts):
+    """No hostfile, or one local host: DeepSpeed starts the ranks from an argument list, no remote shell."""
+    hostfile = None if hosts is None else "hosts"
+    argv = build_command(spec(hostfile=hostfile, cwd="/home/me/my dir (2)", script="train $(x).py",
+                              script_args=tuple(HOSTILE_ARGS)), hosts)
+    a = ds_args(argv)
+    assert (a.user_script, a.user_args) == ("train $(x).py", HOSTILE_ARGS)
+
+
 # ------------------------------------------------------------------------------------------------ .deepspeed_env
 
 

@@ -28,7 +28,7 @@ def test_dry_run_prints_env_file_and_command(hosts, tmp_path, monkeypatch):
                                     "--exclude", "node-b:1", "--master-addr", "10.1.2.3", "--dry-run",
                                     "--", "--config", "my run.yaml"])
     assert r.exit_code == 0, r.output
-    lines = r.output.splitlines()
+    lines = r.stdout.splitlines()
     cmd = shlex.split(lines[-1])
     assert cmd[0].endswith("deepspeed")
     assert cmd[1:] == ["--hostfile=" + hosts, "--exclude=node-b:1", "--launcher=pdsh", "--master_addr=10.1.2.3",
@@ -36,6 +36,22 @@ def test_dry_run_prints_env_file_and_command(hosts, tmp_path, monkeypatch):
     assert "NCCL_IB_DISABLE=0" in lines and "NCCL_NVLS_ENABLE=0" in lines and "NCCL_IB_HCA==mlx5_0" in lines
     assert "# .fluxzero/deepspeed_env" in r.output and "NCCL_IB_HCA==mlx5_0" in r.output.split("# command")[0]
     assert not (tmp_path / ".fluxzero").exists()  # a dry run writes nothing
+    assert lines[0] == "# world: 3 ranks on 2 host(s)"
+    # what would stop the real launch from here is said, not hidden behind exit 0
+    assert "training script 'launch/train.py' not found" in r.stderr
+
+
+def test_unwritable_env_file_is_one_sentence(hosts, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    for tool in ("pdsh", "deepspeed"):  # present, never reached
+        (tmp_path / tool).write_text("#!/bin/sh\nexit 9\n")
+        (tmp_path / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    (tmp_path / "blocker").write_text("a file where a folder should be")
+    r = CliRunner().invoke(launch, ["--hostfile", hosts, "--master-addr", "node-a", "--script", "train.py",
+                                    "--env-file", str(tmp_path / "blocker" / "env")])
+    assert r.exit_code == 2 and "--env-file with a writable path" in r.output and "Traceback" not in r.output
 
 
 @pytest.mark.parametrize(

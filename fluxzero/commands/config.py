@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 
 import click
 from click.core import ParameterSource
@@ -17,6 +16,7 @@ from fluxzero import ds_config
 from fluxzero.commands.estimate import apply_fit, fit_options
 from fluxzero.config import MODEL_PRESETS
 from fluxzero.ds_config import DSConfigError, DSOptions
+from fluxzero.fsutil import atomic_write
 
 _D = DSOptions()
 
@@ -155,22 +155,6 @@ def world_size_from(hostfile, nodes, gpus_per_node, world_size) -> int | None:
     return world_size
 
 
-def write_atomic(path: str, text: str) -> None:
-    """Write text to path via a temporary file in the same directory and a rename: all or nothing."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 @click.command("gen-config", context_settings={"max_content_width": 110})
 @_with_options
 @fit_options
@@ -197,7 +181,7 @@ def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, 
         click.echo(text, nl=False)
         return
     try:
-        write_atomic(output, text)
+        atomic_write(output, text)
     except OSError as e:
         raise click.BadParameter(f"cannot write {output}: {e.strerror}", param_hint="--output") from None
     click.echo(f"wrote {output}", err=True)
@@ -241,8 +225,12 @@ def check_config(file, hostfile, world_size, run_deepspeed):
         problems += ds_config.check(cfg, world)
     if not problems and run_deepspeed:
         # importing deepspeed logs its accelerator choice on stdout; keep stdout for the problem lines
-        with contextlib.redirect_stdout(sys.__stderr__):
-            import deepspeed  # noqa: F401
+        try:
+            with contextlib.redirect_stdout(sys.__stderr__):
+                import deepspeed  # noqa: F401
+        except ImportError as e:
+            raise click.UsageError(f"DeepSpeed's parser cannot run here ({e}); pip install -e '.[train]', or "
+                                   "pass --no-deepspeed for fluxzero's checks alone.") from None
         from fluxzero.ds_validate import deepspeed_problems
 
         cfg = ds_config.without_auto(cfg)

@@ -100,7 +100,19 @@ def launch(hostfile, launcher, include, exclude, num_nodes, num_gpus, master_add
         except LaunchError as e:
             raise click.UsageError(str(e)) from None
 
+    preflight = []  # what would stop a real launch here; a dry run prints it, a real one stops on it
+    if not os.path.exists(script):
+        preflight.append(f"training script {script!r} not found; run from the fluxzero checkout or pass --script.")
+    if shutil.which(argv[0]) is None and not os.path.exists(argv[0]):
+        preflight.append("the `deepspeed` launcher is not on PATH; pip install deepspeed==0.19.8.")
+    if multi_node and launcher in _BACKEND_TOOL and shutil.which(_BACKEND_TOOL[launcher]) is None:
+        preflight.append(
+            f"--launcher {launcher} needs `{_BACKEND_TOOL[launcher]}` on PATH; install it or pick another --launcher."
+        )
+
     if dry_run:
+        if world:
+            click.echo(f"# world: {sum(len(s) for s in world.values())} ranks on {len(world)} host(s)")
         click.echo("# environment for every rank")
         for k, v in rank_env.items():
             click.echo(f"{k}={shlex.quote(v)}")
@@ -109,18 +121,18 @@ def launch(hostfile, launcher, include, exclude, num_nodes, num_gpus, master_add
             click.echo(text, nl=False)
         click.echo("# command")
         click.echo(shlex.join(argv))
+        for line in preflight:
+            click.echo(f"warning: a real launch here would stop: {line}", err=True)
         return
 
-    if not os.path.exists(script):
-        raise click.UsageError(f"training script {script!r} not found; run from the fluxzero checkout or pass --script.")
-    if shutil.which(argv[0]) is None and not os.path.exists(argv[0]):
-        raise click.UsageError("the `deepspeed` launcher is not on PATH; pip install deepspeed==0.19.8.")
-    if multi_node and launcher in _BACKEND_TOOL and shutil.which(_BACKEND_TOOL[launcher]) is None:
-        raise click.UsageError(
-            f"--launcher {launcher} needs `{_BACKEND_TOOL[launcher]}` on PATH; install it or pick another --launcher."
-        )
+    if preflight:
+        raise click.UsageError(preflight[0])
     if multi_node:
-        env.update(write_deepspeed_env(env_file, file_env, launcher))
+        try:
+            env.update(write_deepspeed_env(env_file, file_env, launcher))
+        except OSError as e:
+            raise click.UsageError(f"cannot write the launcher's environment file {env_file} ({e.strerror}); "
+                                   "pass --env-file with a writable path.") from None
     click.echo(shlex.join(argv), err=True)
     proc = subprocess.Popen(argv, env=env)
     try:

@@ -20,6 +20,7 @@ from pathlib import Path
 from fluxzero.data import shards as fmt
 from fluxzero.data.buckets import make_buckets, nearest_bucket
 from fluxzero.data.errors import DataError
+from fluxzero.fsutil import atomic_write
 from fluxzero.data.images import captions_for, list_images, load_bucketed, probe_size
 
 PLAN_FILE = "cache_plan.json"
@@ -147,7 +148,7 @@ def _claim_dir(out: Path, plan: dict, opts: CacheOptions) -> None:
         if foreign:
             raise DataError(f"{out} already holds shards not made by this cache run; choose a new output folder.")
         doc = {"fingerprint": plan["fingerprint"], "options": opts.output_options(), "num_shards": len(plan["shards"])}
-        fmt.atomic_write_bytes(plan_file, (json.dumps(doc, indent=1) + "\n").encode())
+        atomic_write(plan_file, (json.dumps(doc, indent=1) + "\n").encode())
 
 
 # ------------------------------------------------------------------------------------------------ encode
@@ -165,7 +166,7 @@ def _empty_caption(out: Path, enc) -> dict:
             pass
     t5, t5_len, clip = enc.encode_text([""])
     d = {"t5": t5[0].contiguous(), "clip": clip[0].contiguous(), "t5_len": t5_len}
-    fmt.atomic_write_bytes(path, save(d))
+    atomic_write(path, save(d))
     return d
 
 
@@ -249,7 +250,7 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
                     bar.write(f"skipped {sk['file']}: {sk['reason']}")
                 part = {"record": record, "skipped": skipped, "dims": enc.dims, "dtype": storage,
                         "vae_scale": enc.scale, "vae_shift": enc.shift, "encoders": vars(enc.paths)}
-                fmt.atomic_write_bytes(_part_path(out, s["id"]), (json.dumps(part) + "\n").encode())
+                atomic_write(_part_path(out, s["id"]), (json.dumps(part) + "\n").encode())
         log(f"rank {opts.rank}: encoded {total} samples in {time.perf_counter() - t0:.1f} s")
     manifest, report = _finalize(out, plan, opts)
     if manifest is None:
@@ -315,7 +316,7 @@ def _finalize(out: Path, plan: dict, opts: CacheOptions):
 def _write_if_changed(path: Path, doc: dict) -> None:
     data = (json.dumps(doc, indent=1, ensure_ascii=False) + "\n").encode()
     if not (path.exists() and path.read_bytes() == data):
-        fmt.atomic_write_bytes(path, data)
+        atomic_write(path, data)
 
 
 def env_rank_world() -> tuple[int, int]:

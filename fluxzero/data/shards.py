@@ -29,6 +29,7 @@ import struct
 from pathlib import Path
 
 from fluxzero.data.errors import DataError
+from fluxzero.fsutil import atomic_write
 
 FORMAT = "fluxzero-shards"
 FORMAT_VERSION = 1
@@ -49,21 +50,6 @@ def bucket_key(h: int, w: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------- writing
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temp file in the same folder, fsync, then rename: readers never see a partial file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def write_shard(path, samples: list[dict], dtype="float32") -> dict:
     """Write one shard of same-size samples atomically; return its manifest record.
 
@@ -92,7 +78,7 @@ def write_shard(path, samples: list[dict], dtype="float32") -> dict:
             "samples": [s.get("meta") or {} for s in samples]}
     data = save(tensors, metadata={META_KEY: json.dumps(info, ensure_ascii=False)})
     path = Path(path)
-    atomic_write_bytes(path, data)
+    atomic_write(path, data)
     return {
         "file": path.name,
         "num_samples": len(samples),
@@ -125,7 +111,7 @@ def build_manifest(records: list[dict], dims: dict, dtype: str, extra: dict | No
 
 def write_manifest(out_dir, records: list[dict], dims: dict, dtype: str, extra: dict | None = None) -> dict:
     manifest = build_manifest(records, dims, dtype, extra)
-    atomic_write_bytes(Path(out_dir) / MANIFEST, (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode())
+    atomic_write(Path(out_dir) / MANIFEST, (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode())
     return manifest
 
 
