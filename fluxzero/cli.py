@@ -34,6 +34,12 @@ class LazyGroup(click.Group):
         module, attr = target.split(":")
         return getattr(importlib.import_module(module), attr)
 
+    def format_commands(self, ctx, formatter):
+        """One whole sentence per command (wrapped), not Click's cut-off "..." summaries."""
+        rows = [(name, self.get_command(ctx, name).get_short_help_str(limit=300)) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="fluxzero")

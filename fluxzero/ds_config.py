@@ -267,7 +267,7 @@ def _check_batch_options(o: DSOptions, p: list[str]) -> None:
     if o.global_batch is None:
         return
     if world is None:
-        p.append(f"{flag('global_batch')} needs the world size: pass --hostfile or --nodes/--gpus-per-node")
+        p.append(f"{flag('global_batch')} needs the world size: pass --world-size, --hostfile or --nodes/--gpus-per-node")
         return
     if o.grad_accum is not None:
         if o.global_batch != micro * o.grad_accum * world:
@@ -311,6 +311,17 @@ def _check_zero_options(o: DSOptions, p: list[str]) -> None:
         for f in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size"):
             if getattr(o, f) is not None:
                 p.append(f"{flag(f)} applies only at {flag('zero_stage')} 1, 2 or 3 (got stage 0)")
+    if stage == 3 and o.offload_param == "nvme" and _model(o.model) is not None:
+        # DeepSpeed swaps each rank's partition of a parameter through one buffer (partitioned_param_swapper
+        # get_buffer asserts "More elements ... than buffer size" at the first swap otherwise).
+        from fluxzero.memory import param_inventory  # pure
+
+        largest = max(param_inventory(_model(o.model)).tensor_sizes)
+        need = -(-largest // (o.world_size or 1))
+        if o.nvme_param_buffer_size < need:
+            at = f"at world size {o.world_size}" if o.world_size else "whole, with no world size given"
+            p.append(f"{flag('nvme_param_buffer_size')} {o.nvme_param_buffer_size} cannot hold {o.model}'s largest "
+                     f"parameter partition ({need} elements {at}); pass at least {need}")
     if stage == 3 and o.allgather_bucket_size is not None:
         p.append(f"{flag('allgather_bucket_size')} applies only at stage 1 or 2; at stage 3 use "
                  f"{flag('stage3_prefetch_bucket_size')}")
@@ -330,7 +341,8 @@ def _check_checkpoint_options(o: DSOptions, p: list[str]) -> None:
     ds_flags = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
     on = [f for f in ds_flags if getattr(o, f)]
     if on and (o.checkpoint_impl != "deepspeed" or o.checkpoint_every == 0):
-        p.append(f"{', '.join(map(flag, on))} take effect only with {flag('checkpoint_impl')} deepspeed and "
+        verb = "takes" if len(on) == 1 else "take"
+        p.append(f"{', '.join(map(flag, on))} {verb} effect only with {flag('checkpoint_impl')} deepspeed and "
                  f"{flag('checkpoint_every')} >= 1")
     # deepspeed.checkpointing asserts this at configure time
     if o.contiguous_memory_optimization and not o.partition_activations:

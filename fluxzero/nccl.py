@@ -130,8 +130,8 @@ PROFILES: dict[str, NcclProfile] = {
         ),
         NcclProfile(
             "ring-simple",
-            "Diagnostic only: force Ring + Simple. Worse than NCCL's choice for small/medium messages and at "
-            "scale; use it to rule out an algorithm/protocol bug, then remove it.",
+            "Diagnostic only: force Ring + Simple, overriding NCCL's per-size choice (no gain measured on one "
+            "NVLink node); use it to rule out an algorithm/protocol bug, then remove it.",
             (
                 _NVLS,
                 NcclVar("NCCL_ALGO", "Ring", "Force the ring algorithm (NCCL would choose per size and scale)."),
@@ -151,18 +151,24 @@ _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def profile_env(spec: str = "default") -> dict[str, str]:
-    """Environment of a profile, or of several joined with '+' (later ones win), e.g. "ethernet+debug".
+    """Environment of a profile, or of several joined with '+', e.g. "ethernet+debug".
 
-    NCCL_NVLS_ENABLE=0 is always present.
+    NCCL_NVLS_ENABLE=0 is always present. Profiles that set one variable to different values contradict
+    each other (infiniband+ethernet) and are refused.
     """
     env: dict[str, str] = {}
+    source: dict[str, str] = {}
     for name in (spec or "default").split("+"):
         name = name.strip()
         if name not in PROFILES:
             raise NcclError(
                 f"unknown NCCL profile {name!r}; choose from {', '.join(PROFILE_NAMES)} (join several with '+')."
             )
-        env.update(PROFILES[name].env())
+        for key, value in PROFILES[name].env().items():
+            if key in env and env[key] != value:
+                raise NcclError(f"NCCL profiles {source[key]!r} and {name!r} contradict each other ({key}="
+                                f"{env[key]} vs {value}); pick one of them.")
+            env[key], source[key] = value, name
     env.update(ALWAYS)
     return env
 

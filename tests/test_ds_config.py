@@ -132,7 +132,7 @@ def test_tensorboard_section():
     (["--zero-stage", "0", "--reduce-bucket-size", "5"], "--reduce-bucket-size applies only at"),
     (["--zero-stage", "3", "--allgather-bucket-size", "5"], "--allgather-bucket-size applies only at stage 1 or 2"),
     (["--fp16-initial-scale-power", "8"], "--fp16-initial-scale-power applies only with --precision fp16"),
-    (["--partition-activations"], "--partition-activations take effect only with --checkpoint-impl deepspeed"),
+    (["--partition-activations"], "--partition-activations takes effect only with --checkpoint-impl deepspeed"),
     (["--checkpoint-impl", "deepspeed", "--contiguous-memory-optimization"],
      "--contiguous-memory-optimization needs --partition-activations"),
     (["--model", "flux-tiny", "--checkpoint-every", "5"], "exceeds the 4 blocks of flux-tiny"),
@@ -312,6 +312,17 @@ def test_stage_offload_mismatch():
                              "NVMe optimizer offload needs stage 3 (stage 1 silently keeps the states in CPU memory)"]
     cfg["zero_optimization"] = {"stage": 0, "offload_optimizer": {"device": "cpu"}}
     assert len(check(cfg, 2)) == 1 and "optimizer offload needs stage 1, 2 or 3" in check(cfg, 2)[0]
+
+
+def test_nvme_param_buffer_must_hold_the_largest_partition():
+    """flux-dev's largest tensor is a single block's linear1: 3072 x (3 x 3072 + 12288) = 66,060,288 elements."""
+    kw = dict(zero_stage=3, offload_param="nvme", nvme_path="/nvme")
+    (msg,) = ds_config.check_options(options_from(None, nvme_param_buffer_size=10**6, **kw))
+    assert "66060288 elements whole" in msg and "pass at least 66060288" in msg
+    (msg,) = ds_config.check_options(options_from(None, nvme_param_buffer_size=10**6, world_size=8, **kw))
+    assert "8257536 elements at world size 8" in msg
+    assert ds_config.check_options(options_from(None, nvme_param_buffer_size=8257536, world_size=8, **kw)) == []
+    assert ds_config.check_options(options_from(None, **kw)) == []  # the default 1e8 holds it
 
 
 def test_nvme_without_path():

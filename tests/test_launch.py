@@ -249,6 +249,8 @@ def test_nccl_profiles_keep_nvls_off():
     assert PROFILES["ring-simple"].diagnostic
     with pytest.raises(NcclError, match="unknown NCCL profile 'fast'"):
         profile_env("ethernet+fast")
+    with pytest.raises(NcclError, match="'infiniband' and 'ethernet' contradict each other .NCCL_IB_DISABLE=0 vs 1"):
+        profile_env("infiniband+ethernet")
     with pytest.raises(NcclError, match="NCCL_NVLS_ENABLE must stay 0"):
         check_user_env({"NCCL_NVLS_ENABLE": "1"})
 

@@ -367,13 +367,27 @@ def test_ctrl_c_exits_cleanly_with_checkpoint_to_resume(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 # Quick start: the README's command 1, shortened, on 2 ranks under torchrun
 # ---------------------------------------------------------------------------------------------------------
+QUICK_START = "torchrun --nproc_per_node 2 launch/train.py --config launch/tiny.yaml"
+
+
+def test_readme_quick_start_is_what_ci_and_this_file_run():
+    """README command 2 is .ci/run's test line; command 1 is the run the next test makes (shortened)."""
+    readme = (ROOT / "README.md").read_text()
+    quick = readme[readme.index("## Quick start"):readme.index("\n## ", readme.index("## Quick start") + 1)]
+    commands = [b.split("\n")[1].strip() for b in quick.split("```bash")[1:]]
+    assert len(commands) == 2, commands
+    assert commands[0] == f"pip install torch==2.13.0 && pip install -e '.[train]' && {QUICK_START}"
+    ci = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith("#")]
+    assert commands[1] in ci, "the README's test command must be a line of .ci/run, unchanged"
+
+
 @pytest.mark.slow
 def test_quick_start_torchrun_two_ranks(tmp_path):
     from fluxzero.model.weights import load_weights
 
     out = tmp_path / "tiny"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "launch/train.py",
-           "--config", "launch/tiny.yaml", "steps=12", "checkpoint_every=6", "log_every=3", f"output_dir={out}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *QUICK_START.split()[1:],
+           "steps=12", "checkpoint_every=6", "log_every=3", f"output_dir={out}"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(ROOT), "FLUXZERO_PEAK_TFLOPS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
