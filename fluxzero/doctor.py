@@ -246,7 +246,7 @@ def _remote_command(checkpoint_dir: str, min_free_gb: float) -> str:
 
 def check_host(
     host: str, local_facts: dict, *, checkpoint_dir: str, min_free_gb: float,
-    ssh_port: int | None = None, connect_timeout: int = 5, timeout: float = 120.0,
+    ssh_port: int | None = None, connect_timeout: int = 5, timeout: float = 120.0, slots: int | None = None,
 ) -> list[Check]:
     argv = ssh_argv(host, _remote_command(checkpoint_dir, min_free_gb), ssh_port, connect_timeout)
     try:
@@ -272,11 +272,26 @@ def check_host(
     for c in report["checks"]:
         rows.append(Check(c["name"], c["status"], c["detail"], c["fix"], host))
     remote = report.get("facts", {})
+    rows += slot_checks(slots, remote, host)
     for key in ("python", "torch", "deepspeed", "nccl"):
         if remote.get(key) != local_facts.get(key):
             rows.append(Check(f"{key} matches", "fail", f"{remote.get(key)} here, {local_facts.get(key)} on the launching node",
                               f"install the same {key} version on every node", host))
     return rows
+
+
+def slot_checks(slots: int | None, facts: dict, host: str = "") -> list[Check]:
+    """The hostfile's slots=N against the GPUs the host really has (DeepSpeed starts one rank per slot)."""
+    if slots is None or facts.get("cpu_only", True):
+        return []
+    gpus = facts.get("gpus", 0)
+    if slots > gpus:
+        return [Check("slots", "fail", f"hostfile gives slots={slots} but the host has {gpus} GPU(s)",
+                      f"set slots={gpus} for this host in the hostfile", host)]
+    if slots < gpus:
+        return [Check("slots", "warn", f"slots={slots} uses {slots} of the host's {gpus} GPUs",
+                      f"set slots={gpus} to use them all", host)]
+    return [Check("slots", "pass", f"slots={slots} = GPUs", host=host)]
 
 
 def run_doctor(
@@ -297,7 +312,9 @@ def run_doctor(
         if hosts:
             checks.append(Check("hostfile", "pass", f"{len(hosts)} host(s), {sum(hosts.values())} slot(s)"))
         if len(hosts) == 1 and next(iter(hosts)) in LOCAL_HOSTS:
-            checks.append(Check("ssh", "pass", "single local host: launched without ssh", host=next(iter(hosts))))
+            host = next(iter(hosts))
+            checks.append(Check("ssh", "pass", "single local host: launched without ssh", host=host))
+            checks += slot_checks(hosts[host], facts, host)
         elif hosts:
             if len(hosts) > 1 and not shutil.which("pdsh"):
                 checks.append(Check("pdsh", "warn", "pdsh not found (DeepSpeed's default multi-node launcher)",
@@ -305,7 +322,8 @@ def run_doctor(
             with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
                 results = pool.map(
                     lambda h: check_host(h, facts, checkpoint_dir=checkpoint_dir, min_free_gb=min_free_gb,
-                                         ssh_port=ssh_port, connect_timeout=connect_timeout, timeout=host_timeout),
+                                         ssh_port=ssh_port, connect_timeout=connect_timeout, timeout=host_timeout,
+                                         slots=hosts[h]),
                     hosts,
                 )
                 for rows in results:

@@ -85,3 +85,14 @@ def test_remote_host_checked_through_ssh(tmp_path, monkeypatch):
         assert r["ssh"]["status"] == "pass"
         assert r["python"]["status"] == "pass" and r["deepspeed"]["status"] == "pass"
         assert not any(name.endswith("matches") for name in r)  # same versions as here
+
+
+def test_hostfile_slots_against_the_gpus_a_host_has():
+    from fluxzero.doctor import slot_checks
+
+    gpu_host = {"cpu_only": False, "gpus": 4}
+    (c,) = slot_checks(8, gpu_host, "node-a")
+    assert c.status == "fail" and c.fix == "set slots=4 for this host in the hostfile"
+    assert slot_checks(2, gpu_host)[0].status == "warn"
+    assert slot_checks(4, gpu_host)[0].status == "pass"
+    assert slot_checks(2, {"cpu_only": True, "gpus": 0}) == []  # CPU ranks (gloo) have no GPU count to match
