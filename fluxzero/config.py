@@ -127,6 +127,29 @@ def get_model_config(name: str) -> ModelConfig:
         raise ValueError(f"unknown model preset {name!r}; choose one of: {', '.join(MODEL_PRESETS)}") from None
 
 
+def reshaped(base: ModelConfig, *, depth: int | None = None, depth_single_blocks: int | None = None,
+             hidden_size: int | None = None, num_heads: int | None = None) -> ModelConfig:
+    """`base` with another block count or width (what-if sizing); RoPE axes follow the new head dim.
+
+    Raises ValueError with one sentence when the shape cannot exist.
+    """
+    changes = {k: v for k, v in dict(depth=depth, depth_single_blocks=depth_single_blocks,
+                                     hidden_size=hidden_size, num_heads=num_heads).items() if v is not None}
+    if not changes:
+        return base
+    hidden, heads = changes.get("hidden_size", base.hidden_size), changes.get("num_heads", base.num_heads)
+    if hidden % heads or (hidden // heads) % 2:
+        raise ValueError(f"hidden size {hidden} / {heads} heads must give an even whole head dim")
+    head_dim = hidden // heads
+    if head_dim != base.head_dim:  # FLUX splits 128 as (16, 56, 56): keep the proportions, even entries
+        side = 2 * max(1, round(head_dim * base.axes_dim[1] / base.head_dim / 2))
+        if head_dim - 2 * side < 2:
+            raise ValueError(f"head dim {head_dim} is too small for 3-axis RoPE")
+        changes["axes_dim"] = (head_dim - 2 * side, side, side)
+    desc = ", ".join(f"{k}={v}" for k, v in changes.items() if k != "axes_dim")
+    return dataclasses.replace(base, name=f"{base.name} ({desc})", **changes)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Training run file (YAML -> TrainConfig). Loading YAML happens in fluxzero.train; this stays stdlib only.
 # ---------------------------------------------------------------------------------------------------------

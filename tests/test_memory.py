@@ -6,7 +6,7 @@ import pytest
 from pure_python import run_without_torch
 from click.testing import CliRunner
 
-from fluxzero import memory
+from fluxzero import config, memory
 from fluxzero.cli import main
 from fluxzero.config import MODEL_PRESETS, get_model_config
 from fluxzero.memory import GiB, Hardware, RunSpec, ZeroSettings, estimate
@@ -305,6 +305,22 @@ def test_estimate_json_reads_a_deepspeed_config(tmp_path):
     r = CliRunner().invoke(main, ["estimate", "--config", str(tmp_path / "typo.json"), "--json"])
     assert r.exit_code == 0 and json.loads(r.stdout)["stage"] == 3
     assert "unknown key 'zero_optimization.stage3_prefetch_bucket_sise'" in r.stderr, r.stderr
+
+
+def test_estimate_reshaped_model_equals_the_preset_of_that_shape():
+    """--depth/--single-depth on flux-dev give flux-dev-lite's numbers; a width change follows the parameters."""
+    def gib(*args):
+        r = CliRunner().invoke(main, ["estimate", "--zero-stage", "0", "--json", *args])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output)["gpu_needed_gib"]
+
+    assert gib("--depth", "5", "--single-depth", "10") == gib("--model", "flux-dev-lite")
+    narrow = memory.param_inventory(config.reshaped(config.get_model_config("flux-dev"), hidden_size=2048,
+                                                    num_heads=16))
+    assert 5.2e9 < narrow.total < 5.4e9  # 4/9 of the width-squared terms of 11.9B
+    assert gib("--hidden-size", "2048", "--heads", "16") < gib()
+    r = CliRunner().invoke(main, ["estimate", "--hidden-size", "2048", "--heads", "3"])
+    assert r.exit_code == 2 and "even whole head dim" in r.output
 
 
 @pytest.mark.parametrize("args,word", [

@@ -10,7 +10,7 @@ import click
 from click.core import ParameterSource
 
 from fluxzero import memory
-from fluxzero.config import MODEL_PRESETS, get_model_config
+from fluxzero.config import MODEL_PRESETS, get_model_config, reshaped
 from fluxzero.memory import GiB, GPU_MEMORY_GIB
 
 _POS = click.IntRange(min=1)
@@ -58,6 +58,12 @@ def topology_from(hostfile, nodes, gpus_per_node) -> tuple[int, int]:
 OPTIONS = [
     click.option("--model", type=click.Choice(list(MODEL_PRESETS)), default="flux-dev", show_default=True,
                  help="Model preset."),
+    click.option("--depth", type=click.IntRange(min=0), default=None,
+                 help="What-if: this many double-stream blocks instead of the preset's."),
+    click.option("--single-depth", type=click.IntRange(min=0), default=None,
+                 help="What-if: this many single-stream blocks instead of the preset's."),
+    click.option("--hidden-size", type=_POS, default=None, help="What-if: this model width instead of the preset's."),
+    click.option("--heads", type=_POS, default=None, help="What-if: this many attention heads (with --hidden-size)."),
     click.option("--config", "ds_path", type=click.Path(exists=True, dir_okay=False), default=None,
                  help="Read stage, offload, precision, micro batch, optimizer, buckets and checkpointing from "
                       "this DeepSpeed config (e.g. gen-config's); options given here override it."),
@@ -149,7 +155,13 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
         fields.update({k: v for k, v in from_file.items() if k not in given})
     h, w = resolution
     try:
-        return memory.RunSpec(get_model_config(model), nodes=nodes, gpus_per_node=gpus_per_node, height=h, width=w,
+        shape = reshaped(get_model_config(model), depth=values.get("depth"),
+                         depth_single_blocks=values.get("single_depth"), hidden_size=values.get("hidden_size"),
+                         num_heads=values.get("heads"))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    try:
+        return memory.RunSpec(shape, nodes=nodes, gpus_per_node=gpus_per_node, height=h, width=w,
                               txt_len=txt_len, attention=attention, expandable_segments=expandable_segments,
                               load_bytes=4 if weights else 0, **fields)
     except ValueError as e:
