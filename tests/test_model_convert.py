@@ -1,6 +1,10 @@
 """`fluxzero convert` through Click: layouts chain losslessly, dtype conversion, user mistakes exit 2."""
+import json
+
+import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
 
 from fluxzero.cli import main
 from fluxzero.model import build_model
@@ -53,3 +57,69 @@ def test_convert_user_mistakes_exit_2_without_traceback(tmp_path):
         assert r.exit_code == 2, (args, r.output)
         assert text in r.output and "Traceback" not in r.output, r.output
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def _diffusers_folder(tmp_path, name, change):
+    """A sharded diffusers folder of flux-tiny, then `change(folder)` breaks it."""
+    d = tmp_path / name
+    W.save_weights(build_model("flux-tiny").state_dict(), d, layout="diffusers", max_shard_bytes=400_000)
+    change(d)
+    return d
+
+
+def _edit_index(edit):
+    def change(d):
+        index = d / W.DIFFUSERS_INDEX
+        index.write_text(json.dumps(edit(json.loads(index.read_text()))))
+    return change
+
+
+def _move_to_other_shard(index):
+    shards = sorted(set(index["weight_map"].values()))
+    here = index["weight_map"]["x_embedder.weight"]
+    index["weight_map"]["x_embedder.weight"] = next(s for s in shards if s != here)
+    return index
+
+
+def _one_int_tensor(d):
+    shard = sorted(d.glob("diffusion_pytorch_model-*.safetensors"))[0]
+    sd = load_file(str(shard))
+    key = sorted(sd)[0]
+    sd[key] = sd[key].to(torch.int32)
+    save_file(sd, str(shard))
+
+
+@pytest.mark.parametrize("change, text", [
+    (_edit_index(lambda i: {**i, "weight_map": list(i["weight_map"])}), "index.json: not a valid index file (it "
+                                                                         'needs "weight_map"'),
+    (_edit_index(lambda i: list(i["weight_map"])), "index.json: not a valid index file (it needs"),
+    (_edit_index(lambda i: {**i, "weight_map": {k: 1 for k in i["weight_map"]}}), "not a valid index file"),
+    (_edit_index(_move_to_other_shard), "index.json: weight_map names shards that do not hold these tensors: "
+                                        "x_embedder.weight -> diffusion_pytorch_model-000"),
+    (_one_int_tensor, "1 not floating point: "),
+    (lambda d: (d / "config.json").write_text('{"axes_dims_rope": 56}'), "config.json: axes_dims_rope must be"),
+    (lambda d: (d / "config.json").write_text('{"axes_dims_rope": [4, 4]}'),
+     "RoPE axes (4, 4) do not sum to the head dim 16 of the tensors; fix axes_dims_rope"),
+], ids=["weight_map-list", "index-list", "weight_map-numbers", "wrong-shard", "int-dtype", "axes-not-list",
+        "axes-wrong-sum"])
+def test_convert_malformed_diffusers_folder_is_one_sentence(tmp_path, change, text):
+    d = _diffusers_folder(tmp_path, "d", change)
+    r = run(d, tmp_path / "x.safetensors", "--to", "bfl")
+    assert r.exit_code == 2, r.exception  # an uncaught exception exits 1
+    assert text in r.output and str(d) in r.output and "Traceback" not in r.output, r.output
+
+
+def test_convert_malformed_files_are_one_sentence(tmp_path):
+    sd = build_model("flux-tiny").state_dict()
+    flat = dict(sd, **{"img_in.weight": torch.zeros(64)})  # a tensor of the wrong rank
+    save_file({k: v.contiguous() for k, v in flat.items()}, str(tmp_path / "flat.safetensors"))
+    (tmp_path / "folder").mkdir()
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "folder" / "flux1-dev.safetensors"))
+    cases = [
+        (("flat.safetensors", "x.safetensors", "--to", "bfl"), "flat.safetensors: cannot infer the model shape"),
+        (("folder", "x.safetensors", "--to", "bfl"), "it holds flux1-dev.safetensors: pass a file of those instead"),
+    ]
+    for (src, dst, *rest), text in cases:
+        r = run(tmp_path / src, tmp_path / dst, *rest)
+        assert r.exit_code == 2, r.exception
+        assert text in r.output and "Traceback" not in r.output, r.output

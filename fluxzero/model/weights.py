@@ -178,7 +178,8 @@ def _safe_open(path, device="cpu"):
     try:
         return safe_open(str(path), framework="pt", device=str(device))
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a corrupt header
-        raise WeightsError(f"{path}: not a readable safetensors file ({e})") from None
+        raise WeightsError(f"{path}: not a readable safetensors file ({e}); it is truncated or corrupt: "
+                           "download or write it again") from None
 
 
 def _diffusers_dir(path: Path) -> Path | None:
@@ -186,6 +187,41 @@ def _diffusers_dir(path: Path) -> Path | None:
         if (d / DIFFUSERS_INDEX).is_file() or (d / DIFFUSERS_WEIGHTS).is_file():
             return d
     return None
+
+
+def _no_weights_folder(path: Path) -> WeightsError:
+    found = sorted(p.relative_to(path) for p in [*path.glob("*.safetensors"), *path.glob("transformer/*.safetensors")])
+    hint = (f"; it holds {', '.join(map(str, found[:_SHOW]))}: pass a file of those instead" if found
+            else "; pass a diffusers model folder or a .safetensors file")
+    return WeightsError(f"{path}: folder holds no {DIFFUSERS_INDEX} or {DIFFUSERS_WEIGHTS} (nor a transformer/ "
+                        f"folder with one){hint}")
+
+
+def _index_files(index: Path) -> dict[str, Path]:
+    """Raw key -> shard file, from a diffusers index; every shard is checked to hold what the index says."""
+    fix = "fix it or write the folder again"
+    try:
+        index_json = json.loads(index.read_text())
+    except ValueError as e:  # not JSON, not UTF-8
+        raise WeightsError(f"{index}: not a valid index file ({e}); {fix}") from None
+    weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+    if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
+        raise WeightsError(f'{index}: not a valid index file (it needs "weight_map": {{tensor name: shard file '
+                           f"name}}); {fix}")
+    files = {k: index.parent / f for k, f in weight_map.items()}
+    absent = sorted({str(f) for f in files.values() if not f.is_file()})
+    if absent:
+        raise WeightsError(f"{index} names shard files that do not exist: {', '.join(absent[:_SHOW])}; {fix}")
+    held = {}
+    for f in set(files.values()):
+        with _safe_open(f) as h:
+            held[f] = set(h.keys())
+    wrong = sorted(f"{k} -> {f.name}" for k, f in files.items() if k not in held[f])
+    if wrong:
+        more = f" (+{len(wrong) - _SHOW} more)" if len(wrong) > _SHOW else ""
+        raise WeightsError(f"{index}: weight_map names shards that do not hold these tensors: "
+                           f"{', '.join(wrong[:_SHOW])}{more}; {fix}")
+    return files
 
 
 def _raw_files(path: str | os.PathLike) -> tuple[str, dict[str, Path]]:
@@ -196,21 +232,9 @@ def _raw_files(path: str | os.PathLike) -> tuple[str, dict[str, Path]]:
     if path.is_dir():
         d = _diffusers_dir(path)
         if d is None:
-            raise WeightsError(
-                f"{path}: folder holds no {DIFFUSERS_INDEX} or {DIFFUSERS_WEIGHTS} (nor a transformer/ folder "
-                "with one); pass a diffusers model folder or a .safetensors file"
-            )
+            raise _no_weights_folder(path)
         if (d / DIFFUSERS_INDEX).is_file():
-            try:
-                weight_map = json.loads((d / DIFFUSERS_INDEX).read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise WeightsError(f"{d / DIFFUSERS_INDEX}: not a valid index file ({e})") from None
-            files = {k: d / f for k, f in weight_map.items()}
-            absent = sorted({str(f) for f in files.values() if not f.is_file()})
-            if absent:
-                raise WeightsError(
-                    f"{d / DIFFUSERS_INDEX} names shard files that do not exist: {', '.join(absent[:_SHOW])}"
-                )
+            files = _index_files(d / DIFFUSERS_INDEX)
         else:
             with _safe_open(d / DIFFUSERS_WEIGHTS) as f:
                 files = {k: d / DIFFUSERS_WEIGHTS for k in f.keys()}
@@ -280,28 +304,36 @@ class _Source:
             return (sum(s[0] for s in shapes), *shapes[0][1:])
         return shapes[0]
 
+    def not_floating(self) -> list[str]:
+        """Raw tensors feeding the plan whose dtype is not floating point (F32, BF16, F8_E4M3, ...), with it."""
+        dtypes = {p: self._handle(self.files[p]).get_slice(p).get_dtype() for parts, _ in self.plan.values()
+                  for p in parts}
+        return sorted(f"{p} ({d})" for p, d in dtypes.items() if not d.startswith(("F", "BF")))
+
     def read(self, key: str, device="cpu") -> Tensor:
         parts, how = self.plan[key]
         return _combine([self._handle(self.files[p], device).get_tensor(p) for p in parts], how)
 
 
-def _raise_if(missing, unexpected, wrong_shape, layout, path=""):
-    if not (missing or unexpected or wrong_shape):
+def _raise_if(missing, unexpected, wrong_shape, layout, path="", wrong_dtype=()):
+    if not (missing or unexpected or wrong_shape or wrong_dtype):
         return
     problems = []
-    for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape)):
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape),
+                         ("not floating point", wrong_dtype)):
         if items:
             more = f" (+{len(items) - _SHOW} more)" if len(items) > _SHOW else ""
             problems.append(f"{len(items)} {label}: {', '.join(items[:_SHOW])}{more}")
     where = f"{path}: " if path else ""
-    raise WeightsError(
-        f"{where}weights in {layout} layout do not match the model: {'; '.join(problems)}; "
-        "pass weights of the same FLUX.1 variant as the model preset"
-    )
+    fix = "pass weights of the same FLUX.1 variant as the model preset"
+    if wrong_dtype and not (missing or unexpected or wrong_shape):
+        fix = "pass the released floating-point weights (integer tensors are not FLUX.1 weights)"
+    raise WeightsError(f"{where}weights in {layout} layout do not match the model: {'; '.join(problems)}; {fix}")
 
 
 def infer_config(shapes: dict[str, tuple[int, ...]], name: str = "custom", axes_dim=None) -> ModelConfig:
     """The ModelConfig a BFL-named set of tensor shapes describes (a preset when one matches exactly)."""
+    fix = "name the model preset the weights belong to"
     try:
         hidden, in_channels = shapes["img_in.weight"]
         norm = next(k for k in shapes if k.endswith("query_norm.scale"))  # StopIteration: no blocks at all
@@ -318,17 +350,28 @@ def infer_config(shapes: dict[str, tuple[int, ...]], name: str = "custom", axes_
             guidance_embed="guidance_in.in_layer.weight" in shapes,
         )
     except KeyError as e:
-        raise WeightsError(f"cannot infer the model shape: tensor {e.args[0]} is missing") from None
+        raise WeightsError(f"cannot infer the model shape: tensor {e.args[0]} is missing; {fix}") from None
     except StopIteration:
-        raise WeightsError("cannot infer the model shape: no transformer blocks in the weights") from None
+        raise WeightsError(f"cannot infer the model shape: no transformer blocks in the weights; {fix}") from None
+    except (ValueError, TypeError, IndexError, ZeroDivisionError):  # a tensor of another rank, parts that don't fuse
+        raise WeightsError(
+            "cannot infer the model shape: img_in, txt_in, vector_in, final_layer or the first blocks have shapes "
+            f"no FLUX.1 transformer has; {fix} to list every mismatch"
+        ) from None
     for preset in MODEL_PRESETS.values():
         if all(getattr(preset, f) == v for f, v in fields.items()) and axes_dim in (None, preset.axes_dim):
             return preset
     if axes_dim is None:
         if head_dim != 128:
-            raise WeightsError(f"cannot infer RoPE axes for head dim {head_dim}; pass a model preset")
+            raise WeightsError(f"cannot infer RoPE axes for head dim {head_dim}; {fix}")
         axes_dim = (16, 56, 56)
-    return ModelConfig(name=name, axes_dim=tuple(axes_dim), **fields)
+    if sum(axes_dim) != head_dim:
+        raise WeightsError(f"RoPE axes {tuple(axes_dim)} do not sum to the head dim {head_dim} of the tensors; fix "
+                           f"axes_dims_rope in the diffusers config.json or {fix}")
+    try:
+        return ModelConfig(name=name, axes_dim=tuple(axes_dim), **fields)
+    except ValueError as e:  # e.g. a hidden size that the head count does not divide
+        raise WeightsError(f"the tensor shapes describe no valid model ({e}); {fix}") from None
 
 
 def diffusers_axes(path) -> tuple[int, ...] | None:
@@ -338,13 +381,30 @@ def diffusers_axes(path) -> tuple[int, ...] | None:
         axes = json.loads((d / "config.json").read_text()).get("axes_dims_rope") if d else None
     except (OSError, ValueError, AttributeError):  # no or unreadable config.json: infer from head dim
         return None
-    return tuple(axes) if axes else None
+    if axes is None:
+        return None
+    if not (isinstance(axes, list) and axes and all(isinstance(a, int) and a > 0 for a in axes)):
+        raise WeightsError(f"{d / 'config.json'}: axes_dims_rope must be a list of positive integers such as "
+                           f"[16, 56, 56], got {axes!r}; fix it or delete the key")
+    return tuple(axes)
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     from .flux import build_model
 
     return {k: tuple(v.shape) for k, v in build_model(cfg, device="meta").state_dict().items()}
+
+
+def _wrong_shapes(shapes, expected) -> list[str]:
+    return [f"{k} {shapes[k]} != {expected[k]}" for k in expected if k in shapes and shapes[k] != expected[k]]
+
+
+def _infer_from(path, shapes) -> ModelConfig:
+    axes = diffusers_axes(path)
+    try:
+        return infer_config(shapes, axes_dim=axes)
+    except WeightsError as e:
+        raise WeightsError(f"{path}: {e}") from None
 
 
 def iter_weights(
@@ -360,12 +420,11 @@ def iter_weights(
     with _Source(path) as src:
         shapes = {k: src.shape(k) for k in src.plan}
         if cfg is None:
-            cfg = infer_config(shapes, axes_dim=diffusers_axes(path))
+            cfg = _infer_from(path, shapes)
         expected = _expected_shapes(cfg)
         missing = src.missing_raw + sorted(set(expected) - src.known)
         unexpected = src.unexpected + sorted(set(shapes) - set(expected))
-        wrong = [f"{k} {shapes[k]} != {expected[k]}" for k in expected if k in shapes and shapes[k] != expected[k]]
-        _raise_if(missing, unexpected, wrong, src.layout, path)
+        _raise_if(missing, unexpected, _wrong_shapes(shapes, expected), src.layout, path, src.not_floating())
         wanted = list(expected) if keys is None else [k for k in expected if k in set(keys)]
         if keys is not None and len(wanted) != len(set(keys)):
             _raise_if([], sorted(set(keys) - set(expected)), [], src.layout, path)
@@ -388,7 +447,7 @@ def load_model(path, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.
 
     sd = load_weights(path, cfg=cfg, dtype=dtype, device=device)
     if cfg is None:
-        cfg = infer_config({k: tuple(v.shape) for k, v in sd.items()}, axes_dim=diffusers_axes(path))
+        cfg = _infer_from(path, {k: tuple(v.shape) for k, v in sd.items()})
     model = build_model(cfg, device="meta", dtype=dtype)
     model.load_state_dict(sd, strict=True, assign=True)
     return model
