@@ -1,5 +1,8 @@
 """Weights on disk: every layout round-trips bit-exactly, is detected, loads lazily and fails clearly."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -176,3 +179,47 @@ def test_diffusers_parts_that_do_not_fuse_are_a_shape_error(tmp_path, model):
     save_file(sd, str(f))
     with pytest.raises(W.WeightsError, match="1 wrong shape: single_blocks.0.linear1.weight"):
         W.load_weights(tmp_path / "d", cfg=model.config)
+
+
+# Run in a fresh interpreter so pytest's own allocations cannot move the peak. clear_refs "5" resets the
+# peak RSS (VmHWM) to the current RSS, so each save's growth is measured on its own.
+_SAVE_PEAK = r"""
+import json, sys
+import numpy, safetensors.torch  # the first save would import these: their memory is not the save's
+import torch
+from fluxzero.config import MODEL_PRESETS
+from fluxzero.model import build_model
+from fluxzero.model import weights as W
+
+def rss(field):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(field))
+
+cfg = MODEL_PRESETS["flux-dev"].replace(name="wide", hidden_size=768, num_heads=6, depth=2, depth_single_blocks=2)
+sd = {k: torch.ones(v.shape) for k, v in build_model(cfg, device="meta").state_dict().items()}  # 257 MiB
+growth = {}
+for dtype in (None, torch.bfloat16):
+    open("/proc/self/clear_refs", "w").write("5")
+    before = rss("VmRSS:")
+    W.save_weights(sd, f"{sys.argv[1]}/{dtype}", layout="diffusers", dtype=dtype, cfg=cfg,
+                   max_shard_bytes=int(sys.argv[2]))
+    growth[str(dtype)] = rss("VmHWM:") - before
+print(json.dumps({"growth": growth, "state": sum(v.nbytes for v in sd.values())}))
+"""
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc peak-RSS reset")
+def test_diffusers_save_holds_at_most_one_shard(tmp_path):
+    # A 257 MiB fp32 state dict saved in 48 MiB shards: as is (split parts are views, nothing is copied)
+    # and to bf16 (each shard converted while it is written). Copying everything first, as save_weights
+    # once did, grows RSS by the whole state dict (measured 263 and 257 MiB); streaming by 7 and 51 MiB.
+    # Bound: 1.3 shards plus 16 MiB for the allocator and safetensors' header.
+    shard = 48 * 2**20
+    p = subprocess.run([sys.executable, "-c", _SAVE_PEAK, str(tmp_path), str(shard)], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    result = json.loads(p.stdout)
+    assert result["state"] > 5 * shard
+    for dtype, growth in result["growth"].items():
+        assert growth < 1.3 * shard + 16 * 2**20, (dtype, growth / 2**20)
+    assert len(list((tmp_path / "torch.bfloat16").glob("diffusion_pytorch_model-*.safetensors"))) == 3
+    assert len(list((tmp_path / "None").glob("diffusion_pytorch_model-*.safetensors"))) == 6

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -101,10 +102,29 @@ def _swap_halves(t: Tensor) -> Tensor:
     return torch.cat(t.chunk(2, dim=0)[::-1], dim=0)
 
 
-def _split_sizes(bfl_key: str, t: Tensor, hidden: int) -> list[int]:
+def _split_sizes(bfl_key: str, rows: int, hidden: int) -> list[int]:
     if ".linear1." in bfl_key:  # [q | k | v | mlp]
-        return [hidden, hidden, hidden, t.shape[0] - 3 * hidden]
-    return [t.shape[0] // 3] * 3
+        return [hidden, hidden, hidden, rows - 3 * hidden]
+    return [rows // 3] * 3
+
+
+def _diffusers_parts(bfl_key: str, rows: int, hidden: int) -> list[tuple[str, str, tuple[int, int] | None]]:
+    """(diffusers name, "copy" or "swap", (first row, row count) of a split or None) per tensor it becomes."""
+    names, how = diffusers_names(bfl_key)
+    if how != "cat":
+        return [(names[0], how, None)]
+    sizes = _split_sizes(bfl_key, rows, hidden)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(name, "copy", (start, size)) for name, start, size in zip(names, starts, sizes)]
+
+
+def _part(t: Tensor, how: str, rows: tuple[int, int] | None, dtype=None, device=None) -> Tensor:
+    """One output tensor, contiguous: a view of `t` unless a swap or a dtype / device change copies it."""
+    t = t.detach()
+    if rows is not None:  # narrow before converting, so only this part is ever copied
+        t = t.narrow(0, *rows)
+    t = t.to(device=device or t.device, dtype=dtype or t.dtype)
+    return (_swap_halves(t) if how == "swap" else t).contiguous()
 
 
 def bfl_to_diffusers(state_dict: dict[str, Tensor], hidden_size: int | None = None) -> dict[str, Tensor]:
@@ -113,16 +133,8 @@ def bfl_to_diffusers(state_dict: dict[str, Tensor], hidden_size: int | None = No
     `hidden_size` is read from img_in when not given (needed to split single-block linear1).
     """
     hidden = hidden_size or state_dict["img_in.weight"].shape[0]
-    out = {}
-    for key, t in state_dict.items():
-        names, how = diffusers_names(key)
-        if how == "copy":
-            out[names[0]] = t
-        elif how == "swap":
-            out[names[0]] = _swap_halves(t)
-        else:
-            out.update(zip(names, t.split(_split_sizes(key, t, hidden), dim=0)))
-    return out
+    return {name: _part(t, how, rows) for key, t in state_dict.items()
+            for name, how, rows in _diffusers_parts(key, t.shape[0], hidden)}
 
 
 def diffusers_to_bfl(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -473,43 +485,56 @@ def save_weights(
 
     diffusers: `path` is the folder; weights above `max_shard_bytes` are sharded with an index JSON, and a
     config.json lets `FluxTransformer2DModel.from_pretrained(path)` load it.
+    Streams one output file at a time: a tensor is copied (dtype, device, the final layer's swapped halves)
+    only while its file is written; split parts are views of the fused tensor. So the memory on top of
+    `state_dict` is at most one file's converted tensors (a diffusers shard; the whole file for bfl/comfyui).
     """
     from safetensors.torch import save_file
 
     if layout not in LAYOUTS:
         raise WeightsError(f"unknown layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
-    sd = {k: (v if dtype is None else v.to(dtype)) for k, v in state_dict.items()}
-    if cfg is None:
-        cfg = infer_config({k: tuple(v.shape) for k, v in sd.items()})
     path = Path(path)
+    if cfg is None:
+        cfg = infer_config({k: tuple(v.shape) for k, v in state_dict.items()})
+    meta = {"format": "pt"}
     if layout != "diffusers":
         prefix = COMFY_PREFIX if layout == "comfyui" else ""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {prefix + k: v.detach().cpu().contiguous() for k, v in sd.items()}
-        save_file(tensors, str(path), metadata={"format": "pt"})
+        save_file({prefix + k: _part(v, "copy", None, dtype, "cpu") for k, v in state_dict.items()}, str(path), meta)
         return
-    # Split parts share storage with their fused tensor; safetensors refuses shared storage, hence clone.
-    out = {k: v.detach().cpu().clone() for k, v in bfl_to_diffusers(sd).items()}
+    config = _diffusers_config(cfg)  # before anything is written: a model diffusers cannot hold is refused
+    shards = _diffusers_shards(state_dict, cfg.hidden_size, dtype, max_shard_bytes)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(_diffusers_config(cfg), indent=2) + "\n")
-    shards, current, size = [], {}, 0
-    for k, v in out.items():
-        nbytes = v.numel() * v.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[k], size = v, size + nbytes
-    shards.append(current)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for old in list(path.glob("diffusion_pytorch_model*.safetensors")) + [path / DIFFUSERS_INDEX]:
         old.unlink(missing_ok=True)  # a previous save with another shard count would confuse the reader
-    if len(shards) == 1:
-        save_file(shards[0], str(path / DIFFUSERS_WEIGHTS), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        name = f"diffusion_pytorch_model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    total = sum(v.numel() * v.element_size() for v in out.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (path / DIFFUSERS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    n = len(shards)
+    files = [DIFFUSERS_WEIGHTS] if n == 1 else [f"diffusion_pytorch_model-{i:05d}-of-{n:05d}.safetensors"
+                                                for i in range(1, n + 1)]
+    for file, (shard, _) in zip(files, shards):
+        # The converted tensors of this shard live only for this call.
+        save_file({name: _part(state_dict[key], how, rows, dtype, "cpu") for name, key, how, rows in shard},
+                  str(path / file), meta)
+    if n > 1:
+        weight_map = {name: file for file, (shard, _) in zip(files, shards) for name, *_ in shard}
+        index = {"metadata": {"total_size": sum(size for _, size in shards)},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (path / DIFFUSERS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _diffusers_shards(state_dict, hidden: int, dtype, max_shard_bytes: int):
+    """[(entries (diffusers name, BFL key, how, rows), bytes)] in order, each shard at most max_shard_bytes
+    (or one tensor). Sizes come from shapes: nothing is read or copied here."""
+    shards, current, size = [], [], 0
+    for key, t in state_dict.items():
+        row_bytes = math.prod(t.shape[1:]) * (dtype or t.dtype).itemsize
+        for name, how, rows in _diffusers_parts(key, t.shape[0], hidden):
+            nbytes = row_bytes * (rows[1] if rows else t.shape[0])
+            if current and size + nbytes > max_shard_bytes:
+                shards.append((current, size))
+                current, size = [], 0
+            current.append((name, key, how, rows))
+            size += nbytes
+    shards.append((current, size))
+    return shards
+
