@@ -7,6 +7,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from fluxzero.cli import main
+from fluxzero.config import get_model_config
 from fluxzero.model import build_model
 from fluxzero.model import weights as W
 
@@ -115,11 +116,16 @@ def test_convert_malformed_files_are_one_sentence(tmp_path):
     save_file({k: v.contiguous() for k, v in flat.items()}, str(tmp_path / "flat.safetensors"))
     (tmp_path / "folder").mkdir()
     save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "folder" / "flux1-dev.safetensors"))
+    # A diffusers folder cannot hold a model without qkv bias: refused before anything is written.
+    nobias = get_model_config("flux-tiny").replace(hidden_size=128, num_heads=1, axes_dim=(16, 56, 56), qkv_bias=False)
+    W.save_weights(build_model(nobias).state_dict(), tmp_path / "nobias.safetensors")
     cases = [
         (("flat.safetensors", "x.safetensors", "--to", "bfl"), "flat.safetensors: cannot infer the model shape"),
         (("folder", "x.safetensors", "--to", "bfl"), "it holds flux1-dev.safetensors: pass a file of those instead"),
+        (("nobias.safetensors", "nb", "--to", "diffusers"), "nb not written: diffusers' FluxTransformer2DModel needs"),
     ]
     for (src, dst, *rest), text in cases:
         r = run(tmp_path / src, tmp_path / dst, *rest)
         assert r.exit_code == 2, r.exception
         assert text in r.output and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "nb").exists()

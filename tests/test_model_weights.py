@@ -181,6 +181,19 @@ def test_diffusers_parts_that_do_not_fuse_are_a_shape_error(tmp_path, model):
         W.load_weights(tmp_path / "d", cfg=model.config)
 
 
+def test_save_refuses_a_state_dict_that_does_not_match(tmp_path, model):
+    sd = dict(model.state_dict())
+    extra = dict(sd, **{"double_blocks.0.lora.weight": torch.zeros(2)})
+    with pytest.raises(W.WeightsError, match=r"d not written: .*1 unexpected: double_blocks.0.lora.weight"):
+        W.save_weights(extra, tmp_path / "d", layout="diffusers", cfg=model.config)  # was a KeyError
+    with pytest.raises(W.WeightsError, match=r"s not written: .*4 unexpected: guidance_in.in_layer.bias"):
+        W.save_weights(sd, tmp_path / "s", layout="diffusers", cfg=get_model_config("flux-tiny-schnell"))
+    ints = dict(sd, **{"img_in.bias": sd["img_in.bias"].long()})
+    with pytest.raises(W.WeightsError, match=r"1 not floating point: img_in.bias \(torch.int64\)"):
+        W.save_weights(ints, tmp_path / "i.safetensors")  # was written as is
+    assert not any(tmp_path.iterdir())
+
+
 # Run in a fresh interpreter so pytest's own allocations cannot move the peak. clear_refs "5" resets the
 # peak RSS (VmHWM) to the current RSS, so each save's growth is measured on its own.
 _SAVE_PEAK = r"""

@@ -51,6 +51,8 @@ def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, m
         raise click.BadParameter(str(e), param_hint="IN") from None
     try:
         save_weights(state, dst, layout=layout, cfg=cfg, max_shard_bytes=int(max_shard_gb * 2**30))
+    except WeightsError as e:  # a model the diffusers layout cannot hold
+        raise click.BadParameter(str(e), param_hint="--to") from None
     except (OSError, SafetensorError) as e:  # unwritable folder, a file where a folder should be, disk full
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:200]
         raise click.BadParameter(f"cannot write {dst} ({reason}); choose a writable place with free space",

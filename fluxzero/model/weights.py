@@ -465,9 +465,11 @@ def load_model(path, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.
     return model
 
 
-def _diffusers_config(cfg: ModelConfig) -> dict:
+def _diffusers_config(cfg: ModelConfig, path: Path) -> dict:
     if cfg.mlp_ratio != 4.0 or not cfg.qkv_bias:
-        raise WeightsError(f"model {cfg.name!r}: diffusers' FluxTransformer2DModel needs mlp_ratio 4 and qkv_bias")
+        raise WeightsError(f"{path} not written: diffusers' FluxTransformer2DModel needs mlp_ratio 4 and qkv_bias, "
+                           f"model {cfg.name!r} has {cfg.mlp_ratio} and {cfg.qkv_bias}; write the bfl or comfyui "
+                           "layout instead")
     return {
         "_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels": cfg.in_channels,
         "out_channels": cfg.out_channels, "num_layers": cfg.depth, "num_single_layers": cfg.depth_single_blocks,
@@ -494,15 +496,14 @@ def save_weights(
     if layout not in LAYOUTS:
         raise WeightsError(f"unknown layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
     path = Path(path)
-    if cfg is None:
-        cfg = infer_config({k: tuple(v.shape) for k, v in state_dict.items()})
+    cfg = _check_state(state_dict, cfg, path)
     meta = {"format": "pt"}
     if layout != "diffusers":
         prefix = COMFY_PREFIX if layout == "comfyui" else ""
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file({prefix + k: _part(v, "copy", None, dtype, "cpu") for k, v in state_dict.items()}, str(path), meta)
         return
-    config = _diffusers_config(cfg)  # before anything is written: a model diffusers cannot hold is refused
+    config = _diffusers_config(cfg, path)  # before anything is written: a model diffusers cannot hold is refused
     shards = _diffusers_shards(state_dict, cfg.hidden_size, dtype, max_shard_bytes)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -538,3 +539,17 @@ def _diffusers_shards(state_dict, hidden: int, dtype, max_shard_bytes: int):
     shards.append((current, size))
     return shards
 
+
+def _check_state(state_dict, cfg: ModelConfig | None, path: Path) -> ModelConfig:
+    """The config a state dict to save matches (inferred when None); WeightsError when it does not."""
+    shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
+    try:
+        cfg = cfg or infer_config(shapes)
+    except WeightsError as e:
+        raise WeightsError(f"{path} not written: {e}") from None
+    expected = _expected_shapes(cfg)
+    _raise_if(
+        sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected)), _wrong_shapes(shapes, expected),
+        "bfl", f"{path} not written", [f"{k} ({v.dtype})" for k, v in state_dict.items() if not v.is_floating_point()],
+    )
+    return cfg
