@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -263,7 +264,8 @@ def test_bad_input_messages(tiny, tmp_path):
     assert _cache(images, out, "--flux-dir", flux, *CACHE_ARGS).exit_code == 0
     r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, "--flip", "random")
     assert r.exit_code == 1 and "other images, captions or options" in r.output
-    r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, "--t5", flux / "text_encoder")  # other encoder
+    shutil.copytree(flux / "text_encoder_2", tmp_path / "t5_copy")
+    r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, "--t5", tmp_path / "t5_copy")  # other encoder
     assert r.exit_code == 1 and "other images, captions or options" in r.output
     from fluxzero.data import ShardWriter
 
@@ -271,6 +273,45 @@ def test_bad_input_messages(tiny, tmp_path):
         w.add(*[t[0] for t in _tiny_tensors()])
     r = _cache(images, tmp_path / "foreign", "--flux-dir", flux, *CACHE_ARGS)
     assert r.exit_code == 1 and "not made by this cache run" in r.output
+
+
+def test_wrong_encoder_folders_are_refused(tiny, tmp_path, monkeypatch):
+    """A folder of another model would load as random weights: refused by config.json, or by missing weights."""
+    flux, images = tiny
+    out = tmp_path / "o"
+    for opt, folder, found in [("--t5", "text_encoder", "clip_text_model"), ("--clip", "text_encoder_2", "t5"),
+                               ("--vae", "text_encoder", "clip_text_model")]:
+        r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, opt, flux / folder)
+        assert r.exit_code == 2 and f"is a '{found}' model folder, not a" in r.output and str(flux / folder) in r.output, r.output
+    tok = tmp_path / "clip_tok"
+    shutil.copytree(flux / "tokenizer", tok)
+    cfg = json.loads((tok / "tokenizer_config.json").read_text())
+    (tok / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "CLIPTokenizer"}))
+    r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, "--t5-tokenizer", tok)
+    assert r.exit_code == 2 and "CLIPTokenizer (a CLIP tokenizer), not a T5 tokenizer" in r.output, r.output
+    pickled = tmp_path / "pickled_t5"
+    pickled.mkdir()
+    shutil.copy(flux / "text_encoder_2" / "config.json", pickled)
+    (pickled / "pytorch_model.bin").write_bytes(b"pickle")
+    r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, "--t5", pickled)
+    assert r.exit_code == 2 and "only pickled .bin weights" in r.output, r.output
+    assert not out.exists()  # all refused before anything was written
+
+    # the right config.json but another model's weights: missing weights, refused after the plan is written
+    mixed = tmp_path / "mixed_t5"
+    mixed.mkdir()
+    shutil.copy(flux / "text_encoder_2" / "config.json", mixed)
+    shutil.copy(flux / "text_encoder" / "model.safetensors", mixed)
+    r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, "--t5", mixed)
+    assert r.exit_code == 1 and f"{mixed} lacks 12 weight(s)" in r.output and "random numbers" in r.output, r.output
+    assert "MISSING" not in r.output and "Traceback" not in r.output  # no transformers load report
+    assert (out / "cache_plan.json").exists() and not list(out.glob("shard-*"))
+    # the fixed command replaces the plan of the failed run (nothing was encoded under it) and succeeds
+    monkeypatch.chdir(flux.parent)
+    r = _cache(images, out, "--flux-dir", "flux", *CACHE_ARGS)  # relative: the manifest stores absolute paths
+    assert r.exit_code == 0 and "wrote 5 samples" in r.output, r.output
+    encoders = json.loads((out / "manifest.json").read_text())["cache"]["encoders"]
+    assert encoders["t5"] == str(flux / "text_encoder_2") and all(os.path.isabs(p) for p in encoders.values())
 
 
 def _tiny_tensors():

@@ -137,18 +137,23 @@ def _claim_dir(out: Path, plan: dict, opts: CacheOptions) -> None:
     plan_file = out / PLAN_FILE
     # Shards first, plan second: a process writes the plan before any shard, so seeing shards and then no
     # plan means the shards came from elsewhere (the other order would race with a sibling process).
-    foreign = (out / fmt.MANIFEST).exists() or any(out.glob("shard-*.safetensors"))
+    shards = any(out.glob("shard-*.safetensors"))
+    started = shards or any((out / PARTS_DIR).glob("shard-*.json"))
     if plan_file.exists():
-        old = json.loads(plan_file.read_text())
-        if old.get("fingerprint") != plan["fingerprint"]:
+        fingerprint = json.loads(plan_file.read_text()).get("fingerprint")
+        if fingerprint == plan["fingerprint"]:
+            return
+        if started:
             raise DataError(
                 f"{out} was cached from other images, captions or options; choose a new output folder or delete it to start over."
             )
-    else:
-        if foreign:
-            raise DataError(f"{out} already holds shards not made by this cache run; choose a new output folder.")
-        doc = {"fingerprint": plan["fingerprint"], "options": opts.output_options(), "num_shards": len(plan["shards"])}
-        atomic_write(plan_file, (json.dumps(doc, indent=1) + "\n").encode())
+        # nothing encoded yet (an earlier run stopped before its first shard, e.g. on an encoder error): start
+        # afresh; its empty-caption embedding may come from other encoders
+        (out / EMPTY_FILE).unlink(missing_ok=True)
+    elif shards or (out / fmt.MANIFEST).exists():
+        raise DataError(f"{out} already holds shards not made by this cache run; choose a new output folder.")
+    doc = {"fingerprint": plan["fingerprint"], "options": opts.output_options(), "num_shards": len(plan["shards"])}
+    atomic_write(plan_file, (json.dumps(doc, indent=1) + "\n").encode())
 
 
 # ------------------------------------------------------------------------------------------------ encode

@@ -1,6 +1,7 @@
 """FLUX.1's frozen encoders, loaded from local files only: VAE (latents), T5 (sequence), CLIP-L (pooled)."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,16 @@ ROLES = {
 }
 
 
+# role -> (config.json key, accepted values): a folder of another model would load as random weights
+KINDS = {
+    "vae": ("_class_name", ("AutoencoderKL",)),
+    "t5": ("model_type", ("t5",)),
+    "clip": ("model_type", ("clip_text_model", "clip")),  # "clip": a full CLIPModel folder; its text half loads
+}
+# tokenizer role -> (its family, the other family) as named in tokenizer_config.json's tokenizer_class
+TOKENIZER_FAMILY = {"t5_tokenizer": ("T5", "CLIP"), "clip_tokenizer": ("CLIP", "T5")}
+
+
 @dataclass(frozen=True)
 class EncoderPaths:
     vae: str
@@ -34,8 +45,45 @@ class EncoderPaths:
     clip_tokenizer: str
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path} is not readable JSON ({str(e).splitlines()[0]}); restore it from the model's files.") from None
+    if not isinstance(doc, dict):
+        raise DataError(f"{path} is not a JSON object; restore it from the model's files.")
+    return doc
+
+
+def _check_model_folder(role: str, path: Path, what: str, where: str) -> None:
+    """config.json names the right model class and the weights are .safetensors (never a silent pickle load)."""
+    key, accepted = KINDS[role]
+    cfg = _read_json(path / "config.json")
+    if cfg.get(key) not in accepted:
+        found = cfg.get("_class_name") or cfg.get("model_type") or "model of unknown type"
+        raise DataError(f"{path} is a {found!r} model folder, not a {what} (whose config.json says {key} {accepted[0]!r}), "
+                        f"given by {where}; {LAYOUT}.")
+    if not any(path.glob("*.safetensors")):
+        if any(path.glob("*.bin")):
+            raise DataError(f"{path} holds only pickled .bin weights and fluxzero cache loads .safetensors only; "
+                            f"re-save the model with save_pretrained(), which writes .safetensors.")
+        raise DataError(f"{path} has no .safetensors weights, given by {where}; {LAYOUT}.")
+
+
+def _check_tokenizer_folder(role: str, path: Path, what: str, where: str) -> None:
+    mine, other = TOKENIZER_FAMILY[role]
+    cfg_file = path / "tokenizer_config.json"
+    cls = str(_read_json(cfg_file).get("tokenizer_class") or "") if cfg_file.exists() else ""
+    if other.lower() in cls.lower() and mine.lower() not in cls.lower():
+        raise DataError(f"{path} holds a {cls} (a {other} tokenizer), not a {what}, given by {where}; {LAYOUT}.")
+
+
 def resolve_paths(flux_dir=None, **explicit) -> EncoderPaths:
-    """Explicit paths win; the rest come from `flux_dir`'s subfolders. Missing -> DataError naming the layout."""
+    """Explicit paths win; the rest come from `flux_dir`'s subfolders. Paths come back absolute.
+
+    A missing folder, a folder of another model (config.json's model type) or pickled-only weights ->
+    DataError naming the folder and the expected layout. Reads only small JSON files (no torch).
+    """
     out = {}
     for role, (sub, opt, what, must) in ROLES.items():
         given = explicit.get(role)
@@ -52,7 +100,11 @@ def resolve_paths(flux_dir=None, **explicit) -> EncoderPaths:
             raise DataError(f"{path} is not a {what} (no {must}) given by {where}; {LAYOUT}.")
         if not must and not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")):
             raise DataError(f"{path} is not a {what} (no tokenizer.json, tokenizer_config.json, vocab.json or spiece.model) given by {where}; {LAYOUT}.")
-        out[role] = str(path)
+        if role in KINDS:
+            _check_model_folder(role, path, what, where)
+        else:
+            _check_tokenizer_folder(role, path, what, where)
+        out[role] = os.path.abspath(path)
     return EncoderPaths(**out)
 
 
@@ -65,6 +117,15 @@ def pick_device_dtype(device: str = "auto", dtype: str = "auto"):
     if dtype == "auto":
         dtype = "bf16" if device.startswith("cuda") else "fp32"
     return torch.device(device), {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+
+
+def _check_loaded(model, info: dict, path: str):
+    """The model, unless some of its weights were missing from the files (they would be random numbers)."""
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise DataError(f"{path} lacks {len(missing)} weight(s) its config.json needs (e.g. {missing[0]}), so they "
+                        f"would be random numbers; point the option at a complete {type(model).__name__} folder.")
+    return model
 
 
 class Encoders:
@@ -103,15 +164,23 @@ class Encoders:
 
         transformers.utils.logging.disable_progress_bar()  # one progress bar (ours) is enough
         diffusers.utils.logging.disable_progress_bar()
-        local = {"local_files_only": True}
+        # use_safetensors: never fall back to pickled .bin files (resolve_paths said so already when only those exist)
+        local = {"local_files_only": True, "use_safetensors": True, "output_loading_info": True}
+        levels = transformers.utils.logging.get_verbosity(), diffusers.utils.logging.get_verbosity()
+        # their load reports would list missing weights as a warning; _check_loaded says it in one sentence
+        transformers.utils.logging.set_verbosity_error()
+        diffusers.utils.logging.set_verbosity_error()
         try:
-            vae = AutoencoderKL.from_pretrained(paths.vae, torch_dtype=dtype, low_cpu_mem_usage=False, **local)
-            t5 = T5EncoderModel.from_pretrained(paths.t5, dtype=dtype, **local)
-            clip = CLIPTextModel.from_pretrained(paths.clip, dtype=dtype, **local)
-            t5_tok = AutoTokenizer.from_pretrained(paths.t5_tokenizer, **local)
-            clip_tok = AutoTokenizer.from_pretrained(paths.clip_tokenizer, **local)
+            vae = _check_loaded(*AutoencoderKL.from_pretrained(paths.vae, torch_dtype=dtype, low_cpu_mem_usage=False, **local), paths.vae)
+            t5 = _check_loaded(*T5EncoderModel.from_pretrained(paths.t5, dtype=dtype, **local), paths.t5)
+            clip = _check_loaded(*CLIPTextModel.from_pretrained(paths.clip, dtype=dtype, **local), paths.clip)
+            t5_tok = AutoTokenizer.from_pretrained(paths.t5_tokenizer, local_files_only=True)
+            clip_tok = AutoTokenizer.from_pretrained(paths.clip_tokenizer, local_files_only=True)
         except (OSError, ValueError) as e:
             raise DataError(f"could not load the encoders ({str(e).splitlines()[0]}); {LAYOUT}.") from None
+        finally:
+            transformers.utils.logging.set_verbosity(levels[0])
+            diffusers.utils.logging.set_verbosity(levels[1])
         return cls(vae, t5, clip, t5_tok, clip_tok, device=device, dtype=dtype, t5_max_length=t5_max_length,
                    latent=latent, paths=paths)
 
