@@ -314,6 +314,22 @@ def test_wrong_encoder_folders_are_refused(tiny, tmp_path, monkeypatch):
     assert encoders["t5"] == str(flux / "text_encoder_2") and all(os.path.isabs(p) for p in encoders.values())
 
 
+def test_sixteen_bit_grayscale_is_scaled_not_clipped(tmp_path):
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from fluxzero.data.images import load_bucketed
+
+    ramp = np.tile(np.linspace(0, 65535, 64).astype(np.uint16), (64, 1))
+    Image.fromarray(ramp).save(tmp_path / "gray16.png")
+    assert Image.open(tmp_path / "gray16.png").mode in ("I;16", "I")
+    Image.fromarray((ramp / 257).round().astype(np.uint8)).save(tmp_path / "gray8.png")
+    px16, px8 = (load_bucketed(tmp_path / f, (64, 64), False) for f in ("gray16.png", "gray8.png"))
+    assert px16.shape == (3, 64, 64) and px16.min() == -1.0 and px16.max() == 1.0  # was all 1.0 (white)
+    torch.testing.assert_close(px16, px8, rtol=0, atol=1.01 / 127.5)  # the same picture within one 8-bit level
+
+
 def _tiny_tensors():
     import torch
 

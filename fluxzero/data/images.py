@@ -101,6 +101,8 @@ def load_bucketed(path, bucket: tuple[int, int], flip: bool):
             im = im.convert("RGBA")
             bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
             im = Image.alpha_composite(bg, im)
+        elif im.mode == "I" or im.mode.startswith("I;16"):
+            im = _to_8bit(im)  # convert("RGB") would clip 16-bit values at 255: a white image
         im = im.convert("RGB")
         size, box = cover_and_crop(im.width, im.height, bucket)
         im = im.resize(size, Image.Resampling.LANCZOS).crop(box)
@@ -108,3 +110,12 @@ def load_bucketed(path, bucket: tuple[int, int], flip: bool):
             im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         arr = np.asarray(im, dtype=np.float32)
     return torch.from_numpy(arr).permute(2, 0, 1).div(127.5).sub(1.0).contiguous()
+
+
+def _to_8bit(im):
+    """16-bit grayscale (PNG opens as I;16 or I, 0..65535) -> 8-bit L, scaled by 255/65535 (not clipped)."""
+    import numpy as np
+    from PIL import Image
+
+    arr = np.asarray(im, dtype=np.float64)
+    return Image.fromarray(np.clip(np.rint(arr / 257.0), 0, 255).astype(np.uint8))
