@@ -330,6 +330,15 @@ def test_sixteen_bit_grayscale_is_scaled_not_clipped(tmp_path):
     torch.testing.assert_close(px16, px8, rtol=0, atol=1.01 / 127.5)  # the same picture within one 8-bit level
 
 
+def test_missing_cache_dependencies(tiny, tmp_path, monkeypatch):
+    flux, images = tiny
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # find_spec and import then fail as if not installed
+    monkeypatch.setitem(sys.modules, "PIL", None)
+    r = _cache(images, tmp_path / "o", "--flux-dir", flux, *CACHE_ARGS)
+    assert r.exit_code == 1 and "needs Pillow, diffusers, which are not installed" in r.output, r.output
+    assert "pip install -e '.[cache]'" in r.output and not (tmp_path / "o").exists()
+
+
 def _tiny_tensors():
     import torch
 

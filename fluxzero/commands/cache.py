@@ -6,6 +6,18 @@ import json
 import click
 
 _DIR = click.Path(file_okay=False, path_type=str)
+# import name -> pip name of what `fluxzero cache` needs beyond the trainer (setup.cfg's [cache] extra)
+_NEEDS = {"torch": "torch", "numpy": "numpy", "safetensors": "safetensors", "tqdm": "tqdm", "PIL": "Pillow",
+          "transformers": "transformers", "diffusers": "diffusers"}
+
+
+def _check_dependencies() -> None:
+    import importlib.util
+
+    missing = [pip for mod, pip in _NEEDS.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise click.ClickException(f"fluxzero cache needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                                   f"not installed; install them with pip install -e '.[cache]'.")
 
 
 @click.command("cache")
@@ -59,6 +71,7 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
     """
     import os
 
+    _check_dependencies()
     from fluxzero.data.buckets import STEP
     from fluxzero.data.cache import CacheOptions, env_rank_world, run_cache
     from fluxzero.data.encode import T5_MAX_LENGTH, pick_device_dtype, resolve_paths
