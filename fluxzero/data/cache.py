@@ -158,7 +158,7 @@ def _claim_dir(out: Path, plan: dict, opts: CacheOptions) -> None:
 
 # ------------------------------------------------------------------------------------------------ encode
 def _empty_caption(out: Path, enc) -> dict:
-    """T5/CLIP embedding of "" computed once and kept in EMPTY_FILE (also useful for dropout at train time)."""
+    """T5/CLIP embedding of "" computed once and kept in EMPTY_FILE; caption-dropped samples store a copy."""
     from safetensors.torch import load_file, save
 
     path = out / EMPTY_FILE
