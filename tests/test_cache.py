@@ -64,15 +64,16 @@ def test_caption_sources(tmp_path):
     (tmp_path / "a.txt").write_text("a cat \n")
     images = list_images(tmp_path)
     assert images == ["a.png", "c.webp", "sub/b.jpg"]
-    caps, src = captions_for(tmp_path, images)
-    assert src == "txt" and caps == {"a.png": "a cat", "c.webp": None, "sub/b.jpg": None}
+    caps, src, unmatched = captions_for(tmp_path, images)
+    assert src == "txt" and caps == {"a.png": "a cat", "c.webp": None, "sub/b.jpg": None} and unmatched == []
     (tmp_path / "metadata.jsonl").write_text('{"file_name": "sub/b.jpg", "text": "a dog"}\n{"file_name": "c.webp", "caption": "sky"}\n')
-    caps, src = captions_for(tmp_path, images)
+    caps, src, unmatched = captions_for(tmp_path, images)
     assert src == "metadata.jsonl" and caps == {"a.png": None, "c.webp": "sky", "sub/b.jpg": "a dog"}
     csv = tmp_path / "caps.csv"
-    csv.write_text("\ufefffile_name,text\na.png,\"red, blue\"\nb.jpg,tree\n", encoding="utf-8")  # with a BOM
-    caps, src = captions_for(tmp_path, images, csv)
+    csv.write_text("\ufefffile_name,text\na.png,\"red, blue\"\nb.jpg,tree\nzzz.png,gone\n", encoding="utf-8")  # with a BOM
+    caps, src, unmatched = captions_for(tmp_path, images, csv)
     assert caps == {"a.png": "red, blue", "c.webp": None, "sub/b.jpg": "tree"}  # bare names match too
+    assert unmatched == ["zzz.png"]
     (tmp_path / "bad.jsonl").write_text('{"file_name": "a.png"}\n')
     with pytest.raises(DataError, match="no caption column"):
         captions_for(tmp_path, images, tmp_path / "bad.jsonl")
@@ -164,10 +165,12 @@ def test_cache_end_to_end_and_rerun_is_noop(tiny, tmp_path):
     r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, "--flip", "both", "--caption-dropout", "0.4")
     assert r.exit_code == 0, r.output
     assert "wrote 10 samples" in r.output and "skipped 2 unreadable" in r.output
+    assert "encoded 10 of 12 planned samples" in r.output  # truncated.jpg x 2 flips fail to decode
+    assert "have no same-name .txt file" in r.output  # not only in the report
 
     report = json.loads((out / "cache_report.json").read_text())
     assert sorted(s["file"] for s in report["skipped"]) == ["corrupt.png", "truncated.jpg"]
-    assert "alpha.png" in report["no_caption"]
+    assert report["no_caption"] == ["alpha.png"]  # truncated.jpg has no caption either, but is skipped
     m = json.loads((out / "manifest.json").read_text())
     assert m["version"] == 1 and m["num_samples"] == 10  # 5 good images x (plain + flipped)
     assert m["dims"] == {"latent_channels": 16, "t5_len": T5_LEN, "t5_dim": T5_DIM, "clip_dim": CLIP_DIM}
@@ -238,7 +241,9 @@ def test_two_processes_split_the_work(tiny, tmp_path):
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    assert all("encoded 3 samples" in o for o in outs), outs  # shards 0, 2 and shards 1, 3
+    # shards 0, 2 (truncated.jpg fails to decode) and shards 1, 3; the counts add up to the manifest's 5
+    assert "encoded 2 of 3 planned samples" in outs[0] and "1 unreadable image(s) skipped" in outs[0], outs
+    assert "encoded 3 samples" in outs[1] and "wrote 5 samples" in "".join(outs), outs
     assert json.loads((two / "manifest.json").read_text()) == json.loads((one / "manifest.json").read_text())
 
 
@@ -328,6 +333,29 @@ def test_sixteen_bit_grayscale_is_scaled_not_clipped(tmp_path):
     px16, px8 = (load_bucketed(tmp_path / f, (64, 64), False) for f in ("gray16.png", "gray8.png"))
     assert px16.shape == (3, 64, 64) and px16.min() == -1.0 and px16.max() == 1.0  # was all 1.0 (white)
     torch.testing.assert_close(px16, px8, rtol=0, atol=1.01 / 127.5)  # the same picture within one 8-bit level
+
+
+def test_captions_on_the_console(tiny, tmp_path):
+    """Images without caption and caption rows that name no image are counted on the console, not only in the report."""
+    flux, images = tiny
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("square.png", "wide.jpg", "tall.webp"):
+        shutil.copy(images / name, data)
+    caps = tmp_path / "caps.csv"
+    caps.write_text("file_name,text\nsquare.png,a red house\nwide.jpg,a tree\nghost.png,a cat\n")
+    r = _cache(data, tmp_path / "out", "--flux-dir", flux, *CACHE_ARGS, "--captions", caps)
+    assert r.exit_code == 0, r.output
+    assert "1 of 3 image(s) have no row in caps.csv" in r.output and "first: tall.webp" in r.output
+    assert "1 row(s) of caps.csv name no image" in r.output and "first: ghost.png" in r.output
+    report = json.loads((tmp_path / "out" / "cache_report.json").read_text())
+    assert report["captions_matching_no_image"] == ["ghost.png"] and report["no_caption"] == ["tall.webp"]
+
+    # a caption file that names none of the images is refused before any encoder loads
+    (tmp_path / "other.csv").write_text("file_name,text\nimg_001.png,a cat\n")
+    r = _cache(data, tmp_path / "out2", "--flux-dir", flux, *CACHE_ARGS, "--captions", tmp_path / "other.csv")
+    assert r.exit_code == 1 and "other.csv (e.g. 'img_001.png') names one of the 3 images" in r.output, r.output
+    assert "loading encoders" not in r.output
 
 
 def test_missing_cache_dependencies(tiny, tmp_path, monkeypatch):

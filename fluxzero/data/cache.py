@@ -82,7 +82,12 @@ def make_plan(opts: CacheOptions) -> dict:
     images = list_images(root)
     if not images:
         raise DataError(f"image folder {root} holds no .png, .jpg, .jpeg or .webp files.")
-    captions, caption_source = captions_for(root, images, opts.caption_file)
+    captions, caption_source, unmatched = captions_for(root, images, opts.caption_file)
+    if caption_source != "txt" and all(c is None for c in captions.values()):
+        table = opts.caption_file or root / caption_source
+        example = f" (e.g. {unmatched[0]!r})" if unmatched else ""
+        raise DataError(f"no row of the caption file {table}{example} names one of the {len(images)} images in {root} "
+                        f"(e.g. {images[0]!r}); file names must be relative to the image folder or bare file names.")
     buckets = make_buckets(opts.resolution, opts.min_side, opts.max_aspect)
     skipped, no_caption, by_bucket = [], [], {}
     fp = hashlib.sha256(json.dumps(opts.output_options(), sort_keys=True).encode())
@@ -108,7 +113,7 @@ def make_plan(opts: CacheOptions) -> dict:
         for k in range(0, len(items), opts.shard_size):
             shards.append({"id": len(shards), "bucket": bucket, "items": items[k : k + opts.shard_size]})
     return {"fingerprint": fp.hexdigest(), "shards": shards, "skipped": skipped, "no_caption": no_caption,
-            "caption_source": caption_source, "num_images": len(images)}
+            "caption_source": caption_source, "unmatched_captions": unmatched, "num_images": len(images)}
 
 
 # ------------------------------------------------------------------------------------------ resume state
@@ -236,17 +241,20 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
 
     out = Path(opts.out_dir)
     plan = make_plan(opts)
+    if opts.rank == 0:
+        _log_captions(plan, opts, log)
     _claim_dir(out, plan, opts)
     mine = [s for s in plan["shards"] if s["id"] % opts.world_size == opts.rank]
     todo = [s for s in mine if _read_part(out, s["id"]) is None]
     if len(todo) < len(mine):
         log(f"rank {opts.rank}: {len(mine) - len(todo)} of {len(mine)} shards already done, skipping them")
+    written = 0  # samples this run put into shards
     if todo:
         enc = load_encoders()
         empty = _empty_caption(out, enc)
         storage = "bfloat16" if str(enc.dtype) == "torch.bfloat16" else "float32"
         total = sum(len(s["items"]) for s in todo)
-        t0 = time.perf_counter()
+        t0, bad = time.perf_counter(), set()
         with tqdm(total=total, unit="img", desc=f"cache {opts.rank}/{opts.world_size}", dynamic_ncols=True) as bar, \
                 ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             for s in todo:
@@ -256,12 +264,29 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
                 part = {"record": record, "skipped": skipped, "dims": enc.dims, "dtype": storage,
                         "vae_scale": enc.scale, "vae_shift": enc.shift, "encoders": vars(enc.paths)}
                 atomic_write(_part_path(out, s["id"]), (json.dumps(part) + "\n").encode())
-        log(f"rank {opts.rank}: encoded {total} samples in {time.perf_counter() - t0:.1f} s")
+                written += record["num_samples"] if record else 0
+                bad |= {sk["file"] for sk in skipped}
+        # samples of images that fail to decode drop out of the plan's count (a flipped copy counts twice)
+        what = f"{written} of {total} planned samples" if bad else f"{written} samples"
+        note = f" ({len(bad)} unreadable image(s) skipped)" if bad else ""
+        log(f"rank {opts.rank}: encoded {what} in {time.perf_counter() - t0:.1f} s{note}")
     manifest, report = _finalize(out, plan, opts)
     if manifest is None:
         log(f"rank {opts.rank}: done; the manifest is written by the last process to finish")
-    return {"encoded": sum(len(s["items"]) for s in todo), "skipped_shards": len(mine) - len(todo),
-            "manifest": manifest, "report": report}
+    return {"encoded": written, "skipped_shards": len(mine) - len(todo), "manifest": manifest, "report": report}
+
+
+def _log_captions(plan: dict, opts: CacheOptions, log) -> None:
+    """Say up front what would otherwise show only in the report: images without caption, unused caption rows."""
+    n, images = len(plan["no_caption"]), plan["num_images"] - len(plan["skipped"])
+    if n:
+        src = "no same-name .txt file" if plan["caption_source"] == "txt" else f"no row in {plan['caption_source']}"
+        log(f"{n} of {images} image(s) have {src} and are encoded with the empty caption (first: {plan['no_caption'][0]}; "
+            f"all listed in {REPORT_FILE})")
+    if plan["unmatched_captions"]:
+        u = plan["unmatched_captions"]
+        log(f"{len(u)} row(s) of {plan['caption_source']} name no image in {opts.images_dir} (first: {u[0]}; "
+            f"all listed in {REPORT_FILE})")
 
 
 def _finalize(out: Path, plan: dict, opts: CacheOptions):
@@ -273,13 +298,14 @@ def _finalize(out: Path, plan: dict, opts: CacheOptions):
         parts.append(p)
     records = [p["record"] for p in parts if p["record"] is not None]
     skipped = list({sk["file"]: sk for sk in plan["skipped"] + [sk for p in parts for sk in p["skipped"]]}.values())
+    bad = {sk["file"] for sk in skipped}
     report = {"num_images": plan["num_images"], "num_samples": sum(r["num_samples"] for r in records),
-              "skipped": skipped, "no_caption": plan["no_caption"]}
+              "skipped": skipped, "no_caption": [im for im in plan["no_caption"] if im not in bad],
+              "captions_matching_no_image": plan["unmatched_captions"]}
     _write_if_changed(out / REPORT_FILE, report)
     if not records:
         raise DataError(f"no image in {opts.images_dir} could be read; see {out / REPORT_FILE}.")
     first = next(p for p in parts if p["record"] is not None)
-    bad = {sk["file"] for p in parts for sk in p["skipped"]}
     kept = [it for s, p in zip(plan["shards"], parts) if p["record"] is not None for it in s["items"] if it["file"] not in bad]
     total = sum(r["num_samples"] for r in records)
     stats = {}

@@ -52,21 +52,25 @@ def read_caption_table(path) -> dict[str, str]:
     return out
 
 
-def captions_for(root, images: list[str], caption_file=None) -> tuple[dict[str, str | None], str]:
-    """Caption of every image (None = no caption found) and a word naming the source used.
+def captions_for(root, images: list[str], caption_file=None) -> tuple[dict[str, str | None], str, list[str]]:
+    """Caption of every image (None = no caption found), a word naming the source used, and the caption
+    table's file names that match no image (always empty for .txt captions).
 
     Order of preference: `caption_file`, then metadata.jsonl / metadata.csv in `root`, then same-name .txt.
+    A table row matches an image by its path relative to `root` or by its bare file name.
     """
     root = Path(root)
     table_path = Path(caption_file) if caption_file else next((root / m for m in METADATA_FILES if (root / m).exists()), None)
     if table_path is not None:
         table = read_caption_table(table_path)
-        return {im: table.get(im, table.get(Path(im).name)) for im in images}, table_path.name
+        known = set(images) | {Path(im).name for im in images}
+        unmatched = [name for name in table if name not in known]
+        return {im: table.get(im, table.get(Path(im).name)) for im in images}, table_path.name, unmatched
     out = {}
     for im in images:
         txt = (root / im).with_suffix(".txt")
         out[im] = txt.read_text(encoding="utf-8", errors="replace").strip() if txt.exists() else None
-    return out, "txt"
+    return out, "txt", []
 
 
 def probe_size(path) -> tuple[int, int]:
