@@ -77,6 +77,9 @@ def test_caption_sources(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"file_name": "a.png"}\n')
     with pytest.raises(DataError, match="no caption column"):
         captions_for(tmp_path, images, tmp_path / "bad.jsonl")
+    (tmp_path / "latin1.csv").write_bytes("file_name,text\na.png,caf\xe9\n".encode("latin-1"))
+    with pytest.raises(DataError, match="not UTF-8 text"):
+        captions_for(tmp_path, images, tmp_path / "latin1.csv")
 
 
 # ------------------------------------------------------------------------------------------ tiny encoders
@@ -356,6 +359,47 @@ def test_captions_on_the_console(tiny, tmp_path):
     r = _cache(data, tmp_path / "out2", "--flux-dir", flux, *CACHE_ARGS, "--captions", tmp_path / "other.csv")
     assert r.exit_code == 1 and "other.csv (e.g. 'img_001.png') names one of the 3 images" in r.output, r.output
     assert "loading encoders" not in r.output
+
+
+def test_user_errors_are_one_sentence(tiny, tmp_path, monkeypatch):
+    import errno
+
+    from fluxzero.data import shards
+
+    flux, images = tiny
+    args = ["--flux-dir", flux, *CACHE_ARGS]
+    r = _cache(images, tmp_path / "o", *args, "--device", "cuda:99")  # no such GPU, with or without CUDA
+    assert r.exit_code == 2 and "--device: 'cuda:99'" in r.output and "GPU" in r.output, r.output
+    (tmp_path / "file").write_text("x")
+    r = _cache(images, tmp_path / "file" / "o", *args)
+    assert r.exit_code == 1 and "cannot write to the output folder" in r.output, r.output
+    r = CliRunner(env={"RANK": "abc", "WORLD_SIZE": "2"}).invoke(main, ["cache", str(images), str(tmp_path / "o"), *map(str, args)])
+    assert r.exit_code == 2 and "RANK='abc' is not a whole number" in r.output, r.output
+    (tmp_path / "latin1.csv").write_bytes("file_name,text\nsquare.png,caf\xe9\n".encode("latin-1"))
+    r = _cache(images, tmp_path / "o", *args, "--captions", tmp_path / "latin1.csv")
+    assert r.exit_code == 1 and "is not UTF-8 text" in r.output, r.output
+
+    # a full disk at the second shard: one sentence; the first shard is kept and the same command resumes
+    out, real, calls = tmp_path / "full", shards.write_shard, []
+
+    def write_shard(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(a[0]))
+        return real(*a, **k)
+
+    (out).mkdir()
+    (out / "cache_plan.json").write_text("{not json")  # damaged and nothing encoded yet: replaced
+    monkeypatch.setattr(shards, "write_shard", write_shard)
+    r = _cache(images, out, *args)
+    assert r.exit_code == 1 and "No space left on device" in r.output and "Traceback" not in r.output, r.output
+    assert "(1 by this process) are kept" in r.output and "same command again" in r.output
+    monkeypatch.setattr(shards, "write_shard", real)
+    r = _cache(images, out, *args)
+    assert r.exit_code == 0 and "1 of 4 shards already done" in r.output, r.output
+    (out / "cache_plan.json").write_text("{not json")  # damaged with shards there: they cannot be matched
+    r = _cache(images, out, *args)
+    assert r.exit_code == 1 and "cache_plan.json is damaged" in r.output, r.output
 
 
 def test_missing_cache_dependencies(tiny, tmp_path, monkeypatch):

@@ -81,9 +81,13 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
         raise click.BadParameter(f"must be a multiple of {STEP}, got {resolution}", param_hint="--resolution")
     if min_side is not None and (min_side % STEP or min_side > resolution):
         raise click.BadParameter(f"must be a multiple of {STEP} no larger than --resolution, got {min_side}", param_hint="--min-side")
-    env_rank, env_world = env_rank_world()
-    rank = env_rank if rank is None else rank
-    world_size = env_world if world_size is None else world_size
+    if rank is None or world_size is None:
+        try:
+            env_rank, env_world = env_rank_world()
+        except DataError as e:
+            raise click.UsageError(str(e)) from None
+        rank = env_rank if rank is None else rank
+        world_size = env_world if world_size is None else world_size
     if rank >= world_size:
         raise click.UsageError(f"--rank {rank} must be smaller than --world-size {world_size}.")
     try:
@@ -92,7 +96,7 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
         raise click.UsageError(str(e)) from None
     try:
         dev, dt = pick_device_dtype(device, dtype)
-    except RuntimeError as e:
+    except (RuntimeError, DataError) as e:
         raise click.BadParameter(str(e).splitlines()[0], param_hint="--device") from None
     encoder_key = json.dumps({**{k: os.path.abspath(v) for k, v in vars(paths).items()}, "dtype": str(dt)})
     opts = CacheOptions(

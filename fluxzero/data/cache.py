@@ -145,9 +145,15 @@ def _claim_dir(out: Path, plan: dict, opts: CacheOptions) -> None:
     shards = any(out.glob("shard-*.safetensors"))
     started = shards or any((out / PARTS_DIR).glob("shard-*.json"))
     if plan_file.exists():
-        fingerprint = json.loads(plan_file.read_text()).get("fingerprint")
+        try:
+            old = json.loads(plan_file.read_text())
+            fingerprint = old.get("fingerprint") if isinstance(old, dict) else None
+        except ValueError:
+            fingerprint = "damaged"
         if fingerprint == plan["fingerprint"]:
             return
+        if started and fingerprint == "damaged":
+            raise DataError(f"{plan_file} is damaged, so the shards in {out} cannot be matched to this run; delete {out} to start over.")
         if started:
             raise DataError(
                 f"{out} was cached from other images, captions or options; choose a new output folder or delete it to start over."
@@ -159,6 +165,10 @@ def _claim_dir(out: Path, plan: dict, opts: CacheOptions) -> None:
         raise DataError(f"{out} already holds shards not made by this cache run; choose a new output folder.")
     doc = {"fingerprint": plan["fingerprint"], "options": opts.output_options(), "num_shards": len(plan["shards"])}
     atomic_write(plan_file, (json.dumps(doc, indent=1) + "\n").encode())
+
+
+def _why(e: OSError) -> str:
+    return f"{e.strerror}: {e.filename}" if e.strerror and e.filename else (e.strerror or str(e) or type(e).__name__)
 
 
 # ------------------------------------------------------------------------------------------------ encode
@@ -243,34 +253,44 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
     plan = make_plan(opts)
     if opts.rank == 0:
         _log_captions(plan, opts, log)
-    _claim_dir(out, plan, opts)
+    try:
+        _claim_dir(out, plan, opts)
+    except OSError as e:
+        raise DataError(f"cannot write to the output folder {out} ({_why(e)}); choose a folder you can write to.") from None
     mine = [s for s in plan["shards"] if s["id"] % opts.world_size == opts.rank]
     todo = [s for s in mine if _read_part(out, s["id"]) is None]
     if len(todo) < len(mine):
         log(f"rank {opts.rank}: {len(mine) - len(todo)} of {len(mine)} shards already done, skipping them")
     written = 0  # samples this run put into shards
-    if todo:
-        enc = load_encoders()
-        empty = _empty_caption(out, enc)
-        storage = "bfloat16" if str(enc.dtype) == "torch.bfloat16" else "float32"
-        total = sum(len(s["items"]) for s in todo)
-        t0, bad = time.perf_counter(), set()
-        with tqdm(total=total, unit="img", desc=f"cache {opts.rank}/{opts.world_size}", dynamic_ncols=True) as bar, \
-                ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            for s in todo:
-                record, skipped = _encode_shard(s, opts, enc, empty, storage, bar, pool)
-                for sk in {sk["file"]: sk for sk in skipped}.values():
-                    bar.write(f"skipped {sk['file']}: {sk['reason']}")
-                part = {"record": record, "skipped": skipped, "dims": enc.dims, "dtype": storage,
-                        "vae_scale": enc.scale, "vae_shift": enc.shift, "encoders": vars(enc.paths)}
-                atomic_write(_part_path(out, s["id"]), (json.dumps(part) + "\n").encode())
-                written += record["num_samples"] if record else 0
-                bad |= {sk["file"] for sk in skipped}
-        # samples of images that fail to decode drop out of the plan's count (a flipped copy counts twice)
-        what = f"{written} of {total} planned samples" if bad else f"{written} samples"
-        note = f" ({len(bad)} unreadable image(s) skipped)" if bad else ""
-        log(f"rank {opts.rank}: encoded {what} in {time.perf_counter() - t0:.1f} s{note}")
-    manifest, report = _finalize(out, plan, opts)
+    finished = len(mine) - len(todo)
+    try:
+        if todo:
+            enc = load_encoders()
+            empty = _empty_caption(out, enc)
+            storage = "bfloat16" if str(enc.dtype) == "torch.bfloat16" else "float32"
+            total = sum(len(s["items"]) for s in todo)
+            t0, bad = time.perf_counter(), set()
+            with tqdm(total=total, unit="img", desc=f"cache {opts.rank}/{opts.world_size}", dynamic_ncols=True) as bar, \
+                    ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+                for s in todo:
+                    record, skipped = _encode_shard(s, opts, enc, empty, storage, bar, pool)
+                    for sk in {sk["file"]: sk for sk in skipped}.values():
+                        bar.write(f"skipped {sk['file']}: {sk['reason']}")
+                    part = {"record": record, "skipped": skipped, "dims": enc.dims, "dtype": storage,
+                            "vae_scale": enc.scale, "vae_shift": enc.shift, "encoders": vars(enc.paths)}
+                    atomic_write(_part_path(out, s["id"]), (json.dumps(part) + "\n").encode())
+                    finished += 1
+                    written += record["num_samples"] if record else 0
+                    bad |= {sk["file"] for sk in skipped}
+            # samples of images that fail to decode drop out of the plan's count (a flipped copy counts twice)
+            what = f"{written} of {total} planned samples" if bad else f"{written} samples"
+            note = f" ({len(bad)} unreadable image(s) skipped)" if bad else ""
+            log(f"rank {opts.rank}: encoded {what} in {time.perf_counter() - t0:.1f} s{note}")
+        manifest, report = _finalize(out, plan, opts)
+    except OSError as e:  # image reads and encoder loads catch their own: this is a write into OUT_DIR
+        raise DataError(f"writing to {out} failed ({_why(e)}); the shards finished so far ({finished} by this process) "
+                        f"are kept, and running the same command again (after freeing space, if the disk is full) "
+                        f"encodes only the rest.") from None
     if manifest is None:
         log(f"rank {opts.rank}: done; the manifest is written by the last process to finish")
     return {"encoded": written, "skipped_shards": len(mine) - len(todo), "manifest": manifest, "report": report}
@@ -352,6 +372,16 @@ def _write_if_changed(path: Path, doc: dict) -> None:
 
 def env_rank_world() -> tuple[int, int]:
     """RANK / WORLD_SIZE from a launcher (torchrun, deepspeed, srun via SLURM_PROCID/SLURM_NTASKS), else 0 / 1."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    world = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
-    return int(rank), int(world)
+    values = []
+    for names, default, low in ((("RANK", "SLURM_PROCID"), "0", 0), (("WORLD_SIZE", "SLURM_NTASKS"), "1", 1)):
+        name = next((n for n in names if n in os.environ), None)
+        text = os.environ[name] if name else default
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            opt = "--rank" if low == 0 else "--world-size"
+            raise DataError(f"environment variable {name}={text!r} is not a whole number >= {low}; fix or unset it, or pass {opt}.")
+        values.append(value)
+    return values[0], values[1]

@@ -109,14 +109,24 @@ def resolve_paths(flux_dir=None, **explicit) -> EncoderPaths:
 
 
 def pick_device_dtype(device: str = "auto", dtype: str = "auto"):
-    """bf16 on a GPU when present (each process on cuda:LOCAL_RANK), fp32 on CPU."""
+    """bf16 on a GPU when present (each process on cuda:LOCAL_RANK), fp32 on CPU.
+
+    A CUDA device that is not there -> DataError; a malformed device string -> torch's RuntimeError.
+    """
     import torch
 
     if device == "auto":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % max(1, torch.cuda.device_count())}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DataError(f"{device!r} asks for a GPU but PyTorch sees none here; use --device cpu (or auto).")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DataError(f"{device!r} does not exist: PyTorch sees {torch.cuda.device_count()} GPU(s), "
+                            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
     if dtype == "auto":
-        dtype = "bf16" if device.startswith("cuda") else "fp32"
-    return torch.device(device), {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        dtype = "bf16" if dev.type == "cuda" else "fp32"
+    return dev, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
 
 
 def _check_loaded(model, info: dict, path: str):

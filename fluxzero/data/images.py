@@ -33,18 +33,25 @@ def read_caption_table(path) -> dict[str, str]:
     if not path.exists():
         raise DataError(f"caption file {path} does not exist.")
     rows = []
-    if path.suffix == ".jsonl":
-        for n, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:
-                    raise DataError(f"{path} line {n} is not valid JSON.") from None
-    elif path.suffix == ".csv":
-        with open(path, newline="", encoding="utf-8-sig") as f:  # tolerate a BOM (Excel)
-            rows = list(csv.DictReader(f))
-    else:
-        raise DataError(f"caption file {path} must be a .jsonl or .csv file.")
+    try:
+        if path.suffix == ".jsonl":
+            for n, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except ValueError:
+                        raise DataError(f"{path} line {n} is not valid JSON.") from None
+        elif path.suffix == ".csv":
+            with open(path, newline="", encoding="utf-8-sig") as f:  # tolerate a BOM (Excel)
+                rows = list(csv.DictReader(f))
+        else:
+            raise DataError(f"caption file {path} must be a .jsonl or .csv file.")
+    except UnicodeDecodeError as e:
+        raise DataError(f"caption file {path} is not UTF-8 text (byte {e.start} cannot be decoded); save it as UTF-8.") from None
+    except csv.Error as e:
+        raise DataError(f"caption file {path} is not a readable CSV file ({e}); save it as comma-separated UTF-8 text.") from None
+    if any(not isinstance(row, dict) for row in rows):
+        raise DataError(f"{path}: every line must be a JSON object such as {{\"file_name\": \"a.png\", \"text\": \"...\"}}.")
     out = {}
     for row in rows:
         name = Path(str(_pick(row, _FILE_KEYS, "file name", path))).as_posix()
