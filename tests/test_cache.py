@@ -170,6 +170,7 @@ def test_cache_end_to_end_and_rerun_is_noop(tiny, tmp_path):
     assert "wrote 10 samples" in r.output and "skipped 2 unreadable" in r.output
     assert "encoded 10 of 12 planned samples" in r.output  # truncated.jpg x 2 flips fail to decode
     assert "have no same-name .txt file" in r.output  # not only in the report
+    assert "3 of 3 buckets hold fewer than 8 samples (10 samples in all)" in r.output and "--bucket-step" in r.output
 
     report = json.loads((out / "cache_report.json").read_text())
     assert sorted(s["file"] for s in report["skipped"]) == ["corrupt.png", "truncated.jpg"]
@@ -338,27 +339,39 @@ def test_sixteen_bit_grayscale_is_scaled_not_clipped(tmp_path):
     torch.testing.assert_close(px16, px8, rtol=0, atol=1.01 / 127.5)  # the same picture within one 8-bit level
 
 
-def test_captions_on_the_console(tiny, tmp_path):
-    """Images without caption and caption rows that name no image are counted on the console, not only in the report."""
+def test_captions_small_images_and_bucket_step(tiny, tmp_path):
+    """Unused caption rows and tiny images are reported on the console; --bucket-step coarsens the buckets."""
+    import numpy as np
+    from PIL import Image
+
     flux, images = tiny
     data = tmp_path / "data"
     data.mkdir()
     for name in ("square.png", "wide.jpg", "tall.webp"):
         shutil.copy(images / name, data)
+    Image.fromarray(np.zeros((1, 1, 3), np.uint8)).save(data / "dot.png")
     caps = tmp_path / "caps.csv"
     caps.write_text("file_name,text\nsquare.png,a red house\nwide.jpg,a tree\nghost.png,a cat\n")
-    r = _cache(data, tmp_path / "out", "--flux-dir", flux, *CACHE_ARGS, "--captions", caps)
+    r = _cache(data, tmp_path / "out", "--flux-dir", flux, *CACHE_ARGS, "--captions", caps, "--bucket-step", "32")
     assert r.exit_code == 0, r.output
     assert "1 of 3 image(s) have no row in caps.csv" in r.output and "first: tall.webp" in r.output
     assert "1 row(s) of caps.csv name no image" in r.output and "first: ghost.png" in r.output
+    assert "skipped 1 too small image(s)" in r.output
     report = json.loads((tmp_path / "out" / "cache_report.json").read_text())
     assert report["captions_matching_no_image"] == ["ghost.png"] and report["no_caption"] == ["tall.webp"]
+    assert report["skipped"] == [{"file": "dot.png", "reason": "too small: 1x1 px, shorter side below 16 px (--min-image-side)"}]
+    c = json.loads((tmp_path / "out" / "manifest.json").read_text())["cache"]
+    assert c["bucket_step"] == 32 and c["min_image_side"] == 16 and c["num_images"] == 4
+    assert all(int(side) % 32 == 0 for k in c["pixel_buckets"] for side in k.split("x")), c["pixel_buckets"]
 
     # a caption file that names none of the images is refused before any encoder loads
     (tmp_path / "other.csv").write_text("file_name,text\nimg_001.png,a cat\n")
     r = _cache(data, tmp_path / "out2", "--flux-dir", flux, *CACHE_ARGS, "--captions", tmp_path / "other.csv")
-    assert r.exit_code == 1 and "other.csv (e.g. 'img_001.png') names one of the 3 images" in r.output, r.output
+    assert r.exit_code == 1 and "other.csv (e.g. 'img_001.png') names one of the 4 images" in r.output, r.output
     assert "loading encoders" not in r.output
+    r = _cache(data, tmp_path / "out2", "--flux-dir", flux, *CACHE_ARGS, "--bucket-step", "48")
+    assert r.exit_code == 2 and "--bucket-step" in r.output and "divides --resolution 64" in r.output
+    assert len(make_buckets(1024, step=64)) == 33 < len(make_buckets(1024)) == 129
 
 
 def test_user_errors_are_one_sentence(tiny, tmp_path, monkeypatch):

@@ -40,6 +40,10 @@ def _check_dependencies() -> None:
               help="Smallest bucket side in pixels, a multiple of 16  [default: resolution/4].")
 @click.option("--max-aspect", type=click.FloatRange(min=1.0), default=4.0, show_default=True,
               help="Largest bucket aspect ratio (long side / short side).")
+@click.option("--bucket-step", type=click.IntRange(min=16), default=16, show_default=True,
+              help="Bucket sides are multiples of this many pixels (a multiple of 16); larger means fewer buckets (64: 33 at 1024 px, not 129).")
+@click.option("--min-image-side", type=click.IntRange(min=0), default=None,
+              help="Skip (and report) images whose shorter side is below this many pixels; 0 keeps all  [default: half the smallest bucket side].")
 @click.option("--flip", type=click.Choice(["none", "random", "both"]), default="none", show_default=True,
               help="Horizontal flip: none, a seeded coin per image, or both copies (doubles the samples).")
 @click.option("--caption-dropout", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.0, show_default=True,
@@ -60,8 +64,8 @@ def _check_dependencies() -> None:
 @click.option("--world-size", type=click.IntRange(min=1), default=None,
               help="Number of processes sharing the work  [default: env WORLD_SIZE or SLURM_NTASKS, else 1].")
 def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_tokenizer, variant, t5_max_length,
-          resolution, min_side, max_aspect, flip, caption_dropout, caption_file, latent, shard_size, batch_size,
-          seed, device, dtype, rank, world_size):
+          resolution, min_side, max_aspect, bucket_step, min_image_side, flip, caption_dropout, caption_file, latent,
+          shard_size, batch_size, seed, device, dtype, rank, world_size):
     """Encode a folder of images and captions into training shards (VAE latents, T5 and CLIP embeddings).
 
     Images (png, jpg, webp; subfolders too) go to aspect-ratio buckets, are resized and center-cropped,
@@ -73,14 +77,18 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
 
     _check_dependencies()
     from fluxzero.data.buckets import STEP
-    from fluxzero.data.cache import CacheOptions, env_rank_world, run_cache
+    from fluxzero.data.cache import SMALL_BUCKET, CacheOptions, env_rank_world, run_cache, small_buckets
     from fluxzero.data.encode import T5_MAX_LENGTH, pick_device_dtype, resolve_paths
     from fluxzero.data.errors import DataError
 
     if resolution % STEP:
         raise click.BadParameter(f"must be a multiple of {STEP}, got {resolution}", param_hint="--resolution")
-    if min_side is not None and (min_side % STEP or min_side > resolution):
-        raise click.BadParameter(f"must be a multiple of {STEP} no larger than --resolution, got {min_side}", param_hint="--min-side")
+    if bucket_step % STEP or resolution % bucket_step:
+        raise click.BadParameter(f"must be a multiple of {STEP} that divides --resolution {resolution}, got {bucket_step}",
+                                 param_hint="--bucket-step")
+    if min_side is not None and (min_side % bucket_step or min_side > resolution):
+        raise click.BadParameter(f"must be a multiple of --bucket-step {bucket_step} no larger than --resolution, got {min_side}",
+                                 param_hint="--min-side")
     if rank is None or world_size is None:
         try:
             env_rank, env_world = env_rank_world()
@@ -101,8 +109,9 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
     encoder_key = json.dumps({**{k: os.path.abspath(v) for k, v in vars(paths).items()}, "dtype": str(dt)})
     opts = CacheOptions(
         images_dir=images_dir, out_dir=out_dir, resolution=resolution, min_side=min_side, max_aspect=max_aspect,
-        flip=flip, caption_dropout=caption_dropout, caption_file=caption_file, shard_size=shard_size,
-        batch_size=batch_size, seed=seed, t5_max_length=t5_max_length or T5_MAX_LENGTH[variant], latent=latent,
+        bucket_step=bucket_step, min_image_side=min_image_side, flip=flip, caption_dropout=caption_dropout,
+        caption_file=caption_file, shard_size=shard_size, batch_size=batch_size, seed=seed,
+        t5_max_length=t5_max_length or T5_MAX_LENGTH[variant], latent=latent,
         rank=rank, world_size=world_size, encoder_key=encoder_key,
     )
 
@@ -124,5 +133,12 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
     if m is not None:
         buckets = ", ".join(f"{k} px: {v['num_samples']}" for k, v in m["cache"]["pixel_buckets"].items())
         click.echo(f"wrote {m['num_samples']} samples in {len(m['shards'])} shards to {out_dir} ({buckets})")
-        if report["skipped"]:
-            click.echo(f"skipped {len(report['skipped'])} unreadable image(s); see {out_dir}/cache_report.json")
+        small = sum(s["reason"].startswith("too small") for s in report["skipped"])
+        kinds = [f"{n} {what}" for n, what in ((len(report["skipped"]) - small, "unreadable"), (small, "too small")) if n]
+        if kinds:
+            click.echo(f"skipped {' and '.join(kinds)} image(s); see {out_dir}/cache_report.json")
+        n_small, n_in_small, n_buckets = small_buckets(m)
+        if n_small:
+            click.echo(f"{n_small} of {n_buckets} buckets hold fewer than {SMALL_BUCKET} samples ({n_in_small} samples in all); "
+                       f"the trainer repeats the samples of a bucket smaller than a global batch (micro batch x GPUs) to fill "
+                       f"one, so a larger --bucket-step (e.g. 64) or a smaller --max-aspect (both merge buckets) may suit this data better.")

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fluxzero.data import shards as fmt
-from fluxzero.data.buckets import make_buckets, nearest_bucket
+from fluxzero.data.buckets import STEP, make_buckets, nearest_bucket
 from fluxzero.data.errors import DataError
 from fluxzero.fsutil import atomic_write
 from fluxzero.data.images import captions_for, list_images, load_bucketed, probe_size
@@ -28,6 +28,7 @@ REPORT_FILE = "cache_report.json"
 EMPTY_FILE = "empty_caption.safetensors"
 PARTS_DIR = "parts"
 FLIP_MODES = ("none", "random", "both")
+SMALL_BUCKET = 8  # samples: a bucket below this is cycled to fill a global batch of micro batch x GPUs
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class CacheOptions:
     resolution: int = 1024
     min_side: int | None = None
     max_aspect: float = 4.0
+    bucket_step: int = STEP
+    min_image_side: int | None = None  # None: half the smallest bucket side; 0: keep every image
     flip: str = "none"
     caption_dropout: float = 0.0
     caption_file: str | None = None
@@ -58,6 +61,10 @@ class CacheOptions:
             raise ValueError("shard_size, batch_size and t5_max_length must be >= 1")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={self.rank}, world_size={self.world_size}")
+        if self.bucket_step < STEP or self.bucket_step % STEP:
+            raise ValueError(f"bucket_step must be a multiple of {STEP}, got {self.bucket_step}")
+        if self.min_image_side is not None and self.min_image_side < 0:
+            raise ValueError(f"min_image_side must be >= 0, got {self.min_image_side}")
         if self.latent not in ("mode", "sample"):
             raise ValueError(f"latent must be 'mode' or 'sample', got {self.latent!r}")
 
@@ -66,6 +73,11 @@ class CacheOptions:
         d = asdict(self)
         for k in ("images_dir", "out_dir", "rank", "world_size", "batch_size"):
             d.pop(k)
+        # min_image_side acts through the images it skips, which make_plan hashes one by one; a default
+        # bucket_step stays out so that folders cached before these options existed still resume
+        d.pop("min_image_side")
+        if d["bucket_step"] == STEP:
+            d.pop("bucket_step")
         return d
 
 
@@ -88,7 +100,8 @@ def make_plan(opts: CacheOptions) -> dict:
         example = f" (e.g. {unmatched[0]!r})" if unmatched else ""
         raise DataError(f"no row of the caption file {table}{example} names one of the {len(images)} images in {root} "
                         f"(e.g. {images[0]!r}); file names must be relative to the image folder or bare file names.")
-    buckets = make_buckets(opts.resolution, opts.min_side, opts.max_aspect)
+    buckets = make_buckets(opts.resolution, opts.min_side, opts.max_aspect, step=opts.bucket_step)
+    min_image = min(min(b) for b in buckets) // 2 if opts.min_image_side is None else opts.min_image_side
     skipped, no_caption, by_bucket = [], [], {}
     fp = hashlib.sha256(json.dumps(opts.output_options(), sort_keys=True).encode())
     for im in images:
@@ -96,6 +109,10 @@ def make_plan(opts: CacheOptions) -> dict:
             w, h = probe_size(root / im)
         except Exception as e:  # noqa: BLE001 - any unreadable file is skipped and reported, never fatal
             skipped.append({"file": im, "reason": f"unreadable image: {str(e).splitlines()[0] if str(e) else type(e).__name__}"})
+            continue
+        if min(w, h) < min_image:  # would be upscaled more than 2x into even the smallest bucket
+            skipped.append({"file": im, "reason": f"too small: {w}x{h} px, shorter side below {min_image} px (--min-image-side)"})
+            fp.update(json.dumps([im, "too small"]).encode())
             continue
         caption = captions[im]
         if caption is None:
@@ -113,7 +130,8 @@ def make_plan(opts: CacheOptions) -> dict:
         for k in range(0, len(items), opts.shard_size):
             shards.append({"id": len(shards), "bucket": bucket, "items": items[k : k + opts.shard_size]})
     return {"fingerprint": fp.hexdigest(), "shards": shards, "skipped": skipped, "no_caption": no_caption,
-            "caption_source": caption_source, "unmatched_captions": unmatched, "num_images": len(images)}
+            "caption_source": caption_source, "unmatched_captions": unmatched, "num_images": len(images),
+            "min_image_side": min_image}
 
 
 # ------------------------------------------------------------------------------------------ resume state
@@ -309,6 +327,13 @@ def _log_captions(plan: dict, opts: CacheOptions, log) -> None:
             f"all listed in {REPORT_FILE})")
 
 
+def small_buckets(manifest: dict, below: int = SMALL_BUCKET) -> tuple[int, int, int]:
+    """(buckets with fewer than `below` samples, samples in them, all buckets) of a cache manifest."""
+    sizes = [b["num_samples"] for b in manifest["cache"]["pixel_buckets"].values()]
+    small = [n for n in sizes if n < below]
+    return len(small), sum(small), len(sizes)
+
+
 def _finalize(out: Path, plan: dict, opts: CacheOptions):
     parts = []
     for s in plan["shards"]:
@@ -350,6 +375,8 @@ def _finalize(out: Path, plan: dict, opts: CacheOptions):
         "resolution": opts.resolution,
         "min_side": opts.min_side,
         "max_aspect": opts.max_aspect,
+        "bucket_step": opts.bucket_step,
+        "min_image_side": plan["min_image_side"],
         "latent": opts.latent,
         "vae_scale": first["vae_scale"],
         "vae_shift": first["vae_shift"],
