@@ -195,7 +195,8 @@ def test_save_refuses_a_state_dict_that_does_not_match(tmp_path, model):
 
 
 # Run in a fresh interpreter so pytest's own allocations cannot move the peak. clear_refs "5" resets the
-# peak RSS (VmHWM) to the current RSS, so each save's growth is measured on its own.
+# peak RSS (VmHWM) to the current RSS, so each save's growth is measured on its own. One interpreter runs
+# every case (argv: JSON list of [name, layout, dtype or null, max_shard_bytes]) to keep the tests fast.
 _SAVE_PEAK = r"""
 import json, sys
 import numpy, safetensors.torch  # the first save would import these: their memory is not the save's
@@ -210,29 +211,127 @@ def rss(field):
 cfg = MODEL_PRESETS["flux-dev"].replace(name="wide", hidden_size=768, num_heads=6, depth=2, depth_single_blocks=2)
 sd = {k: torch.ones(v.shape) for k, v in build_model(cfg, device="meta").state_dict().items()}  # 257 MiB
 growth = {}
-for dtype in (None, torch.bfloat16):
+for name, layout, dtype, shard in json.loads(sys.argv[2]):
     open("/proc/self/clear_refs", "w").write("5")
     before = rss("VmRSS:")
-    W.save_weights(sd, f"{sys.argv[1]}/{dtype}", layout="diffusers", dtype=dtype, cfg=cfg,
-                   max_shard_bytes=int(sys.argv[2]))
-    growth[str(dtype)] = rss("VmHWM:") - before
+    W.save_weights(sd, f"{sys.argv[1]}/{name}", layout=layout, dtype=dtype and getattr(torch, dtype), cfg=cfg,
+                   max_shard_bytes=shard)
+    growth[name] = rss("VmHWM:") - before
 print(json.dumps({"growth": growth, "state": sum(v.nbytes for v in sd.values())}))
 """
+_SHARD = 48 * 2**20
 
 
-@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc peak-RSS reset")
-def test_diffusers_save_holds_at_most_one_shard(tmp_path):
-    # A 257 MiB fp32 state dict saved in 48 MiB shards: as is (split parts are views, nothing is copied)
-    # and to bf16 (each shard converted while it is written). Copying everything first, as save_weights
-    # once did, grows RSS by the whole state dict (measured 263 and 257 MiB); streaming by 7 and 51 MiB.
-    # Bound: 1.3 shards plus 16 MiB for the allocator and safetensors' header.
-    shard = 48 * 2**20
-    p = subprocess.run([sys.executable, "-c", _SAVE_PEAK, str(tmp_path), str(shard)], capture_output=True,
+@pytest.fixture(scope="module")
+def save_peaks(tmp_path_factory):
+    """(output folder, {"growth": {case: bytes}, "state": bytes}) of the cases below, in this order."""
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("needs Linux /proc peak-RSS reset")
+    out = tmp_path_factory.mktemp("peaks")
+    cases = [["bfl.safetensors", "bfl", "bfloat16", 2**40],  # first: the fresh heap is the worst case
+             ["diffusers-fp32", "diffusers", None, _SHARD], ["diffusers-bf16", "diffusers", "bfloat16", _SHARD]]
+    p = subprocess.run([sys.executable, "-c", _SAVE_PEAK, str(out), json.dumps(cases)], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    result = json.loads(p.stdout)
-    assert result["state"] > 5 * shard
-    for dtype, growth in result["growth"].items():
-        assert growth < 1.3 * shard + 16 * 2**20, (dtype, growth / 2**20)
-    assert len(list((tmp_path / "torch.bfloat16").glob("diffusion_pytorch_model-*.safetensors"))) == 3
-    assert len(list((tmp_path / "None").glob("diffusion_pytorch_model-*.safetensors"))) == 6
+    return out, json.loads(p.stdout)
+
+
+def test_diffusers_save_holds_at_most_one_shard(save_peaks):
+    # A 257 MiB fp32 state dict saved in 48 MiB shards: as is (split parts are views, nothing is copied)
+    # and to bf16 (each tensor converted while it is written). Copying everything first, as save_weights
+    # once did, grows RSS by the whole state dict (measured 263 and 257 MiB); a shard at a time by 7 and
+    # 51 MiB; a tensor at a time by 0 and 0 MiB. Bound: 1.3 shards plus 16 MiB for the allocator.
+    out, result = save_peaks
+    assert result["state"] > 5 * _SHARD
+    for case in ("diffusers-fp32", "diffusers-bf16"):
+        assert result["growth"][case] < 1.3 * _SHARD + 16 * 2**20, (case, result["growth"][case] / 2**20)
+    assert len(list((out / "diffusers-bf16").glob("diffusion_pytorch_model-*.safetensors"))) == 3
+    assert len(list((out / "diffusers-fp32").glob("diffusion_pytorch_model-*.safetensors"))) == 6
+
+
+def test_single_file_bf16_save_holds_about_one_tensor(save_peaks):
+    # The 257 MiB fp32 state dict as one bf16 BFL file (the trainer's export): converting the whole file
+    # before writing it grew RSS by 129.6 MiB, the file's size; converting and writing one tensor at a time
+    # by 13-16 MiB (the largest bf16 tensor, single_blocks linear1, is 7.9 MiB). Bound: 0.3 file + 16 MiB.
+    out, result = save_peaks
+    size = (out / "bfl.safetensors").stat().st_size
+    assert 2 * size > result["state"] > size
+    assert result["growth"]["bfl.safetensors"] < 0.3 * size + 16 * 2**20, result["growth"]["bfl.safetensors"] / 2**20
+
+
+# Every dtype safetensors and torch share, in shapes that stress the header: 0-dim, empty, odd byte counts.
+_WRITER_CASES = {
+    "f64": torch.randn(3, dtype=torch.float64), "f32": torch.randn(4, 5), "scalar": torch.tensor(2.5),
+    "empty": torch.zeros(0, 3), "f16": torch.randn(7, dtype=torch.float16), "bf16": torch.randn(2, 3).bfloat16(),
+    "bf16.scalar": torch.tensor(1.0, dtype=torch.bfloat16), "bf16.empty": torch.zeros(0, dtype=torch.bfloat16),
+    "e4m3": torch.randn(5).to(torch.float8_e4m3fn), "e5m2": torch.randn(3).to(torch.float8_e5m2),
+    "i64": torch.arange(3), "i32": torch.arange(3, dtype=torch.int32), "i16": torch.arange(-2, 3, dtype=torch.int16),
+    "i8": torch.arange(-3, 2, dtype=torch.int8), "u8": torch.arange(5, dtype=torch.uint8),
+    "bool": torch.tensor([True, False, True]), "transposed": torch.randn(3, 2).t(),
+    "u16": torch.arange(3).to(torch.uint16), "e4m3fnuz": torch.randn(2).to(torch.float8_e4m3fnuz),
+}
+
+
+def test_safetensors_writer_is_byte_identical_to_safetensors(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    outs = [W._Out.of(k, v, "copy", None, None) for k, v in _WRITER_CASES.items()]
+    W._write_safetensors(tmp_path / "ours.safetensors", outs, {"format": "pt"})
+    save_file({k: v.contiguous() for k, v in _WRITER_CASES.items()}, str(tmp_path / "theirs.safetensors"),
+              {"format": "pt"})
+    ours = (tmp_path / "ours.safetensors").read_bytes()
+    assert ours == (tmp_path / "theirs.safetensors").read_bytes()
+    loaded = load_file(str(tmp_path / "ours.safetensors"))
+    assert list(loaded) != list(_WRITER_CASES) and set(loaded) == set(_WRITER_CASES)  # safetensors' own order
+    for k, v in _WRITER_CASES.items():  # compared as bytes: float8 has no torch.equal on the CPU
+        assert loaded[k].dtype == v.dtype and loaded[k].shape == v.shape, k
+        assert torch.equal(loaded[k].reshape(-1).view(torch.uint8), v.contiguous().reshape(-1).view(torch.uint8)), k
+    with safe_open(str(tmp_path / "ours.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    n = int.from_bytes(ours[:8], "little")
+    header = json.loads(ours[8:8 + n])
+    assert (8 + n) % 8 == 0 and ours[8:8 + n].rstrip(b" ").endswith(b"}")  # space-padded to align the data
+    begin, end = header["bf16.scalar"]["data_offsets"]
+    assert ours[8 + n + begin:8 + n + end] == b"\x80\x3f"  # bf16 1.0 is 0x3F80, stored little-endian
+    with pytest.raises(W.WeightsError, match=r"c.safetensors not written: tensors of dtype torch.complex64"):
+        W._write_safetensors(tmp_path / "c.safetensors", [W._Out.of("c", torch.zeros(1, dtype=torch.cfloat),
+                                                                    "copy", None, None)], {})
+
+
+def test_converting_save_is_byte_identical_to_converting_first(tmp_path, model):
+    # What the trainer's export does (fp32 master weights to bf16), against safetensors given the converted
+    # tensors; the diffusers file covers split (views) and swapped parts converted one at a time.
+    sd = model.state_dict()
+    W.save_weights(sd, tmp_path / "ours.safetensors", dtype=torch.bfloat16)
+    save_file({k: v.bfloat16() for k, v in sd.items()}, str(tmp_path / "theirs.safetensors"), {"format": "pt"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+    W.save_weights(sd, tmp_path / "d", layout="diffusers", dtype=torch.bfloat16)
+    converted = {k: v.bfloat16().contiguous() for k, v in W.bfl_to_diffusers(sd).items()}
+    save_file(converted, str(tmp_path / "theirs-d.safetensors"), {"format": "pt"})
+    assert (tmp_path / "d" / W.DIFFUSERS_WEIGHTS).read_bytes() == (tmp_path / "theirs-d.safetensors").read_bytes()
+
+
+@pytest.fixture
+def umask_027():
+    old = os.umask(0o027)
+    yield
+    os.umask(old)
+
+
+def test_saved_files_follow_the_umask_and_appear_whole(tmp_path, model, umask_027):
+    # safetensors' save_file creates 0600 files: exports other users could not read.
+    sd = model.state_dict()
+    target = tmp_path / "w.safetensors"
+    target.write_bytes(b"old")
+    target.chmod(0o600)  # as an earlier export left it: replaced by a file with the normal mode
+    W.save_weights(sd, target)
+    W.save_weights(sd, tmp_path / "d", layout="diffusers", max_shard_bytes=200_000)
+    files = [target, *(tmp_path / "d").glob("*.safetensors")]
+    assert len(files) > 2 and {oct(f.stat().st_mode & 0o777) for f in files} == {oct(0o640)}
+    # A save that fails part way leaves the previous file as it was and no temp file behind.
+    before = target.read_bytes()
+    boom = W._Out("x", torch.float32, (1,), lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        W._write_safetensors(target, [W._Out.of("a", torch.ones(2), "copy", None, None), boom], {})
+    assert target.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["d", "w.safetensors"]

@@ -7,7 +7,7 @@ prefix; diffusers renames everything and splits fused tensors:
   final layer   adaLN_modulation.1 rows [shift | scale] -> norm_out.linear rows [scale | shift]
 Reading goes tensor by tensor through `safe_open` (memory-mapped): `iter_weights` never holds more than
 one BFL tensor and its parts, so ZeRO-3 loaders can place each tensor as it arrives, and nothing is
-ever unpickled.
+ever unpickled. Writing goes tensor by tensor too (`save_weights`): each is converted, written, dropped.
 """
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ import json
 import math
 import os
 import re
+import struct
+from functools import partial
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 from torch import Tensor
@@ -487,12 +489,10 @@ def save_weights(
 
     diffusers: `path` is the folder; weights above `max_shard_bytes` are sharded with an index JSON, and a
     config.json lets `FluxTransformer2DModel.from_pretrained(path)` load it.
-    Streams one output file at a time: a tensor is copied (dtype, device, the final layer's swapped halves)
-    only while its file is written; split parts are views of the fused tensor. So the memory on top of
-    `state_dict` is at most one file's converted tensors (a diffusers shard; the whole file for bfl/comfyui).
+    Streams one tensor at a time (`_write_safetensors`): a tensor is copied (dtype, device, the final layer's
+    swapped halves) only while it is written; split parts are views of the fused tensor. So the memory on top
+    of `state_dict` is about its largest converted tensor, also for a single-file bf16 export of fp32 weights.
     """
-    from safetensors.torch import save_file
-
     if layout not in LAYOUTS:
         raise WeightsError(f"unknown layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
     path = Path(path)
@@ -501,10 +501,12 @@ def save_weights(
     if layout != "diffusers":
         prefix = COMFY_PREFIX if layout == "comfyui" else ""
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({prefix + k: _part(v, "copy", None, dtype, "cpu") for k, v in state_dict.items()}, str(path), meta)
+        _write_safetensors(path, [_Out.of(prefix + k, v, "copy", None, dtype) for k, v in state_dict.items()], meta)
         return
     config = _diffusers_config(cfg, path)  # before anything is written: a model diffusers cannot hold is refused
-    shards = _diffusers_shards(state_dict, cfg.hidden_size, dtype, max_shard_bytes)
+    shards = _shards([_Out.of(name, state_dict[key], how, rows, dtype) for key in state_dict
+                      for name, how, rows in _diffusers_parts(key, state_dict[key].shape[0], cfg.hidden_size)],
+                     max_shard_bytes)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for old in list(path.glob("diffusion_pytorch_model*.safetensors")) + [path / DIFFUSERS_INDEX]:
@@ -512,32 +514,98 @@ def save_weights(
     n = len(shards)
     files = [DIFFUSERS_WEIGHTS] if n == 1 else [f"diffusion_pytorch_model-{i:05d}-of-{n:05d}.safetensors"
                                                 for i in range(1, n + 1)]
-    for file, (shard, _) in zip(files, shards):
-        # The converted tensors of this shard live only for this call.
-        save_file({name: _part(state_dict[key], how, rows, dtype, "cpu") for name, key, how, rows in shard},
-                  str(path / file), meta)
+    for file, shard in zip(files, shards):
+        _write_safetensors(path / file, shard, meta)
     if n > 1:
-        weight_map = {name: file for file, (shard, _) in zip(files, shards) for name, *_ in shard}
-        index = {"metadata": {"total_size": sum(size for _, size in shards)},
+        weight_map = {out.name: file for file, shard in zip(files, shards) for out in shard}
+        index = {"metadata": {"total_size": sum(out.nbytes for shard in shards for out in shard)},
                  "weight_map": dict(sorted(weight_map.items()))}
         (path / DIFFUSERS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _diffusers_shards(state_dict, hidden: int, dtype, max_shard_bytes: int):
-    """[(entries (diffusers name, BFL key, how, rows), bytes)] in order, each shard at most max_shard_bytes
-    (or one tensor). Sizes come from shapes: nothing is read or copied here."""
-    shards, current, size = [], [], 0
-    for key, t in state_dict.items():
-        row_bytes = math.prod(t.shape[1:]) * (dtype or t.dtype).itemsize
-        for name, how, rows in _diffusers_parts(key, t.shape[0], hidden):
-            nbytes = row_bytes * (rows[1] if rows else t.shape[0])
-            if current and size + nbytes > max_shard_bytes:
-                shards.append((current, size))
-                current, size = [], 0
-            current.append((name, key, how, rows))
-            size += nbytes
-    shards.append((current, size))
+class _Out(NamedTuple):
+    """One tensor of an output file, known by name, dtype and shape before it exists; `make()` builds it."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    make: Callable[[], Tensor]
+
+    @classmethod
+    def of(cls, name: str, t: Tensor, how: str, rows: tuple[int, int] | None, dtype) -> _Out:
+        """`_part(t, how, rows, dtype)` on the CPU, described from `t`'s shape alone (nothing is copied yet)."""
+        shape = (rows[1], *t.shape[1:]) if rows else tuple(t.shape)
+        return cls(name, dtype or t.dtype, shape, partial(_part, t, how, rows, dtype, "cpu"))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _shards(outs: list[_Out], max_shard_bytes: int) -> list[list[_Out]]:
+    """Consecutive runs of `outs`, each at most max_shard_bytes (or one tensor)."""
+    shards, size = [[]], 0
+    for out in outs:
+        if shards[-1] and size + out.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(out)
+        size += out.nbytes
     return shards
+
+
+# safetensors' dtype names in the order of its Dtype enum: its writer lays tensors out by this order, last
+# first (widest first, so every tensor is aligned to its element size), then by name. Following it makes our
+# files byte-identical to safetensors.torch.save_file's.
+_ST_DTYPES = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.int16: "I16", torch.uint16: "U16", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
+    torch.uint32: "U32", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64", torch.uint64: "U64",
+}
+_ST_RANK = {d: i for i, d in enumerate(_ST_DTYPES)}
+
+
+def _write_safetensors(path: Path, outs: list[_Out], metadata: dict[str, str]) -> None:
+    """Write a .safetensors file one tensor at a time: memory on top of the inputs is about one tensor.
+
+    Format: 8-byte little-endian header length N, N bytes of JSON header (space-padded so the data starts
+    8-byte aligned), then each tensor's raw bytes in header order. Bytes are written as the CPU holds them,
+    i.e. little-endian (torch's platforms are). The file is written beside `path` and renamed over it only
+    when complete, with the usual mode 0666 minus the umask (safetensors' own writer leaves 0600).
+    """
+    odd = sorted({str(o.dtype) for o in outs if o.dtype not in _ST_DTYPES})
+    if odd:
+        raise WeightsError(f"{path} not written: tensors of dtype {', '.join(odd)} cannot be written; "
+                           "convert them to bf16, fp16 or fp32 first")
+    outs = sorted(outs, key=lambda o: (-_ST_RANK[o.dtype], o.name))
+    tensors, offset = {}, 0
+    for o in outs:
+        tensors[o.name] = {"dtype": _ST_DTYPES[o.dtype], "shape": list(o.shape),
+                           "data_offsets": [offset, offset + o.nbytes]}
+        offset += o.nbytes
+    if len(tensors) != len(outs):
+        raise ValueError(f"{path}: duplicate tensor names")
+    header = {"__metadata__": metadata, **tensors} if metadata else tensors
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    path = Path(os.path.realpath(path))  # a symlink stays and the file it points at is replaced
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:  # open() creates with 0666 minus the umask
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for o in outs:
+                t = o.make()
+                if (t.dtype, tuple(t.shape), t.device.type) != (o.dtype, o.shape, "cpu") or not t.is_contiguous():
+                    raise RuntimeError(f"{o.name}: made {t.dtype} {tuple(t.shape)} on {t.device}, "
+                                       f"planned {o.dtype} {o.shape} contiguous on the CPU")
+                f.write(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes: no copy
+                del t  # before the next one is made
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _check_state(state_dict, cfg: ModelConfig | None, path: Path) -> ModelConfig:
