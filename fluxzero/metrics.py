@@ -3,6 +3,9 @@
 Per-rank step time and peak memory are gathered to rank 0 at every log step (one tiny all_gather).
 MFU is reported on GPUs with a known peak: 3 x forward FLOPs (forward + backward, recomputation not
 counted, the usual convention) x samples/s / (peak FLOP/s x ranks).
+
+A resumed run starts its logs at the checkpoint's step: metrics.jsonl rows after it are dropped and
+TensorBoard purges its later events (purge_step), so steps repeated after a resume appear once.
 """
 from __future__ import annotations
 
@@ -10,11 +13,14 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from fluxzero.fsutil import atomic_write
 
 # Dense peak FLOP/s by GPU name fragment: (bf16/fp16, fp32 via TF32). From NVIDIA's data sheets (SXM).
 PEAK_FLOPS = {
@@ -47,6 +53,57 @@ def peak_memory_gb(device: torch.device) -> float:
     return kb * 1024 / 1e9
 
 
+class LogWriteError(RuntimeError):
+    """A log file could not be written (a full disk, most often); the message names the file and the reason."""
+
+    def __init__(self, what: str, error: OSError):
+        super().__init__(f"cannot write {what} ({error.strerror or error})")
+
+
+def _writing(what: str, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except OSError as e:
+        raise LogWriteError(what, e) from None
+
+
+def _quiet_tensorboard_thread() -> None:
+    """TensorBoard writes events on a thread that keeps a failed write (a full disk) for the next add_scalar or
+    flush to raise in the training thread, where _writing turns it into LogWriteError; the thread's own
+    "Exception in thread" traceback would only repeat it. Installed once per process."""
+    previous = threading.excepthook
+    if getattr(previous, "fluxzero", False):
+        return
+
+    def hook(args):
+        if not (isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            previous(args)
+
+    hook.fluxzero = True
+    threading.excepthook = hook
+
+
+def truncate_jsonl(path: Path, last_step: int) -> int:
+    """Drop the rows of metrics.jsonl after `last_step` (and a torn last line); returns how many were dropped.
+
+    Rewritten atomically, and only when something is dropped.
+    """
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= last_step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):  # a line cut short by a crash: not a record
+            pass
+    if len(keep) < len(lines):
+        atomic_write(path, "".join(f"{line}\n" for line in keep))
+    return len(lines) - len(keep)
+
+
 class Metrics:
     """Collects one record per logged step; writes only on rank 0."""
 
@@ -64,13 +121,18 @@ class Metrics:
 
             out = Path(output_dir)
             out.mkdir(parents=True, exist_ok=True)
+            jsonl, tb = out / "metrics.jsonl", out / "tensorboard"
+            self._what = {"writer": f"TensorBoard logs in {tb}", "jsonl": str(jsonl), "bar": "the progress bar"}
+            # the steps after the resumed checkpoint are trained again: log them once
+            _writing(self._what["jsonl"], truncate_jsonl, jsonl, start_step)
             try:
                 from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(str(out / "tensorboard"))
             except ImportError:  # tensorboard is in the train extra; without it the JSON lines remain
                 print("tensorboard is not installed: logging to metrics.jsonl only", file=sys.stderr)
-            self.jsonl = open(out / "metrics.jsonl", "a")
+            else:
+                _quiet_tensorboard_thread()
+                self.writer = _writing(self._what["writer"], SummaryWriter, str(tb), purge_step=start_step + 1)
+            self.jsonl = _writing(self._what["jsonl"], open, jsonl, "a")
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                             file=sys.stderr, disable=os.environ.get("FLUXZERO_NO_PROGRESS") == "1")
 
@@ -81,9 +143,9 @@ class Metrics:
             img_tokens: int, txt_tokens: int, log: bool = True) -> dict | None:
         """Record optimizer step `step` (1-based). Collective: every rank must call it at every step."""
         step_time = time.perf_counter() - self._t
-        if self.bar is not None:
-            self.bar.update(1)
+        if self.bar is not None:  # postfix first: update() draws the bar with this step's loss
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+            self.bar.update(1)
         if not log:
             return None
         mine = torch.tensor([step_time, peak_memory_gb(self.device)], dtype=torch.float64, device=self.device)
@@ -102,18 +164,35 @@ class Metrics:
             flops = 3 * self.flops_per_sample(img_tokens, txt_tokens)
             record["mfu"] = flops * record["samples_per_s"] / (self.peak * self.world_size)
         if self.writer is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and value is not None and key != "step":
-                    self.writer.add_scalar(f"train/{key}", value, step)
-            for r, (t, m) in enumerate(zip(times, mems)):  # one line per rank: an uneven rank stands out
-                self.writer.add_scalar(f"per_rank/step_time_s/rank{r}", t, step)
-                self.writer.add_scalar(f"per_rank/peak_memory_gb/rank{r}", m, step)
+            _writing(self._what["writer"], self._add_scalars, record, times, mems, step)
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps(record) + "\n")
-            self.jsonl.flush()
+            _writing(self._what["jsonl"], self._append, json.dumps(record) + "\n")
         return record
 
-    def close(self) -> None:
-        for handle in (self.bar, self.writer, self.jsonl):
-            if handle is not None:
+    def _add_scalars(self, record: dict, times: list, mems: list, step: int) -> None:
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and value is not None and key != "step":
+                self.writer.add_scalar(f"train/{key}", value, step)
+        for r, (t, m) in enumerate(zip(times, mems)):  # one line per rank: an uneven rank stands out
+            self.writer.add_scalar(f"per_rank/step_time_s/rank{r}", t, step)
+            self.writer.add_scalar(f"per_rank/peak_memory_gb/rank{r}", m, step)
+
+    def _append(self, line: str) -> None:
+        self.jsonl.write(line)
+        self.jsonl.flush()
+
+    def close(self, strict: bool = True) -> None:
+        """Close every handle (again: a no-op). strict: raise LogWriteError when the last writes fail;
+        otherwise (cleanup after another error) ignore that."""
+        error = None
+        for name in ("bar", "writer", "jsonl"):
+            handle = getattr(self, name)
+            setattr(self, name, None)
+            if handle is None:
+                continue
+            try:
                 handle.close()
+            except OSError as e:
+                error = error or LogWriteError(self._what[name], e)
+        if error is not None and strict:
+            raise error

@@ -20,7 +20,7 @@ from fluxzero import engine as ds_engine
 from fluxzero import flow
 from fluxzero.config import TrainConfig, get_model_config
 from fluxzero.data import DataError, build_dataloader
-from fluxzero.metrics import Metrics
+from fluxzero.metrics import LogWriteError, Metrics
 from fluxzero.model.math import set_attention_backend
 
 
@@ -127,16 +127,16 @@ def train(cfg: TrainConfig) -> dict:
     own_schedule = "scheduler" not in ds  # otherwise DeepSpeed's scheduler drives the lr
     base_lr = ds["optimizer"].get("params", {}).get("lr", 1e-3)
     dtype = ds_engine.param_dtype(ds)
-    metrics = Metrics(cfg.output_dir, rank, world, device, total, step, cfg.global_batch(world),
-                      model_cfg.flops_per_sample, dtype)
     batches = _batches(loader)
 
     def save():
         ds_engine.save_checkpoint(engine, ckpt_dir, step, {"step": step, "loader": loader.state_dict()},
                                   config_text(cfg), {**ds, "fluxzero": ours})
 
-    losses, saved_step, result = [], step if state else None, {}
+    losses, saved_step, result, metrics = [], step if state else None, {}, None
     try:
+        metrics = Metrics(cfg.output_dir, rank, world, device, total, step, cfg.global_batch(world),
+                          model_cfg.flops_per_sample, dtype)
         while step < stop:  # lr -> batch -> forward -> loss -> backward -> step -> log -> checkpoint
             metrics.step_started()
             if own_schedule:
@@ -160,6 +160,7 @@ def train(cfg: TrainConfig) -> dict:
                 saved_step = step
         if saved_step != step:
             save()
+        metrics.close()  # the last TensorBoard points reach the disk, or the error says they did not
         result = {"losses": losses, "step": step, "checkpoint": str(ckpt_dir / ds_engine.latest_tag(ckpt_dir))}
         if cfg.export_format and step >= total:
             result["export"] = _export(cfg, ckpt_dir, rank)
@@ -169,8 +170,16 @@ def train(cfg: TrainConfig) -> dict:
         raise Interrupted(f"interrupted at step {step} of {total}; " + (
             f"the last complete checkpoint is {ckpt_dir / tag}: run the same command again to resume from it"
             if tag else "no checkpoint was saved: run the same command again to start over")) from None
+    except LogWriteError as e:  # rank 0 only: a full disk outside checkpoint saving
+        tag = ds_engine.latest_tag(ckpt_dir)
+        raise ds_engine.TrainingError(
+            f"{e}: the disk holding {cfg.output_dir} is probably full; training stopped at step {step} and " + (
+                f"the last complete checkpoint {ckpt_dir / tag} is intact: free disk space there and run the "
+                f"same command again to resume from it" if tag else
+                "no checkpoint was saved: free disk space there and run the same command again")) from None
     finally:
-        metrics.close()
+        if metrics is not None:
+            metrics.close(strict=False)
         engine.destroy()
     if rank == 0:
         print(f"done: step {step}/{total}, checkpoint {result['checkpoint']}"

@@ -87,6 +87,22 @@ def test_flag_style_override_says_how_to_write_it(capsys):
     assert parse_args(["--config", "r.yaml", "--local_rank=1", "steps=3"]).overrides == ["steps=3"]
 
 
+def test_progress_bar_shows_the_loss_of_the_step_it_counts(tmp_path, monkeypatch, capsys):
+    import torch
+
+    from fluxzero.metrics import Metrics
+
+    monkeypatch.delenv("FLUXZERO_NO_PROGRESS", raising=False)
+    m = Metrics(str(tmp_path), 0, 1, torch.device("cpu"), total_steps=3, start_step=0, global_batch=1,
+                flops_per_sample=None, dtype=torch.float32)
+    m.bar.mininterval = 0  # draw at every update, as a step slower than 0.1 s does
+    for step, loss in [(1, 0.5), (2, 0.25)]:
+        m.log(step, loss, 1e-3, None, 0, img_tokens=4, txt_tokens=4, log=False)
+        frame = capsys.readouterr().err.split("\r")[-1]
+        assert f"{step}/3" in frame and f"loss={loss:.4f}" in frame, frame
+    m.close()
+
+
 def test_flow_config_validates():
     with pytest.raises(ValueError, match="timestep_sampling"):
         FlowConfig(timestep_sampling="beta")
@@ -175,7 +191,12 @@ CHILD = textwrap.dedent("""
         if fsize:  # "disk full": writes past fsize bytes fail with EFBIG (Python ignores SIGXFSZ)
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.RLIM_INFINITY))
         with contextlib.redirect_stderr(err):
-            code = main(argv)
+            try:
+                code = main(argv)
+            except Exception:  # an error main() should have reported: fail this case, not all of them
+                import traceback
+                code = "raised"
+                traceback.print_exc()
         if fsize:
             resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         results[name] = [code, err.getvalue()]
@@ -237,7 +258,9 @@ def cases(tmp_path_factory):
         case("export_blocked", "steps=1", "export_format=bfl"),
         case("nan", f"deepspeed={tmp / 'nan.json'}", "checkpoint_every=1"),
         case("first", "stop_after=2", "checkpoint_every=2", out="disk"),
+        case("tensorboard_disk_full", fsize=1, out="disk"),  # a rerun on a full disk: no log can start
         case("disk_full", fsize=600_000, out="disk"),  # the model states file alone is ~2 MB
+        case("jsonl_disk_full", fsize=1, out="disk"),  # steps 3-4 of metrics.jsonl must go: rewriting fails
         case("after_disk_full", "export_format=bfl", out="disk"),
         case("no_resume_over_checkpoints", "resume=false", out="disk"),
         case("other_model", "model=flux-tiny-schnell", out="disk"),
@@ -298,10 +321,32 @@ def test_disk_full_keeps_previous_checkpoint_loadable(cases):
     assert "could not save checkpoint step_00000004" in msg and "step_00000002 is intact" in msg
     # the next run resumed from step 2 (latest never moved to the broken step 4) and finished
     assert results["after_disk_full"][0] == 0
-    steps = [json.loads(l)["step"] for l in (tmp / "disk" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 3, 4]
     assert (tmp / "disk" / "checkpoints" / "latest").read_text() == "step_00000004"
     assert (tmp / "disk" / "export.safetensors").is_file()
+
+
+def test_full_disk_outside_checkpoints_is_one_sentence(cases):
+    """A rerun on a full disk fails where logging starts: TensorBoard's first event, or metrics.jsonl."""
+    tmp, results = cases
+    for name, what in [("tensorboard_disk_full", f"TensorBoard logs in {tmp / 'disk' / 'tensorboard'}"),
+                       ("jsonl_disk_full", str(tmp / "disk" / "metrics.jsonl"))]:
+        msg = _one_sentence_error(results[name])
+        assert msg.startswith(f"error: cannot write {what} (File too large): the disk holding {tmp / 'disk'} is "
+                              f"probably full; training stopped at step 2 and the last complete checkpoint "
+                              f"{tmp / 'disk' / 'checkpoints'}/step_00000002 is intact: free disk space there and "
+                              f"run the same command again to resume from it"), msg
+
+
+def test_resumed_steps_are_logged_once(cases):
+    """disk_full logged steps 3-4 and failed to save step 4; after_disk_full resumed step 2 and logged 3-4 again."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tmp, results = cases
+    assert results["disk_full"][0] == 1 and results["after_disk_full"][0] == 0
+    steps = [json.loads(l)["step"] for l in (tmp / "disk" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    events = EventAccumulator(str(tmp / "disk" / "tensorboard")).Reload().Scalars("train/loss")
+    assert [e.step for e in events] == [1, 2, 3, 4]  # purge_step: the event files of later runs hide 3-4
 
 
 def test_export_command(cases, tmp_path):
