@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import signal
@@ -104,8 +105,12 @@ def _mean_across_ranks(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Train as configured; returns {"losses": [...], "step", "checkpoint", "export"}."""
+def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
+    """Train as configured; returns {"losses": [...], "step", "checkpoint", "export"}.
+
+    allow_config_change: resume a checkpoint although data, grad_accum or flow options changed (see
+    _check_output_dir); the new values are saved with the next checkpoint.
+    """
     rank, world, device = ds_engine.init_distributed()
     set_attention_backend(cfg.attention)
     ds, ours = ds_engine.load_ds_config(cfg.deepspeed, cfg, world)
@@ -118,7 +123,7 @@ def train(cfg: TrainConfig) -> dict:
     total = cfg.total_steps(len(loader))
     stop = min(total, cfg.stop_after) if cfg.stop_after else total
     ckpt_dir = Path(cfg.output_dir) / "checkpoints"
-    _check_output_dir(cfg, ckpt_dir, ds)
+    _check_output_dir(cfg, ckpt_dir, ds, allow_config_change)
     engine = ds_engine.build_engine(cfg, ds, ours, model_cfg, device)
     state = ds_engine.load_checkpoint(engine, ckpt_dir) if cfg.resume else None
     if state:
@@ -163,7 +168,7 @@ def train(cfg: TrainConfig) -> dict:
         metrics.close()  # the last TensorBoard points reach the disk, or the error says they did not
         result = {"losses": losses, "step": step, "checkpoint": str(ckpt_dir / ds_engine.latest_tag(ckpt_dir))}
         if cfg.export_format and step >= total:
-            result["export"] = _export(cfg, ckpt_dir, rank)
+            result["export"], result["exported"] = _export(cfg, ckpt_dir, rank)
     except KeyboardInterrupt:
         _ignore_stop_signals()  # a second Ctrl-C, or the launcher's SIGTERM, must not cut the cleanup short
         tag = ds_engine.latest_tag(ckpt_dir)
@@ -183,12 +188,23 @@ def train(cfg: TrainConfig) -> dict:
         engine.destroy()
     if rank == 0:
         print(f"done: step {step}/{total}, checkpoint {result['checkpoint']}"
-              + (f", export {result['export']}" if "export" in result else ""), file=sys.stderr)
+              + (f", export {result['export']}" if "export" in result else "")
+              + ("" if result.get("exported", True) else " (up to date: not written again)"), file=sys.stderr)
     return result
 
 
-def _check_output_dir(cfg: TrainConfig, ckpt_dir: Path, ds: dict | None = None) -> None:
-    """Never train over someone else's checkpoints: resume only a run of the same model, never overwrite."""
+# Settings a resume must keep, because they change what the next steps compute. Others (steps, epochs,
+# stop_after, the lr schedule, logging, checkpointing, export, attention kernel, workers) may change: extending
+# a run or logging more often is common.
+FIXED_ON_RESUME = ("micro_batch", "seed")  # the loader's saved position means other samples under others
+SAME_ON_RESUME = ("data", "grad_accum") + tuple(f"flow.{f}" for f in (
+    "timestep_sampling", "logit_mean", "logit_std", "shift", "shift_value", "guidance"))
+
+
+def _check_output_dir(cfg: TrainConfig, ckpt_dir: Path, ds: dict | None = None,
+                      allow_config_change: bool = False) -> None:
+    """Never train over someone else's checkpoints: resume only a run of the same model and training
+    settings, never overwrite."""
     out = Path(cfg.output_dir)
     try:  # fail here, in one sentence, rather than deep inside TensorBoard or DeepSpeed's save
         out.mkdir(parents=True, exist_ok=True)
@@ -204,15 +220,14 @@ def _check_output_dir(cfg: TrainConfig, ckpt_dir: Path, ds: dict | None = None) 
     if not cfg.resume:
         raise ds_engine.TrainingError(f"{ckpt_dir} already holds checkpoints (latest {tag}) and resume is off; "
                                       f"choose another output_dir or set resume: true")
-    saved = ckpt_dir / tag / "run.yaml"
-    model = (yaml.safe_load(saved.read_text()) or {}).get("model") if saved.is_file() else None
+    saved = _saved_run(ckpt_dir / tag / "run.yaml")
+    model = saved.get("model")
     if model and model != cfg.model:
         raise ds_engine.TrainingError(f"{ckpt_dir / tag} is a checkpoint of {model} but the run file trains "
                                       f"{cfg.model}; choose another output_dir")
+    _check_same_training(cfg, saved, ckpt_dir / tag, allow_config_change)
     saved_ds = ckpt_dir / tag / "ds_config.json"
     if ds is not None and saved_ds.is_file() and cfg.resume:
-        import json
-
         try:
             old = json.loads(saved_ds.read_text())
             stage, dtype = ds_engine.zero_stage(old), ds_engine.param_dtype(old)
@@ -229,6 +244,58 @@ def _check_output_dir(cfg: TrainConfig, ckpt_dir: Path, ds: dict | None = None) 
             raise ds_engine.TrainingError(
                 f"{ckpt_dir / tag} was written in {names[dtype]} but {cfg.deepspeed} trains in "
                 f"{names[ds_engine.param_dtype(ds)]}; resume in {names[dtype]}, or choose another output_dir")
+
+
+def _saved_run(path: Path) -> dict:
+    """The run.yaml saved beside a checkpoint ({} when there is none)."""
+    fix = "it records the settings the checkpoint was trained with: repair it, or choose another output_dir"
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except yaml.YAMLError as e:
+        raise ds_engine.TrainingError(f"{path} is not valid YAML ({str(e).splitlines()[0]}); {fix}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ds_engine.TrainingError(f"cannot read {path} ({getattr(e, 'strerror', None) or e}); {fix}") from None
+    if not isinstance(saved, dict):
+        raise ds_engine.TrainingError(f"{path} is not a mapping of settings; {fix}")
+    return saved
+
+
+def _setting(d: dict, key: str):
+    """A dotted key of a run-file dict (flow.shift), or None when absent."""
+    *parents, leaf = key.split(".")
+    for p in parents:
+        d = d.get(p) if isinstance(d.get(p), dict) else {}
+    return d.get(leaf)
+
+
+def _check_same_training(cfg: TrainConfig, saved: dict, ckpt: Path, allow_config_change: bool) -> None:
+    """Refuse to continue a checkpoint under settings that change what is trained, in one sentence naming
+    each field with both values; data, grad_accum and flow options may change with allow_config_change."""
+    now = cfg.to_dict()
+
+    def changed(keys):
+        return [k for k in keys if _setting(saved, k) is not None  # an older run.yaml may lack a key
+                and _setting(saved, k) != _setting(now, k)
+                and not (k == "data" and _same_path(_setting(saved, k), _setting(now, k)))]
+
+    for keys, fix in ((FIXED_ON_RESUME, "resume with the checkpoint's values, or choose another output_dir"),
+                      (() if allow_config_change else SAME_ON_RESUME,
+                       "resume with the checkpoint's values, choose another output_dir, or add "
+                       "allow_config_change=true to the command line to continue this checkpoint with the new ones")):
+        if diff := changed(keys):
+            raise ds_engine.TrainingError(
+                f"{ckpt} was trained with {', '.join(f'{k}={_setting(saved, k)}' for k in diff)} but this run "
+                f"has {', '.join(f'{k}={_setting(now, k)}' for k in diff)}; {fix}")
+
+
+def _same_path(a, b) -> bool:
+    """Two spellings of one shard folder (relative and absolute, or through a link)."""
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, TypeError, ValueError):
+        return False
 
 
 def _forward_backward(engine, batches, cfg: TrainConfig, guidance_embed: bool, device, dtype) -> tuple[float, dict]:
@@ -249,12 +316,17 @@ def _forward_backward(engine, batches, cfg: TrainConfig, guidance_embed: bool, d
     return _mean_across_ranks(loss_sum) / cfg.grad_accum, inputs
 
 
-def _export(cfg: TrainConfig, ckpt_dir: Path, rank: int) -> str:
+def _export(cfg: TrainConfig, ckpt_dir: Path, rank: int) -> tuple[str, bool]:
+    """Export the final checkpoint on rank 0; returns (path, whether it was written): an export newer than
+    the checkpoint, in the same layout and dtype, is left as it is (a rerun of a finished run does nothing)."""
     out = Path(cfg.output_dir) / ("export" if cfg.export_format == "diffusers" else "export.safetensors")
-    error = [None]
+    error, wrote = [None], True
     if rank == 0:
         try:
-            ds_engine.export_checkpoint(ckpt_dir, out, cfg.export_format, cfg.export_dtype)
+            if _export_is_current(out, ckpt_dir / "latest", cfg.export_format, cfg.export_dtype):
+                wrote = False
+            else:
+                ds_engine.export_checkpoint(ckpt_dir, out, cfg.export_format, cfg.export_dtype)
         except ds_engine.TrainingError as e:
             error = [f"{e} (training finished and is saved: `fluxzero export {cfg.output_dir} OUT` writes it "
                      f"again)"]
@@ -262,7 +334,26 @@ def _export(cfg: TrainConfig, ckpt_dir: Path, rank: int) -> str:
         dist.broadcast_object_list(error, src=0)
     if error[0]:
         raise ds_engine.TrainingError(error[0])
-    return str(out)
+    return str(out), wrote
+
+
+def _export_is_current(out: Path, latest: Path, layout: str, dtype: str) -> bool:
+    """`out` was written after the checkpoint `latest` names, in this layout and dtype (read from the
+    safetensors header: tensor dtypes, and ComfyUI's key prefix; diffusers is the folder)."""
+    from fluxzero.model.weights import COMFY_PREFIX
+
+    files = sorted(out.glob("*.safetensors")) if layout == "diffusers" else [out]
+    try:
+        if not files or any(f.stat().st_mtime < latest.stat().st_mtime for f in files):
+            return False
+        with open(files[0], "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        dtypes = {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+        comfy = any(k.startswith(COMFY_PREFIX) for k in header)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # missing, a folder, not safetensors
+        return False
+    want = {"bf16": "BF16", "fp32": "F32"}[dtype]
+    return dtypes == {want} and comfy == (layout == "comfyui")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -289,6 +380,21 @@ def parse_args(argv):
     return args
 
 
+def _split_allow(overrides: list[str]) -> tuple[list[str], bool]:
+    """allow_config_change=true|false is a switch for this one start, not a run-file setting: it is never
+    saved with a checkpoint, so the next resume checks against the new values again."""
+    rest, allow = [], False
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if key.strip() != "allow_config_change" or not sep:
+            rest.append(item)
+            continue
+        allow = _parse_value(value)
+        if not isinstance(allow, bool):
+            raise ConfigError(f"allow_config_change must be true or false, got {value!r}")
+    return rest, allow
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from fluxzero.model.weights import WeightsError
@@ -298,7 +404,8 @@ def main(argv=None) -> int:
     # same way as on Ctrl-C (cleanly, with the checkpoint to resume from) instead of dying mid-line.
     old_term = _on_sigterm(_raise_interrupt)
     try:
-        train(load_config(args.config, args.overrides))
+        overrides, allow = _split_allow(args.overrides)
+        train(load_config(args.config, overrides), allow_config_change=allow)
         return 0
     except Interrupted as e:
         if os.environ.get("FLUXZERO_DEBUG"):

@@ -103,6 +103,23 @@ def test_progress_bar_shows_the_loss_of_the_step_it_counts(tmp_path, monkeypatch
     m.close()
 
 
+def test_export_is_current_only_in_the_same_layout_and_dtype(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from fluxzero.train import _export_is_current
+
+    latest = tmp_path / "latest"
+    latest.write_text("step_00000004")
+    out = tmp_path / "export.safetensors"
+    assert not _export_is_current(out, latest, "bfl", "bf16")
+    save_file({"img_in.weight": torch.zeros(2, 2, dtype=torch.bfloat16)}, str(out))
+    assert _export_is_current(out, latest, "bfl", "bf16")
+    assert not _export_is_current(out, latest, "bfl", "fp32") and not _export_is_current(out, latest, "comfyui", "bf16")
+    os.utime(latest, (out.stat().st_mtime + 1,) * 2)  # a newer checkpoint
+    assert not _export_is_current(out, latest, "bfl", "bf16")
+
+
 def test_flow_config_validates():
     with pytest.raises(ValueError, match="timestep_sampling"):
         FlowConfig(timestep_sampling="beta")
@@ -186,7 +203,9 @@ CHILD = textwrap.dedent("""
     from fluxzero.train import main
     init_distributed()  # one process group for all cases (DeepSpeed caches its groups per process)
     results = {}
-    for name, argv, fsize in json.load(open(sys.argv[1])):
+    for name, argv, fsize, prep in json.load(open(sys.argv[1])):
+        for path, text in prep.items():  # damage a file the earlier cases left
+            open(path, "w").write(text)
         err = io.StringIO()
         if fsize:  # "disk full": writes past fsize bytes fail with EFBIG (Python ignores SIGXFSZ)
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.RLIM_INFINITY))
@@ -239,8 +258,9 @@ def cases(tmp_path_factory):
     run = {"deepspeed": str(tmp / "ds.json"), "data": DATA, "micro_batch": 2, "steps": 4, "export_format": None}
     (tmp / "run.yaml").write_text(yaml.safe_dump(run))
 
-    def case(name, *over, fsize=0, out=None):
-        return [name, ["--config", str(tmp / "run.yaml"), f"output_dir={tmp / (out or name)}", *over], fsize]
+    def case(name, *over, fsize=0, out=None, prep=None):
+        return [name, ["--config", str(tmp / "run.yaml"), f"output_dir={tmp / (out or name)}", *over], fsize,
+                prep or {}]
 
     todo = [
         case("missing_data", f"data={tmp / 'nope'}"),
@@ -257,15 +277,21 @@ def cases(tmp_path_factory):
         case("unwritable_output", out="a_file/run"),
         case("export_blocked", "steps=1", "export_format=bfl"),
         case("nan", f"deepspeed={tmp / 'nan.json'}", "checkpoint_every=1"),
+        case("bad_saved_run", f"deepspeed={tmp / 'nan.json'}", out="nan",
+             prep={str(tmp / "nan/checkpoints/step_00000001/run.yaml"): "model: [flux-tiny\n"}),
         case("first", "stop_after=2", "checkpoint_every=2", out="disk"),
         case("tensorboard_disk_full", fsize=1, out="disk"),  # a rerun on a full disk: no log can start
         case("disk_full", fsize=600_000, out="disk"),  # the model states file alone is ~2 MB
         case("jsonl_disk_full", fsize=1, out="disk"),  # steps 3-4 of metrics.jsonl must go: rewriting fails
         case("after_disk_full", "export_format=bfl", out="disk"),
+        case("rerun_finished", "export_format=bfl", out="disk"),
         case("no_resume_over_checkpoints", "resume=false", out="disk"),
         case("other_model", "model=flux-tiny-schnell", out="disk"),
         case("other_stage", f"deepspeed={tmp / 'ds3.json'}", out="disk"),
         case("other_precision", f"deepspeed={tmp / 'ds_bf16.json'}", "precision=bf16", out="disk"),
+        case("other_data", f"data={DATA.replace('n=8', 'n=16')}", "flow.shift=none", out="disk"),
+        case("other_seed", "seed=1", out="disk"),
+        case("other_data_allowed", f"data={DATA.replace('n=8', 'n=16')}", "allow_config_change=true", out="disk"),
     ]
     (tmp / "cases.json").write_text(json.dumps(todo))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -300,6 +326,12 @@ def _one_sentence_error(result):
     ("fp16_on_cpu", "trains in fp16, which DeepSpeed's cpu accelerator does not support"),  # the suite runs on CPU
     ("unwritable_output", "cannot write to output_dir"),
     ("export_blocked", "cannot write the export"),
+    ("bad_saved_run", "step_00000001/run.yaml is not valid YAML"),
+    ("other_data", "step_00000004 was trained with data=synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32, flow.shift="
+                   "resolution but this run has data=synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32, flow.shift=none; "
+                   "resume with the checkpoint's values, choose another output_dir, or add allow_config_change=true"),
+    ("other_seed", "was trained with seed=0 but this run has seed=1; resume with the checkpoint's values, or "
+                   "choose another output_dir"),
 ])
 def test_user_errors_exit_with_one_sentence(cases, name, match):
     _, results = cases
@@ -347,6 +379,13 @@ def test_resumed_steps_are_logged_once(cases):
     assert steps == [1, 2, 3, 4]
     events = EventAccumulator(str(tmp / "disk" / "tensorboard")).Reload().Scalars("train/loss")
     assert [e.step for e in events] == [1, 2, 3, 4]  # purge_step: the event files of later runs hide 3-4
+
+
+def test_rerun_of_a_finished_run_does_nothing(cases):
+    tmp, results = cases
+    code, err = results["rerun_finished"]
+    assert code == 0 and "done: step 4/4" in err and "(up to date: not written again)" in err, err
+    assert results["other_data_allowed"][0] == 0, results["other_data_allowed"][1]
 
 
 def test_export_command(cases, tmp_path):
