@@ -6,23 +6,39 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import logging
 import math
 import os
 import signal
 import sys
+import time
+import warnings
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import yaml
 
-from fluxzero import engine as ds_engine
-from fluxzero import flow
-from fluxzero.config import TrainConfig, get_model_config
-from fluxzero.data import DataError, build_dataloader
-from fluxzero.metrics import LogWriteError, Metrics
-from fluxzero.model.math import set_attention_backend
+def _quiet_other_ranks() -> None:
+    """Ranks other than 0 print errors only: DeepSpeed warns once per rank ("Setting accelerator to CPU", ...)
+    and every rank would repeat rank 0's Python warnings. FLUXZERO_DEBUG=1 keeps them talking. Before
+    DeepSpeed's import, which already warns."""
+    if os.environ.get("RANK", "0") != "0" and not os.environ.get("FLUXZERO_DEBUG"):
+        logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
+        warnings.filterwarnings("ignore")
+
+
+_quiet_other_ranks()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import yaml  # noqa: E402
+
+from fluxzero import engine as ds_engine  # noqa: E402
+from fluxzero import flow  # noqa: E402
+from fluxzero.config import TrainConfig, get_model_config  # noqa: E402
+from fluxzero.data import DataError, build_dataloader  # noqa: E402
+from fluxzero.metrics import LogWriteError, Metrics  # noqa: E402
+from fluxzero.model.math import set_attention_backend  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -187,9 +203,9 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
             metrics.close(strict=False)
         engine.destroy()
     if rank == 0:
-        print(f"done: step {step}/{total}, checkpoint {result['checkpoint']}"
-              + (f", export {result['export']}" if "export" in result else "")
-              + ("" if result.get("exported", True) else " (up to date: not written again)"), file=sys.stderr)
+        _write_line(f"done: step {step}/{total}, checkpoint {result['checkpoint']}"
+                    + (f", export {result['export']}" if "export" in result else "")
+                    + ("" if result.get("exported", True) else " (up to date: not written again)"))
     return result
 
 
@@ -364,8 +380,15 @@ OOM_HINT = ("out of GPU memory; lower micro_batch (raise grad_accum to keep the 
             "check the plan with `fluxzero estimate`")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        if os.environ.get("RANK", "0") != "0":  # every rank has the same command line: rank 0 says what is wrong
+            self.exit(2)
+        super().error(message)
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="launch/train.py", description="Fine-tune FLUX.1 with DeepSpeed.")
+    p = _Parser(prog="launch/train.py", description="Fine-tune FLUX.1 with DeepSpeed.")
     p.add_argument("--config", required=True, help="YAML run file (see launch/tiny.yaml)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None,
                    help="set by the deepspeed launcher; ignored (LOCAL_RANK is read from the environment)")
@@ -395,37 +418,48 @@ def _split_allow(overrides: list[str]) -> tuple[list[str], bool]:
     return rest, allow
 
 
+_calls = itertools.count()  # main() calls of this process, the same count on every rank
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from fluxzero.model.weights import WeightsError
 
     owns_group = not dist.is_initialized()  # leave a caller's process group alone
+    call = next(_calls)
+    debug = bool(os.environ.get("FLUXZERO_DEBUG"))
     # Launchers answer Ctrl-C by sending SIGTERM to every rank (DeepSpeed's launch.py, torchrun): stop the
     # same way as on Ctrl-C (cleanly, with the checkpoint to resume from) instead of dying mid-line.
     old_term = _on_sigterm(_raise_interrupt)
     try:
+        ds_engine.init_distributed()  # first: an error of the run file is then reported once, not per rank
         overrides, allow = _split_allow(args.overrides)
         train(load_config(args.config, overrides), allow_config_change=allow)
         return 0
     except Interrupted as e:
-        if os.environ.get("FLUXZERO_DEBUG"):
+        if debug:
             raise
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank got the Ctrl-C: one line, not one per rank
-            _report(str(e))
+        if _rank() == 0:  # every rank got the Ctrl-C: one line, not one per rank
+            _write_line(f"error: {e}")
         return 130
     except KeyboardInterrupt:
         _ignore_stop_signals()
-        if os.environ.get("FLUXZERO_DEBUG"):
+        if debug:
             raise
-        if int(os.environ.get("RANK", "0")) == 0:
-            _report("interrupted before training started; nothing was saved")
+        if _rank() == 0:
+            _write_line("error: interrupted before training started; nothing was saved")
         return 130
     except (ds_engine.TrainingError, DataError, WeightsError, ConfigError) as e:
-        if os.environ.get("FLUXZERO_DEBUG"):
+        if debug:
             raise
-        _report(str(e))
+        _report(str(e), call)
     except torch.OutOfMemoryError:
-        _report(OOM_HINT)
+        _report(OOM_HINT, call)
+    except RuntimeError as e:
+        if debug or not _peer_stopped(e):
+            raise
+        if _rank() == 0:  # the rank that stopped printed why (before it exited, which broke this collective)
+            _write_line("error: another rank stopped (see its error above)")
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -454,7 +488,66 @@ def _ignore_stop_signals() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _report(msg: str) -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    prefix = f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
-    print(f"{prefix}error: {msg}", file=sys.stderr)
+# ---------------------------------------------------------------------------------------------------------
+# Errors: one line each, once
+# ---------------------------------------------------------------------------------------------------------
+ERROR_WAIT_S = 5.0  # how long ranks compare their errors before printing (and exiting)
+# gloo's words (in a plain RuntimeError) when a peer process went away mid-collective, its sockets with it
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def _peer_stopped(e: RuntimeError) -> bool:
+    """A collective failed because another rank left (gloo), or its backend says so (NCCL's DistBackendError).
+    Not DistNetworkError / DistStoreError: those come from a rendezvous that never formed."""
+    return (dist.is_initialized() and dist.get_world_size() > 1
+            and (isinstance(e, dist.DistBackendError) or any(m in str(e) for m in PEER_GONE)))
+
+
+def _write_line(text: str) -> None:
+    """One write call per message, newline included: lines of ranks sharing a terminal never run together."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def _report(msg: str, call: int) -> None:
+    """Print an error once for all the ranks that hit it.
+
+    Every rank posts its message in the process group's key-value store. Rank 0 prints its own; another
+    rank prints its message (naming its rank) only when rank 0 did not post the same one within
+    ERROR_WAIT_S, i.e. when only some ranks hit it. Rank 0 then keeps the store (which it hosts under the
+    deepspeed launcher) up for as long, so the others can still compare.
+    """
+    rank = _rank()
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or not dist.is_initialized():
+        _write_line(f"\n[rank {rank}] error: {msg}" if rank else f"error: {msg}")
+        return
+    if rank == 0:
+        _write_line(f"error: {msg}")
+    key = f"fluxzero/error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{call}/"
+    shared = False
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{key}{rank}", msg)
+        if rank == 0:
+            _posted(store, [f"{key}{r}" for r in range(1, world)])
+            return
+        shared = _posted(store, [f"{key}0"]) and store.get(f"{key}0").decode() == msg
+    except (RuntimeError, OSError, ValueError):  # rank 0 is gone (it hosted the store)
+        pass
+    if rank != 0 and not shared:  # on a line of its own: rank 0's progress bar may hold the current one
+        _write_line(f"\n[rank {rank}] error: {msg}")
+
+
+def _posted(store, keys: list[str]) -> bool:
+    """Whether all `keys` appear in the store within ERROR_WAIT_S (polled: store.wait logs its timeouts)."""
+    deadline = time.monotonic() + ERROR_WAIT_S
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

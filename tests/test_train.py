@@ -87,6 +87,15 @@ def test_flag_style_override_says_how_to_write_it(capsys):
     assert parse_args(["--config", "r.yaml", "--local_rank=1", "steps=3"]).overrides == ["steps=3"]
 
 
+def test_other_ranks_leave_command_line_errors_to_rank_0(monkeypatch, capsys):
+    from fluxzero.train import parse_args
+
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--config", "run.yaml", "--steps", "5"])
+    assert e.value.code == 2 and capsys.readouterr().err == ""
+
+
 def test_progress_bar_shows_the_loss_of_the_step_it_counts(tmp_path, monkeypatch, capsys):
     import torch
 
@@ -446,6 +455,91 @@ def test_ctrl_c_exits_cleanly_with_checkpoint_to_resume(tmp_path):
     tag = latest.read_text()
     assert len(line) == 1 and f"the last complete checkpoint is {out / 'checkpoints' / tag}" in line[0], err[-3000:]
     assert (out / "checkpoints" / tag / "trainer_state_rank0.pt").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Two ranks: each error printed once, by the rank that knows it
+# ---------------------------------------------------------------------------------------------------------
+MULTI = textwrap.dedent("""
+    import json, os, sys
+    os.environ["FLUXZERO_NO_PROGRESS"] = "1"
+    from fluxzero.train import main  # first, as launch/train.py: it quiets other ranks before DeepSpeed's import
+    from fluxzero.engine import init_distributed
+    init_distributed()
+    rank = int(os.environ["RANK"])
+    for name, argv, lose_shard_on in json.load(open(sys.argv[1])):
+        if lose_shard_on == rank:  # a shard is deleted the moment this rank first needs it (its third)
+            from fluxzero.data import shards
+            real, opened = shards.ShardSource._handle, []
+            def handle(self, s):
+                if s not in opened:
+                    opened.append(s)
+                    if len(opened) == 3:
+                        (self.data_dir / self.manifest["shards"][s]["file"]).unlink()
+                return real(self, s)
+            shards.ShardSource._handle = handle
+        code = main(argv)
+        sys.stderr.write(f"@@ {name} {code}\\n")
+        sys.stderr.flush()
+    os._exit(0)  # the last case broke the process group: no teardown
+""")
+
+
+def _by_case(stderr: str) -> dict:
+    out, text = {}, ""
+    for line in stderr.splitlines(keepends=True):
+        if line.startswith("@@ "):
+            _, name, code = line.split()
+            out[name], text = (text, int(code)), ""
+        else:
+            text += line
+    return out
+
+
+@pytest.mark.slow
+def test_two_ranks_print_each_error_once(tmp_path):
+    """Errors both ranks hit: rank 0 prints them, rank 1 nothing. A shard lost by rank 1 mid-run: rank 1
+    names it, rank 0 (in a collective with it) says another rank stopped, no gloo traceback. Rank 1 prints
+    no DeepSpeed warnings."""
+    import socket
+
+    import torch
+
+    from fluxzero.data import ShardWriter
+
+    (tmp_path / "ds.json").write_text(json.dumps(_ds()))
+    shards = tmp_path / "shards"
+    with ShardWriter(shards, samples_per_shard=1) as w:  # one sample a shard: a rank's shards are its own
+        for _ in range(8):
+            w.add(torch.randn(16, 8, 8), torch.randn(4, 64), torch.randn(32))
+    run = {"deepspeed": str(tmp_path / "ds.json"), "data": str(shards), "micro_batch": 2, "steps": 2,
+           "export_format": None}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    argv = ["--config", str(tmp_path / "run.yaml"), f"output_dir={tmp_path / 'out'}"]
+    todo = [["bad_override", [*argv, "steps=abc"], None], ["missing_data", [*argv, f"data={tmp_path / 'nope'}"], None],
+            ["shard_gone", argv, 1]]
+    (tmp_path / "cases.json").write_text(json.dumps(todo))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", MULTI, str(tmp_path / "cases.json")], cwd=tmp_path, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+             for r in range(2)]
+    (out0, err0), (out1, err1) = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], err0[-3000:] + err1[-3000:]
+    r0, r1 = _by_case(err0), _by_case(err1)
+    assert r0["bad_override"] == ("error: steps must be a whole number, got 'abc'\n", 1)
+    assert r0["missing_data"][0].startswith(f"error: data directory {tmp_path / 'nope'} does not exist")
+    assert r0["missing_data"][0].count("\n") == 1
+    assert r1["bad_override"] == r1["missing_data"] == ("", 1)
+    assert r1["shard_gone"][1] == r0["shard_gone"][1] == 1
+    assert r1["shard_gone"][0].startswith(f"\n[rank 1] error: shard {shards}/shard-"), err1
+    assert "could not be read" in r1["shard_gone"][0] and r1["shard_gone"][0].count("\n") == 2
+    assert r0["shard_gone"][0] == "error: another rank stopped (see its error above)\n", err0
+    assert "WARNING" not in out1 and "WARNING" not in err1
 
 
 # ---------------------------------------------------------------------------------------------------------
