@@ -24,14 +24,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from fluxzero import ds_config
 from fluxzero.config import ModelConfig, TrainConfig
 from fluxzero.fsutil import atomic_write
-
-CHECKPOINTING = ("torch", "deepspeed")
-# torch.compile modes without CUDA graphs (ds_config.COMPILE_MODES says why) and backends (aot_eager, eager:
-# tests and debugging)
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 class TrainingError(RuntimeError):
@@ -120,7 +115,22 @@ def load_ds_config(path: str, cfg: TrainConfig, world_size: int) -> tuple[dict, 
     if not isinstance(ds, dict):
         raise TrainingError(f"DeepSpeed config {path} must be a JSON object ({{...}}), got {type(ds).__name__}; "
                             f"write one with `fluxzero gen-config`")
-    ours = ds.pop("fluxzero", {}) or {}
+    ours = ds.pop("fluxzero", None)
+    ours = {} if ours is None else ours
+    if not isinstance(ours, dict):
+        raise TrainingError(f"DeepSpeed config {path}: fluxzero must be a JSON object like "
+                            f'{{"activation_checkpointing": {{"every_k_blocks": 1}}}}, got {json.dumps(ours)}')
+    comp = ours.get("compile", {}) or {}
+    if not isinstance(comp, dict) or not isinstance(comp.get("blocks", False), bool):
+        raise TrainingError(f"DeepSpeed config {path}: fluxzero.compile must be an object like "
+                            f'{{"blocks": true, "mode": "default"}}, got {json.dumps(comp)}')
+    if comp.get("mode", "default") not in ds_config.COMPILE_MODES:
+        raise TrainingError(f"DeepSpeed config {path}: fluxzero.compile.mode must be one of "
+                            f"{', '.join(ds_config.COMPILE_MODES)}, got {comp.get('mode')!r}")
+    if comp.get("backend", "inductor") not in ds_config.COMPILE_BACKENDS:
+        raise TrainingError(f"DeepSpeed config {path}: fluxzero.compile.backend must be one of "
+                            f"{', '.join(ds_config.COMPILE_BACKENDS)}, got {comp.get('backend')!r}")
+    _check_ds_config(path, ds, ours)
     try:
         cfg.check_deepspeed(ds, world_size, source=f"DeepSpeed config {path}")
     except ValueError as e:
@@ -133,23 +143,23 @@ def load_ds_config(path: str, cfg: TrainConfig, world_size: int) -> tuple[dict, 
     ds["train_micro_batch_size_per_gpu"] = cfg.micro_batch
     ds["gradient_accumulation_steps"] = cfg.grad_accum
     ds["train_batch_size"] = cfg.global_batch(world_size)
-    ac = ours.get("activation_checkpointing", {}) or {}
-    if ac.get("implementation", "torch") not in CHECKPOINTING:
-        raise TrainingError(f"DeepSpeed config {path}: fluxzero.activation_checkpointing.implementation must be "
-                            f"'torch' or 'deepspeed', got {ac.get('implementation')!r}")
-    if int(ac.get("every_k_blocks", 0)) < 0:
-        raise TrainingError(f"DeepSpeed config {path}: fluxzero.activation_checkpointing.every_k_blocks must be >= 0")
-    comp = ours.get("compile", {}) or {}
-    if not isinstance(comp, dict) or not isinstance(comp.get("blocks", False), bool):
-        raise TrainingError(f"DeepSpeed config {path}: fluxzero.compile must be an object like "
-                            f'{{"blocks": true, "mode": "default"}}, got {json.dumps(comp)}')
-    if comp.get("mode", "default") not in COMPILE_MODES:
-        raise TrainingError(f"DeepSpeed config {path}: fluxzero.compile.mode must be one of "
-                            f"{', '.join(COMPILE_MODES)}, got {comp.get('mode')!r}")
-    if comp.get("backend", "inductor") not in COMPILE_BACKENDS:
-        raise TrainingError(f"DeepSpeed config {path}: fluxzero.compile.backend must be one of "
-                            f"{', '.join(COMPILE_BACKENDS)}, got {comp.get('backend')!r}")
     return ds, ours
+
+
+def _check_ds_config(path: str, ds: dict, ours: dict) -> None:
+    """Refuse what `fluxzero check-config` reports (ds_config.check), with its first finding.
+
+    DeepSpeed accepts some mistakes silently (a misspelled top-level key such as zero_optimisation trains
+    at ZeRO-0) and fails on others deep inside, with a traceback. Batch sizes missing here are filled from
+    the run file afterwards, so they count as "auto". The world size is left out on purpose: with the batch
+    sizes fixed by the run file, every world-size inconsistency is one that TrainConfig.check_deepspeed
+    (called next) reports too, and its sentence also says how many ranks would fit.
+    gradient_clipping must be set, as check-config says: deepspeed 0.19.8 silently clips at 1.0 without it.
+    """
+    problems = ds_config.check({**dict.fromkeys(ds_config.BATCH_KEYS, "auto"), **ds, "fluxzero": ours}, None)
+    if problems:
+        more = f" ({len(problems) - 1} more; run `fluxzero check-config {path}`)" if len(problems) > 1 else ""
+        raise TrainingError(f"DeepSpeed config {path}: {problems[0]}{more}")
 
 
 def zero_stage(ds: dict) -> int:

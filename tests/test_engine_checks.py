@@ -1,0 +1,90 @@
+"""fluxzero.engine's checks that need no process group: the DeepSpeed config the trainer accepts."""
+import glob
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fluxzero import ds_config
+from fluxzero.config import TrainConfig
+from fluxzero.engine import TrainingError, load_ds_config
+
+ROOT = Path(__file__).resolve().parents[1]
+GOOD = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
+
+
+def _load(tmp_path, ds, world=1, **run):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    cfg = TrainConfig.from_dict({"deepspeed": str(path), "data": "d", "output_dir": str(tmp_path), "micro_batch": 2,
+                                 **run})
+    return load_ds_config(str(path), cfg, world)
+
+
+def _with(**changes):
+    ds = json.loads(json.dumps(GOOD))
+    for dotted, value in changes.items():
+        *parents, key = dotted.split("__")
+        d = ds
+        for p in parents:
+            d = d.setdefault(p, {})
+        d[key] = value
+    return ds
+
+
+@pytest.mark.parametrize("ds, message", [
+    # each of these trained silently at another setting, or died in a DeepSpeed/pydantic traceback
+    ({**{k: v for k, v in GOOD.items() if k != "zero_optimization"}, "zero_optimisation": {"stage": 2}},
+     "unknown key 'zero_optimisation' (did you mean 'zero_optimization'?)"),
+    (_with(optimizer__type="AdamWW"), 'optimizer.type "AdamWW" is not an optimizer DeepSpeed can build'),
+    (_with(zero_optimization__stage=4), "zero_optimization.stage must be 0, 1, 2 or 3, got 4"),
+    (_with(optimizer__params__lr="1e-3"), 'optimizer.params.lr must be a number > 0, got "1e-3"'),
+    (_with(fluxzero__activation_checkpointing__every_k_blocks="all"),
+     'fluxzero.activation_checkpointing.every_k_blocks must be an integer >= 0 (0 = off), got "all"'),
+    (_with(scheduler={"type": "Cosine"}), 'scheduler.type "Cosine" is not a DeepSpeed or torch LR scheduler'),
+    ({k: v for k, v in GOOD.items() if k != "gradient_clipping"}, "gradient_clipping is not set"),
+])
+def test_trainer_refuses_what_check_config_reports(tmp_path, ds, message):
+    with pytest.raises(TrainingError) as e:
+        _load(tmp_path, ds)
+    assert str(e.value).startswith(f"DeepSpeed config {tmp_path / 'ds.json'}: {message}"), str(e.value)
+    assert "more; run" not in str(e.value)  # one finding each
+
+
+def test_several_findings_name_the_first_and_count_the_rest(tmp_path):
+    ds = _with(zero_optimization__stage=4, optimizer__type="AdamWW", steps_per_print=0)
+    with pytest.raises(TrainingError, match=r": steps_per_print must be a positive integer, got 0 \(2 more; run "
+                                            r"`fluxzero check-config .*ds.json`\)$"):
+        _load(tmp_path, ds)
+
+
+def test_missing_and_auto_batch_sizes_are_filled_from_the_run_file(tmp_path):
+    ds = {k: v for k, v in GOOD.items() if not k.startswith(("train_", "gradient_acc"))}
+    out, _ = _load(tmp_path, ds, world=3, grad_accum=2)
+    assert (out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"], out["train_batch_size"]) == (2, 2, 12)
+    out, _ = _load(tmp_path, {**GOOD, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto"}, world=2)
+    assert out["train_batch_size"] == 4
+    # the world size is checked against the run file, whose sentence says how many ranks would fit
+    with pytest.raises(TrainingError, match="train_batch_size 8 but .* world size 2 = 4; fix train_batch_size or "
+                                            "launch 4 ranks"):
+        _load(tmp_path, {**GOOD, "train_batch_size": 8}, world=2)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "ds_configs/*.json")) + glob.glob(str(ROOT / "launch/*.json"))))
+def test_every_committed_config_passes_the_trainer(path):
+    ds = json.loads(Path(path).read_text())
+    precision = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
+    micro = ds.get("train_micro_batch_size_per_gpu", 1)
+    accum = ds.get("gradient_accumulation_steps", 1)
+    world = ds_config.implied_world_size(ds) or 1
+    cfg = TrainConfig.from_dict({"deepspeed": path, "data": "d", "output_dir": "o", "precision": precision,
+                                 "micro_batch": 1 if micro == "auto" else micro,
+                                 "grad_accum": 1 if accum == "auto" else accum})
+    if precision == "fp16" and not torch.cuda.is_available():  # refused after every check passed: CPU has no fp16
+        with pytest.raises(TrainingError, match="trains in fp16, which DeepSpeed's cpu accelerator"):
+            load_ds_config(path, cfg, world)
+        return
+    load_ds_config(path, cfg, world)
