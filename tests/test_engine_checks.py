@@ -1,4 +1,6 @@
-"""fluxzero.engine's checks that need no process group: the DeepSpeed config the trainer accepts."""
+"""fluxzero.engine's checks that need no process group: the DeepSpeed config the trainer accepts, the ZeRO-0
+fp32 master weights of an export, damaged checkpoint files and `latest`. The distributed side (every rank
+stops with one sentence) is in test_train_distributed.py."""
 import glob
 import json
 from pathlib import Path
@@ -8,7 +10,8 @@ import torch
 
 from fluxzero import ds_config
 from fluxzero.config import TrainConfig
-from fluxzero.engine import TrainingError, load_ds_config
+from fluxzero.engine import (TrainingError, _file_problem, _stage0_master_weights, consolidated_state_dict,
+                             load_ds_config, resolve_checkpoint)
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
@@ -88,3 +91,74 @@ def test_every_committed_config_passes_the_trainer(path):
             load_ds_config(path, cfg, world)
         return
     load_ds_config(path, cfg, world)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ZeRO-0 export: fp32 masters of DeepSpeed's FP16 optimizer wrappers (layouts as deepspeed 0.19.8 saves them)
+# ---------------------------------------------------------------------------------------------------------
+def _states(masters, optimizer):
+    module = {"a.weight": masters[0].bfloat16(), "a.bias": masters[1].bfloat16(), "norm.scale": masters[2].bfloat16(),
+              "rope.freqs": torch.arange(3.0)}
+    return {"module": module, "buffer_names": ["rope.freqs"], "optimizer": optimizer}
+
+
+MASTERS = [torch.randn(3, 4), torch.randn(3), torch.randn(5)]
+
+
+def test_stage0_masters_from_the_unfused_wrapper():
+    sd = _stage0_master_weights(_states(MASTERS, {"fp32_groups": [MASTERS[:2], MASTERS[2:]], "cur_scale": 1.0}))
+    assert all(torch.equal(sd[k], m) for k, m in zip(["a.weight", "a.bias", "norm.scale"], MASTERS))
+    assert torch.equal(sd["rope.freqs"], torch.arange(3.0))  # buffers from the module
+
+
+def test_stage0_masters_from_the_fused_wrapper():
+    flat = [torch.cat([MASTERS[0].reshape(-1), MASTERS[1]]), MASTERS[2]]
+    sd = _stage0_master_weights(_states(MASTERS, {"fp32_groups_flat": flat}))
+    assert all(torch.equal(sd[k], m) for k, m in zip(["a.weight", "a.bias", "norm.scale"], MASTERS))
+    assert sd["a.weight"].shape == (3, 4)
+
+
+def test_stage0_fp32_run_exports_its_module():
+    states = _states(MASTERS, {"state": {}, "param_groups": []})  # plain torch optimizer: no masters elsewhere
+    assert _stage0_master_weights(states) is states["module"]
+
+
+def test_stage0_masters_that_do_not_pair_up_are_refused():
+    swapped = [MASTERS[0], torch.randn(3), MASTERS[2]]  # same shapes, other values: a wrong pairing
+    with pytest.raises(TrainingError, match="do not pair up with its module weights"):
+        _stage0_master_weights(_states(MASTERS, {"fp32_groups": [swapped]}))
+    with pytest.raises(TrainingError, match="do not pair up"):
+        _stage0_master_weights(_states(MASTERS, {"fp32_groups": [MASTERS[:2]]}))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Damaged files and `latest`
+# ---------------------------------------------------------------------------------------------------------
+def test_torch_files_overwritten_in_place_fail_their_crc(tmp_path):
+    f = tmp_path / "x.pt"
+    torch.save({"w": torch.randn(100_000)}, f)
+    assert _file_problem(f) is None
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 2000] = bytes(2000)  # same size: torch.load would not notice
+    f.write_bytes(bytes(data))
+    torch.load(f, weights_only=True)
+    assert _file_problem(f).startswith("x.pt fails its CRC-32 check in x/data/")
+    f.write_bytes(bytes(data[:1000]))
+    assert _file_problem(f) == "x.pt is not a complete torch file"
+    assert _file_problem(tmp_path / "y.pt") == "y.pt is missing"
+
+
+def test_export_refuses_a_broken_latest(tmp_path):
+    ck = tmp_path / "checkpoints"
+    (ck / "step_00000002").mkdir(parents=True)
+    (ck / "latest").write_text("\n")
+    with pytest.raises(TrainingError, match=r"latest is empty; export one of its checkpoint folders instead, such as "
+                                            r".*step_00000002$"):
+        resolve_checkpoint(tmp_path)
+    (ck / "latest").write_text("step_00000004")
+    with pytest.raises(TrainingError, match="latest names 'step_00000004', which is not a folder in"):
+        resolve_checkpoint(ck)
+    (ck / "latest").write_text("step_00000002")
+    with pytest.raises(TrainingError, match=r"step_00000002 is incomplete or corrupt \(it has no DeepSpeed model "
+                                            r"states file\)"):
+        consolidated_state_dict(ck)

@@ -5,8 +5,10 @@ Every run trains flux-tiny from the same weights file on a synthetic set of 4 sa
 the same: all layouts compute the same numbers up to float summation order. The reference is plain
 PyTorch (no DeepSpeed) in this process.
 """
+import hashlib
 import json
 import os
+import shutil
 import socket
 
 import pytest
@@ -47,6 +49,10 @@ def run_config(tmp, name, ds, weights, **kw):
 
 
 def _worker(rank, world, port, jobs, out_file):
+    import faulthandler
+
+    # a rank stuck in a collective its peer never joins fails the test (with stacks) instead of hanging CI
+    faulthandler.dump_traceback_later(600, exit=True)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       FLUXZERO_NO_PROGRESS="1")
@@ -64,6 +70,7 @@ def _worker(rank, world, port, jobs, out_file):
         for name, cfg in jobs:
             results[name] = train(TrainConfig.from_dict(cfg))["losses"]
         results["z3_partition"] = _partition_probe(TrainConfig.from_dict(dict(jobs)["z3"]))
+        results["checkpoint_checks"] = _checkpoint_checks_probe(TrainConfig.from_dict(dict(jobs)["resumed2"]))
         done = True
     finally:
         if dist.is_initialized():
@@ -96,6 +103,69 @@ def _partition_probe(cfg):
     every = [torch.zeros_like(out) for _ in range(dist.get_world_size())]
     dist.all_gather(every, out)
     return [t.tolist() for t in every]
+
+
+def _damage(ckpt, case):
+    """A copy of checkpoint folder `ckpt` (step_00000008 of a 2-rank ZeRO-2 run) broken as `case` says."""
+    out = ckpt.parent.parent / f"damaged_{case}" / "checkpoints"
+    (out / "step_00000005").mkdir(parents=True)  # an earlier checkpoint to point `latest` at
+    (out / "latest").write_text({"empty_latest": "", "missing_tag": "step_00000099"}.get(case, "step_00000008"))
+    if case in ("empty_latest", "missing_tag"):
+        return out
+    shutil.copytree(ckpt / "step_00000008", out / "step_00000008")
+    if case == "no_model_states":
+        (out / "step_00000008" / "mp_rank_00_model_states.pt").unlink()
+    elif case == "overwritten":  # rank 1's own optimizer file, same size: only rank 1 reads it
+        victim = out / "step_00000008" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2:len(data) // 2 + 2000] = bytes(2000)
+        victim.write_bytes(bytes(data))
+    return out
+
+
+def _tree_digest(folder):
+    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+CHECKPOINT_CASES = ("empty_latest", "missing_tag", "no_model_states", "overwritten", "not_shared")
+
+
+def _checkpoint_checks_probe(cfg):
+    """Resume from damaged copies of a 2-rank ZeRO-2 checkpoint: per case, each rank's error and the copy's
+    file digests before and after (resume must never change a checkpoint)."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from fluxzero import engine as ds_engine
+    from fluxzero.config import get_model_config
+
+    rank = dist.get_rank()
+    ckpt = Path(cfg.output_dir) / "checkpoints"
+    if rank == 0:
+        for case in CHECKPOINT_CASES:
+            _damage(ckpt, case)  # not_shared: rank 0 sees an intact copy
+        (ckpt.parent.parent / "damaged_not_shared" / "other_node" / "checkpoints").mkdir(parents=True)
+    dist.barrier()
+    ds, ours = ds_engine.load_ds_config(cfg.deepspeed, cfg, dist.get_world_size())
+    engine = ds_engine.build_engine(cfg, ds, ours, get_model_config(cfg.model), torch.device("cpu"))
+    out = {}
+    for case in CHECKPOINT_CASES:
+        folder = ckpt.parent.parent / f"damaged_{case}" / "checkpoints"
+        if case == "not_shared" and rank == 1:  # what a node without the shared output_dir sees: nothing
+            folder = folder.parent / "other_node" / "checkpoints"
+        before = _tree_digest(folder) if rank == 0 else None
+        try:
+            ds_engine.load_checkpoint(engine, folder)
+            error = None
+        except Exception as e:  # noqa: BLE001 - the test asserts on what each rank got
+            error = f"{type(e).__name__}: {e}"
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        out[case] = {"errors": errors, "unchanged": before == _tree_digest(folder) if rank == 0 else None}
+    engine.destroy()
+    return out
 
 
 def launch(world, jobs, tmp):
@@ -140,6 +210,8 @@ def matrix(tmp_path_factory):
     weights = tmp / "init.safetensors"
     save_weights(build_model("flux-tiny").state_dict(), weights)
     jobs = [run_config(tmp, f"z{s}", ds_config(s), weights) for s in (0, 1, 2, 3)]
+    # bf16 at ZeRO-0: the fp32 master weights live in DeepSpeed's FP16 optimizer wrapper, not in the module
+    jobs.append(run_config(tmp, "z0_bf16", {**ds_config(0), "bf16": {"enabled": True}}, weights, precision="bf16"))
     jobs += [
         run_config(tmp, "z2_offload", ds_config(2, offload_optimizer=True), weights),
         run_config(tmp, "z3_offload", ds_config(3, offload_optimizer=True, offload_param=True), weights),
@@ -230,6 +302,9 @@ def test_export_round_trip_from_zero3_shards(matrix, tmp_path):
         for k, v in trained.items():
             torch.testing.assert_close(back[k], v, rtol=0, atol=2e-5, msg=k)
         assert max((back[k] - init[k]).abs().max() for k in init) > 1e-3  # trained weights, not the init
+    # one ZeRO-3 checkpoint folder named directly (it has per-rank model states, no mp_rank_00 file)
+    export_checkpoint(ckpt / "step_00000003", tmp_path / "tag.safetensors", "bfl", "fp32")
+    assert all(torch.equal(v, back[k]) for k, v in load_weights(tmp_path / "tag.safetensors").items())
     # ZeRO-1/2 consolidation of the same run is bit-identical to ZeRO-0 (2 ranks: one addition per element);
     # ZeRO-0 itself is exported from its module states
     for stage in (0, 1, 2):
@@ -261,3 +336,61 @@ def test_zero3_ranks_hold_only_their_partition(matrix):
     assert [row[2] for row in probe] == [total, total]
     assert all(row[1] == 0 for row in probe)  # no rank materialises the model
     assert sum(row[0] for row in probe) >= total and all(row[0] <= total // 2 + 64 for row in probe)
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("empty_latest", "damaged_empty_latest/checkpoints/latest is empty; write step_00000005 (the newest checkpoint "
+                     "before it) into"),
+    ("missing_tag", "latest names 'step_00000099', which is not a folder in "),
+    ("no_model_states", "step_00000008 is incomplete or corrupt (mp_rank_00_model_states.pt is missing); write "
+                        "step_00000005"),
+    ("overwritten", "step_00000008 is incomplete or corrupt (zero_pp_rank_1_mp_rank_00_optim_states.pt fails "
+                    "its CRC-32 check"),
+    ("not_shared", "rank 1 (host "),
+])
+def test_resume_refuses_damaged_checkpoints_on_every_rank(matrix, case, expected):
+    got = matrix["results"]["checkpoint_checks"][case]
+    first, second = got["errors"]
+    assert first == second, got  # both ranks stop with the same sentence, none waits in a collective
+    assert first.startswith("TrainingError: ") and expected in first, first
+    assert "\n" not in first
+    if case == "not_shared":
+        assert "output_dir must be on a filesystem all nodes share" in first
+    assert got["unchanged"]  # the user's checkpoint files are never modified or deleted
+
+
+def test_checkpoint_file_names_match_deepspeed(matrix):
+    from fluxzero.engine import checkpoint_files
+
+    for name, stage, bf16 in [("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z3", 3, False),
+                              ("z0_bf16", 0, True), ("full_bf16", 2, True)]:
+        tag_dir = matrix["tmp"] / name / "checkpoints" / (matrix["tmp"] / name / "checkpoints" / "latest").read_text()
+        expected = set()
+        for rank in (0, 1):
+            own, shared = checkpoint_files(stage, bf16, rank)
+            expected |= set(own) | set(shared)
+        assert expected == {f.name for f in tag_dir.glob("*.pt")}, name
+
+
+def test_fp32_export_of_bf16_runs_is_the_fp32_master_weights(matrix, tmp_path):
+    from fluxzero.engine import export_checkpoint
+    from fluxzero.model.weights import load_weights
+
+    # ZeRO-0: the masters are the optimizer wrapper's fp32_groups, in module parameter order
+    tag_dir = matrix["tmp"] / "z0_bf16" / "checkpoints" / "step_00000003"
+    states = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    module = states["module"]
+    masters = [t for group in states["optimizer"]["fp32_groups"] for t in group]
+    assert len(masters) == len(module) and not states["buffer_names"]
+    export_checkpoint(tag_dir, tmp_path / "z0.safetensors", "bfl", "fp32")
+    got = load_weights(tmp_path / "z0.safetensors")
+    for (k, v), master in zip(module.items(), masters):
+        assert got[k].dtype == torch.float32 and torch.equal(got[k], master), k
+    # ZeRO-2 (zero_to_fp32 reads the fp32 partitions): the same properties, checked without DeepSpeed's names
+    for run, tag_dir in [("z0_bf16", tag_dir), ("full_bf16", matrix["tmp"] / "full_bf16" / "checkpoints" / "step_00000006")]:
+        export_checkpoint(tag_dir, tmp_path / f"{run}.safetensors", "bfl", "fp32")
+        got = load_weights(tmp_path / f"{run}.safetensors")
+        module = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+        # the bf16 weights are the masters rounded; after a few Adam steps many masters lie between bf16 values
+        assert all(torch.equal(got[k].bfloat16(), v) for k, v in module.items()), run
+        assert sum(int((got[k] != v.float()).sum()) for k, v in module.items()) > 1000, run
