@@ -630,20 +630,26 @@ def _stage0_master_weights(states: dict) -> dict:
 
 def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dtype: str = "bf16") -> str:
     """Consolidate a checkpoint and write safetensors in the BFL, diffusers or ComfyUI layout."""
-    from fluxzero.model.weights import save_weights
-
     import yaml
+    from safetensors import SafetensorError
 
     from fluxzero.config import get_model_config
+    from fluxzero.model.weights import WeightsError, save_weights
 
     sd, tag_dir = consolidated_state_dict(path)
     run = tag_dir / "run.yaml"
-    cfg = get_model_config(yaml.safe_load(run.read_text())["model"]) if run.is_file() else None
-    from safetensors import SafetensorError
-
+    cfg = None
+    if run.is_file():
+        try:
+            cfg = get_model_config(yaml.safe_load(run.read_text())["model"])
+        except (yaml.YAMLError, OSError, UnicodeDecodeError, TypeError, KeyError, ValueError) as e:
+            raise TrainingError(f"{run} does not name a known model ({str(e).splitlines()[0][:200]}); it records "
+                                f"what the checkpoint trained: repair it, or export another checkpoint") from None
     try:
         save_weights(sd, str(out), layout=layout, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
                      cfg=cfg)
+    except WeightsError as e:  # the weights do not fit the model run.yaml names, or the layout cannot hold them
+        raise TrainingError(f"cannot export {tag_dir}: {e}") from None
     except (OSError, SafetensorError) as e:  # safetensors reports a failed write as SafetensorError
         raise TrainingError(f"cannot write the export {out} ({_write_reason(e)}); choose a writable place with "
                             f"free space") from None

@@ -139,20 +139,24 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     total = cfg.total_steps(len(loader))
     stop = min(total, cfg.stop_after) if cfg.stop_after else total
     ckpt_dir = Path(cfg.output_dir) / "checkpoints"
-    _check_output_dir(cfg, ckpt_dir, ds, allow_config_change)
+    _check_output_dir_all_ranks(cfg, ckpt_dir, ds, allow_config_change)
     engine = ds_engine.build_engine(cfg, ds, ours, model_cfg, device)
     state = ds_engine.load_checkpoint(engine, ckpt_dir) if cfg.resume else None
     if state:
         loader.load_state_dict(state["loader"])
     step = state["step"] if state else 0
+    # the last complete checkpoint, as this process knows it (rank 0 chose the resumed one for every rank;
+    # re-reading `latest` here could see another node's disk)
+    last_ckpt = str(ckpt_dir / f"step_{step:08d}") if state else None
     own_schedule = "scheduler" not in ds  # otherwise DeepSpeed's scheduler drives the lr
     base_lr = ds["optimizer"].get("params", {}).get("lr", 1e-3)
     dtype = ds_engine.param_dtype(ds)
     batches = _batches(loader)
 
     def save():
-        ds_engine.save_checkpoint(engine, ckpt_dir, step, {"step": step, "loader": loader.state_dict()},
-                                  config_text(cfg), {**ds, "fluxzero": ours})
+        nonlocal last_ckpt
+        last_ckpt = ds_engine.save_checkpoint(engine, ckpt_dir, step, {"step": step, "loader": loader.state_dict()},
+                                              config_text(cfg), {**ds, "fluxzero": ours})
 
     losses, saved_step, result, metrics = [], step if state else None, {}, None
     try:
@@ -167,7 +171,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
             if not math.isfinite(loss):
                 raise ds_engine.TrainingError(
                     f"loss is {loss} at step {step + 1}; stopped before applying that update and without "
-                    f"saving (last checkpoint: {ds_engine.latest_tag(ckpt_dir) or 'none'}); lower the lr, "
+                    f"saving (last checkpoint: {last_ckpt or 'none'}); lower the lr, "
                     f"raise gradient clipping or check the data")
             engine.step()
             step += 1
@@ -182,21 +186,19 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
         if saved_step != step:
             save()
         metrics.close()  # the last TensorBoard points reach the disk, or the error says they did not
-        result = {"losses": losses, "step": step, "checkpoint": str(ckpt_dir / ds_engine.latest_tag(ckpt_dir))}
+        result = {"losses": losses, "step": step, "checkpoint": last_ckpt}
         if cfg.export_format and step >= total:
             result["export"], result["exported"] = _export(cfg, ckpt_dir, rank)
     except KeyboardInterrupt:
         _ignore_stop_signals()  # a second Ctrl-C, or the launcher's SIGTERM, must not cut the cleanup short
-        tag = ds_engine.latest_tag(ckpt_dir)
         raise Interrupted(f"interrupted at step {step} of {total}; " + (
-            f"the last complete checkpoint is {ckpt_dir / tag}: run the same command again to resume from it"
-            if tag else "no checkpoint was saved: run the same command again to start over")) from None
+            f"the last complete checkpoint is {last_ckpt}: run the same command again to resume from it"
+            if last_ckpt else "no checkpoint was saved: run the same command again to start over")) from None
     except LogWriteError as e:  # rank 0 only: a full disk outside checkpoint saving
-        tag = ds_engine.latest_tag(ckpt_dir)
         raise ds_engine.TrainingError(
             f"{e}: the disk holding {cfg.output_dir} is probably full; training stopped at step {step} and " + (
-                f"the last complete checkpoint {ckpt_dir / tag} is intact: free disk space there and run the "
-                f"same command again to resume from it" if tag else
+                f"the last complete checkpoint {last_ckpt} is intact: free disk space there and run the "
+                f"same command again to resume from it" if last_ckpt else
                 "no checkpoint was saved: free disk space there and run the same command again")) from None
     finally:
         if metrics is not None:
@@ -217,11 +219,28 @@ SAME_ON_RESUME = ("data", "grad_accum") + tuple(f"flow.{f}" for f in (
     "timestep_sampling", "logit_mean", "logit_std", "shift", "shift_value", "guidance"))
 
 
-def _check_output_dir(cfg: TrainConfig, ckpt_dir: Path, ds: dict | None = None,
-                      allow_config_change: bool = False) -> None:
-    """Never train over someone else's checkpoints: resume only a run of the same model and training
-    settings, never overwrite."""
-    out = Path(cfg.output_dir)
+def _check_output_dir_all_ranks(cfg: TrainConfig, ckpt_dir: Path, ds: dict | None = None,
+                                allow_config_change: bool = False) -> None:
+    """Every rank checks it can write output_dir; rank 0 alone judges the checkpoints there (`latest` as
+    another node sees it could differ) and every rank stops with the same sentence when any check failed."""
+    def problem(check) -> str | None:
+        try:
+            check()
+        except ds_engine.TrainingError as e:
+            return str(e)
+        return None
+
+    mine = problem(lambda: _check_writable(Path(cfg.output_dir)))
+    if mine is None and dist.get_rank() == 0:
+        mine = problem(lambda: _check_output_dir(cfg, ckpt_dir, ds, allow_config_change))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    first = next((p for p in every if p), None)
+    if first:
+        raise ds_engine.TrainingError(first)
+
+
+def _check_writable(out: Path) -> None:
     try:  # fail here, in one sentence, rather than deep inside TensorBoard or DeepSpeed's save
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".fluxzero-write-test-{os.getpid()}"
@@ -230,6 +249,12 @@ def _check_output_dir(cfg: TrainConfig, ckpt_dir: Path, ds: dict | None = None,
     except OSError as e:
         raise ds_engine.TrainingError(f"cannot write to output_dir {out} ({e.strerror or e}); choose a writable "
                                       f"output_dir") from None
+
+
+def _check_output_dir(cfg: TrainConfig, ckpt_dir: Path, ds: dict | None = None,
+                      allow_config_change: bool = False) -> None:
+    """Never train over someone else's checkpoints: resume only a run of the same model and training
+    settings, never overwrite."""
     tag = ds_engine.latest_tag(ckpt_dir)
     if tag is None:
         return

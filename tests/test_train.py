@@ -416,6 +416,14 @@ def test_export_command(cases, tmp_path):
     (tmp_path / "a_file").write_text("")
     r = CliRunner().invoke(main, ["export", str(run_dir), str(tmp_path / "a_file" / "x.safetensors")])
     assert r.exit_code == 2 and "cannot write the export" in r.output, r.output
+    # run.yaml names what was trained: unreadable, or another model than the weights, is one sentence
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir / "checkpoints" / "step_00000004", copy)
+    for text, words in (("model: [unclosed", "does not name a known model"),
+                        ("model: flux-dev\n", "cannot export")):
+        (copy / "run.yaml").write_text(text)
+        r = CliRunner().invoke(main, ["export", str(copy), str(tmp_path / "y.safetensors")])
+        assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output, r.output
 
 
 def test_truncated_checkpoint_is_one_sentence(cases, tmp_path):

@@ -165,6 +165,22 @@ def _checkpoint_checks_probe(cfg):
         dist.all_gather_object(errors, error)
         out[case] = {"errors": errors, "unchanged": before == _tree_digest(folder) if rank == 0 else None}
     engine.destroy()
+    # the output_dir check before building: rank 0 sees this run's checkpoints, rank 1 an empty folder (a node
+    # without the shared disk) and resume is off: both must stop, with rank 0's sentence
+    import dataclasses
+
+    from fluxzero.train import _check_output_dir_all_ranks
+
+    out_dir = Path(cfg.output_dir) if rank == 0 else ckpt.parent.parent / "damaged_not_shared" / "other_node"
+    try:
+        _check_output_dir_all_ranks(dataclasses.replace(cfg, output_dir=str(out_dir), resume=False),
+                                    out_dir / "checkpoints")
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    out["output_dir_check"] = {"errors": errors}
     return out
 
 
@@ -357,6 +373,11 @@ def test_resume_refuses_damaged_checkpoints_on_every_rank(matrix, case, expected
     if case == "not_shared":
         assert "output_dir must be on a filesystem all nodes share" in first
     assert got["unchanged"]  # the user's checkpoint files are never modified or deleted
+
+
+def test_output_dir_is_judged_by_rank_0_for_every_rank(matrix):
+    first, second = matrix["results"]["checkpoint_checks"]["output_dir_check"]["errors"]
+    assert first == second and first.startswith("TrainingError: ") and "resume is off" in first, (first, second)
 
 
 def test_checkpoint_file_names_match_deepspeed(matrix):
