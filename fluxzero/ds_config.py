@@ -11,8 +11,8 @@ trainer reads (DeepSpeed ignores unknown top-level keys):
 
     "fluxzero": {"activation_checkpointing": {"every_k_blocks": K, "implementation": "torch"|"deepspeed"}}
 
-K = 0 means no activation checkpointing, K = 1 every block, K = k every k-th block (block i, counting the
-double-stream blocks first and then the single-stream blocks from 0, is checkpointed when i % k == 0).
+K = 0 means no activation checkpointing, K = 1 every block, K = k every k-th block (block i is checkpointed
+when i % k == 0, with one index over all blocks: the double-stream blocks first, the single-stream ones after).
 
 Opt-in torch.compile of the transformer blocks (`gen-config --compile` writes it; absent means off):
 

@@ -283,7 +283,7 @@ def run_options_from_ds_config(ds: dict) -> dict:
         out["precision"] = "bf16"
     elif (ds.get("fp16") or {}).get("enabled"):
         out["precision"] = "fp16"
-    elif "bf16" in ds or "fp16" in ds:
+    else:  # neither enabled, or no section at all (gen-config's fp32): DeepSpeed trains in fp32
         out["precision"] = "fp32"
     mb = ds.get("train_micro_batch_size_per_gpu")
     if isinstance(mb, int):

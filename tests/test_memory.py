@@ -245,6 +245,9 @@ def test_run_options_from_gen_config_output():
     assert (got["stage"], got["offload_optimizer"], got["offload_param"], got["micro_batch"],
             got["checkpoint_every"], got["precision"]) == (3, "cpu", "cpu", 4, 2, "bf16")
     assert got["zero"].reduce_bucket_size == cfg["zero_optimization"]["reduce_bucket_size"]
+    for precision in ("fp32", "fp16", "bf16"):  # gen-config's fp32 writes neither section
+        cfg = ds_config.build(ds_config.options_from(None, precision=precision))
+        assert memory.run_options_from_ds_config(cfg)["precision"] == precision
 
 
 # ---------------------------------------------------------------------------------------------------------
