@@ -6,9 +6,11 @@ partitioned model, activation checkpointing applied from outside, checkpoint sav
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import glob
 import importlib
+import io
 import json
 import logging
 import os
@@ -58,6 +60,8 @@ def init_distributed() -> tuple[int, int, torch.device]:
         logging.getLogger(name).setLevel(logging.WARNING)
     # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, once per step and rank: not actionable
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    # engine.get_lr() before the first step (the trainer logs the lr each step will use) warns every run
+    logging.getLogger("DeepSpeed").addFilter(_not_scheduler_not_started)
     accel = get_accelerator()
     local_rank = int(os.environ["LOCAL_RANK"])
     if accel.device_name() == "cpu":
@@ -73,6 +77,10 @@ def init_distributed() -> tuple[int, int, torch.device]:
         atexit.register(_destroy_group_at_exit)
     device = torch.device(accel.device_name(local_rank) if accel.device_name() != "cpu" else "cpu")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _not_scheduler_not_started(record: logging.LogRecord) -> bool:
+    return "before it has started" not in record.getMessage()
 
 
 def _destroy_group_at_exit():
@@ -584,7 +592,11 @@ def consolidated_state_dict(path: str | Path) -> tuple[dict, Path]:
         if glob.glob(str(tag_dir / "*zero_pp_rank_*optim_states.pt")):
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+            # it prints five lines of its own bookkeeping per export; its shard progress bar (stderr) stays
+            quiet = contextlib.nullcontext() if os.environ.get("FLUXZERO_DEBUG") else \
+                contextlib.redirect_stdout(io.StringIO())
+            with quiet:
+                sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
         else:  # ZeRO stage 0: model and optimizer states in one file
             sd = _stage0_master_weights(torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu",
                                                    weights_only=False))

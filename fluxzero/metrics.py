@@ -134,7 +134,9 @@ class Metrics:
                 self.writer = _writing(self._what["writer"], SummaryWriter, str(tb), purge_step=start_step + 1)
             self.jsonl = _writing(self._what["jsonl"], open, jsonl, "a")
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                            file=sys.stderr, disable=os.environ.get("FLUXZERO_NO_PROGRESS") == "1")
+                            file=sys.stderr,
+                            # nothing left to train (a finished run started again): no bar drawn twice at 100%
+                            disable=os.environ.get("FLUXZERO_NO_PROGRESS") == "1" or start_step >= total_steps)
 
     def step_started(self) -> None:
         self._t = time.perf_counter()
