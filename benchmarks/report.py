@@ -6,6 +6,11 @@ Markdown goes to stdout (and --md). The plot (matplotlib, `pip install matplotli
 when it is missing) has one bar per configuration: samples/s on the left, peak memory per GPU (max over
 ranks; allocated solid, reserved light) on the right. Invalid rows (skipped steps, non-finite loss) are
 hatched; rows that did not run to the end (OOM, timeout) show their status instead of a bar.
+
+Pairs (fluxzero vs baseline, N GPUs vs 1, compiled vs eager) use every measured row of a configuration, those
+of the same sweep (set and start time) first, and say when the two rows come from different sweeps; a row that
+never ran is shown only when no row of its configuration was measured. Configurations with several rows are
+listed together at the end.
 """
 from __future__ import annotations
 
@@ -53,8 +58,10 @@ def table(rows: list[dict]) -> str:
         if measured(r):
             split = " / ".join(_f(r.get(k), "{:.3f}") for k in ("data_s", "fwd_s", "bwd_s", "opt_s"))
             status = r["status"] if r.get("valid") else f"**INVALID: {r['status']}** ({r.get('skipped_steps')} skipped)"
+            steps = [x for x in r.get("step_s_all") or [] if x is not None]
+            step = _f(r["step_s"], "{:.3f}") + (f" ({min(steps):.2f}-{max(steps):.2f})" if len(steps) > 1 else "")
             cells = [_f(r["samples_per_s"]), _f(r["img_tokens_per_s"], "{:,.0f}"), _f(r["tflops_per_gpu"], "{:.1f}"),
-                     _f(r.get("mfu") and 100 * r["mfu"], "{:.1f}%"), _f(r["step_s"], "{:.3f}"), split,
+                     _f(r.get("mfu") and 100 * r["mfu"], "{:.1f}%"), step, split,
                      _f(_max(r.get("peak_alloc_gib")), "{:.1f}"), _f(_max(r.get("peak_reserved_gib")), "{:.1f}"),
                      _f(r.get("init_s"), "{:.0f}")]
         else:
@@ -72,51 +79,124 @@ def _variant(r: dict) -> tuple:
     return _compiled(r), bool(r.get("z3_leaf"))
 
 
-def comparison(rows: list[dict]) -> str:
-    """Each diffusers row against the fluxzero row with the same settings (the issue's matched targets)."""
-    def key(r):
-        return tuple(json.dumps(r.get(k), sort_keys=True) for k in MATCH_KEYS) + _variant(r)
+def _key(r: dict, keys=MATCH_KEYS, variant=True) -> tuple:
+    return tuple(json.dumps(r.get(k), sort_keys=True) for k in keys) + (_variant(r) if variant else ())
 
-    ours = {key(r): r for r in rows if r.get("impl") == "fluxzero"}
+
+def _sweep(r: dict) -> tuple:
+    """One sweep.py invocation: its set (file stem) and start time."""
+    return r.get("set"), r.get("date")
+
+
+def _ref(r: dict) -> str:
+    """Where a row comes from: set#index, and whether it shared the machine with a parallel case."""
+    par = r.get("parallel") or 1
+    return f"{r.get('set', '?')}#{r.get('index', '?')}" + (f" (parallel {par})" if par > 1 else "")
+
+
+def _partners(row: dict, candidates: list[dict]) -> list[dict]:
+    """The rows of `candidates` to set against `row`: every measured one, those of row's own sweep first (a
+    pair from one call shares the machine, its peak and the code); when none ran to the end, the one that
+    says why (own sweep first). A later row that never ran does not hide an earlier measured one."""
+    same = [c for c in candidates if _sweep(c) == _sweep(row)]
+    other = [c for c in candidates if _sweep(c) != _sweep(row)]
+    return [c for c in same + other if measured(c)] or (same + other)[:1]
+
+
+def _apart(a: dict, b: dict) -> str:
+    return "" if _sweep(a) == _sweep(b) else "; rows from different sweeps"
+
+
+def _status(r: dict) -> str:
+    return f"{r['samples_per_s']:.2f}" if measured(r) else str(r.get("status"))
+
+
+def _gib_pair(a, b) -> str:
+    return f"{a:.2f} / {b:.2f} ({a - b:+.2f})" if a is not None and b is not None else "-"
+
+
+TARGET_SPEEDUP = 1.3  # issue 7: samples/s >= 1.3x the baseline at every matched configuration, peak memory no higher
+
+
+def _target(speed: float, f: dict, b: dict) -> str:
+    misses = [f"{speed:.2f}x < {TARGET_SPEEDUP}x"] if speed < TARGET_SPEEDUP else []
+    for what, k in (("allocated", "peak_alloc_gib"), ("reserved", "peak_reserved_gib")):
+        fm, bm = _max(f.get(k)), _max(b.get(k))
+        if fm is not None and bm is not None and fm > bm:
+            misses.append(f"{what} {fm - bm:+.2f} GiB")
+    return "missed: " + ", ".join(misses) if misses else "met"
+
+
+def comparison(rows: list[dict]) -> str:
+    """Each diffusers row against the fluxzero rows with the same settings (the issue's matched targets): every
+    measured one, the same sweep's first."""
+    ours = [r for r in rows if r.get("impl") == "fluxzero"]
     lines = []
     for b in rows:
-        if b.get("impl") != "diffusers" or key(b) not in ours:
+        if b.get("impl") != "diffusers":
             continue
-        f = ours[key(b)]
         name = b["name"].replace("diffusers ", "", 1)
-        if measured(f) and measured(b):
-            speed = f["samples_per_s"] / b["samples_per_s"]
-            fm, bm = _max(f.get("peak_alloc_gib")), _max(b.get("peak_alloc_gib"))
-            mem = f"{fm:.1f} vs {bm:.1f} GiB ({fm / bm:.2f}x)" if fm and bm else "-"
-            valid = "" if f.get("valid") and b.get("valid") else " (a row is INVALID)"
-            lines.append(f"| {name} | {f['samples_per_s']:.2f} | {b['samples_per_s']:.2f} | {speed:.2f}x{valid} | {mem} |")
-        else:
-            lines.append(f"| {name} | {f.get('samples_per_s', f.get('status'))} | "
-                         f"{b.get('samples_per_s', b.get('status'))} | - | - |")
+        for f in _partners(b, [r for r in ours if _key(r) == _key(b)]):
+            refs = f"{_ref(f)} / {_ref(b)}"
+            if measured(f) and measured(b):
+                speed = f["samples_per_s"] / b["samples_per_s"]
+                invalid = "" if f.get("valid") and b.get("valid") else " (a row is INVALID)"
+                lines.append(f"| {name} | {refs} | {f['samples_per_s']:.2f} | {b['samples_per_s']:.2f} | "
+                             f"{speed:.2f}x{invalid}{_apart(f, b)} | "
+                             f"{_gib_pair(_max(f.get('peak_alloc_gib')), _max(b.get('peak_alloc_gib')))} | "
+                             f"{_gib_pair(_max(f.get('peak_reserved_gib')), _max(b.get('peak_reserved_gib')))} | "
+                             f"{'-' if invalid else _target(speed, f, b)} |")
+            else:
+                lines.append(f"| {name} | {refs} | {_status(f)} | {_status(b)} | - | - | - | - |")
     if not lines:
         return ""
-    return ("| matched configuration | fluxzero samples/s | diffusers samples/s | speed-up | peak alloc fluxzero vs "
-            "diffusers |\n|---|---|---|---|---|\n" + "\n".join(lines))
+    return ("| matched configuration | rows (fluxzero / diffusers) | fluxzero samples/s | diffusers samples/s | "
+            "speed-up | peak alloc GiB fluxzero / diffusers | peak reserved GiB fluxzero / diffusers | "
+            f"target (>= {TARGET_SPEEDUP}x, memory no higher) |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(lines))
 
 
 def scaling(rows: list[dict]) -> str:
-    """Each multi-GPU row against the 1-GPU row with the same settings (same per-GPU micro batch)."""
-    def key(r):
-        return tuple(json.dumps(r.get(k), sort_keys=True) for k in ("impl",) + MATCH_KEYS if k != "gpus") + \
-            _variant(r)
-
-    single = {key(r): r for r in rows if r.get("gpus") == 1 and measured(r)}
+    """Each multi-GPU row against the 1-GPU rows with the same settings (same per-GPU micro batch): every
+    measured one, the same sweep's first."""
+    keys = ("impl",) + tuple(k for k in MATCH_KEYS if k != "gpus")
+    single = [r for r in rows if r.get("gpus") == 1 and measured(r)]
     lines = []
     for r in rows:
-        one = single.get(key(r))
-        if r.get("gpus", 1) > 1 and measured(r) and one:
+        if r.get("gpus", 1) <= 1 or not measured(r):
+            continue
+        for one in _partners(r, [s for s in single if _key(s, keys) == _key(r, keys)]):
             ratio = r["samples_per_s"] / one["samples_per_s"]
-            valid = "" if r.get("valid") and one.get("valid") else " (a row is INVALID)"
-            lines.append(f"| {r['name']} | {one['samples_per_s']:.2f} | {r['samples_per_s']:.2f} | "
-                         f"{ratio:.2f}x ({100 * ratio / r['gpus']:.0f}% efficiency){valid} |")
+            invalid = "" if r.get("valid") and one.get("valid") else " (a row is INVALID)"
+            lines.append(f"| {r['name']} | {_ref(one)} / {_ref(r)} | {one['samples_per_s']:.2f} | "
+                         f"{r['samples_per_s']:.2f} | {ratio:.2f}x ({100 * ratio / r['gpus']:.0f}% efficiency)"
+                         f"{invalid}{_apart(one, r)} |")
     if not lines:
         return ""
-    return ("| scaling | 1 GPU samples/s | N GPUs samples/s | speed-up |\n|---|---|---|---|\n" + "\n".join(lines))
+    return ("| scaling | rows (1 GPU / N GPUs) | 1 GPU samples/s | N GPUs samples/s | speed-up |\n"
+            "|---|---|---|---|---|\n" + "\n".join(lines))
+
+
+def repeats(rows: list[dict]) -> str:
+    """Configurations with more than one row (a rerun, a case not run in one sweep and run in another, before
+    and after a change): all of them, so a table that pairs one of them hides nothing."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(_key(r, ("impl",) + MATCH_KEYS), []).append(r)
+    lines = []
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        cells = []
+        for r in group:
+            steps = [x for x in r.get("step_s_all") or [] if x is not None]
+            spread = f", timed steps {min(steps):.2f}-{max(steps):.2f} s (n={len(steps)})" if steps else ""
+            cells.append(f"{_ref(r)} {r.get('date', '')}: {_status(r)}" + (" samples/s" if measured(r) else "")
+                         + spread)
+        lines.append(f"| {group[0]['name']} | " + "; ".join(cells) + " |")
+    if not lines:
+        return ""
+    return ("| configuration with more than one row | rows (set#index, sweep start: samples/s or status) |\n"
+            "|---|---|\n" + "\n".join(lines))
 
 
 PROFILE_CATS = ("attention", "gemm", "nccl all-gather", "nccl reduce-scatter", "nccl all-reduce",
@@ -142,24 +222,51 @@ def profiles(rows: list[dict]) -> str:
     return "| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|\n" + "\n".join(lines)
 
 
+def _joined(values) -> str:
+    vals = sorted({str(v) for v in values if v not in (None, "")})
+    return ", ".join(vals) or "-"
+
+
+def _code(v: dict) -> str:
+    commit = v.get("git_commit")
+    if not commit:
+        return "not recorded"
+    if commit == "unknown":
+        return "unknown"
+    return commit[:10] + {True: " +changes", False: "", "unknown": " (changes unknown)"}.get(v.get("git_dirty"), "")
+
+
 def header(rows: list[dict]) -> str:
+    """What each sweep (one sweep.py call: set and start time) ran on, with its own measured matmul peak."""
     ok = [r for r in rows if measured(r)]
     if not ok:
         return "No configuration ran to the end."
-    r = ok[0]
-    v = r.get("versions", {})
+    sweeps: dict[tuple, list[dict]] = {}
+    for r in rows:
+        sweeps.setdefault(_sweep(r), []).append(r)
+    lines = ["| set | sweep start | rows (measured) | parallel | device | bf16 matmul peak TFLOP/s | torch | CUDA | "
+             "deepspeed | diffusers | code (git) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (name, date), group in sweeps.items():
+        got = [r for r in group if measured(r)]
+        vs = [r.get("versions") or {} for r in got]
+        peaks = [r.get("peak_tflops") or (r.get("peak") or {}).get("peak_tflops") for r in got or group]
+        lines.append(" | ".join([
+            f"| {name}", str(date), f"{len(group)} ({len(got)})", _joined(r.get("parallel") or 1 for r in group),
+            _joined(v.get("device") for v in vs), _joined(f"{p:.1f}" for p in peaks if p),
+            _joined(v.get("torch") for v in vs), _joined(v.get("cuda") for v in vs),
+            _joined(v.get("deepspeed") for v in vs), _joined(v.get("diffusers") for v in vs),
+            _joined(_code(v) for v in vs)]) + " |")
+    sizes = _joined(f"{(r.get('peak') or {}).get('n', '?')}^3, median of {(r.get('peak') or {}).get('reps', '?')}"
+                    for r in ok if r.get("peak"))
     apis = sorted({x.get("engine_api", "") for x in ok if x.get("impl") == "fluxzero"})
     srcs = sorted({x.get("ds_config_source", "") for x in ok})
-    return "\n".join([
-        f"Date {r.get('date')}; device {v.get('device')} ({r.get('device_kind')}); torch {v.get('torch')}, "
-        f"CUDA {v.get('cuda')}, deepspeed {v.get('deepspeed')}"
-        + (f", diffusers {next((x['versions'].get('diffusers') for x in ok if 'diffusers' in x.get('versions', {})), '')}"
-           if any("diffusers" in x.get("versions", {}) for x in ok) else "") + ".",
-        f"MFU over a measured bf16 matmul peak of {_f(r.get('peak_tflops'), '{:.1f}')} TFLOP/s per GPU "
-        f"({(r.get('peak') or {}).get('n', '?')}^3, median of {(r.get('peak') or {}).get('reps', '?')}, same sweep); "
+    return "\n".join(lines + [
+        "",
+        f"MFU over the bf16 matmul peak ({sizes}) measured at the start of each row's own sweep (column above); "
         "model FLOPs = 3 x ModelConfig.flops_per_sample, recompute excluded.",
         f"fluxzero engine: {'; '.join(apis) or '-'}. DeepSpeed config: {'; '.join(srcs)}.",
-        "Step time = median of the timed steps (synchronised); memory = max over ranks.",
+        "Step time = median of the timed steps (synchronised), their range in brackets; memory = max over ranks. "
+        "Rows of a sweep with parallel > 1 may have run beside another case (one GPU each, shared host).",
     ])
 
 
@@ -216,16 +323,14 @@ def compile_effect(rows: list[dict]) -> str:
     from one file): speed, memory, the largest relative loss difference over the steps (same batches), what
     Dynamo made, and the longest warm-up step (the compilation). At ZeRO-3 the twin is the plain eager row,
     not the one with leaf blocks: the trainer makes compiled blocks leaves itself."""
-    def key(r):
-        return tuple(json.dumps(r.get(k), sort_keys=True) for k in ("impl",) + MATCH_KEYS) + (bool(r.get("z3_leaf")),)
-
-    eager = {key(r): r for r in rows if not _compiled(r)}
+    keys = ("impl",) + MATCH_KEYS
+    eager = [r for r in rows if not _compiled(r)]
+    pairs = [(c, e) for c in rows if _compiled(c)
+             for e in _partners(c, [r for r in eager if _key(r, keys, False) == _key(c, keys, False)
+                                    and bool(r.get("z3_leaf")) == bool(c.get("z3_leaf"))])]
     lines = []
-    for c in rows:
-        if not _compiled(c) or key(c) not in eager:
-            continue
-        e = eager[key(c)]
-        name = c["name"].replace(" compiled", "")
+    for c, e in pairs:
+        name = c["name"].replace(" compiled", "") + ("" if _sweep(c) == _sweep(e) else f" ({_ref(e)} / {_ref(c)})")
         graphs = f"{c.get('compile_graphs', '-')} / {c.get('compile_graph_breaks', '-')}"
         warm = _max(c.get("warmup_s_all") or [])
         warm = f"{warm:.0f}" if warm else "-"
@@ -251,7 +356,7 @@ def compile_effect(rows: list[dict]) -> str:
 
 def render(rows: list[dict]) -> str:
     parts = [header(rows), "", table(rows)]
-    for extra in (comparison(rows), compile_effect(rows), scaling(rows), profiles(rows)):
+    for extra in (comparison(rows), compile_effect(rows), scaling(rows), repeats(rows), profiles(rows)):
         if extra:
             parts += ["", extra]
     return "\n".join(parts) + "\n"

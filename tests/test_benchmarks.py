@@ -166,7 +166,8 @@ def test_report_comparison_scaling_and_plot(tmp_path):
     loaded = report.load([path])
     assert [r["index"] for r in loaded] == [1, 2, 3, 4, 5, 6]
     md = report.render(loaded)
-    assert "| 1.30x | 60.0 vs 80.0 GiB (0.75x) |" in md  # fluxzero vs the matched baseline row
+    # fluxzero vs the matched baseline row: speed, allocated and reserved, the issue's target
+    assert "| t#1 / t#2 | 2.60 | 2.00 | 1.30x | 60.00 / 80.00 (-20.00) | 62.00 / 82.00 (-20.00) | met |" in md
     assert md.count("| 1.30x |") == 1 and "| 3.25 | 2.00 |" not in md  # the compiled row is not matched with it
     assert "| 2.60 | 3.25 | 1.25x | 58.0 vs 60.0 GiB | 2.0e-03 | 2 / 0 | 61 |" in md  # compiled vs eager twin
     assert "| 2.60 | 4.94 | 1.90x (95% efficiency) |" in md  # 2 GPUs vs 1 at the same per-GPU batch
@@ -174,3 +175,50 @@ def test_report_comparison_scaling_and_plot(tmp_path):
     assert "| 1.500 | 1.200 | 0.300 | 0.200 | 0.400 | 0.600 | 0.000 |" in md  # the profiled row
     if importlib.util.find_spec("matplotlib"):
         assert report.plot(loaded, str(tmp_path / "t.png")) and (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_report_pairs_measured_rows_of_the_same_sweep_and_lists_repeats():
+    # the committed case: lite1 measured the matched pair; a later sweep (lite_after) left the fluxzero case "not
+    # run". The old report kept the last row per configuration and printed the pair as "not run".
+    a = dict(set="lite1", date="2026-11-30 12:38 UTC", parallel=2)
+    fz = _row(3, sps=11.82, alloc=59.3, **a)
+    base = _row(5, impl="diffusers", sps=11.81, alloc=59.0, **a)
+    later = _row(2, set="lite_after", date="2026-11-30 12:51 UTC", status="not run (sweep budget 55 s spent)",
+                 valid=False)
+    for k in ("samples_per_s", "step_s"):
+        later.pop(k)
+    md = report.render([fz, base, later])
+    assert "| lite1#3 (parallel 2) / lite1#5 (parallel 2) | 11.82 | 11.81 | 1.00x | 59.30 / 59.00 (+0.30) |" in md
+    assert "missed: 1.00x < 1.3x, allocated +0.30 GiB, reserved +0.30 GiB |" in md  # each miss, with its numbers
+    assert "not run (sweep budget 55 s spent) | 11.81" not in md
+    # the duplicate is listed, not hidden
+    assert "lite1#3 (parallel 2) 2026-11-30 12:38 UTC: 11.82 samples/s" in md
+    assert "lite_after#2 2026-11-30 12:51 UTC: not run (sweep budget 55 s spent)" in md
+    # a configuration that never ran anywhere still shows why
+    md = report.render([later, _row(9, impl="diffusers", sps=1.0, set="lite_after", date=later["date"])])
+    assert "| lite_after#2 / lite_after#9 | not run (sweep budget 55 s spent) | 1.00 | - |" in md
+
+
+def test_report_scaling_shows_every_one_gpu_row_same_sweep_first():
+    early = _row(13, sps=10.46, set="lite1", date="12:38", parallel=2, step_s_all=[0.75, 0.79])
+    one = _row(1, sps=8.785, set="scale", date="12:50", step_s_all=[0.79, 0.93, 0.91])
+    two = _row(2, gpus=2, sps=17.167, set="scale", date="12:50")
+    md = report.render([early, one, two])
+    lines = [ln for ln in md.splitlines() if "efficiency" in ln]
+    assert lines[0].endswith("| scale#1 / scale#2 | 8.79 | 17.17 | 1.95x (98% efficiency) |")
+    assert lines[1].endswith("| lite1#13 (parallel 2) / scale#2 | 10.46 | 17.17 | 1.64x (82% efficiency); "
+                             "rows from different sweeps |")
+    assert "| 0.911 (0.79-0.93) |" not in md and "(0.79-0.93)" in md  # the step range sits next to the median
+    assert "scale#1 12:50: 8.79 samples/s, timed steps 0.79-0.93 s (n=3)" in md
+
+
+def test_report_header_has_each_sweeps_peak_date_and_code():
+    a = _row(1, set="lite1", date="2026-11-30 12:38 UTC", parallel=2, peak_tflops=774.8,
+             versions={"torch": "2.11.0", "deepspeed": "0.19.8", "device": "NVIDIA H200"})
+    b = _row(1, set="dev2", date="2026-11-30 12:44 UTC", peak_tflops=759.5,
+             versions={"torch": "2.11.0", "deepspeed": "0.19.8", "device": "NVIDIA H200",
+                       "git_commit": "0123456789abcdef0123456789abcdef01234567", "git_dirty": True})
+    md = report.header([a, b])
+    assert "| lite1 | 2026-11-30 12:38 UTC | 1 (1) | 2 | NVIDIA H200 | 774.8 | 2.11.0 |" in md
+    assert "| dev2 | 2026-11-30 12:44 UTC | 1 (1) | 1 | NVIDIA H200 | 759.5 |" in md
+    assert md.count("not recorded") == 1 and "0123456789 +changes |" in md
