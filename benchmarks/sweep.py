@@ -48,6 +48,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))  # provenance (and baseline_diffusers), also when this file is loaded by path
+
+import provenance  # noqa: E402 - needs the line above
 GIB = 1024**3
 OPTIMS = ("torch-fused", "torch", "deepspeed-fused")
 IMPLS = ("fluxzero", "diffusers")
@@ -689,7 +692,6 @@ def worker_main(case_json: str, rowdir: str) -> int:
     rowdir = Path(rowdir)
     phase = _Phase(rowdir, rank)
     case = Case(**json.loads(case_json))
-    sys.path.insert(0, str(HERE))  # baseline_diffusers
     try:
         out = run_case(case, phase)
     except BaseException as e:  # noqa: BLE001 - every failure becomes this case's row
@@ -872,7 +874,10 @@ def sweep(name: str, cases: list[Case], out_dir: Path, device: str, budget: floa
     else:
         peak = {"peak_tflops": peak_tflops, "given": True}
     env["FLUXZERO_BENCH_PEAK_TFLOPS"] = str(peak_tflops or 0)
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    # seconds in the start time: report.py tells sweeps apart by set and start, and a rerun can start within a minute
+    stamp = provenance.stamp()
+    # every row, measured or not, records the code it ran (or would have run): "unknown" without git / .git
+    code = provenance.code_version(ROOT)
     rows, pending, lock = [], list(enumerate(cases, 1)), threading.Lock()
 
     def lane(lane_env: dict):
@@ -891,6 +896,7 @@ def sweep(name: str, cases: list[Case], out_dir: Path, device: str, budget: floa
             row = {"set": name, "index": i, "name": case.name, **dataclasses.asdict(case),
                    "img_tokens": case.img_tokens, "device_kind": device, "date": stamp, "peak": peak,
                    "parallel": len(lanes), "lane_env": lane_env, **row}
+            row["versions"] = {**row.get("versions", {}), **code}
             with lock:
                 if log is not None:
                     _append_log(out_dir / f"{name}.log", i, case, row, log)

@@ -3,6 +3,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -79,9 +80,42 @@ def test_timeout_and_budget_rows(tmp_path):
     cases = [sweep.Case(**sweep._cpu(zero=0, mb=1, timeout=1)), sweep.Case(**sweep._cpu(zero=0, mb=2))]
     rows = sweep.sweep("t", cases[:1], tmp_path, "cpu", budget=100, grace=1, peak_tflops=1.0)
     assert rows[0]["status"].startswith("timeout after 1 s") and rows[0]["valid"] is False
+    timed_out = rows[0]
     rows = sweep.sweep("b", cases[1:], tmp_path, "cpu", budget=0, grace=1, peak_tflops=1.0)
     assert rows[0]["status"].startswith("not run") and rows[0]["valid"] is False
     assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 1
+    # every row, measured or not, names the code it ran: this checkout's commit
+    code = sweep.provenance.code_version()
+    for r in (timed_out, rows[0]):
+        assert {k: r["versions"][k] for k in ("git_commit", "git_dirty")} == code
+    assert len(rows[0]["date"]) == len("2026-11-30 12:38:05 UTC")  # seconds: reruns within a minute stay apart
+
+
+def _git(cwd, *args):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                   capture_output=True)
+
+
+@pytest.mark.skipif(not shutil.which("git"), reason="needs git")
+def test_code_version_commit_dirty_and_unknown(tmp_path, monkeypatch):
+    prov = sweep.provenance
+    repo = tmp_path / "repo"
+    (repo / "sub").mkdir(parents=True)
+    (repo / "a.txt").write_text("1")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "a.txt")
+    _git(repo, "commit", "-q", "-m", "one")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    assert prov.code_version(repo) == {"git_commit": head, "git_dirty": False}
+    (repo / "untracked.txt").write_text("x")  # untracked files do not make the tree dirty
+    assert prov.code_version(repo)["git_dirty"] is False
+    (repo / "a.txt").write_text("2")
+    assert prov.code_version(repo) == {"git_commit": head, "git_dirty": True}
+    # a copy of the tree without .git, even inside another repository, and a machine without git: "unknown"
+    assert prov.code_version(repo / "sub") == prov.UNKNOWN
+    assert prov.code_version(tmp_path) == prov.UNKNOWN
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert prov.code_version(repo) == prov.UNKNOWN
 
 
 @pytest.mark.slow
