@@ -7,7 +7,8 @@
 get identical bf16 weights (through our diffusers converter) and identical inputs; both run SDPA under the
 same allowed backends (our "auto": flash, efficient, math) so the attention kernel is the same and the
 comparison measures everything around it. Timing: CUDA events around each iteration after warm-up, median.
-Writes $OUT/bench_blocks.json (OUT defaults to the current folder) and prints a markdown table.
+Writes $OUT/bench_blocks.json (OUT defaults to the current folder; with the start time in UTC and the versions
+of Python, torch, deepspeed, diffusers, CUDA and the code) and prints a markdown table.
 
 FLOPs (forward, per block, C hidden, M = 4C, L = tokens; derivation as in ModelConfig.flops_per_sample):
   double: 2 L (4 C^2 + 2 C M) + 4 L^2 C      single: 2 L (C (3C + M) + (C + M) C) + 4 L^2 C
@@ -20,7 +21,9 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.nn.attention import sdpa_kernel
@@ -29,6 +32,9 @@ from fluxzero.config import get_model_config
 from fluxzero.model import math as fmath
 from fluxzero.model.layers import DoubleStreamBlock, SingleStreamBlock
 from fluxzero.model.weights import bfl_to_diffusers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # provenance, also when this file is loaded by path
+import provenance  # noqa: E402 - needs the line above
 
 
 def block_flops(cfg, img_tokens, txt_tokens, kind):
@@ -140,6 +146,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5; 1 with --tiny)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     args = ap.parse_args(argv)
+    started = provenance.stamp()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cfg = get_model_config("flux-tiny" if args.tiny else "flux-dev")
@@ -175,7 +182,9 @@ def main(argv=None):
         benchmark="bench_blocks", model=cfg.name, dtype=args.dtype, device=str(device),
         gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         torch=torch.__version__, diffusers=__import__("diffusers").__version__, iters=iters, warmup=warmup,
-        attention="sdpa flash>efficient>math for both", date=time.strftime("%Y-%m-%d"), rows=rows,
+        attention="sdpa flash>efficient>math for both", date=started,
+        versions={**provenance.versions("torch", "deepspeed", "diffusers"), "cuda": torch.version.cuda},
+        rows=rows,
     )
     out_dir = os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)

@@ -8,7 +8,8 @@ noise) with no checkpointing and with every block checkpointed by `torch` (torch
 non-reentrant) and `deepspeed` (deepspeed.checkpointing). A variant "works" when it runs and its losses
 match the no-checkpointing run of the same stage (recomputation repeats the forward kernels, so only
 backward nondeterminism separates them). Reports status, max relative loss difference, median step time
-and peak GPU memory; writes $OUT/ckpt_zero3.json (or --out). One fresh process group per case (spawn).
+and peak GPU memory; writes $OUT/ckpt_zero3.json (or --out; its "meta" holds the start time in UTC and the
+versions of Python, torch, deepspeed, CUDA and the code). One fresh process group per case (spawn).
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # provenance, also when this file is loaded by path
+
+import provenance  # noqa: E402 - needs the line above
 
 CASES = [(off, impl) for off in (False, True) for impl in ("none", "torch", "deepspeed")]
 
@@ -107,6 +111,7 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="JSON path (default $OUT/ckpt_zero3.json)")
     p.add_argument("--cases", default="", help="subset, e.g. 'offload:none,offload:torch' (plain|offload:none|torch|deepspeed)")
     args = p.parse_args(argv)
+    started = provenance.stamp()
     import torch
     import torch.multiprocessing as mp
 
@@ -133,7 +138,8 @@ def main(argv=None):
             rec["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(rec["losses"], base["losses"]))
     meta = {"model": args.model, "res": args.res, "txt": args.txt, "steps": args.steps, "precision": args.precision,
             "world": world, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__}
+            "torch": torch.__version__, "date": started,
+            "versions": {**provenance.versions("torch", "deepspeed"), "cuda": torch.version.cuda}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"\n{meta}\n| ZeRO-3 | checkpointing | status | max rel loss diff | median step s | peak GiB |")

@@ -256,3 +256,61 @@ def test_report_header_has_each_sweeps_peak_date_and_code():
     assert "| lite1 | 2026-11-30 12:38 UTC | 1 (1) | 2 | NVIDIA H200 | 774.8 | 2.11.0 |" in md
     assert "| dev2 | 2026-11-30 12:44 UTC | 1 (1) | 1 | NVIDIA H200 | 759.5 |" in md
     assert md.count("not recorded") == 1 and "0123456789 +changes |" in md
+
+
+def _stamped(d: dict) -> None:
+    """A result names when it ran (UTC, to the second) and what it ran on, code included."""
+    import time
+
+    time.strptime(d["date"], "%Y-%m-%d %H:%M:%S UTC")
+    v = d["versions"]
+    assert v["torch"] and v["deepspeed"] and v["python"] and "cuda" in v
+    assert {k: v[k] for k in ("git_commit", "git_dirty")} == sweep.provenance.code_version()
+
+
+def test_bench_blocks_json_records_time_and_versions(tmp_path, monkeypatch):
+    pytest.importorskip("diffusers")
+    bench = _load("bench_blocks")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    bench.main(["--device", "cpu", "--tiny", "--dtype", "fp32", "--batches", "1", "--iters", "1", "--warmup", "0"])
+    result = json.loads((tmp_path / "bench_blocks.json").read_text())
+    _stamped(result)
+    assert result["versions"]["diffusers"] == result["diffusers"]
+
+
+def test_ckpt_zero3_json_records_time_and_versions(tmp_path, monkeypatch):
+    import torch.multiprocessing
+
+    ckpt = _load("ckpt_zero3")
+
+    def fake_spawn(fn, args, nprocs, join):  # each case's rank 0 writes its row to the path it is given
+        offload, impl, path = args[-3:]
+        Path(path).write_text(json.dumps({"offload": offload, "impl": impl, "status": "ok", "losses": [1.0],
+                                          "step_s": [0.1]}))
+
+    monkeypatch.setattr(torch.multiprocessing, "spawn", fake_spawn)
+    out = tmp_path / "ckpt.json"
+    ckpt.main(["--gpus", "1", "--cases", "plain:none,plain:torch", "--out", str(out)])
+    result = json.loads(out.read_text())
+    _stamped(result["meta"])
+    assert [r["impl"] for r in result["rows"]] == ["none", "torch"] and result["rows"][1]["max_rel_loss_diff"] == 0
+
+
+def test_ckpt_zero3_failure_in_init_distributed_is_an_error_row(tmp_path, monkeypatch):
+    # rank is the spawn argument, so rank 0 still writes its row when init_distributed itself fails
+    import argparse
+
+    from fluxzero import engine
+
+    ckpt = _load("ckpt_zero3")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(k, "")  # the worker sets them; monkeypatch puts the test's back
+
+    def fail():
+        raise RuntimeError("rendezvous failed")
+
+    monkeypatch.setattr(engine, "init_distributed", fail)
+    args = argparse.Namespace(model="flux-tiny", res=64, txt=8, steps=2, precision="fp32")
+    ckpt.worker(0, 1, 1, args, False, "none", str(tmp_path / "r.json"))
+    rec = json.loads((tmp_path / "r.json").read_text())
+    assert rec["status"] == "error" and rec["error"] == "RuntimeError: rendezvous failed"
