@@ -314,3 +314,57 @@ def test_ckpt_zero3_failure_in_init_distributed_is_an_error_row(tmp_path, monkey
     ckpt.worker(0, 1, 1, args, False, "none", str(tmp_path / "r.json"))
     rec = json.loads((tmp_path / "r.json").read_text())
     assert rec["status"] == "error" and rec["error"] == "RuntimeError: rendezvous failed"
+
+
+_FAKE_PIP = '''#!/bin/sh
+# stands in for `python3 -m pip ...` in benchmarks/device_wheels.sh: download/wheel write files, install nothing
+shift 2; cmd=$1; shift; out=""; pkgs=""; sdist=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    -d|-w) out=$2; shift;;
+    --no-binary=*) sdist=1;;
+    --python-version|--implementation|--platform) shift;;
+    -*) ;;
+    *) pkgs="$pkgs $1";;
+  esac; shift
+done
+echo "$cmd$pkgs" >> "$FAKE_LOG"
+if [ "$cmd" = download ] && [ -n "$sdist" ]; then
+  v=${pkgs#*==}; mkdir -p "$out/deepspeed-$v"; tar czf "$out/deepspeed-$v.tar.gz" -C "$out" "deepspeed-$v"
+elif [ "$cmd" = download ]; then
+  for p in $pkgs; do touch "$out/$(echo "$p" | sed 's/==/-/')-py3-none-any.whl"; done
+elif [ "$cmd" = wheel ]; then
+  touch "$out/$(basename "$PWD")-py3-none-any.whl"
+fi
+'''
+
+
+@pytest.mark.skipif(not shutil.which("bash") or not shutil.which("tar"), reason="needs bash and tar")
+def test_device_wheels_empties_the_folder_and_its_pins_are_in_the_readme(tmp_path):
+    script = ROOT / "benchmarks" / "device_wheels.sh"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(_FAKE_PIP)
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(tmp_path / "log")}
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    (wheels / "deepspeed-0.18.0-py3-none-any.whl").write_text("stale")
+    p = subprocess.run(["bash", str(script), str(wheels)], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    got = sorted(x.name for x in wheels.iterdir())
+    assert "deepspeed-0.18.0-py3-none-any.whl" not in got and "deepspeed-0.19.8-py3-none-any.whl" in got
+    assert "diffusers-0.42.1-py3-none-any.whl" in got and len(got) == 8
+    # a folder holding anything but wheels is refused with one sentence, and nothing in it is deleted
+    (wheels / "notes.txt").write_text("mine")
+    p = subprocess.run(["bash", str(script), str(wheels)], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "holds files other than wheels" in p.stderr and len(p.stderr.splitlines()) == 1
+    assert (wheels / "notes.txt").exists() and (wheels / "diffusers-0.42.1-py3-none-any.whl").exists()
+    # the README lists every pin, and its device command lines stop when the install fails
+    text = script.read_text()
+    pins = text.split('PINS="')[1].split('"')[0].split() + ["deepspeed==" + text.split("DS_VERSION:-")[1].split("}")[0]]
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    assert [x for x in pins if f"`{x}`" not in readme] == []
+    installs = [ln for ln in readme.splitlines() if "pip install -q --no-index" in ln]
+    assert installs and all(".whl/*.whl || exit 1;" in ln for ln in installs)
+    assert "../shared/" not in readme and "grep -qx /.whl/ .git/info/exclude ||" in readme
