@@ -23,7 +23,8 @@ MATCH_KEYS = ("model", "gpus", "zero", "precision", "ckpt", "mb", "res", "txt", 
 
 
 def load(paths) -> list[dict]:
-    """Rows of each file in case order (a --parallel sweep writes them in the order they finished)."""
+    """Rows of each file in case order (a --parallel sweep writes them in the order they finished), sweep by
+    sweep where one file holds several (a rerun under the same --name appends to it)."""
     rows = []
     for p in paths:
         mine = []
@@ -33,7 +34,7 @@ def load(paths) -> list[dict]:
                     mine.append(json.loads(line))
                 except ValueError:
                     print(f"warning: {p}:{n} is not JSON, skipped", file=sys.stderr)
-        rows += sorted(mine, key=lambda r: r.get("index", 0))
+        rows += sorted(mine, key=lambda r: (str(r.get("date") or ""), r.get("index", 0)))
     return rows
 
 

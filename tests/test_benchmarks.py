@@ -233,10 +233,13 @@ def test_report_pairs_measured_rows_of_the_same_sweep_and_lists_repeats():
     assert "| lite_after#2 / lite_after#9 | not run (sweep budget 55 s spent) | 1.00 | - |" in md
 
 
-def test_report_scaling_shows_every_one_gpu_row_same_sweep_first():
+def test_report_scaling_shows_every_one_gpu_row_same_sweep_first(tmp_path):
     early = _row(13, sps=10.46, set="lite1", date="12:38", parallel=2, step_s_all=[0.75, 0.79])
     one = _row(1, sps=8.785, set="scale", date="12:50", step_s_all=[0.79, 0.93, 0.91])
     two = _row(2, gpus=2, sps=17.167, set="scale", date="12:50")
+    path = tmp_path / "scale.jsonl"  # a rerun under the same --name appends a second sweep to the file
+    path.write_text("".join(json.dumps(r) + "\n" for r in (two, early, one)))
+    assert [(r["date"], r["index"]) for r in report.load([path])] == [("12:38", 13), ("12:50", 1), ("12:50", 2)]
     md = report.render([early, one, two])
     lines = [ln for ln in md.splitlines() if "efficiency" in ln]
     assert lines[0].endswith("| scale#1 / scale#2 | 8.79 | 17.17 | 1.95x (98% efficiency) |")
