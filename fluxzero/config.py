@@ -237,6 +237,7 @@ class TrainConfig:
     lr_decay: str = "constant"  # "constant" | "cosine" | "linear" after warmup
     min_lr_ratio: float = 0.0
     checkpoint_every: int = 0  # steps; 0 = only at the end
+    keep_checkpoints: int = 0  # keep the newest N checkpoints, deleting older ones after each save; 0 = all
     log_every: int = 1
     resume: bool = True  # continue from output_dir/checkpoints/latest when it exists
     export_format: str | None = "bfl"  # export the final weights: "bfl" | "diffusers" | "comfyui" | None
@@ -250,10 +251,16 @@ class TrainConfig:
             self.flow = FlowConfig(**self.flow)
         _check_types(self)
         get_model_config(self.model)
+        for f in ("deepspeed", "data", "output_dir"):
+            if not getattr(self, f).strip():
+                raise ValueError(f"{f} is empty; set it to a path (output_dir holds checkpoints, logs and export)")
+        for f in ("deepspeed", "data", "output_dir", "weights"):  # `~/runs` means the home folder, as in a shell
+            if getattr(self, f):
+                setattr(self, f, os.path.expanduser(getattr(self, f)))
         for f in ("micro_batch", "grad_accum", "epochs", "log_every"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f} must be at least 1, got {getattr(self, f)}")
-        for f in ("steps", "stop_after", "warmup_steps", "checkpoint_every", "num_workers"):
+        for f in ("steps", "stop_after", "warmup_steps", "checkpoint_every", "keep_checkpoints", "num_workers"):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be 0 or more, got {getattr(self, f)}")
         if self.precision not in PRECISIONS:

@@ -679,9 +679,10 @@ def check(cfg, world_size: int | None = None) -> list[str]:
     elif not (_is_num(cfg["gradient_clipping"]) and cfg["gradient_clipping"] >= 0):
         p.append(f"gradient_clipping must be a number >= 0, got {json.dumps(cfg['gradient_clipping'])}")
     _positive_ints("", cfg, ("steps_per_print",), p)
-    _, offload = _check_zero(cfg, p)
+    stage, offload = _check_zero(cfg, p)
     _check_precision(cfg, p)
     _check_optimizer(cfg, offload, p)
+    _check_zero_optimizer(cfg, stage, p)
     _check_scheduler(cfg, p)
     _check_checkpointing(cfg, p)
     _check_compile(cfg, p)
@@ -820,6 +821,20 @@ def _check_precision(cfg: dict, p: list[str]) -> None:
         elif ls == 0:
             _positive_ints("fp16", fp16, ("loss_scale_window", "min_loss_scale", "hysteresis"), p)
             _positive_ints("fp16", fp16, ("initial_scale_power",), p, minimum=0)
+
+
+# What deepspeed 0.19.8's ZeRO accepts without "zero_allow_untested_optimizer" (zero/utils.py
+# ZERO_SUPPORTED_OPTIMIZERS), by the optimizer type names that build those classes.
+ZERO_TESTED_OPTIMIZERS = ("adam", "adamw", "adagrad", "lion", "muon")
+
+
+def _check_zero_optimizer(cfg: dict, stage: int, p: list[str]) -> None:
+    typ = (cfg.get("optimizer") or {}).get("type") if isinstance(cfg.get("optimizer"), dict) else None
+    known = isinstance(typ, str) and (typ.lower() in DEEPSPEED_OPTIMIZERS or typ in TORCH_OPTIMIZERS)
+    if stage >= 1 and known and typ.lower() not in ZERO_TESTED_OPTIMIZERS \
+            and cfg.get("zero_allow_untested_optimizer") is not True:
+        p.append(f"optimizer.type {typ} is not one ZeRO is tested with (DeepSpeed stops at engine start): use "
+                 f"AdamW, or set zero_allow_untested_optimizer: true")
 
 
 def _check_optimizer(cfg: dict, offload: str, p: list[str]) -> None:

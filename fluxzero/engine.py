@@ -15,8 +15,10 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import socket
+import sys
 import warnings
 import zipfile
 from pathlib import Path
@@ -93,6 +95,18 @@ def _destroy_group_at_exit():
     """
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# gloo's words (in a plain RuntimeError) when a peer process went away mid-collective, its sockets with it
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def peer_stopped(e: RuntimeError) -> bool:
+    """A collective failed because another rank left (gloo), or its backend says so (NCCL's DistBackendError).
+    Not DistNetworkError / DistStoreError: those come from a rendezvous that never formed."""
+    backend_error = getattr(dist, "DistBackendError", ())
+    return (dist.is_initialized() and dist.get_world_size() > 1
+            and ((backend_error and isinstance(e, backend_error)) or any(m in str(e) for m in PEER_GONE)))
 
 
 def barrier():
@@ -347,16 +361,33 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def prune_checkpoints(ckpt_dir: Path, latest: str, keep: int) -> list[str]:
+    """Delete step_* folders older than `latest` beyond the newest `keep` (latest counted); returns them.
+
+    Called only after `latest` names a complete checkpoint. A folder that cannot be deleted is reported and
+    left: the new checkpoint is saved either way.
+    """
+    older = [t for t in _step_folders(ckpt_dir) if re.fullmatch(r"step_\d{8}", t) and t < latest]
+    doomed = older[:max(0, len(older) - (keep - 1))]
+    for tag in doomed:
+        try:
+            shutil.rmtree(ckpt_dir / tag)
+        except OSError as e:
+            sys.stderr.write(f"warning: could not delete old checkpoint {ckpt_dir / tag} ({e.strerror or e})\n")
+    return doomed
+
+
 def latest_tag(ckpt_dir: str | Path) -> str | None:
     p = Path(ckpt_dir) / "latest"
     return p.read_text().strip() if p.is_file() else None
 
 
 def save_checkpoint(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, run_config_text: str,
-                    ds: dict) -> str:
+                    ds: dict, keep: int = 0) -> str:
     """Save step `step` as tag step_XXXXXXXX; `latest` moves to it only after every rank finished.
 
-    A failure while writing (disk full, ...) leaves `latest` on the previous, complete checkpoint.
+    A failure while writing (disk full, ...) leaves `latest` on the previous, complete checkpoint. keep > 0:
+    once `latest` names the new checkpoint, delete the older ones beyond the newest `keep` (never a newer one).
     """
     ckpt_dir = Path(ckpt_dir)
     rank = dist.get_rank()
@@ -378,7 +409,11 @@ def save_checkpoint(engine, ckpt_dir: str | Path, step: int, trainer_state: dict
         barrier()
         if rank == 0:
             atomic_write(ckpt_dir / "latest", tag.encode())
+            if keep:
+                prune_checkpoints(ckpt_dir, tag, keep)
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write (disk full) as RuntimeError
+        if isinstance(e, RuntimeError) and peer_stopped(e):
+            raise  # another rank left mid-save (its barrier broke): not a write failure here
         reason = e.strerror if isinstance(e, OSError) and e.strerror else "a write failed; is the disk full?"
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         raise TrainingError(f"could not save checkpoint {tag} in {ckpt_dir} ({reason}); {kept}, "

@@ -143,7 +143,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     engine = ds_engine.build_engine(cfg, ds, ours, model_cfg, device)
     state = ds_engine.load_checkpoint(engine, ckpt_dir) if cfg.resume else None
     if state:
-        loader.load_state_dict(state["loader"])
+        loader.load_state_dict(state["loader"], allow_data_change=allow_config_change)
     step = state["step"] if state else 0
     # the last complete checkpoint, as this process knows it (rank 0 chose the resumed one for every rank;
     # re-reading `latest` here could see another node's disk)
@@ -156,7 +156,8 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     def save():
         nonlocal last_ckpt
         last_ckpt = ds_engine.save_checkpoint(engine, ckpt_dir, step, {"step": step, "loader": loader.state_dict()},
-                                              config_text(cfg), {**ds, "fluxzero": ours})
+                                              config_text(cfg), {**ds, "fluxzero": ours},
+                                              keep=cfg.keep_checkpoints)
 
     losses, saved_step, result, metrics = [], step if state else None, {}, None
     try:
@@ -187,6 +188,9 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
             save()
         metrics.close()  # the last TensorBoard points reach the disk, or the error says they did not
         result = {"losses": losses, "step": step, "checkpoint": last_ckpt}
+        # every rank is done with collectives: meet once more so that none tears its process group down
+        # while another still has messages in flight, then only rank 0 exports (the others leave)
+        ds_engine.barrier()
         if cfg.export_format and step >= total:
             result["export"], result["exported"] = _export(cfg, ckpt_dir, rank)
     except KeyboardInterrupt:
@@ -361,21 +365,32 @@ def _export(cfg: TrainConfig, ckpt_dir: Path, rank: int) -> tuple[str, bool]:
     """Export the final checkpoint on rank 0; returns (path, whether it was written): an export newer than
     the checkpoint, in the same layout and dtype, is left as it is (a rerun of a finished run does nothing)."""
     out = Path(cfg.output_dir) / ("export" if cfg.export_format == "diffusers" else "export.safetensors")
-    error, wrote = [None], True
-    if rank == 0:
-        try:
-            if _export_is_current(out, ckpt_dir / "latest", cfg.export_format, cfg.export_dtype):
-                wrote = False
-            else:
-                ds_engine.export_checkpoint(ckpt_dir, out, cfg.export_format, cfg.export_dtype)
-        except ds_engine.TrainingError as e:
-            error = [f"{e} (training finished and is saved: `fluxzero export {cfg.output_dir} OUT` writes it "
-                     f"again)"]
-    if dist.get_world_size() > 1:  # the others wait for rank 0: they stop with its sentence, not a gloo error
-        dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise ds_engine.TrainingError(error[0])
-    return str(out), wrote
+    # The other ranks do not wait for it: an export of FLUX.1-dev can outlast the collectives' timeout
+    # (DeepSpeed's default is 10 minutes), and they have nothing left to do. The caller met them at a barrier.
+    if rank != 0:
+        return str(out), False
+    try:
+        if _export_is_current(out, ckpt_dir / "latest", cfg.export_format, cfg.export_dtype):
+            return str(out), False
+        ds_engine.export_checkpoint(ckpt_dir, out, cfg.export_format, cfg.export_dtype)
+    except ds_engine.TrainingError as e:
+        raise ds_engine.TrainingError(f"{e} (training finished and is saved: `fluxzero export {cfg.output_dir} "
+                                      f"OUT` writes it again)") from None
+    return str(out), True
+
+
+def _diffusers_files(folder: Path) -> list[Path]:
+    """The weight files of a complete diffusers export, [] when it is incomplete: the index is written last,
+    so shards without it are an export that stopped midway."""
+    from fluxzero.model.weights import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
+
+    index = folder / DIFFUSERS_INDEX
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / n for n in names]
+        return files if files and all(f.is_file() for f in files) else []
+    single = folder / DIFFUSERS_WEIGHTS
+    return [single] if single.is_file() and not list(folder.glob("diffusion_pytorch_model-*")) else []
 
 
 def _export_is_current(out: Path, latest: Path, layout: str, dtype: str) -> bool:
@@ -383,8 +398,8 @@ def _export_is_current(out: Path, latest: Path, layout: str, dtype: str) -> bool
     safetensors header: tensor dtypes, and ComfyUI's key prefix; diffusers is the folder)."""
     from fluxzero.model.weights import COMFY_PREFIX
 
-    files = sorted(out.glob("*.safetensors")) if layout == "diffusers" else [out]
     try:
+        files = _diffusers_files(out) if layout == "diffusers" else [out]
         if not files or any(f.stat().st_mtime < latest.stat().st_mtime for f in files):
             return False
         with open(files[0], "rb") as f:
@@ -478,10 +493,10 @@ def main(argv=None) -> int:
         if debug:
             raise
         _report(str(e), call)
-    except torch.OutOfMemoryError:
+    except OUT_OF_MEMORY:
         _report(OOM_HINT, call)
     except RuntimeError as e:
-        if debug or not _peer_stopped(e):
+        if debug or not ds_engine.peer_stopped(e):
             raise
         if _rank() == 0:  # the rank that stopped printed why (before it exited, which broke this collective)
             _write_line("error: another rank stopped (see its error above)")
@@ -517,19 +532,11 @@ def _ignore_stop_signals() -> None:
 # Errors: one line each, once
 # ---------------------------------------------------------------------------------------------------------
 ERROR_WAIT_S = 5.0  # how long ranks compare their errors before printing (and exiting)
-# gloo's words (in a plain RuntimeError) when a peer process went away mid-collective, its sockets with it
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.OutOfMemoryError: 2.5+
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-
-
-def _peer_stopped(e: RuntimeError) -> bool:
-    """A collective failed because another rank left (gloo), or its backend says so (NCCL's DistBackendError).
-    Not DistNetworkError / DistStoreError: those come from a rendezvous that never formed."""
-    return (dist.is_initialized() and dist.get_world_size() > 1
-            and (isinstance(e, dist.DistBackendError) or any(m in str(e) for m in PEER_GONE)))
 
 
 def _write_line(text: str) -> None:
@@ -546,6 +553,21 @@ def _report(msg: str, call: int) -> None:
     ERROR_WAIT_S, i.e. when only some ranks hit it. Rank 0 then keeps the store (which it hosts under the
     deepspeed launcher) up for as long, so the others can still compare.
     """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return _report_once(msg, call)
+    # the launcher's SIGTERM (sent to every rank once one exits) must not cut the comparison short with a
+    # KeyboardInterrupt traceback
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _report_once(msg, call)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _report_once(msg: str, call: int) -> None:
     rank = _rank()
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 or not dist.is_initialized():

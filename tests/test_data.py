@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections import Counter
 
 import pytest
@@ -144,7 +145,7 @@ def test_synthetic_spec_errors(spec, match):
         build_dataloader(spec, micro_batch=1, rank=0, world_size=1, seed=0)
 
 
-def test_resume_mid_epoch_and_across_epochs(shard_dir):
+def test_resume_mid_epoch_and_across_epochs(shard_dir, tmp_path):
     kw = dict(micro_batch=2, rank=1, world_size=2, seed=5)
     ref = build_dataloader(str(shard_dir), **kw)
     uninterrupted = []
@@ -172,6 +173,20 @@ def test_resume_mid_epoch_and_across_epochs(shard_dir):
         key = next(iter(change))
         with pytest.raises(DataError, match=f"saved with {key}={kw[key]} but this run uses {key}={change[key]}"):
             other.load_state_dict(sd)
+
+    # the samples themselves: the same shards moved elsewhere resume; other samples are refused, or with
+    # allow_data_change start the saved epoch from its beginning
+    moved = tmp_path / "moved"
+    shutil.copytree(shard_dir, moved)
+    build_dataloader(str(moved), **kw).load_state_dict(sd)
+    spec = "synthetic:n=16,hw=16x16,txt=8,ctx=64,vec=32"
+    other = build_dataloader(spec.replace("n=16", "n=12"), **kw)
+    with pytest.raises(DataError, match="the training data changed since the checkpoint"):
+        other.load_state_dict(sd)
+    other.load_state_dict(sd, allow_data_change=True)
+    assert (other.epoch, other.batches_done) == (0, 0)
+    assert build_dataloader(spec, **kw).state_dict()["data"] == \
+        build_dataloader(spec.replace("hw=16x16,", "") + ",hw=16x16", **kw).state_dict()["data"]
 
 
 def test_workers_match_in_process(shard_dir):

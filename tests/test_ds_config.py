@@ -228,6 +228,19 @@ def test_check_accepts_generated_configs():
         assert check(build(o), 4) == [], name
 
 
+def test_untested_zero_optimizer_is_reported():
+    """DeepSpeed's engine asserts at start for an optimizer ZeRO is not tested with (zero/utils.py)."""
+    cfg = _good()  # stage 2
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    assert check(cfg, 2) == ["optimizer.type SGD is not one ZeRO is tested with (DeepSpeed stops at engine "
+                             "start): use AdamW, or set zero_allow_untested_optimizer: true"]
+    assert check({**cfg, "zero_allow_untested_optimizer": True}, 2) == []
+    cfg["zero_optimization"] = {"stage": 0}
+    assert check(cfg, 2) == []
+    cfg["optimizer"]["type"] = "Lion"
+    assert check(_good() | {"optimizer": {"type": "Lion", "params": {"lr": 1e-4}}}, 2) == []
+
+
 def test_silently_ignored_settings_are_reported():
     """What DeepSpeed's parser accepts and then ignores: misspelled keys in minor sections, knobs of other stages."""
     cfg = _good()  # stage 2

@@ -162,3 +162,16 @@ def test_export_refuses_a_broken_latest(tmp_path):
     with pytest.raises(TrainingError, match=r"step_00000002 is incomplete or corrupt \(it has no DeepSpeed model "
                                             r"states file\)"):
         consolidated_state_dict(ck)
+
+
+def test_prune_keeps_the_newest_and_never_touches_newer_or_foreign_folders(tmp_path):
+    from fluxzero.engine import prune_checkpoints
+
+    for name in ("step_00000010", "step_00000020", "step_00000030", "step_00000040", "step_00000050",
+                 "step_backup", "other"):
+        (tmp_path / name).mkdir()
+    # latest is step 40 (say, pointed back at by hand after step 50 was damaged)
+    assert prune_checkpoints(tmp_path, "step_00000040", keep=2) == ["step_00000010", "step_00000020"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "step_00000030", "step_00000040",
+                                                          "step_00000050", "step_backup"]
+    assert prune_checkpoints(tmp_path, "step_00000040", keep=1) == ["step_00000030"]

@@ -69,10 +69,17 @@ def test_load_config_with_overrides(tmp_path):
     ({"deepspeed": "a", "data": "b", "output_dir": "c", "resume": "maybe"}, "resume must be true or false"),
     ({"deepspeed": "a", "data": "b", "output_dir": 5}, "output_dir must be text"),
     ({"deepspeed": "a", "data": "b", "output_dir": "c", "flow": {"guidance": "x"}}, "flow.guidance must be a number"),
+    ({"deepspeed": "a", "data": "b", "output_dir": " "}, "output_dir is empty"),
 ])
 def test_bad_run_files(data, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig.from_dict(data)
+
+
+def test_home_folder_paths_are_expanded():
+    cfg = TrainConfig.from_dict({"deepspeed": "~/ds.json", "data": "synthetic:n=4", "output_dir": "~/runs/a"})
+    assert cfg.output_dir == os.path.expanduser("~/runs/a") and not cfg.output_dir.startswith("~")
+    assert cfg.deepspeed == os.path.expanduser("~/ds.json") and cfg.data == "synthetic:n=4"
 
 
 def test_flag_style_override_says_how_to_write_it(capsys):
@@ -301,6 +308,7 @@ def cases(tmp_path_factory):
         case("other_data", f"data={DATA.replace('n=8', 'n=16')}", "flow.shift=none", out="disk"),
         case("other_seed", "seed=1", out="disk"),
         case("other_data_allowed", f"data={DATA.replace('n=8', 'n=16')}", "allow_config_change=true", out="disk"),
+        case("keep_two", "checkpoint_every=1", "keep_checkpoints=2"),
     ]
     (tmp / "cases.json").write_text(json.dumps(todo))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -612,3 +620,29 @@ def test_deepspeed_launcher_two_ranks(tmp_path):
     assert (out / "checkpoints" / "latest").read_text() == "step_00000003"
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records[-1]["step_time_s_per_rank"]) == 2
+
+
+def test_an_incomplete_diffusers_export_is_not_up_to_date(tmp_path):
+    """The index is written last: shards without it are an export that stopped midway and must be redone."""
+    from fluxzero.model.weights import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
+    from fluxzero.train import _diffusers_files
+
+    shards = [f"diffusion_pytorch_model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    (tmp_path / shards[0]).write_bytes(b"x")
+    assert _diffusers_files(tmp_path) == []
+    (tmp_path / DIFFUSERS_INDEX).write_text(json.dumps({"weight_map": {"a": shards[0], "b": shards[1]}}))
+    assert _diffusers_files(tmp_path) == []  # the index names a shard that is not there
+    (tmp_path / shards[1]).write_bytes(b"x")
+    assert _diffusers_files(tmp_path) == [tmp_path / s for s in shards]
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / DIFFUSERS_WEIGHTS).write_bytes(b"x")
+    assert _diffusers_files(single) == [single / DIFFUSERS_WEIGHTS]
+
+
+def test_keep_checkpoints_leaves_the_newest(cases):
+    tmp, results = cases
+    assert results["keep_two"][0] == 0, results["keep_two"]
+    ckpt = tmp / "keep_two" / "checkpoints"
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000003", "step_00000004"]
+    assert (ckpt / "latest").read_text() == "step_00000004"

@@ -160,9 +160,25 @@ class ShardLoader:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batches_done": self.batches_done, "micro_batch": self.micro_batch,
-                "world_size": self.world_size, "seed": self.seed}
+                "world_size": self.world_size, "seed": self.seed, "data": self._fingerprint(),
+                "num_samples": len(self.source)}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def _fingerprint(self) -> str | None:
+        fp = getattr(self.source, "fingerprint", None)
+        return fp() if fp else None
+
+    def load_state_dict(self, sd: dict, allow_data_change: bool = False) -> None:
+        """Continue right after the saved position. The samples must be the ones it was saved with (the same
+        shards, wherever they now live); allow_data_change starts the saved epoch's plan of the new data
+        from its beginning instead."""
+        now = self._fingerprint()
+        if sd.get("data") is not None and now is not None and sd["data"] != now:
+            if not allow_data_change:
+                raise DataError(f"the training data changed since the checkpoint ({sd.get('num_samples', '?')} "
+                                f"samples then, {len(self.source)} now, or other shard contents); resume on the "
+                                f"same data, or add allow_config_change=true to continue on this data from the "
+                                f"start of an epoch")
+            sd = {**sd, "batches_done": 0}
         # The position counts batches of one epoch plan, which micro batch, world size and seed define:
         # under other values it would silently point at other samples (some repeated, some skipped).
         for key in ("micro_batch", "world_size", "seed"):

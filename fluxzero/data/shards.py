@@ -315,6 +315,11 @@ class ShardSource:
         state["_handles"], state["_infos"] = {}, {}
         return state
 
+    def fingerprint(self) -> str:
+        """What the samples are, wherever the folder lives: the shards' names, sample counts and hashes."""
+        rows = [[r.get("file"), r["num_samples"], r.get("sha256")] for r in self.manifest["shards"]]
+        return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
     def __len__(self) -> int:
         return self.num_samples
 

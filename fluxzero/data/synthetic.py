@@ -55,6 +55,10 @@ class SyntheticSource:
     def __len__(self) -> int:
         return self.num_samples
 
+    def fingerprint(self) -> str:
+        """The generating options, however the spec was written."""
+        return "synthetic:" + ",".join(f"{k}={v}" for k, v in sorted(parse_spec(self.spec).items()))
+
     def latent_sizes(self) -> list[tuple[int, int]]:
         return [self.sizes[i % len(self.sizes)] for i in range(self.num_samples)]
 
