@@ -269,12 +269,17 @@ class ZeroSettings:
         return cls(**{k: (v if isinstance(v, bool) else int(v)) for k, v in values.items()})
 
 
-def run_options_from_ds_config(ds: dict) -> dict:
-    """RunSpec fields that a DeepSpeed config (gen-config's or hand-written) decides; absent keys are left out."""
+def run_options_from_ds_config(ds: dict, world_size: int | None = None) -> dict:
+    """RunSpec fields that a DeepSpeed config (gen-config's or hand-written) decides.
+
+    Absent keys take the values DeepSpeed and the trainer use for them (ZeRO stage 0, no activation
+    checkpointing, fp32), not the estimate's own defaults; the micro batch comes from
+    train_batch_size / (accumulation x world_size) when only those are given, and is left out when the
+    config leaves it to the run file ("auto").
+    """
     out: dict = {}
     z = ds.get("zero_optimization") or {}
-    if "stage" in z:
-        out["stage"] = int(z["stage"])
+    out["stage"] = int(z.get("stage", 0))
     for ours in ("offload_optimizer", "offload_param"):
         device = (z.get(ours) or {}).get("device")
         if device is not None:
@@ -285,9 +290,12 @@ def run_options_from_ds_config(ds: dict) -> dict:
         out["precision"] = "fp16"
     else:  # neither enabled, or no section at all (gen-config's fp32): DeepSpeed trains in fp32
         out["precision"] = "fp32"
-    mb = ds.get("train_micro_batch_size_per_gpu")
+    mb, tb = ds.get("train_micro_batch_size_per_gpu"), ds.get("train_batch_size")
+    ga = ds.get("gradient_accumulation_steps", 1)
     if isinstance(mb, int):
         out["micro_batch"] = mb
+    elif isinstance(tb, int) and isinstance(ga, int) and world_size and tb % (ga * world_size) == 0:
+        out["micro_batch"] = tb // (ga * world_size)
     opt = ds.get("optimizer") or {}
     if opt:
         kind = str(opt.get("type", "adamw")).lower()
@@ -298,8 +306,10 @@ def run_options_from_ds_config(ds: dict) -> dict:
         out["optimizer_impl"] = ("torch-fused" if params.get("fused") is True else "torch") \
             if params.get("torch_adam") else "fused"
     ours = (ds.get("fluxzero") or {}).get("activation_checkpointing") or {}
-    if isinstance(ours.get("every_k_blocks"), int):
-        out["checkpoint_every"] = ours["every_k_blocks"]
+    out["checkpoint_every"] = ours.get("every_k_blocks", 0)  # the trainer checkpoints nothing without it
+    if not isinstance(out["checkpoint_every"], int):
+        raise ValueError(f"fluxzero.activation_checkpointing.every_k_blocks must be an integer, got "
+                         f"{out['checkpoint_every']!r}")
     if ours.get("implementation") == "deepspeed":
         out["cpu_checkpointing"] = bool((ds.get("activation_checkpointing") or {}).get("cpu_checkpointing"))
     out["zero"] = ZeroSettings.from_ds_config(ds)

@@ -310,6 +310,32 @@ def test_estimate_json_reads_a_deepspeed_config(tmp_path):
     assert "unknown key 'zero_optimization.stage3_prefetch_bucket_sise'" in r.stderr, r.stderr
 
 
+def test_estimate_config_reads_absent_keys_as_deepspeed_and_the_trainer_do(tmp_path):
+    """A hand-written config without zero_optimization or a fluxzero section runs ZeRO-0 without
+    checkpointing: estimating it with the command's own defaults (ZeRO-2, every block) said FITS for a run
+    that would run out of memory."""
+    cfg = tmp_path / "hand.json"
+    cfg.write_text(json.dumps({"train_batch_size": 64, "gradient_accumulation_steps": 2,
+                               "bf16": {"enabled": True}, "gradient_clipping": 1.0}))
+    r = CliRunner().invoke(main, ["estimate", "--config", str(cfg), "--gpus-per-node", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert (d["stage"], d["micro_batch"], d["checkpoint_every"]) == (0, 16, 0)
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 3}}))
+    r = CliRunner().invoke(main, ["estimate", "--config", str(cfg), "--json"])
+    assert r.exit_code == 0 and "leaves the micro batch to the run file" in r.stderr
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": "5e8"}}))
+    r = CliRunner().invoke(main, ["estimate", "--config", str(cfg)])
+    assert r.exit_code == 2 and "check-config" in r.output and "Traceback" not in r.output
+
+
+def test_uneven_hostfile_partitions_over_every_rank(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("a slots=8\nb slots=1\n")
+    r = CliRunner().invoke(main, ["estimate", "--hostfile", str(hosts), "--zero-stage", "3", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["world_size"] == 9 and "uneven slots" in r.stderr
+
+
 def test_estimate_reshaped_model_equals_the_preset_of_that_shape():
     """--depth/--single-depth on flux-dev give flux-dev-lite's numbers; a width change follows the parameters."""
     def gib(*args):

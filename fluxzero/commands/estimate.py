@@ -51,6 +51,14 @@ def topology_from(hostfile, nodes, gpus_per_node) -> tuple[int, int]:
             hosts = parse_hostfile(hostfile)
         except HostfileError as e:
             raise click.BadParameter(str(e), param_hint="--hostfile") from None
+        if len(set(hosts.values())) > 1:
+            # ZeRO partitions over every rank: modelling max slots x hosts would over-count the world (and
+            # under-count per-GPU memory); one node of all the ranks keeps the partitions right and bounds the
+            # host memory per node from above
+            total = sum(hosts.values())
+            click.echo(f"warning: {hostfile} has uneven slots {dict(hosts)}: modelled as one node of {total} "
+                       f"ranks (per-GPU figures exact, host memory per node an upper bound)", err=True)
+            return 1, total
         return len(hosts), max(hosts.values())
     return nodes or 1, gpus_per_node or 1
 
@@ -148,7 +156,14 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
             if problem.startswith("unknown key"):
                 click.echo(f"warning: {ds_path}: {problem}; estimated with DeepSpeed's default for it "
                            f"(`fluxzero check-config {ds_path}` checks the whole file)", err=True)
-        from_file = memory.run_options_from_ds_config(ds)
+        try:
+            from_file = memory.run_options_from_ds_config(ds, nodes * gpus_per_node)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise click.BadParameter(f"{ds_path} has a value of the wrong kind ({e}); `fluxzero check-config "
+                                     f"{ds_path}` names it", param_hint="--config") from None
+        if "micro_batch" not in from_file and ctx.get_parameter_source("micro_batch") != ParameterSource.COMMANDLINE:
+            click.echo(f"warning: {ds_path} leaves the micro batch to the run file; estimated with micro batch "
+                       f"{values['micro_batch']} (pass --micro-batch)", err=True)
         given = {ours for opt, ours in _SPEC_OPTIONS.items() if ctx.get_parameter_source(opt) == ParameterSource.COMMANDLINE}
         if ctx.get_parameter_source("adam_impl") == ParameterSource.COMMANDLINE:
             given.add("optimizer_impl")
