@@ -837,7 +837,8 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
         return FitResult(spec, est, "\n".join(reason), options)
     if not grid:
         return FitResult(None, None, "nothing to try: the pinned stage and offload choices contradict each other")
-    return FitResult(None, None, "\n".join(rejected + [_what_would_fit(base, hw, margin, micros[0])]))
+    return FitResult(None, None, "\n".join(rejected + [_what_would_fit(base, hw, margin, micros[0], fixed,
+                                                                         allow_nvme)]))
 
 
 def _ckpt_rank(k: int) -> float:
@@ -897,9 +898,24 @@ def _why_choice(spec: RunSpec, est: Estimate, hw: Hardware, margin: float, micro
     return text
 
 
-def _what_would_fit(base: RunSpec, hw: Hardware, margin: float, micro: int) -> str:
-    """Nothing fits: say what would (more GPUs, a lower resolution, a larger host)."""
+def _what_would_fit(base: RunSpec, hw: Hardware, margin: float, micro: int, fixed: dict | None = None,
+                    allow_nvme: bool = True) -> str:
+    """Nothing fits: say what would (another stage or offload than the pinned one, more GPUs, a lower
+    resolution, a larger host). Suggestions keep the pins and never use NVMe unless it is allowed."""
+    fixed = fixed or {}
     tips = []
+    allowed = [(st, oo, op) for st, oo, op in STAGE_OFFLOAD_GRID if allow_nvme or "nvme" not in (oo, op)]
+    pinned = [k for k in ("stage", "offload_optimizer", "offload_param") if k in fixed]
+    if pinned:  # the pins may be all that stands in the way
+        for st, oo, op in allowed:
+            r = base.replace(stage=st, offload_optimizer=oo, offload_param=op, micro_batch=micro,
+                             checkpoint_every=1)
+            if verdict(estimate(r), hw, margin)[0]:
+                tips.append(f"{_label(st, oo, op)} at this resolution (instead of the pinned "
+                            f"{', '.join(f'{k} {fixed[k]}' for k in pinned)})")
+                break
+    keep_pins = [(st, oo, op) for st, oo, op in allowed if fixed.get("stage", st) == st
+                 and fixed.get("offload_optimizer", oo) == oo and fixed.get("offload_param", op) == op]
     lean = base.replace(stage=3, micro_batch=micro, checkpoint_every=1, offload_optimizer="none",
                         offload_param="none")
     for gpus in (2, 4, 8, 16, 32, 64, 128, 256):
@@ -914,7 +930,7 @@ def _what_would_fit(base: RunSpec, hw: Hardware, margin: float, micro: int) -> s
     for px in (1024, 768, 512, 384, 256):
         if px * px >= base.height * base.width:
             continue
-        for st, oo, op in STAGE_OFFLOAD_GRID:
+        for st, oo, op in keep_pins:
             r = base.replace(height=px, width=px, stage=st, offload_optimizer=oo, offload_param=op,
                              micro_batch=micro, checkpoint_every=1)
             if verdict(estimate(r), hw, margin)[0]:
@@ -928,4 +944,10 @@ def _what_would_fit(base: RunSpec, hw: Hardware, margin: float, micro: int) -> s
     if full_off.gpu_total / GiB <= hw.gpu_memory_gib * (1 - margin):
         tips.append(f"ZeRO-3 with CPU offload of parameters and optimizer, given "
                     f"{full_off.host_per_node / GiB / (1 - margin):.0f} GiB of host memory per node")
+    if not allow_nvme:
+        r = base.replace(stage=3, offload_optimizer="nvme", offload_param="nvme", micro_batch=micro,
+                         checkpoint_every=1)
+        if verdict(estimate(r), hw, margin)[0]:
+            tips.append("ZeRO-3 with NVMe offload of parameters and optimizer (give a local NVMe folder with "
+                        "--nvme-path)")
     return "nothing fits; it would with: " + ("; or ".join(tips) if tips else "a larger GPU")

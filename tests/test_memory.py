@@ -445,3 +445,22 @@ def test_estimate_reads_every_committed_config(path):
     assert d["offload_optimizer"] == z.get("offload_optimizer", {}).get("device", "none")
     assert d["offload_param"] == z.get("offload_param", {}).get("device", "none")
     assert d["precision"] == ("fp16" if ds.get("fp16", {}).get("enabled") else "bf16")
+
+
+def test_fit_respects_what_was_given_and_advises_within_it(tmp_path):
+    """--adam-impl decides the optimizer offload; an unused --nvme-path is left out rather than refused;
+    advice never proposes NVMe without --nvme-path and names a pin that alone stands in the way."""
+    def fit(*args):
+        return CliRunner().invoke(main, ["gen-config", "--fit", *args])
+
+    r = fit("--gpu", "h200", "--gpus-per-node", "8", "--adam-impl", "cpu")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    r = fit("--gpu", "h100", "--world-size", "1", "--adam-impl", "fused")
+    assert r.exit_code == 2 and "instead of the pinned offload_optimizer none" in r.output
+    r = fit("--gpu", "h200", "--gpus-per-node", "8", "--nvme-path", str(tmp_path))
+    assert r.exit_code == 0 and "is left out" in r.stderr and "nvme_path" not in r.stdout
+    r = fit("--gpu", "h200", "--world-size", "1", "--host-memory", "100")
+    assert r.exit_code == 2 and "give a local NVMe folder with --nvme-path" in r.output
+    assert "offload nvme" not in r.output  # no NVMe configuration proposed as if it were allowed
+

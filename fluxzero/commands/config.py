@@ -172,6 +172,10 @@ def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, 
         given.update(apply_fit(fit, preset, given, hostfile, nodes, gpus_per_node, world_size))
     try:
         options = ds_config.options_from(preset, world_size=world, **given)
+        if fit and options.nvme_path and "nvme" not in (options.offload_optimizer, options.offload_param):
+            click.echo(f"gen-config --fit: the choice needs no NVMe; --nvme-path {options.nvme_path} is left out",
+                       err=True)
+            options = options.replace(nvme_path=None)
         # options that choose settings for the user (e.g. a memory fit) adjust `options` here, before build
         cfg = ds_config.build(options)
     except DSConfigError as e:

@@ -357,6 +357,13 @@ def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node
         if not micros:
             raise click.UsageError(f"--fit: no micro batch up to {request['max_micro_batch']} divides global batch "
                                    f"{opts.global_batch} over {world} GPUs")
+    pins = {_PINS[k]: v for k, v in given.items() if k in _PINS}
+    # a given --adam-impl decides the optimizer offload: DeepSpeed builds FusedAdam only without it and its
+    # CPU Adam only with it
+    if given.get("adam_impl") == "fused":
+        pins.setdefault("offload_optimizer", "none")
+    elif given.get("adam_impl") == "cpu" and "offload_optimizer" not in pins:
+        pins["offload_optimizer"] = "nvme" if opts.nvme_path and pins.get("stage") == 3 else "cpu"
     h, w = request["resolution"]
     try:
         base = memory.RunSpec(get_model_config(opts.model), height=h, width=w, txt_len=request["txt_len"],
@@ -364,7 +371,7 @@ def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node
                               optimizer_impl="torch-fused" if opts.adam_impl == "torch" else "fused")
         result = memory.fit(base, memory.Hardware(capacity, request["host_memory"], nodes, gpus_per_node),
                             margin=request["fit_margin"], max_micro_batch=request["max_micro_batch"],
-                            micro_batches=micros, fixed={_PINS[k]: v for k, v in given.items() if k in _PINS},
+                            micro_batches=micros, fixed=pins,
                             zero_by_stage={st: zero_for(st) for st in range(4)},
                             allow_nvme=opts.nvme_path is not None)
     except ValueError as e:
