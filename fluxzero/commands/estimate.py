@@ -190,7 +190,8 @@ def _gib(n: int) -> str:
 def describe(spec: memory.RunSpec) -> str:
     inv = memory.param_inventory(spec.model)
     opt = spec.optimizer + (" (torch foreach)" if spec.optimizer_impl == "torch" else "")
-    return (f"{spec.model.name} ({inv.total / 1e9:.2f}B parameters), {spec.world_size} GPU(s) "
+    size = f"{inv.total / 1e9:.2f}B" if inv.total >= 1e8 else f"{inv.total / 1e6:.2f}M"
+    return (f"{spec.model.name} ({size} parameters), {spec.world_size} GPU(s) "
             f"({spec.nodes} node(s) x {spec.gpus_per_node}), {spec.height}x{spec.width} px = {spec.img_tokens} image "
             f"+ {spec.txt_len} text tokens, micro batch {spec.micro_batch}, {spec.precision}, {opt}, "
             f"{spec.attention} attention\n"
