@@ -455,3 +455,29 @@ def test_trainer_learns_from_cached_shards(tiny, tmp_path):
     assert len(losses) == 40 and all(math.isfinite(x) for x in losses)
     first, last = sum(losses[:8]) / 8, sum(losses[-8:]) / 8
     assert last < 0.8 * first, losses  # measured: 1.11 -> 0.61
+
+
+def test_processes_with_different_plans_never_share_a_folder(tmp_path):
+    """The plan file is created exclusively; a differing plan is refused while its run may still be working,
+    replaced once that run recorded a failure, and parts of another plan are never taken as done."""
+    from fluxzero.data.cache import (PLAN_FILE, CacheOptions, _claim_dir, _mark_failed, _part_path, _read_part,
+                                     make_plan)
+
+    images = tmp_path / "img"
+    images.mkdir()
+    from PIL import Image
+
+    Image.new("RGB", (64, 64)).save(images / "a.png")
+    out = tmp_path / "out"
+    a, b = (CacheOptions(str(images), str(out), resolution=64, seed=s) for s in (0, 7))
+    plan_a, plan_b = make_plan(a), make_plan(b)
+    _claim_dir(out, plan_a, a)
+    _claim_dir(out, plan_a, a)  # a sibling rank of the same run joins
+    with pytest.raises(DataError, match=f"being cached by another process.*delete {out} to start over"):
+        _claim_dir(out, plan_b, b)  # a run with another seed starting while the first has no shard yet
+    _mark_failed(out, plan_a, a)
+    _claim_dir(out, plan_b, b)  # the first run failed before encoding anything: the corrected one takes over
+    assert json.loads((out / PLAN_FILE).read_text())["fingerprint"] == plan_b["fingerprint"]
+    _part_path(out, 0).write_text(json.dumps({"fingerprint": plan_a["fingerprint"], "record": None, "skipped": []}))
+    assert _read_part(out, 0, plan_b["fingerprint"]) is None  # another plan's part is not this plan's shard
+    assert _read_part(out, 0, plan_a["fingerprint"]) is not None

@@ -28,6 +28,7 @@ REPORT_FILE = "cache_report.json"
 EMPTY_FILE = "empty_caption.safetensors"
 PARTS_DIR = "parts"
 FLIP_MODES = ("none", "random", "both")
+STALE_PLAN_S = 3600  # s: a differing plan this old with nothing encoded under it is from a run that died
 SMALL_BUCKET = 8  # samples: a bucket below this is cycled to fill a global batch of micro batch x GPUs
 
 
@@ -139,50 +140,110 @@ def _part_path(out: Path, sid: int) -> Path:
     return out / PARTS_DIR / f"shard-{sid:05d}.json"
 
 
-def _read_part(out: Path, sid: int) -> dict | None:
-    """The part of a finished shard, or None when the shard must be (re)encoded."""
+def _read_part(out: Path, sid: int, fingerprint: str) -> dict | None:
+    """The part of a finished shard of this plan, or None when the shard must be (re)encoded."""
     p = _part_path(out, sid)
     if not p.exists():
         return None
     try:
         part = json.loads(p.read_text())
+        if part.get("fingerprint") != fingerprint:
+            return None  # written under another plan (or by a version that did not record one)
         rec = part["record"]
         if rec is not None:
             fmt.check_shard(out, rec, part["dims"])
-    except (ValueError, KeyError, DataError):
+    except (ValueError, KeyError, AttributeError, DataError):
         return None  # damaged part or shard: encode again
     return part
 
 
+def _plan_doc(plan: dict, opts: CacheOptions, failed: bool = False) -> bytes:
+    doc = {"fingerprint": plan["fingerprint"], "options": opts.output_options(), "num_shards": len(plan["shards"])}
+    if failed:
+        doc["failed"] = True
+    return (json.dumps(doc, indent=1) + "\n").encode()
+
+
+def _create_exclusive(path: Path, data: bytes) -> bool:
+    """Create `path` with `data` complete or not at all; False when it already exists (another process won)."""
+    tmp = path.with_name(f".{path.name}.new-{os.getpid()}")
+    tmp.write_bytes(data)
+    try:
+        os.link(tmp, path)  # atomic and exclusive: readers never see a partial plan
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_plan(plan_file: Path) -> dict:
+    try:
+        old = json.loads(plan_file.read_text())
+        return old if isinstance(old, dict) else {"fingerprint": "damaged"}
+    except FileNotFoundError:
+        return {}
+    except ValueError:
+        return {"fingerprint": "damaged"}
+
+
 def _claim_dir(out: Path, plan: dict, opts: CacheOptions) -> None:
+    """Make OUT_DIR this plan's folder, or refuse: processes with different plans must never share one.
+
+    The plan file is created exclusively, so of two processes starting at once one writes it and the other
+    compares against it. A differing plan is replaced only when nothing was encoded under it and no process
+    can still be working on it: its run recorded a failure, or the plan is older than STALE_PLAN_S.
+    """
     out.mkdir(parents=True, exist_ok=True)
     (out / PARTS_DIR).mkdir(exist_ok=True)
     plan_file = out / PLAN_FILE
     # Shards first, plan second: a process writes the plan before any shard, so seeing shards and then no
     # plan means the shards came from elsewhere (the other order would race with a sibling process).
     shards = any(out.glob("shard-*.safetensors"))
+    if not plan_file.exists() and (shards or (out / fmt.MANIFEST).exists()):
+        raise DataError(f"{out} already holds shards not made by this cache run; choose a new output folder.")
     started = shards or any((out / PARTS_DIR).glob("shard-*.json"))
-    if plan_file.exists():
-        try:
-            old = json.loads(plan_file.read_text())
-            fingerprint = old.get("fingerprint") if isinstance(old, dict) else None
-        except ValueError:
-            fingerprint = "damaged"
-        if fingerprint == plan["fingerprint"]:
+    for _ in range(3):
+        if _create_exclusive(plan_file, _plan_doc(plan, opts)):
             return
-        if started and fingerprint == "damaged":
+        old = _read_plan(plan_file)
+        if not old:
+            continue  # removed between our attempt and the read: try again
+        if old.get("fingerprint") == plan["fingerprint"]:
+            if old.get("failed"):  # a rerun of a failed run: working again, so no other plan may take over
+                atomic_write(plan_file, _plan_doc(plan, opts))
+            return
+        if started and old.get("fingerprint") == "damaged":
             raise DataError(f"{plan_file} is damaged, so the shards in {out} cannot be matched to this run; delete {out} to start over.")
         if started:
             raise DataError(
                 f"{out} was cached from other images, captions or options; choose a new output folder or delete it to start over."
             )
-        # nothing encoded yet (an earlier run stopped before its first shard, e.g. on an encoder error): start
-        # afresh; its empty-caption embedding may come from other encoders
+        age = time.time() - plan_file.stat().st_mtime
+        if not (old.get("failed") or old.get("fingerprint") == "damaged" or age > STALE_PLAN_S):
+            raise DataError(f"{out} is being cached by another process with other images, captions or options (its {PLAN_FILE} "
+                            f"is {age:.0f} s old); wait for it, choose another output folder, or delete {out} to start over.")
+        # nothing encoded under the old plan and nobody working on it: start afresh; its empty-caption
+        # embedding may come from other encoders
+        plan_file.unlink(missing_ok=True)
         (out / EMPTY_FILE).unlink(missing_ok=True)
-    elif shards or (out / fmt.MANIFEST).exists():
-        raise DataError(f"{out} already holds shards not made by this cache run; choose a new output folder.")
-    doc = {"fingerprint": plan["fingerprint"], "options": opts.output_options(), "num_shards": len(plan["shards"])}
-    atomic_write(plan_file, (json.dumps(doc, indent=1) + "\n").encode())
+    raise DataError(f"other processes keep replacing {plan_file}; run one cache command per output folder, or delete {out} to start over.")
+
+
+def _check_plan_unchanged(out: Path, plan: dict) -> None:
+    """Refuse to record a shard once another plan has taken the folder (a race _claim_dir cannot close alone)."""
+    if _read_plan(out / PLAN_FILE).get("fingerprint") != plan["fingerprint"]:
+        raise DataError(f"another cache run with other images, captions or options took over {out}; "
+                        f"delete {out} and run one cache command (or one set of ranks) to start over.")
+
+
+def _mark_failed(out: Path, plan: dict, opts: CacheOptions) -> None:
+    """Record that this plan's run stopped, so a corrected command may replace it while nothing was encoded."""
+    try:
+        if _read_plan(out / PLAN_FILE).get("fingerprint") == plan["fingerprint"]:
+            atomic_write(out / PLAN_FILE, _plan_doc(plan, opts, failed=True))
+    except OSError:
+        pass
 
 
 def _why(e: OSError) -> str:
@@ -276,7 +337,7 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
     except OSError as e:
         raise DataError(f"cannot write to the output folder {out} ({_why(e)}); choose a folder you can write to.") from None
     mine = [s for s in plan["shards"] if s["id"] % opts.world_size == opts.rank]
-    todo = [s for s in mine if _read_part(out, s["id"]) is None]
+    todo = [s for s in mine if _read_part(out, s["id"], plan["fingerprint"]) is None]
     if len(todo) < len(mine):
         log(f"rank {opts.rank}: {len(mine) - len(todo)} of {len(mine)} shards already done, skipping them")
     written = 0  # samples this run put into shards
@@ -294,7 +355,8 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
                     record, skipped = _encode_shard(s, opts, enc, empty, storage, bar, pool)
                     for sk in {sk["file"]: sk for sk in skipped}.values():
                         bar.write(f"skipped {sk['file']}: {sk['reason']}")
-                    part = {"record": record, "skipped": skipped, "dims": enc.dims, "dtype": storage,
+                    _check_plan_unchanged(out, plan)
+                    part = {"fingerprint": plan["fingerprint"], "record": record, "skipped": skipped, "dims": enc.dims, "dtype": storage,
                             "vae_scale": enc.scale, "vae_shift": enc.shift, "encoders": vars(enc.paths)}
                     atomic_write(_part_path(out, s["id"]), (json.dumps(part) + "\n").encode())
                     finished += 1
@@ -305,7 +367,11 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
             note = f" ({len(bad)} unreadable image(s) skipped)" if bad else ""
             log(f"rank {opts.rank}: encoded {what} in {time.perf_counter() - t0:.1f} s{note}")
         manifest, report = _finalize(out, plan, opts)
-    except OSError as e:  # image reads and encoder loads catch their own: this is a write into OUT_DIR
+    except BaseException as e:
+        _mark_failed(out, plan, opts)
+        if not isinstance(e, OSError):
+            raise
+        # image reads and encoder loads catch their own: this is a write into OUT_DIR
         raise DataError(f"writing to {out} failed ({_why(e)}); the shards finished so far ({finished} by this process) "
                         f"are kept, and running the same command again (after freeing space, if the disk is full) "
                         f"encodes only the rest.") from None
@@ -337,7 +403,7 @@ def small_buckets(manifest: dict, below: int = SMALL_BUCKET) -> tuple[int, int, 
 def _finalize(out: Path, plan: dict, opts: CacheOptions):
     parts = []
     for s in plan["shards"]:
-        p = _read_part(out, s["id"])
+        p = _read_part(out, s["id"], plan["fingerprint"])
         if p is None:
             return None, None
         parts.append(p)
