@@ -481,3 +481,16 @@ def test_processes_with_different_plans_never_share_a_folder(tmp_path):
     _part_path(out, 0).write_text(json.dumps({"fingerprint": plan_a["fingerprint"], "record": None, "skipped": []}))
     assert _read_part(out, 0, plan_b["fingerprint"]) is None  # another plan's part is not this plan's shard
     assert _read_part(out, 0, plan_a["fingerprint"]) is not None
+
+
+def test_in_place_edit_of_same_size_changes_the_plan(tmp_path):
+    from PIL import Image
+
+    from fluxzero.data.cache import CacheOptions, make_plan
+
+    Image.new("RGB", (64, 64), (10, 20, 30)).save(tmp_path / "a.png")
+    opts = CacheOptions(str(tmp_path), str(tmp_path / "out"), resolution=64)
+    before = make_plan(opts)["fingerprint"]
+    st = (tmp_path / "a.png").stat()
+    os.utime(tmp_path / "a.png", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # same bytes count, new mtime
+    assert make_plan(opts)["fingerprint"] != before

@@ -118,7 +118,8 @@ def make_plan(opts: CacheOptions) -> dict:
         caption = captions[im]
         if caption is None:
             no_caption.append(im)
-        fp.update(json.dumps([im, (root / im).stat().st_size, caption]).encode())
+        st = (root / im).stat()  # an in-place edit that keeps the byte size still changes mtime_ns
+        fp.update(json.dumps([im, st.st_size, st.st_mtime_ns, [w, h], caption]).encode())
         flips = {"none": [False], "both": [False, True], "random": [_unit(opts.seed, "flip", im) < 0.5]}[opts.flip]
         bucket = nearest_bucket(w, h, buckets)
         for flip in flips:
