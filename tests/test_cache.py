@@ -494,3 +494,12 @@ def test_in_place_edit_of_same_size_changes_the_plan(tmp_path):
     st = (tmp_path / "a.png").stat()
     os.utime(tmp_path / "a.png", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # same bytes count, new mtime
     assert make_plan(opts)["fingerprint"] != before
+
+
+def test_txt_captions_are_utf8_with_or_without_bom(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"")
+    (tmp_path / "a.txt").write_bytes("\ufeffcafé au lait".encode("utf-8"))
+    assert captions_for(tmp_path, ["a.png"])[0] == {"a.png": "café au lait"}
+    (tmp_path / "a.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(DataError, match=r"a.txt is not UTF-8 text \(byte 3 cannot be decoded\); save it as UTF-8"):
+        captions_for(tmp_path, ["a.png"])

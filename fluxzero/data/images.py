@@ -76,7 +76,10 @@ def captions_for(root, images: list[str], caption_file=None) -> tuple[dict[str, 
     out = {}
     for im in images:
         txt = (root / im).with_suffix(".txt")
-        out[im] = txt.read_text(encoding="utf-8", errors="replace").strip() if txt.exists() else None
+        try:  # utf-8-sig: a BOM (Notepad) is dropped, not kept as U+FEFF; other encodings are refused, not mangled
+            out[im] = txt.read_text(encoding="utf-8-sig").strip() if txt.exists() else None
+        except UnicodeDecodeError as e:
+            raise DataError(f"caption file {txt} is not UTF-8 text (byte {e.start} cannot be decoded); save it as UTF-8.") from None
     return out, "txt", []
 
 
