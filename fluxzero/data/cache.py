@@ -302,8 +302,9 @@ def _encode_shard(shard: dict, opts: CacheOptions, enc, empty: dict, storage_dty
         bar.update(len(batch))
         if not ok:
             continue
-        b0 = bi * opts.batch_size
-        latents = enc.encode_images(torch.stack(pixels), seed=int(_unit(opts.seed, "vae", shard["id"], b0) * 2**62))
+        # noise seeded per sample (plan seed, file, flip): shards do not depend on --batch-size
+        seeds = [int(_unit(opts.seed, "vae", it["file"], it["flip"]) * 2**62) for it in ok]
+        latents = enc.encode_images(torch.stack(pixels), seeds=seeds)
         texts = [it["caption"] for it in ok if not it["dropped"]]
         t5, t5_len, clip = enc.encode_text(texts) if texts else (None, None, None)
         k = 0

@@ -199,15 +199,23 @@ class Encoders:
         return {"latent_channels": 16, "t5_len": self.t5_max_length, "t5_dim": self.t5.config.d_model,
                 "clip_dim": self.clip.config.hidden_size}
 
-    def encode_images(self, pixels, seed: int = 0):
-        """Shape: pixels (B, 3, H, W) in [-1, 1] -> latents (B, 16, H/8, W/8) float32 on CPU."""
+    def encode_images(self, pixels, seeds=None):
+        """Shape: pixels (B, 3, H, W) in [-1, 1] -> latents (B, 16, H/8, W/8) float32 on CPU.
+
+        `seeds`: one per image for latent="sample"; each image's noise comes from its own seed, so a
+        sample's latent does not depend on which batch it was encoded in (default: 0, 1, ...).
+        """
         import torch
 
         with torch.inference_mode():
             dist = self.vae.encode(pixels.to(self.device, self.dtype)).latent_dist
             if self.latent == "sample":
-                self._gen.manual_seed(seed)
-                z = dist.mean + dist.std * torch.randn(dist.mean.shape, generator=self._gen, device=self.device, dtype=dist.mean.dtype)
+                seeds = range(len(pixels)) if seeds is None else seeds
+                noise = []
+                for s in seeds:
+                    self._gen.manual_seed(int(s))
+                    noise.append(torch.randn(dist.mean.shape[1:], generator=self._gen, device=self.device, dtype=dist.mean.dtype))
+                z = dist.mean + dist.std * torch.stack(noise)
             else:
                 z = dist.mode()
             return ((z.float() - self.shift) * self.scale).cpu()
