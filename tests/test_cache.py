@@ -521,3 +521,15 @@ def test_sampled_latents_do_not_depend_on_batch_size(tiny, tmp_path):
         # the noise is the same; the CPU convolutions round differently by batch size (~1e-6), while noise
         # drawn per batch differed by O(1)
         torch.testing.assert_close(a["latents"], b["latents"], rtol=0, atol=1e-5)
+
+
+def test_caption_table_by_relative_or_absolute_path_is_one_plan(tmp_path, monkeypatch):
+    from PIL import Image
+
+    from fluxzero.data.cache import CacheOptions, make_plan
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "a.png")
+    (tmp_path / "c.csv").write_text("file_name,text\na.png,a cat\n")
+    monkeypatch.chdir(tmp_path)
+    plans = [make_plan(CacheOptions(str(tmp_path), "out", resolution=64, caption_file=f)) for f in ("c.csv", str(tmp_path / "c.csv"))]
+    assert plans[0]["fingerprint"] == plans[1]["fingerprint"]

@@ -77,6 +77,8 @@ class CacheOptions:
         # min_image_side acts through the images it skips, which make_plan hashes one by one; a default
         # bucket_step stays out so that folders cached before these options existed still resume
         d.pop("min_image_side")
+        if d["caption_file"]:  # the same table by a relative or an absolute path is the same input
+            d["caption_file"] = os.path.abspath(d["caption_file"])
         if d["bucket_step"] == STEP:
             d.pop("bucket_step")
         return d
