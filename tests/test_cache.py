@@ -533,3 +533,15 @@ def test_caption_table_by_relative_or_absolute_path_is_one_plan(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     plans = [make_plan(CacheOptions(str(tmp_path), "out", resolution=64, caption_file=f)) for f in ("c.csv", str(tmp_path / "c.csv"))]
     assert plans[0]["fingerprint"] == plans[1]["fingerprint"]
+
+
+def test_rank_without_its_siblings_says_what_is_missing(tiny, tmp_path, monkeypatch):
+    from fluxzero.data.encode import local_rank
+
+    flux, images = tiny
+    r = _cache(images, tmp_path / "o", "--flux-dir", flux, *CACHE_ARGS, "--rank", "0", "--world-size", "2")
+    assert r.exit_code == 0 and "2 of 4 shards still missing (those of rank(s) 1 of 2)" in r.output, r.output
+    assert not (tmp_path / "o" / "manifest.json").exists()
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    assert local_rank() == 3  # srun sets no LOCAL_RANK

@@ -56,7 +56,7 @@ def _check_dependencies() -> None:
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Images per encoder batch.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of flip, caption-dropout and VAE-sample draws.")
 @click.option("--device", default="auto", show_default=True,
-              help="Encoder device: auto = cuda:LOCAL_RANK when a GPU is present, else cpu.")
+              help="Encoder device: auto = cuda:LOCAL_RANK (or SLURM_LOCALID) when a GPU is present, else cpu.")
 @click.option("--dtype", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,
               help="Encoder precision and shard dtype: auto = bf16 on GPU, fp32 on CPU.")
 @click.option("--rank", type=click.IntRange(min=0), default=None,

@@ -380,7 +380,11 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
                         f"are kept, and running the same command again (after freeing space, if the disk is full) "
                         f"encodes only the rest.") from None
     if manifest is None:
-        log(f"rank {opts.rank}: done; the manifest is written by the last process to finish")
+        missing = [s["id"] for s in plan["shards"] if _read_part(out, s["id"], plan["fingerprint"]) is None]
+        ranks = sorted({sid % opts.world_size for sid in missing})
+        log(f"rank {opts.rank}: done; {len(missing)} of {len(plan['shards'])} shards still missing (those of rank(s) "
+            f"{', '.join(map(str, ranks))} of {opts.world_size}); the manifest is written when all are done, by the last "
+            f"process to finish or by rerunning with the missing --rank values")
     return {"encoded": written, "skipped_shards": len(mine) - len(todo), "manifest": manifest, "report": report}
 
 

@@ -108,15 +108,24 @@ def resolve_paths(flux_dir=None, **explicit) -> EncoderPaths:
     return EncoderPaths(**out)
 
 
+def local_rank() -> int:
+    """This process's index on its node: LOCAL_RANK (torchrun, deepspeed), else SLURM_LOCALID (srun), else 0."""
+    text = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    try:
+        return max(0, int(text))
+    except ValueError:
+        raise DataError(f"LOCAL_RANK / SLURM_LOCALID={text!r} is not a whole number; fix or unset it, or pass --device.") from None
+
+
 def pick_device_dtype(device: str = "auto", dtype: str = "auto"):
-    """bf16 on a GPU when present (each process on cuda:LOCAL_RANK), fp32 on CPU.
+    """bf16 on a GPU when present (each process on cuda:LOCAL_RANK or cuda:SLURM_LOCALID), fp32 on CPU.
 
     A CUDA device that is not there -> DataError; a malformed device string -> torch's RuntimeError.
     """
     import torch
 
     if device == "auto":
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % max(1, torch.cuda.device_count())}" if torch.cuda.is_available() else "cpu"
+        device = f"cuda:{local_rank() % max(1, torch.cuda.device_count())}" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
