@@ -545,3 +545,22 @@ def test_rank_without_its_siblings_says_what_is_missing(tiny, tmp_path, monkeypa
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setenv("SLURM_LOCALID", "3")
     assert local_rank() == 3  # srun sets no LOCAL_RANK
+
+
+def test_trns_colour_key_is_put_over_white(tmp_path):
+    """PNG tRNS marks one colour transparent in L, RGB and 16-bit gray images too, not only in palette ones."""
+    import numpy as np
+    from PIL import Image
+
+    from fluxzero.data.images import load_bucketed
+
+    half = np.zeros((64, 64), np.uint8)
+    half[:, 32:] = 128  # left half the transparent key (0), right half opaque gray
+    Image.fromarray(half).save(tmp_path / "l.png", transparency=0)
+    Image.fromarray(np.stack([half] * 3, -1)).save(tmp_path / "rgb.png", transparency=(0, 0, 0))
+    Image.fromarray(half.astype(np.uint16) * 257).save(tmp_path / "i16.png", transparency=0)
+    for f in ("l.png", "rgb.png", "i16.png"):
+        assert "transparency" in Image.open(tmp_path / f).info, f
+        px = load_bucketed(tmp_path / f, (64, 64), False)
+        assert px[:, :, :30].min() == 1.0, f  # white, not black
+        assert abs(px[:, :, 34:].mean().item() - (128 / 127.5 - 1)) < 0.01, f

@@ -111,12 +111,18 @@ def load_bucketed(path, bucket: tuple[int, int], flip: bool):
             im.draft("RGB", (bh, bw) if rotated else (bw, bh))
         im.load()
         im = ImageOps.exif_transpose(im)
-        if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
+        sixteen = im.mode == "I" or im.mode.startswith("I;16")
+        if sixteen:
+            key = im.info.get("transparency")  # tRNS of a 16-bit gray PNG: one transparent 16-bit value
+            opaque = None if key is None else np.asarray(im) != key
+            im = _to_8bit(im)  # convert("RGB") would clip 16-bit values at 255: a white image
+            if opaque is not None:
+                im = im.convert("RGBA")
+                im.putalpha(Image.fromarray(opaque.astype(np.uint8) * 255))
+        if im.mode in ("RGBA", "LA", "PA") or "transparency" in im.info:  # alpha or a tRNS colour key (P, L, RGB)
             im = im.convert("RGBA")
             bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
             im = Image.alpha_composite(bg, im)
-        elif im.mode == "I" or im.mode.startswith("I;16"):
-            im = _to_8bit(im)  # convert("RGB") would clip 16-bit values at 255: a white image
         im = im.convert("RGB")
         size, box = cover_and_crop(im.width, im.height, bucket)
         im = im.resize(size, Image.Resampling.LANCZOS).crop(box)
