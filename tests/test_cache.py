@@ -564,3 +564,21 @@ def test_trns_colour_key_is_put_over_white(tmp_path):
         px = load_bucketed(tmp_path / f, (64, 64), False)
         assert px[:, :, :30].min() == 1.0, f  # white, not black
         assert abs(px[:, :, 34:].mean().item() - (128 / 127.5 - 1)) < 0.01, f
+
+
+def test_large_images_are_not_taken_for_decompression_bombs(tmp_path, monkeypatch):
+    """PIL refuses images above 2 x MAX_IMAGE_PIXELS (179 MP by default); the cache raises that limit and keeps its own."""
+    import torch
+    from PIL import Image
+
+    import fluxzero.data.images as images
+
+    Image.new("RGB", (600, 400), (200, 10, 10)).save(tmp_path / "big.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # stands in for PIL's 89 MP against a 15000x12000 photo
+    monkeypatch.setattr(images, "_BIG_PIXELS", 1000)  # takes the one-at-a-time, reduced decode
+    assert images.probe_size(tmp_path / "big.png") == (600, 400)
+    px = images.load_bucketed(tmp_path / "big.png", (32, 48), False)
+    torch.testing.assert_close(px[0], torch.full((32, 48), 200 / 127.5 - 1))
+    monkeypatch.setattr(images, "MAX_PIXELS", 200_000)
+    with pytest.raises(ValueError, match="600x400 px is more than"):
+        images.probe_size(tmp_path / "big.png")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import threading
 from pathlib import Path
 
 from fluxzero.data.buckets import cover_and_crop
@@ -12,6 +13,20 @@ IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp")
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 _FILE_KEYS = ("file_name", "file", "image", "path")
 _TEXT_KEYS = ("text", "caption", "prompt")
+# The images are the user's own, so PIL's decompression-bomb limit (89 MP warns, 179 MP fails: a 15000x12000
+# photo) is raised to this; memory stays bounded because larger images are refused by probe_size and images
+# above _BIG_PIXELS decode one at a time (a 268 MP RGB decode is ~0.8 GB)
+MAX_PIXELS = 2**28
+_BIG_PIXELS = 2**26
+_BIG_DECODE = threading.Lock()
+
+
+def _open(path):
+    from PIL import Image
+
+    if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < MAX_PIXELS:
+        Image.MAX_IMAGE_PIXELS = MAX_PIXELS  # PIL warns above this and fails above twice this
+    return Image.open(path)
 
 
 def list_images(root) -> list[str]:
@@ -85,12 +100,12 @@ def captions_for(root, images: list[str], caption_file=None) -> tuple[dict[str, 
 
 def probe_size(path) -> tuple[int, int]:
     """(width, height) as displayed (EXIF rotation applied), reading only the header. Raises on bad files."""
-    from PIL import Image
-
-    with Image.open(path) as im:
+    with _open(path) as im:
         w, h = im.size
         if im.format not in ("PNG", "JPEG", "WEBP", "MPO"):
             raise ValueError(f"unsupported image format {im.format}")
+        if w * h > MAX_PIXELS:
+            raise ValueError(f"{w}x{h} px is more than the {MAX_PIXELS // 2**20} MP fluxzero cache decodes; downscale it first")
         orientation = im.getexif().get(0x0112, 1)
     return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
 
@@ -104,12 +119,21 @@ def load_bucketed(path, bucket: tuple[int, int], flip: bool):
     import torch
     from PIL import Image, ImageOps
 
-    with Image.open(path) as im:
+    with _open(path) as im:
         if im.format == "JPEG":  # decode at 1/2, 1/4 or 1/8 scale when the bucket is that much smaller
             rotated = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)
             bh, bw = bucket
             im.draft("RGB", (bh, bw) if rotated else (bw, bh))
-        im.load()
+        if im.width * im.height > _BIG_PIXELS:
+            with _BIG_DECODE:  # one huge decode at a time, shrunk before the lock is let go
+                im.load()
+                # box-average by an integer factor that leaves both sides >= 2x the bucket's longer side, so
+                # the LANCZOS resize below still sets the quality (either orientation: EXIF turns come after)
+                factor = min(im.width, im.height) // (2 * max(bucket))
+                if factor > 1 and im.mode in ("L", "LA", "RGB", "RGBA") and "transparency" not in im.info:
+                    im = im.reduce(factor)
+        else:
+            im.load()
         im = ImageOps.exif_transpose(im)
         sixteen = im.mode == "I" or im.mode.startswith("I;16")
         if sixteen:
