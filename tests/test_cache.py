@@ -541,6 +541,7 @@ def test_rank_without_its_siblings_says_what_is_missing(tiny, tmp_path, monkeypa
     flux, images = tiny
     r = _cache(images, tmp_path / "o", "--flux-dir", flux, *CACHE_ARGS, "--rank", "0", "--world-size", "2")
     assert r.exit_code == 0 and "2 of 4 shards still missing (those of rank(s) 1 of 2)" in r.output, r.output
+    assert "planning" in r.output  # rank 0's progress bar over the image headers
     assert not (tmp_path / "o" / "manifest.json").exists()
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setenv("SLURM_LOCALID", "3")

@@ -107,7 +107,10 @@ def make_plan(opts: CacheOptions) -> dict:
     min_image = min(min(b) for b in buckets) // 2 if opts.min_image_side is None else opts.min_image_side
     skipped, no_caption, by_bucket = [], [], {}
     fp = hashlib.sha256(json.dumps(opts.output_options(), sort_keys=True).encode())
-    for im in images:
+    from tqdm import tqdm
+
+    # every image's header is read: minutes on a large folder over a network file system, so show it (rank 0)
+    for im in tqdm(images, desc="planning", unit="img", disable=opts.rank != 0, leave=False, dynamic_ncols=True):
         try:
             w, h = probe_size(root / im)
         except Exception as e:  # noqa: BLE001 - any unreadable file is skipped and reported, never fatal
