@@ -56,8 +56,8 @@ def worker(rank, world, port, args, offload, impl, result_path):
     import torch
     import torch.distributed as dist
 
-    from fluxzero import engine as ds_engine
-    from fluxzero import flow
+    from fluxzero.train import engine as ds_engine
+    from fluxzero.train import flow
     from fluxzero.config import TrainConfig, get_model_config
     from fluxzero.data import build_dataloader
 

@@ -1,10 +1,10 @@
-"""Predicted (fluxzero.memory) vs measured peak GPU memory of real fluxzero training steps.
+"""Predicted (fluxzero.config.memory) vs measured peak GPU memory of real fluxzero training steps.
 
 Each case runs in its own process group (`python -m torch.distributed.run --standalone`, one process per GPU,
 killed at its timeout) through the trainer's own pieces, in fluxzero.train.train's order:
-fluxzero.engine.init_distributed / load_ds_config / build_engine (zero.Init under ZeRO-3, activation
+fluxzero.train.engine.init_distributed / load_ds_config / build_engine (zero.Init under ZeRO-3, activation
 checkpointing applied from outside, deepspeed.initialize), the fluxzero.data synthetic loader,
-fluxzero.flow.prepare_batch, model forward, flow.loss, engine.backward, engine.step. The final checkpoint and
+fluxzero.train.flow.prepare_batch, model forward, flow.loss, engine.backward, engine.step. The final checkpoint and
 export of train() are left out: flux-dev's optimizer state alone is ~190 GB of disk.
 
 Measured per rank, for every step: torch.cuda.max_memory_allocated / max_memory_reserved of the engine start
@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fluxzero import ds_config, memory  # noqa: E402  (pure modules: the parent never imports torch)
+from fluxzero.config import ds_config, memory  # noqa: E402  (pure modules: the parent never imports torch)
 from fluxzero.config import get_model_config  # noqa: E402
 
 GiB = memory.GiB
@@ -125,8 +125,8 @@ def worker(case: Case, ds_path: str, result_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from fluxzero import engine as ds_engine
-    from fluxzero import flow
+    from fluxzero.train import engine as ds_engine
+    from fluxzero.train import flow
     from fluxzero.config import TrainConfig
     from fluxzero.data import build_dataloader
     from fluxzero.model.math import set_attention_backend

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fluxzero.nccl import profile_env  # noqa: E402
+from fluxzero.cluster.nccl import profile_env  # noqa: E402
 
 SIZES_MB = (1, 50, 500)
 OPS = ("all_reduce", "reduce_scatter", "all_gather")

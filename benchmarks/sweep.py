@@ -9,10 +9,10 @@ so an OOM or a hang costs one row, not the sweep. Each row is appended to $OUT/<
 --out) as soon as it is measured, and a one-line summary is printed, so a sweep cut short still returns
 data. benchmarks/report.py turns the JSON lines into a markdown table and a plot.
 
-A step is the trainer's own path (fluxzero/train.py): flow.prepare_batch -> engine(**inputs) -> flow.loss
+A step is the trainer's own path (fluxzero/train/loop.py): flow.prepare_batch -> engine(**inputs) -> flow.loss
 -> engine.backward -> engine.step, on a fixed pair of synthetic batches from fluxzero.data's loader.
-The model and DeepSpeed engine come from fluxzero.engine.build_engine (checkpointing applied there) and
-the DeepSpeed config from fluxzero.ds_config; where either is missing, deepspeed.initialize is called
+The model and DeepSpeed engine come from fluxzero.train.engine.build_engine (checkpointing applied there) and
+the DeepSpeed config from fluxzero.config.ds_config; where either is missing, deepspeed.initialize is called
 directly with the same config dict (the row's `engine_api` / `ds_config_source` say which).
 
 Measurement: `warmup` steps, then `steps` timed steps, each from a synchronised start to a synchronised
@@ -75,7 +75,7 @@ class Case:
     txt: int = 512  # T5 tokens
     attn: str = "flash"
     optim: str = "torch-fused"
-    zero_opts: dict = field(default_factory=dict)  # extra fluxzero.ds_config options, e.g. stage-3 buckets
+    zero_opts: dict = field(default_factory=dict)  # extra fluxzero.config.ds_config options, e.g. stage-3 buckets
     env: dict = field(default_factory=dict)  # extra environment, e.g. PYTORCH_CUDA_ALLOC_CONF
     warmup: int = 2
     steps: int = 5
@@ -287,14 +287,14 @@ def _ds_config(case: Case, world: int, model_cfg) -> tuple[dict, str]:
     """DeepSpeed config dict from fluxzero's generator; a plain equivalent dict where it is unavailable."""
     adam = {"torch-fused": "torch", "torch": "torch", "deepspeed-fused": "fused"}[case.optim]
     try:
-        from fluxzero import ds_config as gen
+        from fluxzero.config import ds_config as gen
 
         extra = {"compile": True} if case.compile else {}
         opts = gen.options_from(model=case.model, micro_batch=case.mb, grad_accum=1, world_size=world,
                                 zero_stage=case.zero, precision=case.precision, checkpoint_every=case.ckpt,
                                 checkpoint_impl="torch", adam_impl=adam, gradient_clipping=1.0, scheduler="none",
                                 steps_per_print=10**9, **extra, **case.zero_opts)
-        ds, source = gen.build(opts), "fluxzero.ds_config"
+        ds, source = gen.build(opts), "fluxzero.config.ds_config"
     except (ImportError, AttributeError, TypeError) as e:
         ds = _plain_ds_config(case, world, model_cfg, adam)
         source = f"plain dict ({type(e).__name__}: {e})"[:200]
@@ -336,9 +336,9 @@ def _plain_ds_config(case: Case, world: int, model_cfg, adam: str) -> dict:
 
 
 def _init_distributed():
-    """fluxzero.engine.init_distributed when present (it also skips DeepSpeed's CPU shm-op build)."""
+    """fluxzero.train.engine.init_distributed when present (it also skips DeepSpeed's CPU shm-op build)."""
     try:
-        from fluxzero import engine as fz_engine
+        from fluxzero.train import engine as fz_engine
 
         return fz_engine.init_distributed()
     except (ImportError, AttributeError):
@@ -365,7 +365,7 @@ def _build_fluxzero(case: Case, ds: dict, model_cfg, device, rowdir: Path):
 
     ours = ds.pop("fluxzero", {}) or {}
     try:
-        from fluxzero import engine as fz_engine
+        from fluxzero.train import engine as fz_engine
 
         params = list(inspect.signature(fz_engine.build_engine).parameters)
         # FLUXZERO_BENCH_DIRECT=1 measures the direct path on purpose (to compare with the engine's)
@@ -382,7 +382,7 @@ def _build_fluxzero(case: Case, ds: dict, model_cfg, device, rowdir: Path):
         except (TypeError, ValueError):
             usable = False
     if usable:
-        return fz_engine.build_engine(tc, ds, ours, model_cfg, device), "fluxzero.engine.build_engine"
+        return fz_engine.build_engine(tc, ds, ours, model_cfg, device), "fluxzero.train.engine.build_engine"
     import deepspeed
     import torch
 
@@ -392,7 +392,7 @@ def _build_fluxzero(case: Case, ds: dict, model_cfg, device, rowdir: Path):
     with deepspeed.zero.Init(config_dict_or_path=ds, enabled=case.zero == 3):
         model = build_model(model_cfg, device=device)
     if case.compile:  # as build_engine: compile the blocks, then checkpoint the compiled callables
-        from fluxzero.engine import apply_compile
+        from fluxzero.train.engine import apply_compile
 
         apply_compile(model)
     _checkpoint_every(model, case.ckpt)
@@ -409,7 +409,7 @@ def _checkpoint_every(model, k: int) -> None:
     if k <= 0:
         return
     try:
-        from fluxzero.engine import apply_activation_checkpointing
+        from fluxzero.train.engine import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, k, "torch", {})
         return
@@ -461,7 +461,7 @@ def run_case(case: Case, phase: _Phase) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fluxzero import flow
+    from fluxzero.train import flow
     from fluxzero.config import FlowConfig, get_model_config
     from fluxzero.model.math import ATTENTION_BACKENDS, set_attention_backend
 

@@ -1,4 +1,4 @@
-"""Thin entry for the `deepspeed` launcher, torchrun or plain python; see fluxzero/train.py.
+"""Thin entry for the `deepspeed` launcher, torchrun or plain python; see fluxzero/train/loop.py.
 
     torchrun --nproc_per_node 2 launch/train.py --config launch/tiny.yaml
 """
@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from fluxzero.train import main  # noqa: E402
+from fluxzero.train.loop import main  # noqa: E402
 
 if __name__ == "__main__":
     code = main()  # checkpoints, export and logs are written and closed, the process group torn down

@@ -50,14 +50,14 @@ def test_named_sets_are_well_formed():
 
 def test_every_gpu_case_gets_a_config_deepspeed_accepts():
     # configs are refused here, in seconds, not on the GPU machine after its start-up
-    from fluxzero import ds_config, ds_validate
+    from fluxzero.config import ds_config, ds_validate
     from fluxzero.config import get_model_config
 
     seen = set()
     for name, (fn, _, _) in sweep.SETS.items():
         for case in fn():
             ds, source = sweep._ds_config(case, case.gpus, get_model_config(case.model))
-            assert source == "fluxzero.ds_config", (name, case.name, source)
+            assert source == "fluxzero.config.ds_config", (name, case.name, source)
             assert ds["train_batch_size"] == case.mb * case.gpus and ds["zero_optimization"]["stage"] == case.zero
             assert ds["optimizer"]["params"].get("fused") is (True if case.optim == "torch-fused" else None)
             assert ds["optimizer"]["params"]["torch_adam"] is (case.optim != "deepspeed-fused")
@@ -149,8 +149,8 @@ def test_cpu_sweep_end_to_end(tmp_path):
         assert len(r["peak_alloc_gib"]) == r["gpus"]
         assert "torch.optim.adamw.AdamW (fused=True" in r["optimizer"]  # "fused" reached torch's AdamW
         assert r["ds_config"]["zero_optimization"]["stage"] == r["zero"]
-    assert rows[0]["impl"] == "fluxzero" and rows[0]["engine_api"] == "fluxzero.engine.build_engine"
-    assert rows[0]["ds_config_source"] == "fluxzero.ds_config"
+    assert rows[0]["impl"] == "fluxzero" and rows[0]["engine_api"] == "fluxzero.train.engine.build_engine"
+    assert rows[0]["ds_config_source"] == "fluxzero.config.ds_config"
     assert rows[1]["impl"] == "diffusers" and rows[1]["versions"]["diffusers"]
     assert rows[2]["ckpt"] == 2 and rows[2]["gpus"] == 1 and rows[2]["inject_nan"]
     assert rows[3]["status"] == "OOM at backward" and rows[3]["valid"] is False
@@ -303,7 +303,7 @@ def test_ckpt_zero3_failure_in_init_distributed_is_an_error_row(tmp_path, monkey
     # rank is the spawn argument, so rank 0 still writes its row when init_distributed itself fails
     import argparse
 
-    from fluxzero import engine
+    from fluxzero.train import engine
 
     ckpt = _load("ckpt_zero3")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

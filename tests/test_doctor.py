@@ -9,7 +9,7 @@ import time
 from click.testing import CliRunner
 
 from fluxzero.commands.launch import doctor
-from fluxzero.doctor import format_table, run_doctor
+from fluxzero.cluster.doctor import format_table, run_doctor
 
 
 def rows(report, host="local"):
@@ -88,7 +88,7 @@ def test_remote_host_checked_through_ssh(tmp_path, monkeypatch):
 
 
 def test_hostfile_slots_against_the_gpus_a_host_has():
-    from fluxzero.doctor import slot_checks
+    from fluxzero.cluster.doctor import slot_checks
 
     gpu_host = {"cpu_only": False, "gpus": 4}
     (c,) = slot_checks(8, gpu_host, "node-a")

@@ -10,10 +10,11 @@ import pytest
 from pure_python import run_without_torch
 from click.testing import CliRunner
 
-from fluxzero import ds_config, fsutil
+from fluxzero import fsutil
+from fluxzero.config import ds_config
 from fluxzero.cli import main
 from fluxzero.commands import config as config_cmd
-from fluxzero.ds_config import DSConfigError, build, check, options_from
+from fluxzero.config.ds_config import DSConfigError, build, check, options_from
 
 
 def run(*args):

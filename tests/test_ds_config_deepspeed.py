@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fluxzero import ds_config
+from fluxzero.config import ds_config
 from fluxzero.cli import main
-from fluxzero.ds_config import DSConfigError, build, check, options_from
-from fluxzero.ds_validate import deepspeed_problems, parse
+from fluxzero.config.ds_config import DSConfigError, build, check, options_from
+from fluxzero.config.ds_validate import deepspeed_problems, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET_DIR = ROOT / "ds_configs"

@@ -1,4 +1,4 @@
-"""fluxzero.engine's checks that need no process group: the DeepSpeed config the trainer accepts, the ZeRO-0
+"""fluxzero.train.engine's checks that need no process group: the DeepSpeed config the trainer accepts, the ZeRO-0
 fp32 master weights of an export, damaged checkpoint files and `latest`. The distributed side (every rank
 stops with one sentence) is in test_train_distributed.py."""
 import glob
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fluxzero import ds_config
+from fluxzero.config import ds_config
 from fluxzero.config import TrainConfig
-from fluxzero.engine import (TrainingError, _file_problem, _stage0_master_weights, consolidated_state_dict,
+from fluxzero.train.engine import (TrainingError, _file_problem, _stage0_master_weights, consolidated_state_dict,
                              load_ds_config, resolve_checkpoint)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,7 +165,7 @@ def test_export_refuses_a_broken_latest(tmp_path):
 
 
 def test_prune_keeps_the_newest_and_never_touches_newer_or_foreign_folders(tmp_path):
-    from fluxzero.engine import prune_checkpoints
+    from fluxzero.train.engine import prune_checkpoints
 
     for name in ("step_00000010", "step_00000020", "step_00000030", "step_00000040", "step_00000050",
                  "step_backup", "other"):

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from fluxzero import flow
+from fluxzero.train import flow
 from fluxzero.config import FlowConfig
 
 

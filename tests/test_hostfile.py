@@ -1,11 +1,11 @@
-"""Hostfile parsing and DeepSpeed include/exclude filters (fluxzero.hostfile is pure Python)."""
+"""Hostfile parsing and DeepSpeed include/exclude filters (fluxzero.cluster.hostfile is pure Python)."""
 from __future__ import annotations
 
 
 import pytest
 from pure_python import run_without_torch
 
-from fluxzero.hostfile import (
+from fluxzero.cluster.hostfile import (
     HostfileError,
     filter_hosts,
     limit_hosts,
@@ -165,7 +165,7 @@ def test_limit_hosts_matches_deepspeed_and_checks_bounds():
 def test_import_is_pure():
     """The module must load where torch and deepspeed cannot be imported (gen-config runs without them)."""
     out = run_without_torch("""
-        from fluxzero.hostfile import parse_hostfile_text, filter_hosts, world_size
+        from fluxzero.cluster.hostfile import parse_hostfile_text, filter_hosts, world_size
         print(world_size(filter_hosts(parse_hostfile_text('a slots=2'), include='a:1')))
     """)
     assert out.returncode == 0, out.stderr

@@ -1,4 +1,4 @@
-"""`deepspeed` launcher command lines (fluxzero.launcher) checked against deepspeed 0.19.8's own parser."""
+"""`deepspeed` launcher command lines (fluxzero.cluster.launcher) checked against deepspeed 0.19.8's own parser."""
 from __future__ import annotations
 
 import shlex
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fluxzero.hostfile import filter_hosts
-from fluxzero.launcher import (
+from fluxzero.cluster.hostfile import filter_hosts
+from fluxzero.cluster.launcher import (
     LAUNCHERS,
     LaunchError,
     LaunchSpec,
@@ -17,7 +17,7 @@ from fluxzero.launcher import (
     read_deepspeed_env,
     write_deepspeed_env,
 )
-from fluxzero.nccl import NcclError, PROFILES, check_user_env, profile_env, profiles_markdown
+from fluxzero.cluster.nccl import NcclError, PROFILES, check_user_env, profile_env, profiles_markdown
 
 HOSTS = {"node-a": 2, "node-b": 2}
 HOSTILE_ARGS = ["$(touch pwned)", "`id`", "; rm -rf ~", "a b", "it's", '"q"', "*", "--x=${HOME}", "", "\n"]

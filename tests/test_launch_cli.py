@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from fluxzero.commands.launch import format_gpu_table, launch, monitor
-from fluxzero.nccl import profile_env
+from fluxzero.cluster.nccl import profile_env
 
 
 @pytest.fixture

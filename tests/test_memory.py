@@ -1,4 +1,4 @@
-"""fluxzero.memory: parameter counts, parity with DeepSpeed's own estimators, the measured GPU facts it must
+"""fluxzero.config.memory: parameter counts, parity with DeepSpeed's own estimators, the measured GPU facts it must
 reproduce, fit search, and the `fluxzero estimate` command (which must run without torch)."""
 import json
 
@@ -6,10 +6,11 @@ import pytest
 from pure_python import run_without_torch
 from click.testing import CliRunner
 
-from fluxzero import config, memory
+from fluxzero import config
+from fluxzero.config import memory
 from fluxzero.cli import main
 from fluxzero.config import MODEL_PRESETS, get_model_config
-from fluxzero.memory import GiB, Hardware, RunSpec, ZeroSettings, estimate
+from fluxzero.config.memory import GiB, Hardware, RunSpec, ZeroSettings, estimate
 
 H200 = memory.GPU_MEMORY_GIB["h200"]
 
@@ -203,7 +204,7 @@ def test_monotone_in_the_obvious_directions():
 
 
 def test_cpu_checkpointing_moves_checkpointed_inputs_to_the_host():
-    from fluxzero import ds_config
+    from fluxzero.config import ds_config
 
     ds = ds_config.build(ds_config.options_from(None, world_size=8, micro_batch=4, checkpoint_impl="deepspeed",
                                                 cpu_checkpointing=True))
@@ -238,7 +239,7 @@ def test_bad_specs_name_the_field():
 
 
 def test_run_options_from_gen_config_output():
-    from fluxzero import ds_config
+    from fluxzero.config import ds_config
 
     cfg = ds_config.build(ds_config.options_from("zero3-offload", world_size=2, micro_batch=4, checkpoint_every=2))
     got = memory.run_options_from_ds_config(cfg)

@@ -1,4 +1,4 @@
-"""Activation bytes of fluxzero.memory against what autograd really saves in fluxzero.model's blocks.
+"""Activation bytes of fluxzero.config.memory against what autograd really saves in fluxzero.model's blocks.
 
 Counted with torch.autograd.graph.saved_tensors_hooks on CPU: every tensor saved for backward, deduplicated
 by storage (a view keeps its whole storage alive), minus parameters and the block's own inputs. CPU's
@@ -8,7 +8,7 @@ CUDA difference (the fused kernel saves only rstd besides its input) is one docu
 import pytest
 import torch
 
-from fluxzero import memory
+from fluxzero.config import memory
 from fluxzero.config import get_model_config
 from fluxzero.model import build_model
 from fluxzero.model.math import get_attention_backend, set_attention_backend
@@ -172,10 +172,10 @@ def test_single_block_backward_peak_matches(batch, backend):
 @pytest.mark.parametrize("every", [0, 1, 2])
 def test_whole_model_training_peak_matches(every, backend):
     """A reduced-width FLUX (head size 128, 2 double + 4 single blocks) through forward, loss and backward,
-    with fluxzero.engine's own activation checkpointing every k-th block and parameter gradients dropped as
+    with fluxzero.train.engine's own activation checkpointing every k-th block and parameter gradients dropped as
     they are made (ZeRO-2/3 move them to buckets): the live-storage peak against memory's activation items
     plus linear2's weight gradient in flight. Measured: within 0.2-0.8% for k = 0..3, micro batch 1, 3 and 4."""
-    from fluxzero.engine import apply_activation_checkpointing
+    from fluxzero.train.engine import apply_activation_checkpointing
 
     backend("auto")
     cfg = get_model_config("flux-dev").replace(depth=2, depth_single_blocks=4, hidden_size=384, num_heads=3,

@@ -1,4 +1,4 @@
-"""Model states of fluxzero.memory against what a real DeepSpeed engine holds (2 ranks, CPU, bf16).
+"""Model states of fluxzero.config.memory against what a real DeepSpeed engine holds (2 ranks, CPU, bf16).
 
 After one full step (so AdamW's states exist) and the second step's backward, every distinct tensor storage
 reachable from the model's parameters (data, ZeRO-3 ds_tensor, grad) and from DeepSpeed's optimizer object
@@ -52,8 +52,8 @@ def _worker(rank, world, port, out_dir):
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    from fluxzero import ds_config, flow, memory
-    from fluxzero import engine as ds_engine
+    from fluxzero.config import ds_config, flow, memory
+    from fluxzero.train import engine as ds_engine
     from fluxzero.config import TrainConfig, get_model_config
     from fluxzero.data import build_dataloader
 

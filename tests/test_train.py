@@ -2,7 +2,7 @@
 the `fluxzero train` / `fluxzero export` commands and the quick start.
 
 DeepSpeed itself never runs in the pytest process (later fork-based DataLoader workers could hang): every
-training case runs in one child process that calls fluxzero.train.main once per case.
+training case runs in one child process that calls fluxzero.train.loop.main once per case.
 """
 import json
 import os
@@ -39,7 +39,7 @@ def _cfg(**kw):
 # Pure: run file and cross-checks
 # ---------------------------------------------------------------------------------------------------------
 def test_load_config_with_overrides(tmp_path):
-    from fluxzero.train import load_config
+    from fluxzero.train.loop import load_config
 
     run = tmp_path / "run.yaml"
     run.write_text("deepspeed: ds.json\ndata: d\noutput_dir: o\nsteps: 5\nflow:\n  guidance: 3.5\n")
@@ -47,7 +47,7 @@ def test_load_config_with_overrides(tmp_path):
     assert cfg.steps == 7 and cfg.flow.shift == "none" and cfg.flow.guidance == 3.5
     assert cfg.weights is None and cfg.export_format == "diffusers"
     assert TrainConfig.from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg  # the saved run.yaml
-    from fluxzero.train import ConfigError
+    from fluxzero.train.loop import ConfigError
 
     for over, match in [("steps.x=3", "steps is a value, not a section"), ("flow.guidance.x=1", "flow.guidance is a value")]:
         with pytest.raises(ConfigError, match=match):
@@ -84,7 +84,7 @@ def test_home_folder_paths_are_expanded():
 
 def test_flag_style_override_says_how_to_write_it(capsys):
     from fluxzero.cli import main
-    from fluxzero.train import parse_args
+    from fluxzero.train.loop import parse_args
 
     r = CliRunner().invoke(main, ["train", "--config", str(ROOT / "launch/tiny.yaml"), "--steps", "5"])
     assert r.exit_code == 2 and "run-file settings are overridden as steps=VALUE" in r.output, r.output
@@ -95,7 +95,7 @@ def test_flag_style_override_says_how_to_write_it(capsys):
 
 
 def test_other_ranks_leave_command_line_errors_to_rank_0(monkeypatch, capsys):
-    from fluxzero.train import parse_args
+    from fluxzero.train.loop import parse_args
 
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as e:
@@ -106,7 +106,7 @@ def test_other_ranks_leave_command_line_errors_to_rank_0(monkeypatch, capsys):
 def test_progress_bar_shows_the_loss_of_the_step_it_counts(tmp_path, monkeypatch, capsys):
     import torch
 
-    from fluxzero.metrics import Metrics
+    from fluxzero.train.metrics import Metrics
 
     monkeypatch.delenv("FLUXZERO_NO_PROGRESS", raising=False)
     m = Metrics(str(tmp_path), 0, 1, torch.device("cpu"), total_steps=3, start_step=0, global_batch=1,
@@ -123,7 +123,7 @@ def test_export_is_current_only_in_the_same_layout_and_dtype(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from fluxzero.train import _export_is_current
+    from fluxzero.train.loop import _export_is_current
 
     latest = tmp_path / "latest"
     latest.write_text("step_00000004")
@@ -198,7 +198,7 @@ def test_process_group_is_torn_down_before_interpreter_exit():
         import atexit, sys
         import torch.distributed as dist
         atexit.register(lambda: print("group alive at exit:", dist.is_initialized()))
-        from fluxzero.engine import init_distributed
+        from fluxzero.train.engine import init_distributed
         init_distributed()
         dist.barrier()
     """)
@@ -215,8 +215,8 @@ CHILD = textwrap.dedent("""
     import contextlib, io, json, os, resource, sys, warnings
     warnings.filterwarnings("ignore")
     os.environ["FLUXZERO_NO_PROGRESS"] = "1"
-    from fluxzero.engine import init_distributed
-    from fluxzero.train import main
+    from fluxzero.train.engine import init_distributed
+    from fluxzero.train.loop import main
     init_distributed()  # one process group for all cases (DeepSpeed caches its groups per process)
     results = {}
     for name, argv, fsize, prep in json.load(open(sys.argv[1])):
@@ -436,7 +436,7 @@ def test_export_command(cases, tmp_path):
 
 def test_truncated_checkpoint_is_one_sentence(cases, tmp_path):
     from fluxzero.cli import main
-    from fluxzero.engine import _unreadable_files
+    from fluxzero.train.engine import _unreadable_files
 
     tmp, _ = cases
     shutil.copytree(tmp / "disk", tmp_path / "run")
@@ -479,8 +479,8 @@ def test_ctrl_c_exits_cleanly_with_checkpoint_to_resume(tmp_path):
 MULTI = textwrap.dedent("""
     import json, os, sys
     os.environ["FLUXZERO_NO_PROGRESS"] = "1"
-    from fluxzero.train import main  # first, as launch/train.py: it quiets other ranks before DeepSpeed's import
-    from fluxzero.engine import init_distributed
+    from fluxzero.train.loop import main  # first, as launch/train.py: it quiets other ranks before DeepSpeed's import
+    from fluxzero.train.engine import init_distributed
     init_distributed()
     rank = int(os.environ["RANK"])
     for name, argv, lose_shard_on in json.load(open(sys.argv[1])):
@@ -625,7 +625,7 @@ def test_deepspeed_launcher_two_ranks(tmp_path):
 def test_an_incomplete_diffusers_export_is_not_up_to_date(tmp_path):
     """The index is written last: shards without it are an export that stopped midway and must be redone."""
     from fluxzero.model.weights import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
-    from fluxzero.train import _diffusers_files
+    from fluxzero.train.loop import _diffusers_files
 
     shards = [f"diffusion_pytorch_model-0000{i}-of-00002.safetensors" for i in (1, 2)]
     (tmp_path / shards[0]).write_bytes(b"x")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fluxzero import ds_config
+from fluxzero.config import ds_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = "synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32"
@@ -66,7 +66,7 @@ def test_check_refuses_deepcompile_the_trainer_never_runs():
 ])
 def test_trainer_refuses_bad_compile_sections(tmp_path, section, match):
     from fluxzero.config import TrainConfig
-    from fluxzero.engine import TrainingError, load_ds_config
+    from fluxzero.train.engine import TrainingError, load_ds_config
 
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
@@ -85,8 +85,8 @@ CHILD = textwrap.dedent("""
     import torch, torch._dynamo, torch.distributed as dist
     from torch._dynamo.utils import counters
     from fluxzero.config import TrainConfig
-    from fluxzero.engine import init_distributed
-    from fluxzero.train import train
+    from fluxzero.train.engine import init_distributed
+    from fluxzero.train.loop import train
     init_distributed()
     results = {}
     for name, cfg in json.load(open(sys.argv[1])):

@@ -1,7 +1,7 @@
 """Real 2-rank DeepSpeed training on CPU (gloo), one spawned launch for the whole matrix.
 
 Every run trains flux-tiny from the same weights file on a synthetic set of 4 samples with global batch
-4, so each step sees every sample in every layout and the per-sample noise (fluxzero.flow.draw_noise) is
+4, so each step sees every sample in every layout and the per-sample noise (fluxzero.train.flow.draw_noise) is
 the same: all layouts compute the same numbers up to float summation order. The reference is plain
 PyTorch (no DeepSpeed) in this process.
 """
@@ -63,7 +63,7 @@ def _worker(rank, world, port, jobs, out_file):
     import torch.distributed as dist
 
     from fluxzero.config import TrainConfig
-    from fluxzero.train import train
+    from fluxzero.train.loop import train
 
     results, done = {}, False
     try:
@@ -81,7 +81,7 @@ def _worker(rank, world, port, jobs, out_file):
         with open(out_file, "w") as f:
             json.dump(results, f)
     # Leave without interpreter teardown: a gloo group's threads can abort a finished rank there
-    # ("terminate called without an active exception"); see fluxzero.engine._destroy_group_at_exit.
+    # ("terminate called without an active exception"); see fluxzero.train.engine._destroy_group_at_exit.
     os._exit(0)
 
 
@@ -89,7 +89,7 @@ def _partition_probe(cfg):
     """Per rank: elements held locally vs the model's total, right after the ZeRO-3 build and weight load."""
     import torch.distributed as dist
 
-    from fluxzero import engine as ds_engine
+    from fluxzero.train import engine as ds_engine
     from fluxzero.config import get_model_config
 
     ds, ours = ds_engine.load_ds_config(cfg.deepspeed, cfg, dist.get_world_size())
@@ -138,7 +138,7 @@ def _checkpoint_checks_probe(cfg):
 
     import torch.distributed as dist
 
-    from fluxzero import engine as ds_engine
+    from fluxzero.train import engine as ds_engine
     from fluxzero.config import get_model_config
 
     rank = dist.get_rank()
@@ -169,7 +169,7 @@ def _checkpoint_checks_probe(cfg):
     # without the shared disk) and resume is off: both must stop, with rank 0's sentence
     import dataclasses
 
-    from fluxzero.train import _check_output_dir_all_ranks
+    from fluxzero.train.loop import _check_output_dir_all_ranks
 
     out_dir = Path(cfg.output_dir) if rank == 0 else ckpt.parent.parent / "damaged_not_shared" / "other_node"
     try:
@@ -195,7 +195,7 @@ def launch(world, jobs, tmp):
 
 def reference_losses(weights, steps=STEPS, seed=3):
     """Plain PyTorch: same weights, data, noise and AdamW, whole 4-sample set per step."""
-    from fluxzero import flow
+    from fluxzero.train import flow
     from fluxzero.config import FlowConfig
     from fluxzero.data import build_dataloader
     from fluxzero.model.weights import load_model
@@ -298,7 +298,7 @@ def test_resume_reproduces_uninterrupted_run_bit_exactly(matrix, stage):
 def test_export_round_trip_from_zero3_shards(matrix, tmp_path):
     from diffusers import FluxTransformer2DModel
 
-    from fluxzero.engine import export_checkpoint
+    from fluxzero.train.engine import export_checkpoint
     from fluxzero.model.weights import load_weights
 
     ckpt = matrix["tmp"] / "z3" / "checkpoints"
@@ -381,7 +381,7 @@ def test_output_dir_is_judged_by_rank_0_for_every_rank(matrix):
 
 
 def test_checkpoint_file_names_match_deepspeed(matrix):
-    from fluxzero.engine import checkpoint_files
+    from fluxzero.train.engine import checkpoint_files
 
     for name, stage, bf16 in [("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z3", 3, False),
                               ("z0_bf16", 0, True), ("full_bf16", 2, True)]:
@@ -394,7 +394,7 @@ def test_checkpoint_file_names_match_deepspeed(matrix):
 
 
 def test_fp32_export_of_bf16_runs_is_the_fp32_master_weights(matrix, tmp_path):
-    from fluxzero.engine import export_checkpoint
+    from fluxzero.train.engine import export_checkpoint
     from fluxzero.model.weights import load_weights
 
     # ZeRO-0: the masters are the optimizer wrapper's fp32_groups, in module parameter order

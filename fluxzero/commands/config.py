@@ -12,10 +12,10 @@ import sys
 import click
 from click.core import ParameterSource
 
-from fluxzero import ds_config
+from fluxzero.config import ds_config
 from fluxzero.commands.estimate import apply_fit, fit_options
 from fluxzero.config import MODEL_PRESETS
-from fluxzero.ds_config import DSConfigError, DSOptions
+from fluxzero.config.ds_config import DSConfigError, DSOptions
 from fluxzero.fsutil import atomic_write
 
 _D = DSOptions()
@@ -142,7 +142,7 @@ def world_size_from(hostfile, nodes, gpus_per_node, world_size) -> int | None:
     if len(given) > 1:
         raise click.UsageError(f"give the world size one way only, not {' and '.join(given)}")
     if hostfile is not None:
-        from fluxzero.hostfile import HostfileError, parse_hostfile, world_size as hosts_world_size
+        from fluxzero.cluster.hostfile import HostfileError, parse_hostfile, world_size as hosts_world_size
 
         try:
             return hosts_world_size(parse_hostfile(hostfile))
@@ -168,7 +168,7 @@ def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, 
     world = world_size_from(hostfile, nodes, gpus_per_node, world_size)
     given = {k: v for k, v in fields.items()
              if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
-    if fit:  # fluxzero.memory picks stage, offload, micro batch, checkpointing; what was given stays pinned
+    if fit:  # fluxzero.config.memory picks stage, offload, micro batch, checkpointing; what was given stays pinned
         given.update(apply_fit(fit, preset, given, hostfile, nodes, gpus_per_node, world_size))
     try:
         options = ds_config.options_from(preset, world_size=world, **given)
@@ -235,7 +235,7 @@ def check_config(file, hostfile, world_size, run_deepspeed):
         except ImportError as e:
             raise click.UsageError(f"DeepSpeed's parser cannot run here ({e}); pip install -e '.[train]', or "
                                    "pass --no-deepspeed for fluxzero's checks alone.") from None
-        from fluxzero.ds_validate import deepspeed_problems
+        from fluxzero.config.ds_validate import deepspeed_problems
 
         cfg = ds_config.without_auto(cfg)
         problems += deepspeed_problems(cfg, world or ds_config.implied_world_size(cfg) or 1)

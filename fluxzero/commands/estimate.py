@@ -9,9 +9,9 @@ import json
 import click
 from click.core import ParameterSource
 
-from fluxzero import memory
+from fluxzero.config import memory
 from fluxzero.config import MODEL_PRESETS, get_model_config, reshaped
-from fluxzero.memory import GiB, GPU_MEMORY_GIB
+from fluxzero.config.memory import GiB, GPU_MEMORY_GIB
 
 _POS = click.IntRange(min=1)
 PHASE_NAMES = {"train": "fwd/bwd", "step": "step", "init": "init"}
@@ -45,7 +45,7 @@ def topology_from(hostfile, nodes, gpus_per_node) -> tuple[int, int]:
     if hostfile is not None:
         if nodes is not None or gpus_per_node is not None:
             raise click.UsageError("give the topology one way only: --hostfile or --nodes/--gpus-per-node")
-        from fluxzero.hostfile import HostfileError, parse_hostfile
+        from fluxzero.cluster.hostfile import HostfileError, parse_hostfile
 
         try:
             hosts = parse_hostfile(hostfile)
@@ -122,7 +122,7 @@ def _with_options(fn):
 
 def gen_config_zero(model: str, stage: int) -> memory.ZeroSettings:
     """The communication settings `fluxzero gen-config` writes by default for this model and stage."""
-    from fluxzero import ds_config
+    from fluxzero.config import ds_config
 
     try:
         return memory.ZeroSettings.from_ds_config(ds_config.build(ds_config.options_from(
@@ -150,7 +150,7 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
             raise click.BadParameter(f"cannot read {ds_path} as JSON: {e}", param_hint="--config") from None
         if not isinstance(ds, dict):
             raise click.BadParameter(f"{ds_path} is not a JSON object", param_hint="--config")
-        from fluxzero import ds_config
+        from fluxzero.config import ds_config
 
         for problem in ds_config.check(ds):  # a misspelled key is ignored here as by DeepSpeed: say so
             if problem.startswith("unknown key"):
@@ -325,7 +325,7 @@ def fit_options(fn):
 def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node, world_size) -> dict:
     """Run the fit for gen-config; returns the options to override (stage, offload, micro batch,
     checkpointing). Prints the reason on stderr; a UsageError (nothing written) when nothing fits."""
-    from fluxzero import ds_config
+    from fluxzero.config import ds_config
 
     if hostfile is not None:
         nodes, gpus_per_node = topology_from(hostfile, None, None)

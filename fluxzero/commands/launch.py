@@ -12,7 +12,7 @@ import time
 
 import click
 
-from fluxzero.launcher import LAUNCHERS
+from fluxzero.cluster.launcher import LAUNCHERS
 
 _BACKEND_TOOL = {"pdsh": "pdsh", "openmpi": "ompi_info", "mpich": "mpirun", "impi": "mpirun", "slurm": "srun"}
 
@@ -65,9 +65,9 @@ def launch(hostfile, launcher, include, exclude, num_nodes, num_gpus, master_add
     Arguments after `--` go to the training script, e.g.
     `fluxzero launch --hostfile hosts --nccl infiniband -- --config run.yaml`.
     """
-    from fluxzero.launcher import (LOCAL_HOSTS, LaunchError, LaunchSpec, build_command, merged_deepspeed_env,
+    from fluxzero.cluster.launcher import (LOCAL_HOSTS, LaunchError, LaunchSpec, build_command, merged_deepspeed_env,
                                    resolve_world, write_deepspeed_env)
-    from fluxzero.nccl import NcclError, check_user_env, profile_env
+    from fluxzero.cluster.nccl import NcclError, check_user_env, profile_env
 
     spec = LaunchSpec(
         script=script, script_args=tuple(train_args), hostfile=hostfile, launcher=launcher, include=include,
@@ -94,7 +94,7 @@ def launch(hostfile, launcher, include, exclude, num_nodes, num_gpus, master_add
     if multi_node:
         try:
             file_env = merged_deepspeed_env(rank_env)
-            from fluxzero.launcher import deepspeed_env_text
+            from fluxzero.cluster.launcher import deepspeed_env_text
 
             text = deepspeed_env_text(file_env, launcher)
         except LaunchError as e:
@@ -161,7 +161,7 @@ def launch(hostfile, launcher, include, exclude, num_nodes, num_gpus, master_add
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def doctor(hostfile, checkpoint_dir, min_free_gb, ssh_port, ssh_timeout, as_json):
     """Check this machine (and a hostfile's hosts) for everything a run needs; a fix for every failure."""
-    from fluxzero.doctor import format_table, run_doctor
+    from fluxzero.cluster.doctor import format_table, run_doctor
 
     report = run_doctor(hostfile, checkpoint_dir=checkpoint_dir, min_free_gb=min_free_gb, ssh_port=ssh_port,
                         connect_timeout=ssh_timeout, host_timeout=ssh_timeout + 90)

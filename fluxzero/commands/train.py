@@ -16,7 +16,7 @@ def train(config: Path, overrides: tuple[str, ...]):
     One process when started plainly; under `torchrun` or the `deepspeed` launcher, one rank per process.
     KEY=VALUE pairs override run-file settings, e.g. `steps=50 flow.shift=none`.
     """
-    from fluxzero.train import main
+    from fluxzero.train.loop import main
 
     for item in overrides:
         if "=" not in item:
@@ -46,7 +46,7 @@ def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, overwrite: bool):
         raise click.UsageError(f"{out} exists; pass --overwrite to replace it or choose another OUT")
     if layout != "diffusers" and out.suffix != ".safetensors":
         raise click.BadParameter(f"--format {layout} writes one file: give OUT a .safetensors name", param_hint="OUT")
-    from fluxzero.engine import TrainingError, export_checkpoint, resolve_checkpoint
+    from fluxzero.train.engine import TrainingError, export_checkpoint, resolve_checkpoint
 
     try:
         ckpt, tag = resolve_checkpoint(ckpt_dir)

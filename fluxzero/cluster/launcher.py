@@ -12,7 +12,7 @@ string. Two places in DeepSpeed 0.19.8 do go through a shell, and this module gu
   unquoted are accepted (letters, digits and `_@%+=:,./-`); with slurm, commas are refused too, since
   `srun --export=ALL,K=V,...` splits on them.
 
-Host names come from `fluxzero.hostfile`, which already refuses anything but letters, digits, '.', '-', '_'.
+Host names come from `fluxzero.cluster.hostfile`, which already refuses anything but letters, digits, '.', '-', '_'.
 
 How DeepSpeed 0.19.8 reads `.deepspeed_env` (deepspeed/launcher/runner.py): the file name is
 `$DS_ENV_FILE` or `.deepspeed_env`, looked up in `~` and then in the launching directory (both are read,
@@ -30,7 +30,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from fluxzero.hostfile import HostfileError, check_host_name, filter_hosts, limit_hosts, parse_hostfile
+from fluxzero.cluster.hostfile import HostfileError, check_host_name, filter_hosts, limit_hosts, parse_hostfile
 
 __all__ = [
     "LAUNCHERS",

@@ -33,11 +33,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import yaml  # noqa: E402
 
-from fluxzero import engine as ds_engine  # noqa: E402
-from fluxzero import flow  # noqa: E402
+from fluxzero.train import engine as ds_engine  # noqa: E402
+from fluxzero.train import flow  # noqa: E402
 from fluxzero.config import TrainConfig, get_model_config  # noqa: E402
 from fluxzero.data import DataError, build_dataloader  # noqa: E402
-from fluxzero.metrics import LogWriteError, Metrics  # noqa: E402
+from fluxzero.train.metrics import LogWriteError, Metrics  # noqa: E402
 from fluxzero.model.math import set_attention_backend  # noqa: E402
 
 

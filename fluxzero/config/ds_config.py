@@ -314,7 +314,7 @@ def _check_zero_options(o: DSOptions, p: list[str]) -> None:
     if stage == 3 and o.offload_param == "nvme" and _model(o.model) is not None:
         # DeepSpeed swaps each rank's partition of a parameter through one buffer (partitioned_param_swapper
         # get_buffer asserts "More elements ... than buffer size" at the first swap otherwise).
-        from fluxzero.memory import param_inventory  # pure
+        from fluxzero.config.memory import param_inventory  # pure
 
         largest = max(param_inventory(_model(o.model)).tensor_sizes)
         need = -(-largest // (o.world_size or 1))

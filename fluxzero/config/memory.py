@@ -23,7 +23,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .config import ModelConfig, get_model_config
+from fluxzero.config.models import ModelConfig, get_model_config
 
 GiB = 1024**3
 PHASES = ("train", "step", "init")
@@ -231,7 +231,7 @@ def checkpointed_blocks(n_blocks: int, every: int) -> int:
 
 
 def checkpointed_split(cfg: ModelConfig, every: int) -> tuple[int, int]:
-    """(double, single) blocks checkpointed. As fluxzero.engine.apply_activation_checkpointing: one index
+    """(double, single) blocks checkpointed. As fluxzero.train.engine.apply_activation_checkpointing: one index
     over double then single blocks, block i checkpointed iff i % k == 0."""
     if every <= 0:
         return 0, 0
@@ -573,7 +573,7 @@ def _model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         add("NVMe swap buffers (pinned)", (4 + opt) * swap + (5 * 100_000_000 * b if off_par else 0), "host",
             note="one sub-group's fp32 master + states swapped in; parameters: buffer_count 5 x buffer_size 1e8")
 
-    # --- building the model and the engine (fluxzero.engine.build_engine): below stage 3 the model is born
+    # --- building the model and the engine (fluxzero.train.engine.build_engine): below stage 3 the model is born
     # in fp32 on the GPU; deepspeed.initialize casts it tensor by tensor, then the ZeRO-1/2 optimizer copies
     # the parameters into one flat buffer (on the GPU when it has room) and the FP16_Optimizer of stage 0
     # clones them twice more (flat copy, then its fp32 master).

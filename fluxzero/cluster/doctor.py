@@ -3,7 +3,7 @@
 Each check gives a row: name, status (pass / fail / warn / skip), what was found, and the fix when it is not
 a pass. torch and deepspeed are imported inside the checks, so a broken install is a failed row, not a
 traceback. Remote hosts are checked over ssh (non-interactive, with timeouts) by running this same module
-there: `python -m fluxzero.doctor --json --local-only` with the same interpreter path and directory that
+there: `python -m fluxzero.cluster.doctor --json --local-only` with the same interpreter path and directory that
 DeepSpeed's pdsh launcher will use.
 """
 from __future__ import annotations
@@ -239,7 +239,7 @@ def ssh_argv(host: str, remote_command: str, ssh_port: int | None = None, connec
 
 def _remote_command(checkpoint_dir: str, min_free_gb: float) -> str:
     # The remote shell reads this line, so every piece is quoted.
-    parts = [sys.executable, "-m", "fluxzero.doctor", "--json", "--local-only",
+    parts = [sys.executable, "-m", "fluxzero.cluster.doctor", "--json", "--local-only",
              "--checkpoint-dir", checkpoint_dir, "--min-free-gb", str(min_free_gb)]
     return f"cd {shlex.quote(os.getcwd())} && " + " ".join(shlex.quote(p) for p in parts)
 
@@ -301,8 +301,8 @@ def run_doctor(
     """All checks as a JSON-ready report: {"ok", "cpu_only", "facts", "checks": [Check as dict]}."""
     checks, facts = local_checks(checkpoint_dir, min_free_gb)
     if hostfile is not None:
-        from fluxzero.hostfile import HostfileError, parse_hostfile
-        from fluxzero.launcher import LOCAL_HOSTS
+        from fluxzero.cluster.hostfile import HostfileError, parse_hostfile
+        from fluxzero.cluster.launcher import LOCAL_HOSTS
 
         try:
             hosts = parse_hostfile(hostfile)
@@ -353,8 +353,8 @@ def format_table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry for remote hosts: `python -m fluxzero.doctor --json --local-only`."""
-    p = argparse.ArgumentParser(prog="python -m fluxzero.doctor")
+    """Entry for remote hosts: `python -m fluxzero.cluster.doctor --json --local-only`."""
+    p = argparse.ArgumentParser(prog="python -m fluxzero.cluster.doctor")
     p.add_argument("--json", action="store_true")
     p.add_argument("--local-only", action="store_true")
     p.add_argument("--checkpoint-dir", default="checkpoints")

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from fluxzero import ds_config
+from fluxzero.config import ds_config
 from fluxzero.config import ModelConfig, TrainConfig
 from fluxzero.fsutil import atomic_write
 

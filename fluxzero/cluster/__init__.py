@@ -1,0 +1,1 @@
+"""Where the ranks run: hostfiles, launcher command lines, NCCL profiles, doctor (pure Python)."""
