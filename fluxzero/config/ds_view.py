@@ -1,0 +1,191 @@
+"""The one parsed view of a DeepSpeed config: what the trainer, the memory model, `check-config`, `estimate`
+and gen-config's own checks read. No other module reads raw DeepSpeed keys. Pure Python.
+
+Who owns what (the rule the README states): the DeepSpeed JSON owns everything DeepSpeed's engine does
+(ZeRO stage, offload, precision, batch arithmetic, optimizer and lr, lr scheduler, gradient clipping) plus the
+memory policy gen-config --fit chooses together with the stage (the "fluxzero" section: activation
+checkpointing, compiled blocks). The run file owns what the trainer does around the engine (model, weights,
+data, steps, seed, flow, logging, checkpoints, export). No setting is in both.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+FLUXZERO_SECTION = "fluxzero"
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+class DSConfigError(ValueError):
+    """A DeepSpeed config that cannot be used; `problems` holds one sentence per finding."""
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+@dataclass(frozen=True)
+class DSView:
+    """A DeepSpeed config as fluxzero reads it. Absent keys mean what DeepSpeed 0.19.8 does with them."""
+
+    stage: int = 0
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16"
+    offload_optimizer: str = "none"  # "none" | "cpu" | "nvme"
+    offload_param: str = "none"
+    micro_batch: int | None = None  # train_micro_batch_size_per_gpu; None: not set (or "auto")
+    grad_accum: int | None = None  # gradient_accumulation_steps; None: not set (DeepSpeed derives it, or 1)
+    train_batch: int | None = None  # train_batch_size
+    gradient_clipping: float | None = None  # None: not set (deepspeed 0.19.8 then clips at 1.0)
+    checkpoint_every: int = 0  # fluxzero.activation_checkpointing.every_k_blocks; 0 = none
+    checkpoint_impl: str = "torch"  # "torch" | "deepspeed"
+    partition_activations: bool = False  # DeepSpeed's activation_checkpointing (implementation deepspeed)
+    cpu_checkpointing: bool = False
+    compile: bool = False  # fluxzero.compile.blocks
+    compile_mode: str = "default"
+    compile_backend: str = "inductor"
+    optimizer: str | None = None  # optimizer.type, lower case; None: no optimizer section
+    optimizer_impl: str = "fused"  # Adam(W): "torch" (torch_adam), "torch-fused" (and fused), "fused" (DeepSpeed's)
+    lr: float | None = None  # optimizer.params.lr
+    scheduler: str | None = None  # scheduler.type; None: constant lr
+    scheduler_total_steps: int | None = None  # scheduler.params.total_num_steps (WarmupDecayLR, WarmupCosineLR)
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype DeepSpeed gives the module's parameters ("float32", "bfloat16", "float16")."""
+        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.precision]
+
+    def batch_for(self, world_size: int) -> tuple[int, int, int]:
+        """(micro batch, accumulation, global batch) for `world_size` ranks, derived as DeepSpeed does.
+
+        Raises DSConfigError with one sentence when the config does not divide for that world size.
+        """
+        micro, accum, train = self.micro_batch, self.grad_accum, self.train_batch
+        if micro is None and train is None:
+            raise DSConfigError("train_micro_batch_size_per_gpu is not set: set it (and gradient_accumulation_steps)")
+        if micro is not None and accum is None:
+            accum = train // (micro * world_size) if train is not None else 1
+        elif micro is None:
+            accum = accum or 1
+            micro = train // (accum * world_size)
+        if micro < 1 or accum < 1 or (train is not None and train != micro * accum * world_size):
+            fits = train // (micro * accum) if micro >= 1 and accum >= 1 and train else None
+            hint = f" (it fits {fits} ranks)" if fits and train % (micro * accum) == 0 else ""
+            raise DSConfigError(
+                f"train_batch_size {train} is not train_micro_batch_size_per_gpu {self.micro_batch} x "
+                f"gradient_accumulation_steps {self.grad_accum} x world size {world_size}{hint}: fix the batch "
+                f"sizes (`fluxzero gen-config --world-size {world_size}`) or launch the ranks they imply")
+        return micro, accum, micro * accum * world_size
+
+
+def _int_or_none(ds: dict, key: str):
+    v = ds.get(key)
+    return None if v is None or v == "auto" else v
+
+
+def view(ds: dict) -> DSView:
+    """The view of a DeepSpeed config dict; values are taken as they are (`ds_config.check` reports bad ones).
+
+    Raises DSConfigError when a section has a type the view cannot read (say "zero_optimization": 2).
+    """
+    def section(d: dict, key: str, where: str | None = None) -> dict:
+        value = d.get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise DSConfigError(f"{where or key} must be a JSON object, got {json.dumps(value)}")
+        return value
+
+    if not isinstance(ds, dict):
+        raise DSConfigError(f"the config must be a JSON object ({{...}}), got {type(ds).__name__}")
+    z = section(ds, "zero_optimization")
+    bf16 = section(ds, "bf16") or section(ds, "bfloat16")
+    fp16 = section(ds, "fp16")
+    precision = "bf16" if bf16.get("enabled") is True else "fp16" if fp16.get("enabled") is True else "fp32"
+    opt = section(ds, "optimizer")
+    params = section(opt, "params", "optimizer.params")
+    typ = opt.get("type")
+    impl = ("torch-fused" if params.get("fused") is True else "torch") if params.get("torch_adam") is True else "fused"
+    sch = section(ds, "scheduler")
+    sch_params = section(sch, "params", "scheduler.params")
+    fz = section(ds, FLUXZERO_SECTION)
+    fac = section(fz, "activation_checkpointing", "fluxzero.activation_checkpointing")
+    comp = section(fz, "compile", "fluxzero.compile")
+    ac = section(ds, "activation_checkpointing")
+    clip = ds.get("gradient_clipping")
+    return DSView(
+        stage=z.get("stage", 0),
+        precision=precision,
+        offload_optimizer=section(z, "offload_optimizer", "zero_optimization.offload_optimizer").get("device", "none"),
+        offload_param=section(z, "offload_param", "zero_optimization.offload_param").get("device", "none"),
+        micro_batch=_int_or_none(ds, "train_micro_batch_size_per_gpu"),
+        grad_accum=_int_or_none(ds, "gradient_accumulation_steps"),
+        train_batch=_int_or_none(ds, "train_batch_size"),
+        gradient_clipping=None if clip is None else clip,
+        checkpoint_every=fac.get("every_k_blocks", 0),
+        checkpoint_impl=fac.get("implementation", "torch"),
+        partition_activations=ac.get("partition_activations") is True,
+        cpu_checkpointing=ac.get("cpu_checkpointing") is True,
+        compile=comp.get("blocks", False) is True,
+        compile_mode=comp.get("mode", "default"),
+        compile_backend=comp.get("backend", "inductor"),
+        optimizer=typ.lower() if isinstance(typ, str) else None,
+        optimizer_impl=impl,
+        lr=params.get("lr"),
+        scheduler=sch.get("type") if sch else None,
+        scheduler_total_steps=sch_params.get("total_num_steps"),
+    )
+
+
+def read_json(path: str | Path) -> dict:
+    """A DeepSpeed JSON file as a dict; DSConfigError with one sentence when it cannot be read."""
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except FileNotFoundError:
+        raise DSConfigError(f"DeepSpeed config {path} does not exist; write one with `fluxzero gen-config`") from None
+    except json.JSONDecodeError as e:
+        raise DSConfigError(f"DeepSpeed config {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise DSConfigError(f"DeepSpeed config {path} is not a text file; point deepspeed at the JSON from "
+                            f"`fluxzero gen-config`") from None
+    except IsADirectoryError:
+        raise DSConfigError(f"DeepSpeed config {path} is a folder; point deepspeed at the JSON file from "
+                            f"`fluxzero gen-config`") from None
+    except OSError as e:
+        raise DSConfigError(f"cannot read DeepSpeed config {path} ({e.strerror or e}); point deepspeed at a "
+                            f"readable JSON file") from None
+    if not isinstance(ds, dict):
+        raise DSConfigError(f"DeepSpeed config {path} must be a JSON object ({{...}}), got {type(ds).__name__}; "
+                            f"write one with `fluxzero gen-config`")
+    return ds
+
+
+def load_for_training(path: str | Path, world_size: int) -> tuple[dict, DSView]:
+    """What the trainer starts from: (the dict DeepSpeed gets, without the "fluxzero" section; its view).
+
+    Refuses, with the first finding of `fluxzero check-config` in one sentence, a config that check-config
+    reports (DeepSpeed accepts some mistakes silently, e.g. a misspelled zero_optimisation trains at ZeRO-0),
+    one without gradient_clipping (0.19.8 clips at 1.0 silently) or an optimizer, and batch sizes that do not
+    divide for this world size. The batch keys are completed (micro batch, accumulation, global batch), so
+    DeepSpeed and the trainer agree on them.
+    """
+    from fluxzero.config import ds_config
+
+    ds = read_json(path)
+    problems = ds_config.check(ds, world_size)
+    if problems:
+        more = f" ({len(problems) - 1} more; run `fluxzero check-config {path}`)" if len(problems) > 1 else ""
+        raise DSConfigError(f"DeepSpeed config {path}: {problems[0]}{more}")
+    v = view(ds)
+    if v.optimizer is None:
+        raise DSConfigError(f"DeepSpeed config {path} has no optimizer section; add one (e.g. from "
+                            f"`fluxzero gen-config`)")
+    try:
+        micro, accum, train = v.batch_for(world_size)
+    except DSConfigError as e:
+        raise DSConfigError(f"DeepSpeed config {path}: {e}") from None
+    ds = {k: val for k, val in ds.items() if k != FLUXZERO_SECTION}
+    ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum, train_batch_size=train)
+    return ds, dataclasses.replace(v, micro_batch=micro, grad_accum=accum, train_batch=train)
