@@ -52,7 +52,8 @@ def _worker(rank, world, port, out_dir):
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    from fluxzero.config import ds_config, flow, memory
+    from fluxzero.config import ds_config, memory
+    from fluxzero.train import flow
     from fluxzero.train import engine as ds_engine
     from fluxzero.config import TrainConfig, get_model_config
     from fluxzero.data import build_dataloader
