@@ -266,8 +266,9 @@ def test_silently_ignored_settings_are_reported():
         assert any(line.startswith(want) for line in got), (want, got)
     cfg = build(options_from("zero3", world_size=2))
     cfg["zero_optimization"]["allgather_bucket_size"] = 5 * 10**8
-    assert check(cfg, 2) == ["zero_optimization.allgather_bucket_size applies only at stage 1 or 2 (stage is 3, "
-                             "which ignores it): remove it"]
+    assert check(cfg, 2) == ["zero_optimization.allgather_bucket_size applies only at stage 1 or 2 "
+                             "(zero_optimization.stage is 3, which ignores it): remove it, or set "
+                             "zero_optimization.stage3_prefetch_bucket_size for stage 3's gathers"]
 
 
 def test_unknown_keys_get_suggestions():
@@ -319,13 +320,44 @@ def test_optimizer_params_follow_the_adam_implementation():
 def test_stage_offload_mismatch():
     cfg = _good()
     cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    assert check(cfg, 2) == ["zero_optimization.offload_param.device is cpu but zero_optimization.stage is 2: "
-                             "parameter offload needs stage 3 (DeepSpeed ignores it at stage 2)"]
+    assert check(cfg, 2) == ["zero_optimization.offload_param.device cpu needs zero_optimization.stage 3 "
+                             "(DeepSpeed offloads parameters only at stage 3; stage 2 ignores it)"]
     cfg["zero_optimization"] = {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}}
-    assert check(cfg, 2) == ["zero_optimization.offload_optimizer.device is nvme but zero_optimization.stage is 1: "
-                             "NVMe optimizer offload needs stage 3 (stage 1 silently keeps the states in CPU memory)"]
+    assert check(cfg, 2) == ["zero_optimization.offload_optimizer.device nvme needs zero_optimization.stage 3 "
+                             "(stage 1 silently keeps the optimizer states in CPU memory): use "
+                             "zero_optimization.offload_optimizer.device cpu"]
     cfg["zero_optimization"] = {"stage": 0, "offload_optimizer": {"device": "cpu"}}
-    assert len(check(cfg, 2)) == 1 and "optimizer offload needs stage 1, 2 or 3" in check(cfg, 2)[0]
+    assert check(cfg, 2) == ["zero_optimization.offload_optimizer.device cpu needs zero_optimization.stage 1, 2 "
+                             "or 3 (stage 0 has no ZeRO optimizer to offload)"]
+
+
+@pytest.mark.parametrize("options,key", [
+    (dict(zero_stage=2, offload_param="cpu"), "offload_param"),
+    (dict(zero_stage=0, offload_optimizer="cpu", adam_impl="cpu"), "offload_optimizer"),
+    (dict(zero_stage=1, offload_optimizer="nvme", nvme_path="/n", adam_impl="cpu"), "offload_optimizer"),
+    (dict(zero_stage=2, stage3_max_live_parameters=5), "stage3_max_live_parameters"),
+    (dict(zero_stage=3, allgather_bucket_size=5), "allgather_bucket_size"),
+])
+def test_options_and_configs_share_one_combination_rule_set(options, key):
+    """gen-config's option check and check() on a dict say the same sentence, each in its own names: the
+    rule is written once (ds_config.combination_problems)."""
+    o = options_from(None, model="flux-tiny", world_size=2, **options)
+    said = [x for x in ds_config.check_options(o) if x.startswith(ds_config.option_name(key))]
+    assert len(said) == 1, ds_config.check_options(o)
+    # the dict gen-config would write for these options, without its option check
+    cfg = build(options_from(None, model="flux-tiny", world_size=2))
+    z = cfg["zero_optimization"] = {"stage": o.zero_stage}
+    for f in ("offload_optimizer", "offload_param"):
+        if getattr(o, f) != "none":
+            z[f] = {"device": getattr(o, f), **({"nvme_path": "/n"} if getattr(o, f) == "nvme" else {})}
+    if key.startswith("stage3_") or key == "allgather_bucket_size":
+        z[key] = getattr(o, key)
+    found = [x for x in check(cfg, 2) if x.startswith(ds_config.config_name(key))]
+    assert len(found) == 1, check(cfg, 2)
+    as_options = said[0]
+    for what in ("stage", key, "stage3_prefetch_bucket_size"):
+        as_options = as_options.replace(ds_config.option_name(what), ds_config.config_name(what))
+    assert found[0] == as_options
 
 
 def test_nvme_param_buffer_must_hold_the_largest_partition():

@@ -30,6 +30,9 @@ import json
 import math
 from dataclasses import dataclass
 
+from fluxzero.config import ds_view
+from fluxzero.config.ds_view import DSView, checkpointed_blocks, view
+
 FLUXZERO_SECTION = "fluxzero"
 PRECISIONS = ("bf16", "fp16", "fp32")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -49,12 +52,12 @@ WARMUP_TYPES = ("linear", "log")
 STAGE12_BUCKET = 200_000_000
 
 
-class DSConfigError(ValueError):
+class DSConfigError(ds_view.DSConfigError):
     """Options that cannot make a valid DeepSpeed config. `problems` holds one sentence per problem."""
 
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
-        super().__init__("\n".join(self.problems))
+        ValueError.__init__(self, "\n".join(self.problems))
 
 
 def flag(field: str) -> str:
@@ -177,11 +180,6 @@ def num_blocks(model: str) -> int:
     return cfg.depth + cfg.depth_single_blocks
 
 
-def checkpointed_blocks(n_blocks: int, every_k: int) -> int:
-    """How many of n_blocks are checkpointed when block i is checkpointed iff i % every_k == 0."""
-    return 0 if every_k == 0 else -(-n_blocks // every_k)
-
-
 def batch_numbers(o: DSOptions) -> tuple[int, int, int | None]:
     """(micro, accumulation, train_batch_size or None when the world size is unknown). Options must be valid."""
     micro, world = o.micro_batch, o.world_size
@@ -190,6 +188,75 @@ def batch_numbers(o: DSOptions) -> tuple[int, int, int | None]:
     else:
         accum = o.grad_accum if o.grad_accum is not None else 1
     return micro, accum, (micro * accum * world if world is not None else None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ZeRO / offload / optimizer combinations: ONE rule set over a DSView, for gen-config's options (named by their
+# flags) and for any config dict (named by their keys). Each rule was read from deepspeed 0.19.8's source.
+
+# ZeRO knobs only one group of stages reads (the rest ignore them silently).
+ZERO_STAGE3_ONLY_KNOBS = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                          "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                          "stage3_gather_16bit_weights_on_model_save")
+# What deepspeed 0.19.8's ZeRO accepts without "zero_allow_untested_optimizer" (zero/utils.py
+# ZERO_SUPPORTED_OPTIMIZERS), by the optimizer type names that build those classes.
+ZERO_TESTED_OPTIMIZERS = ("adam", "adamw", "adagrad", "lion", "muon")
+
+
+def option_name(what: str) -> str:
+    """The command-line spelling of a view field or ZeRO key (combination_problems' names for options)."""
+    return {"stage": "--zero-stage", "optimizer": "the optimizer"}.get(what) or flag(what)
+
+
+def config_name(what: str) -> str:
+    """The JSON path of a view field or ZeRO key (combination_problems' names for config dicts)."""
+    return {"stage": "zero_optimization.stage", "optimizer": "optimizer.type",
+            "offload_optimizer": "zero_optimization.offload_optimizer.device",
+            "offload_param": "zero_optimization.offload_param.device"}.get(what) or f"zero_optimization.{what}"
+
+
+def combination_problems(v: DSView, name=config_name, zero_keys=()) -> list[str]:
+    """Problems with the ZeRO stage, offload devices and optimizer of `v` taken together, one sentence each.
+
+    `zero_keys` are the zero_optimization keys that are set; `name` spells a view field or key for the reader
+    (config_name for JSON, option_name for gen-config's flags). Values must already be well-typed.
+    """
+    p: list[str] = []
+    stage, S = v.stage, name("stage")
+    for key in sorted(zero_keys):
+        if key in ZERO_STAGE3_ONLY and stage != 3:
+            p.append(f"{name(key)} applies only at stage 3 ({S} is {stage}, which ignores it): remove it")
+        elif key in ZERO_STAGE12_ONLY and stage in (0, 3):
+            hint = f", or set {name('stage3_prefetch_bucket_size')} for stage 3's gathers" \
+                if key == "allgather_bucket_size" and stage == 3 else ""
+            p.append(f"{name(key)} applies only at stage 1 or 2 ({S} is {stage}, which ignores it): remove it{hint}")
+    # deepspeed 0.19.8: offload_param is only read by ZeRO-3 (stage 1/2 ignore it silently).
+    if v.offload_param != "none" and stage != 3:
+        p.append(f"{name('offload_param')} {v.offload_param} needs {S} 3 (DeepSpeed offloads parameters only at "
+                 f"stage 3; stage {stage} ignores it)")
+    # Stage 0 has no ZeRO optimizer to do the offloading, yet the engine would still pick DeepSpeedCPUAdam.
+    if v.offload_optimizer != "none" and stage == 0:
+        p.append(f"{name('offload_optimizer')} {v.offload_optimizer} needs {S} 1, 2 or 3 (stage 0 has no ZeRO "
+                 f"optimizer to offload)")
+    # Stage 1/2 treat any offload device other than none as CPU (stage_1_and_2.py): NVMe needs stage 3.
+    if v.offload_optimizer == "nvme" and stage in (1, 2):
+        p.append(f"{name('offload_optimizer')} nvme needs {S} 3 (stage {stage} silently keeps the optimizer states "
+                 f"in CPU memory): use {name('offload_optimizer')} cpu")
+    if stage >= 1 and v.optimizer is not None and v.optimizer.lower() not in ZERO_TESTED_OPTIMIZERS \
+            and not v.allow_untested_optimizer:
+        p.append(f"{name('optimizer')} {v.optimizer} is not one ZeRO is tested with (DeepSpeed stops at engine "
+                 f"start): use AdamW, or set zero_allow_untested_optimizer: true")
+    return p
+
+
+def options_view(o: DSOptions) -> DSView:
+    """The DSView of the config build(o) writes, as far as the combination rules read it (no build needed)."""
+    impl = {"torch": "torch-fused", "fused": "fused", "cpu": "fused"}.get(o.adam_impl, "fused")
+    return DSView(stage=o.zero_stage, precision=o.precision, offload_optimizer=o.offload_optimizer,
+                  offload_param=o.offload_param, checkpoint_every=o.checkpoint_every,
+                  checkpoint_impl=o.checkpoint_impl, compile=o.compile, optimizer="adamw", optimizer_impl=impl,
+                  lr=o.lr, scheduler=None if o.scheduler == "none" else o.scheduler,
+                  gradient_clipping=o.gradient_clipping)
 
 
 def check_options(o: DSOptions) -> list[str]:
@@ -285,30 +352,16 @@ def _check_batch_options(o: DSOptions, p: list[str]) -> None:
 
 def _check_zero_options(o: DSOptions, p: list[str]) -> None:
     stage = o.zero_stage
-    # deepspeed 0.19.8: offload_param is only read by ZeRO-3 (stage 1/2 ignore it silently).
-    if o.offload_param != "none" and stage != 3:
-        p.append(f"{flag('offload_param')} {o.offload_param} needs {flag('zero_stage')} 3 (DeepSpeed offloads "
-                 f"parameters only at stage 3; stage {stage} would ignore it)")
-    # Stage 0 has no ZeRO optimizer to do the offloading, yet the engine would still pick DeepSpeedCPUAdam.
-    if o.offload_optimizer != "none" and stage == 0:
-        p.append(f"{flag('offload_optimizer')} {o.offload_optimizer} needs {flag('zero_stage')} 1, 2 or 3")
-    # Stage 1/2 treat any offload device other than none as CPU (stage_1_and_2.py): NVMe needs stage 3.
-    if o.offload_optimizer == "nvme" and stage in (1, 2):
-        p.append(f"{flag('offload_optimizer')} nvme needs {flag('zero_stage')} 3 (DeepSpeed stage {stage} "
-                 f"silently keeps optimizer states in CPU memory instead); use {flag('offload_optimizer')} cpu")
+    knobs = [f for f in ZERO_STAGE3_ONLY_KNOBS + ("allgather_bucket_size",) if getattr(o, f) is not None]
+    p += combination_problems(options_view(o), option_name, knobs)
     nvme = o.offload_optimizer == "nvme" or o.offload_param == "nvme"
     if nvme and not o.nvme_path:
         p.append(f"NVMe offload needs {flag('nvme_path')} (a directory on a local NVMe drive)")
     if o.nvme_path and not nvme:
         p.append(f"{flag('nvme_path')} is only used with {flag('offload_optimizer')} nvme or "
                  f"{flag('offload_param')} nvme")
-    if stage != 3:
-        for f in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-                  "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save"):
-            if getattr(o, f) is not None:
-                p.append(f"{flag(f)} applies only at {flag('zero_stage')} 3 (got stage {stage})")
-    if stage == 0:
-        for f in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size"):
+    if stage == 0:  # allgather_bucket_size at stage 0 is one of combination_problems' stage-only keys
+        for f in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size"):
             if getattr(o, f) is not None:
                 p.append(f"{flag(f)} applies only at {flag('zero_stage')} 1, 2 or 3 (got stage 0)")
     if stage == 3 and o.offload_param == "nvme" and _model(o.model) is not None:
@@ -322,9 +375,6 @@ def _check_zero_options(o: DSOptions, p: list[str]) -> None:
             at = f"at world size {o.world_size}" if o.world_size else "whole, with no world size given"
             p.append(f"{flag('nvme_param_buffer_size')} {o.nvme_param_buffer_size} cannot hold {o.model}'s largest "
                      f"parameter partition ({need} elements {at}); pass at least {need}")
-    if stage == 3 and o.allgather_bucket_size is not None:
-        p.append(f"{flag('allgather_bucket_size')} applies only at stage 1 or 2; at stage 3 use "
-                 f"{flag('stage3_prefetch_bucket_size')}")
 
 
 def _check_precision_options(o: DSOptions, p: list[str]) -> None:
@@ -679,10 +729,10 @@ def check(cfg, world_size: int | None = None) -> list[str]:
     elif not (_is_num(cfg["gradient_clipping"]) and cfg["gradient_clipping"] >= 0):
         p.append(f"gradient_clipping must be a number >= 0, got {json.dumps(cfg['gradient_clipping'])}")
     _positive_ints("", cfg, ("steps_per_print",), p)
-    stage, offload = _check_zero(cfg, p)
+    stage, devices = _check_zero(cfg, p)
     _check_precision(cfg, p)
-    _check_optimizer(cfg, offload, p)
-    _check_zero_optimizer(cfg, stage, p)
+    _check_optimizer(cfg, devices["offload_optimizer"], p)
+    p += _combinations(cfg, stage, devices)
     _check_scheduler(cfg, p)
     _check_checkpointing(cfg, p)
     _check_compile(cfg, p)
@@ -761,7 +811,7 @@ def _check_batch(cfg: dict, world: int | None, p: list[str]) -> None:
         p.append(f"train_batch_size {train} is not a multiple of world size {w}")
 
 
-def _check_zero(cfg: dict, p: list[str]) -> tuple[int, str]:
+def _check_zero(cfg: dict, p: list[str]) -> tuple[int, dict]:
     z = _section(cfg, "zero_optimization", p)
     _unknown("zero_optimization", z, ZERO_KEYS, p)
     stage = z.get("stage", 0)
@@ -775,13 +825,6 @@ def _check_zero(cfg: dict, p: list[str]) -> tuple[int, str]:
                                             "stage3_max_reuse_distance", "max_reuse_distance",
                                             "stage3_model_persistence_threshold", "model_persistence_threshold"),
                    p, minimum=0)
-    for key in sorted(z):
-        if key in ZERO_STAGE3_ONLY and stage != 3:
-            p.append(f"zero_optimization.{key} applies only at stage 3 (stage is {stage}, which ignores it): "
-                     "remove it")
-        elif key in ZERO_STAGE12_ONLY and stage in (0, 3):
-            p.append(f"zero_optimization.{key} applies only at stage 1 or 2 (stage is {stage}, which ignores it): "
-                     "remove it")
     devices = {}
     for key, known in (("offload_optimizer", OFFLOAD_OPTIMIZER_KEYS), ("offload_param", OFFLOAD_PARAM_KEYS)):
         off = _section(z, key, p, where=f"zero_optimization.{key}")
@@ -795,16 +838,7 @@ def _check_zero(cfg: dict, p: list[str]) -> tuple[int, str]:
             p.append(f"zero_optimization.{key}.device is nvme but {key}.nvme_path is not set: set it to a "
                      f"directory on a local NVMe drive")
         _positive_ints(f"zero_optimization.{key}", off, ("buffer_count", "buffer_size", "max_in_cpu"), p)
-    if devices["offload_param"] != "none" and stage != 3:
-        p.append(f"zero_optimization.offload_param.device is {devices['offload_param']} but zero_optimization.stage "
-                 f"is {stage}: parameter offload needs stage 3 (DeepSpeed ignores it at stage {stage})")
-    if devices["offload_optimizer"] != "none" and stage == 0:
-        p.append(f"zero_optimization.offload_optimizer.device is {devices['offload_optimizer']} but "
-                 f"zero_optimization.stage is 0: optimizer offload needs stage 1, 2 or 3")
-    if devices["offload_optimizer"] == "nvme" and stage in (1, 2):
-        p.append(f"zero_optimization.offload_optimizer.device is nvme but zero_optimization.stage is {stage}: "
-                 f"NVMe optimizer offload needs stage 3 (stage {stage} silently keeps the states in CPU memory)")
-    return stage, devices["offload_optimizer"]
+    return stage, devices
 
 
 def _check_precision(cfg: dict, p: list[str]) -> None:
@@ -823,18 +857,19 @@ def _check_precision(cfg: dict, p: list[str]) -> None:
             _positive_ints("fp16", fp16, ("initial_scale_power",), p, minimum=0)
 
 
-# What deepspeed 0.19.8's ZeRO accepts without "zero_allow_untested_optimizer" (zero/utils.py
-# ZERO_SUPPORTED_OPTIMIZERS), by the optimizer type names that build those classes.
-ZERO_TESTED_OPTIMIZERS = ("adam", "adamw", "adagrad", "lion", "muon")
-
-
-def _check_zero_optimizer(cfg: dict, stage: int, p: list[str]) -> None:
-    typ = (cfg.get("optimizer") or {}).get("type") if isinstance(cfg.get("optimizer"), dict) else None
+def _combinations(cfg: dict, stage: int, devices: dict) -> list[str]:
+    """combination_problems for a config dict, on the values _check_zero has already made well-typed."""
+    try:
+        v = view(cfg)
+    except ds_view.DSConfigError:  # a section of the wrong type: reported by the section checks
+        v = DSView()
+    opt = cfg.get("optimizer")
+    typ = opt.get("type") if isinstance(opt, dict) else None
     known = isinstance(typ, str) and (typ.lower() in DEEPSPEED_OPTIMIZERS or typ in TORCH_OPTIMIZERS)
-    if stage >= 1 and known and typ.lower() not in ZERO_TESTED_OPTIMIZERS \
-            and cfg.get("zero_allow_untested_optimizer") is not True:
-        p.append(f"optimizer.type {typ} is not one ZeRO is tested with (DeepSpeed stops at engine start): use "
-                 f"AdamW, or set zero_allow_untested_optimizer: true")
+    v = dataclasses.replace(v, stage=stage, offload_optimizer=devices["offload_optimizer"],
+                            offload_param=devices["offload_param"], optimizer=typ if known else None)  # as spelt
+    z = cfg.get("zero_optimization")
+    return combination_problems(v, config_name, z if isinstance(z, dict) else ())
 
 
 def _check_optimizer(cfg: dict, offload: str, p: list[str]) -> None:

@@ -46,15 +46,21 @@ class DSView:
     compile_mode: str = "default"
     compile_backend: str = "inductor"
     optimizer: str | None = None  # optimizer.type, lower case; None: no optimizer section
+    allow_untested_optimizer: bool = False  # zero_allow_untested_optimizer
     optimizer_impl: str = "fused"  # Adam(W): "torch" (torch_adam), "torch-fused" (and fused), "fused" (DeepSpeed's)
     lr: float | None = None  # optimizer.params.lr
     scheduler: str | None = None  # scheduler.type; None: constant lr
     scheduler_total_steps: int | None = None  # scheduler.params.total_num_steps (WarmupDecayLR, WarmupCosineLR)
+    load_universal: bool = False  # checkpoint.load_universal: resume from DeepSpeed's universal checkpoint
 
     @property
     def dtype_name(self) -> str:
         """The dtype DeepSpeed gives the module's parameters ("float32", "bfloat16", "float16")."""
         return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.precision]
+
+    def checkpointed_blocks(self, n_blocks: int) -> int:
+        """How many of n_blocks the trainer checkpoints (block i iff i % every_k_blocks == 0)."""
+        return checkpointed_blocks(n_blocks, self.checkpoint_every)
 
     def batch_for(self, world_size: int) -> tuple[int, int, int]:
         """(micro batch, accumulation, global batch) for `world_size` ranks, derived as DeepSpeed does.
@@ -77,6 +83,11 @@ class DSView:
                 f"gradient_accumulation_steps {self.grad_accum} x world size {world_size}{hint}: fix the batch "
                 f"sizes (`fluxzero gen-config --world-size {world_size}`) or launch the ranks they imply")
         return micro, accum, micro * accum * world_size
+
+
+def checkpointed_blocks(n_blocks: int, every_k: int) -> int:
+    """How many of n_blocks are checkpointed when block i is checkpointed iff i % every_k == 0 (0 = none)."""
+    return 0 if every_k <= 0 else -(-n_blocks // every_k)
 
 
 def _int_or_none(ds: dict, key: str):
@@ -131,10 +142,12 @@ def view(ds: dict) -> DSView:
         compile_mode=comp.get("mode", "default"),
         compile_backend=comp.get("backend", "inductor"),
         optimizer=typ.lower() if isinstance(typ, str) else None,
+        allow_untested_optimizer=ds.get("zero_allow_untested_optimizer") is True,
         optimizer_impl=impl,
         lr=params.get("lr"),
         scheduler=sch.get("type") if sch else None,
         scheduler_total_steps=sch_params.get("total_num_steps"),
+        load_universal=section(ds, "checkpoint").get("load_universal") is True,
     )
 
 
