@@ -303,7 +303,7 @@ def test_ckpt_zero3_failure_in_init_distributed_is_an_error_row(tmp_path, monkey
     # rank is the spawn argument, so rank 0 still writes its row when init_distributed itself fails
     import argparse
 
-    from fluxzero.train import engine
+    from fluxzero.train import distributed
 
     ckpt = _load("ckpt_zero3")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -312,7 +312,7 @@ def test_ckpt_zero3_failure_in_init_distributed_is_an_error_row(tmp_path, monkey
     def fail():
         raise RuntimeError("rendezvous failed")
 
-    monkeypatch.setattr(engine, "init_distributed", fail)
+    monkeypatch.setattr(distributed, "init_distributed", fail)
     args = argparse.Namespace(model="flux-tiny", res=64, txt=8, steps=2, precision="fp32")
     ckpt.worker(0, 1, 1, args, False, "none", str(tmp_path / "r.json"))
     rec = json.loads((tmp_path / "r.json").read_text())

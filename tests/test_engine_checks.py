@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from fluxzero.config import ds_config
-from fluxzero.config import TrainConfig
-from fluxzero.train.engine import (TrainingError, _file_problem, _stage0_master_weights, consolidated_state_dict,
-                             load_ds_config, resolve_checkpoint)
+from fluxzero.config.ds_view import DSConfigError, load_for_training
+from fluxzero.train.checkpoint import _file_problem
+from fluxzero.train.distributed import TrainingError
+from fluxzero.train.export import _stage0_master_weights, consolidated_state_dict, resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
@@ -19,12 +20,10 @@ GOOD = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "
         "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
 
 
-def _load(tmp_path, ds, world=1, **run):
+def _load(tmp_path, ds, world=1):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
-    cfg = TrainConfig.from_dict({"deepspeed": str(path), "data": "d", "output_dir": str(tmp_path), "micro_batch": 2,
-                                 **run})
-    return load_ds_config(str(path), cfg, world)
+    return load_for_training(str(path), world)
 
 
 def _with(**changes):
@@ -51,7 +50,7 @@ def _with(**changes):
     ({k: v for k, v in GOOD.items() if k != "gradient_clipping"}, "gradient_clipping is not set"),
 ])
 def test_trainer_refuses_what_check_config_reports(tmp_path, ds, message):
-    with pytest.raises(TrainingError) as e:
+    with pytest.raises(DSConfigError) as e:
         _load(tmp_path, ds)
     assert str(e.value).startswith(f"DeepSpeed config {tmp_path / 'ds.json'}: {message}"), str(e.value)
     assert "more; run" not in str(e.value)  # one finding each
@@ -59,38 +58,40 @@ def test_trainer_refuses_what_check_config_reports(tmp_path, ds, message):
 
 def test_several_findings_name_the_first_and_count_the_rest(tmp_path):
     ds = _with(zero_optimization__stage=4, optimizer__type="AdamWW", steps_per_print=0)
-    with pytest.raises(TrainingError, match=r": steps_per_print must be a positive integer, got 0 \(2 more; run "
+    with pytest.raises(DSConfigError, match=r": steps_per_print must be a positive integer, got 0 \(2 more; run "
                                             r"`fluxzero check-config .*ds.json`\)$"):
         _load(tmp_path, ds)
 
 
-def test_missing_and_auto_batch_sizes_are_filled_from_the_run_file(tmp_path):
-    ds = {k: v for k, v in GOOD.items() if not k.startswith(("train_", "gradient_acc"))}
-    out, _ = _load(tmp_path, ds, world=3, grad_accum=2)
-    assert (out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"], out["train_batch_size"]) == (2, 2, 12)
-    out, _ = _load(tmp_path, {**GOOD, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto"}, world=2)
-    assert out["train_batch_size"] == 4
-    # the world size is checked against the run file, whose sentence says how many ranks would fit
-    with pytest.raises(TrainingError, match="train_batch_size 8 but .* world size 2 = 4; fix train_batch_size or "
-                                            "launch 4 ranks"):
+def test_batch_sizes_come_from_the_deepspeed_config(tmp_path):
+    # the DeepSpeed config owns the batch arithmetic; the trainer completes what DeepSpeed would derive
+    ds = {k: v for k, v in GOOD.items() if k != "gradient_accumulation_steps"}
+    out, v = _load(tmp_path, ds, world=3)
+    assert (out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"], out["train_batch_size"]) == (2, 1, 6)
+    assert (v.micro_batch, v.grad_accum, v.train_batch) == (2, 1, 6)
+    out, v = _load(tmp_path, {**ds, "train_batch_size": 12}, world=3)
+    assert (v.micro_batch, v.grad_accum) == (2, 2)
+    assert "fluxzero" not in _load(tmp_path, {**GOOD, "fluxzero": {"compile": {"blocks": False}}})[0]
+    with pytest.raises(DSConfigError, match=r"train_batch_size 8 != train_micro_batch_size_per_gpu 2 x "
+                                             r"gradient_accumulation_steps 1 x world size 2"):
         _load(tmp_path, {**GOOD, "train_batch_size": 8}, world=2)
+    with pytest.raises(DSConfigError, match="train_micro_batch_size_per_gpu is not set"):
+        _load(tmp_path, {**GOOD, "train_micro_batch_size_per_gpu": "auto"})
+    with pytest.raises(DSConfigError, match="has no optimizer section"):
+        _load(tmp_path, {k: v for k, v in GOOD.items() if k != "optimizer"})
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "ds_configs/*.json")) + glob.glob(str(ROOT / "launch/*.json"))))
 def test_every_committed_config_passes_the_trainer(path):
-    ds = json.loads(Path(path).read_text())
-    precision = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
-    micro = ds.get("train_micro_batch_size_per_gpu", 1)
-    accum = ds.get("gradient_accumulation_steps", 1)
-    world = ds_config.implied_world_size(ds) or 1
-    cfg = TrainConfig.from_dict({"deepspeed": path, "data": "d", "output_dir": "o", "precision": precision,
-                                 "micro_batch": 1 if micro == "auto" else micro,
-                                 "grad_accum": 1 if accum == "auto" else accum})
-    if precision == "fp16" and not torch.cuda.is_available():  # refused after every check passed: CPU has no fp16
+    from fluxzero.train.engine import check_supported
+
+    world = ds_config.implied_world_size(json.loads(Path(path).read_text())) or 1
+    _, v = load_for_training(path, world)
+    if v.precision == "fp16" and not torch.cuda.is_available():  # refused after every check passed: CPU has no fp16
         with pytest.raises(TrainingError, match="trains in fp16, which DeepSpeed's cpu accelerator"):
-            load_ds_config(path, cfg, world)
+            check_supported(v, path)
         return
-    load_ds_config(path, cfg, world)
+    check_supported(v, path)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -165,7 +166,7 @@ def test_export_refuses_a_broken_latest(tmp_path):
 
 
 def test_prune_keeps_the_newest_and_never_touches_newer_or_foreign_folders(tmp_path):
-    from fluxzero.train.engine import prune_checkpoints
+    from fluxzero.train.checkpoint import prune_checkpoints
 
     for name in ("step_00000010", "step_00000020", "step_00000030", "step_00000040", "step_00000050",
                  "step_backup", "other"):

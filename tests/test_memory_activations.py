@@ -11,7 +11,6 @@ import torch
 from fluxzero.config import memory
 from fluxzero.config import get_model_config
 from fluxzero.model import build_model
-from fluxzero.model.math import get_attention_backend, set_attention_backend
 
 
 def saved_bytes(fn, args, exclude) -> int:
@@ -49,21 +48,12 @@ CASES = [  # (model, dtype, img tokens, txt tokens, attention backend)
 ]
 
 
-@pytest.fixture
-def backend():
-    # "auto" is the CPU flash kernel, which saves what CUDA flash saves (q, k, v, out, logsumexp).
-    previous = get_attention_backend()
-    yield set_attention_backend
-    set_attention_backend(previous)
-
-
 @pytest.mark.parametrize("preset,dtype,I,T,attention", CASES)
-def test_block_saved_bytes_match_autograd(preset, dtype, I, T, attention, backend):
-    backend(attention)
+def test_block_saved_bytes_match_autograd(preset, dtype, I, T, attention):
     att = "math" if attention == "math" else "flash"
     cfg = get_model_config(preset).replace(depth=1, depth_single_blocks=1)
     # Shapes are all that matter for what is saved: skip the random init of a full-width block (seconds).
-    model = build_model(cfg, device="meta", dtype=dtype).to_empty(device="cpu")
+    model = build_model(cfg, device="meta", dtype=dtype, attention=attention).to_empty(device="cpu")
     img, txt, vec, ids = block_inputs(cfg, I, T, dtype)
     pe = model.pe_embedder(ids)
     params = list(model.parameters())
@@ -80,8 +70,7 @@ def test_block_saved_bytes_match_autograd(preset, dtype, I, T, attention, backen
     assert got == want, (got, want)
 
 
-def test_whole_model_saved_bytes_within_5_percent(backend):
-    backend("auto")
+def test_whole_model_saved_bytes_within_5_percent():
     """No checkpointing: the model's whole forward, blocks plus embedders and final layer."""
     cfg = get_model_config("flux-tiny")
     model = build_model(cfg, dtype=torch.float32)
@@ -139,11 +128,10 @@ class LiveBytes:
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-def test_single_block_backward_peak_matches(batch, backend):
+def test_single_block_backward_peak_matches(batch):
     """Forward + backward of one single block, parameter gradients dropped as soon as they are made (what
     ZeRO-2/3 do when they move them into a bucket): the measured peak is the saved tensors + the backward
     working set + linear2's weight gradient in flight."""
-    backend("auto")
     C, H, I, T = 768, 6, 256, 128  # flux-dev's head size and token ratio at a quarter of its width
     cfg = get_model_config("flux-dev").replace(depth=0, depth_single_blocks=1, hidden_size=C, num_heads=H)
     model = build_model(cfg, device="meta", dtype=torch.bfloat16).to_empty(device="cpu")
@@ -170,14 +158,13 @@ def test_single_block_backward_peak_matches(batch, backend):
 
 
 @pytest.mark.parametrize("every", [0, 1, 2])
-def test_whole_model_training_peak_matches(every, backend):
+def test_whole_model_training_peak_matches(every):
     """A reduced-width FLUX (head size 128, 2 double + 4 single blocks) through forward, loss and backward,
     with fluxzero.train.engine's own activation checkpointing every k-th block and parameter gradients dropped as
     they are made (ZeRO-2/3 move them to buckets): the live-storage peak against memory's activation items
     plus linear2's weight gradient in flight. Measured: within 0.2-0.8% for k = 0..3, micro batch 1, 3 and 4."""
     from fluxzero.train.engine import apply_activation_checkpointing
 
-    backend("auto")
     cfg = get_model_config("flux-dev").replace(depth=2, depth_single_blocks=4, hidden_size=384, num_heads=3,
                                                context_in_dim=128, vec_in_dim=32)
     B, px, T = 3, 256, 64

@@ -54,11 +54,13 @@ def _worker(rank, world, port, out_dir):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     from fluxzero.config import ds_config, memory
     from fluxzero.train import flow
-    from fluxzero.train import engine as ds_engine
-    from fluxzero.config import TrainConfig, get_model_config
+    from fluxzero.config import FlowConfig, get_model_config
+    from fluxzero.config.ds_view import load_for_training
     from fluxzero.data import build_dataloader
+    from fluxzero.train import engine as ds_engine
+    from fluxzero.train.distributed import init_distributed
 
-    ds_engine.init_distributed()
+    init_distributed()
     model_cfg = get_model_config("flux-tiny")
     results = {}
     for stage, oo, op in CASES:
@@ -74,13 +76,12 @@ def _worker(rank, world, port, out_dir):
         path = f"{out_dir}/ds{name}-rank{rank}.json"  # one file per rank: a shared one can be read mid-rewrite
         with open(path, "w") as f:
             json.dump(ds, f)
-        cfg = TrainConfig(deepspeed=path, data="synthetic:n=16,hw=16x16,txt=16,ctx=64,vec=32", output_dir=out_dir,
-                          model="flux-tiny", micro_batch=2, precision="bf16", steps=2, export_format=None)
-        ds_run, ours = ds_engine.load_ds_config(path, cfg, world)
-        engine = ds_engine.build_engine(cfg, ds_run, ours, model_cfg, torch.device("cpu"))
-        batches = iter(build_dataloader(cfg.data, micro_batch=2, rank=rank, world_size=world, seed=0))
+        ds_run, v = load_for_training(path, world)
+        engine = ds_engine.build_engine(model_cfg, ds_run, v, torch.device("cpu"), seed=0)
+        batches = iter(build_dataloader("synthetic:n=16,hw=16x16,txt=16,ctx=64,vec=32", micro_batch=2, rank=rank,
+                                        world_size=world, seed=0))
         for step in range(2):
-            inputs, target = flow.prepare_batch(next(batches), cfg.flow, 0, 0, guidance_embed=True,
+            inputs, target = flow.prepare_batch(next(batches), FlowConfig(), 0, 0, guidance_embed=True,
                                                 dtype=torch.bfloat16)
             engine.backward(flow.loss(engine(**inputs), target))
             if step == 1:

@@ -116,42 +116,45 @@ def test_attention_backends_agree_on_cpu():
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 9, 16) for _ in range(3))
     pe = fmath.rope(torch.randint(0, 5, (2, 9, 3)).float(), (4, 6, 6), 10_000)
-    try:
-        fmath.set_attention_backend("math")
-        ref = fmath.attention(q, k, v, pe)
-        fmath.set_attention_backend("auto")
-        assert fmath.get_attention_backend() == "auto"
-        torch.testing.assert_close(fmath.attention(q, k, v, pe), ref, rtol=1e-5, atol=1e-6)
-        assert ref.shape == (2, 9, 64)
-        with pytest.raises(ValueError, match="choose one of"):
-            fmath.set_attention_backend("xformers")
-    finally:
-        fmath.set_attention_backend("auto")
+    ref = fmath.attention(q, k, v, pe, "math")
+    torch.testing.assert_close(fmath.attention(q, k, v, pe, "auto"), ref, rtol=1e-5, atol=1e-6)
+    assert ref.shape == (2, 9, 64)
+    with pytest.raises(ValueError, match="choose one of"):
+        fmath.check_attention_backend("xformers")
+    with pytest.raises(ValueError, match="choose one of"):
+        build_model("flux-tiny", attention="xformers")
 
 
-def test_attention_backend_survives_outside_flag_changes():
+def test_attention_backend_is_the_models_and_survives_outside_flag_changes():
     from torch.utils.flop_counter import FlopCounterMode
 
     q, k, v = (torch.randn(1, 2, 5, 16) for _ in range(3))
     pe = fmath.rope(torch.zeros(1, 5, 3), (4, 6, 6), 10_000)
 
-    def bmm_flops():
+    def bmm_flops(backend):
         with FlopCounterMode(display=False) as fc:
-            fmath.attention(q, k, v, pe)
+            fmath.attention(q, k, v, pe, backend)
         return fc.get_total_flops()  # attention has no other matmul
 
+    flags = [f() for _, f, _ in fmath._FLAGS]
     try:
-        fmath.set_attention_backend("math")  # math decomposes into bmm's; CPU flash is one opaque op
+        # math decomposes into bmm's; CPU flash is one opaque op
+        assert bmm_flops("math") == 2 * 2 * (2 * 5 * 5 * 16)  # whatever the process flags say
+        fmath.set_process_sdpa_flags("math")  # the fast path: flags match, SDPA is called directly
         assert torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
-        assert bmm_flops() == 2 * 2 * (2 * 5 * 5 * 16)
+        assert bmm_flops("math") == 2 * 2 * (2 * 5 * 5 * 16)
         torch.backends.cuda.enable_math_sdp(False)  # someone else changes the global flags
         torch.backends.cuda.enable_flash_sdp(True)
-        assert bmm_flops() == 2 * 2 * (2 * 5 * 5 * 16)  # still math, through sdpa_kernel
+        assert bmm_flops("math") == 2 * 2 * (2 * 5 * 5 * 16)  # still math, through sdpa_kernel
         assert torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.math_sdp_enabled()  # restored
-        fmath.set_attention_backend("auto")
-        assert bmm_flops() == 0 and not torch.backends.cuda.cudnn_sdp_enabled()
+        assert bmm_flops("auto") == 0
     finally:
-        fmath.set_attention_backend("auto")
+        for (_, _, enable), on in zip(fmath._FLAGS, flags):
+            enable(on)
+    model = build_model("flux-tiny", attention="math")
+    assert {b.attention for b in (*model.double_blocks, *model.single_blocks)} == {"math"}
+    model.set_attention("flash")
+    assert {b.attention for b in (*model.double_blocks, *model.single_blocks)} == {"flash"}
 
 
 def test_blocks_trace_without_graph_breaks():

@@ -10,12 +10,12 @@ from test_model import make_inputs
 
 
 def counted(model, x, backend):
-    fmath.set_attention_backend(backend)
+    model.set_attention(backend)
     try:
         with torch.no_grad(), FlopCounterMode(display=False) as fc:
             model(**x)
     finally:
-        fmath.set_attention_backend("auto")
+        model.set_attention("auto")
     return fc.get_total_flops()
 
 

@@ -39,7 +39,7 @@ def _cfg(**kw):
 # Pure: run file and cross-checks
 # ---------------------------------------------------------------------------------------------------------
 def test_load_config_with_overrides(tmp_path):
-    from fluxzero.train.loop import load_config
+    from fluxzero.config.runfile import load_config
 
     run = tmp_path / "run.yaml"
     run.write_text("deepspeed: ds.json\ndata: d\noutput_dir: o\nsteps: 5\nflow:\n  guidance: 3.5\n")
@@ -47,7 +47,7 @@ def test_load_config_with_overrides(tmp_path):
     assert cfg.steps == 7 and cfg.flow.shift == "none" and cfg.flow.guidance == 3.5
     assert cfg.weights is None and cfg.export_format == "diffusers"
     assert TrainConfig.from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg  # the saved run.yaml
-    from fluxzero.train.loop import ConfigError
+    from fluxzero.config.runfile import ConfigError
 
     for over, match in [("steps.x=3", "steps is a value, not a section"), ("flow.guidance.x=1", "flow.guidance is a value")]:
         with pytest.raises(ConfigError, match=match):
@@ -123,7 +123,7 @@ def test_export_is_current_only_in_the_same_layout_and_dtype(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from fluxzero.train.loop import _export_is_current
+    from fluxzero.train.export import _export_is_current
 
     latest = tmp_path / "latest"
     latest.write_text("step_00000004")
@@ -198,7 +198,7 @@ def test_process_group_is_torn_down_before_interpreter_exit():
         import atexit, sys
         import torch.distributed as dist
         atexit.register(lambda: print("group alive at exit:", dist.is_initialized()))
-        from fluxzero.train.engine import init_distributed
+        from fluxzero.train.distributed import init_distributed
         init_distributed()
         dist.barrier()
     """)
@@ -215,7 +215,7 @@ CHILD = textwrap.dedent("""
     import contextlib, io, json, os, resource, sys, warnings
     warnings.filterwarnings("ignore")
     os.environ["FLUXZERO_NO_PROGRESS"] = "1"
-    from fluxzero.train.engine import init_distributed
+    from fluxzero.train.distributed import init_distributed
     from fluxzero.train.loop import main
     init_distributed()  # one process group for all cases (DeepSpeed caches its groups per process)
     results = {}
@@ -436,7 +436,7 @@ def test_export_command(cases, tmp_path):
 
 def test_truncated_checkpoint_is_one_sentence(cases, tmp_path):
     from fluxzero.cli import main
-    from fluxzero.train.engine import _unreadable_files
+    from fluxzero.train.checkpoint import _unreadable_files
 
     tmp, _ = cases
     shutil.copytree(tmp / "disk", tmp_path / "run")
@@ -480,7 +480,7 @@ MULTI = textwrap.dedent("""
     import json, os, sys
     os.environ["FLUXZERO_NO_PROGRESS"] = "1"
     from fluxzero.train.loop import main  # first, as launch/train.py: it quiets other ranks before DeepSpeed's import
-    from fluxzero.train.engine import init_distributed
+    from fluxzero.train.distributed import init_distributed
     init_distributed()
     rank = int(os.environ["RANK"])
     for name, argv, lose_shard_on in json.load(open(sys.argv[1])):
@@ -625,7 +625,7 @@ def test_deepspeed_launcher_two_ranks(tmp_path):
 def test_an_incomplete_diffusers_export_is_not_up_to_date(tmp_path):
     """The index is written last: shards without it are an export that stopped midway and must be redone."""
     from fluxzero.model.weights import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
-    from fluxzero.train.loop import _diffusers_files
+    from fluxzero.train.export import _diffusers_files
 
     shards = [f"diffusion_pytorch_model-0000{i}-of-00002.safetensors" for i in (1, 2)]
     (tmp_path / shards[0]).write_bytes(b"x")

@@ -89,11 +89,13 @@ def _partition_probe(cfg):
     """Per rank: elements held locally vs the model's total, right after the ZeRO-3 build and weight load."""
     import torch.distributed as dist
 
-    from fluxzero.train import engine as ds_engine
     from fluxzero.config import get_model_config
+    from fluxzero.config.ds_view import load_for_training
+    from fluxzero.train import engine as ds_engine
 
-    ds, ours = ds_engine.load_ds_config(cfg.deepspeed, cfg, dist.get_world_size())
-    engine = ds_engine.build_engine(cfg, ds, ours, get_model_config(cfg.model), torch.device("cpu"))
+    ds, v = load_for_training(cfg.deepspeed, dist.get_world_size())
+    engine = ds_engine.build_engine(get_model_config(cfg.model), ds, v, torch.device("cpu"), seed=cfg.seed,
+                                    weights=cfg.weights)
     params = list(engine.module.parameters())
     local = sum(p.ds_tensor.numel() for p in params)
     placeholders = sum(p.numel() for p in params)  # what a rank sees outside a gather: empty tensors
@@ -138,8 +140,9 @@ def _checkpoint_checks_probe(cfg):
 
     import torch.distributed as dist
 
-    from fluxzero.train import engine as ds_engine
     from fluxzero.config import get_model_config
+    from fluxzero.config.ds_view import load_for_training
+    from fluxzero.train import checkpoint, engine as ds_engine
 
     rank = dist.get_rank()
     ckpt = Path(cfg.output_dir) / "checkpoints"
@@ -148,8 +151,8 @@ def _checkpoint_checks_probe(cfg):
             _damage(ckpt, case)  # not_shared: rank 0 sees an intact copy
         (ckpt.parent.parent / "damaged_not_shared" / "other_node" / "checkpoints").mkdir(parents=True)
     dist.barrier()
-    ds, ours = ds_engine.load_ds_config(cfg.deepspeed, cfg, dist.get_world_size())
-    engine = ds_engine.build_engine(cfg, ds, ours, get_model_config(cfg.model), torch.device("cpu"))
+    ds, v = load_for_training(cfg.deepspeed, dist.get_world_size())
+    engine = ds_engine.build_engine(get_model_config(cfg.model), ds, v, torch.device("cpu"), seed=cfg.seed)
     out = {}
     for case in CHECKPOINT_CASES:
         folder = ckpt.parent.parent / f"damaged_{case}" / "checkpoints"
@@ -157,7 +160,9 @@ def _checkpoint_checks_probe(cfg):
             folder = folder.parent / "other_node" / "checkpoints"
         before = _tree_digest(folder) if rank == 0 else None
         try:
-            ds_engine.load_checkpoint(engine, folder)
+            tag = checkpoint.decide_resume(cfg, v, folder)
+            if tag:
+                checkpoint.load(engine, folder, tag)
             error = None
         except Exception as e:  # noqa: BLE001 - the test asserts on what each rank got
             error = f"{type(e).__name__}: {e}"
@@ -169,12 +174,10 @@ def _checkpoint_checks_probe(cfg):
     # without the shared disk) and resume is off: both must stop, with rank 0's sentence
     import dataclasses
 
-    from fluxzero.train.loop import _check_output_dir_all_ranks
-
     out_dir = Path(cfg.output_dir) if rank == 0 else ckpt.parent.parent / "damaged_not_shared" / "other_node"
     try:
-        _check_output_dir_all_ranks(dataclasses.replace(cfg, output_dir=str(out_dir), resume=False),
-                                    out_dir / "checkpoints")
+        checkpoint.decide_resume(dataclasses.replace(cfg, output_dir=str(out_dir), resume=False), v,
+                                 out_dir / "checkpoints")
         error = None
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
@@ -298,7 +301,7 @@ def test_resume_reproduces_uninterrupted_run_bit_exactly(matrix, stage):
 def test_export_round_trip_from_zero3_shards(matrix, tmp_path):
     from diffusers import FluxTransformer2DModel
 
-    from fluxzero.train.engine import export_checkpoint
+    from fluxzero.train.export import export_checkpoint
     from fluxzero.model.weights import load_weights
 
     ckpt = matrix["tmp"] / "z3" / "checkpoints"
@@ -381,7 +384,7 @@ def test_output_dir_is_judged_by_rank_0_for_every_rank(matrix):
 
 
 def test_checkpoint_file_names_match_deepspeed(matrix):
-    from fluxzero.train.engine import checkpoint_files
+    from fluxzero.train.checkpoint import checkpoint_files
 
     for name, stage, bf16 in [("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z3", 3, False),
                               ("z0_bf16", 0, True), ("full_bf16", 2, True)]:
@@ -394,7 +397,7 @@ def test_checkpoint_file_names_match_deepspeed(matrix):
 
 
 def test_fp32_export_of_bf16_runs_is_the_fp32_master_weights(matrix, tmp_path):
-    from fluxzero.train.engine import export_checkpoint
+    from fluxzero.train.export import export_checkpoint
     from fluxzero.model.weights import load_weights
 
     # ZeRO-0: the masters are the optimizer wrapper's fp32_groups, in module parameter order

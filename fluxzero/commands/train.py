@@ -46,7 +46,8 @@ def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, overwrite: bool):
         raise click.UsageError(f"{out} exists; pass --overwrite to replace it or choose another OUT")
     if layout != "diffusers" and out.suffix != ".safetensors":
         raise click.BadParameter(f"--format {layout} writes one file: give OUT a .safetensors name", param_hint="OUT")
-    from fluxzero.train.engine import TrainingError, export_checkpoint, resolve_checkpoint
+    from fluxzero.train.distributed import TrainingError
+    from fluxzero.train.export import export_checkpoint, resolve_checkpoint
 
     try:
         ckpt, tag = resolve_checkpoint(ckpt_dir)

@@ -6,19 +6,21 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig, get_model_config
 from .layers import DoubleStreamBlock, EmbedND, LastLayer, MLPEmbedder, SingleStreamBlock
-from .math import timestep_embedding
+from .math import check_attention_backend, timestep_embedding
 
 
 class Flux(nn.Module):
     """FLUX.1 flow transformer on packed latents.
 
     Single-device PyTorch: activation checkpointing and ZeRO are applied from outside, per block of
-    `double_blocks` / `single_blocks`.
+    `double_blocks` / `single_blocks`. `attention` names the SDPA kernels the blocks may use
+    (math.ATTENTION_BACKENDS: auto = flash, efficient, math; cuDNN only when asked for).
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, attention: str = "auto"):
         super().__init__()
         self.config = c = config
+        self.attention = check_attention_backend(attention)
         self.pe_embedder = EmbedND(c.axes_dim, c.theta)
         self.img_in = nn.Linear(c.in_channels, c.hidden_size)
         self.time_in = MLPEmbedder(256, c.hidden_size)
@@ -26,12 +28,18 @@ class Flux(nn.Module):
         self.guidance_in = MLPEmbedder(256, c.hidden_size) if c.guidance_embed else nn.Identity()
         self.txt_in = nn.Linear(c.context_in_dim, c.hidden_size)
         self.double_blocks = nn.ModuleList(
-            DoubleStreamBlock(c.hidden_size, c.num_heads, c.mlp_ratio, c.qkv_bias) for _ in range(c.depth)
+            DoubleStreamBlock(c.hidden_size, c.num_heads, c.mlp_ratio, c.qkv_bias, attention) for _ in range(c.depth)
         )
         self.single_blocks = nn.ModuleList(
-            SingleStreamBlock(c.hidden_size, c.num_heads, c.mlp_ratio) for _ in range(c.depth_single_blocks)
+            SingleStreamBlock(c.hidden_size, c.num_heads, c.mlp_ratio, attention) for _ in range(c.depth_single_blocks)
         )
         self.final_layer = LastLayer(c.hidden_size, c.out_channels)
+
+    def set_attention(self, name: str) -> None:
+        """Switch every block's SDPA backend (auto, flash, efficient, cudnn, math)."""
+        self.attention = check_attention_backend(name)
+        for block in (*self.double_blocks, *self.single_blocks):
+            block.attention = name
 
     def forward(
         self, img: Tensor, img_ids: Tensor, txt: Tensor, txt_ids: Tensor, timesteps: Tensor, y: Tensor,
@@ -68,7 +76,8 @@ class Flux(nn.Module):
         return self.final_layer(x[:, txt.shape[1]:], vec)  # (B, L_img, out_channels)
 
 
-def build_model(cfg: ModelConfig | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Flux:
+def build_model(cfg: ModelConfig | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                attention: str = "auto") -> Flux:
     """A randomly initialised Flux, created directly on `device` in `dtype` (device="meta": shapes only)."""
     if isinstance(cfg, str):
         cfg = get_model_config(cfg)
@@ -76,7 +85,7 @@ def build_model(cfg: ModelConfig | str, device: str | torch.device = "cpu", dtyp
     torch.set_default_dtype(dtype)  # parameters are born in `dtype`: no float32 copy of a 12B model
     try:
         with torch.device(device):
-            model = Flux(cfg)
+            model = Flux(cfg, attention)
     finally:
         torch.set_default_dtype(previous)
     return model

@@ -98,10 +98,11 @@ def _layer_norm(x: Tensor) -> Tensor:
 class DoubleStreamBlock(nn.Module):
     """Image and text streams with separate weights, joined in one attention (text tokens first)."""
 
-    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float, qkv_bias: bool):
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float, qkv_bias: bool, attention: str = "auto"):
         super().__init__()
         mlp_hidden = int(hidden_size * mlp_ratio)
         self.num_heads, self.hidden_size = num_heads, hidden_size
+        self.attention = attention  # SDPA backend name (math.ATTENTION_BACKENDS)
         for s in ("img", "txt"):
             setattr(self, f"{s}_mod", Modulation(hidden_size, double=True))
             setattr(self, f"{s}_attn", SelfAttention(hidden_size, num_heads, qkv_bias))
@@ -119,7 +120,7 @@ class DoubleStreamBlock(nn.Module):
         q = torch.cat((txt_q, img_q), dim=2)  # (B, H, L_txt+L_img, D)
         k = torch.cat((txt_k, img_k), dim=2)
         v = torch.cat((txt_v, img_v), dim=2)
-        attn = attention(q, k, v, pe)  # (B, L_txt+L_img, C)
+        attn = attention(q, k, v, pe, self.attention)  # (B, L_txt+L_img, C)
         txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1]:]
 
         img = torch.addcmul(img, i_gate1, self.img_attn.proj(img_attn))  # (B, L_img, C)
@@ -132,9 +133,10 @@ class DoubleStreamBlock(nn.Module):
 class SingleStreamBlock(nn.Module):
     """One stream over the joined tokens; QKV and MLP-in fused in linear1, attn-out and MLP-out in linear2."""
 
-    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float):
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float, attention: str = "auto"):
         super().__init__()
         self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.attention = attention  # SDPA backend name (math.ATTENTION_BACKENDS)
         self.mlp_hidden_dim = int(hidden_size * mlp_ratio)
         self.linear1 = nn.Linear(hidden_size, 3 * hidden_size + self.mlp_hidden_dim)
         self.linear2 = nn.Linear(hidden_size + self.mlp_hidden_dim, hidden_size)
@@ -149,7 +151,7 @@ class SingleStreamBlock(nn.Module):
         )  # (B, L, 3C), (B, L, M)
         q, k, v = qkv.unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4)  # (B, H, L, D) x3
         q, k = self.norm(q, k)
-        attn = attention(q, k, v, pe)  # (B, L, C)
+        attn = attention(q, k, v, pe, self.attention)  # (B, L, C)
         out = self.linear2(torch.cat((attn, F.gelu(mlp, approximate="tanh")), dim=-1))  # (B, L, C)
         return torch.addcmul(x, gate, out)
 

@@ -20,8 +20,6 @@ ATTENTION_BACKENDS: dict[str, list[SDPBackend]] = {
     "cudnn": [SDPBackend.CUDNN_ATTENTION],
     "math": [SDPBackend.MATH],
 }
-_backends: list[SDPBackend] = ATTENTION_BACKENDS["auto"]
-_backend_name = "auto"
 _FLAGS = (  # (backend, global getter, global setter) for the backends a name can allow
     (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.enable_flash_sdp),
     (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled,
@@ -31,41 +29,42 @@ _FLAGS = (  # (backend, global getter, global setter) for the backends a name ca
 )
 
 
-def set_attention_backend(name: str) -> None:
-    """Choose which SDPA kernels `attention` may use: auto, flash, efficient, cudnn or math.
-
-    Also sets torch's process-wide SDPA flags to match, so `attention` can call SDPA directly; if anything
-    changes those flags later, `attention` falls back to entering `sdpa_kernel` around each call.
-    """
-    global _backends, _backend_name
+def check_attention_backend(name: str) -> str:
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of: {', '.join(ATTENTION_BACKENDS)}")
-    _backends, _backend_name = ATTENTION_BACKENDS[name], name
+    return name
+
+
+def set_process_sdpa_flags(name: str) -> None:
+    """Set torch's process-wide SDPA flags to what attention backend `name` allows.
+
+    For programs (the trainer, benchmarks), never called by the model: a model's attention takes its backend
+    as an argument and is right whatever the flags say. When the flags already match, it skips entering
+    `sdpa_kernel` around each call (~1 us check against ~20-90 us: the context manager reads and writes every
+    flag twice through a generator), which is worth it eagerly at ~60 attention calls per forward.
+    """
+    allowed = ATTENTION_BACKENDS[check_attention_backend(name)]
     for backend, _, enable in _FLAGS:
-        enable(backend in _backends)
+        enable(backend in allowed)
 
 
-def get_attention_backend() -> str:
-    return _backend_name
+def _flags_match(allowed: list[SDPBackend]) -> bool:
+    return all(enabled() == (backend in allowed) for backend, enabled, _ in _FLAGS)
 
 
-def _flags_match() -> bool:
-    # ~1 us; entering sdpa_kernel reads and writes every flag twice through a generator (~20-90 us a call).
-    return all(enabled() == (backend in _backends) for backend, enabled, _ in _FLAGS)
-
-
-def attention(q: Tensor, k: Tensor, v: Tensor, pe: Tensor) -> Tensor:
-    """Rotate q and k by `pe`, attend, and merge heads.
+def attention(q: Tensor, k: Tensor, v: Tensor, pe: Tensor, backend: str = "auto") -> Tensor:
+    """Rotate q and k by `pe`, attend with the SDPA kernels `backend` allows, and merge heads.
 
     Shape: q, k, v (B, H, L, D); pe (2, B, 1, L, D) -> (B, L, H*D)
     """
     q, k = apply_rope(q, pe), apply_rope(k, pe)  # (B, H, L, D)
+    allowed = ATTENTION_BACKENDS[backend]
     # Under torch.compile, take the context-manager path: Dynamo traces sdpa_kernel but breaks the graph on
     # the flag getters, and a compiled graph pays no per-call Python cost anyway.
-    if not torch.compiler.is_compiling() and _flags_match():
+    if not torch.compiler.is_compiling() and _flags_match(allowed):
         x = F.scaled_dot_product_attention(q, k, v)  # (B, H, L, D)
     else:
-        with sdpa_kernel(_backends):
+        with sdpa_kernel(allowed):
             x = F.scaled_dot_product_attention(q, k, v)  # (B, H, L, D)
     return x.transpose(1, 2).flatten(2)  # (B, L, H*D)
 

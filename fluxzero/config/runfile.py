@@ -1,0 +1,86 @@
+"""The run file on disk: YAML plus `key=value` overrides -> TrainConfig, and back to YAML for checkpoints.
+
+Pure Python (pyyaml imported inside the calls): the config package stays import-light.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fluxzero.config.run import TrainConfig
+
+
+def _parse_value(text: str):
+    import yaml
+
+    return yaml.safe_load(text) if text.strip() else ""
+
+
+class ConfigError(ValueError):
+    """The run file or its overrides are invalid; the message names the key and the fix."""
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
+    """YAML run file + `key=value` overrides (dotted keys for sections, e.g. flow.shift=none)."""
+    try:
+        return _load_config(path, overrides)
+    except ConfigError:
+        raise
+    except ValueError as e:  # TrainConfig / FlowConfig validation
+        raise ConfigError(str(e)) from None
+
+
+
+def _load_config(path, overrides) -> TrainConfig:
+    import yaml
+
+    data = {}
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"run file {path} does not exist") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"run file {path} is not a text file; pass a YAML run file such as "
+                              f"launch/tiny.yaml") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read run file {path} ({e.strerror or e}); pass a YAML run file such as "
+                              f"launch/tiny.yaml") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"run file {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"run file {path} must be a mapping of settings")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} must look like key=value")
+        *parents, leaf = key.strip().split(".")
+        node = data
+        for i, p in enumerate(parents):
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parents[:i + 1])} is a value, not a section; "
+                                  f"write {'.'.join(parents[:i + 1])}=VALUE")
+        node[leaf] = _parse_value(value)
+    return TrainConfig.from_dict(data)
+
+
+def config_text(cfg: TrainConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def split_allow(overrides: list[str]) -> tuple[list[str], bool]:
+    """allow_config_change=true|false is a switch for this one start, not a run-file setting: it is never
+    saved with a checkpoint, so the next resume checks against the new values again."""
+    rest, allow = [], False
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if key.strip() != "allow_config_change" or not sep:
+            rest.append(item)
+            continue
+        allow = _parse_value(value)
+        if not isinstance(allow, bool):
+            raise ConfigError(f"allow_config_change must be true or false, got {value!r}")
+    return rest, allow
+

@@ -1,0 +1,88 @@
+"""The public train step: one optimizer step of rectified-flow training through the DeepSpeed engine.
+
+The trainer's loop and every benchmark run this step, so what the benchmarks time is what users run:
+    batch -> flow.prepare_batch -> engine(**inputs) -> flow.loss -> engine.backward, per micro batch,
+    then the mean loss over micro batches and ranks, the finite check, and the update (engine.step).
+It owns every engine.step() call. No deepspeed import: the engine object does the work.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from fluxzero.config import FlowConfig
+from fluxzero.train import flow
+from fluxzero.train.distributed import mean_across_ranks
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did. loss: the mean over its micro batches and all ranks."""
+
+    loss: float
+    lr: float  # the lr this step applied (a DeepSpeed scheduler moves on inside engine.step)
+    grad_norm: float | None  # DeepSpeed's global gradient norm, None where the engine does not compute it
+    skipped_steps: int  # updates DeepSpeed skipped so far (fp16 overflow): a rising count means lost updates
+    img_tokens: int  # packed image tokens of the last micro batch (they vary with the bucket)
+    txt_tokens: int
+
+
+def batches(loader) -> Iterator[tuple[int, dict]]:
+    """(epoch, batch) forever, continuing from the loader's (possibly restored) position."""
+    epoch = loader.epoch
+    while True:
+        loader.set_epoch(epoch)
+        for batch in loader:
+            yield epoch, batch
+        epoch += 1
+
+
+class TrainStep:
+    """Callable that runs one optimizer step and returns a StepResult.
+
+    before_update(loss) runs once the step's loss is known and before the update is applied: the trainer's
+    finite check raises there, so a non-finite loss never reaches the weights (nor a checkpoint).
+    on_phase(name), when given, is called as each phase starts ("data", "forward", "backward", "update") and
+    with "end": benchmarks put CUDA events there; the trainer leaves it None.
+    """
+
+    def __init__(self, engine, source: Iterator[tuple[int, dict]], flow_cfg: FlowConfig, *, seed: int,
+                 grad_accum: int, guidance_embed: bool, device: torch.device, dtype: torch.dtype,
+                 before_update: Callable[[float], None] | None = None,
+                 on_phase: Callable[[str], None] | None = None):
+        self.engine, self.source, self.flow_cfg = engine, source, flow_cfg
+        self.seed, self.grad_accum, self.guidance_embed = seed, grad_accum, guidance_embed
+        self.device, self.dtype = device, dtype
+        self.before_update = before_update
+        self.on_phase = on_phase or (lambda name: None)
+
+    def __call__(self) -> StepResult:
+        engine, phase = self.engine, self.on_phase
+        lr = engine.get_lr()[0]  # before engine.step: a DeepSpeed scheduler moves on inside it
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(self.grad_accum):
+            phase("data")
+            epoch, batch = next(self.source)
+            inputs, target = flow.prepare_batch(batch, self.flow_cfg, self.seed, epoch,
+                                                guidance_embed=self.guidance_embed, device=self.device,
+                                                dtype=self.dtype)
+            phase("forward")
+            pred = engine(**inputs)  # (B, L_img, 64)
+            loss = flow.loss(pred, target)
+            phase("backward")
+            engine.backward(loss)
+            loss_sum += loss.detach()
+            if micro < self.grad_accum - 1:
+                engine.step()  # inside accumulation: DeepSpeed only counts the micro step
+        mean = mean_across_ranks(loss_sum) / self.grad_accum  # one host sync per optimizer step
+        if self.before_update is not None:
+            self.before_update(mean)
+        phase("update")
+        engine.step()
+        phase("end")
+        norm = engine.get_global_grad_norm()
+        return StepResult(loss=mean, lr=lr, grad_norm=None if norm is None else float(norm),
+                          skipped_steps=int(engine.skipped_steps), img_tokens=inputs["img"].shape[1],
+                          txt_tokens=inputs["txt"].shape[1])
