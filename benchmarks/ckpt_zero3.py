@@ -68,7 +68,7 @@ def worker(rank, world, port, args, offload, impl, result_path):
     ds_path.write_text(json.dumps(ds_config(offload, impl, world, args.precision)))
     cfg = TrainConfig(deepspeed=str(ds_path), data=f"synthetic:n={world * args.steps},hw={hw}x{hw},txt={args.txt},"
                       f"ctx={mc.context_in_dim},vec={mc.vec_in_dim}", output_dir=tmp, model=args.model,
-                      precision=args.precision, steps=args.steps, export_format=None)
+                      steps=args.steps, export_format=None)  # precision is the DeepSpeed config's (ds_config above)
     rec = {"offload": offload, "impl": impl, "status": "ok", "losses": [], "step_s": []}
     try:
         rank, world, device = ds_engine.init_distributed()

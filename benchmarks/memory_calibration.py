@@ -137,14 +137,14 @@ def worker(case: Case, ds_path: str, result_path: str) -> None:
     mc = get_model_config(case.model)
     data = (f"synthetic:n={max(64, 2 * case.micro_batch * world)},hw={hw}x{hw},txt={case.txt_len},"
             f"ctx={mc.context_in_dim},vec={mc.vec_in_dim}")
-    cfg = TrainConfig(deepspeed=ds_path, data=data, output_dir=out, model=case.model, micro_batch=case.micro_batch,
-                      precision="bf16", steps=case.steps, export_format=None)
+    cfg = TrainConfig(deepspeed=ds_path, data=data, output_dir=out, model=case.model,
+                      steps=case.steps, export_format=None)  # micro batch and bf16: in the DeepSpeed config
     rank, world, device = ds_engine.init_distributed()
     set_attention_backend(cfg.attention)
     ds, ours = ds_engine.load_ds_config(cfg.deepspeed, cfg, world)
     model_cfg = get_model_config(cfg.model)
     cuda = torch.cuda.is_available()
-    loader = build_dataloader(cfg.data, micro_batch=cfg.micro_batch, rank=rank, world_size=world, seed=0,
+    loader = build_dataloader(cfg.data, micro_batch=case.micro_batch, rank=rank, world_size=world, seed=0,
                               pin_memory=cuda)
     dtype = ds_engine.param_dtype(ds)
     rec: dict = {"rank": rank, "steps": [], "status": "ok"}

@@ -377,7 +377,7 @@ def _build_fluxzero(case: Case, ds: dict, model_cfg, device, rowdir: Path):
 
         try:
             tc = TrainConfig(deepspeed="<benchmark>", data="synthetic:", output_dir=str(rowdir), model=case.model,
-                             micro_batch=case.mb, precision=case.precision, attention=case.attn, seed=0,
+                             attention=case.attn, seed=0,
                              export_format=None)
         except (TypeError, ValueError):
             usable = False

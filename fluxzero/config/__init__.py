@@ -2,6 +2,6 @@
 builder and its parsed view, the memory model. `fluxzero gen-config` and `estimate` import only this package.
 """
 from fluxzero.config.models import MODEL_PRESETS, ModelConfig, get_model_config, reshaped
-from fluxzero.config.run import PRECISIONS, FlowConfig, TrainConfig
+from fluxzero.config.run import FlowConfig, TrainConfig
 
-__all__ = ["MODEL_PRESETS", "ModelConfig", "get_model_config", "reshaped", "PRECISIONS", "FlowConfig", "TrainConfig"]
+__all__ = ["MODEL_PRESETS", "ModelConfig", "get_model_config", "reshaped", "FlowConfig", "TrainConfig"]

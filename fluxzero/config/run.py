@@ -11,7 +11,41 @@ from fluxzero.config.models import get_model_config
 # ---------------------------------------------------------------------------------------------------------
 # Training run file (YAML -> TrainConfig). Loading YAML happens in load_config below, inside the call; this stays stdlib only.
 # ---------------------------------------------------------------------------------------------------------
-PRECISIONS = ("fp32", "bf16", "fp16")
+# Keys an older run file carried that the DeepSpeed JSON owns now (ds_view's rule: what DeepSpeed's engine does is
+# set in its config, nowhere else), with where each lives there.
+MOVED_TO_DEEPSPEED = {
+    "micro_batch": "train_micro_batch_size_per_gpu",
+    "grad_accum": "gradient_accumulation_steps",
+    "precision": "bf16.enabled / fp16.enabled",
+}
+MOVED_TO_SCHEDULER = {
+    "warmup_steps": "scheduler.params.warmup_num_steps",
+    "lr_decay": "scheduler.type",
+    "min_lr_ratio": "scheduler.params.cos_min_ratio",
+}
+
+
+def _and(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
+
+
+def moved_keys_message(keys, deepspeed: str | None) -> str:
+    """The one sentence for run-file keys whose values live in the DeepSpeed config now."""
+    where = deepspeed if isinstance(deepspeed, str) and deepspeed.strip() else "the file deepspeed: names"
+    engine = [k for k in MOVED_TO_DEEPSPEED if k in keys]
+    sched = [k for k in MOVED_TO_SCHEDULER if k in keys]
+    parts = []
+    if engine:
+        verb = "is" if len(engine) == 1 else "are"
+        parts.append(f"{_and(engine)} {verb} set in the DeepSpeed config now "
+                     f"({_and([MOVED_TO_DEEPSPEED[k] for k in engine])} in {where})")
+    if sched:
+        verb = "is" if len(sched) == 1 else "are"
+        parts.append(f"{_and(sched)} {verb} the DeepSpeed scheduler's now "
+                     f"({_and([MOVED_TO_SCHEDULER[k] for k in sched])} in {where}; "
+                     f"`fluxzero gen-config --scheduler WarmupCosineLR --warmup-steps N --total-steps M` writes it)")
+    them = "it" if len(engine) + len(sched) == 1 else "them"
+    return f"{' and '.join(parts)}: remove {them} from the run file"
 
 
 def _check_types(obj, prefix: str = "") -> None:
@@ -76,24 +110,21 @@ class FlowConfig:
 
 @dataclass
 class TrainConfig:
-    """One training run, as written in the YAML run file (command-line `key=value` overrides on top)."""
+    """One training run, as written in the YAML run file (command-line `key=value` overrides on top).
+
+    Batch sizes, precision, optimizer, lr schedule and gradient clipping are the DeepSpeed config's
+    (`fluxzero.config.ds_view` reads them); this holds what the trainer does around the engine.
+    """
 
     deepspeed: str  # DeepSpeed JSON config (from `fluxzero gen-config`)
     data: str  # shard directory, or a synthetic spec "synthetic:n=64,hw=32x32,..."
     output_dir: str  # checkpoints/, tensorboard/, metrics.jsonl, export
     model: str = "flux-tiny"  # preset name
     weights: str | None = None  # pretrained safetensors file or diffusers folder; None = random init
-    micro_batch: int = 1  # must equal the DeepSpeed config's train_micro_batch_size_per_gpu
-    grad_accum: int = 1  # must equal gradient_accumulation_steps
-    precision: str = "fp32"  # must match the DeepSpeed config's bf16 / fp16 sections
     steps: int = 0  # optimizer steps; 0 = run `epochs` epochs
     epochs: int = 1
     stop_after: int = 0  # stop (with a checkpoint) after this step although the schedule runs to `steps`
     seed: int = 0
-    # lr schedule on the DeepSpeed optimizer's lr, used when the DeepSpeed config has no "scheduler"
-    warmup_steps: int = 0  # linear warmup
-    lr_decay: str = "constant"  # "constant" | "cosine" | "linear" after warmup
-    min_lr_ratio: float = 0.0
     checkpoint_every: int = 0  # steps; 0 = only at the end
     keep_checkpoints: int = 0  # keep the newest N checkpoints, deleting older ones after each save; 0 = all
     log_every: int = 1
@@ -115,18 +146,12 @@ class TrainConfig:
         for f in ("deepspeed", "data", "output_dir", "weights"):  # `~/runs` means the home folder, as in a shell
             if getattr(self, f):
                 setattr(self, f, os.path.expanduser(getattr(self, f)))
-        for f in ("micro_batch", "grad_accum", "epochs", "log_every"):
+        for f in ("epochs", "log_every"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f} must be at least 1, got {getattr(self, f)}")
-        for f in ("steps", "stop_after", "warmup_steps", "checkpoint_every", "keep_checkpoints", "num_workers"):
+        for f in ("steps", "stop_after", "checkpoint_every", "keep_checkpoints", "num_workers"):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be 0 or more, got {getattr(self, f)}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.lr_decay not in ("constant", "cosine", "linear"):
-            raise ValueError(f"lr_decay must be 'constant', 'cosine' or 'linear', got {self.lr_decay!r}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.export_format not in (None, "bfl", "diffusers", "comfyui"):
             raise ValueError(f"export_format must be bfl, diffusers, comfyui or null, got {self.export_format!r}")
         if self.export_dtype not in ("bf16", "fp32"):
@@ -137,6 +162,9 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         names = {f.name for f in dataclasses.fields(cls)}
+        moved = set(d) & (set(MOVED_TO_DEEPSPEED) | set(MOVED_TO_SCHEDULER))
+        if moved:
+            raise ValueError(moved_keys_message(moved, d.get("deepspeed")))
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown run-file keys {unknown}{_did_you_mean(unknown, names)}; valid keys: "
@@ -159,56 +187,7 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def global_batch(self, world_size: int) -> int:
-        return self.micro_batch * self.grad_accum * world_size
-
-    def total_steps(self, batches_per_epoch: int) -> int:
-        """Optimizer steps of the whole run: `steps`, or `epochs` over a loader of batches_per_epoch."""
-        return self.steps or max(1, self.epochs * batches_per_epoch // self.grad_accum)
-
-    def lr_factor(self, step: int, total_steps: int) -> float:
-        """Multiplier on the optimizer's base lr for optimizer step `step` (0-based): warmup, then decay."""
-        if self.warmup_steps and step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.lr_decay == "constant":
-            return 1.0
-        span = max(1, total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        if self.lr_decay == "linear":
-            decay = 1.0 - progress
-        else:
-            import math
-
-            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay
-
-    def check_deepspeed(self, ds: dict, world_size: int, source: str = "the DeepSpeed config") -> None:
-        """Raise ValueError naming the field when the DeepSpeed config contradicts this run file."""
-        def get(key):
-            v = ds.get(key, "auto")
-            return None if v == "auto" else v
-
-        mb, ga, tb = get("train_micro_batch_size_per_gpu"), get("gradient_accumulation_steps"), get("train_batch_size")
-        if mb is not None and mb != self.micro_batch:
-            raise ValueError(f"{source} has train_micro_batch_size_per_gpu {mb} but the run file has micro_batch "
-                             f"{self.micro_batch}; make them equal")
-        if ga is not None and ga != self.grad_accum:
-            raise ValueError(f"{source} has gradient_accumulation_steps {ga} but the run file has grad_accum "
-                             f"{self.grad_accum}; make them equal")
-        if tb is not None and tb != self.global_batch(world_size):
-            raise ValueError(f"{source} has train_batch_size {tb} but micro_batch {self.micro_batch} x grad_accum "
-                             f"{self.grad_accum} x world size {world_size} = {self.global_batch(world_size)}; "
-                             f"fix train_batch_size or launch {tb // (self.micro_batch * self.grad_accum) or 1} ranks")
-        ds_precision = ("bf16" if (ds.get("bf16") or {}).get("enabled")
-                        else "fp16" if (ds.get("fp16") or {}).get("enabled") else "fp32")
-        if ds_precision != self.precision:
-            raise ValueError(f"{source} trains in {ds_precision} but the run file has precision {self.precision}; "
-                             f"make them agree")
-        if "gradient_clipping" not in ds:
-            raise ValueError(f"{source} does not set gradient_clipping; set it explicitly (DeepSpeed 0.19.8 "
-                             f"silently defaults to 1.0; 0.0 turns clipping off)")
-        if "optimizer" not in ds:
-            raise ValueError(f"{source} has no optimizer section; add one (e.g. from `fluxzero gen-config`)")
-        if "scheduler" in ds and (self.warmup_steps or self.lr_decay != "constant"):
-            raise ValueError(f"{source} has a scheduler and the run file sets warmup_steps/lr_decay; keep one lr "
-                             f"schedule (gen-config --scheduler none, or drop warmup_steps and lr_decay)")
+    def total_steps(self, batches_per_epoch: int, grad_accum: int) -> int:
+        """Optimizer steps of the whole run: `steps`, or `epochs` over a loader of batches_per_epoch micro
+        batches, `grad_accum` (the DeepSpeed config's gradient_accumulation_steps) of them per step."""
+        return self.steps or max(1, self.epochs * batches_per_epoch // grad_accum)
