@@ -324,7 +324,7 @@ def test_estimate_config_reads_absent_keys_as_deepspeed_and_the_trainer_do(tmp_p
     assert (d["stage"], d["micro_batch"], d["checkpoint_every"]) == (0, 16, 0)
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 3}}))
     r = CliRunner().invoke(main, ["estimate", "--config", str(cfg), "--json"])
-    assert r.exit_code == 0 and "leaves the micro batch to the run file" in r.stderr
+    assert r.exit_code == 0 and "does not set the micro batch (train_micro_batch_size_per_gpu)" in r.stderr
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": "5e8"}}))
     r = CliRunner().invoke(main, ["estimate", "--config", str(cfg)])
     assert r.exit_code == 2 and "check-config" in r.output and "Traceback" not in r.output

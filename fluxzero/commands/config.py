@@ -12,7 +12,7 @@ import sys
 import click
 from click.core import ParameterSource
 
-from fluxzero.config import ds_config
+from fluxzero.config import ds_config, ds_view
 from fluxzero.commands.estimate import apply_fit, fit_options
 from fluxzero.config import MODEL_PRESETS
 from fluxzero.config.ds_config import DSConfigError, DSOptions
@@ -245,4 +245,27 @@ def check_config(file, hostfile, world_size, run_deepspeed):
         sys.exit(2)
     where = f"world size {world}" if world else "any world size (pass --world-size or --hostfile to check batch)"
     checked = "fluxzero's checks and DeepSpeed's parser" if run_deepspeed else "fluxzero's checks"
-    click.echo(f"{file}: OK ({checked}; {where})")
+    click.echo(f"{file}: OK ({checked}; {where}): {summary(ds_view.view(cfg), world)}")
+
+
+def summary(v: ds_view.DSView, world: int | None) -> str:
+    """What a checked config trains with, in one line, as the trainer reads it (through the DSView)."""
+    off = [f"{what} offload to {dev}" for what, dev in (("optimizer", v.offload_optimizer),
+                                                         ("parameter", v.offload_param)) if dev != "none"]
+    parts = [f"ZeRO-{v.stage}" + (f" with {' and '.join(off)}" if off else ""), v.precision]
+    try:
+        micro, accum, train = v.batch_for(world or 1)
+        batch = f"micro batch {micro} x accumulation {accum}"
+        parts.append(batch + (f" (global batch {train})" if world else ""))
+    except ds_view.DSConfigError:
+        pass  # batch sizes that need a world size to divide: reported with --world-size
+    if v.optimizer is not None:
+        parts.append(f"{v.optimizer} lr {v.lr}" if v.lr is not None else v.optimizer)
+    parts.append(f"{v.scheduler} schedule" if v.scheduler else "constant lr")
+    parts.append(f"gradient clipping {v.gradient_clipping}" if v.gradient_clipping else "no gradient clipping")
+    k = v.checkpoint_every
+    parts.append("no activation checkpointing" if k == 0 else "checkpointing every block" if k == 1
+                 else f"checkpointing 1 block in {k}")
+    if v.compile:
+        parts.append(f"compiled blocks ({v.compile_mode})")
+    return ", ".join(parts)

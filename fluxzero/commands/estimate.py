@@ -143,26 +143,27 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
     fields["optimizer_impl"] = "torch-fused" if adam_impl == "torch" else "fused"  # gen-config writes fused=True
     fields["zero"] = gen_config_zero(model, fields["stage"])
     if ds_path is not None:
+        from fluxzero.config import ds_config, ds_view
+
         try:
-            with open(ds_path) as f:
-                ds = json.load(f)
-        except (OSError, ValueError) as e:
-            raise click.BadParameter(f"cannot read {ds_path} as JSON: {e}", param_hint="--config") from None
-        if not isinstance(ds, dict):
-            raise click.BadParameter(f"{ds_path} is not a JSON object", param_hint="--config")
-        from fluxzero.config import ds_config
+            ds = ds_view.read_json(ds_path)
+        except ds_view.DSConfigError as e:
+            raise click.BadParameter(str(e), param_hint="--config") from None
 
         for problem in ds_config.check(ds):  # a misspelled key is ignored here as by DeepSpeed: say so
             if problem.startswith("unknown key"):
                 click.echo(f"warning: {ds_path}: {problem}; estimated with DeepSpeed's default for it "
                            f"(`fluxzero check-config {ds_path}` checks the whole file)", err=True)
-        try:
+        try:  # read through ds_view.view, as the trainer reads it
             from_file = memory.run_options_from_ds_config(ds, nodes * gpus_per_node)
+        except ds_view.DSConfigError as e:
+            raise click.BadParameter(f"{ds_path}: {e}", param_hint="--config") from None
         except (ValueError, TypeError, AttributeError) as e:
             raise click.BadParameter(f"{ds_path} has a value of the wrong kind ({e}); `fluxzero check-config "
                                      f"{ds_path}` names it", param_hint="--config") from None
         if "micro_batch" not in from_file and ctx.get_parameter_source("micro_batch") != ParameterSource.COMMANDLINE:
-            click.echo(f"warning: {ds_path} leaves the micro batch to the run file; estimated with micro batch "
+            click.echo(f"warning: {ds_path} does not set the micro batch (train_micro_batch_size_per_gpu); "
+                       f"estimated with micro batch "
                        f"{values['micro_batch']} (pass --micro-batch)", err=True)
         given = {ours for opt, ours in _SPEC_OPTIONS.items() if ctx.get_parameter_source(opt) == ParameterSource.COMMANDLINE}
         if ctx.get_parameter_source("adam_impl") == ParameterSource.COMMANDLINE:

@@ -764,7 +764,7 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 def without_auto(cfg: dict) -> dict:
     """A copy DeepSpeed's parser accepts: batch keys set to "auto" dropped (micro batch 1 if none is left).
 
-    "auto" batch sizes are fluxzero's: the trainer fills them from the run file (engine.load_ds_config).
+    "auto" is not a DeepSpeed value: ds_view reads it as not set and derives what the other batch keys give.
     """
     out = {k: v for k, v in cfg.items() if not (k in BATCH_KEYS and v == "auto")}
     if "train_batch_size" not in out and "train_micro_batch_size_per_gpu" not in out:

@@ -34,6 +34,8 @@ class DSView:
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16"
     offload_optimizer: str = "none"  # "none" | "cpu" | "nvme"
     offload_param: str = "none"
+    # zero_optimization's other keys (bucket sizes, overlap_comm, ...) as sorted (key, value) pairs, as written
+    zero_settings: tuple = ()
     micro_batch: int | None = None  # train_micro_batch_size_per_gpu; None: not set (or "auto")
     grad_accum: int | None = None  # gradient_accumulation_steps; None: not set (DeepSpeed derives it, or 1)
     train_batch: int | None = None  # train_batch_size
@@ -130,6 +132,8 @@ def view(ds: dict) -> DSView:
         precision=precision,
         offload_optimizer=section(z, "offload_optimizer", "zero_optimization.offload_optimizer").get("device", "none"),
         offload_param=section(z, "offload_param", "zero_optimization.offload_param").get("device", "none"),
+        zero_settings=tuple(sorted((k, val) for k, val in z.items()
+                                   if k not in ("stage", "offload_optimizer", "offload_param"))),
         micro_batch=_int_or_none(ds, "train_micro_batch_size_per_gpu"),
         grad_accum=_int_or_none(ds, "gradient_accumulation_steps"),
         train_batch=_int_or_none(ds, "train_batch_size"),

@@ -23,6 +23,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from fluxzero.config import ds_view
+from fluxzero.config.ds_view import checkpointed_blocks  # noqa: F401  (one definition; memory.checkpointed_blocks)
 from fluxzero.config.models import ModelConfig, get_model_config
 
 GiB = 1024**3
@@ -225,11 +227,6 @@ def outside_blocks_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: 
     return embed, head
 
 
-def checkpointed_blocks(n_blocks: int, every: int) -> int:
-    """How many of n_blocks are checkpointed with `every` = k: indices 0, k, 2k, ... (0 = none)."""
-    return 0 if every <= 0 else math.ceil(n_blocks / every)
-
-
 def checkpointed_split(cfg: ModelConfig, every: int) -> tuple[int, int]:
     """(double, single) blocks checkpointed. As fluxzero.train.engine.apply_activation_checkpointing: one index
     over double then single blocks, block i checkpointed iff i % k == 0."""
@@ -258,7 +255,11 @@ class ZeroSettings:
 
     @classmethod
     def from_ds_config(cls, ds: dict) -> "ZeroSettings":
-        z = ds.get("zero_optimization") or {}
+        return cls.from_view(ds_view.view(ds))
+
+    @classmethod
+    def from_view(cls, v: ds_view.DSView) -> "ZeroSettings":
+        z = dict(v.zero_settings)
         keys = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
                 "overlap_comm": "overlap_comm", "contiguous_gradients": "contiguous_gradients",
                 "prefetch_bucket_size": "stage3_prefetch_bucket_size",
@@ -270,49 +271,36 @@ class ZeroSettings:
 
 
 def run_options_from_ds_config(ds: dict, world_size: int | None = None) -> dict:
-    """RunSpec fields that a DeepSpeed config (gen-config's or hand-written) decides.
+    """RunSpec fields that a DeepSpeed config (gen-config's or hand-written) decides, read through its DSView.
 
     Absent keys take the values DeepSpeed and the trainer use for them (ZeRO stage 0, no activation
     checkpointing, fp32), not the estimate's own defaults; the micro batch comes from
     train_batch_size / (accumulation x world_size) when only those are given, and is left out when the
-    config leaves it to the run file ("auto").
+    config does not decide it (not set, "auto", or not dividing for this world size).
+    Raises ds_view.DSConfigError (a ValueError) for a section of the wrong type, ValueError for a value of the
+    wrong kind.
     """
-    out: dict = {}
-    z = ds.get("zero_optimization") or {}
-    out["stage"] = int(z.get("stage", 0))
-    for ours in ("offload_optimizer", "offload_param"):
-        device = (z.get(ours) or {}).get("device")
-        if device is not None:
-            out[ours] = device
-    if (ds.get("bf16") or {}).get("enabled"):
-        out["precision"] = "bf16"
-    elif (ds.get("fp16") or {}).get("enabled"):
-        out["precision"] = "fp16"
-    else:  # neither enabled, or no section at all (gen-config's fp32): DeepSpeed trains in fp32
-        out["precision"] = "fp32"
-    mb, tb = ds.get("train_micro_batch_size_per_gpu"), ds.get("train_batch_size")
-    ga = ds.get("gradient_accumulation_steps", 1)
-    if isinstance(mb, int):
-        out["micro_batch"] = mb
-    elif isinstance(tb, int) and isinstance(ga, int) and world_size and tb % (ga * world_size) == 0:
-        out["micro_batch"] = tb // (ga * world_size)
-    opt = ds.get("optimizer") or {}
-    if opt:
-        kind = str(opt.get("type", "adamw")).lower()
-        out["optimizer"] = kind if kind in OPTIMIZER_STATE_BYTES else "adamw"
-        params = opt.get("params") or {}
-        # torch_adam: DeepSpeed builds torch.optim.AdamW with the remaining params; "fused": true selects its
-        # single fused CUDA kernel (no foreach temporaries)
-        out["optimizer_impl"] = ("torch-fused" if params.get("fused") is True else "torch") \
-            if params.get("torch_adam") else "fused"
-    ours = (ds.get("fluxzero") or {}).get("activation_checkpointing") or {}
-    out["checkpoint_every"] = ours.get("every_k_blocks", 0)  # the trainer checkpoints nothing without it
-    if not isinstance(out["checkpoint_every"], int):
-        raise ValueError(f"fluxzero.activation_checkpointing.every_k_blocks must be an integer, got "
-                         f"{out['checkpoint_every']!r}")
-    if ours.get("implementation") == "deepspeed":
-        out["cpu_checkpointing"] = bool((ds.get("activation_checkpointing") or {}).get("cpu_checkpointing"))
-    out["zero"] = ZeroSettings.from_ds_config(ds)
+    v = ds_view.view(ds)
+    out: dict = {"stage": v.stage, "precision": v.precision, "offload_optimizer": v.offload_optimizer,
+                 "offload_param": v.offload_param}
+    for ours in ("stage", "checkpoint_every"):
+        if not (isinstance(getattr(v, ours), int) and not isinstance(getattr(v, ours), bool)):
+            key = "zero_optimization.stage" if ours == "stage" else "fluxzero.activation_checkpointing.every_k_blocks"
+            raise ValueError(f"{key} must be an integer, got {getattr(v, ours)!r}")
+    if isinstance(v.micro_batch, int):
+        out["micro_batch"] = v.micro_batch
+    elif world_size and v.train_batch is not None:
+        try:
+            out["micro_batch"] = v.batch_for(world_size)[0]
+        except (ds_view.DSConfigError, TypeError):
+            pass  # does not divide: the estimate keeps its own micro batch and says so
+    if v.optimizer is not None:
+        out["optimizer"] = v.optimizer if v.optimizer in OPTIMIZER_STATE_BYTES else "adamw"
+        out["optimizer_impl"] = v.optimizer_impl
+    out["checkpoint_every"] = v.checkpoint_every  # the trainer checkpoints nothing without it
+    if v.checkpoint_impl == "deepspeed":
+        out["cpu_checkpointing"] = v.cpu_checkpointing
+    out["zero"] = ZeroSettings.from_view(v)
     return out
 
 
