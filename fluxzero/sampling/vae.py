@@ -1,0 +1,58 @@
+"""Latents -> pixels with FLUX.1's autoencoder (a local diffusers AutoencoderKL folder)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..data.encode import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, _check_model_folder
+from ..data.errors import DataError
+
+VAE_LAYOUT = "a diffusers AutoencoderKL folder (config.json and .safetensors), e.g. FLUX.1's vae/"
+
+
+def latent_factors(vae) -> tuple[float, float]:
+    """(scaling_factor, shift_factor) of a VAE; FLUX's own when the config carries no shift (the rule
+    `fluxzero cache` encodes with: a config without shift_factor is not FLUX's and its scale would be SD's)."""
+    cfg = vae.config
+    if getattr(cfg, "shift_factor", None) is not None:
+        return float(cfg.scaling_factor), float(cfg.shift_factor)
+    return FLUX_VAE_SCALE, FLUX_VAE_SHIFT
+
+
+def load_vae(path: str | os.PathLike, *, device="cpu", dtype: torch.dtype = torch.float32):
+    """AutoencoderKL from a local folder, eval mode; a missing or wrong folder -> DataError (one sentence)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DataError(f"VAE folder {path} does not exist; pass --vae {VAE_LAYOUT}.")
+    if not (path / "config.json").exists():
+        raise DataError(f"{path} has no config.json, so it is not {VAE_LAYOUT}; pass the right folder to --vae.")
+    _check_model_folder("vae", path, "diffusers AutoencoderKL folder", f"--vae {path}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from diffusers import AutoencoderKL
+
+    try:
+        vae = AutoencoderKL.from_pretrained(path, torch_dtype=dtype, local_files_only=True, use_safetensors=True,
+                                            low_cpu_mem_usage=False)
+    except (OSError, ValueError) as e:
+        raise DataError(f"could not load the VAE from {path} ({str(e).splitlines()[0]}); pass --vae {VAE_LAYOUT}.") from None
+    if vae.config.latent_channels != 16:
+        raise DataError(f"{path} has {vae.config.latent_channels} latent channels but FLUX.1 needs 16; use FLUX's vae/ folder.")
+    return vae.to(device).eval()
+
+
+@torch.no_grad()
+def decode(vae, latents: Tensor) -> Tensor:
+    """Scaled latents (what `sample` returns) -> uint8 RGB images, as FluxPipeline's decode + postprocess:
+    z / scaling_factor + shift_factor, VAE decode, [-1, 1] -> [0, 1] clamped, * 255 rounded.
+
+    Shape: (B, 16, H/8, W/8) -> (B, H, W, 3) uint8 on CPU
+    """
+    scale, shift = latent_factors(vae)
+    p = next(vae.parameters())
+    z = latents.to(p.device, p.dtype) / scale + shift
+    img = vae.decode(z, return_dict=False)[0]  # (B, 3, H, W) in about [-1, 1]
+    img = (img.float() / 2 + 0.5).clamp(0, 1)
+    return (img * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
