@@ -110,7 +110,7 @@ def _jobs(tmp_path, cases):
             ds["fluxzero"]["compile"] = {"blocks": True, "backend": "aot_eager"}
         assert ds_config.check(ds) == []
         (tmp_path / f"{name}.json").write_text(json.dumps(ds))
-        jobs.append([name, {"deepspeed": str(tmp_path / f"{name}.json"), "data": DATA, "micro_batch": 2,
+        jobs.append([name, {"deepspeed": str(tmp_path / f"{name}.json"), "data": DATA,
                             "steps": STEPS, "output_dir": str(tmp_path / name), "export_format": None}])
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     (tmp_path / "child.py").write_text(CHILD)

@@ -42,8 +42,7 @@ def run_config(tmp, name, ds, weights, **kw):
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(ds))
     cfg = {"deepspeed": str(path), "data": DATA4, "output_dir": str(tmp / name), "model": "flux-tiny",
-           "weights": str(weights), "micro_batch": ds["train_micro_batch_size_per_gpu"],
-           "grad_accum": ds["gradient_accumulation_steps"], "steps": STEPS, "seed": 3, "export_format": None}
+           "weights": str(weights), "steps": STEPS, "seed": 3, "export_format": None}  # batch: in `ds`
     cfg.update(kw)
     return name, cfg
 
@@ -230,7 +229,7 @@ def matrix(tmp_path_factory):
     save_weights(build_model("flux-tiny").state_dict(), weights)
     jobs = [run_config(tmp, f"z{s}", ds_config(s), weights) for s in (0, 1, 2, 3)]
     # bf16 at ZeRO-0: the fp32 master weights live in DeepSpeed's FP16 optimizer wrapper, not in the module
-    jobs.append(run_config(tmp, "z0_bf16", {**ds_config(0), "bf16": {"enabled": True}}, weights, precision="bf16"))
+    jobs.append(run_config(tmp, "z0_bf16", {**ds_config(0), "bf16": {"enabled": True}}, weights))
     jobs += [
         run_config(tmp, "z2_offload", ds_config(2, offload_optimizer=True), weights),
         run_config(tmp, "z3_offload", ds_config(3, offload_optimizer=True, offload_param=True), weights),
@@ -243,15 +242,18 @@ def matrix(tmp_path_factory):
                                ds_config(3, offload_optimizer=True, offload_param=True, ckpt=(1, impl)), weights))
     # resume: 12 samples, 6 batches per epoch, 8 steps with warmup + cosine; stopped after 5 (mid-epoch)
     for s in (2, 3):
-        ds = ds_config(s, micro=1)
-        common = dict(data=DATA12, steps=8, warmup_steps=2, lr_decay="cosine", min_lr_ratio=0.1)
+        # the schedule is DeepSpeed's (its state is in the checkpoint): 2 linear warmup steps, cosine to 0.1 x lr
+        ds = {**ds_config(s, micro=1), "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": 8, "warmup_num_steps": 2, "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1,
+            "warmup_type": "linear"}}}
+        common = dict(data=DATA12, steps=8)
         jobs.append(run_config(tmp, f"full{s}", ds, weights, **common))
         jobs.append(run_config(tmp, f"stop{s}", ds, weights, checkpoint_every=2, stop_after=5, **common))
         jobs.append(run_config(tmp, f"resumed{s}", ds, weights, checkpoint_every=2,
                                output_dir=str(tmp / f"stop{s}"), **common))
     # resume in bf16 (ZeRO-2): fp32 master weights and optimizer states come back from the checkpoint
     ds = {**ds_config(2, micro=1), "bf16": {"enabled": True}}
-    common = dict(data=DATA12, steps=6, precision="bf16")
+    common = dict(data=DATA12, steps=6)
     jobs.append(run_config(tmp, "full_bf16", ds, weights, **common))
     jobs.append(run_config(tmp, "stop_bf16", ds, weights, stop_after=4, **common))
     jobs.append(run_config(tmp, "resumed_bf16", ds, weights, output_dir=str(tmp / "stop_bf16"), **common))
