@@ -30,13 +30,34 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
 
 
 
+def _unique_key_loader():
+    """yaml.SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (line {key_node.start_mark.line + 1}); keep one", key_node.start_mark)
+            seen.add(key)
+        return loader.construct_mapping(node, deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return Loader
+
+
 def _load_config(path, overrides) -> TrainConfig:
     import yaml
 
     data = {}
     if path:
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = yaml.load(Path(path).read_text(), Loader=_unique_key_loader()) or {}
         except FileNotFoundError:
             raise ConfigError(f"run file {path} does not exist") from None
         except UnicodeDecodeError:

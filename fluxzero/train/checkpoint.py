@@ -102,6 +102,20 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, run_confi
     return str(tag_dir)
 
 
+@torch.no_grad()
+def weights_finite(engine) -> bool:
+    """Whether the weights of every rank are finite (a diverged update must never be saved or replace a good
+    checkpoint). Each rank checks what it holds (its ZeRO-3 partitions, or the module's parameters below stage 3):
+    one pass over the weights and one all_reduce."""
+    params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
+    device = params[0].device if params else torch.device("cpu")
+    ok = torch.stack([torch.isfinite(t).all() for t in params]).all() if params else torch.tensor(True)
+    flag = ok.to(device=device, dtype=torch.float32).reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() == 1.0)
+
+
 def _torch_bytes(obj) -> bytes:
     import io
 
@@ -149,10 +163,17 @@ def decide_resume(cfg: TrainConfig, v: DSView, ckpt_dir: Path, allow_config_chan
 
 
 def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int, allow: bool) -> str | None:
+    _lock_output_dir(Path(cfg.output_dir))
     tag, error = _latest_problem(ckpt_dir)
     if error:
         raise TrainingError(error)
     if tag is None:
+        results = [p.name for p in (Path(cfg.output_dir) / "export.safetensors", Path(cfg.output_dir) / "export")
+                   if p.exists()]
+        if results:  # a finished run whose checkpoints were deleted: its export and logs would be overwritten
+            raise TrainingError(f"output_dir {cfg.output_dir} holds the results of an earlier run ({', '.join(results)}"
+                                f") but no checkpoint to resume; choose another output_dir, or move them away to "
+                                f"start over there")
         return None
     if not cfg.resume:
         raise TrainingError(f"{ckpt_dir} already holds checkpoints (latest {tag}) and resume is off; "
@@ -173,6 +194,10 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int, all
         if saved_view.precision != v.precision:  # DeepSpeed names its files per precision
             raise TrainingError(f"{tag_dir} was written in {saved_view.precision} but {cfg.deepspeed} trains in "
                                 f"{v.precision}; resume in {saved_view.precision}, or choose another output_dir")
+        if saved_view.scheduler != v.scheduler:  # DeepSpeed's load fails with a TypeError deep inside
+            raise TrainingError(f"{tag_dir} was trained with lr scheduler {saved_view.scheduler or 'none'} but "
+                                f"{cfg.deepspeed} has {v.scheduler or 'none'}; resume with the checkpoint's "
+                                f"scheduler, or choose another output_dir")
         # older run.yaml files hold micro_batch and grad_accum themselves; the DeepSpeed config owns them now
         saved = {**saved, "micro_batch": saved_view.micro_batch, "grad_accum": saved_view.grad_accum}
     _check_same_training({**cfg.to_dict(), "micro_batch": v.micro_batch, "grad_accum": v.grad_accum}, saved,
@@ -191,6 +216,42 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int, all
         raise TrainingError(f"checkpoint {tag_dir} was saved by {saved_world} ranks but {world} are running; "
                             f"resume with {saved_world} ranks (or convert it with DeepSpeed's ds_to_universal)")
     return tag
+
+
+_held_lock: dict = {}  # output_dir -> open file descriptor holding its lock (rank 0, for the run's duration)
+LOCK_FILE = ".fluxzero.lock"
+
+
+def _lock_output_dir(out: Path) -> None:
+    """Rank 0 holds an exclusive lock on output_dir while the run lasts: a second run into a folder in use is
+    refused in one sentence. flock: the kernel drops it when the process ends, however it ends, so a killed run
+    never leaves a stale lock (the lock file itself may stay; it is empty of meaning without the lock)."""
+    import fcntl
+
+    key = str(out.resolve())
+    if key in _held_lock:
+        return
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return  # unwritable: every rank's writability check says so in its own sentence
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise TrainingError(f"output_dir {out} is in use by another run ({holder}); wait for it to finish or choose "
+                            f"another output_dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
+    _held_lock[key] = fd
+
+
+def release_output_dir() -> None:
+    """Give up the output_dir lock this process holds (the end of train(); also done by the kernel at exit)."""
+    while _held_lock:
+        os.close(_held_lock.popitem()[1])
 
 
 def _writable_problem(out: Path) -> str | None:
@@ -277,8 +338,11 @@ def load(engine, ckpt_dir: Path, tag: str) -> dict:
 
 
 def load_trainer_state(path: Path) -> dict:
-    """fluxzero's own per-rank state (step, loader position, RNG states, world size)."""
-    return torch.load(path, weights_only=False)
+    """fluxzero's own per-rank state (step, loader position, RNG states, world size), loaded without running
+    code (torch.load weights_only=True; safe_files says why that suffices)."""
+    from fluxzero.train import safe_files
+
+    return safe_files.load_trainer_state(path)
 
 
 def checkpoint_files(stage: int, bf16: bool, rank: int) -> tuple[list[str], list[str]]:
@@ -374,7 +438,19 @@ def _file_problem(path: Path, crc: bool = True) -> str | None:
             bad = z.testzip() if crc else None
     except Exception:  # zipfile raises BadZipFile, EOFError, struct.error, ... for damaged archives
         return f"{path.name} is not a complete torch file"
-    return f"{path.name} fails its CRC-32 check in {bad}" if bad else None
+    if bad:
+        return f"{path.name} fails its CRC-32 check in {bad}"
+    from fluxzero.train import safe_files
+
+    # before anything unpickles it: torch.load and DeepSpeed's loads would run code that a crafted file names
+    try:
+        bad = [g for g in safe_files.unsafe_globals(path) if g not in safe_files.ALLOWED_GLOBALS]
+    except (OSError, ValueError):
+        return f"{path.name} is not a torch file fluxzero can read"
+    if bad:
+        return (f"{path.name} holds Python code references ({', '.join(bad[:3])}), which no fluxzero or DeepSpeed "
+                f"checkpoint holds, so it is not loaded")
+    return None
 
 
 def _unreadable_files(tag_dir: Path) -> list[str]:

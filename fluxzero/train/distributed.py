@@ -23,7 +23,11 @@ class TrainingError(RuntimeError):
 
 
 class Interrupted(TrainingError):
-    """Ctrl-C (SIGINT) or SIGTERM during training; the message names the checkpoint a rerun resumes from."""
+    """Ctrl-C (SIGINT), or SIGTERM before training started; the message names the checkpoint a rerun resumes from."""
+
+
+class Stopped(TrainingError):
+    """SIGTERM or SIGUSR1 during training: a checkpoint was saved at the next step boundary, then the run ended."""
 
 
 def quiet_other_ranks() -> None:
@@ -110,11 +114,11 @@ def barrier():
 
 
 
-def mean_across_ranks(value: torch.Tensor) -> float:
-    """The mean of a scalar tensor over all ranks, as a Python float (one all_reduce, one host sync)."""
-    value = value.detach().clone()
-    dist.all_reduce(value)
-    return value.item() / dist.get_world_size()
+def sum_across_ranks(values: torch.Tensor) -> list[float]:
+    """The sums of a small 1-D tensor over all ranks, as Python floats (one all_reduce, one host sync)."""
+    values = values.detach().clone()
+    dist.all_reduce(values)
+    return values.tolist()
 
 
 def all_ranks_ok(problem: str | None) -> None:
@@ -129,17 +133,41 @@ def all_ranks_ok(problem: str | None) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Signals
 # ---------------------------------------------------------------------------------------------------------
-def raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1")  # what Slurm (--signal), Kubernetes and the launchers send before a kill
+_stop = {"graceful": False, "requested": None}
 
 
-def on_sigterm(handler):
-    """Install a SIGTERM handler (main thread only; elsewhere signals cannot be set); returns the old one."""
+def _on_stop_signal(signum, frame):
+    """SIGTERM / SIGUSR1: during the loop, ask for a checkpoint at the next step boundary (every rank learns of
+    it in that step's loss all-reduce, so all save the same step); before it, stop at once like Ctrl-C."""
+    if not _stop["graceful"]:
+        raise KeyboardInterrupt
+    _stop["requested"] = signal.Signals(signum).name
+
+
+def graceful_stops(on: bool) -> None:
+    """From now on (on=True) a stop signal asks for a checkpoint instead of interrupting."""
+    _stop["graceful"], _stop["requested"] = on, None
+
+
+def stop_requested() -> str | None:
+    """The stop signal this rank received during the loop (SIGTERM, SIGUSR1), or None."""
+    return _stop["requested"]
+
+
+def install_stop_handlers() -> dict:
+    """Install the stop-signal handler (main thread only; elsewhere signals cannot be set); returns the old ones."""
     import threading
 
-    if handler is None or threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, handler)
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {name: signal.signal(getattr(signal, name), _on_stop_signal) for name in STOP_SIGNALS}
+
+
+def restore_handlers(old: dict) -> None:
+    for name, handler in old.items():
+        if handler is not None:
+            signal.signal(getattr(signal, name), handler)
 
 
 def ignore_stop_signals() -> None:

@@ -75,7 +75,8 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
                start, str(ckpt_dir / tag) if tag else None, model_cfg.flops_per_sample, dtype)
     run.step = TrainStep(engine, batches(loader), cfg.flow, seed=cfg.seed, grad_accum=v.grad_accum,
                          guidance_embed=model_cfg.guidance_embed, device=device, dtype=dtype,
-                         before_update=lambda loss: _check_finite(loss, run))
+                         before_update=lambda loss: _check_finite(loss, run),
+                         stop_flag=lambda: distributed.stop_requested() is not None)
     return run
 
 
@@ -92,14 +93,22 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     allow_config_change: resume a checkpoint although data, grad_accum or flow options changed (see
     checkpoint.decide_resume); the new values are saved with the next checkpoint.
     """
-    from fluxzero.train import checkpoint, export
+    from fluxzero.train import checkpoint, engine as ds_engine, export
     from fluxzero.train.metrics import LogWriteError, Metrics
 
     rank, world, device = distributed.init_distributed()
-    run = setup(cfg, rank, world, device, allow_config_change)
+    try:
+        run = setup(cfg, rank, world, device, allow_config_change)
+    except BaseException:
+        checkpoint.release_output_dir()
+        raise
     engine, step = run.engine, run.done
 
     def save():
+        if not ds_engine.weights_finite(engine):  # never let a diverged update replace (or prune) a good checkpoint
+            raise TrainingError(f"the weights after step {step} are not finite (the update diverged: lower the lr "
+                                f"or raise gradient clipping); not saved, the last complete checkpoint "
+                                f"{run.last_ckpt or '(none)'} is kept")
         run.last_ckpt = checkpoint.save(engine, run.ckpt_dir, step, {"step": step, "loader": run.loader.state_dict()},
                                         config_text(cfg), run.ds, keep=cfg.keep_checkpoints)
 
@@ -107,6 +116,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     try:
         metrics = Metrics(cfg.output_dir, rank, world, device, run.total, step, run.view.train_batch,
                           run.flops_per_sample, run.dtype)
+        distributed.graceful_stops(True)  # SIGTERM / SIGUSR1 now mean: checkpoint at the next step boundary
         while step < run.stop:  # batch -> forward -> loss -> backward -> step -> log -> checkpoint
             metrics.step_started()
             r = run.step()
@@ -114,9 +124,14 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
             losses.append(r.loss)
             metrics.log(step, r.loss, r.lr, r.grad_norm, r.skipped_steps, img_tokens=r.img_tokens,
                         txt_tokens=r.txt_tokens, log=step % cfg.log_every == 0 or step == run.stop)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.stop:
+            if r.stop_requested or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.stop):
                 save()
                 saved_step = step
+            if r.stop_requested:
+                raise distributed.Stopped(
+                    f"stopped by {distributed.stop_requested() or 'a stop signal to another rank'} after step "
+                    f"{step} of {run.total}; the checkpoint {run.last_ckpt} holds it: run the same command again "
+                    f"to resume")
         if saved_step != step:
             save()
         metrics.close()  # the last TensorBoard points reach the disk, or the error says they did not
@@ -138,9 +153,11 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
                 f"same command again to resume from it" if run.last_ckpt else
                 "no checkpoint was saved: free disk space there and run the same command again")) from None
     finally:
+        distributed.graceful_stops(False)
         if metrics is not None:
             metrics.close(strict=False)
         engine.destroy()
+        checkpoint.release_output_dir()
     if rank == 0:
         write_line(f"done: step {step}/{run.total}, checkpoint {result['checkpoint']}"
                    + (f", export {result['export']}" if "export" in result else "")
@@ -192,14 +209,18 @@ def main(argv=None) -> int:
     owns_group = not dist.is_initialized()  # leave a caller's process group alone
     call = next(_calls)
     debug = bool(os.environ.get("FLUXZERO_DEBUG"))
-    # Launchers answer Ctrl-C by sending SIGTERM to every rank (DeepSpeed's launch.py, torchrun): stop the
-    # same way as on Ctrl-C (cleanly, with the checkpoint to resume from) instead of dying mid-line.
-    old_term = distributed.on_sigterm(distributed.raise_interrupt)
+    # SIGTERM (launchers, Kubernetes, Slurm before a kill) and SIGUSR1 (Slurm's --signal): during the loop,
+    # checkpoint at the next step boundary and leave; before it, stop as on Ctrl-C (nothing to save yet).
+    old_handlers = distributed.install_stop_handlers()
     try:
         distributed.init_distributed()  # first: an error of the run file is then reported once, not per rank
         overrides, allow = split_allow(args.overrides)
         train(load_config(args.config, overrides), allow_config_change=allow)
         return 0
+    except distributed.Stopped as e:
+        if distributed.current_rank() == 0:  # every rank stopped at the same step: one line
+            write_line(f"stopped: {e}")
+        return 143  # 128 + SIGTERM, as a process ended by it: a scheduler's requeue logic expects that
     except Interrupted as e:
         if debug:
             raise
@@ -227,5 +248,5 @@ def main(argv=None) -> int:
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
-        distributed.on_sigterm(old_term)
+        distributed.restore_handlers(old_handlers)
     return 1

@@ -11,10 +11,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from fluxzero.config import FlowConfig
 from fluxzero.train import flow
-from fluxzero.train.distributed import mean_across_ranks
+from fluxzero.train.distributed import sum_across_ranks
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class StepResult:
     skipped_steps: int  # updates DeepSpeed skipped so far (fp16 overflow): a rising count means lost updates
     img_tokens: int  # packed image tokens of the last micro batch (they vary with the bucket)
     txt_tokens: int
+    stop_requested: bool = False  # some rank's stop_flag() was set when this step's loss was reduced
 
 
 def batches(loader) -> Iterator[tuple[int, dict]]:
@@ -46,17 +48,22 @@ class TrainStep:
     finite check raises there, so a non-finite loss never reaches the weights (nor a checkpoint).
     on_phase(name), when given, is called as each phase starts ("data", "forward", "backward", "update") and
     with "end": benchmarks put CUDA events there; the trainer leaves it None.
+    stop_flag(), when given, is read on every rank and reduced together with the loss (no extra collective):
+    StepResult.stop_requested then tells every rank, at the same step, that one of them was asked to stop.
     """
 
     def __init__(self, engine, source: Iterator[tuple[int, dict]], flow_cfg: FlowConfig, *, seed: int,
                  grad_accum: int, guidance_embed: bool, device: torch.device, dtype: torch.dtype,
                  before_update: Callable[[float], None] | None = None,
-                 on_phase: Callable[[str], None] | None = None):
+                 on_phase: Callable[[str], None] | None = None,
+                 stop_flag: Callable[[], bool] | None = None):
         self.engine, self.source, self.flow_cfg = engine, source, flow_cfg
         self.seed, self.grad_accum, self.guidance_embed = seed, grad_accum, guidance_embed
         self.device, self.dtype = device, dtype
+        self.world_size = dist.get_world_size()
         self.before_update = before_update
         self.on_phase = on_phase or (lambda name: None)
+        self.stop_flag = stop_flag or (lambda: False)
 
     def __call__(self) -> StepResult:
         engine, phase = self.engine, self.on_phase
@@ -76,7 +83,9 @@ class TrainStep:
             loss_sum += loss.detach()
             if micro < self.grad_accum - 1:
                 engine.step()  # inside accumulation: DeepSpeed only counts the micro step
-        mean = mean_across_ranks(loss_sum) / self.grad_accum  # one host sync per optimizer step
+        flag = torch.ones((), device=self.device) if self.stop_flag() else torch.zeros((), device=self.device)
+        total, stops = sum_across_ranks(torch.stack((loss_sum, flag)))  # one host sync per optimizer step
+        mean = total / (self.grad_accum * self.world_size)
         if self.before_update is not None:
             self.before_update(mean)
         phase("update")
@@ -85,4 +94,4 @@ class TrainStep:
         norm = engine.get_global_grad_norm()
         return StepResult(loss=mean, lr=lr, grad_norm=None if norm is None else float(norm),
                           skipped_steps=int(engine.skipped_steps), img_tokens=inputs["img"].shape[1],
-                          txt_tokens=inputs["txt"].shape[1])
+                          txt_tokens=inputs["txt"].shape[1], stop_requested=stops > 0)
