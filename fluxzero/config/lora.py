@@ -1,0 +1,108 @@
+"""The run file's `lora:` section (LoraConfig) and the named target presets; pure Python, no torch.
+
+Targets are fnmatch patterns (shell globs: `*`, `?`, `[...]`; `*` also matches dots) over our module names,
+which follow BFL's reference (`double_blocks.3.img_attn.qkv`, `single_blocks.10.linear1`). Globs rather than
+regexes because they read naturally in YAML and need no escaping of the dots in every name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+# What each stream of a double block and each single block holds, by preset. A single block's attention
+# and MLP share fused linears (linear1 = q, k, v and MLP-in; linear2 = attn-out and MLP-out), so even the
+# "attention" preset adapts the single blocks' MLP rows: a LoRA cannot cover part of one linear's rows.
+_ATTN = ("double_blocks.*.img_attn.qkv", "double_blocks.*.img_attn.proj",
+         "double_blocks.*.txt_attn.qkv", "double_blocks.*.txt_attn.proj",
+         "single_blocks.*.linear1", "single_blocks.*.linear2")
+_MLP = ("double_blocks.*.img_mlp.0", "double_blocks.*.img_mlp.2",
+        "double_blocks.*.txt_mlp.0", "double_blocks.*.txt_mlp.2")
+_MOD = ("double_blocks.*.img_mod.lin", "double_blocks.*.txt_mod.lin", "single_blocks.*.modulation.lin")
+TARGET_PRESETS: dict[str, tuple[str, ...]] = {
+    "attention": _ATTN,
+    "attention+mlp": _ATTN + _MLP,
+    # Every linear of every block. The embedders (img_in, txt_in, time_in, ...) and final_layer stay out,
+    # as in PEFT's own "all-linear"; name them as patterns to adapt them too.
+    "all-linear": _ATTN + _MLP + _MOD,
+}
+# PEFT's initialisations that leave the frozen base weights untouched and start at the base model's output
+# (B = 0): "default" = Kaiming-uniform A, "gaussian" = normal A (std 1/rank). PiSSA / OLoRA / CorDA rewrite the
+# base weights (W <- W - BA), which a ZeRO-3 placeholder cannot hold and which would make every saved LoRA
+# valid only against the rewritten base.
+LORA_INITS = ("default", "gaussian")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the transformer's linears: W x + (alpha / rank) B A x, only A and B trained."""
+
+    rank: int = 16
+    alpha: float | None = None  # None = rank (scale 1)
+    dropout: float = 0.0  # on the adapter's input, training only
+    init: str = "default"  # one of LORA_INITS
+    targets: str | list[str] = "attention+mlp"  # a TARGET_PRESETS name or a list of fnmatch module-name patterns
+    weights: str | None = None  # a LoRA .safetensors file (diffusers or kohya layout) to continue from
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
+            raise ValueError(f"lora.rank must be a whole number of at least 1, got {self.rank!r}; set e.g. rank: 16")
+        if self.alpha is None:
+            self.alpha = float(self.rank)
+        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not self.alpha > 0:
+            raise ValueError(f"lora.alpha must be a positive number, got {self.alpha!r}; set it to the rank "
+                             "(scale 1) or leave it out")
+        self.alpha = float(self.alpha)
+        if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout must be a number in [0, 1), got {self.dropout!r}; use 0 to turn it off")
+        self.dropout = float(self.dropout)
+        if self.init not in LORA_INITS:
+            why = (" (it rewrites the frozen base weights, which ZeRO-3 placeholders cannot hold and saved LoRA "
+                   "files would then depend on)" if str(self.init).lower().startswith(("pissa", "olora", "corda"))
+                   else "")
+            raise ValueError(f"lora.init must be one of {', '.join(LORA_INITS)}, got {self.init!r}{why}")
+        self._check_targets()
+        if isinstance(self.weights, os.PathLike):
+            self.weights = os.fspath(self.weights)
+        if self.weights is not None:
+            if not isinstance(self.weights, str) or not self.weights.strip():
+                raise ValueError(f"lora.weights must be a path to a LoRA .safetensors file or null, got {self.weights!r}")
+            self.weights = os.path.expanduser(self.weights)
+
+    def _check_targets(self) -> None:
+        presets = ", ".join(TARGET_PRESETS)
+        if isinstance(self.targets, str):
+            if self.targets not in TARGET_PRESETS:
+                raise ValueError(f"lora.targets {self.targets!r} is not a preset; use one of {presets}, or a list "
+                                 "of module-name patterns such as ['double_blocks.*.img_attn.qkv']")
+            return
+        if isinstance(self.targets, tuple):
+            self.targets = list(self.targets)
+        if (not isinstance(self.targets, list) or not self.targets
+                or not all(isinstance(p, str) and p.strip() for p in self.targets)):
+            raise ValueError(f"lora.targets must be a preset ({presets}) or a non-empty list of module-name patterns, "
+                             f"got {self.targets!r}")
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank: the factor on B A."""
+        return self.alpha / self.rank
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        """The fnmatch patterns the targets stand for."""
+        return TARGET_PRESETS[self.targets] if isinstance(self.targets, str) else tuple(self.targets)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LoraConfig":
+        """From the run file's `lora:` mapping; unknown keys are refused with the valid ones listed."""
+        if not isinstance(d, dict):
+            raise ValueError(f"lora must be a mapping of LoRA options (rank, alpha, ...), got {d!r}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ValueError(f"unknown lora keys {unknown}; valid keys: {', '.join(names)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,209 @@
+"""LoRA adapters on our Flux module tree, through PEFT's `inject_adapter_in_model`.
+
+The model stays our Flux class (no PeftModel wrapper): each targeted nn.Linear becomes PEFT's lora.Linear
+holding the original as `.base_layer`, so activation checkpointing and compile applied from outside still
+find `double_blocks` / `single_blocks`. Note that the base parameters' state-dict names gain `.base_layer`
+(`double_blocks.0.img_attn.qkv.base_layer.weight`): load full weights before `apply_lora`, or read them back
+with `base_state_dict`.
+
+ZeRO-3: PEFT builds A (rank x in_features) and B (out_features x rank) from nn.Linear.in_features /
+out_features and reads only the base weight's dtype and device, so base parameters that are ZeRO-3
+placeholders (numel 0) are fine for the initialisations offered (LORA_INITS). The adapters themselves are
+ordinary tensors until `deepspeed.initialize` partitions them; `lora_state_dict` then needs them gathered.
+
+Canonical adapter names are PEFT's saved names on our modules: `<module>.lora_A.weight` (rank, in) and
+`<module>.lora_B.weight` (out, rank); the scale alpha / rank is not in the tensors but in LoraConfig.
+"""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import os
+import re
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..config.lora import TARGET_PRESETS, LoraConfig
+
+ADAPTER = "default"  # PEFT's adapter name; one adapter per model here
+_LORA_KEY = re.compile(r"^(.+)\.(lora_A|lora_B)\.weight$")
+_SHOW = 6
+
+
+class LoraError(ValueError):
+    """A LoRA setting or file that does not fit the model."""
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    """Names of the model's own nn.Linear modules (PEFT's wrappers are skipped; their base layer named as the
+    wrapper), in module order."""
+    names = []
+    for name, mod in model.named_modules():
+        if ".lora_" in name or name.endswith(".base_layer"):
+            continue
+        base = getattr(mod, "base_layer", None)
+        if isinstance(mod, nn.Linear) or isinstance(base, nn.Linear):
+            names.append(name)
+    return names
+
+
+def _generic(names: Sequence[str]) -> list[str]:
+    """`double_blocks.3.img_attn.qkv` -> `double_blocks.*.img_attn.qkv`, deduplicated in order."""
+    return list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in names))
+
+
+def target_modules(model: nn.Module, targets: str | Sequence[str]) -> list[str]:
+    """Module names (in model order) that a preset name or a list of fnmatch patterns selects.
+
+    Only linear layers are candidates, so `double_blocks.0.*` means every linear of that block. A pattern
+    that selects nothing raises LoraError naming module names of the right form.
+    """
+    if isinstance(targets, str):
+        if targets not in TARGET_PRESETS:
+            raise LoraError(f"lora.targets {targets!r} is not a preset; use one of {', '.join(TARGET_PRESETS)} or a "
+                            "list of module-name patterns")
+        patterns = TARGET_PRESETS[targets]
+    else:
+        patterns = tuple(targets)
+    names = _linear_names(model)
+    chosen = set()
+    for pattern in patterns:
+        hit = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hit and not (isinstance(targets, str) and pattern.startswith(("double_blocks", "single_blocks"))):
+            generic = _generic(names)
+            close = difflib.get_close_matches(pattern, generic, n=_SHOW, cutoff=0.0)
+            raise LoraError(f"lora.targets pattern {pattern!r} matches no linear layer of the model; patterns are "
+                            f"fnmatch globs over whole module names, e.g. {', '.join(close)}")
+        chosen.update(hit)
+    if not chosen:  # a preset on a model without blocks of that kind
+        raise LoraError(f"lora.targets {targets!r} selects no linear layer of this model; name patterns instead")
+    return [n for n in names if n in chosen]
+
+
+def _peft_config(cfg: LoraConfig, names: list[str]):
+    import peft
+
+    return peft.LoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=names, bias="none",
+        init_lora_weights=True if cfg.init == "default" else cfg.init,
+    )
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(".lora_A." in n for n, _ in model.named_parameters())
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
+    """Inject LoRA adapters into `model` in place; return the adapted module names.
+
+    Every base parameter is frozen; adapter parameters are trainable and float32 whatever the base dtype
+    (PEFT casts the adapter's input to float32 and its output back). With `cfg.weights` the adapters start
+    from that LoRA file (its B rescaled when the file's alpha / rank differs from cfg's).
+    """
+    import peft
+    from peft.tuners.tuners_utils import cast_adapter_dtype
+
+    if has_lora(model):
+        raise LoraError("the model already has LoRA adapters; apply_lora once per model (build a fresh one)")
+    names = target_modules(model, cfg.targets)
+    peft.inject_adapter_in_model(_peft_config(cfg, names), model, adapter_name=ADAPTER)
+    cast_adapter_dtype(model, ADAPTER, autocast_adapter_dtype=True)  # bf16 / fp16 adapters -> fp32
+    for name, p in model.named_parameters():
+        p.requires_grad_(_LORA_KEY.match(name.replace(f".{ADAPTER}.", ".")) is not None)
+    if cfg.weights is not None:
+        from .lora_formats import read_lora
+
+        sd, info = read_lora(cfg.weights, scale=cfg.scale)
+        try:
+            load_lora_state_dict(model, sd)
+        except LoraError as e:
+            raise LoraError(f"{cfg.weights}: {e}") from None
+    return names
+
+
+def _adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Canonical name -> adapter parameter."""
+    out = {}
+    for name, p in model.named_parameters():
+        key = name.replace(f".{ADAPTER}.", ".")
+        if _LORA_KEY.match(key):
+            out[key] = p
+    return out
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """Adapter tensors only, canonical names (`<module>.lora_A.weight`, `<module>.lora_B.weight`), detached.
+
+    Under ZeRO-3 gather the adapters first (deepspeed.zero.GatheredParameters over the trainable parameters).
+    """
+    params = _adapter_params(model)
+    if not params:
+        raise LoraError("the model has no LoRA adapters; call apply_lora first")
+    empty = [k for k, p in params.items() if p.numel() == 0]
+    if empty:
+        raise LoraError(f"LoRA tensor {empty[0]} is a ZeRO-3 placeholder (numel 0); gather the adapter parameters "
+                        "(deepspeed.zero.GatheredParameters) before reading them")
+    return {k: p.detach() for k, p in params.items()}
+
+
+def _looks_full(keys) -> list[str]:
+    return [k for k in keys if not _LORA_KEY.match(k) and k.endswith((".weight", ".bias", ".scale"))]
+
+
+def load_lora_state_dict(model: nn.Module, sd: dict[str, Tensor]) -> None:
+    """Copy canonical adapter tensors into the model's adapters (exact set and shapes, else LoraError)."""
+    params = _adapter_params(model)
+    if not params:
+        raise LoraError("the model has no LoRA adapters; call apply_lora before loading a LoRA")
+    full = _looks_full(sd)
+    if full and not any(_LORA_KEY.match(k) for k in sd):
+        raise LoraError(f"this holds full model weights ({full[0]}, ...), not LoRA adapters; load it as the model's "
+                        "weights (run file `weights:`) and give LoRA files to lora.weights")
+    other = [k for k in sd if not _LORA_KEY.match(k)]
+    if other:
+        raise LoraError(f"tensor {other[0]} is not a LoRA tensor (<module>.lora_A.weight / .lora_B.weight); pass an "
+                        "adapter-only state dict")
+    unknown = sorted(set(sd) - set(params))
+    if unknown:
+        module = _LORA_KEY.match(unknown[0]).group(1)
+        raise LoraError(f"the LoRA has tensors for {len(unknown) // 2 or 1} module(s) the model has no adapter on "
+                        f"(e.g. {module}); add them to lora.targets or use a LoRA made for these targets")
+    missing = sorted(set(params) - set(sd))
+    if missing:
+        module = _LORA_KEY.match(missing[0]).group(1)
+        raise LoraError(f"the LoRA has no tensors for {len(missing) // 2 or 1} adapted module(s) (e.g. {module}); set "
+                        "lora.targets to the targets the file was made for")
+    for k, p in params.items():  # model order: the first mismatch named is the first layer's
+        t = sd[k]
+        shape = tuple(getattr(p, "ds_shape", p.shape))
+        if tuple(t.shape) != shape:
+            raise LoraError(f"LoRA tensor {k} has shape {tuple(t.shape)} in the file but {shape} in the model; the "
+                            "file was made for another model shape or rank: set lora.rank to the file's or use a LoRA "
+                            "made for this model")
+    with torch.no_grad():
+        for k, t in sd.items():
+            params[k].copy_(t)
+
+
+def base_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The base model's state dict in our (BFL) names, adapters left out: what weights.save_weights takes."""
+    return {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".lora_" not in k}
+
+
+def _lora_keys(keys) -> bool:
+    return any(".lora_A." in k or ".lora_B." in k or ".lora_down." in k or ".lora_up." in k for k in keys)
+
+
+def is_lora_file(path: str | os.PathLike) -> bool:
+    """True when `path` is a .safetensors file of LoRA tensors (any layout read here); reads only the header."""
+    from safetensors import safe_open
+
+    if not os.path.isfile(path) or not str(path).endswith(".safetensors"):
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return _lora_keys(f.keys())
+    except Exception:  # noqa: BLE001 - not a readable safetensors file: certainly no LoRA
+        return False

@@ -1,0 +1,412 @@
+"""LoRA files: write and read the diffusers/PEFT and kohya/ComfyUI safetensors layouts; merge a LoRA into weights.
+
+  diffusers  `transformer.<diffusers module>.lora_A.weight` / `.lora_B.weight`, what
+             FluxTransformer2DModel.load_lora_adapter and FluxPipeline.load_lora_weights load. Our fused
+             linears are split like the weights (weights.py): qkv -> to_q/to_k/to_v (add_q_proj/.. for txt),
+             linear1 -> to_q/to_k/to_v/proj_mlp. A LoRA on a fused linear, A (r, C) and B (rows, r), becomes
+             one LoRA per part sharing A, B split by rows (exact: (B A)[rows] = B[rows] A). alpha and rank
+             go in diffusers' own `lora_adapter_metadata` header entry, which its loaders read.
+  kohya      `lora_unet_<BFL module, dots as underscores>.lora_down.weight` / `.lora_up.weight` / `.alpha`,
+             BFL's fused names (ComfyUI, sd-scripts, and diffusers' kohya converter read it).
+Both carry fluxzero.* header entries: layout, rank, alpha, targets, base model.
+
+Reading accepts either layout (and our canonical names) and returns canonical tensors whose scale is the
+file's alpha / rank; per-module alphas that differ are folded into B. A diffusers LoRA whose parts of one
+fused linear have different A matrices (trained with diffusers' separate projections) becomes one LoRA of
+rank sum(r_i) on the fused linear: A = [A_q; A_k; A_v], B block-diagonal (exact; missing parts get zero
+rows). Such a file merges exactly but loads into adapters only of that rank.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..config.lora import LoraConfig
+from . import weights as W
+from .lora import _LORA_KEY, LoraError, _looks_full
+
+LAYOUTS = ("diffusers", "kohya")
+KOHYA_PREFIX = "lora_unet_"
+DIFFUSERS_PREFIX = "transformer."
+DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
+_BLOCK = re.compile(r"^(double_blocks|single_blocks)\.(\d+)\.(.+)$")
+_DBLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
+_KBLOCK = re.compile(r"^(double_blocks|single_blocks)_(\d+)_(.+)$")
+
+
+@dataclass(frozen=True)
+class LoraFileInfo:
+    """What a LoRA file says about itself. `alpha / rank` is the scale of the tensors read_lora returns."""
+
+    layout: str
+    rank: int
+    alpha: float
+    modules: tuple[str, ...]  # our module names, in file order
+    targets: str | list[str] | None = None  # as written by fluxzero (preset name or patterns), else None
+    base_model: str | None = None
+
+
+# ------------------------------------------------------------------------------------------------------
+# Module names: ours (BFL) <-> diffusers, from weights.py's tables over our own module tree
+# ------------------------------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def _module_names() -> dict[str, list[str]]:
+    """Linear module names of each kind: "double" / "single" (inside block N, without the prefix), "top"."""
+    from .flux import build_model
+    from .lora import _linear_names
+
+    names = _linear_names(build_model("flux-tiny", device="meta"))
+    out = {"double": [], "single": [], "top": []}
+    for n in names:
+        m = _BLOCK.match(n)
+        kind, inner = ("double" if m.group(1) == "double_blocks" else "single", m.group(3)) if m else ("top", n)
+        if inner not in out[kind]:
+            out[kind].append(inner)
+    return out
+
+
+def _split(module: str) -> tuple[str, str, str]:
+    """(kind, index, inner) of one of our module names; kind "top" has index ""."""
+    m = _BLOCK.match(module)
+    if m:
+        return ("double" if m.group(1) == "double_blocks" else "single"), m.group(2), m.group(3)
+    return "top", "", module
+
+
+def _diffusers_modules(module: str) -> tuple[list[str], str]:
+    """Diffusers module names our module becomes and how: "copy", "cat" (row parts) or "swap" (halves)."""
+    try:
+        names, how = W.diffusers_names(module + ".weight")
+    except KeyError:
+        raise LoraError(f"module {module} has no diffusers counterpart; write the kohya layout instead") from None
+    return [n.removesuffix(".weight") for n in names], how
+
+
+@lru_cache(maxsize=1)
+def _from_diffusers_table() -> dict[tuple[str, str], tuple[str, int, int]]:
+    """(diffusers kind, inner diffusers name) -> (our inner name, part index, part count)."""
+    table = {}
+    for kind, prefix in (("double", "double_blocks.0."), ("single", "single_blocks.0."), ("top", "")):
+        for inner in _module_names()[kind]:
+            names, _ = _diffusers_modules(prefix + inner)
+            for i, name in enumerate(names):
+                m = _DBLOCK.match(name)
+                table[(kind, m.group(3) if m else name)] = (inner, i, len(names))
+    return table
+
+
+def _part_rows(module: str, B_rows: int, hidden: int) -> list[int]:
+    """Row counts of the diffusers parts of a fused linear (qkv: 3 x C; linear1: 3 x C + MLP)."""
+    if module.endswith(".linear1"):
+        return [hidden, hidden, hidden, B_rows - 3 * hidden]
+    return [B_rows // 3] * 3
+
+
+def _swap_halves(t: Tensor) -> Tensor:
+    return torch.cat(t.chunk(2, dim=0)[::-1], dim=0)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Writing
+# ------------------------------------------------------------------------------------------------------
+def _modules(sd: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    """module -> (A, B) of a canonical LoRA state dict, checked for pairs and matching ranks."""
+    full = _looks_full(sd)
+    if full:
+        raise LoraError(f"tensor {full[0]} is a model weight, not a LoRA tensor; pass lora_state_dict(model)")
+    out = {}
+    for k in sd:
+        m = _LORA_KEY.match(k)
+        if m is None:
+            raise LoraError(f"tensor {k} is not a LoRA tensor (<module>.lora_A.weight / .lora_B.weight)")
+        module = m.group(1)
+        if module in out:
+            continue
+        A, B = sd.get(f"{module}.lora_A.weight"), sd.get(f"{module}.lora_B.weight")
+        if A is None or B is None:
+            raise LoraError(f"module {module} has only one of lora_A / lora_B; a LoRA needs both")
+        if A.ndim != 2 or B.ndim != 2 or A.shape[0] != B.shape[1]:
+            raise LoraError(f"module {module}: lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} do not form a "
+                            "LoRA (A is rank x in, B is out x rank)")
+        out[module] = (A, B)
+    return out
+
+
+def _metadata(cfg: LoraConfig, layout: str, base_model: str | None) -> dict[str, str]:
+    return {
+        "format": "pt", "fluxzero.format": layout, "fluxzero.rank": str(cfg.rank), "fluxzero.alpha": repr(cfg.alpha),
+        "fluxzero.targets": json.dumps(cfg.targets), "fluxzero.base_model": base_model or "",
+    }
+
+
+def to_diffusers(sd: dict[str, Tensor], cfg: LoraConfig) -> tuple[dict[str, Tensor], dict]:
+    """(diffusers-named tensors with the `transformer.` prefix, diffusers' adapter metadata for them)."""
+    out, ranks = {}, {}
+    for module, (A, B) in _modules(sd).items():
+        names, how = _diffusers_modules(module)
+        if how == "cat":
+            rows = _part_rows(module, B.shape[0], A.shape[1])
+            parts = B.split(rows, dim=0)
+        else:
+            parts = [_swap_halves(B) if how == "swap" else B]
+        for name, b in zip(names, parts):
+            out[f"{DIFFUSERS_PREFIX}{name}.lora_A.weight"] = A.detach().clone()
+            out[f"{DIFFUSERS_PREFIX}{name}.lora_B.weight"] = b.detach().contiguous().clone()
+            ranks[name] = A.shape[0]
+    meta = {"r": cfg.rank, "lora_alpha": cfg.alpha, "target_modules": sorted(ranks)}
+    odd = {n: r for n, r in ranks.items() if r != cfg.rank}
+    if odd:  # modules of another rank keep the scale alpha / rank: PEFT scales each by alpha_m / r_m
+        meta["rank_pattern"] = odd
+        meta["alpha_pattern"] = {n: cfg.scale * r for n, r in odd.items()}
+    return out, {f"{DIFFUSERS_PREFIX}{k}": v for k, v in meta.items()}
+
+
+def to_kohya(sd: dict[str, Tensor], cfg: LoraConfig) -> dict[str, Tensor]:
+    """kohya-named tensors: lora_down = A, lora_up = B, alpha = scale x module rank (= cfg.alpha at cfg.rank)."""
+    out = {}
+    for module, (A, B) in _modules(sd).items():
+        key, r = KOHYA_PREFIX + module.replace(".", "_"), A.shape[0]
+        alpha = cfg.scale * r
+        if module.startswith("final_layer.") and cfg.scale != 1.0:
+            # diffusers 0.42's kohya reader ignores final_layer alphas: fold the scale into B so every reader
+            # (alpha = rank then) applies the same delta.
+            B, alpha = B.float() * cfg.scale, float(r)
+        out[f"{key}.lora_down.weight"] = A.detach().clone()
+        out[f"{key}.lora_up.weight"] = B.detach().clone()
+        out[f"{key}.alpha"] = torch.tensor(float(alpha))
+    return out
+
+
+def save_lora(
+    path: str | os.PathLike, sd: dict[str, Tensor], cfg: LoraConfig, layout: str = "diffusers",
+    base_model: str | None = None, dtype: torch.dtype | None = None,
+) -> None:
+    """Write a canonical LoRA state dict (lora_state_dict(model)) as a .safetensors file in `layout`.
+
+    `base_model` (e.g. "flux-dev") goes into the header; `dtype` converts the A/B tensors (alphas stay fp32).
+    """
+    from safetensors.torch import save_file
+
+    if layout not in LAYOUTS:
+        raise LoraError(f"unknown LoRA layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
+    meta = _metadata(cfg, layout, base_model)
+    if layout == "diffusers":
+        tensors, adapter_meta = to_diffusers(sd, cfg)
+        meta[DIFFUSERS_METADATA_KEY] = json.dumps(adapter_meta, sort_keys=True)
+    else:
+        tensors = to_kohya(sd, cfg)
+        meta.update({"ss_network_module": "networks.lora_flux", "ss_network_dim": str(cfg.rank),
+                     "ss_network_alpha": repr(cfg.alpha), "ss_base_model_version": "flux1"})
+    if dtype is not None:
+        tensors = {k: v if k.endswith(".alpha") else v.to(dtype) for k, v in tensors.items()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Reading
+# ------------------------------------------------------------------------------------------------------
+def _open(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise LoraError(f"{path}: no such LoRA file")
+    if path.suffix != ".safetensors":
+        raise LoraError(f"{path}: only .safetensors LoRA files are read (pickled files are refused)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a corrupt header
+        raise LoraError(f"{path}: not a readable safetensors file ({e}); write or download it again") from None
+
+
+def _scale_b(B: Tensor, factor: float) -> Tensor:
+    return B if factor == 1.0 else (B.float() * factor).to(B.dtype)
+
+
+def _from_kohya(raw: dict[str, Tensor]) -> tuple[dict[str, tuple[Tensor, Tensor, float | None]], list[str]]:
+    """module -> (A, B, alpha or None), plus skipped (text-encoder) keys."""
+    names = _module_names()
+    lookup = {kind: {n.replace(".", "_"): n for n in names[kind]} for kind in names}
+    out, skipped = {}, []
+    for key in raw:
+        if not key.endswith(".lora_down.weight"):
+            continue
+        base = key.removesuffix(".lora_down.weight")
+        if base.startswith("lora_te"):
+            skipped.append(base)
+            continue
+        flat = base.removeprefix(KOHYA_PREFIX)
+        m = _KBLOCK.match(flat)
+        kind, index, inner = (("double" if m.group(1) == "double_blocks" else "single"), m.group(2), m.group(3)) \
+            if m else ("top", "", flat)
+        if not base.startswith(KOHYA_PREFIX) or inner not in lookup[kind]:
+            raise LoraError(f"kohya key {base} names no FLUX.1 transformer linear (expected e.g. "
+                            "lora_unet_double_blocks_0_img_attn_qkv); this is not a FLUX.1 LoRA")
+        module = f"{m.group(1)}.{index}.{lookup[kind][inner]}" if m else lookup[kind][inner]
+        up = raw.get(f"{base}.lora_up.weight")
+        if up is None:
+            raise LoraError(f"kohya LoRA {base} has lora_down but no lora_up; the file is incomplete")
+        alpha = raw.get(f"{base}.alpha")
+        out[module] = (raw[key], up, None if alpha is None else float(alpha.item()))
+    return out, skipped
+
+
+def _fuse(module: str, parts: dict[int, tuple[Tensor, Tensor]], n: int) -> tuple[Tensor, Tensor]:
+    """One LoRA on a fused linear from LoRAs on some of its n row parts (see the module docstring)."""
+    A0 = next(iter(parts.values()))[0]
+    hidden = A0.shape[1]
+    if module.endswith(".linear1") and 3 not in parts:
+        mlp = 4 * hidden  # diffusers' FLUX has mlp_ratio 4
+    else:
+        mlp = parts[3][1].shape[0] if module.endswith(".linear1") else hidden
+    rows = [hidden, hidden, hidden, mlp][:n] if module.endswith(".linear1") else [hidden] * 3
+    As = [parts[i][0] for i in sorted(parts)]
+    if all(a.shape == A0.shape and torch.equal(a, A0) for a in As):  # shared A (our own export, kohya's)
+        Bs = [parts[i][1] if i in parts else A0.new_zeros(rows[i], A0.shape[0]) for i in range(n)]
+        return A0, torch.cat(Bs, dim=0)
+    A = torch.cat(As, dim=0)
+    B = A0.new_zeros(sum(rows), A.shape[0])
+    col = 0
+    for i in sorted(parts):
+        a, b = parts[i]
+        start = sum(rows[:i])
+        B[start:start + rows[i], col:col + a.shape[0]] = b
+        col += a.shape[0]
+    return A, B
+
+
+def _from_diffusers(raw: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor, float | None]]:
+    table = _from_diffusers_table()
+    found: dict[str, dict[int, tuple[Tensor, Tensor, float | None]]] = {}
+    counts: dict[str, int] = {}
+    for key in raw:
+        if not key.endswith(".lora_A.weight"):
+            continue
+        base = key.removesuffix(".lora_A.weight")
+        if not base.startswith(DIFFUSERS_PREFIX) and base.split(".")[0] in ("text_encoder", "text_encoder_2"):
+            continue  # another pipeline component's LoRA
+        name = base.removeprefix(DIFFUSERS_PREFIX)
+        m = _DBLOCK.match(name)
+        kind, index, inner = (("double" if m.group(1) == "transformer_blocks" else "single"), m.group(2), m.group(3)) \
+            if m else ("top", "", name)
+        if (kind, inner) not in table:
+            raise LoraError(f"diffusers LoRA key {base} names no FluxTransformer2DModel linear (expected e.g. "
+                            "transformer.transformer_blocks.0.attn.to_q); this is not a FLUX.1 transformer LoRA")
+        ours, part, n = table[(kind, inner)]
+        module = f"{'double_blocks' if kind == 'double' else 'single_blocks'}.{index}.{ours}" if m else ours
+        B = raw.get(f"{base}.lora_B.weight")
+        if B is None:
+            raise LoraError(f"diffusers LoRA {base} has lora_A but no lora_B; the file is incomplete")
+        alpha = raw.get(f"{base}.alpha")
+        found.setdefault(module, {})[part] = (raw[key], B, None if alpha is None else float(alpha.item()))
+        counts[module] = n
+    out = {}
+    for module, parts in found.items():
+        n = counts[module]
+        if n == 1:
+            A, B, alpha = parts[0]
+            _, how = _diffusers_modules(module)
+            out[module] = (A, _swap_halves(B) if how == "swap" else B, alpha)
+            continue
+        alphas = {a for _, _, a in parts.values()}
+        if len(alphas) > 1:
+            raise LoraError(f"diffusers LoRA parts of {module} have different alphas {sorted(map(str, alphas))}; "
+                            "this reader needs one alpha per fused linear")
+        A, B = _fuse(module, {i: (a, b) for i, (a, b, _) in parts.items()}, n)
+        out[module] = (A, B, alphas.pop())
+    return out
+
+
+def _header_scale(meta: dict[str, str], layout: str, ranks: list[int], alphas: list[float | None]):
+    """(rank, alpha) the file declares: ours, else diffusers' adapter metadata or kohya's ss_*, else module 0's."""
+    if "fluxzero.rank" in meta and "fluxzero.alpha" in meta:
+        return int(meta["fluxzero.rank"]), float(meta["fluxzero.alpha"])
+    if layout == "diffusers" and meta.get(DIFFUSERS_METADATA_KEY):
+        am = json.loads(meta[DIFFUSERS_METADATA_KEY])
+        r = am.get(f"{DIFFUSERS_PREFIX}r", am.get("r"))
+        a = am.get(f"{DIFFUSERS_PREFIX}lora_alpha", am.get("lora_alpha"))
+        if r:
+            return int(r), float(a or r)
+    if layout == "kohya" and meta.get("ss_network_dim", "").isdigit():
+        try:
+            return int(meta["ss_network_dim"]), float(meta.get("ss_network_alpha") or meta["ss_network_dim"])
+        except ValueError:
+            pass
+    rank = Counter(ranks).most_common(1)[0][0] if ranks else 1
+    first = next((a for r, a in zip(ranks, alphas) if r == rank and a is not None), None)
+    return rank, float(first if first is not None else rank)
+
+
+def read_lora(path: str | os.PathLike, scale: float | None = None) -> tuple[dict[str, Tensor], LoraFileInfo]:
+    """Canonical LoRA tensors (our module names) and what the file says, from a diffusers or kohya file.
+
+    The tensors' scale is info.alpha / info.rank; with `scale`, B is rescaled so that scale x B A is the
+    file's delta. Text-encoder LoRAs in the same file are left out. A full-weights file is refused.
+    """
+    path = Path(path)
+    raw, meta = _open(path)
+    keys = list(raw)
+    if any(k.endswith(".lora_down.weight") for k in keys):
+        layout = "kohya"
+        found, _ = _from_kohya(raw)
+    elif any(k.endswith(".lora_A.weight") for k in keys):
+        top = set(_module_names()["top"])
+        if all(_BLOCK.match(k) or _LORA_KEY.match(k).group(1) in top for k in keys if _LORA_KEY.match(k)):
+            layout = "fluxzero"  # our canonical names, e.g. torch.save(lora_state_dict(model)) as safetensors
+            found = {module: (A, B, None) for module, (A, B) in _modules(raw).items()}
+        else:
+            layout = "diffusers"
+            found = _from_diffusers(raw)
+    else:
+        if any(k.endswith((".weight", ".scale")) for k in keys):
+            raise LoraError(f"{path} is a full model weights file, not a LoRA; give it to the run file's `weights:` "
+                            "and keep lora.weights for LoRA files")
+        raise LoraError(f"{path} holds no LoRA tensors (no lora_A / lora_B or lora_down / lora_up keys)")
+    if not found:
+        raise LoraError(f"{path} holds no FLUX.1 transformer LoRA (only text-encoder LoRAs); pass a transformer LoRA")
+    ranks = [A.shape[0] for A, _, _ in found.values()]
+    rank, alpha = _header_scale(meta, layout, ranks, [a for _, _, a in found.values()])
+    target_scale = alpha / rank if scale is None else scale
+    sd = {}
+    for module, (A, B, a) in found.items():
+        file_scale = alpha / rank if a is None else a / A.shape[0]
+        sd[f"{module}.lora_A.weight"] = A
+        sd[f"{module}.lora_B.weight"] = _scale_b(B, file_scale / target_scale)
+    targets = json.loads(meta["fluxzero.targets"]) if meta.get("fluxzero.targets") else None
+    info = LoraFileInfo(layout=meta.get("fluxzero.format", layout), rank=rank, alpha=alpha, modules=tuple(found),
+                        targets=targets, base_model=meta.get("fluxzero.base_model") or None)
+    return sd, info
+
+
+# ------------------------------------------------------------------------------------------------------
+# Merging
+# ------------------------------------------------------------------------------------------------------
+def merge_lora(base_state_dict: dict[str, Tensor], lora_sd: dict[str, Tensor], cfg: LoraConfig) -> dict[str, Tensor]:
+    """W + (alpha / rank) B A for every adapted module, computed in fp32 and cast back to W's dtype.
+
+    `base_state_dict` in our names (weights.load_weights, lora.base_state_dict); the result can be written
+    in any full layout with weights.save_weights. Unadapted tensors are passed through (not copied).
+    """
+    out = dict(base_state_dict)
+    for module, (A, B) in _modules(lora_sd).items():
+        key = f"{module}.weight"
+        if key not in out:
+            raise LoraError(f"the LoRA adapts {module} but the base weights have no {key}; use base weights of the "
+                            "model the LoRA was made for")
+        Wt = out[key]
+        if (B.shape[0], A.shape[1]) != tuple(Wt.shape):
+            raise LoraError(f"LoRA for {module} makes a ({B.shape[0]}, {A.shape[1]}) update but {key} is "
+                            f"{tuple(Wt.shape)}; the LoRA was made for another model shape")
+        delta = cfg.scale * (B.to(Wt.device, torch.float32) @ A.to(Wt.device, torch.float32))
+        out[key] = (Wt.float() + delta).to(Wt.dtype)
+    return out
