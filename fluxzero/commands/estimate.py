@@ -14,6 +14,25 @@ from fluxzero.config import MODEL_PRESETS, get_model_config, reshaped
 from fluxzero.config.memory import GiB, GPU_MEMORY_GIB
 
 _POS = click.IntRange(min=1)
+
+
+class _Finite(click.FloatRange):
+    """A FloatRange that refuses nan and inf: click's bounds let nan through (every comparison with nan is
+    false), and `--margin nan` or `--gpu-memory inf` then printed FITS."""
+
+    def __init__(self, *args, example: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.example = example
+
+    def convert(self, value, param, ctx):
+        v = super().convert(value, param, ctx)
+        if v != v or v in (float("inf"), float("-inf")):
+            self.fail(f"{value!r} is not a finite number; give {self.example}.", param, ctx)
+        return v
+
+
+_GIB = _Finite(min=0, min_open=True, example="a size in GiB such as 80")
+_FRACTION = _Finite(0, 1, max_open=True, example="a fraction in [0, 1) such as 0.1")
 PHASE_NAMES = {"train": "fwd/bwd", "step": "step", "init": "init"}
 
 
@@ -81,9 +100,9 @@ OPTIONS = [
     click.option("--gpus-per-node", type=_POS, default=None, help="GPUs per node [default: 1]."),
     click.option("--gpu", type=click.Choice(list(GPU_MEMORY_GIB)), default=None,
                  help="GPU model, for its memory (h200 = 139.8 GiB as torch reports it)."),
-    click.option("--gpu-memory", type=click.FloatRange(min=0, min_open=True), default=None,
+    click.option("--gpu-memory", type=_GIB, default=None,
                  help="GPU memory in GiB (instead of --gpu); without either, no fit verdict."),
-    click.option("--host-memory", type=click.FloatRange(min=0, min_open=True), default=None,
+    click.option("--host-memory", type=_GIB, default=None,
                  help="Host memory per node in GiB; checked when given."),
     click.option("--resolution", default="512", show_default=True, callback=_resolution,
                  help="Image size in pixels: 512 or HEIGHTxWIDTH (tokens = H/16 x W/16)."),
@@ -108,7 +127,7 @@ OPTIONS = [
                  help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)."),
     click.option("--weights/--no-weights", default=True, show_default=True,
                  help="Pretrained weights are loaded (each rank reads them in fp32 on the host below stage 3)."),
-    click.option("--margin", type=click.FloatRange(0, 1, max_open=True), default=0.10, show_default=True,
+    click.option("--margin", type=_FRACTION, default=0.10, show_default=True,
                  help="Safety margin: fits when the need is at most (1 - margin) x the memory."),
     click.option("--json", "as_json", is_flag=True, default=False, help="Print one JSON object instead of tables."),
 ]
@@ -290,14 +309,14 @@ FIT_OPTIONS = [
                       "hardware (needs the world size and --gpu/--gpu-memory); prints why."),
     click.option("--gpu", type=click.Choice(list(GPU_MEMORY_GIB)), default=None,
                  help="--fit: GPU model, for its memory."),
-    click.option("--gpu-memory", type=click.FloatRange(min=0, min_open=True), default=None,
+    click.option("--gpu-memory", type=_GIB, default=None,
                  help="--fit: GPU memory in GiB (instead of --gpu)."),
-    click.option("--host-memory", type=click.FloatRange(min=0, min_open=True), default=None,
+    click.option("--host-memory", type=_GIB, default=None,
                  help="--fit: host memory per node in GiB (offload must fit it)."),
     click.option("--resolution", default="512", show_default=True, callback=_resolution,
                  help="--fit: training image size in pixels, 512 or HEIGHTxWIDTH."),
     click.option("--txt-len", type=_POS, default=512, show_default=True, help="--fit: T5 text tokens per sample."),
-    click.option("--fit-margin", type=click.FloatRange(0, 1, max_open=True), default=0.10, show_default=True,
+    click.option("--fit-margin", type=_FRACTION, default=0.10, show_default=True,
                  help="--fit: keep this fraction of GPU and host memory free."),
     click.option("--max-micro-batch", type=_POS, default=16, show_default=True,
                  help="--fit: largest micro batch to consider."),

@@ -102,6 +102,13 @@ class FlowConfig:
             raise ValueError(f"flow.timestep_sampling must be 'uniform' or 'logit_normal', got {self.timestep_sampling!r}")
         if self.shift not in ("none", "fixed", "resolution"):
             raise ValueError(f"flow.shift must be 'none', 'fixed' or 'resolution', got {self.shift!r}")
+        import math
+
+        # nan and inf pass every comparison below (logit_mean inf trained with every t = 1)
+        for name in ("logit_mean", "logit_std", "shift_value", "guidance"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"flow.{name} must be a finite number, got {getattr(self, name)}; "
+                                 f"remove it to use the default {getattr(type(self), name)}")
         if self.logit_std <= 0:
             raise ValueError(f"flow.logit_std must be positive, got {self.logit_std}")
         if self.shift_value <= 0:
