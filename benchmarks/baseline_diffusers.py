@@ -30,7 +30,9 @@ def build_engine(model_cfg, ds: dict, ckpt_every: int, device: torch.device, see
 
     if ckpt_every not in (0, 1):
         raise ValueError("diffusers' enable_gradient_checkpointing checkpoints every block: use ckpt 0 or 1")
-    stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
+    from fluxzero.config.ds_view import view
+
+    stage = view(ds).stage  # the one parsed view of a DeepSpeed config, as the trainer reads it
     torch.manual_seed(seed)
     # Below ZeRO-3 the model is created in fp32 on the device and DeepSpeed casts it (the fluxzero engine
     # does the same); under ZeRO-3, zero.Init creates each parameter on the device in the training dtype

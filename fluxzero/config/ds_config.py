@@ -751,9 +751,12 @@ def check(cfg, world_size: int | None = None) -> list[str]:
 
 def implied_world_size(cfg: dict) -> int | None:
     """train_batch_size / (micro x accumulation) when all three are set and divide evenly, else None."""
-    names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    vals = [cfg.get(n) for n in names]
-    if all(_is_int(v) and v > 0 for v in vals) and vals[0] % (vals[1] * vals[2]) == 0:
+    try:
+        v = view(cfg)
+    except ds_view.DSConfigError:
+        return None
+    vals = (v.train_batch, v.micro_batch, v.grad_accum)
+    if all(_is_int(x) and x > 0 for x in vals) and vals[0] % (vals[1] * vals[2]) == 0:
         return vals[0] // (vals[1] * vals[2])
     return None
 
