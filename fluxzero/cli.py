@@ -20,6 +20,8 @@ COMMANDS: dict[str, str] = {
     "estimate": "fluxzero.commands.estimate:estimate",
     "train": "fluxzero.commands.train:train",
     "export": "fluxzero.commands.train:export",
+    "sample": "fluxzero.commands.sample:sample",
+    "encode-prompts": "fluxzero.commands.sample:encode_prompts_cmd",
 }
 
 

@@ -240,3 +240,120 @@ def test_embeddings_round_trip_and_errors(tmp_path):
         load_embeddings(tmp_path / "other.safetensors")
     with pytest.raises(EmbeddingsError, match="for N=2 prompts"):
         PromptEmbeddings(["a", "b"], torch.randn(3, 4, 8), torch.randn(2, 3))
+
+
+# ------------------------------------------------------------------------------------------ the commands
+CLI_SIZE = ["--height", "32", "--width", "48", "--steps", "2", "--t5-max-length", "8", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Tiny random encoders in FLUX's folder layout (shared with test_cache) and flux-tiny weights."""
+    from test_cache import build_tiny_flux_dir
+
+    base = tmp_path_factory.mktemp("sample")
+    flux = build_tiny_flux_dir(base / "flux")
+    _, ours, _ = pair("flux-tiny", seed=2)
+    W.save_weights(ours.state_dict(), base / "tiny.safetensors", layout="bfl")
+    return flux, base / "tiny.safetensors"
+
+
+def _run(*args):
+    return CliRunner().invoke(main, [*map(str, args)], catch_exceptions=False)
+
+
+def _pixels(path):
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return torch.from_numpy(np.array(im))
+
+
+def test_sample_command_writes_pngs_grid_and_metadata(files, tmp_path):
+    from fluxzero.data.encode import Encoders, resolve_paths
+    from fluxzero.model.weights import load_model
+
+    flux, weights = files
+    out = tmp_path / "out"
+    r = _run("sample", weights, "--out", out, "--flux-dir", flux, "--prompt", "a red cat", "--prompt", "a blue dog",
+             "--seed", "1", "--seed", "2", "--batch-size", "3", *CLI_SIZE)
+    assert r.exit_code == 0, r.output
+    pngs = sorted(out.glob("0*.png"))
+    assert [p.name for p in pngs] == ["0000-p0-s1.png", "0001-p0-s2.png", "0002-p1-s1.png", "0003-p1-s2.png"]
+    meta = read_png_params(pngs[2])
+    assert meta["prompt"] == "a blue dog" and meta["seed"] == 1 and meta["steps"] == 2 and meta["guidance"] == 3.5
+    assert meta["width"] == 48 and meta["height"] == 32 and meta["model"] == "flux-tiny"
+    assert meta["weights"] == str(weights.resolve()) and meta["true_cfg"] is None
+    g = _pixels(out / "grid.png")
+    assert g.shape == (64, 96, 3) and torch.equal(g[32:, :48], _pixels(pngs[2]))  # row per prompt, column per seed
+
+    # the same image through the public API: encoders -> sample -> decode
+    enc = Encoders.load(resolve_paths(flux), device=torch.device("cpu"), dtype=torch.float32, t5_max_length=8)
+    t5, _, clip = enc.encode_text(["a blue dog"])
+    lat = sample(load_model(weights, dtype=torch.float32), t5, clip, height=32, width=48, steps=2, seed=[1])
+    assert (decode(enc.vae, lat)[0].int() - _pixels(pngs[2]).int()).abs().max() <= 1  # batch of 3 vs 1
+
+    # images do not depend on the batch size
+    r = _run("sample", weights, "--out", tmp_path / "one", "--flux-dir", flux, "--prompt", "a red cat", "--prompt",
+             "a blue dog", "--seed", "1", "--seed", "2", *CLI_SIZE)
+    assert r.exit_code == 0, r.output
+    for p in pngs:
+        assert (_pixels(tmp_path / "one" / p.name).int() - _pixels(p).int()).abs().max() <= 1
+
+
+def test_encode_prompts_then_sample_from_embeddings(files, tmp_path):
+    flux, weights = files
+    emb = tmp_path / "prompts.safetensors"
+    (tmp_path / "prompts.txt").write_text("a red cat\n\nthe sky\n", encoding="utf-8")
+    r = _run("encode-prompts", emb, "--flux-dir", flux, "--prompts", tmp_path / "prompts.txt", "--negative-prompt",
+             "small", "--t5-max-length", "8", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    e = load_embeddings(emb)
+    assert e.prompts == ["a red cat", "the sky"] and e.t5.shape == (2, 8, 64) and e.neg_t5.shape == (1, 8, 64)
+    common = ["--seed", "4", "--true-cfg", "3", *CLI_SIZE]
+    r = _run("sample", weights, "--out", tmp_path / "a", "--embeddings", emb, "--vae", flux / "vae", *common)
+    assert r.exit_code == 0, r.output
+    r = _run("sample", weights, "--out", tmp_path / "b", "--flux-dir", flux, "--prompts", tmp_path / "prompts.txt",
+             "--negative-prompt", "small", *common)
+    assert r.exit_code == 0, r.output
+    for name in ("0000-p0-s4.png", "0001-p1-s4.png"):
+        assert torch.equal(_pixels(tmp_path / "a" / name), _pixels(tmp_path / "b" / name))  # same numbers, no T5
+    meta = read_png_params(tmp_path / "a" / "0001-p1-s4.png")
+    assert meta["prompt"] == "the sky" and meta["negative_prompt"] == "small" and meta["true_cfg"] == 3.0
+    r = _run("sample", weights, "--out", tmp_path / "c", "--embeddings", emb, "--vae", flux / "vae", "--seed", "4", *CLI_SIZE)
+    assert not torch.equal(_pixels(tmp_path / "c" / "0000-p0-s4.png"), _pixels(tmp_path / "a" / "0000-p0-s4.png"))
+
+
+def test_sample_bad_input_is_one_sentence(files, tmp_path):
+    flux, weights = files
+    (tmp_path / "empty.txt").write_text("\n  \n", encoding="utf-8")
+    small = tmp_path / "small.safetensors"
+    save_embeddings(small, PromptEmbeddings(["x"], torch.zeros(1, 8, 16), torch.zeros(1, 8)))
+    base = ["sample", weights, "--out", tmp_path / "o"]
+    cases = [
+        ([*base, "--prompt", "a cat", "--vae", tmp_path / "nope", "--flux-dir", flux],
+         f"diffusers AutoencoderKL folder not found at --vae {tmp_path / 'nope'}"),
+        ([*base, "--embeddings", small, "--vae", tmp_path / "nope"], f"VAE folder {tmp_path / 'nope'} does not exist"),
+        ([*base, "--prompt", "a cat", "--flux-dir", tmp_path, "--vae", flux / "vae"],
+         "transformers T5EncoderModel folder not found"),
+        ([*base, "--prompts", tmp_path / "empty.txt", "--flux-dir", flux], "empty.txt holds no prompts; write one prompt per line"),
+        ([*base, "--prompt", "a cat", "--flux-dir", flux, "--height", "50"],
+         "Invalid value for --height: must be a multiple of 16 pixels, got 50; use 48 or 64"),
+        ([*base, "--prompt", "a cat", "--flux-dir", flux, "--model", "flux-tiny-schnell"],
+         "do not match the model: 4 unexpected: guidance_in"),
+        (["sample", flux / "vae" / "diffusion_pytorch_model.safetensors", "--out", tmp_path / "o", "--prompt", "a cat",
+          "--flux-dir", flux], "cannot tell the layout"),
+        ([*base, "--embeddings", small, "--flux-dir", flux], "the prompt embeddings are T5 16 / CLIP 8 wide but model "
+                                                             "'flux-tiny' takes 64 / 32"),
+        ([*base, "--prompt", "a cat", "--flux-dir", flux, "--true-cfg", "2"], "--true-cfg above 1 needs a negative prompt"),
+        ([*base, "--prompt", "a cat", "--flux-dir", flux, "--negative-prompt", "dog"], "acts only with --true-cfg above 1"),
+        ([*base, "--embeddings", small, "--flux-dir", flux, "--true-cfg", "2"], "holds none; encode one with"),
+        ([*base, "--flux-dir", flux], "no prompts; pass --prompt TEXT"),
+        ([*base, "--embeddings", weights, "--flux-dir", flux], "is not a fluxzero prompt-embeddings file"),
+    ]
+    for args, message in cases:
+        r = _run(*args[:1], *CLI_SIZE, *args[1:])  # the case's own options come last and win
+        assert r.exit_code == 2, (args, r.output)
+        text = " ".join(r.output.split())  # Click wraps long messages
+        assert message in text and "Traceback" not in text, (message, r.output)
+        assert text.count("Error:") == 1

@@ -1,0 +1,302 @@
+"""`fluxzero sample` (images from FLUX.1 weights) and `fluxzero encode-prompts` (prompt embeddings to a file)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+_DIR = click.Path(file_okay=False, path_type=str)
+_FILE = click.Path(dir_okay=False, path_type=Path)
+
+
+def _encoder_options(f):
+    """The encoder folders, spelled as `fluxzero cache` takes them."""
+    for decorator in reversed([
+        click.option("--flux-dir", type=_DIR, default=None,
+                     help="Local FLUX.1 diffusers folder: vae/, text_encoder/ (CLIP), text_encoder_2/ (T5), tokenizer/, tokenizer_2/."),
+        click.option("--vae", type=_DIR, default=None, help="diffusers AutoencoderKL folder (overrides FLUX_DIR/vae)."),
+        click.option("--t5", type=_DIR, default=None, help="transformers T5EncoderModel folder (overrides FLUX_DIR/text_encoder_2)."),
+        click.option("--clip", type=_DIR, default=None, help="transformers CLIPTextModel folder (overrides FLUX_DIR/text_encoder)."),
+        click.option("--t5-tokenizer", type=_DIR, default=None, help="T5 tokenizer folder (overrides FLUX_DIR/tokenizer_2)."),
+        click.option("--clip-tokenizer", type=_DIR, default=None, help="CLIP tokenizer folder (overrides FLUX_DIR/tokenizer)."),
+        click.option("--t5-max-length", type=click.IntRange(min=1), default=None,
+                     help="T5 tokens per prompt (padded)  [default: 512 for dev, 256 for schnell]."),
+    ]):
+        f = decorator(f)
+    return f
+
+
+def _prompt_options(f):
+    for decorator in reversed([
+        click.option("--prompt", "prompt_texts", multiple=True, help="A prompt; repeat for several."),
+        click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     default=None, help="UTF-8 text file with one prompt per line (blank lines are skipped)."),
+        click.option("--negative-prompt", default=None,
+                     help="Negative prompt for true classifier-free guidance (acts only with --true-cfg above 1)."),
+    ]):
+        f = decorator(f)
+    return f
+
+
+def _device_options(f):
+    for decorator in reversed([
+        click.option("--device", default="auto", show_default=True,
+                     help="auto = cuda:LOCAL_RANK when a GPU is present, else cpu."),
+        click.option("--dtype", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,
+                     help="Model and encoder precision: auto = bf16 on GPU, fp32 on CPU."),
+    ]):
+        f = decorator(f)
+    return f
+
+
+def _read_prompts(prompt_texts, prompts_file: Path | None) -> list[str]:
+    prompts = list(prompt_texts)
+    if prompts_file is not None:
+        try:
+            lines = prompts_file.read_text(encoding="utf-8-sig").splitlines()
+        except UnicodeDecodeError:
+            raise click.BadParameter(f"{prompts_file} is not UTF-8 text; save it as UTF-8", param_hint="--prompts") from None
+        from_file = [line.strip() for line in lines if line.strip()]
+        if not from_file:
+            raise click.BadParameter(f"{prompts_file} holds no prompts; write one prompt per line", param_hint="--prompts")
+        prompts += from_file
+    return prompts
+
+
+def _negative(negative_prompt, true_cfg: float):
+    if negative_prompt is not None and true_cfg <= 1:
+        raise click.UsageError("--negative-prompt acts only with --true-cfg above 1 (e.g. --true-cfg 4); "
+                               "pass one or drop --negative-prompt.")
+    if true_cfg > 1 and negative_prompt is None:
+        raise click.UsageError("--true-cfg above 1 needs a negative prompt; pass --negative-prompt TEXT "
+                               "(an empty \"\" is allowed).")
+
+
+def _paths(flux_dir, **explicit):
+    from ..data.encode import resolve_paths
+    from ..data.errors import DataError
+
+    try:
+        return resolve_paths(flux_dir, **explicit)
+    except DataError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _device(device, dtype):
+    from ..data.encode import pick_device_dtype
+    from ..data.errors import DataError
+
+    try:
+        return pick_device_dtype(device, dtype)
+    except (RuntimeError, DataError) as e:
+        raise click.BadParameter(str(e).splitlines()[0], param_hint="--device") from None
+
+
+def _load_encoders(paths, dev, dt, t5_max_length: int):
+    from ..data.encode import Encoders
+    from ..data.errors import DataError
+
+    click.echo(f"loading encoders on {dev} ({str(dt).replace('torch.', '')})", err=True)
+    try:
+        return Encoders.load(paths, device=dev, dtype=dt, t5_max_length=t5_max_length)
+    except DataError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _vae_folder(vae, flux_dir) -> str:
+    if vae:
+        return vae
+    if flux_dir:
+        return str(Path(flux_dir) / "vae")
+    raise click.UsageError("no VAE given; pass --vae DIR (a diffusers AutoencoderKL folder) or --flux-dir DIR.")
+
+
+def _load_model(weights: Path, preset: str | None, dev, dt):
+    from ..config import get_model_config
+    from ..model.weights import WeightsError, load_model
+
+    try:
+        cfg = get_model_config(preset) if preset else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--model") from None
+    try:
+        return load_model(weights, cfg=cfg, dtype=dt, device=dev)
+    except WeightsError as e:
+        raise click.BadParameter(str(e), param_hint="WEIGHTS") from None
+
+
+def _apply_adapters(model):
+    """Where `--lora FILE` will act: adapters are merged into (or wrapped around) `model` here, after the
+    base weights load and before sampling, so the sampler itself never needs to know about them."""
+    return model
+
+
+def _check_dims(emb, cfg):
+    if emb.t5.shape[-1] != cfg.context_in_dim or emb.clip_pooled.shape[-1] != cfg.vec_in_dim:
+        raise click.UsageError(
+            f"the prompt embeddings are T5 {emb.t5.shape[-1]} / CLIP {emb.clip_pooled.shape[-1]} wide but model "
+            f"{cfg.name!r} takes {cfg.context_in_dim} / {cfg.vec_in_dim}; encode the prompts with this model's "
+            "T5 and CLIP encoders.")
+
+
+@click.command("sample")
+@click.argument("weights", type=click.Path(exists=True, path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Folder for the PNGs (one per image) and grid.png; created if missing.")
+@click.option("--model", "preset", default=None,
+              help="Model preset the weights must match (default: inferred from the tensor shapes).")
+@_prompt_options
+@click.option("--embeddings", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Prompt embeddings written by `fluxzero encode-prompts` instead of --prompt/--prompts (no T5 needed).")
+@_encoder_options
+@click.option("--width", type=click.IntRange(min=16), default=1024, show_default=True, help="Image width in pixels, a multiple of 16.")
+@click.option("--height", type=click.IntRange(min=16), default=1024, show_default=True, help="Image height in pixels, a multiple of 16.")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Euler steps  [default: 28 for dev, 4 for schnell].")
+@click.option("--guidance", type=float, default=3.5, show_default=True,
+              help="Distilled guidance value for FLUX.1-dev (ignored by schnell, which has no guidance embedding).")
+@click.option("--true-cfg", type=click.FloatRange(min=1.0), default=1.0, show_default=True,
+              help="Real classifier-free guidance scale with --negative-prompt (diffusers' true_cfg_scale); "
+                   "above 1 doubles the model work.")
+@click.option("--seed", "seeds", type=int, multiple=True, default=(0,), show_default=True,
+              help="Noise seed; repeat for several. Every prompt is sampled once per seed, each image from its own seed.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Images per model call (the images do not depend on it).")
+@_device_options
+def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt, embeddings, flux_dir, vae, t5, clip,
+           t5_tokenizer, clip_tokenizer, t5_max_length, width, height, steps, guidance, true_cfg, seeds, batch_size,
+           device, dtype):
+    """Sample images from FLUX.1 transformer weights with the Euler flow sampler.
+
+    WEIGHTS is any full transformer layout `fluxzero convert` reads (BFL or ComfyUI .safetensors, a
+    diffusers folder). Prompts come as text (--prompt, --prompts; encoded with the T5 and CLIP folders)
+    or pre-encoded (--embeddings). Writes one PNG per prompt and seed, with the sampling parameters in
+    its text chunks, and grid.png (a row per prompt, a column per seed).
+    """
+    from ..sampling.sampler import size_hint
+
+    for name, v in (("--height", height), ("--width", width)):
+        if v % 16:  # FLUX.1: 8x VAE, then 2x2 patches
+            raise click.BadParameter(f"must be a multiple of 16 pixels, got {v}; use {size_hint(v)}", param_hint=name)
+    prompts = _read_prompts(prompt_texts, prompts_file)
+    if embeddings is not None and prompts:
+        raise click.UsageError("give prompts either as text (--prompt / --prompts) or as --embeddings, not both.")
+    if embeddings is None and not prompts:
+        raise click.UsageError("no prompts; pass --prompt TEXT (repeatable), --prompts FILE or --embeddings FILE.")
+    if embeddings is None:
+        _negative(negative_prompt, true_cfg)
+    # Cheap checks first (folders, the embeddings file), before minutes of loading weights.
+    emb = None
+    if embeddings is not None:
+        from ..sampling.embeddings import EmbeddingsError, load_embeddings
+
+        try:
+            emb = load_embeddings(embeddings)
+        except EmbeddingsError as e:
+            raise click.BadParameter(str(e), param_hint="--embeddings") from None
+        if negative_prompt is not None:
+            raise click.UsageError("--negative-prompt needs the text encoders; encode it into the --embeddings file "
+                                   "with fluxzero encode-prompts --negative-prompt.")
+        if true_cfg > 1 and not emb.has_negative:
+            raise click.UsageError(f"--true-cfg above 1 needs a negative prompt, and {embeddings} holds none; "
+                                   "encode one with fluxzero encode-prompts --negative-prompt.")
+        vae_dir, paths = _vae_folder(vae, flux_dir), None
+    else:
+        paths = _paths(flux_dir, vae=vae, t5=t5, clip=clip, t5_tokenizer=t5_tokenizer, clip_tokenizer=clip_tokenizer)
+        vae_dir = paths.vae
+    from ..data.errors import DataError
+    from ..sampling.vae import load_vae
+
+    dev, dt = _device(device, dtype)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        vae_model = load_vae(vae_dir, device=dev, dtype=dt)
+    except DataError as e:
+        raise click.UsageError(str(e)) from None
+
+    click.echo(f"loading {weights} on {dev} ({str(dt).replace('torch.', '')})", err=True)
+    model = _apply_adapters(_load_model(weights, preset, dev, dt))
+    cfg = model.config
+    if emb is None:
+        from ..data.encode import T5_MAX_LENGTH
+        from ..sampling.embeddings import encode_prompts
+
+        length = t5_max_length or T5_MAX_LENGTH["dev" if cfg.guidance_embed else "schnell"]
+        encoders = _load_encoders(paths, dev, dt, length)
+        emb = encode_prompts(encoders, prompts, negative_prompt if true_cfg > 1 else None)
+        del encoders  # T5-XXL is ~9 GB in bf16: free it before sampling
+    _check_dims(emb, cfg)
+    steps = steps or (28 if cfg.guidance_embed else 4)
+    written = _sample_all(model, vae_model, emb, cfg=cfg, weights=weights, out_dir=out_dir, width=width, height=height,
+                          steps=steps, guidance=guidance, true_cfg=true_cfg, seeds=list(seeds), batch_size=batch_size)
+    click.echo(f"wrote {len(written)} images and grid.png to {out_dir}")
+
+
+def _sample_all(model, vae_model, emb, *, cfg, weights, out_dir: Path, width, height, steps, guidance, true_cfg,
+                seeds, batch_size) -> list[Path]:
+    """Every (prompt, seed) pair in batches of batch_size; PNGs as each batch decodes, then the grid."""
+    import torch
+    from tqdm import tqdm
+
+    from ..sampling import sample
+    from ..sampling.images import grid, save_png
+    from ..sampling.vae import decode
+
+    jobs = [(p, s) for p in range(len(emb.prompts)) for s in seeds]  # row per prompt, column per seed
+    batches = [jobs[i:i + batch_size] for i in range(0, len(jobs), batch_size)]
+    cfg_on = true_cfg > 1
+    images, written = [], []
+    with tqdm(total=len(batches) * steps, desc="sample", unit="step", dynamic_ncols=True) as bar:
+        for batch in batches:
+            rows = torch.tensor([p for p, _ in batch])
+            latents = sample(
+                model, emb.t5[rows], emb.clip_pooled[rows], height=height, width=width, steps=steps,
+                guidance=guidance, seed=[s for _, s in batch], true_cfg=true_cfg,
+                neg_txt=emb.neg_t5 if cfg_on else None, neg_y=emb.neg_clip_pooled if cfg_on else None,
+                callback=lambda *_: bar.update(),
+            )
+            for (p, s), image in zip(batch, decode(vae_model, latents)):
+                params = {
+                    "prompt": emb.prompts[p], "negative_prompt": emb.negative_prompt if cfg_on else None, "seed": s,
+                    "steps": steps, "guidance": guidance if cfg.guidance_embed else None,
+                    "true_cfg": true_cfg if cfg_on else None, "width": width, "height": height,
+                    "model": cfg.name, "weights": str(Path(weights).resolve()), "sampler": "euler",
+                    "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+                }
+                written.append(save_png(image, out_dir / f"{len(written):04d}-p{p}-s{s}.png", params))
+                images.append(image)
+    grid(images, cols=len(seeds)).save(out_dir / "grid.png")
+    return written
+
+
+@click.command("encode-prompts")
+@click.argument("out", metavar="OUT.safetensors", type=_FILE)
+@_prompt_options
+@_encoder_options
+@_device_options
+def encode_prompts_cmd(out, prompt_texts, prompts_file, negative_prompt, flux_dir, vae, t5, clip, t5_tokenizer,
+                       clip_tokenizer, t5_max_length, device, dtype):
+    """Encode prompts with T5 and CLIP into a file for `fluxzero sample --embeddings` (and training previews).
+
+    Run it where the encoders are; the file (t5, clip_pooled and the prompt texts, see
+    fluxzero/sampling/embeddings.py) lets a training node sample without loading T5. The T5 length
+    must be the one the model is sampled with: 512 tokens for dev (the default here), 256 for schnell.
+    """
+    from ..data.encode import T5_MAX_LENGTH
+    from ..sampling.embeddings import encode_prompts, save_embeddings
+
+    if out.suffix != ".safetensors":
+        raise click.BadParameter(f"give the file a .safetensors name, got {out.name}", param_hint="OUT.safetensors")
+    prompts = _read_prompts(prompt_texts, prompts_file)
+    if not prompts:
+        raise click.UsageError("no prompts; pass --prompt TEXT (repeatable) or --prompts FILE.")
+    paths = _paths(flux_dir, vae=vae, t5=t5, clip=clip, t5_tokenizer=t5_tokenizer, clip_tokenizer=clip_tokenizer)
+    dev, dt = _device(device, dtype)
+    encoders = _load_encoders(paths, dev, dt, t5_max_length or T5_MAX_LENGTH["dev"])
+    emb = encode_prompts(encoders, prompts, negative_prompt)
+    try:
+        save_embeddings(out, emb)
+    except OSError as e:
+        raise click.BadParameter(f"cannot write {out} ({e.strerror or e}); choose a writable place",
+                                 param_hint="OUT.safetensors") from None
+    click.echo(f"wrote {len(prompts)} prompt embeddings ({emb.t5.shape[1]} T5 tokens) to {out}")
