@@ -184,3 +184,13 @@ def test_every_file_of_real_deepspeed_checkpoints_passes(tmp_path):
     # the allow-list is what these files hold, nothing more (the rest is named in UNMEASURED_GLOBALS)
     assert seen == MEASURED_GLOBALS, (sorted(seen - MEASURED_GLOBALS), sorted(MEASURED_GLOBALS - seen))
     assert seen <= ALLOWED_GLOBALS
+    # a resume at another world size reads DeepSpeed's universal checkpoint: its files pass too (~10 s)
+    src = next(d["dir"] for d in runs if d["stage"] == 3 and d["bf16"])
+    r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src,
+                        "--output_folder", str(tmp_path / "universal"), "--inject_missing_state"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    files = sorted((tmp_path / "universal").rglob("*.pt"))
+    assert any(f.name == "optimizer_state.pt" for f in files) and any(f.name == "exp_avg.pt" for f in files)
+    for f in files:
+        check_checkpoint_file(f)

@@ -29,6 +29,8 @@ from pathlib import Path
 # and 3 (and the CPU-offload presets), in fp32 and bf16, and in fluxzero's trainer state: measured on
 # torch 2.13 / numpy 2.4 with 1 rank, the flux-tiny model and the committed ds_configs presets by
 # tests/test_safe_files.py's checkpoint script, which asserts that this set is exactly what those files hold.
+# The files of DeepSpeed's universal checkpoint (ds_to_universal, for a resume at another world size) hold a
+# subset of it (measured at ZeRO-2 bf16 and ZeRO-3 fp32; the test converts ZeRO-3 bf16).
 MEASURED_GLOBALS = frozenset({
     "torch._utils._rebuild_tensor_v2",             # every tensor
     "torch._tensor._rebuild_from_type_v2", "torch.Tensor",  # ZeRO-3 optimizer states: a tensor with attributes
