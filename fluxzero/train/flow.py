@@ -190,11 +190,13 @@ def prepare_batch(batch: dict, cfg, seed: int, epoch: int, *, guidance_embed: bo
 # Sampling
 # ---------------------------------------------------------------------------------------------------------
 def schedule(num_steps: int, image_tokens: int | None = None) -> list[float]:
-    """Euler time grid from 1 (noise) to 0 (data), resolution-shifted when image_tokens is given."""
-    ts = torch.linspace(1, 0, num_steps + 1)
-    if image_tokens is not None:
-        ts[:-1] = time_shift(ts[:-1], resolution_mu(image_tokens))
-    return ts.tolist()
+    """Euler time grid from 1 (noise) to 0 (data), resolution-shifted when image_tokens is given.
+
+    The grid of `fluxzero.sampling.schedule.sigmas` (one definition: FluxPipeline's, bit for bit).
+    """
+    from ..sampling.schedule import sigmas  # here, not at the top: fluxzero.sampling imports this module
+
+    return sigmas(num_steps, image_tokens, shift=image_tokens is not None).tolist()
 
 
 @torch.no_grad()
