@@ -82,6 +82,22 @@ def test_other_torch_formats_are_refused(tmp_path):
         check_checkpoint_file(script)
 
 
+def test_a_pickle_with_a_torch_zip_appended_is_refused(tmp_path):
+    # zipfile finds the appended archive (it reads the end of the file); torch.load unpickles from the start
+    marker = tmp_path / "ran"
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(2)}, buf)
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    path.write_bytes(pickle.dumps(_Payload(marker), protocol=2) + buf.getvalue())
+    assert zipfile.is_zipfile(path)
+    with pytest.raises(ValueError, match="is not a zip-format torch.save file"):
+        check_checkpoint_file(path)
+    assert not marker.exists()
+    with pytest.raises(Exception):
+        torch.load(path, weights_only=False)  # fails, but only after running the payload
+    assert marker.exists()
+
+
 def test_a_payload_in_another_record_of_the_zip_is_seen(tmp_path):
     path = tmp_path / "model_states.pt"
     torch.save({"w": torch.zeros(2)}, path)

@@ -121,8 +121,11 @@ def _pickle_globals(data: bytes) -> set[str]:
 
 def _pickles(path: Path) -> list[bytes]:
     """The pickle records torch.load could unpickle from the zip archive `path` (ValueError if not one)."""
-    if not zipfile.is_zipfile(path):
-        raise ValueError(f"{path} is not a zip-format torch.save file")
+    # torch.load takes a file for a zip archive by its first four bytes and unpickles anything else from the
+    # start; zipfile.is_zipfile looks at the end, so it would pass a pickle with a zip appended to it
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04" or not zipfile.is_zipfile(path):
+            raise ValueError(f"{path} is not a zip-format torch.save file")
     out = []
     with zipfile.ZipFile(path) as z:
         names = z.namelist()
