@@ -1,0 +1,99 @@
+"""Optimizer modes for a full fine-tune: what each keeps per parameter, where, and what DeepSpeed needs (pure).
+
+No torch import: the memory model and gen-config read this registry. `fluxzero.train.optim.build_optimizer`
+builds the optimizer of each mode; the DeepSpeed behaviour behind the fields below was measured with real
+engines (see the DEEPSPEED_FINDINGS table in that module's docstring).
+
+Bytes are per trained parameter, steady state, for one data-parallel rank before ZeRO partitioning divides
+`grads` (stage 2-3), `master` and `states` (stage 1-3) and `weights` (stage 3) by the world size.
+  weights  the bf16 copy the forward pass reads
+  grads    the gradient DeepSpeed keeps (bf16 under `bf16.enabled`)
+  master   the tensor the optimizer steps when it is not `weights` itself (fp32 masters, or DeepSpeed's own
+           bf16 flat partition under bf16_master_weights_and_grads)
+  states   optimizer states (AdamW m and v, Kahan carry, 8-bit blocks with their fp32 scales, Adafactor rows)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# DeepSpeed "bf16" section keys that make ZeRO 1-3 hand the client optimizer bf16 partitions (0.19.8)
+BF16_MASTER_KEYS = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+
+
+@dataclass(frozen=True)
+class OptimMode:
+    name: str
+    optimizer: str  # what build_optimizer returns, in words
+    weights: float
+    grads: float
+    master: float
+    states: float
+    master_dtype: str  # dtype of the tensors the optimizer steps: "fp32" or "bf16"
+    zero_stages: tuple[int, ...]  # stages where the mode trains as intended
+    ds_bf16: dict = field(default_factory=dict)  # the DeepSpeed "bf16" section it needs at ZeRO 1-3
+    stage0: str = ""  # how it runs at ZeRO stage 0
+    extra: str | None = None  # pip extra of fluxzero that brings the package it needs
+    caveat: str = ""  # one line on training quality
+    states_flat: float | None = None  # states at ZeRO 1-3 when flat partitions change them (None: same)
+    trainable: bool = True  # False: comparison only, refused for training
+    where: str = "all on the accelerator; ZeRO offload (configured elsewhere) may move master and states"
+
+    def __post_init__(self):
+        if self.master_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"optimizer mode {self.name!r}: master_dtype must be 'fp32' or 'bf16'")
+        if not set(self.zero_stages) <= {0, 1, 2, 3}:
+            raise ValueError(f"optimizer mode {self.name!r}: zero_stages must be within 0-3")
+
+    @property
+    def total(self) -> float:
+        """Bytes per parameter before any ZeRO partitioning."""
+        return self.weights + self.grads + self.master + self.states
+
+    def ds_bf16_section(self, stage: int) -> dict:
+        """The DeepSpeed "bf16" section for this mode at `stage` ({} = bf16 off: the model is cast by us)."""
+        if stage not in self.zero_stages:
+            raise ValueError(f"optimizer mode {self.name!r} does not run at ZeRO stage {stage}; "
+                             f"use stage {' or '.join(map(str, self.zero_stages))}")
+        if self.master_dtype == "fp32":
+            return {"enabled": True}
+        return dict(self.ds_bf16) if stage > 0 else {}
+
+
+# 8-bit AdamW: two uint8 states plus one fp32 scale per 256-value block each (torchao's default block)
+_ADAMW8BIT_STATES = 2 * (1 + 4 / 256)
+
+_STAGE0_BF16 = ("bf16 off in the DeepSpeed config and the model cast to bf16 by us: the engine steps the "
+                "client optimizer on the model's own bf16 parameters (no master copy, shapes kept)")
+
+MODES: dict[str, OptimMode] = {m.name: m for m in (
+    OptimMode("fp32", "torch.optim.AdamW on DeepSpeed's fp32 masters", weights=2, grads=2, master=4, states=8,
+              master_dtype="fp32", zero_stages=(0, 1, 2, 3),
+              stage0="bf16 on: DeepSpeed's bf16 wrapper keeps per-tensor fp32 masters",
+              caveat="the reference: every update is kept"),
+    OptimMode("bf16-rtn", "torch.optim.AdamW on bf16 tensors, round-to-nearest", weights=2, grads=2, master=2,
+              states=4, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
+              caveat="loses updates below half a bf16 ulp: at lr 1e-5 the weights barely move", trainable=False),
+    OptimMode("bf16-sr", "torchao _AdamW(bf16_stochastic_round=True), bf16 m and v", weights=2, grads=2, master=2,
+              states=4, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
+              extra="lowmem", caveat="unbiased updates with per-step noise of half a bf16 ulp; bf16 m and v"),
+    OptimMode("bf16-kahan", "KahanAdamW (ours): bf16 m, v and Kahan carry", weights=2, grads=2, master=2,
+              states=6, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
+              caveat="deterministic; the carry keeps every update, at 2 bytes more than bf16-sr"),
+    OptimMode("adamw8bit-sr", "torchao AdamW8bit(bf16_stochastic_round=True)", weights=2, grads=2, master=2,
+              states=_ADAMW8BIT_STATES, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS,
+              stage0=_STAGE0_BF16, extra="lowmem",
+              caveat="8-bit blockwise m and v; a tensor (ZeRO: a flat partition) under 4096 values or not a "
+                     "multiple of 256 keeps bf16 states instead"),
+    OptimMode("adafactor-sr", "AdafactorSR (ours): torch.optim.Adafactor's algorithm, stochastic rounding",
+              weights=2, grads=2, master=2, states=0.0, states_flat=2, master_dtype="bf16",
+              zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
+              caveat="no momentum and relative step sizes: not AdamW's trajectory; factored only at ZeRO 0 "
+                     "(ZeRO 1-3 flatten tensors, so its variance becomes full-size)"),
+)}
+
+
+def get_mode(name: str) -> OptimMode:
+    try:
+        return MODES[name]
+    except KeyError:
+        raise ValueError(f"unknown optimizer mode {name!r}; choose one of: {', '.join(MODES)}") from None

@@ -1,0 +1,288 @@
+"""Optimizers for the memory-saving modes of `fluxzero.config.optim_modes`.
+
+`build_optimizer(params, mode, lr, betas, eps, weight_decay)` returns a plain `torch.optim.Optimizer` that is
+handed to `deepspeed.initialize(optimizer=...)` as a client optimizer. This module does not import DeepSpeed.
+
+Why bf16 weights need stochastic rounding or Kahan compensation: an AdamW step moves a weight by about `lr`
+(1e-5 in a fine-tune), while half a bf16 ulp of a weight of size 0.05 is 1.2e-4. Round-to-nearest throws
+such an update away; stochastic rounding keeps it in expectation, Kahan compensation keeps the lost part in
+a bf16 buffer and adds it back on the next step.
+
+Libraries used: torchao's `_AdamW` / `AdamW8bit` with `bf16_stochastic_round=True` (torchao 0.18 ships the
+bf16-state AdamW only under the underscore name; it is the same class its AdamW8bit is built on). No library
+has Kahan-compensated AdamW or Adafactor with stochastic rounding, so those two are written here
+(`KahanAdamW`, `AdafactorSR`); `AdafactorSR` follows `torch.optim.Adafactor` step for step and a test holds
+it to torch's within float rounding on fp32 tensors.
+
+DEEPSPEED_FINDINGS (filled in from real engines below).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from itertools import chain
+
+import torch
+
+from fluxzero.config.optim_modes import MODES, get_mode
+
+__all__ = ["build_optimizer", "KahanAdamW", "AdafactorSR", "stochastic_round_bf16", "OptimModeError"]
+
+
+class OptimModeError(ValueError):
+    """A mode that cannot run as configured (missing package, wrong tensor dtype); the message says what to do."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# stochastic rounding
+# ---------------------------------------------------------------------------------------------------------
+def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Round an fp32 tensor to bf16, up or down with probability proportional to the distance (unbiased).
+
+    bf16 is the top 16 bits of fp32: add a uniform 16-bit integer to the low half, then truncate. Values that
+    are already bf16 (low half zero) never change. Inf/NaN are left as they are.
+    """
+    bits = x.float().contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int32, generator=generator)
+    rounded = ((bits + noise) & -65536).view(torch.float32)
+    return torch.where(torch.isfinite(x), rounded, x.float()).to(torch.bfloat16)
+
+
+def _store(p: torch.Tensor, value32: torch.Tensor, sr: bool) -> None:
+    p.copy_(stochastic_round_bf16(value32) if sr and p.dtype == torch.bfloat16 else value32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# checkpoints: keep every state in the dtype and type it was saved in
+# ---------------------------------------------------------------------------------------------------------
+_PACKED = "fluxzero_optim_state8bit"
+
+
+class ExactStateMixin:
+    """Makes `state_dict` / `load_state_dict` round-trip exactly for states that are not the param's dtype.
+
+    torch's Optimizer.load_state_dict casts every floating state to its parameter's dtype (fp32 Adafactor
+    rows of a bf16 weight came back bf16, and the next lerp_ failed); and DeepSpeed loads checkpoints with a
+    callable map_location, which torch refuses for torchao's 8-bit tensor subclass ("Callable map_location
+    not supported with _rebuild_wrapper_subclass"). So subclass states are saved as their plain parts, and
+    after torch's load every state is put back as saved.
+    """
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["state"] = {pid: {k: _pack(v) for k, v in st.items()} for pid, st in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        incoming = state_dict["state"]
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for pid, p in zip(saved_ids, params):
+            for k, v in incoming.get(pid, {}).items():
+                self.state[p][k] = _unpack(v, p)
+
+
+def _pack(v):
+    if type(v).__name__ == "OptimState8bit":  # torchao's; matched by name so torchao stays optional here
+        return {_PACKED: True, "codes": v.codes, "scale": v.scale, "qmap": v.qmap, "signed": v.signed,
+                "dtype": v.dtype}
+    return v
+
+
+def _unpack(v, p):
+    if isinstance(v, dict) and v.get(_PACKED):
+        from torchao.optim.subclass_8bit import OptimState8bit
+        return OptimState8bit(v["codes"].to(p.device), v["scale"].to(p.device), v["qmap"].to(p.device),
+                              v["signed"], dtype=v["dtype"])
+    return v.to(p.device) if isinstance(v, torch.Tensor) else v
+
+
+# ---------------------------------------------------------------------------------------------------------
+# our own optimizers: what no library has
+# ---------------------------------------------------------------------------------------------------------
+class KahanAdamW(ExactStateMixin, torch.optim.Optimizer):
+    """AdamW whose states live in the parameter's dtype and whose bf16 updates are Kahan-compensated.
+
+    Math in fp32 each step; `comp` holds what rounding the weight to bf16 lost, and is added to the next
+    update, so no update is lost however small. On fp32 parameters it is plain AdamW (comp stays zero).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p)
+                    st["exp_avg_sq"] = torch.zeros_like(p)
+                    st["comp"] = torch.zeros_like(p)
+                st["step"] += 1
+                t = st["step"].item()
+                g = p.grad.float()
+                m = st["exp_avg"].float().lerp_(g, 1 - beta1)
+                v = st["exp_avg_sq"].float().lerp_(g.square(), 1 - beta2)
+                # bf16 m and v are rounded stochastically: v's EMA moves 0.1% a step at beta2 0.999, under
+                # half a bf16 ulp, so round-to-nearest stalls it (measured: weight change +2.4% at 400 steps)
+                _store(st["exp_avg"], m, sr=True)
+                _store(st["exp_avg_sq"], v, sr=True)
+                p32 = p.float()
+                denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
+                update = -(lr / (1 - beta1**t)) * m / denom - (lr * wd) * p32
+                # Kahan: the new weight is p + (update + carry); what bf16 cannot hold becomes the next carry
+                exact = p32 + (update + st["comp"].float())
+                p.copy_(exact)
+                st["comp"].copy_(exact - p.float())
+        return loss
+
+
+class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
+    """torch.optim.Adafactor's algorithm with bf16 weights written back by stochastic rounding.
+
+    Factored second moments (row and column means, fp32: they are O(rows + cols)) for tensors of two or more
+    dimensions; a full variance in the parameter's dtype for vectors. A ZeRO stage 1-3 partition is a flat
+    vector, so under ZeRO it is unfactored: see DEEPSPEED_FINDINGS.
+    """
+
+    def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd, d = group["lr"], group["weight_decay"], group["d"]
+            eps1, eps2 = group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    if p.dim() > 1:
+                        st["row_var"] = p.new_zeros(p.shape[:-1] + (1,), dtype=torch.float32)
+                        st["col_var"] = p.new_zeros(p.shape[:-2] + (1, p.shape[-1]), dtype=torch.float32)
+                    else:
+                        st["variance"] = torch.zeros_like(p)
+                # same order of operations as torch.optim.Adafactor's single-tensor path (torch 2.13)
+                st["step"] += 1
+                t = st["step"].item()
+                # torch takes eps1 from the param's dtype; the math here is fp32, and bf16's eps (7.8e-3)
+                # would clamp fine-tuning second moments (~1e-8) and shrink every update ~100-fold
+                e1 = torch.finfo(torch.float32).eps if eps1 is None else eps1
+                g = p.grad.float()
+                p32 = p.float()
+                one_minus_beta2_t = t**group["beta2_decay"]
+                alpha = max(eps2, p32.norm(2).item() / (p.numel() ** 0.5)) * min(lr, 1 / t**0.5)
+                if wd != 0:
+                    p32.mul_(1 - lr * wd)
+                if p.dim() > 1:
+                    st["row_var"].lerp_(torch.norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1)),
+                                        one_minus_beta2_t)
+                    st["col_var"].lerp_(torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2)),
+                                        one_minus_beta2_t)
+                    var = st["row_var"] @ st["col_var"]
+                    var.div_(st["row_var"].mean(dim=-2, keepdim=True).clamp_(min=e1))
+                else:
+                    v = st["variance"].float().lerp_(g * g, one_minus_beta2_t)
+                    st["variance"].copy_(v)
+                    var = v.clone()
+                update = var.clamp_(min=e1 * e1).rsqrt_().mul_(g)
+                denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * d))
+                _store(p, p32.add_(update, alpha=-alpha / denom), sr=True)
+        return loss
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the one entry point
+# ---------------------------------------------------------------------------------------------------------
+def _torchao_optim(mode: str):
+    try:
+        import torchao.optim
+    except ImportError:
+        raise OptimModeError(f"optimizer mode {mode!r} needs torchao: pip install 'fluxzero[{MODES[mode].extra}]'"
+                             ) from None
+    if not hasattr(torchao.optim, "_AdamW"):
+        raise OptimModeError(f"optimizer mode {mode!r} needs torchao 0.18 or later (it has no bf16-state AdamW "
+                             f"before that): pip install -U 'fluxzero[{MODES[mode].extra}]'")
+    return torchao.optim
+
+
+def build_optimizer(params: Iterable, mode: str, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                    eps: float = 1e-8, weight_decay: float = 0.0, *,
+                    allow_comparison_only: bool = False) -> torch.optim.Optimizer:
+    """The client optimizer for `mode` (a name in `fluxzero.config.optim_modes.MODES`).
+
+    Modes whose master weights are bf16 check, at their first step, that the tensors they step really are
+    bf16; otherwise DeepSpeed kept fp32 masters and the mode saves nothing (OptimModeError says which keys).
+    `allow_comparison_only` admits "bf16-rtn", which loses most fine-tuning updates (tests compare with it).
+    For Adafactor `betas` and `eps` are unused: it has no first moment and uses torch's default epsilons.
+    """
+    spec = get_mode(mode)
+    if not spec.trainable and not allow_comparison_only:
+        raise OptimModeError(f"optimizer mode {mode!r} is for comparison only ({spec.caveat}); "
+                             f"choose one of: {', '.join(n for n, m in MODES.items() if m.trainable)}")
+    params = list(params)
+    ao = None if mode not in ("bf16-sr", "adamw8bit-sr") else _torchao_optim(mode)
+    if mode in ("fp32", "bf16-rtn"):
+        opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+    elif mode == "bf16-sr":
+        opt = _exact(ao._AdamW)(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                bf16_stochastic_round=True)
+    elif mode == "adamw8bit-sr":
+        opt = _exact(ao.AdamW8bit)(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                   bf16_stochastic_round=True)
+    elif mode == "bf16-kahan":
+        opt = KahanAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    elif mode == "adafactor-sr":
+        opt = AdafactorSR(params, lr=lr, weight_decay=weight_decay)
+    else:  # a registry entry without a builder is a bug here, not a user error
+        raise AssertionError(f"no optimizer for registered mode {mode!r}")
+    if spec.master_dtype == "bf16":
+        opt.register_step_pre_hook(_check_bf16_once(mode))
+    opt.fluxzero_mode = mode
+    return opt
+
+
+_EXACT: dict[type, type] = {}
+
+
+def _exact(cls: type) -> type:
+    """`cls` with ExactStateMixin (one subclass per library class, so pickling and isinstance keep working)."""
+    if cls not in _EXACT:
+        _EXACT[cls] = type(cls.__name__, (ExactStateMixin, cls), {"__module__": __name__,
+                                                                   "__qualname__": cls.__name__})
+    return _EXACT[cls]
+
+
+def _check_bf16_once(mode: str):
+    checked = False
+
+    def hook(opt, args, kwargs):
+        nonlocal checked
+        if checked:
+            return
+        dtypes = {p.dtype for g in opt.param_groups for p in g["params"] if p.grad is not None}
+        if dtypes and dtypes != {torch.bfloat16}:
+            raise OptimModeError(
+                f"optimizer mode {mode!r} is stepping {sorted(map(str, dtypes))} tensors, so its bf16 rounding "
+                "does nothing and it saves no memory: with ZeRO 1-3 set bf16.bf16_master_weights_and_grads and "
+                "bf16.bf16_optimizer_states to true; at ZeRO 0 leave bf16 off and cast the model to bf16")
+        checked = True
+
+    return hook
