@@ -20,20 +20,24 @@ from pure_python import run_without_torch
 STEPS, SWITCH = 6, 3  # optimizer steps; the resumed EMA takes over after step SWITCH
 DECAY = 0.8  # far from 1 so that 6 steps move the EMA well away from both the start and the weights
 
-# name: (zero stage, bf16, grad_accum_dtype, ema dtype); expected optimizer wrapper in the comment
+# name: (zero stage, bf16, grad_accum_dtype, ema dtype, LoRA, CPU offload); the optimizer wrapper in KINDS
 MATRIX = {
-    "z0_fp32": (0, False, None, "fp32"),  # torch AdamW, the params are the masters
-    "z0_bf16": (0, True, None, "fp32"),  # FP16_UnfusedOptimizer(bf16): full fp32 copies on every rank
-    "z1_bf16_fp32acc": (1, True, "fp32", "fp32"),  # BF16_Optimizer: partitioned fp32 masters
-    "z2_fp32": (2, False, None, "fp32"),
-    "z2_bf16": (2, True, None, "fp32"),
-    "z3_fp32": (3, False, None, "fp32"),  # fp32 masters alias the ds_tensor partitions
-    "z3_bf16": (3, True, None, "fp32"),
-    "z3_bf16_ema_bf16": (3, True, None, "bf16"),
+    "z0_fp32": (0, False, None, "fp32", False, False),  # torch AdamW, the params are the masters
+    "z0_bf16": (0, True, None, "fp32", False, False),  # FP16_UnfusedOptimizer(bf16): fp32 copies on every rank
+    "z1_bf16_fp32acc": (1, True, "fp32", "fp32", False, False),  # BF16_Optimizer: partitioned fp32 masters
+    "z2_fp32": (2, False, None, "fp32", False, False),
+    "z2_bf16": (2, True, None, "fp32", False, False),
+    "z2_bf16_lora": (2, True, None, "fp32", True, False),  # PEFT LoRA: only the adapter is averaged
+    "z3_fp32": (3, False, None, "fp32", False, False),
+    "z3_bf16": (3, True, None, "fp32", False, False),
+    "z3_bf16_offload": (3, True, None, "fp32", False, True),  # optimizer and params offloaded to the CPU
+    "z3_bf16_ema_bf16": (3, True, None, "bf16", False, False),
 }
-KINDS = {"z0_fp32": "params", "z0_bf16": "fp16_unfused", "z1_bf16_fp32acc": "bf16_optimizer",
-         "z2_fp32": "zero1_2", "z2_bf16": "zero1_2", "z3_fp32": "zero3", "z3_bf16": "zero3",
-         "z3_bf16_ema_bf16": "zero3"}
+# zero_to_fp32 reads ZeRO-1/2/3 checkpoints; BF16_Optimizer's (z1_bf16_fp32acc) it refuses as "not a zero checkpoint"
+ZERO_TO_FP32 = ("z2_bf16_lora", "z3_bf16_offload")  # ZeRO-2 with frozen params, ZeRO-3 offloaded
+KINDS = {"z0_fp32": "params", "z0_bf16": "fp16_unfused", "z1_bf16_fp32acc": "bf16_optimizer", "z2_fp32": "zero1_2",
+         "z2_bf16": "zero1_2", "z2_bf16_lora": "zero1_2", "z3_fp32": "zero3", "z3_bf16": "zero3",
+         "z3_bf16_offload": "zero3", "z3_bf16_ema_bf16": "zero3"}
 
 
 class Tiny(torch.nn.Module):
@@ -48,13 +52,15 @@ class Tiny(torch.nn.Module):
         return self.frozen(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
-def ds_config(stage, bf16, acc):
+def ds_config(stage, bf16, acc, offload=False):
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 8,
            "gradient_clipping": 0.0, "steps_per_print": 10**9, "zero_force_ds_cpu_optimizer": False,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "weight_decay": 0.01, "torch_adam": True}},
            "zero_optimization": {"stage": stage}}
     if stage == 3:  # biases (<= 20 elements) stay gathered, weights are released: swap() handles both
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 20
+    if offload:
+        cfg["zero_optimization"].update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     if bf16:
         cfg["bf16"] = {"enabled": True}
     if acc:
@@ -93,11 +99,15 @@ def _run_one(name, tmp, rank):
 
     from fluxzero.train.ema import ShardedEMA
 
-    stage, bf16, acc, ema_dtype = MATRIX[name]
-    ds = ds_config(stage, bf16, acc)
+    stage, bf16, acc, ema_dtype, lora, offload = MATRIX[name]
+    ds = ds_config(stage, bf16, acc, offload)
     torch.manual_seed(0)  # the same initial weights on every rank
     with deepspeed.zero.Init(config_dict_or_path=ds, enabled=stage == 3):
         model = Tiny()
+    if lora:
+        import peft
+
+        model = peft.inject_adapter_in_model(peft.LoraConfig(r=2, lora_alpha=4, target_modules=["a", "b"]), model)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=ds)
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -114,8 +124,9 @@ def _run_one(name, tmp, rank):
         engine.backward(loss)
         engine.step()
         t1 = time.perf_counter()
-        ema.update(step)
+        assert ema.update(step)
         t2 = time.perf_counter()
+        assert not ema.update(step)  # a second call for the same optimizer step (e.g. per micro-step) is a no-op
         times["step"] += t1 - t0
         times["update"] += t2 - t1
         if resumed is not None:
@@ -137,6 +148,19 @@ def _run_one(name, tmp, rank):
 
     save_file(ema.state_dict(), str(tmp / f"{name}_rank{rank}.safetensors"))
 
+    # The layout against DeepSpeed's own offline reader (zero_to_fp32: param_shapes, padding, sub groups):
+    # a fresh EMA equals the fp32 masters, which zero_to_fp32 rebuilds from a checkpoint of this engine.
+    from_zero_to_fp32 = fresh = None
+    if name in ZERO_TO_FP32:
+        import torch.distributed as dist
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        fresh = ShardedEMA(engine, EmaConfig(decay=DECAY)).full_state_dict()
+        engine.save_checkpoint(str(tmp / f"{name}_ckpt"), tag="t")
+        dist.barrier()
+        if rank == 0:
+            from_zero_to_fp32 = get_fp32_state_dict_from_zero_checkpoint(str(tmp / f"{name}_ckpt"), tag="t")
+
     # swap: inside, the model computes with the EMA; outside again with the trained weights, bit for bit
     probe = torch.randn(5, 7, generator=torch.Generator().manual_seed(7)).to(dtype)
     before = _gathered(engine)
@@ -154,7 +178,8 @@ def _run_one(name, tmp, rank):
     engine.step()
     result = {"kind": ema.kind, "ref": ref, "full": full, "full_resumed": full_resumed, "nbytes": ema.nbytes,
               "numel": ema.numel, "before": before, "inside": inside, "after": after, "out_before": out_before,
-              "out_inside": out_inside, "out_after": out_after, "times": times, "lp_dtype": str(dtype)}
+              "out_inside": out_inside, "out_after": out_after, "times": times, "lp_dtype": str(dtype),
+              "fresh": fresh, "zero_to_fp32": from_zero_to_fp32}
     engine.destroy()
     return result
 
@@ -202,7 +227,8 @@ def matrix(tmp_path_factory):
     ranks = [torch.load(tmp / f"results_rank{r}.pt", weights_only=False) for r in range(2)]
     for name, res in ranks[0].items():  # a sanity figure only: 2-core CPU timings of a 146-parameter model
         t = res["times"]
-        print(f"  {name}: {STEPS} steps {t['step'] * 1e3:.1f} ms, EMA updates {t['update'] * 1e3:.2f} ms")
+        print(f"  {name}: {STEPS} steps {t['step'] * 1e3:.1f} ms, EMA updates {t['update'] * 1e3:.2f} ms, "
+              f"EMA elements per rank {[r[name]['numel'] for r in ranks]} ({res['nbytes']} B on rank 0)")
     return tmp, ranks
 
 
@@ -214,7 +240,10 @@ def test_consolidated_ema_equals_full_weight_reference(matrix, name):
     res = r0[name]
     assert res["kind"] == KINDS[name]
     assert r1[name]["full"] == {}  # only rank 0 receives the consolidated EMA
-    assert set(res["full"]) == {"a.weight", "a.bias", "b.weight", "b.bias"}  # frozen.* is not averaged
+    if MATRIX[name][4]:  # LoRA: the adapter only
+        assert set(res["full"]) == {f"{m}.lora_{ab}.default.weight" for m in "ab" for ab in "AB"}
+    else:  # frozen.* is not averaged
+        assert set(res["full"]) == {"a.weight", "a.bias", "b.weight", "b.bias"}
     for n, want in res["ref"].items():
         # exact: the same fp32 lerp on the same fp32 values, split over ranks
         assert torch.equal(res["full"][n], want), n
@@ -223,6 +252,16 @@ def test_consolidated_ema_equals_full_weight_reference(matrix, name):
         [tmp / f"{name}_rank{r}.safetensors" for r in range(2)])
     for n, want in res["ref"].items():
         assert torch.equal(offline[n], want), n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ZERO_TO_FP32)
+def test_layout_agrees_with_deepspeeds_zero_to_fp32(matrix, name):
+    _, (r0, _) = matrix
+    fresh, ref = r0[name]["fresh"], r0[name]["zero_to_fp32"]
+    assert fresh and set(fresh) <= set(ref)
+    for n, t in fresh.items():
+        assert torch.equal(t, ref[n].float()), n  # exact: both are copies of the same fp32 masters
 
 
 @pytest.mark.slow

@@ -22,6 +22,15 @@ Per-rank state (state_dict) is tensors only: one flat buffer per master group, t
 self-describing. The consolidated EMA comes two ways:
   - ShardedEMA.full_state_dict(): a collective (bucketed reduce to rank 0, every rank calls it);
   - consolidate(files): offline from the per-rank files, one shard in memory at a time, on the CPU.
+
+Trainer integration (after the trainer split), on every rank:
+    ema = ShardedEMA(engine, cfg.ema, seed=cfg.seed)          # after deepspeed.initialize and weight load
+    engine.step(); ema.update(engine.global_steps)            # idempotent per step: fine after every micro-step
+    save_file(ema.state_dict(), ckpt / tag / shard_name(rank))  # beside DeepSpeed's files, per rank
+    ema.load_state_dict(load_shard(ckpt / tag / shard_name(rank)))  # same world size; else consolidate() +
+                                                               # load_full_state_dict()
+    full = ema.full_state_dict()                              # rank 0: name -> CPU tensor, for any export layout
+    with ema.swap(): sample(...)                              # sample from the EMA
 """
 from __future__ import annotations
 
@@ -121,7 +130,7 @@ class ShardedEMA:
     @torch.no_grad()
     def update(self, step: int) -> bool:
         """ema = d * ema + (1 - d) * masters after optimizer step `step`; returns whether it updated."""
-        if not self.config.updates_at(step):
+        if not self.config.updates_at(step) or step == self.step:  # off the grid, or this step already done
             return False
         weight = 1.0 - self.config.decay_at(step)
         bf16 = self._ema[0].dtype == torch.bfloat16 if self._ema else False
@@ -263,7 +272,14 @@ class ShardedEMA:
     def _write_model(self, sources) -> None:
         for pc in self._pieces:  # ZeRO-3: the local partition the next forward gathers from
             if pc.local >= 0:
-                dst = self._params[pc.name].ds_tensor.data.view(-1)
+                p = self._params[pc.name]
+                if getattr(p, "ds_secondary_tensor", None) is not None:
+                    raise ValueError("swap() cannot update ZeRO++ hpZ secondary partitions; set "
+                                     "zero_hpz_partition_size to 1 to sample from the EMA")
+                dst = p.ds_tensor.data.view(-1)
+                if dst.numel() < pc.local + pc.numel:
+                    raise ValueError("swap() needs the ZeRO-3 partitions in memory, but they are offloaded to NVMe; "
+                                     "use offload_param device cpu or none to sample from the EMA")
                 dst[pc.local:pc.local + pc.numel].copy_(sources[pc.buffer].reshape(-1)[pc.offset:pc.offset + pc.numel])
         # Full weights wherever a rank holds them: ZeRO-0/1/2 always, ZeRO-3 for its persistent params (the
         # same set on every rank, so every rank joins the same collectives).
@@ -331,6 +347,11 @@ def _layout(opt, module):
         return "params", lambda: params, pieces, True
     raise ValueError(f"the EMA does not know the optimizer wrapper {type(opt).__name__}; it supports DeepSpeed's "
                      f"ZeRO-0/1/2/3, BF16_Optimizer and FP16 optimizers")
+
+
+def shard_name(rank: int) -> str:
+    """The file name of rank `rank`'s EMA shard inside a checkpoint folder."""
+    return f"ema_rank_{rank:05d}.safetensors"
 
 
 def _read_layout(sd: dict) -> dict:
