@@ -207,3 +207,10 @@ def test_check_config_summary_is_read_through_the_view(tmp_path):
         "OK (fluxzero's checks; world size 2): ZeRO-2 with optimizer offload to cpu, bf16, micro batch 2 x "
         "accumulation 3 (global batch 12), adamw lr 1e-05, constant lr, no gradient clipping, "
         "no activation checkpointing")
+
+
+def test_the_view_is_hashable_with_object_values_in_zero_optimization():
+    """DSView is frozen: a zero_optimization key holding an object (leaf_module) must not make it unhashable."""
+    v = view({"zero_optimization": {"stage": 3, "leaf_module": {"classes": ["DoubleStreamBlock"]}}})
+    assert hash(v) == hash(view({"zero_optimization": {"stage": 3, "leaf_module": {"classes": ["X"]}}}))
+    assert dict(v.zero_settings) == {"leaf_module": {"classes": ["DoubleStreamBlock"]}}

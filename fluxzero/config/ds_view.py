@@ -35,7 +35,7 @@ class DSView:
     offload_optimizer: str = "none"  # "none" | "cpu" | "nvme"
     offload_param: str = "none"
     # zero_optimization's other keys (bucket sizes, overlap_comm, ...) as sorted (key, value) pairs, as written
-    zero_settings: tuple = ()
+    zero_settings: tuple = dataclasses.field(default=(), hash=False)  # values may be JSON objects (unhashable)
     micro_batch: int | None = None  # train_micro_batch_size_per_gpu; None: not set (or "auto")
     grad_accum: int | None = None  # gradient_accumulation_steps; None: not set (DeepSpeed derives it, or 1)
     train_batch: int | None = None  # train_batch_size
