@@ -173,15 +173,10 @@ def to_kohya(sd: dict[str, Tensor], cfg: LoraConfig) -> dict[str, Tensor]:
     """kohya-named tensors: lora_down = A, lora_up = B, alpha = scale x module rank (= cfg.alpha at cfg.rank)."""
     out = {}
     for module, (A, B) in _modules(sd).items():
-        key, r = KOHYA_PREFIX + module.replace(".", "_"), A.shape[0]
-        alpha = cfg.scale * r
-        if module.startswith("final_layer.") and cfg.scale != 1.0:
-            # diffusers 0.42's kohya reader ignores final_layer alphas: fold the scale into B so every reader
-            # (alpha = rank then) applies the same delta.
-            B, alpha = B.float() * cfg.scale, float(r)
+        key = KOHYA_PREFIX + module.replace(".", "_")
         out[f"{key}.lora_down.weight"] = A.detach().clone()
         out[f"{key}.lora_up.weight"] = B.detach().clone()
-        out[f"{key}.alpha"] = torch.tensor(float(alpha))
+        out[f"{key}.alpha"] = torch.tensor(float(cfg.scale * A.shape[0]))
     return out
 
 
