@@ -45,6 +45,9 @@ import torch
 import torch.distributed as dist
 
 from fluxzero.config.ema import EmaConfig
+# the project's one bf16 stochastic rounding (fp32 bits + uniform 16-bit noise, truncated): an EMA with decay
+# 0.9999 moves by 1e-4 of the gap per update, far below half a bf16 ulp, which round-to-nearest would drop
+from fluxzero.train.optim import stochastic_round_bf16
 
 LAYOUT_VERSION = 1
 _CHUNK = 1 << 24  # elements per slice of a bf16 or cross-device update: bounds the temporaries (64 MB fp32)
@@ -62,18 +65,6 @@ class Piece:
     start: int
     numel: int
     local: int = -1
-
-
-def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """fp32 -> bf16, rounding up with probability equal to the dropped fraction (unbiased in expectation).
-
-    Round-to-nearest drops every increment below half a bf16 ulp (1/256 relative): an EMA with decay 0.9999
-    would then never move. Adding uniform noise to the 16 low bits before truncating keeps them on average.
-    """
-    bits = x.float().contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device, generator=generator)
-    out = ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # low bits zero: the cast is exact
-    return torch.where(torch.isnan(x), x.to(torch.bfloat16), out)  # a NaN keeps being a NaN, not an inf
 
 
 class ShardedEMA:
