@@ -322,11 +322,18 @@ def test_encode_prompts_then_sample_from_embeddings(files, tmp_path):
     assert meta["prompt"] == "the sky" and meta["negative_prompt"] == "small" and meta["true_cfg"] == 3.0
     r = _run("sample", weights, "--out", tmp_path / "c", "--embeddings", emb, "--vae", flux / "vae", "--seed", "4", *CLI_SIZE)
     assert not torch.equal(_pixels(tmp_path / "c" / "0000-p0-s4.png"), _pixels(tmp_path / "a" / "0000-p0-s4.png"))
+    # the same weights as a diffusers folder give the same images (any layout convert reads)
+    W.save_weights(W.load_weights(weights), tmp_path / "diffusers", layout="diffusers")
+    r = _run("sample", tmp_path / "diffusers", "--out", tmp_path / "d", "--embeddings", emb, "--vae", flux / "vae",
+             *common)
+    assert r.exit_code == 0, r.output
+    assert torch.equal(_pixels(tmp_path / "d" / "0001-p1-s4.png"), _pixels(tmp_path / "a" / "0001-p1-s4.png"))
 
 
 def test_sample_bad_input_is_one_sentence(files, tmp_path):
     flux, weights = files
     (tmp_path / "empty.txt").write_text("\n  \n", encoding="utf-8")
+    (tmp_path / "file").write_text("x")
     small = tmp_path / "small.safetensors"
     save_embeddings(small, PromptEmbeddings(["x"], torch.zeros(1, 8, 16), torch.zeros(1, 8)))
     base = ["sample", weights, "--out", tmp_path / "o"]
@@ -350,6 +357,8 @@ def test_sample_bad_input_is_one_sentence(files, tmp_path):
         ([*base, "--embeddings", small, "--flux-dir", flux, "--true-cfg", "2"], "holds none; encode one with"),
         ([*base, "--flux-dir", flux], "no prompts; pass --prompt TEXT"),
         ([*base, "--embeddings", weights, "--flux-dir", flux], "is not a fluxzero prompt-embeddings file"),
+        (["sample", weights, "--out", tmp_path / "file" / "o", "--embeddings", small, "--flux-dir", flux],
+         "Invalid value for --out: cannot create"),
     ]
     for args, message in cases:
         r = _run(*args[:1], *CLI_SIZE, *args[1:])  # the case's own options come last and win

@@ -139,6 +139,61 @@ def _check_dims(emb, cfg):
             "T5 and CLIP encoders.")
 
 
+def _check_size(height: int, width: int) -> None:
+    from ..sampling.sampler import size_hint
+
+    for name, v in (("--height", height), ("--width", width)):
+        if v % 16:  # FLUX.1: 8x VAE, then 2x2 patches
+            raise click.BadParameter(f"must be a multiple of 16 pixels, got {v}; use {size_hint(v)}", param_hint=name)
+
+
+def _embeddings_file(embeddings: Path | None, prompts: list[str], negative_prompt, true_cfg: float):
+    """The --embeddings file's contents (None when prompts come as text), checked against the other options."""
+    if embeddings is not None and prompts:
+        raise click.UsageError("give prompts either as text (--prompt / --prompts) or as --embeddings, not both.")
+    if embeddings is None:
+        if not prompts:
+            raise click.UsageError("no prompts; pass --prompt TEXT (repeatable), --prompts FILE or --embeddings FILE.")
+        return None
+    from ..sampling.embeddings import EmbeddingsError, load_embeddings
+
+    try:
+        emb = load_embeddings(embeddings)
+    except EmbeddingsError as e:
+        raise click.BadParameter(str(e), param_hint="--embeddings") from None
+    if negative_prompt is not None:
+        raise click.UsageError("--negative-prompt needs the text encoders; encode it into the --embeddings file "
+                               "with fluxzero encode-prompts --negative-prompt.")
+    if true_cfg > 1 and not emb.has_negative:
+        raise click.UsageError(f"--true-cfg above 1 needs a negative prompt, and {embeddings} holds none; "
+                               "encode one with fluxzero encode-prompts --negative-prompt.")
+    return emb
+
+
+def _make_folder(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise click.BadParameter(f"cannot create {out_dir} ({e.strerror or e}); choose a writable place",
+                                 param_hint="--out") from None
+
+
+def _load_vae(vae_dir, dev, dt):
+    from ..data.errors import DataError
+    from ..sampling.vae import load_vae
+
+    try:
+        return load_vae(vae_dir, device=dev, dtype=dt)
+    except DataError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _encode(encoders, prompts, negative_prompt):
+    from ..sampling.embeddings import encode_prompts
+
+    return encode_prompts(encoders, prompts, negative_prompt)
+
+
 @click.command("sample")
 @click.argument("weights", type=click.Path(exists=True, path_type=Path))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
@@ -173,100 +228,40 @@ def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt
     or pre-encoded (--embeddings). Writes one PNG per prompt and seed, with the sampling parameters in
     its text chunks, and grid.png (a row per prompt, a column per seed).
     """
-    from ..sampling.sampler import size_hint
+    from tqdm import tqdm
 
-    for name, v in (("--height", height), ("--width", width)):
-        if v % 16:  # FLUX.1: 8x VAE, then 2x2 patches
-            raise click.BadParameter(f"must be a multiple of 16 pixels, got {v}; use {size_hint(v)}", param_hint=name)
+    from ..data.encode import T5_MAX_LENGTH
+    from ..sampling.pipeline import sample_images
+
+    _check_size(height, width)
+    # Cheap checks first (prompts, folders, the embeddings file), before minutes of loading weights.
     prompts = _read_prompts(prompt_texts, prompts_file)
-    if embeddings is not None and prompts:
-        raise click.UsageError("give prompts either as text (--prompt / --prompts) or as --embeddings, not both.")
-    if embeddings is None and not prompts:
-        raise click.UsageError("no prompts; pass --prompt TEXT (repeatable), --prompts FILE or --embeddings FILE.")
-    if embeddings is None:
+    emb = _embeddings_file(embeddings, prompts, negative_prompt, true_cfg)
+    if emb is None:
         _negative(negative_prompt, true_cfg)
-    # Cheap checks first (folders, the embeddings file), before minutes of loading weights.
-    emb = None
-    if embeddings is not None:
-        from ..sampling.embeddings import EmbeddingsError, load_embeddings
-
-        try:
-            emb = load_embeddings(embeddings)
-        except EmbeddingsError as e:
-            raise click.BadParameter(str(e), param_hint="--embeddings") from None
-        if negative_prompt is not None:
-            raise click.UsageError("--negative-prompt needs the text encoders; encode it into the --embeddings file "
-                                   "with fluxzero encode-prompts --negative-prompt.")
-        if true_cfg > 1 and not emb.has_negative:
-            raise click.UsageError(f"--true-cfg above 1 needs a negative prompt, and {embeddings} holds none; "
-                                   "encode one with fluxzero encode-prompts --negative-prompt.")
-        vae_dir, paths = _vae_folder(vae, flux_dir), None
-    else:
         paths = _paths(flux_dir, vae=vae, t5=t5, clip=clip, t5_tokenizer=t5_tokenizer, clip_tokenizer=clip_tokenizer)
         vae_dir = paths.vae
-    from ..data.errors import DataError
-    from ..sampling.vae import load_vae
-
+    else:
+        vae_dir = _vae_folder(vae, flux_dir)
     dev, dt = _device(device, dtype)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        vae_model = load_vae(vae_dir, device=dev, dtype=dt)
-    except DataError as e:
-        raise click.UsageError(str(e)) from None
+    _make_folder(out_dir)
+    vae_model = _load_vae(vae_dir, dev, dt)
 
     click.echo(f"loading {weights} on {dev} ({str(dt).replace('torch.', '')})", err=True)
     model = _apply_adapters(_load_model(weights, preset, dev, dt))
     cfg = model.config
     if emb is None:
-        from ..data.encode import T5_MAX_LENGTH
-        from ..sampling.embeddings import encode_prompts
-
-        length = t5_max_length or T5_MAX_LENGTH["dev" if cfg.guidance_embed else "schnell"]
-        encoders = _load_encoders(paths, dev, dt, length)
-        emb = encode_prompts(encoders, prompts, negative_prompt if true_cfg > 1 else None)
+        encoders = _load_encoders(paths, dev, dt, t5_max_length or T5_MAX_LENGTH["dev" if cfg.guidance_embed else "schnell"])
+        emb = _encode(encoders, prompts, negative_prompt if true_cfg > 1 else None)
         del encoders  # T5-XXL is ~9 GB in bf16: free it before sampling
     _check_dims(emb, cfg)
     steps = steps or (28 if cfg.guidance_embed else 4)
-    written = _sample_all(model, vae_model, emb, cfg=cfg, weights=weights, out_dir=out_dir, width=width, height=height,
-                          steps=steps, guidance=guidance, true_cfg=true_cfg, seeds=list(seeds), batch_size=batch_size)
+    batches = -(-len(emb.prompts) * len(seeds) // batch_size)
+    with tqdm(total=batches * steps, desc="sample", unit="step", dynamic_ncols=True) as bar:
+        written = sample_images(model, vae_model, emb, out_dir, width=width, height=height, steps=steps,
+                                seeds=list(seeds), guidance=guidance, true_cfg=true_cfg, batch_size=batch_size,
+                                weights=str(Path(weights).resolve()), on_step=bar.update)
     click.echo(f"wrote {len(written)} images and grid.png to {out_dir}")
-
-
-def _sample_all(model, vae_model, emb, *, cfg, weights, out_dir: Path, width, height, steps, guidance, true_cfg,
-                seeds, batch_size) -> list[Path]:
-    """Every (prompt, seed) pair in batches of batch_size; PNGs as each batch decodes, then the grid."""
-    import torch
-    from tqdm import tqdm
-
-    from ..sampling import sample
-    from ..sampling.images import grid, save_png
-    from ..sampling.vae import decode
-
-    jobs = [(p, s) for p in range(len(emb.prompts)) for s in seeds]  # row per prompt, column per seed
-    batches = [jobs[i:i + batch_size] for i in range(0, len(jobs), batch_size)]
-    cfg_on = true_cfg > 1
-    images, written = [], []
-    with tqdm(total=len(batches) * steps, desc="sample", unit="step", dynamic_ncols=True) as bar:
-        for batch in batches:
-            rows = torch.tensor([p for p, _ in batch])
-            latents = sample(
-                model, emb.t5[rows], emb.clip_pooled[rows], height=height, width=width, steps=steps,
-                guidance=guidance, seed=[s for _, s in batch], true_cfg=true_cfg,
-                neg_txt=emb.neg_t5 if cfg_on else None, neg_y=emb.neg_clip_pooled if cfg_on else None,
-                callback=lambda *_: bar.update(),
-            )
-            for (p, s), image in zip(batch, decode(vae_model, latents)):
-                params = {
-                    "prompt": emb.prompts[p], "negative_prompt": emb.negative_prompt if cfg_on else None, "seed": s,
-                    "steps": steps, "guidance": guidance if cfg.guidance_embed else None,
-                    "true_cfg": true_cfg if cfg_on else None, "width": width, "height": height,
-                    "model": cfg.name, "weights": str(Path(weights).resolve()), "sampler": "euler",
-                    "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-                }
-                written.append(save_png(image, out_dir / f"{len(written):04d}-p{p}-s{s}.png", params))
-                images.append(image)
-    grid(images, cols=len(seeds)).save(out_dir / "grid.png")
-    return written
 
 
 @click.command("encode-prompts")
@@ -283,7 +278,7 @@ def encode_prompts_cmd(out, prompt_texts, prompts_file, negative_prompt, flux_di
     must be the one the model is sampled with: 512 tokens for dev (the default here), 256 for schnell.
     """
     from ..data.encode import T5_MAX_LENGTH
-    from ..sampling.embeddings import encode_prompts, save_embeddings
+    from ..sampling.embeddings import save_embeddings
 
     if out.suffix != ".safetensors":
         raise click.BadParameter(f"give the file a .safetensors name, got {out.name}", param_hint="OUT.safetensors")
@@ -293,7 +288,7 @@ def encode_prompts_cmd(out, prompt_texts, prompts_file, negative_prompt, flux_di
     paths = _paths(flux_dir, vae=vae, t5=t5, clip=clip, t5_tokenizer=t5_tokenizer, clip_tokenizer=clip_tokenizer)
     dev, dt = _device(device, dtype)
     encoders = _load_encoders(paths, dev, dt, t5_max_length or T5_MAX_LENGTH["dev"])
-    emb = encode_prompts(encoders, prompts, negative_prompt)
+    emb = _encode(encoders, prompts, negative_prompt)
     try:
         save_embeddings(out, emb)
     except OSError as e:

@@ -1,0 +1,54 @@
+"""Prompts x seeds -> PNG files: the loop `fluxzero sample` runs, public so training previews write the same files."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .embeddings import PromptEmbeddings
+from .images import grid, save_png
+from .sampler import sample
+from .vae import decode
+
+
+def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path, *, width: int, height: int, steps: int,
+                  seeds: Sequence[int], guidance: float = 3.5, true_cfg: float = 1.0, batch_size: int = 1,
+                  weights: str | None = None, on_step: Callable[[], None] | None = None) -> list[Path]:
+    """Sample every prompt once per seed, write NNNN-pP-sS.png files (parameters in their text chunks) and
+    grid.png (a row per prompt, a column per seed) into out_dir; return the PNG paths in order.
+
+    Each image's noise comes from its own seed, so the files do not depend on batch_size. The negative
+    prompt of `emb` is used when true_cfg > 1. `on_step()` is called after every Euler step of every
+    batch (len(prompts) * len(seeds) / batch_size * steps calls, rounded up per batch), for progress bars.
+    Under ZeRO-3 every rank must call this with the same arguments (the forward gathers parameters
+    collectively); let one rank pass the real out_dir.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    cfg_on = true_cfg > 1
+    if cfg_on and not emb.has_negative:
+        raise ValueError("true_cfg > 1 needs a negative prompt in the embeddings; encode one with the prompts")
+    jobs = [(p, s) for p in range(len(emb.prompts)) for s in seeds]  # row per prompt, column per seed
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    images, written = [], []
+    for start in range(0, len(jobs), batch_size):
+        batch = jobs[start:start + batch_size]
+        rows = torch.tensor([p for p, _ in batch])
+        latents = sample(
+            model, emb.t5[rows], emb.clip_pooled[rows], height=height, width=width, steps=steps, guidance=guidance,
+            seed=[s for _, s in batch], true_cfg=true_cfg, neg_txt=emb.neg_t5 if cfg_on else None,
+            neg_y=emb.neg_clip_pooled if cfg_on else None, callback=(lambda *_: on_step()) if on_step else None,
+        )
+        for (p, s), image in zip(batch, decode(vae, latents)):
+            params = {
+                "prompt": emb.prompts[p], "negative_prompt": emb.negative_prompt if cfg_on else None, "seed": s,
+                "steps": steps, "guidance": guidance if cfg.guidance_embed else None,
+                "true_cfg": true_cfg if cfg_on else None, "width": width, "height": height, "model": cfg.name,
+                "weights": weights, "sampler": "euler", "dtype": dtype,
+            }
+            written.append(save_png(image, out_dir / f"{len(written):04d}-p{p}-s{s}.png", params))
+            images.append(image)
+    grid(images, cols=len(seeds)).save(out_dir / "grid.png")
+    return written
