@@ -59,6 +59,8 @@ def ds_config(stage, bf16, acc, offload=False):
            "zero_optimization": {"stage": stage}}
     if stage == 3:  # biases (<= 20 elements) stay gathered, weights are released: swap() handles both
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 20
+        if not bf16:  # several ZeRO-3 sub groups, each its own fp32 partition
+            cfg["zero_optimization"]["sub_group_size"] = 40
     if offload:
         cfg["zero_optimization"].update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     if bf16:
@@ -108,15 +110,19 @@ def _run_one(name, tmp, rank):
         import peft
 
         model = peft.inject_adapter_in_model(peft.LoraConfig(r=2, lora_alpha=4, target_modules=["a", "b"]), model)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=ds)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if name == "z2_fp32":  # two param groups (no decay on biases): two flat partitions per rank
+        trained = [{"params": [p for p in trained if p.ndim > 1]},
+                   {"params": [p for p in trained if p.ndim == 1], "weight_decay": 0.0}]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trained, config=ds)
     dtype = torch.bfloat16 if bf16 else torch.float32
     params = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
     cfg = EmaConfig(decay=DECAY, warmup=True, every=1, device="cpu" if stage == 2 else "gpu", dtype=ema_dtype)
     ema = ShardedEMA(engine, cfg, seed=5)
     ref = _full_masters(engine, params)
     gen = torch.Generator().manual_seed(100 + rank)  # each data-parallel rank trains on its own batch
-    resumed, times = None, {"step": 0.0, "update": 0.0}
+    resumed = resumed_full = None
+    times = {"step": 0.0, "update": 0.0}
     for step in range(1, STEPS + 1):
         x = torch.randn(4, 7, generator=gen).to(dtype)
         t0 = time.perf_counter()
@@ -131,6 +137,7 @@ def _run_one(name, tmp, rank):
         times["update"] += t2 - t1
         if resumed is not None:
             resumed.update(step)
+            resumed_full.update(step)
         w = 1.0 - cfg.decay_at(step)
         for n, full in _full_masters(engine, params).items():
             ref[n].lerp_(full, w)
@@ -142,8 +149,17 @@ def _run_one(name, tmp, rank):
             torch.save(sd, tmp / f"{name}_mid_rank{rank}.pt")
             resumed = ShardedEMA(engine, cfg, seed=5)  # starts from the weights at step 3: wrong until loaded
             resumed.load_state_dict(torch.load(tmp / f"{name}_mid_rank{rank}.pt", weights_only=True))
+            # the path for another world size: every rank consolidates all shards and takes its pieces
+            import torch.distributed as dist
+            from fluxzero.train.ema import consolidate
+
+            dist.barrier()  # both ranks' files are written
+            resumed_full = ShardedEMA(engine, cfg, seed=5)
+            resumed_full.load_full_state_dict(
+                consolidate([tmp / f"{name}_mid_rank{r}.safetensors" for r in range(2)]), step=SWITCH)
     full = ema.full_state_dict()
     full_resumed = resumed.full_state_dict()
+    full_resumed_full = resumed_full.full_state_dict()
     from safetensors.torch import save_file
 
     save_file(ema.state_dict(), str(tmp / f"{name}_rank{rank}.safetensors"))
@@ -177,6 +193,7 @@ def _run_one(name, tmp, rank):
     engine.backward((engine(x).float() - 1.0).pow(2).mean())
     engine.step()
     result = {"kind": ema.kind, "ref": ref, "full": full, "full_resumed": full_resumed, "nbytes": ema.nbytes,
+              "full_resumed_full": full_resumed_full, "buffers": len(ema.layout()["buffers"]),
               "numel": ema.numel, "before": before, "inside": inside, "after": after, "out_before": out_before,
               "out_inside": out_inside, "out_after": out_after, "times": times, "lp_dtype": str(dtype),
               "fresh": fresh, "zero_to_fp32": from_zero_to_fp32}
@@ -279,11 +296,20 @@ def test_bf16_ema_tracks_the_reference_within_bf16_rounding(matrix):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_state_dict_round_trip_continues_exactly(matrix, name):
-    _, ranks = matrix
-    for r in ranks:
-        res = r[name]
-        for n in res["full"]:
-            assert torch.equal(res["full_resumed"][n], res["full"][n]), n
+    _, (r0, _) = matrix
+    res = r0[name]
+    assert res["full"]
+    for n in res["full"]:
+        assert torch.equal(res["full_resumed"][n], res["full"][n]), n  # own shard back, same world size
+        assert torch.equal(res["full_resumed_full"][n], res["full"][n]), n  # via consolidate + load_full
+
+
+@pytest.mark.slow
+def test_several_groups_and_sub_groups(matrix):
+    _, (r0, _) = matrix
+    assert r0["z2_fp32"]["buffers"] == 2  # one flat fp32 partition per optimizer param group
+    # sub_group_size 40 over a rank's 46 + 7 + 20 + 2 partition elements: [a.weight], [a.bias, b.*]
+    assert r0["z3_fp32"]["buffers"] == 2 and r0["z3_bf16"]["buffers"] == 1
 
 
 @pytest.mark.slow
