@@ -366,3 +366,23 @@ def test_sample_bad_input_is_one_sentence(files, tmp_path):
         text = " ".join(r.output.split())  # Click wraps long messages
         assert message in text and "Traceback" not in text, (message, r.output)
         assert text.count("Error:") == 1
+
+
+def test_sampling_needs_no_deepspeed():
+    """A sampling node (or `fluxzero sample`) imports nothing of the training stack's DeepSpeed side."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.modules["deepspeed"] = None  # any import of it fails
+import fluxzero.commands.sample, fluxzero.sampling.pipeline, fluxzero.sampling.vae, fluxzero.sampling.embeddings
+from fluxzero.model import build_model
+from fluxzero.sampling import sample
+import torch
+m = build_model("flux-tiny")
+out = sample(m, torch.zeros(1, 3, 64), torch.zeros(1, 32), height=16, width=32, steps=1, seed=0)
+print(tuple(out.shape))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "(1, 16, 2, 4)" in r.stdout, r.stderr[-2000:]
