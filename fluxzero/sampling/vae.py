@@ -52,7 +52,10 @@ def decode(vae, latents: Tensor) -> Tensor:
     """
     scale, shift = latent_factors(vae)
     p = next(vae.parameters())
-    z = latents.to(p.device, p.dtype) / scale + shift
-    img = vae.decode(z, return_dict=False)[0]  # (B, 3, H, W) in about [-1, 1]
-    img = (img.float() / 2 + 0.5).clamp(0, 1)
-    return (img * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+    out = []
+    for z in latents:  # one image at a time: the decoder's activations at 1024 px are several GB each
+        z = z[None].to(p.device, p.dtype) / scale + shift
+        img = vae.decode(z, return_dict=False)[0]  # (1, 3, H, W) in about [-1, 1]
+        img = (img.float() / 2 + 0.5).clamp(0, 1)
+        out.append((img * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu())
+    return torch.cat(out)
