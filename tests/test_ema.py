@@ -381,9 +381,9 @@ def test_bad_decay_is_one_sentence(decay):
     assert "\n" not in str(e.value) and not re.search(r"[.;]\s+[A-Z]", str(e.value))  # one sentence
 
 
-@pytest.mark.parametrize("field,value,match", [("every", 0, "ema.every"), ("every", 1.5, "ema.every"),
-                                               ("device", "cuda", "'gpu' or 'cpu'"), ("dtype", "fp16", "'fp32' or 'bf16'"),
-                                               ("warmup", "yes", "true or false")])
+@pytest.mark.parametrize("field,value,match", [
+    ("every", 0, "ema.every"), ("every", 1.5, "ema.every"), ("device", "cuda", "'gpu' or 'cpu'"),
+    ("dtype", "fp16", "'fp32' or 'bf16'"), ("warmup", "yes", "true or false")])
 def test_other_bad_values_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
         EmaConfig(**{field: value})

@@ -347,7 +347,8 @@ def shard_name(rank: int) -> str:
 
 def _read_layout(sd: dict) -> dict:
     if "layout" not in sd:
-        raise ValueError("this is not an EMA shard (no 'layout' entry); pass files written from ShardedEMA.state_dict()")
+        raise ValueError("this is not an EMA shard (no 'layout' entry); pass files written from "
+                         "ShardedEMA.state_dict()")
     return json.loads(bytes(sd["layout"].tolist()).decode())
 
 
