@@ -236,7 +236,8 @@ def cases(tmp_path_factory):
     (tmp / "ds_bf16.json").write_text(json.dumps(_ds(bf16={"enabled": True})))
     (tmp / "ds_fp16.json").write_text(json.dumps(_ds(fp16={"enabled": True})))
     (tmp / "a_file").write_text("")
-    (tmp / "export_blocked" / "export.safetensors").mkdir(parents=True)  # a folder where the export goes
+    (tmp / "export_blocked").mkdir()  # the export goes through a link into a folder that does not exist
+    os.symlink(tmp / "no_such_folder" / "export.safetensors", tmp / "export_blocked" / "export.safetensors")
     from fluxzero.model import build_model
     from fluxzero.model.weights import save_weights
 

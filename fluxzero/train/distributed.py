@@ -77,7 +77,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
         atexit.register(_destroy_group_at_exit)
-    return dist.getcurrent_rank(), dist.get_world_size(), device
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 def _not_scheduler_not_started(record: logging.LogRecord) -> bool:
@@ -186,8 +186,8 @@ ERROR_WAIT_S = 5.0  # how long ranks compare their errors before printing (and e
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.OutOfMemoryError: 2.5+
 
 
-def currentcurrent_rank() -> int:
-    return dist.getcurrent_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+def current_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def write_line(text: str) -> None:

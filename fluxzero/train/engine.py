@@ -22,10 +22,13 @@ from fluxzero.config.ds_view import DSView
 from fluxzero.train.distributed import TrainingError
 
 
-def _skip_cpu_shm_build() -> None:
-    """DeepSpeed compiles a shared-memory allreduce op (~60 s) at every CPU start; training uses gloo."""
+def _join_deepspeed_comm() -> None:
+    """Let deepspeed.comm wrap the process group fluxzero.train.distributed created (its config parser reads
+    the world size from there). On CPU skip the shared-memory allreduce op DeepSpeed compiles at every start
+    (~60 s): training uses gloo."""
     if get_accelerator().device_name() == "cpu":
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(verbose=False)
 
 
 def check_supported(v: DSView, path: str) -> None:
@@ -48,7 +51,7 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     """
     from fluxzero.model import build_model
 
-    _skip_cpu_shm_build()
+    _join_deepspeed_comm()
     stage = v.stage
     torch.manual_seed(seed)  # identical random init on every rank (ZeRO-3 then keeps each rank's slice)
     # Under ZeRO-3, zero.Init partitions every parameter as its module is constructed: no rank ever holds

@@ -93,7 +93,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     allow_config_change: resume a checkpoint although data, grad_accum or flow options changed (see
     checkpoint.decide_resume); the new values are saved with the next checkpoint.
     """
-    from fluxzero.train import checkpoint, engine as ds_engine, export
+    from fluxzero.train import checkpoint, export
     from fluxzero.train.metrics import LogWriteError, Metrics
 
     rank, world, device = distributed.init_distributed()
@@ -105,7 +105,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     engine, step = run.engine, run.done
 
     def save():
-        if not ds_engine.weights_finite(engine):  # never let a diverged update replace (or prune) a good checkpoint
+        if not checkpoint.weights_finite(engine):  # never let a diverged update replace (or prune) a good checkpoint
             raise TrainingError(f"the weights after step {step} are not finite (the update diverged: lower the lr "
                                 f"or raise gradient clipping); not saved, the last complete checkpoint "
                                 f"{run.last_ckpt or '(none)'} is kept")
