@@ -34,13 +34,24 @@ def train(config: Path, overrides: tuple[str, ...]):
               show_default=True, help="Layout to write: a BFL or ComfyUI .safetensors file, or a diffusers folder.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
               help="Tensor dtype of the export (the checkpoint's fp32 master weights are the source).")
+@click.option("--weights", type=click.Choice(["live", "ema"]), default="live", show_default=True,
+              help="The trained weights, or the EMA the run kept (its ema: section).")
+@click.option("--merge", is_flag=True,
+              help="LoRA checkpoints: write the base weights with the LoRA merged in (full weights in --format) "
+                   "instead of the LoRA file.")
+@click.option("--base", type=click.Path(exists=True, path_type=Path), default=None,
+              help="With --merge: the base weights to merge into  [default: the run's weights:].")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
-def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, overwrite: bool):
+def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, weights: str, merge: bool, base: Path | None,
+           overwrite: bool):
     """Consolidate a training checkpoint (any ZeRO stage) into FLUX.1 safetensors.
 
     CKPT_DIR is a run's output_dir, its checkpoints/ folder (the `latest` checkpoint is used) or one
     checkpoint folder such as checkpoints/step_00001000. ZeRO shards are merged with DeepSpeed's own
     zero_to_fp32 consolidation, so this runs on one CPU process.
+
+    A LoRA run's checkpoint gives its LoRA file (OUT.safetensors): the diffusers/PEFT layout for --format
+    diffusers, the kohya layout ComfyUI reads for bfl and comfyui; with --merge, the full weights.
     """
     if out.exists() and not overwrite:
         raise click.UsageError(f"{out} exists; pass --overwrite to replace it or choose another OUT")
@@ -54,7 +65,12 @@ def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, overwrite: bool):
     except TrainingError as e:
         raise click.BadParameter(str(e), param_hint="CKPT_DIR") from None
     try:
-        export_checkpoint(ckpt / tag, out, layout, dtype)
+        if merge or base:
+            from fluxzero.train.lora_export import export_lora
+
+            export_lora(ckpt / tag, out, layout, dtype, merge=True, base=str(base) if base else None)
+        else:  # a LoRA checkpoint writes its LoRA file (kohya layout for bfl / comfyui)
+            export_checkpoint(ckpt / tag, out, layout, dtype, weights)
     except TrainingError as e:  # a corrupt checkpoint or an unwritable OUT: the message names which
         raise click.UsageError(str(e)) from None
-    click.echo(f"wrote {out} ({layout}, {dtype}) from {ckpt / tag}")
+    click.echo(f"wrote {out} ({layout}, {dtype}, {weights} weights) from {ckpt / tag}")

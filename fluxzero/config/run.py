@@ -5,7 +5,9 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from fluxzero.config.models import get_model_config
+from fluxzero.config.ema import EmaConfig
+from fluxzero.config.lora import LoraConfig
+from fluxzero.config.models import model_spec, resolve_model
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -126,7 +128,9 @@ class TrainConfig:
     deepspeed: str  # DeepSpeed JSON config (from `fluxzero gen-config`)
     data: str  # shard directory, or a synthetic spec "synthetic:n=64,hw=32x32,..."
     output_dir: str  # checkpoints/, tensorboard/, metrics.jsonl, export
-    model: str = "flux-tiny"  # preset name
+    # a preset name, a mapping {preset: NAME, field: value}, or a diffusers config.json (models.resolve_model);
+    # kept as the preset name or the whole shape, so the run.yaml saved with a checkpoint records the shape
+    model: dict | str = "flux-tiny"
     weights: str | None = None  # pretrained safetensors file or diffusers folder; None = random init
     steps: int = 0  # optimizer steps; 0 = run `epochs` epochs
     epochs: int = 1
@@ -138,15 +142,41 @@ class TrainConfig:
     resume: bool = True  # continue from output_dir/checkpoints/latest when it exists
     export_format: str | None = "bfl"  # export the final weights: "bfl" | "diffusers" | "comfyui" | None
     export_dtype: str = "bf16"
+    # LoRA runs: also write the base (`weights`) with the LoRA merged, in export_format's full layout
+    export_merged: bool = False
     attention: str = "auto"  # fluxzero.model.math.set_attention_backend
     num_workers: int = 0
     flow: FlowConfig = dataclasses.field(default_factory=FlowConfig)
+    # EMA of the trained weights (fluxzero.config.ema.EmaConfig; null = none), and which weights the export holds
+    ema: EmaConfig | None = None
+    export_weights: str = "live"  # "live" | "ema" (needs ema)
+    # what the model learns, shown during training: sample images and a held-out validation loss
+    sample_every: int = 0  # optimizer steps; 0 = never
+    sample_prompts: str | None = None  # prompt-embeddings file from `fluxzero encode-prompts` (no T5 needed here)
+    sample_vae: str | None = None  # diffusers VAE folder to decode with (the one `fluxzero cache` used)
+    sample_size: str = "512x512"  # WIDTHxHEIGHT in pixels, multiples of 16
+    sample_steps: int = 28
+    sample_guidance: float = 3.5  # the guidance embedding's value (FLUX.1-dev); ignored by schnell
+    sample_seeds: list = dataclasses.field(default_factory=lambda: [0])  # one image per prompt and seed
+    sample_weights: str = "live"  # "live" | "ema" (needs ema)
+    validation_data: str | None = None  # held-out shard folder (or synthetic spec); null = no validation
+    validation_every: int = 0  # optimizer steps; 0 = once, at the end of the run
+    validation_timesteps: list = dataclasses.field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
+    lora: LoraConfig | None = None  # LoRA adapters (fluxzero.config.lora.LoraConfig); null = full fine-tune
 
     def __post_init__(self):
         if isinstance(self.flow, dict):
             self.flow = FlowConfig(**self.flow)
+        if isinstance(self.ema, dict):
+            self.ema = EmaConfig.from_dict(self.ema)
+        if isinstance(self.lora, dict):
+            self.lora = LoraConfig.from_dict(self.lora)
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise ValueError(f"lora must be a mapping of LoRA options (rank, alpha, targets, ...) or null, got "
+                             f"{self.lora!r}")
         _check_types(self)
-        get_model_config(self.model)
+        self._check_previews()
+        self.model = model_spec(resolve_model(self.model))
         for f in ("deepspeed", "data", "output_dir"):
             if not getattr(self, f).strip():
                 raise ValueError(f"{f} is empty; set it to a path (output_dir holds checkpoints, logs and export)")
@@ -165,6 +195,56 @@ class TrainConfig:
             raise ValueError(f"export_dtype must be bf16 or fp32, got {self.export_dtype!r}")
         if self.attention not in ("auto", "flash", "efficient", "cudnn", "math"):
             raise ValueError(f"attention must be auto, flash, efficient, cudnn or math, got {self.attention!r}")
+        if self.export_merged and self.lora is None:
+            raise ValueError("export_merged merges a LoRA into its base weights, but this run has no lora section; "
+                             "remove export_merged (a full fine-tune exports the whole model anyway)")
+        if self.export_merged and not self.weights:
+            raise ValueError("export_merged needs the base weights to merge the LoRA into; set weights: to the "
+                             "pretrained file the LoRA is trained on, or remove export_merged")
+
+    def _check_previews(self) -> None:
+        import math
+        import re
+
+        for f in ("sample_prompts", "sample_vae", "validation_data"):
+            if getattr(self, f):
+                setattr(self, f, os.path.expanduser(getattr(self, f)))
+        for f in ("sample_every", "validation_every"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{f} must be 0 or more, got {getattr(self, f)}")
+        if self.sample_every and not (self.sample_prompts and self.sample_vae):
+            raise ValueError("sample_every needs sample_prompts (a file from `fluxzero encode-prompts`) and "
+                             "sample_vae (a diffusers VAE folder); set both, or sample_every: 0")
+        m = re.fullmatch(r"(\d+)x(\d+)", str(self.sample_size))
+        if not m or int(m[1]) % 16 or int(m[2]) % 16 or not int(m[1]) or not int(m[2]):
+            raise ValueError(f"sample_size must be WIDTHxHEIGHT in pixels, multiples of 16 (e.g. 512x512), got "
+                             f"{self.sample_size!r}")
+        if self.sample_steps < 1:
+            raise ValueError(f"sample_steps must be at least 1, got {self.sample_steps}")
+        if not math.isfinite(self.sample_guidance) or self.sample_guidance < 0:
+            raise ValueError(f"sample_guidance must be a finite number >= 0, got {self.sample_guidance}")
+        if not (isinstance(self.sample_seeds, list) and self.sample_seeds
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in self.sample_seeds)):
+            raise ValueError(f"sample_seeds must be a list of whole numbers such as [0, 1], got {self.sample_seeds!r}")
+        if self.validation_every and not self.validation_data:
+            raise ValueError("validation_every needs validation_data (a held-out shard folder); set it, or "
+                             "validation_every: 0")
+        ts = self.validation_timesteps
+        if not (isinstance(ts, list) and ts and all(isinstance(t, (int, float)) and not isinstance(t, bool)
+                                                    and 0 < t <= 1 for t in ts)):
+            raise ValueError(f"validation_timesteps must be a list of numbers in (0, 1] such as [0.25, 0.5, 0.75], "
+                             f"got {ts!r}")
+        for f in ("export_weights", "sample_weights"):
+            if getattr(self, f) not in ("live", "ema"):
+                raise ValueError(f"{f} must be live or ema, got {getattr(self, f)!r}")
+            if getattr(self, f) == "ema" and self.ema is None:
+                raise ValueError(f"{f} is ema but the run keeps no EMA; add an ema: section (e.g. ema: {{decay: "
+                                 f"0.9999}}) or set {f}: live")
+
+    @property
+    def sample_wh(self) -> tuple[int, int]:
+        width, height = (int(v) for v in self.sample_size.split("x"))
+        return width, height
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":

@@ -150,6 +150,11 @@ class ShardLoader:
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def num_samples(self) -> int:
+        """Samples in the source (every rank's loader sees the same source)."""
+        return len(self._sizes)
+
     def check_model(self, model_cfg) -> None:
         """DataError when this data does not fit `model_cfg` (see check_model_fit)."""
         check_model_fit(self.dims, model_cfg)

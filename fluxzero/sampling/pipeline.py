@@ -12,7 +12,7 @@ from .sampler import sample
 from .vae import decode
 
 
-def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path, *, width: int, height: int, steps: int,
+def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None, *, width: int, height: int, steps: int,
                   seeds: Sequence[int], guidance: float = 3.5, true_cfg: float = 1.0, batch_size: int = 1,
                   weights: str | None = None, on_step: Callable[[], None] | None = None) -> list[Path]:
     """Sample every prompt once per seed, write NNNN-pP-sS.png files (parameters in their text chunks) and
@@ -22,10 +22,12 @@ def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path, *, wid
     prompt of `emb` is used when true_cfg > 1. `on_step()` is called after every Euler step of every
     batch (len(prompts) * len(seeds) / batch_size * steps calls, rounded up per batch), for progress bars.
     Under ZeRO-3 every rank must call this with the same arguments (the forward gathers parameters
-    collectively); let one rank pass the real out_dir.
+    collectively); the others pass out_dir=None (and may pass vae=None): they run the model's forward passes
+    and decode, write and return nothing.
     """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     cfg_on = true_cfg > 1
     if cfg_on and not emb.has_negative:
@@ -41,6 +43,8 @@ def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path, *, wid
             seed=[s for _, s in batch], true_cfg=true_cfg, neg_txt=emb.neg_t5 if cfg_on else None,
             neg_y=emb.neg_clip_pooled if cfg_on else None, callback=(lambda *_: on_step()) if on_step else None,
         )
+        if out_dir is None:  # a ZeRO-3 peer: its part was the forward passes
+            continue
         for (p, s), image in zip(batch, decode(vae, latents)):
             params = {
                 "prompt": emb.prompts[p], "negative_prompt": emb.negative_prompt if cfg_on else None, "seed": s,
@@ -50,5 +54,6 @@ def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path, *, wid
             }
             written.append(save_png(image, out_dir / f"{len(written):04d}-p{p}-s{s}.png", params))
             images.append(image)
-    grid(images, cols=len(seeds)).save(out_dir / "grid.png")
+    if out_dir is not None:
+        grid(images, cols=len(seeds)).save(out_dir / "grid.png")
     return written

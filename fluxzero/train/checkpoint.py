@@ -22,6 +22,7 @@ import torch.distributed as dist
 import yaml
 
 from fluxzero.config import TrainConfig
+from fluxzero.config.models import model_name, same_model
 from fluxzero.config.ds_view import DSView, view
 from fluxzero.fsutil import atomic_write
 from fluxzero.train.distributed import TrainingError, all_ranks_ok, barrier, peer_stopped
@@ -63,8 +64,11 @@ def latest_tag(ckpt_dir: str | Path) -> str | None:
 
 
 def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, run_config_text: str,
-                    ds: dict, keep: int = 0) -> str:
+                    ds: dict, keep: int = 0, rank_files: dict[str, bytes] | None = None) -> str:
     """Save step `step` as tag step_XXXXXXXX; `latest` moves to it only after every rank finished.
+
+    rank_files: further files of this rank (name -> bytes, e.g. its EMA shard), written into the folder
+    before `latest` moves.
 
     A failure while writing (disk full, ...) leaves `latest` on the previous, complete checkpoint. keep > 0:
     once `latest` names the new checkpoint, delete the older ones beyond the newest `keep` (never a newer one).
@@ -80,9 +84,13 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, run_confi
         tag_dir.mkdir(parents=True, exist_ok=True)
     barrier()
     try:
-        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+        # LoRA: the frozen base is left out (it comes from the run's weights again), megabytes not gigabytes
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False,
+                               exclude_frozen_parameters=has_frozen(engine))
         buf = _torch_bytes({**trainer_state, "rng": rng_state(), "world_size": dist.get_world_size()})
         atomic_write(tag_dir / f"trainer_state_rank{rank}.pt", buf)
+        for name, data in (rank_files or {}).items():
+            atomic_write(tag_dir / name, data)
         if rank == 0:
             atomic_write(tag_dir / "run.yaml", run_config_text.encode())
             atomic_write(tag_dir / "ds_config.json", json.dumps(ds, indent=2).encode())
@@ -100,6 +108,11 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, run_confi
                             f"free disk space or change output_dir and resume") from None
     barrier()
     return str(tag_dir)
+
+
+def has_frozen(engine) -> bool:
+    """Whether part of the model is frozen (a LoRA run): its checkpoints then hold the trainable part only."""
+    return any(not p.requires_grad for p in engine.module.parameters())
 
 
 @torch.no_grad()
@@ -168,8 +181,9 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int, all
     if error:
         raise TrainingError(error)
     if tag is None:
-        results = [p.name for p in (Path(cfg.output_dir) / "export.safetensors", Path(cfg.output_dir) / "export")
-                   if p.exists()]
+        results = [p.name for name in ("export", "export_ema")
+                   for p in (Path(cfg.output_dir) / f"{name}.safetensors", Path(cfg.output_dir) / name) if p.exists()]
+        results += ["lora.safetensors"] if (Path(cfg.output_dir) / "lora.safetensors").exists() else []
         if results:  # a finished run whose checkpoints were deleted: its export and logs would be overwritten
             raise TrainingError(f"output_dir {cfg.output_dir} holds the results of an earlier run ({', '.join(results)}"
                                 f") but no checkpoint to resume; choose another output_dir, or move them away to "
@@ -181,8 +195,9 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int, all
     tag_dir = ckpt_dir / tag
     saved = _saved_run(tag_dir / "run.yaml")
     model = saved.get("model")
-    if model and model != cfg.model:
-        raise TrainingError(f"{tag_dir} is a checkpoint of {model} but the run file trains {cfg.model}; "
+    if model and not same_model(model, cfg.model):  # resolved shapes: a preset equals its mapping spelling
+        raise TrainingError(f"{tag_dir} is a checkpoint of {model_name(model)} but the run file trains "
+                            f"{model_name(cfg.model)}; "
                             f"choose another output_dir")
     saved_view = _saved_view(tag_dir / "ds_config.json")
     if saved_view is not None:
@@ -200,6 +215,7 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int, all
                                 f"scheduler, or choose another output_dir")
         # older run.yaml files hold micro_batch and grad_accum themselves; the DeepSpeed config owns them now
         saved = {**saved, "micro_batch": saved_view.micro_batch, "grad_accum": saved_view.grad_accum}
+    _check_same_adapters(cfg, saved, tag_dir)
     _check_same_training({**cfg.to_dict(), "micro_batch": v.micro_batch, "grad_accum": v.grad_accum}, saved,
                          tag_dir, allow)
     state_file = tag_dir / "trainer_state_rank0.pt"
@@ -316,6 +332,27 @@ def _check_same_training(now: dict, saved: dict, ckpt: Path, allow_config_change
                 f"has {', '.join(f'{k}={_setting(now, k)}' for k in diff)}; {fix}")
 
 
+LORA_FIXED_ON_RESUME = ("rank", "alpha", "targets", "init")  # the adapters' shapes and scale; dropout may change
+
+
+def _check_same_adapters(cfg: TrainConfig, saved: dict, ckpt: Path) -> None:
+    """A LoRA checkpoint holds only its adapters and a full one no adapters: neither continues as the other,
+    nor a LoRA under another rank, alpha or targets (lora.weights may change: the checkpoint replaces it)."""
+    if not saved:
+        return
+    was, now = saved.get("lora"), cfg.lora
+    if bool(was) != (now is not None):
+        raise TrainingError(f"{ckpt} is a checkpoint of {'a LoRA' if was else 'a full fine-tune'} but the run file "
+                            f"trains {'a LoRA' if now else 'the full model (no lora section)'}; "
+                            f"{'add its lora section back' if was else 'remove the lora section'}, or choose another "
+                            f"output_dir")
+    diff = [k for k in LORA_FIXED_ON_RESUME if was and was.get(k) != getattr(now, k)]
+    if diff:
+        raise TrainingError(f"{ckpt} was trained with {', '.join(f'lora.{k}={was.get(k)}' for k in diff)} but this "
+                            f"run has {', '.join(f'lora.{k}={getattr(now, k)}' for k in diff)}; resume with the "
+                            f"checkpoint's values, or choose another output_dir")
+
+
 def _same_path(a, b) -> bool:
     """Two spellings of one shard folder (relative and absolute, or through a link)."""
     try:
@@ -330,7 +367,8 @@ def load(engine, ckpt_dir: Path, tag: str) -> dict:
     rank = dist.get_rank()
     state = load_trainer_state(ckpt_dir / tag / f"trainer_state_rank{rank}.pt")
     path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
-                                     load_lr_scheduler_states=True)
+                                     load_lr_scheduler_states=True,
+                                     load_module_strict=not has_frozen(engine))  # LoRA: no base saved
     if path is None:
         raise TrainingError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
     set_rng_state(state["rng"])

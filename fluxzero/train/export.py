@@ -90,20 +90,31 @@ def _stage0_master_weights(states: dict) -> dict:
     return {**module, **dict(zip(names, masters))}
 
 
-def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dtype: str = "bf16") -> str:
-    """Consolidate a checkpoint and write safetensors in the BFL, diffusers or ComfyUI layout."""
+def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dtype: str = "bf16",
+                      weights: str = "live") -> str:
+    """Consolidate a checkpoint and write safetensors in the BFL, diffusers or ComfyUI layout.
+
+    weights "ema": the EMA the run kept (its per-rank shards, consolidated on this CPU) replaces the trained
+    weights it averages; the others (none, in a full fine-tune) stay the checkpoint's.
+    """
     import yaml
     from safetensors import SafetensorError
 
-    from fluxzero.config import get_model_config
+    from fluxzero.config import resolve_model
     from fluxzero.model.weights import WeightsError, save_weights
 
     sd, tag_dir = consolidated_state_dict(path)
+    from fluxzero.train import lora_export
+
+    if lora_export.is_lora_state_dict(sd):  # adapters only: a LoRA file in the layout's LoRA counterpart
+        return lora_export.write_lora_export(sd, tag_dir, out, layout, dtype)
+    if weights == "ema":
+        sd = {**sd, **ema_state_dict(tag_dir)}
     run = tag_dir / "run.yaml"
     cfg = None
     if run.is_file():
         try:
-            cfg = get_model_config(yaml.safe_load(run.read_text())["model"])
+            cfg = resolve_model(yaml.safe_load(run.read_text())["model"])
         except (yaml.YAMLError, OSError, UnicodeDecodeError, TypeError, KeyError, ValueError) as e:
             raise TrainingError(f"{run} does not name a known model ({str(e).splitlines()[0][:200]}); it records "
                                 f"what the checkpoint trained: repair it, or export another checkpoint") from None
@@ -118,6 +129,21 @@ def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dt
     return str(out)
 
 
+def ema_state_dict(tag_dir: Path) -> dict:
+    """The consolidated fp32 EMA of a checkpoint folder (name -> full tensor), from its per-rank shard files."""
+    from fluxzero.train.ema import consolidate
+
+    shards = sorted(Path(tag_dir).glob("ema_*.safetensors"))
+    if not shards:
+        raise TrainingError(f"checkpoint {tag_dir} holds no EMA (the run had no ema: section); export its live "
+                            f"weights instead")
+    try:
+        return consolidate(shards)
+    except (ValueError, OSError, KeyError) as e:
+        raise TrainingError(f"the EMA shards of {tag_dir} cannot be read ({str(e).splitlines()[0][:200]}); export "
+                            f"its live weights, or another checkpoint") from None
+
+
 def _write_reason(e: Exception) -> str:
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
@@ -126,7 +152,12 @@ def _write_reason(e: Exception) -> str:
 def final_export(cfg: TrainConfig, ckpt_dir: Path, rank: int) -> tuple[str, bool]:
     """Export the final checkpoint on rank 0; returns (path, whether it was written): an export newer than
     the checkpoint, in the same layout and dtype, is left as it is (a rerun of a finished run does nothing)."""
-    out = Path(cfg.output_dir) / ("export" if cfg.export_format == "diffusers" else "export.safetensors")
+    if cfg.lora is not None:  # lora.safetensors (and the merged weights with export_merged)
+        from fluxzero.train.lora_export import final_lora_export
+
+        return final_lora_export(cfg, ckpt_dir, rank)
+    name = "export_ema" if cfg.export_weights == "ema" else "export"
+    out = Path(cfg.output_dir) / (name if cfg.export_format == "diffusers" else f"{name}.safetensors")
     # The other ranks do not wait for it: an export of FLUX.1-dev can outlast the collectives' timeout
     # (DeepSpeed's default is 10 minutes), and they have nothing left to do. The caller met them at a barrier.
     if rank != 0:
@@ -134,7 +165,7 @@ def final_export(cfg: TrainConfig, ckpt_dir: Path, rank: int) -> tuple[str, bool
     try:
         if _export_is_current(out, ckpt_dir / "latest", cfg.export_format, cfg.export_dtype):
             return str(out), False
-        export_checkpoint(ckpt_dir, out, cfg.export_format, cfg.export_dtype)
+        export_checkpoint(ckpt_dir, out, cfg.export_format, cfg.export_dtype, cfg.export_weights)
     except TrainingError as e:
         raise TrainingError(f"{e} (training finished and is saved: `fluxzero export {cfg.output_dir} "
                                       f"OUT` writes it again)") from None

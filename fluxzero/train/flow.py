@@ -88,6 +88,11 @@ def loss(pred: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(pred.float(), tgt.float())
 
 
+def sample_losses(pred: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    """`loss` per sample. Shape: pred, tgt (B, L, C) -> (B,) fp32."""
+    return (pred.float() - tgt.float()).square().flatten(1).mean(1)
+
+
 def sample_timesteps(n: int, sampling: str = "uniform", mean: float = 0.0, std: float = 1.0,
                      generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw n timesteps in (0, 1): uniform, or logit-normal (sigmoid of N(mean, std), SD3 section 3.1)."""
@@ -154,8 +159,11 @@ def draw_noise(latents: torch.Tensor, index: torch.Tensor, seed: int, epoch: int
 
 
 def prepare_batch(batch: dict, cfg, seed: int, epoch: int, *, guidance_embed: bool,
-                  device=None, dtype: torch.dtype = torch.float32) -> tuple[dict, torch.Tensor]:
+                  device=None, dtype: torch.dtype = torch.float32,
+                  timesteps: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
     """Turn a data batch into Flux.forward keyword arguments and the velocity target.
+
+    timesteps (B,), when given, replace the drawn (and shifted) ones: validation evaluates fixed t values.
 
     batch: {"latents": (B,16,H,W), "t5": (B,L,D), "clip": (B,V), "index": (B,)}; cfg: a FlowConfig.
     Shape: -> inputs {img (B,HW/4,64), img_ids (B,HW/4,3), txt (B,L,D), txt_ids (B,L,3), timesteps (B,),
@@ -164,6 +172,8 @@ def prepare_batch(batch: dict, cfg, seed: int, epoch: int, *, guidance_embed: bo
     x0 = batch["latents"].float()
     b, _, h, w = x0.shape
     noise, t = draw_noise(x0, batch["index"], seed, epoch, cfg)
+    if timesteps is not None:
+        t = timesteps.float().expand(b).clone()
     x_t = pack(noisy(x0, noise, t))  # (B, HW/4, 64)
     tgt = pack(target(x0, noise))  # (B, HW/4, 64)
     def dev(x: torch.Tensor, to_dtype: torch.dtype | None = dtype) -> torch.Tensor:

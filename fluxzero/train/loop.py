@@ -9,6 +9,7 @@ resume decision -> model/engine -> checkpoint -> loop.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 import os
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fluxzero.config import TrainConfig, get_model_config
+from fluxzero.config import TrainConfig, resolve_model
 from fluxzero.config.ds_view import DSConfigError, DSView, load_for_training
 from fluxzero.config.runfile import ConfigError, config_text, load_config, split_allow
 from fluxzero.train import distributed
@@ -42,6 +43,9 @@ class Run:
     flops_per_sample: object
     dtype: torch.dtype
     step: object = None  # the TrainStep
+    ema: object = None  # ShardedEMA, when the run file has an ema: section
+    validation: object = None  # evaluate.Validation, when it has validation_data
+    previews: object = None  # evaluate.Previews, when it has sample_every
 
 
 def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: bool = False) -> Run:
@@ -55,7 +59,7 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     except DSConfigError as e:
         raise TrainingError(str(e)) from None
     ds_engine.check_supported(v, cfg.deepspeed)
-    model_cfg = get_model_config(cfg.model)
+    model_cfg = resolve_model(cfg.model)
     loader = build_dataloader(cfg.data, micro_batch=v.micro_batch, rank=rank, world_size=world, seed=cfg.seed,
                               num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
                               # forked workers can hang once DeepSpeed's threads and process group exist
@@ -65,7 +69,7 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     ckpt_dir = Path(cfg.output_dir) / "checkpoints"
     tag = checkpoint.decide_resume(cfg, v, ckpt_dir, allow_config_change)
     engine = ds_engine.build_engine(model_cfg, ds, v, device, seed=cfg.seed, weights=cfg.weights,
-                                    attention=cfg.attention)
+                                    attention=cfg.attention, lora=cfg.lora)
     state = checkpoint.load(engine, ckpt_dir, tag) if tag else None
     if state:
         loader.load_state_dict(state["loader"], allow_data_change=allow_config_change)
@@ -77,7 +81,50 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
                          guidance_embed=model_cfg.guidance_embed, device=device, dtype=dtype,
                          before_update=lambda loss: _check_finite(loss, run),
                          stop_flag=lambda: distributed.stop_requested() is not None)
+    _setup_extras(run, cfg, model_cfg, tag, rank, world, device)
     return run
+
+
+def _setup_extras(run: Run, cfg: TrainConfig, model_cfg, tag: str | None, rank: int, world: int, device) -> None:
+    """EMA (restored from the checkpoint's shard when it has one), validation set, sample previews."""
+    if cfg.ema is not None:
+        from fluxzero.train.ema import ShardedEMA, load_shard, shard_name
+
+        run.ema = ShardedEMA(run.engine, cfg.ema, seed=cfg.seed)
+        shard = run.ckpt_dir / tag / shard_name(rank) if tag else None
+        if shard is not None and shard.is_file():
+            run.ema.load_state_dict(load_shard(shard))
+        elif tag and rank == 0:
+            write_line(f"note: {run.ckpt_dir / tag} holds no EMA; the EMA starts from the resumed weights")
+    if cfg.validation_data:
+        from fluxzero.train.evaluate import Validation
+
+        run.validation = Validation(cfg, model_cfg, micro_batch=run.view.micro_batch, rank=rank, world=world,
+                                    device=device, dtype=run.dtype)
+    if cfg.sample_every:
+        try:
+            from fluxzero.train.evaluate import Previews
+
+            run.previews = Previews(cfg, rank=rank, stage=run.view.stage, device=device, dtype=run.dtype)
+        except ImportError as e:
+            raise TrainingError(f"sample_every needs the sampling packages ({e.name} is missing): "
+                                f"pip install -e '.[cache]'") from None
+
+
+def _after_step(run: Run, cfg: TrainConfig, step: int, metrics) -> dict:
+    """EMA update, validation and previews of optimizer step `step`; returns the values to log with it."""
+    extra = {}
+    if run.ema is not None:
+        run.ema.update(step)
+    if run.validation is not None and ((cfg.validation_every and step % cfg.validation_every == 0)
+                                       or step == run.total):
+        extra["val_loss"] = run.validation(run.engine)
+    if run.previews is not None and (step % cfg.sample_every == 0 or step == run.total):
+        swap = run.ema.swap() if cfg.sample_weights == "ema" else contextlib.nullcontext()
+        with swap:
+            paths, extra["sample_s"] = run.previews(run.engine, step)
+        metrics.add_images("samples", paths, step)
+    return extra
 
 
 def _check_finite(loss: float, run: Run) -> None:
@@ -110,7 +157,8 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
                                 f"or raise gradient clipping); not saved, the last complete checkpoint "
                                 f"{run.last_ckpt or '(none)'} is kept")
         run.last_ckpt = checkpoint.save(engine, run.ckpt_dir, step, {"step": step, "loader": run.loader.state_dict()},
-                                        config_text(cfg), run.ds, keep=cfg.keep_checkpoints)
+                                        config_text(cfg), run.ds, keep=cfg.keep_checkpoints,
+                                        rank_files=_ema_files(run, rank))
 
     losses, saved_step, result, metrics = [], step if run.last_ckpt else None, {}, None
     try:
@@ -120,10 +168,12 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
         while step < run.stop:  # batch -> forward -> loss -> backward -> step -> log -> checkpoint
             metrics.step_started()
             r = run.step()
+            metrics.step_finished()
             step = run.done = step + 1
             losses.append(r.loss)
+            extra = _after_step(run, cfg, step, metrics)
             metrics.log(step, r.loss, r.lr, r.grad_norm, r.skipped_steps, img_tokens=r.img_tokens,
-                        txt_tokens=r.txt_tokens, log=step % cfg.log_every == 0 or step == run.stop)
+                        txt_tokens=r.txt_tokens, log=step % cfg.log_every == 0 or step == run.stop, extra=extra)
             if r.stop_requested or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.stop):
                 save()
                 saved_step = step
@@ -163,6 +213,17 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
                    + (f", export {result['export']}" if "export" in result else "")
                    + ("" if result.get("exported", True) else " (up to date: not written again)"))
     return result
+
+
+def _ema_files(run: Run, rank: int) -> dict[str, bytes]:
+    """This rank's EMA shard for the checkpoint folder (tensors only: safetensors)."""
+    if run.ema is None:
+        return {}
+    from safetensors.torch import save
+
+    from fluxzero.train.ema import shard_name
+
+    return {shard_name(rank): save({k: v.contiguous() for k, v in run.ema.state_dict().items()})}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -114,7 +114,7 @@ class Metrics:
         self.global_batch = global_batch
         self.peak = peak_flops(device, dtype)
         self.flops_per_sample = flops_per_sample
-        self._t = time.perf_counter()
+        self._t, self._dt = time.perf_counter(), None
         self.writer = self.jsonl = self.bar = None
         if rank == 0:
             from tqdm import tqdm
@@ -139,12 +139,30 @@ class Metrics:
                             disable=os.environ.get("FLUXZERO_NO_PROGRESS") == "1" or start_step >= total_steps)
 
     def step_started(self) -> None:
-        self._t = time.perf_counter()
+        self._t, self._dt = time.perf_counter(), None
+
+    def step_finished(self) -> None:
+        """The step's own time ends here: validation or sampling after it does not count as step time."""
+        self._dt = time.perf_counter() - self._t
+
+    def add_images(self, tag: str, paths: list, step: int) -> None:
+        """PNG files (rank 0) into TensorBoard as one (N, H, W, 3) image batch."""
+        if self.writer is None or not paths:
+            return
+        import numpy as np
+        from PIL import Image
+
+        images = np.stack([np.asarray(Image.open(p).convert("RGB")) for p in paths])
+        _writing(self._what["writer"], self.writer.add_images, tag, images, step, dataformats="NHWC")
 
     def log(self, step: int, loss: float, lr: float, grad_norm: float | None, skipped_steps: int,
-            img_tokens: int, txt_tokens: int, log: bool = True) -> dict | None:
-        """Record optimizer step `step` (1-based). Collective: every rank must call it at every step."""
-        step_time = time.perf_counter() - self._t
+            img_tokens: int, txt_tokens: int, log: bool = True, extra: dict | None = None) -> dict | None:
+        """Record optimizer step `step` (1-based). Collective: every rank must call it at every step.
+
+        extra: further values of this step (val_loss, sample_s, ...): the step is then logged whatever `log` says.
+        """
+        step_time = self._dt if self._dt is not None else time.perf_counter() - self._t
+        log = log or bool(extra)
         if self.bar is not None:  # postfix first: update() draws the bar with this step's loss
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
             self.bar.update(1)
@@ -161,6 +179,7 @@ class Metrics:
             "step_time_s": slowest, "samples_per_s": self.global_batch / slowest,
             "tokens_per_s": self.global_batch * (img_tokens + txt_tokens) / slowest,
             "peak_memory_gb": max(mems), "step_time_s_per_rank": times, "peak_memory_gb_per_rank": mems,
+            **(extra or {}),
         }
         if self.peak and self.flops_per_sample:  # the batch's bucket sets the tokens, hence the FLOPs
             flops = 3 * self.flops_per_sample(img_tokens, txt_tokens)
@@ -174,7 +193,8 @@ class Metrics:
     def _add_scalars(self, record: dict, times: list, mems: list, step: int) -> None:
         for key, value in record.items():
             if isinstance(value, (int, float)) and value is not None and key != "step":
-                self.writer.add_scalar(f"train/{key}", value, step)
+                # val_loss is the validation curve, val/loss in TensorBoard; the rest are the step's own
+                self.writer.add_scalar("val/loss" if key == "val_loss" else f"train/{key}", value, step)
         for r, (t, m) in enumerate(zip(times, mems)):  # one line per rank: an uneven rank stands out
             self.writer.add_scalar(f"per_rank/step_time_s/rank{r}", t, step)
             self.writer.add_scalar(f"per_rank/peak_memory_gb/rank{r}", m, step)

@@ -1,0 +1,112 @@
+"""Between steps, what shows what the model learns: a held-out validation loss at fixed timesteps and fixed
+noise, and sample images. Both are collectives (every rank calls them at the same step) and both leave
+training's random streams as they found them, so a run with them has the losses of a run without.
+
+No deepspeed import: the engine's module is called like the plain model (ZeRO-3 gathers its parameters in the
+forward hooks, so under ZeRO-3 every rank takes part in every forward pass).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fluxzero.config import TrainConfig
+from fluxzero.train import flow
+from fluxzero.train.checkpoint import rng_state, set_rng_state
+
+VALIDATION_SEED = 1_234_567  # fixed: the same noise for every sample in every run and after every resume
+
+
+@contextlib.contextmanager
+def _same_random_streams():
+    """Restore torch/numpy/python (and CUDA) RNG states afterwards: a DataLoader iterator draws a base seed
+    from torch's global generator, and training's own draws must not move."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
+class Validation:
+    """Mean flow-matching loss over every sample of a held-out set at each of fixed timesteps, with fixed
+    per-sample noise: deterministic, so its curve compares across runs, resumes and world sizes.
+
+    Each rank evaluates its share of the loader's batches; per-sample sums are all-reduced into one vector of
+    the set's size, so the mean counts every sample once (the loader's wrap-around repeats are not counted
+    twice) whatever the world size.
+    """
+
+    def __init__(self, cfg: TrainConfig, model_cfg, *, micro_batch: int, rank: int, world: int, device,
+                 dtype: torch.dtype):
+        from fluxzero.data import build_dataloader
+
+        self.loader = build_dataloader(cfg.validation_data, micro_batch=micro_batch, rank=rank, world_size=world,
+                                       seed=VALIDATION_SEED, pin_memory=device.type == "cuda")
+        self.loader.check_model(model_cfg)
+        self.flow_cfg, self.timesteps = cfg.flow, [float(t) for t in cfg.validation_timesteps]
+        self.guidance_embed, self.device, self.dtype = model_cfg.guidance_embed, device, dtype
+
+    @torch.no_grad()
+    def __call__(self, engine) -> float:
+        module = engine.module
+        was_training = module.training
+        n = self.loader.num_samples
+        sums = torch.zeros(n, dtype=torch.float64, device=self.device)
+        counts = torch.zeros(n, dtype=torch.float64, device=self.device)
+        module.eval()
+        try:
+            with _same_random_streams():
+                self.loader.set_epoch(0)
+                for batch in self.loader:
+                    index = batch["index"].to(self.device)
+                    for t in self.timesteps:
+                        inputs, target = flow.prepare_batch(
+                            batch, self.flow_cfg, VALIDATION_SEED, 0, guidance_embed=self.guidance_embed,
+                            device=self.device, dtype=self.dtype, timesteps=torch.tensor([t]))
+                        losses = flow.sample_losses(module(**inputs), target).double()  # (B,)
+                        sums.index_add_(0, index, losses)
+                        counts.index_add_(0, index, torch.ones_like(losses))
+        finally:
+            module.train(was_training)
+        dist.all_reduce(sums)
+        dist.all_reduce(counts)
+        seen = counts > 0
+        return float((sums[seen] / counts[seen]).mean())
+
+
+class Previews:
+    """Sample images of fixed prompt embeddings and seeds, written to output_dir/samples/step_XXXXXXXX/ and
+    returned for TensorBoard. The prompts were encoded once, before training (`fluxzero encode-prompts`), so
+    no rank loads T5. Rank 0 decodes and writes; under ZeRO-3 every rank runs the forward passes, below it the
+    others wait at the next collective."""
+
+    def __init__(self, cfg: TrainConfig, *, rank: int, stage: int, device, dtype: torch.dtype):
+        from fluxzero.sampling.embeddings import load_embeddings
+        from fluxzero.sampling.vae import load_vae
+
+        self.cfg, self.rank, self.stage = cfg, rank, stage
+        self.takes_part = stage == 3 or rank == 0
+        self.emb = load_embeddings(cfg.sample_prompts) if self.takes_part else None
+        # the VAE decodes on rank 0 only; in float32 (a few hundred MB for FLUX's), as `fluxzero sample` does
+        self.vae = load_vae(cfg.sample_vae, device=device, dtype=torch.float32) if rank == 0 else None
+
+    def __call__(self, engine, step: int) -> tuple[list[Path], float]:
+        """(PNG paths written (rank 0; [] elsewhere), seconds it took)."""
+        from fluxzero.sampling.pipeline import sample_images
+
+        t0 = time.perf_counter()
+        paths: list[Path] = []
+        if self.takes_part:
+            out = Path(self.cfg.output_dir) / "samples" / f"step_{step:08d}" if self.rank == 0 else None
+            width, height = self.cfg.sample_wh
+            with _same_random_streams():
+                paths = sample_images(engine.module, self.vae, self.emb, out, width=width, height=height,
+                                      steps=self.cfg.sample_steps, seeds=self.cfg.sample_seeds,
+                                      guidance=self.cfg.sample_guidance,
+                                      weights=f"step {step} ({self.cfg.sample_weights} weights)")
+        return paths, time.perf_counter() - t0
