@@ -179,3 +179,11 @@ def test_registry_is_pure_and_adds_up():
         get_mode("adam")
     for m in MODES.values():
         assert m.extra in (None, "lowmem") and m.caveat
+
+
+def test_adamw8bit_warns_when_a_tensor_cannot_be_quantized():
+    p = torch.nn.Parameter(torch.zeros(5000, dtype=torch.bfloat16))  # >= 4096 values, not a multiple of 256
+    opt = build_optimizer([p], "adamw8bit-sr", lr=1e-3)
+    p.grad = torch.ones_like(p)
+    with pytest.warns(UserWarning, match="keeps bf16 states for 5000 values"):
+        opt.step()

@@ -9,7 +9,8 @@ Bytes are per trained parameter, steady state, for one data-parallel rank before
   weights  the bf16 copy the forward pass reads
   grads    the gradient DeepSpeed keeps (bf16 under `bf16.enabled`)
   master   the tensor the optimizer steps when it is not `weights` itself (fp32 masters, or DeepSpeed's own
-           bf16 flat partition under bf16_master_weights_and_grads)
+           bf16 flat partition under bf16_master_weights_and_grads: measured not to alias the weights); at
+           ZeRO 0 with bf16 off the bf16 modes step the weights themselves (master 0)
   states   optimizer states (AdamW m and v, Kahan carry, 8-bit blocks with their fp32 scales, Adafactor rows)
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ class OptimMode:
     stage0: str = ""  # how it runs at ZeRO stage 0
     extra: str | None = None  # pip extra of fluxzero that brings the package it needs
     caveat: str = ""  # one line on training quality
+    master_stage0: float | None = None  # master at ZeRO 0 when it differs (bf16 modes: the weights themselves)
     states_flat: float | None = None  # states at ZeRO 1-3 when flat partitions change them (None: same)
     trainable: bool = True  # False: comparison only, refused for training
     where: str = "all on the accelerator; ZeRO offload (configured elsewhere) may move master and states"
@@ -46,8 +48,15 @@ class OptimMode:
 
     @property
     def total(self) -> float:
-        """Bytes per parameter before any ZeRO partitioning."""
-        return self.weights + self.grads + self.master + self.states
+        """Bytes per parameter at ZeRO 1-3 before partitioning (ZeRO 0: see `bytes_at`)."""
+        return sum(self.bytes_at(1).values())
+
+    def bytes_at(self, stage: int) -> dict[str, float]:
+        """{weights, grads, master, states} bytes per parameter at `stage`, before partitioning."""
+        zero0 = stage == 0
+        master = self.master_stage0 if zero0 and self.master_stage0 is not None else self.master
+        states = self.states_flat if not zero0 and self.states_flat is not None else self.states
+        return {"weights": self.weights, "grads": self.grads, "master": master, "states": states}
 
     def ds_bf16_section(self, stage: int) -> dict:
         """The DeepSpeed "bf16" section for this mode at `stage` ({} = bf16 off: the model is cast by us)."""
@@ -72,21 +81,27 @@ MODES: dict[str, OptimMode] = {m.name: m for m in (
               caveat="the reference: every update is kept"),
     OptimMode("bf16-rtn", "torch.optim.AdamW on bf16 tensors, round-to-nearest", weights=2, grads=2, master=2,
               states=4, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
+              master_stage0=0,
               caveat="loses updates below half a bf16 ulp: at lr 1e-5 the weights barely move", trainable=False),
     OptimMode("bf16-sr", "torchao _AdamW(bf16_stochastic_round=True), bf16 m and v", weights=2, grads=2, master=2,
               states=4, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
-              extra="lowmem", caveat="unbiased updates with per-step noise of half a bf16 ulp; bf16 m and v"),
+              master_stage0=0,
+              extra="lowmem", caveat="unbiased weight updates, but torchao rounds bf16 m and v to nearest: v's "
+                                      "EMA stalls and steps come out a few % larger (+4.4% weight change "
+                                      "measured at 400 steps)"),
     OptimMode("bf16-kahan", "KahanAdamW (ours): bf16 m, v and Kahan carry", weights=2, grads=2, master=2,
               states=6, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
-              caveat="deterministic; the carry keeps every update, at 2 bytes more than bf16-sr"),
+              master_stage0=0,
+              caveat="the carry keeps every weight update and m, v are stochastically rounded: closest to fp32 "
+                     "masters (0.05% at 400 steps), at 2 bytes more than bf16-sr"),
     OptimMode("adamw8bit-sr", "torchao AdamW8bit(bf16_stochastic_round=True)", weights=2, grads=2, master=2,
               states=_ADAMW8BIT_STATES, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS,
-              stage0=_STAGE0_BF16, extra="lowmem",
+              stage0=_STAGE0_BF16, master_stage0=0, extra="lowmem",
               caveat="8-bit blockwise m and v; a tensor (ZeRO: a flat partition) under 4096 values or not a "
                      "multiple of 256 keeps bf16 states instead"),
     OptimMode("adafactor-sr", "AdafactorSR (ours): torch.optim.Adafactor's algorithm, stochastic rounding",
               weights=2, grads=2, master=2, states=0.0, states_flat=2, master_dtype="bf16",
-              zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
+              zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16, master_stage0=0,
               caveat="no momentum and relative step sizes: not AdamW's trajectory; factored only at ZeRO 0 "
                      "(ZeRO 1-3 flatten tensors, so its variance becomes full-size)"),
 )}

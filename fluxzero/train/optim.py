@@ -14,11 +14,63 @@ has Kahan-compensated AdamW or Adafactor with stochastic rounding, so those two 
 (`KahanAdamW`, `AdafactorSR`); `AdafactorSR` follows `torch.optim.Adafactor` step for step and a test holds
 it to torch's within float rounding on fp32 tensors.
 
-DEEPSPEED_FINDINGS (filled in from real engines below).
+DEEPSPEED_FINDINGS: DeepSpeed 0.19.8, torch 2.13 CPU, torchao 0.18, one rank unless said; a client optimizer
+from build_optimizer on nn.Sequential(Linear(64,128), GELU, Linear(128,64)) (benchmarks/optim_modes_probe.py)
+and on a 256 x 256 least-squares layer (tests/test_optim_deepspeed.py). "bf16 keys" = bf16.enabled +
+bf16_master_weights_and_grads + bf16_optimizer_states (DeepSpeed accepts them at ZeRO 1-3 only, and without
+bf16_optimizer_states it demands CPU offload with DeepSpeedCPUAdam).
+
+  stage, config       wrapper                   what the client optimizer steps        SR applies  resume
+  0, bf16 on          FP16_UnfusedOptimizer     per-tensor fp32 masters, shapes kept   no (fp32)   exact
+  0, bf16 off, model  none (engine calls the    the model's own bf16 tensors (same     yes         exact
+    cast to bf16      client optimizer)         storage), shapes kept
+  1-2, bf16 on        DeepSpeedZeroOptimizer    one flat 1-D fp32 partition per group  no (fp32)   exact
+  1-2, bf16 keys      DeepSpeedZeroOptimizer    one flat 1-D bf16 partition (a copy,   yes         exact
+                                                not the weights' storage)
+  3, bf16 keys        DeepSpeedZeroOptimizer_   flat 1-D bf16 partition, swapped into  yes         exact
+                      Stage3                    param_groups only during step()
+  1-3, 2 ranks        same                      half of the flat partition per rank    yes
+
+- Acceptance: torch.optim.AdamW is on DeepSpeed's tested list; torchao's optimizers, KahanAdamW and
+  AdafactorSR need "zero_allow_untested_optimizer": true at ZeRO 1-3 (not at 0). zero_force_ds_cpu_optimizer
+  only matters with CPU offload (configured elsewhere).
+- bf16 modes with bf16 on at ZeRO 0, or bf16.enabled alone at ZeRO 1-3, step fp32 masters: rounding does
+  nothing and nothing is saved. The step pre-hook of build_optimizer raises OptimModeError then.
+- Adafactor: at ZeRO 1-3 it sees one flat vector, so it is unfactored (a full variance: 2 B/param in bf16);
+  factored (rows + columns) only at ZeRO 0, where shapes are kept.
+- AdamW8bit quantizes a tensor of >= 4096 values that is a multiple of its 256-value block; a ZeRO flat
+  partition that is not (the probe's 16576 = 64.75 x 256) silently gets bf16 states. A 65536-value partition
+  was quantized (OptimState8bit). build_optimizer warns once when this happens.
+- Checkpoints: torch's Optimizer.load_state_dict casts every floating state to its parameter's dtype, and
+  DeepSpeed loads with a callable map_location, which torch refuses for torchao's 8-bit subclass
+  ("Callable map_location not supported with _rebuild_wrapper_subclass"; seen at ZeRO 0). ExactStateMixin
+  saves subclass states as their plain parts and restores saved dtypes; then save -> load into a fresh engine
+  -> next step is bit-identical for every mode at every stage (probe and tests).
+
+GRADIENT RELEASE (optimizer step fused into backward): does not work under DeepSpeed's engine. Tried at ZeRO 0
+(benchmarks/grad_release_probe.py): one optimizer per parameter, stepped by a post-accumulate-grad hook that
+then sets p.grad = None. Observed:
+- The engine refuses backward without an optimizer ("must provide optimizer during init in order to use
+  backward"); an SGD at lr 0 was given to it.
+- 1 rank, no accumulation, no clipping: the weights equal the ordinary path (max diff 0.0), but after every
+  engine.backward all 4 grads exist again, all zero: the engine's allreduce (buffered_allreduce_fallback)
+  creates torch.zeros for every grad that is None, so the full gradient memory comes back each step.
+- gradient_accumulation_steps 2: the hooks step on every micro-batch (32 steps for 4 engine steps), weights
+  off by 6.2e-2 at lr 1e-2. gradient_clipping 1.0: the engine clips the zero grads, the hooks stepped
+  unclipped (off by 6.0e-3).
+- 2 ranks: each rank steps on its own un-reduced gradient before the engine's allreduce; after 4 steps rank 1's
+  weights are 7.6e-2 from rank 0's (ordinary path: 0.0). Replicas diverge.
+At ZeRO 1-3 it cannot be built at all from outside: the optimizer's parameters are DeepSpeed's flat partitions,
+not the model's tensors; ZeRO 2-3 own the per-parameter grad hooks themselves (they copy each grad into a
+reduce bucket and free it: reduce_ready_partitions_and_remove_grads), and a partition's gradient is only
+complete after its bucket's reduce-scatter; the step, the global-norm clip and the overflow check all run in
+engine.step on the whole partition. Gradient release needs the reduction and the step in one place, which is
+DeepSpeed's optimizer, not a client optimizer.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from itertools import chain
 
@@ -255,6 +307,8 @@ def build_optimizer(params: Iterable, mode: str, lr: float, betas: tuple[float, 
         raise AssertionError(f"no optimizer for registered mode {mode!r}")
     if spec.master_dtype == "bf16":
         opt.register_step_pre_hook(_check_bf16_once(mode))
+    if mode == "adamw8bit-sr":
+        opt.register_step_post_hook(_warn_unquantized_once())
     opt.fluxzero_mode = mode
     return opt
 
@@ -268,6 +322,24 @@ def _exact(cls: type) -> type:
         _EXACT[cls] = type(cls.__name__, (ExactStateMixin, cls), {"__module__": __name__,
                                                                    "__qualname__": cls.__name__})
     return _EXACT[cls]
+
+
+def _warn_unquantized_once():
+    done = False
+
+    def hook(opt, args, kwargs):
+        nonlocal done
+        if done:
+            return
+        done = True
+        plain = sum(p.numel() for p in opt.state if p.numel() >= 4096 and "exp_avg" in opt.state[p]
+                    and type(opt.state[p]["exp_avg"]).__name__ != "OptimState8bit")
+        if plain:
+            warnings.warn(f"adamw8bit-sr keeps bf16 states for {plain} values: tensors (under ZeRO, flat "
+                          f"partitions) whose size is not a multiple of {opt.block_size} cannot be quantized",
+                          stacklevel=2)
+
+    return hook
 
 
 def _check_bf16_once(mode: str):
