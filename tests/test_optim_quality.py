@@ -67,8 +67,10 @@ def _within(run, ref) -> tuple[float, float]:
 
 @pytest.fixture(scope="module")
 def problem():
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the CPU is shared; one thread is as fast for 256 x 256 on a busy machine
-    return LeastSquares()
+    yield LeastSquares()
+    torch.set_num_threads(threads)
 
 
 def test_adamw_modes_match_fp32_masters_and_rtn_does_not(problem):
@@ -179,6 +181,9 @@ def test_registry_is_pure_and_adds_up():
         get_mode("adam")
     for m in MODES.values():
         assert m.extra in (None, "lowmem") and m.caveat
+        assert m.offload_ok == (m.name == "fp32")  # DeepSpeed refuses bf16 masters without its CPU Adam
+    assert MODES["adafactor-sr"].bytes_at(0)["states"] == 0 and MODES["adafactor-sr"].bytes_at(2)["states"] == 2
+    assert MODES["bf16-sr"].bytes_at(0)["master"] == 0  # ZeRO 0, bf16 off: the weights are the master
 
 
 def test_adamw8bit_warns_when_a_tensor_cannot_be_quantized():

@@ -38,7 +38,12 @@ class OptimMode:
     master_stage0: float | None = None  # master at ZeRO 0 when it differs (bf16 modes: the weights themselves)
     states_flat: float | None = None  # states at ZeRO 1-3 when flat partitions change them (None: same)
     trainable: bool = True  # False: comparison only, refused for training
-    where: str = "all on the accelerator; ZeRO offload (configured elsewhere) may move master and states"
+    where: str = "all on the accelerator"
+
+    @property
+    def offload_ok(self) -> bool:
+        """DeepSpeed's optimizer offload takes only its own DeepSpeedCPUAdam (fp32 mode: "optimizer" section)."""
+        return self.master_dtype == "fp32"
 
     def __post_init__(self):
         if self.master_dtype not in ("fp32", "bf16"):
@@ -78,6 +83,7 @@ MODES: dict[str, OptimMode] = {m.name: m for m in (
     OptimMode("fp32", "torch.optim.AdamW on DeepSpeed's fp32 masters", weights=2, grads=2, master=4, states=8,
               master_dtype="fp32", zero_stages=(0, 1, 2, 3),
               stage0="bf16 on: DeepSpeed's bf16 wrapper keeps per-tensor fp32 masters",
+              where="accelerator; DeepSpeed's optimizer offload (its CPU Adam) can put master and states on CPU",
               caveat="the reference: every update is kept"),
     OptimMode("bf16-rtn", "torch.optim.AdamW on bf16 tensors, round-to-nearest", weights=2, grads=2, master=2,
               states=4, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,

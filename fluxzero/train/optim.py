@@ -32,8 +32,12 @@ bf16_optimizer_states it demands CPU offload with DeepSpeedCPUAdam).
   1-3, 2 ranks        same                      half of the flat partition per rank    yes
 
 - Acceptance: torch.optim.AdamW is on DeepSpeed's tested list; torchao's optimizers, KahanAdamW and
-  AdafactorSR need "zero_allow_untested_optimizer": true at ZeRO 1-3 (not at 0). zero_force_ds_cpu_optimizer
-  only matters with CPU offload (configured elsewhere).
+  AdafactorSR need "zero_allow_untested_optimizer": true at ZeRO 1-3 (not at 0).
+- With optimizer CPU offload (ZeRO 2, bf16-kahan tried): a client optimizer is refused ("You are using
+  ZeRO-Offload with a client provided optimizer") unless "zero_force_ds_cpu_optimizer": false; then with the
+  bf16 keys DeepSpeed asserts "Master weights feature requires ZeRO-2 Offload with DeepSpeedCPUAdam", and
+  with bf16.enabled alone it hands over fp32 partitions (our check stops it). The bf16 modes and DeepSpeed's
+  optimizer offload do not combine: offload means DeepSpeedCPUAdam.
 - bf16 modes with bf16 on at ZeRO 0, or bf16.enabled alone at ZeRO 1-3, step fp32 masters: rounding does
   nothing and nothing is saved. The step pre-hook of build_optimizer raises OptimModeError then.
 - Adafactor: at ZeRO 1-3 it sees one flat vector, so it is unfactored (a full variance: 2 B/param in bf16);
@@ -283,7 +287,8 @@ def build_optimizer(params: Iterable, mode: str, lr: float, betas: tuple[float, 
     Modes whose master weights are bf16 check, at their first step, that the tensors they step really are
     bf16; otherwise DeepSpeed kept fp32 masters and the mode saves nothing (OptimModeError says which keys).
     `allow_comparison_only` admits "bf16-rtn", which loses most fine-tuning updates (tests compare with it).
-    For Adafactor `betas` and `eps` are unused: it has no first moment and uses torch's default epsilons.
+    For Adafactor `betas` and `eps` are unused: it has no first moment; its epsilons are torch's defaults
+    except eps1, which is fp32's (see AdafactorSR.step).
     """
     spec = get_mode(mode)
     if not spec.trainable and not allow_comparison_only:
@@ -292,7 +297,7 @@ def build_optimizer(params: Iterable, mode: str, lr: float, betas: tuple[float, 
     params = list(params)
     ao = None if mode not in ("bf16-sr", "adamw8bit-sr") else _torchao_optim(mode)
     if mode in ("fp32", "bf16-rtn"):
-        opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     elif mode == "bf16-sr":
         opt = _exact(ao._AdamW)(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                 bf16_stochastic_round=True)
