@@ -29,3 +29,41 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def remove_stale_temps(path: str | os.PathLike) -> list[str]:
+    """Delete the temp files a killed writer of `path` left beside it (or inside it, for a folder such as a
+    diffusers export): `.NAME.tmp-PID` whose process no longer runs on this host. A FLUX.1-dev export's temp is
+    ~24 GB, and nothing else would ever remove it. Returns the names removed."""
+    import re
+
+    path = os.path.realpath(os.fspath(path))
+    places = [(os.path.dirname(path), re.compile(re.escape(f".{os.path.basename(path)}.tmp-") + r"(\d+)$"))]
+    if os.path.isdir(path):
+        places.append((path, re.compile(r"\..+\.tmp-(\d+)$")))
+    removed = []
+    for folder, pattern in places:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            m = pattern.fullmatch(name)
+            if not m or int(m[1]) == os.getpid() or _running(int(m[1])):
+                continue
+            try:
+                os.unlink(os.path.join(folder, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True

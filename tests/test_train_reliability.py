@@ -167,3 +167,17 @@ def test_refusals_in_one_sentence(tmp_path):
     dup = tmp_path / "dup.yaml"
     dup.write_text(run.read_text() + "steps: 5\n")
     assert "key 'steps' appears twice" in refused(run_file=dup)
+
+
+def test_a_killed_writers_temp_file_is_removed_at_the_next_export(tmp_path):
+    from fluxzero.fsutil import remove_stale_temps
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process that has ended
+    (tmp_path / f".export.safetensors.tmp-{pid}").write_bytes(b"half an export")
+    (tmp_path / f".export.safetensors.tmp-{os.getpid()}").write_bytes(b"a live writer's")
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / f".diffusion_pytorch_model-00001-of-00002.safetensors.tmp-{pid}").write_bytes(b"x")
+    assert remove_stale_temps(tmp_path / "export.safetensors") == [f".export.safetensors.tmp-{pid}"]
+    assert remove_stale_temps(tmp_path / "export") == [f".diffusion_pytorch_model-00001-of-00002.safetensors.tmp-{pid}"]
+    assert (tmp_path / f".export.safetensors.tmp-{os.getpid()}").is_file()

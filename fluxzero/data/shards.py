@@ -380,6 +380,11 @@ class ShardSource:
         s, row = self._locate(i)
         return self._info(s)["captions"][row]
 
+    def describe(self, i: int) -> str:
+        """Where sample i lives, for messages: "shard PATH sample ROW (global index I)"."""
+        s, row = self._locate(i)
+        return f"shard {self.data_dir / self.manifest['shards'][s]['file']} sample {row} (global index {i})"
+
     def sample_meta(self, i: int) -> dict:
         """What the writer recorded about sample i (for `fluxzero cache`: file, flip, caption_dropped, ...)."""
         s, row = self._locate(i)

@@ -62,6 +62,10 @@ class SyntheticSource:
     def latent_sizes(self) -> list[tuple[int, int]]:
         return [self.sizes[i % len(self.sizes)] for i in range(self.num_samples)]
 
+    def describe(self, i: int) -> str:
+        """Where sample i lives, for messages."""
+        return f"synthetic sample {i}"
+
     def caption(self, i: int) -> str:
         return f"synthetic sample {i}"
 

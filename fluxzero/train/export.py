@@ -118,6 +118,9 @@ def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dt
         except (yaml.YAMLError, OSError, UnicodeDecodeError, TypeError, KeyError, ValueError) as e:
             raise TrainingError(f"{run} does not name a known model ({str(e).splitlines()[0][:200]}); it records "
                                 f"what the checkpoint trained: repair it, or export another checkpoint") from None
+    from fluxzero.fsutil import remove_stale_temps
+
+    remove_stale_temps(out)  # what a killed earlier export left (its process is gone)
     try:
         save_weights(sd, str(out), layout=layout, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
                      cfg=cfg)

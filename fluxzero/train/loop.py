@@ -128,10 +128,18 @@ def _after_step(run: Run, cfg: TrainConfig, step: int, metrics) -> dict:
 
 
 def _check_finite(loss: float, run: Run) -> None:
-    if not math.isfinite(loss):
-        raise TrainingError(f"loss is {loss} at step {run.done + 1}; stopped before applying that update and "
-                            f"without saving (last checkpoint: {run.last_ckpt or 'none'}); lower the lr, raise "
-                            f"gradient clipping or check the data")
+    """Stop before a non-finite loss reaches the weights, naming the samples it came from (every rank calls
+    this with the same all-reduced loss, so the gather below pairs up)."""
+    if math.isfinite(loss):
+        return
+    mine = run.step.nonfinite_samples()
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    where = [run.loader.source.describe(i) for i in dict.fromkeys(i for rank in every for i in rank)]
+    batch = f" (in the micro batch holding {', '.join(where[:3])}{', ...' if len(where) > 3 else ''})" if where else ""
+    raise TrainingError(f"loss is {loss} at step {run.done + 1}{batch}; stopped before applying that update and "
+                        f"without saving (last checkpoint: {run.last_ckpt or 'none'}); lower the lr, raise "
+                        f"gradient clipping or check the data")
 
 
 def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
@@ -305,7 +313,8 @@ def main(argv=None) -> int:
         if debug or not distributed.peer_stopped(e):
             raise
         if distributed.current_rank() == 0:  # the rank that stopped printed why (before it exited)
-            write_line("error: another rank stopped (see its error above)")
+            write_line("error: another rank stopped (its error is above; if there is none, it was killed: see the "
+                       "launcher's output and the system log for out-of-memory kills)")
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()

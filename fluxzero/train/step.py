@@ -65,10 +65,15 @@ class TrainStep:
         self.on_phase = on_phase or (lambda name: None)
         self.stop_flag = stop_flag or (lambda: False)
 
+    def nonfinite_samples(self) -> list[int]:
+        """Sample indices (this rank) of the last step's micro batches whose loss was not finite."""
+        return [int(i) for loss, index in getattr(self, "_micro", []) if not torch.isfinite(loss) for i in index]
+
     def __call__(self) -> StepResult:
         engine, phase = self.engine, self.on_phase
         lr = engine.get_lr()[0]  # before engine.step: a DeepSpeed scheduler moves on inside it
         loss_sum = torch.zeros((), device=self.device)
+        self._micro = []  # (loss, sample indices) of each micro batch: which samples a non-finite loss came from
         for micro in range(self.grad_accum):
             phase("data")
             epoch, batch = next(self.source)
@@ -81,6 +86,7 @@ class TrainStep:
             phase("backward")
             engine.backward(loss)
             loss_sum += loss.detach()
+            self._micro.append((loss.detach(), batch["index"]))
             if micro < self.grad_accum - 1:
                 engine.step()  # inside accumulation: DeepSpeed only counts the micro step
         flag = torch.ones((), device=self.device) if self.stop_flag() else torch.zeros((), device=self.device)
