@@ -14,7 +14,7 @@ from click.core import ParameterSource
 
 from fluxzero.config import ds_config, ds_view
 from fluxzero.commands.estimate import apply_fit, fit_options
-from fluxzero.config import MODEL_PRESETS
+from fluxzero.commands.model_spec import MODEL_SPEC
 from fluxzero.config.ds_config import DSConfigError, DSOptions
 from fluxzero.fsutil import atomic_write
 
@@ -38,8 +38,9 @@ _OPTIONS = [
     # preset, model, output
     click.option("--preset", type=click.Choice(list(ds_config.PRESETS)), default=None,
                  help="Named starting point (ds_configs/README.md); every other option overrides it."),
-    _opt("model", click.Choice(list(MODEL_PRESETS)),
-         "Model preset the config is for (sizes stage-3 buckets and number_checkpoints)."),
+    _opt("model", MODEL_SPEC,
+         "Model the config is for (sizes stage-3 buckets and number_checkpoints): a preset, "
+         "PRESET:field=value,... or a diffusers config.json."),
     click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
                  help="Write the JSON here (atomically) instead of stdout."),
     # batch arithmetic

@@ -10,7 +10,8 @@ import click
 from click.core import ParameterSource
 
 from fluxzero.config import memory
-from fluxzero.config import MODEL_PRESETS, get_model_config, reshaped
+from fluxzero.commands.model_spec import MODEL_SPEC
+from fluxzero.config import get_model_config, reshaped
 from fluxzero.config.memory import GiB, GPU_MEMORY_GIB
 
 _POS = click.IntRange(min=1)
@@ -83,8 +84,9 @@ def topology_from(hostfile, nodes, gpus_per_node) -> tuple[int, int]:
 
 
 OPTIONS = [
-    click.option("--model", type=click.Choice(list(MODEL_PRESETS)), default="flux-dev", show_default=True,
-                 help="Model preset."),
+    click.option("--model", type=MODEL_SPEC, default="flux-dev", show_default=True,
+                 help="Model: a preset, PRESET:field=value,... (e.g. flux-dev:depth=5,depth_single_blocks=10) "
+                      "or a diffusers config.json or its folder."),
     click.option("--depth", type=click.IntRange(min=0), default=None,
                  help="What-if: this many double-stream blocks instead of the preset's."),
     click.option("--single-depth", type=click.IntRange(min=0), default=None,

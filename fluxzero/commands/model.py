@@ -16,7 +16,8 @@ DTYPES = ("keep", "fp32", "bf16", "fp16")
 @click.option("--dtype", type=click.Choice(DTYPES), default="keep", show_default=True,
               help="Convert tensors to this dtype while writing.")
 @click.option("--model", "preset", default=None,
-              help="Model preset the weights must match (default: inferred from the tensor shapes).")
+              help="Model the weights must match: a preset, PRESET:field=value,... or a diffusers config.json "
+                   "(default: the tensor shapes, with the RoPE axes the weights declare).")
 @click.option("--max-shard-gb", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
               help="Largest diffusers shard, in GB (2**30 bytes); more than one shard writes an index JSON.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
@@ -29,24 +30,24 @@ def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, m
     """
     import torch
 
-    from ..config import get_model_config
-    from ..model.weights import WeightsError, diffusers_axes, infer_config, load_weights, save_weights
+    from ..config import resolve_model
+    from ..model.weights import WeightsError, load_weights, save_weights, source_config
 
     if dst.exists() and not overwrite:
         raise click.UsageError(f"{dst} exists; pass --overwrite to replace it or choose another OUT")
     if layout != "diffusers" and dst.suffix != ".safetensors":
         raise click.BadParameter(f"--to {layout} writes one file: give OUT a .safetensors name", param_hint="OUT")
     try:
-        cfg = get_model_config(preset) if preset else None
+        cfg = resolve_model(preset) if preset else None
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--model") from None
     torch_dtype = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     from safetensors import SafetensorError
 
     try:
+        if cfg is None:  # keeps the RoPE axes the weights declare, for the file or config.json written
+            cfg = source_config(src)
         state = load_weights(src, cfg=cfg, dtype=torch_dtype)
-        if cfg is None:  # keeps RoPE axes a diffusers config.json declared, for its config.json on output
-            cfg = infer_config({k: tuple(t.shape) for k, t in state.items()}, axes_dim=diffusers_axes(src))
     except WeightsError as e:
         raise click.BadParameter(str(e), param_hint="IN") from None
     try:

@@ -170,9 +170,12 @@ def options_from(preset: str | None = None, **overrides) -> DSOptions:
 
 
 def _model(name: str):
-    from fluxzero.config import MODEL_PRESETS  # pure, import-light
+    from fluxzero.config.models import resolve_model  # pure, import-light
 
-    return MODEL_PRESETS.get(name)
+    try:
+        return resolve_model(name)  # a preset name or any other model spec
+    except ValueError:
+        return None
 
 
 def num_blocks(model: str) -> int:
@@ -284,9 +287,10 @@ def check_options(o: DSOptions) -> list[str]:
             p.append(f"{flag(field)} must be a number {' and '.join(r for r in rng if r)}, got {v!r}")
 
     if _model(o.model) is None:
-        from fluxzero.config import MODEL_PRESETS
+        from fluxzero.config.models import MODEL_PRESETS
 
-        p.append(f"{flag('model')} must be one of {', '.join(MODEL_PRESETS)}, got {o.model!r}")
+        p.append(f"{flag('model')} must be one of {', '.join(MODEL_PRESETS)} or another model spec "
+                 f"(PRESET:field=value,... or a diffusers config.json), got {o.model!r}")
     choice("precision", PRECISIONS)
     choice("offload_optimizer", OFFLOAD_DEVICES)
     choice("offload_param", OFFLOAD_DEVICES)

@@ -30,6 +30,9 @@ LAYOUTS = ("bfl", "comfyui", "diffusers")
 COMFY_PREFIX = "model.diffusion_model."
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+# Metadata key of a single BFL / ComfyUI file holding its ModelConfig (JSON of ModelConfig.to_dict()), written
+# for shapes no preset has: the RoPE axes and theta are not in any tensor's shape.
+MODEL_METADATA = "fluxzero_model"
 _SHOW = 5  # offenders listed in an error message
 
 
@@ -345,9 +348,15 @@ def _raise_if(missing, unexpected, wrong_shape, layout, path="", wrong_dtype=())
     raise WeightsError(f"{where}weights in {layout} layout do not match the model: {'; '.join(problems)}; {fix}")
 
 
-def infer_config(shapes: dict[str, tuple[int, ...]], name: str = "custom", axes_dim=None) -> ModelConfig:
-    """The ModelConfig a BFL-named set of tensor shapes describes (a preset when one matches exactly)."""
-    fix = "name the model preset the weights belong to"
+def infer_config(shapes: dict[str, tuple[int, ...]], name: str = "custom", axes_dim=None,
+                 theta: int | None = None) -> ModelConfig:
+    """The ModelConfig a BFL-named set of tensor shapes describes (a preset when one matches exactly).
+
+    The tensors do not show the RoPE axes and theta: `axes_dim` / `theta` given (declared by the weights or
+    the user) win; without them a head dim of 128 gets FLUX.1's (16, 56, 56) and theta 10000.
+    """
+    fix = ("name the model the weights belong to (--model PRESET, PRESET:field=value,... such as "
+           "flux-dev:head_dim=16,num_heads=2,axes_dim=4,6,6, or a diffusers config.json)")
     try:
         hidden, in_channels = shapes["img_in.weight"]
         norm = next(k for k in shapes if k.endswith("query_norm.scale"))  # StopIteration: no blocks at all
@@ -373,7 +382,8 @@ def infer_config(shapes: dict[str, tuple[int, ...]], name: str = "custom", axes_
             f"no FLUX.1 transformer has; {fix} to list every mismatch"
         ) from None
     for preset in MODEL_PRESETS.values():
-        if all(getattr(preset, f) == v for f, v in fields.items()) and axes_dim in (None, preset.axes_dim):
+        if (all(getattr(preset, f) == v for f, v in fields.items()) and axes_dim in (None, preset.axes_dim)
+                and theta in (None, preset.theta)):
             return preset
     if axes_dim is None:
         if head_dim != 128:
@@ -383,7 +393,7 @@ def infer_config(shapes: dict[str, tuple[int, ...]], name: str = "custom", axes_
         raise WeightsError(f"RoPE axes {tuple(axes_dim)} do not sum to the head dim {head_dim} of the tensors; fix "
                            f"axes_dims_rope in the diffusers config.json or {fix}")
     try:
-        return ModelConfig(name=name, axes_dim=tuple(axes_dim), **fields)
+        return ModelConfig(name=name, axes_dim=tuple(axes_dim), theta=theta or 10_000, **fields)
     except ValueError as e:  # e.g. a hidden size that the head count does not divide
         raise WeightsError(f"the tensor shapes describe no valid model ({e}); {fix}") from None
 
@@ -403,6 +413,36 @@ def diffusers_axes(path) -> tuple[int, ...] | None:
     return tuple(axes)
 
 
+def declared(path) -> dict:
+    """What weights on disk say about their model beyond tensor shapes: {"axes_dim": ...} from a diffusers
+    folder's config.json, or name, axes_dim and theta from the ModelConfig fluxzero records in a single
+    file's metadata (MODEL_METADATA); {} when they say nothing."""
+    path = Path(path)
+    if path.is_dir():
+        axes = diffusers_axes(path)
+        return {} if axes is None else {"axes_dim": axes}
+    if path.suffix != ".safetensors" or not path.is_file():
+        return {}
+    with _safe_open(path) as f:
+        text = (f.metadata() or {}).get(MODEL_METADATA)
+    if text is None:
+        return {}
+    try:
+        cfg = ModelConfig.from_dict(json.loads(text))
+    except ValueError as e:  # also invalid JSON
+        raise WeightsError(f"{path}: the model recorded in its metadata ({MODEL_METADATA}) is unreadable "
+                           f"({str(e).splitlines()[0][:200]}); pass --model naming the shape the weights have") from None
+    return {"name": cfg.name, "axes_dim": cfg.axes_dim, "theta": cfg.theta}
+
+
+def source_config(path) -> ModelConfig:
+    """The ModelConfig of weights on disk: the tensor shapes (read without their data) plus what `declared`
+    finds; WeightsError when they describe no model."""
+    with _Source(path) as src:
+        shapes = {k: src.shape(k) for k in src.plan}
+    return _infer_from(path, shapes)
+
+
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     from .flux import build_model
 
@@ -414,9 +454,8 @@ def _wrong_shapes(shapes, expected) -> list[str]:
 
 
 def _infer_from(path, shapes) -> ModelConfig:
-    axes = diffusers_axes(path)
     try:
-        return infer_config(shapes, axes_dim=axes)
+        return infer_config(shapes, **declared(path))
     except WeightsError as e:
         raise WeightsError(f"{path}: {e}") from None
 
@@ -500,6 +539,8 @@ def save_weights(
     meta = {"format": "pt"}
     if layout != "diffusers":
         prefix = COMFY_PREFIX if layout == "comfyui" else ""
+        if not any(p.same_shape(cfg) for p in MODEL_PRESETS.values()):  # a preset's file stays plain
+            meta[MODEL_METADATA] = json.dumps(cfg.to_dict(), separators=(",", ":"))
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_safetensors(path, [_Out.of(prefix + k, v, "copy", None, dtype) for k, v in state_dict.items()], meta)
         return
