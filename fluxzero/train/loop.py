@@ -157,70 +157,84 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     except BaseException:
         checkpoint.release_output_dir()
         raise
-    engine, step = run.engine, run.done
-
-    def save():
-        if not checkpoint.weights_finite(engine):  # never let a diverged update replace (or prune) a good checkpoint
-            raise TrainingError(f"the weights after step {step} are not finite (the update diverged: lower the lr "
-                                f"or raise gradient clipping); not saved, the last complete checkpoint "
-                                f"{run.last_ckpt or '(none)'} is kept")
-        run.last_ckpt = checkpoint.save(engine, run.ckpt_dir, step, {"step": step, "loader": run.loader.state_dict()},
-                                        config_text(cfg), run.ds, keep=cfg.keep_checkpoints,
-                                        rank_files=_ema_files(run, rank))
-
-    losses, saved_step, result, metrics = [], step if run.last_ckpt else None, {}, None
+    losses, saved_step, result, metrics = [], run.done if run.last_ckpt else None, {}, None
     try:
-        metrics = Metrics(cfg.output_dir, rank, world, device, run.total, step, run.view.train_batch,
+        metrics = Metrics(cfg.output_dir, rank, world, device, run.total, run.done, run.view.train_batch,
                           run.flops_per_sample, run.dtype)
         distributed.graceful_stops(True)  # SIGTERM / SIGUSR1 now mean: checkpoint at the next step boundary
-        while step < run.stop:  # batch -> forward -> loss -> backward -> step -> log -> checkpoint
+        while run.done < run.stop:  # batch -> forward -> loss -> backward -> step -> log -> checkpoint
             metrics.step_started()
             r = run.step()
             metrics.step_finished()
-            step = run.done = step + 1
+            step = run.done = run.done + 1
             losses.append(r.loss)
             extra = _after_step(run, cfg, step, metrics)
             metrics.log(step, r.loss, r.lr, r.grad_norm, r.skipped_steps, img_tokens=r.img_tokens,
                         txt_tokens=r.txt_tokens, log=step % cfg.log_every == 0 or step == run.stop, extra=extra)
             if r.stop_requested or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.stop):
-                save()
-                saved_step = step
+                saved_step = _save(run, cfg, rank)
             if r.stop_requested:
                 raise distributed.Stopped(
                     f"stopped by {distributed.stop_requested() or 'a stop signal to another rank'} after step "
                     f"{step} of {run.total}; the checkpoint {run.last_ckpt} holds it: run the same command again "
                     f"to resume")
-        if saved_step != step:
-            save()
+        if saved_step != run.done:
+            _save(run, cfg, rank)
         metrics.close()  # the last TensorBoard points reach the disk, or the error says they did not
-        result = {"losses": losses, "step": step, "checkpoint": run.last_ckpt}
+        result = {"losses": losses, "step": run.done, "checkpoint": run.last_ckpt}
         # every rank is done with collectives: meet once more so that none tears its process group down
         # while another still has messages in flight, then only rank 0 exports (the others leave)
         distributed.barrier()
-        if cfg.export_format and step >= run.total:
+        if cfg.export_format and run.done >= run.total:
             result["export"], result["exported"] = export.final_export(cfg, run.ckpt_dir, rank)
     except KeyboardInterrupt:
         distributed.ignore_stop_signals()  # a second Ctrl-C, or the launcher's SIGTERM, must not cut the cleanup short
-        raise Interrupted(f"interrupted at step {step} of {run.total}; " + (
-            f"the last complete checkpoint is {run.last_ckpt}: run the same command again to resume from it"
-            if run.last_ckpt else "no checkpoint was saved: run the same command again to start over")) from None
+        raise Interrupted(_interrupted(run)) from None
     except LogWriteError as e:  # rank 0 only: a full disk outside checkpoint saving
-        raise TrainingError(
-            f"{e}: the disk holding {cfg.output_dir} is probably full; training stopped at step {step} and " + (
-                f"the last complete checkpoint {run.last_ckpt} is intact: free disk space there and run the "
-                f"same command again to resume from it" if run.last_ckpt else
-                "no checkpoint was saved: free disk space there and run the same command again")) from None
+        raise TrainingError(_disk_full(cfg, run, e)) from None
     finally:
         distributed.graceful_stops(False)
         if metrics is not None:
             metrics.close(strict=False)
-        engine.destroy()
+        run.engine.destroy()
         checkpoint.release_output_dir()
     if rank == 0:
-        write_line(f"done: step {step}/{run.total}, checkpoint {result['checkpoint']}"
-                   + (f", export {result['export']}" if "export" in result else "")
-                   + ("" if result.get("exported", True) else " (up to date: not written again)"))
+        write_line(_done(run, result))
     return result
+
+
+def _done(run: Run, result: dict) -> str:
+    return (f"done: step {run.done}/{run.total}, checkpoint {result['checkpoint']}"
+            + (f", export {result['export']}" if "export" in result else "")
+            + ("" if result.get("exported", True) else " (up to date: not written again)"))
+
+
+def _save(run: Run, cfg: TrainConfig, rank: int) -> int:
+    """Checkpoint step run.done (never non-finite weights: a diverged update must not replace or prune a good
+    checkpoint); returns the step saved."""
+    from fluxzero.train import checkpoint
+
+    step = run.done
+    if not checkpoint.weights_finite(run.engine):
+        raise TrainingError(f"the weights after step {step} are not finite (the update diverged: lower the lr "
+                            f"or raise gradient clipping); not saved, the last complete checkpoint "
+                            f"{run.last_ckpt or '(none)'} is kept")
+    run.last_ckpt = checkpoint.save(run.engine, run.ckpt_dir, step, {"step": step, "loader": run.loader.state_dict()},
+                                    config_text(cfg), run.ds, keep=cfg.keep_checkpoints, rank_files=_ema_files(run, rank))
+    return step
+
+
+def _interrupted(run: Run) -> str:
+    return f"interrupted at step {run.done} of {run.total}; " + (
+        f"the last complete checkpoint is {run.last_ckpt}: run the same command again to resume from it"
+        if run.last_ckpt else "no checkpoint was saved: run the same command again to start over")
+
+
+def _disk_full(cfg: TrainConfig, run: Run, e: Exception) -> str:
+    return (f"{e}: the disk holding {cfg.output_dir} is probably full; training stopped at step {run.done} and " + (
+        f"the last complete checkpoint {run.last_ckpt} is intact: free disk space there and run the same command "
+        f"again to resume from it" if run.last_ckpt else
+        "no checkpoint was saved: free disk space there and run the same command again"))
 
 
 def _ema_files(run: Run, rank: int) -> dict[str, bytes]:
