@@ -125,9 +125,33 @@ def _load_model(weights: Path, preset: str | None, dev, dt):
         raise click.BadParameter(str(e), param_hint="WEIGHTS") from None
 
 
-def _apply_adapters(model):
-    """Where `--lora FILE` will act: adapters are merged into (or wrapped around) `model` here, after the
-    base weights load and before sampling, so the sampler itself never needs to know about them."""
+def _apply_adapters(model, lora: Path | None):
+    """Merge the `--lora FILE` (diffusers/PEFT or kohya layout) into `model`'s weights, module by module in
+    place (W + (alpha / rank) B A in fp32, rounded to the model's dtype), so the sampler never needs to know
+    about adapters and no second copy of the weights is ever held."""
+    if lora is None:
+        return model
+    import torch
+
+    from ..config.lora import LoraConfig
+    from ..model.lora import LoraError
+    from ..model.lora_formats import merge_lora, read_lora
+
+    try:
+        sd, info = read_lora(lora)
+        lcfg = LoraConfig(rank=info.rank, alpha=info.alpha)  # the file's own scale: read_lora's tensors use it
+        params = dict(model.named_parameters())
+        modules = [k.removesuffix(".lora_A.weight") for k in sd if k.endswith(".lora_A.weight")]
+        # every module checked (merge_lora on meta tensors) before the first weight changes
+        merge_lora({f"{m}.weight": params[f"{m}.weight"].to("meta") for m in modules if f"{m}.weight" in params},
+                   {k: v.to("meta") for k, v in sd.items()}, lcfg)
+        for m in modules:
+            weight = params[f"{m}.weight"]
+            pair = {f"{m}.lora_A.weight": sd[f"{m}.lora_A.weight"], f"{m}.lora_B.weight": sd[f"{m}.lora_B.weight"]}
+            with torch.no_grad():
+                weight.copy_(merge_lora({f"{m}.weight": weight.detach()}, pair, lcfg)[f"{m}.weight"])
+    except LoraError as e:
+        raise click.BadParameter(str(e), param_hint="--lora") from None
     return model
 
 
@@ -217,10 +241,13 @@ def _encode(encoders, prompts, negative_prompt):
               help="Noise seed; repeat for several. Every prompt is sampled once per seed, each image from its own seed.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Images per model call (the images do not depend on it).")
+@click.option("--lora", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A LoRA .safetensors file (diffusers/PEFT or kohya/ComfyUI layout, e.g. a run's lora.safetensors) "
+                   "merged into WEIGHTS before sampling.")
 @_device_options
 def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt, embeddings, flux_dir, vae, t5, clip,
            t5_tokenizer, clip_tokenizer, t5_max_length, width, height, steps, guidance, true_cfg, seeds, batch_size,
-           device, dtype):
+           lora, device, dtype):
     """Sample images from FLUX.1 transformer weights with the Euler flow sampler.
 
     WEIGHTS is any full transformer layout `fluxzero convert` reads (BFL or ComfyUI .safetensors, a
@@ -248,7 +275,7 @@ def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt
     vae_model = _load_vae(vae_dir, dev, dt)
 
     click.echo(f"loading {weights} on {dev} ({str(dt).replace('torch.', '')})", err=True)
-    model = _apply_adapters(_load_model(weights, preset, dev, dt))
+    model = _apply_adapters(_load_model(weights, preset, dev, dt), lora)
     cfg = model.config
     if emb is None:
         encoders = _load_encoders(paths, dev, dt, t5_max_length or T5_MAX_LENGTH["dev" if cfg.guidance_embed else "schnell"])

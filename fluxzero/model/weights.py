@@ -258,6 +258,11 @@ def _raw_files(path: str | os.PathLike) -> tuple[str, dict[str, Path]]:
         return "diffusers", files
     if path.suffix != ".safetensors":
         raise WeightsError(f"{path}: only .safetensors weights are read (pickled .pt/.ckpt/.bin files are refused)")
+    from .lora import is_lora_file
+
+    if is_lora_file(path):
+        raise WeightsError(f"{path} is a LoRA file (adapters only), not full model weights; give the base model's "
+                           "weights here and the LoRA to lora.weights in the run file (or `fluxzero sample --lora`)")
     with _safe_open(path) as f:
         keys = list(f.keys())
     files = {k: path for k in keys}

@@ -44,10 +44,11 @@ def check_supported(v: DSView, path: str) -> None:
 # Model under ZeRO
 # ---------------------------------------------------------------------------------------------------------
 def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.device, *, seed: int,
-                 weights: str | None = None, attention: str = "auto"):
-    """Model (partitioned at construction under ZeRO-3), weights, compile, checkpointing -> DeepSpeed engine.
+                 weights: str | None = None, attention: str = "auto", lora=None):
+    """Model (partitioned at construction under ZeRO-3), weights, LoRA, compile, checkpointing -> DeepSpeed engine.
 
     ds: the DeepSpeed dict (no "fluxzero" section); v: its view, which says what to apply from outside.
+    lora: a LoraConfig (adapters on the loaded weights, only they trained) or None (full fine-tune).
     """
     from fluxzero.model import build_model
 
@@ -60,6 +61,8 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
         model = build_model(model_cfg, device="cpu" if stage == 3 else device, attention=attention)
     if weights:
         load_pretrained(model, weights, model_cfg, partitioned=stage == 3)
+    if lora is not None:  # after the weights: the base's names gain `.base_layer` once adapters wrap it
+        apply_adapters(model, lora, v)
     if v.compile:  # compile first: checkpointing then wraps the compiled block
         apply_compile(model, v.compile_mode, v.compile_backend)
         if stage == 3:
@@ -68,6 +71,38 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
     return engine
+
+def apply_adapters(model: torch.nn.Module, lora, v: DSView) -> list[str]:
+    """LoRA adapters on `model` (base frozen, adapters trainable), before deepspeed.initialize; returns the
+    adapted module names.
+
+    Under ZeRO-3 the base parameters are already partitioned placeholders; the adapters are created as
+    ordinary tensors after zero.Init, and deepspeed.initialize converts every parameter that is not a ZeRO
+    parameter yet (DeepSpeedZeRoOffload._convert_to_zero_parameters), so they are partitioned like the rest
+    (or kept whole below stage3_param_persistence_threshold). In bf16 the engine casts the module, adapters
+    included, to bf16 (below stage 3 by module.bfloat16(), at stage 3 by that conversion's dtype); the ZeRO
+    optimizer holds their fp32 masters, as for full fine-tuning. (data_types.keep_in_fp32_modules acts on
+    buffers only in deepspeed 0.19.8, so it cannot keep the adapters fp32.)
+    DeepSpeed's checkpointing is reentrant: a checkpointed block whose inputs need no gradient (the frozen
+    embedders' outputs) would hand none to its adapters, so the embedders' outputs are marked as needing one.
+    """
+    from fluxzero.model.lora import LoraError, apply_lora
+
+    try:
+        names = apply_lora(model, lora)
+    except LoraError as e:
+        raise TrainingError(str(e)) from None
+    if v.checkpoint_every > 0 and v.checkpoint_impl == "deepspeed":
+        for embedder in (model.img_in, model.txt_in):
+            embedder.register_forward_hook(_require_grad)
+    return names
+
+
+def _require_grad(module, args, output):
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
+
 
 @torch.no_grad()
 def load_pretrained(model: torch.nn.Module, path: str, model_cfg: ModelConfig, partitioned: bool) -> None:

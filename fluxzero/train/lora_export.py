@@ -1,0 +1,148 @@
+"""Export of a LoRA run: its checkpoint's adapters as a LoRA file (diffusers/PEFT or kohya/ComfyUI layout),
+or merged into the base weights in any full layout. export.py consolidates the checkpoint and hands LoRA
+checkpoints here.
+
+A LoRA checkpoint holds the adapters only (checkpoint.save leaves the frozen base out), so consolidation
+gives just the fp32 master adapters; rank, alpha and targets come from the run.yaml saved beside them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from fluxzero.config import TrainConfig
+from fluxzero.train.distributed import TrainingError
+
+# export_format -> the layout of the adapter file: ComfyUI (and tools on BFL's names) read kohya's layout,
+# diffusers and PEFT their own (fluxzero.model.lora_formats)
+LORA_LAYOUTS = {"bfl": "kohya", "comfyui": "kohya", "diffusers": "diffusers", "kohya": "kohya"}
+LORA_FILE = "lora.safetensors"
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def is_lora_state_dict(sd: dict) -> bool:
+    return any(".lora_A." in k for k in sd)
+
+
+def _run_settings(tag_dir: Path) -> dict:
+    import yaml
+
+    run = Path(tag_dir) / "run.yaml"
+    try:
+        saved = yaml.safe_load(run.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise TrainingError(f"cannot read {run} ({str(e).splitlines()[0][:200]}), which records the LoRA's rank, "
+                            f"alpha and targets; restore it, or export another checkpoint") from None
+    if not isinstance(saved, dict):
+        raise TrainingError(f"{run} is not a mapping of settings; restore it, or export another checkpoint")
+    return saved
+
+
+def lora_settings(tag_dir: Path):
+    """(LoraConfig, ModelConfig or None, the run's base weights path or None) from a checkpoint's run.yaml."""
+    from fluxzero.config import LoraConfig, get_model_config
+
+    saved = _run_settings(tag_dir)
+    if not saved.get("lora"):
+        raise TrainingError(f"checkpoint {tag_dir} holds LoRA adapters but its run.yaml has no lora section (their "
+                            f"rank, alpha and targets); restore run.yaml, or export another checkpoint")
+    try:
+        lcfg = LoraConfig.from_dict(saved["lora"])
+        cfg = get_model_config(saved["model"]) if saved.get("model") else None
+    except ValueError as e:
+        raise TrainingError(f"{Path(tag_dir) / 'run.yaml'}: {e}") from None
+    return lcfg, cfg, saved.get("weights")
+
+
+def canonical_lora(sd: dict) -> dict:
+    """The adapter tensors of a consolidated checkpoint under fluxzero.model.lora's canonical names."""
+    from fluxzero.model.lora import ADAPTER
+
+    return {k.replace(f".{ADAPTER}.", "."): v for k, v in sd.items() if ".lora_" in k}
+
+
+def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "bfl", dtype: str = "bf16",
+                      merge: bool = False, base: str | None = None) -> str:
+    """Write the consolidated LoRA checkpoint `sd` (of folder `tag_dir`): a LoRA file in LORA_LAYOUTS[layout],
+    or with `merge` the full weights in `layout` (bfl, comfyui, diffusers): `base` (default: the run's
+    `weights`) with the LoRA merged in, W + (alpha / rank) B A in fp32, then rounded to `dtype`."""
+    from safetensors import SafetensorError
+
+    from fluxzero.model.lora import LoraError
+    from fluxzero.model.lora_formats import merge_lora, save_lora
+    from fluxzero.model.weights import WeightsError, load_weights, save_weights
+
+    lcfg, cfg, run_weights = lora_settings(tag_dir)
+    lora_sd = canonical_lora(sd)
+    try:
+        if not merge:
+            save_lora(out, lora_sd, lcfg, layout=LORA_LAYOUTS[layout], base_model=cfg.name if cfg else None,
+                      dtype=_DTYPES[dtype])
+            return str(out)
+        base = base or run_weights
+        if not base:
+            raise TrainingError(f"checkpoint {tag_dir} is a LoRA trained on random weights (its run.yaml has no "
+                                f"weights:), so there is no base to merge it into; name the base weights file")
+        merged = merge_lora(load_weights(base, cfg=cfg, dtype=torch.float32), lora_sd, lcfg)
+        save_weights(merged, str(out), layout=layout, dtype=_DTYPES[dtype], cfg=cfg)
+    except (WeightsError, LoraError) as e:
+        raise TrainingError(f"cannot export {tag_dir}: {e}") from None
+    except (OSError, SafetensorError) as e:  # safetensors reports a failed write as SafetensorError
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:200]
+        raise TrainingError(f"cannot write the export {out} ({reason}); choose a writable place with free "
+                            f"space") from None
+    return str(out)
+
+
+def export_lora(path: str | Path, out: str | Path, layout: str = "bfl", dtype: str = "bf16", merge: bool = False,
+                base: str | None = None) -> str:
+    """A LoRA checkpoint (output_dir, checkpoints/ or one tag folder) -> LoRA file, or merged full weights."""
+    from fluxzero.train.export import consolidated_state_dict
+
+    sd, tag_dir = consolidated_state_dict(path)
+    if not is_lora_state_dict(sd):
+        if merge:
+            raise TrainingError(f"checkpoint {tag_dir} is a full fine-tune, not a LoRA: there is nothing to merge; "
+                                f"export it without merging")
+        raise TrainingError(f"checkpoint {tag_dir} is a full fine-tune, not a LoRA; export its full weights")
+    return write_lora_export(sd, tag_dir, out, layout, dtype, merge=merge, base=base)
+
+
+def final_lora_export(cfg: TrainConfig, ckpt_dir: Path, rank: int) -> tuple[str, bool]:
+    """A LoRA run's end, on rank 0: output_dir/lora.safetensors in export_format's LoRA layout and, with
+    export_merged, the merged full weights where a full fine-tune's export goes (export.safetensors or
+    export/). Returns (LoRA file, whether anything was written): files already current are left alone."""
+    from fluxzero.train.export import _export_is_current
+
+    out = Path(cfg.output_dir) / LORA_FILE
+    merged = Path(cfg.output_dir) / ("export" if cfg.export_format == "diffusers" else "export.safetensors")
+    if rank != 0:
+        return str(out), False
+    latest, written = ckpt_dir / "latest", False
+    try:
+        if not lora_is_current(out, latest, LORA_LAYOUTS[cfg.export_format], cfg.export_dtype):
+            export_lora(ckpt_dir, out, cfg.export_format, cfg.export_dtype)
+            written = True
+        if cfg.export_merged and not _export_is_current(merged, latest, cfg.export_format, cfg.export_dtype):
+            export_lora(ckpt_dir, merged, cfg.export_format, cfg.export_dtype, merge=True, base=cfg.weights)
+            written = True
+    except TrainingError as e:
+        raise TrainingError(f"{e} (training finished and is saved: `fluxzero export {cfg.output_dir} OUT` writes "
+                            f"it again)") from None
+    return str(out), written
+
+
+def lora_is_current(out: Path, latest: Path, layout: str, dtype: str) -> bool:
+    """`out` is a LoRA file written after the checkpoint `latest` names, in this layout and dtype."""
+    try:
+        if out.stat().st_mtime < latest.stat().st_mtime:
+            return False
+        with open(out, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        meta = header.pop("__metadata__", {})
+        dtypes = {v["dtype"] for k, v in header.items() if not k.endswith(".alpha")}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return False
+    return meta.get("fluxzero.format") == layout and dtypes == {{"bf16": "BF16", "fp32": "F32"}[dtype]}
