@@ -104,13 +104,18 @@ def test_deepspeed_checkpointing_section():
 
 
 def test_schedulers():
+    # DeepSpeed runs optimizer step k at scheduler iteration k - 2 (steps 1 and 2 at warmup_min_lr): step 1 runs at
+    # lr / N, the peak comes at step N (test_ds_config_deepspeed.py reads the lr of real engines)
     s = gen("--lr", "2e-5", "--warmup-steps", "7")["scheduler"]
-    assert s == {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-5, "warmup_num_steps": 7,
-                                                "warmup_type": "linear"}}
+    assert s == {"type": "WarmupLR", "params": {"warmup_min_lr": pytest.approx(2e-5 / 7), "warmup_max_lr": 2e-5,
+                                                "warmup_num_steps": 5, "warmup_type": "linear"}}
+    assert gen("--warmup-steps", "7", "--warmup-type", "log")["scheduler"]["params"]["warmup_num_steps"] == 6
     s = gen("--scheduler", "WarmupCosineLR", "--total-steps", "50", "--warmup-steps", "10", "--lr", "1e-4",
               "--min-lr", "1e-5")["scheduler"]
-    assert s["params"]["total_num_steps"] == 50 and s["params"]["warmup_min_ratio"] == pytest.approx(0.1)
-    assert gen("--scheduler", "WarmupDecayLR", "--total-steps", "500")["scheduler"]["params"]["total_num_steps"] == 500
+    # step 1 of a ramp from 1e-5 to 1e-4 over 10 steps: 1e-5 + 9e-5 / 10 = 1.9e-5 (ratio 0.19)
+    assert s["params"]["total_num_steps"] == 49 and s["params"]["warmup_min_ratio"] == pytest.approx(0.19)
+    assert gen("--scheduler", "WarmupDecayLR", "--total-steps", "500")["scheduler"]["params"]["total_num_steps"] == 499
+    assert gen("--warmup-steps", "1")["scheduler"]["params"]["warmup_min_lr"] == pytest.approx(1e-5)  # no warm-up
     assert "scheduler" not in gen("--scheduler", "none")
 
 
@@ -140,6 +145,11 @@ def test_tensorboard_section():
     (["--scheduler", "WarmupDecayLR"], "--scheduler WarmupDecayLR needs --total-steps"),
     (["--scheduler", "WarmupCosineLR", "--total-steps", "10", "--warmup-steps", "20"], "smaller than --warmup-steps"),
     (["--total-steps", "10"], "--total-steps is used only by"),
+    (["--warmup-steps", "3"], "--warmup-steps 3 is too short for DeepSpeed's linear warm-up"),
+    (["--optimizer-mode", "bf16-sr", "--offload-optimizer", "cpu", "--adam-impl", "torch"],
+     "--optimizer-mode bf16-sr keeps bf16 master weights, which deepspeed 0.19.8 offloads only for its own"),
+    (["--optimizer-mode", "bf16-sr", "--precision", "fp16"], "--optimizer-mode bf16-sr trains in bf16, not fp16"),
+    (["--optimizer-mode", "bf16-sr", "--adam-impl", "fused"], "--adam-impl fused chooses DeepSpeed's own AdamW"),
     (["--min-lr", "1"], "--min-lr 1.0 must be below --lr"),
     (["--job-name", "x"], "also pass --tensorboard-dir"),
     (["--world-size", "2", "--nodes", "1", "--gpus-per-node", "2"], "give the world size one way only"),

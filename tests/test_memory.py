@@ -257,7 +257,7 @@ def test_run_options_from_gen_config_output():
 def test_fit_two_h200_flux_dev_picks_zero3_without_offload():
     r = memory.fit(RunSpec(get_model_config("flux-dev")), Hardware(H200, 1024, 1, 2), margin=0.10)
     assert r.options["stage"] == 3 and r.options["offload_optimizer"] == "none"
-    assert "ZeRO-2 without offload" in r.reason and "does not fit" in r.reason
+    assert "ZeRO-0/1/2 without offload" in r.reason and "ZeRO-2: GPU needs" in r.reason
     assert r.estimate.gpu_total / GiB <= H200 * 0.9
     # the next larger micro batch (or fewer checkpointed blocks) is the reason it stopped where it did
     assert f"micro batch {r.options['micro_batch']}" in r.reason
@@ -383,7 +383,7 @@ def test_gen_config_fit_writes_the_choice_and_says_why(tmp_path):
     assert r.exit_code == 0, r.output
     cfg = json.loads(out.read_text())
     assert cfg["zero_optimization"]["stage"] == 3 and "offload_optimizer" not in cfg["zero_optimization"]
-    assert "ZeRO-2 without offload" in r.stderr and "chose ZeRO-3" in r.stderr
+    assert "ZeRO-0/1/2 without offload" in r.stderr and "chose ZeRO-3" in r.stderr
     mb, k = cfg["train_micro_batch_size_per_gpu"], cfg["fluxzero"]["activation_checkpointing"]["every_k_blocks"]
     assert f"micro batch {mb}" in r.stderr
     # what was written is what the memory model says fits, with the settings gen-config wrote
@@ -401,10 +401,14 @@ def test_gen_config_fit_keeps_what_the_user_chose():
 
 
 def test_gen_config_fit_offloads_on_one_small_gpu():
+    # fp32 masters pinned (--optimizer-mode fp32): offload is the only way; the client torch AdamW on the CPU
+    # needs zero_force_ds_cpu_optimizer false (without the pin a bf16 mode on the GPU comes first)
     r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "1", "--gpu", "a100-80", "--host-memory",
-                                  "512"])
+                                  "512", "--optimizer-mode", "fp32"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    cfg = json.loads(r.stdout)
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert cfg["zero_force_ds_cpu_optimizer"] is False and cfg["fluxzero"]["optimizer_mode"] == "fp32"
 
 
 def test_gen_config_fit_refuses_when_nothing_fits(tmp_path):
@@ -461,7 +465,7 @@ def test_fit_respects_what_was_given_and_advises_within_it(tmp_path):
     assert r.exit_code == 2 and "instead of the pinned offload_optimizer none" in r.output
     r = fit("--gpu", "h200", "--gpus-per-node", "8", "--nvme-path", str(tmp_path))
     assert r.exit_code == 0 and "is left out" in r.stderr and "nvme_path" not in r.stdout
-    r = fit("--gpu", "h200", "--world-size", "1", "--host-memory", "100")
+    r = fit("--gpu", "h200", "--world-size", "1", "--host-memory", "100", "--optimizer-mode", "fp32")
     assert r.exit_code == 2 and "give a local NVMe folder with --nvme-path" in r.output
     assert "offload nvme" not in r.output  # no NVMe configuration proposed as if it were allowed
 

@@ -108,6 +108,9 @@ _OPTIONS = [
     # optimizer
     _opt("adam_impl", click.Choice(ds_config.ADAM_IMPLS), "AdamW implementation: torch (torch.optim.AdamW(fused=True), no build), fused "
          "(DeepSpeed FusedAdam, GPU), cpu (DeepSpeedCPUAdam, with optimizer offload)."),
+    _opt("optimizer_mode", click.Choice(list(ds_config.trainable_modes())), "Memory-saving optimizer mode the "
+         "trainer builds instead of DeepSpeed's AdamW on fp32 masters (README: optimizer modes); writes the bf16 "
+         "and ZeRO keys it needs."),
     _opt("lr", click.FloatRange(min=0, min_open=True), "AdamW learning rate (peak, after warm-up)."),
     _opt("beta1", click.FloatRange(0, 1, max_open=True), "AdamW beta1."),
     _opt("beta2", click.FloatRange(0, 1, max_open=True), "AdamW beta2."),
@@ -116,10 +119,12 @@ _OPTIONS = [
     _opt("gradient_clipping", click.FloatRange(min=0), "Clip the global gradient norm; 0 disables."),
     # scheduler
     _opt("scheduler", click.Choice(ds_config.SCHEDULERS), "DeepSpeed LR scheduler (none: constant lr)."),
-    _opt("warmup_steps", _POS, "Warm-up steps of the LR scheduler."),
+    _opt("warmup_steps", _POS, "Warm-up steps: the lr reaches --lr at this optimizer step (1 = no warm-up; "
+                               "step 1 already trains)."),
     _opt("total_steps", _POS, "Total optimizer steps (WarmupCosineLR, WarmupDecayLR)."),
     _opt("warmup_type", click.Choice(ds_config.WARMUP_TYPES), "Warm-up curve."),
-    _opt("min_lr", click.FloatRange(min=0), "LR at the start of warm-up."),
+    _opt("min_lr", click.FloatRange(min=0), "LR the warm-up ramps from (step 0); step 1 runs at min_lr + "
+                                            "(lr - min_lr) / warmup steps."),
     _opt("cos_min_ratio", click.FloatRange(min=0), "WarmupCosineLR: final lr as a fraction of --lr."),
     # logging
     _opt("steps_per_print", _POS, "DeepSpeed progress print interval (steps)."),
@@ -244,9 +249,18 @@ def check_config(file, hostfile, world_size, run_deepspeed):
         click.echo(f"{file}: {line}")
     if problems:
         sys.exit(2)
-    where = f"world size {world}" if world else "any world size (pass --world-size or --hostfile to check batch)"
+    implied = None if world else ds_config.implied_world_size(cfg)
+    if world:
+        where = f"world size {world}"
+    elif implied:  # all three batch keys set: they divide for this one world size only
+        v = ds_view.view(cfg)
+        where = (f"world size {implied} only: train_batch_size {v.train_batch} = micro batch {v.micro_batch} x "
+                 f"accumulation {v.grad_accum} x {implied} ranks; launch {implied} ranks or regenerate the batch "
+                 f"sizes")
+    else:
+        where = "any world size (pass --world-size or --hostfile to check batch)"
     checked = "fluxzero's checks and DeepSpeed's parser" if run_deepspeed else "fluxzero's checks"
-    click.echo(f"{file}: OK ({checked}; {where}): {summary(ds_view.view(cfg), world)}")
+    click.echo(f"{file}: OK ({checked}; {where}): {summary(ds_view.view(cfg), world or implied)}")
 
 
 def summary(v: ds_view.DSView, world: int | None) -> str:
@@ -269,4 +283,6 @@ def summary(v: ds_view.DSView, world: int | None) -> str:
                  else f"checkpointing 1 block in {k}")
     if v.compile:
         parts.append(f"compiled blocks ({v.compile_mode})")
+    if v.optimizer_mode is not None:
+        parts.append(f"optimizer mode {v.optimizer_mode}")
     return ", ".join(parts)

@@ -9,7 +9,7 @@ import json
 import click
 from click.core import ParameterSource
 
-from fluxzero.config import memory
+from fluxzero.config import memory, optim_modes
 from fluxzero.commands.model_spec import MODEL_SPEC
 from fluxzero.config import get_model_config, reshaped
 from fluxzero.config.memory import GiB, GPU_MEMORY_GIB
@@ -123,6 +123,20 @@ OPTIONS = [
                  show_default=True, help="Optimizer (fp32 states: 8 B/param for Adam(W), 4 for SGD/Lion)."),
     click.option("--adam-impl", type=click.Choice(["torch", "fused", "cpu"]), default="torch", show_default=True,
                  help="torch: torch.optim.AdamW(fused=True), as gen-config writes it; fused: DeepSpeed FusedAdam; cpu: DeepSpeedCPUAdam."),
+    click.option("--optimizer-mode", type=click.Choice(list(optim_modes.MODES)), default=None,
+                 help="Memory-saving optimizer mode (fluxzero.config.optim_modes; --config reads fluxzero."
+                      "optimizer_mode) [default: none, DeepSpeed's AdamW on fp32 masters]."),
+    click.option("--lora-rank", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="LoRA adapters of this rank, the base frozen in bf16 (0: full fine-tune)."),
+    click.option("--lora-targets", default="attention+mlp", show_default=True,
+                 help="LoRA targets: a preset (attention, attention+mlp, all-linear) or comma-separated "
+                      "module-name patterns."),
+    click.option("--lora-dropout", type=_Finite(0, 1, max_open=True, example="a fraction such as 0.1"), default=0.0,
+                 show_default=True, help="LoRA dropout (> 0 saves a dropped-out copy of each adapted input)."),
+    click.option("--ema", type=click.Choice(["none", "fp32", "bf16"]), default="none", show_default=True,
+                 help="EMA of the trained weights, partitioned like the optimizer states under ZeRO 1-3."),
+    click.option("--ema-device", type=click.Choice(["gpu", "cpu"]), default="gpu", show_default=True,
+                 help="Where the EMA lives (ema.device)."),
     click.option("--attention", type=click.Choice(["flash", "efficient", "math"]), default="flash",
                  show_default=True, help="Attention kernel: flash/efficient keep O(L), math O(L^2)."),
     click.option("--expandable-segments/--no-expandable-segments", default=False, show_default=True,
@@ -154,7 +168,7 @@ def gen_config_zero(model: str, stage: int) -> memory.ZeroSettings:
 
 _SPEC_OPTIONS = {"micro_batch": "micro_batch", "precision": "precision", "zero_stage": "stage",
                  "offload_optimizer": "offload_optimizer", "offload_param": "offload_param",
-                 "checkpoint_every": "checkpoint_every", "optimizer": "optimizer"}
+                 "checkpoint_every": "checkpoint_every", "optimizer": "optimizer", "optimizer_mode": "optimizer_mode"}
 
 
 def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, attention, expandable_segments,
@@ -162,6 +176,13 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
     """RunSpec from defaults < DeepSpeed config (--config) < options given on the command line."""
     fields = {ours: values[opt] for opt, ours in _SPEC_OPTIONS.items()}
     fields["optimizer_impl"] = "torch-fused" if adam_impl == "torch" else "fused"  # gen-config writes fused=True
+    targets = values.get("lora_targets", "attention+mlp")
+    lora = {"lora_rank": values.get("lora_rank", 0),
+            "lora_targets": targets if targets in ("attention", "attention+mlp", "all-linear")
+            else tuple(t.strip() for t in targets.split(",") if t.strip()),
+            "lora_dropout": values.get("lora_dropout", 0.0),
+            "ema": None if values.get("ema", "none") == "none" else values["ema"],
+            "ema_device": values.get("ema_device", "gpu")}
     fields["zero"] = gen_config_zero(model, fields["stage"])
     if ds_path is not None:
         from fluxzero.config import ds_config, ds_view
@@ -198,9 +219,12 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     try:
+        if fields.get("optimizer_mode") and optim_modes.get_mode(fields["optimizer_mode"]).master_dtype == "bf16" \
+                and ctx.get_parameter_source("precision") != ParameterSource.COMMANDLINE:
+            fields["precision"] = "bf16"
         return memory.RunSpec(shape, nodes=nodes, gpus_per_node=gpus_per_node, height=h, width=w,
                               txt_len=txt_len, attention=attention, expandable_segments=expandable_segments,
-                              load_bytes=4 if weights else 0, **fields)
+                              load_bytes=4 if weights else 0, **fields, **lora)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 
@@ -212,6 +236,12 @@ def _gib(n: int) -> str:
 def describe(spec: memory.RunSpec) -> str:
     inv = memory.param_inventory(spec.model)
     opt = spec.optimizer + (" (torch foreach)" if spec.optimizer_impl == "torch" else "")
+    if spec.optimizer_mode is not None:
+        opt = f"optimizer mode {spec.optimizer_mode}"
+    if spec.lora_rank:
+        opt += f", LoRA rank {spec.lora_rank} on {spec.lora_targets} ({memory.trained_params(spec) / 1e6:.1f}M trained)"
+    if spec.ema:
+        opt += f", EMA {spec.ema} on the {spec.ema_device}"
     size = f"{inv.total / 1e9:.2f}B" if inv.total >= 1e8 else f"{inv.total / 1e6:.2f}M"
     return (f"{spec.model.name} ({size} parameters), {spec.world_size} GPU(s) "
             f"({spec.nodes} node(s) x {spec.gpus_per_node}), {spec.height}x{spec.width} px = {spec.img_tokens} image "
@@ -244,15 +274,25 @@ def report(est: memory.Estimate, hw: memory.Hardware | None, margin: float, zero
         lines.append(f"  {'NVMe per node':<48}{_gib(est.nvme_per_node)}")
     if hw is not None:
         ok, why = memory.verdict(est, hw, margin)
-        lines += ["", ("FITS: " if ok else "DOES NOT FIT: ") + why]
+        unchecked = ok and hw.host_memory_gib is None
+        lines += ["", ("FITS THE GPU: " if unchecked else "FITS: " if ok else "DOES NOT FIT: ") + why
+                  + (f"; host memory not checked: it needs {est.host_per_node / GiB:.1f} GiB per node "
+                     f"(pass --host-memory)" if unchecked else "")]
     lines += ["", "The same run at every ZeRO stage and offload choice:",
               f"  {'configuration':<58}{'allocated':>10}{'needed':>9}  {'peak at':<8}{'host/node':>10}  fits"]
     for r, e in memory.table(s, zero_by_stage):
-        fits = "-" if hw is None else ("yes" if memory.verdict(e, hw, margin)[0] else "no")
+        fits = "-" if hw is None else _fits_word(memory.verdict(e, hw, margin)[0], hw)
         label = memory._label(r.stage, r.offload_optimizer, r.offload_param)
         lines.append(f"  {label:<58}{e.gpu_allocated / GiB:10.1f}{e.gpu_total / GiB:9.1f}  "
                      f"{PHASE_NAMES[e.peak_phase]:<8}{e.host_per_node / GiB:10.1f}  {fits}")
+    if hw is not None and hw.host_memory_gib is None:
+        lines.append("  (gpu: fits the GPU; host memory not checked: pass --host-memory)")
     return "\n".join(lines)
+
+
+def _fits_word(ok: bool, hw: memory.Hardware) -> str:
+    """A table row's verdict: "yes" only when the host was checked too."""
+    return "no" if not ok else "yes" if hw.host_memory_gib is not None else "gpu"
 
 
 def as_dict(est: memory.Estimate, hw: memory.Hardware | None, margin: float, zero_by_stage=None) -> dict:
@@ -272,6 +312,9 @@ def as_dict(est: memory.Estimate, hw: memory.Hardware | None, margin: float, zer
     }
     if hw is not None:
         out["fits"], out["reason"] = memory.verdict(est, hw, margin)
+        out["host_checked"] = hw.host_memory_gib is not None
+        for row, (r, e) in zip(out["table"], memory.table(s, zero_by_stage)):
+            row["fits"] = _fits_word(memory.verdict(e, hw, margin)[0], hw)
     return out
 
 
@@ -307,14 +350,16 @@ def estimate(ctx, model, ds_path, hostfile, nodes, gpus_per_node, gpu, gpu_memor
 # ---------------------------------------------------------------------------------------------------------
 FIT_OPTIONS = [
     click.option("--fit", is_flag=True, default=False,
-                 help="Choose ZeRO stage, offload, micro batch and checkpointing: the fastest that fits the "
-                      "hardware (needs the world size and --gpu/--gpu-memory); prints why."),
+                 help="Choose ZeRO stage, offload, optimizer mode, micro batch and checkpointing: the fastest "
+                      "that fits the hardware (needs the world size and --gpu/--gpu-memory); prints why and each "
+                      "chosen optimizer mode's caveat."),
     click.option("--gpu", type=click.Choice(list(GPU_MEMORY_GIB)), default=None,
                  help="--fit: GPU model, for its memory."),
     click.option("--gpu-memory", type=_GIB, default=None,
                  help="--fit: GPU memory in GiB (instead of --gpu)."),
     click.option("--host-memory", type=_GIB, default=None,
-                 help="--fit: host memory per node in GiB (offload must fit it)."),
+                 help="--fit: host memory per node in GiB (offload must fit it); without it the host is not "
+                      "checked and the need is printed."),
     click.option("--resolution", default="512", show_default=True, callback=_resolution,
                  help="--fit: training image size in pixels, 512 or HEIGHTxWIDTH."),
     click.option("--txt-len", type=_POS, default=512, show_default=True, help="--fit: T5 text tokens per sample."),
@@ -326,7 +371,7 @@ FIT_OPTIONS = [
 _FIT_KEYS = ("fit", "gpu", "gpu_memory", "host_memory", "resolution", "txt_len", "fit_margin", "max_micro_batch")
 # gen-config option -> memory.fit pin: what the user set himself is kept, --fit chooses the rest
 _PINS = {"zero_stage": "stage", "offload_optimizer": "offload_optimizer", "offload_param": "offload_param",
-         "micro_batch": "micro_batch", "checkpoint_every": "checkpoint_every"}
+         "micro_batch": "micro_batch", "checkpoint_every": "checkpoint_every", "optimizer_mode": "optimizer_mode"}
 
 
 def fit_options(fn):
@@ -366,12 +411,28 @@ def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node
     except ds_config.DSConfigError as e:
         raise click.UsageError("\n".join(e.problems)) from None
 
-    def zero_for(stage):  # the communication settings gen-config will write at that stage
+    def row_options(stage, oo, op, mode) -> ds_config.DSOptions:
+        """The gen-config options of one fit row: what --fit writes if it chooses that row."""
+        impl = given.get("adam_impl", opts.adam_impl)
+        if "adam_impl" not in given:  # DeepSpeed's CPU Adam only with optimizer offload, never without
+            if oo != "none" and impl == "fused":
+                impl = "cpu"
+            elif oo == "none" and impl == "cpu":
+                impl = "torch"
+        if mode is not None:
+            impl = "torch"  # the mode's client optimizer replaces DeepSpeed's AdamW
+        nvme = "nvme" in (oo, op)
+        return opts.replace(zero_stage=stage, offload_optimizer=oo, offload_param=op, optimizer_mode=mode,
+                            adam_impl=impl, nvme_path=opts.nvme_path if nvme else None)
+
+    def settings_for(stage, oo, op, mode) -> dict:
+        """RunSpec fields of the very config that row writes, read back as `estimate --config` reads it."""
         try:
-            return memory.ZeroSettings.from_ds_config(ds_config.build(opts.replace(
-                zero_stage=stage, offload_optimizer="none", offload_param="none")))
-        except ds_config.DSConfigError:
-            return memory.ZeroSettings()
+            cfg = ds_config.build(row_options(stage, oo, op, mode))
+        except ds_config.DSConfigError as e:
+            raise ValueError("; ".join(e.problems)) from None
+        fields = memory.run_options_from_ds_config(cfg, world)
+        return {k: v for k, v in fields.items() if k not in ("micro_batch", "checkpoint_every")}
 
     micros = None
     if opts.global_batch is not None:
@@ -382,30 +443,42 @@ def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node
                                    f"{opts.global_batch} over {world} GPUs")
     pins = {_PINS[k]: v for k, v in given.items() if k in _PINS}
     # a given --adam-impl decides the optimizer offload: DeepSpeed builds FusedAdam only without it and its
-    # CPU Adam only with it
+    # CPU Adam only with it; it also rules out the optimizer modes (their client optimizer replaces it)
+    modes = memory.FIT_MODES
+    if given.get("adam_impl") in ("fused", "cpu"):
+        modes = (None,)
     if given.get("adam_impl") == "fused":
         pins.setdefault("offload_optimizer", "none")
     elif given.get("adam_impl") == "cpu" and "offload_optimizer" not in pins:
         pins["offload_optimizer"] = "nvme" if opts.nvme_path and pins.get("stage") == 3 else "cpu"
+    # gen-config often runs off the training nodes, so this machine's memory is no default: without
+    # --host-memory the host is not checked, and the host memory the choice needs is printed beside it
+    host = request["host_memory"]
+    notes = [] if host is not None else ["host memory not given: not checked (pass --host-memory with the "
+                                         "training nodes' memory per node)"]
     h, w = request["resolution"]
     try:
         base = memory.RunSpec(get_model_config(opts.model), height=h, width=w, txt_len=request["txt_len"],
                               precision=opts.precision,
                               optimizer_impl="torch-fused" if opts.adam_impl == "torch" else "fused")
-        result = memory.fit(base, memory.Hardware(capacity, request["host_memory"], nodes, gpus_per_node),
-                            margin=request["fit_margin"], max_micro_batch=request["max_micro_batch"],
-                            micro_batches=micros, fixed=pins,
-                            zero_by_stage={st: zero_for(st) for st in range(4)},
-                            allow_nvme=opts.nvme_path is not None)
+        hw = memory.Hardware(capacity, host, nodes, gpus_per_node)
+        result = memory.fit(base, hw, margin=request["fit_margin"], max_micro_batch=request["max_micro_batch"],
+                            micro_batches=micros, fixed=pins, allow_nvme=opts.nvme_path is not None,
+                            modes=modes, settings_for=settings_for)
     except ValueError as e:
         raise click.UsageError(f"--fit: {e}") from None
     if result.spec is None:
-        raise click.UsageError(f"--fit: {result.reason}")
-    click.echo("gen-config --fit:\n  " + result.reason.replace("\n", "\n  "), err=True)
-    out = {theirs: result.options[ours] for theirs, ours in _PINS.items()}
-    if "adam_impl" not in given:  # DeepSpeed's CPU Adam with optimizer offload, never without
-        if result.options["offload_optimizer"] != "none" and opts.adam_impl == "fused":
-            out["adam_impl"] = "cpu"
-        elif result.options["offload_optimizer"] == "none" and opts.adam_impl == "cpu":
-            out["adam_impl"] = "torch"
+        raise click.UsageError("--fit: " + "\n".join(notes + [result.reason]))
+    need = f"host memory: the choice needs {result.estimate.host_per_node / GiB:.1f} GiB per node"
+    notes.append(need + (f" of {host * (1 - request['fit_margin']):.1f} GiB budget" if host is not None
+                         else " (not checked: pass --host-memory)"))
+    click.echo("gen-config --fit:\n  " + "\n  ".join(notes[:-1] + result.reason.split("\n") + notes[-1:]),
+               err=True)
+    o = result.options
+    chosen = row_options(o["stage"], o["offload_optimizer"], o["offload_param"], o["optimizer_mode"])
+    out = {theirs: o[ours] for theirs, ours in _PINS.items()}
+    out["adam_impl"] = chosen.adam_impl
+    if o["optimizer_mode"] is not None:
+        out["optimizer_mode"] = o["optimizer_mode"]
     return out
+

@@ -21,6 +21,16 @@ Opt-in torch.compile of the transformer blocks (`gen-config --compile` writes it
 
 "mode" and "backend" are optional (defaults "default" and "inductor"; aot_eager and eager exist for tests
 and debugging).
+
+A memory-saving optimizer mode (`gen-config --optimizer-mode NAME`; absent means DeepSpeed's own AdamW on its
+fp32 masters):
+
+    "fluxzero": {"optimizer_mode": "bf16-sr"}
+
+The trainer then builds that mode's client optimizer (fluxzero.train.optim.build_optimizer) with the
+"optimizer" section's lr, betas, eps and weight decay; the modes, their bytes per parameter and the DeepSpeed
+"bf16" keys each needs are in fluxzero.config.optim_modes. gen-config writes those keys, and
+zero_allow_untested_optimizer / zero_force_ds_cpu_optimizer where DeepSpeed needs them for a client optimizer.
 """
 from __future__ import annotations
 
@@ -30,7 +40,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from fluxzero.config import ds_view
+from fluxzero.config import ds_view, optim_modes
 from fluxzero.config.ds_view import DSView, checkpointed_blocks, view
 
 FLUXZERO_SECTION = "fluxzero"
@@ -115,6 +125,7 @@ class DSOptions:
     compile: bool = False
     # optimizer (AdamW) and gradient clipping
     adam_impl: str = "torch"
+    optimizer_mode: str | None = None  # a fluxzero.config.optim_modes name; None: DeepSpeed's AdamW, fp32 masters
     lr: float = 1e-5
     beta1: float = 0.9
     beta2: float = 0.999
@@ -208,14 +219,18 @@ ZERO_TESTED_OPTIMIZERS = ("adam", "adamw", "adagrad", "lion", "muon")
 
 def option_name(what: str) -> str:
     """The command-line spelling of a view field or ZeRO key (combination_problems' names for options)."""
-    return {"stage": "--zero-stage", "optimizer": "the optimizer"}.get(what) or flag(what)
+    return {"stage": "--zero-stage", "optimizer": "the optimizer", "precision": "--precision"}.get(what) or flag(what)
 
 
 def config_name(what: str) -> str:
     """The JSON path of a view field or ZeRO key (combination_problems' names for config dicts)."""
     return {"stage": "zero_optimization.stage", "optimizer": "optimizer.type",
             "offload_optimizer": "zero_optimization.offload_optimizer.device",
-            "offload_param": "zero_optimization.offload_param.device"}.get(what) or f"zero_optimization.{what}"
+            "offload_param": "zero_optimization.offload_param.device", "optimizer_mode": "fluxzero.optimizer_mode",
+            "precision": "bf16.enabled", "bf16_master_weights_and_grads": "bf16.bf16_master_weights_and_grads",
+            "bf16_optimizer_states": "bf16.bf16_optimizer_states",
+            "allow_untested_optimizer": "zero_allow_untested_optimizer",
+            "force_ds_cpu_optimizer": "zero_force_ds_cpu_optimizer"}.get(what) or f"zero_optimization.{what}"
 
 
 def combination_problems(v: DSView, name=config_name, zero_keys=()) -> list[str]:
@@ -249,17 +264,103 @@ def combination_problems(v: DSView, name=config_name, zero_keys=()) -> list[str]
             and not v.allow_untested_optimizer:
         p.append(f"{name('optimizer')} {v.optimizer} is not one ZeRO is tested with (DeepSpeed stops at engine "
                  f"start): use AdamW, or set zero_allow_untested_optimizer: true")
+    if v.optimizer_mode is not None:
+        p += _mode_problems(v, name)
+    return p
+
+
+# Modes whose client optimizer is torch.optim.AdamW (fluxzero.train.optim.build_optimizer), a class in deepspeed
+# 0.19.8's ZERO_SUPPORTED_OPTIMIZERS; the others' classes (torchao's, ours) need zero_allow_untested_optimizer.
+ZERO_TESTED_MODES = ("fp32", "bf16-rtn")
+
+
+def trainable_modes() -> tuple[str, ...]:
+    return tuple(n for n, m in optim_modes.MODES.items() if m.trainable)
+
+
+def _mode_problems(v: DSView, name) -> list[str]:
+    """The optimizer mode's own rules (deepspeed 0.19.8: runtime/config.py, base_optimizer._configure_master_weights,
+    engine._configure_optimizer / _do_optimizer_sanity_check), one sentence each."""
+    M, stage, S = name("optimizer_mode"), v.stage, name("stage")
+    mode = optim_modes.MODES.get(v.optimizer_mode) if isinstance(v.optimizer_mode, str) else None
+    if mode is None:
+        return [f"{M} {json.dumps(v.optimizer_mode)} is not an optimizer mode: choose one of "
+                f"{', '.join(trainable_modes())}"]
+    if not mode.trainable:
+        return [f"{M} {mode.name} is for comparison only ({mode.caveat}): choose one of {', '.join(trainable_modes())}"]
+    p: list[str] = []
+    if stage not in mode.zero_stages:
+        p.append(f"{M} {mode.name} does not run at ZeRO stage {stage}: set {S} to "
+                 f"{' or '.join(map(str, mode.zero_stages))}")
+    bf16_master = mode.master_dtype == "bf16"
+    wrong_precision = bf16_master and v.precision != "bf16" and not (stage == 0 and v.precision == "fp32")
+    if wrong_precision:
+        fix = f"{name('precision')} bf16" if name("precision").startswith("--") else "bf16.enabled true"
+        p.append(f"{M} {mode.name} trains in bf16, not {v.precision}: set {fix}")
+    if bf16_master and v.offload_optimizer != "none":
+        # _configure_master_weights: bf16 masters with offload assert type(optimizer) == DeepSpeedCPUAdam
+        p.append(f"{M} {mode.name} keeps bf16 master weights, which deepspeed 0.19.8 offloads only for its own "
+                 f"DeepSpeedCPUAdam (it stops at engine start): drop {name('offload_optimizer')} "
+                 f"{v.offload_optimizer}, or use {M} fp32")
+    want = mode.ds_bf16_section(stage) if stage in mode.zero_stages else {"enabled": True}
+    if bf16_master and stage == 0:
+        if v.precision == "bf16" or v.bf16_master_weights_and_grads or v.bf16_optimizer_states:
+            p.append(f"{M} {mode.name} at ZeRO stage 0 needs bf16 off in the DeepSpeed config (the trainer casts "
+                     f"the model to bf16; DeepSpeed's bf16 wrapper would step fp32 masters and stage 0 refuses "
+                     f"bf16 master weights): remove the bf16 section")
+    elif bf16_master and not wrong_precision:
+        missing = [k for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states")
+                   if want.get(k) and not getattr(v, k)]
+        if missing:
+            keys = " and ".join(name(k) for k in missing)
+            p.append(f"{M} {mode.name} at ZeRO stage {stage} needs {keys} true (without them DeepSpeed keeps fp32 "
+                     f"masters and the mode saves nothing)")
+    elif v.bf16_master_weights_and_grads or v.bf16_optimizer_states:
+        p.append(f"{M} {mode.name} steps fp32 master weights: set {name('bf16_master_weights_and_grads')} and "
+                 f"{name('bf16_optimizer_states')} false (or choose a bf16 mode)")
+    if stage >= 1 and mode.name not in ZERO_TESTED_MODES and not v.allow_untested_optimizer:
+        p.append(f"{M} {mode.name} hands ZeRO a client optimizer it has not tested (DeepSpeed stops at engine "
+                 f"start): set {name('allow_untested_optimizer')} true")
+    if v.offload_optimizer != "none" and not bf16_master and v.force_ds_cpu_optimizer:
+        p.append(f"{M} {mode.name} with {name('offload_optimizer')} {v.offload_optimizer} runs a client optimizer "
+                 f"on the CPU, which DeepSpeed refuses unless {name('force_ds_cpu_optimizer')} is false: set it false")
     return p
 
 
 def options_view(o: DSOptions) -> DSView:
     """The DSView of the config build(o) writes, as far as the combination rules read it (no build needed)."""
     impl = {"torch": "torch-fused", "fused": "fused", "cpu": "fused"}.get(o.adam_impl, "fused")
-    return DSView(stage=o.zero_stage, precision=o.precision, offload_optimizer=o.offload_optimizer,
+    mode_keys = _mode_keys(o)
+    bf16 = mode_keys.get("bf16", {"enabled": o.precision == "bf16"})
+    precision = "fp32" if "bf16" in mode_keys and not bf16.get("enabled") else o.precision  # bf16 modes, ZeRO 0
+    return DSView(stage=o.zero_stage, precision=precision,
+                  offload_optimizer=o.offload_optimizer,
                   offload_param=o.offload_param, checkpoint_every=o.checkpoint_every,
                   checkpoint_impl=o.checkpoint_impl, compile=o.compile, optimizer="adamw", optimizer_impl=impl,
                   lr=o.lr, scheduler=None if o.scheduler == "none" else o.scheduler,
-                  gradient_clipping=o.gradient_clipping)
+                  gradient_clipping=o.gradient_clipping, optimizer_mode=o.optimizer_mode,
+                  bf16_master_weights_and_grads=bf16.get("bf16_master_weights_and_grads") is True,
+                  bf16_optimizer_states=bf16.get("bf16_optimizer_states") is True,
+                  allow_untested_optimizer=mode_keys.get("zero_allow_untested_optimizer") is True,
+                  force_ds_cpu_optimizer=mode_keys.get("zero_force_ds_cpu_optimizer", True) is not False)
+
+
+def _mode_keys(o: DSOptions) -> dict:
+    """The top-level keys an optimizer mode makes gen-config write: "bf16" (absent: bf16 off, the model cast by
+    the trainer), zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer. {} without a mode, or for a mode
+    the rules refuse (combination_problems says why)."""
+    mode = optim_modes.MODES.get(o.optimizer_mode) if isinstance(o.optimizer_mode, str) else None
+    if mode is None or not mode.trainable or o.zero_stage not in mode.zero_stages:
+        return {}
+    out: dict = {}
+    if o.precision == "bf16":  # any other precision with a mode is one of combination_problems' sentences
+        section = mode.ds_bf16_section(o.zero_stage)
+        out["bf16"] = section if section else {"enabled": False}
+    if o.zero_stage >= 1 and mode.name not in ZERO_TESTED_MODES:
+        out["zero_allow_untested_optimizer"] = True
+    if o.offload_optimizer != "none" and mode.master_dtype == "fp32":
+        out["zero_force_ds_cpu_optimizer"] = False
+    return out
 
 
 def check_options(o: DSOptions) -> list[str]:
@@ -418,6 +519,11 @@ def _check_optimizer_options(o: DSOptions, p: list[str]) -> None:
     if o.adam_impl == "cpu" and o.offload_optimizer == "none":
         p.append(f"{flag('adam_impl')} cpu (DeepSpeedCPUAdam) needs {flag('offload_optimizer')} cpu or nvme; "
                  f"without offload use {flag('adam_impl')} fused or torch")
+    if o.scheduler != "none" and o.warmup_steps != 1 and o.warmup_steps - WARMUP_OFFSET[o.warmup_type] < 2:
+        # DeepSpeed gives optimizer steps 1 and 2 the same lr and clamps warmup_num_steps to >= 2
+        low = 4 if o.warmup_type == "linear" else 3
+        p.append(f"{flag('warmup_steps')} {o.warmup_steps} is too short for DeepSpeed's {o.warmup_type} warm-up "
+                 f"(its first two steps share one lr): use 1 (no warm-up) or at least {low}")
     if o.scheduler in ("WarmupCosineLR", "WarmupDecayLR"):
         if o.total_steps is None:
             p.append(f"{flag('scheduler')} {o.scheduler} needs {flag('total_steps')}")
@@ -426,6 +532,9 @@ def _check_optimizer_options(o: DSOptions, p: list[str]) -> None:
                      f"{o.warmup_steps}")
     elif o.total_steps is not None:
         p.append(f"{flag('total_steps')} is used only by {flag('scheduler')} WarmupCosineLR or WarmupDecayLR")
+    if o.optimizer_mode is not None and o.adam_impl != "torch":
+        p.append(f"{flag('adam_impl')} {o.adam_impl} chooses DeepSpeed's own AdamW, which {flag('optimizer_mode')} "
+                 f"replaces with the mode's optimizer: leave {flag('adam_impl')} out")
     if o.min_lr >= o.lr and o.scheduler != "none":
         p.append(f"{flag('min_lr')} {o.min_lr} must be below {flag('lr')} {o.lr}")
 
@@ -445,7 +554,14 @@ def build(o: DSOptions) -> dict:
     cfg["gradient_clipping"] = float(o.gradient_clipping)
     cfg["steps_per_print"] = o.steps_per_print
     cfg["wall_clock_breakdown"] = o.wall_clock_breakdown
-    if o.precision == "bf16":
+    mode_keys = _mode_keys(o)
+    if "bf16" in mode_keys:  # an optimizer mode decides the bf16 section (off at ZeRO 0 for the bf16-master modes)
+        if mode_keys["bf16"].get("enabled"):
+            cfg["bf16"] = mode_keys["bf16"]
+        for key in ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"):
+            if key in mode_keys:
+                cfg[key] = mode_keys[key]
+    elif o.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif o.precision == "fp16":
         cfg["fp16"] = {
@@ -493,6 +609,8 @@ def build(o: DSOptions) -> dict:
     }
     if o.compile:
         cfg[FLUXZERO_SECTION]["compile"] = {"blocks": True, "mode": "default"}
+    if o.optimizer_mode is not None:
+        cfg[FLUXZERO_SECTION]["optimizer_mode"] = o.optimizer_mode
     return cfg
 
 
@@ -538,23 +656,45 @@ def _zero_section(o: DSOptions) -> dict:
     return z
 
 
+# DeepSpeed 0.19.8's warm-up schedulers (runtime/lr_schedules.py) against optimizer steps. Built with
+# last_batch_iteration -1, they set the lr for iteration "-1" (warmup_min_lr; WarmupCosineLR: ratio 0 whatever
+# warmup_min_ratio says) and the engine calls scheduler.step() after each optimizer step, so step k runs at
+# iteration k - 2 (steps 1 and 2 both at warmup_min_lr). Linear warm-up reaches the peak at iteration
+# warmup_num_steps (clamped to >= 2), log warm-up at warmup_num_steps - 1. Written as DeepSpeed's defaults,
+# "--warmup-steps 20" ran steps 1 and 2 at lr 0 and reached the peak at step 22. So gen-config writes
+#   warmup_min_lr    = min_lr + (lr - min_lr) / N  (the lr of step 1 of an N-step ramp from min_lr: step 1 trains)
+#   warmup_num_steps = N - 2 (linear), N - 1 (log)  (the peak is reached at step N)
+#   total_num_steps  = total - 1                      (decay and cosine: the last step still runs at lr > 0 /
+#                                                      reaches cos_min_ratio exactly at step `total`)
+# tests/test_ds_config_deepspeed.py reads engine.get_lr() before each step of real engines to hold this.
+WARMUP_OFFSET = {"linear": 2, "log": 1}
+
+
+def warmup_num_steps(o: DSOptions) -> int:
+    """DeepSpeed's warmup_num_steps that reaches the peak lr at optimizer step o.warmup_steps (see above)."""
+    if o.warmup_steps == 1:
+        return 2  # no warm-up: warmup_min_lr is then the peak itself, any value works
+    return o.warmup_steps - WARMUP_OFFSET[o.warmup_type]
+
+
 def _scheduler_params(o: DSOptions) -> dict:
-    if o.scheduler == "WarmupCosineLR":  # ratios of the optimizer's lr
+    first = o.min_lr + (o.lr - o.min_lr) / o.warmup_steps  # lr of optimizer step 1 (and 2)
+    if o.scheduler == "WarmupCosineLR":  # ratios of the optimizer's lr; step 1 runs at ratio 0 regardless
         return {
-            "total_num_steps": o.total_steps,
-            "warmup_min_ratio": o.min_lr / o.lr,
-            "warmup_num_steps": o.warmup_steps,
+            "total_num_steps": max(1, o.total_steps - 1),
+            "warmup_min_ratio": first / o.lr,
+            "warmup_num_steps": warmup_num_steps(o),
             "cos_min_ratio": o.cos_min_ratio,
             "warmup_type": o.warmup_type,
         }
     params = {
-        "warmup_min_lr": o.min_lr,
+        "warmup_min_lr": first,
         "warmup_max_lr": o.lr,
-        "warmup_num_steps": o.warmup_steps,
+        "warmup_num_steps": warmup_num_steps(o),
         "warmup_type": o.warmup_type,
     }
     if o.scheduler == "WarmupDecayLR":
-        params["total_num_steps"] = o.total_steps
+        params["total_num_steps"] = max(1, o.total_steps - 1)
     return params
 
 
@@ -638,7 +778,7 @@ ZERO_STAGE3_ONLY = frozenset(k for k in ZERO_KEYS if k.startswith("stage3_")) | 
     "use_all_reduce_for_fetch_params", "allgather_sequential",
 })
 ZERO_STAGE12_ONLY = frozenset({"allgather_bucket_size", "allgather_partitions", "round_robin_gradients"})
-FLUXZERO_KEYS = frozenset({"activation_checkpointing", "compile"})
+FLUXZERO_KEYS = frozenset({"activation_checkpointing", "compile", "optimizer_mode"})
 FLUXZERO_CHECKPOINTING_KEYS = frozenset({"every_k_blocks", "implementation"})
 FLUXZERO_COMPILE_KEYS = frozenset({"blocks", "mode", "backend"})
 # Constructor keywords of what deepspeed 0.19.8 builds for type Adam/AdamW, plus the keys the engine pops.

@@ -51,9 +51,18 @@ class DSView:
     allow_untested_optimizer: bool = False  # zero_allow_untested_optimizer
     optimizer_impl: str = "fused"  # Adam(W): "torch" (torch_adam), "torch-fused" (and fused), "fused" (DeepSpeed's)
     lr: float | None = None  # optimizer.params.lr
+    betas: tuple = (0.9, 0.999)  # optimizer.params.betas, eps, weight_decay (torch AdamW's defaults when absent;
+    eps: float = 1e-8  # what the trainer hands a client optimizer of an optimizer_mode)
+    weight_decay: float = 0.01
     scheduler: str | None = None  # scheduler.type; None: constant lr
     scheduler_total_steps: int | None = None  # scheduler.params.total_num_steps (WarmupDecayLR, WarmupCosineLR)
     load_universal: bool = False  # checkpoint.load_universal: resume from DeepSpeed's universal checkpoint
+    # fluxzero.optimizer_mode: a name in fluxzero.config.optim_modes.MODES; None = DeepSpeed builds the
+    # "optimizer" section's optimizer on its fp32 masters (the trainer then builds no client optimizer)
+    optimizer_mode: str | None = None
+    bf16_master_weights_and_grads: bool = False  # bf16.bf16_master_weights_and_grads
+    bf16_optimizer_states: bool = False  # bf16.bf16_optimizer_states
+    force_ds_cpu_optimizer: bool = True  # zero_force_ds_cpu_optimizer (0.19.8 default true)
 
     @property
     def dtype_name(self) -> str:
@@ -149,9 +158,16 @@ def view(ds: dict) -> DSView:
         allow_untested_optimizer=ds.get("zero_allow_untested_optimizer") is True,
         optimizer_impl=impl,
         lr=params.get("lr"),
+        betas=tuple(params.get("betas", (0.9, 0.999))),
+        eps=params.get("eps", 1e-8),
+        weight_decay=params.get("weight_decay", 0.01),
         scheduler=sch.get("type") if sch else None,
         scheduler_total_steps=sch_params.get("total_num_steps"),
         load_universal=section(ds, "checkpoint").get("load_universal") is True,
+        optimizer_mode=fz.get("optimizer_mode"),
+        bf16_master_weights_and_grads=bf16.get("bf16_master_weights_and_grads") is True,
+        bf16_optimizer_states=bf16.get("bf16_optimizer_states") is True,
+        force_ds_cpu_optimizer=ds.get("zero_force_ds_cpu_optimizer", True) is not False,
     )
 
 

@@ -23,8 +23,9 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from fluxzero.config import ds_view
+from fluxzero.config import ds_view, optim_modes
 from fluxzero.config.ds_view import checkpointed_blocks  # noqa: F401  (one definition; memory.checkpointed_blocks)
+from fluxzero.config.lora import LoraConfig, linear_shapes, lora_param_count
 from fluxzero.config.models import ModelConfig, get_model_config
 
 GiB = 1024**3
@@ -298,6 +299,11 @@ def run_options_from_ds_config(ds: dict, world_size: int | None = None) -> dict:
         out["optimizer"] = v.optimizer if v.optimizer in OPTIMIZER_STATE_BYTES else "adamw"
         out["optimizer_impl"] = v.optimizer_impl
     out["checkpoint_every"] = v.checkpoint_every  # the trainer checkpoints nothing without it
+    if v.optimizer_mode is not None:
+        out["optimizer_mode"] = v.optimizer_mode
+        mode = optim_modes.MODES.get(v.optimizer_mode)
+        if mode is not None and mode.master_dtype == "bf16" and v.stage == 0:
+            out["precision"] = "bf16"  # bf16 off in DeepSpeed: the trainer casts the model to bf16 itself
     if v.checkpoint_impl == "deepspeed":
         out["cpu_checkpointing"] = v.cpu_checkpointing
     out["zero"] = ZeroSettings.from_view(v)
@@ -332,6 +338,12 @@ class RunSpec:
     fragmentation: float | None = None  # (reserved - allocated) / per-step transients; None: see Estimate.fragmentation
     cuda_context_gib: float = 1.0  # CUDA context, cuBLAS workspace, NCCL buffers: outside the allocator
     device: str = "cuda"  # "cpu" only to compare with CPU measurements (rms_norm saves more there)
+    optimizer_mode: str | None = None  # fluxzero.config.optim_modes name; None: DeepSpeed's optimizer, fp32 masters
+    lora_rank: int = 0  # 0: full fine-tune; r: LoRA adapters of rank r on lora_targets, the base frozen
+    lora_targets: str | tuple[str, ...] = "attention+mlp"  # a fluxzero.config.lora TARGET_PRESETS name or patterns
+    lora_dropout: float = 0.0
+    ema: str | None = None  # None: no EMA; "fp32" | "bf16": EMA of the trained weights (fluxzero.config.ema)
+    ema_device: str = "gpu"  # "gpu" | "cpu" (ema.device)
 
     def __post_init__(self):
         if isinstance(self.model, str):
@@ -363,6 +375,23 @@ class RunSpec:
             raise ValueError(f"checkpoint_every must be 0 (off) or more, got {self.checkpoint_every}")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be cuda or cpu, got {self.device!r}")
+        if self.optimizer_mode is not None:
+            mode = optim_modes.get_mode(self.optimizer_mode)  # ValueError naming the modes
+            if self.stage not in mode.zero_stages:
+                raise ValueError(f"optimizer mode {mode.name} does not run at ZeRO stage {self.stage}")
+            if mode.master_dtype == "bf16" and self.offload_optimizer != "none":
+                raise ValueError(f"optimizer mode {mode.name} keeps bf16 masters, which deepspeed 0.19.8 cannot "
+                                 f"offload for a client optimizer: use offload_optimizer none or mode fp32")
+            if mode.master_dtype == "bf16" and self.precision != "bf16":
+                raise ValueError(f"optimizer mode {mode.name} trains in bf16, got precision {self.precision}")
+        if self.lora_rank:
+            if isinstance(self.lora_targets, list):
+                object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+            lora_config(self)  # validates rank and targets (ValueError naming the field)
+        if self.ema not in (None, "fp32", "bf16"):
+            raise ValueError(f"ema must be fp32, bf16 or None, got {self.ema!r}")
+        if self.ema_device not in ("gpu", "cpu"):
+            raise ValueError(f"ema_device must be gpu or cpu, got {self.ema_device!r}")
 
     @property
     def world_size(self) -> int:
@@ -482,24 +511,73 @@ def estimate(spec: RunSpec) -> Estimate:
     return Estimate(spec, items)
 
 
+# Transient bytes per stepped element of one optimizer step beyond its states, by optimizer mode, on one flat
+# 1-D tensor as ZeRO 1-3 hand it: measured on CPU by benchmarks/optim_step_memory.py (peak RSS over the steady
+# state, 5e7 elements, 2026-12). fp32: torch.optim.AdamW(foreach=False), sqrt then divide (two fp32
+# temporaries at once); the torchao modes (bf16-sr, adamw8bit-sr) run one torch.compile'd kernel per tensor
+# (upper bound: the first step's peak, compile included); ours do their math in eager fp32: bf16-kahan keeps
+# ~9 fp32 copies alive (g, m, v, p32, denom, update, the Kahan sum, stochastic-rounding noise), adafactor-sr ~8.
+# A ZeRO-1/2 partition is one tensor, so their step costs 36 / 31 B per element of it at once.
+MODE_STEP_TEMP = {"fp32": 8.0, "bf16-rtn": 8.0, "bf16-sr": 0.7, "bf16-kahan": 36.0, "adamw8bit-sr": 0.7,
+                  "adafactor-sr": 31.0}
+
+
+def optim_mode(s: RunSpec):
+    """The spec's OptimMode (fluxzero.config.optim_modes), or None for DeepSpeed's own optimizer."""
+    return None if s.optimizer_mode is None else optim_modes.get_mode(s.optimizer_mode)
+
+
+def lora_config(s: RunSpec) -> LoraConfig | None:
+    if not s.lora_rank:
+        return None
+    targets = s.lora_targets if isinstance(s.lora_targets, str) else list(s.lora_targets)
+    return LoraConfig(rank=s.lora_rank, targets=targets, dropout=s.lora_dropout)
+
+
+def trained_params(s: RunSpec, inv: ParamInventory | None = None) -> int:
+    """Parameters the optimizer steps: all of them, or the LoRA adapters' (fluxzero.config.lora_param_count)."""
+    lc = lora_config(s)
+    if lc is None:
+        return (inv or param_inventory(s.model)).total
+    return lora_param_count(s.model, lc)
+
+
 def _model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
-    P, N, b = inv.total, s.world_size, PRECISION_BYTES[s.precision]
+    N, b = s.world_size, PRECISION_BYTES[s.precision]
+    total = inv.total
+    lora = lora_config(s) is not None
+    # P: the parameters that train (gradients, master copy, optimizer states); the LoRA base is frozen
+    P = trained_params(s, inv)
+    frozen = total - P
     part = math.ceil(P / N)  # elements of one rank's partition
+    mode = optim_mode(s)
     opt = OPTIMIZER_STATE_BYTES[s.optimizer]
+    master_b = 4  # DeepSpeed's fp32 masters
+    if mode is not None:  # the mode's own bytes (fluxzero.config.optim_modes), partitioned below as DeepSpeed does
+        opt = mode.states if s.stage == 0 or mode.states_flat is None else mode.states_flat
+        master_b = int(mode.master) if mode.master_dtype == "bf16" else 4
+    bf16_master = mode is not None and mode.master_dtype == "bf16"
     off_opt, off_par = s.offload_optimizer != "none", s.offload_param != "none"
     opt_dev = {"none": "gpu", "cpu": "host", "nvme": "nvme"}[s.offload_optimizer]
+    largest_trained = max(inv.tensor_sizes) if not lora else max(1, P // max(1, _adapted_linears(s)))
     items: list[Item] = []
 
     def add(name, nbytes, where="gpu", phase="resident", note="", ds=False):
         items.append(Item(name, int(nbytes), where, phase, note, ds))
 
     # --- parameters and gradients in the model's dtype
+    what = "LoRA adapters" if lora else "parameters"
     if s.stage < 3:
-        add("parameters (full, %s)" % s.precision, b * P, note="every rank holds all of them below stage 3",
-            ds=True)
+        if lora:
+            add("frozen base parameters (%s)" % s.precision, b * frozen, note="LoRA: no gradients, no optimizer "
+                "states", ds=True)
+        add(f"{what} (full, {s.precision})", b * P, note="every rank holds all of them below stage 3", ds=True)
     else:
         where = {"none": "gpu", "cpu": "host", "nvme": "nvme"}[s.offload_param]
-        add("parameter partition (%s)" % s.precision, b * part, where, note="1/N of the parameters", ds=True)
+        if lora:
+            add("frozen base partition (%s)" % s.precision, b * math.ceil(frozen / N), where,
+                note="ZeRO-3 partitions the frozen base too", ds=True)
+        add(f"{what} partition ({s.precision})", b * part, where, note="1/N of the parameters", ds=True)
     overlap = s.zero.overlap_comm if s.zero.overlap_comm is not None else s.stage == 3
     if s.stage == 0:
         # made tensor by tensor in backward (the train phase counts what exists at its peak: "gradients made
@@ -508,50 +586,76 @@ def _model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     elif not off_opt:
         add("gradient partition (%s)" % s.precision, b * part, ds=True,
             note="stage 1/2: grads_in_partition, then averaged_gradients; stage 3: grad_partitions_flat_buffer")
-    if s.stage == 1 and not overlap:
-        # without overlap_comm, stage 1's gradient hooks do not reduce: every param.grad stays whole until
-        # the backward epilogue reduces them (stage_1_and_2.reduce_gradients)
-        add("gradients (full, %s) until backward ends" % s.precision, b * P, phase="train",
-            note="stage 1 without overlap_comm")
+    if s.stage == 1:
+        # Measured (benchmarks/zero1_grad_probe.py, real deepspeed 0.19.8 engines, 2 ranks): stage 1 holds a whole
+        # gradient's worth until backward ends. Without overlap_comm every param.grad stays whole until the
+        # epilogue reduces them (stage_1_and_2.reduce_gradients); with it, this rank's own gradients are copied
+        # into its partition as they come, but the other ranks' parameters keep their param.grad until then.
+        if overlap:
+            add("gradients of the other ranks' partitions (%s)" % s.precision, b * (P - part), phase="train",
+                note="stage 1 with overlap_comm: kept until backward ends (measured)")
+        else:
+            add("gradients (full, %s) until backward ends" % s.precision, b * P, phase="train",
+                note="stage 1 without overlap_comm (measured)")
 
-    # --- fp32 master copy and optimizer states
+    # --- master copy and optimizer states
+    mname = "bf16 master" if bf16_master else "fp32 master"
+    sname = f"optimizer states ({mode.name})" if mode is not None else "optimizer states (fp32)"
     if s.stage == 0:
-        if b < 4:
+        if bf16_master:
+            pass  # bf16 off in DeepSpeed, the model cast by the trainer: the optimizer steps the weights themselves
+        elif b < 4:
             add("fp32 master parameters", 4 * P, note="DeepSpeed FP16_Optimizer (bf16/fp16 at stage 0)")
-        add("optimizer states (fp32)", opt * P)
+        add(sname, opt * P)
     else:
-        add("fp32 master partition", 4 * part, opt_dev, note="single_partition_of_fp32_groups", ds=True)
-        add("optimizer state partition (fp32)", opt * part, opt_dev, ds=True)
+        add(f"{mname} partition", master_b * part, opt_dev, note="single_partition_of_fp32_groups", ds=True)
+        add(sname.replace("states", "state partition"), opt * part, opt_dev, ds=True)
 
     # --- transient copies at the optimizer step
+    if mode is not None:
+        impl_temp = MODE_STEP_TEMP[mode.name]
+        tnote = "benchmarks/optim_step_memory.py (CPU, flat partition)"
+    else:
+        impl_temp = 4 if s.optimizer_impl == "torch" else 0
+        tnote = "_foreach_sqrt(exp_avg_sq)"
     if s.stage == 0:
-        if b < 4 and s.optimizer_impl == "fused":
+        if bf16_master:
+            # torch's optimizers loop over tensors: one tensor's working set at a time
+            add("optimizer working set at step (one tensor)", impl_temp * largest_trained, phase="step", note=tnote)
+        elif b < 4 and s.optimizer_impl == "fused" and mode is None:
             add("fp32 gradient copies at step", 8 * P, phase="step",
                 note="FP16_Optimizer.step: list of p.grad.float() (4 B) flattened into one fp32 buffer (4 B)")
         elif b < 4:
             add("fp32 gradient copies at step", 4 * P, phase="step",
                 note="FP16_UnfusedOptimizer.step: fp32_param.grad = p.grad.to(fp32) for every tensor, then one "
                      "optimizer step over all")
-        if s.optimizer_impl == "torch":
-            add("optimizer temporary (torch foreach)", 4 * P, phase="step", note="_foreach_sqrt(exp_avg_sq)")
+        if impl_temp and not bf16_master:
+            add("optimizer temporary at step" if mode else "optimizer temporary (torch foreach)",
+                impl_temp * (largest_trained if mode else P), phase="step", note=tnote)
     elif not off_opt:
-        sg = part if s.stage < 3 else inv.largest_sub_group(N, s.zero.sub_group_size)
+        sg = part if s.stage < 3 else min(part, inv.largest_sub_group(N, s.zero.sub_group_size)) if not lora \
+            else min(part, s.zero.sub_group_size)
         note = "stage_1_and_2.step: flatten(averaged_gradients) then .float()" if s.stage < 3 else \
             "stage3._prepare_fp32_grad_for_sub_group, one sub_group_size at a time"
-        add("fp32 gradient partition at step", 4 * sg, phase="step", note=note, ds=True)
+        if not bf16_master:  # with bf16 masters .to(master dtype) returns the flattened copy itself
+            add("fp32 gradient partition at step", 4 * sg, phase="step", note=note, ds=True)
         add("flattened %s gradient copy at step" % s.precision, b * sg, phase="step", note=note)
-        if s.optimizer_impl == "torch":
-            add("optimizer temporary (torch foreach)", 4 * sg, phase="step", note="_foreach_sqrt(exp_avg_sq)")
+        if impl_temp:
+            add("optimizer temporary at step" if mode else "optimizer temporary (torch foreach)", impl_temp * sg,
+                phase="step", note=tnote)
     else:
         # The optimizer runs on the host; gradients travel there in fp32 during backward.
         add("fp32 gradient partition (offloaded)", 4 * part, opt_dev, ds=True,
             note="pinned buffers that receive the reduced gradients")
+        if impl_temp:
+            add("optimizer temporary at step (host)", impl_temp * (part if s.stage < 3 else min(
+                part, s.zero.sub_group_size)), opt_dev, phase="step", note=tnote)
         if s.stage < 3:
             add("%s partition staging buffer" % s.precision, b * part, "host",
                 note="param_buffer_of_bit16_for_cpu_offload_groups")
-            largest = max(inv.tensor_sizes)
-            add("gradient offload staging (largest tensor)", b * largest, note="temp_grad_buffer_for_gpu_offload")
-            add("gradient offload staging (largest tensor, pinned)", b * largest, "host",
+            add("gradient offload staging (largest tensor)", b * largest_trained,
+                note="temp_grad_buffer_for_gpu_offload")
+            add("gradient offload staging (largest tensor, pinned)", b * largest_trained, "host",
                 note="temp_grad_buffer_for_cpu_offload")
     if off_opt and s.stage == 3 and b < 4:
         add("%s gradient partition (offloaded)" % s.precision, b * part, "host",
@@ -561,32 +665,68 @@ def _model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         add("NVMe swap buffers (pinned)", (4 + opt) * swap + (5 * 100_000_000 * b if off_par else 0), "host",
             note="one sub-group's fp32 master + states swapped in; parameters: buffer_count 5 x buffer_size 1e8")
 
+    # --- EMA of the trained weights (fluxzero.train.ema.ShardedEMA): beside this rank's master partition
+    if s.ema is not None:
+        from fluxzero.config.ema import EmaConfig
+
+        partitioned = s.stage >= 1 or (b < 4 and not bf16_master)  # BF16/FP16 optimizer at stage 0 partitions
+        per = EmaConfig(dtype=s.ema).bytes_per_param(N, partitioned)
+        where = "host" if s.ema_device == "cpu" else "gpu"
+        add(f"EMA ({s.ema})", per * P, where, note=("1/N, like the master partition" if partitioned and N > 1
+                                                    else "whole on every rank") + f", ema.device {s.ema_device}")
+
     # --- building the model and the engine (fluxzero.train.engine.build_engine): below stage 3 the model is born
     # in fp32 on the GPU; deepspeed.initialize casts it tensor by tensor, then the ZeRO-1/2 optimizer copies
     # the parameters into one flat buffer (on the GPU when it has room) and the FP16_Optimizer of stage 0
     # clones them twice more (flat copy, then its fp32 master).
-    if s.stage == 0 and b < 4 and s.optimizer_impl != "fused":
+    if bf16_master and s.stage == 0:
+        add("building the engine", 4 * total + b * inv.largest_layer, phase="init",
+            note="fp32 model, cast to bf16 by the trainer tensor by tensor (no master copy)")
+    elif s.stage == 0 and b < 4 and s.optimizer_impl != "fused" or (s.stage == 0 and mode is not None):
         # torch AdamW is not a DeepSpeed FusedAdam: the engine wraps it in FP16_UnfusedOptimizer, whose
         # initialize_optimizer_states gives every tensor a zero bf16 and fp32 grad and runs one step (which
         # creates the states) before it frees the grads: the same 20 B/param as the steady-state step
-        temp = 4 * P if s.optimizer_impl == "torch" else 0
-        add("building the engine", (b + 4 + b + 4 + opt) * P + temp, phase="init",
+        temp = 4 * P if s.optimizer_impl == "torch" and mode is None else 0
+        add("building the engine", (b + 4 + b + 4 + opt) * P + b * frozen + temp, phase="init",
             note="params, fp32 master clones, zero bf16 + fp32 grads, optimizer states (FP16_UnfusedOptimizer)")
     elif s.stage == 0:
-        add("building the engine", (8 if b < 4 else 4) * P, phase="init",
+        add("building the engine", (8 if b < 4 else 4) * P + 4 * frozen, phase="init",
             note="fp32 model, bf16 cast, flat copy and fp32 master (FP16_Optimizer)")
     elif s.stage < 3:
-        add("building the engine", max(4 * P + b * inv.largest_layer, 2 * b * P), phase="init",
+        add("building the engine", max(4 * total + b * inv.largest_layer, b * total + b * P), phase="init",
             note="fp32 model cast to %s, then flattened (stage_1_and_2 __init__)" % s.precision)
 
     # --- host copy of the model while loading (each local rank, before deepspeed.initialize)
     zero_init = s.stage == 3 and s.zero_init
-    loaded = inv.largest_layer if zero_init else P
+    loaded = inv.largest_layer if zero_init else total
     add("model load (%d B/param)" % s.load_bytes, s.load_bytes * loaded, "host", "load",
         note="largest layer at a time under zero.Init" if zero_init else "whole model on every local rank",
         ds=True)
     add("process (CUDA runtime, libraries)", 2 * GiB, "host", note="per rank; assumed typical RSS")
     return items
+
+
+def _largest_trained_layer(s: RunSpec, inv: ParamInventory) -> int:
+    """Elements of the largest gradient one layer makes at once (a LoRA adapter's A and B under LoRA)."""
+    lc = lora_config(s)
+    if lc is None:
+        return inv.largest_layer
+    import fnmatch
+
+    shapes = linear_shapes(s.model)
+    chosen = [sum(shapes[n]) for n in shapes if any(fnmatch.fnmatchcase(n, p) for p in lc.patterns)]
+    return lc.rank * max(chosen, default=0)
+
+
+def _adapted_linears(s: RunSpec) -> int:
+    """How many linears the LoRA targets adapt (0 without LoRA)."""
+    import fnmatch
+
+    lc = lora_config(s)
+    if lc is None:
+        return 0
+    shapes = linear_shapes(s.model)
+    return len({n for p in lc.patterns for n in shapes if fnmatch.fnmatchcase(n, p)})
 
 
 def _communication_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
@@ -602,7 +742,7 @@ def _communication_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         items.append(Item("gradient reduction buckets", n * b * z.reduce_bucket_size, "gpu", "train",
                           f"ipg buffers: reduce_bucket_size x {n} (overlap_comm={overlap}), freed when "
                           f"backward ends"))
-        items.append(Item("gradient being produced", b * inv.largest_layer, "gpu", "train",
+        items.append(Item("gradient being produced", b * _largest_trained_layer(s, inv), "gpu", "train",
                           "one layer's full gradient before it is copied into a bucket"))
         # allgather_bucket_size costs nothing with NCCL: all_gather_into_tensor writes into the flat buffer.
     else:
@@ -617,7 +757,7 @@ def _communication_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         prefetch = min(z.prefetch_bucket_size, max(0, z.max_live_parameters - unit))
         items.append(Item("live (gathered) parameters", b * (unit + prefetch), "gpu", "train",
                           "largest gather unit + prefetch bucket (capped by max_live_parameters)", ds=True))
-        items.append(Item("gradient being produced", b * inv.largest_layer, "gpu", "train",
+        items.append(Item("gradient being produced", b * _largest_trained_layer(s, inv), "gpu", "train",
                           "one layer's full gradient before it enters the bucket", ds=True))
         persistent = inv.persistent(z.param_persistence_threshold)
         items.append(Item("persistent parameters", b * persistent, "gpu", "resident",
@@ -639,6 +779,8 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     att = "math" if s.attention == "math" else "flash"
     d = sum(double_block_saved(cfg, I, T, b, device=s.device, attention=att).values())
     si = sum(single_block_saved(cfg, I, T, b, device=s.device, attention=att).values())
+    lora_d, lora_s = lora_block_saved(s)
+    d, si = d + lora_d, si + lora_s
     k = s.checkpoint_every
     kinds = [d] * cfg.depth + [si] * cfg.depth_single_blocks
     ckpt = [k > 0 and j % k == 0 for j in range(len(kinds))]
@@ -650,6 +792,8 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     # they grow block by block (the head's first) while the activations shrink, and the peak may come later
     inv = param_inventory(cfg)
     params = [inv.double_block] * cfg.depth + [inv.single_block] * cfg.depth_single_blocks
+    if s.lora_rank:  # only the adapters get gradients: spread them over the blocks like the parameters
+        params = [n * trained_params(s, inv) / inv.total for n in params]
     g_bytes = b if s.stage == 0 else 0
     grads = g_bytes * (inv.outside_blocks - _embedder_params(cfg))  # the head's, made before the blocks
     peak, alive = stored, stored
@@ -666,6 +810,34 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     return {"stored": B * stored, "recompute": B * (peak - stored), "workspace": B * workspace, "on_host": on_host,
             "grads_net": both - B * peak, "per_block_double": d, "per_block_single": si,
             "checkpointed": sum(ckpt)}
+
+
+def lora_block_saved(s: RunSpec) -> tuple[int, int]:
+    """(double, single) block bytes per sample that LoRA adapters add to what autograd saves.
+
+    The base linears are frozen, so backward runs no weight-gradient matmul for them, but it still needs each
+    adapted linear's input x for A's gradient (the same tensor the block saves already) and saves the
+    adapter's own A x (rank values per token) for B's gradient; with dropout, the dropped-out copy of x too.
+    """
+    import fnmatch
+
+    lc = lora_config(s)
+    if lc is None:
+        return 0, 0
+    b, I, T = PRECISION_BYTES[s.precision], s.img_tokens, s.txt_len
+    shapes = linear_shapes(s.model)
+    out = [0, 0]
+    for name, (n_in, _) in shapes.items():
+        if not (name.startswith("double_blocks.0.") or name.startswith("single_blocks.0.")):
+            continue
+        if not any(fnmatch.fnmatchcase(name, p) for p in lc.patterns):
+            continue
+        single = name.startswith("single_blocks.")
+        tokens = I + T if single else (T if ".txt_" in name else I)
+        if name.endswith("_mod.lin") or name.endswith("modulation.lin"):
+            tokens = 1  # the modulation reads one vector per sample
+        out[single] += tokens * (lc.rank + (n_in if lc.dropout else 0)) * b
+    return out[0], out[1]
 
 
 def _embedder_params(cfg: ModelConfig) -> int:
@@ -704,8 +876,13 @@ STAGE_OFFLOAD_GRID: tuple[tuple[int, str, str], ...] = (
 def table(spec: RunSpec, zero_by_stage: dict[int, ZeroSettings] | None = None) -> list[tuple[RunSpec, Estimate]]:
     """The same run over ZeRO stages 0-3 x offload choices (fastest first); `zero_by_stage` gives each stage's
     communication settings (default: the spec's own for every row)."""
-    rows = (spec.replace(stage=st, offload_optimizer=oo, offload_param=op,
-                         zero=(zero_by_stage or {}).get(st, spec.zero)) for st, oo, op in STAGE_OFFLOAD_GRID)
+    rows = []
+    for st, oo, op in STAGE_OFFLOAD_GRID:
+        try:  # a row the spec's optimizer mode cannot run (bf16 masters with offload) is left out
+            rows.append(spec.replace(stage=st, offload_optimizer=oo, offload_param=op,
+                                     zero=(zero_by_stage or {}).get(st, spec.zero)))
+        except ValueError:
+            continue
     return [(r, estimate(r)) for r in rows]
 
 
@@ -764,30 +941,77 @@ class FitResult:
 
 
 CHECKPOINT_CHOICES = (0, 8, 4, 2, 1)  # every k-th block: none, 1/8, 1/4, 1/2, all
+# Optimizer modes --fit tries, best training quality first; None = DeepSpeed's own optimizer on fp32 masters
+# (the reference). The order of the bf16 modes is the README's measured distance from fp32 masters (weight
+# change off by 0.05% bf16-kahan, 3.0% adamw8bit-sr, 4.4% bf16-sr); adafactor-sr last: not AdamW's trajectory.
+FIT_MODES: tuple[str | None, ...] = (None, "bf16-kahan", "adamw8bit-sr", "bf16-sr", "adafactor-sr")
+
+
+def fit_grid(modes: tuple[str | None, ...] = (None,), fixed: dict | None = None,
+             allow_nvme: bool = True) -> list[tuple[int, str, str, str | None]]:
+    """(stage, optimizer offload, parameter offload, optimizer mode) in the order fit tries them.
+
+    No offload with fp32 masters first; then the bf16-master modes without offload (same speed, less
+    training fidelity: each prints its caveat); then offload, which runs the optimizer step on the CPU and
+    moves states over PCIe every step (fp32 masters only: deepspeed 0.19.8 offloads bf16 masters only for its
+    DeepSpeedCPUAdam); NVMe last. Within a level the lowest stage first.
+    """
+    fixed = fixed or {}
+    rows = []
+    for st, oo, op in STAGE_OFFLOAD_GRID:
+        if oo == "none" and op == "none":
+            continue
+        rows.append((st, oo, op, None if None in modes else "fp32"))
+    plain = [(st, oo, op) for st, oo, op in STAGE_OFFLOAD_GRID if oo == op == "none"]
+    first = [(st, oo, op, m) for m in modes for st, oo, op in plain
+             if m is None or optim_modes.get_mode(m).master_dtype == "fp32"]
+    second = [(st, oo, op, m) for m in modes for st, oo, op in plain
+              if m is not None and optim_modes.get_mode(m).master_dtype == "bf16"]
+    if not any(optim_modes.get_mode(m).master_dtype == "fp32" for m in modes if m is not None) and None not in modes:
+        rows = []  # only bf16-master modes asked for: nothing may offload
+    out = []
+    for st, oo, op, m in first + second + rows:
+        if fixed.get("stage", st) != st or fixed.get("offload_optimizer", oo) != oo \
+                or fixed.get("offload_param", op) != op or (not allow_nvme and "nvme" in (oo, op)):
+            continue
+        if m is not None and st not in optim_modes.get_mode(m).zero_stages:
+            continue
+        if (st, oo, op, m) not in out:
+            out.append((st, oo, op, m))
+    return out
 
 
 def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int = 16,
         micro_batches: tuple[int, ...] | None = None, fixed: dict | None = None,
-        zero_by_stage: dict[int, ZeroSettings] | None = None, allow_nvme: bool = True) -> FitResult:
+        zero_by_stage: dict[int, ZeroSettings] | None = None, allow_nvme: bool = True,
+        modes: tuple[str | None, ...] = (None,), settings_for=None) -> FitResult:
     """The fastest configuration of `base` that fits `hw` with `margin`, and why.
 
-    Order (each level dominates the next): no offload, then optimizer offload, then parameter offload, then
-    NVMe -- offload runs the optimizer step on the CPU and moves states over PCIe every step, slower than
-    any other choice here; then the lowest ZeRO stage -- stage 3 re-gathers every parameter in forward,
-    again in backward (and in recompute), 1.5x the traffic of stages 1-2, and stage 1/2 only add memory
-    savings over 0; then, at that stage, the (micro batch, checkpointing) pair with the best
+    Order (each level dominates the next; `fit_grid`): no offload with fp32 masters, then the optimizer
+    `modes` with bf16 masters without offload (best quality first), then optimizer offload, then parameter
+    offload, then NVMe -- offload runs the optimizer step on the CPU and moves states over PCIe every step,
+    slower than any other choice here; then the lowest ZeRO stage -- stage 3 re-gathers every parameter in
+    forward, again in backward (and in recompute), 1.5x the traffic of stages 1-2, and stage 1/2 only add
+    memory savings over 0; then, at that stage, the (micro batch, checkpointing) pair with the best
     `throughput_proxy` -- fewest checkpointed blocks unless a larger micro batch gains more, larger micro
     batch on ties.
 
     `fixed` pins any of stage, offload_optimizer, offload_param, micro_batch, checkpoint_every (what the user
     chose himself); `zero_by_stage` gives the communication settings each stage will really be written with.
+    `settings_for(stage, offload_optimizer, offload_param, mode)`, when given, returns the RunSpec fields of the
+    very config that row would be written as (gen-config builds it and reads it back with
+    run_options_from_ds_config), or raises ValueError when it cannot be written (the row is skipped with that
+    reason): what is modelled is what is written.
     """
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     fixed = dict(fixed or {})
-    unknown = set(fixed) - {"stage", "offload_optimizer", "offload_param", "micro_batch", "checkpoint_every"}
+    unknown = set(fixed) - {"stage", "offload_optimizer", "offload_param", "micro_batch", "checkpoint_every",
+                            "optimizer_mode"}
     if unknown:
         raise ValueError(f"fit cannot pin {sorted(unknown)}")
+    if "optimizer_mode" in fixed:
+        modes = (fixed.pop("optimizer_mode"),)
     base = base.replace(nodes=hw.nodes, gpus_per_node=hw.gpus_per_node)
     micros = micro_batches or tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= max_micro_batch)
     if "micro_batch" in fixed:
@@ -795,13 +1019,25 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
     if not micros:
         raise ValueError("no micro batch to try: raise the largest micro batch allowed")
     ckpts = (fixed["checkpoint_every"],) if "checkpoint_every" in fixed else CHECKPOINT_CHOICES
-    grid = [(st, oo, op) for st, oo, op in STAGE_OFFLOAD_GRID
-            if fixed.get("stage", st) == st and fixed.get("offload_optimizer", oo) == oo
-            and fixed.get("offload_param", op) == op and (allow_nvme or "nvme" not in (oo, op))]
+    grid = fit_grid(modes, fixed, allow_nvme)
     rejected: list[str] = []
-    for st, oo, op in grid:
-        stage_base = base.replace(stage=st, offload_optimizer=oo, offload_param=op,
-                                  zero=(zero_by_stage or {}).get(st, base.zero))
+    for st, oo, op, mode in grid:
+        label = _label(st, oo, op) + (f", optimizer mode {mode}" if mode else "")
+        precision = "bf16" if mode is not None and optim_modes.get_mode(mode).master_dtype == "bf16" \
+            else base.precision
+        row = {"stage": st, "offload_optimizer": oo, "offload_param": op, "optimizer_mode": mode,
+               "precision": precision, "zero": (zero_by_stage or {}).get(st, base.zero)}
+        if settings_for is not None:
+            try:
+                row.update(settings_for(st, oo, op, mode))
+            except ValueError as e:
+                rejected.append((st, oo, op, mode, f"not written ({e})"))
+                continue
+        try:
+            stage_base = base.replace(**row)
+        except ValueError as e:
+            rejected.append((st, oo, op, mode, str(e)))
+            continue
         fitting = []
         for ck in ckpts:
             for mb in micros:
@@ -810,23 +1046,48 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
                 if not verdict(est, hw, margin)[0]:
                     break  # a larger micro batch will not fit either
                 fitting.append((throughput_proxy(cand), mb, -_ckpt_count(cand), cand, est))
-        label = _label(st, oo, op)
         if not fitting:
             smallest = stage_base.replace(micro_batch=micros[0], checkpoint_every=max(ckpts, key=_ckpt_rank))
             _, why = verdict(estimate(smallest), hw, margin)
-            rejected.append(f"{label}: even micro batch {micros[0]} with {_ckpt_text(smallest.checkpoint_every)} "
-                            f"does not fit ({why})")
+            rejected.append((st, oo, op, mode, f"even micro batch {micros[0]} with "
+                             f"{_ckpt_text(smallest.checkpoint_every)} does not fit ({why})"))
             continue
         fitting.sort(key=lambda t: t[:3], reverse=True)
         _, mb, _, spec, est = fitting[0]
-        reason = rejected + [f"chose {label}: " + _why_choice(spec, est, hw, margin, micros, ckpts)]
+        reason = _rejections(rejected) + [f"chose {label}: " + _why_choice(spec, est, hw, margin, micros, ckpts)]
         options = {"stage": st, "offload_optimizer": oo, "offload_param": op, "micro_batch": mb,
-                   "checkpoint_every": spec.checkpoint_every}
+                   "checkpoint_every": spec.checkpoint_every, "optimizer_mode": mode}
+        if mode is not None:
+            m = optim_modes.get_mode(mode)
+            reason.append(f"optimizer mode {mode} ({m.optimizer}): {m.caveat}"
+                          + (f"; needs pip install 'fluxzero[{m.extra}]'" if m.extra else ""))
         return FitResult(spec, est, "\n".join(reason), options)
     if not grid:
         return FitResult(None, None, "nothing to try: the pinned stage and offload choices contradict each other")
-    return FitResult(None, None, "\n".join(rejected + [_what_would_fit(base, hw, margin, micros[0], fixed,
+    return FitResult(None, None, "\n".join(_rejections(rejected) + [_what_would_fit(base, hw, margin, micros[0], fixed,
                                                                          allow_nvme)]))
+
+
+def _rejections(rows: list[tuple]) -> list[str]:
+    """One line per (offload, mode) group of rejected rows: "ZeRO-0, 1: ..." with each stage's reason, the
+    common beginning ("even micro batch 1 with ... does not fit") said once."""
+    groups: dict[tuple, list[tuple[int, str]]] = {}
+    for st, oo, op, mode, why in rows:
+        groups.setdefault((oo, op, mode), []).append((st, why))
+    out = []
+    for (oo, op, mode), items in groups.items():
+        label = _label(items[0][0], oo, op) + (f", optimizer mode {mode}" if mode else "")
+        if len(items) == 1:
+            out.append(f"{label}: {items[0][1]}")
+            continue
+        head = label.replace(f"ZeRO-{items[0][0]}", "ZeRO-" + "/".join(str(st) for st, _ in items), 1)
+        prefix = items[0][1].split(" (")[0] + " ("
+        if all(why.startswith(prefix) for _, why in items):
+            out.append(f"{head}: {prefix[:-2]}: " + "; ".join(f"ZeRO-{st}: {why[len(prefix):-1]}"
+                                                            for st, why in items))
+        else:
+            out.append(f"{head}: " + "; ".join(f"ZeRO-{st}: {why}" for st, why in items))
+    return out
 
 
 def _ckpt_rank(k: int) -> float:

@@ -1,0 +1,83 @@
+"""One optimizer-offload step on this machine's CPU: torch.optim.AdamW (what gen-config writes with
+`"torch_adam": true`, fused and foreach) against DeepSpeedCPUAdam (`--adam-impl cpu`).
+
+What ZeRO-Offload's CPU step does, on one flat fp32 partition of N parameters (its gradient filled in, as
+the reduced gradients arrive in pinned host memory): one `optimizer.step()`. Each optimizer takes one
+untimed step first (state allocation; DeepSpeedCPUAdam's JIT build, ~2 minutes the first time, happens at
+construction and is timed apart), then the median of --steps timed steps.
+
+    python benchmarks/cpu_adam_speed.py --params 250e6 --steps 3 --out $OUT
+
+Writes cpu_adam_<host CPU count>cpu.json under --out. The ratio holds for the machine it ran on: a 2-core
+development machine says little about a GPU host's many-core CPUs (DeepSpeedCPUAdam's AVX kernel and
+torch's fused kernel both scale with cores and memory bandwidth, not necessarily alike).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+
+def step_times(opt, params, steps: int) -> list[float]:
+    opt.step()  # untimed: allocates exp_avg / exp_avg_sq
+    out = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        opt.step()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", type=float, default=250e6, help="fp32 parameters in the flat partition")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_extensions"))
+    import torch
+
+    n = int(a.params)
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(n) * 0.02)
+    p.grad = torch.randn(n) * 1e-3
+    kw = dict(lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    rows = {}
+    for name, make in (("torch AdamW(fused=True)", lambda: torch.optim.AdamW([p], fused=True, **kw)),
+                       ("torch AdamW(foreach=True)", lambda: torch.optim.AdamW([p], foreach=True, **kw))):
+        opt = make()
+        times = step_times(opt, [p], a.steps)
+        rows[name] = {"median_s": statistics.median(times), "times_s": times}
+        print(f"{name:<28} {statistics.median(times):7.3f} s / step", flush=True)
+        del opt
+    t0 = time.perf_counter()
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    opt = DeepSpeedCPUAdam([p], adamw_mode=True, **kw)
+    build = time.perf_counter() - t0
+    times = step_times(opt, [p], a.steps)
+    rows["DeepSpeedCPUAdam"] = {"median_s": statistics.median(times), "times_s": times, "build_s": build}
+    print(f"{'DeepSpeedCPUAdam':<28} {statistics.median(times):7.3f} s / step (construction incl. JIT build "
+          f"{build:.0f} s)", flush=True)
+    result = {"params": n, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+              "processor": platform.processor() or platform.machine(), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
+    try:
+        import deepspeed
+
+        result["deepspeed"] = deepspeed.__version__
+    except ImportError:
+        pass
+    out = Path(a.out) / f"cpu_adam_{os.cpu_count()}cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
