@@ -133,8 +133,12 @@ class ShardLoader:
         if num_workers > 0:
             kwargs = {"persistent_workers": True, "prefetch_factor": prefetch_factor,
                       "multiprocessing_context": multiprocessing_context}
+        # its own generator: each iterator draws a base seed, and from torch's global one that draw would move
+        # the global stream (which stochastic rounding in the optimizer modes reads) whenever an iterator is
+        # made, so a resumed run, which makes one mid-epoch, would round differently from the uninterrupted one
         self._dl = DataLoader(_Dataset(source), batch_sampler=self._sampler, num_workers=num_workers,
-                              collate_fn=_collate, pin_memory=bool(pin_memory and torch.cuda.is_available()), **kwargs)
+                              collate_fn=_collate, pin_memory=bool(pin_memory and torch.cuda.is_available()),
+                              generator=torch.Generator().manual_seed(_seed("loader", seed, rank)), **kwargs)
 
     def _plan(self, epoch: int) -> list[list[int]]:
         if self._plan_cache is None or self._plan_cache[0] != epoch:

@@ -74,7 +74,7 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     if state:
         loader.load_state_dict(state["loader"], allow_data_change=allow_config_change)
     start = state["step"] if state else 0
-    dtype = getattr(torch, v.dtype_name)
+    dtype = ds_engine.model_dtype(v)
     run = Run(engine, loader, ds, v, ckpt_dir, total, min(total, cfg.stop_after) if cfg.stop_after else total,
                start, str(ckpt_dir / tag) if tag else None, model_cfg.flops_per_sample, dtype)
     run.step = TrainStep(engine, batches(loader), cfg.flow, seed=cfg.seed, grad_accum=v.grad_accum,

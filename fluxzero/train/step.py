@@ -71,7 +71,7 @@ class TrainStep:
 
     def __call__(self) -> StepResult:
         engine, phase = self.engine, self.on_phase
-        lr = engine.get_lr()[0]  # before engine.step: a DeepSpeed scheduler moves on inside it
+        lr = float(engine.get_lr()[0])  # before engine.step (a scheduler moves on inside it); torchao keeps a tensor
         loss_sum = torch.zeros((), device=self.device)
         self._micro = []  # (loss, sample indices) of each micro batch: which samples a non-finite loss came from
         for micro in range(self.grad_accum):
