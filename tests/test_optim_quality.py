@@ -164,7 +164,8 @@ def test_missing_torchao_is_one_sentence_naming_the_extra():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == "optimizer mode 'bf16-sr' needs torchao: pip install 'fluxzero[lowmem]'"
+    assert r.stdout.strip() == ("optimizer mode 'bf16-sr' needs torchao: pip install -e '.[lowmem]' in the fluxzero "
+                                "checkout")
 
 
 def test_registry_is_pure_and_adds_up():

@@ -271,11 +271,11 @@ def _torchao_optim(mode: str):
     try:
         import torchao.optim
     except ImportError:
-        raise OptimModeError(f"optimizer mode {mode!r} needs torchao: pip install 'fluxzero[{MODES[mode].extra}]'"
-                             ) from None
+        raise OptimModeError(f"optimizer mode {mode!r} needs torchao: pip install -e '.[{MODES[mode].extra}]' in "
+                             f"the fluxzero checkout") from None
     if not hasattr(torchao.optim, "_AdamW"):
         raise OptimModeError(f"optimizer mode {mode!r} needs torchao 0.18 or later (it has no bf16-state AdamW "
-                             f"before that): pip install -U 'fluxzero[{MODES[mode].extra}]'")
+                             f"before that): pip install -U -e '.[{MODES[mode].extra}]'")
     return torchao.optim
 
 
