@@ -333,3 +333,118 @@ def test_torch_names_exist():
         assert hasattr(torch.optim.lr_scheduler, name), name
     for name in ds_config.TORCH_OPTIMIZERS:
         assert hasattr(torch.optim, name), name
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the lr schedules gen-config writes, read from real engines: engine.get_lr() before each optimizer step
+
+_LR_PROBE = r"""
+import importlib, json, os, socket, sys
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+import torch, deepspeed
+importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # unused C++ op, ~60 s build
+deepspeed.init_distributed(dist_backend="gloo")
+for arg in sys.argv[1:]:
+    cfg = json.loads(arg)
+    cfg.pop("fluxzero")
+    model = torch.nn.Linear(4, 1)
+    eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    lrs = []
+    for step in range(cfg.pop("_steps", 0) or 8):
+        lrs.append(eng.get_lr()[0])  # the lr this optimizer step will use
+        eng.backward(eng(torch.randn(1, 4)).pow(2).mean())
+        eng.step()
+    print("LRS", json.dumps(lrs))
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_warmup_lr_of_real_engines():
+    """gen-config's WarmupLR (linear and log) and WarmupDecayLR: step 1 already trains (lr / N) and the lr is
+    reached at step N = --warmup-steps (DeepSpeed's defaults ran steps 1 and 2 at 0 and peaked at N + 2);
+    WarmupCosineLR runs step 1 at 0 whatever its warmup_min_ratio (its constructor sets ratio 0) and ends
+    its cosine at the last --total-steps step."""
+    import subprocess
+    import sys
+
+    def cfg(*args):
+        c = build(options_from(None, precision="fp32", zero_stage=0, checkpoint_every=0, gradient_clipping=0.0,
+                               lr=1e-3, **dict(zip(args[::2], args[1::2]))))
+        return json.dumps(c)
+
+    argv = [cfg("warmup_steps", 5), cfg("warmup_steps", 5, "warmup_type", "log"),
+            cfg("scheduler", "WarmupDecayLR", "warmup_steps", 4, "total_steps", 8),
+            cfg("scheduler", "WarmupCosineLR", "warmup_steps", 4, "total_steps", 8, "cos_min_ratio", 0.1)]
+    r = subprocess.run([sys.executable, "-c", _LR_PROBE, *argv], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    linear, log, decay, cosine = (json.loads(ln[4:]) for ln in r.stdout.splitlines() if ln.startswith("LRS "))
+    # float tolerance: DeepSpeed computes min + delta * gamma in Python floats
+    assert linear == pytest.approx([2e-4, 2e-4, 2e-4 + 8e-4 / 3, 2e-4 + 16e-4 / 3, 1e-3, 1e-3, 1e-3, 1e-3])
+    assert log[0] == pytest.approx(2e-4) and log[4] == pytest.approx(1e-3) and log[3] < 1e-3
+    assert decay[0] == pytest.approx(2.5e-4) and decay[3] == pytest.approx(1e-3) and 0 < decay[7] < decay[4]
+    assert cosine[0] == 0.0 and cosine[1] == pytest.approx(2.5e-4) and cosine[7] == pytest.approx(1e-4)
+
+
+_MODE_ENGINES = r"""
+import importlib, json, os, socket, sys, warnings
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+warnings.filterwarnings("ignore")
+import torch, deepspeed
+importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # unused C++ op, ~60 s build
+deepspeed.init_distributed(dist_backend="gloo")
+from fluxzero.train.optim import build_optimizer
+for arg in sys.argv[1:]:
+    cfg = json.loads(arg)
+    mode = cfg.pop("fluxzero")["optimizer_mode"]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+    if "bf16" not in cfg:
+        model = model.bfloat16()  # ZeRO 0, bf16 modes: the trainer casts the model (bf16 off in DeepSpeed)
+    opt = build_optimizer(model.parameters(), mode, lr=1e-4)
+    try:
+        eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+        for _ in range(2):
+            eng.backward(eng(torch.randn(2, 64, dtype=torch.bfloat16)).float().pow(2).mean())
+            eng.step()
+        # the tensors the client optimizer steps: its param groups (ZeRO 0-2), ZeRO-3's flat sub-groups
+        stepped = {str(p.dtype) for g in opt.param_groups for p in g["params"]}
+        stepped |= {str(t.dtype) for t in getattr(eng.optimizer, "fp32_partitioned_groups_flat", [])}
+        print(json.dumps({"mode": mode, "ok": True, "stepped": sorted(stepped), "steps": eng.global_steps}))
+    except Exception as e:  # what DeepSpeed refused, in its words
+        print(json.dumps({"mode": mode, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}))
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_mode_configs_start_real_engines():
+    """What gen-config writes for a mode is what DeepSpeed 0.19.8 needs for its client optimizer: ZeRO 0 (bf16 off),
+    ZeRO 2, ZeRO 3 with parameter offload (bf16 masters on the GPU); fp32 masters with optimizer offload. And the
+    combination check-config refuses (bf16 masters with optimizer offload) is refused by DeepSpeed itself."""
+    pytest.importorskip("torchao")
+    import subprocess
+    import sys
+
+    def cfg(mode, stage, **kw):
+        return build(options_from(None, model="flux-tiny", optimizer_mode=mode, zero_stage=stage, checkpoint_every=0,
+                                  gradient_clipping=0.0, scheduler="none", **kw))
+
+    written = [cfg("bf16-kahan", 0), cfg("bf16-sr", 2), cfg("adamw8bit-sr", 3, offload_param="cpu"),
+               cfg("fp32", 2, offload_optimizer="cpu")]
+    refused = cfg("bf16-kahan", 2)
+    refused["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    assert any("offloads only for its own DeepSpeedCPUAdam" in p for p in check(refused, 1))
+    r = subprocess.run([sys.executable, "-c", _MODE_ENGINES, *map(json.dumps, written + [refused])],
+                       capture_output=True, text=True, timeout=420, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert [run["ok"] for run in runs] == [True, True, True, True, False], runs
+    for run in runs[:3]:
+        assert run["stepped"] == ["torch.bfloat16"] and run["steps"] == 2, run  # bf16 masters really
+    assert runs[3]["stepped"] == ["torch.float32"]
+    assert "DeepSpeedCPUAdam" in runs[4]["error"]
