@@ -176,34 +176,66 @@ def _ds(stage=2, **kw):
     return ds
 
 
+# launch/train.py is `sys.exit(main())`: one child process calls main() once per case, sharing the imports
+_CHILD = """
+import contextlib, io, json, os, sys, warnings
+warnings.filterwarnings("ignore")
+os.environ["FLUXZERO_NO_PROGRESS"] = "1"
+from fluxzero.train.loop import main
+from fluxzero.train.distributed import init_distributed
+init_distributed()
+results = {}
+for name, argv in json.load(open(sys.argv[1])):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    results[name] = [code, err.getvalue()]
+json.dump(results, open(sys.argv[2], "w"))
+"""
+
+
 def test_bad_lora_input_through_the_trainer(tmp_path):
     from fluxzero.model import lora as L
     from fluxzero.model.lora_formats import save_lora
 
     lcfg = LoraConfig(rank=4)
     model, _ = _lora_model(lcfg)
-    save_lora(tmp_path / "rank4.safetensors", L.lora_state_dict(model), lcfg, layout="kohya")
+    lora_file = tmp_path / "rank4.safetensors"
+    save_lora(lora_file, L.lora_state_dict(model), lcfg, layout="kohya")
     (tmp_path / "ds.json").write_text(json.dumps(_ds()))
     run = {"deepspeed": str(tmp_path / "ds.json"), "data": DATA4, "steps": 1, "export_format": None,
            "lora": {"rank": 4}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
-    cases = {
-        "rank": (["lora.rank=0"], "error: lora.rank must be a whole number of at least 1, got 0; set e.g. rank: 16"),
-        "pattern": (["lora.targets=[double_blocks.*.img_attn.qvk]"],
-                    "error: lora.targets pattern 'double_blocks.*.img_attn.qvk' matches no linear layer of the model"),
-        "shape": (["lora.rank=8", f"lora.weights={tmp_path / 'rank4.safetensors'}"],
-                  f"error: {tmp_path / 'rank4.safetensors'}: LoRA tensor double_blocks.0.img_attn.qkv.lora_A.weight "
-                  f"has shape (4, 64) in the file but (8, 64) in the model"),
+    cases = {  # name: (overrides, output_dir, start of the one error line; None: trains)
+        "rank": (["lora.rank=0"], "rank", "lora.rank must be a whole number of at least 1, got 0; set e.g. rank: 16"),
+        "pattern": (["lora.targets=[double_blocks.*.img_attn.qvk]"], "pattern",
+                    "lora.targets pattern 'double_blocks.*.img_attn.qvk' matches no linear layer of the model; "
+                    "patterns are fnmatch globs over whole module names, e.g. double_blocks.*.img_attn.qkv"),
+        "shape": (["lora.rank=8", f"lora.weights={lora_file}"], "shape",
+                  f"{lora_file}: LoRA tensor double_blocks.0.img_attn.qkv.lora_A.weight has shape (4, 64) in the file "
+                  f"but (8, 64) in the model; the file was made for another model shape or rank"),
+        "trains": ([f"lora.weights={lora_file}"], "run", None),
+        "resume_without_lora": (["lora=null"], "run", "is a checkpoint of a LoRA but the run file trains the full "
+                                "model (no lora section); add its lora section back, or choose another output_dir"),
+        "resume_other_rank": (["lora.rank=8", "steps=2"], "run", "was trained with lora.rank=4, lora.alpha=4.0 but "
+                              "this run has lora.rank=8, lora.alpha=8.0; resume with the checkpoint's values"),
     }
-    env = {**os.environ, "FLUXZERO_NO_PROGRESS": "1", "PYTHONWARNINGS": "ignore"}
-    for name, (over, words) in cases.items():
-        p = subprocess.run([sys.executable, "launch/train.py", "--config", str(tmp_path / "run.yaml"),
-                            f"output_dir={tmp_path / name}", *over], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120, env=env)
-        lines = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
-        assert p.returncode == 1 and len(lines) == 1 and "Traceback" not in p.stderr, (name, p.stderr[-2000:])
-        assert lines[0].startswith(words), (name, lines[0])
-        assert not (tmp_path / name / "checkpoints").exists()
+    todo = [[name, ["--config", str(tmp_path / "run.yaml"), f"output_dir={tmp_path / out}", *over]]
+            for name, (over, out, _) in cases.items()]
+    (tmp_path / "cases.json").write_text(json.dumps(todo))
+    subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "cases.json"), str(tmp_path / "results.json")],
+                   cwd=ROOT, check=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    results = json.loads((tmp_path / "results.json").read_text())
+    for name, (_, out, words) in cases.items():
+        code, err = results[name]
+        if words is None:
+            assert code == 0, err
+            continue
+        lines = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert code == 1 and len(lines) == 1 and "Traceback" not in err, (name, err[-2000:])
+        assert words in lines[0], (name, lines[0])
+    assert not any((tmp_path / n / "checkpoints").exists() for n in ("rank", "pattern", "shape"))
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step_00000001"  # refusals changed nothing
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -316,6 +348,7 @@ def trained(tmp_path_factory):
         "z3": _ds(3, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0},
                   fluxzero={"activation_checkpointing": ckpt["deepspeed"]}),
         "z2_bf16": _ds(2, bf16={"enabled": True}, fluxzero={"activation_checkpointing": ckpt["deepspeed"]}),
+        "z3_bf16": _ds(3, bf16={"enabled": True}),
     }
     for name, ds in configs.items():
         (tmp / f"{name}.json").write_text(json.dumps(ds))
@@ -333,6 +366,7 @@ def trained(tmp_path_factory):
         job("stop3", "z3", stop_after=2),
         job("stop3", "z3", output_dir=str(tmp / "stop3"), export_format="diffusers", export_dtype="fp32"),
         job("z2_bf16", "z2_bf16", steps=3),
+        job("z3_bf16", "z3_bf16", steps=3),  # here the adapters stay fp32 (engine.apply_adapters says why)
     ]
     jobs[2] = ("resumed2", jobs[2][1])
     jobs[5] = ("resumed3", jobs[5][1])
@@ -357,9 +391,10 @@ def test_lora_training_matches_plain_torch(trained, name):
     # whose adapters got no gradient would train differently from the reference from step 2 on
     got, ref = trained["results"][name], trained["reference"]
     assert got == pytest.approx(ref, rel=LOSS_RTOL) and got[-1] < got[0], (got, ref)
-    bf16 = trained["results"]["z2_bf16"]
-    # bf16 base and adapters (fp32 masters in the ZeRO optimizer): bf16 rounding (~0.4%) on every activation
-    assert bf16 == pytest.approx(ref[:3], rel=0.02)
+    # bf16 base (and, at ZeRO-2, bf16 adapters with fp32 masters in the optimizer): measured <= 1e-4 relative
+    # from the fp32 reference over 3 steps; adapters that did not train are 1.7e-3 / 3.2e-3 off at steps 2 / 3
+    for bf16 in ("z2_bf16", "z3_bf16"):
+        assert trained["results"][bf16] == pytest.approx(ref[:3], rel=5e-4), (bf16, trained["results"][bf16], ref)
 
 
 @pytest.mark.slow
@@ -374,9 +409,9 @@ def test_lora_checkpoints_hold_the_adapters_only(trained):
     from fluxzero.train.checkpoint import checkpoint_files
 
     tmp = trained["tmp"]
-    full_bytes = trained["weights"].stat().st_size  # the fp32 base: ~5 MB for flux-tiny
+    full_bytes = trained["weights"].stat().st_size  # the fp32 base: 2.0 MB for flux-tiny
     adapter_numel = lora_param_count(get_model_config("flux-tiny"), LoraConfig(**LORA))
-    for name, stage, bf16 in [("z2", 2, False), ("z3", 3, False), ("z2_bf16", 2, True)]:
+    for name, stage, bf16 in [("z2", 2, False), ("z3", 3, False), ("z2_bf16", 2, True), ("z3_bf16", 3, True)]:
         tag_dir = tmp / name / "checkpoints" / (tmp / name / "checkpoints" / "latest").read_text()
         expected = set()
         for rank in (0, 1):
@@ -447,12 +482,14 @@ def test_exported_lora_loads_in_diffusers_and_reproduces_the_trained_model(train
     theirs = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path / "base").eval()
     with torch.no_grad():
         before = run_theirs(theirs, x)
-    assert _rel(before, want) > 1e-3, _rel(before, want)  # 4 steps at lr 1e-2 moved the output; measured below
+    assert _rel(before, want) > 1e-2, _rel(before, want)  # the 4 steps moved the output (measured 6.6e-2)
     lora = tmp / name / "lora.safetensors"  # export_format diffusers: the diffusers/PEFT layout
     sd, metadata = FluxLoraLoaderMixin.lora_state_dict(str(lora), return_lora_metadata=True)
     theirs.load_lora_adapter(sd, prefix="transformer", metadata=metadata)
     with torch.no_grad():
         err = _rel(run_theirs(theirs, x), want)
+    if os.environ.get("FLUXZERO_DEBUG"):
+        print(f"{name}: exported LoRA in diffusers vs ours {err:.2e}, base vs trained {_rel(before, want):.2e}")
     assert err <= OUT_RTOL, err
     meta = _header(lora)
     assert meta["fluxzero.base_model"] == "flux-tiny" and meta["fluxzero.rank"] == "4"
