@@ -58,7 +58,8 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     # Under ZeRO-3, zero.Init partitions every parameter as its module is constructed: no rank ever holds
     # the whole model. Below stage 3 each rank holds a full copy anyway.
     with deepspeed.zero.Init(config_dict_or_path=ds, enabled=stage == 3):
-        model = build_model(model_cfg, device="cpu" if stage == 3 else device, attention=attention)
+        model = build_model(model_cfg, device="cpu" if stage == 3 else device, attention=attention,
+                            dtype=torch.bfloat16 if _bf16_module_without_deepspeed(v) else torch.float32)
     if weights:
         load_pretrained(model, weights, model_cfg, partitioned=stage == 3)
     if lora is not None:  # after the weights: the base's names gain `.base_layer` once adapters wrap it
@@ -69,8 +70,41 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
             zero3_leaf_blocks(model)
     apply_activation_checkpointing(model, v.checkpoint_every, v.checkpoint_impl, v)
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)
+    optimizer, ds = client_optimizer(params, ds, v)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=ds)
     return engine
+
+
+def _bf16_module_without_deepspeed(v: DSView) -> bool:
+    """A bf16 optimizer mode at ZeRO 0: DeepSpeed's bf16 is off (its wrapper would keep fp32 masters) and the
+    model is born in bf16, so the client optimizer steps the bf16 weights themselves (optim_modes says why)."""
+    if not v.optimizer_mode or v.stage != 0:
+        return False
+    from fluxzero.config.optim_modes import get_mode
+
+    return get_mode(v.optimizer_mode).master_dtype == "bf16"
+
+
+def model_dtype(v: DSView) -> torch.dtype:
+    """The dtype of the module's parameters in training: DeepSpeed's precision, or bf16 for a bf16 optimizer mode
+    at ZeRO 0 (where DeepSpeed's bf16 is off)."""
+    return torch.bfloat16 if _bf16_module_without_deepspeed(v) else getattr(torch, v.dtype_name)
+
+
+def client_optimizer(params: list, ds: dict, v: DSView):
+    """(optimizer, ds): the optimizer of the config's fluxzero.optimizer_mode (fluxzero.train.optim), handed to
+    DeepSpeed in place of the optimizer section it would build itself (dropped from ds), with the section's
+    lr, betas, eps and weight decay; (None, ds) without a mode, or for fp32 (DeepSpeed's own AdamW)."""
+    if v.optimizer_mode in (None, "fp32"):
+        return None, ds
+    from fluxzero.train.optim import OptimModeError, build_optimizer
+
+    try:
+        optimizer = build_optimizer(params, v.optimizer_mode, lr=v.lr if v.lr is not None else 1e-3,
+                                    betas=tuple(v.betas), eps=v.eps, weight_decay=v.weight_decay)
+    except OptimModeError as e:
+        raise TrainingError(str(e)) from None
+    return optimizer, {k: val for k, val in ds.items() if k != "optimizer"}
 
 def apply_adapters(model: torch.nn.Module, lora, v: DSView) -> list[str]:
     """LoRA adapters on `model` (base frozen, adapters trainable), before deepspeed.initialize; returns the
