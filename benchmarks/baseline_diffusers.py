@@ -2,8 +2,9 @@
 
 Same dimensions as a fluxzero preset (via `from_config`), random init, diffusers' own
 `enable_gradient_checkpointing()` (every block or none), constructed under `deepspeed.zero.Init` for
-ZeRO-3. Used by benchmarks/sweep.py with `--impl diffusers`; the inputs are the fluxzero trainer's own
-`flow.prepare_batch` output, renamed to diffusers' argument names.
+ZeRO-3, optionally `block.compile()` on every transformer block. Used by benchmarks/sweep.py with `--impl
+diffusers`, which keeps the baseline's own step (this is the baseline: no fluxzero TrainStep); its inputs are the
+fluxzero trainer's loader and `flow.prepare_batch` output, renamed to diffusers' argument names.
 """
 from __future__ import annotations
 
@@ -23,10 +24,20 @@ def diffusers_config(model_cfg) -> dict:
     )
 
 
-def build_engine(model_cfg, ds: dict, ckpt_every: int, device: torch.device, seed: int = 0):
-    """diffusers model (partitioned at construction under ZeRO-3) -> DeepSpeed engine, as a user would write it."""
+def build_engine(model_cfg, ds: dict, ckpt_every: int, device: torch.device, seed: int = 0, compile: bool = False):
+    """diffusers model (partitioned at construction under ZeRO-3) -> DeepSpeed engine, as a user would write it.
+
+    compile: `block.compile()` on every transformer block (nn.Module.compile, inductor defaults), the way a
+    diffusers user compiles the repeated blocks; diffusers' checkpointing then recomputes through them.
+    """
     import deepspeed
     from diffusers import FluxTransformer2DModel
+
+    if torch.device(device).type == "cpu":  # CPU test runs: skip DeepSpeed's shared-memory op build (~60 s)
+        import importlib
+
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(verbose=False)  # joins the process group; zero.Init and the config parser read it
 
     if ckpt_every not in (0, 1):
         raise ValueError("diffusers' enable_gradient_checkpointing checkpoints every block: use ckpt 0 or 1")
@@ -41,6 +52,9 @@ def build_engine(model_cfg, ds: dict, ckpt_every: int, device: torch.device, see
         model = FluxTransformer2DModel.from_config(diffusers_config(model_cfg))
     if ckpt_every:
         model.enable_gradient_checkpointing()
+    if compile:
+        for block in list(model.transformer_blocks) + list(model.single_transformer_blocks):
+            block.compile()
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds)

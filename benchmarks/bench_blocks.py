@@ -3,12 +3,14 @@
     PYTHONPATH=. python3 benchmarks/bench_blocks.py                 # GPU, bf16, full width, 512 px
     PYTHONPATH=. python3 benchmarks/bench_blocks.py --device cpu --tiny   # smoke test
 
-512 px = 64x64 latent = 32x32 packed tokens = 1024 image tokens, plus 512 T5 tokens. Both implementations
-get identical bf16 weights (through our diffusers converter) and identical inputs; both run SDPA under the
-same allowed backends (our "auto": flash, efficient, math) so the attention kernel is the same and the
-comparison measures everything around it. Timing: CUDA events around each iteration after warm-up, median.
-Writes $OUT/bench_blocks.json (OUT defaults to the current folder; with the start time in UTC and the versions
-of Python, torch, deepspeed, diffusers, CUDA and the code) and prints a markdown table.
+512 px = 64x64 latent = 32x32 packed tokens = 1024 image tokens, plus 512 T5 tokens. Both implementations get
+identical bf16 weights (through our diffusers converter) and identical inputs; both run SDPA under the same
+allowed backends (--attention, default our "auto": flash, efficient, math; our blocks get it as their `attention`
+setting, and the process-wide SDPA flags are set to it once with fluxzero.model.math.set_process_sdpa_flags, so
+diffusers' SDPA calls see the same kernels and ours take the fast path), so the attention kernel is the same and
+the comparison measures everything around it. Timing: CUDA events around each iteration after warm-up, median.
+Writes $OUT/bench_blocks.json (OUT defaults to the current folder; with the start time in UTC and the versions of
+Python, torch, deepspeed, diffusers, CUDA and the code) and prints a markdown table.
 
 FLOPs (forward, per block, C hidden, M = 4C, L = tokens; derivation as in ModelConfig.flops_per_sample):
   double: 2 L (4 C^2 + 2 C M) + 4 L^2 C      single: 2 L (C (3C + M) + (C + M) C) + 4 L^2 C
@@ -26,7 +28,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.nn.attention import sdpa_kernel
 
 from fluxzero.config import get_model_config
 from fluxzero.model import math as fmath
@@ -44,18 +45,18 @@ def block_flops(cfg, img_tokens, txt_tokens, kind):
     return 2 * L * (C * (3 * C + M) + (C + M) * C) + 4 * L * L * C + 2 * 3 * C * C
 
 
-def make_pair(cfg, kind, device, dtype):
+def make_pair(cfg, kind, device, dtype, attention="auto"):
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
     C, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
     torch.manual_seed(0)
     with torch.device(device):
         if kind == "double":
-            ours = DoubleStreamBlock(C, H, cfg.mlp_ratio, cfg.qkv_bias)
+            ours = DoubleStreamBlock(C, H, cfg.mlp_ratio, cfg.qkv_bias, attention=attention)
             theirs = FluxTransformerBlock(dim=C, num_attention_heads=H, attention_head_dim=D)
             prefix, dprefix = "double_blocks.0.", "transformer_blocks.0."
         else:
-            ours = SingleStreamBlock(C, H, cfg.mlp_ratio)
+            ours = SingleStreamBlock(C, H, cfg.mlp_ratio, attention=attention)
             theirs = FluxSingleTransformerBlock(dim=C, num_attention_heads=H, attention_head_dim=D)
             prefix, dprefix = "single_blocks.0.", "single_transformer_blocks.0."
     with torch.no_grad():  # RMSNorm scales start at 1: perturb so the weights mapping is really exercised
@@ -145,6 +146,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=None, help="timed iterations (default 20; 2 with --tiny)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5; 1 with --tiny)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--attention", default="auto", choices=sorted(fmath.ATTENTION_BACKENDS),
+                    help="SDPA backends both implementations may use (our blocks' attention setting)")
     args = ap.parse_args(argv)
     started = provenance.stamp()
     device = torch.device(args.device)
@@ -153,23 +156,24 @@ def main(argv=None):
     img_tokens, txt_tokens = (16, 8) if args.tiny else (args.img_tokens, args.txt_tokens)
     iters = args.iters or (2 if args.tiny else 20)
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
-    fmath.set_attention_backend("auto")
+    # Process-wide SDPA flags = the blocks' backend: our attention then calls SDPA directly (its fast path, as
+    # a program that sets them once gets), and diffusers' SDPA calls are restricted to the same kernels.
+    fmath.set_process_sdpa_flags(args.attention)
     rows = []
     for kind in ("double", "single"):
-        ours, theirs = make_pair(cfg, kind, device, dtype)
+        ours, theirs = make_pair(cfg, kind, device, dtype, args.attention)
         for batch in [int(b) for b in args.batches.split(",")]:
             x = make_inputs(cfg, batch, img_tokens, txt_tokens, device, dtype)
             run_ours, run_theirs = runners(kind, ours, theirs, x)
             g = torch.Generator(device="cpu").manual_seed(2)
             grads = (torch.randn(x["txt"].shape, generator=g).to(device, dtype),
                      torch.randn(x["img"].shape, generator=g).to(device, dtype))
-            with torch.no_grad(), sdpa_kernel(fmath.ATTENTION_BACKENDS["auto"]):
+            with torch.no_grad():
                 a, b = run_ours(), run_theirs()
             diff = max((p.float() - q.float()).abs().max().item() for p, q in zip(a, b))
             scale = max(q.float().abs().max().item() for q in b)
             ms_ours = time_it(run_ours, grads, iters, warmup, device)
-            with sdpa_kernel(fmath.ATTENTION_BACKENDS["auto"]):  # same attention kernels for diffusers
-                ms_theirs = time_it(run_theirs, grads, iters, warmup, device)
+            ms_theirs = time_it(run_theirs, grads, iters, warmup, device)
             flops = 3 * batch * block_flops(cfg, img_tokens, txt_tokens, kind)
             rows.append(dict(
                 block=kind, batch=batch, img_tokens=img_tokens, txt_tokens=txt_tokens,
@@ -182,7 +186,8 @@ def main(argv=None):
         benchmark="bench_blocks", model=cfg.name, dtype=args.dtype, device=str(device),
         gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         torch=torch.__version__, diffusers=__import__("diffusers").__version__, iters=iters, warmup=warmup,
-        attention="sdpa flash>efficient>math for both", date=started,
+        attention=f"sdpa {'>'.join(b.name.lower() for b in fmath.ATTENTION_BACKENDS[args.attention])} for both "
+                  f"(process flags set once: {args.attention})", date=started,
         versions={**provenance.versions("torch", "deepspeed", "diffusers"), "cuda": torch.version.cuda},
         rows=rows,
     )

@@ -4,12 +4,13 @@
     PYTHONPATH=. python3 benchmarks/ckpt_zero3.py --model flux-dev-lite --res 512 --steps 4
 
 For each of ZeRO-3 and ZeRO-3 + CPU parameter/optimizer offload, trains the same steps (same init, data and
-noise) with no checkpointing and with every block checkpointed by `torch` (torch.utils.checkpoint,
-non-reentrant) and `deepspeed` (deepspeed.checkpointing). A variant "works" when it runs and its losses
-match the no-checkpointing run of the same stage (recomputation repeats the forward kernels, so only
-backward nondeterminism separates them). Reports status, max relative loss difference, median step time
-and peak GPU memory; writes $OUT/ckpt_zero3.json (or --out; its "meta" holds the start time in UTC and the
-versions of Python, torch, deepspeed, CUDA and the code). One fresh process group per case (spawn).
+noise) with no checkpointing and with every block checkpointed by `torch` (torch.utils.checkpoint, non-reentrant)
+and `deepspeed` (deepspeed.checkpointing). A variant "works" when it runs and its losses match the
+no-checkpointing run of the same stage (recomputation repeats the forward kernels, so only backward nondeterminism
+separates them). Each case is the trainer's own run: `fluxzero.train.loop.setup` builds the loader, engine and
+TrainStep as train() does, and every step is `run.step()`. Reports status, max relative loss difference, median
+step time and peak GPU memory; writes $OUT/ckpt_zero3.json (or --out; its "meta" holds the start time in UTC and
+the versions of Python, torch, deepspeed, CUDA and the code). One fresh process group per case (spawn).
 """
 from __future__ import annotations
 
@@ -51,15 +52,15 @@ def ds_config(offload: bool, impl: str, world: int, precision: str) -> dict:
 
 
 def worker(rank, world, port, args, offload, impl, result_path):
+    """One rank of one case: the trainer's loop.setup (DeepSpeed config view, loader, engine, TrainStep) and
+    `args.steps` calls of run.step(), each timed between synchronisations."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
 
-    from fluxzero.train import engine as ds_engine
-    from fluxzero.train import flow
     from fluxzero.config import TrainConfig, get_model_config
-    from fluxzero.data import build_dataloader
+    from fluxzero.train import checkpoint, distributed, loop
 
     mc = get_model_config(args.model)
     hw = args.res // 8
@@ -67,33 +68,29 @@ def worker(rank, world, port, args, offload, impl, result_path):
     ds_path = Path(tmp) / "ds.json"
     ds_path.write_text(json.dumps(ds_config(offload, impl, world, args.precision)))
     cfg = TrainConfig(deepspeed=str(ds_path), data=f"synthetic:n={world * args.steps},hw={hw}x{hw},txt={args.txt},"
-                      f"ctx={mc.context_in_dim},vec={mc.vec_in_dim}", output_dir=tmp, model=args.model,
-                      steps=args.steps, export_format=None)  # precision is the DeepSpeed config's (ds_config above)
+                      f"ctx={mc.context_in_dim},vec={mc.vec_in_dim}", output_dir=str(Path(tmp) / "run"),
+                      model=args.model, steps=args.steps, resume=False,
+                      export_format=None)  # precision is the DeepSpeed config's (ds_config above)
     rec = {"offload": offload, "impl": impl, "status": "ok", "losses": [], "step_s": []}
     try:
-        rank, world, device = ds_engine.init_distributed()
-        ds, ours = ds_engine.load_ds_config(cfg.deepspeed, cfg, world)
-        engine = ds_engine.build_engine(cfg, ds, ours, mc, device)
-        loader = build_dataloader(cfg.data, micro_batch=1, rank=rank, world_size=world, seed=0)
-        dtype = ds_engine.param_dtype(ds)
+        rank, world, device = distributed.init_distributed()
+        run = loop.setup(cfg, rank, world, device)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        batches = iter(loader)
         for _ in range(args.steps):
+            sync()
             t0 = time.perf_counter()
-            inputs, target = flow.prepare_batch(next(batches), cfg.flow, 0, 0, guidance_embed=mc.guidance_embed,
-                                                device=device, dtype=dtype)
-            loss = flow.loss(engine(**inputs), target)
-            engine.backward(loss)
-            engine.step()
-            value = loss.detach().clone()
-            dist.all_reduce(value)
-            rec["losses"].append(value.item() / world)
+            r = run.step()  # its loss: the mean over ranks
+            sync()
             rec["step_s"].append(time.perf_counter() - t0)
+            rec["losses"].append(r.loss)
         if device.type == "cuda":
             rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     except Exception as e:  # a failing variant is a result, not a crash of the benchmark
         rec.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+    finally:
+        checkpoint.release_output_dir()
     if rank == 0:
         Path(result_path).write_text(json.dumps(rec))
     if dist.is_initialized():

@@ -1,16 +1,17 @@
 """Predicted (fluxzero.config.memory) vs measured peak GPU memory of real fluxzero training steps.
 
 Each case runs in its own process group (`python -m torch.distributed.run --standalone`, one process per GPU,
-killed at its timeout) through the trainer's own pieces, in fluxzero.train.train's order:
-fluxzero.train.engine.init_distributed / load_ds_config / build_engine (zero.Init under ZeRO-3, activation
-checkpointing applied from outside, deepspeed.initialize), the fluxzero.data synthetic loader,
-fluxzero.train.flow.prepare_batch, model forward, flow.loss, engine.backward, engine.step. The final checkpoint and
-export of train() are left out: flux-dev's optimizer state alone is ~190 GB of disk.
+killed at its timeout) through the trainer itself: `fluxzero.train.loop.setup` builds what train() runs (the
+DeepSpeed config view, the trainer's loader on synthetic cached latents, the engine: zero.Init under ZeRO-3,
+checkpointing applied from outside, deepspeed.initialize; and the public TrainStep), and each step is
+`run.step()`. The final checkpoint and export of train() are left out: flux-dev's optimizer state alone is
+~190 GB of disk.
 
 Measured per rank, for every step: torch.cuda.max_memory_allocated / max_memory_reserved of the engine start
-(model build + deepspeed.initialize), of forward+backward and of the optimizer step (peak counters reset
-between phases), and the process's peak RSS. The DeepSpeed config is exactly `fluxzero gen-config`'s (its
-bucket sizes, torch AdamW), and the prediction reads that same config (memory.run_options_from_ds_config).
+(setup: loader, model build, deepspeed.initialize), of data + forward + backward and of the optimizer step (peak
+counters reset between phases by TrainStep's on_phase hook), and the process's peak RSS. The DeepSpeed config is
+exactly `fluxzero gen-config`'s (its bucket sizes, torch AdamW), and the prediction reads that same config
+(memory.run_options_from_ds_config).
 
     PYTHONPATH=. python benchmarks/memory_calibration.py --grid lite            # 1 GPU, flux-dev-lite
     PYTHONPATH=. python benchmarks/memory_calibration.py --grid dev2 --cases 1-3  # 2 GPUs, flux-dev
@@ -120,16 +121,15 @@ GRIDS: dict[str, list[Case]] = {
 # Worker: one case, one rank (started by torch.distributed.run)
 # ---------------------------------------------------------------------------------------------------------
 def worker(case: Case, ds_path: str, result_path: str) -> None:
+    """One rank of one case: loop.setup builds loader, engine and TrainStep exactly as train() does; the
+    TrainStep's on_phase hook resets and reads the peak counters between forward+backward and the update."""
     import resource
 
     import torch
     import torch.distributed as dist
 
-    from fluxzero.train import engine as ds_engine
-    from fluxzero.train import flow
     from fluxzero.config import TrainConfig
-    from fluxzero.data import build_dataloader
-    from fluxzero.model.math import set_attention_backend
+    from fluxzero.train import checkpoint, distributed, loop
 
     out = tempfile.mkdtemp(prefix="memcal-")
     world = case.gpus
@@ -137,16 +137,10 @@ def worker(case: Case, ds_path: str, result_path: str) -> None:
     mc = get_model_config(case.model)
     data = (f"synthetic:n={max(64, 2 * case.micro_batch * world)},hw={hw}x{hw},txt={case.txt_len},"
             f"ctx={mc.context_in_dim},vec={mc.vec_in_dim}")
-    cfg = TrainConfig(deepspeed=ds_path, data=data, output_dir=out, model=case.model,
+    cfg = TrainConfig(deepspeed=ds_path, data=data, output_dir=out, model=case.model, resume=False,
                       steps=case.steps, export_format=None)  # micro batch and bf16: in the DeepSpeed config
-    rank, world, device = ds_engine.init_distributed()
-    set_attention_backend(cfg.attention)
-    ds, ours = ds_engine.load_ds_config(cfg.deepspeed, cfg, world)
-    model_cfg = get_model_config(cfg.model)
+    rank, world, device = distributed.init_distributed()
     cuda = torch.cuda.is_available()
-    loader = build_dataloader(cfg.data, micro_batch=case.micro_batch, rank=rank, world_size=world, seed=0,
-                              pin_memory=cuda)
-    dtype = ds_engine.param_dtype(ds)
     rec: dict = {"rank": rank, "steps": [], "status": "ok"}
     gib = lambda n: n / GiB  # noqa: E731
 
@@ -161,28 +155,33 @@ def worker(case: Case, ds_path: str, result_path: str) -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
 
-    phase = "init"
-    try:
-        reset()
-        engine = ds_engine.build_engine(cfg, ds, ours, model_cfg, device)
-        rec["init"] = mark("init")
-        batches = iter(loader)
-        for step in range(case.steps):
-            batch = next(batches)
+    phase, marks = "init", {}
+
+    def on_phase(name: str) -> None:  # TrainStep's hook; synchronising here is fine: nothing is timed
+        nonlocal phase
+        if name == "data":
             phase = "train"
             reset()
-            inputs, target = flow.prepare_batch(batch, cfg.flow, 0, 0, guidance_embed=model_cfg.guidance_embed,
-                                                device=device, dtype=dtype)
-            loss = flow.loss(engine(**inputs), target)
-            engine.backward(loss)
-            train = mark("train")
+        elif name == "update":
+            marks["train"] = mark("train")
             phase = "step"
             reset()
-            engine.step()
-            rec["steps"].append({"train": train, "step": mark("step"), "loss": float(loss)})
+        elif name == "end":
+            marks["step"] = mark("step")
+
+    try:
+        reset()
+        run = loop.setup(cfg, rank, world, device)
+        rec["init"] = mark("init")
+        run.step.on_phase = on_phase
+        for _ in range(case.steps):
+            r = run.step()
+            rec["steps"].append({"train": marks["train"], "step": marks["step"], "loss": r.loss})
     except torch.OutOfMemoryError as e:
         rec.update(status="oom", oom_phase=phase, oom_step=len(rec["steps"]), error=str(e).splitlines()[0][:300],
                    at_oom=mark(phase))
+    finally:
+        checkpoint.release_output_dir()
     rec["rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
     everyone = [None] * world
     dist.all_gather_object(everyone, rec)
@@ -203,7 +202,6 @@ def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path) -> lis
     import torch
 
     from fluxzero.model import build_model
-    from fluxzero.model.math import set_attention_backend
 
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
@@ -216,7 +214,7 @@ def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path) -> lis
     for px in pxs:
         I, T = (px // 16) ** 2, txt_len
         for backend in ("auto", "math"):
-            set_attention_backend(backend)
+            net.set_attention(backend)  # the blocks' SDPA backend (a model setting)
             att = "math" if backend == "math" else "flash"
             g = torch.Generator(device=dev).manual_seed(0)
             img = torch.randn(1, I, C, device=dev, dtype=torch.bfloat16, generator=g, requires_grad=True)
@@ -264,7 +262,6 @@ def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path) -> lis
                 rows.append(f"| {kind} | {px} | {backend} | {pred_saved / mib:.1f} / {saved / mib:.1f} ({err:+.1%}) | "
                             f"{pred_peak * 1024:.1f} / {peak * 1024:.1f} |")
                 print(rows[-1], file=sys.stderr, flush=True)
-    set_attention_backend("auto")
     return rows
 
 

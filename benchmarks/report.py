@@ -77,7 +77,7 @@ def _compiled(r: dict) -> bool:
 
 def _variant(r: dict) -> tuple:
     """Settings past MATCH_KEYS, normalised (rows written before them lack the keys)."""
-    return _compiled(r), bool(r.get("z3_leaf"))
+    return _compiled(r), bool(r.get("z3_leaf")), r.get("data") or ""  # data: a shard folder, "" synthetic
 
 
 def _key(r: dict, keys=MATCH_KEYS, variant=True) -> tuple:

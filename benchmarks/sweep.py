@@ -1,4 +1,4 @@
-"""Training-speed sweep: fluxzero (and the diffusers + DeepSpeed baseline) on synthetic cached latents.
+"""Training-speed sweep: the trainer's own train step and loader (and the diffusers + DeepSpeed baseline).
 
     PYTHONPATH=. python3 benchmarks/sweep.py --set lite1            # named set (see SETS / --list)
     PYTHONPATH=. python3 benchmarks/sweep.py --model flux-dev-lite --zero 0,3 --mb 1,4 --res 512
@@ -9,15 +9,20 @@ so an OOM or a hang costs one row, not the sweep. Each row is appended to $OUT/<
 --out) as soon as it is measured, and a one-line summary is printed, so a sweep cut short still returns
 data. benchmarks/report.py turns the JSON lines into a markdown table and a plot.
 
-A step is the trainer's own path (fluxzero/train/loop.py): flow.prepare_batch -> engine(**inputs) -> flow.loss
--> engine.backward -> engine.step, on a fixed pair of synthetic batches from fluxzero.data's loader.
-The model and DeepSpeed engine come from fluxzero.train.engine.build_engine (checkpointing applied there) and
-the DeepSpeed config from fluxzero.config.ds_config; where either is missing, deepspeed.initialize is called
-directly with the same config dict (the row's `engine_api` / `ds_config_source` say which).
+A fluxzero step IS the trainer's: `fluxzero.train.loop.setup(cfg, rank, world, device)` builds what
+`train()` runs (the DeepSpeed config view, the trainer's data loader, the engine with checkpointing / compile
+applied by fluxzero.train.engine, and `run.step`, the public TrainStep), from a run file (TrainConfig, see
+run_file) and the case's DeepSpeed JSON written by fluxzero.config.ds_config.build; the sweep times
+`run.step()`. Data comes through the trainer's loader: a synthetic source of the case's sizes, or a shard
+folder (--data, Case.data). The one difference from train(): a non-finite loss is recorded (the row becomes
+INVALID) instead of stopping the case. Rows say engine_api = "fluxzero.train.loop.setup + TrainStep" (rows of
+the older hand-written step say otherwise). The diffusers baseline keeps its own step (it is the baseline:
+diffusers + DeepSpeed as users write it), fed by the same loader and flow.prepare_batch.
 
 Measurement: `warmup` steps, then `steps` timed steps, each from a synchronised start to a synchronised
-end (torch.cuda.synchronize); the row reports the median. Within a step CUDA events split the time into
-data (prepare_batch + host-to-device copy), forward (incl. loss), backward, optimizer step.
+end (torch.cuda.synchronize); the row reports the median. Within a step, CUDA events recorded by TrainStep's
+on_phase hook (no sync inside a step) split the time into data (next(loader) + prepare_batch + host-to-device copy),
+forward (incl. loss), backward (incl. the loss reduction over ranks, one host sync), optimizer step.
 FLOPs: ModelConfig.flops_per_sample(img_tokens, txt_tokens) is the forward cost of one sample (every
 linear layer on its real tokens, attention's two matmuls, per-sample modulation once). Training costs
 3x that (backward = 2x forward); recomputation by activation checkpointing is NOT counted, so MFU is
@@ -35,6 +40,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -88,6 +94,10 @@ class Case:
     # ZeRO-3: the blocks as DeepSpeed leaf modules (zero_optimization.leaf_module), each gathered whole by one
     # hook; compiled rows get it from the trainer anyway (engine.zero3_leaf_blocks)
     z3_leaf: bool = False
+    # the trainer's data: "" = a synthetic source of the case's sizes (see data_source), or a shard folder made
+    # by `fluxzero cache` / fluxzero.data.ShardWriter (res and txt then come from the shards)
+    data: str = ""
+    workers: int = 0  # the loader's worker processes (run-file num_workers)
 
     def __post_init__(self):
         problems = []
@@ -105,8 +115,10 @@ class Case:
             problems.append(f"res must be a multiple of 16 pixels (8x VAE, 2x2 packing), got {self.res}")
         if self.z3_leaf and self.zero != 3:
             problems.append("z3_leaf needs zero 3")
-        if min(self.gpus, self.mb, self.txt, self.steps) < 1 or self.ckpt < 0 or self.warmup < 0:
-            problems.append("gpus, mb, txt, steps must be >= 1 and ckpt, warmup >= 0")
+        if min(self.gpus, self.mb, self.txt, self.steps) < 1 or min(self.ckpt, self.warmup, self.workers) < 0:
+            problems.append("gpus, mb, txt, steps must be >= 1 and ckpt, warmup, workers >= 0")
+        if self.inject_oom and self.inject_oom not in PHASE_NAMES.values():
+            problems.append(f"inject_oom must be one of {sorted(PHASE_NAMES.values())}, got {self.inject_oom!r}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -117,6 +129,11 @@ class Case:
     @property
     def img_tokens(self) -> int:
         return (self.res // 16) ** 2
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps of the case: warm-up, timed, and the profiled one."""
+        return self.warmup + self.steps + int(self.profile)
 
     @property
     def name(self) -> str:
@@ -138,6 +155,10 @@ class Case:
             parts.append("leaf-blocks")
         if self.compile:
             parts.append("compiled")
+        if self.data:
+            parts.append(f"data={Path(self.data).name or self.data}")
+        if self.workers:
+            parts.append(f"workers={self.workers}")
         return " ".join(parts)
 
 
@@ -225,6 +246,8 @@ def _levers2() -> list[Case]:
         # ZeRO-3: compiled blocks are also made ZeRO-3 leaf modules (gathered whole); the middle row separates that
         # change from the compilation
         dict(zero=3, ckpt=1), dict(zero=3, ckpt=1, z3_leaf=True), dict(zero=3, ckpt=1, **c),
+        # the baseline eager and with block.compile() on every diffusers block, against the ZeRO-0 ck1 pair
+        dict(impl="diffusers", zero=0, ckpt=1), dict(impl="diffusers", zero=0, ckpt=1, **c),
     ])
 
 
@@ -253,8 +276,8 @@ SETS = {
     "dev2-extra": (_dev2_extra, 520, "2 GPUs, flux-dev ZeRO-3: mb 32, larger stage-3 buckets, cuDNN attention"),
     "scale": (_scale, 240, "1 vs 2 GPUs, flux-dev-lite mb 8 @512, ZeRO-0/2/3"),
     "levers": (_levers, 330, "1 GPU, flux-dev-lite ZeRO-0 mb 8: attention, optimizer, ckpt every k, allocator"),
-    "levers2": (_levers2, 300, "1 GPU, flux-dev-lite mb 8 @512: eager vs torch.compile'd blocks, ZeRO-0 ck1/ck0, "
-                               "ZeRO-3 ck1 (and leaf blocks eager)"),
+    "levers2": (_levers2, 480, "1 GPU, flux-dev-lite mb 8 @512: eager vs torch.compile'd blocks, ZeRO-0 ck1/ck0, "
+                               "ZeRO-3 ck1 (and leaf blocks eager), the baseline eager vs block.compile()"),
     "cpu-test": (_cpu_test, 400, "--device cpu, flux-tiny: the same code path, for tests"),
 }
 
@@ -281,23 +304,21 @@ def _is_oom(e: BaseException) -> bool:
 
 
 Z3_LEAF_CLASSES = ["fluxzero.model.layers.DoubleStreamBlock", "fluxzero.model.layers.SingleStreamBlock"]
+DS_CONFIG_SOURCE = "fluxzero.config.ds_config"
+ENGINE_API = "fluxzero.train.loop.setup + TrainStep"
+BASELINE_API = "deepspeed.initialize (diffusers FluxTransformer2DModel, as users wrap it)"
 
 
-def _ds_config(case: Case, world: int, model_cfg) -> tuple[dict, str]:
-    """DeepSpeed config dict from fluxzero's generator; a plain equivalent dict where it is unavailable."""
+def _ds_config(case: Case, world: int) -> dict:
+    """The case's DeepSpeed config, written by fluxzero's generator (`fluxzero gen-config`'s builder)."""
+    from fluxzero.config import ds_config as gen
+
     adam = {"torch-fused": "torch", "torch": "torch", "deepspeed-fused": "fused"}[case.optim]
-    try:
-        from fluxzero.config import ds_config as gen
-
-        extra = {"compile": True} if case.compile else {}
-        opts = gen.options_from(model=case.model, micro_batch=case.mb, grad_accum=1, world_size=world,
-                                zero_stage=case.zero, precision=case.precision, checkpoint_every=case.ckpt,
-                                checkpoint_impl="torch", adam_impl=adam, gradient_clipping=1.0, scheduler="none",
-                                steps_per_print=10**9, **extra, **case.zero_opts)
-        ds, source = gen.build(opts), "fluxzero.config.ds_config"
-    except (ImportError, AttributeError, TypeError) as e:
-        ds = _plain_ds_config(case, world, model_cfg, adam)
-        source = f"plain dict ({type(e).__name__}: {e})"[:200]
+    opts = gen.options_from(model=case.model, micro_batch=case.mb, grad_accum=1, world_size=world,
+                            zero_stage=case.zero, precision=case.precision, checkpoint_every=case.ckpt,
+                            checkpoint_impl="torch", adam_impl=adam, gradient_clipping=1.0, scheduler="none",
+                            steps_per_print=10**9, compile=case.compile, **case.zero_opts)
+    ds = gen.build(opts)
     if case.z3_leaf:
         ds["zero_optimization"]["leaf_module"] = {"classes": Z3_LEAF_CLASSES}
     if case.optim == "torch-fused":
@@ -306,235 +327,190 @@ def _ds_config(case: Case, world: int, model_cfg) -> tuple[dict, str]:
         ds["optimizer"]["params"]["fused"] = True
     elif case.optim == "torch":  # foreach AdamW: gen-config's --adam-impl torch writes "fused": true since 4a1f765
         ds["optimizer"]["params"].pop("fused", None)
-    return ds, source
-
-
-def _plain_ds_config(case: Case, world: int, model_cfg, adam: str) -> dict:
-    z = {"stage": case.zero}
-    if case.zero in (1, 2):
-        z.update(overlap_comm=True, contiguous_gradients=True, reduce_scatter=True,
-                 reduce_bucket_size=200_000_000, allgather_bucket_size=200_000_000)
-    elif case.zero == 3:
-        h = model_cfg.hidden_size
-        z.update(overlap_comm=True, contiguous_gradients=True, reduce_bucket_size=h * h,
-                 stage3_prefetch_bucket_size=int(0.9 * h * h), stage3_param_persistence_threshold=10 * h,
-                 stage3_max_live_parameters=1_000_000_000, stage3_max_reuse_distance=1_000_000_000)
-    z.update(case.zero_opts)
-    ds = {
-        "train_batch_size": case.mb * world, "train_micro_batch_size_per_gpu": case.mb,
-        "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-        "wall_clock_breakdown": False, "zero_optimization": z,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8,
-                                                  "weight_decay": 0.01, "torch_adam": adam == "torch"}},
-        "fluxzero": {"activation_checkpointing": {"every_k_blocks": case.ckpt, "implementation": "torch"}},
-    }
-    if case.compile:
-        ds["fluxzero"]["compile"] = {"blocks": True, "mode": "default"}
-    if case.precision != "fp32":
-        ds[case.precision] = {"enabled": True}
     return ds
 
 
-def _init_distributed():
-    """fluxzero.train.engine.init_distributed when present (it also skips DeepSpeed's CPU shm-op build)."""
-    try:
-        from fluxzero.train import engine as fz_engine
+def data_source(case: Case, world: int) -> str:
+    """The case's data: its shard folder, or a synthetic spec of the case's sizes with one epoch covering every
+    step of the case (no epoch boundary among the timed steps)."""
+    if case.data:
+        return case.data
+    from fluxzero.config import get_model_config
 
-        return fz_engine.init_distributed()
-    except (ImportError, AttributeError):
-        import importlib
-
-        import deepspeed
-        import torch
-        import torch.distributed as dist
-
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if torch.cuda.is_available():
-            torch.cuda.set_device(local)
-            device = torch.device("cuda", local)
-        else:
-            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-            device = torch.device("cpu")
-        deepspeed.init_distributed(verbose=False)
-        return dist.get_rank(), dist.get_world_size(), device
+    m = get_model_config(case.model)
+    n = case.mb * world * case.total_steps
+    return (f"synthetic:n={n},hw={case.latent}x{case.latent},txt={case.txt},ctx={m.context_in_dim},"
+            f"vec={m.vec_in_dim},ch={m.latent_channels}")
 
 
-def _build_fluxzero(case: Case, ds: dict, model_cfg, device, rowdir: Path):
-    """The trainer's engine builder; deepspeed.initialize directly with the same config if it is absent."""
-    import inspect
-
-    ours = ds.pop("fluxzero", {}) or {}
-    try:
-        from fluxzero.train import engine as fz_engine
-
-        params = list(inspect.signature(fz_engine.build_engine).parameters)
-        # FLUXZERO_BENCH_DIRECT=1 measures the direct path on purpose (to compare with the engine's)
-        usable = params[:5] == ["cfg", "ds", "ours", "model_cfg", "device"] and not os.environ.get("FLUXZERO_BENCH_DIRECT")
-    except (ImportError, AttributeError):
-        usable = False
-    if usable:
-        from fluxzero.config import TrainConfig
-
-        try:
-            tc = TrainConfig(deepspeed="<benchmark>", data="synthetic:", output_dir=str(rowdir), model=case.model,
-                             attention=case.attn, seed=0,
-                             export_format=None)
-        except (TypeError, ValueError):
-            usable = False
-    if usable:
-        return fz_engine.build_engine(tc, ds, ours, model_cfg, device), "fluxzero.train.engine.build_engine"
-    import deepspeed
-    import torch
-
-    from fluxzero.model import build_model
-
-    torch.manual_seed(0)
-    with deepspeed.zero.Init(config_dict_or_path=ds, enabled=case.zero == 3):
-        model = build_model(model_cfg, device=device)
-    if case.compile:  # as build_engine: compile the blocks, then checkpoint the compiled callables
-        from fluxzero.train.engine import apply_compile
-
-        apply_compile(model)
-    _checkpoint_every(model, case.ckpt)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=ds)
-    why = "FLUXZERO_BENCH_DIRECT set" if os.environ.get("FLUXZERO_BENCH_DIRECT") else "engine API not usable"
-    return engine, f"deepspeed.initialize (direct: {why})"
-
-
-def _checkpoint_every(model, k: int) -> None:
-    import functools
-
-    import torch.utils.checkpoint as cp
-
-    if k <= 0:
-        return
-    try:
-        from fluxzero.train.engine import apply_activation_checkpointing
-
-        apply_activation_checkpointing(model, k, "torch", {})
-        return
-    except (ImportError, AttributeError):
-        pass
-    for i, block in enumerate(list(model.double_blocks) + list(model.single_blocks)):
-        if i % k == 0:
-            block.forward = functools.partial(cp.checkpoint, block.forward, use_reentrant=False)
-
-
-def _synthetic_batches(case: Case, model_cfg, rank: int, world: int, device) -> list[dict]:
-    """Two micro batches per rank from fluxzero.data's synthetic source (cached-latent layout), kept in
-    (pinned) host memory and reused, so the data path costs what a prefetching loader costs."""
-    from fluxzero.data import build_dataloader
-
-    spec = (f"synthetic:n={2 * case.mb * world},hw={case.latent}x{case.latent},txt={case.txt},"
-            f"ctx={model_cfg.context_in_dim},vec={model_cfg.vec_in_dim},ch={model_cfg.latent_channels}")
-    loader = build_dataloader(spec, micro_batch=case.mb, rank=rank, world_size=world, seed=0,
-                              pin_memory=device.type == "cuda")
-    loader.set_epoch(0)
-    return list(loader)
+def run_file(case: Case, world: int, ds_path: str, output_dir: str) -> dict:
+    """The run-file keys (TrainConfig) of the case: what `launch/train.py --config` would get for it.
+    Batch sizes, precision, ZeRO, checkpointing and compile are the DeepSpeed JSON's."""
+    return {"deepspeed": str(ds_path), "data": data_source(case, world), "output_dir": str(output_dir),
+            "model": case.model, "steps": case.total_steps, "seed": 0, "attention": case.attn,
+            "num_workers": case.workers, "log_every": 1, "resume": False, "export_format": None}
 
 
 class _Clock:
-    """Phase marks: CUDA events on the device (no sync inside a step), perf_counter on CPU."""
+    """Phase marks of one step from TrainStep's on_phase hook: CUDA events on the device (no sync inside a
+    step), perf_counter on CPU. The first mark of each name in a step counts (the sweep's grad_accum is 1)."""
 
     def __init__(self, device):
         import torch
 
         self.cuda = device.type == "cuda"
         self.torch = torch
+        self.marks: dict = {}
 
     def sync(self):
         if self.cuda:
             self.torch.cuda.synchronize()
 
-    def mark(self):
+    def mark(self, name: str) -> None:
+        if name in self.marks:
+            return
         if self.cuda:
             e = self.torch.cuda.Event(enable_timing=True)
             e.record()
-            return e
-        return time.perf_counter()
+            self.marks[name] = e
+        else:
+            self.marks[name] = time.perf_counter()
 
-    def span(self, a, b) -> float:
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+    def span(self, a: str, b: str) -> float:
+        x, y = self.marks[a], self.marks[b]
+        return x.elapsed_time(y) / 1e3 if self.cuda else y - x
+
+    def spans(self) -> dict:
+        """data: next(loader) + prepare_batch (noise, packing, host-to-device copy); fwd: forward + loss;
+        bwd: backward, the loss reduction over ranks (one host sync) and the finite check; opt: engine.step."""
+        return dict(data=self.span("data", "forward"), fwd=self.span("forward", "backward"),
+                    bwd=self.span("backward", "update"), opt=self.span("update", "end"))
+
+
+# on_phase names -> the names rows and timeouts use ("OOM at backward", "timeout ... at optimizer step")
+PHASE_NAMES = {"data": "data", "forward": "forward", "backward": "backward", "update": "optimizer step",
+               "end": "step end"}
+
+
+def _with_nan(source, at: int):
+    """The loader's (epoch, batch) stream with NaN latents in batch `at` (tests: a non-finite step)."""
+    for i, (epoch, batch) in enumerate(source):
+        if i == at:
+            batch = {**batch, "latents": batch["latents"] * float("nan")}
+        yield epoch, batch
+
+
+def _fluxzero_runner(case: Case, cfg, rank: int, world: int, device, hook):
+    """The trainer's own run: loop.setup builds DeepSpeed config view, loader, engine and TrainStep exactly as
+    train() does; the sweep times run.step()."""
+    from fluxzero.train import loop
+
+    run = loop.setup(cfg, rank, world, device)
+    step = run.step
+    step.on_phase = hook
+    # The trainer raises at a non-finite loss (before the update); the sweep keeps measuring and marks the row
+    # invalid from its recorded losses instead. A float compare either way: the timing does not change.
+    step.before_update = None
+    if case.inject_nan:
+        step.source = _with_nan(step.source, case.warmup)
+    return run.engine, step
+
+
+def _baseline_runner(case: Case, cfg, rank: int, world: int, device, hook):
+    """The baseline keeps a step of its own (diffusers + DeepSpeed as users write it), fed by the trainer's
+    loader and flow.prepare_batch, with the same phase marks."""
+    import torch
+    from torch.nn.attention import sdpa_kernel
+
+    import baseline_diffusers
+    from fluxzero.config import get_model_config
+    from fluxzero.config.ds_view import load_for_training
+    from fluxzero.data import build_dataloader
+    from fluxzero.model.math import ATTENTION_BACKENDS
+    from fluxzero.train import flow
+    from fluxzero.train.step import StepResult, batches
+
+    model_cfg = get_model_config(cfg.model)
+    ds, v = load_for_training(cfg.deepspeed, world)
+    loader = build_dataloader(cfg.data, micro_batch=v.micro_batch, rank=rank, world_size=world, seed=cfg.seed,
+                              num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
+                              multiprocessing_context="spawn" if cfg.num_workers else None)
+    engine = baseline_diffusers.build_engine(model_cfg, ds, v.checkpoint_every, device, seed=cfg.seed,
+                                             compile=v.compile)
+    dtype = getattr(torch, v.dtype_name)
+    source = batches(loader)
+    if case.inject_nan:
+        source = _with_nan(source, case.warmup)
+    allowed = ATTENTION_BACKENDS[cfg.attention]  # diffusers calls SDPA: restrict it as our model does
+
+    def step() -> StepResult:
+        lr = engine.get_lr()[0]
+        hook("data")
+        epoch, batch = next(source)
+        inputs, target = flow.prepare_batch(batch, cfg.flow, cfg.seed, epoch, guidance_embed=model_cfg.guidance_embed,
+                                            device=device, dtype=dtype)
+        hook("forward")
+        with sdpa_kernel(allowed):
+            loss = flow.loss(baseline_diffusers.forward(engine, inputs), target)
+            hook("backward")
+            engine.backward(loss)
+        hook("update")
+        engine.step()
+        hook("end")
+        norm = engine.get_global_grad_norm()
+        return StepResult(loss=float(loss.detach()), lr=lr, grad_norm=None if norm is None else float(norm),
+                          skipped_steps=int(engine.skipped_steps), img_tokens=inputs["img"].shape[1],
+                          txt_tokens=inputs["txt"].shape[1])
+
+    return engine, step
 
 
 def run_case(case: Case, phase: _Phase) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fluxzero.train import flow
-    from fluxzero.config import FlowConfig, get_model_config
-    from fluxzero.model.math import ATTENTION_BACKENDS, set_attention_backend
+    from fluxzero.config import TrainConfig, get_model_config
+    from fluxzero.train import distributed
 
     phase("init distributed")
     t_start = time.perf_counter()
-    rank, world, device = _init_distributed()
+    rank, world, device = distributed.init_distributed()
     if world != case.gpus:
         raise RuntimeError(f"case wants {case.gpus} ranks but the process group has {world}")
     model_cfg = get_model_config(case.model)
-    set_attention_backend(case.attn)
-    ds, ds_source = _ds_config(case, world, model_cfg)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[case.precision]
+    ds_path = phase.rowdir / "ds.json"  # written by the driver (run_one)
+    cfg = TrainConfig(**run_file(case, world, ds_path, phase.rowdir / "run"))
+    clock = _Clock(device)
 
-    phase("data")
-    batches = _synthetic_batches(case, model_cfg, rank, world, device)
+    def hook(name: str) -> None:
+        clock.mark(name)
+        phase(PHASE_NAMES[name])
+        if case.inject_oom and PHASE_NAMES[name] == case.inject_oom and rank == 0:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the benchmark test)")
 
     phase("model init")
     t0 = time.perf_counter()
     if case.impl == "fluxzero":
-        engine, engine_api = _build_fluxzero(case, ds, model_cfg, device, phase.rowdir)
-        call = lambda inputs: engine(**inputs)  # noqa: E731
-        sdpa = None  # fluxzero's attention applies the chosen backend itself
+        engine, train_step = _fluxzero_runner(case, cfg, rank, world, device, hook)
+        engine_api = ENGINE_API
     else:
-        import baseline_diffusers
-
-        ds.pop("fluxzero", None)
-        engine = baseline_diffusers.build_engine(model_cfg, ds, case.ckpt, device)
-        engine_api = "deepspeed.initialize (diffusers FluxTransformer2DModel, as users wrap it)"
-        call = lambda inputs: baseline_diffusers.forward(engine, inputs)  # noqa: E731
-        sdpa = ATTENTION_BACKENDS[case.attn]  # diffusers calls SDPA: restrict it the same way
-    clock = _Clock(device)
+        engine, train_step = _baseline_runner(case, cfg, rank, world, device, hook)
+        engine_api = BASELINE_API
     clock.sync()
     init_s = time.perf_counter() - t0
     mem_after_init = torch.cuda.memory_allocated(device) / GIB if device.type == "cuda" else None
     skipped_before = int(getattr(engine, "skipped_steps", 0) or 0)
     optimizer = _describe_optimizer(engine)
 
-    from contextlib import nullcontext
-
-    from torch.nn.attention import sdpa_kernel
-
-    flow_cfg = FlowConfig()
-
-    def step(i: int, timed: bool) -> dict:
-        batch = batches[i % len(batches)]
+    def step(timed: bool) -> dict:
+        clock.marks = {}
         clock.sync()
         w0 = time.perf_counter()
-        m0 = clock.mark()
-        # the trainer's order: batch -> forward -> loss -> backward -> step
-        inputs, target = flow.prepare_batch(batch, flow_cfg, 0, i, guidance_embed=model_cfg.guidance_embed,
-                                            device=device, dtype=dtype)
-        m1 = clock.mark()
-        phase("forward")
-        with sdpa_kernel(sdpa) if sdpa else nullcontext():
-            pred = call(inputs)  # (B, L_img, 64)
-            loss = flow.loss(pred, target)
-            if case.inject_nan and i == case.warmup:
-                loss = loss * float("nan")
-            m2 = clock.mark()
-            phase("backward")
-            if case.inject_oom == "backward" and rank == 0:
-                raise torch.OutOfMemoryError("CUDA out of memory (injected by the benchmark test)")
-            engine.backward(loss)
-        m3 = clock.mark()
-        phase("optimizer step")
-        engine.step()
-        m4 = clock.mark()
+        r = train_step()
         clock.sync()
         wall = time.perf_counter() - w0
-        norm = engine.get_global_grad_norm()  # after the sync: reading it costs nothing measured
-        return dict(wall=wall, data=clock.span(m0, m1), fwd=clock.span(m1, m2), bwd=clock.span(m2, m3),
-                    opt=clock.span(m3, m4), loss=float(loss.detach()), timed=timed,
-                    norm=None if norm is None else float(norm))
+        return dict(wall=wall, **clock.spans(), loss=r.loss, norm=r.grad_norm, timed=timed,
+                    img_tokens=r.img_tokens, txt_tokens=r.txt_tokens)
 
     rows = []
     for i in range(case.warmup + case.steps):
@@ -544,18 +520,20 @@ def run_case(case: Case, phase: _Phase) -> dict:
         phase.persist = True
         phase(f"{'timed' if timed else 'warm-up'} step {i + 1}")
         phase.persist = i == 0
-        rows.append(step(i, timed))
+        rows.append(step(timed))
     profile = None
     if case.profile:  # one more step under torch.profiler, after (and not part of) the timed ones
         phase.persist = True
         phase("profiled step")
         phase.persist = False
+        from contextlib import nullcontext
+
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with torch_profile(activities=acts) if rank == 0 else nullcontext() as prof:
-            r = step(case.warmup + case.steps, timed=False)
+            r = step(timed=False)
         if rank == 0:
             try:
                 profile = _profile_summary(prof, r["wall"])
@@ -587,7 +565,9 @@ def run_case(case: Case, phase: _Phase) -> dict:
     timed = [r for r in rows if r["timed"]]
     med = {k: statistics.median(r[k] for r in timed) for k in ("wall", "data", "fwd", "bwd", "opt")}
     step_s = med["wall"]
-    flops = model_cfg.flops_per_sample(case.img_tokens, case.txt)
+    # tokens as the loader delivered them (shards: the bucket of the last timed step; synthetic: the case's)
+    img_tokens, txt_tokens = timed[-1]["img_tokens"], timed[-1]["txt_tokens"]
+    flops = model_cfg.flops_per_sample(img_tokens, txt_tokens)
     losses = [x for m in everyone for x in m["losses"]]
     skipped_all = max(m["skipped_steps"] for m in everyone)
     norms = [x for m in everyone for x in m["grad_norms"] if x is not None]
@@ -601,7 +581,8 @@ def run_case(case: Case, phase: _Phase) -> dict:
         "step_s": step_s, "step_s_all": [r["wall"] for r in timed],
         "data_s": med["data"], "fwd_s": med["fwd"], "bwd_s": med["bwd"], "opt_s": med["opt"],
         "samples_per_s": case.mb * world / step_s,
-        "img_tokens_per_s": case.mb * world * case.img_tokens / step_s,
+        "img_tokens": img_tokens, "txt_tokens": txt_tokens,
+        "img_tokens_per_s": case.mb * world * img_tokens / step_s,
         "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None, "peak_tflops": peak,
         "flops_per_sample_fwd": flops,
         "skipped_steps": skipped_all, "losses_rank0": everyone[0]["losses"],
@@ -610,8 +591,9 @@ def run_case(case: Case, phase: _Phase) -> dict:
         "peak_reserved_gib": [m["peak_reserved_gib"] for m in everyone],
         "alloc_after_init_gib": [m["alloc_after_init_gib"] for m in everyone],
         "init_s": init_s, "case_s": time.perf_counter() - t_start,
-        "engine_api": engine_api, "ds_config_source": ds_source, "ds_config": ds, "optimizer": optimizer,
-        "profile": profile,
+        "engine_api": engine_api, "ds_config_source": DS_CONFIG_SOURCE, "ds_config": json.loads(ds_path.read_text()),
+        "run_file": {k: v for k, v in cfg.to_dict().items() if k != "flow"}, "data_source": cfg.data,
+        "optimizer": optimizer, "profile": profile,
         "warmup_s_all": [r["wall"] for r in rows if not r["timed"]],
         "compile_graphs": compiled and compiled["graphs"], "compile_graph_breaks": compiled and compiled["graph_breaks"],
         "versions": _versions(case, device),
@@ -687,8 +669,21 @@ def _versions(case: Case, device) -> dict:
     return v
 
 
+def _release() -> None:
+    """The case ends: give up rank 0's lock on its output_dir (loop.setup took it), as train() does."""
+    try:
+        from fluxzero.train import checkpoint
+
+        checkpoint.release_output_dir()
+    except Exception:  # noqa: BLE001 - the process exits next; the kernel drops the lock then anyway
+        pass
+
+
 def worker_main(case_json: str, rowdir: str) -> int:
     rank = int(os.environ.get("RANK", "0"))
+    from fluxzero.train import distributed
+
+    distributed.quiet_other_ranks()  # as launch/train.py: before DeepSpeed's import, which already warns
     rowdir = Path(rowdir)
     phase = _Phase(rowdir, rank)
     case = Case(**json.loads(case_json))
@@ -697,9 +692,11 @@ def worker_main(case_json: str, rowdir: str) -> int:
     except BaseException as e:  # noqa: BLE001 - every failure becomes this case's row
         msg = f"OOM at {phase.name}" if _is_oom(e) else f"{type(e).__name__} at {phase.name}: {str(e)[:300]}"
         (rowdir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "ok": False, "error": msg}))
+        _release()
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # no process-group teardown: the other ranks may be stuck in a collective
+    _release()
     (rowdir / f"rank{rank}.json").write_text(json.dumps(out))
     # The last collective is behind every rank: skip NCCL / DeepSpeed teardown, which can stall at exit.
     sys.stdout.flush()
@@ -759,6 +756,11 @@ def _kill(proc: subprocess.Popen) -> None:
 def run_one(case: Case, device: str, timeout: float, log_path: Path, env: dict, grace: float) -> dict:
     """Launch one case under torch.distributed.run and turn whatever it left behind into a row."""
     rowdir = Path(tempfile.mkdtemp(prefix="fzbench-"))
+    try:  # one DeepSpeed JSON for every rank, as a user's run has it
+        (rowdir / "ds.json").write_text(json.dumps(_ds_config(case, case.gpus), indent=1))
+    except ValueError as e:  # gen-config refuses the options (DSConfigError): a row, not a crash of the sweep
+        shutil.rmtree(rowdir, ignore_errors=True)
+        return {"status": f"DeepSpeed config refused: {e}"[:400], "valid": False, "wall_s": 0.0}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}",
            str(Path(__file__).resolve()), "--worker", json.dumps(dataclasses.asdict(case)), "--rowdir", str(rowdir)]
     t0 = time.time()
@@ -798,9 +800,7 @@ def run_one(case: Case, device: str, timeout: float, log_path: Path, env: dict, 
         else:
             status = f"exit code {proc.returncode}: " + _tail(log_path)
         row = {"status": status, "valid": False}
-    for f in rowdir.iterdir():
-        f.unlink()
-    rowdir.rmdir()
+    shutil.rmtree(rowdir, ignore_errors=True)  # the case's ds.json, per-rank rows and output_dir
     row["wall_s"] = wall
     return row
 
@@ -952,6 +952,10 @@ def parse_args(argv):
     p.add_argument("--profile", action="store_true",
                    help="add one torch.profiler step to every case (row 'profile': kernel time by category)")
     p.add_argument("--only", help="run only cases whose name contains each of these comma-separated words")
+    p.add_argument("--data", help="train every selected case on this shard folder (made by `fluxzero cache`) "
+                                  "or synthetic spec, through the trainer's loader (default: synthetic latents "
+                                  "of each case's res and txt)")
+    p.add_argument("--workers", type=int, default=0, help="loader worker processes (run-file num_workers)")
     g = p.add_argument_group("a custom sweep: the cartesian product of these comma-separated lists")
     g.add_argument("--impl", type=_csv(str), default=["fluxzero"])
     g.add_argument("--model", type=_csv(str), default=["flux-dev-lite"])
@@ -1004,6 +1008,15 @@ def main(argv=None) -> int:
         cases = [c for c in cases if all(w in c.name for w in words)]
     if args.profile:
         cases = [dataclasses.replace(c, profile=True, timeout=c.timeout + 60) for c in cases]
+    if args.data:
+        if not args.data.startswith("synthetic:") and not (Path(args.data) / "manifest.json").is_file():
+            print(f"--data {args.data}: no manifest.json there; pass a folder made by `fluxzero cache`",
+                  file=sys.stderr)
+            return 2
+        cases = [dataclasses.replace(c, data=str(Path(args.data).resolve()) if not args.data.startswith(
+            "synthetic:") else args.data) for c in cases]
+    if args.workers:
+        cases = [dataclasses.replace(c, workers=args.workers) for c in cases]
     if not cases:
         print("no cases selected", file=sys.stderr)
         return 2
