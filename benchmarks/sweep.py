@@ -739,18 +739,57 @@ def peak_main(device: str) -> int:
 # ---------------------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------------------
+def children(pid: int) -> list[int]:
+    """Process ids whose parent is `pid` (Linux /proc)."""
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                kids.append(int(d.name))
+    return kids
+
+
+def _signal_groups(pgids: list[int], sig) -> None:
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _wait_gone(pids: list[int], seconds: float) -> None:
+    deadline = time.time() + seconds
+    while any(Path(f"/proc/{p}").exists() for p in pids) and time.time() < deadline:
+        time.sleep(0.1)
+
+
 def _kill(proc: subprocess.Popen) -> None:
-    """End the case's process group (torchrun and its ranks), which this driver started."""
-    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """End the case's torch.distributed.run and its ranks, which this driver started. torchrun starts each rank
+    in a session of its own, so the ranks are found as its children (by id) first: SIGTERM to torchrun's group
+    (it passes it on to the ranks), then SIGKILL to torchrun's group and each rank's group for what is left."""
+    ranks = children(proc.pid)
+    _signal_groups([proc.pid], signal.SIGTERM)
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+    _wait_gone(ranks, 5)
+    _signal_groups([proc.pid, *ranks], signal.SIGKILL)
+    proc.wait()
+    _wait_gone(ranks, 30)
+
+
+def kill_now(proc: subprocess.Popen) -> None:
+    """SIGKILL a torch.distributed.run this process started and its ranks at once (no SIGTERM: a trainer rank
+    answers that by saving a checkpoint)."""
+    ranks = children(proc.pid)
+    _signal_groups([proc.pid, *ranks], signal.SIGKILL)
+    proc.wait()
+    _wait_gone(ranks, 30)  # gone before the caller deletes the folders they were writing
 
 
 def run_one(case: Case, device: str, timeout: float, log_path: Path, env: dict, grace: float) -> dict:

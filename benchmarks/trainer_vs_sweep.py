@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -69,35 +68,6 @@ def _rows(path: Path) -> list[dict]:
     return out
 
 
-def _children(pid: int) -> list[int]:
-    """Process ids whose parent is `pid` (Linux /proc)."""
-    kids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                kids.append(int(d.name))
-    return kids
-
-
-def _kill_launch(proc: subprocess.Popen) -> None:
-    """SIGKILL the torch.distributed.run this script started and its ranks. torchrun starts each rank in a
-    session of its own, so the ranks are found as its children (by id) before torchrun goes."""
-    ranks = _children(proc.pid)
-    for pgid in [proc.pid, *ranks]:  # each rank leads its own group (its loader workers, if any, are in it)
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    proc.wait()
-    deadline = time.time() + 30
-    while any(Path(f"/proc/{r}").exists() for r in ranks) and time.time() < deadline:
-        time.sleep(0.1)  # gone before the caller deletes the output_dir they were writing
-
-
 def run_trainer(case: sweep.Case, device: str, work: Path, timeout: float) -> dict:
     """launch/train.py on the case; its metrics.jsonl rows, the timed steps' median samples/s."""
     work.mkdir(parents=True, exist_ok=True)
@@ -122,7 +92,7 @@ def run_trainer(case: sweep.Case, device: str, work: Path, timeout: float) -> di
                 outcome = "timeout"
                 break
         if proc.poll() is None:
-            _kill_launch(proc)
+            sweep.kill_now(proc)  # torchrun and its ranks, found by id
     rows = _rows(metrics)
     rec = {"command": " ".join(cmd), "run_file": json.loads(run_path.read_text()),
            "ds_config": json.loads(ds_path.read_text()), "outcome": outcome,
