@@ -59,6 +59,11 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     except DSConfigError as e:
         raise TrainingError(str(e)) from None
     ds_engine.check_supported(v, cfg.deepspeed)
+    from fluxzero.model.math import set_process_sdpa_flags
+
+    # the trainer owns its process: torch's SDPA flags match the model's backend, so attention calls SDPA
+    # directly instead of entering sdpa_kernel ~60 times a forward (the model is right either way)
+    set_process_sdpa_flags(cfg.attention)
     model_cfg = resolve_model(cfg.model)
     loader = build_dataloader(cfg.data, micro_batch=v.micro_batch, rank=rank, world_size=world, seed=cfg.seed,
                               num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
