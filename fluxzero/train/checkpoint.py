@@ -183,7 +183,7 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int, all
     if tag is None:
         results = [p.name for name in ("export", "export_ema")
                    for p in (Path(cfg.output_dir) / f"{name}.safetensors", Path(cfg.output_dir) / name) if p.exists()]
-        results += ["lora.safetensors"] if (Path(cfg.output_dir) / "lora.safetensors").exists() else []
+        results += [n for n in ("lora.safetensors", "lora_ema.safetensors") if (Path(cfg.output_dir) / n).exists()]
         if results:  # a finished run whose checkpoints were deleted: its export and logs would be overwritten
             raise TrainingError(f"output_dir {cfg.output_dir} holds the results of an earlier run ({', '.join(results)}"
                                 f") but no checkpoint to resume; choose another output_dir, or move them away to "
@@ -282,11 +282,19 @@ def _writable_problem(out: Path) -> str | None:
 
 
 def _saved_view(path: Path) -> DSView | None:
-    """The view of the DeepSpeed config saved beside a checkpoint; None when absent or unreadable."""
+    """The view of the DeepSpeed config saved beside a checkpoint; None when absent (an older checkpoint).
+
+    Present but unreadable is one sentence: the stage / precision / scheduler checks would otherwise be skipped
+    and DeepSpeed's own load fail deep inside on a mismatch."""
     try:
         return view(json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError, AttributeError):
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0][:200] or type(e).__name__
+        raise TrainingError(f"{path} cannot be read as the DeepSpeed config the checkpoint was written with "
+                            f"({reason}); restore it (a copy of the config that run used), or choose another "
+                            f"output_dir") from None
 
 
 def _saved_run(path: Path) -> dict:
