@@ -68,7 +68,7 @@ def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, weights: str, mer
         if merge or base:
             from fluxzero.train.lora_export import export_lora
 
-            export_lora(ckpt / tag, out, layout, dtype, merge=True, base=str(base) if base else None)
+            export_lora(ckpt / tag, out, layout, dtype, merge=True, base=str(base) if base else None, weights=weights)
         else:  # a LoRA checkpoint writes its LoRA file (kohya layout for bfl / comfyui)
             export_checkpoint(ckpt / tag, out, layout, dtype, weights)
     except TrainingError as e:  # a corrupt checkpoint or an unwritable OUT: the message names which

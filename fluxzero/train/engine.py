@@ -124,6 +124,10 @@ def apply_adapters(model: torch.nn.Module, lora, v: DSView) -> list[str]:
     """
     from fluxzero.model.lora import LoraError, apply_lora
 
+    if v.compile and v.stage == 3:  # measured on CPU with Dynamo's eager and aot_eager backends
+        raise TrainingError("compiled blocks (fluxzero.compile.blocks) with LoRA under ZeRO-3 fail in DeepSpeed "
+                            "0.19.8's backward pass (an adapter-shaped tensor is an empty ZeRO-3 placeholder there); "
+                            "turn fluxzero.compile.blocks off, or train the LoRA under ZeRO-2, where compile works")
     try:
         names = apply_lora(model, lora)
     except LoraError as e:

@@ -19,6 +19,7 @@ from fluxzero.train.distributed import TrainingError
 # diffusers and PEFT their own (fluxzero.model.lora_formats)
 LORA_LAYOUTS = {"bfl": "kohya", "comfyui": "kohya", "diffusers": "diffusers", "kohya": "kohya"}
 LORA_FILE = "lora.safetensors"
+LORA_EMA_FILE = "lora_ema.safetensors"  # export_weights: ema
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -97,11 +98,14 @@ def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "b
 
 
 def export_lora(path: str | Path, out: str | Path, layout: str = "bfl", dtype: str = "bf16", merge: bool = False,
-                base: str | None = None) -> str:
-    """A LoRA checkpoint (output_dir, checkpoints/ or one tag folder) -> LoRA file, or merged full weights."""
-    from fluxzero.train.export import consolidated_state_dict
+                base: str | None = None, weights: str = "live") -> str:
+    """A LoRA checkpoint (output_dir, checkpoints/ or one tag folder) -> LoRA file, or merged full weights.
+    weights "ema": the EMA of the adapters the run kept instead of the trained ones."""
+    from fluxzero.train.export import consolidated_state_dict, ema_state_dict
 
     sd, tag_dir = consolidated_state_dict(path)
+    if weights == "ema":  # the EMA shards hold the trainable parameters: the adapters, under the same names
+        sd = {**sd, **ema_state_dict(tag_dir)}
     if not is_lora_state_dict(sd):
         if merge:
             raise TrainingError(f"checkpoint {tag_dir} is a full fine-tune, not a LoRA: there is nothing to merge; "
@@ -113,20 +117,24 @@ def export_lora(path: str | Path, out: str | Path, layout: str = "bfl", dtype: s
 def final_lora_export(cfg: TrainConfig, ckpt_dir: Path, rank: int) -> tuple[str, bool]:
     """A LoRA run's end, on rank 0: output_dir/lora.safetensors in export_format's LoRA layout and, with
     export_merged, the merged full weights where a full fine-tune's export goes (export.safetensors or
-    export/). Returns (LoRA file, whether anything was written): files already current are left alone."""
+    export/); export_weights: ema writes lora_ema.safetensors (and export_ema...) from the adapters' EMA.
+    Returns (LoRA file, whether anything was written): files already current are left alone."""
     from fluxzero.train.export import _export_is_current
 
-    out = Path(cfg.output_dir) / LORA_FILE
-    merged = Path(cfg.output_dir) / ("export" if cfg.export_format == "diffusers" else "export.safetensors")
+    ema = cfg.export_weights == "ema"
+    out = Path(cfg.output_dir) / (LORA_EMA_FILE if ema else LORA_FILE)
+    name = "export_ema" if ema else "export"
+    merged = Path(cfg.output_dir) / (name if cfg.export_format == "diffusers" else f"{name}.safetensors")
     if rank != 0:
         return str(out), False
     latest, written = ckpt_dir / "latest", False
     try:
         if not lora_is_current(out, latest, LORA_LAYOUTS[cfg.export_format], cfg.export_dtype):
-            export_lora(ckpt_dir, out, cfg.export_format, cfg.export_dtype)
+            export_lora(ckpt_dir, out, cfg.export_format, cfg.export_dtype, weights=cfg.export_weights)
             written = True
         if cfg.export_merged and not _export_is_current(merged, latest, cfg.export_format, cfg.export_dtype):
-            export_lora(ckpt_dir, merged, cfg.export_format, cfg.export_dtype, merge=True, base=cfg.weights)
+            export_lora(ckpt_dir, merged, cfg.export_format, cfg.export_dtype, merge=True, base=cfg.weights,
+                        weights=cfg.export_weights)
             written = True
     except TrainingError as e:
         raise TrainingError(f"{e} (training finished and is saved: `fluxzero export {cfg.output_dir} OUT` writes "
