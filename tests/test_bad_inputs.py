@@ -534,10 +534,6 @@ def _train_cases(d: Path, outs: Path):
 
 
 TRAIN_XFAIL = {
-    "run_lr": "lr in the run file gets \"unknown run-file keys ['lr'] (did you mean 'lora' for 'lr'?)\": one sentence, "
-              "but it points at LoRA instead of the DeepSpeed config's optimizer.params.lr; the fix (lr and "
-              "weight_decay in config/run.py's list of keys the DeepSpeed config owns) belongs in config/run.py, "
-              "which is being edited",
     "ds_duplicate_key": "the trainer reads the DeepSpeed JSON with json.load (fluxzero/config/ds_view.py read_json), "
                         "which keeps the last of two equal keys silently; check-config refuses it. The fix belongs "
                         "in config/ds_view.py, which is being edited",

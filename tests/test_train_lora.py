@@ -84,7 +84,9 @@ def test_run_file_lora_section(tmp_path):
                         (["lora.rnak=4"], "unknown lora keys ['rnak']"),
                         (["lora=4"], "lora must be a mapping of LoRA options"),
                         (["lora=null", "export_merged=true"], "export_merged merges a LoRA into its base weights"),
-                        (["weights=null", "export_merged=true"], "export_merged needs the base weights")]:
+                        (["weights=null", "export_merged=true"], "export_merged needs the base weights"),
+                        # `lora` is the nearest run-file key to `lr`: the sentence must point at the DeepSpeed config
+                        (["lr=1e-4"], "lr is set in the DeepSpeed config now (optimizer.params.lr in ds.json)")]:
         with pytest.raises(ConfigError) as e:
             load_config(str(run), over)
         assert words in str(e.value) and "\n" not in str(e.value), over

@@ -18,6 +18,9 @@ from fluxzero.config.models import model_spec, resolve_model
 MOVED_TO_DEEPSPEED = {
     "micro_batch": "train_micro_batch_size_per_gpu",
     "grad_accum": "gradient_accumulation_steps",
+    # never run-file keys, but where people look for them (and `lr` is close enough to `lora` to be suggested)
+    "lr": "optimizer.params.lr",
+    "weight_decay": "optimizer.params.weight_decay",
     "precision": "bf16.enabled / fp16.enabled",
 }
 MOVED_TO_SCHEDULER = {
