@@ -32,6 +32,9 @@ GiB = 1024**3
 PHASES = ("train", "step", "init")
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# The caching allocator's reserve beyond the allocated peak, as a fraction of the per-step transients, by ZeRO
+# stage (1 and 2 share one): refitted by benchmarks/fragmentation_fit.py (Estimate.fragmentation says on which runs)
+FRAGMENTATION = {0: 0.19, 1: 0.33, 2: 0.33, 3: 0.8}
 # fp32 optimizer states per parameter (Adam/AdamW: exp_avg + exp_avg_sq; SGD with momentum, Lion: one buffer)
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -453,20 +456,27 @@ class Estimate:
         parameters, gradients, the step's copies) leaves cached blocks that later requests of other sizes
         (or on other streams) cannot reuse. Model states are allocated once and do not fragment.
 
-        Calibrated on H200 measurements (benchmarks/results/2026-11-h200/memory_vs_estimate.md):
-        - stage 0, 0.25: the step's per-tensor gradients and fp32 copies have the sizes of the fp32 model's
-          tensors freed at engine start (cast to bf16), so they mostly reuse those cached blocks;
-        - ZeRO 1-3, 0.8: the step's copies are flat, GiB-sized (one partition or sub-group) and training's
-          are tensor-sized activations and gathered parameters (on their own streams): neither set can
-          reuse the other's cached blocks, so each keeps most of its own reserve (stages 1-2 unmeasured;
-          their step copies are flat like stage 3's);
-        - expandable_segments, 0.05: segments grow and shrink in place, little is stranded.
+        Fitted on H200 runs, each regime on some runs and checked on others held out
+        (benchmarks/fragmentation_fit.py: f minimises the largest relative error of the predicted reserved
+        memory over the fit runs; results in benchmarks/results/2026-11-h200 and 2026-12-h200):
+        - stage 0, 0.19: fit on flux-dev-lite's 512 px runs (lite1 #1-3, #7-9, #15, lite_after #1), held out
+          the 1024 px ones (#4 +0.5%, #10 -8.0%). The step's per-tensor gradients and fp32 copies have the
+          sizes of the fp32 model's tensors freed at engine start, so they mostly reuse those cached blocks;
+        - stages 1-2, 0.33: fit on flux-dev-lite ZeRO-2 at 512 px with every block checkpointed at micro
+          batch 1 and none at 16 (lite_z2 #1, #6), held out micro batch 8/16 checkpointed and 1/8 not (-1.5% to
+          +8.7%). The former 0.8 (stage 3's, unmeasured here) was 10% high with checkpointing and 22-24% high
+          without: at ZeRO-2 the step's flat copies reuse much of the activations' cached memory;
+        - stage 3, 0.8: fit on flux-dev-lite on one GPU (lite1 #11-14), held out two GPUs and flux-dev
+          (scale #1-2, dev2 #1, #2, #4, dev2b #1, dev2c #1: -8.8% to -0.1%). The step's copies are flat
+          sub-groups and training's are tensor-sized activations and gathered parameters on their own
+          streams: neither set reuses the other's cached blocks;
+        - expandable_segments, 0.05: segments grow and shrink in place, little is stranded (not refitted).
         """
         if self.spec.fragmentation is not None:
             return self.spec.fragmentation
         if self.spec.expandable_segments:
             return 0.05
-        return 0.25 if self.spec.stage == 0 else 0.8
+        return FRAGMENTATION[min(self.spec.stage, 2) if self.spec.stage < 3 else 3]
 
     @property
     def gpu_reserved(self) -> int:
