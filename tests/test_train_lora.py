@@ -613,3 +613,12 @@ def test_lora_at_zero_0_with_offload_and_ema(tmp_path):
     assert set(got) == set(ema) and all(torch.equal(got[k], ema[k]) for k in ema)
     assert any(not torch.equal(ema[k], live[k]) for k in live)  # decay 0.5: the EMA lags the trained adapters
     assert not (tmp_path / "z2_ema" / "lora.safetensors").exists()
+    from click.testing import CliRunner
+
+    from fluxzero.cli import main as cli
+
+    r = CliRunner().invoke(cli, ["export", str(tmp_path / "z2_ema"), str(tmp_path / "cli_ema.safetensors"), "--weights",
+                                 "ema", "--format", "diffusers", "--dtype", "fp32"])
+    assert r.exit_code == 0, r.output
+    again, _ = read_lora(tmp_path / "cli_ema.safetensors")  # `fluxzero export --weights ema` writes the same EMA
+    assert all(torch.equal(again[k], ema[k]) for k in ema)

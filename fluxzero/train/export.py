@@ -104,12 +104,12 @@ def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dt
     from fluxzero.model.weights import WeightsError, save_weights
 
     sd, tag_dir = consolidated_state_dict(path)
+    if weights == "ema":
+        sd = {**sd, **ema_state_dict(tag_dir)}
     from fluxzero.train import lora_export
 
     if lora_export.is_lora_state_dict(sd):  # adapters only: a LoRA file in the layout's LoRA counterpart
         return lora_export.write_lora_export(sd, tag_dir, out, layout, dtype)
-    if weights == "ema":
-        sd = {**sd, **ema_state_dict(tag_dir)}
     run = tag_dir / "run.yaml"
     cfg = None
     if run.is_file():

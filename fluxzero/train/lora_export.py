@@ -43,7 +43,7 @@ def _run_settings(tag_dir: Path) -> dict:
 
 def lora_settings(tag_dir: Path):
     """(LoraConfig, ModelConfig or None, the run's base weights path or None) from a checkpoint's run.yaml."""
-    from fluxzero.config import LoraConfig, get_model_config
+    from fluxzero.config import LoraConfig, resolve_model
 
     saved = _run_settings(tag_dir)
     if not saved.get("lora"):
@@ -51,7 +51,7 @@ def lora_settings(tag_dir: Path):
                             f"rank, alpha and targets); restore run.yaml, or export another checkpoint")
     try:
         lcfg = LoraConfig.from_dict(saved["lora"])
-        cfg = get_model_config(saved["model"]) if saved.get("model") else None
+        cfg = resolve_model(saved["model"]) if saved.get("model") else None  # a preset name or a whole shape
     except ValueError as e:
         raise TrainingError(f"{Path(tag_dir) / 'run.yaml'}: {e}") from None
     return lcfg, cfg, saved.get("weights")
