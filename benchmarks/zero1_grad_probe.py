@@ -3,7 +3,7 @@
 Two ranks (spawned), bf16, a stack of linears of P parameters, reduce_bucket_size well below P. After a
 first full step (so fp32 masters and Adam states exist), the second step is observed: every live tensor
 storage reachable from Python (params' .grad, the ZeRO optimizer's buffers) is summed, deduplicated by
-storage, at three moments -- before forward, inside backward after each layer's gradients exist (the
+storage, at three moments -- before forward, inside backward after each layer's gradients exist and after each bucket's reduction, in backward or in its epilogue (the
 largest sample is kept), and after engine.backward() returns (before engine.step()). Gradient bytes =
 those sums minus the before-forward baseline, expressed in units of b P (b = 2 bytes, bf16): 1.0 means a
 whole gradient copy, 1/N a partition.
@@ -70,10 +70,21 @@ def worker(rank: int, world: int, port: int, overlap: bool, q) -> None:
     eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     x = torch.randn(4, WIDTH, dtype=torch.bfloat16)
 
+    opt = eng.optimizer
+    reduce_ipg = opt.reduce_ipg_grads
+    reduced: list[int] = []  # live bytes after each bucket's reduction (in backward or in its epilogue)
+
+    def sampled_reduce(*a, **k):
+        out = reduce_ipg(*a, **k)
+        reduced.append(live_bytes(torch))
+        return out
+
     def step(observe: bool):
         samples = []
         hooks = []
         if observe:
+            reduced.clear()
+            opt.reduce_ipg_grads = sampled_reduce
             for m in model:
                 hooks.append(m.register_full_backward_hook(lambda *a: samples.append(live_bytes(torch))))
         loss = eng(x).float().pow(2).mean()
@@ -81,8 +92,9 @@ def worker(rank: int, world: int, port: int, overlap: bool, q) -> None:
         after = live_bytes(torch)
         for h in hooks:
             h.remove()
+        opt.reduce_ipg_grads = reduce_ipg
         eng.step()
-        return samples, after
+        return samples + reduced, after
 
     step(False)
     gc.collect()

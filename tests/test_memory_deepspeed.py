@@ -112,3 +112,39 @@ def test_resident_model_states_match_a_real_engine(tmp_path):
             # DeepSpeed pads partitions to its alignment and keeps a few small bookkeeping tensors: up to ~6 KB
             # here. 0.5% of ~4.4 MB is far below the smallest term of the model (a gradient partition, 11%).
             assert abs(r["measured"] - r["predicted"]) <= 0.005 * r["predicted"], (rank, stage, oo, op, r)
+
+
+@pytest.mark.slow
+def test_stage1_gradients_are_what_the_memory_model_counts():
+    """benchmarks/zero1_grad_probe.py on real engines (2 ranks, bf16, reduce buckets 0.06 b P): a stage-1 rank
+    holds a whole gradient's worth until backward ends, with or without overlap_comm, and b P / N after it.
+    Tolerance 0.01 b P: Python-held scalars and index tensors are ~1e-4 b P; the probe samples after each
+    layer's backward and after each bucket's reduction (one layer = 0.125 b P)."""
+    import sys
+    from pathlib import Path
+
+    from fluxzero.config import memory
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # spawned ranks import it by name
+    import zero1_grad_probe as probe
+    for overlap in (True, False):
+        rows = probe.run(overlap)
+        for r in rows:
+            assert r["after_backward_bP"] == pytest.approx(0.5, abs=0.01), r  # the partition of 2 ranks
+        peak = max(r["in_backward_max_bP"] for r in rows)
+        bucket = rows[0]["bucket_bP"]
+        layer = 1 / probe.LAYERS
+        # the memory model's gradient items for this run (resident partition + train-phase ones), in b P
+        if overlap:  # own partition + the other ranks' gradients + both buckets + one layer's in flight
+            model = 1 / 2 + 1 / 2 + 2 * bucket + layer
+        else:  # the partition + every gradient whole + one bucket + one layer's in flight
+            model = 1 / 2 + 1 + bucket + layer
+        # overlap: exact; without it the epilogue frees each reduced bucket's gradients as it fills the
+        # partition, so the model, which keeps them all, is above by up to two layers (2/57 b P on flux-dev)
+        assert model - 0.01 <= peak + 2 * layer * (not overlap) and peak <= model + 0.01, (overlap, peak, model)
+    # and the model's items say the same for flux-dev at 8 ranks
+    for overlap in (True, False):
+        s = memory.RunSpec("flux-dev", stage=1, gpus_per_node=8, zero=memory.ZeroSettings(overlap_comm=overlap))
+        names = {i.name for i in memory.estimate(s).items if i.phase == "train"}
+        assert ("gradients of the other ranks' partitions (bf16)" in names) is overlap
+        assert ("gradients (full, bf16) until backward ends" in names) is (not overlap)
