@@ -201,9 +201,12 @@ def test_bad_lora_input_through_the_trainer(tmp_path):
     from fluxzero.model.lora_formats import save_lora
 
     lcfg = LoraConfig(rank=4)
-    model, _ = _lora_model(lcfg)
+    model, base = _lora_model(lcfg)
     lora_file = tmp_path / "rank4.safetensors"
     save_lora(lora_file, L.lora_state_dict(model), lcfg, layout="kohya")
+    from fluxzero.model.weights import save_weights
+
+    save_weights(base, tmp_path / "base.safetensors")  # another base than the run's (random init)
     (tmp_path / "ds.json").write_text(json.dumps(_ds()))
     (tmp_path / "ds3c.json").write_text(json.dumps(_ds(3, fluxzero={"compile": {"blocks": True, "backend": "eager"}})))
     run = {"deepspeed": str(tmp_path / "ds.json"), "data": DATA4, "steps": 1, "export_format": None,
@@ -225,6 +228,8 @@ def test_bad_lora_input_through_the_trainer(tmp_path):
                                 "model (no lora section); add its lora section back, or choose another output_dir"),
         "resume_other_rank": (["lora.rank=8", "steps=2"], "run", "was trained with lora.rank=4, lora.alpha=4.0 but "
                               "this run has lora.rank=8, lora.alpha=8.0; resume with the checkpoint's values"),
+        "resume_other_base": ([f"weights={tmp_path / 'base.safetensors'}", "steps=2"], "run",
+                              "is a LoRA trained on weights=None but this run has weights="),
     }
     todo = [[name, ["--config", str(tmp_path / "run.yaml"), f"output_dir={tmp_path / out}", *over]]
             for name, (over, out, _) in cases.items()]

@@ -359,6 +359,11 @@ def _check_same_adapters(cfg: TrainConfig, saved: dict, ckpt: Path) -> None:
         raise TrainingError(f"{ckpt} was trained with {', '.join(f'lora.{k}={was.get(k)}' for k in diff)} but this "
                             f"run has {', '.join(f'lora.{k}={getattr(now, k)}' for k in diff)}; resume with the "
                             f"checkpoint's values, or choose another output_dir")
+    # the frozen base is not in a LoRA checkpoint: it is loaded from `weights` again, which must be the same
+    if was and "weights" in saved and saved["weights"] != cfg.weights and not _same_path(saved["weights"], cfg.weights):
+        raise TrainingError(f"{ckpt} is a LoRA trained on weights={saved['weights']} but this run has weights="
+                            f"{cfg.weights}; a LoRA checkpoint holds only its adapters, so resume on the same base "
+                            f"weights, or choose another output_dir")
 
 
 def _same_path(a, b) -> bool:
