@@ -12,7 +12,7 @@ import sys
 import click
 from click.core import ParameterSource
 
-from fluxzero.config import ds_config, ds_view
+from fluxzero.config import ds_config, ds_view, optim_modes
 from fluxzero.commands.estimate import apply_fit, fit_options
 from fluxzero.commands.model_spec import MODEL_SPEC
 from fluxzero.config.ds_config import DSConfigError, DSOptions
@@ -267,14 +267,20 @@ def summary(v: ds_view.DSView, world: int | None) -> str:
     """What a checked config trains with, in one line, as the trainer reads it (through the DSView)."""
     off = [f"{what} offload to {dev}" for what, dev in (("optimizer", v.offload_optimizer),
                                                          ("parameter", v.offload_param)) if dev != "none"]
-    parts = [f"ZeRO-{v.stage}" + (f" with {' and '.join(off)}" if off else ""), v.precision]
+    mode = optim_modes.MODES.get(v.optimizer_mode) if isinstance(v.optimizer_mode, str) else None
+    precision = v.precision
+    if mode is not None and mode.master_dtype == "bf16":
+        precision = "bf16 masters" if v.stage else "bf16 (the trainer casts the model; bf16 off in DeepSpeed)"
+    parts = [f"ZeRO-{v.stage}" + (f" with {' and '.join(off)}" if off else ""), precision]
     try:
         micro, accum, train = v.batch_for(world or 1)
         batch = f"micro batch {micro} x accumulation {accum}"
         parts.append(batch + (f" (global batch {train})" if world else ""))
     except ds_view.DSConfigError:
         pass  # batch sizes that need a world size to divide: reported with --world-size
-    if v.optimizer is not None:
+    if v.optimizer_mode is not None:
+        parts.append(f"optimizer mode {v.optimizer_mode}" + (f" lr {v.lr}" if v.lr is not None else ""))
+    elif v.optimizer is not None:
         parts.append(f"{v.optimizer} lr {v.lr}" if v.lr is not None else v.optimizer)
     parts.append(f"{v.scheduler} schedule" if v.scheduler else "constant lr")
     parts.append(f"gradient clipping {v.gradient_clipping}" if v.gradient_clipping else "no gradient clipping")
@@ -283,6 +289,4 @@ def summary(v: ds_view.DSView, world: int | None) -> str:
                  else f"checkpointing 1 block in {k}")
     if v.compile:
         parts.append(f"compiled blocks ({v.compile_mode})")
-    if v.optimizer_mode is not None:
-        parts.append(f"optimizer mode {v.optimizer_mode}")
     return ", ".join(parts)

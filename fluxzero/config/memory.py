@@ -679,7 +679,9 @@ def _model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     if s.ema is not None:
         from fluxzero.config.ema import EmaConfig
 
-        partitioned = s.stage >= 1 or (b < 4 and not bf16_master)  # BF16/FP16 optimizer at stage 0 partitions
+        # ZeRO 1-3 partition the masters; at stage 0 gen-config's bf16 config gets FP16_UnfusedOptimizer, whole
+        # masters on every rank (only DeepSpeed's BF16_Optimizer, with an fp32 grad_accum_dtype, would partition)
+        partitioned = s.stage >= 1
         per = EmaConfig(dtype=s.ema).bytes_per_param(N, partitioned)
         where = "host" if s.ema_device == "cpu" else "gpu"
         add(f"EMA ({s.ema})", per * P, where, note=("1/N, like the master partition" if partitioned and N > 1
