@@ -301,6 +301,8 @@ def as_dict(est: memory.Estimate, hw: memory.Hardware | None, margin: float, zer
         "model": s.model.name, "world_size": s.world_size, "nodes": s.nodes, "gpus_per_node": s.gpus_per_node,
         "height": s.height, "width": s.width, "txt_len": s.txt_len, "micro_batch": s.micro_batch,
         "precision": s.precision, "stage": s.stage, "offload_optimizer": s.offload_optimizer,
+        "optimizer_mode": s.optimizer_mode, "lora_rank": s.lora_rank, "ema": s.ema,
+        "trained_params": memory.trained_params(s), "fragmentation": est.fragmentation,
         "offload_param": s.offload_param, "checkpoint_every": s.checkpoint_every,
         "gpu_allocated_gib": est.gpu_allocated / GiB, "gpu_reserved_gib": est.gpu_reserved / GiB,
         "gpu_needed_gib": est.gpu_total / GiB, "peak_phase": est.peak_phase,
