@@ -372,15 +372,13 @@ def trained(tmp_path_factory):
     jobs = [
         job("z2", "z2", export_format="diffusers", export_dtype="fp32", export_merged=True),
         job("stop2", "z2", stop_after=2),
-        job("stop2", "z2", output_dir=str(tmp / "stop2"), export_format="comfyui"),  # resumed
+        job("resumed2", "z2", output_dir=str(tmp / "stop2"), export_format="comfyui"),
         job("z3", "z3", export_format="comfyui", export_dtype="fp32"),
         job("stop3", "z3", stop_after=2),
-        job("stop3", "z3", output_dir=str(tmp / "stop3"), export_format="diffusers", export_dtype="fp32"),
+        job("resumed3", "z3", output_dir=str(tmp / "stop3"), export_format="diffusers", export_dtype="fp32"),
         job("z2_bf16", "z2_bf16", steps=3),
         job("z3_bf16", "z3_bf16", steps=3),  # here the adapters stay fp32 (engine.apply_adapters says why)
     ]
-    jobs[2] = ("resumed2", jobs[2][1])
-    jobs[5] = ("resumed3", jobs[5][1])
     # continue from z2's exported LoRA file under ZeRO-3: the file's adapters, partitioned across the ranks
     probe = job("probe", "z3", lora={**LORA, "weights": str(tmp / "z2" / "lora.safetensors")})[1]
     with socket.socket() as s:
