@@ -3,8 +3,9 @@
 Two ranks (spawned), bf16, a stack of linears of P parameters, reduce_bucket_size well below P. After a
 first full step (so fp32 masters and Adam states exist), the second step is observed: every live tensor
 storage reachable from Python (params' .grad, the ZeRO optimizer's buffers) is summed, deduplicated by
-storage, at three moments -- before forward, inside backward after each layer's gradients exist and after each bucket's reduction, in backward or in its epilogue (the
-largest sample is kept), and after engine.backward() returns (before engine.step()). Gradient bytes =
+storage, at three moments -- before forward; inside backward after each layer's gradients exist and after
+each bucket's reduction, in backward or in its epilogue (the largest sample is kept); and after
+engine.backward() returns (before engine.step()). Gradient bytes =
 those sums minus the before-forward baseline, expressed in units of b P (b = 2 bytes, bf16): 1.0 means a
 whole gradient copy, 1/N a partition.
 

@@ -60,7 +60,8 @@ def _cfg(mode: str, stage: int = 2, **top) -> dict:
     (lambda c: c["fluxzero"].update(optimizer_mode="bf16-fast"),
      'fluxzero.optimizer_mode "bf16-fast" is not an optimizer mode: choose one of fp32, bf16-sr, bf16-kahan, '
      'adamw8bit-sr, adafactor-sr'),
-    (lambda c: c["fluxzero"].update(optimizer_mode="bf16-rtn"), "fluxzero.optimizer_mode bf16-rtn is for comparison only"),
+    (lambda c: c["fluxzero"].update(optimizer_mode="bf16-rtn"),
+     "fluxzero.optimizer_mode bf16-rtn is for comparison only"),
     (lambda c: c["bf16"].pop("bf16_optimizer_states"),
      "fluxzero.optimizer_mode bf16-sr at ZeRO stage 2 needs bf16.bf16_optimizer_states true (without them DeepSpeed "
      "keeps fp32 masters and the mode saves nothing)"),

@@ -61,7 +61,8 @@ def test_zero2_allocated_within_3_and_reserved_within_10_percent(c):
 def test_fragmentation_is_the_refit():
     """The fractions in the model are what benchmarks/fragmentation_fit.py fits, and every held-out run is
     within 10% with them (the fit can fail here: a changed model moves the fitted values)."""
-    spec = importlib.util.spec_from_file_location("fluxzero_bench_fragfit", ROOT / "benchmarks" / "fragmentation_fit.py")
+    spec = importlib.util.spec_from_file_location("fluxzero_bench_fragfit",
+                                                  ROOT / "benchmarks" / "fragmentation_fit.py")
     ff = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ff)
     rows = ff.all_rows()

@@ -78,7 +78,8 @@ def test_ema_is_partitioned_like_the_optimizer_states():
     host = items(RunSpec(DEV, stage=2, gpus_per_node=2, ema="bf16", ema_device="cpu"))["EMA (bf16)"]
     assert host.where == "host" and host.bytes == P  # 2 B / 2 ranks
     # a bf16-master mode at ZeRO 0 keeps no partitioned masters: the EMA is whole on every rank
-    assert items(RunSpec(DEV, stage=0, gpus_per_node=2, optimizer_mode="bf16-sr", ema="fp32"))["EMA (fp32)"].bytes == 4 * P
+    stage0 = RunSpec(DEV, stage=0, gpus_per_node=2, optimizer_mode="bf16-sr", ema="fp32")
+    assert items(stage0)["EMA (fp32)"].bytes == 4 * P
 
 
 def test_stage1_holds_a_whole_gradient_until_backward_ends():

@@ -949,7 +949,8 @@ class FitResult:
     spec: RunSpec | None
     estimate: Estimate | None
     reason: str  # which constraint decided, in sentences
-    options: dict = field(default_factory=dict)  # stage, offload_optimizer, offload_param, micro_batch, checkpoint_every
+    # stage, offload_optimizer, offload_param, micro_batch, checkpoint_every, optimizer_mode
+    options: dict = field(default_factory=dict)
 
 
 CHECKPOINT_CHOICES = (0, 8, 4, 2, 1)  # every k-th block: none, 1/8, 1/4, 1/2, all
