@@ -137,3 +137,23 @@ def test_check_config_names_the_world_size_the_batch_implies(tmp_path):
     assert "world size 16 only: train_batch_size 64 = micro batch 1 x accumulation 4 x 16 ranks" in r.output
     assert "any world size" not in r.output and "(global batch 64)" in r.output
     assert CliRunner().invoke(main, ["check-config", "--no-deepspeed", "--world-size", "8", str(path)]).exit_code == 2
+
+
+def test_view_says_when_the_trainer_casts_the_model():
+    assert view(gen("--optimizer-mode", "bf16-sr", "--zero-stage", "0")).trainer_casts_to_bf16
+    assert not view(gen("--optimizer-mode", "bf16-sr", "--zero-stage", "2")).trainer_casts_to_bf16
+    assert not view(gen("--optimizer-mode", "fp32", "--zero-stage", "0")).trainer_casts_to_bf16
+    assert not view(gen("--zero-stage", "0")).trainer_casts_to_bf16
+
+
+def test_fit_keeps_a_pinned_mode():
+    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "1", "--gpu", "h200", "--host-memory", "128",
+                                  "--optimizer-mode", "bf16-sr"])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads(r.stdout)
+    assert cfg["fluxzero"]["optimizer_mode"] == "bf16-sr" and cfg["zero_optimization"]["stage"] == 0
+    assert "optimizer mode bf16-kahan" not in r.stderr  # only the pinned mode was tried
+    assert optim_modes.get_mode("bf16-sr").caveat in r.stderr
+    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "1", "--gpu", "h200", "--optimizer-mode",
+                                  "bf16-sr", "--offload-optimizer", "cpu"])
+    assert r.exit_code == 2 and "contradict" in r.output

@@ -69,6 +69,15 @@ class DSView:
         """The dtype DeepSpeed gives the module's parameters ("float32", "bfloat16", "float16")."""
         return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.precision]
 
+    @property
+    def trainer_casts_to_bf16(self) -> bool:
+        """A bf16-master optimizer mode at ZeRO 0: bf16 is off in the config (DeepSpeed's bf16 wrapper would keep
+        fp32 masters), so the trainer casts the model to bf16 itself and the client optimizer steps its weights."""
+        from fluxzero.config.optim_modes import MODES  # pure
+
+        mode = MODES.get(self.optimizer_mode) if isinstance(self.optimizer_mode, str) else None
+        return mode is not None and mode.master_dtype == "bf16" and self.stage == 0
+
     def checkpointed_blocks(self, n_blocks: int) -> int:
         """How many of n_blocks the trainer checkpoints (block i iff i % every_k_blocks == 0)."""
         return checkpointed_blocks(n_blocks, self.checkpoint_every)
