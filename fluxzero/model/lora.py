@@ -204,6 +204,10 @@ def is_lora_file(path: str | os.PathLike) -> bool:
         return False
     try:
         with safe_open(str(path), framework="pt") as f:
-            return _lora_keys(f.keys())
+            keys = list(f.keys())
     except Exception:  # noqa: BLE001 - not a readable safetensors file: certainly no LoRA
         return False
+    # mostly adapter tensors (their .alpha scalars aside): a full model with a stray lora key is not a LoRA file,
+    # and the full-weights loader then names that key as unexpected
+    lora = sum(_lora_keys([k]) for k in keys)
+    return lora > 0 and lora >= (len(keys) - sum(k.endswith(".alpha") for k in keys)) / 2
