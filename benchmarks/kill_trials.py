@@ -1,0 +1,287 @@
+"""Kill trials: kill -9 (or SIGTERM) a rank of a real 2-rank run at a chosen moment, resume, and compare bit for bit
+with an uninterrupted run (every loss in metrics.jsonl, the final export's sha256).
+
+    python benchmarks/kill_trials.py --stage 2 --trials 12 --out benchmarks/results/kill_trials_zero2.json
+
+Each run is launch/train.py started twice by hand (RANK/WORLD_SIZE set, no launcher) so that one rank alone can
+be signalled; flux-tiny on synthetic latents, CPU/gloo. After a kill -9 the surviving rank gets up to 60 s to
+stop on its own (what it printed and its exit status are recorded), then it is killed too, as a launcher would.
+The trial kinds, cycled in this order:
+
+- step:    kill -9 of a random rank right after a random step was logged
+- save:    kill -9 of a random rank 0.1-35 ms after a checkpoint folder appeared (inside the save or just after)
+- startup: kill -9 of a random rank at a random moment before the first step (aimed again, earlier, when the
+           first step comes first)
+- double:  kill -9 at a random step, then a second kill -9 at a random moment of the resumed run
+- export:  kill -9 of rank 0 (the only exporter) 0-4 ms after the final export's temp file appeared
+- sigterm: SIGTERM to a random rank after a random step (both ranks must save that step and exit 143)
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("step", "save", "startup", "double", "export", "sigterm")
+STEPS, EVERY = 12, 3
+DATA = "synthetic:n=64,hw=8x8,txt=4,ctx=64,vec=32"
+
+
+def write_run(folder: Path, stage: int) -> Path:
+    """The run file (and its DeepSpeed config) every run of a stage uses; output_dir is folder/out."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                       "warmup_num_steps": 4, "warmup_type": "linear"}},
+          "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    (folder / "ds.json").write_text(json.dumps(ds))
+    run = {"deepspeed": str(folder / "ds.json"), "data": DATA, "output_dir": str(folder / "out"), "model": "flux-tiny",
+           "steps": STEPS, "checkpoint_every": EVERY, "log_every": 1, "seed": 0, "export_format": "bfl",
+           "export_dtype": "bf16"}
+    (folder / "run.yaml").write_text(yaml.safe_dump(run))
+    return folder / "run.yaml"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Ranks:
+    """Two ranks of launch/train.py; their output goes to files (a full pipe would stall a rank)."""
+
+    def __init__(self, run_file: Path, log_prefix: Path):
+        port = _free_port()
+        self.logs = [Path(f"{log_prefix}.rank{r}.log") for r in range(2)]
+        self.started = time.monotonic()
+        self.procs = []
+        for r in range(2):
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FLUXZERO_NO_PROGRESS": "1",
+                   "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            with open(self.logs[r], "w") as log:
+                self.procs.append(subprocess.Popen([sys.executable, str(ROOT / "launch" / "train.py"), "--config",
+                                                    str(run_file)], stdout=log, stderr=subprocess.STDOUT, env=env))
+
+    def alive(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def wait(self, timeout: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [p.poll() for p in self.procs]
+
+    def kill(self, rank: int, sig=signal.SIGKILL) -> None:
+        if self.procs[rank].poll() is None:
+            os.kill(self.procs[rank].pid, sig)
+
+    def kill_all(self) -> None:
+        for r in range(2):
+            self.kill(r)
+        self.wait(30)
+
+    def text(self, rank: int) -> str:
+        return self.logs[rank].read_text(errors="replace")
+
+
+def logged_steps(out: Path) -> list[int]:
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    steps = []
+    for line in lines:
+        try:
+            steps.append(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            pass  # a line being written
+    return steps
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [(r["step"], r["loss"]) for r in rows]
+
+
+def sha256(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def _poll(cond, ranks: Ranks, timeout: float = 300, interval: float = 0.0005) -> bool:
+    """Busy-poll cond() (a checkpoint save of flux-tiny lasts tens of ms); False when the ranks ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        if not ranks.alive():
+            return cond()
+        time.sleep(interval)
+    return False
+
+
+def _after_kill(ranks: Ranks, victim: int) -> dict:
+    """What the surviving rank did on its own within 60 s, then both are gone."""
+    other = 1 - victim
+    t = time.monotonic()
+    try:
+        ranks.procs[other].wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    code = ranks.procs[other].poll()
+    ranks.kill_all()
+    text = ranks.text(other)
+    return {"survivor_exit": code, "survivor_s": round(time.monotonic() - t, 2),
+            "survivor_traceback": "Traceback" in text,
+            "survivor_error": next((l for l in text.splitlines() if "error:" in l), None)}
+
+
+def _finish(run_file: Path, folder: Path, name: str) -> dict:
+    ranks = Ranks(run_file, folder / name)
+    codes = ranks.wait(600)
+    if ranks.alive():
+        ranks.kill_all()
+    return {"resume_exit": codes, "resume_traceback": any("Traceback" in ranks.text(r) for r in range(2))}
+
+
+def reference(folder: Path, stage: int) -> dict:
+    """An uninterrupted run; also measures the moments the trials aim at (first step, save length)."""
+    run = write_run(folder, stage)
+    out = folder / "out"
+    ranks = Ranks(run, folder / "ref")
+    ck = out / "checkpoints" / f"step_{EVERY:08d}"
+    _poll(lambda: logged_steps(out), ranks)
+    first_step = time.monotonic() - ranks.started
+    _poll(ck.is_dir, ranks)
+    t = time.monotonic()
+    _poll(lambda: (out / "checkpoints" / "latest").is_file(), ranks)
+    save_ms = (time.monotonic() - t) * 1e3
+    codes = ranks.wait(600)
+    assert codes == [0, 0], ranks.text(0)[-3000:]
+    return {"losses": losses(out), "export_sha256": sha256(out / "export.safetensors"),
+            "first_step_s": round(first_step, 2), "save_ms": round(save_ms, 1),
+            "wall_s": round(time.monotonic() - ranks.started, 1)}
+
+
+def trial(kind: str, stage: int, folder: Path, rng: random.Random, ref: dict) -> dict:
+    """One trial of `kind`; returns what happened and whether the resumed run equals the reference bit for bit."""
+    run = write_run(folder, stage)
+    out = folder / "out"
+    rec: dict = {"kind": kind, "stage": stage}
+    ranks = Ranks(run, folder / "cut")
+    victim = 0 if kind == "export" else rng.randrange(2)
+    rec["victim"] = victim
+    if kind in ("step", "double", "sigterm"):
+        k = rng.randrange(1, STEPS)
+        _poll(lambda: max(logged_steps(out), default=0) >= k, ranks, interval=0.005)
+        rec["at"] = f"after step {max(logged_steps(out), default=0)} logged (aimed at {k})"
+    elif kind == "save":
+        c = rng.choice(range(EVERY, STEPS, EVERY))
+        delay = rng.uniform(0.1, 35) / 1e3
+        _poll((out / "checkpoints" / f"step_{c:08d}").is_dir, ranks)
+        time.sleep(delay)
+        latest = out / "checkpoints" / "latest"
+        rec["at"] = (f"{delay * 1e3:.1f} ms after step_{c:08d}/ appeared; latest was "
+                     f"{latest.read_text() if latest.is_file() else None}")
+    elif kind == "startup":
+        delay = rng.uniform(0.3, ref["first_step_s"])
+        _poll(lambda: time.monotonic() - ranks.started >= delay or bool(logged_steps(out)), ranks, interval=0.005)
+        if logged_steps(out):  # the first step came before the aim (a loaded machine varies): aim again, earlier
+            ranks.kill_all()
+            shutil.rmtree(folder)
+            ref = {**ref, "first_step_s": delay}
+            rec = trial(kind, stage, folder, rng, ref)
+            rec["aims"] = rec.get("aims", 1) + 1
+            return rec
+        rec["at"] = f"{delay:.2f} s after start, before the first step"
+    elif kind == "export":
+        delay = rng.uniform(0, 4) / 1e3  # a flux-tiny export lasts a few ms
+        _poll(lambda: any(out.glob(".export.safetensors.tmp-*")), ranks)
+        time.sleep(delay)
+        rec["at"] = f"{delay * 1e3:.1f} ms after the export's temp file appeared; export done: " \
+                    f"{(out / 'export.safetensors').is_file()}"
+    if kind == "sigterm":
+        ranks.kill(victim, signal.SIGTERM)
+        codes = ranks.wait(120)
+        ranks.kill_all()
+        text = ranks.text(0)
+        rec.update(stop_exit=codes, stop_line=next((l for l in text.splitlines() if l.startswith("stopped:")), None),
+                   stop_traceback=any("Traceback" in ranks.text(r) for r in range(2)))
+    else:
+        ranks.kill(victim)
+        rec.update(_after_kill(ranks, victim))
+    if kind == "double":  # the resume is killed too, at a random moment of it
+        ranks = Ranks(run, folder / "resume1")
+        delay = rng.uniform(0.3, ref["first_step_s"] + 3)
+        time.sleep(delay)
+        second = rng.randrange(2)
+        ranks.kill(second)
+        rec["second_kill"] = f"rank {second} {delay:.2f} s into the resume, " \
+                             f"{max(logged_steps(out), default=0)} steps logged"
+        rec["second"] = _after_kill(ranks, second)
+    rec.update(_finish(run, folder, "resume"))
+    got = losses(out) if (out / "metrics.jsonl").is_file() else []
+    rec["losses_equal"] = got == ref["losses"]
+    rec["export_equal"] = sha256(out / "export.safetensors") == ref["export_sha256"]
+    rec["ok"] = rec["losses_equal"] and rec["export_equal"] and rec["resume_exit"] == [0, 0] and (
+        kind != "sigterm" or (rec["stop_exit"] == [143, 143] and not rec["stop_traceback"]))
+    return rec
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stage", type=int, choices=(2, 3), default=2)
+    p.add_argument("--trials", type=int, default=12)
+    p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, cycled")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="JSON file for the records")
+    p.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder, removed at the end")
+    args = p.parse_args(argv)
+    rng = random.Random(args.seed)
+    kinds = args.kinds.split(",")
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="kill_trials_"))
+    t0 = time.monotonic()
+    ref = reference(work / "reference", args.stage)
+    print(f"reference: {ref['wall_s']} s, first step at {ref['first_step_s']} s, save {ref['save_ms']} ms", flush=True)
+    records = []
+    for i in range(args.trials):
+        kind = kinds[i % len(kinds)]
+        folder = work / f"trial{i:02d}_{kind}"
+        rec = trial(kind, args.stage, folder, rng, ref)
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+        if rec["ok"]:
+            shutil.rmtree(folder, ignore_errors=True)
+    ok = sum(r["ok"] for r in records)
+    summary = {"stage": args.stage, "trials": len(records), "bit_exact": ok, "seed": args.seed,
+               "reference": {k: v for k, v in ref.items() if k != "losses"}, "wall_s": round(time.monotonic() - t0),
+               "records": records}
+    print(f"ZeRO-{args.stage}: {ok} of {len(records)} trials resumed bit-exact ({summary['wall_s']} s)", flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=1))
+    if not args.workdir and ok == len(records):
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if ok == len(records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
