@@ -1,0 +1,38 @@
+"""Memory model of a fluxzero run: what every GPU and every host holds at the peak of a training step.
+
+Pure Python (no torch, no deepspeed): `fluxzero estimate` and `gen-config --fit` answer instantly.
+
+The model is an itemised sum, each item derived from FLUX.1's architecture or from what DeepSpeed 0.19.8
+allocates (file and function named next to each formula):
+
+  model states    bf16/fp16 parameters, gradients, fp32 master copy and optimizer states, per ZeRO stage
+                  and offload choice; DeepSpeed's transient copies at the optimizer step      (model_states)
+  communication   gradient reduction buckets, ZeRO-3 gathered ("live") and prefetched parameters,
+                  parameters under the persistence threshold                                  (model_states)
+  activations     tensors autograd saves for backward, counted tensor by tensor from fluxzero.model's
+                  blocks (tests check the count against saved_tensors_hooks on the real model), block
+                  inputs only for checkpointed blocks, plus one block's recompute and backward working set
+                                                                                              (activations)
+  allocator       the caching allocator's fragmentation (reserved - allocated) and the CUDA context (breakdown)
+
+The run itself (RunSpec, parameter inventory, what a DeepSpeed config decides) is `spec`; the hardware, the
+verdict and the `--fit` search are `fit`. A step has two memory peaks and the larger one decides: the end of
+forward / start of backward (activations) and the optimizer step (fp32 gradient copies). Sizes are bytes;
+GiB = 2**30 bytes. This package re-exports what callers use: `from fluxzero.config import memory; memory.X`.
+"""
+from fluxzero.config.ds_view import checkpointed_blocks  # noqa: F401  (one definition; memory.checkpointed_blocks)
+from fluxzero.config.memory.activations import (  # noqa: F401
+    activation_bytes, activation_items, block_backward_workspace, checkpointed_split, double_block_saved,
+    lora_block_saved, outside_blocks_saved, single_block_saved,
+)
+from fluxzero.config.memory.breakdown import Estimate, estimate  # noqa: F401
+from fluxzero.config.memory.fit import (  # noqa: F401
+    CHECKPOINT_CHOICES, FIT_MODES, GPU_MEMORY_GIB, STAGE_OFFLOAD_GRID, FitResult, Hardware, _ckpt_text, _label,
+    fit, fit_grid, table, throughput_proxy, verdict,
+)
+from fluxzero.config.memory.model_states import MODE_STEP_TEMP, communication_items, model_state_items  # noqa: F401
+from fluxzero.config.memory.spec import (  # noqa: F401
+    FRAGMENTATION, OFFLOAD_DEVICES, OPTIMIZER_IMPLS, OPTIMIZER_STATE_BYTES, PHASES, PRECISION_BYTES, GiB, Item,
+    ParamInventory, RunSpec, ZeroSettings, image_tokens, lora_config, optim_mode, param_inventory,
+    run_options_from_ds_config, trained_params,
+)

@@ -1,0 +1,237 @@
+"""Activations of a step: what autograd saves per block (counted tensor by tensor from fluxzero.model.layers),
+block inputs of checkpointed blocks, one block's recompute and backward working set, and LoRA's additions.
+
+Pure Python (no torch). Sizes are bytes per sample unless a function says otherwise.
+"""
+from __future__ import annotations
+
+import fnmatch
+
+from fluxzero.config.ds_view import checkpointed_blocks
+from fluxzero.config.lora import linear_shapes
+from fluxzero.config.memory.spec import PRECISION_BYTES, Item, RunSpec, lora_config, param_inventory, trained_params
+from fluxzero.config.models import ModelConfig
+
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Activations, from fluxzero.model.layers (per sample; L = L_txt + L_img, C hidden, M mlp hidden, H heads)
+# ---------------------------------------------------------------------------------------------------------
+def _rms_saved(L: int, cfg: ModelConfig, b: int, device: str) -> dict[str, int]:
+    """What F.rms_norm saves for ONE of q/k, beyond its input (which is a view of the qkv projection).
+
+    CUDA (torch >= 2.8): the fused kernel saves its input and the fp32 rstd per row.
+    CPU: the composite saves the fp32 upcast input (the input itself if already fp32), rstd and the fp32
+    normalised tensor (it is multiplied by the learned scale).
+    """
+    H = cfg.num_heads
+    rstd = L * H * 4
+    if device == "cuda":
+        return {"rstd": rstd}
+    upcast = 0 if b == 4 else L * cfg.hidden_size * 4
+    return {"rstd": rstd, "fp32 upcast": upcast, "fp32 normalised": L * cfg.hidden_size * 4}
+
+
+def _attention_saved(L: int, cfg: ModelConfig, b: int, attention: str, device: str,
+                     v_separate: bool) -> dict[str, int]:
+    """SDPA's saved tensors (v only when it is its own storage, as the double block's concatenation).
+
+    flash / efficient: rotated q and k (new tensors), v, the output and logsumexp -- fp32 (H, L), O(L).
+    math: q and k after scaling (new tensors), v and the softmax probabilities (H, L, L) -- O(L^2). On CPU
+    (measured) it keeps fp32 copies of q, k and v (upcast from bf16/fp16) and fp32 probabilities instead.
+    """
+    C, H = cfg.hidden_size, cfg.num_heads
+    v = {"v (concatenated)": L * C * b} if v_separate else {}
+    if attention != "math":
+        return {"q, k after RoPE": 2 * L * C * b, **v, "attention output": L * C * b, "logsumexp": L * H * 4}
+    if device == "cpu":
+        return {"q, k, v fp32 copies (math)": 3 * L * C * 4, "softmax probabilities (L^2, fp32)": H * L * L * 4}
+    return {"q, k scaled (math)": 2 * L * C * b, **v, "softmax probabilities (L^2)": H * L * L * b}
+
+
+def _ln_stats(L: int, b: int, device: str) -> int:
+    return 2 * L * (4 if device == "cuda" else b)  # mean, rstd (fp32 on CUDA, input dtype on CPU)
+
+
+def double_block_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, *,
+                       device: str = "cuda", attention: str = "flash") -> dict[str, int]:
+    """Bytes autograd saves inside one DoubleStreamBlock for one sample, not counting its inputs."""
+    C, M = cfg.hidden_size, cfg.mlp_hidden_dim
+    L = img_tokens + txt_tokens
+    out: dict[str, int] = {}
+
+    def add(k, v):
+        out[k] = out.get(k, 0) + v
+
+    for Ls in (img_tokens, txt_tokens):
+        add("modulation (silu out, 6C chunk storage, 1+scale x2)", C * b + 6 * C * b + 2 * C * b)
+        add("layer norms (stats)", 2 * _ln_stats(Ls, b, device))
+        # norm1 out, modulated (qkv input), proj out, residual, norm2 out, modulated (mlp input), mlp out
+        add("7 hidden-size tensors per stream", 7 * Ls * C * b)
+        add("mlp hidden before/after GELU", 2 * Ls * M * b)
+        if device == "cuda" or b == 4:
+            add("qkv projection (kept by q/k norm input views)", 3 * Ls * C * b)
+        for key, v in _rms_saved(Ls, cfg, b, device).items():
+            add(f"q/k rms norm {key}", 2 * v)
+    for key, v in _attention_saved(L, cfg, b, attention, device, v_separate=True).items():
+        add(key, v)
+    add("merged heads (proj inputs)", L * C * b)
+    return out
+
+
+def single_block_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, *,
+                       device: str = "cuda", attention: str = "flash") -> dict[str, int]:
+    """Bytes autograd saves inside one SingleStreamBlock for one sample, not counting its input."""
+    C, M = cfg.hidden_size, cfg.mlp_hidden_dim
+    L = img_tokens + txt_tokens
+    out = {
+        "modulation (silu out, 3C chunk storage, 1+scale)": C * b + 3 * C * b + C * b,
+        "layer norm (stats)": _ln_stats(L, b, device),
+        "norm out, modulated (linear1 input)": 2 * L * C * b,
+        "linear1 output (kept by v and GELU input views)": L * (3 * C + M) * b,  # GELU output: only cat reads it
+        "concat(attn, mlp) (linear2 input)": L * (C + M) * b,
+        "linear2 output (gate)": L * C * b,
+    }
+    for key, v in _rms_saved(L, cfg, b, device).items():
+        out[f"q/k rms norm {key}"] = 2 * v
+    out.update(_attention_saved(L, cfg, b, attention, device, v_separate=False))
+    return out
+
+
+def block_backward_workspace(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2,
+                             attention: str = "flash") -> int:
+    """Activation gradients alive at once inside one block's backward, beyond its saved tensors (one sample).
+
+    Backward starts at the last single block, where the stored activations are largest; its peak is
+    linear2's backward: the gradient of the concat(attn, mlp) input (C + M), with the incoming and the
+    accumulating hidden-size gradients (2C) -- plus linear2's weight gradient in flight, counted by the
+    "gradient being produced" item. Measured on CPU with a live-storage tracker (tests): this is the
+    single block's peak to a few percent. Math attention adds the (H, L, L) score gradient in fp32.
+    """
+    C, M, H = cfg.hidden_size, cfg.mlp_hidden_dim, cfg.num_heads
+    L = img_tokens + txt_tokens
+    ws = L * b * (C + M + 2 * C)
+    if attention == "math":
+        ws = max(ws, 2 * H * L * L * 4 + 4 * L * C * b)
+    return ws
+
+
+def outside_blocks_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2) -> tuple[int, int]:
+    """(embedders, head) bytes saved outside the blocks for one sample, small next to the blocks.
+
+    Embedders (img_in, txt_in inputs, the fp32 RoPE table) live until backward reaches them; the head (final
+    layer's norm input and output, linear input; prediction, target, noise, latents in fp32) is freed before
+    backward reaches the blocks.
+    """
+    C, L = cfg.hidden_size, img_tokens + txt_tokens
+    embed = img_tokens * cfg.in_channels * b + txt_tokens * cfg.context_in_dim * b + L * cfg.head_dim * 4
+    head = L * C * b + 2 * img_tokens * C * b + 4 * img_tokens * cfg.in_channels * 4
+    return embed, head
+
+
+def checkpointed_split(cfg: ModelConfig, every: int) -> tuple[int, int]:
+    """(double, single) blocks checkpointed. As fluxzero.train.engine.apply_activation_checkpointing: one index
+    over double then single blocks, block i checkpointed iff i % k == 0."""
+    if every <= 0:
+        return 0, 0
+    d = checkpointed_blocks(cfg.depth, every)
+    return d, checkpointed_blocks(cfg.depth + cfg.depth_single_blocks, every) - d
+
+
+
+def activation_bytes(s: RunSpec) -> dict[str, int]:
+    """Per-rank activation bytes at the backward peak: what is stored for backward when it starts, the
+    recompute of a checkpointed block net of what backward has freed before it, the backward working set.
+
+    Backward walks the blocks in reverse (single blocks first). At block j, the inputs and (for blocks not
+    checkpointed) saved tensors of blocks 0..j are still alive, block j's saved tensors are recomputed if it
+    is checkpointed, and its working set is live; the peak is the largest such moment.
+    """
+    cfg, b, B = s.model, PRECISION_BYTES[s.precision], s.micro_batch
+    I, T = s.img_tokens, s.txt_len
+    L, C = I + T, cfg.hidden_size
+    att = "math" if s.attention == "math" else "flash"
+    d = sum(double_block_saved(cfg, I, T, b, device=s.device, attention=att).values())
+    si = sum(single_block_saved(cfg, I, T, b, device=s.device, attention=att).values())
+    lora_d, lora_s = lora_block_saved(s)
+    d, si = d + lora_d, si + lora_s
+    k = s.checkpoint_every
+    kinds = [d] * cfg.depth + [si] * cfg.depth_single_blocks
+    ckpt = [k > 0 and j % k == 0 for j in range(len(kinds))]
+    x_in = 0 if s.cpu_checkpointing else L * C * b  # a checkpointed block's input (on the host with cpu_ckpt)
+    kept = [(x_in if c else L * C * b + saved) for saved, c in zip(kinds, ckpt)]  # per block, one sample
+    embed, head = outside_blocks_saved(cfg, I, T, b)
+    stored = embed + sum(kept)  # alive when backward reaches the blocks (the head's tensors are freed by then)
+    # At stage 0 every parameter's full gradient stays from the moment backward makes it until the step:
+    # they grow block by block (the head's first) while the activations shrink, and the peak may come later
+    inv = param_inventory(cfg)
+    params = [inv.double_block] * cfg.depth + [inv.single_block] * cfg.depth_single_blocks
+    if s.lora_rank:  # only the adapters get gradients: spread them over the blocks like the parameters
+        params = [n * trained_params(s, inv) / inv.total for n in params]
+    g_bytes = b if s.stage == 0 else 0
+    grads = g_bytes * (inv.outside_blocks - _embedder_params(cfg))  # the head's, made before the blocks
+    peak, alive = stored, stored
+    both = B * stored + grads  # activations and gradients together
+    for j in reversed(range(len(kinds))):
+        moment = alive + (kinds[j] if ckpt[j] else 0)
+        peak = max(peak, moment)
+        both = max(both, B * moment + grads)
+        alive -= kept[j]
+        grads += g_bytes * params[j]
+    # the forward's end holds the head instead of a working set: count the larger of the two
+    workspace = max(block_backward_workspace(cfg, I, T, b, att), head)
+    on_host = B * sum(L * C * b for c in ckpt if c) if s.cpu_checkpointing else 0
+    return {"stored": B * stored, "recompute": B * (peak - stored), "workspace": B * workspace, "on_host": on_host,
+            "grads_net": both - B * peak, "per_block_double": d, "per_block_single": si,
+            "checkpointed": sum(ckpt)}
+
+
+def lora_block_saved(s: RunSpec) -> tuple[int, int]:
+    """(double, single) block bytes per sample that LoRA adapters add to what autograd saves.
+
+    The base linears are frozen, so backward runs no weight-gradient matmul for them, but it still needs each
+    adapted linear's input x for A's gradient (the same tensor the block saves already) and saves the
+    adapter's own A x (rank values per token) for B's gradient; with dropout, the dropped-out copy of x too.
+    """
+    lc = lora_config(s)
+    if lc is None:
+        return 0, 0
+    b, I, T = PRECISION_BYTES[s.precision], s.img_tokens, s.txt_len
+    shapes = linear_shapes(s.model)
+    out = [0, 0]
+    for name, (n_in, _) in shapes.items():
+        if not (name.startswith("double_blocks.0.") or name.startswith("single_blocks.0.")):
+            continue
+        if not any(fnmatch.fnmatchcase(name, p) for p in lc.patterns):
+            continue
+        single = name.startswith("single_blocks.")
+        tokens = I + T if single else (T if ".txt_" in name else I)
+        if name.endswith("_mod.lin") or name.endswith("modulation.lin"):
+            tokens = 1  # the modulation reads one vector per sample
+        out[single] += tokens * (lc.rank + (n_in if lc.dropout else 0)) * b
+    return out[0], out[1]
+
+
+def _embedder_params(cfg: ModelConfig) -> int:
+    """Parameters of img_in, time_in, vector_in, guidance_in and txt_in: their gradients come last."""
+    C = cfg.hidden_size
+    n = cfg.in_channels * C + C + (256 * C + C) + (C * C + C) + (cfg.vec_in_dim * C + C) + (C * C + C)
+    n += (256 * C + C) + (C * C + C) if cfg.guidance_embed else 0
+    return n + cfg.context_in_dim * C + C
+
+
+def activation_items(s: RunSpec) -> list[Item]:
+    a = activation_bytes(s)
+    ck = f"{a['checkpointed']} of {s.model.depth + s.model.depth_single_blocks} blocks checkpointed"
+    return [
+        Item("activations saved for backward", a["stored"], "gpu", "train",
+             f"micro batch {s.micro_batch}; {ck} (block inputs only for those)"),
+        Item("gradients made in backward, net of activations freed", a["grads_net"], "gpu", "train",
+             "stage 0: full gradients made before the backward peak, beyond the activations backward freed"),
+        Item("one block's recompute", a["recompute"], "gpu", "train",
+             "checkpointed block re-run in backward, net of what backward freed before it"),
+        Item("backward working set", a["workspace"], "gpu", "train", "gradients alive inside one block"),
+        Item("checkpointed block inputs (cpu_checkpointing)", a["on_host"], "host", "train",
+             "deepspeed.checkpointing checkpoint_in_cpu"),
+    ]
+

@@ -1,0 +1,112 @@
+"""The itemised estimate of one rank: `estimate(spec)` sums model states, communication and activations into an
+Estimate, which answers allocated / reserved / total GPU bytes per phase and host bytes per rank and node.
+
+Pure Python (no torch, no deepspeed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fluxzero.config.memory.activations import activation_items
+from fluxzero.config.memory.model_states import communication_items, model_state_items
+from fluxzero.config.memory.spec import FRAGMENTATION, PHASES, GiB, Item, RunSpec, param_inventory
+
+
+@dataclass
+class Estimate:
+    spec: RunSpec
+    items: list[Item]
+
+    def _sum(self, where: str, phases: tuple[str, ...], ds_only: bool = False) -> int:
+        return sum(i.bytes for i in self.items if i.where == where and i.phase in phases and (i.ds or not ds_only))
+
+    def gpu_phase(self, phase: str, ds_only: bool = False) -> int:
+        """Allocated bytes per GPU at the peak of `phase`: "train" (forward/backward), "step" (optimizer
+        step), or "init" (building the model and the engine, before any resident state exists)."""
+        return self._sum("gpu", (phase,) if phase == "init" else ("resident", phase), ds_only)
+
+    @property
+    def gpu_allocated(self) -> int:
+        """Predicted torch.cuda.max_memory_allocated() per rank."""
+        return max(self.gpu_phase(p) for p in PHASES)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(PHASES, key=self.gpu_phase)
+
+    @property
+    def gpu_resident(self) -> int:
+        """Allocated bytes held all step long (model states, buckets): allocated once, never freed."""
+        return self._sum("gpu", ("resident",))
+
+    @property
+    def fragmentation(self) -> float:
+        """The caching allocator's reserve beyond the allocated peak, as a fraction of the per-step transients
+        (peak allocated - resident): what is allocated and freed every step (activations, gathered
+        parameters, gradients, the step's copies) leaves cached blocks that later requests of other sizes
+        (or on other streams) cannot reuse. Model states are allocated once and do not fragment.
+
+        Fitted on H200 runs, each regime on some runs and checked on others held out
+        (benchmarks/fragmentation_fit.py: f minimises the largest relative error of the predicted reserved
+        memory over the fit runs; results in benchmarks/results/2026-11-h200 and 2026-12-h200):
+        - stage 0, 0.19: fit on flux-dev-lite's 512 px runs (lite1 #1-3, #7-9, #15, lite_after #1), held out
+          the 1024 px ones (#4 +0.5%, #10 -8.0%). The step's per-tensor gradients and fp32 copies have the
+          sizes of the fp32 model's tensors freed at engine start, so they mostly reuse those cached blocks;
+        - stages 1-2, 0.33: fit on flux-dev-lite ZeRO-2 at 512 px with every block checkpointed at micro
+          batch 1 and none at 16 (lite_z2 #1, #6), held out micro batch 8/16 checkpointed and 1/8 not (-1.5% to
+          +8.7%). The former 0.8 (stage 3's, unmeasured here) was 10% high with checkpointing and 22-24% high
+          without: at ZeRO-2 the step's flat copies reuse much of the activations' cached memory;
+        - stage 3, 0.8: fit on flux-dev-lite on one GPU (lite1 #11-14), held out two GPUs and flux-dev
+          (scale #1-2, dev2 #1, #2, #4, dev2b #1, dev2c #1: -8.8% to -0.1%). The step's copies are flat
+          sub-groups and training's are tensor-sized activations and gathered parameters on their own
+          streams: neither set reuses the other's cached blocks;
+        - expandable_segments, 0.05: segments grow and shrink in place, little is stranded (not refitted).
+        """
+        if self.spec.fragmentation is not None:
+            return self.spec.fragmentation
+        if self.spec.expandable_segments:
+            return 0.05
+        return FRAGMENTATION[min(self.spec.stage, 2) if self.spec.stage < 3 else 3]
+
+    @property
+    def gpu_reserved(self) -> int:
+        """Predicted torch.cuda.max_memory_reserved() per rank: resident states plus the transients with
+        their fragmentation."""
+        resident = self.gpu_resident
+        return int(resident + (self.gpu_allocated - resident) * (1 + self.fragmentation))
+
+    @property
+    def gpu_total(self) -> int:
+        """What the GPU must have: reserved plus the CUDA context outside PyTorch's allocator."""
+        return self.gpu_reserved + int(self.spec.cuda_context_gib * GiB)
+
+    def host_per_rank(self, ds_only: bool = False) -> int:
+        """Host bytes of one rank: the larger of model loading and the run's resident host state."""
+        running = self._sum("host", ("resident",), ds_only) + max(self._sum("host", (p,), ds_only) for p in PHASES)
+        return max(self._sum("host", ("load",), ds_only), running)
+
+    @property
+    def host_per_node(self) -> int:
+        return self.host_per_rank() * self.spec.gpus_per_node
+
+    @property
+    def nvme_per_node(self) -> int:
+        return self._sum("nvme", ("resident",)) * self.spec.gpus_per_node
+
+    def deepspeed_view(self) -> tuple[int, int]:
+        """(GPU bytes per rank, host bytes per node) counted the way DeepSpeed's
+        estimate_zero2/zero3_model_states_mem_needs count them: every model-state item DeepSpeed knows,
+        all phases summed, host without its additional_buffer_factor."""
+        gpu = sum(i.bytes for i in self.items if i.where == "gpu" and i.ds)
+        return gpu, self.host_per_rank(ds_only=True) * self.spec.gpus_per_node
+
+    def group(self, where: str = "gpu") -> list[Item]:
+        return [i for i in self.items if i.where == where and i.bytes]
+
+
+def estimate(spec: RunSpec) -> Estimate:
+    """Itemised memory of one rank (GPU) and one node (host) for `spec`."""
+    inv = param_inventory(spec.model)
+    items = model_state_items(spec, inv) + communication_items(spec, inv) + activation_items(spec)
+    return Estimate(spec, items)
+

@@ -1,0 +1,361 @@
+"""Hardware, the fit verdict and the search: a table over ZeRO stages and offload, whether an estimate fits a
+GPU (and host) with a margin, and `fit`, the fastest configuration that does, with the reasons in sentences.
+
+Pure Python (no torch, no deepspeed): `gen-config --fit` answers instantly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from fluxzero.config import optim_modes
+from fluxzero.config.memory.activations import checkpointed_split
+from fluxzero.config.memory.breakdown import Estimate, estimate
+from fluxzero.config.memory.spec import GiB, RunSpec, ZeroSettings
+
+# Usable GPU memory as torch reports it (total_memory), for `--gpu NAME`.
+GPU_MEMORY_GIB = {
+    "h200": 139.8, "h100": 79.1, "a100-80": 79.1, "a100-40": 39.4, "l40s": 44.4, "a6000": 47.5,
+    "rtx4090": 23.6, "mi300x": 191.5,
+}
+
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tables and fitting
+# ---------------------------------------------------------------------------------------------------------
+STAGE_OFFLOAD_GRID: tuple[tuple[int, str, str], ...] = (
+    (0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none"),
+    (1, "cpu", "none"), (2, "cpu", "none"), (3, "cpu", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme"),
+)
+
+
+def table(spec: RunSpec, zero_by_stage: dict[int, ZeroSettings] | None = None) -> list[tuple[RunSpec, Estimate]]:
+    """The same run over ZeRO stages 0-3 x offload choices (fastest first); `zero_by_stage` gives each stage's
+    communication settings (default: the spec's own for every row)."""
+    rows = []
+    for st, oo, op in STAGE_OFFLOAD_GRID:
+        try:  # a row the spec's optimizer mode cannot run (bf16 masters with offload) is left out
+            rows.append(spec.replace(stage=st, offload_optimizer=oo, offload_param=op,
+                                     zero=(zero_by_stage or {}).get(st, spec.zero)))
+        except ValueError:
+            continue
+    return [(r, estimate(r)) for r in rows]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu_memory_gib: float
+    host_memory_gib: float | None = None  # per node; None = do not check
+    nodes: int = 1
+    gpus_per_node: int = 1
+
+    def __post_init__(self):
+        if self.gpu_memory_gib <= 0:
+            raise ValueError(f"gpu memory must be positive, got {self.gpu_memory_gib} GiB")
+        if self.host_memory_gib is not None and self.host_memory_gib <= 0:
+            raise ValueError(f"host memory must be positive, got {self.host_memory_gib} GiB")
+
+
+def verdict(est: Estimate, hw: Hardware, margin: float) -> tuple[bool, str]:
+    """(fits, reason): GPU total within (1 - margin) x capacity, host likewise when known."""
+    budget = hw.gpu_memory_gib * (1 - margin)
+    need = est.gpu_total / GiB
+    if need > budget:
+        phases = (est.peak_phase,) if est.peak_phase == "init" else ("resident", est.peak_phase)
+        top = max(est.group("gpu"), key=lambda i: i.bytes if i.phase in phases else 0)
+        where = {"train": "forward/backward", "step": "the optimizer step", "init": "engine start"}[est.peak_phase]
+        return False, (f"GPU needs {need:.1f} GiB > {budget:.1f} GiB budget (peak at {where}; "
+                       f"largest item: {top.name} {top.bytes / GiB:.1f} GiB)")
+    if hw.host_memory_gib is not None:
+        hbudget = hw.host_memory_gib * (1 - margin)
+        hneed = est.host_per_node / GiB
+        if hneed > hbudget:
+            return False, f"host needs {hneed:.1f} GiB per node > {hbudget:.1f} GiB budget"
+    return True, f"GPU {need:.1f} of {budget:.1f} GiB budget"
+
+
+def throughput_proxy(spec: RunSpec) -> float:
+    """Relative speed of a (micro batch, checkpointing) choice at fixed stage and offload.
+
+    Recompute costs the forward of each checkpointed block again: a step is 3 forwards' worth of FLOPs,
+    so time grows by (checkpointed fraction) / 3. Small micro batches underfill the GEMMs and amortise
+    per-micro-step overheads (ZeRO-3 gathers, launches) badly: efficiency tokens / (tokens + 2048).
+    """
+    cfg = spec.model
+    blocks = cfg.depth + cfg.depth_single_blocks
+    frac = sum(checkpointed_split(cfg, spec.checkpoint_every)) / max(1, blocks)
+    tokens = spec.micro_batch * (spec.img_tokens + spec.txt_len)
+    return tokens / (tokens + 2048) / (1 + frac / 3)
+
+
+@dataclass
+class FitResult:
+    spec: RunSpec | None
+    estimate: Estimate | None
+    reason: str  # which constraint decided, in sentences
+    # stage, offload_optimizer, offload_param, micro_batch, checkpoint_every, optimizer_mode
+    options: dict = field(default_factory=dict)
+
+
+CHECKPOINT_CHOICES = (0, 8, 4, 2, 1)  # every k-th block: none, 1/8, 1/4, 1/2, all
+# Optimizer modes --fit tries, best training quality first; None = DeepSpeed's own optimizer on fp32 masters
+# (the reference). The order of the bf16 modes is the README's measured distance from fp32 masters (weight
+# change off by 0.05% bf16-kahan, 3.0% adamw8bit-sr, 4.4% bf16-sr); adafactor-sr last: not AdamW's trajectory.
+FIT_MODES: tuple[str | None, ...] = (None, "bf16-kahan", "adamw8bit-sr", "bf16-sr", "adafactor-sr")
+
+
+def fit_grid(modes: tuple[str | None, ...] = (None,), fixed: dict | None = None,
+             allow_nvme: bool = True) -> list[tuple[int, str, str, str | None]]:
+    """(stage, optimizer offload, parameter offload, optimizer mode) in the order fit tries them.
+
+    No offload with fp32 masters first; then the bf16-master modes without offload (same speed, less
+    training fidelity: each prints its caveat); then offload, which runs the optimizer step on the CPU and
+    moves states over PCIe every step (fp32 masters only: deepspeed 0.19.8 offloads bf16 masters only for its
+    DeepSpeedCPUAdam); NVMe last. Within a level the lowest stage first.
+    """
+    fixed = fixed or {}
+    rows = []
+    for st, oo, op in STAGE_OFFLOAD_GRID:
+        if oo == "none" and op == "none":
+            continue
+        rows.append((st, oo, op, None if None in modes else "fp32"))
+    plain = [(st, oo, op) for st, oo, op in STAGE_OFFLOAD_GRID if oo == op == "none"]
+    first = [(st, oo, op, m) for m in modes for st, oo, op in plain
+             if m is None or optim_modes.get_mode(m).master_dtype == "fp32"]
+    second = [(st, oo, op, m) for m in modes for st, oo, op in plain
+              if m is not None and optim_modes.get_mode(m).master_dtype == "bf16"]
+    if not any(optim_modes.get_mode(m).master_dtype == "fp32" for m in modes if m is not None) and None not in modes:
+        rows = []  # only bf16-master modes asked for: nothing may offload
+    out = []
+    for st, oo, op, m in first + second + rows:
+        if fixed.get("stage", st) != st or fixed.get("offload_optimizer", oo) != oo \
+                or fixed.get("offload_param", op) != op or (not allow_nvme and "nvme" in (oo, op)):
+            continue
+        if m is not None and st not in optim_modes.get_mode(m).zero_stages:
+            continue
+        if (st, oo, op, m) not in out:
+            out.append((st, oo, op, m))
+    return out
+
+
+def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int = 16,
+        micro_batches: tuple[int, ...] | None = None, fixed: dict | None = None,
+        zero_by_stage: dict[int, ZeroSettings] | None = None, allow_nvme: bool = True,
+        modes: tuple[str | None, ...] = (None,), settings_for=None) -> FitResult:
+    """The fastest configuration of `base` that fits `hw` with `margin`, and why.
+
+    Order (each level dominates the next; `fit_grid`): no offload with fp32 masters, then the optimizer
+    `modes` with bf16 masters without offload (best quality first), then optimizer offload, then parameter
+    offload, then NVMe -- offload runs the optimizer step on the CPU and moves states over PCIe every step,
+    slower than any other choice here; then the lowest ZeRO stage -- stage 3 re-gathers every parameter in
+    forward, again in backward (and in recompute), 1.5x the traffic of stages 1-2, and stage 1/2 only add
+    memory savings over 0; then, at that stage, the (micro batch, checkpointing) pair with the best
+    `throughput_proxy` -- fewest checkpointed blocks unless a larger micro batch gains more, larger micro
+    batch on ties.
+
+    `fixed` pins any of stage, offload_optimizer, offload_param, micro_batch, checkpoint_every (what the user
+    chose himself); `zero_by_stage` gives the communication settings each stage will really be written with.
+    `settings_for(stage, offload_optimizer, offload_param, mode)`, when given, returns the RunSpec fields of the
+    very config that row would be written as (gen-config builds it and reads it back with
+    run_options_from_ds_config), or raises ValueError when it cannot be written (the row is skipped with that
+    reason): what is modelled is what is written.
+    """
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
+    fixed = dict(fixed or {})
+    unknown = set(fixed) - {"stage", "offload_optimizer", "offload_param", "micro_batch", "checkpoint_every",
+                            "optimizer_mode"}
+    if unknown:
+        raise ValueError(f"fit cannot pin {sorted(unknown)}")
+    if "optimizer_mode" in fixed:
+        modes = (fixed.pop("optimizer_mode"),)
+    base = base.replace(nodes=hw.nodes, gpus_per_node=hw.gpus_per_node)
+    micros = micro_batches or tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= max_micro_batch)
+    if "micro_batch" in fixed:
+        micros = (fixed["micro_batch"],)
+    if not micros:
+        raise ValueError("no micro batch to try: raise the largest micro batch allowed")
+    ckpts = (fixed["checkpoint_every"],) if "checkpoint_every" in fixed else CHECKPOINT_CHOICES
+    grid = fit_grid(modes, fixed, allow_nvme)
+    rejected: list[str] = []
+    for st, oo, op, mode in grid:
+        label = _label(st, oo, op) + (f", optimizer mode {mode}" if mode else "")
+        precision = "bf16" if mode is not None and optim_modes.get_mode(mode).master_dtype == "bf16" \
+            else base.precision
+        row = {"stage": st, "offload_optimizer": oo, "offload_param": op, "optimizer_mode": mode,
+               "precision": precision, "zero": (zero_by_stage or {}).get(st, base.zero)}
+        if settings_for is not None:
+            try:
+                row.update(settings_for(st, oo, op, mode))
+            except ValueError as e:
+                rejected.append((st, oo, op, mode, f"not written ({e})"))
+                continue
+        try:
+            stage_base = base.replace(**row)
+        except ValueError as e:
+            rejected.append((st, oo, op, mode, str(e)))
+            continue
+        fitting = []
+        for ck in ckpts:
+            for mb in micros:
+                cand = stage_base.replace(micro_batch=mb, checkpoint_every=ck)
+                est = estimate(cand)
+                if not verdict(est, hw, margin)[0]:
+                    break  # a larger micro batch will not fit either
+                fitting.append((throughput_proxy(cand), mb, -_ckpt_count(cand), cand, est))
+        if not fitting:
+            smallest = stage_base.replace(micro_batch=micros[0], checkpoint_every=max(ckpts, key=_ckpt_rank))
+            _, why = verdict(estimate(smallest), hw, margin)
+            rejected.append((st, oo, op, mode, f"even micro batch {micros[0]} with "
+                             f"{_ckpt_text(smallest.checkpoint_every)} does not fit ({why})"))
+            continue
+        fitting.sort(key=lambda t: t[:3], reverse=True)
+        _, mb, _, spec, est = fitting[0]
+        reason = _rejections(rejected) + [f"chose {label}: " + _why_choice(spec, est, hw, margin, micros, ckpts)]
+        options = {"stage": st, "offload_optimizer": oo, "offload_param": op, "micro_batch": mb,
+                   "checkpoint_every": spec.checkpoint_every, "optimizer_mode": mode}
+        if mode is not None:
+            m = optim_modes.get_mode(mode)
+            reason.append(f"optimizer mode {mode} ({m.optimizer}): {m.caveat}"
+                          + (f"; needs pip install 'fluxzero[{m.extra}]'" if m.extra else ""))
+        return FitResult(spec, est, "\n".join(reason), options)
+    if not grid:
+        return FitResult(None, None, "nothing to try: the pinned stage and offload choices contradict each other")
+    return FitResult(None, None, "\n".join(_rejections(rejected) + [_what_would_fit(base, hw, margin, micros[0], fixed,
+                                                                         allow_nvme)]))
+
+
+def _rejections(rows: list[tuple]) -> list[str]:
+    """One line per (offload, mode) group of rejected rows: "ZeRO-0, 1: ..." with each stage's reason, the
+    common beginning ("even micro batch 1 with ... does not fit") said once."""
+    groups: dict[tuple, list[tuple[int, str]]] = {}
+    for st, oo, op, mode, why in rows:
+        groups.setdefault((oo, op, mode), []).append((st, why))
+    out = []
+    for (oo, op, mode), items in groups.items():
+        label = _label(items[0][0], oo, op) + (f", optimizer mode {mode}" if mode else "")
+        if len(items) == 1:
+            out.append(f"{label}: {items[0][1]}")
+            continue
+        head = label.replace(f"ZeRO-{items[0][0]}", "ZeRO-" + "/".join(str(st) for st, _ in items), 1)
+        prefix = items[0][1].split(" (")[0] + " ("
+        if all(why.startswith(prefix) for _, why in items):
+            out.append(f"{head}: {prefix[:-2]}: " + "; ".join(f"ZeRO-{st}: {why[len(prefix):-1]}"
+                                                            for st, why in items))
+        else:
+            out.append(f"{head}: " + "; ".join(f"ZeRO-{st}: {why}" for st, why in items))
+    return out
+
+
+def _ckpt_rank(k: int) -> float:
+    """Order checkpoint choices by memory saved: 1 (all) saves most, then 2, 4, ..., 0 (none) least."""
+    return 0.0 if k == 0 else 1.0 / k
+
+
+def _ckpt_count(spec: RunSpec) -> int:
+    return sum(checkpointed_split(spec.model, spec.checkpoint_every))
+
+
+def _label(stage: int, oo: str, op: str) -> str:
+    off = [f"optimizer offload {oo}"] if oo != "none" else []
+    off += [f"parameter offload {op}"] if op != "none" else []
+    return f"ZeRO-{stage}" + (f" with {', '.join(off)}" if off else " without offload")
+
+
+def _ckpt_text(k: int) -> str:
+    if k in (0, 1):
+        return {0: "no activation checkpointing", 1: "every block checkpointed"}[k]
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"every {k}{suffix} block checkpointed"
+
+
+def _best_micro(spec: RunSpec, hw: Hardware, margin: float, micros: tuple[int, ...]) -> RunSpec | None:
+    best = None
+    for mb in micros:
+        cand = spec.replace(micro_batch=mb)
+        if not verdict(estimate(cand), hw, margin)[0]:
+            break
+        best = cand
+    return best
+
+
+def _why_choice(spec: RunSpec, est: Estimate, hw: Hardware, margin: float, micros: tuple[int, ...],
+                ckpts: tuple[int, ...] = CHECKPOINT_CHOICES) -> str:
+    text = (f"micro batch {spec.micro_batch}, {_ckpt_text(spec.checkpoint_every)}; predicted "
+            f"{est.gpu_allocated / GiB:.1f} GiB allocated, {est.gpu_total / GiB:.1f} GiB with allocator slack "
+            f"and CUDA context, of {hw.gpu_memory_gib * (1 - margin):.1f} GiB budget "
+            f"({hw.gpu_memory_gib:g} GiB - {margin:.0%} margin)")
+    bigger = [m for m in micros if m > spec.micro_batch]
+    if bigger:
+        fits, why = verdict(estimate(spec.replace(micro_batch=bigger[0])), hw, margin)
+        text += f". Micro batch {bigger[0]} " + ("fits but is not faster" if fits else f"does not fit: {why}")
+    else:
+        text += f". Micro batch {spec.micro_batch} is the largest allowed"
+    # checkpointing fewer blocks: the best micro batch it allows, and why that is not better
+    for k in sorted((k for k in ckpts if _ckpt_rank(k) < _ckpt_rank(spec.checkpoint_every)),
+                    key=_ckpt_rank, reverse=True):
+        alt = _best_micro(spec.replace(checkpoint_every=k), hw, margin, micros)
+        if alt is None:
+            _, why = verdict(estimate(spec.replace(checkpoint_every=k, micro_batch=micros[0])), hw, margin)
+            text += f". With {_ckpt_text(k)} not even micro batch {micros[0]} fits ({why})"
+            break  # checkpointing still fewer blocks needs more memory still
+        text += (f". With {_ckpt_text(k)} micro batch {alt.micro_batch} fits, estimated "
+                 f"{throughput_proxy(alt) / throughput_proxy(spec):.0%} of this speed")
+    return text
+
+
+def _what_would_fit(base: RunSpec, hw: Hardware, margin: float, micro: int, fixed: dict | None = None,
+                    allow_nvme: bool = True) -> str:
+    """Nothing fits: say what would (another stage or offload than the pinned one, more GPUs, a lower
+    resolution, a larger host). Suggestions keep the pins and never use NVMe unless it is allowed."""
+    fixed = fixed or {}
+    tips = []
+    allowed = [(st, oo, op) for st, oo, op in STAGE_OFFLOAD_GRID if allow_nvme or "nvme" not in (oo, op)]
+    pinned = [k for k in ("stage", "offload_optimizer", "offload_param") if k in fixed]
+    if pinned:  # the pins may be all that stands in the way
+        for st, oo, op in allowed:
+            r = base.replace(stage=st, offload_optimizer=oo, offload_param=op, micro_batch=micro,
+                             checkpoint_every=1)
+            if verdict(estimate(r), hw, margin)[0]:
+                tips.append(f"{_label(st, oo, op)} at this resolution (instead of the pinned "
+                            f"{', '.join(f'{k} {fixed[k]}' for k in pinned)})")
+                break
+    keep_pins = [(st, oo, op) for st, oo, op in allowed if fixed.get("stage", st) == st
+                 and fixed.get("offload_optimizer", oo) == oo and fixed.get("offload_param", op) == op]
+    lean = base.replace(stage=3, micro_batch=micro, checkpoint_every=1, offload_optimizer="none",
+                        offload_param="none")
+    for gpus in (2, 4, 8, 16, 32, 64, 128, 256):
+        if gpus <= base.world_size:
+            continue
+        gpn = min(gpus, max(base.gpus_per_node, 8))
+        r = lean.replace(nodes=math.ceil(gpus / gpn), gpus_per_node=gpn)
+        if verdict(estimate(r), dataclasses.replace(hw, nodes=r.nodes, gpus_per_node=gpn), margin)[0]:
+            tips.append(f"{r.world_size} GPUs ({r.nodes} node(s) x {gpn}) with ZeRO-3, micro batch {micro}, "
+                        f"every block checkpointed")
+            break
+    for px in (1024, 768, 512, 384, 256):
+        if px * px >= base.height * base.width:
+            continue
+        for st, oo, op in keep_pins:
+            r = base.replace(height=px, width=px, stage=st, offload_optimizer=oo, offload_param=op,
+                             micro_batch=micro, checkpoint_every=1)
+            if verdict(estimate(r), hw, margin)[0]:
+                tips.append(f"{px}x{px} px with {_label(st, oo, op)}")
+                break
+        else:
+            continue
+        break
+    full_off = estimate(base.replace(stage=3, offload_optimizer="cpu", offload_param="cpu", micro_batch=micro,
+                                     checkpoint_every=1))
+    if full_off.gpu_total / GiB <= hw.gpu_memory_gib * (1 - margin):
+        tips.append(f"ZeRO-3 with CPU offload of parameters and optimizer, given "
+                    f"{full_off.host_per_node / GiB / (1 - margin):.0f} GiB of host memory per node")
+    if not allow_nvme:
+        r = base.replace(stage=3, offload_optimizer="nvme", offload_param="nvme", micro_batch=micro,
+                         checkpoint_every=1)
+        if verdict(estimate(r), hw, margin)[0]:
+            tips.append("ZeRO-3 with NVMe offload of parameters and optimizer (give a local NVMe folder with "
+                        "--nvme-path)")
+    return "nothing fits; it would with: " + ("; or ".join(tips) if tips else "a larger GPU")

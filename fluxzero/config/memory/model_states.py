@@ -1,0 +1,248 @@
+"""Model states and communication buffers of one rank: parameters, gradients, master copies and optimizer
+states per ZeRO stage and offload choice, the optimizer step's transient copies, EMA, engine start and model
+loading; reduction buckets and ZeRO-3's gathered parameters. Each formula names the DeepSpeed 0.19.8 code it
+follows.
+
+Pure Python (no torch, no deepspeed).
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+
+from fluxzero.config.lora import linear_shapes
+from fluxzero.config.memory.spec import (GiB, OPTIMIZER_STATE_BYTES, PRECISION_BYTES, Item, ParamInventory, RunSpec,
+                                          lora_config, optim_mode, trained_params)
+
+
+# Transient bytes per stepped element of one optimizer step beyond its states, by optimizer mode, on one flat
+# 1-D tensor as ZeRO 1-3 hand it: measured on CPU by benchmarks/optim_step_memory.py (peak RSS over the steady
+# state, 5e7 elements, 2026-12). fp32: torch.optim.AdamW(foreach=False), sqrt then divide (two fp32
+# temporaries at once); the torchao modes (bf16-sr, adamw8bit-sr) run one torch.compile'd kernel per tensor
+# (upper bound: the first step's peak, compile included); ours do their math in eager fp32: bf16-kahan keeps
+# ~9 fp32 copies alive (g, m, v, p32, denom, update, the Kahan sum, stochastic-rounding noise), adafactor-sr ~8.
+# A ZeRO-1/2 partition is one tensor, so their step costs 36 / 31 B per element of it at once.
+MODE_STEP_TEMP = {"fp32": 8.0, "bf16-rtn": 8.0, "bf16-sr": 0.7, "bf16-kahan": 36.0, "adamw8bit-sr": 0.7,
+                  "adafactor-sr": 31.0}
+
+
+
+def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
+    N, b = s.world_size, PRECISION_BYTES[s.precision]
+    total = inv.total
+    lora = lora_config(s) is not None
+    # P: the parameters that train (gradients, master copy, optimizer states); the LoRA base is frozen
+    P = trained_params(s, inv)
+    frozen = total - P
+    part = math.ceil(P / N)  # elements of one rank's partition
+    mode = optim_mode(s)
+    opt = OPTIMIZER_STATE_BYTES[s.optimizer]
+    master_b = 4  # DeepSpeed's fp32 masters
+    if mode is not None:  # the mode's own bytes (fluxzero.config.optim_modes), partitioned below as DeepSpeed does
+        opt = mode.states if s.stage == 0 or mode.states_flat is None else mode.states_flat
+        master_b = int(mode.master) if mode.master_dtype == "bf16" else 4
+    bf16_master = mode is not None and mode.master_dtype == "bf16"
+    off_opt, off_par = s.offload_optimizer != "none", s.offload_param != "none"
+    opt_dev = {"none": "gpu", "cpu": "host", "nvme": "nvme"}[s.offload_optimizer]
+    largest_trained = max(inv.tensor_sizes) if not lora else max(1, P // max(1, _adapted_linears(s)))
+    items: list[Item] = []
+
+    def add(name, nbytes, where="gpu", phase="resident", note="", ds=False):
+        items.append(Item(name, int(nbytes), where, phase, note, ds))
+
+    # --- parameters and gradients in the model's dtype
+    what = "LoRA adapters" if lora else "parameters"
+    if s.stage < 3:
+        if lora:
+            add("frozen base parameters (%s)" % s.precision, b * frozen, note="LoRA: no gradients, no optimizer "
+                "states", ds=True)
+        add(f"{what} (full, {s.precision})", b * P, note="every rank holds all of them below stage 3", ds=True)
+    else:
+        where = {"none": "gpu", "cpu": "host", "nvme": "nvme"}[s.offload_param]
+        if lora:
+            add("frozen base partition (%s)" % s.precision, b * math.ceil(frozen / N), where,
+                note="ZeRO-3 partitions the frozen base too", ds=True)
+        add(f"{what} partition ({s.precision})", b * part, where, note="1/N of the parameters", ds=True)
+    overlap = s.zero.overlap_comm if s.zero.overlap_comm is not None else s.stage == 3
+    if s.stage == 0:
+        # made tensor by tensor in backward (the train phase counts what exists at its peak: "gradients made
+        # in backward ..."), all present at the step, freed by zero_grad(set_to_none=True) after it
+        add("gradients (full, %s)" % s.precision, b * P, phase="step", note="param.grad from backward to the step")
+    elif not off_opt:
+        add("gradient partition (%s)" % s.precision, b * part, ds=True,
+            note="stage 1/2: grads_in_partition, then averaged_gradients; stage 3: grad_partitions_flat_buffer")
+    if s.stage == 1:
+        # Measured (benchmarks/zero1_grad_probe.py, real deepspeed 0.19.8 engines, 2 ranks): stage 1 holds a whole
+        # gradient's worth until backward ends. Without overlap_comm every param.grad stays whole until the
+        # epilogue reduces them (stage_1_and_2.reduce_gradients); with it, this rank's own gradients are copied
+        # into its partition as they come, but the other ranks' parameters keep their param.grad until then.
+        if overlap:
+            add("gradients of the other ranks' partitions (%s)" % s.precision, b * (P - part), phase="train",
+                note="stage 1 with overlap_comm: kept until backward ends (measured)")
+        else:
+            add("gradients (full, %s) until backward ends" % s.precision, b * P, phase="train",
+                note="stage 1 without overlap_comm (measured)")
+
+    # --- master copy and optimizer states
+    mname = "bf16 master" if bf16_master else "fp32 master"
+    sname = f"optimizer states ({mode.name})" if mode is not None else "optimizer states (fp32)"
+    if s.stage == 0:
+        if bf16_master:
+            pass  # bf16 off in DeepSpeed, the model cast by the trainer: the optimizer steps the weights themselves
+        elif b < 4:
+            add("fp32 master parameters", 4 * P, note="DeepSpeed FP16_Optimizer (bf16/fp16 at stage 0)")
+        add(sname, opt * P)
+    else:
+        add(f"{mname} partition", master_b * part, opt_dev, note="single_partition_of_fp32_groups", ds=True)
+        add(sname.replace("states", "state partition"), opt * part, opt_dev, ds=True)
+
+    # --- transient copies at the optimizer step
+    if mode is not None:
+        impl_temp = MODE_STEP_TEMP[mode.name]
+        tnote = "benchmarks/optim_step_memory.py (CPU, flat partition)"
+    else:
+        impl_temp = 4 if s.optimizer_impl == "torch" else 0
+        tnote = "_foreach_sqrt(exp_avg_sq)"
+    if s.stage == 0:
+        if bf16_master:
+            # torch's optimizers loop over tensors: one tensor's working set at a time
+            add("optimizer working set at step (one tensor)", impl_temp * largest_trained, phase="step", note=tnote)
+        elif b < 4 and s.optimizer_impl == "fused" and mode is None:
+            add("fp32 gradient copies at step", 8 * P, phase="step",
+                note="FP16_Optimizer.step: list of p.grad.float() (4 B) flattened into one fp32 buffer (4 B)")
+        elif b < 4:
+            add("fp32 gradient copies at step", 4 * P, phase="step",
+                note="FP16_UnfusedOptimizer.step: fp32_param.grad = p.grad.to(fp32) for every tensor, then one "
+                     "optimizer step over all")
+        if impl_temp and not bf16_master:
+            add("optimizer temporary at step" if mode else "optimizer temporary (torch foreach)",
+                impl_temp * (largest_trained if mode else P), phase="step", note=tnote)
+    elif not off_opt:
+        sg = part if s.stage < 3 else min(part, inv.largest_sub_group(N, s.zero.sub_group_size)) if not lora \
+            else min(part, s.zero.sub_group_size)
+        note = "stage_1_and_2.step: flatten(averaged_gradients) then .float()" if s.stage < 3 else \
+            "stage3._prepare_fp32_grad_for_sub_group, one sub_group_size at a time"
+        if not bf16_master:  # with bf16 masters .to(master dtype) returns the flattened copy itself
+            add("fp32 gradient partition at step", 4 * sg, phase="step", note=note, ds=True)
+        add("flattened %s gradient copy at step" % s.precision, b * sg, phase="step", note=note)
+        if impl_temp:
+            add("optimizer temporary at step" if mode else "optimizer temporary (torch foreach)", impl_temp * sg,
+                phase="step", note=tnote)
+    else:
+        # The optimizer runs on the host; gradients travel there in fp32 during backward.
+        add("fp32 gradient partition (offloaded)", 4 * part, opt_dev, ds=True,
+            note="pinned buffers that receive the reduced gradients")
+        if impl_temp:
+            add("optimizer temporary at step (host)", impl_temp * (part if s.stage < 3 else min(
+                part, s.zero.sub_group_size)), opt_dev, phase="step", note=tnote)
+        if s.stage < 3:
+            add("%s partition staging buffer" % s.precision, b * part, "host",
+                note="param_buffer_of_bit16_for_cpu_offload_groups")
+            add("gradient offload staging (largest tensor)", b * largest_trained,
+                note="temp_grad_buffer_for_gpu_offload")
+            add("gradient offload staging (largest tensor, pinned)", b * largest_trained, "host",
+                note="temp_grad_buffer_for_cpu_offload")
+    if off_opt and s.stage == 3 and b < 4:
+        add("%s gradient partition (offloaded)" % s.precision, b * part, "host",
+            note="grad_partitions_flat_buffer lives on the host with optimizer offload")
+    if s.offload_optimizer == "nvme" or s.offload_param == "nvme":
+        swap = min(part, s.zero.sub_group_size)
+        add("NVMe swap buffers (pinned)", (4 + opt) * swap + (5 * 100_000_000 * b if off_par else 0), "host",
+            note="one sub-group's fp32 master + states swapped in; parameters: buffer_count 5 x buffer_size 1e8")
+
+    # --- EMA of the trained weights (fluxzero.train.ema.ShardedEMA): beside this rank's master partition
+    if s.ema is not None:
+        from fluxzero.config.ema import EmaConfig
+
+        # ZeRO 1-3 partition the masters; at stage 0 gen-config's bf16 config gets FP16_UnfusedOptimizer, whole
+        # masters on every rank (only DeepSpeed's BF16_Optimizer, with an fp32 grad_accum_dtype, would partition)
+        partitioned = s.stage >= 1
+        per = EmaConfig(dtype=s.ema).bytes_per_param(N, partitioned)
+        where = "host" if s.ema_device == "cpu" else "gpu"
+        add(f"EMA ({s.ema})", per * P, where, note=("1/N, like the master partition" if partitioned and N > 1
+                                                    else "whole on every rank") + f", ema.device {s.ema_device}")
+
+    # --- building the model and the engine (fluxzero.train.engine.build_engine): below stage 3 the model is born
+    # in fp32 on the GPU; deepspeed.initialize casts it tensor by tensor, then the ZeRO-1/2 optimizer copies
+    # the parameters into one flat buffer (on the GPU when it has room) and the FP16_Optimizer of stage 0
+    # clones them twice more (flat copy, then its fp32 master).
+    if bf16_master and s.stage == 0:
+        add("building the engine", 4 * total + b * inv.largest_layer, phase="init",
+            note="fp32 model, cast to bf16 by the trainer tensor by tensor (no master copy)")
+    elif s.stage == 0 and b < 4 and s.optimizer_impl != "fused" or (s.stage == 0 and mode is not None):
+        # torch AdamW is not a DeepSpeed FusedAdam: the engine wraps it in FP16_UnfusedOptimizer, whose
+        # initialize_optimizer_states gives every tensor a zero bf16 and fp32 grad and runs one step (which
+        # creates the states) before it frees the grads: the same 20 B/param as the steady-state step
+        temp = 4 * P if s.optimizer_impl == "torch" and mode is None else 0
+        add("building the engine", (b + 4 + b + 4 + opt) * P + b * frozen + temp, phase="init",
+            note="params, fp32 master clones, zero bf16 + fp32 grads, optimizer states (FP16_UnfusedOptimizer)")
+    elif s.stage == 0:
+        add("building the engine", (8 if b < 4 else 4) * P + 4 * frozen, phase="init",
+            note="fp32 model, bf16 cast, flat copy and fp32 master (FP16_Optimizer)")
+    elif s.stage < 3:
+        add("building the engine", max(4 * total + b * inv.largest_layer, b * total + b * P), phase="init",
+            note="fp32 model cast to %s, then flattened (stage_1_and_2 __init__)" % s.precision)
+
+    # --- host copy of the model while loading (each local rank, before deepspeed.initialize)
+    zero_init = s.stage == 3 and s.zero_init
+    loaded = inv.largest_layer if zero_init else total
+    add("model load (%d B/param)" % s.load_bytes, s.load_bytes * loaded, "host", "load",
+        note="largest layer at a time under zero.Init" if zero_init else "whole model on every local rank",
+        ds=True)
+    add("process (CUDA runtime, libraries)", 2 * GiB, "host", note="per rank; assumed typical RSS")
+    return items
+
+
+def _largest_trained_layer(s: RunSpec, inv: ParamInventory) -> int:
+    """Elements of the largest gradient one layer makes at once (a LoRA adapter's A and B under LoRA)."""
+    lc = lora_config(s)
+    if lc is None:
+        return inv.largest_layer
+    shapes = linear_shapes(s.model)
+    chosen = [sum(shapes[n]) for n in shapes if any(fnmatch.fnmatchcase(n, p) for p in lc.patterns)]
+    return lc.rank * max(chosen, default=0)
+
+
+def _adapted_linears(s: RunSpec) -> int:
+    """How many linears the LoRA targets adapt (0 without LoRA)."""
+    lc = lora_config(s)
+    if lc is None:
+        return 0
+    shapes = linear_shapes(s.model)
+    return len({n for p in lc.patterns for n in shapes if fnmatch.fnmatchcase(n, p)})
+
+
+def communication_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
+    b = PRECISION_BYTES[s.precision]
+    z = s.zero
+    items: list[Item] = []
+    overlap = z.overlap_comm if z.overlap_comm is not None else s.stage == 3
+    if s.stage == 0:
+        items.append(Item("allreduce bucket", b * min(z.reduce_bucket_size, inv.total), "gpu", "train",
+                          "engine.buffered_allreduce_fallback flattens one bucket"))
+    elif s.stage in (1, 2):
+        n = 2 if overlap else 1
+        items.append(Item("gradient reduction buckets", n * b * z.reduce_bucket_size, "gpu", "train",
+                          f"ipg buffers: reduce_bucket_size x {n} (overlap_comm={overlap}), freed when "
+                          f"backward ends"))
+        items.append(Item("gradient being produced", b * _largest_trained_layer(s, inv), "gpu", "train",
+                          "one layer's full gradient before it is copied into a bucket"))
+        # allgather_bucket_size costs nothing with NCCL: all_gather_into_tensor writes into the flat buffer.
+    else:
+        items.append(Item("gradient reduction bucket", b * z.reduce_bucket_size, "gpu", "resident",
+                          "ipg bucket (reduce_bucket_size)"))
+        items.append(Item("reduce-scatter staging", b * z.reduce_bucket_size // 2, "gpu", "train",
+                          "half a bucket on average in flight"))
+        unit = inv.largest_layer
+        block = max(inv.double_block, inv.single_block)
+        if s.checkpoint_every and z.max_reuse_distance >= block:
+            unit = block  # recompute then backward reuses the whole block's params: not released in between
+        prefetch = min(z.prefetch_bucket_size, max(0, z.max_live_parameters - unit))
+        items.append(Item("live (gathered) parameters", b * (unit + prefetch), "gpu", "train",
+                          "largest gather unit + prefetch bucket (capped by max_live_parameters)", ds=True))
+        items.append(Item("gradient being produced", b * _largest_trained_layer(s, inv), "gpu", "train",
+                          "one layer's full gradient before it enters the bucket", ds=True))
+        persistent = inv.persistent(z.param_persistence_threshold)
+        items.append(Item("persistent parameters", b * persistent, "gpu", "resident",
+                          f"tensors under param_persistence_threshold={z.param_persistence_threshold}"))
+    return items

@@ -1,0 +1,300 @@
+"""The run the memory model describes: byte constants, FLUX.1's parameter inventory, RunSpec (everything a
+step's memory depends on), what a DeepSpeed config decides of it, and one line of the breakdown (Item).
+
+Pure Python (no torch, no deepspeed).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from fluxzero.config import ds_view, optim_modes
+from fluxzero.config.lora import LoraConfig, lora_param_count
+from fluxzero.config.models import ModelConfig, get_model_config
+
+GiB = 1024**3
+PHASES = ("train", "step", "init")
+
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# The caching allocator's reserve beyond the allocated peak, as a fraction of the per-step transients, by ZeRO
+# stage (1 and 2 share one): refitted by benchmarks/fragmentation_fit.py (Estimate.fragmentation says on which runs)
+FRAGMENTATION = {0: 0.19, 1: 0.33, 2: 0.33, 3: 0.8}
+# fp32 optimizer states per parameter (Adam/AdamW: exp_avg + exp_avg_sq; SGD with momentum, Lion: one buffer)
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4}
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+OPTIMIZER_IMPLS = ("fused", "torch", "torch-fused")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parameters, from the architecture (module by module, BFL names)
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamInventory:
+    """Parameter counts of one FLUX.1 transformer. `modules` maps a module name to its own tensors' sizes."""
+
+    total: int
+    double_block: int  # one double-stream block
+    single_block: int  # one single-stream block
+    outside_blocks: int  # embedders and final layer
+    largest_layer: int  # largest module's own parameters (DeepSpeed's `largest_layer_params`)
+    tensor_sizes: tuple[int, ...]  # every parameter tensor in the model's parameters() order
+
+    def persistent(self, threshold: int) -> int:
+        """Elements ZeRO-3 keeps whole on every rank: tensors with fewer than `threshold` elements."""
+        return sum(n for n in self.tensor_sizes if n < threshold)
+
+    def largest_sub_group(self, world_size: int, sub_group_size: int) -> int:
+        """Elements of ZeRO-3's largest optimizer sub-group on one rank.
+
+        stage3._create_fp16_sub_groups walks the parameters in order and closes a sub-group once its
+        partitions reach sub_group_size, so a sub-group overshoots by up to one tensor's partition
+        (ceil(numel / world_size) elements each).
+        """
+        best = run = 0
+        for n in self.tensor_sizes:
+            run += -(-n // world_size)
+            if run >= sub_group_size:
+                best, run = max(best, run), 0
+        return max(best, run)
+
+
+def _linear(n_in: int, n_out: int, bias: bool = True) -> list[int]:
+    return [n_in * n_out] + ([n_out] if bias else [])
+
+
+def param_inventory(cfg: ModelConfig) -> ParamInventory:
+    C, M, D = cfg.hidden_size, cfg.mlp_hidden_dim, cfg.head_dim
+    stream = [_linear(C, 6 * C), _linear(C, 3 * C, cfg.qkv_bias), [D], [D], _linear(C, C),
+              _linear(C, M), _linear(M, C)]  # mod.lin, attn.qkv, q/k norm scales, attn.proj, mlp.0, mlp.2
+    double = stream + stream  # img_* and txt_*
+    single = [_linear(C, 3 * C + M), _linear(C + M, C), [D], [D], _linear(C, 3 * C)]
+    # in fluxzero.model.Flux's parameters() order: img_in, time_in, vector_in, guidance_in, txt_in, the blocks,
+    # final_layer (ZeRO-3 cuts its optimizer sub-groups along this order)
+    embed = [_linear(cfg.in_channels, C), _linear(256, C), _linear(C, C), _linear(cfg.vec_in_dim, C), _linear(C, C)]
+    embed += [_linear(256, C), _linear(C, C)] if cfg.guidance_embed else []
+    embed += [_linear(cfg.context_in_dim, C)]
+    head = [_linear(C, cfg.out_channels), _linear(C, 2 * C)]
+    outside = embed + head
+    modules = embed + double * cfg.depth + single * cfg.depth_single_blocks + head
+    n_double, n_single = sum(map(sum, double)), sum(map(sum, single))
+    n_outside = sum(map(sum, outside))
+    return ParamInventory(
+        total=cfg.depth * n_double + cfg.depth_single_blocks * n_single + n_outside,
+        double_block=n_double, single_block=n_single, outside_blocks=n_outside,
+        largest_layer=max(map(sum, modules)),
+        tensor_sizes=tuple(n for m in modules for n in m),
+    )
+
+
+
+def image_tokens(height: int, width: int) -> int:
+    """Packed latent tokens of an image: VAE /8, then 2x2 patches -> (H/16) * (W/16)."""
+    for name, v in (("height", height), ("width", width)):
+        if v <= 0 or v % 16:
+            raise ValueError(f"{name} must be a positive multiple of 16 pixels, got {v}")
+    return (height // 16) * (width // 16)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ZeroSettings:
+    """DeepSpeed's communication settings that cost memory; defaults are deepspeed 0.19.8's."""
+
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's default (True at stage 3 only)
+    contiguous_gradients: bool = True
+    prefetch_bucket_size: int = 50_000_000
+    param_persistence_threshold: int = 100_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    sub_group_size: int = 1_000_000_000
+
+    @classmethod
+    def from_ds_config(cls, ds: dict) -> "ZeroSettings":
+        return cls.from_view(ds_view.view(ds))
+
+    @classmethod
+    def from_view(cls, v: ds_view.DSView) -> "ZeroSettings":
+        z = dict(v.zero_settings)
+        keys = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
+                "overlap_comm": "overlap_comm", "contiguous_gradients": "contiguous_gradients",
+                "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+                "param_persistence_threshold": "stage3_param_persistence_threshold",
+                "max_live_parameters": "stage3_max_live_parameters",
+                "max_reuse_distance": "stage3_max_reuse_distance", "sub_group_size": "sub_group_size"}
+        values = {ours: z[theirs] for ours, theirs in keys.items() if theirs in z and z[theirs] != "auto"}
+        return cls(**{k: (v if isinstance(v, bool) else int(v)) for k, v in values.items()})
+
+
+def run_options_from_ds_config(ds: dict, world_size: int | None = None) -> dict:
+    """RunSpec fields that a DeepSpeed config (gen-config's or hand-written) decides, read through its DSView.
+
+    Absent keys take the values DeepSpeed and the trainer use for them (ZeRO stage 0, no activation
+    checkpointing, fp32), not the estimate's own defaults; the micro batch comes from
+    train_batch_size / (accumulation x world_size) when only those are given, and is left out when the
+    config does not decide it (not set, "auto", or not dividing for this world size).
+    Raises ds_view.DSConfigError (a ValueError) for a section of the wrong type, ValueError for a value of the
+    wrong kind.
+    """
+    v = ds_view.view(ds)
+    out: dict = {"stage": v.stage, "precision": v.precision, "offload_optimizer": v.offload_optimizer,
+                 "offload_param": v.offload_param}
+    for ours in ("stage", "checkpoint_every"):
+        if not (isinstance(getattr(v, ours), int) and not isinstance(getattr(v, ours), bool)):
+            key = "zero_optimization.stage" if ours == "stage" else "fluxzero.activation_checkpointing.every_k_blocks"
+            raise ValueError(f"{key} must be an integer, got {getattr(v, ours)!r}")
+    if isinstance(v.micro_batch, int):
+        out["micro_batch"] = v.micro_batch
+    elif world_size and v.train_batch is not None:
+        try:
+            out["micro_batch"] = v.batch_for(world_size)[0]
+        except (ds_view.DSConfigError, TypeError):
+            pass  # does not divide: the estimate keeps its own micro batch and says so
+    if v.optimizer is not None:
+        out["optimizer"] = v.optimizer if v.optimizer in OPTIMIZER_STATE_BYTES else "adamw"
+        out["optimizer_impl"] = v.optimizer_impl
+    out["checkpoint_every"] = v.checkpoint_every  # the trainer checkpoints nothing without it
+    if v.optimizer_mode is not None:
+        out["optimizer_mode"] = v.optimizer_mode
+        mode = optim_modes.MODES.get(v.optimizer_mode)
+        if mode is not None and mode.master_dtype == "bf16" and v.stage == 0:
+            out["precision"] = "bf16"  # bf16 off in DeepSpeed: the trainer casts the model to bf16 itself
+    if v.checkpoint_impl == "deepspeed":
+        out["cpu_checkpointing"] = v.cpu_checkpointing
+    out["zero"] = ZeroSettings.from_view(v)
+    return out
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything the memory of a step depends on. Sizes in GiB; height/width in pixels."""
+
+    model: ModelConfig
+    nodes: int = 1
+    gpus_per_node: int = 1
+    height: int = 512
+    width: int = 512
+    txt_len: int = 512
+    micro_batch: int = 1
+    precision: str = "bf16"
+    stage: int = 2
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    checkpoint_every: int = 1  # 0 = off, 1 = every block, k = every k-th block (one index over both lists)
+    cpu_checkpointing: bool = False  # deepspeed.checkpointing keeps checkpointed blocks' inputs in host memory
+    optimizer: str = "adamw"
+    optimizer_impl: str = "fused"  # "fused" (DeepSpeed FusedAdam / CPUAdam) | "torch" (torch AdamW, foreach: a
+    # temp copy) | "torch-fused" (torch AdamW(fused=True): no temporaries). Both torch ones run unflattened at stage 0
+    attention: str = "flash"  # "flash" / "efficient": O(L) softmax statistics; "math": O(L^2)
+    zero: ZeroSettings = field(default_factory=ZeroSettings)
+    zero_init: bool = True  # stage 3 builds the model partitioned (deepspeed.zero.Init)
+    load_bytes: int = 4  # bytes per parameter of the host copy each rank loads before initialize
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    fragmentation: float | None = None  # (reserved - allocated) / per-step transients; None: see Estimate.fragmentation
+    cuda_context_gib: float = 1.0  # CUDA context, cuBLAS workspace, NCCL buffers: outside the allocator
+    device: str = "cuda"  # "cpu" only to compare with CPU measurements (rms_norm saves more there)
+    optimizer_mode: str | None = None  # fluxzero.config.optim_modes name; None: DeepSpeed's optimizer, fp32 masters
+    lora_rank: int = 0  # 0: full fine-tune; r: LoRA adapters of rank r on lora_targets, the base frozen
+    lora_targets: str | tuple[str, ...] = "attention+mlp"  # a fluxzero.config.lora TARGET_PRESETS name or patterns
+    lora_dropout: float = 0.0
+    ema: str | None = None  # None: no EMA; "fp32" | "bf16": EMA of the trained weights (fluxzero.config.ema)
+    ema_device: str = "gpu"  # "gpu" | "cpu" (ema.device)
+
+    def __post_init__(self):
+        if isinstance(self.model, str):
+            object.__setattr__(self, "model", get_model_config(self.model))
+        for f in ("nodes", "gpus_per_node", "micro_batch", "txt_len"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f} must be at least 1, got {getattr(self, f)}")
+        image_tokens(self.height, self.width)
+        if self.precision not in PRECISION_BYTES:
+            raise ValueError(f"precision must be one of {', '.join(PRECISION_BYTES)}, got {self.precision!r}")
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage}")
+        for f in ("offload_optimizer", "offload_param"):
+            if getattr(self, f) not in OFFLOAD_DEVICES:
+                raise ValueError(f"{f} must be one of {', '.join(OFFLOAD_DEVICES)}, got {getattr(self, f)!r}")
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3")
+        if self.offload_param != "none" and self.stage != 3:
+            raise ValueError("offload_param needs ZeRO stage 3")
+        if self.offload_optimizer == "nvme" and self.stage != 3:
+            raise ValueError("NVMe optimizer offload needs ZeRO stage 3 in deepspeed 0.19.8")
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {self.optimizer!r}")
+        if self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise ValueError(f"optimizer_impl must be one of {', '.join(OPTIMIZER_IMPLS)}, got {self.optimizer_impl!r}")
+        if self.attention not in ("flash", "efficient", "math", "auto", "cudnn"):
+            raise ValueError(f"attention must be flash, efficient, cudnn, auto or math, got {self.attention!r}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be 0 (off) or more, got {self.checkpoint_every}")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be cuda or cpu, got {self.device!r}")
+        if self.optimizer_mode is not None:
+            mode = optim_modes.get_mode(self.optimizer_mode)  # ValueError naming the modes
+            if self.stage not in mode.zero_stages:
+                raise ValueError(f"optimizer mode {mode.name} does not run at ZeRO stage {self.stage}")
+            if mode.master_dtype == "bf16" and self.offload_optimizer != "none":
+                raise ValueError(f"optimizer mode {mode.name} keeps bf16 masters, which deepspeed 0.19.8 cannot "
+                                 f"offload for a client optimizer: use offload_optimizer none or mode fp32")
+            if mode.master_dtype == "bf16" and self.precision != "bf16":
+                raise ValueError(f"optimizer mode {mode.name} trains in bf16, got precision {self.precision}")
+        if self.lora_rank:
+            if isinstance(self.lora_targets, list):
+                object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+            lora_config(self)  # validates rank and targets (ValueError naming the field)
+        if self.ema not in (None, "fp32", "bf16"):
+            raise ValueError(f"ema must be fp32, bf16 or None, got {self.ema!r}")
+        if self.ema_device not in ("gpu", "cpu"):
+            raise ValueError(f"ema_device must be gpu or cpu, got {self.ema_device!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def img_tokens(self) -> int:
+        return image_tokens(self.height, self.width)
+
+    def replace(self, **changes) -> "RunSpec":
+        return dataclasses.replace(self, **changes)
+
+
+
+@dataclass(frozen=True)
+class Item:
+    """One line of the breakdown. `phase`: resident (all step long), train (forward/backward peak only),
+    step (optimizer step only), load (host, before deepspeed.initialize). `ds`: counted by DeepSpeed's own
+    estimate_zero2/zero3_model_states_mem_needs."""
+
+    name: str
+    bytes: int
+    where: str  # gpu | host | nvme
+    phase: str
+    note: str = ""
+    ds: bool = False
+
+
+
+def optim_mode(s: RunSpec):
+    """The spec's OptimMode (fluxzero.config.optim_modes), or None for DeepSpeed's own optimizer."""
+    return None if s.optimizer_mode is None else optim_modes.get_mode(s.optimizer_mode)
+
+
+def lora_config(s: RunSpec) -> LoraConfig | None:
+    if not s.lora_rank:
+        return None
+    targets = s.lora_targets if isinstance(s.lora_targets, str) else list(s.lora_targets)
+    return LoraConfig(rank=s.lora_rank, targets=targets, dropout=s.lora_dropout)
+
+
+def trained_params(s: RunSpec, inv: ParamInventory | None = None) -> int:
+    """Parameters the optimizer steps: all of them, or the LoRA adapters' (fluxzero.config.lora_param_count)."""
+    lc = lora_config(s)
+    if lc is None:
+        return (inv or param_inventory(s.model)).total
+    return lora_param_count(s.model, lc)
+
