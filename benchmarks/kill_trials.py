@@ -150,7 +150,7 @@ def _after_kill(ranks: Ranks, victim: int) -> dict:
     ranks.kill_all()
     text = ranks.text(other)
     return {"survivor_exit": code, "survivor_s": round(time.monotonic() - t, 2),
-            "survivor_traceback": "Traceback" in text,
+            "survivor_traceback": text[text.index("Traceback"):][-1500:] if "Traceback" in text else False,
             "survivor_error": next((l for l in text.splitlines() if "error:" in l), None)}
 
 
@@ -268,7 +268,7 @@ def main(argv=None) -> int:
         rec = trial(kind, args.stage, folder, rng, ref)
         records.append(rec)
         print(json.dumps(rec), flush=True)
-        if rec["ok"]:
+        if rec["ok"] and "Traceback" not in json.dumps(rec):  # keep the logs of anything to look at
             shutil.rmtree(folder, ignore_errors=True)
     ok = sum(r["ok"] for r in records)
     summary = {"stage": args.stage, "trials": len(records), "bit_exact": ok, "seed": args.seed,
