@@ -108,6 +108,22 @@ def _store(p: torch.Tensor, value32: torch.Tensor, sr: bool) -> None:
     p.copy_(stochastic_round_bf16(value32) if sr and p.dtype == torch.bfloat16 else value32)
 
 
+def _closure_loss(closure):
+    """torch.optim's step contract: re-evaluate the loss with `closure` (grad enabled) when one is given."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _with_grads(opt: torch.optim.Optimizer):
+    """(param group, parameter, its state) for every parameter with a gradient, in torch.optim's order."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                yield group, p, opt.state[p]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # checkpoints: keep every state in the dtype and type it was saved in
 # ---------------------------------------------------------------------------------------------------------
@@ -169,38 +185,31 @@ class KahanAdamW(ExactStateMixin, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
+        loss = _closure_loss(closure)
+        for group, p, st in _with_grads(self):
             beta1, beta2 = group["betas"]
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if not st:
-                    st["step"] = torch.tensor(0.0)
-                    st["exp_avg"] = torch.zeros_like(p)
-                    st["exp_avg_sq"] = torch.zeros_like(p)
-                    st["comp"] = torch.zeros_like(p)
-                st["step"] += 1
-                t = st["step"].item()
-                g = p.grad.float()
-                m = st["exp_avg"].float().lerp_(g, 1 - beta1)
-                v = st["exp_avg_sq"].float().lerp_(g.square(), 1 - beta2)
-                # bf16 m and v are rounded stochastically: v's EMA moves 0.1% a step at beta2 0.999, under
-                # half a bf16 ulp, so round-to-nearest stalls it (measured: weight change +2.4% at 400 steps)
-                _store(st["exp_avg"], m, sr=True)
-                _store(st["exp_avg_sq"], v, sr=True)
-                p32 = p.float()
-                denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-                update = -(lr / (1 - beta1**t)) * m / denom - (lr * wd) * p32
-                # Kahan: the new weight is p + (update + carry); what bf16 cannot hold becomes the next carry
-                exact = p32 + (update + st["comp"].float())
-                p.copy_(exact)
-                st["comp"].copy_(exact - p.float())
+            if not st:
+                st["step"] = torch.tensor(0.0)
+                st["exp_avg"] = torch.zeros_like(p)
+                st["exp_avg_sq"] = torch.zeros_like(p)
+                st["comp"] = torch.zeros_like(p)
+            st["step"] += 1
+            t = st["step"].item()
+            g = p.grad.float()
+            m = st["exp_avg"].float().lerp_(g, 1 - beta1)
+            v = st["exp_avg_sq"].float().lerp_(g.square(), 1 - beta2)
+            # bf16 m and v are rounded stochastically: v's EMA moves 0.1% a step at beta2 0.999, under
+            # half a bf16 ulp, so round-to-nearest stalls it (measured: weight change +2.4% at 400 steps)
+            _store(st["exp_avg"], m, sr=True)
+            _store(st["exp_avg_sq"], v, sr=True)
+            p32 = p.float()
+            denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
+            update = -(lr / (1 - beta1**t)) * m / denom - (lr * wd) * p32
+            # Kahan: the new weight is p + (update + carry); what bf16 cannot hold becomes the next carry
+            exact = p32 + (update + st["comp"].float())
+            p.copy_(exact)
+            st["comp"].copy_(exact - p.float())
         return loss
 
 
@@ -217,50 +226,43 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
+        loss = _closure_loss(closure)
+        for group, p, st in _with_grads(self):
             lr, wd, d = group["lr"], group["weight_decay"], group["d"]
             eps1, eps2 = group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if not st:
-                    st["step"] = torch.tensor(0.0)
-                    if p.dim() > 1:
-                        st["row_var"] = p.new_zeros(p.shape[:-1] + (1,), dtype=torch.float32)
-                        st["col_var"] = p.new_zeros(p.shape[:-2] + (1, p.shape[-1]), dtype=torch.float32)
-                    else:
-                        st["variance"] = torch.zeros_like(p)
-                # same order of operations as torch.optim.Adafactor's single-tensor path (torch 2.13)
-                st["step"] += 1
-                t = st["step"].item()
-                # torch takes eps1 from the param's dtype; the math here is fp32, and bf16's eps (7.8e-3)
-                # would clamp fine-tuning second moments (~1e-8) and shrink every update ~100-fold
-                e1 = torch.finfo(torch.float32).eps if eps1 is None else eps1
-                g = p.grad.float()
-                p32 = p.float()
-                one_minus_beta2_t = t**group["beta2_decay"]
-                alpha = max(eps2, p32.norm(2).item() / (p.numel() ** 0.5)) * min(lr, 1 / t**0.5)
-                if wd != 0:
-                    p32.mul_(1 - lr * wd)
+            if not st:
+                st["step"] = torch.tensor(0.0)
                 if p.dim() > 1:
-                    st["row_var"].lerp_(torch.norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1)),
-                                        one_minus_beta2_t)
-                    st["col_var"].lerp_(torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2)),
-                                        one_minus_beta2_t)
-                    var = st["row_var"] @ st["col_var"]
-                    var.div_(st["row_var"].mean(dim=-2, keepdim=True).clamp_(min=e1))
+                    st["row_var"] = p.new_zeros(p.shape[:-1] + (1,), dtype=torch.float32)
+                    st["col_var"] = p.new_zeros(p.shape[:-2] + (1, p.shape[-1]), dtype=torch.float32)
                 else:
-                    v = st["variance"].float().lerp_(g * g, one_minus_beta2_t)
-                    st["variance"].copy_(v)
-                    var = v.clone()
-                update = var.clamp_(min=e1 * e1).rsqrt_().mul_(g)
-                denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * d))
-                _store(p, p32.add_(update, alpha=-alpha / denom), sr=True)
+                    st["variance"] = torch.zeros_like(p)
+            # same order of operations as torch.optim.Adafactor's single-tensor path (torch 2.13)
+            st["step"] += 1
+            t = st["step"].item()
+            # torch takes eps1 from the param's dtype; the math here is fp32, and bf16's eps (7.8e-3)
+            # would clamp fine-tuning second moments (~1e-8) and shrink every update ~100-fold
+            e1 = torch.finfo(torch.float32).eps if eps1 is None else eps1
+            g = p.grad.float()
+            p32 = p.float()
+            one_minus_beta2_t = t**group["beta2_decay"]
+            alpha = max(eps2, p32.norm(2).item() / (p.numel() ** 0.5)) * min(lr, 1 / t**0.5)
+            if wd != 0:
+                p32.mul_(1 - lr * wd)
+            if p.dim() > 1:
+                st["row_var"].lerp_(torch.norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1)),
+                                    one_minus_beta2_t)
+                st["col_var"].lerp_(torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2)),
+                                    one_minus_beta2_t)
+                var = st["row_var"] @ st["col_var"]
+                var.div_(st["row_var"].mean(dim=-2, keepdim=True).clamp_(min=e1))
+            else:
+                v = st["variance"].float().lerp_(g * g, one_minus_beta2_t)
+                st["variance"].copy_(v)
+                var = v.clone()
+            update = var.clamp_(min=e1 * e1).rsqrt_().mul_(g)
+            denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * d))
+            _store(p, p32.add_(update, alpha=-alpha / denom), sr=True)
         return loss
 
 
