@@ -48,7 +48,7 @@ def test_load_config_with_overrides(tmp_path):
         with pytest.raises(ConfigError, match=match):
             load_config(str(run), [over])
     (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe")
-    for path, match in [(tmp_path, "cannot read run file"), (tmp_path / "bin.yaml", "is not a text file")]:
+    for path, match in [(tmp_path, "run file .* is a folder; pass a YAML"), (tmp_path / "bin.yaml", "is not a text file")]:
         with pytest.raises(ConfigError, match=match):
             load_config(str(path))
 

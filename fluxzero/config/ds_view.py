@@ -182,22 +182,14 @@ def view(ds: dict) -> DSView:
 
 def read_json(path: str | Path) -> dict:
     """A DeepSpeed JSON file as a dict; DSConfigError with one sentence when it cannot be read."""
+    from fluxzero.config.user_files import read_text
+
+    text = read_text(path, "DeepSpeed config", "point deepspeed at the JSON file from `fluxzero gen-config`",
+                     DSConfigError, missing="write one with `fluxzero gen-config`")
     try:
-        with open(path) as f:
-            ds = json.load(f)
-    except FileNotFoundError:
-        raise DSConfigError(f"DeepSpeed config {path} does not exist; write one with `fluxzero gen-config`") from None
+        ds = json.loads(text)
     except json.JSONDecodeError as e:
         raise DSConfigError(f"DeepSpeed config {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    except UnicodeDecodeError:
-        raise DSConfigError(f"DeepSpeed config {path} is not a text file; point deepspeed at the JSON from "
-                            f"`fluxzero gen-config`") from None
-    except IsADirectoryError:
-        raise DSConfigError(f"DeepSpeed config {path} is a folder; point deepspeed at the JSON file from "
-                            f"`fluxzero gen-config`") from None
-    except OSError as e:
-        raise DSConfigError(f"cannot read DeepSpeed config {path} ({e.strerror or e}); point deepspeed at a "
-                            f"readable JSON file") from None
     if not isinstance(ds, dict):
         raise DSConfigError(f"DeepSpeed config {path} must be a JSON object ({{...}}), got {type(ds).__name__}; "
                             f"write one with `fluxzero gen-config`")

@@ -4,8 +4,6 @@ Pure Python (pyyaml imported inside the calls): the config package stays import-
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 from fluxzero.config.run import TrainConfig
 
 
@@ -56,16 +54,11 @@ def _load_config(path, overrides) -> TrainConfig:
 
     data = {}
     if path:
+        from fluxzero.config.user_files import read_text
+
+        text = read_text(path, "run file", "pass a YAML run file such as launch/tiny.yaml", ConfigError)
         try:
-            data = yaml.load(Path(path).read_text(), Loader=_unique_key_loader()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"run file {path} does not exist") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"run file {path} is not a text file; pass a YAML run file such as "
-                              f"launch/tiny.yaml") from None
-        except OSError as e:
-            raise ConfigError(f"cannot read run file {path} ({e.strerror or e}); pass a YAML run file such as "
-                              f"launch/tiny.yaml") from None
+            data = yaml.load(text, Loader=_unique_key_loader()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"run file {path} is not valid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(data, dict):
