@@ -7,7 +7,7 @@ import stat
 import sys
 
 import pytest
-from pure_python import run_without_torch
+from tests.pure_python import run_without_torch
 from click.testing import CliRunner
 
 from fluxzero import fsutil

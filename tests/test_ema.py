@@ -8,14 +8,14 @@ values, only split over ranks, so in fp32 it must equal the reference exactly (t
 """
 import os
 import re
-import socket
 import time
 
 import pytest
 import torch
 
 from fluxzero.config.ema import EmaConfig
-from pure_python import run_without_torch
+from tests.helpers import close_group, enter_rank, spawn_ranks
+from tests.pure_python import run_without_torch
 
 STEPS, SWITCH = 6, 3  # optimizer steps; the resumed EMA takes over after step SWITCH
 DECAY = 0.8  # far from 1 so that 6 steps move the EMA well away from both the start and the weights
@@ -209,12 +209,10 @@ def _worker(rank, world, port, tmp):
     from pathlib import Path
 
     faulthandler.dump_traceback_later(300, exit=True)  # a rank stuck in a collective fails, with stacks
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    enter_rank(rank, world, port)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     import deepspeed
-    import torch.distributed as dist
 
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # unused C++ op, ~60 s to build
     deepspeed.init_distributed(dist_backend="gloo")
@@ -224,10 +222,7 @@ def _worker(rank, world, port, tmp):
             results[name] = _run_one(name, tmp, rank)
         done = True
     finally:
-        if dist.is_initialized():
-            if done:
-                dist.barrier()
-            dist.destroy_process_group()
+        close_group(done)
     torch.save(results, tmp / f"results_rank{rank}.pt")
     os._exit(0)  # skip interpreter teardown, where gloo threads can abort a finished rank
 
@@ -235,11 +230,8 @@ def _worker(rank, world, port, tmp):
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ema")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     t0 = time.perf_counter()
-    torch.multiprocessing.spawn(_worker, args=(2, port, str(tmp)), nprocs=2, join=True)
+    spawn_ranks(_worker, 2, str(tmp))
     print(f"2-rank EMA matrix: {time.perf_counter() - t0:.1f} s")
     ranks = [torch.load(tmp / f"results_rank{r}.pt", weights_only=False) for r in range(2)]
     for name, res in ranks[0].items():  # a sanity figure only: 2-core CPU timings of a 146-parameter model

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 
 import pytest
-from pure_python import run_without_torch
+from tests.pure_python import run_without_torch
 
 from fluxzero.cluster.hostfile import (
     HostfileError,

@@ -19,9 +19,9 @@ from fluxzero.model import build_model
 from fluxzero.model import lora as L
 from fluxzero.model import lora_formats as F
 from fluxzero.model import weights as W
-from pure_python import run_without_torch
-from test_model import make_inputs
-from test_model_parity import pair, randomize, rel_err, run_theirs
+from tests.pure_python import run_without_torch
+from tests.test_model import make_inputs
+from tests.test_model_parity import pair, randomize, rel_err, run_theirs
 
 diffusers = pytest.importorskip("diffusers")
 # FluxPipeline.lora_state_dict is this classmethod; the mixin spares importing the pipeline's text encoders.
@@ -367,7 +367,7 @@ sys.path.insert(0, sys.argv[1])
 from fluxzero.config.lora import LoraConfig
 from fluxzero.model import build_model
 from fluxzero.model import lora as L
-from test_model import make_inputs
+from tests.test_model import make_inputs
 
 ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
       "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0, "torch_adam": True}},

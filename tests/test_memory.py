@@ -3,7 +3,7 @@ reproduce, fit search, and the `fluxzero estimate` command (which must run witho
 import json
 
 import pytest
-from pure_python import run_without_torch
+from tests.pure_python import run_without_torch
 from click.testing import CliRunner
 
 from fluxzero import config

@@ -8,10 +8,11 @@ these tensors are exactly the allocations of the model states; CPU cannot give a
 benchmark measures those), but it checks every per-stage formula on the real engine.
 """
 import json
-import socket
 
 import pytest
 import torch
+
+from tests.helpers import enter_rank, spawn_ranks
 
 # (ZeRO stage, optimizer offload, parameter offload); on CPU "offloaded" and "GPU" tensors are all counted
 CASES = ((0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none"), (2, "cpu", "none"),
@@ -48,10 +49,7 @@ def _storage_bytes(engine) -> int:
 
 
 def _worker(rank, world, port, out_dir):
-    import os
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    enter_rank(rank, world, port)
     from fluxzero.config import ds_config, memory
     from fluxzero.train import flow
     from fluxzero.config import FlowConfig, get_model_config
@@ -101,10 +99,7 @@ def _worker(rank, world, port, out_dir):
 
 @pytest.mark.slow
 def test_resident_model_states_match_a_real_engine(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, 2, str(tmp_path))
     for rank in range(2):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for stage, oo, op in CASES:

@@ -6,7 +6,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fluxzero.config import get_model_config
 from fluxzero.model import build_model
 from fluxzero.model import math as fmath
-from test_model import make_inputs
+from tests.test_model import make_inputs
 
 
 def counted(model, x, backend):

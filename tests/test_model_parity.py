@@ -10,7 +10,7 @@ import torch
 from fluxzero.config import get_model_config
 from fluxzero.model import build_model
 from fluxzero.model import weights as W
-from test_model import make_inputs
+from tests.test_model import make_inputs
 
 diffusers = pytest.importorskip("diffusers")
 

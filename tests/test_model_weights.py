@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from fluxzero.config import get_model_config
 from fluxzero.model import build_model
 from fluxzero.model import weights as W
-from test_model import make_inputs
+from tests.test_model import make_inputs
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ torch.set_num_threads(1)
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 from fluxzero.config.optim_modes import get_mode
 from fluxzero.train.optim import build_optimizer
-from test_optim_quality import LR, LR_ADAFACTOR, STEPS, LeastSquares
+from tests.test_optim_quality import LR, LR_ADAFACTOR, STEPS, LeastSquares
 
 P = LeastSquares()
 

@@ -27,7 +27,7 @@ from fluxzero.config.optim_modes import MODES, get_mode  # noqa: E402
 from fluxzero.train.optim import (AdafactorSR, OptimModeError, build_optimizer,  # noqa: E402
                                   stochastic_round_bf16)
 
-from pure_python import ROOT, run_without_torch  # noqa: E402
+from tests.pure_python import ROOT, run_without_torch  # noqa: E402
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "fluxzero-inductor"))
 

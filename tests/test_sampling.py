@@ -27,7 +27,7 @@ from fluxzero.sampling.embeddings import PromptEmbeddings, load_embeddings, save
 from fluxzero.sampling.images import grid, read_png_params, save_png
 from fluxzero.sampling.vae import decode
 from fluxzero.train.flow import pack, unpack
-from test_model_parity import pair
+from tests.test_model_parity import pair
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline  # noqa: E402
@@ -249,7 +249,7 @@ CLI_SIZE = ["--height", "32", "--width", "48", "--steps", "2", "--t5-max-length"
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """Tiny random encoders in FLUX's folder layout (shared with test_cache) and flux-tiny weights."""
-    from test_cache import build_tiny_flux_dir
+    from tests.test_cache import build_tiny_flux_dir
 
     base = tmp_path_factory.mktemp("sample")
     flux = build_tiny_flux_dir(base / "flux")

@@ -17,17 +17,14 @@ import yaml
 from click.testing import CliRunner
 
 from fluxzero.config import FlowConfig, TrainConfig
+from tests.helpers import tiny_ds
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = "synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32"
 
 
 def _ds(**kw):
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-          "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
-    ds.update(kw)
-    return ds
+    return tiny_ds(**kw)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -9,10 +9,11 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 
 import pytest
 import torch
+
+from tests.helpers import close_group, enter_rank, plain_losses, spawn_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -52,15 +53,11 @@ def _worker(rank, world, port, jobs, out_file):
 
     # a rank stuck in a collective its peer never joins fails the test (with stacks) instead of hanging CI
     faulthandler.dump_traceback_later(600, exit=True)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                      FLUXZERO_NO_PROGRESS="1")
+    enter_rank(rank, world, port, FLUXZERO_NO_PROGRESS="1")
     torch.set_num_threads(1)
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
-    import torch.distributed as dist
-
     from fluxzero.config import TrainConfig
     from fluxzero.train.loop import train
 
@@ -72,10 +69,7 @@ def _worker(rank, world, port, jobs, out_file):
         results["checkpoint_checks"] = _checkpoint_checks_probe(TrainConfig.from_dict(dict(jobs)["resumed2"]))
         done = True
     finally:
-        if dist.is_initialized():
-            if done:
-                dist.barrier()  # neither rank tears its process group down while the other still talks
-            dist.destroy_process_group()
+        close_group(done)  # neither rank tears its process group down while the other still talks
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(results, f)
@@ -187,35 +181,20 @@ def _checkpoint_checks_probe(cfg):
 
 
 def launch(world, jobs, tmp):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp / f"results_{world}.json"
-    torch.multiprocessing.spawn(_worker, args=(world, port, jobs, str(out)), nprocs=world, join=True)
+    spawn_ranks(_worker, world, jobs, str(out))
     return json.loads(out.read_text())
 
 
 def reference_losses(weights, steps=STEPS, seed=3):
     """Plain PyTorch: same weights, data, noise and AdamW, whole 4-sample set per step."""
-    from fluxzero.train import flow
-    from fluxzero.config import FlowConfig
     from fluxzero.data import build_dataloader
     from fluxzero.model.weights import load_model
 
     model = load_model(weights, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     loader = build_dataloader(DATA4, micro_batch=4, rank=0, world_size=1, seed=seed)
-    losses = []
-    for epoch in range(steps):
-        loader.set_epoch(epoch)
-        (batch,) = list(loader)
-        inputs, target = flow.prepare_batch(batch, FlowConfig(), seed, epoch, guidance_embed=True)
-        loss = flow.loss(model(**inputs), target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
+    return plain_losses(model, opt, loader, steps, seed), model.state_dict()
 
 
 @pytest.fixture(scope="module")

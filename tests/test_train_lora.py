@@ -8,7 +8,6 @@ child process (launch/train.py) or in spawned ranks.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import yaml
 
 from fluxzero.config import LoraConfig, TrainConfig, get_model_config, lora_param_count
 from fluxzero.config.lora import TARGET_PRESETS, linear_shapes
+from tests.helpers import close_group, enter_rank, plain_losses, spawn_ranks, tiny_ds
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA4 = "synthetic:n=4,hw=8x8,txt=4,ctx=64,vec=32"
@@ -64,7 +64,7 @@ def test_lora_param_count_equals_apply_lora(name, targets):
 
 
 def test_lora_param_count_imports_no_torch():
-    from pure_python import run_without_torch
+    from tests.pure_python import run_without_torch
 
     r = run_without_torch("from fluxzero.config import LoraConfig, get_model_config, lora_param_count; "
                           "print(lora_param_count(get_model_config('flux-dev'), LoraConfig(rank=16)))")
@@ -135,7 +135,7 @@ def test_sample_lora_merges_into_the_weights(tmp_path):
     from fluxzero.model import lora as L
     from fluxzero.model.lora_formats import save_lora
     from fluxzero.model.weights import load_model, save_weights
-    from test_model import make_inputs
+    from tests.test_model import make_inputs
 
     lcfg = LoraConfig(rank=4, alpha=2, targets="all-linear")  # scale 0.5: the file's alpha must be used
     model, base = _lora_model(lcfg)
@@ -171,11 +171,7 @@ def test_sample_lora_merges_into_the_weights(tmp_path):
 # Bad input through launch/train.py: one sentence each, exit 1
 # ---------------------------------------------------------------------------------------------------------
 def _ds(stage=2, **kw):
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
-          "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
-    ds.update(kw)
-    return ds
+    return tiny_ds(stage, clipping=0.0, lr=LR, weight_decay=0.0, **kw)
 
 
 # launch/train.py is `sys.exit(main())`: one child process calls main() once per case, sharing the imports
@@ -256,15 +252,11 @@ def _worker(rank, world, port, jobs, probe, out_file):
     import faulthandler
 
     faulthandler.dump_traceback_later(600, exit=True)  # a rank stuck in a collective fails the test, with stacks
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                      FLUXZERO_NO_PROGRESS="1")
+    enter_rank(rank, world, port, FLUXZERO_NO_PROGRESS="1")
     torch.set_num_threads(1)
     import warnings
 
     warnings.filterwarnings("ignore")
-    import torch.distributed as dist
-
     from fluxzero.train.loop import train
 
     results, done = {}, False
@@ -274,10 +266,7 @@ def _worker(rank, world, port, jobs, probe, out_file):
         results["probe"] = _continue_probe(TrainConfig.from_dict(probe))
         done = True
     finally:
-        if dist.is_initialized():
-            if done:
-                dist.barrier()
-            dist.destroy_process_group()
+        close_group(done)
     if rank == 0:
         Path(out_file).write_text(json.dumps(results))
     os._exit(0)  # no interpreter teardown: gloo's threads can abort a finished rank there
@@ -314,12 +303,10 @@ def _continue_probe(cfg):
 def _reference_losses(weights, steps, seed=3):
     """Plain PyTorch and PEFT: the base loaded, adapters drawn as build_engine draws them, AdamW on the adapters
     only, the whole 4-sample set per step (2 ranks x micro batch 2 in the trainer)."""
-    from fluxzero.config import FlowConfig
     from fluxzero.data import build_dataloader
     from fluxzero.model import build_model
     from fluxzero.model.lora import apply_lora
     from fluxzero.model.weights import load_weights
-    from fluxzero.train import flow
 
     torch.manual_seed(seed)  # build_engine's order: seed, build (random init), load the weights, apply_lora
     model = build_model("flux-tiny")
@@ -327,17 +314,7 @@ def _reference_losses(weights, steps, seed=3):
     apply_lora(model, LoraConfig(**LORA))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
     loader = build_dataloader(DATA4, micro_batch=4, rank=0, world_size=1, seed=seed)
-    losses = []
-    for epoch in range(steps):
-        loader.set_epoch(epoch)
-        (batch,) = list(loader)
-        inputs, target = flow.prepare_batch(batch, FlowConfig(), seed, epoch, guidance_embed=True)
-        loss = flow.loss(model(**inputs), target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return plain_losses(model, opt, loader, steps, seed)
 
 
 STEPS = 4
@@ -381,11 +358,8 @@ def trained(tmp_path_factory):
     ]
     # continue from z2's exported LoRA file under ZeRO-3: the file's adapters, partitioned across the ranks
     probe = job("probe", "z3", lora={**LORA, "weights": str(tmp / "z2" / "lora.safetensors")})[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp / "results.json"
-    torch.multiprocessing.spawn(_worker, args=(2, port, jobs, probe, str(out)), nprocs=2, join=True)
+    spawn_ranks(_worker, 2, jobs, probe, str(out))
     result = {"tmp": tmp, "weights": weights, "results": json.loads(out.read_text()),
               "reference": _reference_losses(weights, STEPS)}
     if os.environ.get("FLUXZERO_DEBUG"):
@@ -464,7 +438,7 @@ def _trained_model(trained, name):
 
 
 def _inputs():
-    from test_model import make_inputs
+    from tests.test_model import make_inputs
 
     return make_inputs(get_model_config("flux-tiny"), batch=2, h=3, w=4, txt_len=5, seed=7)
 
@@ -480,7 +454,7 @@ def test_exported_lora_loads_in_diffusers_and_reproduces_the_trained_model(train
     from diffusers.loaders import FluxLoraLoaderMixin
 
     from fluxzero.model.weights import save_weights
-    from test_model_parity import run_theirs
+    from tests.test_model_parity import run_theirs
 
     tmp = trained["tmp"]
     x = _inputs()

@@ -5,27 +5,22 @@ The modes' training quality against fp32 masters is proven in tests/test_optim_q
 tests/test_optim_deepspeed.py (real engines); here: that the trainer builds, checkpoints and exports them.
 """
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from tests.helpers import tiny_ds, train_ok
+
 pytest.importorskip("torchao")
 
-ROOT = Path(__file__).resolve().parents[1]
 DATA = "synthetic:n=16,hw=4x4,txt=4,ctx=64,vec=32"
 
 
 def _ds(mode: str, stage: int) -> dict:
     from fluxzero.config.optim_modes import get_mode
 
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True, "weight_decay": 0.0}},
-          "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "fluxzero": {"optimizer_mode": mode}}
+    ds = tiny_ds(stage, clipping=0.0, weight_decay=0.0, fluxzero={"optimizer_mode": mode})
     section = get_mode(mode).ds_bf16_section(stage)
     if section:
         ds["bf16"] = section
@@ -34,11 +29,7 @@ def _ds(mode: str, stage: int) -> dict:
     return ds
 
 
-def _train(run_file, *over):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FLUXZERO_NO_PROGRESS": "1"}
-    r = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(run_file), *over],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+_train = train_ok
 
 
 def _losses(out):

@@ -5,25 +5,20 @@ random streams alone), the validation loss must be deterministic across a resume
 output_dir/samples/step_XXXXXXXX/ with their parameters, and the EMA is saved, resumed and exported.
 """
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import tiny_ds, train_ok
+
 DATA = "synthetic:n=16,hw=4x4,txt=4,ctx=64,vec=32"
 VALIDATION = "synthetic:n=6,hw=4x4,txt=4,ctx=64,vec=32"
 
 
 def _ds(stage=2):
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-            "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    return tiny_ds(stage, clipping=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -57,27 +52,7 @@ def _run_file(assets, out, *, previews: bool, stage=2, **over):
     return path
 
 
-def _env(rank=0, world=1, port=None):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FLUXZERO_NO_PROGRESS": "1"}
-    if world > 1:
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    return env
-
-
-def _train(run_file, *over, world=1):
-    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(run_file), *over]
-    if world == 1:
-        r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(r, world, port))
-             for r in range(world)]
-    errs = [p.communicate(timeout=600)[1] for p in procs]
-    assert [p.returncode for p in procs] == [0] * world, errs[0][-3000:] + errs[-1][-3000:]
+_train = train_ok
 
 
 def _rows(out):

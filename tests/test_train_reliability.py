@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,48 +17,28 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import start_ranks, tiny_ds, train
+
+_ds = tiny_ds
+
 DATA = "synthetic:n=64,hw=8x8,txt=4,ctx=64,vec=32"
 
 
-def _ds(**kw):
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-          "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
-    ds.update(kw)
-    return ds
-
-
 def _files(tmp, ds=None, **run):
-    (tmp / "ds.json").write_text(json.dumps(ds or _ds()))
+    (tmp / "ds.json").write_text(json.dumps(ds or tiny_ds()))
     cfg = {"deepspeed": str(tmp / "ds.json"), "data": DATA, "output_dir": str(tmp / "out"), "steps": 6,
            "export_format": None, "log_every": 1, **run}
     (tmp / "run.yaml").write_text(yaml.safe_dump(cfg))
     return tmp / "run.yaml"
 
 
-def _env(rank=0, world=1, port=None):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FLUXZERO_NO_PROGRESS": "1"}
-    if world > 1:
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    return env
-
-
 def _train(run_file, *over, env=None, timeout=300):
-    return subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(run_file), *over],
-                          capture_output=True, text=True, env=env or _env(), timeout=timeout)
+    return train(run_file, *over, env=env, timeout=timeout)
 
 
 def _losses(out: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {r["step"]: r["loss"] for r in rows}
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for_step(out: Path, step: int, procs, timeout=240):
@@ -78,20 +57,14 @@ def _wait_for_step(out: Path, step: int, procs, timeout=240):
 def test_stop_signal_to_one_rank_saves_the_same_step_on_both_and_resumes_exactly(tmp_path, sig):
     (tmp_path / "ref").mkdir()
     ref = _files(tmp_path / "ref", steps=12)
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(ref)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(r, 2, port))
-             for r in range(2)]
+    procs = start_ranks(ref)
     assert [p.wait(timeout=300) for p in procs] == [0, 0], procs[0].stderr.read()[-3000:]
     reference = _losses(tmp_path / "ref" / "out")
 
     (tmp_path / "cut").mkdir()
     cut = _files(tmp_path / "cut", steps=12)
     out = tmp_path / "cut" / "out"
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(cut)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(r, 2, port))
-             for r in range(2)]
+    procs = start_ranks(cut)
     _wait_for_step(out, 3, procs)
     sent = time.monotonic()
     procs[1].send_signal(getattr(signal, sig))  # rank 1 only: rank 0 learns of it in the loss all-reduce
@@ -106,10 +79,7 @@ def test_stop_signal_to_one_rank_saves_the_same_step_on_both_and_resumes_exactly
     assert (out / "checkpoints" / saved / "trainer_state_rank1.pt").is_file()  # both ranks saved that step
     assert grace < 60, grace  # one step and one save of flux-tiny, with a wide margin for a loaded machine
 
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(cut)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(r, 2, port))
-             for r in range(2)]
+    procs = start_ranks(cut)
     assert [p.wait(timeout=300) for p in procs] == [0, 0], procs[0].stderr.read()[-3000:]
     assert _losses(out) == reference  # bit-exact: the resumed run continues the same noise, data and optimizer
 

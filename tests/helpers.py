@@ -1,0 +1,127 @@
+"""What the test files share: tiny DeepSpeed dicts, rank environments, runs of launch/train.py, spawned ranks.
+
+Imported as `from tests.helpers import ...` (tests/ and its sub-folders are packages, so a test file anywhere
+under tests/ finds it). No torch import at module level: pure tests import this too.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_PY = ROOT / "launch" / "train.py"
+
+
+def tiny_ds(stage: int = 2, *, clipping: float = 1.0, lr: float = 1e-3, weight_decay: float | None = None,
+            **top_level) -> dict:
+    """The DeepSpeed dict of a flux-tiny run on CPU: micro batch 2, no accumulation, ZeRO `stage`.
+
+    torch's AdamW ("torch_adam": no ~95 s FusedAdam JIT build on CPU) and gradient_clipping set explicitly
+    (deepspeed 0.19.8 defaults it to 1.0; 0.0 for parity tests); `top_level` keys replace the dict's own.
+    """
+    params = {"lr": lr, "torch_adam": True}
+    if weight_decay is not None:
+        params["weight_decay"] = weight_decay
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": clipping,
+          "optimizer": {"type": "AdamW", "params": params}, "zero_optimization": {"stage": stage},
+          "steps_per_print": 10**9}
+    ds.update(top_level)
+    return ds
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_vars(rank: int, world: int, port: int | str) -> dict[str, str]:
+    """The variables one rank started without a launcher needs (with none, DeepSpeed tries MPI discovery)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def rank_env(rank: int = 0, world: int = 1, port: int | None = None) -> dict[str, str]:
+    """The environment of a launch/train.py child: this checkout importable, one thread, no progress bar; the
+    rank variables when world > 1 (ranks started by hand, so a signal can reach one of them)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FLUXZERO_NO_PROGRESS": "1"}
+    if world > 1:
+        env.update(rank_vars(rank, world, port))
+    return env
+
+
+def train_cmd(run_file, *overrides) -> list[str]:
+    return [sys.executable, str(TRAIN_PY), "--config", str(run_file), *overrides]
+
+
+def train(run_file, *overrides, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """launch/train.py on `run_file` with `key=value` overrides, in one process; returns it finished."""
+    return subprocess.run(train_cmd(run_file, *overrides), capture_output=True, text=True, env=env or rank_env(),
+                          timeout=timeout)
+
+
+def start_ranks(run_file, *overrides, world: int = 2) -> list[subprocess.Popen]:
+    """`world` launch/train.py processes on one free port, started by hand (no launcher), stdout/err piped."""
+    port = free_port()
+    return [subprocess.Popen(train_cmd(run_file, *overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=rank_env(r, world, port)) for r in range(world)]
+
+
+def train_ok(run_file, *overrides, world: int = 1, timeout: float = 600) -> None:
+    """launch/train.py on one rank or `world` ranks; fails the test with the end of stderr unless all exit 0."""
+    if world == 1:
+        r = train(run_file, *overrides, timeout=timeout)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return
+    procs = start_ranks(run_file, *overrides, world=world)
+    errs = [p.communicate(timeout=timeout)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * world, errs[0][-3000:] + errs[-1][-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ranks spawned by torch.multiprocessing (spawn: fork hung once the parent had run DeepSpeed)
+# ---------------------------------------------------------------------------------------------------------
+def spawn_ranks(worker, world: int, *args) -> None:
+    """worker(rank, world, port, *args) on `world` spawned ranks sharing one free port; returns when all end."""
+    import torch.multiprocessing
+
+    torch.multiprocessing.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)
+
+
+def enter_rank(rank: int, world: int, port: int | str, **extra: str) -> None:
+    """Inside a spawned rank: its rank variables and one thread, so that the ranks do not fight over 2 cores."""
+    os.environ.update(rank_vars(rank, world, port), OMP_NUM_THREADS="1", **extra)
+
+
+def close_group(done: bool) -> None:
+    """A spawned rank's end: when it finished its work, a barrier first, so that neither rank tears its
+    process group down while the other still talks; then the group is destroyed."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if done:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def plain_losses(model, opt, loader, steps: int, seed: int) -> list[float]:
+    """The reference loop in plain PyTorch: one whole batch per step (the loader yields one), the trainer's
+    flow noise for (seed, step), losses in order."""
+    from fluxzero.config import FlowConfig
+    from fluxzero.train import flow
+
+    losses = []
+    for epoch in range(steps):
+        loader.set_epoch(epoch)
+        (batch,) = list(loader)
+        inputs, target = flow.prepare_batch(batch, FlowConfig(), seed, epoch, guidance_embed=True)
+        loss = flow.loss(model(**inputs), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
