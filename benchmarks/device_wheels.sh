@@ -6,7 +6,7 @@
 # Run on the development machine (it needs the package registry), from the repository root:
 #   bash benchmarks/device_wheels.sh [DIR]
 # DIR is emptied of wheels first, so it holds exactly the set below; a DIR holding anything but wheels is
-# refused. The pins are listed in benchmarks/README.md (tests/test_benchmarks.py keeps the two in step).
+# refused. The pins are listed in benchmarks/README.md (tests/benchmarks/test_benchmarks.py keeps the two in step).
 # Then carry ".whl" in each device call and start the device command with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #     --target /tmp/site .whl/*.whl || exit 1; export PYTHONPATH=/tmp/site:.

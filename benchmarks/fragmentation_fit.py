@@ -1,4 +1,4 @@
-"""Refit the memory model's fragmentation fractions (fluxzero/config/memory.py, Estimate.fragmentation) on the
+"""Refit the memory model's fragmentation fractions (fluxzero/config/memory/breakdown.py, Estimate.fragmentation) on the
 committed H200 runs, each regime fitted on some runs and checked on runs held out.
 
     PYTHONPATH=. python benchmarks/fragmentation_fit.py

@@ -134,7 +134,7 @@ def summary(cmp: list[dict]) -> str:
 
 
 NOTES = """\
-How the model gets there (fluxzero/config/memory.py; each item is DeepSpeed 0.19.8 / torch behaviour, not a
+How the model gets there (fluxzero/config/memory/; each item is DeepSpeed 0.19.8 / torch behaviour, not a
 per-point factor):
 
 - torch AdamW with `fused: true` (DeepSpeed's `torch_adam`) runs one fused kernel: no `_foreach` temporary

@@ -257,7 +257,7 @@ def _cpu(gpus=1, **kw) -> dict:
 
 
 def _cpu_test() -> list[Case]:
-    # --device cpu: the GPU sets' code path on flux-tiny (tests/test_benchmarks.py)
+    # --device cpu: the GPU sets' code path on flux-tiny (tests/benchmarks/test_benchmarks.py)
     return [
         Case(**_cpu(gpus=2, zero=3, ckpt=1, mb=2)),
         Case(**_cpu(gpus=2, impl="diffusers", zero=3, ckpt=1, mb=2)),

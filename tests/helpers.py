@@ -64,11 +64,16 @@ def train(run_file, *overrides, env: dict | None = None, timeout: float = 600) -
                           timeout=timeout)
 
 
+def popen_ranks(cmd: list[str], world: int = 2, **popen) -> list[subprocess.Popen]:
+    """`world` processes of `cmd` on one free port, each with its rank's rank_env (no launcher), output piped."""
+    port = free_port()
+    return [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=rank_env(r, world, port), **popen) for r in range(world)]
+
+
 def start_ranks(run_file, *overrides, world: int = 2) -> list[subprocess.Popen]:
     """`world` launch/train.py processes on one free port, started by hand (no launcher), stdout/err piped."""
-    port = free_port()
-    return [subprocess.Popen(train_cmd(run_file, *overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=rank_env(r, world, port)) for r in range(world)]
+    return popen_ranks(train_cmd(run_file, *overrides), world)
 
 
 def train_ok(run_file, *overrides, world: int = 1, timeout: float = 600) -> None:
@@ -80,6 +85,21 @@ def train_ok(run_file, *overrides, world: int = 1, timeout: float = 600) -> None
     procs = start_ranks(run_file, *overrides, world=world)
     errs = [p.communicate(timeout=timeout)[1] for p in procs]
     assert [p.returncode for p in procs] == [0] * world, errs[0][-3000:] + errs[-1][-3000:]
+
+
+# The first lines of a `python -c` script that runs DeepSpeed as one rank (gloo) in a fresh interpreter: the rank
+# variables on a free port unless the caller set them (with none, DeepSpeed tries MPI discovery), the unused
+# shared-memory C++ op not built (~60 s on CPU), the process group up. The script's own lines follow it.
+ONE_RANK = r"""
+import importlib, os, socket
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+    os.environ.setdefault(k, v)
+import torch, deepspeed
+importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+deepspeed.init_distributed(dist_backend="gloo")
+"""
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -152,7 +152,7 @@ def _mode_problems(v: DSView, name) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------
 # checks for any DeepSpeed config (ours or hand-written): `fluxzero check-config`
 
-# Top-level keys deepspeed 0.19.8's DeepSpeedConfig reads (tests/test_ds_config_deepspeed.py records the keys
+# Top-level keys deepspeed 0.19.8's DeepSpeedConfig reads (tests/config/test_ds_config_deepspeed.py records the keys
 # the parser looks up and requires them all here).
 TOP_LEVEL_KEYS = frozenset({
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",

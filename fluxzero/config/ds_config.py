@@ -545,7 +545,7 @@ def _zero_section(o: DSOptions) -> dict:
 #   warmup_num_steps = N - 2 (linear), N - 1 (log)  (the peak is reached at step N)
 #   total_num_steps  = total - 1                      (decay and cosine: the last step still runs at lr > 0 /
 #                                                      reaches cos_min_ratio exactly at step `total`)
-# tests/test_ds_config_deepspeed.py reads engine.get_lr() before each step of real engines to hold this.
+# tests/config/test_ds_config_deepspeed.py reads engine.get_lr() before each step of real engines to hold this.
 WARMUP_OFFSET = {"linear": 2, "log": 1}
 
 

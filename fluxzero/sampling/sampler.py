@@ -3,7 +3,7 @@
 `sample` is the one entry point, for `fluxzero sample` and for the trainer's in-run previews alike: it
 takes a Flux (or anything with Flux.forward's signature and a `.config`), puts it in eval mode under
 no_grad for the call and restores its mode afterwards. The numbers follow diffusers' FluxPipeline step
-for step (tests/test_sampling.py compares them): the same noise for the same seed, the same time grid,
+for step (tests/sampling/test_sampling.py compares them): the same noise for the same seed, the same time grid,
 the same Euler update and true-CFG combination.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ The same numbers as diffusers' FlowMatchEulerDiscreteScheduler under FluxPipelin
 exponential time shift) and as BFL's get_schedule (the same grid up to rounding): sigmas_i = linspace(1, 1/N, N) in float64, rounded to
 float32, shifted by sigma' = e^mu / (e^mu + 1/sigma - 1) with mu from the packed image token count, and a
 final 0 appended. Every operation is the float32 one diffusers performs, so the grids are bit-identical
-(tests/test_sampling.py checks it for several step counts and sizes).
+(tests/sampling/test_sampling.py checks it for several step counts and sizes).
 """
 from __future__ import annotations
 

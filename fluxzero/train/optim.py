@@ -16,7 +16,7 @@ it to torch's within float rounding on fp32 tensors.
 
 DEEPSPEED_FINDINGS: DeepSpeed 0.19.8, torch 2.13 CPU, torchao 0.18, one rank unless said; a client optimizer
 from build_optimizer on nn.Sequential(Linear(64,128), GELU, Linear(128,64)) (benchmarks/optim_modes_probe.py)
-and on a 256 x 256 least-squares layer (tests/test_optim_deepspeed.py). "bf16 keys" = bf16.enabled +
+and on a 256 x 256 least-squares layer (tests/train/test_optim_deepspeed.py). "bf16 keys" = bf16.enabled +
 bf16_master_weights_and_grads + bf16_optimizer_states (DeepSpeed accepts them at ZeRO 1-3 only, and without
 bf16_optimizer_states it demands CPU offload with DeepSpeedCPUAdam).
 

@@ -28,7 +28,7 @@ from pathlib import Path
 # Every global in every .pt file that DeepSpeed 0.19.8 writes under deepspeed.initialize at ZeRO 0, 1, 2
 # and 3 (and the CPU-offload presets), in fp32 and bf16, and in fluxzero's trainer state: measured on
 # torch 2.13 / numpy 2.4 with 1 rank, the flux-tiny model and the committed ds_configs presets by
-# tests/test_safe_files.py's checkpoint script, which asserts that this set is exactly what those files hold.
+# tests/train/test_safe_files.py's checkpoint script, which asserts that this set is exactly what those files hold.
 # The files of DeepSpeed's universal checkpoint (ds_to_universal, for a resume at another world size) hold a
 # subset of it (measured at ZeRO-2 bf16 and ZeRO-3 fp32; the test converts ZeRO-3 bf16).
 MEASURED_GLOBALS = frozenset({

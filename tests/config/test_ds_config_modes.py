@@ -1,0 +1,159 @@
+"""Optimizer modes in the DeepSpeed config (gen-config writes, check-config refuses, DSView reads), the warm-up
+arithmetic gen-config writes, and check-config's world-size sentence. Pure: no torch, no deepspeed."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from fluxzero.cli import main
+from fluxzero.config import ds_config, optim_modes
+from fluxzero.config.ds_config import build, check, options_from
+from fluxzero.config.ds_view import view
+
+
+def gen(*args) -> dict:
+    r = CliRunner().invoke(main, ["gen-config", *args])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)
+
+
+@pytest.mark.parametrize("mode", ds_config.trainable_modes())
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_mode_writes_what_it_needs_and_checks_clean(mode, stage):
+    cfg = gen("--optimizer-mode", mode, "--zero-stage", str(stage))
+    m = optim_modes.get_mode(mode)
+    assert cfg["fluxzero"]["optimizer_mode"] == mode
+    want = m.ds_bf16_section(stage)  # from the registry, not copied here
+    assert cfg.get("bf16", {}) == want
+    tested = mode in ds_config.ZERO_TESTED_MODES  # build_optimizer returns torch.optim.AdamW for these
+    assert cfg.get("zero_allow_untested_optimizer") is (True if stage >= 1 and not tested else None)
+    assert check(cfg, 1) == []
+    v = view(cfg)
+    assert v.optimizer_mode == mode
+    assert v.bf16_master_weights_and_grads is bool(want.get("bf16_master_weights_and_grads"))
+
+
+def test_fp32_mode_with_offload_writes_force_ds_cpu_optimizer_false():
+    cfg = gen("--optimizer-mode", "fp32", "--zero-stage", "3", "--offload-optimizer", "cpu")
+    assert cfg["zero_force_ds_cpu_optimizer"] is False and check(cfg, 1) == []
+    del cfg["zero_force_ds_cpu_optimizer"]
+    assert check(cfg, 1) == ["fluxzero.optimizer_mode fp32 with zero_optimization.offload_optimizer.device cpu "
+                             "runs a client optimizer on the CPU, which DeepSpeed refuses unless "
+                             "zero_force_ds_cpu_optimizer is false: set it false"]
+
+
+def test_no_mode_writes_what_it_always_did():
+    cfg = gen()
+    assert "optimizer_mode" not in cfg["fluxzero"] and "zero_allow_untested_optimizer" not in cfg
+    assert view(cfg).optimizer_mode is None
+
+
+def _cfg(mode: str, stage: int = 2, **top) -> dict:
+    cfg = build(options_from(None, optimizer_mode=mode, zero_stage=stage))
+    cfg.update(top)
+    return cfg
+
+
+@pytest.mark.parametrize("edit,sentence", [
+    (lambda c: c["fluxzero"].update(optimizer_mode="bf16-fast"),
+     'fluxzero.optimizer_mode "bf16-fast" is not an optimizer mode: choose one of fp32, bf16-sr, bf16-kahan, '
+     'adamw8bit-sr, adafactor-sr'),
+    (lambda c: c["fluxzero"].update(optimizer_mode="bf16-rtn"),
+     "fluxzero.optimizer_mode bf16-rtn is for comparison only"),
+    (lambda c: c["bf16"].pop("bf16_optimizer_states"),
+     "fluxzero.optimizer_mode bf16-sr at ZeRO stage 2 needs bf16.bf16_optimizer_states true (without them DeepSpeed "
+     "keeps fp32 masters and the mode saves nothing)"),
+    (lambda c: c.update(bf16={"enabled": True}),
+     "needs bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states true"),
+    (lambda c: c.pop("zero_allow_untested_optimizer"),
+     "fluxzero.optimizer_mode bf16-sr hands ZeRO a client optimizer it has not tested (DeepSpeed stops at engine "
+     "start): set zero_allow_untested_optimizer true"),
+    (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu"}),
+     "fluxzero.optimizer_mode bf16-sr keeps bf16 master weights, which deepspeed 0.19.8 offloads only for its own "
+     "DeepSpeedCPUAdam (it stops at engine start): drop zero_optimization.offload_optimizer.device cpu, or use "
+     "fluxzero.optimizer_mode fp32"),
+    (lambda c: (c.pop("bf16"), c.update(fp16={"enabled": True})),
+     "fluxzero.optimizer_mode bf16-sr trains in bf16, not fp16: set bf16.enabled true"),
+])
+def test_check_config_refuses_a_mode_it_cannot_run(edit, sentence):
+    cfg = _cfg("bf16-sr")
+    edit(cfg)
+    problems = check(cfg, 1)
+    assert any(sentence in p for p in problems), problems
+
+
+def test_stage0_bf16_mode_needs_bf16_off_and_fp32_mode_refuses_bf16_masters():
+    cfg = _cfg("bf16-kahan", stage=0, bf16={"enabled": True})
+    assert check(cfg, 1) == ["fluxzero.optimizer_mode bf16-kahan at ZeRO stage 0 needs bf16 off in the DeepSpeed "
+                             "config (the trainer casts the model to bf16; DeepSpeed's bf16 wrapper would step fp32 "
+                             "masters and stage 0 refuses bf16 master weights): remove the bf16 section"]
+    cfg = _cfg("fp32", bf16={"enabled": True, "bf16_master_weights_and_grads": True})
+    assert any("fp32 steps fp32 master weights" in p for p in check(cfg, 1))
+
+
+def test_check_config_cli_says_the_mode(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(_cfg("adamw8bit-sr")))
+    r = CliRunner().invoke(main, ["check-config", "--no-deepspeed", str(path)])
+    assert r.exit_code == 0 and "optimizer mode adamw8bit-sr" in r.output
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Warm-up: DeepSpeed's step k runs at scheduler iteration k - 2 (what gen-config writes compensates)
+# ---------------------------------------------------------------------------------------------------------
+def warmup_lr(params: dict, step: int) -> float:
+    """deepspeed 0.19.8 WarmupLR's lr at optimizer step `step` (runtime/lr_schedules.py, re-derived: the
+    constructor sets iteration -1's lr = warmup_min_lr; the engine steps the scheduler after each step)."""
+    import math
+
+    it = step - 2
+    lo, hi, n = params["warmup_min_lr"], params["warmup_max_lr"], max(2, params["warmup_num_steps"])
+    if it < 0:
+        return lo
+    if it >= n:
+        return hi
+    gamma = it / n if params["warmup_type"] == "linear" else math.log(it + 1) / math.log(n)
+    return lo + (hi - lo) * gamma
+
+
+@pytest.mark.parametrize("n,kind", [(20, "linear"), (4, "linear"), (100, "linear"), (20, "log"), (3, "log")])
+def test_warmup_reaches_the_lr_at_warmup_steps_and_step_one_trains(n, kind):
+    p = gen("--lr", "1e-4", "--warmup-steps", str(n), "--warmup-type", kind)["scheduler"]["params"]
+    lrs = [warmup_lr(p, k) for k in range(1, n + 3)]
+    assert lrs[0] == pytest.approx(1e-4 / n)  # step 1 of an n-step ramp from 0
+    assert lrs[n - 1] == pytest.approx(1e-4) and lrs[n - 2] < 1e-4  # reached at step n, not before
+    assert all(a <= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_check_config_names_the_world_size_the_batch_implies(tmp_path):
+    cfg = build(options_from(None, micro_batch=1, grad_accum=4))
+    cfg["train_batch_size"] = 64
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+    r = CliRunner().invoke(main, ["check-config", "--no-deepspeed", str(path)])
+    assert r.exit_code == 0, r.output
+    assert "world size 16 only: train_batch_size 64 = micro batch 1 x accumulation 4 x 16 ranks" in r.output
+    assert "any world size" not in r.output and "(global batch 64)" in r.output
+    assert CliRunner().invoke(main, ["check-config", "--no-deepspeed", "--world-size", "8", str(path)]).exit_code == 2
+
+
+def test_view_says_when_the_trainer_casts_the_model():
+    assert view(gen("--optimizer-mode", "bf16-sr", "--zero-stage", "0")).trainer_casts_to_bf16
+    assert not view(gen("--optimizer-mode", "bf16-sr", "--zero-stage", "2")).trainer_casts_to_bf16
+    assert not view(gen("--optimizer-mode", "fp32", "--zero-stage", "0")).trainer_casts_to_bf16
+    assert not view(gen("--zero-stage", "0")).trainer_casts_to_bf16
+
+
+def test_fit_keeps_a_pinned_mode():
+    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "1", "--gpu", "h200", "--host-memory", "128",
+                                  "--optimizer-mode", "bf16-sr"])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads(r.stdout)
+    assert cfg["fluxzero"]["optimizer_mode"] == "bf16-sr" and cfg["zero_optimization"]["stage"] == 0
+    assert "optimizer mode bf16-kahan" not in r.stderr  # only the pinned mode was tried
+    assert optim_modes.get_mode("bf16-sr").caveat in r.stderr
+    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "1", "--gpu", "h200", "--optimizer-mode",
+                                  "bf16-sr", "--offload-optimizer", "cpu"])
+    assert r.exit_code == 2 and "contradict" in r.output

@@ -1,0 +1,188 @@
+"""The memory model with optimizer modes, LoRA and EMA; `gen-config --fit` over the modes on the three reference
+machines; `--fit` models exactly the file it writes; `estimate` never says "yes" for an unchecked host.
+Pure Python (the memory model has no torch); the CLI runs through CliRunner."""
+import json
+import math
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from fluxzero.cli import main
+from fluxzero.config import LoraConfig, get_model_config, lora_param_count, memory, optim_modes
+from fluxzero.config.memory import GiB, RunSpec, estimate
+
+DEV = get_model_config("flux-dev")
+P = memory.param_inventory(DEV).total
+
+
+def items(spec: RunSpec) -> dict[str, memory.Item]:
+    return {i.name: i for i in estimate(spec).items}
+
+
+@pytest.mark.parametrize("mode", [m for m in optim_modes.MODES if m != "bf16-rtn"])
+def test_mode_bytes_come_from_the_registry(mode):
+    m = optim_modes.get_mode(mode)
+    spec = RunSpec(DEV, gpus_per_node=4, stage=2, optimizer_mode=mode)
+    part = math.ceil(P / 4)
+    it = items(spec)
+    master = "bf16 master partition" if m.master_dtype == "bf16" else "fp32 master partition"
+    assert it[master].bytes == int((m.master if m.master_dtype == "bf16" else 4) * part)
+    states = m.states if m.states_flat is None else m.states_flat  # ZeRO 1-3 hand the optimizer flat partitions
+    assert it[f"optimizer state partition ({mode})"].bytes == int(states * part)
+    assert it["gradient partition (bf16)"].bytes == 2 * part
+    # bf16 masters: the flattened bf16 gradient is handed over as it is, no fp32 copy at the step
+    assert ("fp32 gradient partition at step" in it) is (m.master_dtype == "fp32")
+
+
+def test_stage0_bf16_mode_steps_the_weights_themselves():
+    it = items(RunSpec(DEV, stage=0, optimizer_mode="bf16-sr"))
+    assert "fp32 master parameters" not in it and "fp32 gradient copies at step" not in it
+    assert it["optimizer states (bf16-sr)"].bytes == 4 * P  # bf16 m and v, whole at ZeRO 0
+    assert it["parameters (full, bf16)"].bytes == 2 * P and it["gradients (full, bf16)"].bytes == 2 * P
+
+
+def test_modes_refuse_what_deepspeed_refuses():
+    with pytest.raises(ValueError, match="cannot offload"):
+        RunSpec(DEV, stage=2, offload_optimizer="cpu", optimizer_mode="bf16-sr")
+    with pytest.raises(ValueError, match="unknown optimizer mode"):
+        RunSpec(DEV, optimizer_mode="bf16-fast")
+    RunSpec(DEV, stage=3, offload_optimizer="cpu", offload_param="cpu", optimizer_mode="fp32")  # fp32 masters: fine
+
+
+def test_lora_trains_only_the_adapters():
+    full, lora = RunSpec(DEV, stage=2), RunSpec(DEV, stage=2, lora_rank=16)
+    A = lora_param_count(DEV, LoraConfig(rank=16))
+    assert memory.trained_params(lora) == A and 0 < A < P / 50
+    it = items(lora)
+    assert it["frozen base parameters (bf16)"].bytes == 2 * (P - A)
+    assert it["LoRA adapters (full, bf16)"].bytes == 2 * A
+    assert it["gradient partition (bf16)"].bytes == 2 * A and it["fp32 master partition"].bytes == 4 * A
+    assert it["optimizer state partition (fp32)"].bytes == 8 * A
+    # ZeRO-3 partitions the frozen base too
+    it3 = items(RunSpec(DEV, stage=3, gpus_per_node=4, lora_rank=16))
+    assert it3["frozen base partition (bf16)"].bytes == 2 * math.ceil((P - A) / 4)
+    # activations: the same saved tensors plus each adapter's A x (rank values per token)
+    a_full, a_lora = (memory.activation_bytes(s.replace(checkpoint_every=0)) for s in (full, lora))
+    extra = a_lora["per_block_double"] - a_full["per_block_double"]
+    # attention+mlp adapts qkv, proj, mlp.0, mlp.2 of both streams: 4 x 16 values x (1024 + 512) tokens x 2 B
+    assert extra == 4 * 16 * (1024 + 512) * 2
+    assert estimate(lora).gpu_phase("step") < estimate(full).gpu_phase("step") / 3
+
+
+def test_ema_is_partitioned_like_the_optimizer_states():
+    for stage, n, share in ((2, 4, 1 / 4), (3, 8, 1 / 8), (1, 2, 1 / 2)):
+        it = items(RunSpec(DEV, stage=stage, gpus_per_node=n, ema="fp32"))
+        assert it["EMA (fp32)"].bytes == int(4 * P * share)
+    assert items(RunSpec(DEV, stage=2, ema="bf16"))["EMA (bf16)"].bytes == 2 * P
+    host = items(RunSpec(DEV, stage=2, gpus_per_node=2, ema="bf16", ema_device="cpu"))["EMA (bf16)"]
+    assert host.where == "host" and host.bytes == P  # 2 B / 2 ranks
+    # a bf16-master mode at ZeRO 0 keeps no partitioned masters: the EMA is whole on every rank
+    stage0 = RunSpec(DEV, stage=0, gpus_per_node=2, optimizer_mode="bf16-sr", ema="fp32")
+    assert items(stage0)["EMA (fp32)"].bytes == 4 * P
+
+
+def test_stage1_holds_a_whole_gradient_until_backward_ends():
+    """benchmarks/zero1_grad_probe.py on real engines: without overlap_comm every param.grad stays whole; with it,
+    this rank's own gradients go into its partition but the other ranks' stay (b P/N + b P (N-1)/N = b P)."""
+    for overlap in (True, False):
+        spec = RunSpec(DEV, stage=1, gpus_per_node=8, zero=memory.ZeroSettings(overlap_comm=overlap))
+        it = items(spec)
+        part = math.ceil(P / 8)
+        held = sum(i.bytes for n, i in it.items() if n.startswith("gradient") and i.phase in ("resident", "train")
+                   and "bucket" not in n and "being produced" not in n)
+        assert held == (2 * P if overlap else 2 * P + 2 * part)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gen-config --fit on the reference machines (flux-dev full fine-tune, 512 px, 128 GiB host)
+# ---------------------------------------------------------------------------------------------------------
+def fit(*args):
+    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "1", *args])
+    return r, (json.loads(r.stdout) if r.exit_code == 0 else None)
+
+
+def test_fit_one_h200_needs_a_bf16_mode():
+    r, _ = fit("--gpu", "h200", "--host-memory", "128", "--optimizer-mode", "fp32")
+    assert r.exit_code == 2 and "nothing fits" in r.output  # fp32 masters: today's answer
+    r, cfg = fit("--gpu", "h200", "--host-memory", "128")
+    assert r.exit_code == 0, r.output
+    assert cfg["zero_optimization"]["stage"] == 0 and cfg["fluxzero"]["optimizer_mode"] == "bf16-kahan"
+    assert "bf16" not in cfg  # ZeRO 0: bf16 off, the trainer casts the model
+    assert cfg["train_micro_batch_size_per_gpu"] == 16 and cfg["fluxzero"]["activation_checkpointing"][
+        "every_k_blocks"] == 1
+    assert "optimizer mode bf16-kahan (KahanAdamW (ours)" in r.stderr  # its caveat, one line
+    assert optim_modes.get_mode("bf16-kahan").caveat in r.stderr
+
+
+def test_fit_one_80gb_gpu():
+    r, cfg = fit("--gpu", "h100", "--host-memory", "128")
+    assert r.exit_code == 0, r.output
+    assert (cfg["zero_optimization"]["stage"], cfg["fluxzero"]["optimizer_mode"]) == (0, "adafactor-sr")
+    assert cfg["train_micro_batch_size_per_gpu"] == 4
+    assert cfg["fluxzero"]["activation_checkpointing"]["every_k_blocks"] == 8
+    assert "not AdamW's trajectory" in r.stderr
+    assert "ZeRO-0/1/2/3 without offload, optimizer mode adamw8bit-sr: even micro batch 1 with every block " \
+           "checkpointed does not fit: ZeRO-0: GPU needs 72.6 GiB > 71.2 GiB budget" in r.stderr
+
+
+def test_fit_one_24gb_gpu_needs_zero3_offload_and_a_larger_host():
+    r, _ = fit("--gpu", "rtx4090", "--host-memory", "128")
+    assert r.exit_code == 2
+    assert "ZeRO-3 with optimizer offload cpu, parameter offload cpu: even micro batch 1 with every block " \
+           "checkpointed does not fit (host needs 223.7 GiB per node > 115.2 GiB budget)" in r.output
+    assert "ZeRO-3 with CPU offload of parameters and optimizer, given 249 GiB of host memory per node" in r.output
+    r, cfg = fit("--gpu", "rtx4090", "--host-memory", "256")
+    assert r.exit_code == 0, r.output
+    z = cfg["zero_optimization"]
+    assert (z["stage"], z["offload_optimizer"]["device"], z["offload_param"]["device"]) == (3, "cpu", "cpu")
+    assert "optimizer_mode" not in cfg["fluxzero"] and cfg["train_micro_batch_size_per_gpu"] == 8
+    assert "host memory: the choice needs 223.7 GiB per node of 230.4 GiB budget" in r.stderr
+
+
+def test_fit_models_exactly_the_file_it_writes(tmp_path):
+    """The new user's report: --adam-impl cpu modelled DeepSpeed's 5e8 buckets while 2e8 were written."""
+    out = tmp_path / "ds.json"
+    r = CliRunner().invoke(main, ["gen-config", "--fit", "--gpu", "h100", "--world-size", "1", "--adam-impl", "cpu",
+                                  "--host-memory", "512", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads(out.read_text())
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 200_000_000
+    predicted = float(re.search(r"chose .*?, ([\d.]+) GiB with allocator slack", r.stderr).group(1))
+    e = CliRunner().invoke(main, ["estimate", "--config", str(out), "--gpu", "h100", "--host-memory", "512", "--json"])
+    d = json.loads(e.output)
+    assert d["micro_batch"] == cfg["train_micro_batch_size_per_gpu"] == 16
+    assert d["fits"] and round(d["gpu_needed_gib"], 1) == predicted
+
+
+def test_fit_says_when_the_host_was_not_checked():
+    r = CliRunner().invoke(main, ["gen-config", "--fit", "--gpu", "a100-80", "--world-size", "1",
+                                  "--optimizer-mode", "fp32"])
+    assert r.exit_code == 0, r.output
+    assert "host memory not given: not checked" in r.stderr
+    assert re.search(r"host memory: the choice needs [\d.]+ GiB per node \(not checked", r.stderr)
+
+
+def test_estimate_never_says_yes_for_an_unchecked_host():
+    r = CliRunner().invoke(main, ["estimate", "--gpu", "h200", "--gpus-per-node", "8", "--json"])
+    d = json.loads(r.output)
+    assert d["host_checked"] is False and {row["fits"] for row in d["table"]} <= {"gpu", "no"}
+    r = CliRunner().invoke(main, ["estimate", "--gpu", "h200", "--gpus-per-node", "8"])
+    assert "FITS THE GPU" in r.output and "host memory not checked" in r.output
+    assert not re.search(r"\byes$", r.output, re.M)
+    r = CliRunner().invoke(main, ["estimate", "--gpu", "h200", "--gpus-per-node", "8", "--host-memory", "2048"])
+    assert re.search(r"\byes$", r.output, re.M) and "FITS: " in r.output
+
+
+def test_estimate_options_and_config_read_the_mode(tmp_path):
+    r = CliRunner().invoke(main, ["estimate", "--optimizer-mode", "bf16-sr", "--zero-stage", "0", "--json"])
+    d = json.loads(r.output)
+    assert any(i["name"] == "optimizer states (bf16-sr)" for i in d["items"])
+    path = tmp_path / "ds.json"
+    assert CliRunner().invoke(main, ["gen-config", "--optimizer-mode", "adamw8bit-sr", "--zero-stage", "0", "-o",
+                                     str(path)]).exit_code == 0
+    d = json.loads(CliRunner().invoke(main, ["estimate", "--config", str(path), "--json"]).output)
+    assert d["precision"] == "bf16" and any(i["name"] == "optimizer states (adamw8bit-sr)" for i in d["items"])
+    d = json.loads(CliRunner().invoke(main, ["estimate", "--lora-rank", "32", "--ema", "bf16", "--json"]).output)
+    names = {i["name"] for i in d["items"]}
+    assert {"frozen base parameters (bf16)", "EMA (bf16)"} <= names
