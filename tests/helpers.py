@@ -87,6 +87,18 @@ def train_ok(run_file, *overrides, world: int = 1, timeout: float = 600) -> None
     assert [p.returncode for p in procs] == [0] * world, errs[0][-3000:] + errs[-1][-3000:]
 
 
+# The first lines of a `python -c` script that calls the trainer (main or train) once per case in one process:
+# quiet, no progress bar, the loop imported first (as launch/train.py: it quiets other ranks before DeepSpeed's
+# import), one process group for all cases (DeepSpeed caches its groups per process).
+TRAINER_CHILD = r"""
+import json, os, sys, warnings
+warnings.filterwarnings("ignore")
+os.environ["FLUXZERO_NO_PROGRESS"] = "1"
+from fluxzero.train.loop import main, train
+from fluxzero.train.distributed import init_distributed
+init_distributed()
+"""
+
 # The first lines of a `python -c` script that runs DeepSpeed as one rank (gloo) in a fresh interpreter: the rank
 # variables on a free port unless the caller set them (with none, DeepSpeed tries MPI discovery), the unused
 # shared-memory C++ op not built (~60 s on CPU), the process group up. The script's own lines follow it.
@@ -128,11 +140,27 @@ def close_group(done: bool) -> None:
         dist.destroy_process_group()
 
 
-def plain_losses(model, opt, loader, steps: int, seed: int) -> list[float]:
-    """The reference loop in plain PyTorch: one whole batch per step (the loader yields one), the trainer's
-    flow noise for (seed, step), losses in order."""
+def tiny_weights(path: Path, seed: int = 11) -> Path:
+    """A flux-tiny model's random initial weights for `seed`, saved at `path` (BFL layout): the one start the
+    trainer's runs and their plain-PyTorch reference share."""
+    import torch
+
+    from fluxzero.model import build_model
+    from fluxzero.model.weights import save_weights
+
+    torch.manual_seed(seed)
+    save_weights(build_model("flux-tiny").state_dict(), path)
+    return path
+
+
+def plain_losses(model, opt, data: str, steps: int, seed: int, samples: int = 4) -> list[float]:
+    """The reference loop in plain PyTorch: the whole `samples`-sample set of `data` as one batch per step (what
+    ranks x micro batch make in the trainer), the trainer's data order and flow noise for (seed, step)."""
     from fluxzero.config import FlowConfig
+    from fluxzero.data import build_dataloader
     from fluxzero.train import flow
+
+    loader = build_dataloader(data, micro_batch=samples, rank=0, world_size=1, seed=seed)
 
     losses = []
     for epoch in range(steps):

@@ -17,7 +17,7 @@ import yaml
 from click.testing import CliRunner
 
 from fluxzero.config import FlowConfig, TrainConfig
-from tests.helpers import popen_ranks, tiny_ds
+from tests.helpers import TRAINER_CHILD, popen_ranks, tiny_ds
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = "synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32"
@@ -178,13 +178,8 @@ def test_process_group_is_torn_down_before_interpreter_exit():
 # ---------------------------------------------------------------------------------------------------------
 # Training cases, one child process
 # ---------------------------------------------------------------------------------------------------------
-CHILD = textwrap.dedent("""
-    import contextlib, io, json, os, resource, sys, warnings
-    warnings.filterwarnings("ignore")
-    os.environ["FLUXZERO_NO_PROGRESS"] = "1"
-    from fluxzero.train.distributed import init_distributed
-    from fluxzero.train.loop import main
-    init_distributed()  # one process group for all cases (DeepSpeed caches its groups per process)
+CHILD = TRAINER_CHILD + textwrap.dedent("""
+    import contextlib, io, resource
     results = {}
     for name, argv, fsize, prep in json.load(open(sys.argv[1])):
         for path, text in prep.items():  # damage a file the earlier cases left

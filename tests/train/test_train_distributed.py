@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers import close_group, enter_rank, plain_losses, spawn_ranks
+from tests.helpers import close_group, enter_rank, plain_losses, spawn_ranks, tiny_weights
 
 pytestmark = pytest.mark.slow
 
@@ -188,24 +188,17 @@ def launch(world, jobs, tmp):
 
 def reference_losses(weights, steps=STEPS, seed=3):
     """Plain PyTorch: same weights, data, noise and AdamW, whole 4-sample set per step."""
-    from fluxzero.data import build_dataloader
     from fluxzero.model.weights import load_model
 
     model = load_model(weights, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    loader = build_dataloader(DATA4, micro_batch=4, rank=0, world_size=1, seed=seed)
-    return plain_losses(model, opt, loader, steps, seed), model.state_dict()
+    return plain_losses(model, opt, DATA4, steps, seed), model.state_dict()
 
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
-    torch.manual_seed(11)
-    from fluxzero.model import build_model
-    from fluxzero.model.weights import save_weights
-
-    weights = tmp / "init.safetensors"
-    save_weights(build_model("flux-tiny").state_dict(), weights)
+    weights = tiny_weights(tmp / "init.safetensors")
     jobs = [run_config(tmp, f"z{s}", ds_config(s), weights) for s in (0, 1, 2, 3)]
     # bf16 at ZeRO-0: the fp32 master weights live in DeepSpeed's FP16 optimizer wrapper, not in the module
     jobs.append(run_config(tmp, "z0_bf16", {**ds_config(0), "bf16": {"enabled": True}}, weights))

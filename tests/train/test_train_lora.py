@@ -18,7 +18,7 @@ import yaml
 
 from fluxzero.config import LoraConfig, TrainConfig, get_model_config, lora_param_count
 from fluxzero.config.lora import TARGET_PRESETS, linear_shapes
-from tests.helpers import close_group, enter_rank, plain_losses, spawn_ranks, tiny_ds
+from tests.helpers import TRAINER_CHILD, close_group, enter_rank, plain_losses, spawn_ranks, tiny_ds, tiny_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA4 = "synthetic:n=4,hw=8x8,txt=4,ctx=64,vec=32"
@@ -175,13 +175,8 @@ def _ds(stage=2, **kw):
 
 
 # launch/train.py is `sys.exit(main())`: one child process calls main() once per case, sharing the imports
-_CHILD = """
-import contextlib, io, json, os, sys, warnings
-warnings.filterwarnings("ignore")
-os.environ["FLUXZERO_NO_PROGRESS"] = "1"
-from fluxzero.train.loop import main
-from fluxzero.train.distributed import init_distributed
-init_distributed()
+_CHILD = TRAINER_CHILD + """
+import contextlib, io
 results = {}
 for name, argv in json.load(open(sys.argv[1])):
     err = io.StringIO()
@@ -303,7 +298,6 @@ def _continue_probe(cfg):
 def _reference_losses(weights, steps, seed=3):
     """Plain PyTorch and PEFT: the base loaded, adapters drawn as build_engine draws them, AdamW on the adapters
     only, the whole 4-sample set per step (2 ranks x micro batch 2 in the trainer)."""
-    from fluxzero.data import build_dataloader
     from fluxzero.model import build_model
     from fluxzero.model.lora import apply_lora
     from fluxzero.model.weights import load_weights
@@ -313,8 +307,7 @@ def _reference_losses(weights, steps, seed=3):
     model.load_state_dict(load_weights(weights, dtype=torch.float32))
     apply_lora(model, LoraConfig(**LORA))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
-    loader = build_dataloader(DATA4, micro_batch=4, rank=0, world_size=1, seed=seed)
-    return plain_losses(model, opt, loader, steps, seed)
+    return plain_losses(model, opt, DATA4, steps, seed)
 
 
 STEPS = 4
@@ -322,13 +315,8 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from fluxzero.model import build_model
-    from fluxzero.model.weights import save_weights
-
     tmp = tmp_path_factory.mktemp("lora_dist")
-    torch.manual_seed(11)
-    weights = tmp / "base.safetensors"
-    save_weights(build_model("flux-tiny").state_dict(), weights)
+    weights = tiny_weights(tmp / "base.safetensors")
     ckpt = {"torch": {"every_k_blocks": 1, "implementation": "torch"},
             "deepspeed": {"every_k_blocks": 1, "implementation": "deepspeed"}}
     configs = {  # persistence threshold 0: the adapters are partitioned too (they are below the default 1e5)
@@ -536,15 +524,9 @@ def test_merged_export_and_the_export_command(trained, tmp_path):
     assert r.exit_code != 0 and "is a LoRA file (adapters only), not full model weights" in r.output, r.output
 
 
-_STAGES = """
-import json, os, sys, warnings
-warnings.filterwarnings("ignore")
-os.environ["FLUXZERO_NO_PROGRESS"] = "1"
-from fluxzero.train.distributed import init_distributed
-init_distributed()
+_STAGES = TRAINER_CHILD + """
 from fluxzero.config import TrainConfig
 from fluxzero.model.lora_formats import read_lora
-from fluxzero.train.loop import train
 results = {}
 for name, cfg in json.load(open(sys.argv[1])):
     losses = train(TrainConfig.from_dict(cfg))["losses"]
