@@ -334,6 +334,8 @@ def test_command_refuses_bad_input(inputs, tmp_path, monkeypatch, name, argv, wo
     from fluxzero.cli import main
 
     monkeypatch.chdir(ROOT)  # where a user runs `fluxzero launch` (launch/train.py is found)
+    if name == "launch_unknown_host":  # the same refusal on a machine that has pdsh: only the venv's tools
+        monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
     argv = [a.replace("{in}", str(inputs)).replace("{out}", str(tmp_path / "out")) for a in argv]
     before = tree_hash(inputs)
     r = CliRunner().invoke(main, argv, catch_exceptions=True)
