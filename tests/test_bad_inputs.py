@@ -320,11 +320,7 @@ def _cli_cases():
     ]
 
 
-CLI_XFAIL = {
-    "estimate_unknown_key": "estimate --config warns about the misspelled zero_optimisation and estimates with "
-                            "DeepSpeed's default stage (exit 0) where check-config and the trainer refuse the file; "
-                            "a refusal would belong in commands/estimate.py, which is being edited",
-}
+CLI_XFAIL: dict[str, str] = {}  # none left; a case that cannot pass yet goes here with its reason
 
 
 @pytest.mark.parametrize("name, argv, words", [
@@ -535,11 +531,7 @@ def _train_cases(d: Path, outs: Path):
     return cases
 
 
-TRAIN_XFAIL = {
-    "ds_duplicate_key": "the trainer reads the DeepSpeed JSON with json.load (fluxzero/config/ds_view.py read_json), "
-                        "which keeps the last of two equal keys silently; check-config refuses it. The fix belongs "
-                        "in config/ds_view.py, which is being edited",
-}
+TRAIN_XFAIL: dict[str, str] = {}  # none left
 
 
 @pytest.fixture(scope="module")

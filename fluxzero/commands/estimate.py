@@ -192,10 +192,11 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
         except ds_view.DSConfigError as e:
             raise click.BadParameter(str(e), param_hint="--config") from None
 
-        for problem in ds_config.check(ds):  # a misspelled key is ignored here as by DeepSpeed: say so
+        for problem in ds_config.check(ds):  # DeepSpeed would ignore a misspelled key; the trainer refuses the file
             if problem.startswith("unknown key"):
-                click.echo(f"warning: {ds_path}: {problem}; estimated with DeepSpeed's default for it "
-                           f"(`fluxzero check-config {ds_path}` checks the whole file)", err=True)
+                raise click.BadParameter(f"{ds_path}: {problem}, which DeepSpeed ignores and the trainer refuses: "
+                                         f"fix it (`fluxzero check-config {ds_path}` checks the whole file)",
+                                         param_hint="--config")
         try:  # read through ds_view.view, as the trainer reads it
             from_file = memory.run_options_from_ds_config(ds, nodes * gpus_per_node)
         except ds_view.DSConfigError as e:

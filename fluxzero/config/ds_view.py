@@ -186,8 +186,17 @@ def read_json(path: str | Path) -> dict:
 
     text = read_text(path, "DeepSpeed config", "point deepspeed at the JSON file from `fluxzero gen-config`",
                      DSConfigError, missing="write one with `fluxzero gen-config`")
+    def no_duplicates(pairs):  # plain JSON keeps the last of two equal keys silently
+        seen = {}
+        for key, value in pairs:
+            if key in seen:
+                raise DSConfigError(f"DeepSpeed config {path} sets {key!r} twice in one object (the last would win "
+                                    f"silently); keep one")
+            seen[key] = value
+        return seen
+
     try:
-        ds = json.loads(text)
+        ds = json.loads(text, object_pairs_hook=no_duplicates)
     except json.JSONDecodeError as e:
         raise DSConfigError(f"DeepSpeed config {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(ds, dict):
