@@ -224,8 +224,14 @@ def _save(run: Run, cfg: TrainConfig, rank: int) -> int:
         raise TrainingError(f"the weights after step {step} are not finite (the update diverged: lower the lr "
                             f"or raise gradient clipping); not saved, the last complete checkpoint "
                             f"{run.last_ckpt or '(none)'} is kept")
-    run.last_ckpt = checkpoint.save(run.engine, run.ckpt_dir, step, {"step": step, "loader": run.loader.state_dict()},
-                                    config_text(cfg), run.ds, keep=cfg.keep_checkpoints, rank_files=_ema_files(run, rank))
+    try:
+        run.last_ckpt = checkpoint.save(run.engine, run.ckpt_dir, step, {"step": step, "loader": run.loader.state_dict()},
+                                        config_text(cfg), run.ds, keep=cfg.keep_checkpoints,
+                                        rank_files=_ema_files(run, rank))
+    except KeyboardInterrupt:  # Ctrl-C after `latest` moved (in the last barrier or the pruning): say so
+        if checkpoint.latest_tag(run.ckpt_dir) == f"step_{step:08d}":
+            run.last_ckpt = str(run.ckpt_dir / f"step_{step:08d}")
+        raise
     return step
 
 

@@ -134,9 +134,12 @@ def test_stage1_gradients_are_what_the_memory_model_counts():
             model = 1 / 2 + 1 / 2 + 2 * bucket + layer
         else:  # the partition + every gradient whole + one bucket + one layer's in flight
             model = 1 / 2 + 1 + bucket + layer
-        # overlap: exact; without it the epilogue frees each reduced bucket's gradients as it fills the
-        # partition, so the model, which keeps them all, is above by up to two layers (2/57 b P on flux-dev)
-        assert model - 0.01 <= peak + 2 * layer * (not overlap) and peak <= model + 0.01, (overlap, peak, model)
+        # overlap: the model on an idle machine (1.25 measured); the reduction runs asynchronously, and on a
+        # loaded CPU it lagged one more layer behind backward (1.37 measured in a CI run), so one layer of slack
+        # above. Without overlap the epilogue frees each reduced bucket's gradients as it fills the partition,
+        # so the model, which keeps them all, is above by up to two layers (2/57 b P on flux-dev)
+        assert model - 0.01 <= peak + 2 * layer * (not overlap) and peak <= model + layer * overlap + 0.01, \
+            (overlap, peak, model)
     # and the model's items say the same for flux-dev at 8 ranks
     for overlap in (True, False):
         s = memory.RunSpec("flux-dev", stage=1, gpus_per_node=8, zero=memory.ZeroSettings(overlap_comm=overlap))
