@@ -102,18 +102,11 @@ def parse_hostfile_text(text: str, source: str = "<text>") -> dict[str, int]:
 
 def parse_hostfile(path: str | os.PathLike) -> dict[str, int]:
     """Read and parse a hostfile: ordered {host: slots}."""
+    from fluxzero.config.user_files import read_text
+
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise HostfileError(f"hostfile {path!r} does not exist; check the --hostfile path.") from None
-    except IsADirectoryError:
-        raise HostfileError(f"hostfile {path!r} is a directory; pass the hostfile itself.") from None
-    except UnicodeDecodeError:
-        raise HostfileError(f"hostfile {path!r} is not UTF-8 text.") from None
-    except OSError as e:
-        raise HostfileError(f"hostfile {path!r} cannot be read: {e.strerror}.") from None
+    text = read_text(path, "hostfile", "pass the hostfile itself (UTF-8 text, one `host slots=N` line per node)",
+                     HostfileError, missing="check the --hostfile path")
     return parse_hostfile_text(text, source=path)
 
 

@@ -1,4 +1,4 @@
-"""Reading a file the user names (the YAML run file, the DeepSpeed JSON): each way it can be unreadable is one
+"""Reading a file the user names (the run file, the DeepSpeed JSON, a hostfile): each way it can be unreadable is one
 sentence that names the file and says what to pass instead. Pure Python.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ def read_text(path: str | os.PathLike, what: str, fix: str, error: type[Exceptio
     is said instead of `fix` for a file that does not exist (how to make one).
     """
     try:
-        return Path(path).read_text()
+        return Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise error(f"{what} {path} does not exist; {missing or fix}") from None
     except IsADirectoryError:

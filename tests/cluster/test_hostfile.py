@@ -73,7 +73,7 @@ def test_parse_text_source_and_empty():
 def test_missing_file_and_directory(tmp_path):
     with pytest.raises(HostfileError, match="does not exist"):
         parse_hostfile(tmp_path / "nope")
-    with pytest.raises(HostfileError, match="is a directory"):
+    with pytest.raises(HostfileError, match="is a folder; pass the hostfile itself"):
         parse_hostfile(tmp_path)
 
 
