@@ -257,9 +257,17 @@ def zero3_leaf_blocks(model) -> int:
     return len(set_z3_leaf_modules(model, classes))
 
 
-def set_lr(engine, lr: float) -> None:
+def set_lr(engine, lr: float) -> float | None:
+    """Set every param group's lr (a tensor lr, as torchao keeps it, in place); returns the lr it had before."""
+    before = None
     for group in engine.optimizer.param_groups:
-        group["lr"] = lr
+        old = group["lr"]
+        before = float(old) if before is None else before
+        if isinstance(old, torch.Tensor):
+            old.fill_(lr)
+        else:
+            group["lr"] = lr
+    return before
 
 
 

@@ -78,6 +78,7 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     state = checkpoint.load(engine, ckpt_dir, tag) if tag else None
     if state:
         loader.load_state_dict(state["loader"], allow_data_change=allow_config_change)
+        _apply_config_lr(engine, v, rank)
     start = state["step"] if state else 0
     dtype = ds_engine.model_dtype(v)
     run = Run(engine, loader, ds, v, ckpt_dir, total, min(total, cfg.stop_after) if cfg.stop_after else total,
@@ -130,6 +131,18 @@ def _after_step(run: Run, cfg: TrainConfig, step: int, metrics) -> dict:
             paths, extra["sample_s"] = run.previews(run.engine, step)
         metrics.add_images("samples", paths, step)
     return extra
+
+
+def _apply_config_lr(engine, v: DSView, rank: int) -> None:
+    """Without a scheduler the lr is the DeepSpeed config's: DeepSpeed's checkpoint load restores the optimizer's
+    param groups, lr included, so an lr edited for the resume would be dropped without a word."""
+    from fluxzero.train import engine as ds_engine
+
+    if v.scheduler is not None or v.lr is None:  # a scheduler's own state sets the lr of every step
+        return
+    before = ds_engine.set_lr(engine, v.lr)
+    if rank == 0 and before is not None and before != v.lr:
+        write_line(f"note: lr is {v.lr:g} from the DeepSpeed config (the checkpoint trained at {before:g})")
 
 
 def _check_finite(loss: float, run: Run) -> None:

@@ -151,3 +151,15 @@ def test_a_killed_writers_temp_file_is_removed_at_the_next_export(tmp_path):
     assert remove_stale_temps(tmp_path / "export.safetensors") == [f".export.safetensors.tmp-{pid}"]
     assert remove_stale_temps(tmp_path / "export") == [f".diffusion_pytorch_model-00001-of-00002.safetensors.tmp-{pid}"]
     assert (tmp_path / f".export.safetensors.tmp-{os.getpid()}").is_file()
+
+
+def test_an_lr_edited_for_the_resume_is_applied_and_said(tmp_path):
+    # without a scheduler DeepSpeed's checkpoint load would restore the old lr (the optimizer's param groups)
+    run = _files(tmp_path, steps=4)
+    assert _train(run, "stop_after=2").returncode == 0
+    (tmp_path / "half.json").write_text(json.dumps(tiny_ds(lr=5e-4)))
+    r = _train(run, f"deepspeed={tmp_path / 'half.json'}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "note: lr is 0.0005 from the DeepSpeed config (the checkpoint trained at 0.001)" in r.stderr
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["lr"] for row in rows] == [1e-3, 1e-3, 5e-4, 5e-4]
