@@ -10,7 +10,6 @@ and from rank 0. Findings are written up in fluxzero/train/optim.py (GRADIENT RE
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import socket
@@ -61,15 +60,14 @@ def run(rank: int, world: int, port: int, gas: int, clip: float, q):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     warnings.filterwarnings("ignore")
-    import logging
-
-    import deepspeed
     import torch
     import torch.distributed as dist
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # unused C++ op, ~60 s build
-    for name in ("deepspeed", "DeepSpeed"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+    from fluxzero.train.distributed import init_distributed
+    from fluxzero.train.engine import join_deepspeed_comm
+
+    init_distributed()  # the trainer's own: gloo group, quiet DeepSpeed logs
+    join_deepspeed_comm()  # deepspeed.comm wraps it; no CPU shm-op build
     torch.set_num_threads(1)
     out = {"rank": rank}
     weights = {}

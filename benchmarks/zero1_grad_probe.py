@@ -22,6 +22,9 @@ import json
 import os
 import socket
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's fluxzero, run without installing
 
 WIDTH, LAYERS, BUCKET = 1024, 8, 500_000
 
@@ -44,21 +47,20 @@ def live_bytes(torch) -> int:
 
 
 def worker(rank: int, world: int, port: int, overlap: bool, q) -> None:
-    import importlib
-    import logging
     import warnings
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     warnings.filterwarnings("ignore")
-    import torch
     import deepspeed
+    import torch
 
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # unused C++ op, ~60 s build
-    for name in ("deepspeed", "DeepSpeed"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    from fluxzero.train.distributed import init_distributed
+    from fluxzero.train.engine import join_deepspeed_comm
+
+    init_distributed()  # the trainer's own: gloo group, quiet DeepSpeed logs
+    join_deepspeed_comm()  # deepspeed.comm wraps it; no CPU shm-op build
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
     P = sum(p.numel() for p in model.parameters())

@@ -22,7 +22,7 @@ from fluxzero.config.ds_view import DSView
 from fluxzero.train.distributed import TrainingError
 
 
-def _join_deepspeed_comm() -> None:
+def join_deepspeed_comm() -> None:
     """Let deepspeed.comm wrap the process group fluxzero.train.distributed created (its config parser reads
     the world size from there). On CPU skip the shared-memory allreduce op DeepSpeed compiles at every start
     (~60 s): training uses gloo."""
@@ -52,7 +52,7 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     """
     from fluxzero.model import build_model
 
-    _join_deepspeed_comm()
+    join_deepspeed_comm()
     stage = v.stage
     torch.manual_seed(seed)  # identical random init on every rank (ZeRO-3 then keeps each rank's slice)
     # Under ZeRO-3, zero.Init partitions every parameter as its module is constructed: no rank ever holds

@@ -25,20 +25,16 @@ ROOT = Path(__file__).resolve().parents[2]
 BOUND = 0.05
 
 WORKER = r"""
-import importlib, json, logging, os, socket, sys, tempfile, warnings
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
-    os.environ.setdefault(k, v)  # the 2-rank test sets them
+import json, os, sys, tempfile, warnings
 warnings.filterwarnings("ignore")
+sys.path.insert(0, os.getcwd())  # the checkout: fluxzero, tests.train.test_optim_quality
 import torch, deepspeed
 from deepspeed.utils import safe_get_full_fp32_param
-importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # unused C++ op, ~60 s build
-for name in ("deepspeed", "DeepSpeed"):
-    logging.getLogger(name).setLevel(logging.ERROR)
-deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+from fluxzero.train.distributed import init_distributed
+from fluxzero.train.engine import join_deepspeed_comm
+init_distributed()  # the trainer's own (a one-rank group when the 2-rank test sets no rank variables)
+join_deepspeed_comm()
 torch.set_num_threads(1)
-sys.path.insert(0, os.getcwd())  # the checkout: tests.train.test_optim_quality
 from fluxzero.config.optim_modes import get_mode
 from fluxzero.train.optim import build_optimizer
 from tests.train.test_optim_quality import LR, LR_ADAFACTOR, STEPS, LeastSquares
