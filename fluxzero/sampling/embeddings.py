@@ -16,7 +16,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 FORMAT, VERSION = "fluxzero-prompt-embeddings", "1"

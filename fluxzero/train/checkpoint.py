@@ -5,7 +5,6 @@ No deepspeed import: the engine object saves and loads its own states.
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import random

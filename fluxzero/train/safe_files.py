@@ -20,7 +20,6 @@ Torch only: no deepspeed import, so the export command and tests use it without 
 """
 from __future__ import annotations
 
-import io
 import pickletools
 import zipfile
 from pathlib import Path
