@@ -95,9 +95,12 @@ def worker(out_path: str, sizes_mb: list[float], cpu: bool, time_per_point: floa
         full = torch.zeros(n, dtype=dtype, device=device)
         shard = torch.zeros(n // world, dtype=dtype, device=device)
         calls = {
-            "all_reduce": (lambda: dist.all_reduce(full), 2 * (world - 1) / world),
-            "reduce_scatter": (lambda: dist.reduce_scatter_tensor(shard, full), (world - 1) / world),
-            "all_gather": (lambda: dist.all_gather_into_tensor(full, shard), (world - 1) / world),
+            # default arguments bind this size's buffers (the names are deleted at the end of the iteration)
+            "all_reduce": (lambda full=full: dist.all_reduce(full), 2 * (world - 1) / world),
+            "reduce_scatter": (lambda full=full, shard=shard: dist.reduce_scatter_tensor(shard, full),
+                               (world - 1) / world),
+            "all_gather": (lambda full=full, shard=shard: dist.all_gather_into_tensor(full, shard),
+                           (world - 1) / world),
         }
         for op in OPS:
             fn, factor = calls[op]

@@ -73,7 +73,6 @@ def batch(step: int):
 
 
 def train_step(eng, step: int) -> float:
-    import torch
     x, y = batch(step)
     dtype = next(eng.module.parameters()).dtype
     out = eng(x.to(dtype))

@@ -8,7 +8,6 @@ stays below ~1e-6, while any wrong split, swap, scale or transpose moves outputs
 are made large enough to move the output by several percent, asserted below).
 """
 import json
-import math
 
 import pytest
 import torch

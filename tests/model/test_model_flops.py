@@ -5,7 +5,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fluxzero.config import get_model_config
 from fluxzero.model import build_model
-from fluxzero.model import math as fmath
 from tests.model.test_model import make_inputs
 
 

@@ -12,7 +12,6 @@ give uint8 pixels that differ only where a value sits on a rounding boundary: at
 """
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ from fluxzero.sampling import schedule as S
 from fluxzero.sampling.embeddings import PromptEmbeddings, load_embeddings, save_embeddings
 from fluxzero.sampling.images import grid, read_png_params, save_png
 from fluxzero.sampling.vae import decode
-from fluxzero.train.flow import pack, unpack
+from fluxzero.train.flow import pack
 from tests.model.test_model_parity import pair
 
 diffusers = pytest.importorskip("diffusers")

@@ -481,7 +481,6 @@ def test_two_ranks_print_each_error_once(tmp_path):
     """Errors both ranks hit: rank 0 prints them, rank 1 nothing. A shard lost by rank 1 mid-run: rank 1
     names it, rank 0 (in a collective with it) says another rank stopped, no gloo traceback. Rank 1 prints
     no DeepSpeed warnings."""
-    import socket
 
     import torch
 
