@@ -13,7 +13,9 @@
 set -eu
 DIR=${1:-.whl}
 DS_VERSION=${DS_VERSION:-0.19.8}
-PINS="diffusers==0.42.1 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 hjson==3.1.0"
+# torchao: FP8 training (fluxzero.fp8), the quantized LoRA base and the bf16 optimizer modes; 0.17.0 for the GPU
+# image's torch 2.11 (benchmarks/RESULTS.md records what it ran); its wheel is tagged manylinux_2_24
+PINS="diffusers==0.42.1 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 hjson==3.1.0 torchao==0.17.0"
 
 mkdir -p "$DIR"
 DIR=$(cd "$DIR" && pwd)
@@ -26,8 +28,8 @@ find "$DIR" -mindepth 1 -maxdepth 1 -name '*.whl' -delete  # no stale wheel of a
 
 # shellcheck disable=SC2086 - PINS is a list of words
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d "$DIR" $PINS
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 -d "$DIR" $PINS
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

@@ -14,6 +14,7 @@ from click.core import ParameterSource
 from fluxzero.config import ds_config, ds_view, optim_modes
 from fluxzero.commands.estimate import apply_fit, fit_options
 from fluxzero.commands.model_spec import MODEL_SPEC
+from fluxzero.config.ds_check import FP8_RECIPES
 from fluxzero.config.ds_config import DSConfigError, DSOptions
 from fluxzero.fsutil import atomic_write
 
@@ -103,7 +104,10 @@ _OPTIONS = [
     _opt("contiguous_memory_optimization", None, "deepspeed checkpointing: one contiguous buffer for saved "
                                                  "activations (needs --partition-activations).", flag_pair=True),
     _opt("compile", None, "torch.compile each transformer block (inductor; checkpointing wraps the compiled "
-                          "block).", flag_pair=True),
+                          "block). Neither flag: the trainer compiles on a GPU below ZeRO-3.", flag_pair=True),
+    _opt("fp8", click.Choice(FP8_RECIPES), "FP8 matmuls in the transformer blocks' linear layers (torchao float8 "
+                                            "training, pip install -e '.[lowmem]'; GPU with FP8, e.g. H100/H200, "
+                                            "4090): one scale per tensor or per row."),
     # optimizer
     _opt("adam_impl", click.Choice(ds_config.ADAM_IMPLS), "AdamW implementation: torch (torch.optim.AdamW(fused=True), no build), fused "
          "(DeepSpeed FusedAdam, GPU), cpu (DeepSpeedCPUAdam, with optimizer offload)."),
@@ -288,4 +292,8 @@ def summary(v: ds_view.DSView, world: int | None) -> str:
                  else f"checkpointing 1 block in {k}")
     if v.compile:
         parts.append(f"compiled blocks ({v.compile_mode})")
+    elif v.compile is None:
+        parts.append("blocks compiled on a GPU" + (" (not at ZeRO-3)" if v.stage == 3 else ""))
+    if v.fp8:
+        parts.append(f"FP8 matmuls ({v.fp8} scaling)")
     return ", ".join(parts)

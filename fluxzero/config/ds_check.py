@@ -28,6 +28,9 @@ CHECKPOINT_IMPLS = ("torch", "deepspeed")
 # DeepSpeed's hooks and checkpointing run eagerly between the blocks' graphs; not supported, not measured.
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+# torchao float8 training recipes for the blocks' linear layers (fluxzero.fp8.recipe): one scale per tensor,
+# or per row (finer, slower); torchao's names
+FP8_RECIPES = ("tensorwise", "rowwise")
 SCHEDULERS = ("none", "WarmupLR", "WarmupCosineLR", "WarmupDecayLR")
 WARMUP_TYPES = ("linear", "log")
 
@@ -224,7 +227,8 @@ ZERO_STAGE3_ONLY = frozenset(k for k in ZERO_KEYS if k.startswith("stage3_")) | 
     "use_all_reduce_for_fetch_params", "allgather_sequential",
 })
 ZERO_STAGE12_ONLY = frozenset({"allgather_bucket_size", "allgather_partitions", "round_robin_gradients"})
-FLUXZERO_KEYS = frozenset({"activation_checkpointing", "compile", "optimizer_mode"})
+FLUXZERO_KEYS = frozenset({"activation_checkpointing", "compile", "optimizer_mode", "fp8"})
+FLUXZERO_FP8_KEYS = frozenset({"recipe"})
 FLUXZERO_CHECKPOINTING_KEYS = frozenset({"every_k_blocks", "implementation"})
 FLUXZERO_COMPILE_KEYS = frozenset({"blocks", "mode", "backend"})
 # Constructor keywords of what deepspeed 0.19.8 builds for type Adam/AdamW, plus the keys the engine pops.
@@ -326,6 +330,7 @@ def check(cfg, world_size: int | None = None) -> list[str]:
     _check_scheduler(cfg, p)
     _check_checkpointing(cfg, p)
     _check_compile(cfg, p)
+    _check_fp8(cfg, p)
     tb = _section(cfg, "tensorboard", p)
     _unknown("tensorboard", tb, TENSORBOARD_KEYS, p)
     for key, known in (("flops_profiler", FLOPS_PROFILER_KEYS), ("aio", AIO_KEYS), ("data_types", DATA_TYPES_KEYS),
@@ -552,6 +557,14 @@ def _check_checkpointing(cfg: dict, p: list[str]) -> None:
     if ds_options_on and (impl != "deepspeed" or k == 0):
         p.append(f"activation_checkpointing.{ds_options_on[0]} takes effect only with "
                  f"fluxzero.activation_checkpointing.implementation deepspeed and every_k_blocks >= 1")
+
+
+def _check_fp8(cfg: dict, p: list[str]) -> None:
+    fz = cfg.get(FLUXZERO_SECTION)
+    fp8 = _section(fz if isinstance(fz, dict) else {}, "fp8", p, where="fluxzero.fp8")
+    _unknown("fluxzero.fp8", fp8, FLUXZERO_FP8_KEYS, p)
+    if fp8 and fp8.get("recipe") not in FP8_RECIPES:
+        p.append(f"fluxzero.fp8.recipe must be one of {', '.join(FP8_RECIPES)}, got {json.dumps(fp8.get('recipe'))}")
 
 
 def _check_compile(cfg: dict, p: list[str]) -> None:

@@ -15,7 +15,8 @@ trainer reads (DeepSpeed ignores unknown top-level keys):
 K = 0 means no activation checkpointing, K = 1 every block, K = k every k-th block (block i is checkpointed
 when i % k == 0, with one index over all blocks: the double-stream blocks first, the single-stream ones after).
 
-Opt-in torch.compile of the transformer blocks (`gen-config --compile` writes it; absent means off):
+torch.compile of the transformer blocks (`gen-config --compile` / `--no-compile` write it; absent means the
+trainer decides: compiled on a GPU below ZeRO-3, eager on the CPU, DSView.compiles_blocks):
 
     "fluxzero": {"compile": {"blocks": true, "mode": "default"|"max-autotune-no-cudagraphs",
                              "backend": "inductor"|"aot_eager"|"eager"}}
@@ -119,8 +120,10 @@ class DSOptions:
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
-    # torch.compile of the transformer blocks (fluxzero.compile; off writes nothing)
-    compile: bool = False
+    # torch.compile of the transformer blocks (fluxzero.compile); None writes nothing: the trainer decides
+    compile: bool | None = None
+    # FP8 matmuls in the blocks (torchao float8 training; fluxzero.fp8): None or a recipe of FP8_RECIPES
+    fp8: str | None = None
     # optimizer (AdamW) and gradient clipping
     adam_impl: str = "torch"
     optimizer_mode: str | None = None  # a fluxzero.config.optim_modes name; None: DeepSpeed's AdamW, fp32 masters
@@ -215,7 +218,8 @@ def options_view(o: DSOptions) -> DSView:
     return DSView(stage=o.zero_stage, precision=precision,
                   offload_optimizer=o.offload_optimizer,
                   offload_param=o.offload_param, checkpoint_every=o.checkpoint_every,
-                  checkpoint_impl=o.checkpoint_impl, compile=o.compile, optimizer="adamw", optimizer_impl=impl,
+                  checkpoint_impl=o.checkpoint_impl, compile=o.compile, fp8=o.fp8, optimizer="adamw",
+                  optimizer_impl=impl,
                   lr=o.lr, scheduler=None if o.scheduler == "none" else o.scheduler,
                   gradient_clipping=o.gradient_clipping, optimizer_mode=o.optimizer_mode,
                   bf16_master_weights_and_grads=bf16.get("bf16_master_weights_and_grads") is True,
@@ -486,10 +490,12 @@ def build(o: DSOptions) -> dict:
     cfg[FLUXZERO_SECTION] = {
         "activation_checkpointing": {"every_k_blocks": o.checkpoint_every, "implementation": o.checkpoint_impl},
     }
-    if o.compile:
-        cfg[FLUXZERO_SECTION]["compile"] = {"blocks": True, "mode": "default"}
+    if o.compile is not None:
+        cfg[FLUXZERO_SECTION]["compile"] = {"blocks": True, "mode": "default"} if o.compile else {"blocks": False}
     if o.optimizer_mode is not None:
         cfg[FLUXZERO_SECTION]["optimizer_mode"] = o.optimizer_mode
+    if o.fp8 is not None:
+        cfg[FLUXZERO_SECTION]["fp8"] = {"recipe": o.fp8}
     return cfg
 
 

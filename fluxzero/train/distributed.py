@@ -70,14 +70,18 @@ def init_distributed() -> tuple[int, int, torch.device]:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         if "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores: do not oversubscribe them
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size()))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
         atexit.register(_destroy_group_at_exit)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def local_world_size() -> int:
+    """Ranks on this machine (the launchers set LOCAL_WORLD_SIZE; without it, all of WORLD_SIZE)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
 def _not_scheduler_not_started(record: logging.LogRecord) -> bool:

@@ -62,9 +62,11 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
                             dtype=torch.bfloat16 if _bf16_module_without_deepspeed(v) else torch.float32)
     if weights:
         load_pretrained(model, weights, model_cfg, partitioned=stage == 3)
+    if v.fp8:  # before the adapters: PEFT then wraps the FP8 layers, its own small ones stay bf16
+        apply_fp8(model, v.fp8, stage)
     if lora is not None:  # after the weights: the base's names gain `.base_layer` once adapters wrap it
         apply_adapters(model, lora, v)
-    if v.compile:  # compile first: checkpointing then wraps the compiled block
+    if v.compiles_blocks(device.type, lora is not None):  # first: checkpointing then wraps the compiled block
         apply_compile(model, v.compile_mode, v.compile_backend)
         if stage == 3:
             zero3_leaf_blocks(model)
@@ -124,7 +126,7 @@ def apply_adapters(model: torch.nn.Module, lora, v: DSView) -> list[str]:
     """
     from fluxzero.model.lora import LoraError, apply_lora
 
-    if v.compile and v.stage == 3:  # measured on CPU with Dynamo's eager and aot_eager backends
+    if v.compile is True and v.stage == 3:  # measured on CPU with Dynamo's eager and aot_eager backends
         raise TrainingError("compiled blocks (fluxzero.compile.blocks) with LoRA under ZeRO-3 fail in DeepSpeed "
                             "0.19.8's backward pass (an adapter-shaped tensor is an empty ZeRO-3 placeholder there); "
                             "turn fluxzero.compile.blocks off, or train the LoRA under ZeRO-2, where compile works")
@@ -211,6 +213,33 @@ def apply_activation_checkpointing(model, every_k: int, implementation: str, v: 
             block.forward = functools.partial(_checkpointed, fn, block.forward)
             count += 1
     return count
+
+
+def fp8_layer(module: torch.nn.Module, name: str) -> bool:
+    """The linear layers that get FP8 matmuls: the attention and MLP layers of the transformer blocks (where
+    the FLOPs are) whose sides are multiples of 16 (FP8 matmul kernels need that). The modulation layers (one
+    row per sample: nothing to gain from FP8, only the cast), the embedders and the final layer stay in bf16,
+    as torchtitan keeps its input and output layers."""
+    return (isinstance(module, torch.nn.Linear) and name.startswith(("double_blocks.", "single_blocks."))
+            and "mod" not in name.rsplit(".", 2)[-2] and module.in_features % 16 == 0
+            and module.out_features % 16 == 0)
+
+
+def apply_fp8(model: torch.nn.Module, recipe: str, stage: int = 0) -> int:
+    """torchao float8 training (dynamic scaling, `recipe` tensorwise or rowwise) on fp8_layer's layers; returns
+    how many. Weights and their state-dict names stay as they are (Float8Linear keeps the Linear's parameters
+    and casts them at each matmul), so checkpoints, exports and EMA do not change. Fast only when compiled."""
+    if stage == 3:
+        raise TrainingError("fluxzero.fp8 with ZeRO-3 is not supported (not tested with partitioned parameters); "
+                            "use ZeRO-2 (or 0/1), or remove fluxzero.fp8")
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise TrainingError("fluxzero.fp8 needs torchao: pip install -e '.[lowmem]'") from None
+    names = [n for n, m in model.named_modules() if fp8_layer(m, n)]
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=fp8_layer)
+    return len(names)
 
 
 def apply_compile(model, mode: str = "default", backend: str = "inductor") -> int:

@@ -65,10 +65,11 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     # directly instead of entering sdpa_kernel ~60 times a forward (the model is right either way)
     set_process_sdpa_flags(cfg.attention)
     model_cfg = resolve_model(cfg.model)
+    workers = cfg.loader_workers(device.type, len(os.sched_getaffinity(0)), distributed.local_world_size())
     loader = build_dataloader(cfg.data, micro_batch=v.micro_batch, rank=rank, world_size=world, seed=cfg.seed,
-                              num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
+                              num_workers=workers, pin_memory=device.type == "cuda",
                               # forked workers can hang once DeepSpeed's threads and process group exist
-                              multiprocessing_context="spawn" if cfg.num_workers else None)
+                              multiprocessing_context="spawn" if workers else None)
     loader.check_model(model_cfg)
     total = cfg.total_steps(len(loader), v.grad_accum)
     ckpt_dir = Path(cfg.output_dir) / "checkpoints"
@@ -86,7 +87,9 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     run.step = TrainStep(engine, batches(loader), cfg.flow, seed=cfg.seed, grad_accum=v.grad_accum,
                          guidance_embed=model_cfg.guidance_embed, device=device, dtype=dtype,
                          before_update=lambda loss: _check_finite(loss, run),
-                         stop_flag=lambda: distributed.stop_requested() is not None)
+                         stop_flag=lambda: distributed.stop_requested() is not None,
+                         position=lambda: {"epoch": loader.epoch, "batches_done": loader.batches_done},
+                         prefetch=cfg.prefetch_batches)
     _setup_extras(run, cfg, model_cfg, tag, rank, world, device)
     return run
 
@@ -212,6 +215,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
         raise TrainingError(_disk_full(cfg, run, e)) from None
     finally:
         distributed.graceful_stops(False)
+        run.step.close()
         if metrics is not None:
             metrics.close(strict=False)
         run.engine.destroy()
@@ -238,7 +242,7 @@ def _save(run: Run, cfg: TrainConfig, rank: int) -> int:
                             f"or raise gradient clipping); not saved, the last complete checkpoint "
                             f"{run.last_ckpt or '(none)'} is kept")
     try:
-        run.last_ckpt = checkpoint.save(run.engine, run.ckpt_dir, step, {"step": step, "loader": run.loader.state_dict()},
+        run.last_ckpt = checkpoint.save(run.engine, run.ckpt_dir, step, {"step": step, "loader": _loader_state(run)},
                                         config_text(cfg), run.ds, keep=cfg.keep_checkpoints,
                                         rank_files=_ema_files(run, rank))
     except KeyboardInterrupt:  # Ctrl-C after `latest` moved (in the last barrier or the pruning): say so
@@ -246,6 +250,11 @@ def _save(run: Run, cfg: TrainConfig, rank: int) -> int:
             run.last_ckpt = str(run.ckpt_dir / f"step_{step:08d}")
         raise
     return step
+
+
+def _loader_state(run: Run) -> dict:
+    """The loader position of the batches the steps consumed (the prefetch thread reads ahead of them)."""
+    return {**run.loader.state_dict(), **(run.step.position or {})}
 
 
 def _interrupted(run: Run) -> str:

@@ -4,9 +4,18 @@ The trainer's loop and every benchmark run this step, so what the benchmarks tim
     batch -> flow.prepare_batch -> engine(**inputs) -> flow.loss -> engine.backward, per micro batch,
     then the mean loss over micro batches and ranks, the finite check, and the update (engine.step).
 It owns every engine.step() call. No deepspeed import: the engine object does the work.
+
+The data phase runs ahead of the step (prefetch > 0, the trainer's default): a background thread takes the next
+batch from the loader, draws its noise and timesteps, packs it and copies it to the device on a side CUDA stream,
+while the current step computes; the step only waits on that copy's event. The numbers are the same as inside the
+step (noise is keyed on the sample, never on the order of calls), and the loader position saved with a checkpoint
+is that of the batches the steps consumed, not of those read ahead.
 """
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -41,6 +50,78 @@ def batches(loader) -> Iterator[tuple[int, dict]]:
         epoch += 1
 
 
+@dataclass
+class Prepared:
+    """One micro batch ready for the model: flow.prepare_batch's inputs and target on the device."""
+
+    inputs: dict
+    target: torch.Tensor
+    index: torch.Tensor  # (B,) sample indices, for messages about non-finite losses
+    position: dict | None  # the loader position once this batch is consumed ({"epoch", "batches_done"})
+    ready: object = None  # a CUDA event recorded on the copy stream after the copies (None: already there)
+
+
+class Prefetcher:
+    """Iterator of Prepared, made by `make()` (an iterator) in a daemon thread, at most `depth` ahead.
+
+    On CUDA the thread works on its own stream; __next__ makes the current stream wait for the batch's copies
+    and records the tensors on it (so the caching allocator does not hand their memory back to the side stream
+    while the step still reads them). An exception in the thread (a damaged shard) is raised by the __next__
+    that would have returned that batch, as the loader would have raised it inside the step.
+    """
+
+    def __init__(self, make: Callable[[], Iterator[Prepared]], depth: int, device: torch.device):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._closed = threading.Event()
+        self._device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._work, args=(make,), daemon=True, name="fluxzero-prefetch")
+        self._thread.start()
+
+    def _work(self, make) -> None:
+        try:
+            if self._stream is not None:
+                torch.cuda.set_device(self._device)
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                for item in make():
+                    if self._stream is not None:
+                        item.ready = torch.cuda.Event()
+                        item.ready.record(self._stream)
+                    if not self._put(item):
+                        return
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            self._put(e)
+
+    def _put(self, item) -> bool:
+        while not self._closed.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Prepared:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.ready is not None:
+            current = torch.cuda.current_stream(self._device)
+            current.wait_event(item.ready)
+            for t in [*item.inputs.values(), item.target]:
+                if t is not None:
+                    t.record_stream(current)
+        return item
+
+    def close(self) -> None:
+        """Stop the thread at its next hand-over (it is a daemon: a thread still reading does not block exit)."""
+        self._closed.set()
+
+
 class TrainStep:
     """Callable that runs one optimizer step and returns a StepResult.
 
@@ -50,13 +131,18 @@ class TrainStep:
     with "end": benchmarks put CUDA events there; the trainer leaves it None.
     stop_flag(), when given, is read on every rank and reduced together with the loss (no extra collective):
     StepResult.stop_requested then tells every rank, at the same step, that one of them was asked to stop.
+    position(), when given, is read right after each batch leaves `source` (in the prefetch thread when there
+    is one): `self.position` is then the loader position of the last batch a step consumed, what a checkpoint
+    must record. prefetch: batches prepared ahead by a background thread (0: inside the step, in this thread);
+    the thread starts at the first call, so `source` may be replaced before it.
     """
 
     def __init__(self, engine, source: Iterator[tuple[int, dict]], flow_cfg: FlowConfig, *, seed: int,
                  grad_accum: int, guidance_embed: bool, device: torch.device, dtype: torch.dtype,
                  before_update: Callable[[float], None] | None = None,
                  on_phase: Callable[[str], None] | None = None,
-                 stop_flag: Callable[[], bool] | None = None):
+                 stop_flag: Callable[[], bool] | None = None,
+                 position: Callable[[], dict] | None = None, prefetch: int = 0):
         self.engine, self.source, self.flow_cfg = engine, source, flow_cfg
         self.seed, self.grad_accum, self.guidance_embed = seed, grad_accum, guidance_embed
         self.device, self.dtype = device, dtype
@@ -64,6 +150,30 @@ class TrainStep:
         self.before_update = before_update
         self.on_phase = on_phase or (lambda name: None)
         self.stop_flag = stop_flag or (lambda: False)
+        self._position_fn, self.prefetch = position, prefetch
+        self.position: dict | None = None  # of the last consumed batch; None before the first step
+        self._prepared: Iterator[Prepared] | None = None
+
+    def _prepare_all(self) -> Iterator[Prepared]:
+        for epoch, batch in self.source:
+            position = self._position_fn() if self._position_fn is not None else None
+            inputs, target = flow.prepare_batch(batch, self.flow_cfg, self.seed, epoch,
+                                                guidance_embed=self.guidance_embed, device=self.device,
+                                                dtype=self.dtype)
+            yield Prepared(inputs, target, batch["index"], position)
+
+    def _next_batch(self) -> Prepared:
+        if self._prepared is None:
+            self._prepared = (Prefetcher(self._prepare_all, self.prefetch, self.device) if self.prefetch > 0
+                              else self._prepare_all())
+        item = next(self._prepared)
+        self.position = item.position
+        return item
+
+    def close(self) -> None:
+        """Stop the prefetch thread (the trainer calls it when the loop ends, however it ends)."""
+        if isinstance(self._prepared, Prefetcher):
+            self._prepared.close()
 
     def nonfinite_samples(self) -> list[int]:
         """Sample indices (this rank) of the last step's micro batches whose loss was not finite."""
@@ -76,17 +186,15 @@ class TrainStep:
         self._micro = []  # (loss, sample indices) of each micro batch: which samples a non-finite loss came from
         for micro in range(self.grad_accum):
             phase("data")
-            epoch, batch = next(self.source)
-            inputs, target = flow.prepare_batch(batch, self.flow_cfg, self.seed, epoch,
-                                                guidance_embed=self.guidance_embed, device=self.device,
-                                                dtype=self.dtype)
+            item = self._next_batch()
+            inputs, target = item.inputs, item.target
             phase("forward")
             pred = engine(**inputs)  # (B, L_img, 64)
             loss = flow.loss(pred, target)
             phase("backward")
             engine.backward(loss)
             loss_sum += loss.detach()
-            self._micro.append((loss.detach(), batch["index"]))
+            self._micro.append((loss.detach(), item.index))
             if micro < self.grad_accum - 1:
                 engine.step()  # inside accumulation: DeepSpeed only counts the micro step
         flag = torch.ones((), device=self.device) if self.stop_flag() else torch.zeros((), device=self.device)

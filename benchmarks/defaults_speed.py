@@ -1,0 +1,236 @@
+"""Speed of the trainer users run: `launch/train.py` itself, with the DeepSpeed JSON `fluxzero gen-config` writes.
+
+    PYTHONPATH=. python3 benchmarks/defaults_speed.py --cases lite --out $OUT/defaults.jsonl
+    PYTHONPATH=. python3 benchmarks/defaults_speed.py --cases cpu-smoke --out /tmp/smoke.jsonl   # CPU, flux-tiny
+
+Each case: `fluxzero gen-config ARGS -o ds.json`, a run file with only the keys the case names (everything else
+is the trainer's default: that is the point), synthetic FLUX-shaped latents and text embeddings of the case's
+resolution (512 px: 64x64 latents = 1024 image tokens, 512 T5 tokens of 4096, CLIP 768), then
+`python launch/train.py --config run.yaml` in one process, killed once metrics.jsonl holds `--rows` steps (so no
+checkpoint of tens of GB is written). Reported: the median samples/s of the steps after the first 3 (compile
+and allocator warm-up), MFU over the bf16 matmul rate measured at the start of the same call (8192^3, median of
+10; the trainer's own MFU column uses the datasheet peak), peak allocated memory (the trainer's metric), host
+RSS of the process at the end, and wall time. `--memory-cap-gib` caps the trainer process with
+torch.cuda.set_per_process_memory_fraction (set by a sitecustomize module on the child's path, so the trainer
+is untouched), as a card of that size would.
+A case "peer:..." runs the diffusers + DeepSpeed baseline of benchmarks/sweep.py in the same call instead.
+One JSON line per case is appended to --out as soon as it is measured; a table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+# name: (model, resolution, gen-config args, run-file keys, lora section or None)
+DEV_LORA = {"rank": 16, "targets": "all-linear"}
+CASES = {
+    # flux-dev-lite (5 + 10 full-width blocks), ZeRO-2 bf16, micro batch 16: the issue's rows
+    "lite-ckpt1-old": ("flux-dev-lite", 512, ["--checkpoint-every", "1", "--no-compile"],
+                       {"num_workers": 0, "prefetch_batches": 0}, None),
+    "lite-ckpt1": ("flux-dev-lite", 512, ["--checkpoint-every", "1"], {}, None),
+    "lite-ckpt1-fp8": ("flux-dev-lite", 512, ["--checkpoint-every", "1", "--fp8", "tensorwise"], {}, None),
+    "lite-ckpt0": ("flux-dev-lite", 512, ["--checkpoint-every", "0"], {}, None),
+    "lite-ckpt0-fp8": ("flux-dev-lite", 512, ["--checkpoint-every", "0", "--fp8", "tensorwise"], {}, None),
+    "lite-ckpt1-mb8": ("flux-dev-lite", 512, ["--checkpoint-every", "1", "--micro-batch", "8"], {}, None),
+    # rank-16 LoRA on FLUX.1-dev, ZeRO-2 bf16, every block checkpointed
+    "lora-mb4": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "4"], {}, DEV_LORA),
+    "lora-mb4-fp8": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "4", "--fp8", "tensorwise"],
+                     {}, DEV_LORA),
+    "lora-mb1": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "1"], {}, DEV_LORA),
+    "lora-mb1-fp8": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "1", "--fp8", "tensorwise"],
+                     {}, DEV_LORA),
+    "cpu-smoke": ("flux-tiny", 128, ["--checkpoint-every", "1", "--micro-batch", "2"], {}, None),
+}
+PEERS = {  # benchmarks/sweep.py arguments of the diffusers + DeepSpeed baseline, compiled blocks
+    "peer:lite-ckpt0": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "0", "--mb", "16", "--compile", "1"],
+    "peer:lite-ckpt1": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "1", "--mb", "16", "--compile", "1"],
+}
+SETS = {
+    "lite": ["lite-ckpt1-old", "lite-ckpt1", "lite-ckpt1-fp8", "lite-ckpt0", "lite-ckpt0-fp8", "peer:lite-ckpt0"],
+    "lora": ["lora-mb4", "lora-mb4-fp8", "lora-mb1", "lora-mb1-fp8"],
+}
+
+SITECUSTOMIZE = '''import os
+cap = os.environ.get("FLUXZERO_BENCH_MEMORY_CAP_GIB")
+if cap:
+    import torch
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap) * 1024**3 / total))
+'''
+
+
+def measured_peak_tflops() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * 8192**3 / statistics.median(times) / 1e12
+
+
+def _rss_gib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1024**3
+    except OSError:
+        return None
+    return None
+
+
+def run_case(name: str, work: Path, rows: int, timeout: float, cap: float | None, peak: float | None) -> dict:
+    model, res, gen_args, keys, lora = CASES[name]
+    work.mkdir(parents=True, exist_ok=True)
+    ds = work / "ds.json"
+    gen = subprocess.run([sys.executable, "-m", "fluxzero.cli", "gen-config", "--preset", "zero2", "--model", model,
+                          *([] if "--micro-batch" in gen_args else ["--micro-batch", "16"]), *gen_args,
+                          "-o", str(ds)], capture_output=True, text=True, cwd=ROOT)
+    if gen.returncode:
+        return {"case": name, "status": "gen-config failed", "error": gen.stderr.strip().splitlines()[-1:]}
+    lat, txt, ctx, vec = res // 8, 512, 4096, 768
+    if model == "flux-tiny":
+        txt, ctx, vec = 16, 64, 32
+    mb = json.loads(ds.read_text())["train_micro_batch_size_per_gpu"]
+    run = {"deepspeed": str(ds), "data": f"synthetic:n={max(64, mb * (rows + 4))},hw={lat}x{lat},txt={txt},"
+                                          f"ctx={ctx},vec={vec}",
+           "output_dir": str(work / "out"), "model": model, "steps": 100000, "log_every": 1,
+           "export_format": None, "attention": "flash" if _cuda() else "auto", **keys}
+    if lora:
+        run["lora"] = lora
+    (work / "run.yaml").write_text(json.dumps(run))  # JSON is YAML
+    site = work / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    # the cap's sitecustomize only when capped: it would shadow one the Python installation may have
+    path = os.pathsep.join([*([str(site)] if cap else []), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path, "FLUXZERO_NO_PROGRESS": "1", "PYTHONUNBUFFERED": "1"}
+    if cap:
+        env["FLUXZERO_BENCH_MEMORY_CAP_GIB"] = str(cap)
+    log = open(work / "train.log", "w")
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(work / "run.yaml")],
+                         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    metrics, got, rss = work / "out" / "metrics.jsonl", [], None
+    while time.monotonic() - t0 < timeout and p.poll() is None:
+        time.sleep(1)
+        if metrics.is_file():
+            got = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        if len(got) >= rows:
+            break
+    rss = _rss_gib(p.pid)
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    log.close()
+    wall = time.monotonic() - t0
+    tail = (work / "train.log").read_text(errors="replace").strip().splitlines()[-3:]
+    row = {"case": name, "model": model, "res": res, "micro_batch": mb, "gen_config": gen_args, "run_keys": keys,
+           "lora": lora, "memory_cap_gib": cap, "wall_s": round(wall, 1), "steps_logged": len(got),
+           "host_rss_gib": rss}
+    if len(got) <= 3:
+        return {**row, "status": "failed" if p.returncode not in (None, -9) else "too few steps", "log_tail": tail}
+    after = got[3:]
+    sps = statistics.median(r["samples_per_s"] for r in after)
+    flops = statistics.median(r.get("mfu") or 0 for r in after)
+    row.update(status="ok", samples_per_s=round(sps, 3), step_s=round(statistics.median(r["step_time_s"] for r in after), 4),
+               peak_allocated_gb=max(r["peak_memory_gb"] for r in got), mfu_datasheet=flops,
+               losses=[round(r["loss"], 4) for r in got], skipped_steps=got[-1]["skipped_steps"],
+               grad_norm_last=got[-1].get("grad_norm"))
+    if peak and flops:
+        from fluxzero.train.metrics import peak_flops  # the datasheet figure the trainer's mfu used
+        import torch
+
+        sheet = peak_flops(torch.device("cuda"), torch.bfloat16)
+        row["mfu_measured_peak"] = round(flops * sheet / (peak * 1e12), 4) if sheet else None
+    return row
+
+
+def run_peer(name: str, work: Path, timeout: float) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "peer.jsonl"
+    cmd = [sys.executable, str(HERE / "sweep.py"), "--impl", "diffusers", *PEERS[name], "--res", "512",
+           "--warmup", "3", "--steps", "5", "--timeout", str(int(timeout)), "--name", "peer", "--out", str(work)]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    rows = [json.loads(line) for f in work.glob("*.jsonl") for line in f.read_text().splitlines() if line.strip()]
+    row = {"case": name, "wall_s": round(time.monotonic() - t0, 1), "sweep_args": PEERS[name]}
+    if rows and "samples_per_s" in rows[-1]:
+        r = rows[-1]
+        row.update(status=r.get("status", "ok"), samples_per_s=round(r["samples_per_s"], 3), mfu_measured_peak=r.get("mfu"),
+                   peak_allocated_gb=r.get("peak_allocated_gb") or r.get("peak_mem_gb"))
+    else:
+        row.update(status="failed", log_tail=(p.stdout + p.stderr).strip().splitlines()[-3:])
+    del out
+    return row
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", required=True, help=f"comma-separated case names or sets ({', '.join(SETS)}); "
+                                                   f"cases: {', '.join([*CASES, *PEERS])}")
+    ap.add_argument("--out", required=True, help="JSON lines file (appended)")
+    ap.add_argument("--rows", type=int, default=8, help="metrics rows (steps) to wait for per case")
+    ap.add_argument("--timeout", type=float, default=150, help="seconds per case")
+    ap.add_argument("--memory-cap-gib", type=float, default=None)
+    a = ap.parse_args(argv)
+    names = [n for part in a.cases.split(",") for n in SETS.get(part, [part])]
+    unknown = [n for n in names if n not in CASES and n not in PEERS]
+    if unknown:
+        ap.error(f"unknown cases {unknown}")
+    peak = measured_peak_tflops()
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in names:
+            work = Path(tmp) / n.replace(":", "-")
+            row = run_peer(n, work, a.timeout) if n in PEERS else run_case(n, work, a.rows, a.timeout,
+                                                                            a.memory_cap_gib, peak)
+            row.update(measured_peak_tflops=peak, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+            results.append(row)
+            with out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{n}: {row.get('status')} {row.get('samples_per_s', '')} samples/s "
+                  f"peak {row.get('peak_allocated_gb', '')} GB {row.get('log_tail', '')}", flush=True)
+    print(f"\nmeasured bf16 matmul peak: {peak and round(peak)} TFLOP/s")
+    print("| case | samples/s | MFU (measured peak) | peak alloc GB | host RSS GiB | wall s |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        mfu = r.get("mfu_measured_peak")
+        print(f"| {r['case']} | {r.get('samples_per_s', r.get('status'))} | "
+              f"{'' if mfu is None else f'{100 * mfu:.1f}%'} | {r.get('peak_allocated_gb', '')} | "
+              f"{'' if r.get('host_rss_gib') is None else round(r['host_rss_gib'], 1)} | {r['wall_s']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
