@@ -185,10 +185,10 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
             "ema_device": values.get("ema_device", "gpu")}
     fields["zero"] = gen_config_zero(model, fields["stage"])
     if ds_path is not None:
-        from fluxzero.config import ds_config, ds_view
+        from fluxzero.config import ds_config, ds_file, ds_view
 
         try:
-            ds = ds_view.read_json(ds_path)
+            ds = ds_file.read_json(ds_path)
         except ds_view.DSConfigError as e:
             raise click.BadParameter(str(e), param_hint="--config") from None
 

@@ -56,7 +56,7 @@ def test_every_gpu_case_gets_a_config_deepspeed_accepts():
     for name, (fn, _, _) in sweep.SETS.items():
         for case in fn():
             ds = sweep._ds_config(case, case.gpus)
-            # what loop.setup (ds_view.load_for_training) refuses, in one sentence, on the GPU machine
+            # what loop.setup (ds_file.load_for_training) refuses, in one sentence, on the GPU machine
             assert not ds_config.check(ds, case.gpus), (name, case.name, ds_config.check(ds, case.gpus))
             assert ds["train_batch_size"] == case.mb * case.gpus and ds["zero_optimization"]["stage"] == case.zero
             assert ds["optimizer"]["params"].get("fused") is (True if case.optim == "torch-fused" else None)

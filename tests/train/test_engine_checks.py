@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fluxzero.config import ds_config
-from fluxzero.config.ds_view import DSConfigError, load_for_training
+from fluxzero.config.ds_file import load_for_training
+from fluxzero.config.ds_view import DSConfigError
 from fluxzero.train.checkpoint import _file_problem
 from fluxzero.train.distributed import TrainingError
 from fluxzero.train.export import _stage0_master_weights, consolidated_state_dict, resolve_checkpoint

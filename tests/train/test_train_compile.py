@@ -66,7 +66,8 @@ def test_check_refuses_deepcompile_the_trainer_never_runs():
 ])
 def test_trainer_refuses_bad_compile_sections(tmp_path, section, match):
     # one rule set: the trainer refuses with check-config's own sentence
-    from fluxzero.config.ds_view import DSConfigError, load_for_training
+    from fluxzero.config.ds_file import load_for_training
+    from fluxzero.config.ds_view import DSConfigError
 
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
