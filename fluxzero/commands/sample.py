@@ -134,7 +134,7 @@ def _apply_adapters(model, lora: Path | None):
     import torch
 
     from ..config.lora import LoraConfig
-    from ..model.lora import LoraError
+    from ..model.lora_keys import LoraError
     from ..model.lora_formats import merge_lora, read_lora
 
     try:

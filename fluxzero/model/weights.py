@@ -98,7 +98,7 @@ def _raw_files(path: str | os.PathLike) -> tuple[str, dict[str, Path]]:
         return "diffusers", files
     if path.suffix != ".safetensors":
         raise WeightsError(f"{path}: only .safetensors weights are read (pickled .pt/.ckpt/.bin files are refused)")
-    from .lora import is_lora_file
+    from .lora_keys import is_lora_file
 
     if is_lora_file(path):
         raise WeightsError(f"{path} is a LoRA file (adapters only), not full model weights; give the base model's "

@@ -122,7 +122,8 @@ def apply_adapters(model: torch.nn.Module, lora, v: DSView) -> list[str]:
     DeepSpeed's checkpointing is reentrant: a checkpointed block whose inputs need no gradient (the frozen
     embedders' outputs) would hand none to its adapters, so the embedders' outputs are marked as needing one.
     """
-    from fluxzero.model.lora import LoraError, apply_lora
+    from fluxzero.model.lora import apply_lora
+    from fluxzero.model.lora_keys import LoraError
 
     if v.compile and v.stage == 3:  # measured on CPU with Dynamo's eager and aot_eager backends
         raise TrainingError("compiled blocks (fluxzero.compile.blocks) with LoRA under ZeRO-3 fail in DeepSpeed "

@@ -71,7 +71,7 @@ def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "b
     `weights`) with the LoRA merged in, W + (alpha / rank) B A in fp32, then rounded to `dtype`."""
     from safetensors import SafetensorError
 
-    from fluxzero.model.lora import LoraError
+    from fluxzero.model.lora_keys import LoraError
     from fluxzero.model.lora_formats import merge_lora, save_lora
     from fluxzero.model.weights import WeightsError, load_weights, save_weights
 

@@ -36,7 +36,7 @@ OUT_RTOL = 1e-5
 # ---------------------------------------------------------------------------------------------------------
 def test_linear_shapes_are_the_models_linears():
     from fluxzero.model import build_model
-    from fluxzero.model.lora import _linear_names
+    from fluxzero.model.lora_keys import _linear_names
 
     for name in ("flux-tiny", "flux-tiny-schnell", "flux-dev"):
         model = build_model(name, device="meta")
