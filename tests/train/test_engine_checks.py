@@ -13,7 +13,7 @@ from fluxzero.config.ds_file import load_for_training
 from fluxzero.config.ds_view import DSConfigError
 from fluxzero.train.checkpoint import _file_problem
 from fluxzero.train.distributed import TrainingError
-from fluxzero.train.export import _stage0_master_weights, consolidated_state_dict, resolve_checkpoint
+from fluxzero.train.consolidate import _stage0_master_weights, consolidated_state_dict, resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,

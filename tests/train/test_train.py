@@ -117,7 +117,7 @@ def test_export_is_current_only_in_the_same_layout_and_dtype(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from fluxzero.train.export import _export_is_current
+    from fluxzero.train.consolidate import _export_is_current
 
     latest = tmp_path / "latest"
     latest.write_text("step_00000004")
@@ -581,7 +581,7 @@ def test_deepspeed_launcher_two_ranks(tmp_path):
 def test_an_incomplete_diffusers_export_is_not_up_to_date(tmp_path):
     """The index is written last: shards without it are an export that stopped midway and must be redone."""
     from fluxzero.model.weights import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
-    from fluxzero.train.export import _diffusers_files
+    from fluxzero.train.consolidate import _diffusers_files
 
     shards = [f"diffusion_pytorch_model-0000{i}-of-00002.safetensors" for i in (1, 2)]
     (tmp_path / shards[0]).write_bytes(b"x")
