@@ -15,10 +15,9 @@ import json
 import math
 
 from fluxzero.config import ds_view, optim_modes
-from fluxzero.config.ds_view import DSView, view
+from fluxzero.config.ds_view import BATCH_KEYS, FLUXZERO_SECTION, DSView, view
 
 # Values the builder writes and the checker accepts
-FLUXZERO_SECTION = "fluxzero"
 PRECISIONS = ("bf16", "fp16", "fp32")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 ADAM_IMPLS = ("torch", "fused", "cpu")
@@ -349,9 +348,6 @@ def implied_world_size(cfg: dict) -> int | None:
     if all(_is_int(x) and x > 0 for x in vals) and vals[0] % (vals[1] * vals[2]) == 0:
         return vals[0] // (vals[1] * vals[2])
     return None
-
-
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 def without_auto(cfg: dict) -> dict:

@@ -115,7 +115,7 @@ def _int_or_none(ds: dict, key: str):
 
 
 def view(ds: dict) -> DSView:
-    """The view of a DeepSpeed config dict; values are taken as they are (`ds_config.check` reports bad ones).
+    """The view of a DeepSpeed config dict; values are taken as they are (`ds_check.check` reports bad ones).
 
     Raises DSConfigError when a section has a type the view cannot read (say "zero_optimization": 2).
     """

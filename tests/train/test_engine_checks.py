@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fluxzero.config import ds_config
+from fluxzero.config import ds_check
 from fluxzero.config.ds_file import load_for_training
 from fluxzero.config.ds_view import DSConfigError
 from fluxzero.train.checkpoint import _file_problem
@@ -86,7 +86,7 @@ def test_batch_sizes_come_from_the_deepspeed_config(tmp_path):
 def test_every_committed_config_passes_the_trainer(path):
     from fluxzero.train.engine import check_supported
 
-    world = ds_config.implied_world_size(json.loads(Path(path).read_text())) or 1
+    world = ds_check.implied_world_size(json.loads(Path(path).read_text())) or 1
     _, v = load_for_training(path, world)
     if v.precision == "fp16" and not torch.cuda.is_available():  # refused after every check passed: CPU has no fp16
         with pytest.raises(TrainingError, match="trains in fp16, which DeepSpeed's cpu accelerator"):
