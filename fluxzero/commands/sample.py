@@ -113,7 +113,8 @@ def _vae_folder(vae, flux_dir) -> str:
 
 def _load_model(weights: Path, preset: str | None, dev, dt):
     from ..config import get_model_config
-    from ..model.weights import WeightsError, load_model
+    from ..model.layouts import WeightsError
+    from ..model.weights import load_model
 
     try:
         cfg = get_model_config(preset) if preset else None

@@ -20,10 +20,9 @@ import torch
 from torch import Tensor
 
 from ..config import MODEL_PRESETS, ModelConfig
-from .layouts import (  # noqa: F401  (the layouts' names, importable from here as before)
+from .layouts import (
     _SHOW, COMFY_PREFIX, DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS, LAYOUTS, MODEL_METADATA, WeightsError, _combine,
-    _diffusers_parts, _expected_shapes, _part, _plan_from_diffusers, _raise_if, _wrong_shapes, bfl_to_diffusers,
-    diffusers_names, diffusers_to_bfl, infer_config,
+    _diffusers_parts, _expected_shapes, _part, _plan_from_diffusers, _raise_if, _wrong_shapes, infer_config,
 )
 
 # ------------------------------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def ema_state_dict(tag_dir: Path) -> dict:
 def _diffusers_files(folder: Path) -> list[Path]:
     """The weight files of a complete diffusers export, [] when it is incomplete: the index is written last,
     so shards without it are an export that stopped midway."""
-    from fluxzero.model.weights import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
+    from fluxzero.model.layouts import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
 
     index = folder / DIFFUSERS_INDEX
     if index.is_file():
@@ -123,7 +123,7 @@ def _diffusers_files(folder: Path) -> list[Path]:
 def _export_is_current(out: Path, latest: Path, layout: str, dtype: str) -> bool:
     """`out` was written after the checkpoint `latest` names, in this layout and dtype (read from the
     safetensors header: tensor dtypes, and ComfyUI's key prefix; diffusers is the folder)."""
-    from fluxzero.model.weights import COMFY_PREFIX
+    from fluxzero.model.layouts import COMFY_PREFIX
 
     try:
         files = _diffusers_files(out) if layout == "diffusers" else [out]

@@ -23,7 +23,8 @@ def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dt
     from safetensors import SafetensorError
 
     from fluxzero.config import resolve_model
-    from fluxzero.model.weights import WeightsError, save_weights
+    from fluxzero.model.layouts import WeightsError
+    from fluxzero.model.weights import save_weights
 
     sd, tag_dir = consolidated_state_dict(path)
     if weights == "ema":

@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     distributed.quiet_other_ranks()  # before DeepSpeed's import, which already warns
     from fluxzero.data import DataError
-    from fluxzero.model.weights import WeightsError
+    from fluxzero.model.layouts import WeightsError
 
     owns_group = not dist.is_initialized()  # leave a caller's process group alone
     call = next(_calls)

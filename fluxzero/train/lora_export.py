@@ -73,7 +73,8 @@ def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "b
 
     from fluxzero.model.lora_keys import LoraError
     from fluxzero.model.lora_formats import merge_lora, save_lora
-    from fluxzero.model.weights import WeightsError, load_weights, save_weights
+    from fluxzero.model.layouts import WeightsError
+    from fluxzero.model.weights import load_weights, save_weights
 
     lcfg, cfg, run_weights = lora_settings(tag_dir)
     lora_sd = canonical_lora(sd)

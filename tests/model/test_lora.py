@@ -17,6 +17,7 @@ from fluxzero.config.lora import LoraConfig
 from fluxzero.model import build_model
 from fluxzero.model import lora as L
 from fluxzero.model import lora_formats as F
+from fluxzero.model import layouts
 from fluxzero.model import weights as W
 from fluxzero.model.lora_keys import LoraError, is_lora_file
 from tests.helpers import ONE_RANK
@@ -349,7 +350,7 @@ def test_full_weights_as_lora_and_lora_as_full_weights(tmp_path):
         L.load_lora_state_dict(model, build_model("flux-tiny").state_dict())
     F.save_lora(tmp_path / "lora.safetensors", L.lora_state_dict(model), LoraConfig(rank=2))
     assert is_lora_file(tmp_path / "lora.safetensors")
-    with pytest.raises(W.WeightsError):  # weights.py refuses it today; its loader can call is_lora_file for a hint
+    with pytest.raises(layouts.WeightsError):  # weights.py refuses it today; its loader can call is_lora_file for a hint
         W.load_weights(tmp_path / "lora.safetensors")
 
 

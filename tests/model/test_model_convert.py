@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 from fluxzero.cli import main
 from fluxzero.config import get_model_config
 from fluxzero.model import build_model
+from fluxzero.model import layouts
 from fluxzero.model import weights as W
 
 
@@ -70,7 +71,7 @@ def _diffusers_folder(tmp_path, name, change):
 
 def _edit_index(edit):
     def change(d):
-        index = d / W.DIFFUSERS_INDEX
+        index = d / layouts.DIFFUSERS_INDEX
         index.write_text(json.dumps(edit(json.loads(index.read_text()))))
     return change
 

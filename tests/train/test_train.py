@@ -580,7 +580,7 @@ def test_deepspeed_launcher_two_ranks(tmp_path):
 
 def test_an_incomplete_diffusers_export_is_not_up_to_date(tmp_path):
     """The index is written last: shards without it are an export that stopped midway and must be redone."""
-    from fluxzero.model.weights import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
+    from fluxzero.model.layouts import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
     from fluxzero.train.consolidate import _diffusers_files
 
     shards = [f"diffusion_pytorch_model-0000{i}-of-00002.safetensors" for i in (1, 2)]

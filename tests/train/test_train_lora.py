@@ -115,7 +115,8 @@ def _lora_model(lcfg, seed=0, name="flux-tiny"):
 def test_weights_loader_names_a_lora_file(tmp_path):
     from fluxzero.model import lora as L
     from fluxzero.model.lora_formats import save_lora
-    from fluxzero.model.weights import WeightsError, load_weights
+    from fluxzero.model.layouts import WeightsError
+    from fluxzero.model.weights import load_weights
 
     lcfg = LoraConfig(rank=2)
     model, _ = _lora_model(lcfg)
