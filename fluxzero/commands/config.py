@@ -269,8 +269,10 @@ def summary(v: ds_view.DSView, world: int | None) -> str:
                                                          ("parameter", v.offload_param)) if dev != "none"]
     mode = optim_modes.MODES.get(v.optimizer_mode) if isinstance(v.optimizer_mode, str) else None
     precision = v.precision
-    if mode is not None and mode.master_dtype == "bf16":
-        precision = "bf16 masters" if v.stage else "bf16 (the trainer casts the model; bf16 off in DeepSpeed)"
+    if v.trainer_casts_to_bf16:
+        precision = "bf16 (the trainer casts the model; bf16 off in DeepSpeed)"
+    elif mode is not None and mode.master_dtype == "bf16":
+        precision = "bf16 masters"
     parts = [f"ZeRO-{v.stage}" + (f" with {' and '.join(off)}" if off else ""), precision]
     try:
         micro, accum, train = v.batch_for(world or 1)

@@ -124,7 +124,7 @@ def _mode_problems(v: DSView, name) -> list[str]:
                  f"DeepSpeedCPUAdam (it stops at engine start): drop {name('offload_optimizer')} "
                  f"{v.offload_optimizer}, or use {M} fp32")
     want = mode.ds_bf16_section(stage) if stage in mode.zero_stages else {"enabled": True}
-    if bf16_master and stage == 0:
+    if v.trainer_casts_to_bf16:
         if v.precision == "bf16" or v.bf16_master_weights_and_grads or v.bf16_optimizer_states:
             p.append(f"{M} {mode.name} at ZeRO stage 0 needs bf16 off in the DeepSpeed config (the trainer casts "
                      f"the model to bf16; DeepSpeed's bf16 wrapper would step fp32 masters and stage 0 refuses "

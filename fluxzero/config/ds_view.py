@@ -70,12 +70,10 @@ class DSView:
 
     @property
     def trainer_casts_to_bf16(self) -> bool:
-        """A bf16-master optimizer mode at ZeRO 0: bf16 is off in the config (DeepSpeed's bf16 wrapper would keep
-        fp32 masters), so the trainer casts the model to bf16 itself and the client optimizer steps its weights."""
-        from fluxzero.config.optim_modes import MODES  # pure
+        """The model is born in bf16 (a bf16-master optimizer mode at ZeRO 0; optim_modes.trainer_casts_to_bf16)."""
+        from fluxzero.config.optim_modes import trainer_casts_to_bf16  # pure
 
-        mode = MODES.get(self.optimizer_mode) if isinstance(self.optimizer_mode, str) else None
-        return mode is not None and mode.master_dtype == "bf16" and self.stage == 0
+        return trainer_casts_to_bf16(self.optimizer_mode, self.stage)
 
     def checkpointed_blocks(self, n_blocks: int) -> int:
         """How many of n_blocks the trainer checkpoints (block i iff i % every_k_blocks == 0)."""

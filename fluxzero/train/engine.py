@@ -59,7 +59,7 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     # the whole model. Below stage 3 each rank holds a full copy anyway.
     with deepspeed.zero.Init(config_dict_or_path=ds, enabled=stage == 3):
         model = build_model(model_cfg, device="cpu" if stage == 3 else device, attention=attention,
-                            dtype=torch.bfloat16 if _bf16_module_without_deepspeed(v) else torch.float32)
+                            dtype=torch.bfloat16 if v.trainer_casts_to_bf16 else torch.float32)
     if weights:
         load_pretrained(model, weights, model_cfg, partitioned=stage == 3)
     if lora is not None:  # after the weights: the base's names gain `.base_layer` once adapters wrap it
@@ -75,20 +75,10 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     return engine
 
 
-def _bf16_module_without_deepspeed(v: DSView) -> bool:
-    """A bf16 optimizer mode at ZeRO 0: DeepSpeed's bf16 is off (its wrapper would keep fp32 masters) and the
-    model is born in bf16, so the client optimizer steps the bf16 weights themselves (optim_modes says why)."""
-    if not v.optimizer_mode or v.stage != 0:
-        return False
-    from fluxzero.config.optim_modes import get_mode
-
-    return get_mode(v.optimizer_mode).master_dtype == "bf16"
-
-
 def model_dtype(v: DSView) -> torch.dtype:
     """The dtype of the module's parameters in training: DeepSpeed's precision, or bf16 for a bf16 optimizer mode
     at ZeRO 0 (where DeepSpeed's bf16 is off)."""
-    return torch.bfloat16 if _bf16_module_without_deepspeed(v) else getattr(torch, v.dtype_name)
+    return torch.bfloat16 if v.trainer_casts_to_bf16 else getattr(torch, v.dtype_name)
 
 
 def client_optimizer(params: list, ds: dict, v: DSView):
