@@ -120,6 +120,15 @@ def _diffusers_files(folder: Path) -> list[Path]:
     return [single] if single.is_file() and not list(folder.glob("diffusion_pytorch_model-*")) else []
 
 
+def _tensor_dtypes(path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """({tensor: safetensors dtype ("BF16", "F32")}, metadata) of a safetensors file, without reading tensors;
+    ValueError when it is no readable safetensors file."""
+    from fluxzero.data.shards import read_header
+
+    entries, meta = read_header(path)
+    return {k: v["dtype"] for k, v in entries.items()}, meta
+
+
 def _export_is_current(out: Path, latest: Path, layout: str, dtype: str) -> bool:
     """`out` was written after the checkpoint `latest` names, in this layout and dtype (read from the
     safetensors header: tensor dtypes, and ComfyUI's key prefix; diffusers is the folder)."""
@@ -129,10 +138,9 @@ def _export_is_current(out: Path, latest: Path, layout: str, dtype: str) -> bool
         files = _diffusers_files(out) if layout == "diffusers" else [out]
         if not files or any(f.stat().st_mtime < latest.stat().st_mtime for f in files):
             return False
-        with open(files[0], "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        dtypes = {v["dtype"] for k, v in header.items() if k != "__metadata__"}
-        comfy = any(k.startswith(COMFY_PREFIX) for k in header)
+        tensors, _ = _tensor_dtypes(files[0])
+        dtypes = set(tensors.values())
+        comfy = any(k.startswith(COMFY_PREFIX) for k in tensors)
     except (OSError, ValueError, TypeError, KeyError, AttributeError):  # missing, a folder, not safetensors
         return False
     want = {"bf16": "BF16", "fp32": "F32"}[dtype]
@@ -144,10 +152,8 @@ def lora_is_current(out: Path, latest: Path, layout: str, dtype: str) -> bool:
     try:
         if out.stat().st_mtime < latest.stat().st_mtime:
             return False
-        with open(out, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        meta = header.pop("__metadata__", {})
-        dtypes = {v["dtype"] for k, v in header.items() if not k.endswith(".alpha")}
+        tensors, meta = _tensor_dtypes(out)
+        dtypes = {d for k, d in tensors.items() if not k.endswith(".alpha")}
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return False
     return meta.get("fluxzero.format") == layout and dtypes == {{"bf16": "BF16", "fp32": "F32"}[dtype]}
