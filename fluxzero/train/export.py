@@ -19,10 +19,10 @@ def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dt
     weights "ema": the EMA the run kept (its per-rank shards, consolidated on this CPU) replaces the trained
     weights it averages; the others (none, in a full fine-tune) stay the checkpoint's.
     """
-    import yaml
     from safetensors import SafetensorError
 
     from fluxzero.config import resolve_model
+    from fluxzero.config.runfile import read_saved_run
     from fluxzero.model.layouts import WeightsError
     from fluxzero.model.weights import save_weights
 
@@ -36,9 +36,11 @@ def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dt
     run = tag_dir / "run.yaml"
     cfg = None
     if run.is_file():
+        saved = read_saved_run(run, "it records what the checkpoint trained: repair it, or export another checkpoint",
+                               TrainingError)
         try:
-            cfg = resolve_model(yaml.safe_load(run.read_text())["model"])
-        except (yaml.YAMLError, OSError, UnicodeDecodeError, TypeError, KeyError, ValueError) as e:
+            cfg = resolve_model(saved["model"])
+        except (TypeError, KeyError, ValueError) as e:
             raise TrainingError(f"{run} does not name a known model ({str(e).splitlines()[0][:200]}); it records "
                                 f"what the checkpoint trained: repair it, or export another checkpoint") from None
     from fluxzero.fsutil import remove_stale_temps

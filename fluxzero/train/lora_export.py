@@ -27,25 +27,13 @@ def is_lora_state_dict(sd: dict) -> bool:
     return any(".lora_A." in k for k in sd)
 
 
-def _run_settings(tag_dir: Path) -> dict:
-    import yaml
-
-    run = Path(tag_dir) / "run.yaml"
-    try:
-        saved = yaml.safe_load(run.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise TrainingError(f"cannot read {run} ({str(e).splitlines()[0][:200]}), which records the LoRA's rank, "
-                            f"alpha and targets; restore it, or export another checkpoint") from None
-    if not isinstance(saved, dict):
-        raise TrainingError(f"{run} is not a mapping of settings; restore it, or export another checkpoint")
-    return saved
-
-
 def lora_settings(tag_dir: Path):
     """(LoraConfig, ModelConfig or None, the run's base weights path or None) from a checkpoint's run.yaml."""
     from fluxzero.config import LoraConfig, resolve_model
+    from fluxzero.config.runfile import read_saved_run
 
-    saved = _run_settings(tag_dir)
+    saved = read_saved_run(Path(tag_dir) / "run.yaml", "it records the LoRA's rank, alpha and targets: restore it, or "
+                           "export another checkpoint", TrainingError)
     if not saved.get("lora"):
         raise TrainingError(f"checkpoint {tag_dir} holds LoRA adapters but its run.yaml has no lora section (their "
                             f"rank, alpha and targets); restore run.yaml, or export another checkpoint")

@@ -391,7 +391,7 @@ def test_export_command(cases, tmp_path):
     # run.yaml names what was trained: unreadable, or another model than the weights, is one sentence
     copy = tmp_path / "copy"
     shutil.copytree(run_dir / "checkpoints" / "step_00000004", copy)
-    for text, words in (("model: [unclosed", "does not name a known model"),
+    for text, words in (("model: [unclosed", "is not valid YAML"), ("model: flux-nope\n", "does not name a known model"),
                         ("model: flux-dev\n", "cannot export")):
         (copy / "run.yaml").write_text(text)
         r = CliRunner().invoke(main, ["export", str(copy), str(tmp_path / "y.safetensors")])
