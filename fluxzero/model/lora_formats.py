@@ -73,14 +73,6 @@ def _module_names() -> dict[str, list[str]]:
     return out
 
 
-def _split(module: str) -> tuple[str, str, str]:
-    """(kind, index, inner) of one of our module names; kind "top" has index ""."""
-    m = _BLOCK.match(module)
-    if m:
-        return ("double" if m.group(1) == "double_blocks" else "single"), m.group(2), m.group(3)
-    return "top", "", module
-
-
 def _diffusers_modules(module: str) -> tuple[list[str], str]:
     """Diffusers module names our module becomes and how: "copy", "cat" (row parts) or "swap" (halves)."""
     try:

@@ -117,11 +117,6 @@ def _raw_files(path: str | os.PathLike) -> tuple[str, dict[str, Path]]:
     )
 
 
-def detect_layout(path: str | os.PathLike) -> str:
-    """"bfl", "comfyui" or "diffusers" for a .safetensors file or a diffusers (transformer) folder."""
-    return _raw_files(path)[0]
-
-
 class _Source:
     """One weights source seen in BFL names: plan (BFL key -> raw parts, how), shapes without reading data."""
 

@@ -1,4 +1,5 @@
-"""The DeepSpeed engine around the FLUX.1 model: the only module of the project that imports deepspeed.
+"""The DeepSpeed engine around the FLUX.1 model: the one module that imports deepspeed at top level (check-config's
+DeepSpeed parse in config/ds_validate.py and commands/config.py, and `fluxzero doctor`, import it inside a call).
 
 Like torchtitan's parallelize, it applies what the DeepSpeed config asks for from outside the model: the model is
 born partitioned under ZeRO-3 (zero.Init), pretrained weights are copied into the partitions, blocks are

@@ -37,7 +37,7 @@ def test_round_trip_bit_exact(tmp_path, model, layout, dtype):
     sd = {k: v.to(dtype) for k, v in model.state_dict().items()}
     path = tmp_path / ("out" if layout == "diffusers" else "out.safetensors")
     W.save_weights(sd, path, layout=layout)
-    assert W.detect_layout(path) == layout
+    assert W._raw_files(path)[0] == layout
     assert_same(W.load_weights(path), sd)
     assert_same(W.load_weights(path, cfg=model.config), sd)
 
@@ -51,7 +51,7 @@ def test_diffusers_sharded_folder_and_pipeline_root(tmp_path, model):
     assert len(shards) >= 2 and shards[0].endswith(f"-of-{len(shards):05d}.safetensors")
     assert layouts.DIFFUSERS_INDEX in files and "config.json" in files
     for path in (root, root / "transformer"):
-        assert W.detect_layout(path) == "diffusers"
+        assert W._raw_files(path)[0] == "diffusers"
         assert_same(W.load_weights(path), sd)
 
 
@@ -128,19 +128,19 @@ def test_refuses_pickles_and_unknown_files(tmp_path):
     pt = tmp_path / "w.pt"
     torch.save({"a": torch.zeros(1)}, pt)
     with pytest.raises(layouts.WeightsError, match="only .safetensors"):
-        W.detect_layout(pt)
+        W._raw_files(pt)
     other = _save(tmp_path / "o.safetensors", {"foo.weight": torch.zeros(1)})
     with pytest.raises(layouts.WeightsError, match="cannot tell the layout"):
-        W.detect_layout(other)
+        W._raw_files(other)
     (tmp_path / "empty").mkdir()
     with pytest.raises(layouts.WeightsError, match="folder holds no"):
         W.load_weights(tmp_path / "empty")
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not a safetensors file")
     with pytest.raises(layouts.WeightsError, match="not a readable safetensors"):
-        W.detect_layout(junk)
+        W._raw_files(junk)
     with pytest.raises(layouts.WeightsError, match="no such file"):
-        W.detect_layout(tmp_path / "absent.safetensors")
+        W._raw_files(tmp_path / "absent.safetensors")
 
 
 def _save(path, sd):
@@ -159,7 +159,7 @@ def test_diffusers_single_file_and_comfyui_all_in_one(tmp_path, model):
     sd = model.state_dict()
     W.save_weights(sd, tmp_path / "d", layout="diffusers")
     single = tmp_path / "d" / layouts.DIFFUSERS_WEIGHTS
-    assert W.detect_layout(single) == "diffusers"
+    assert W._raw_files(single)[0] == "diffusers"
     assert_same(W.load_weights(single), sd)
     # ComfyUI all-in-one checkpoints carry the VAE and text encoders next to the transformer: ignored.
     comfy = {layouts.COMFY_PREFIX + k: v.contiguous() for k, v in sd.items()}
