@@ -166,10 +166,10 @@ def test_names_are_imported_from_the_module_that_defines_them():
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 aliases.update((a.asname, a.name) for a in node.names if a.asname and a.name in MODULES)
-            elif isinstance(node, ast.ImportFrom) and node.module:
+            elif isinstance(node, ast.ImportFrom):  # `from fluxzero.x import mod`, `from . import mod as M`
                 base = _absolute(node, module, path) if module else node.module
                 aliases.update((a.asname or a.name, f"{base}.{a.name}") for a in node.names
-                               if f"{base}.{a.name}" in MODULES)
+                               if base and f"{base}.{a.name}" in MODULES)
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
                 target = aliases[node.value.id]
