@@ -32,7 +32,7 @@ import torch
 from fluxzero.config import get_model_config
 from fluxzero.model import math as fmath
 from fluxzero.model.layers import DoubleStreamBlock, SingleStreamBlock
-from fluxzero.model.weights import bfl_to_diffusers
+from fluxzero.model.layouts import bfl_to_diffusers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # provenance, also when this file is loaded by path
 import provenance  # noqa: E402 - needs the line above

@@ -424,7 +424,7 @@ def _baseline_runner(case: Case, cfg, rank: int, world: int, device, hook):
 
     import baseline_diffusers
     from fluxzero.config import get_model_config
-    from fluxzero.config.ds_view import load_for_training
+    from fluxzero.config.ds_file import load_for_training
     from fluxzero.data import build_dataloader
     from fluxzero.model.math import ATTENTION_BACKENDS
     from fluxzero.train import flow

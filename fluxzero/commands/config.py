@@ -11,11 +11,12 @@ import sys
 import click
 from click.core import ParameterSource
 
-from fluxzero.config import ds_config, ds_view, optim_modes
+from fluxzero.config import ds_check, ds_config, ds_view, optim_modes
 from fluxzero.commands.estimate import apply_fit, fit_options
 from fluxzero.commands.model_spec import MODEL_SPEC
 from fluxzero.config.ds_check import FP8_RECIPES
-from fluxzero.config.ds_config import DSConfigError, DSOptions
+from fluxzero.config.ds_config import DSOptions
+from fluxzero.config.ds_view import DSConfigError
 from fluxzero.fsutil import atomic_write
 
 _D = DSOptions()
@@ -56,9 +57,9 @@ _OPTIONS = [
     # ZeRO and offload
     _opt("zero_stage", click.IntRange(0, 3), "ZeRO stage: 0 data parallel, 1 optimizer states, 2 + gradients, "
                                              "3 + parameters."),
-    _opt("offload_optimizer", click.Choice(ds_config.OFFLOAD_DEVICES), "Offload optimizer states (and the "
+    _opt("offload_optimizer", click.Choice(ds_check.OFFLOAD_DEVICES), "Offload optimizer states (and the "
          "optimizer step) to CPU (stage 1-3) or NVMe (stage 3)."),
-    _opt("offload_param", click.Choice(ds_config.OFFLOAD_DEVICES), "Offload parameters to CPU or NVMe "
+    _opt("offload_param", click.Choice(ds_check.OFFLOAD_DEVICES), "Offload parameters to CPU or NVMe "
                                                                    "(stage 3 only)."),
     _opt("nvme_path", click.Path(file_okay=False), "Directory on a local NVMe drive for NVMe offload."),
     _opt("offload_pin_memory", None, "Offload to page-locked CPU memory (faster transfers).", flag_pair=True),
@@ -85,7 +86,7 @@ _OPTIONS = [
     _opt("stage3_gather_16bit_weights_on_model_save", None, "Stage 3: gather whole 16-bit weights when saving "
          "the model [default: on].", flag_pair=True),
     # precision
-    _opt("precision", click.Choice(ds_config.PRECISIONS), "Training precision (fp16 needs a GPU)."),
+    _opt("precision", click.Choice(ds_check.PRECISIONS), "Training precision (fp16 needs a GPU)."),
     _opt("fp16_loss_scale", click.FloatRange(min=0), "fp16: static loss scale; 0 = dynamic loss scaling."),
     _opt("fp16_initial_scale_power", _NONNEG, "fp16: dynamic scaling starts at 2^this."),
     _opt("fp16_loss_scale_window", _POS, "fp16: clean steps before the scale doubles."),
@@ -95,7 +96,7 @@ _OPTIONS = [
     _opt("fp16_min_loss_scale", _POS, "fp16: lowest dynamic loss scale."),
     # activation checkpointing
     _opt("checkpoint_every", _NONNEG, "Activation checkpointing: recompute every k-th block (0 off, 1 all)."),
-    _opt("checkpoint_impl", click.Choice(ds_config.CHECKPOINT_IMPLS), "Checkpointing implementation: "
+    _opt("checkpoint_impl", click.Choice(ds_check.CHECKPOINT_IMPLS), "Checkpointing implementation: "
          "torch.utils.checkpoint or deepspeed.checkpointing."),
     _opt("partition_activations", None, "deepspeed checkpointing: partition saved activations across "
                                         "model-parallel ranks.", flag_pair=True),
@@ -109,9 +110,9 @@ _OPTIONS = [
                                             "training, pip install -e '.[lowmem]'; GPU with FP8, e.g. H100/H200, "
                                             "4090): one scale per tensor or per row."),
     # optimizer
-    _opt("adam_impl", click.Choice(ds_config.ADAM_IMPLS), "AdamW implementation: torch (torch.optim.AdamW(fused=True), no build), fused "
+    _opt("adam_impl", click.Choice(ds_check.ADAM_IMPLS), "AdamW implementation: torch (torch.optim.AdamW(fused=True), no build), fused "
          "(DeepSpeed FusedAdam, GPU), cpu (DeepSpeedCPUAdam, with optimizer offload)."),
-    _opt("optimizer_mode", click.Choice(list(ds_config.trainable_modes())), "Memory-saving optimizer mode the "
+    _opt("optimizer_mode", click.Choice(list(ds_check.trainable_modes())), "Memory-saving optimizer mode the "
          "trainer builds instead of DeepSpeed's AdamW on fp32 masters (README: optimizer modes); writes the bf16 "
          "and ZeRO keys it needs."),
     _opt("lr", click.FloatRange(min=0, min_open=True), "AdamW learning rate (peak, after warm-up)."),
@@ -121,11 +122,11 @@ _OPTIONS = [
     _opt("weight_decay", click.FloatRange(min=0), "AdamW decoupled weight decay."),
     _opt("gradient_clipping", click.FloatRange(min=0), "Clip the global gradient norm; 0 disables."),
     # scheduler
-    _opt("scheduler", click.Choice(ds_config.SCHEDULERS), "DeepSpeed LR scheduler (none: constant lr)."),
+    _opt("scheduler", click.Choice(ds_check.SCHEDULERS), "DeepSpeed LR scheduler (none: constant lr)."),
     _opt("warmup_steps", _POS, "Warm-up steps: the lr reaches --lr at this optimizer step (1 = no warm-up; "
                                "step 1 already trains)."),
     _opt("total_steps", _POS, "Total optimizer steps (WarmupCosineLR, WarmupDecayLR)."),
-    _opt("warmup_type", click.Choice(ds_config.WARMUP_TYPES), "Warm-up curve."),
+    _opt("warmup_type", click.Choice(ds_check.WARMUP_TYPES), "Warm-up curve."),
     _opt("min_lr", click.FloatRange(min=0), "LR the warm-up ramps from (step 0); step 1 runs at min_lr + "
                                             "(lr - min_lr) / warmup steps."),
     _opt("cos_min_ratio", click.FloatRange(min=0), "WarmupCosineLR: final lr as a fraction of --lr."),
@@ -235,7 +236,7 @@ def check_config(file, hostfile, world_size, run_deepspeed):
     world = world_size_from(hostfile, None, None, world_size)
     cfg, problems = _load_json(file)
     if cfg is not None:
-        problems += ds_config.check(cfg, world)
+        problems += ds_check.check(cfg, world)
     if not problems and run_deepspeed:
         # importing deepspeed logs its accelerator choice on stdout; keep stdout for the problem lines
         try:
@@ -246,13 +247,13 @@ def check_config(file, hostfile, world_size, run_deepspeed):
                                    "pass --no-deepspeed for fluxzero's checks alone.") from None
         from fluxzero.config.ds_validate import deepspeed_problems
 
-        cfg = ds_config.without_auto(cfg)
-        problems += deepspeed_problems(cfg, world or ds_config.implied_world_size(cfg) or 1)
+        cfg = ds_check.without_auto(cfg)
+        problems += deepspeed_problems(cfg, world or ds_check.implied_world_size(cfg) or 1)
     for line in problems:
         click.echo(f"{file}: {line}")
     if problems:
         sys.exit(2)
-    implied = None if world else ds_config.implied_world_size(cfg)
+    implied = None if world else ds_check.implied_world_size(cfg)
     if world:
         where = f"world size {world}"
     elif implied:  # all three batch keys set: they divide for this one world size only
@@ -272,8 +273,10 @@ def summary(v: ds_view.DSView, world: int | None) -> str:
                                                          ("parameter", v.offload_param)) if dev != "none"]
     mode = optim_modes.MODES.get(v.optimizer_mode) if isinstance(v.optimizer_mode, str) else None
     precision = v.precision
-    if mode is not None and mode.master_dtype == "bf16":
-        precision = "bf16 masters" if v.stage else "bf16 (the trainer casts the model; bf16 off in DeepSpeed)"
+    if v.trainer_casts_to_bf16:
+        precision = "bf16 (the trainer casts the model; bf16 off in DeepSpeed)"
+    elif mode is not None and mode.master_dtype == "bf16":
+        precision = "bf16 masters"
     parts = [f"ZeRO-{v.stage}" + (f" with {' and '.join(off)}" if off else ""), precision]
     try:
         micro, accum, train = v.batch_for(world or 1)

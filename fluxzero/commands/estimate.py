@@ -9,7 +9,7 @@ import json
 import click
 from click.core import ParameterSource
 
-from fluxzero.config import memory, optim_modes
+from fluxzero.config import ds_view, memory, optim_modes
 from fluxzero.commands.model_spec import MODEL_SPEC
 from fluxzero.config import get_model_config, reshaped
 from fluxzero.config.memory import GiB, GPU_MEMORY_GIB
@@ -162,7 +162,7 @@ def gen_config_zero(model: str, stage: int) -> memory.ZeroSettings:
     try:
         return memory.ZeroSettings.from_ds_config(ds_config.build(ds_config.options_from(
             None, model=model, zero_stage=stage)))
-    except ds_config.DSConfigError:
+    except ds_view.DSConfigError:
         return memory.ZeroSettings()
 
 
@@ -185,14 +185,14 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
             "ema_device": values.get("ema_device", "gpu")}
     fields["zero"] = gen_config_zero(model, fields["stage"])
     if ds_path is not None:
-        from fluxzero.config import ds_config, ds_view
+        from fluxzero.config import ds_check, ds_file
 
         try:
-            ds = ds_view.read_json(ds_path)
+            ds = ds_file.read_json(ds_path)
         except ds_view.DSConfigError as e:
             raise click.BadParameter(str(e), param_hint="--config") from None
 
-        for problem in ds_config.check(ds):  # DeepSpeed would ignore a misspelled key; the trainer refuses the file
+        for problem in ds_check.check(ds):  # DeepSpeed would ignore a misspelled key; the trainer refuses the file
             if problem.startswith("unknown key"):
                 raise click.BadParameter(f"{ds_path}: {problem}, which DeepSpeed ignores and the trainer refuses: "
                                          f"fix it (`fluxzero check-config {ds_path}` checks the whole file)",
@@ -411,7 +411,7 @@ def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node
     world = nodes * gpus_per_node
     try:
         opts = ds_config.options_from(preset, world_size=world, **given)
-    except ds_config.DSConfigError as e:
+    except ds_view.DSConfigError as e:
         raise click.UsageError("\n".join(e.problems)) from None
 
     def row_options(stage, oo, op, mode) -> ds_config.DSOptions:
@@ -432,7 +432,7 @@ def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node
         """RunSpec fields of the very config that row writes, read back as `estimate --config` reads it."""
         try:
             cfg = ds_config.build(row_options(stage, oo, op, mode))
-        except ds_config.DSConfigError as e:
+        except ds_view.DSConfigError as e:
             raise ValueError("; ".join(e.problems)) from None
         fields = memory.run_options_from_ds_config(cfg, world)
         return {k: v for k, v in fields.items() if k not in ("micro_batch", "checkpoint_every")}

@@ -31,7 +31,8 @@ def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, m
     import torch
 
     from ..config import resolve_model
-    from ..model.weights import WeightsError, load_weights, save_weights, source_config
+    from ..model.layouts import WeightsError
+    from ..model.weights import load_weights, save_weights, source_config
 
     if dst.exists() and not overwrite:
         raise click.UsageError(f"{dst} exists; pass --overwrite to replace it or choose another OUT")

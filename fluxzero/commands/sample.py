@@ -113,7 +113,8 @@ def _vae_folder(vae, flux_dir) -> str:
 
 def _load_model(weights: Path, preset: str | None, dev, dt):
     from ..config import get_model_config
-    from ..model.weights import WeightsError, load_model
+    from ..model.layouts import WeightsError
+    from ..model.weights import load_model
 
     try:
         cfg = get_model_config(preset) if preset else None
@@ -134,7 +135,7 @@ def _apply_adapters(model, lora: Path | None):
     import torch
 
     from ..config.lora import LoraConfig
-    from ..model.lora import LoraError
+    from ..model.lora_keys import LoraError
     from ..model.lora_formats import merge_lora, read_lora
 
     try:

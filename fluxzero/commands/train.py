@@ -58,7 +58,8 @@ def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, weights: str, mer
     if layout != "diffusers" and out.suffix != ".safetensors":
         raise click.BadParameter(f"--format {layout} writes one file: give OUT a .safetensors name", param_hint="OUT")
     from fluxzero.train.distributed import TrainingError
-    from fluxzero.train.export import export_checkpoint, resolve_checkpoint
+    from fluxzero.train.consolidate import resolve_checkpoint
+    from fluxzero.train.export import export_checkpoint
 
     try:
         ckpt, tag = resolve_checkpoint(ckpt_dir)

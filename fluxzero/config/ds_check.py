@@ -15,10 +15,9 @@ import json
 import math
 
 from fluxzero.config import ds_view, optim_modes
-from fluxzero.config.ds_view import DSView, view
+from fluxzero.config.ds_view import BATCH_KEYS, FLUXZERO_SECTION, DSView, view
 
 # Values the builder writes and the checker accepts
-FLUXZERO_SECTION = "fluxzero"
 PRECISIONS = ("bf16", "fp16", "fp32")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 ADAM_IMPLS = ("torch", "fused", "cpu")
@@ -128,7 +127,7 @@ def _mode_problems(v: DSView, name) -> list[str]:
                  f"DeepSpeedCPUAdam (it stops at engine start): drop {name('offload_optimizer')} "
                  f"{v.offload_optimizer}, or use {M} fp32")
     want = mode.ds_bf16_section(stage) if stage in mode.zero_stages else {"enabled": True}
-    if bf16_master and stage == 0:
+    if v.trainer_casts_to_bf16:
         if v.precision == "bf16" or v.bf16_master_weights_and_grads or v.bf16_optimizer_states:
             p.append(f"{M} {mode.name} at ZeRO stage 0 needs bf16 off in the DeepSpeed config (the trainer casts "
                      f"the model to bf16; DeepSpeed's bf16 wrapper would step fp32 masters and stage 0 refuses "
@@ -354,9 +353,6 @@ def implied_world_size(cfg: dict) -> int | None:
     if all(_is_int(x) and x > 0 for x in vals) and vals[0] % (vals[1] * vals[2]) == 0:
         return vals[0] // (vals[1] * vals[2])
     return None
-
-
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 def without_auto(cfg: dict) -> dict:

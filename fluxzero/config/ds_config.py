@@ -42,31 +42,16 @@ import math
 from dataclasses import dataclass
 
 from fluxzero.config import ds_view, optim_modes
-# The checker of any DeepSpeed dict lives in ds_check; its names stay importable from here (ds_config.check).
-from fluxzero.config.ds_check import (  # noqa: F401
-    ACTIVATION_CHECKPOINTING_KEYS, ADAM_IMPLS, ADAM_PARAM_KEYS, AIO_KEYS, BATCH_KEYS, BF16_KEYS, CHECKPOINT_IMPLS,
-    CHECKPOINT_KEYS, COMPILE_BACKENDS, COMPILE_MODES, DATA_TYPES_KEYS, DEEPSPEED_OPTIMIZERS, FLOPS_PROFILER_KEYS,
-    FLUXZERO_CHECKPOINTING_KEYS, FLUXZERO_COMPILE_KEYS, FLUXZERO_KEYS, FLUXZERO_SECTION, FP16_KEYS,
-    OFFLOAD_DEVICES, OFFLOAD_OPTIMIZER_KEYS, OFFLOAD_PARAM_KEYS, PRECISIONS, REMOVED_TOP_LEVEL_KEYS,
-    SCHEDULER_PARAM_KEYS, SCHEDULERS, TENSORBOARD_KEYS, TOP_LEVEL_KEYS, TORCH_OPTIMIZERS, TORCH_SCHEDULERS,
-    WARMUP_TYPES, ZERO_KEYS, ZERO_STAGE3_ONLY, ZERO_STAGE3_ONLY_KNOBS, ZERO_STAGE12_ONLY, ZERO_TESTED_MODES,
-    ZERO_TESTED_OPTIMIZERS, check, combination_problems, config_name, implied_world_size, trainable_modes,
-    without_auto,
+from fluxzero.config.ds_check import (
+    ADAM_IMPLS, CHECKPOINT_IMPLS, OFFLOAD_DEVICES, PRECISIONS, SCHEDULERS, WARMUP_TYPES, ZERO_STAGE3_ONLY_KNOBS,
+    ZERO_TESTED_MODES, combination_problems,
 )
-from fluxzero.config.ds_view import DSView, checkpointed_blocks
+from fluxzero.config.ds_view import FLUXZERO_SECTION, DSView, checkpointed_blocks
 
 # Stage 1/2 buckets (elements). DeepSpeed's 5e8 default costs ~1 GB per bf16 bucket and, with overlap_comm,
 # about 4.5 buckets live at once; 2e8 keeps that under 2 GB while staying far above the per-message latency
 # regime on NVLink/InfiniBand.
 STAGE12_BUCKET = 200_000_000
-
-
-class DSConfigError(ds_view.DSConfigError):
-    """Options that cannot make a valid DeepSpeed config. `problems` holds one sentence per problem."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        ValueError.__init__(self, "\n".join(self.problems))
 
 
 def flag(field: str) -> str:
@@ -171,7 +156,7 @@ def options_from(preset: str | None = None, **overrides) -> DSOptions:
     base = {}
     if preset is not None:
         if preset not in PRESETS:
-            raise DSConfigError([f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}"])
+            raise ds_view.DSConfigError([f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}"])
         base.update(PRESETS[preset])
     base.update({k: v for k, v in overrides.items() if v is not None})
     return DSOptions(**base)
@@ -426,7 +411,7 @@ def build(o: DSOptions) -> dict:
     """The DeepSpeed config for `o` (raises DSConfigError naming every bad option)."""
     problems = check_options(o)
     if problems:
-        raise DSConfigError(problems)
+        raise ds_view.DSConfigError(problems)
     micro, accum, train = batch_numbers(o)
     cfg: dict = {}
     if train is not None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 FLUXZERO_SECTION = "fluxzero"
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -72,12 +71,10 @@ class DSView:
 
     @property
     def trainer_casts_to_bf16(self) -> bool:
-        """A bf16-master optimizer mode at ZeRO 0: bf16 is off in the config (DeepSpeed's bf16 wrapper would keep
-        fp32 masters), so the trainer casts the model to bf16 itself and the client optimizer steps its weights."""
-        from fluxzero.config.optim_modes import MODES  # pure
+        """The model is born in bf16 (a bf16-master optimizer mode at ZeRO 0; optim_modes.trainer_casts_to_bf16)."""
+        from fluxzero.config.optim_modes import trainer_casts_to_bf16  # pure
 
-        mode = MODES.get(self.optimizer_mode) if isinstance(self.optimizer_mode, str) else None
-        return mode is not None and mode.master_dtype == "bf16" and self.stage == 0
+        return trainer_casts_to_bf16(self.optimizer_mode, self.stage)
 
     def checkpointed_blocks(self, n_blocks: int) -> int:
         """How many of n_blocks the trainer checkpoints (block i iff i % every_k_blocks == 0)."""
@@ -127,7 +124,7 @@ def _int_or_none(ds: dict, key: str):
 
 
 def view(ds: dict) -> DSView:
-    """The view of a DeepSpeed config dict; values are taken as they are (`ds_config.check` reports bad ones).
+    """The view of a DeepSpeed config dict; values are taken as they are (`ds_check.check` reports bad ones).
 
     Raises DSConfigError when a section has a type the view cannot read (say "zero_optimization": 2).
     """
@@ -190,57 +187,3 @@ def view(ds: dict) -> DSView:
         bf16_optimizer_states=bf16.get("bf16_optimizer_states") is True,
         force_ds_cpu_optimizer=ds.get("zero_force_ds_cpu_optimizer", True) is not False,
     )
-
-
-def read_json(path: str | Path) -> dict:
-    """A DeepSpeed JSON file as a dict; DSConfigError with one sentence when it cannot be read."""
-    from fluxzero.config.user_files import read_text
-
-    text = read_text(path, "DeepSpeed config", "point deepspeed at the JSON file from `fluxzero gen-config`",
-                     DSConfigError, missing="write one with `fluxzero gen-config`")
-    def no_duplicates(pairs):  # plain JSON keeps the last of two equal keys silently
-        seen = {}
-        for key, value in pairs:
-            if key in seen:
-                raise DSConfigError(f"DeepSpeed config {path} sets {key!r} twice in one object (the last would win "
-                                    f"silently); keep one")
-            seen[key] = value
-        return seen
-
-    try:
-        ds = json.loads(text, object_pairs_hook=no_duplicates)
-    except json.JSONDecodeError as e:
-        raise DSConfigError(f"DeepSpeed config {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(ds, dict):
-        raise DSConfigError(f"DeepSpeed config {path} must be a JSON object ({{...}}), got {type(ds).__name__}; "
-                            f"write one with `fluxzero gen-config`")
-    return ds
-
-
-def load_for_training(path: str | Path, world_size: int) -> tuple[dict, DSView]:
-    """What the trainer starts from: (the dict DeepSpeed gets, without the "fluxzero" section; its view).
-
-    Refuses, with the first finding of `fluxzero check-config` in one sentence, a config that check-config
-    reports (DeepSpeed accepts some mistakes silently, e.g. a misspelled zero_optimisation trains at ZeRO-0),
-    one without gradient_clipping (0.19.8 clips at 1.0 silently) or an optimizer, and batch sizes that do not
-    divide for this world size. The batch keys are completed (micro batch, accumulation, global batch), so
-    DeepSpeed and the trainer agree on them.
-    """
-    from fluxzero.config import ds_config
-
-    ds = read_json(path)
-    problems = ds_config.check(ds, world_size)
-    if problems:
-        more = f" ({len(problems) - 1} more; run `fluxzero check-config {path}`)" if len(problems) > 1 else ""
-        raise DSConfigError(f"DeepSpeed config {path}: {problems[0]}{more}")
-    v = view(ds)
-    if v.optimizer is None:
-        raise DSConfigError(f"DeepSpeed config {path} has no optimizer section; add one (e.g. from "
-                            f"`fluxzero gen-config`)")
-    try:
-        micro, accum, train = v.batch_for(world_size)
-    except DSConfigError as e:
-        raise DSConfigError(f"DeepSpeed config {path}: {e}") from None
-    ds = {k: val for k, val in ds.items() if k != FLUXZERO_SECTION}
-    ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum, train_batch_size=train)
-    return ds, dataclasses.replace(v, micro_batch=micro, grad_accum=accum, train_batch=train)

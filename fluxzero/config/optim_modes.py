@@ -113,6 +113,14 @@ MODES: dict[str, OptimMode] = {m.name: m for m in (
 )}
 
 
+def trainer_casts_to_bf16(mode_name: str | None, stage: int) -> bool:
+    """A bf16-master optimizer mode at ZeRO 0: bf16 is off in the DeepSpeed config (DeepSpeed's bf16 wrapper would
+    keep fp32 masters), so the model is born in bf16, cast by the trainer, and the client optimizer steps those
+    weights themselves. The one statement of this rule: DSView, the memory model and the trainer call it."""
+    mode = MODES.get(mode_name) if isinstance(mode_name, str) else None
+    return mode is not None and mode.master_dtype == "bf16" and stage == 0
+
+
 def get_mode(name: str) -> OptimMode:
     try:
         return MODES[name]

@@ -11,7 +11,7 @@ from fluxzero.config.models import model_spec, resolve_model
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Training run file (YAML -> TrainConfig). Loading YAML happens in load_config below, inside the call; this stays stdlib only.
+# Training run file (YAML -> TrainConfig). Loading YAML happens in fluxzero.config.runfile.load_config; this stays stdlib only.
 # ---------------------------------------------------------------------------------------------------------
 # Keys an older run file carried that the DeepSpeed JSON owns now (ds_view's rule: what DeepSpeed's engine does is
 # set in its config, nowhere else), with where each lives there.

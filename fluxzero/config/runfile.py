@@ -4,6 +4,8 @@ Pure Python (pyyaml imported inside the calls): the config package stays import-
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from fluxzero.config.run import TrainConfig
 
 
@@ -82,6 +84,26 @@ def config_text(cfg: TrainConfig) -> str:
     import yaml
 
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def read_saved_run(path, fix: str, error: type[Exception]) -> dict:
+    """The run.yaml saved beside a checkpoint as a dict, {} when there is none: the one reader for resume and export.
+
+    Unreadable, not YAML or not a mapping is `error(sentence)`, the sentence ending in `fix` (what to do instead).
+    """
+    import yaml
+
+    try:
+        saved = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        return {}
+    except yaml.YAMLError as e:
+        raise error(f"{path} is not valid YAML ({str(e).splitlines()[0]}); {fix}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"cannot read {path} ({getattr(e, 'strerror', None) or e}); {fix}") from None
+    if not isinstance(saved, dict):
+        raise error(f"{path} is not a mapping of settings; {fix}")
+    return saved
 
 
 def split_allow(overrides: list[str]) -> tuple[list[str], bool]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-import os
 import re
 from typing import Sequence
 
@@ -26,27 +25,10 @@ import torch
 from torch import Tensor, nn
 
 from ..config.lora import TARGET_PRESETS, LoraConfig
+from .lora_keys import _LORA_KEY, LoraError, _linear_names, _looks_full
 
 ADAPTER = "default"  # PEFT's adapter name; one adapter per model here
-_LORA_KEY = re.compile(r"^(.+)\.(lora_A|lora_B)\.weight$")
 _SHOW = 6
-
-
-class LoraError(ValueError):
-    """A LoRA setting or file that does not fit the model."""
-
-
-def _linear_names(model: nn.Module) -> list[str]:
-    """Names of the model's own nn.Linear modules (PEFT's wrappers are skipped; their base layer named as the
-    wrapper), in module order."""
-    names = []
-    for name, mod in model.named_modules():
-        if ".lora_" in name or name.endswith(".base_layer"):
-            continue
-        base = getattr(mod, "base_layer", None)
-        if isinstance(mod, nn.Linear) or isinstance(base, nn.Linear):
-            names.append(name)
-    return names
 
 
 def _generic(names: Sequence[str]) -> list[str]:
@@ -148,10 +130,6 @@ def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
     return {k: p.detach() for k, p in params.items()}
 
 
-def _looks_full(keys) -> list[str]:
-    return [k for k in keys if not _LORA_KEY.match(k) and k.endswith((".weight", ".bias", ".scale"))]
-
-
 def load_lora_state_dict(model: nn.Module, sd: dict[str, Tensor]) -> None:
     """Copy canonical adapter tensors into the model's adapters (exact set and shapes, else LoraError)."""
     params = _adapter_params(model)
@@ -190,24 +168,3 @@ def load_lora_state_dict(model: nn.Module, sd: dict[str, Tensor]) -> None:
 def base_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """The base model's state dict in our (BFL) names, adapters left out: what weights.save_weights takes."""
     return {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".lora_" not in k}
-
-
-def _lora_keys(keys) -> bool:
-    return any(".lora_A." in k or ".lora_B." in k or ".lora_down." in k or ".lora_up." in k for k in keys)
-
-
-def is_lora_file(path: str | os.PathLike) -> bool:
-    """True when `path` is a .safetensors file of LoRA tensors (any layout read here); reads only the header."""
-    from safetensors import safe_open
-
-    if not os.path.isfile(path) or not str(path).endswith(".safetensors"):
-        return False
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            keys = list(f.keys())
-    except Exception:  # noqa: BLE001 - not a readable safetensors file: certainly no LoRA
-        return False
-    # mostly adapter tensors (their .alpha scalars aside): a full model with a stray lora key is not a LoRA file,
-    # and the full-weights loader then names that key as unexpected
-    lora = sum(_lora_keys([k]) for k in keys)
-    return lora > 0 and lora >= (len(keys) - sum(k.endswith(".alpha") for k in keys)) / 2

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from ..config.lora import LoraConfig
-from . import weights as W
-from .lora import _LORA_KEY, LoraError, _looks_full
+from .layouts import diffusers_names
+from .lora_keys import _LORA_KEY, LoraError, _looks_full
 
 LAYOUTS = ("diffusers", "kohya")
 KOHYA_PREFIX = "lora_unet_"
@@ -61,7 +61,7 @@ class LoraFileInfo:
 def _module_names() -> dict[str, list[str]]:
     """Linear module names of each kind: "double" / "single" (inside block N, without the prefix), "top"."""
     from .flux import build_model
-    from .lora import _linear_names
+    from .lora_keys import _linear_names
 
     names = _linear_names(build_model("flux-tiny", device="meta"))
     out = {"double": [], "single": [], "top": []}
@@ -73,18 +73,10 @@ def _module_names() -> dict[str, list[str]]:
     return out
 
 
-def _split(module: str) -> tuple[str, str, str]:
-    """(kind, index, inner) of one of our module names; kind "top" has index ""."""
-    m = _BLOCK.match(module)
-    if m:
-        return ("double" if m.group(1) == "double_blocks" else "single"), m.group(2), m.group(3)
-    return "top", "", module
-
-
 def _diffusers_modules(module: str) -> tuple[list[str], str]:
     """Diffusers module names our module becomes and how: "copy", "cat" (row parts) or "swap" (halves)."""
     try:
-        names, how = W.diffusers_names(module + ".weight")
+        names, how = diffusers_names(module + ".weight")
     except KeyError:
         raise LoraError(f"module {module} has no diffusers counterpart; write the kohya layout instead") from None
     return [n.removesuffix(".weight") for n in names], how

@@ -20,10 +20,9 @@ import torch
 from torch import Tensor
 
 from ..config import MODEL_PRESETS, ModelConfig
-from .layouts import (  # noqa: F401  (the layouts' names, importable from here as before)
+from .layouts import (
     _SHOW, COMFY_PREFIX, DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS, LAYOUTS, MODEL_METADATA, WeightsError, _combine,
-    _diffusers_parts, _expected_shapes, _part, _plan_from_diffusers, _raise_if, _wrong_shapes, bfl_to_diffusers,
-    diffusers_names, diffusers_to_bfl, infer_config,
+    _diffusers_parts, _expected_shapes, _part, _plan_from_diffusers, _raise_if, _wrong_shapes, infer_config,
 )
 
 # ------------------------------------------------------------------------------------------------------
@@ -98,7 +97,7 @@ def _raw_files(path: str | os.PathLike) -> tuple[str, dict[str, Path]]:
         return "diffusers", files
     if path.suffix != ".safetensors":
         raise WeightsError(f"{path}: only .safetensors weights are read (pickled .pt/.ckpt/.bin files are refused)")
-    from .lora import is_lora_file
+    from .lora_keys import is_lora_file
 
     if is_lora_file(path):
         raise WeightsError(f"{path} is a LoRA file (adapters only), not full model weights; give the base model's "
@@ -116,11 +115,6 @@ def _raw_files(path: str | os.PathLike) -> tuple[str, dict[str, Path]]:
         f"{path}: cannot tell the layout (keys start like {', '.join(sorted(keys)[:3]) or 'nothing'}); "
         "expected FLUX.1 transformer weights in BFL, ComfyUI or diffusers naming"
     )
-
-
-def detect_layout(path: str | os.PathLike) -> str:
-    """"bfl", "comfyui" or "diffusers" for a .safetensors file or a diffusers (transformer) folder."""
-    return _raw_files(path)[0]
 
 
 class _Source:

@@ -13,8 +13,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..train.flow import img_ids as make_img_ids
-from ..train.flow import pack, unpack
+from ..model.packing import img_ids as make_img_ids
+from ..model.packing import pack, unpack
 from .schedule import image_tokens, sigmas as make_sigmas
 
 LATENT_CHANNELS = 16

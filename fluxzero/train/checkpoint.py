@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import yaml
 
 from fluxzero.config import TrainConfig
 from fluxzero.config.models import model_name, same_model
+from fluxzero.config.runfile import read_saved_run
 from fluxzero.config.ds_view import DSView, view
 from fluxzero.fsutil import atomic_write
 from fluxzero.train.distributed import TrainingError, all_ranks_ok, barrier, peer_stopped
@@ -192,7 +192,8 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int, all
         raise TrainingError(f"{ckpt_dir} already holds checkpoints (latest {tag}) and resume is off; "
                             f"choose another output_dir or set resume: true")
     tag_dir = ckpt_dir / tag
-    saved = _saved_run(tag_dir / "run.yaml")
+    saved = read_saved_run(tag_dir / "run.yaml", "it records the settings the checkpoint was trained with: repair it, "
+                           "or choose another output_dir", TrainingError)
     model = saved.get("model")
     if model and not same_model(model, cfg.model):  # resolved shapes: a preset equals its mapping spelling
         raise TrainingError(f"{tag_dir} is a checkpoint of {model_name(model)} but the run file trains "
@@ -294,22 +295,6 @@ def _saved_view(path: Path) -> DSView | None:
         raise TrainingError(f"{path} cannot be read as the DeepSpeed config the checkpoint was written with "
                             f"({reason}); restore it (a copy of the config that run used), or choose another "
                             f"output_dir") from None
-
-
-def _saved_run(path: Path) -> dict:
-    """The run.yaml saved beside a checkpoint ({} when there is none)."""
-    fix = "it records the settings the checkpoint was trained with: repair it, or choose another output_dir"
-    try:
-        saved = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except yaml.YAMLError as e:
-        raise TrainingError(f"{path} is not valid YAML ({str(e).splitlines()[0]}); {fix}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise TrainingError(f"cannot read {path} ({getattr(e, 'strerror', None) or e}); {fix}") from None
-    if not isinstance(saved, dict):
-        raise TrainingError(f"{path} is not a mapping of settings; {fix}")
-    return saved
 
 
 def _setting(d: dict, key: str):

@@ -1,7 +1,7 @@
 """Distributed setup and cross-rank error reporting: the process group, barriers, one error line per failure.
 
 torch only: DeepSpeed joins the group this module creates (deepspeed.initialize wraps an initialised
-torch.distributed), so the one module that imports deepspeed stays fluxzero.train.engine.
+torch.distributed), so the one training module that imports deepspeed stays fluxzero.train.engine.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The DeepSpeed engine around the FLUX.1 model: the only module of the project that imports deepspeed.
+"""The DeepSpeed engine around the FLUX.1 model: the one module that imports deepspeed at top level (check-config's
+DeepSpeed parse in config/ds_validate.py and commands/config.py, and `fluxzero doctor`, import it inside a call).
 
 Like torchtitan's parallelize, it applies what the DeepSpeed config asks for from outside the model: the model is
 born partitioned under ZeRO-3 (zero.Init), pretrained weights are copied into the partitions, blocks are
@@ -59,7 +60,7 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     # the whole model. Below stage 3 each rank holds a full copy anyway.
     with deepspeed.zero.Init(config_dict_or_path=ds, enabled=stage == 3):
         model = build_model(model_cfg, device="cpu" if stage == 3 else device, attention=attention,
-                            dtype=torch.bfloat16 if _bf16_module_without_deepspeed(v) else torch.float32)
+                            dtype=torch.bfloat16 if v.trainer_casts_to_bf16 else torch.float32)
     if weights:
         load_pretrained(model, weights, model_cfg, partitioned=stage == 3)
     if v.fp8:  # before the adapters: PEFT then wraps the FP8 layers, its own small ones stay bf16
@@ -77,20 +78,10 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     return engine
 
 
-def _bf16_module_without_deepspeed(v: DSView) -> bool:
-    """A bf16 optimizer mode at ZeRO 0: DeepSpeed's bf16 is off (its wrapper would keep fp32 masters) and the
-    model is born in bf16, so the client optimizer steps the bf16 weights themselves (optim_modes says why)."""
-    if not v.optimizer_mode or v.stage != 0:
-        return False
-    from fluxzero.config.optim_modes import get_mode
-
-    return get_mode(v.optimizer_mode).master_dtype == "bf16"
-
-
 def model_dtype(v: DSView) -> torch.dtype:
     """The dtype of the module's parameters in training: DeepSpeed's precision, or bf16 for a bf16 optimizer mode
     at ZeRO 0 (where DeepSpeed's bf16 is off)."""
-    return torch.bfloat16 if _bf16_module_without_deepspeed(v) else getattr(torch, v.dtype_name)
+    return torch.bfloat16 if v.trainer_casts_to_bf16 else getattr(torch, v.dtype_name)
 
 
 def client_optimizer(params: list, ds: dict, v: DSView):
@@ -124,7 +115,8 @@ def apply_adapters(model: torch.nn.Module, lora, v: DSView) -> list[str]:
     DeepSpeed's checkpointing is reentrant: a checkpointed block whose inputs need no gradient (the frozen
     embedders' outputs) would hand none to its adapters, so the embedders' outputs are marked as needing one.
     """
-    from fluxzero.model.lora import LoraError, apply_lora
+    from fluxzero.model.lora import apply_lora
+    from fluxzero.model.lora_keys import LoraError
 
     if v.compile is True and v.stage == 3:  # measured on CPU with Dynamo's eager and aot_eager backends
         raise TrainingError("compiled blocks (fluxzero.compile.blocks) with LoRA under ZeRO-3 fail in DeepSpeed "

@@ -1,6 +1,7 @@
-"""Rectified flow for FLUX.1: noising, targets, timestep sampling and shift, 2x2 packing, position ids.
+"""Rectified flow for FLUX.1: noising, targets, timestep sampling and shift.
 
-Small pure functions on tensors; `prepare_batch` strings them together for the training loop.
+Small pure functions on tensors; `prepare_batch` strings them together (with the model's input format,
+fluxzero.model.packing: 2x2 packing and position ids) for the training loop.
 Convention (BFL / SD3): t = 0 is data, t = 1 is noise, x_t = (1 - t) x0 + t noise, and the model
 predicts the velocity dx_t/dt = noise - x0.
 """
@@ -11,58 +12,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fluxzero.model.packing import img_ids, pack, txt_ids
+
 TIMESTEP_SAMPLING = ("uniform", "logit_normal")
 SHIFTS = ("none", "fixed", "resolution")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Latent packing and position ids
-# ---------------------------------------------------------------------------------------------------------
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """Fold 2x2 latent patches into channels, row-major over patches.
-
-    Shape: (B, C, H, W) -> (B, H/2 * W/2, C*4)  [FLUX: C=16 -> 64 channels]
-    """
-    b, c, h, w = latents.shape
-    if h % 2 or w % 2:
-        raise ValueError(f"latent height and width must be even to pack 2x2 patches, got {h}x{w}")
-    x = latents.reshape(b, c, h // 2, 2, w // 2, 2)  # b c h ph w pw
-    x = x.permute(0, 2, 4, 1, 3, 5)  # b h w c ph pw
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Inverse of `pack`; height and width are the latent (not token) sizes.
-
-    Shape: (B, H/2 * W/2, C*4) -> (B, C, H, W)
-    """
-    b, n, d = tokens.shape
-    h, w = height // 2, width // 2
-    if n != h * w or d % 4:
-        raise ValueError(f"cannot unpack {n} tokens of width {d} into a {height}x{width} latent")
-    x = tokens.reshape(b, h, w, d // 4, 2, 2)  # b h w c ph pw
-    x = x.permute(0, 3, 1, 4, 2, 5)  # b c h ph w pw
-    return x.reshape(b, d // 4, height, width)
-
-
-def img_ids(batch: int, height: int, width: int, device=None) -> torch.Tensor:
-    """Position ids of packed image tokens: (0, row, col) of each 2x2 patch, row-major like `pack`.
-
-    Shape: -> (B, H/2 * W/2, 3)
-    """
-    h, w = height // 2, width // 2
-    ids = torch.zeros(h, w, 3, device=device)
-    ids[..., 1] = torch.arange(h, device=device)[:, None]
-    ids[..., 2] = torch.arange(w, device=device)[None, :]
-    return ids.reshape(1, h * w, 3).expand(batch, -1, -1)
-
-
-def txt_ids(batch: int, length: int, device=None) -> torch.Tensor:
-    """Text tokens carry no position in FLUX.1's RoPE: all-zero ids.
-
-    Shape: -> (B, L, 3)
-    """
-    return torch.zeros(batch, length, 3, device=device)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -194,26 +147,3 @@ def prepare_batch(batch: dict, cfg, seed: int, epoch: int, *, guidance_embed: bo
         "guidance": torch.full((b,), cfg.guidance, device=device, dtype=torch.float32) if guidance_embed else None,
     }
     return inputs, dev(tgt, torch.float32)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Sampling
-# ---------------------------------------------------------------------------------------------------------
-def schedule(num_steps: int, image_tokens: int | None = None) -> list[float]:
-    """Euler time grid from 1 (noise) to 0 (data), resolution-shifted when image_tokens is given.
-
-    The grid of `fluxzero.sampling.schedule.sigmas` (one definition: FluxPipeline's, bit for bit).
-    """
-    from ..sampling.schedule import sigmas  # here, not at the top: fluxzero.sampling imports this module
-
-    return sigmas(num_steps, image_tokens, shift=image_tokens is not None).tolist()
-
-
-@torch.no_grad()
-def euler_sample(velocity_fn, noise_tokens: torch.Tensor, timesteps: list[float]) -> torch.Tensor:
-    """Integrate dx/dt = v(x, t) from timesteps[0] to timesteps[-1]; velocity_fn(x, t_batch) -> v."""
-    x = noise_tokens
-    for t_cur, t_next in zip(timesteps[:-1], timesteps[1:]):
-        v = velocity_fn(x, torch.full((x.shape[0],), t_cur, dtype=x.dtype, device=x.device))
-        x = x + (t_next - t_cur) * v
-    return x

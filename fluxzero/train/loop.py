@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from fluxzero.config import TrainConfig, resolve_model
-from fluxzero.config.ds_view import DSConfigError, DSView, load_for_training
+from fluxzero.config.ds_file import load_for_training
+from fluxzero.config.ds_view import DSConfigError, DSView
 from fluxzero.config.runfile import ConfigError, config_text, load_config, split_allow
 from fluxzero.train import distributed
 from fluxzero.train.distributed import Interrupted, TrainingError, write_line
@@ -320,7 +321,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     distributed.quiet_other_ranks()  # before DeepSpeed's import, which already warns
     from fluxzero.data import DataError
-    from fluxzero.model.weights import WeightsError
+    from fluxzero.model.layouts import WeightsError
 
     owns_group = not dist.is_initialized()  # leave a caller's process group alone
     call = next(_calls)

@@ -7,12 +7,12 @@ gives just the fp32 master adapters; rank, alpha and targets come from the run.y
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from fluxzero.config import TrainConfig
+from fluxzero.train.consolidate import _export_is_current, consolidated_state_dict, ema_state_dict, lora_is_current
 from fluxzero.train.distributed import TrainingError
 
 # export_format -> the layout of the adapter file: ComfyUI (and tools on BFL's names) read kohya's layout,
@@ -27,25 +27,13 @@ def is_lora_state_dict(sd: dict) -> bool:
     return any(".lora_A." in k for k in sd)
 
 
-def _run_settings(tag_dir: Path) -> dict:
-    import yaml
-
-    run = Path(tag_dir) / "run.yaml"
-    try:
-        saved = yaml.safe_load(run.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise TrainingError(f"cannot read {run} ({str(e).splitlines()[0][:200]}), which records the LoRA's rank, "
-                            f"alpha and targets; restore it, or export another checkpoint") from None
-    if not isinstance(saved, dict):
-        raise TrainingError(f"{run} is not a mapping of settings; restore it, or export another checkpoint")
-    return saved
-
-
 def lora_settings(tag_dir: Path):
     """(LoraConfig, ModelConfig or None, the run's base weights path or None) from a checkpoint's run.yaml."""
     from fluxzero.config import LoraConfig, resolve_model
+    from fluxzero.config.runfile import read_saved_run
 
-    saved = _run_settings(tag_dir)
+    saved = read_saved_run(Path(tag_dir) / "run.yaml", "it records the LoRA's rank, alpha and targets: restore it, or "
+                           "export another checkpoint", TrainingError)
     if not saved.get("lora"):
         raise TrainingError(f"checkpoint {tag_dir} holds LoRA adapters but its run.yaml has no lora section (their "
                             f"rank, alpha and targets); restore run.yaml, or export another checkpoint")
@@ -71,9 +59,10 @@ def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "b
     `weights`) with the LoRA merged in, W + (alpha / rank) B A in fp32, then rounded to `dtype`."""
     from safetensors import SafetensorError
 
-    from fluxzero.model.lora import LoraError
+    from fluxzero.model.lora_keys import LoraError
     from fluxzero.model.lora_formats import merge_lora, save_lora
-    from fluxzero.model.weights import WeightsError, load_weights, save_weights
+    from fluxzero.model.layouts import WeightsError
+    from fluxzero.model.weights import load_weights, save_weights
 
     lcfg, cfg, run_weights = lora_settings(tag_dir)
     lora_sd = canonical_lora(sd)
@@ -101,8 +90,6 @@ def export_lora(path: str | Path, out: str | Path, layout: str = "bfl", dtype: s
                 base: str | None = None, weights: str = "live") -> str:
     """A LoRA checkpoint (output_dir, checkpoints/ or one tag folder) -> LoRA file, or merged full weights.
     weights "ema": the EMA of the adapters the run kept instead of the trained ones."""
-    from fluxzero.train.export import consolidated_state_dict, ema_state_dict
-
     sd, tag_dir = consolidated_state_dict(path)
     if weights == "ema":  # the EMA shards hold the trainable parameters: the adapters, under the same names
         sd = {**sd, **ema_state_dict(tag_dir)}
@@ -119,8 +106,6 @@ def final_lora_export(cfg: TrainConfig, ckpt_dir: Path, rank: int) -> tuple[str,
     export_merged, the merged full weights where a full fine-tune's export goes (export.safetensors or
     export/); export_weights: ema writes lora_ema.safetensors (and export_ema...) from the adapters' EMA.
     Returns (LoRA file, whether anything was written): files already current are left alone."""
-    from fluxzero.train.export import _export_is_current
-
     ema = cfg.export_weights == "ema"
     out = Path(cfg.output_dir) / (LORA_EMA_FILE if ema else LORA_FILE)
     name = "export_ema" if ema else "export"
@@ -140,17 +125,3 @@ def final_lora_export(cfg: TrainConfig, ckpt_dir: Path, rank: int) -> tuple[str,
         raise TrainingError(f"{e} (training finished and is saved: `fluxzero export {cfg.output_dir} OUT` writes "
                             f"it again)") from None
     return str(out), written
-
-
-def lora_is_current(out: Path, latest: Path, layout: str, dtype: str) -> bool:
-    """`out` is a LoRA file written after the checkpoint `latest` names, in this layout and dtype."""
-    try:
-        if out.stat().st_mtime < latest.stat().st_mtime:
-            return False
-        with open(out, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        meta = header.pop("__metadata__", {})
-        dtypes = {v["dtype"] for k, v in header.items() if not k.endswith(".alpha")}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return False
-    return meta.get("fluxzero.format") == layout and dtypes == {{"bf16": "BF16", "fp32": "F32"}[dtype]}

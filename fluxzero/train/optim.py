@@ -9,9 +9,9 @@ such an update away; stochastic rounding keeps it in expectation, Kahan compensa
 a bf16 buffer and adds it back on the next step.
 
 Libraries used: torchao's `_AdamW` / `AdamW8bit` with `bf16_stochastic_round=True` (torchao 0.18 ships the
-bf16-state AdamW only under the underscore name; it is the same class its AdamW8bit is built on). No library
-has Kahan-compensated AdamW or Adafactor with stochastic rounding, so those two are written here
-(`KahanAdamW`, `AdafactorSR`); `AdafactorSR` follows `torch.optim.Adafactor` step for step and a test holds
+bf16-state AdamW only under the underscore name; it is the same class its AdamW8bit is built on). Written here:
+`KahanAdamW` (torch-optimi has a Kahan-summed AdamW too, `optimi.AdamW(kahan_sum=True)`; ours came first and
+no measurement has compared the two yet) and `AdafactorSR` (Adafactor with stochastic rounding); `AdafactorSR` follows `torch.optim.Adafactor` step for step and a test holds
 it to torch's within float rounding on fp32 tensors.
 
 DEEPSPEED_FINDINGS: DeepSpeed 0.19.8, torch 2.13 CPU, torchao 0.18, one rank unless said; a client optimizer
@@ -171,7 +171,7 @@ def _unpack(v, p):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# our own optimizers: what no library has
+# our own optimizers (KahanAdamW: torch-optimi has one too, see the module docstring)
 # ---------------------------------------------------------------------------------------------------------
 class KahanAdamW(ExactStateMixin, torch.optim.Optimizer):
     """AdamW whose states live in the parameter's dtype and whose bf16 updates are Kahan-compensated.

@@ -50,22 +50,22 @@ def test_named_sets_are_well_formed():
 
 def test_every_gpu_case_gets_a_config_deepspeed_accepts():
     # configs are refused here, in seconds, not on the GPU machine after its start-up
-    from fluxzero.config import ds_config, ds_validate
+    from fluxzero.config import ds_check, ds_validate, ds_view
 
     seen = set()
     for name, (fn, _, _) in sweep.SETS.items():
         for case in fn():
             ds = sweep._ds_config(case, case.gpus)
-            # what loop.setup (ds_view.load_for_training) refuses, in one sentence, on the GPU machine
-            assert not ds_config.check(ds, case.gpus), (name, case.name, ds_config.check(ds, case.gpus))
+            # what loop.setup (ds_file.load_for_training) refuses, in one sentence, on the GPU machine
+            assert not ds_check.check(ds, case.gpus), (name, case.name, ds_check.check(ds, case.gpus))
             assert ds["train_batch_size"] == case.mb * case.gpus and ds["zero_optimization"]["stage"] == case.zero
             assert ds["optimizer"]["params"].get("fused") is (True if case.optim == "torch-fused" else None)
             assert ds["optimizer"]["params"]["torch_adam"] is (case.optim != "deepspeed-fused")
-            key = json.dumps({k: v for k, v in ds.items() if k != ds_config.FLUXZERO_SECTION}, sort_keys=True)
+            key = json.dumps({k: v for k, v in ds.items() if k != ds_view.FLUXZERO_SECTION}, sort_keys=True)
             if key not in seen:
                 seen.add(key)
                 assert not ds_validate.deepspeed_problems(
-                    {k: v for k, v in ds.items() if k != ds_config.FLUXZERO_SECTION}, case.gpus), case.name
+                    {k: v for k, v in ds.items() if k != ds_view.FLUXZERO_SECTION}, case.gpus), case.name
 
 
 def test_run_file_is_one_the_trainer_accepts_and_its_data_covers_the_case(tmp_path):

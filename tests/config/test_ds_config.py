@@ -10,10 +10,12 @@ from tests.pure_python import run_without_torch
 from click.testing import CliRunner
 
 from fluxzero import fsutil
-from fluxzero.config import ds_config
+from fluxzero.config import ds_check, ds_config
 from fluxzero.cli import main
 from fluxzero.commands import config as config_cmd
-from fluxzero.config.ds_config import DSConfigError, build, check, options_from
+from fluxzero.config.ds_check import check
+from fluxzero.config.ds_config import build, options_from
+from fluxzero.config.ds_view import DSConfigError
 
 
 def run(*args):
@@ -349,7 +351,7 @@ def test_stage_offload_mismatch():
 ])
 def test_options_and_configs_share_one_combination_rule_set(options, key):
     """gen-config's option check and check() on a dict say the same sentence, each in its own names: the
-    rule is written once (ds_config.combination_problems)."""
+    rule is written once (ds_check.combination_problems)."""
     o = options_from(None, model="flux-tiny", world_size=2, **options)
     said = [x for x in ds_config.check_options(o) if x.startswith(ds_config.option_name(key))]
     assert len(said) == 1, ds_config.check_options(o)
@@ -361,11 +363,11 @@ def test_options_and_configs_share_one_combination_rule_set(options, key):
             z[f] = {"device": getattr(o, f), **({"nvme_path": "/n"} if getattr(o, f) == "nvme" else {})}
     if key.startswith("stage3_") or key == "allgather_bucket_size":
         z[key] = getattr(o, key)
-    found = [x for x in check(cfg, 2) if x.startswith(ds_config.config_name(key))]
+    found = [x for x in check(cfg, 2) if x.startswith(ds_check.config_name(key))]
     assert len(found) == 1, check(cfg, 2)
     as_options = said[0]
     for what in ("stage", key, "stage3_prefetch_bucket_size"):
-        as_options = as_options.replace(ds_config.option_name(what), ds_config.config_name(what))
+        as_options = as_options.replace(ds_config.option_name(what), ds_check.config_name(what))
     assert found[0] == as_options
 
 
@@ -403,14 +405,14 @@ def test_batch_arithmetic_mismatch():
                                 "gradient_accumulation_steps 2 x any whole world size"]
     del cfg["gradient_accumulation_steps"]
     assert "DeepSpeed would round gradient_accumulation_steps down" in check(cfg, 2)[0]
-    assert ds_config.implied_world_size(_good()) == 2
+    assert ds_check.implied_world_size(_good()) == 2
 
 
 def test_auto_batch_sizes_are_left_to_the_trainer():
     cfg = _good()
     cfg["train_batch_size"] = cfg["train_micro_batch_size_per_gpu"] = cfg["gradient_accumulation_steps"] = "auto"
     assert check(cfg, 8) == []
-    assert ds_config.without_auto(cfg)["train_micro_batch_size_per_gpu"] == 1
+    assert ds_check.without_auto(cfg)["train_micro_batch_size_per_gpu"] == 1
     cfg["gradient_accumulation_steps"] = 0
     assert check(cfg, 8) == ["gradient_accumulation_steps must be a positive integer, got 0"]
 

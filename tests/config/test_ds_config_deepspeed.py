@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fluxzero.config import ds_config
+from fluxzero.config import ds_check, ds_config
 from fluxzero.cli import main
-from fluxzero.config.ds_config import DSConfigError, build, check, options_from
+from fluxzero.config.ds_check import check
+from fluxzero.config.ds_config import build, options_from
+from fluxzero.config.ds_view import DSConfigError
 from fluxzero.config.ds_validate import deepspeed_problems, parse
 from tests.helpers import ONE_RANK
 
@@ -206,13 +208,13 @@ def test_section_key_lists_match_deepspeed_models():
     from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
                                                        DeepSpeedZeroOffloadParamConfig)
 
-    assert ds_config.ZERO_KEYS == _fields(DeepSpeedZeroConfig)
-    assert ds_config.OFFLOAD_PARAM_KEYS == _fields(DeepSpeedZeroOffloadParamConfig)
-    assert ds_config.OFFLOAD_OPTIMIZER_KEYS == _fields(DeepSpeedZeroOffloadOptimizerConfig)
-    assert ds_config.BF16_KEYS == _fields(DeepSpeedBF16Config)
-    assert ds_config.FP16_KEYS == _fields(DeepSpeedFP16Config)
-    assert ds_config.TENSORBOARD_KEYS == _fields(TensorBoardConfig)
-    assert ds_config.ACTIVATION_CHECKPOINTING_KEYS == set(ACT_CHKPT_DEFAULT)
+    assert ds_check.ZERO_KEYS == _fields(DeepSpeedZeroConfig)
+    assert ds_check.OFFLOAD_PARAM_KEYS == _fields(DeepSpeedZeroOffloadParamConfig)
+    assert ds_check.OFFLOAD_OPTIMIZER_KEYS == _fields(DeepSpeedZeroOffloadOptimizerConfig)
+    assert ds_check.BF16_KEYS == _fields(DeepSpeedBF16Config)
+    assert ds_check.FP16_KEYS == _fields(DeepSpeedFP16Config)
+    assert ds_check.TENSORBOARD_KEYS == _fields(TensorBoardConfig)
+    assert ds_check.ACTIVATION_CHECKPOINTING_KEYS == set(ACT_CHKPT_DEFAULT)
 
 
 def test_minor_section_key_lists_match_deepspeed_constants():
@@ -225,10 +227,10 @@ def test_minor_section_key_lists_match_deepspeed_constants():
         return {v for k, v in vars(module).items() if k.startswith(prefix) and isinstance(v, str)
                 and not k.endswith("_DEFAULT") and v.isidentifier()}  # not the FORMAT help text
 
-    assert ds_config.AIO_KEYS == set(AIO_DEFAULT_DICT)
-    assert ds_config.FLOPS_PROFILER_KEYS == names(prof, "FLOPS_PROFILER_") - {prof.FLOPS_PROFILER}
-    assert ds_config.DATA_TYPES_KEYS == {rc.GRAD_ACCUM_DTYPE}
-    assert ds_config.CHECKPOINT_KEYS == {rc.CHECKPOINT_TAG_VALIDATION, rc.LOAD_UNIVERSAL_CHECKPOINT,
+    assert ds_check.AIO_KEYS == set(AIO_DEFAULT_DICT)
+    assert ds_check.FLOPS_PROFILER_KEYS == names(prof, "FLOPS_PROFILER_") - {prof.FLOPS_PROFILER}
+    assert ds_check.DATA_TYPES_KEYS == {rc.GRAD_ACCUM_DTYPE}
+    assert ds_check.CHECKPOINT_KEYS == {rc.CHECKPOINT_TAG_VALIDATION, rc.LOAD_UNIVERSAL_CHECKPOINT,
                                          rc.USE_NODE_LOCAL_STORAGE_CHECKPOINT, rc.CHECKPOINT_PARALLEL_WRITE,
                                          mc.CHECKPOINT_SERIALIZATION, mc.CHECKPOINT_WRITER}
 
@@ -274,9 +276,9 @@ def test_top_level_keys_cover_what_deepspeed_reads():
 
     parse(Recording(build(options_from("zero2"))))
     assert len(seen) > 40
-    assert set(_REMOVED_TOP_LEVEL_CONFIG_KEYS) == ds_config.REMOVED_TOP_LEVEL_KEYS
-    missing = seen - ds_config.TOP_LEVEL_KEYS - ds_config.REMOVED_TOP_LEVEL_KEYS
-    assert not missing, f"add to ds_config.TOP_LEVEL_KEYS: {sorted(missing)}"
+    assert set(_REMOVED_TOP_LEVEL_CONFIG_KEYS) == ds_check.REMOVED_TOP_LEVEL_KEYS
+    missing = seen - ds_check.TOP_LEVEL_KEYS - ds_check.REMOVED_TOP_LEVEL_KEYS
+    assert not missing, f"add to ds_check.TOP_LEVEL_KEYS: {sorted(missing)}"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -324,9 +326,9 @@ def test_cpu_safe_presets_train_one_rank():
 def test_torch_names_exist():
     import torch
 
-    for name in ds_config.TORCH_SCHEDULERS:
+    for name in ds_check.TORCH_SCHEDULERS:
         assert hasattr(torch.optim.lr_scheduler, name), name
-    for name in ds_config.TORCH_OPTIMIZERS:
+    for name in ds_check.TORCH_OPTIMIZERS:
         assert hasattr(torch.optim, name), name
 
 

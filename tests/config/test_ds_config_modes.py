@@ -8,8 +8,9 @@ import pytest
 from click.testing import CliRunner
 
 from fluxzero.cli import main
-from fluxzero.config import ds_config, optim_modes
-from fluxzero.config.ds_config import build, check, options_from
+from fluxzero.config import ds_check, optim_modes
+from fluxzero.config.ds_check import check
+from fluxzero.config.ds_config import build, options_from
 from fluxzero.config.ds_view import view
 
 
@@ -19,7 +20,7 @@ def gen(*args) -> dict:
     return json.loads(r.output)
 
 
-@pytest.mark.parametrize("mode", ds_config.trainable_modes())
+@pytest.mark.parametrize("mode", ds_check.trainable_modes())
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_every_mode_writes_what_it_needs_and_checks_clean(mode, stage):
     cfg = gen("--optimizer-mode", mode, "--zero-stage", str(stage))
@@ -27,7 +28,7 @@ def test_every_mode_writes_what_it_needs_and_checks_clean(mode, stage):
     assert cfg["fluxzero"]["optimizer_mode"] == mode
     want = m.ds_bf16_section(stage)  # from the registry, not copied here
     assert cfg.get("bf16", {}) == want
-    tested = mode in ds_config.ZERO_TESTED_MODES  # build_optimizer returns torch.optim.AdamW for these
+    tested = mode in ds_check.ZERO_TESTED_MODES  # build_optimizer returns torch.optim.AdamW for these
     assert cfg.get("zero_allow_untested_optimizer") is (True if stage >= 1 and not tested else None)
     assert check(cfg, 1) == []
     v = view(cfg)

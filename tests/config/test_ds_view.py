@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from fluxzero.cli import main
-from fluxzero.config import ds_config, ds_view, memory
+from fluxzero.config import ds_config, ds_file, ds_view, memory
 from fluxzero.config.ds_view import DSConfigError, DSView, view
 from fluxzero.config.run import TrainConfig
 
@@ -145,7 +145,7 @@ def test_launch_tiny_yaml_loads_and_its_json_holds_the_batch():
     yaml = pytest.importorskip("yaml")
     run = yaml.safe_load((ROOT / "launch" / "tiny.yaml").read_text())
     cfg = TrainConfig.from_dict(run)
-    v = view(ds_view.read_json(ROOT / cfg.deepspeed))
+    v = view(ds_file.read_json(ROOT / cfg.deepspeed))
     assert (v.micro_batch, v.grad_accum, v.precision) == (2, 1, "fp32")
 
 

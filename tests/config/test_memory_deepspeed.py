@@ -53,7 +53,7 @@ def _worker(rank, world, port, out_dir):
     from fluxzero.config import ds_config, memory
     from fluxzero.train import flow
     from fluxzero.config import FlowConfig, get_model_config
-    from fluxzero.config.ds_view import load_for_training
+    from fluxzero.config.ds_file import load_for_training
     from fluxzero.data import build_dataloader
     from fluxzero.train import engine as ds_engine
     from fluxzero.train.distributed import init_distributed

@@ -17,7 +17,9 @@ from fluxzero.config.lora import LoraConfig
 from fluxzero.model import build_model
 from fluxzero.model import lora as L
 from fluxzero.model import lora_formats as F
+from fluxzero.model import layouts
 from fluxzero.model import weights as W
+from fluxzero.model.lora_keys import LoraError, is_lora_file
 from tests.helpers import ONE_RANK
 from tests.pure_python import run_without_torch
 from tests.model.test_model import make_inputs
@@ -95,7 +97,7 @@ def test_target_presets():
 
 def test_pattern_matching_nothing_is_one_sentence():
     model = build_model("flux-tiny", device="meta")
-    with pytest.raises(L.LoraError) as e:
+    with pytest.raises(LoraError) as e:
         L.target_modules(model, ["double_blocks.*.img_attn.qvk"])
     msg = str(e.value)
     assert msg.startswith("lora.targets pattern 'double_blocks.*.img_attn.qvk' matches no linear layer")
@@ -114,7 +116,7 @@ def test_apply_lora_freezes_base_and_trains_only_adapters_in_fp32():
     assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if not p.requires_grad)
     out = model(**make_inputs(model.config, batch=1, h=2, w=2, txt_len=3))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
-    with pytest.raises(L.LoraError, match="already has LoRA adapters"):
+    with pytest.raises(LoraError, match="already has LoRA adapters"):
         L.apply_lora(model, LoraConfig(rank=4))
 
 
@@ -245,7 +247,7 @@ def test_save_read_round_trip_is_exact(tmp_path, layout):
     sd = L.lora_state_dict(ours)
     path = tmp_path / f"{layout}.safetensors"
     F.save_lora(path, sd, lcfg, layout=layout, base_model="flux-tiny")
-    assert L.is_lora_file(path)
+    assert is_lora_file(path)
     back, info = F.read_lora(path)
     assert set(back) == set(sd)
     for k in sd:
@@ -324,31 +326,31 @@ def test_other_shape_file_is_one_sentence(tmp_path):
     _, ours, _ = lora_model(lcfg)
     F.save_lora(tmp_path / "l.safetensors", L.lora_state_dict(ours), lcfg, layout="kohya")
     wider = build_model(get_model_config("flux-tiny").replace(hidden_size=96, num_heads=4, axes_dim=(8, 8, 8)))
-    with pytest.raises(L.LoraError) as e:
+    with pytest.raises(LoraError) as e:
         L.apply_lora(wider, LoraConfig(rank=4, weights=str(tmp_path / "l.safetensors")))
     msg = str(e.value)
     assert ("LoRA tensor double_blocks.0.img_attn.qkv.lora_A.weight has shape (4, 64) in the file but (4, 96) in "
             "the model") in msg and "\n" not in msg
     other_rank = build_model("flux-tiny")
-    with pytest.raises(L.LoraError, match=r"has shape \(4, 64\) in the file but \(8, 64\) in the model; .*set lora.rank"):
+    with pytest.raises(LoraError, match=r"has shape \(4, 64\) in the file but \(8, 64\) in the model; .*set lora.rank"):
         L.apply_lora(other_rank, LoraConfig(rank=8, weights=str(tmp_path / "l.safetensors")))
     fewer = build_model("flux-tiny")
-    with pytest.raises(L.LoraError, match="module.s. the model has no adapter on .e.g. double_blocks.0.img_mlp.0.; add"):
+    with pytest.raises(LoraError, match="module.s. the model has no adapter on .e.g. double_blocks.0.img_mlp.0.; add"):
         L.apply_lora(fewer, LoraConfig(rank=4, targets="attention", weights=str(tmp_path / "l.safetensors")))
 
 
 def test_full_weights_as_lora_and_lora_as_full_weights(tmp_path):
     model = build_model("flux-tiny")
     W.save_weights(model.state_dict(), tmp_path / "full.safetensors")
-    assert not L.is_lora_file(tmp_path / "full.safetensors") and not L.is_lora_file(tmp_path / "missing.safetensors")
-    with pytest.raises(L.LoraError, match=r"full.safetensors is a full model weights file, not a LoRA; give it to"):
+    assert not is_lora_file(tmp_path / "full.safetensors") and not is_lora_file(tmp_path / "missing.safetensors")
+    with pytest.raises(LoraError, match=r"full.safetensors is a full model weights file, not a LoRA; give it to"):
         F.read_lora(tmp_path / "full.safetensors")
     L.apply_lora(model, LoraConfig(rank=2))
-    with pytest.raises(L.LoraError, match=r"full model weights \(img_in.weight, ...\), not LoRA adapters"):
+    with pytest.raises(LoraError, match=r"full model weights \(img_in.weight, ...\), not LoRA adapters"):
         L.load_lora_state_dict(model, build_model("flux-tiny").state_dict())
     F.save_lora(tmp_path / "lora.safetensors", L.lora_state_dict(model), LoraConfig(rank=2))
-    assert L.is_lora_file(tmp_path / "lora.safetensors")
-    with pytest.raises(W.WeightsError):  # weights.py refuses it today; its loader can call is_lora_file for a hint
+    assert is_lora_file(tmp_path / "lora.safetensors")
+    with pytest.raises(layouts.WeightsError):  # weights.py refuses it today; its loader can call is_lora_file for a hint
         W.load_weights(tmp_path / "lora.safetensors")
 
 
@@ -361,6 +363,7 @@ sys.path.insert(0, sys.argv[1])
 from fluxzero.config.lora import LoraConfig
 from fluxzero.model import build_model
 from fluxzero.model import lora as L
+from fluxzero.model.lora_keys import LoraError
 from tests.model.test_model import make_inputs
 
 ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
@@ -391,7 +394,7 @@ for _ in range(3):
     loss = ((ref(**x) - target) ** 2).mean(); opt.zero_grad(); loss.backward(); opt.step(); theirs.append(loss.item())
 try:
     L.lora_state_dict(model); err = None
-except L.LoraError as e:
+except LoraError as e:
     err = str(e)
 adapters = [p for p in model.parameters() if p.requires_grad]
 with deepspeed.zero.GatheredParameters(adapters):

@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 from fluxzero.cli import main
 from fluxzero.config import get_model_config
 from fluxzero.model import build_model
+from fluxzero.model import layouts
 from fluxzero.model import weights as W
 
 
@@ -25,7 +26,7 @@ def test_convert_chain_is_lossless(tmp_path):
     assert "diffusers" in r.output and f"{sum(t.numel() for t in sd.values()):,} parameters" in r.output
     assert len(list((tmp_path / "d").glob("diffusion_pytorch_model-*.safetensors"))) > 1
     assert run(tmp_path / "d", tmp_path / "c.safetensors", "--to", "comfyui").exit_code == 0
-    assert W.detect_layout(tmp_path / "c.safetensors") == "comfyui"
+    assert W._raw_files(tmp_path / "c.safetensors")[0] == "comfyui"
     assert run(tmp_path / "c.safetensors", tmp_path / "b.safetensors", "--to", "bfl", "--model", "flux-tiny").exit_code == 0
     back = W.load_weights(tmp_path / "b.safetensors")
     assert all(torch.equal(back[k], sd[k]) for k in sd) and list(back) == list(sd)
@@ -70,7 +71,7 @@ def _diffusers_folder(tmp_path, name, change):
 
 def _edit_index(edit):
     def change(d):
-        index = d / W.DIFFUSERS_INDEX
+        index = d / layouts.DIFFUSERS_INDEX
         index.write_text(json.dumps(edit(json.loads(index.read_text()))))
     return change
 

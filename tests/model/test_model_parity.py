@@ -9,7 +9,7 @@ import torch
 
 from fluxzero.config import get_model_config
 from fluxzero.model import build_model
-from fluxzero.model import weights as W
+from fluxzero.model import layouts
 from tests.model.test_model import make_inputs
 
 diffusers = pytest.importorskip("diffusers")
@@ -40,7 +40,7 @@ def pair(name, seed=0):
     torch.manual_seed(seed)
     ours = randomize(build_model(cfg), seed)
     theirs = diffusers_model(cfg)
-    theirs.load_state_dict(W.bfl_to_diffusers(ours.state_dict()), strict=True)
+    theirs.load_state_dict(layouts.bfl_to_diffusers(ours.state_dict()), strict=True)
     return cfg, ours, theirs
 
 
@@ -57,7 +57,7 @@ def rel_err(a, b):
 
 def test_diffusers_key_set_is_exact():
     cfg, ours, theirs = pair("flux-tiny")
-    converted = W.bfl_to_diffusers(ours.state_dict())
+    converted = layouts.bfl_to_diffusers(ours.state_dict())
     assert set(converted) == set(theirs.state_dict())
     for k, v in theirs.state_dict().items():
         assert converted[k].shape == v.shape, k
@@ -83,7 +83,7 @@ def test_gradients_match_diffusers():
     ((ours(**x) - target) ** 2).mean().backward()
     ((run_theirs(theirs, x) - target) ** 2).mean().backward()
     ours_grads = {k: p.grad for k, p in ours.named_parameters()}
-    mapped = W.bfl_to_diffusers(ours_grads)
+    mapped = layouts.bfl_to_diffusers(ours_grads)
     for k, p in theirs.named_parameters():
         assert p.grad is not None, k
         assert rel_err(mapped[k], p.grad) <= RTOL, (k, rel_err(mapped[k], p.grad))  # measured <= 1e-6
@@ -96,7 +96,7 @@ def test_gradients_match_diffusers():
 def test_name_maps_are_inverse_bit_exact():
     _, ours, _ = pair("flux-tiny")
     sd = ours.state_dict()
-    back = W.diffusers_to_bfl(W.bfl_to_diffusers(sd))
+    back = layouts.diffusers_to_bfl(layouts.bfl_to_diffusers(sd))
     assert list(back) == list(sd)
     for k in sd:
         assert torch.equal(back[k], sd[k]), k

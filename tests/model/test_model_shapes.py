@@ -230,6 +230,7 @@ def test_user_diffusers_shape_round_trips_through_bfl(tmp_path, guidance):
 
     diffusers = pytest.importorskip("diffusers")
     from fluxzero.cli import main
+    from fluxzero.model import layouts
     from fluxzero.model import weights as W
 
     torch.manual_seed(0)
@@ -242,7 +243,7 @@ def test_user_diffusers_shape_round_trips_through_bfl(tmp_path, guidance):
     out = r.invoke(main, ["convert", str(tmp_path / "src"), str(tmp_path / "a.safetensors"), "--to", "bfl"])
     assert out.exit_code == 0, out.output
     with safe_open(str(tmp_path / "a.safetensors"), "pt") as f:
-        recorded = ModelConfig.from_dict(json.loads(f.metadata()[W.MODEL_METADATA]))
+        recorded = ModelConfig.from_dict(json.loads(f.metadata()[layouts.MODEL_METADATA]))
     assert recorded.axes_dim == (4, 6, 6) and recorded.same_shape(resolve_model(str(tmp_path / "src")))
     out = r.invoke(main, ["convert", str(tmp_path / "a.safetensors"), str(tmp_path / "back"), "--to", "diffusers"])
     assert out.exit_code == 0, out.output
@@ -294,6 +295,7 @@ def test_plain_bfl_file_of_custom_shape_needs_the_model_named(tmp_path):
 def test_mapping_model_trains_resumes_and_exports(tmp_path):
     from safetensors import safe_open
 
+    from fluxzero.model import layouts
     from fluxzero.model import weights as W
 
     model = {"preset": "flux-tiny", "context_in_dim": 32, "vec_in_dim": 16, "in_channels": 16, "depth": 1,
@@ -318,7 +320,7 @@ def test_mapping_model_trains_resumes_and_exports(tmp_path):
     assert set(saved["model"]) == set(LITE.to_dict())  # the whole shape, not the spec as written
     assert ModelConfig.from_dict(saved["model"]).same_shape(resolve_model(model))
     with safe_open(str(out / "export.safetensors"), "pt") as f:
-        assert resolve_model(json.loads(f.metadata()[W.MODEL_METADATA])).same_shape(resolve_model(model))
+        assert resolve_model(json.loads(f.metadata()[layouts.MODEL_METADATA])).same_shape(resolve_model(model))
     assert W.source_config(out / "export.safetensors") == ModelConfig.from_dict(saved["model"])  # name too
     # the same shape written inline resumes; another shape is refused in one sentence before any model is built
     p = train("steps=3", "model=flux-tiny:context_in_dim=32,vec_in_dim=16,in_channels=16,depth=1,depth_single_blocks=1")

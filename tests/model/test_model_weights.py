@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 from fluxzero.config import get_model_config
 from fluxzero.model import build_model
+from fluxzero.model import layouts
 from fluxzero.model import weights as W
 from tests.model.test_model import make_inputs
 
@@ -36,7 +37,7 @@ def test_round_trip_bit_exact(tmp_path, model, layout, dtype):
     sd = {k: v.to(dtype) for k, v in model.state_dict().items()}
     path = tmp_path / ("out" if layout == "diffusers" else "out.safetensors")
     W.save_weights(sd, path, layout=layout)
-    assert W.detect_layout(path) == layout
+    assert W._raw_files(path)[0] == layout
     assert_same(W.load_weights(path), sd)
     assert_same(W.load_weights(path, cfg=model.config), sd)
 
@@ -48,9 +49,9 @@ def test_diffusers_sharded_folder_and_pipeline_root(tmp_path, model):
     files = sorted(p.name for p in (root / "transformer").iterdir())
     shards = [f for f in files if f.startswith("diffusion_pytorch_model-")]
     assert len(shards) >= 2 and shards[0].endswith(f"-of-{len(shards):05d}.safetensors")
-    assert W.DIFFUSERS_INDEX in files and "config.json" in files
+    assert layouts.DIFFUSERS_INDEX in files and "config.json" in files
     for path in (root, root / "transformer"):
-        assert W.detect_layout(path) == "diffusers"
+        assert W._raw_files(path)[0] == "diffusers"
         assert_same(W.load_weights(path), sd)
 
 
@@ -80,15 +81,15 @@ def test_dtype_subset_iterator_and_assign_load(tmp_path, model):
     loaded = W.load_model(path, dtype=torch.bfloat16)
     assert loaded.config == model.config and next(loaded.parameters()).dtype == torch.bfloat16
     assert not any(p.is_meta for p in loaded.parameters())
-    with pytest.raises(W.WeightsError, match="unexpected: nope"):
+    with pytest.raises(layouts.WeightsError, match="unexpected: nope"):
         W.load_weights(path, keys=["nope"])
 
 
 def test_config_inferred_and_presets_recognised(model):
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    assert W.infer_config(shapes) == get_model_config("flux-tiny")
+    assert layouts.infer_config(shapes) == get_model_config("flux-tiny")
     dev = {k: tuple(v.shape) for k, v in build_model("flux-dev", device="meta").state_dict().items()}
-    assert W.infer_config(dev).name == "flux-dev"
+    assert layouts.infer_config(dev).name == "flux-dev"
 
 
 def test_mismatch_is_one_clear_error(tmp_path, model):
@@ -97,49 +98,49 @@ def test_mismatch_is_one_clear_error(tmp_path, model):
     sd["double_blocks.0.extra.weight"] = torch.zeros(1)
     path = tmp_path / "bad.safetensors"
     save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
-    with pytest.raises(W.WeightsError) as e:
+    with pytest.raises(layouts.WeightsError) as e:
         W.load_weights(path, cfg=model.config)
     msg = str(e.value)
     assert "bfl layout" in msg and "1 missing: double_blocks.0.img_attn.qkv.weight" in msg
     assert "1 unexpected: double_blocks.0.extra.weight" in msg
 
     # wrong shapes: schnell-sized file against the dev-sized tiny preset (and the other way round)
-    with pytest.raises(W.WeightsError, match="missing: guidance_in"):
+    with pytest.raises(layouts.WeightsError, match="missing: guidance_in"):
         W.load_weights(_save(tmp_path / "s.safetensors", build_model("flux-tiny-schnell").state_dict()), cfg=model.config)
     wide = build_model(get_model_config("flux-tiny").replace(context_in_dim=32)).state_dict()
-    with pytest.raises(W.WeightsError, match=r"wrong shape: txt_in.weight \(64, 32\) != \(64, 64\)"):
+    with pytest.raises(layouts.WeightsError, match=r"wrong shape: txt_in.weight \(64, 32\) != \(64, 64\)"):
         W.load_weights(_save(tmp_path / "w.safetensors", wide), cfg=model.config)
 
 
 def test_diffusers_missing_parts_named_in_diffusers_terms(tmp_path, model):
     W.save_weights(model.state_dict(), tmp_path / "d", layout="diffusers")
-    f = tmp_path / "d" / W.DIFFUSERS_WEIGHTS
+    f = tmp_path / "d" / layouts.DIFFUSERS_WEIGHTS
     from safetensors.torch import load_file
 
     sd = load_file(str(f))
     del sd["transformer_blocks.1.attn.add_k_proj.weight"]
     save_file(sd, str(f))
-    with pytest.raises(W.WeightsError, match="diffusers layout.*missing: transformer_blocks.1.attn.add_k_proj.weight"):
+    with pytest.raises(layouts.WeightsError, match="diffusers layout.*missing: transformer_blocks.1.attn.add_k_proj.weight"):
         W.load_weights(tmp_path / "d", cfg=model.config)
 
 
 def test_refuses_pickles_and_unknown_files(tmp_path):
     pt = tmp_path / "w.pt"
     torch.save({"a": torch.zeros(1)}, pt)
-    with pytest.raises(W.WeightsError, match="only .safetensors"):
-        W.detect_layout(pt)
+    with pytest.raises(layouts.WeightsError, match="only .safetensors"):
+        W._raw_files(pt)
     other = _save(tmp_path / "o.safetensors", {"foo.weight": torch.zeros(1)})
-    with pytest.raises(W.WeightsError, match="cannot tell the layout"):
-        W.detect_layout(other)
+    with pytest.raises(layouts.WeightsError, match="cannot tell the layout"):
+        W._raw_files(other)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(W.WeightsError, match="folder holds no"):
+    with pytest.raises(layouts.WeightsError, match="folder holds no"):
         W.load_weights(tmp_path / "empty")
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not a safetensors file")
-    with pytest.raises(W.WeightsError, match="not a readable safetensors"):
-        W.detect_layout(junk)
-    with pytest.raises(W.WeightsError, match="no such file"):
-        W.detect_layout(tmp_path / "absent.safetensors")
+    with pytest.raises(layouts.WeightsError, match="not a readable safetensors"):
+        W._raw_files(junk)
+    with pytest.raises(layouts.WeightsError, match="no such file"):
+        W._raw_files(tmp_path / "absent.safetensors")
 
 
 def _save(path, sd):
@@ -149,7 +150,7 @@ def _save(path, sd):
 
 def test_index_json_is_diffusers_format(tmp_path, model):
     W.save_weights(model.state_dict(), tmp_path / "d", layout="diffusers", max_shard_bytes=150_000)
-    index = json.loads((tmp_path / "d" / W.DIFFUSERS_INDEX).read_text())
+    index = json.loads((tmp_path / "d" / layouts.DIFFUSERS_INDEX).read_text())
     assert set(index) == {"metadata", "weight_map"} and index["metadata"]["total_size"] > 0
     assert "transformer_blocks.0.attn.to_q.weight" in index["weight_map"]
 
@@ -157,15 +158,15 @@ def test_index_json_is_diffusers_format(tmp_path, model):
 def test_diffusers_single_file_and_comfyui_all_in_one(tmp_path, model):
     sd = model.state_dict()
     W.save_weights(sd, tmp_path / "d", layout="diffusers")
-    single = tmp_path / "d" / W.DIFFUSERS_WEIGHTS
-    assert W.detect_layout(single) == "diffusers"
+    single = tmp_path / "d" / layouts.DIFFUSERS_WEIGHTS
+    assert W._raw_files(single)[0] == "diffusers"
     assert_same(W.load_weights(single), sd)
     # ComfyUI all-in-one checkpoints carry the VAE and text encoders next to the transformer: ignored.
-    comfy = {W.COMFY_PREFIX + k: v.contiguous() for k, v in sd.items()}
+    comfy = {layouts.COMFY_PREFIX + k: v.contiguous() for k, v in sd.items()}
     comfy["first_stage_model.decoder.conv_in.weight"] = torch.zeros(2, 2)
     assert_same(W.load_weights(_save(tmp_path / "aio.safetensors", comfy)), sd)
-    comfy[W.COMFY_PREFIX + "double_blocks.0.lora_up.weight"] = torch.zeros(2, 2)
-    with pytest.raises(W.WeightsError, match="comfyui layout.*1 unexpected: double_blocks.0.lora_up.weight"):
+    comfy[layouts.COMFY_PREFIX + "double_blocks.0.lora_up.weight"] = torch.zeros(2, 2)
+    with pytest.raises(layouts.WeightsError, match="comfyui layout.*1 unexpected: double_blocks.0.lora_up.weight"):
         W.load_weights(_save(tmp_path / "aio2.safetensors", comfy), cfg=model.config)
 
 
@@ -173,23 +174,23 @@ def test_diffusers_parts_that_do_not_fuse_are_a_shape_error(tmp_path, model):
     from safetensors.torch import load_file
 
     W.save_weights(model.state_dict(), tmp_path / "d", layout="diffusers")
-    f = tmp_path / "d" / W.DIFFUSERS_WEIGHTS
+    f = tmp_path / "d" / layouts.DIFFUSERS_WEIGHTS
     sd = load_file(str(f))
     sd["single_transformer_blocks.0.attn.to_k.weight"] = torch.zeros(64, 32)
     save_file(sd, str(f))
-    with pytest.raises(W.WeightsError, match="1 wrong shape: single_blocks.0.linear1.weight"):
+    with pytest.raises(layouts.WeightsError, match="1 wrong shape: single_blocks.0.linear1.weight"):
         W.load_weights(tmp_path / "d", cfg=model.config)
 
 
 def test_save_refuses_a_state_dict_that_does_not_match(tmp_path, model):
     sd = dict(model.state_dict())
     extra = dict(sd, **{"double_blocks.0.lora.weight": torch.zeros(2)})
-    with pytest.raises(W.WeightsError, match=r"d not written: .*1 unexpected: double_blocks.0.lora.weight"):
+    with pytest.raises(layouts.WeightsError, match=r"d not written: .*1 unexpected: double_blocks.0.lora.weight"):
         W.save_weights(extra, tmp_path / "d", layout="diffusers", cfg=model.config)  # was a KeyError
-    with pytest.raises(W.WeightsError, match=r"s not written: .*4 unexpected: guidance_in.in_layer.bias"):
+    with pytest.raises(layouts.WeightsError, match=r"s not written: .*4 unexpected: guidance_in.in_layer.bias"):
         W.save_weights(sd, tmp_path / "s", layout="diffusers", cfg=get_model_config("flux-tiny-schnell"))
     ints = dict(sd, **{"img_in.bias": sd["img_in.bias"].long()})
-    with pytest.raises(W.WeightsError, match=r"1 not floating point: img_in.bias \(torch.int64\)"):
+    with pytest.raises(layouts.WeightsError, match=r"1 not floating point: img_in.bias \(torch.int64\)"):
         W.save_weights(ints, tmp_path / "i.safetensors")  # was written as is
     assert not any(tmp_path.iterdir())
 
@@ -294,7 +295,7 @@ def test_safetensors_writer_is_byte_identical_to_safetensors(tmp_path):
     assert (8 + n) % 8 == 0 and ours[8:8 + n].rstrip(b" ").endswith(b"}")  # space-padded to align the data
     begin, end = header["bf16.scalar"]["data_offsets"]
     assert ours[8 + n + begin:8 + n + end] == b"\x80\x3f"  # bf16 1.0 is 0x3F80, stored little-endian
-    with pytest.raises(W.WeightsError, match=r"c.safetensors not written: tensors of dtype torch.complex64"):
+    with pytest.raises(layouts.WeightsError, match=r"c.safetensors not written: tensors of dtype torch.complex64"):
         W._write_safetensors(tmp_path / "c.safetensors", [W._Out.of("c", torch.zeros(1, dtype=torch.cfloat),
                                                                     "copy", None, None)], {})
 
@@ -307,9 +308,9 @@ def test_converting_save_is_byte_identical_to_converting_first(tmp_path, model):
     save_file({k: v.bfloat16() for k, v in sd.items()}, str(tmp_path / "theirs.safetensors"), {"format": "pt"})
     assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
     W.save_weights(sd, tmp_path / "d", layout="diffusers", dtype=torch.bfloat16)
-    converted = {k: v.bfloat16().contiguous() for k, v in W.bfl_to_diffusers(sd).items()}
+    converted = {k: v.bfloat16().contiguous() for k, v in layouts.bfl_to_diffusers(sd).items()}
     save_file(converted, str(tmp_path / "theirs-d.safetensors"), {"format": "pt"})
-    assert (tmp_path / "d" / W.DIFFUSERS_WEIGHTS).read_bytes() == (tmp_path / "theirs-d.safetensors").read_bytes()
+    assert (tmp_path / "d" / layouts.DIFFUSERS_WEIGHTS).read_bytes() == (tmp_path / "theirs-d.safetensors").read_bytes()
 
 
 @pytest.fixture

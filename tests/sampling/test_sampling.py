@@ -25,7 +25,7 @@ from fluxzero.sampling import schedule as S
 from fluxzero.sampling.embeddings import PromptEmbeddings, load_embeddings, save_embeddings
 from fluxzero.sampling.images import grid, read_png_params, save_png
 from fluxzero.sampling.vae import decode
-from fluxzero.train.flow import pack
+from fluxzero.model.packing import pack
 from tests.model.test_model_parity import pair
 
 diffusers = pytest.importorskip("diffusers")

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fluxzero.config import ds_config
-from fluxzero.config.ds_view import DSConfigError, load_for_training
+from fluxzero.config import ds_check
+from fluxzero.config.ds_file import load_for_training
+from fluxzero.config.ds_view import DSConfigError
 from fluxzero.train.checkpoint import _file_problem
 from fluxzero.train.distributed import TrainingError
-from fluxzero.train.export import _stage0_master_weights, consolidated_state_dict, resolve_checkpoint
+from fluxzero.train.consolidate import _stage0_master_weights, consolidated_state_dict, resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
@@ -85,7 +86,7 @@ def test_batch_sizes_come_from_the_deepspeed_config(tmp_path):
 def test_every_committed_config_passes_the_trainer(path):
     from fluxzero.train.engine import check_supported
 
-    world = ds_config.implied_world_size(json.loads(Path(path).read_text())) or 1
+    world = ds_check.implied_world_size(json.loads(Path(path).read_text())) or 1
     _, v = load_for_training(path, world)
     if v.precision == "fp16" and not torch.cuda.is_available():  # refused after every check passed: CPU has no fp16
         with pytest.raises(TrainingError, match="trains in fp16, which DeepSpeed's cpu accelerator"):

@@ -137,7 +137,7 @@ from pathlib import Path
 import numpy as np, torch, deepspeed
 from fluxzero.config import get_model_config
 from fluxzero.model import build_model
-from fluxzero.train import flow
+from fluxzero.model import packing
 presets, out = Path(sys.argv[1]), Path(sys.argv[2])
 for name in sys.argv[3:]:
     for bf16 in (False, True):
@@ -150,8 +150,8 @@ for name in sys.argv[3:]:
             model = build_model(get_model_config("flux-tiny"), device="cpu")
         eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
         dt = torch.bfloat16 if bf16 else torch.float32
-        pred = eng(flow.pack(torch.randn(1, 16, 4, 4)).to(dt), flow.img_ids(1, 4, 4).to(dt),
-                   torch.randn(1, 8, 64, dtype=dt), flow.txt_ids(1, 8).to(dt), torch.rand(1, dtype=dt),
+        pred = eng(packing.pack(torch.randn(1, 16, 4, 4)).to(dt), packing.img_ids(1, 4, 4).to(dt),
+                   torch.randn(1, 8, 64, dtype=dt), packing.txt_ids(1, 8).to(dt), torch.rand(1, dtype=dt),
                    torch.randn(1, 32, dtype=dt), torch.ones(1, dtype=dt))
         eng.backward(pred.float().pow(2).mean())
         eng.step()  # optimizer states exist only after a step

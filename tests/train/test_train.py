@@ -117,7 +117,7 @@ def test_export_is_current_only_in_the_same_layout_and_dtype(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from fluxzero.train.export import _export_is_current
+    from fluxzero.train.consolidate import _export_is_current
 
     latest = tmp_path / "latest"
     latest.write_text("step_00000004")
@@ -141,7 +141,7 @@ def test_tiny_default_files():
     run = yaml.safe_load((ROOT / "launch/tiny.yaml").read_text())
     cfg = TrainConfig.from_dict(run)
     ds = json.loads((ROOT / cfg.deepspeed).read_text())
-    from fluxzero.config.ds_view import load_for_training
+    from fluxzero.config.ds_file import load_for_training
 
     _, v = load_for_training(ROOT / cfg.deepspeed, 2)  # the 2 ranks tiny.yaml's comment launches
     assert (v.micro_batch, v.grad_accum, v.precision) == (2, 1, "fp32")
@@ -391,7 +391,7 @@ def test_export_command(cases, tmp_path):
     # run.yaml names what was trained: unreadable, or another model than the weights, is one sentence
     copy = tmp_path / "copy"
     shutil.copytree(run_dir / "checkpoints" / "step_00000004", copy)
-    for text, words in (("model: [unclosed", "does not name a known model"),
+    for text, words in (("model: [unclosed", "is not valid YAML"), ("model: flux-nope\n", "does not name a known model"),
                         ("model: flux-dev\n", "cannot export")):
         (copy / "run.yaml").write_text(text)
         r = CliRunner().invoke(main, ["export", str(copy), str(tmp_path / "y.safetensors")])
@@ -580,8 +580,8 @@ def test_deepspeed_launcher_two_ranks(tmp_path):
 
 def test_an_incomplete_diffusers_export_is_not_up_to_date(tmp_path):
     """The index is written last: shards without it are an export that stopped midway and must be redone."""
-    from fluxzero.model.weights import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
-    from fluxzero.train.export import _diffusers_files
+    from fluxzero.model.layouts import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
+    from fluxzero.train.consolidate import _diffusers_files
 
     shards = [f"diffusion_pytorch_model-0000{i}-of-00002.safetensors" for i in (1, 2)]
     (tmp_path / shards[0]).write_bytes(b"x")

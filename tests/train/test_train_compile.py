@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fluxzero.config import ds_config
+from fluxzero.config import ds_check
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = "synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32"
@@ -33,7 +33,7 @@ def test_gen_config_compile_flag():
     assert "compile" not in off["fluxzero"]  # off writes nothing: the committed presets stay as they are
     assert on["fluxzero"]["compile"] == {"blocks": True, "mode": "default"}
     assert {k: v for k, v in on.items() if k != "fluxzero"} == {k: v for k, v in off.items() if k != "fluxzero"}
-    assert ds_config.check(on) == []
+    assert ds_check.check(on) == []
 
 
 @pytest.mark.parametrize("section, match", [
@@ -46,13 +46,13 @@ def test_check_refuses_bad_compile_sections(section, match):
     import re
 
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "fluxzero": {"compile": section}}
-    problems = ds_config.check(cfg)
+    problems = ds_check.check(cfg)
     assert len(problems) == 1 and re.search(match, problems[0]), problems
 
 
 def test_check_refuses_deepcompile_the_trainer_never_runs():
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "compile": {"deepcompile": True}}
-    assert ds_config.check(cfg) == ["compile.deepcompile takes effect only through DeepSpeed's engine.compile(), "
+    assert ds_check.check(cfg) == ["compile.deepcompile takes effect only through DeepSpeed's engine.compile(), "
                                     "which the fluxzero trainer does not call: remove it, and set "
                                     "fluxzero.compile.blocks true to compile the blocks"]
 
@@ -66,7 +66,8 @@ def test_check_refuses_deepcompile_the_trainer_never_runs():
 ])
 def test_trainer_refuses_bad_compile_sections(tmp_path, section, match):
     # one rule set: the trainer refuses with check-config's own sentence
-    from fluxzero.config.ds_view import DSConfigError, load_for_training
+    from fluxzero.config.ds_file import load_for_training
+    from fluxzero.config.ds_view import DSConfigError
 
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
@@ -108,7 +109,7 @@ def _jobs(tmp_path, cases):
               "fluxzero": {"activation_checkpointing": {"every_k_blocks": every, "implementation": impl}}}
         if compiled:
             ds["fluxzero"]["compile"] = {"blocks": True, "backend": "aot_eager"}
-        assert ds_config.check(ds) == []
+        assert ds_check.check(ds) == []
         (tmp_path / f"{name}.json").write_text(json.dumps(ds))
         jobs.append([name, {"deepspeed": str(tmp_path / f"{name}.json"), "data": DATA,
                             "steps": STEPS, "output_dir": str(tmp_path / name), "export_format": None}])

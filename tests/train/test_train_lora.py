@@ -36,7 +36,7 @@ OUT_RTOL = 1e-5
 # ---------------------------------------------------------------------------------------------------------
 def test_linear_shapes_are_the_models_linears():
     from fluxzero.model import build_model
-    from fluxzero.model.lora import _linear_names
+    from fluxzero.model.lora_keys import _linear_names
 
     for name in ("flux-tiny", "flux-tiny-schnell", "flux-dev"):
         model = build_model(name, device="meta")
@@ -115,7 +115,8 @@ def _lora_model(lcfg, seed=0, name="flux-tiny"):
 def test_weights_loader_names_a_lora_file(tmp_path):
     from fluxzero.model import lora as L
     from fluxzero.model.lora_formats import save_lora
-    from fluxzero.model.weights import WeightsError, load_weights
+    from fluxzero.model.layouts import WeightsError
+    from fluxzero.model.weights import load_weights
 
     lcfg = LoraConfig(rank=2)
     model, _ = _lora_model(lcfg)
@@ -273,7 +274,7 @@ def _continue_probe(cfg):
     import deepspeed
     import torch.distributed as dist
 
-    from fluxzero.config.ds_view import load_for_training
+    from fluxzero.config.ds_file import load_for_training
     from fluxzero.model import lora as L
     from fluxzero.model.lora_formats import read_lora
     from fluxzero.train import engine as ds_engine
@@ -414,7 +415,7 @@ def _trained_model(trained, name):
     from fluxzero.model import build_model
     from fluxzero.model.lora import apply_lora, load_lora_state_dict
     from fluxzero.model.weights import load_weights
-    from fluxzero.train.export import consolidated_state_dict
+    from fluxzero.train.consolidate import consolidated_state_dict
     from fluxzero.train.lora_export import canonical_lora
 
     model = build_model("flux-tiny")
@@ -472,7 +473,7 @@ def test_kohya_export_holds_the_trained_adapters(trained):
     # diffusers' kohya converter hard-codes FLUX.1's widths for single_blocks.N.linear1 (test_lora.py checks the
     # layout against it at full width); here: the run's kohya file holds exactly the consolidated fp32 adapters
     from fluxzero.model.lora_formats import read_lora
-    from fluxzero.train.export import consolidated_state_dict
+    from fluxzero.train.consolidate import consolidated_state_dict
     from fluxzero.train.lora_export import canonical_lora
 
     got, info = read_lora(trained["tmp"] / "z3" / "lora.safetensors")  # export_format comfyui, fp32
@@ -563,7 +564,7 @@ def test_lora_at_zero_0_with_offload_and_ema(tmp_path):
     assert r["z0_bf16"][0] == pytest.approx(r["z0"][0], rel=5e-3)  # measured 1.3e-3 at step 3
     # export_weights: ema writes the adapters' EMA (the EMA shards hold the trainable parameters only)
     from fluxzero.model.lora_formats import read_lora
-    from fluxzero.train.export import consolidated_state_dict, ema_state_dict
+    from fluxzero.train.consolidate import consolidated_state_dict, ema_state_dict
     from fluxzero.train.lora_export import canonical_lora
 
     got, _ = read_lora(tmp_path / "z2_ema" / "lora_ema.safetensors")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fnmatch
 import math
 
+from fluxzero.config import optim_modes
 from fluxzero.config.lora import linear_shapes
 from fluxzero.config.memory.spec import (GiB, OPTIMIZER_STATE_BYTES, PRECISION_BYTES, Item, ParamInventory, RunSpec,
                                           lora_config, optim_mode, trained_params)
@@ -166,7 +167,7 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     # in fp32 on the GPU; deepspeed.initialize casts it tensor by tensor, then the ZeRO-1/2 optimizer copies
     # the parameters into one flat buffer (on the GPU when it has room) and the FP16_Optimizer of stage 0
     # clones them twice more (flat copy, then its fp32 master).
-    if bf16_master and s.stage == 0:
+    if optim_modes.trainer_casts_to_bf16(s.optimizer_mode, s.stage):
         add("building the engine", 4 * total + b * inv.largest_layer, phase="init",
             note="fp32 model, cast to bf16 by the trainer tensor by tensor (no master copy)")
     elif s.stage == 0 and b < 4 and s.optimizer_impl != "fused" or (s.stage == 0 and mode is not None):

@@ -159,8 +159,7 @@ def run_options_from_ds_config(ds: dict, world_size: int | None = None) -> dict:
     out["checkpoint_every"] = v.checkpoint_every  # the trainer checkpoints nothing without it
     if v.optimizer_mode is not None:
         out["optimizer_mode"] = v.optimizer_mode
-        mode = optim_modes.MODES.get(v.optimizer_mode)
-        if mode is not None and mode.master_dtype == "bf16" and v.stage == 0:
+        if v.trainer_casts_to_bf16:
             out["precision"] = "bf16"  # bf16 off in DeepSpeed: the trainer casts the model to bf16 itself
     if v.checkpoint_impl == "deepspeed":
         out["cpu_checkpointing"] = v.cpu_checkpointing

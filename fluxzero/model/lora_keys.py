@@ -1,0 +1,52 @@
+"""The LoRA vocabulary the adapters (lora.py), the LoRA files (lora_formats.py) and the weights loader share: the
+error, the canonical key pattern, which names are linears, and whether a file holds LoRA tensors."""
+from __future__ import annotations
+
+import os
+import re
+
+from torch import nn
+
+_LORA_KEY = re.compile(r"^(.+)\.(lora_A|lora_B)\.weight$")
+
+
+class LoraError(ValueError):
+    """A LoRA setting or file that does not fit the model."""
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    """Names of the model's own nn.Linear modules (PEFT's wrappers are skipped; their base layer named as the
+    wrapper), in module order."""
+    names = []
+    for name, mod in model.named_modules():
+        if ".lora_" in name or name.endswith(".base_layer"):
+            continue
+        base = getattr(mod, "base_layer", None)
+        if isinstance(mod, nn.Linear) or isinstance(base, nn.Linear):
+            names.append(name)
+    return names
+
+
+def _looks_full(keys) -> list[str]:
+    return [k for k in keys if not _LORA_KEY.match(k) and k.endswith((".weight", ".bias", ".scale"))]
+
+
+def _lora_keys(keys) -> bool:
+    return any(".lora_A." in k or ".lora_B." in k or ".lora_down." in k or ".lora_up." in k for k in keys)
+
+
+def is_lora_file(path: str | os.PathLike) -> bool:
+    """True when `path` is a .safetensors file of LoRA tensors (any layout read here); reads only the header."""
+    from safetensors import safe_open
+
+    if not os.path.isfile(path) or not str(path).endswith(".safetensors"):
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = list(f.keys())
+    except Exception:  # noqa: BLE001 - not a readable safetensors file: certainly no LoRA
+        return False
+    # mostly adapter tensors (their .alpha scalars aside): a full model with a stray lora key is not a LoRA file,
+    # and the full-weights loader then names that key as unexpected
+    lora = sum(_lora_keys([k]) for k in keys)
+    return lora > 0 and lora >= (len(keys) - sum(k.endswith(".alpha") for k in keys)) / 2

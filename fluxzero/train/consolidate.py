@@ -1,0 +1,159 @@
+"""What an export is made from, and whether it is already written: a checkpoint of any ZeRO stage as one fp32
+state dict (live weights or the EMA), and the freshness check of a full or LoRA export (written after the
+checkpoint, in the layout and dtype asked). export.py (full weights) and lora_export.py (adapters) share it."""
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+import torch
+
+from fluxzero.train.checkpoint import _export_advice, _file_problem, _latest_problem
+from fluxzero.train.distributed import TrainingError
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
+    """A checkpoints folder (uses `latest`), the run's output_dir, or one tag folder -> (checkpoints folder, tag)."""
+    path = Path(path)
+    for ckpt_dir in (path, path / "checkpoints"):
+        if (ckpt_dir / "latest").is_file():
+            tag, error = _latest_problem(ckpt_dir, _export_advice)
+            if error:
+                raise TrainingError(error)
+            return ckpt_dir, tag
+    if any(path.glob("*model_states.pt")):  # ZeRO-3 folders have one per rank, none named mp_rank_00_...
+        return path.parent, path.name
+    raise TrainingError(f"{path} is not a fluxzero checkpoint (no 'latest' file and no DeepSpeed model states)")
+
+
+def consolidated_state_dict(path: str | Path) -> tuple[dict, Path]:
+    """Full fp32 weights from a checkpoint of any ZeRO stage: the fp32 master weights wherever training kept
+    them (DeepSpeed's own zero_to_fp32 consolidation for stages 1-3).
+
+    Returns (state_dict, tag folder).
+    """
+    ckpt_dir, tag = resolve_checkpoint(path)
+    tag_dir = ckpt_dir / tag
+    if not any(tag_dir.glob("*model_states.pt")):
+        raise TrainingError(f"checkpoint {tag_dir} is incomplete or corrupt (it has no DeepSpeed model states "
+                            f"file); export another checkpoint folder of {ckpt_dir}")
+    for f in sorted(tag_dir.glob("*.pt")):  # a damaged file would otherwise export wrong weights silently
+        problem = _file_problem(f)
+        if problem:
+            raise TrainingError(f"checkpoint {tag_dir} is incomplete or corrupt ({problem}); export another "
+                                f"checkpoint folder of {ckpt_dir}")
+    try:
+        if glob.glob(str(tag_dir / "*zero_pp_rank_*optim_states.pt")):
+            from fluxzero.train.engine import zero_fp32_state_dict  # DeepSpeed's own zero_to_fp32
+
+            sd = zero_fp32_state_dict(str(ckpt_dir), tag)
+        else:  # ZeRO stage 0: model and optimizer states in one file
+            sd = _stage0_master_weights(torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu",
+                                                   weights_only=False))
+    except TrainingError:
+        raise
+    except Exception as e:  # missing shard files: torch and DeepSpeed raise many kinds
+        reason = str(e).splitlines()[0].split(". ")[0].rstrip(".") if str(e) else type(e).__name__
+        raise TrainingError(f"checkpoint {tag_dir} is incomplete or corrupt ({reason[:200]}); export another "
+                            f"checkpoint folder of {ckpt_dir}") from None
+    return {k: v.float() for k, v in sd.items()}, tag_dir
+
+
+def _stage0_master_weights(states: dict) -> dict:
+    """The weights of a ZeRO-0 model-states file, taken from the optimizer's fp32 masters where it has them.
+
+    In bf16 or fp16, stage 0 wraps the optimizer in DeepSpeed's FP16 optimizers, which keep fp32 master
+    copies and save them into this file: FP16_UnfusedOptimizer (torch and other unfused optimizers) as
+    "fp32_groups", one tensor per parameter; FP16_Optimizer (FusedAdam) as "fp32_groups_flat", one flat
+    tensor per parameter group. Both follow the order of the parameters fluxzero hands DeepSpeed
+    (model.parameters()), which is the module state dict's order without its buffers; each master rounded to
+    the module's dtype must equal the saved module weight, which checks the pairing. fp32 runs have no
+    wrapper: the module weights are the masters.
+    """
+    module, opt = states["module"], states.get("optimizer") or {}
+    if "fp32_groups" not in opt and "fp32_groups_flat" not in opt:
+        return module
+    buffers = set(states.get("buffer_names") or ())
+    names = [k for k in module if k not in buffers]
+    if "fp32_groups" in opt:
+        masters = [t for group in opt["fp32_groups"] for t in group]
+    else:
+        flat = torch.cat([g.reshape(-1) for g in opt["fp32_groups_flat"]])
+        sizes = [module[n].numel() for n in names]
+        masters = list(flat.split(sizes)) if flat.numel() == sum(sizes) else []
+        masters = [m.view(module[n].shape) for m, n in zip(masters, names)]
+    if len(masters) != len(names) or not all(
+            m.shape == module[n].shape and torch.equal(m.to(module[n].dtype), module[n]) for m, n in zip(masters, names)):
+        raise TrainingError("the optimizer's fp32 master weights in this ZeRO-0 checkpoint do not pair up with its "
+                            "module weights, so the fluxzero trainer did not write it; consolidate it with "
+                            "DeepSpeed's own tools")
+    return {**module, **dict(zip(names, masters))}
+
+
+def ema_state_dict(tag_dir: Path) -> dict:
+    """The consolidated fp32 EMA of a checkpoint folder (name -> full tensor), from its per-rank shard files."""
+    from fluxzero.train.ema import consolidate
+
+    shards = sorted(Path(tag_dir).glob("ema_*.safetensors"))
+    if not shards:
+        raise TrainingError(f"checkpoint {tag_dir} holds no EMA (the run had no ema: section); export its live "
+                            f"weights instead")
+    try:
+        return consolidate(shards)
+    except (ValueError, OSError, KeyError) as e:
+        raise TrainingError(f"the EMA shards of {tag_dir} cannot be read ({str(e).splitlines()[0][:200]}); export "
+                            f"its live weights, or another checkpoint") from None
+
+
+def _diffusers_files(folder: Path) -> list[Path]:
+    """The weight files of a complete diffusers export, [] when it is incomplete: the index is written last,
+    so shards without it are an export that stopped midway."""
+    from fluxzero.model.layouts import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
+
+    index = folder / DIFFUSERS_INDEX
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / n for n in names]
+        return files if files and all(f.is_file() for f in files) else []
+    single = folder / DIFFUSERS_WEIGHTS
+    return [single] if single.is_file() and not list(folder.glob("diffusion_pytorch_model-*")) else []
+
+
+def _tensor_dtypes(path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """({tensor: safetensors dtype ("BF16", "F32")}, metadata) of a safetensors file, without reading tensors;
+    ValueError when it is no readable safetensors file."""
+    from fluxzero.data.shards import read_header
+
+    entries, meta = read_header(path)
+    return {k: v["dtype"] for k, v in entries.items()}, meta
+
+
+def _export_is_current(out: Path, latest: Path, layout: str, dtype: str) -> bool:
+    """`out` was written after the checkpoint `latest` names, in this layout and dtype (read from the
+    safetensors header: tensor dtypes, and ComfyUI's key prefix; diffusers is the folder)."""
+    from fluxzero.model.layouts import COMFY_PREFIX
+
+    try:
+        files = _diffusers_files(out) if layout == "diffusers" else [out]
+        if not files or any(f.stat().st_mtime < latest.stat().st_mtime for f in files):
+            return False
+        tensors, _ = _tensor_dtypes(files[0])
+        dtypes = set(tensors.values())
+        comfy = any(k.startswith(COMFY_PREFIX) for k in tensors)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # missing, a folder, not safetensors
+        return False
+    want = {"bf16": "BF16", "fp32": "F32"}[dtype]
+    return dtypes == {want} and comfy == (layout == "comfyui")
+
+
+def lora_is_current(out: Path, latest: Path, layout: str, dtype: str) -> bool:
+    """`out` is a LoRA file written after the checkpoint `latest` names, in this layout and dtype."""
+    try:
+        if out.stat().st_mtime < latest.stat().st_mtime:
+            return False
+        tensors, meta = _tensor_dtypes(out)
+        dtypes = {d for k, d in tensors.items() if not k.endswith(".alpha")}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return False
+    return meta.get("fluxzero.format") == layout and dtypes == {{"bf16": "BF16", "fp32": "F32"}[dtype]}

@@ -1,0 +1,189 @@
+"""The package's import graph, read from the source with `ast` (nothing is imported): no cycles, no import against
+the layer order, and every name imported from the module that defines it.
+
+Layers, lowest first (a module may import its own layer and lower ones):
+  0  top-level utilities (fluxzero/fsutil.py, ...)
+  1  config, cluster      pure Python
+  2  model, data          torch
+  3  sampling, train
+  4  commands
+  5  cli
+Function-level imports count like module-level ones: the house imports heavy dependencies (torch, deepspeed,
+diffusers) inside command bodies, never its own modules to dodge a cycle, so an import inside a function is a
+dependency all the same.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "fluxzero"
+LAYERS = {"config": 1, "cluster": 1, "model": 2, "data": 2, "sampling": 3, "train": 3, "commands": 4, "cli": 5}
+OTHER_SOURCES = ("tests", "benchmarks", "launch")  # they import the package too: no names through re-exports
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.get(parts[1], 0) if len(parts) > 1 else 0
+
+
+def _is_package(module: str) -> bool:
+    return module in MODULES and MODULES[module].name == "__init__.py"
+
+
+def _absolute(node: ast.ImportFrom, module: str, path: Path) -> str:
+    if not node.level:
+        return node.module
+    base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    base = base[:len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(path: Path, module: str | None):
+    """(line, imported fluxzero module, name or None) for every import in the file, at any depth."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "fluxzero":
+                    yield node.lineno, a.name, None
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(node, module, path) if module else node.module
+            if base and base.split(".")[0] == "fluxzero":
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    yield (node.lineno, sub, None) if sub in MODULES else (node.lineno, base, a.name)
+
+
+def _edges() -> dict[str, dict[str, int]]:
+    """module -> {imported module: first line}."""
+    edges = {}
+    for module, path in MODULES.items():
+        for line, target, _ in _imports(path, module):
+            while target not in MODULES and "." in target:  # `import fluxzero.x.y` of a name: its module
+                target = target.rsplit(".", 1)[0]
+            if target != module:
+                edges.setdefault(module, {}).setdefault(target, line)
+    return edges
+
+
+def _cycles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm), sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on_stack.discard(comp[-1])
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(set(edges) | {w for targets in edges.values() for w in targets}):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    edges = _edges()
+    cycles = _cycles(edges)
+    described = []
+    for comp in cycles:
+        inside = [f"{a} -> {b} (line {line})" for a in comp for b, line in edges.get(a, {}).items() if b in comp]
+        described.append("; ".join(inside))
+    assert not cycles, "import cycles (function-level imports count): " + " | ".join(described)
+
+
+def test_no_import_against_the_layer_order():
+    upward = [f"{a}:{line} imports {b} (layer {_layer(b)} > {_layer(a)})"
+              for a, targets in _edges().items() for b, line in targets.items() if _layer(b) > _layer(a)]
+    assert not upward, "lower layers must not import higher ones: " + "; ".join(upward)
+
+
+def _borrowed(module: str) -> set[str]:
+    """Names a module binds at top level by importing them from another fluxzero module: what others could
+    import through it. Empty for a package: its __init__ is its public face and may gather its submodules' names."""
+    if _is_package(module):
+        return set()
+    path = MODULES[module]
+    names = set()
+
+    def scan(body):
+        for node in body:
+            if isinstance(node, ast.ImportFrom):
+                base = _absolute(node, module, path)
+                if base and base.split(".")[0] == "fluxzero":
+                    names.update(a.asname or a.name for a in node.names)
+            elif isinstance(node, (ast.If, ast.Try)):
+                scan(node.body + node.orelse + getattr(node, "finalbody", []))
+                for h in getattr(node, "handlers", []):
+                    scan(h.body)
+
+    scan(ast.parse(path.read_text()).body)
+    return names
+
+
+def _sources():
+    yield from ((path, module) for module, path in MODULES.items())
+    for folder in OTHER_SOURCES:
+        yield from ((path, None) for path in sorted((ROOT / folder).rglob("*.py")))
+
+
+def test_names_are_imported_from_the_module_that_defines_them():
+    """No re-export shims: `from fluxzero.config.ds_config import check` where `check` lives in ds_check, or
+    `ds_config.check`, would keep two spellings of one name alive."""
+    borrowed = {m: _borrowed(m) for m in MODULES}
+    wrong = []
+    for path, module in _sources():
+        where = path.relative_to(ROOT)
+        for line, target, name in _imports(path, module):
+            if name is not None and name in borrowed.get(target, ()):
+                wrong.append(f"{where}:{line} imports {name} from {target}, which imports it from elsewhere")
+        tree = ast.parse(path.read_text())
+        aliases = {}  # local name -> the fluxzero module it is bound to (`from fluxzero.x import mod`, `as`)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases.update((a.asname, a.name) for a in node.names if a.asname and a.name in MODULES)
+            elif isinstance(node, ast.ImportFrom):  # `from fluxzero.x import mod`, `from . import mod as M`
+                base = _absolute(node, module, path) if module else node.module
+                aliases.update((a.asname or a.name, f"{base}.{a.name}") for a in node.names
+                               if base and f"{base}.{a.name}" in MODULES)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                target = aliases[node.value.id]
+                if node.attr in borrowed[target] and f"{target}.{node.attr}" not in MODULES:
+                    wrong.append(f"{where}:{node.lineno} reads {node.value.id}.{node.attr}, which {target} imports "
+                                 f"from elsewhere")
+    assert not wrong, "import each name from where it lives: " + "; ".join(sorted(set(wrong)))
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import():
+    """The graph reader finds what it must (a test that cannot fail is a defect)."""
+    assert _cycles({"fluxzero.a": {"fluxzero.b": 1}, "fluxzero.b": {"fluxzero.c": 1}, "fluxzero.c": {"fluxzero.a": 1},
+                    "fluxzero.d": {"fluxzero.a": 1}}) == [["fluxzero.a", "fluxzero.b", "fluxzero.c"]]
+    assert _cycles({"fluxzero.a": {"fluxzero.b": 1}}) == []
+    assert _layer("fluxzero.cli") > _layer("fluxzero.commands.train") > _layer("fluxzero.train.loop") \
+        > _layer("fluxzero.model.flux") > _layer("fluxzero.config.run") > _layer("fluxzero.fsutil")
+    assert _layer("fluxzero.sampling.sampler") == _layer("fluxzero.train.flow")
