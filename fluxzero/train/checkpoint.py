@@ -24,7 +24,8 @@ from fluxzero.config import TrainConfig
 from fluxzero.config.models import model_name, same_model
 from fluxzero.config.ds_view import DSView, view
 from fluxzero.fsutil import atomic_write
-from fluxzero.train.distributed import TrainingError, all_ranks_ok, barrier, peer_stopped
+from fluxzero.train.distributed import (TrainingError, all_ranks_ok, all_reduce, barrier, broadcast_objects,
+                                        peer_stopped)
 
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
@@ -120,11 +121,10 @@ def weights_finite(engine) -> bool:
     checkpoint). Each rank checks what it holds (its ZeRO-3 partitions, or the module's parameters below stage 3):
     one pass over the weights and one all_reduce."""
     params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
-    device = params[0].device if params else torch.device("cpu")
     ok = torch.stack([torch.isfinite(t).all() for t in params]).all() if params else torch.tensor(True)
-    flag = ok.to(device=device, dtype=torch.float32).reshape(1)
+    flag = ok.to(dtype=torch.float32).reshape(1)  # on the CPU under parameter offload: all_reduce moves it
     if dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item() == 1.0)
 
 
@@ -163,7 +163,7 @@ def decide_resume(cfg: TrainConfig, v: DSView, ckpt_dir: Path, allow_config_chan
             decision = [_rank0_decision(cfg, v, ckpt_dir, world, allow_config_change), None]
         except TrainingError as e:
             decision = [None, str(e)]
-    dist.broadcast_object_list(decision, src=0)
+    broadcast_objects(decision, src=0)
     tag, error = decision
     if error:
         raise TrainingError(error)

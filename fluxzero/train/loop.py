@@ -151,8 +151,7 @@ def _check_finite(loss: float, run: Run) -> None:
     if math.isfinite(loss):
         return
     mine = run.step.nonfinite_samples()
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = distributed.gather_objects(mine)
     where = [run.loader.source.describe(i) for i in dict.fromkeys(i for rank in every for i in rank)]
     batch = f" (in the micro batch holding {', '.join(where[:3])}{', ...' if len(where) > 3 else ''})" if where else ""
     raise TrainingError(f"loss is {loss} at step {run.done + 1}{batch}; stopped before applying that update and "
