@@ -7,6 +7,7 @@ It owns every engine.step() call. No deepspeed import: the engine object does th
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -64,6 +65,10 @@ class TrainStep:
         self.before_update = before_update
         self.on_phase = on_phase or (lambda name: None)
         self.stop_flag = stop_flag or (lambda: False)
+        # DeepSpeed's wrappers (ZeRO 1-3, its bf16/fp16 optimizers) compute the global grad norm; a client
+        # optimizer the engine calls directly (ZeRO 0 without bf16.enabled: fp32, and the bf16 optimizer modes)
+        # leaves it None, so the step computes it from the gradients the engine has all-reduced
+        self._own_norm = not hasattr(engine.optimizer, "_global_grad_norm")
 
     def nonfinite_samples(self) -> list[int]:
         """Sample indices (this rank) of the last step's micro batches whose loss was not finite."""
@@ -90,14 +95,24 @@ class TrainStep:
             if micro < self.grad_accum - 1:
                 engine.step()  # inside accumulation: DeepSpeed only counts the micro step
         flag = torch.ones((), device=self.device) if self.stop_flag() else torch.zeros((), device=self.device)
-        total, stops = sum_across_ranks(torch.stack((loss_sum, flag)))  # one host sync per optimizer step
+        # the grad norm (squared, divided over the ranks that all hold the same reduced grads) rides on the same
+        # reduction: no collective and no host sync of its own
+        sq = self._grad_norm_sq() / self.world_size if self._own_norm else torch.zeros((), device=self.device)
+        total, stops, own_sq = sum_across_ranks(torch.stack((loss_sum, flag, sq)))  # one host sync per step
         mean = total / (self.grad_accum * self.world_size)
         if self.before_update is not None:
             self.before_update(mean)
         phase("update")
         engine.step()
         phase("end")
-        norm = engine.get_global_grad_norm()
+        norm = math.sqrt(own_sq) if self._own_norm else engine.get_global_grad_norm()
         return StepResult(loss=mean, lr=lr, grad_norm=None if norm is None else float(norm),
                           skipped_steps=int(engine.skipped_steps), img_tokens=inputs["img"].shape[1],
                           txt_tokens=inputs["txt"].shape[1], stop_requested=stops > 0)
+
+    def _grad_norm_sq(self) -> torch.Tensor:
+        """Squared 2-norm of all gradients (before clipping, as DeepSpeed reports it), on the device."""
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).to(self.device).square().sum()
