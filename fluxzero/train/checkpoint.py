@@ -142,6 +142,7 @@ def _torch_bytes(obj) -> bytes:
 # a run or logging more often is common. micro_batch and grad_accum are the DeepSpeed config's
 # (train_micro_batch_size_per_gpu, gradient_accumulation_steps); the others the run file's.
 FIXED_ON_RESUME = ("micro_batch", "seed")  # the loader's saved position means other samples under others
+DS_KEYS = {"micro_batch": "train_micro_batch_size_per_gpu", "grad_accum": "gradient_accumulation_steps"}
 SAME_ON_RESUME = ("data", "grad_accum") + tuple(f"flow.{f}" for f in (
     "timestep_sampling", "logit_mean", "logit_std", "shift", "shift_value", "guidance"))
 
@@ -329,14 +330,19 @@ def _check_same_training(now: dict, saved: dict, ckpt: Path, allow_config_change
                 and _setting(saved, k) != _setting(now, k)
                 and not (k == "data" and _same_path(_setting(saved, k), _setting(now, k)))]
 
+    def name(k):  # the batch sizes are the DeepSpeed config's: name its key, where the user changes it
+        return DS_KEYS.get(k, k)
+
+    in_ds = f" in {now.get('deepspeed') or 'the DeepSpeed config'}"
     for keys, fix in ((FIXED_ON_RESUME, "resume with the checkpoint's values, or choose another output_dir"),
                       (() if allow_config_change else SAME_ON_RESUME,
                        "resume with the checkpoint's values, choose another output_dir, or add "
                        "allow_config_change=true to the command line to continue this checkpoint with the new ones")):
         if diff := changed(keys):
+            where = in_ds if any(k in DS_KEYS for k in diff) else ""
             raise TrainingError(
-                f"{ckpt} was trained with {', '.join(f'{k}={_setting(saved, k)}' for k in diff)} but this run "
-                f"has {', '.join(f'{k}={_setting(now, k)}' for k in diff)}; {fix}")
+                f"{ckpt} was trained with {', '.join(f'{name(k)}={_setting(saved, k)}' for k in diff)} but this run "
+                f"has {', '.join(f'{name(k)}={_setting(now, k)}' for k in diff)}{where}; {fix}")
 
 
 LORA_FIXED_ON_RESUME = ("rank", "alpha", "targets", "init")  # the adapters' shapes and scale; dropout may change
