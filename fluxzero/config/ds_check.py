@@ -366,6 +366,18 @@ def without_auto(cfg: dict) -> dict:
     return out
 
 
+def _batch_fix(train: int, micro: int, accum: int, world: int) -> str:
+    """What to change when the batch sizes were written for another world size: the ranks they imply (the
+    launcher's flag), or the keys that keep the global batch on `world` ranks."""
+    fits = train // (micro * accum) if train % (micro * accum) == 0 else None
+    ways = [f"launch {fits} ranks (torchrun --nproc_per_node {fits}, or deepspeed --num_gpus {fits})"] if fits else []
+    if train % (micro * world) == 0:
+        ways.append(f"set gradient_accumulation_steps to {train // (micro * world)} for the same global batch on "
+                    f"{world} rank{'s' if world > 1 else ''}")
+    ways.append("remove train_batch_size (it is derived from the other two)")
+    return (f": the batch sizes are written for {fits} ranks" if fits else "") + "; " + ", or ".join(ways)
+
+
 def _check_batch(cfg: dict, world: int | None, p: list[str]) -> None:
     names = BATCH_KEYS
     if any(cfg.get(n) == "auto" for n in names):
@@ -389,7 +401,8 @@ def _check_batch(cfg: dict, world: int | None, p: list[str]) -> None:
     if train is not None and micro is not None and accum is not None:
         if world is not None and train != micro * accum * world:
             p.append(f"train_batch_size {train} != train_micro_batch_size_per_gpu {micro} x "
-                     f"gradient_accumulation_steps {accum} x world size {world} (= {micro * accum * world})")
+                     f"gradient_accumulation_steps {accum} x world size {world} (= {micro * accum * world})"
+                     f"{_batch_fix(train, micro, accum, world)}")
         elif world is None and train % (micro * accum):
             p.append(f"train_batch_size {train} is not train_micro_batch_size_per_gpu {micro} x "
                      f"gradient_accumulation_steps {accum} x any whole world size")

@@ -13,8 +13,9 @@ fluxzero.train.ema (ShardedEMA), which keeps on each rank only the EMA of that r
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass
+
+from fluxzero.config.keys import did_you_mean
 
 EMA_DEVICES = ("gpu", "cpu")
 EMA_DTYPES = ("fp32", "bf16")
@@ -55,9 +56,8 @@ class EmaConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(map(str, d)) - set(names))
         if unknown:
-            hints = [f"{m[0]!r} for {k!r}" for k in unknown if (m := difflib.get_close_matches(k, names, n=1))]
-            hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
-            raise ValueError(f"unknown ema keys {unknown}{hint}; valid keys: {', '.join(names)}")
+            raise ValueError(f"unknown ema keys {unknown}{did_you_mean(unknown, names)}; valid keys: "
+                             f"{', '.join(names)}")
         return cls(**d)
 
     def to_dict(self) -> dict:

@@ -10,6 +10,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from fluxzero.config.keys import did_you_mean
+
 # What each stream of a double block and each single block holds, by preset. A single block's attention
 # and MLP share fused linears (linear1 = q, k, v and MLP-in; linear2 = attn-out and MLP-out), so even the
 # "attention" preset adapts the single blocks' MLP rows: a LoRA cannot cover part of one linear's rows.
@@ -100,8 +102,12 @@ class LoraConfig:
             raise ValueError(f"lora must be a mapping of LoRA options (rank, alpha, ...), got {d!r}")
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(names))
+        if set(unknown) & {"lr", "learning_rate"}:  # a LoRA's lr is the optimizer's, as for a full fine-tune
+            raise ValueError("the lr is not a lora key: it lives in the DeepSpeed config (optimizer.params.lr in "
+                             "the file deepspeed: names), for a LoRA as for a full fine-tune")
         if unknown:
-            raise ValueError(f"unknown lora keys {unknown}; valid keys: {', '.join(names)}")
+            raise ValueError(f"unknown lora keys {unknown}{did_you_mean(unknown, names)}; valid keys: "
+                             f"{', '.join(names)}")
         return cls(**d)
 
     def to_dict(self) -> dict:

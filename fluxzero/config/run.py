@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from fluxzero.config.ema import EmaConfig
+from fluxzero.config.keys import did_you_mean as _did_you_mean
 from fluxzero.config.lora import LoraConfig
 from fluxzero.config.models import model_spec, resolve_model
 
@@ -20,6 +21,7 @@ MOVED_TO_DEEPSPEED = {
     "grad_accum": "gradient_accumulation_steps",
     # never run-file keys, but where people look for them (and `lr` is close enough to `lora` to be suggested)
     "lr": "optimizer.params.lr",
+    "learning_rate": "optimizer.params.lr",
     "weight_decay": "optimizer.params.weight_decay",
     "precision": "bf16.enabled / fp16.enabled",
 }
@@ -77,14 +79,6 @@ def _check_types(obj, prefix: str = "") -> None:
             continue
         if not ok:
             raise ValueError(f"{prefix}{f.name} must be {want}, got {value!r}")
-
-
-def _did_you_mean(unknown: list, names) -> str:
-    import difflib
-
-    hints = [f"{m[0]!r} for {k!r}" for k in unknown
-             if (m := difflib.get_close_matches(str(k), sorted(names), n=1, cutoff=0.6))]
-    return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 
 @dataclass

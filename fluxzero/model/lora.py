@@ -64,9 +64,17 @@ def target_modules(model: nn.Module, targets: str | Sequence[str]) -> list[str]:
     return [n for n in names if n in chosen]
 
 
-def _peft_config(cfg: LoraConfig, names: list[str]):
-    import peft
+def require_peft():
+    """peft, or one sentence naming the extra that installs it (every rank of a LoRA run gets here)."""
+    try:
+        import peft
+    except ImportError:
+        raise LoraError("a LoRA run needs the peft package, which is not installed: pip install -e '.[lora]'") from None
+    return peft
 
+
+def _peft_config(cfg: LoraConfig, names: list[str]):
+    peft = require_peft()
     return peft.LoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=names, bias="none",
         init_lora_weights=True if cfg.init == "default" else cfg.init,
@@ -84,7 +92,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     (PEFT casts the adapter's input to float32 and its output back). With `cfg.weights` the adapters start
     from that LoRA file (its B rescaled when the file's alpha / rank differs from cfg's).
     """
-    import peft
+    peft = require_peft()
     from peft.tuners.tuners_utils import cast_adapter_dtype
 
     if has_lora(model):

@@ -24,7 +24,8 @@ from fluxzero.config.models import model_name, same_model
 from fluxzero.config.runfile import read_saved_run
 from fluxzero.config.ds_view import DSView, view
 from fluxzero.fsutil import atomic_write
-from fluxzero.train.distributed import TrainingError, all_ranks_ok, barrier, peer_stopped
+from fluxzero.train.distributed import (TrainingError, all_ranks_ok, all_reduce, barrier, broadcast_objects,
+                                        peer_stopped)
 
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
@@ -120,11 +121,10 @@ def weights_finite(engine) -> bool:
     checkpoint). Each rank checks what it holds (its ZeRO-3 partitions, or the module's parameters below stage 3):
     one pass over the weights and one all_reduce."""
     params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
-    device = params[0].device if params else torch.device("cpu")
     ok = torch.stack([torch.isfinite(t).all() for t in params]).all() if params else torch.tensor(True)
-    flag = ok.to(device=device, dtype=torch.float32).reshape(1)
+    flag = ok.to(dtype=torch.float32).reshape(1)  # on the CPU under parameter offload: all_reduce moves it
     if dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item() == 1.0)
 
 
@@ -142,6 +142,7 @@ def _torch_bytes(obj) -> bytes:
 # a run or logging more often is common. micro_batch and grad_accum are the DeepSpeed config's
 # (train_micro_batch_size_per_gpu, gradient_accumulation_steps); the others the run file's.
 FIXED_ON_RESUME = ("micro_batch", "seed")  # the loader's saved position means other samples under others
+DS_KEYS = {"micro_batch": "train_micro_batch_size_per_gpu", "grad_accum": "gradient_accumulation_steps"}
 SAME_ON_RESUME = ("data", "grad_accum") + tuple(f"flow.{f}" for f in (
     "timestep_sampling", "logit_mean", "logit_std", "shift", "shift_value", "guidance"))
 
@@ -163,7 +164,7 @@ def decide_resume(cfg: TrainConfig, v: DSView, ckpt_dir: Path, allow_config_chan
             decision = [_rank0_decision(cfg, v, ckpt_dir, world, allow_config_change), None]
         except TrainingError as e:
             decision = [None, str(e)]
-    dist.broadcast_object_list(decision, src=0)
+    broadcast_objects(decision, src=0)
     tag, error = decision
     if error:
         raise TrainingError(error)
@@ -314,14 +315,19 @@ def _check_same_training(now: dict, saved: dict, ckpt: Path, allow_config_change
                 and _setting(saved, k) != _setting(now, k)
                 and not (k == "data" and _same_path(_setting(saved, k), _setting(now, k)))]
 
+    def name(k):  # the batch sizes are the DeepSpeed config's: name its key, where the user changes it
+        return DS_KEYS.get(k, k)
+
+    in_ds = f" in {now.get('deepspeed') or 'the DeepSpeed config'}"
     for keys, fix in ((FIXED_ON_RESUME, "resume with the checkpoint's values, or choose another output_dir"),
                       (() if allow_config_change else SAME_ON_RESUME,
                        "resume with the checkpoint's values, choose another output_dir, or add "
                        "allow_config_change=true to the command line to continue this checkpoint with the new ones")):
         if diff := changed(keys):
+            where = in_ds if any(k in DS_KEYS for k in diff) else ""
             raise TrainingError(
-                f"{ckpt} was trained with {', '.join(f'{k}={_setting(saved, k)}' for k in diff)} but this run "
-                f"has {', '.join(f'{k}={_setting(now, k)}' for k in diff)}; {fix}")
+                f"{ckpt} was trained with {', '.join(f'{name(k)}={_setting(saved, k)}' for k in diff)} but this run "
+                f"has {', '.join(f'{name(k)}={_setting(now, k)}' for k in diff)}{where}; {fix}")
 
 
 LORA_FIXED_ON_RESUME = ("rank", "alpha", "targets", "init")  # the adapters' shapes and scale; dropout may change

@@ -120,18 +120,130 @@ def barrier():
 
 def sum_across_ranks(values: torch.Tensor) -> list[float]:
     """The sums of a small 1-D tensor over all ranks, as Python floats (one all_reduce, one host sync)."""
-    values = values.detach().clone()
-    dist.all_reduce(values)
-    return values.tolist()
+    return all_reduce(values.detach().clone()).tolist()
 
 
 def all_ranks_ok(problem: str | None) -> None:
     """Every rank passes its own problem (or None); all raise TrainingError with the first one found."""
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, problem)
-    first = next((p for p in every if p), None)
+    first = next((p for p in gather_objects(problem) if p), None)
     if first:
         raise TrainingError(first)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Collectives the trainer issues itself: ONE rule for the device their tensors travel on
+# ---------------------------------------------------------------------------------------------------------
+# Every collective of fluxzero's own (finite checks, the resume decision, metrics, stop flags, validation sums,
+# EMA reductions, the pretrained-weights broadcast) goes through the functions below, never torch.distributed
+# directly. NCCL has no CPU backend, and where a tensor lives depends on settings far from the call site: with
+# ZeRO-3 parameter offload the weights, and a flag built from them, are on the CPU while the group is NCCL
+# ("No backend type associated with device type cpu"). DeepSpeed's own collectives are DeepSpeed's business.
+COMM_CHECK = "FLUXZERO_COMM_CHECK"  # tests only: see _record
+
+
+def backend_device(backend: str) -> torch.device:
+    """The device a backend moves tensors on: the CPU for gloo, this rank's GPU (LOCAL_RANK) for NCCL and the rest."""
+    if backend == "gloo":
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def comm_device(group=None) -> torch.device:
+    """The device the process group's backend serves, whatever the tensors' own devices (offload included)."""
+    return backend_device(dist.get_backend(group))
+
+
+def placement_problem(device: torch.device, backend: str) -> str | None:
+    """Why a tensor on `device` cannot reach a `backend` group (None if it can)."""
+    if device.type == "cpu" and backend != "gloo":
+        return f"a CPU tensor would reach the {backend} process group, which has no CPU backend"
+    return None
+
+
+def _to_comm(tensor: torch.Tensor, group, op: str) -> torch.Tensor:
+    """`tensor` on the group's device (itself when it is there already), checked against the rule."""
+    backend = dist.get_backend(group)
+    moved = tensor.to(comm_device(group))
+    checked = _checked_backend()
+    problem = placement_problem(moved.device if checked is None else backend_device(checked), checked or backend)
+    if problem:
+        raise RuntimeError(f"{problem} ({_caller()}, {op}): place it with fluxzero.train.distributed.comm_device()")
+    if checked is not None:
+        _record(op)
+    return moved
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """torch.distributed.all_reduce in place on `tensor`, reduced on the group's device; returns `tensor`."""
+    moved = _to_comm(tensor, group, "all_reduce")
+    dist.all_reduce(moved, op=op, group=group)
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
+def reduce(tensor: torch.Tensor, group=None, group_dst: int = 0) -> torch.Tensor:
+    """torch.distributed.reduce (sum) into `tensor` of group rank `group_dst`; returns `tensor`."""
+    moved = _to_comm(tensor, group, "reduce")
+    dist.reduce(moved, group=group, group_dst=group_dst)
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's `tensor` (same shape on all), in rank order, on `tensor`'s own device."""
+    moved = _to_comm(tensor, group, "all_gather")
+    every = [torch.empty_like(moved) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, moved, group=group)
+    return [t.to(tensor.device) for t in every]
+
+
+def _object_device(group, op: str) -> torch.device:
+    """Object collectives pickle into a tensor on torch.cuda.current_device() under NCCL: it must be this
+    rank's GPU (init_distributed sets it), or two ranks of a node would share one GPU's buffers."""
+    device = _to_comm(torch.empty(0), group, op).device
+    if device.type == "cuda" and torch.cuda.current_device() != device.index:
+        raise RuntimeError(f"torch.cuda.current_device() is {torch.cuda.current_device()} on the rank of LOCAL_RANK "
+                           f"{device.index} ({_caller()}, {op}): call torch.cuda.set_device(LOCAL_RANK) first")
+    return device
+
+
+def broadcast_objects(objects: list, src: int = 0, group=None) -> list:
+    """torch.distributed.broadcast_object_list of `objects` (in place) from rank `src`; returns `objects`."""
+    dist.broadcast_object_list(objects, src=src, group=group, device=_object_device(group, "broadcast_object_list"))
+    return objects
+
+
+def gather_objects(obj, group=None) -> list:
+    """Every rank's picklable `obj`, in rank order (torch.distributed.all_gather_object)."""
+    _object_device(group, "all_gather_object")
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, obj, group=group)
+    return every
+
+
+# Tests only. FLUXZERO_COMM_CHECK=<file prefix> in a CPU (gloo) run: the helpers above judge every tensor as if
+# the group were NCCL (the device they would have chosen must be this rank's GPU) and append "caller op" lines
+# to <prefix>.rank<N>, so that a test can see every trainer collective pass through them
+# (tests/train/test_comm_rule.py, which also makes a direct torch.distributed call from fluxzero code fail).
+def _checked_backend() -> str | None:
+    return "nccl" if os.environ.get(COMM_CHECK) else None
+
+
+def _caller() -> str:
+    """module.function of the first frame outside this module."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{frame.f_globals.get('__name__')}.{frame.f_code.co_qualname}"
+
+
+def _record(op: str) -> None:
+    with open(f"{os.environ[COMM_CHECK]}.rank{dist.get_rank()}", "a") as f:
+        f.write(f"{_caller()} {op}\n")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from fluxzero.config.ema import EmaConfig
+from fluxzero.train.distributed import all_reduce, reduce
 # the project's one bf16 stochastic rounding (fp32 bits + uniform 16-bit noise, truncated): an EMA with decay
 # 0.9999 moves by 1e-4 of the gap per update, far below half a bf16 ulp, which round-to-nearest would drop
 from fluxzero.train.optim import stochastic_round_bf16
@@ -223,7 +224,7 @@ class ShardedEMA:
         local = torch.tensor([sum(pc.numel for pc in self._pieces)], dtype=torch.float64)
         if self._world > 1 and not self._replicated:
             local = local.to(self._comm_device)
-            dist.all_reduce(local, group=self._group)
+            all_reduce(local, group=self._group)
         total = sum(math.prod(s) for s in self._shapes.values())
         if int(local.item()) != total:
             raise RuntimeError(f"EMA layout of {self.kind} covers {int(local.item())} of {total} parameter elements; "
@@ -252,9 +253,9 @@ class ShardedEMA:
                 base += math.prod(self._shapes[name])
             if self._world > 1 and not self._replicated:
                 if to_all:
-                    dist.all_reduce(flat, group=self._group)
+                    all_reduce(flat, group=self._group)
                 else:
-                    dist.reduce(flat, group=self._group, group_dst=0)
+                    reduce(flat, group=self._group, group_dst=0)
             if to_all or self._rank == 0:
                 for name in bucket:
                     n = math.prod(self._shapes[name])

@@ -20,7 +20,7 @@ from deepspeed.accelerator import get_accelerator
 
 from fluxzero.config import ModelConfig
 from fluxzero.config.ds_view import DSView
-from fluxzero.train.distributed import TrainingError
+from fluxzero.train.distributed import TrainingError, broadcast_objects
 
 
 def join_deepspeed_comm() -> None:
@@ -159,7 +159,7 @@ def load_pretrained(model: torch.nn.Module, path: str, model_cfg: ModelConfig, p
             pending = dict([next(tensors)])
         except (ValueError, OSError) as e:
             error = [str(e)]
-    dist.broadcast_object_list(error, src=0)
+    broadcast_objects(error, src=0)
     if error[0]:
         raise TrainingError(error[0])
 

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from fluxzero.config import TrainConfig
 from fluxzero.train import flow
 from fluxzero.train.checkpoint import rng_state, set_rng_state
+from fluxzero.train.distributed import all_reduce
 
 VALIDATION_SEED = 1_234_567  # fixed: the same noise for every sample in every run and after every resume
 
@@ -73,8 +73,8 @@ class Validation:
                         counts.index_add_(0, index, torch.ones_like(losses))
         finally:
             module.train(was_training)
-        dist.all_reduce(sums)
-        dist.all_reduce(counts)
+        all_reduce(sums)
+        all_reduce(counts)
         seen = counts > 0
         return float((sums[seen] / counts[seen]).mean())
 

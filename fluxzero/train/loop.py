@@ -60,6 +60,7 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     except DSConfigError as e:
         raise TrainingError(str(e)) from None
     ds_engine.check_supported(v, cfg.deepspeed)
+    _check_inputs(cfg)
     from fluxzero.model.math import set_process_sdpa_flags
 
     # the trainer owns its process: torch's SDPA flags match the model's backend, so attention calls SDPA
@@ -80,6 +81,8 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     state = checkpoint.load(engine, ckpt_dir, tag) if tag else None
     if state:
         loader.load_state_dict(state["loader"], allow_data_change=allow_config_change)
+        if rank == 0:
+            write_line(f"resuming from step {state['step']} (checkpoint {ckpt_dir / tag})")
         _apply_config_lr(engine, v, rank)
     start = state["step"] if state else 0
     dtype = ds_engine.model_dtype(v)
@@ -93,6 +96,21 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
                          prefetch=cfg.prefetch_batches)
     _setup_extras(run, cfg, model_cfg, tag, rank, world, device)
     return run
+
+
+def _check_inputs(cfg: TrainConfig) -> None:
+    """What the run file names must be there before anything is built: the weights, peft for a LoRA."""
+    if cfg.weights and not Path(cfg.weights).exists():
+        raise TrainingError(f"weights: {cfg.weights} (the run file's pretrained weights) does not exist; it is read "
+                            f"relative to the folder you launch from ({os.getcwd()}): set weights: to the FLUX.1 "
+                            f"safetensors file or diffusers folder, or remove it to train from random weights")
+    if cfg.lora is not None:
+        from fluxzero.model.lora import LoraError, require_peft
+
+        try:
+            require_peft()
+        except LoraError as e:
+            raise TrainingError(str(e)) from None
 
 
 def _setup_extras(run: Run, cfg: TrainConfig, model_cfg, tag: str | None, rank: int, world: int, device) -> None:
@@ -155,8 +173,7 @@ def _check_finite(loss: float, run: Run) -> None:
     if math.isfinite(loss):
         return
     mine = run.step.nonfinite_samples()
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = distributed.gather_objects(mine)
     where = [run.loader.source.describe(i) for i in dict.fromkeys(i for rank in every for i in rank)]
     batch = f" (in the micro batch holding {', '.join(where[:3])}{', ...' if len(where) > 3 else ''})" if where else ""
     raise TrainingError(f"loss is {loss} at step {run.done + 1}{batch}; stopped before applying that update and "

@@ -7,6 +7,7 @@ gives just the fp32 master adapters; rank, alpha and targets come from the run.y
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -75,6 +76,11 @@ def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "b
         if not base:
             raise TrainingError(f"checkpoint {tag_dir} is a LoRA trained on random weights (its run.yaml has no "
                                 f"weights:), so there is no base to merge it into; name the base weights file")
+        if base == run_weights and not Path(base).exists():  # the run's own base, moved or read from elsewhere
+            raise TrainingError(f"cannot merge {tag_dir}: its base is the run's weights: {run_weights} (in its "
+                                f"run.yaml, a path relative to the folder training was launched from), which is "
+                                f"not found from {os.getcwd()}; run the export from that folder, or pass --base "
+                                f"with the base weights file")
         merged = merge_lora(load_weights(base, cfg=cfg, dtype=torch.float32), lora_sd, lcfg)
         save_weights(merged, str(out), layout=layout, dtype=_DTYPES[dtype], cfg=cfg)
     except (WeightsError, LoraError) as e:

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from fluxzero.fsutil import atomic_write
+from fluxzero.train.distributed import all_gather
 
 # Dense peak FLOP/s by GPU name fragment: (bf16/fp16, fp32 via TF32). From NVIDIA's data sheets (SXM).
 PEAK_FLOPS = {
@@ -169,8 +169,7 @@ class Metrics:
         if not log:
             return None
         mine = torch.tensor([step_time, peak_memory_gb(self.device)], dtype=torch.float64, device=self.device)
-        every = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(every, mine)
+        every = all_gather(mine)
         times = [float(t[0]) for t in every]
         mems = [float(t[1]) for t in every]
         slowest = max(times)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -153,6 +154,10 @@ class TrainStep:
         self._position_fn, self.prefetch = position, prefetch
         self.position: dict | None = None  # of the last consumed batch; None before the first step
         self._prepared: Iterator[Prepared] | None = None
+        # DeepSpeed's wrappers (ZeRO 1-3, its bf16/fp16 optimizers) compute the global grad norm; a client
+        # optimizer the engine calls directly (ZeRO 0 without bf16.enabled: fp32, and the bf16 optimizer modes)
+        # leaves it None, so the step computes it from the gradients the engine has all-reduced
+        self._own_norm = not hasattr(engine.optimizer, "_global_grad_norm")
 
     def _prepare_all(self) -> Iterator[Prepared]:
         for epoch, batch in self.source:
@@ -198,14 +203,24 @@ class TrainStep:
             if micro < self.grad_accum - 1:
                 engine.step()  # inside accumulation: DeepSpeed only counts the micro step
         flag = torch.ones((), device=self.device) if self.stop_flag() else torch.zeros((), device=self.device)
-        total, stops = sum_across_ranks(torch.stack((loss_sum, flag)))  # one host sync per optimizer step
+        # the grad norm (squared, divided over the ranks that all hold the same reduced grads) rides on the same
+        # reduction: no collective and no host sync of its own
+        sq = self._grad_norm_sq() / self.world_size if self._own_norm else torch.zeros((), device=self.device)
+        total, stops, own_sq = sum_across_ranks(torch.stack((loss_sum, flag, sq)))  # one host sync per step
         mean = total / (self.grad_accum * self.world_size)
         if self.before_update is not None:
             self.before_update(mean)
         phase("update")
         engine.step()
         phase("end")
-        norm = engine.get_global_grad_norm()
+        norm = math.sqrt(own_sq) if self._own_norm else engine.get_global_grad_norm()
         return StepResult(loss=mean, lr=lr, grad_norm=None if norm is None else float(norm),
                           skipped_steps=int(engine.skipped_steps), img_tokens=inputs["img"].shape[1],
                           txt_tokens=inputs["txt"].shape[1], stop_requested=stops > 0)
+
+    def _grad_norm_sq(self) -> torch.Tensor:
+        """Squared 2-norm of all gradients (before clipping, as DeepSpeed reports it), on the device."""
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).to(self.device).square().sum()

@@ -394,12 +394,18 @@ def test_nvme_without_path():
     ]
 
 
+# what to change, named for a config of 2 ranks checked for 4
+WRITTEN_FOR_2 = (": the batch sizes are written for 2 ranks; launch 2 ranks (torchrun --nproc_per_node 2, or deepspeed "
+                 "--num_gpus 2), or set gradient_accumulation_steps to 1 for the same global batch on 4 ranks, or remove "
+                 "train_batch_size (it is derived from the other two)")
+
+
 def test_batch_arithmetic_mismatch():
     cfg = _good()  # 8 = 4 x 2 x 1... written for world size 2: 16
     assert cfg["train_batch_size"] == 16
     assert check(cfg, 2) == [] and check(cfg, None) == []
     assert check(cfg, 4) == ["train_batch_size 16 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps "
-                             "2 x world size 4 (= 32)"]
+                             "2 x world size 4 (= 32)" + WRITTEN_FOR_2]
     cfg["train_batch_size"] = 12
     assert check(cfg, None) == ["train_batch_size 12 is not train_micro_batch_size_per_gpu 4 x "
                                 "gradient_accumulation_steps 2 x any whole world size"]
@@ -474,7 +480,7 @@ def test_check_config_command(tmp_path):
     r = run("check-config", str(good), "--hostfile", str(hosts), "--no-deepspeed")
     assert r.exit_code == 2
     assert r.output.splitlines() == [f"{good}: train_batch_size 16 != train_micro_batch_size_per_gpu 4 x "
-                                     "gradient_accumulation_steps 2 x world size 4 (= 32)"]
+                                     "gradient_accumulation_steps 2 x world size 4 (= 32)" + WRITTEN_FOR_2]
     bad = tmp_path / "bad.json"
     cfg = _good()
     cfg["bf16"]["enabeld"] = True
