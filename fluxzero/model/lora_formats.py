@@ -257,7 +257,7 @@ def _value_problem(key: str, t: Tensor) -> str | None:
         if t.numel() != 1:
             return f"{key} holds {t.numel()} values, but an alpha is one number"
         if t.dtype == torch.bool or t.is_complex():
-            return f"{key} is a {str(t.dtype).replace('torch.', '')} tensor, but an alpha is a number"
+            return f"{key} holds {str(t.dtype).replace('torch.', '')} values, but an alpha is a real number"
         value = float(t.reshape(()).float())
         if not math.isfinite(value) or value <= 0:
             return f"{key} is {value}, but an alpha is a finite number above 0"
@@ -265,7 +265,7 @@ def _value_problem(key: str, t: Tensor) -> str | None:
     if not key.endswith(_LORA_TENSOR):
         return None
     if not t.is_floating_point():
-        return (f"{key} is a {str(t.dtype).replace('torch.', '')} tensor, but LoRA tensors are floating point "
+        return (f"{key} holds {str(t.dtype).replace('torch.', '')} values, but LoRA tensors are floating point "
                 "(fp32, bf16 or fp16)")
     if not bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all()):  # fp8: isfinite needs a cast
         return f"{key} holds NaN or infinite values"
