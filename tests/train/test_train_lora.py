@@ -539,14 +539,27 @@ def test_merged_export_and_the_export_command(trained, tmp_path):
         merged = load_model(tmp / "z2" / "export", dtype=torch.float32)(**x)  # export_merged: the diffusers folder
     assert _rel(merged, want) <= OUT_RTOL
     runner = CliRunner()
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)  # what exports killed while writing left
+    for name in ("k", "m"):
+        (tmp_path / f".{name}.safetensors.tmp-{dead}").write_bytes(b"half an export")
     r = runner.invoke(cli, ["export", str(tmp / "z3"), str(tmp_path / "k.safetensors"), "--format", "comfyui",
                             "--dtype", "fp32"])
     assert r.exit_code == 0, r.output
+    assert "(LoRA, kohya layout for comfyui, fp32, live weights)" in r.output, r.output
+    # what the run wrote at its end: the same file, byte for byte (the header in a fixed order)
+    assert (tmp_path / "k.safetensors").read_bytes() == (tmp / "z3" / "lora.safetensors").read_bytes()
     got, info = read_lora(tmp_path / "k.safetensors")
-    want_sd, _ = read_lora(tmp / "z3" / "lora.safetensors")  # what the run wrote at its end: the same file
+    want_sd, _ = read_lora(tmp / "z3" / "lora.safetensors")
     assert info.layout == "kohya" and all(torch.equal(got[k], want_sd[k]) for k in want_sd)
+    (tmp_path / "k.safetensors").chmod(0o604)  # a user's chmod survives --overwrite
+    r = runner.invoke(cli, ["export", str(tmp / "z3"), str(tmp_path / "k.safetensors"), "--format", "comfyui",
+                            "--dtype", "fp32", "--overwrite"])
+    assert r.exit_code == 0 and oct((tmp_path / "k.safetensors").stat().st_mode & 0o777) == oct(0o604), r.output
     r = runner.invoke(cli, ["export", str(tmp / "z3"), str(tmp_path / "m.safetensors"), "--merge", "--dtype", "fp32"])
     assert r.exit_code == 0, r.output
+    assert "(full weights with the LoRA merged in, bfl, fp32, live weights)" in r.output, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.safetensors", "m.safetensors"]  # the temps are gone
     with torch.no_grad():
         z3 = _trained_model(trained, "z3")(**x)
         assert _rel(load_model(tmp_path / "m.safetensors", dtype=torch.float32)(**x), z3) <= OUT_RTOL
