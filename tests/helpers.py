@@ -173,3 +173,11 @@ def plain_losses(model, opt, data: str, steps: int, seed: int, samples: int = 4)
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def umask_027():
+    """A pytest fixture (import it into the test module): the process umask 027 while the test runs, so a file
+    written with the usual permissions is 0640, one a writer forced to 0600 shows, and a kept chmod 644 too."""
+    old = os.umask(0o027)
+    yield
+    os.umask(old)

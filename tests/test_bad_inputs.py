@@ -124,6 +124,14 @@ def inputs(tmp_path_factory) -> Path:
     save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(4, 64),
                "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(192, 4),
                "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(4.0)}, str(d / "lora.safetensors"))
+    lora = {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(4, 64),
+            "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(192, 4)}
+    save_file({**lora, "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(4.0)},
+              str(d / "lora_rank_text.safetensors"), {"fluxzero.rank": "four", "fluxzero.alpha": "4.0"})
+    save_file({**lora, "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor([4.0, 4.0])},
+              str(d / "lora_alpha2.safetensors"))
+    save_file({**lora, "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.full((192, 4), float("nan")),
+               "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(4.0)}, str(d / "lora_nan.safetensors"))
     (d / "a_file").write_text("")
     w("ds_micro0.json", json.dumps(_ds(train_micro_batch_size_per_gpu=0)))
     w("ds_bogus_optimizer.json", json.dumps(_ds(optimizer={"type": "Bogus", "params": {"lr": 1e-3}})))
@@ -157,6 +165,10 @@ def inputs(tmp_path_factory) -> Path:
     save_embeddings(d / "emb.safetensors", PromptEmbeddings(["a cat"], torch.randn(1, 4, 64), torch.randn(1, 32)))
     save_embeddings(d / "emb_wide.safetensors",  # T5 width 128: not flux-tiny's 64
                     PromptEmbeddings(["a cat"], torch.randn(1, 4, 128), torch.randn(1, 32)))
+    from fluxzero.sampling.embeddings import FORMAT, VERSION
+
+    save_file({"t5": torch.full((1, 4, 64), float("nan")), "clip_pooled": torch.randn(1, 32)},  # written raw
+              str(d / "emb_nan.safetensors"), {"format": FORMAT, "version": VERSION, "prompts": '["a cat"]'})
     # data: a listed shard deleted, one of another size, a file given as the folder
     for name in ("shard_gone", "shard_resized"):
         shutil.copytree(d / "shards", d / name)
@@ -234,7 +246,11 @@ def _cli_cases():
         ("convert_missing", ["convert", f"{I}/nope.safetensors", "{out}.safetensors", "--to", "bfl"], "nope"),
         ("convert_not_safetensors", ["convert", f"{I}/not_weights.safetensors", "{out}.safetensors", "--to", "bfl"],
          "not_weights.safetensors"),
-        ("convert_lora_as_full", ["convert", f"{I}/lora.safetensors", "{out}.safetensors", "--to", "bfl"], "LoRA"),
+        ("convert_lora_to_a_folder", ["convert", f"{I}/lora.safetensors", "{out}", "--to", "diffusers"], "LoRA"),
+        ("convert_lora_alpha_two_values", ["convert", f"{I}/lora_alpha2.safetensors", "{out}.safetensors", "--to",
+                                           "diffusers"], "an alpha is one number"),
+        ("convert_full_to_kohya", ["convert", f"{I}/tiny.safetensors", "{out}.safetensors", "--to", "kohya"],
+         "kohya is a LoRA layout"),
         ("convert_out_exists", ["convert", f"{I}/tiny.safetensors", f"{I}/schnell.safetensors", "--to", "bfl"],
          "--overwrite"),
         ("convert_other_model", ["convert", f"{I}/tiny.safetensors", "{out}.safetensors", "--to", "bfl", "--model",
@@ -299,6 +315,14 @@ def _cli_cases():
         ("sample_bad_lora", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", *TINY_SAMPLE,
                              "--embeddings", f"{I}/emb.safetensors",
                              "--lora", f"{I}/not_weights.safetensors"], "not_weights"),
+        ("sample_lora_rank_text", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", *TINY_SAMPLE,
+                                   "--embeddings", f"{I}/emb.safetensors", "--lora", f"{I}/lora_rank_text.safetensors"],
+         "header entry fluxzero.rank is 'four'"),
+        ("sample_lora_nan", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", *TINY_SAMPLE,
+                             "--embeddings", f"{I}/emb.safetensors", "--lora", f"{I}/lora_nan.safetensors"],
+         "holds NaN or infinite values"),
+        ("sample_embeddings_nan", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", *TINY_SAMPLE,
+                                   "--embeddings", f"{I}/emb_nan.safetensors"], "t5 holds NaN or infinite values"),
         ("launch_master_port", ["launch", "--master-port", "0", "--dry-run"], "1<=x<=65535"),
         ("launch_num_nodes", ["launch", "--hostfile", f"{I}/hosts_good", "--num-nodes", "5", "--dry-run"], "5"),
         ("launch_include_unknown", ["launch", "--hostfile", f"{I}/hosts_unknown", "--include", "other-host",
@@ -457,6 +481,15 @@ def _train_cases(d: Path, outs: Path):
         case("run_sample_size", run_file=d / "run_sample_size.yaml", words="sample_size"),
         case("run_synthetic_spec", "data=synthetic:n=abc", words="synthetic"),
         case("run_lora_targets", "lora.targets=[nope_*]", words="nope_"),
+        case("lora_weights_rank_text", "lora.rank=4", f"lora.weights={d / 'lora_rank_text.safetensors'}",
+             words="header entry fluxzero.rank is 'four'"),
+        case("lora_weights_alpha_two_values", "lora.rank=4", f"lora.weights={d / 'lora_alpha2.safetensors'}",
+             words="an alpha is one number"),
+        case("lora_weights_nan", "lora.rank=4", f"lora.weights={d / 'lora_nan.safetensors'}", words="NaN"),
+        case("sample_prompts_nan", "sample_every=1", f"sample_prompts={d / 'emb_nan.safetensors'}",
+             f"sample_vae={d / 'vae'}", "sample_size=16x16", words="t5 holds NaN"),
+        case("sample_prompts_other_width", "sample_every=1", f"sample_prompts={d / 'emb_wide.safetensors'}",
+             f"sample_vae={d / 'vae'}", "sample_size=16x16", words="T5 128"),
         case("run_output_dir_file", f"output_dir={d / 'a_file'}", words="a_file"),
         case("run_override_no_value", "steps", words="steps"),
         # the DeepSpeed config

@@ -1,4 +1,5 @@
-"""`fluxzero convert`: move FLUX.1 transformer weights between BFL, ComfyUI and diffusers layouts."""
+"""`fluxzero convert`: move FLUX.1 transformer weights between BFL, ComfyUI and diffusers layouts, and LoRA files
+between the diffusers/PEFT and kohya/ComfyUI layouts."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,8 +12,10 @@ DTYPES = ("keep", "fp32", "bf16", "fp16")
 @click.command("convert")
 @click.argument("src", metavar="IN", type=click.Path(exists=True, path_type=Path))
 @click.argument("dst", metavar="OUT", type=click.Path(path_type=Path))
-@click.option("--to", "layout", type=click.Choice(["bfl", "diffusers", "comfyui"]), required=True,
-              help="Layout to write: a BFL or ComfyUI .safetensors file, or a diffusers transformer folder.")
+@click.option("--to", "layout", type=click.Choice(["bfl", "diffusers", "comfyui", "kohya"]), required=True,
+              help="Layout to write: a BFL or ComfyUI .safetensors file, or a diffusers transformer folder. A LoRA "
+                   "file: diffusers writes the diffusers/PEFT layout, kohya (or bfl, comfyui) the kohya layout "
+                   "ComfyUI reads.")
 @click.option("--dtype", type=click.Choice(DTYPES), default="keep", show_default=True,
               help="Convert tensors to this dtype while writing.")
 @click.option("--model", "preset", default=None,
@@ -27,15 +30,26 @@ def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, m
     IN is a .safetensors file (BFL, ComfyUI or diffusers naming, detected from its keys) or a diffusers
     folder (a pipeline folder with transformer/, or the transformer folder itself). OUT is a
     .safetensors file for --to bfl/comfyui and a folder for --to diffusers.
+
+    IN may also be a LoRA file (diffusers/PEFT, kohya, or fluxzero's own module names): OUT is then a LoRA
+    .safetensors file in the layout --to names, with the same rank, alpha and delta.
     """
     import torch
 
     from ..config import resolve_model
     from ..model.layouts import WeightsError
+    from ..model.lora_keys import is_lora_file
     from ..model.weights import load_weights, save_weights, source_config
 
     if dst.exists() and not overwrite:
         raise click.UsageError(f"{dst} exists; pass --overwrite to replace it or choose another OUT")
+    if is_lora_file(src):
+        if preset:
+            raise click.UsageError("--model applies to full weights; a LoRA file is converted as it is (drop --model)")
+        return _convert_lora(src, dst, layout, dtype)
+    if layout == "kohya":
+        raise click.BadParameter("kohya is a LoRA layout and IN holds full weights; write them as bfl, comfyui or "
+                                 "diffusers", param_hint="--to")
     if layout != "diffusers" and dst.suffix != ".safetensors":
         raise click.BadParameter(f"--to {layout} writes one file: give OUT a .safetensors name", param_hint="OUT")
     try:
@@ -61,3 +75,32 @@ def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, m
                                  param_hint="OUT") from None
     n = sum(t.numel() for t in state.values())
     click.echo(f"wrote {dst} ({layout}, {len(state)} tensors, {n:,} parameters)")
+
+
+def _convert_lora(src: Path, dst: Path, layout: str, dtype: str) -> None:
+    """A LoRA file rewritten in another LoRA layout (fluxzero.model.lora_formats reads any, writes two)."""
+    import torch
+
+    from ..config.lora import LoraConfig
+    from ..model.lora_keys import LoraError
+    from ..model.lora_formats import read_lora, save_lora
+    from ..train.lora_export import LORA_LAYOUTS
+
+    if dst.suffix != ".safetensors":
+        raise click.BadParameter("a LoRA is written as one file: give OUT a .safetensors name", param_hint="OUT")
+    out_layout = LORA_LAYOUTS[layout]
+    try:
+        sd, info = read_lora(src)
+        try:  # the targets it was trained with when it says (fluxzero's header), else the modules it holds
+            lcfg = LoraConfig(rank=info.rank, alpha=info.alpha, targets=info.targets or list(info.modules))
+        except ValueError:
+            lcfg = LoraConfig(rank=info.rank, alpha=info.alpha, targets=list(info.modules))
+        torch_dtype = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        save_lora(dst, sd, lcfg, layout=out_layout, base_model=info.base_model, dtype=torch_dtype)
+    except LoraError as e:
+        raise click.BadParameter(str(e), param_hint="IN") from None
+    except OSError as e:
+        raise click.BadParameter(f"cannot write {dst} ({e.strerror or e}); choose a writable place with free space",
+                                 param_hint="OUT") from None
+    click.echo(f"wrote {dst} (LoRA, {out_layout} layout, {len(info.modules)} modules, rank {info.rank}, "
+               f"alpha {info.alpha:g}) from {src} ({info.layout} layout)")

@@ -126,12 +126,13 @@ def _load_model(weights: Path, preset: str | None, dev, dt):
         raise click.BadParameter(str(e), param_hint="WEIGHTS") from None
 
 
-def _apply_adapters(model, lora: Path | None):
+def _apply_adapters(model, lora: Path | None, scale: float = 1.0):
     """Merge the `--lora FILE` (diffusers/PEFT or kohya layout) into `model`'s weights, module by module in
-    place (W + (alpha / rank) B A in fp32, rounded to the model's dtype), so the sampler never needs to know
-    about adapters and no second copy of the weights is ever held."""
+    place (W + scale (alpha / rank) B A in fp32, rounded to the model's dtype), so the sampler never needs to
+    know about adapters and no second copy of the weights is ever held. Returns (model, what the PNGs record
+    of the LoRA: None without one)."""
     if lora is None:
-        return model
+        return model, None
     import torch
 
     from ..config.lora import LoraConfig
@@ -140,6 +141,8 @@ def _apply_adapters(model, lora: Path | None):
 
     try:
         sd, info = read_lora(lora)
+        if scale != 1.0:  # the strength of the whole delta, as diffusers' lora_scale and ComfyUI's strength
+            sd = {k: v.float() * scale if k.endswith(".lora_B.weight") else v for k, v in sd.items()}
         lcfg = LoraConfig(rank=info.rank, alpha=info.alpha)  # the file's own scale: read_lora's tensors use it
         params = dict(model.named_parameters())
         modules = [k.removesuffix(".lora_A.weight") for k in sd if k.endswith(".lora_A.weight")]
@@ -153,15 +156,27 @@ def _apply_adapters(model, lora: Path | None):
                 weight.copy_(merge_lora({f"{m}.weight": weight.detach()}, pair, lcfg)[f"{m}.weight"])
     except LoraError as e:
         raise click.BadParameter(str(e), param_hint="--lora") from None
-    return model
+    return model, {"path": str(Path(lora).resolve()), "layout": info.layout, "scale": scale, "rank": info.rank,
+                   "alpha": info.alpha}
 
 
 def _check_dims(emb, cfg):
-    if emb.t5.shape[-1] != cfg.context_in_dim or emb.clip_pooled.shape[-1] != cfg.vec_in_dim:
-        raise click.UsageError(
-            f"the prompt embeddings are T5 {emb.t5.shape[-1]} / CLIP {emb.clip_pooled.shape[-1]} wide but model "
-            f"{cfg.name!r} takes {cfg.context_in_dim} / {cfg.vec_in_dim}; encode the prompts with this model's "
-            "T5 and CLIP encoders.")
+    from ..sampling.embeddings import EmbeddingsError
+
+    try:
+        emb.check_model(cfg)
+    except EmbeddingsError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _check_lora_scale(lora, scale: float) -> None:
+    import math
+
+    if not math.isfinite(scale):
+        raise click.BadParameter(f"must be a finite number, got {scale}; use 1 for the LoRA as trained",
+                                 param_hint="--lora-scale")
+    if lora is None and scale != 1.0:
+        raise click.UsageError("--lora-scale sets the strength of a --lora; pass --lora FILE or drop --lora-scale.")
 
 
 def _check_size(height: int, width: int) -> None:
@@ -214,9 +229,12 @@ def _load_vae(vae_dir, dev, dt):
 
 
 def _encode(encoders, prompts, negative_prompt):
-    from ..sampling.embeddings import encode_prompts
+    from ..sampling.embeddings import EmbeddingsError, encode_prompts
 
-    return encode_prompts(encoders, prompts, negative_prompt)
+    try:
+        return encode_prompts(encoders, prompts, negative_prompt)
+    except EmbeddingsError as e:  # the encoders gave NaN (T5 overflowing in fp16)
+        raise click.UsageError(f"the text encoders' output is unusable: {e}") from None
 
 
 @click.command("sample")
@@ -245,10 +263,12 @@ def _encode(encoders, prompts, negative_prompt):
 @click.option("--lora", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="A LoRA .safetensors file (diffusers/PEFT or kohya/ComfyUI layout, e.g. a run's lora.safetensors) "
                    "merged into WEIGHTS before sampling.")
+@click.option("--lora-scale", type=float, default=1.0, show_default=True,
+              help="Strength of the --lora: its change to the weights times this (1 = as trained, 0 = none).")
 @_device_options
 def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt, embeddings, flux_dir, vae, t5, clip,
            t5_tokenizer, clip_tokenizer, t5_max_length, width, height, steps, guidance, true_cfg, seeds, batch_size,
-           lora, device, dtype):
+           lora, lora_scale, device, dtype):
     """Sample images from FLUX.1 transformer weights with the Euler flow sampler.
 
     WEIGHTS is any full transformer layout `fluxzero convert` reads (BFL or ComfyUI .safetensors, a
@@ -262,6 +282,7 @@ def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt
     from ..sampling.pipeline import sample_images
 
     _check_size(height, width)
+    _check_lora_scale(lora, lora_scale)
     # Cheap checks first (prompts, folders, the embeddings file), before minutes of loading weights.
     prompts = _read_prompts(prompt_texts, prompts_file)
     emb = _embeddings_file(embeddings, prompts, negative_prompt, true_cfg)
@@ -276,7 +297,7 @@ def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt
     vae_model = _load_vae(vae_dir, dev, dt)
 
     click.echo(f"loading {weights} on {dev} ({str(dt).replace('torch.', '')})", err=True)
-    model = _apply_adapters(_load_model(weights, preset, dev, dt), lora)
+    model, lora_record = _apply_adapters(_load_model(weights, preset, dev, dt), lora, lora_scale)
     cfg = model.config
     if emb is None:
         encoders = _load_encoders(paths, dev, dt, t5_max_length or T5_MAX_LENGTH["dev" if cfg.guidance_embed else "schnell"])
@@ -288,7 +309,7 @@ def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt
     with tqdm(total=batches * steps, desc="sample", unit="step", dynamic_ncols=True) as bar:
         written = sample_images(model, vae_model, emb, out_dir, width=width, height=height, steps=steps,
                                 seeds=list(seeds), guidance=guidance, true_cfg=true_cfg, batch_size=batch_size,
-                                weights=str(Path(weights).resolve()), on_step=bar.update)
+                                weights=str(Path(weights).resolve()), lora=lora_record, on_step=bar.update)
     click.echo(f"wrote {len(written)} images and grid.png to {out_dir}")
 
 

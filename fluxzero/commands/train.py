@@ -74,4 +74,13 @@ def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, weights: str, mer
             export_checkpoint(ckpt / tag, out, layout, dtype, weights)
     except TrainingError as e:  # a corrupt checkpoint or an unwritable OUT: the message names which
         raise click.UsageError(str(e)) from None
-    click.echo(f"wrote {out} ({layout}, {dtype}, {weights} weights) from {ckpt / tag}")
+    from fluxzero.model.lora import is_lora_file
+    from fluxzero.train.lora_export import LORA_LAYOUTS
+
+    if merge or base:
+        what = f"full weights with the LoRA merged in, {layout}"
+    elif is_lora_file(out):
+        what = f"LoRA, {LORA_LAYOUTS[layout]} layout" + (f" for {layout}" if LORA_LAYOUTS[layout] != layout else "")
+    else:
+        what = layout
+    click.echo(f"wrote {out} ({what}, {dtype}, {weights} weights) from {ckpt / tag}")

@@ -4,14 +4,24 @@
              FluxTransformer2DModel.load_lora_adapter and FluxPipeline.load_lora_weights load. Our fused
              linears are split like the weights (weights.py): qkv -> to_q/to_k/to_v (add_q_proj/.. for txt),
              linear1 -> to_q/to_k/to_v/proj_mlp. A LoRA on a fused linear, A (r, C) and B (rows, r), becomes
-             one LoRA per part sharing A, B split by rows (exact: (B A)[rows] = B[rows] A). alpha and rank
-             go in diffusers' own `lora_adapter_metadata` header entry, which its loaders read.
+             one LoRA per part sharing A, B split by rows (exact: (B A)[rows] = B[rows] A). The scale
+             alpha / rank is folded into B and the file declares alpha = rank (scale 1) in diffusers' own
+             `lora_adapter_metadata` header entry, with no `.alpha` tensors: every reader then applies the
+             trained strength, whether it reads that entry (diffusers' FluxPipeline.load_lora_weights), reads
+             the tensors alone (Nunchaku's converter, ComfyUI: B A at scale 1 without `.alpha`), or gets both
+             (diffusers refuses a file with `.alpha` tensors and the entry). B rather than A, or sqrt of the
+             scale in each: A stays the trained A bit for bit, B is rounded once (exact when alpha / rank is a
+             power of two: alpha = rank, rank / 2, 2 x rank, 1 at rank 16, ...), and the fluxzero.* entries
+             still say the trained alpha, so reading the file back gives the trained adapters.
   kohya      `lora_unet_<BFL module, dots as underscores>.lora_down.weight` / `.lora_up.weight` / `.alpha`,
              BFL's fused names (ComfyUI, sd-scripts, and diffusers' kohya converter read it).
 Both carry fluxzero.* header entries: layout, rank, alpha, targets, base model.
 
 Reading accepts either layout (and our canonical names) and returns canonical tensors whose scale is the
-file's alpha / rank; per-module alphas that differ are folded into B. A diffusers LoRA whose parts of one
+file's alpha / rank; per-module alphas that differ are folded into B. The tensors' own scale is the one
+the file's consumers apply: a module's `.alpha` / rank, else diffusers' entry (lora_alpha / r), else the
+declared alpha / rank. Whatever a file holds that no trainer writes (a header entry that does not parse,
+an `.alpha` of several values, non-finite or integer tensors) is refused in one sentence naming the file. A diffusers LoRA whose parts of one
 fused linear have different A matrices (trained with diffusers' separate projections) becomes one LoRA of
 rank sum(r_i) on the fused linear: A = [A_q; A_k; A_v], B block-diagonal (exact; missing parts get zero
 rows). Such a file merges exactly but loads into adapters only of that rank.
@@ -19,6 +29,7 @@ rows). Such a file merges exactly but loads into adapters only of that rank.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections import Counter
@@ -140,9 +151,14 @@ def _metadata(cfg: LoraConfig, layout: str, base_model: str | None) -> dict[str,
 
 
 def to_diffusers(sd: dict[str, Tensor], cfg: LoraConfig) -> tuple[dict[str, Tensor], dict]:
-    """(diffusers-named tensors with the `transformer.` prefix, diffusers' adapter metadata for them)."""
+    """(diffusers-named tensors with the `transformer.` prefix, diffusers' adapter metadata for them).
+
+    B carries the scale (B x alpha / rank, in fp32, rounded once to B's dtype) and the metadata says
+    alpha = rank: the tensors alone are the delta, as every reader applies them (see the module docstring).
+    """
     out, ranks = {}, {}
     for module, (A, B) in _modules(sd).items():
+        B = _scale_b(B.detach(), cfg.scale)
         names, how = _diffusers_modules(module)
         if how == "cat":
             rows = _part_rows(module, B.shape[0], A.shape[1])
@@ -153,11 +169,11 @@ def to_diffusers(sd: dict[str, Tensor], cfg: LoraConfig) -> tuple[dict[str, Tens
             out[f"{DIFFUSERS_PREFIX}{name}.lora_A.weight"] = A.detach().clone()
             out[f"{DIFFUSERS_PREFIX}{name}.lora_B.weight"] = b.detach().contiguous().clone()
             ranks[name] = A.shape[0]
-    meta = {"r": cfg.rank, "lora_alpha": cfg.alpha, "target_modules": sorted(ranks)}
+    meta = {"r": cfg.rank, "lora_alpha": cfg.rank, "target_modules": sorted(ranks)}
     odd = {n: r for n, r in ranks.items() if r != cfg.rank}
-    if odd:  # modules of another rank keep the scale alpha / rank: PEFT scales each by alpha_m / r_m
+    if odd:  # modules of another rank keep scale 1 too: PEFT scales each by alpha_m / r_m
         meta["rank_pattern"] = odd
-        meta["alpha_pattern"] = {n: cfg.scale * r for n, r in odd.items()}
+        meta["alpha_pattern"] = dict(odd)
     return out, {f"{DIFFUSERS_PREFIX}{k}": v for k, v in meta.items()}
 
 
@@ -179,9 +195,10 @@ def save_lora(
     """Write a canonical LoRA state dict (lora_state_dict(model)) as a .safetensors file in `layout`.
 
     `base_model` (e.g. "flux-dev") goes into the header; `dtype` converts the A/B tensors (alphas stay fp32).
+    Written by weights.save_tensors: the same LoRA always gives the same bytes, with the usual permissions
+    (or those of the file it replaces), through a temp file beside `path` that a later export removes if
+    this one is killed.
     """
-    from safetensors.torch import save_file
-
     if layout not in LAYOUTS:
         raise LoraError(f"unknown LoRA layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
     meta = _metadata(cfg, layout, base_model)
@@ -196,7 +213,9 @@ def save_lora(
         tensors = {k: v if k.endswith(".alpha") else v.to(dtype) for k, v in tensors.items()}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
+    from .weights import save_tensors
+
+    save_tensors(path, tensors, meta)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -211,9 +230,40 @@ def _open(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         raise LoraError(f"{path}: only .safetensors LoRA files are read (pickled files are refused)")
     try:
         with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+            raw, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a corrupt header
         raise LoraError(f"{path}: not a readable safetensors file ({e}); write or download it again") from None
+    for key, t in raw.items():
+        problem = _value_problem(key, t)
+        if problem:
+            raise LoraError(f"{path}: {problem}; this LoRA file is damaged, write or download it again")
+    return raw, meta
+
+
+_LORA_TENSOR = (".lora_A.weight", ".lora_B.weight", ".lora_down.weight", ".lora_up.weight")
+
+
+def _value_problem(key: str, t: Tensor) -> str | None:
+    """What is wrong with one tensor of a LoRA file, or None: an A / B that is not floating point or not
+    finite (it would train from NaN or sample black images, an integer one would be truncated), an alpha
+    that is not one finite positive number."""
+    if key.endswith(".alpha"):
+        if t.numel() != 1:
+            return f"{key} holds {t.numel()} values, but an alpha is one number"
+        if t.dtype == torch.bool or t.is_complex():
+            return f"{key} holds {str(t.dtype).replace('torch.', '')} values, but an alpha is a real number"
+        value = float(t.reshape(()).float())
+        if not math.isfinite(value) or value <= 0:
+            return f"{key} is {value}, but an alpha is a finite number above 0"
+        return None
+    if not key.endswith(_LORA_TENSOR):
+        return None
+    if not t.is_floating_point():
+        return (f"{key} holds {str(t.dtype).replace('torch.', '')} values, but LoRA tensors are floating point "
+                "(fp32, bf16 or fp16)")
+    if not bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all()):  # fp8: isfinite needs a cast
+        return f"{key} holds NaN or infinite values"
+    return None
 
 
 def _scale_b(B: Tensor, factor: float) -> Tensor:
@@ -314,24 +364,86 @@ def _from_diffusers(raw: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor, f
     return out
 
 
-def _header_scale(meta: dict[str, str], layout: str, ranks: list[int], alphas: list[float | None]):
-    """(rank, alpha) the file declares: ours, else diffusers' adapter metadata or kohya's ss_*, else module 0's."""
-    if "fluxzero.rank" in meta and "fluxzero.alpha" in meta:
-        return int(meta["fluxzero.rank"]), float(meta["fluxzero.alpha"])
-    if layout == "diffusers" and meta.get(DIFFUSERS_METADATA_KEY):
-        am = json.loads(meta[DIFFUSERS_METADATA_KEY])
+def _header_number(path: Path, name: str, text, whole: bool) -> float:
+    """A rank (whole) or alpha from a header entry, checked: positive and finite, else LoraError."""
+    try:
+        value = float(text) if not isinstance(text, bool) else math.nan
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value <= 0 or (whole and value != int(value)):
+        kind = "a whole number of at least 1" if whole else "a finite number above 0"
+        raise LoraError(f"{path}: header entry {name} is {text!r}, not {kind}; this LoRA file is damaged, write "
+                        "or download it again")
+    return int(value) if whole else value
+
+
+def _adapter_metadata(path: Path, meta: dict[str, str]) -> dict | None:
+    """diffusers' lora_adapter_metadata entry as a mapping (None when absent), else LoraError."""
+    text = meta.get(DIFFUSERS_METADATA_KEY)
+    if not text:
+        return None
+    try:
+        am = json.loads(text)
+    except ValueError:
+        am = None
+    if not isinstance(am, dict):
+        raise LoraError(f"{path}: header entry {DIFFUSERS_METADATA_KEY} is not a JSON mapping of PEFT settings; "
+                        "this LoRA file is damaged, write or download it again")
+    return am
+
+
+def _header_scale(path: Path, meta: dict[str, str], layout: str, ranks: list[int], alphas: list[float | None]):
+    """(rank, alpha, tensor scale): the rank and alpha the file declares (ours, else diffusers' adapter metadata
+    or kohya's ss_*, else module 0's), and the scale its tensors are at where no module `.alpha` says: what
+    diffusers applies, lora_alpha / r of its entry, for a diffusers file that has one (ours fold the trained
+    scale into B and declare 1), else the declared alpha / rank."""
+    am = _adapter_metadata(path, meta) if layout == "diffusers" else None
+    tensor_scale = None
+    if am is not None:
         r = am.get(f"{DIFFUSERS_PREFIX}r", am.get("r"))
-        a = am.get(f"{DIFFUSERS_PREFIX}lora_alpha", am.get("lora_alpha"))
-        if r:
-            return int(r), float(a or r)
-    if layout == "kohya" and meta.get("ss_network_dim", "").isdigit():
-        try:
-            return int(meta["ss_network_dim"]), float(meta.get("ss_network_alpha") or meta["ss_network_dim"])
-        except ValueError:
-            pass
-    rank = Counter(ranks).most_common(1)[0][0] if ranks else 1
-    first = next((a for r, a in zip(ranks, alphas) if r == rank and a is not None), None)
-    return rank, float(first if first is not None else rank)
+        if r is not None:
+            r = _header_number(path, f"{DIFFUSERS_METADATA_KEY} r", r, whole=True)
+            a = am.get(f"{DIFFUSERS_PREFIX}lora_alpha", am.get("lora_alpha"))
+            a = r if a is None else _header_number(path, f"{DIFFUSERS_METADATA_KEY} lora_alpha", a, whole=False)
+            tensor_scale = a / r
+    if "fluxzero.rank" in meta and "fluxzero.alpha" in meta:
+        rank = _header_number(path, "fluxzero.rank", meta["fluxzero.rank"], whole=True)
+        alpha = _header_number(path, "fluxzero.alpha", meta["fluxzero.alpha"], whole=False)
+    elif tensor_scale is not None:
+        rank, alpha = r, a
+    elif layout == "kohya" and _kohya_header(meta):
+        rank, alpha = _kohya_header(meta)
+    else:
+        rank = Counter(ranks).most_common(1)[0][0] if ranks else 1
+        first = next((a for r, a in zip(ranks, alphas) if r == rank and a is not None), None)
+        alpha = float(first if first is not None else rank)
+    return rank, alpha, alpha / rank if tensor_scale is None else tensor_scale
+
+
+def _kohya_header(meta: dict[str, str]) -> tuple[int, float] | None:
+    """(rank, alpha) of sd-scripts' ss_network_dim / ss_network_alpha entries; None when absent or unreadable
+    (other trainers fill them loosely: the tensors then say)."""
+    try:
+        rank = int(meta.get("ss_network_dim", ""))
+        alpha = float(meta.get("ss_network_alpha") or rank)
+    except ValueError:
+        return None
+    return (rank, alpha) if rank > 0 and math.isfinite(alpha) and alpha > 0 else None
+
+
+def _targets(path: Path, meta: dict[str, str]):
+    """The fluxzero.targets entry: a preset name or a list of patterns (None when absent), else LoraError."""
+    text = meta.get("fluxzero.targets")
+    if not text:
+        return None
+    try:
+        targets = json.loads(text)
+    except ValueError:
+        targets = None
+    if not (isinstance(targets, str) or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
+        raise LoraError(f"{path}: header entry fluxzero.targets is {text[:80]!r}, not JSON naming a target preset "
+                        "or a list of module patterns; this LoRA file is damaged, write or download it again")
+    return targets
 
 
 def read_lora(path: str | os.PathLike, scale: float | None = None) -> tuple[dict[str, Tensor], LoraFileInfo]:
@@ -362,14 +474,14 @@ def read_lora(path: str | os.PathLike, scale: float | None = None) -> tuple[dict
     if not found:
         raise LoraError(f"{path} holds no FLUX.1 transformer LoRA (only text-encoder LoRAs); pass a transformer LoRA")
     ranks = [A.shape[0] for A, _, _ in found.values()]
-    rank, alpha = _header_scale(meta, layout, ranks, [a for _, _, a in found.values()])
+    rank, alpha, tensor_scale = _header_scale(path, meta, layout, ranks, [a for _, _, a in found.values()])
+    targets = _targets(path, meta)
     target_scale = alpha / rank if scale is None else scale
     sd = {}
     for module, (A, B, a) in found.items():
-        file_scale = alpha / rank if a is None else a / A.shape[0]
+        file_scale = tensor_scale if a is None else a / A.shape[0]
         sd[f"{module}.lora_A.weight"] = A
         sd[f"{module}.lora_B.weight"] = _scale_b(B, file_scale / target_scale)
-    targets = json.loads(meta["fluxzero.targets"]) if meta.get("fluxzero.targets") else None
     info = LoraFileInfo(layout=meta.get("fluxzero.format", layout), rank=rank, alpha=alpha, modules=tuple(found),
                         targets=targets, base_model=meta.get("fluxzero.base_model") or None)
     return sd, info

@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 import struct
 from functools import partial
 from pathlib import Path
@@ -374,7 +375,9 @@ def _write_safetensors(path: Path, outs: list[_Out], metadata: dict[str, str]) -
     Format: 8-byte little-endian header length N, N bytes of JSON header (space-padded so the data starts
     8-byte aligned), then each tensor's raw bytes in header order. Bytes are written as the CPU holds them,
     i.e. little-endian (torch's platforms are). The file is written beside `path` and renamed over it only
-    when complete, with the usual mode 0666 minus the umask (safetensors' own writer leaves 0600).
+    when complete, with the usual mode 0666 minus the umask (safetensors' own writer leaves 0600), or the mode
+    of the file it replaces (a user's chmod stays). The header is in a fixed order (metadata keys sorted,
+    tensors as below), so the same tensors and metadata always give the same bytes.
     """
     odd = sorted({str(o.dtype) for o in outs if o.dtype not in _ST_DTYPES})
     if odd:
@@ -388,7 +391,7 @@ def _write_safetensors(path: Path, outs: list[_Out], metadata: dict[str, str]) -
         offset += o.nbytes
     if len(tensors) != len(outs):
         raise ValueError(f"{path}: duplicate tensor names")
-    header = {"__metadata__": metadata, **tensors} if metadata else tensors
+    header = {"__metadata__": dict(sorted(metadata.items())), **tensors} if metadata else tensors
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * (-len(raw) % 8)
     path = Path(os.path.realpath(path))  # a symlink stays and the file it points at is replaced
@@ -405,9 +408,17 @@ def _write_safetensors(path: Path, outs: list[_Out], metadata: dict[str, str]) -
                 del t  # before the next one is made
             f.flush()
             os.fsync(f.fileno())
+        if path.exists():
+            os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def save_tensors(path: str | os.PathLike, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Any small fluxzero .safetensors file (LoRA files, prompt embeddings) through the writer above: the same
+    bytes for the same input, the usual permissions, and nothing but the old file or the new one on disk."""
+    _write_safetensors(Path(path), [_Out.of(k, v, "copy", None, None) for k, v in tensors.items()], metadata or {})
 
 
 def _check_state(state_dict, cfg: ModelConfig | None, path: Path) -> ModelConfig:

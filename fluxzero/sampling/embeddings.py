@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 FORMAT, VERSION = "fluxzero-prompt-embeddings", "1"
@@ -46,6 +47,28 @@ class PromptEmbeddings:
             raise EmbeddingsError(f"the negative prompt's embeddings {tuple(self.neg_t5.shape)}, "
                                   f"{tuple(self.neg_clip_pooled.shape)} do not match one row of the prompts' "
                                   f"{tuple(self.t5.shape[1:])}, {self.clip_pooled.shape[1]}; encode them again together")
+        if self.t5.shape[1] == 0 or self.t5.shape[2] == 0 or self.clip_pooled.shape[1] == 0:
+            raise EmbeddingsError(f"the prompt embeddings are empty (t5 {tuple(self.t5.shape)}, clip_pooled "
+                                  f"{tuple(self.clip_pooled.shape)}): FLUX.1 needs T5 tokens and a CLIP vector; "
+                                  "encode them again")
+        for name in ("t5", "clip_pooled", "neg_t5", "neg_clip_pooled"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if not t.is_floating_point():  # an integer file would be cast and sampled as if it were embeddings
+                raise EmbeddingsError(f"{name} holds {str(t.dtype).replace('torch.', '')} values, but prompt "
+                                      "embeddings are floating point (the encoders' outputs); encode them again")
+            if not bool(torch.isfinite(t).all()):  # NaN samples black images without a word
+                raise EmbeddingsError(f"{name} holds NaN or infinite values (an encoder that overflowed, e.g. T5 in "
+                                      "fp16); encode them again in bf16 or fp32")
+
+    def check_model(self, cfg) -> None:
+        """EmbeddingsError unless these embeddings fit a model of this shape (a ModelConfig): its T5 and CLIP widths."""
+        if self.t5.shape[-1] != cfg.context_in_dim or self.clip_pooled.shape[-1] != cfg.vec_in_dim:
+            raise EmbeddingsError(
+                f"the prompt embeddings are T5 {self.t5.shape[-1]} / CLIP {self.clip_pooled.shape[-1]} wide but "
+                f"model {cfg.name!r} takes {cfg.context_in_dim} / {cfg.vec_in_dim}; encode the prompts with this "
+                "model's T5 and CLIP encoders.")
 
     @property
     def has_negative(self) -> bool:
@@ -53,7 +76,9 @@ class PromptEmbeddings:
 
 
 def save_embeddings(path: str | os.PathLike, emb: PromptEmbeddings) -> Path:
-    from safetensors.torch import save_file
+    """Write `emb` (through fluxzero's safetensors writer: the same bytes each time, the usual permissions, whole
+    or not at all)."""
+    from ..model.weights import save_tensors
 
     tensors = {"t5": emb.t5, "clip_pooled": emb.clip_pooled}
     meta = {"format": FORMAT, "version": VERSION, "prompts": json.dumps(emb.prompts, ensure_ascii=False)}
@@ -61,7 +86,7 @@ def save_embeddings(path: str | os.PathLike, emb: PromptEmbeddings) -> Path:
         tensors |= {"neg_t5": emb.neg_t5, "neg_clip_pooled": emb.neg_clip_pooled}
         meta["negative_prompt"] = emb.negative_prompt or ""
     path = Path(path)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path), metadata=meta)
+    save_tensors(path, tensors, meta)
     return path
 
 
@@ -95,9 +120,12 @@ def load_embeddings(path: str | os.PathLike) -> PromptEmbeddings:
         raise EmbeddingsError(f"{path} lacks the t5 / clip_pooled tensors or the prompts list; {fix}")
     if not prompts:
         raise EmbeddingsError(f"{path} holds no prompts; {fix} and at least one --prompt")
-    return PromptEmbeddings(prompts=prompts, t5=t["t5"], clip_pooled=t["clip_pooled"],
-                            negative_prompt=meta.get("negative_prompt"), neg_t5=t.get("neg_t5"),
-                            neg_clip_pooled=t.get("neg_clip_pooled"))
+    try:
+        return PromptEmbeddings(prompts=prompts, t5=t["t5"], clip_pooled=t["clip_pooled"],
+                                negative_prompt=meta.get("negative_prompt"), neg_t5=t.get("neg_t5"),
+                                neg_clip_pooled=t.get("neg_clip_pooled"))
+    except EmbeddingsError as e:
+        raise EmbeddingsError(f"{path}: {e}") from None
 
 
 def encode_prompts(encoders, prompts: list[str], negative_prompt: str | None = None) -> PromptEmbeddings:

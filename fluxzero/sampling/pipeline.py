@@ -14,9 +14,11 @@ from .vae import decode
 
 def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None, *, width: int, height: int, steps: int,
                   seeds: Sequence[int], guidance: float = 3.5, true_cfg: float = 1.0, batch_size: int = 1,
-                  weights: str | None = None, on_step: Callable[[], None] | None = None) -> list[Path]:
+                  weights: str | None = None, lora: dict | None = None,
+                  on_step: Callable[[], None] | None = None) -> list[Path]:
     """Sample every prompt once per seed, write NNNN-pP-sS.png files (parameters in their text chunks) and
-    grid.png (a row per prompt, a column per seed) into out_dir; return the PNG paths in order.
+    grid.png (a row per prompt, a column per seed) into out_dir; return the PNG paths in order. `lora` (the
+    LoRA merged into `model`: its path, layout, scale, ...) goes into the parameters as it is.
 
     Each image's noise comes from its own seed, so the files do not depend on batch_size. The negative
     prompt of `emb` is used when true_cfg > 1. `on_step()` is called after every Euler step of every
@@ -52,6 +54,8 @@ def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None,
                 "true_cfg": true_cfg if cfg_on else None, "width": width, "height": height, "model": cfg.name,
                 "weights": weights, "sampler": "euler", "dtype": dtype,
             }
+            if lora is not None:
+                params["lora"] = lora
             written.append(save_png(image, out_dir / f"{len(written):04d}-p{p}-s{s}.png", params))
             images.append(image)
     if out_dir is not None:

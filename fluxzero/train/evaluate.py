@@ -86,12 +86,24 @@ class Previews:
     others wait at the next collective."""
 
     def __init__(self, cfg: TrainConfig, *, rank: int, stage: int, device, dtype: torch.dtype):
-        from fluxzero.sampling.embeddings import load_embeddings
+        from fluxzero.config import resolve_model
+        from fluxzero.sampling.embeddings import EmbeddingsError, load_embeddings
+        from fluxzero.train.distributed import TrainingError
         from fluxzero.sampling.vae import load_vae
 
         self.cfg, self.rank, self.stage = cfg, rank, stage
         self.takes_part = stage == 3 or rank == 0
-        self.emb = load_embeddings(cfg.sample_prompts) if self.takes_part else None
+        # checked on every rank before the first step (a few MB): a file of another T5 width, or NaN, integer or
+        # empty embeddings, is refused now by all ranks alike, not at the first preview with nothing saved
+        try:
+            emb = load_embeddings(cfg.sample_prompts)  # its messages name the file
+            try:
+                emb.check_model(resolve_model(cfg.model))
+            except EmbeddingsError as e:
+                raise EmbeddingsError(f"{cfg.sample_prompts}: {e}") from None
+        except EmbeddingsError as e:
+            raise TrainingError(f"sample_prompts {e}") from None
+        self.emb = emb if self.takes_part else None
         # the VAE decodes on rank 0 only; in float32 (a few hundred MB for FLUX's), as `fluxzero sample` does
         self.vae = load_vae(cfg.sample_vae, device=device, dtype=torch.float32) if rank == 0 else None
 

@@ -105,7 +105,8 @@ def _check_inputs(cfg: TrainConfig) -> None:
                             f"relative to the folder you launch from ({os.getcwd()}): set weights: to the FLUX.1 "
                             f"safetensors file or diffusers folder, or remove it to train from random weights")
     if cfg.lora is not None:
-        from fluxzero.model.lora import LoraError, require_peft
+        from fluxzero.model.lora import require_peft
+        from fluxzero.model.lora_keys import LoraError
 
         try:
             require_peft()

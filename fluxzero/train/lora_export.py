@@ -65,8 +65,11 @@ def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "b
     from fluxzero.model.layouts import WeightsError
     from fluxzero.model.weights import load_weights, save_weights
 
+    from fluxzero.fsutil import remove_stale_temps
+
     lcfg, cfg, run_weights = lora_settings(tag_dir)
     lora_sd = canonical_lora(sd)
+    remove_stale_temps(out)  # what a killed earlier export of `out` left beside it (its process is gone)
     try:
         if not merge:
             save_lora(out, lora_sd, lcfg, layout=LORA_LAYOUTS[layout], base_model=cfg.name if cfg else None,

@@ -324,12 +324,13 @@ def test_saved_files_follow_the_umask_and_appear_whole(tmp_path, model, umask_02
     # safetensors' save_file creates 0600 files: exports other users could not read.
     sd = model.state_dict()
     target = tmp_path / "w.safetensors"
-    target.write_bytes(b"old")
-    target.chmod(0o600)  # as an earlier export left it: replaced by a file with the normal mode
     W.save_weights(sd, target)
     W.save_weights(sd, tmp_path / "d", layout="diffusers", max_shard_bytes=200_000)
     files = [target, *(tmp_path / "d").glob("*.safetensors")]
     assert len(files) > 2 and {oct(f.stat().st_mode & 0o777) for f in files} == {oct(0o640)}
+    target.chmod(0o644)  # a user's chmod: a file written over it (export --overwrite) keeps it
+    W.save_weights(sd, target)
+    assert oct(target.stat().st_mode & 0o777) == oct(0o644)
     # A save that fails part way leaves the previous file as it was and no temp file behind.
     before = target.read_bytes()
     boom = W._Out("x", torch.float32, (1,), lambda: 1 / 0)

@@ -149,7 +149,8 @@ def test_sample_lora_merges_into_the_weights(tmp_path):
     for layout in ("diffusers", "kohya"):
         path = tmp_path / f"{layout}.safetensors"
         save_lora(path, L.lora_state_dict(model), lcfg, layout=layout)
-        merged = _apply_adapters(load_model(tmp_path / "base.safetensors", dtype=torch.float32), path)
+        merged, record = _apply_adapters(load_model(tmp_path / "base.safetensors", dtype=torch.float32), path)
+        assert record == {"path": str(path.resolve()), "layout": layout, "scale": 1.0, "rank": 4, "alpha": 2.0}
         with torch.no_grad():
             got = merged(**x)
         # fp32: W + s B A rounded once per weight vs the two-branch LoRA forward, ~1e-7 relative
@@ -189,13 +190,32 @@ json.dump(results, open(sys.argv[2], "w"))
 
 
 def test_bad_lora_input_through_the_trainer(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
     from fluxzero.model import lora as L
     from fluxzero.model.lora_formats import save_lora
+    from fluxzero.sampling.embeddings import FORMAT, VERSION, PromptEmbeddings, save_embeddings
 
     lcfg = LoraConfig(rank=4)
     model, base = _lora_model(lcfg)
     lora_file = tmp_path / "rank4.safetensors"
     save_lora(lora_file, L.lora_state_dict(model), lcfg, layout="kohya")
+    with safe_open(str(lora_file), framework="pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    save_file(tensors, str(tmp_path / "rank_text.safetensors"), metadata={**meta, "fluxzero.rank": "four"})
+    up = next(k for k in sorted(tensors) if k.endswith(".lora_up.weight"))
+    save_file({**tensors, up: torch.full_like(tensors[up], float("nan"))}, str(tmp_path / "nan.safetensors"), meta)
+    # preview prompts: another T5 width (flux-tiny's is 64), NaN T5 values (written raw: the writer refuses them)
+    from diffusers import AutoencoderKL
+
+    AutoencoderKL(latent_channels=16, block_out_channels=(8,), norm_num_groups=8, layers_per_block=1,
+                  down_block_types=("DownEncoderBlock2D",),
+                  up_block_types=("UpDecoderBlock2D",)).save_pretrained(tmp_path / "vae")
+    save_embeddings(tmp_path / "wide.safetensors", PromptEmbeddings(["a cat"], torch.randn(1, 4, 128), torch.randn(1, 32)))
+    save_file({"t5": torch.full((1, 4, 64), float("nan")), "clip_pooled": torch.randn(1, 32)},
+              str(tmp_path / "emb_nan.safetensors"), {"format": FORMAT, "version": VERSION, "prompts": '["a cat"]'})
+    previews = ["sample_every=1", f"sample_vae={tmp_path / 'vae'}", "sample_size=16x16", "sample_steps=1"]
     from fluxzero.model.weights import save_weights
 
     save_weights(base, tmp_path / "base.safetensors")  # another base than the run's (random init)
@@ -215,6 +235,15 @@ def test_bad_lora_input_through_the_trainer(tmp_path):
         "compile_zero3": ([f"deepspeed={tmp_path / 'ds3c.json'}"], "compile_zero3",
                           "compiled blocks (fluxzero.compile.blocks) with LoRA under ZeRO-3 fail in DeepSpeed 0.19.8's "
                           "backward pass"),
+        "header": ([f"lora.weights={tmp_path / 'rank_text.safetensors'}"], "header",
+                   f"{tmp_path / 'rank_text.safetensors'}: header entry fluxzero.rank is 'four', not a whole number"),
+        "nan": ([f"lora.weights={tmp_path / 'nan.safetensors'}"], "nan",
+                f"{tmp_path / 'nan.safetensors'}: {up} holds NaN or infinite values"),
+        "prompts_width": ([*previews, f"sample_prompts={tmp_path / 'wide.safetensors'}"], "prompts_width",
+                          f"sample_prompts {tmp_path / 'wide.safetensors'}: the prompt embeddings are T5 128 / CLIP "
+                          "32 wide but model 'flux-tiny' takes 64 / 32"),
+        "prompts_nan": ([*previews, f"sample_prompts={tmp_path / 'emb_nan.safetensors'}"], "prompts_nan",
+                        f"sample_prompts {tmp_path / 'emb_nan.safetensors'}: t5 holds NaN or infinite values"),
         "trains": ([f"lora.weights={lora_file}"], "run", None),
         "resume_without_lora": (["lora=null"], "run", "is a checkpoint of a LoRA but the run file trains the full "
                                 "model (no lora section); add its lora section back, or choose another output_dir"),
@@ -237,7 +266,9 @@ def test_bad_lora_input_through_the_trainer(tmp_path):
         lines = [line for line in err.splitlines() if line.startswith("error: ")]
         assert code == 1 and len(lines) == 1 and "Traceback" not in err, (name, err[-2000:])
         assert words in lines[0], (name, lines[0])
-    assert not any((tmp_path / n / "checkpoints").exists() for n in ("rank", "pattern", "shape", "compile_zero3"))
+    refused_at_start = ("rank", "pattern", "shape", "compile_zero3", "header", "nan", "prompts_width", "prompts_nan")
+    assert not any((tmp_path / n / "checkpoints").exists() for n in refused_at_start)
+    assert not any((tmp_path / n / "samples").exists() for n in refused_at_start)  # before the first step's preview
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step_00000001"  # refusals changed nothing
 
 
@@ -509,14 +540,27 @@ def test_merged_export_and_the_export_command(trained, tmp_path):
         merged = load_model(tmp / "z2" / "export", dtype=torch.float32)(**x)  # export_merged: the diffusers folder
     assert _rel(merged, want) <= OUT_RTOL
     runner = CliRunner()
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)  # what exports killed while writing left
+    for name in ("k", "m"):
+        (tmp_path / f".{name}.safetensors.tmp-{dead}").write_bytes(b"half an export")
     r = runner.invoke(cli, ["export", str(tmp / "z3"), str(tmp_path / "k.safetensors"), "--format", "comfyui",
                             "--dtype", "fp32"])
     assert r.exit_code == 0, r.output
+    assert "(LoRA, kohya layout for comfyui, fp32, live weights)" in r.output, r.output
+    # what the run wrote at its end: the same file, byte for byte (the header in a fixed order)
+    assert (tmp_path / "k.safetensors").read_bytes() == (tmp / "z3" / "lora.safetensors").read_bytes()
     got, info = read_lora(tmp_path / "k.safetensors")
-    want_sd, _ = read_lora(tmp / "z3" / "lora.safetensors")  # what the run wrote at its end: the same file
+    want_sd, _ = read_lora(tmp / "z3" / "lora.safetensors")
     assert info.layout == "kohya" and all(torch.equal(got[k], want_sd[k]) for k in want_sd)
+    (tmp_path / "k.safetensors").chmod(0o604)  # a user's chmod survives --overwrite
+    r = runner.invoke(cli, ["export", str(tmp / "z3"), str(tmp_path / "k.safetensors"), "--format", "comfyui",
+                            "--dtype", "fp32", "--overwrite"])
+    assert r.exit_code == 0 and oct((tmp_path / "k.safetensors").stat().st_mode & 0o777) == oct(0o604), r.output
     r = runner.invoke(cli, ["export", str(tmp / "z3"), str(tmp_path / "m.safetensors"), "--merge", "--dtype", "fp32"])
     assert r.exit_code == 0, r.output
+    assert "(full weights with the LoRA merged in, bfl, fp32, live weights)" in r.output, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.safetensors", "m.safetensors"]  # the temps are gone
     with torch.no_grad():
         z3 = _trained_model(trained, "z3")(**x)
         assert _rel(load_model(tmp_path / "m.safetensors", dtype=torch.float32)(**x), z3) <= OUT_RTOL
