@@ -169,7 +169,9 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     # training dtype: under a bf16 config directly in bf16 on the GPU (or on the meta device, then loaded), so no
     # fp32 copy of a weight it does not train ever exists; a quantized base is quantized layer by layer as its
     # weights load (one layer in bf16 at a time). What deepspeed.initialize adds on top: below stage 3 the
-    # ZeRO-1/2 optimizer copies the trained parameters into one flat buffer (both alive while it copies); the
+    # ZeRO-1/2 optimizer copies the trained parameters into one flat buffer (both alive while it copies; 0.19.8
+    # goes through the host only when the device's free memory is short, which a per-process memory cap such as
+    # torch.cuda.set_per_process_memory_fraction does not change, so a capped run sees this peak); the
     # FP16_Optimizer of stage 0 makes that flat copy and its fp32 master clone of it. Stage 3 builds the model
     # partitioned (zero.Init): nothing whole, no init peak.
     model_bytes = base + b * P
