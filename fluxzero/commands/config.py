@@ -11,12 +11,13 @@ import sys
 import click
 from click.core import ParameterSource
 
-from fluxzero.config import ds_check, ds_config, ds_view, optim_modes
-from fluxzero.commands.estimate import apply_fit, fit_options
+from fluxzero.config import ds_check, ds_config, ds_view, memory, optim_modes
+from fluxzero.commands.estimate import _FRACTION, _GIB, _resolution, gpu_memory_from, topology_from
 from fluxzero.commands.model_spec import MODEL_SPEC
 from fluxzero.config.ds_check import FP8_RECIPES
 from fluxzero.config.ds_config import DSOptions
 from fluxzero.config.ds_view import DSConfigError
+from fluxzero.config.lora import TARGET_PRESETS
 from fluxzero.fsutil import atomic_write
 
 _D = DSOptions()
@@ -144,6 +145,113 @@ def _with_options(fn):
     return fn
 
 
+# ---------------------------------------------------------------------------------------------------------
+# `gen-config --fit` and the LoRA a config is for: options added to gen-config (the policy is memory.fit's)
+# ---------------------------------------------------------------------------------------------------------
+FIT_OPTIONS = [
+    click.option("--lora-rank", type=_NONNEG, default=0, show_default=True,
+                 help="The config is for a LoRA of this rank (0: full fine-tune): LoRA lr and warm-up defaults "
+                      "(1e-4, 10 steps) and, with --fit, the LoRA's memory. The run file's lora section says "
+                      "the same rank."),
+    click.option("--lora-targets", default="attention+mlp", show_default=True,
+                 help="With --lora-rank: the run file's lora.targets, a preset (" + ", ".join(TARGET_PRESETS)
+                      + ") or comma-separated module-name patterns."),
+    click.option("--base-quant", type=click.Choice(memory.BASE_QUANTS), default="auto", show_default=True,
+                 help="With --lora-rank: the frozen base quantized (int8, torchao weight-only; the run file's "
+                      "lora.base_quant, which the printed next step names); auto lets --fit choose int8 when the "
+                      "bf16 base does not fit (without --fit: none)."),
+    click.option("--fit", is_flag=True, default=False,
+                 help="Choose ZeRO stage, offload, optimizer mode, micro batch, checkpointing (and, for a LoRA, "
+                      "compile and the base's quantization): the fastest that fits the hardware (needs the world "
+                      "size and --gpu/--gpu-memory); prints why, the predicted peak and each choice's caveat."),
+    click.option("--gpu", type=click.Choice(list(memory.GPU_MEMORY_GIB)), default=None,
+                 help="--fit: GPU model, for its memory."),
+    click.option("--gpu-memory", type=_GIB, default=None,
+                 help="--fit: GPU memory in GiB (instead of --gpu)."),
+    click.option("--host-memory", type=_GIB, default=None,
+                 help="--fit: host memory per node in GiB (offload must fit it); without it the host is not "
+                      "checked, the need is printed, and a need beyond common machines' is the last line."),
+    click.option("--resolution", default="512", show_default=True, callback=_resolution,
+                 help="--fit: training image size in pixels, 512 or HEIGHTxWIDTH."),
+    click.option("--txt-len", type=_POS, default=512, show_default=True, help="--fit: T5 text tokens per sample."),
+    click.option("--fit-margin", type=_FRACTION, default=0.10, show_default=True,
+                 help="--fit: keep this fraction of GPU and host memory free."),
+    click.option("--max-micro-batch", type=_POS, default=16, show_default=True,
+                 help="--fit: largest micro batch to consider."),
+]
+_FIT_KEYS = ("fit", "gpu", "gpu_memory", "host_memory", "resolution", "txt_len", "fit_margin", "max_micro_batch",
+             "lora_rank", "lora_targets", "base_quant")
+
+
+def fit_options(fn):
+    """Add the --fit and LoRA options to a command; the callback receives them as one `fit` dict."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        kwargs["fit"] = {k: kwargs.pop(k) for k in _FIT_KEYS}
+        return fn(*args, **kwargs)
+
+    for decorator in reversed(FIT_OPTIONS):
+        wrapper = decorator(wrapper)
+    return wrapper
+
+
+def _lora_targets(value: str):
+    """A preset name (a word: a misspelt one is refused as such) or comma-separated module-name patterns."""
+    if value in TARGET_PRESETS or not any(c in value for c in ".*?[,"):
+        return value
+    return tuple(t.strip() for t in value.split(",") if t.strip())
+
+
+def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node,
+              world_size) -> memory.GenConfigFit:
+    """Run memory.fit_gen_config for gen-config's flags; prints its lines on stderr. A UsageError (nothing
+    written) when nothing fits or the request cannot be searched."""
+    if hostfile is not None:
+        nodes, gpus_per_node = topology_from(hostfile, None, None)
+    elif gpus_per_node is not None:
+        nodes = nodes or 1
+    elif world_size is not None:
+        nodes, gpus_per_node = 1, world_size
+    else:
+        raise click.UsageError("--fit needs the GPUs: give --hostfile, --nodes/--gpus-per-node or --world-size")
+    capacity = gpu_memory_from(request["gpu"], request["gpu_memory"])
+    if capacity is None:
+        raise click.UsageError("--fit needs the GPU memory: give --gpu NAME or --gpu-memory GIB")
+    try:
+        opts = ds_config.options_from(preset, lora=request["lora_rank"] > 0, world_size=nodes * gpus_per_node,
+                                      **given)
+    except DSConfigError as e:
+        raise click.UsageError("\n".join(e.problems)) from None
+    h, w = request["resolution"]
+    try:
+        run = {"height": h, "width": w, "txt_len": request["txt_len"], "lora_rank": request["lora_rank"],
+               "lora_targets": _lora_targets(request["lora_targets"])}
+        req = memory.FitRequest(memory.Hardware(capacity, request["host_memory"], nodes, gpus_per_node), run,
+                                margin=request["fit_margin"], max_micro_batch=request["max_micro_batch"],
+                                base_quant=request["base_quant"])
+        plan = memory.fit_gen_config(opts, given, req)
+    except ValueError as e:
+        raise click.UsageError(f"--fit: {e}") from None
+    if plan.result.spec is None:
+        raise click.UsageError("--fit: " + "\n".join(plan.lines))
+    click.echo("gen-config --fit:\n  " + "\n  ".join(plan.lines), err=True)
+    return plan
+
+
+def next_command(output: str | None, world: int | None, hostfile, request: dict, base_quant: str | None) -> str:
+    """The line after gen-config: the run-file keys this config is for and the command that trains with it."""
+    ds = output or "ds.json"
+    keys = [f"deepspeed: {ds}"]
+    if request["lora_rank"]:
+        lora = f"lora: {{rank: {request['lora_rank']}, targets: {request['lora_targets']}"
+        keys.append(lora + (f", base_quant: {base_quant}}}" if base_quant else "}"))
+    launch = (f"fluxzero launch --hostfile {hostfile} -- --config run.yaml" if hostfile
+              else f"deepspeed --num_gpus {world or 1} launch/train.py --config run.yaml")
+    return f"next: in run.yaml set {'; '.join(keys)}; then {launch}"
+
+
 def world_size_from(hostfile, nodes, gpus_per_node, world_size) -> int | None:
     """World size from exactly one of: a hostfile, nodes x GPUs per node, an explicit count (None if none)."""
     given = [name for name, v in (("--hostfile", hostfile), ("--world-size", world_size)) if v is not None]
@@ -178,11 +286,20 @@ def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, 
     world = world_size_from(hostfile, nodes, gpus_per_node, world_size)
     given = {k: v for k, v in fields.items()
              if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
-    if fit:  # fluxzero.config.memory picks stage, offload, micro batch, checkpointing; what was given stays pinned
-        given.update(apply_fit(fit, preset, given, hostfile, nodes, gpus_per_node, world_size))
+    request, plan = fit, None
+    if request["lora_rank"]:
+        from fluxzero.config.lora import LoraConfig
+
+        try:
+            LoraConfig(rank=request["lora_rank"], targets=_lora_targets(request["lora_targets"]))
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--lora-targets") from None
+    if request["fit"]:  # memory.fit picks stage, offload, micro batch, checkpointing; what was given stays pinned
+        plan = apply_fit(request, preset, given, hostfile, nodes, gpus_per_node, world_size)
+        given.update(plan.overrides)
     try:
-        options = ds_config.options_from(preset, world_size=world, **given)
-        if fit and options.nvme_path and "nvme" not in (options.offload_optimizer, options.offload_param):
+        options = ds_config.options_from(preset, lora=request["lora_rank"] > 0, world_size=world, **given)
+        if plan and options.nvme_path and "nvme" not in (options.offload_optimizer, options.offload_param):
             click.echo(f"gen-config --fit: the choice needs no NVMe; --nvme-path {options.nvme_path} is left out",
                        err=True)
             options = options.replace(nvme_path=None)
@@ -193,12 +310,18 @@ def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, 
     text = ds_config.to_json(cfg)
     if output is None:
         click.echo(text, nl=False)
-        return
-    try:
-        atomic_write(output, text)
-    except OSError as e:
-        raise click.BadParameter(f"cannot write {output}: {e.strerror}", param_hint="--output") from None
-    click.echo(f"wrote {output}", err=True)
+    else:
+        try:
+            atomic_write(output, text)
+        except OSError as e:
+            raise click.BadParameter(f"cannot write {output}: {e.strerror}", param_hint="--output") from None
+        click.echo(f"wrote {output}", err=True)
+    if plan is not None or request["lora_rank"]:
+        quant = plan.result.options.get("base_quant") if plan else (
+            None if request["base_quant"] in ("auto", "none") else request["base_quant"])
+        click.echo(next_command(output, world, hostfile, request, quant), err=True)
+    if plan is not None and plan.host_warning:
+        click.echo(plan.host_warning, err=True)  # the last line: a host need beyond common machines
 
 
 def _load_json(path: str) -> tuple[object, list[str]]:

@@ -133,6 +133,9 @@ OPTIONS = [
                       "module-name patterns."),
     click.option("--lora-dropout", type=_Finite(0, 1, max_open=True, example="a fraction such as 0.1"), default=0.0,
                  show_default=True, help="LoRA dropout (> 0 saves a dropped-out copy of each adapted input)."),
+    click.option("--base-quant", type=click.Choice(["none", *memory.BASE_QUANT_BYTES]), default="none",
+                 show_default=True, help="LoRA: the frozen base quantized weight-only (int8: torchao, the run "
+                                         "file's lora.base_quant), the adapters in bf16 with fp32 masters."),
     click.option("--ema", type=click.Choice(["none", "fp32", "bf16"]), default="none", show_default=True,
                  help="EMA of the trained weights, partitioned like the optimizer states under ZeRO 1-3."),
     click.option("--ema-device", type=click.Choice(["gpu", "cpu"]), default="gpu", show_default=True,
@@ -155,17 +158,6 @@ def _with_options(fn):
     return fn
 
 
-def gen_config_zero(model: str, stage: int) -> memory.ZeroSettings:
-    """The communication settings `fluxzero gen-config` writes by default for this model and stage."""
-    from fluxzero.config import ds_config
-
-    try:
-        return memory.ZeroSettings.from_ds_config(ds_config.build(ds_config.options_from(
-            None, model=model, zero_stage=stage)))
-    except ds_view.DSConfigError:
-        return memory.ZeroSettings()
-
-
 _SPEC_OPTIONS = {"micro_batch": "micro_batch", "precision": "precision", "zero_stage": "stage",
                  "offload_optimizer": "offload_optimizer", "offload_param": "offload_param",
                  "checkpoint_every": "checkpoint_every", "optimizer": "optimizer", "optimizer_mode": "optimizer_mode"}
@@ -181,9 +173,10 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
             "lora_targets": targets if targets in ("attention", "attention+mlp", "all-linear")
             else tuple(t.strip() for t in targets.split(",") if t.strip()),
             "lora_dropout": values.get("lora_dropout", 0.0),
+            "base_quant": None if values.get("base_quant", "none") == "none" else values["base_quant"],
             "ema": None if values.get("ema", "none") == "none" else values["ema"],
             "ema_device": values.get("ema_device", "gpu")}
-    fields["zero"] = gen_config_zero(model, fields["stage"])
+    fields["zero"] = memory.gen_config_zero(model, fields["stage"])
     if ds_path is not None:
         from fluxzero.config import ds_check, ds_file
 
@@ -341,147 +334,77 @@ def estimate(ctx, model, ds_path, hostfile, nodes, gpus_per_node, gpu, gpu_memor
         hw = memory.Hardware(capacity, host_memory, nodes, gpus_per_node)
     est = memory.estimate(spec)
     # the table's other stages: gen-config's defaults, unless a config file fixes the settings for all rows
-    zero_by_stage = None if ds_path else {st: gen_config_zero(model, st) for st in range(4)}
+    zero_by_stage = None if ds_path else {st: memory.gen_config_zero(model, st) for st in range(4)}
+    world = {"hostfile": hostfile, "nodes": nodes, "gpus_per_node": gpus_per_node}
+    advice = None if hw is None else advise(est, hw, margin, zero_by_stage, gpu, world, resolution, txt_len)
     if as_json:
-        click.echo(json.dumps(as_dict(est, hw, margin, zero_by_stage), indent=1))
+        d = as_dict(est, hw, margin, zero_by_stage)
+        if advice is not None:
+            d["instead"], d["next"] = advice[1], advice[2]
+        click.echo(json.dumps(d, indent=1))
     else:
-        click.echo(report(est, hw, margin, zero_by_stage))
+        click.echo(report(est, hw, margin, zero_by_stage) + ("" if advice is None else "\n\n" + advice[0]))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# `gen-config --fit`: options added to gen-config, and the search it runs before writing
-# ---------------------------------------------------------------------------------------------------------
-FIT_OPTIONS = [
-    click.option("--fit", is_flag=True, default=False,
-                 help="Choose ZeRO stage, offload, optimizer mode, micro batch and checkpointing: the fastest "
-                      "that fits the hardware (needs the world size and --gpu/--gpu-memory); prints why and each "
-                      "chosen optimizer mode's caveat."),
-    click.option("--gpu", type=click.Choice(list(GPU_MEMORY_GIB)), default=None,
-                 help="--fit: GPU model, for its memory."),
-    click.option("--gpu-memory", type=_GIB, default=None,
-                 help="--fit: GPU memory in GiB (instead of --gpu)."),
-    click.option("--host-memory", type=_GIB, default=None,
-                 help="--fit: host memory per node in GiB (offload must fit it); without it the host is not "
-                      "checked and the need is printed."),
-    click.option("--resolution", default="512", show_default=True, callback=_resolution,
-                 help="--fit: training image size in pixels, 512 or HEIGHTxWIDTH."),
-    click.option("--txt-len", type=_POS, default=512, show_default=True, help="--fit: T5 text tokens per sample."),
-    click.option("--fit-margin", type=_FRACTION, default=0.10, show_default=True,
-                 help="--fit: keep this fraction of GPU and host memory free."),
-    click.option("--max-micro-batch", type=_POS, default=16, show_default=True,
-                 help="--fit: largest micro batch to consider."),
-]
-_FIT_KEYS = ("fit", "gpu", "gpu_memory", "host_memory", "resolution", "txt_len", "fit_margin", "max_micro_batch")
-# gen-config option -> memory.fit pin: what the user set himself is kept, --fit chooses the rest
-_PINS = {"zero_stage": "stage", "offload_optimizer": "offload_optimizer", "offload_param": "offload_param",
-         "micro_batch": "micro_batch", "checkpoint_every": "checkpoint_every", "optimizer_mode": "optimizer_mode"}
+def advise(est: memory.Estimate, hw: memory.Hardware, margin: float, zero_by_stage, gpu: str | None, world: dict,
+           resolution: tuple[int, int], txt_len: int) -> tuple[str, dict | None, str]:
+    """(text, the configuration that fits instead or None, the next command): for a run that fits, the
+    gen-config line that writes it; for one that does not, what memory.fit chooses on this hardware and the
+    `gen-config --fit` line that writes that."""
+    s = est.spec
+    hw_flags = [f"--gpu {gpu}" if gpu else f"--gpu-memory {hw.gpu_memory_gib:g}"]
+    if hw.host_memory_gib is not None:
+        hw_flags.append(f"--host-memory {hw.host_memory_gib:g}")
+    shape = _shape_flags(s, world, resolution, txt_len)
+    if memory.verdict(est, hw, margin)[0]:
+        flags = [f"--zero-stage {s.stage}", f"--micro-batch {s.micro_batch}", f"--checkpoint-every {s.checkpoint_every}"]
+        flags += [f"--offload-optimizer {s.offload_optimizer}"] if s.offload_optimizer != "none" else []
+        flags += [f"--offload-param {s.offload_param}"] if s.offload_param != "none" else []
+        flags += [f"--optimizer-mode {s.optimizer_mode}"] if s.optimizer_mode else []
+        cmd = " ".join(["fluxzero gen-config", *shape, *flags, "-o ds.json"])
+        return f"next: {cmd}" + _host_note(est, hw), None, cmd
+    r = memory.fit(s, hw, margin, zero_by_stage=zero_by_stage, modes=() if s.lora_rank else memory.FIT_MODES)
+    cmd = " ".join(["fluxzero gen-config --fit", *hw_flags, *shape, "-o ds.json"])
+    if r.spec is None:
+        return "\n".join(["What fits instead:"] + r.reason.split("\n") + [f"next: {cmd} (with one of the changes "
+                                                                         f"above)"]), None, cmd
+    o = r.options
+    chosen = memory._label(o["stage"], o["offload_optimizer"], o["offload_param"])
+    extra = [f"optimizer mode {o['optimizer_mode']}"] if o["optimizer_mode"] else []
+    extra += [f"{o['base_quant']} base"] if o.get("base_quant") else []
+    text = (f"What fits instead: {chosen}{''.join(', ' + e for e in extra)}, micro batch {o['micro_batch']}, "
+            f"{memory._ckpt_text(o['checkpoint_every'])}: predicted {r.estimate.gpu_allocated / GiB:.1f} GiB "
+            f"allocated, {r.estimate.gpu_total / GiB:.1f} GiB needed, {r.estimate.host_per_node / GiB:.1f} GiB "
+            f"host per node")
+    return f"{text}\nnext: {cmd}" + _host_note(r.estimate, hw), o, cmd
 
 
-def fit_options(fn):
-    """Add the --fit options to a command; the callback receives them as one `fit` dict (None without --fit)."""
-    import functools
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        request = {k: kwargs.pop(k) for k in _FIT_KEYS}
-        kwargs["fit"] = request if request["fit"] else None
-        return fn(*args, **kwargs)
-
-    for decorator in reversed(FIT_OPTIONS):
-        wrapper = decorator(wrapper)
-    return wrapper
+def _host_note(est: memory.Estimate, hw: memory.Hardware) -> str:
+    """A last line when the host was not checked and the run needs more than common machines have."""
+    need, common = est.host_per_node / GiB, memory.COMMON_HOST_GIB_PER_GPU * hw.gpus_per_node
+    if hw.host_memory_gib is not None or need <= common:
+        return ""
+    return (f"\nwarning: it needs {need:.0f} GiB of host memory per node, more than the {common} GiB common machines "
+            f"have for {hw.gpus_per_node} GPU(s); pass --host-memory with yours")
 
 
-def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node, world_size) -> dict:
-    """Run the fit for gen-config; returns the options to override (stage, offload, micro batch,
-    checkpointing). Prints the reason on stderr; a UsageError (nothing written) when nothing fits."""
-    from fluxzero.config import ds_config
-
-    if hostfile is not None:
-        nodes, gpus_per_node = topology_from(hostfile, None, None)
-    elif gpus_per_node is not None:
-        nodes = nodes or 1
-    elif world_size is not None:
-        nodes, gpus_per_node = 1, world_size
+def _shape_flags(s: memory.RunSpec, world: dict, resolution: tuple[int, int], txt_len: int) -> list[str]:
+    """gen-config flags for the model, topology, image size and LoRA of an estimate."""
+    flags = [] if s.model.name == "flux-dev" else [f"--model {s.model.name}"]
+    if world["hostfile"]:
+        flags.append(f"--hostfile {world['hostfile']}")
+    elif world["nodes"] > 1:
+        flags.append(f"--nodes {world['nodes']} --gpus-per-node {world['gpus_per_node']}")
     else:
-        raise click.UsageError("--fit needs the GPUs: give --hostfile, --nodes/--gpus-per-node or --world-size")
-    capacity = gpu_memory_from(request["gpu"], request["gpu_memory"])
-    if capacity is None:
-        raise click.UsageError("--fit needs the GPU memory: give --gpu NAME or --gpu-memory GIB")
-    world = nodes * gpus_per_node
-    try:
-        opts = ds_config.options_from(preset, world_size=world, **given)
-    except ds_view.DSConfigError as e:
-        raise click.UsageError("\n".join(e.problems)) from None
-
-    def row_options(stage, oo, op, mode) -> ds_config.DSOptions:
-        """The gen-config options of one fit row: what --fit writes if it chooses that row."""
-        impl = given.get("adam_impl", opts.adam_impl)
-        if "adam_impl" not in given:  # DeepSpeed's CPU Adam only with optimizer offload, never without
-            if oo != "none" and impl == "fused":
-                impl = "cpu"
-            elif oo == "none" and impl == "cpu":
-                impl = "torch"
-        if mode is not None:
-            impl = "torch"  # the mode's client optimizer replaces DeepSpeed's AdamW
-        nvme = "nvme" in (oo, op)
-        return opts.replace(zero_stage=stage, offload_optimizer=oo, offload_param=op, optimizer_mode=mode,
-                            adam_impl=impl, nvme_path=opts.nvme_path if nvme else None)
-
-    def settings_for(stage, oo, op, mode) -> dict:
-        """RunSpec fields of the very config that row writes, read back as `estimate --config` reads it."""
-        try:
-            cfg = ds_config.build(row_options(stage, oo, op, mode))
-        except ds_view.DSConfigError as e:
-            raise ValueError("; ".join(e.problems)) from None
-        fields = memory.run_options_from_ds_config(cfg, world)
-        return {k: v for k, v in fields.items() if k not in ("micro_batch", "checkpoint_every")}
-
-    micros = None
-    if opts.global_batch is not None:
-        micros = tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128)
-                       if m <= request["max_micro_batch"] and opts.global_batch % (m * world) == 0)
-        if not micros:
-            raise click.UsageError(f"--fit: no micro batch up to {request['max_micro_batch']} divides global batch "
-                                   f"{opts.global_batch} over {world} GPUs")
-    pins = {_PINS[k]: v for k, v in given.items() if k in _PINS}
-    # a given --adam-impl decides the optimizer offload: DeepSpeed builds FusedAdam only without it and its
-    # CPU Adam only with it; it also rules out the optimizer modes (their client optimizer replaces it)
-    modes = memory.FIT_MODES
-    if given.get("adam_impl") in ("fused", "cpu"):
-        modes = (None,)
-    if given.get("adam_impl") == "fused":
-        pins.setdefault("offload_optimizer", "none")
-    elif given.get("adam_impl") == "cpu" and "offload_optimizer" not in pins:
-        pins["offload_optimizer"] = "nvme" if opts.nvme_path and pins.get("stage") == 3 else "cpu"
-    # gen-config often runs off the training nodes, so this machine's memory is no default: without
-    # --host-memory the host is not checked, and the host memory the choice needs is printed beside it
-    host = request["host_memory"]
-    notes = [] if host is not None else ["host memory not given: not checked (pass --host-memory with the "
-                                         "training nodes' memory per node)"]
-    h, w = request["resolution"]
-    try:
-        base = memory.RunSpec(get_model_config(opts.model), height=h, width=w, txt_len=request["txt_len"],
-                              precision=opts.precision,
-                              optimizer_impl="torch-fused" if opts.adam_impl == "torch" else "fused")
-        hw = memory.Hardware(capacity, host, nodes, gpus_per_node)
-        result = memory.fit(base, hw, margin=request["fit_margin"], max_micro_batch=request["max_micro_batch"],
-                            micro_batches=micros, fixed=pins, allow_nvme=opts.nvme_path is not None,
-                            modes=modes, settings_for=settings_for)
-    except ValueError as e:
-        raise click.UsageError(f"--fit: {e}") from None
-    if result.spec is None:
-        raise click.UsageError("--fit: " + "\n".join(notes + [result.reason]))
-    need = f"host memory: the choice needs {result.estimate.host_per_node / GiB:.1f} GiB per node"
-    notes.append(need + (f" of {host * (1 - request['fit_margin']):.1f} GiB budget" if host is not None
-                         else " (not checked: pass --host-memory)"))
-    click.echo("gen-config --fit:\n  " + "\n  ".join(notes[:-1] + result.reason.split("\n") + notes[-1:]),
-               err=True)
-    o = result.options
-    chosen = row_options(o["stage"], o["offload_optimizer"], o["offload_param"], o["optimizer_mode"])
-    out = {theirs: o[ours] for theirs, ours in _PINS.items()}
-    out["adam_impl"] = chosen.adam_impl
-    if o["optimizer_mode"] is not None:
-        out["optimizer_mode"] = o["optimizer_mode"]
-    return out
-
+        flags.append(f"--world-size {world['gpus_per_node']}")
+    h, w = resolution
+    flags += [] if (h, w) == (512, 512) else [f"--resolution {h}" if h == w else f"--resolution {h}x{w}"]
+    flags += [] if txt_len == 512 else [f"--txt-len {txt_len}"]
+    if s.lora_rank:
+        flags.append(f"--lora-rank {s.lora_rank}")
+        if s.lora_targets != "attention+mlp":
+            targets = s.lora_targets if isinstance(s.lora_targets, str) else ",".join(s.lora_targets)
+            flags.append(f"--lora-targets {targets}")
+        if s.base_quant:
+            flags.append(f"--base-quant {s.base_quant}")
+    return flags

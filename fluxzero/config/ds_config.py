@@ -151,9 +151,19 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def options_from(preset: str | None = None, **overrides) -> DSOptions:
-    """DSOptions from a preset name plus explicit overrides (None values in `overrides` are ignored)."""
-    base = {}
+# A LoRA's defaults (gen-config --lora-rank), under any preset and explicit option. The adapters start at the
+# base model (B = 0) and hold a few million parameters: common FLUX.1 LoRA practice trains them at 1e-4 with
+# little or no warm-up (kohya sd-scripts' docs/flux_train_network.md example: --learning_rate 1e-4; diffusers'
+# examples/dreambooth/README_flux.md LoRA command: --learning_rate=1e-4, --lr_warmup_steps=0). 10 warm-up steps
+# keep the first Adam steps, whose second moments are still estimates of a few gradients, small. The full
+# fine-tune defaults above (1e-5, 100 steps) move all 12B weights and stay as they are.
+LORA_DEFAULTS = {"lr": 1e-4, "warmup_steps": 10}
+
+
+def options_from(preset: str | None = None, lora: bool = False, **overrides) -> DSOptions:
+    """DSOptions from a preset name plus explicit overrides (None values in `overrides` are ignored); `lora`:
+    LORA_DEFAULTS under the preset and the overrides."""
+    base = dict(LORA_DEFAULTS) if lora else {}
     if preset is not None:
         if preset not in PRESETS:
             raise ds_view.DSConfigError([f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}"])
@@ -340,9 +350,9 @@ def _check_zero_options(o: DSOptions, p: list[str]) -> None:
     if stage == 3 and o.offload_param == "nvme" and _model(o.model) is not None:
         # DeepSpeed swaps each rank's partition of a parameter through one buffer (partitioned_param_swapper
         # get_buffer asserts "More elements ... than buffer size" at the first swap otherwise).
-        from fluxzero.config.memory import param_inventory  # pure
+        from fluxzero.config.lora import linear_shapes  # pure; FLUX.1's largest tensor is a linear's weight
 
-        largest = max(param_inventory(_model(o.model)).tensor_sizes)
+        largest = max(i * n for i, n in linear_shapes(_model(o.model)).values())
         need = -(-largest // (o.world_size or 1))
         if o.nvme_param_buffer_size < need:
             at = f"at world size {o.world_size}" if o.world_size else "whole, with no world size given"

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from fluxzero.cli import main
-from fluxzero.config import ds_config
+from fluxzero.config import ds_check
 from tests.helpers import ROOT, plain_losses, tiny_ds, train_ok
 
 torchao = pytest.importorskip("torchao")
@@ -23,12 +23,12 @@ def test_gen_config_writes_the_fp8_recipe_and_check_refuses_a_bad_one():
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["fluxzero"]["fp8"] == {"recipe": "tensorwise"}
     bad = {**tiny_ds(2), "fluxzero": {"fp8": {"recipe": "blockwise"}}}
-    assert ds_config.check(bad) == ["fluxzero.fp8.recipe must be one of tensorwise, rowwise, got \"blockwise\""]
+    assert ds_check.check(bad) == ["fluxzero.fp8.recipe must be one of tensorwise, rowwise, got \"blockwise\""]
     typo = {**tiny_ds(2), "fluxzero": {"fp8": {"recpie": "rowwise"}}}
-    assert any("unknown key 'fluxzero.fp8.recpie'" in p for p in ds_config.check(typo))
+    assert any("unknown key 'fluxzero.fp8.recpie'" in p for p in ds_check.check(typo))
 
 
-def _losses(fp8: bool, steps: int = 40, broken_scale: bool = False) -> list[float]:
+def _losses(fp8: bool, steps: int = 40) -> list[float]:
     from fluxzero.model import build_model
     from fluxzero.train.engine import apply_fp8
 
@@ -37,11 +37,21 @@ def _losses(fp8: bool, steps: int = 40, broken_scale: bool = False) -> list[floa
     if fp8:
         assert apply_fp8(model, "tensorwise") == 20  # attention and MLP layers: 2 double blocks x 8 + 2 single blocks x 2
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    if not broken_scale:
-        return plain_losses(model, opt, DATA, steps, seed=3)
-    # a broken scale: the weight's FP8 payload is divided back by twice the scale it was cast with
+    return plain_losses(model, opt, DATA, steps, seed=3)
+
+
+def _worst_layer_error(broken_scale: bool = False) -> float:
+    """Largest relative error of an FP8 layer's output against the same layer in bf16, over every converted layer
+    of flux-tiny on random inputs. broken_scale: the weight's FP8 payload is divided back by twice its scale."""
+    import torch.nn.functional as F
     import torchao.float8.float8_linear as fl
 
+    from fluxzero.model import build_model
+    from fluxzero.train.engine import apply_fp8
+
+    torch.manual_seed(1)
+    model = build_model("flux-tiny", dtype=torch.bfloat16)
+    apply_fp8(model, "tensorwise")
     real = fl.hp_tensor_to_float8_dynamic
 
     def wrong(hp, *args, gemm_input_role=None, **kw):
@@ -50,11 +60,18 @@ def _losses(fp8: bool, steps: int = 40, broken_scale: bool = False) -> list[floa
             t._scale = t._scale * 2
         return t
 
-    fl.hp_tensor_to_float8_dynamic = wrong
+    fl.hp_tensor_to_float8_dynamic = wrong if broken_scale else real
+    worst = 0.0
     try:
-        return plain_losses(model, opt, DATA, steps, seed=3)
+        for m in model.modules():
+            if isinstance(m, fl.Float8Linear):
+                x = torch.randn(64, m.in_features, dtype=torch.bfloat16)
+                ref = F.linear(x.float(), m.weight.float(), m.bias.float() if m.bias is not None else None)
+                err = (m(x).float() - ref).norm() / ref.norm()
+                worst = max(worst, float(err))
     finally:
         fl.hp_tensor_to_float8_dynamic = real
+    return worst
 
 
 def _gap(a: list[float], b: list[float]) -> float:
@@ -64,14 +81,20 @@ def _gap(a: list[float], b: list[float]) -> float:
     return max(abs(p - q) / q for p, q in zip(smooth(a), smooth(b)))
 
 
-def test_fp8_trains_like_bf16_and_a_broken_scale_does_not():
+def test_fp8_trains_like_bf16():
     bf16, fp8 = _losses(False), _losses(True)
-    # measured on CPU (torch 2.13, torchao 0.18): FP8 follows bf16 within a few percent of the loss over the
-    # whole curve; the bound leaves room for other hardware's accumulation order
+    # measured on CPU (torch 2.13, torchao 0.18): the smoothed curves differ by under 2% of the loss; the bound
+    # leaves room for other hardware's accumulation order
     assert _gap(fp8, bf16) < 0.05, (fp8, bf16)
     assert fp8[-1] < 0.9 * fp8[0]  # it learns (2.31 -> 1.95 in 40 steps, measured)
-    broken = _losses(True, broken_scale=True)
-    assert _gap(broken, bf16) > 0.05, (broken, bf16)
+
+
+def test_fp8_layers_match_bf16_and_a_broken_scale_does_not():
+    # e4m3 keeps 3 mantissa bits: a matmul of such operands lands a few percent from bf16 (measured 0.038 on flux-tiny here; 0.50 with the broken scale)
+    assert _worst_layer_error() < 0.1
+    # a wrong scale is a wrong output, whatever the training then makes of it (AdamW partly adapts to it, so a
+    # loss curve alone is a weak check of the scale)
+    assert _worst_layer_error(broken_scale=True) > 0.3
 
 
 @pytest.mark.slow

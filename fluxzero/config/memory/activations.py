@@ -161,6 +161,12 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     x_in = 0 if s.cpu_checkpointing else L * C * b  # a checkpointed block's input (on the host with cpu_ckpt)
     kept = [(x_in if c else L * C * b + saved) for saved, c in zip(kinds, ckpt)]  # per block, one sample
     embed, head = outside_blocks_saved(cfg, I, T, b)
+    # A quantized base dequantizes each weight for its matmul, and autograd saves that bf16 copy for the input's
+    # gradient (mm saves the other operand): per block, whatever the micro batch; a checkpointed block's only
+    # while it is recomputed. Counted in sample units of B so the walk below stays one sum.
+    wq = [n * b / B for n in _block_linear_weights(cfg)] if s.base_quant else [0.0] * len(kinds)
+    kept = [k_ + (0 if c else w) for k_, w, c in zip(kept, wq, ckpt)]
+    kinds = [k_ + w for k_, w in zip(kinds, wq)]
     stored = embed + sum(kept)  # alive when backward reaches the blocks (the head's tensors are freed by then)
     # At stage 0 every parameter's full gradient stays from the moment backward makes it until the step:
     # they grow block by block (the head's first) while the activations shrink, and the peak may come later
@@ -212,6 +218,15 @@ def lora_block_saved(s: RunSpec) -> tuple[int, int]:
     return out[0], out[1]
 
 
+def _block_linear_weights(cfg: ModelConfig) -> list[int]:
+    """Weight elements of the linears of each block, double blocks then single ones (the dequantized copies a
+    quantized base saves for backward)."""
+    shapes = linear_shapes(cfg)
+    per = {p: sum(i * o for n, (i, o) in shapes.items() if n.startswith(p))
+           for p in ("double_blocks.0.", "single_blocks.0.")}
+    return [per["double_blocks.0."]] * cfg.depth + [per["single_blocks.0."]] * cfg.depth_single_blocks
+
+
 def _embedder_params(cfg: ModelConfig) -> int:
     """Parameters of img_in, time_in, vector_in, guidance_in and txt_in: their gradients come last."""
     C = cfg.hidden_size
@@ -225,7 +240,8 @@ def activation_items(s: RunSpec) -> list[Item]:
     ck = f"{a['checkpointed']} of {s.model.depth + s.model.depth_single_blocks} blocks checkpointed"
     return [
         Item("activations saved for backward", a["stored"], "gpu", "train",
-             f"micro batch {s.micro_batch}; {ck} (block inputs only for those)"),
+             f"micro batch {s.micro_batch}; {ck} (block inputs only for those)"
+             + ("; with the dequantized bf16 weights of the blocks not checkpointed" if s.base_quant else "")),
         Item("gradients made in backward, net of activations freed", a["grads_net"], "gpu", "train",
              "stage 0: full gradients made before the backward peak, beyond the activations backward freed"),
         Item("one block's recompute", a["recompute"], "gpu", "train",

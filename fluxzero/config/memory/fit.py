@@ -9,15 +9,16 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from fluxzero.config import optim_modes
+from fluxzero.config import ds_config, optim_modes
 from fluxzero.config.memory.activations import checkpointed_split
 from fluxzero.config.memory.breakdown import Estimate, estimate
-from fluxzero.config.memory.spec import GiB, RunSpec, ZeroSettings
+from fluxzero.config.memory.spec import GiB, RunSpec, ZeroSettings, run_options_from_ds_config
+from fluxzero.config.models import get_model_config
 
 # Usable GPU memory as torch reports it (total_memory), for `--gpu NAME`.
 GPU_MEMORY_GIB = {
     "h200": 139.8, "h100": 79.1, "a100-80": 79.1, "a100-40": 39.4, "l40s": 44.4, "a6000": 47.5,
-    "rtx4090": 23.6, "mi300x": 191.5,
+    "rtx4090": 23.6, "rtx3090": 23.6, "rtx4080": 15.7, "mi300x": 191.5,
 }
 
 
@@ -140,37 +141,66 @@ def fit_grid(modes: tuple[str | None, ...] = (None,), fixed: dict | None = None,
     return out
 
 
+def lora_grid(fixed: dict | None = None, allow_nvme: bool = True,
+              quants: tuple[str | None, ...] = (None, "int8")) -> list[tuple[int, str, str, str | None]]:
+    """(stage, optimizer offload, parameter offload, base quantization) in the order fit tries them for a LoRA.
+
+    The base in the training dtype without offload first (lowest stage first; ZeRO-3 partitions the frozen base
+    over the GPUs); then a quantized base without offload (torchao weight-only int8: half the base's bytes, each
+    weight dequantized for its matmuls, and the adapters' training off the bf16 base's by the quantization error);
+    then parameter offload of the bf16 base, which moves the whole base over PCIe in forward, in recompute and in
+    backward every step (slower than dequantizing); NVMe last. Optimizer offload alone is never tried: a
+    LoRA's optimizer states are a few hundred MB.
+    """
+    fixed = fixed or {}
+    rows = [(st, "none", "none", None) for st in (0, 1, 2, 3)]
+    rows += [(st, "none", "none", q) for q in quants if q is not None for st in (0, 1, 2)]
+    rows += [(3, "none", "cpu", None), (3, "cpu", "cpu", None), (3, "nvme", "nvme", None)]
+    return [(st, oo, op, q) for st, oo, op, q in rows
+            if (q in quants) and fixed.get("stage", st) == st and fixed.get("offload_optimizer", oo) == oo
+            and fixed.get("offload_param", op) == op and (allow_nvme or "nvme" not in (oo, op))]
+
+
+def _row_label(st: int, oo: str, op: str, mode: str | None, quant: str | None) -> str:
+    return (_label(st, oo, op) + (f", optimizer mode {mode}" if mode else "")
+            + (f", {quant} base" if quant else ""))
+
+
 def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int = 16,
         micro_batches: tuple[int, ...] | None = None, fixed: dict | None = None,
         zero_by_stage: dict[int, ZeroSettings] | None = None, allow_nvme: bool = True,
-        modes: tuple[str | None, ...] = (None,), settings_for=None) -> FitResult:
+        modes: tuple[str | None, ...] = (None,), settings_for=None,
+        quants: tuple[str | None, ...] = (None, "int8")) -> FitResult:
     """The fastest configuration of `base` that fits `hw` with `margin`, and why.
 
-    Order (each level dominates the next; `fit_grid`): no offload with fp32 masters, then the optimizer
-    `modes` with bf16 masters without offload (best quality first), then optimizer offload, then parameter
-    offload, then NVMe -- offload runs the optimizer step on the CPU and moves states over PCIe every step,
-    slower than any other choice here; then the lowest ZeRO stage -- stage 3 re-gathers every parameter in
-    forward, again in backward (and in recompute), 1.5x the traffic of stages 1-2, and stage 1/2 only add
-    memory savings over 0; then, at that stage, the (micro batch, checkpointing) pair with the best
+    Order (each level dominates the next; `fit_grid`, for a LoRA `lora_grid`): no offload with fp32 masters,
+    then the optimizer `modes` with bf16 masters without offload (best quality first), then optimizer offload,
+    then parameter offload, then NVMe -- offload runs the optimizer step on the CPU and moves states over PCIe
+    every step, slower than any other choice here; then the lowest ZeRO stage -- stage 3 re-gathers every
+    parameter in forward, again in backward (and in recompute), 1.5x the traffic of stages 1-2, and stage 1/2
+    only add memory savings over 0; then, at that stage, the (micro batch, checkpointing) pair with the best
     `throughput_proxy` -- fewest checkpointed blocks unless a larger micro batch gains more, larger micro
-    batch on ties.
+    batch on ties. A LoRA (base.lora_rank) tries its base in the training dtype before a quantized one
+    (`quants`), and compiled blocks wherever the trainer compiles a LoRA (below ZeRO-3).
 
-    `fixed` pins any of stage, offload_optimizer, offload_param, micro_batch, checkpoint_every (what the user
-    chose himself); `zero_by_stage` gives the communication settings each stage will really be written with.
-    `settings_for(stage, offload_optimizer, offload_param, mode)`, when given, returns the RunSpec fields of the
-    very config that row would be written as (gen-config builds it and reads it back with
-    run_options_from_ds_config), or raises ValueError when it cannot be written (the row is skipped with that
-    reason): what is modelled is what is written.
+    `fixed` pins any of stage, offload_optimizer, offload_param, micro_batch, checkpoint_every, optimizer_mode,
+    base_quant (what the user chose himself); `zero_by_stage` gives the communication settings each stage will
+    really be written with. `settings_for(stage, offload_optimizer, offload_param, mode)`, when given, returns
+    the RunSpec fields of the very config that row would be written as (gen-config builds it and reads it back
+    with run_options_from_ds_config), or raises ValueError when it cannot be written (the row is skipped with
+    that reason): what is modelled is what is written.
     """
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     fixed = dict(fixed or {})
     unknown = set(fixed) - {"stage", "offload_optimizer", "offload_param", "micro_batch", "checkpoint_every",
-                            "optimizer_mode"}
+                            "optimizer_mode", "base_quant"}
     if unknown:
         raise ValueError(f"fit cannot pin {sorted(unknown)}")
     if "optimizer_mode" in fixed:
         modes = (fixed.pop("optimizer_mode"),)
+    if "base_quant" in fixed:
+        quants = (fixed.pop("base_quant"),)
     base = base.replace(nodes=hw.nodes, gpus_per_node=hw.gpus_per_node)
     micros = micro_batches or tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= max_micro_batch)
     if "micro_batch" in fixed:
@@ -178,24 +208,28 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
     if not micros:
         raise ValueError("no micro batch to try: raise the largest micro batch allowed")
     ckpts = (fixed["checkpoint_every"],) if "checkpoint_every" in fixed else CHECKPOINT_CHOICES
-    grid = fit_grid(modes, fixed, allow_nvme)
-    rejected: list[str] = []
-    for st, oo, op, mode in grid:
-        label = _label(st, oo, op) + (f", optimizer mode {mode}" if mode else "")
+    if base.lora_rank:  # a LoRA steps a few hundred MB of adapters: DeepSpeed's AdamW unless a mode is pinned
+        mode = modes[0] if len(modes) == 1 else None
+        grid = [(st, oo, op, mode, q) for st, oo, op, q in lora_grid(fixed, allow_nvme, quants)]
+    else:
+        grid = [(st, oo, op, m, None) for st, oo, op, m in fit_grid(modes, fixed, allow_nvme)]
+    rejected: list[tuple] = []
+    for st, oo, op, mode, quant in grid:
+        label = _row_label(st, oo, op, mode, quant)
         precision = "bf16" if mode is not None and optim_modes.get_mode(mode).master_dtype == "bf16" \
             else base.precision
         row = {"stage": st, "offload_optimizer": oo, "offload_param": op, "optimizer_mode": mode,
-               "precision": precision, "zero": (zero_by_stage or {}).get(st, base.zero)}
+               "precision": precision, "zero": (zero_by_stage or {}).get(st, base.zero), "base_quant": quant}
         if settings_for is not None:
             try:
                 row.update(settings_for(st, oo, op, mode))
             except ValueError as e:
-                rejected.append((st, oo, op, mode, f"not written ({e})"))
+                rejected.append((st, oo, op, mode, quant, f"not written ({e})"))
                 continue
         try:
             stage_base = base.replace(**row)
         except ValueError as e:
-            rejected.append((st, oo, op, mode, str(e)))
+            rejected.append((st, oo, op, mode, quant, str(e)))
             continue
         fitting = []
         for ck in ckpts:
@@ -208,7 +242,7 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
         if not fitting:
             smallest = stage_base.replace(micro_batch=micros[0], checkpoint_every=max(ckpts, key=_ckpt_rank))
             _, why = verdict(estimate(smallest), hw, margin)
-            rejected.append((st, oo, op, mode, f"even micro batch {micros[0]} with "
+            rejected.append((st, oo, op, mode, quant, f"even micro batch {micros[0]} with "
                              f"{_ckpt_text(smallest.checkpoint_every)} does not fit ({why})"))
             continue
         fitting.sort(key=lambda t: t[:3], reverse=True)
@@ -216,6 +250,18 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
         reason = _rejections(rejected) + [f"chose {label}: " + _why_choice(spec, est, hw, margin, micros, ckpts)]
         options = {"stage": st, "offload_optimizer": oo, "offload_param": op, "micro_batch": mb,
                    "checkpoint_every": spec.checkpoint_every, "optimizer_mode": mode}
+        if base.lora_rank:
+            options["base_quant"] = quant
+            # measured 2026-12-02 on one H200: LoRA rank 16, micro batch 1, compiled blocks 1.46 samples/s; the
+            # trainer refuses compile with a LoRA under ZeRO-3. Compiled kernels save no more for backward
+            # than eager ones, so the estimate (eager) bounds them.
+            options["compile"] = st < 3
+            if options["compile"]:
+                reason.append("compiled blocks (fluxzero.compile.blocks): the LoRA's measured fastest setting")
+        if quant is not None:
+            reason.append(f"{quant} base: set lora.base_quant: {quant} in the run file (torchao weight-only int8, "
+                          f"pip install -e '.[lowmem]'); the bf16 base does not fit without parameter "
+                          f"offload, which is slower; the exported LoRA applies to the bf16 base")
         if mode is not None:
             m = optim_modes.get_mode(mode)
             reason.append(f"optimizer mode {mode} ({m.optimizer}): {m.caveat}"
@@ -223,19 +269,18 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
         return FitResult(spec, est, "\n".join(reason), options)
     if not grid:
         return FitResult(None, None, "nothing to try: the pinned stage and offload choices contradict each other")
-    return FitResult(None, None, "\n".join(_rejections(rejected) + [_what_would_fit(base, hw, margin, micros[0], fixed,
-                                                                         allow_nvme)]))
+    return FitResult(None, None, _what_would_fit(base, hw, margin, micros[0], fixed, allow_nvme, rejected))
 
 
 def _rejections(rows: list[tuple]) -> list[str]:
     """One line per (offload, mode) group of rejected rows: "ZeRO-0, 1: ..." with each stage's reason, the
     common beginning ("even micro batch 1 with ... does not fit") said once."""
     groups: dict[tuple, list[tuple[int, str]]] = {}
-    for st, oo, op, mode, why in rows:
-        groups.setdefault((oo, op, mode), []).append((st, why))
+    for st, oo, op, mode, quant, why in rows:
+        groups.setdefault((oo, op, mode, quant), []).append((st, why))
     out = []
-    for (oo, op, mode), items in groups.items():
-        label = _label(items[0][0], oo, op) + (f", optimizer mode {mode}" if mode else "")
+    for (oo, op, mode, quant), items in groups.items():
+        label = _row_label(items[0][0], oo, op, mode, quant)
         if len(items) == 1:
             out.append(f"{label}: {items[0][1]}")
             continue
@@ -307,55 +352,212 @@ def _why_choice(spec: RunSpec, est: Estimate, hw: Hardware, margin: float, micro
 
 
 def _what_would_fit(base: RunSpec, hw: Hardware, margin: float, micro: int, fixed: dict | None = None,
-                    allow_nvme: bool = True) -> str:
-    """Nothing fits: say what would (another stage or offload than the pinned one, more GPUs, a lower
-    resolution, a larger host). Suggestions keep the pins and never use NVMe unless it is allowed."""
+                    allow_nvme: bool = True, rejected: list[tuple] | None = None) -> str:
+    """Nothing fits: a few lines, what was closest and what would fit -- the pinned choice alone standing in
+    the way, more GPUs, more host memory, NVMe, a lower resolution, a LoRA instead of a full fine-tune. Each
+    says the flag to change; suggestions keep the pins and never use NVMe unless it is allowed."""
     fixed = fixed or {}
+    budget = f"{hw.gpu_memory_gib * (1 - margin):.1f} GiB GPU budget"
+    if hw.host_memory_gib is not None:
+        budget += f" and {hw.host_memory_gib * (1 - margin):.1f} GiB host budget per node"
+    lines = [f"nothing fits {base.world_size} GPU(s) of {hw.gpu_memory_gib:g} GiB ({budget}, "
+             f"{base.height}x{base.width} px)."]
+    if rejected:  # the last row tried is the leanest (offload, or NVMe when allowed)
+        st, oo, op, mode, quant, why = rejected[-1]
+        lines.append(f"The leanest tried, {_row_label(st, oo, op, mode, quant)}: {why}.")
     tips = []
+
+    def fits(spec, hardware=hw) -> bool:
+        return verdict(estimate(spec), hardware, margin)[0]
+
+    lean = dict(micro_batch=micro, checkpoint_every=1)
     allowed = [(st, oo, op) for st, oo, op in STAGE_OFFLOAD_GRID if allow_nvme or "nvme" not in (oo, op)]
     pinned = [k for k in ("stage", "offload_optimizer", "offload_param") if k in fixed]
     if pinned:  # the pins may be all that stands in the way
         for st, oo, op in allowed:
-            r = base.replace(stage=st, offload_optimizer=oo, offload_param=op, micro_batch=micro,
-                             checkpoint_every=1)
-            if verdict(estimate(r), hw, margin)[0]:
-                tips.append(f"{_label(st, oo, op)} at this resolution (instead of the pinned "
-                            f"{', '.join(f'{k} {fixed[k]}' for k in pinned)})")
+            if _try(base, stage=st, offload_optimizer=oo, offload_param=op, **lean) and fits(
+                    _try(base, stage=st, offload_optimizer=oo, offload_param=op, **lean)):
+                tips.append(f"{_label(st, oo, op)} instead of the pinned "
+                            f"{', '.join(f'{k} {fixed[k]}' for k in pinned)}")
                 break
-    keep_pins = [(st, oo, op) for st, oo, op in allowed if fixed.get("stage", st) == st
-                 and fixed.get("offload_optimizer", oo) == oo and fixed.get("offload_param", op) == op]
-    lean = base.replace(stage=3, micro_batch=micro, checkpoint_every=1, offload_optimizer="none",
-                        offload_param="none")
+    zero3 = _try(base, stage=3, offload_optimizer="none", offload_param="none", base_quant=None, **lean)
     for gpus in (2, 4, 8, 16, 32, 64, 128, 256):
-        if gpus <= base.world_size:
+        if zero3 is None or gpus <= base.world_size:
             continue
         gpn = min(gpus, max(base.gpus_per_node, 8))
-        r = lean.replace(nodes=math.ceil(gpus / gpn), gpus_per_node=gpn)
-        if verdict(estimate(r), dataclasses.replace(hw, nodes=r.nodes, gpus_per_node=gpn), margin)[0]:
-            tips.append(f"{r.world_size} GPUs ({r.nodes} node(s) x {gpn}) with ZeRO-3, micro batch {micro}, "
-                        f"every block checkpointed")
+        r = zero3.replace(nodes=math.ceil(gpus / gpn), gpus_per_node=gpn)
+        if fits(r, dataclasses.replace(hw, nodes=r.nodes, gpus_per_node=gpn)):
+            tips.append(f"more GPUs: {r.world_size} ({r.nodes} node(s) x {gpn}) with ZeRO-3, micro batch {micro}, "
+                        f"every block checkpointed (--world-size {r.world_size}, or --nodes/--gpus-per-node)")
             break
+    full_off = _try(base, stage=3, offload_optimizer="cpu", offload_param="cpu", base_quant=None, **lean)
+    if full_off is not None:
+        e = estimate(full_off)
+        host_short = hw.host_memory_gib is not None and e.host_per_node / GiB > hw.host_memory_gib * (1 - margin)
+        if host_short and e.gpu_total / GiB <= hw.gpu_memory_gib * (1 - margin):
+            need = math.ceil(e.host_per_node / GiB / (1 - margin))
+            tips.append(f"more host memory: ZeRO-3 with CPU offload of parameters and optimizer, given {need} GiB of "
+                        f"host memory per node (--host-memory {need})")
+    nvme = _try(base, stage=3, offload_optimizer="nvme", offload_param="nvme", base_quant=None, **lean)
+    if not allow_nvme and nvme is not None and fits(nvme):
+        tips.append("NVMe: ZeRO-3 with NVMe offload of parameters and optimizer (give a local NVMe folder with "
+                    "--nvme-path)")
+    keep_pins = [(st, oo, op) for st, oo, op in allowed if fixed.get("stage", st) == st
+                 and fixed.get("offload_optimizer", oo) == oo and fixed.get("offload_param", op) == op]
     for px in (1024, 768, 512, 384, 256):
         if px * px >= base.height * base.width:
             continue
-        for st, oo, op in keep_pins:
-            r = base.replace(height=px, width=px, stage=st, offload_optimizer=oo, offload_param=op,
-                             micro_batch=micro, checkpoint_every=1)
-            if verdict(estimate(r), hw, margin)[0]:
-                tips.append(f"{px}x{px} px with {_label(st, oo, op)}")
-                break
-        else:
-            continue
-        break
-    full_off = estimate(base.replace(stage=3, offload_optimizer="cpu", offload_param="cpu", micro_batch=micro,
-                                     checkpoint_every=1))
-    if full_off.gpu_total / GiB <= hw.gpu_memory_gib * (1 - margin):
-        tips.append(f"ZeRO-3 with CPU offload of parameters and optimizer, given "
-                    f"{full_off.host_per_node / GiB / (1 - margin):.0f} GiB of host memory per node")
-    if not allow_nvme:
-        r = base.replace(stage=3, offload_optimizer="nvme", offload_param="nvme", micro_batch=micro,
-                         checkpoint_every=1)
-        if verdict(estimate(r), hw, margin)[0]:
-            tips.append("ZeRO-3 with NVMe offload of parameters and optimizer (give a local NVMe folder with "
-                        "--nvme-path)")
-    return "nothing fits; it would with: " + ("; or ".join(tips) if tips else "a larger GPU")
+        r = next((r for st, oo, op in keep_pins if (r := _try(base, height=px, width=px, stage=st,
+                  offload_optimizer=oo, offload_param=op, **lean)) is not None and fits(r)), None)
+        if r is not None:
+            tips.append(f"a lower resolution: {px}x{px} px with {_label(r.stage, r.offload_optimizer, r.offload_param)}"
+                        f" (--resolution {px})")
+            break
+    if not base.lora_rank:
+        lora = fit(base.replace(lora_rank=16, lora_targets="attention+mlp"), hw, margin, micro_batches=(micro,),
+                   allow_nvme=allow_nvme)
+        if lora.spec is not None:
+            o = lora.options
+            tips.append(f"a LoRA instead of a full fine-tune: rank 16 fits with "
+                        f"{_row_label(o['stage'], o['offload_optimizer'], o['offload_param'], None, o['base_quant'])}"
+                        f", predicted {lora.estimate.gpu_total / GiB:.1f} GiB (--lora-rank 16)")
+    if not tips:
+        return "\n".join(lines + ["It would fit a larger GPU."])
+    return "\n".join(lines + ["It would fit with:"] + [f"  - {t}" for t in tips])
+
+
+def _try(base: RunSpec, **changes) -> RunSpec | None:
+    """base.replace(**changes), or None where that run cannot be (a mode that cannot offload, say)."""
+    try:
+        return base.replace(**changes)
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gen-config --fit: the search over the configs gen-config can write, and what it says
+# ---------------------------------------------------------------------------------------------------------
+# gen-config option -> fit pin: what the user set himself is kept, --fit chooses the rest
+GEN_CONFIG_PINS = {"zero_stage": "stage", "offload_optimizer": "offload_optimizer", "offload_param": "offload_param",
+                   "micro_batch": "micro_batch", "checkpoint_every": "checkpoint_every",
+                   "optimizer_mode": "optimizer_mode"}
+# Host memory that common machines have per GPU: a 24 GB desktop card usually sits in a 64 GB machine, cloud
+# GPU instances give 60-250 GB per GPU. Without --host-memory a choice that needs more says so on its last line.
+COMMON_HOST_GIB_PER_GPU = 64
+BASE_QUANTS = ("auto", "none", "int8")  # --base-quant: auto lets --fit choose int8 for a LoRA when bf16 does not fit
+
+
+@dataclass(frozen=True)
+class FitRequest:
+    """What gen-config --fit is asked: the hardware, and the RunSpec fields of the run (height, width, txt_len,
+    lora_rank, lora_targets: the image size and the LoRA, rank 0 a full fine-tune)."""
+
+    hardware: Hardware
+    run: dict = field(default_factory=dict)
+    margin: float = 0.10
+    max_micro_batch: int = 16
+    base_quant: str = "auto"  # one of BASE_QUANTS
+
+    @property
+    def lora_rank(self) -> int:
+        return self.run.get("lora_rank", 0)
+
+
+@dataclass
+class GenConfigFit:
+    """fit_gen_config's answer: `overrides` (DSOptions fields to write) when something fits, the lines to print
+    (the choice, why, the predicted peak, host memory), and a last-line warning for an unchecked host."""
+
+    result: FitResult
+    overrides: dict
+    lines: list[str]
+    host_warning: str | None = None
+
+
+def gen_config_zero(model: str, stage: int) -> ZeroSettings:
+    """The communication settings `fluxzero gen-config` writes by default for this model and stage."""
+    try:
+        return ZeroSettings.from_ds_config(ds_config.build(ds_config.options_from(None, model=model,
+                                                                                  zero_stage=stage)))
+    except ds_config.DSConfigError:
+        return ZeroSettings()
+
+
+def fit_gen_config(opts, given: dict, req: FitRequest) -> GenConfigFit:
+    """Run --fit over the configs gen-config can write from `opts` (a DSOptions with the user's options
+    applied; `given`: the fields the user gave, pinned). Raises ValueError (one sentence) for a request that
+    cannot be searched; result.spec is None when nothing fits (the lines then say what would)."""
+    hw = req.hardware
+    world = hw.nodes * hw.gpus_per_node
+
+    def row_options(stage, oo, op, mode):
+        """The gen-config options of one fit row: what --fit writes if it chooses that row."""
+        impl = given.get("adam_impl", opts.adam_impl)
+        if "adam_impl" not in given:  # DeepSpeed's CPU Adam only with optimizer offload, never without
+            if oo != "none" and impl == "fused":
+                impl = "cpu"
+            elif oo == "none" and impl == "cpu":
+                impl = "torch"
+        if mode is not None:
+            impl = "torch"  # the mode's client optimizer replaces DeepSpeed's AdamW
+        nvme = "nvme" in (oo, op)
+        return opts.replace(zero_stage=stage, offload_optimizer=oo, offload_param=op, optimizer_mode=mode,
+                            adam_impl=impl, nvme_path=opts.nvme_path if nvme else None)
+
+    def settings_for(stage, oo, op, mode) -> dict:
+        """RunSpec fields of the very config that row writes, read back as `estimate --config` reads it."""
+        try:
+            cfg = ds_config.build(row_options(stage, oo, op, mode))
+        except ds_config.DSConfigError as e:
+            raise ValueError("; ".join(e.problems)) from None
+        fields = run_options_from_ds_config(cfg, world)
+        return {k: v for k, v in fields.items() if k not in ("micro_batch", "checkpoint_every")}
+
+    micros = None
+    if opts.global_batch is not None:
+        micros = tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128)
+                       if m <= req.max_micro_batch and opts.global_batch % (m * world) == 0)
+        if not micros:
+            raise ValueError(f"no micro batch up to {req.max_micro_batch} divides global batch "
+                             f"{opts.global_batch} over {world} GPUs")
+    pins = {GEN_CONFIG_PINS[k]: v for k, v in given.items() if k in GEN_CONFIG_PINS}
+    if req.base_quant != "auto":
+        if req.base_quant != "none" and not req.lora_rank:
+            raise ValueError(f"--base-quant {req.base_quant} quantizes the frozen base of a LoRA: add --lora-rank")
+        pins["base_quant"] = None if req.base_quant == "none" else req.base_quant
+    # a given --adam-impl decides the optimizer offload: DeepSpeed builds FusedAdam only without it and its
+    # CPU Adam only with it; it also rules out the optimizer modes (their client optimizer replaces it)
+    modes = FIT_MODES
+    if given.get("adam_impl") in ("fused", "cpu"):
+        modes = (None,)
+    if given.get("adam_impl") == "fused":
+        pins.setdefault("offload_optimizer", "none")
+    elif given.get("adam_impl") == "cpu" and "offload_optimizer" not in pins:
+        pins["offload_optimizer"] = "nvme" if opts.nvme_path and pins.get("stage") == 3 else "cpu"
+    base = RunSpec(get_model_config(opts.model), precision=opts.precision,
+                   optimizer_impl="torch-fused" if opts.adam_impl == "torch" else "fused", **req.run)
+    result = fit(base, hw, margin=req.margin, max_micro_batch=req.max_micro_batch, micro_batches=micros,
+                 fixed=pins, allow_nvme=opts.nvme_path is not None, modes=modes, settings_for=settings_for)
+    # gen-config often runs off the training nodes, so this machine's memory is no default: without
+    # --host-memory the host is not checked, and the host memory the choice needs is printed beside it
+    host = hw.host_memory_gib
+    notes = [] if host is not None else ["host memory not given: not checked (pass --host-memory with the "
+                                         "training nodes' memory per node)"]
+    if result.spec is None:
+        return GenConfigFit(result, {}, notes + result.reason.split("\n"))
+    need = result.estimate.host_per_node / GiB
+    host_line = f"host memory: the choice needs {need:.1f} GiB per node" + (
+        f" of {host * (1 - req.margin):.1f} GiB budget" if host is not None else " (not checked: pass --host-memory)")
+    warning = None
+    common = COMMON_HOST_GIB_PER_GPU * hw.gpus_per_node
+    if host is None and need > common:
+        warning = (f"warning: this config needs {need:.0f} GiB of host memory per node, more than the {common} GiB "
+                   f"common machines have for {hw.gpus_per_node} GPU(s); pass --host-memory with yours to fit "
+                   f"within it")
+    o = result.options
+    chosen = row_options(o["stage"], o["offload_optimizer"], o["offload_param"], o["optimizer_mode"])
+    out = {theirs: o[ours] for theirs, ours in GEN_CONFIG_PINS.items()}
+    out["adam_impl"] = chosen.adam_impl
+    if o.get("compile") is not None and "compile" not in given:
+        out["compile"] = o["compile"]
+    return GenConfigFit(result, out, notes + result.reason.split("\n") + [host_line], warning)

@@ -13,7 +13,7 @@ import math
 from fluxzero.config import optim_modes
 from fluxzero.config.lora import linear_shapes
 from fluxzero.config.memory.spec import (GiB, OPTIMIZER_STATE_BYTES, PRECISION_BYTES, Item, ParamInventory, RunSpec,
-                                          lora_config, optim_mode, trained_params)
+                                          base_bytes, lora_config, optim_mode, trained_params)
 
 
 # Transient bytes per stepped element of one optimizer step beyond its states, by optimizer mode, on one flat
@@ -53,10 +53,13 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
 
     # --- parameters and gradients in the model's dtype
     what = "LoRA adapters" if lora else "parameters"
+    base = base_bytes(s, inv)
+    base_dtype = s.base_quant or s.precision
     if s.stage < 3:
         if lora:
-            add("frozen base parameters (%s)" % s.precision, b * frozen, note="LoRA: no gradients, no optimizer "
-                "states", ds=True)
+            add("frozen base parameters (%s)" % base_dtype, base, note="LoRA: no gradients, no optimizer states"
+                + ("; linear weights int8 (torchao weight-only) + per-channel scales" if s.base_quant else ""),
+                ds=True)
         add(f"{what} (full, {s.precision})", b * P, note="every rank holds all of them below stage 3", ds=True)
     else:
         where = {"none": "gpu", "cpu": "host", "nvme": "nvme"}[s.offload_param]
@@ -163,26 +166,33 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         add(f"EMA ({s.ema})", per * P, where, note=("1/N, like the master partition" if partitioned and N > 1
                                                     else "whole on every rank") + f", ema.device {s.ema_device}")
 
-    # --- building the model and the engine (fluxzero.train.engine.build_engine): below stage 3 the model is born
-    # in fp32 on the GPU; deepspeed.initialize casts it tensor by tensor, then the ZeRO-1/2 optimizer copies
-    # the parameters into one flat buffer (on the GPU when it has room) and the FP16_Optimizer of stage 0
-    # clones them twice more (flat copy, then its fp32 master).
+    # --- building the model and the engine (fluxzero.train.engine.build_engine). The model is born in its
+    # training dtype: under a bf16 config directly in bf16 on the GPU (or on the meta device, then loaded), so no
+    # fp32 copy of a weight it does not train ever exists; a quantized base is quantized layer by layer as its
+    # weights load (one layer in bf16 at a time). What deepspeed.initialize adds on top: below stage 3 the
+    # ZeRO-1/2 optimizer copies the trained parameters into one flat buffer (both alive while it copies; 0.19.8
+    # goes through the host only when the device's free memory is short, which a per-process memory cap such as
+    # torch.cuda.set_per_process_memory_fraction does not change, so a capped run sees this peak); the
+    # FP16_Optimizer of stage 0 makes that flat copy and its fp32 master clone of it. Stage 3 builds the model
+    # partitioned (zero.Init): nothing whole, no init peak.
+    model_bytes = base + b * P
+    one_layer = b * inv.largest_layer if s.base_quant else 0
     if optim_modes.trainer_casts_to_bf16(s.optimizer_mode, s.stage):
-        add("building the engine", 4 * total + b * inv.largest_layer, phase="init",
-            note="fp32 model, cast to bf16 by the trainer tensor by tensor (no master copy)")
+        add("building the engine", model_bytes + one_layer, phase="init",
+            note="bf16 model, stepped by the client optimizer itself (no master copy)")
     elif s.stage == 0 and b < 4 and s.optimizer_impl != "fused" or (s.stage == 0 and mode is not None):
         # torch AdamW is not a DeepSpeed FusedAdam: the engine wraps it in FP16_UnfusedOptimizer, whose
         # initialize_optimizer_states gives every tensor a zero bf16 and fp32 grad and runs one step (which
         # creates the states) before it frees the grads: the same 20 B/param as the steady-state step
         temp = 4 * P if s.optimizer_impl == "torch" and mode is None else 0
-        add("building the engine", (b + 4 + b + 4 + opt) * P + b * frozen + temp, phase="init",
+        add("building the engine", (b + 4 + b + 4 + opt) * P + base + temp + one_layer, phase="init",
             note="params, fp32 master clones, zero bf16 + fp32 grads, optimizer states (FP16_UnfusedOptimizer)")
     elif s.stage == 0:
-        add("building the engine", (8 if b < 4 else 4) * P + 4 * frozen, phase="init",
-            note="fp32 model, bf16 cast, flat copy and fp32 master (FP16_Optimizer)")
+        add("building the engine", model_bytes + (b + 4 if b < 4 else 0) * P + one_layer, phase="init",
+            note=f"{s.precision} model" + (", flat copy and fp32 master (FP16_Optimizer)" if b < 4 else ""))
     elif s.stage < 3:
-        add("building the engine", max(4 * total + b * inv.largest_layer, b * total + b * P), phase="init",
-            note="fp32 model cast to %s, then flattened (stage_1_and_2 __init__)" % s.precision)
+        add("building the engine", model_bytes + b * P + one_layer, phase="init",
+            note=f"{s.precision} model, trained parameters flattened (stage_1_and_2 __init__)")
 
     # --- host copy of the model while loading (each local rank, before deepspeed.initialize)
     zero_init = s.stage == 3 and s.zero_init
@@ -219,7 +229,7 @@ def communication_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     items: list[Item] = []
     overlap = z.overlap_comm if z.overlap_comm is not None else s.stage == 3
     if s.stage == 0:
-        items.append(Item("allreduce bucket", b * min(z.reduce_bucket_size, inv.total), "gpu", "train",
+        items.append(Item("allreduce bucket", b * min(z.reduce_bucket_size, trained_params(s, inv)), "gpu", "train",
                           "engine.buffered_allreduce_fallback flattens one bucket"))
     elif s.stage in (1, 2):
         n = 2 if overlap else 1

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from fluxzero.config import ds_view, optim_modes
-from fluxzero.config.lora import LoraConfig, lora_param_count
+from fluxzero.config.lora import LoraConfig, linear_shapes, lora_param_count
 from fluxzero.config.models import ModelConfig, get_model_config
 
 GiB = 1024**3
@@ -23,6 +23,12 @@ FRAGMENTATION = {0: 0.19, 1: 0.33, 2: 0.33, 3: 0.8}
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 OPTIMIZER_IMPLS = ("fused", "torch", "torch-fused")
+# A quantized frozen LoRA base (the run file's lora.base_quant, weight-only through torchao): bytes per weight
+# element of every nn.Linear of the base, and per output channel its scale (bf16, 2 B) and zero point (torchao's
+# Int8WeightOnlyConfig keeps an int64 one, 8 B: an upper bound for symmetric quantization). Biases, norm scales
+# and the adapters stay in the training dtype.
+BASE_QUANT_BYTES = {"int8": 1}
+BASE_QUANT_CHANNEL_BYTES = 10
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -201,6 +207,7 @@ class RunSpec:
     lora_dropout: float = 0.0
     ema: str | None = None  # None: no EMA; "fp32" | "bf16": EMA of the trained weights (fluxzero.config.ema)
     ema_device: str = "gpu"  # "gpu" | "cpu" (ema.device)
+    base_quant: str | None = None  # None: the frozen LoRA base in the training dtype; "int8": BASE_QUANT_BYTES
 
     def __post_init__(self):
         if isinstance(self.model, str):
@@ -245,6 +252,15 @@ class RunSpec:
             if isinstance(self.lora_targets, list):
                 object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
             lora_config(self)  # validates rank and targets (ValueError naming the field)
+        if self.base_quant is not None:
+            if self.base_quant not in BASE_QUANT_BYTES:
+                raise ValueError(f"base_quant must be one of {', '.join(BASE_QUANT_BYTES)} or None, got "
+                                 f"{self.base_quant!r}")
+            if not self.lora_rank:
+                raise ValueError("a quantized base (base_quant) is frozen: it needs a LoRA (lora_rank > 0)")
+            if self.stage == 3:  # ZeRO-3 would partition and gather torchao's tensor subclasses: not supported
+                raise ValueError("a quantized base (base_quant) needs ZeRO stage 0, 1 or 2 (stage 3 partitions "
+                                 "the base in the training dtype)")
         if self.ema not in (None, "fp32", "bf16"):
             raise ValueError(f"ema must be fp32, bf16 or None, got {self.ema!r}")
         if self.ema_device not in ("gpu", "cpu"):
@@ -288,6 +304,19 @@ def lora_config(s: RunSpec) -> LoraConfig | None:
         return None
     targets = s.lora_targets if isinstance(s.lora_targets, str) else list(s.lora_targets)
     return LoraConfig(rank=s.lora_rank, targets=targets, dropout=s.lora_dropout)
+
+
+def base_bytes(s: RunSpec, inv: ParamInventory | None = None) -> int:
+    """Bytes of the frozen LoRA base (0 for a full fine-tune): the training dtype, or with base_quant every
+    linear's weight at BASE_QUANT_BYTES plus its per-channel scale and zero point."""
+    inv = inv or param_inventory(s.model)
+    frozen = inv.total - trained_params(s, inv)
+    b = PRECISION_BYTES[s.precision]
+    if s.base_quant is None or not frozen:
+        return b * frozen
+    shapes = linear_shapes(s.model).values()
+    weights, channels = sum(i * o for i, o in shapes), sum(o for _, o in shapes)
+    return BASE_QUANT_BYTES[s.base_quant] * weights + BASE_QUANT_CHANNEL_BYTES * channels + b * (frozen - weights)
 
 
 def trained_params(s: RunSpec, inv: ParamInventory | None = None) -> int:

@@ -1,0 +1,189 @@
+"""`gen-config --fit` and `estimate` for a LoRA and for the GPUs users own (24 GB, 16 GB, 48 GB, 80 GB): the model
+born in its training dtype (no fp32 build peak), a quantized frozen base as an option, the LoRA's lr defaults, a
+short "nothing fits", the host memory said on the last line, the next command. Pure Python; CliRunner."""
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from fluxzero.cli import main
+from fluxzero.config import ds_config, get_model_config, memory
+from fluxzero.config.memory import GiB, RunSpec, estimate
+from tests.pure_python import run_without_torch
+
+DEV = get_model_config("flux-dev")
+
+
+def gen(*args):
+    r = CliRunner().invoke(main, ["gen-config", *args])
+    return r, (json.loads(r.stdout) if r.exit_code == 0 and r.stdout.startswith("{") else None)
+
+
+def predicted(stderr: str) -> tuple[float, float]:
+    """(allocated, needed) GiB of the `chose ...` line."""
+    m = re.search(r"predicted ([\d.]+) GiB allocated, ([\d.]+) GiB with allocator slack", stderr)
+    return float(m.group(1)), float(m.group(2))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The memory model: no fp32 build peak, a quantized base
+# ---------------------------------------------------------------------------------------------------------
+def test_lora_engine_start_holds_no_fp32_model():
+    """The model is born in bf16: building a ZeRO-2 LoRA engine holds the bf16 model and the flat adapters,
+    not the 44.5 GiB fp32 model (issue 23 item 1)."""
+    r = CliRunner().invoke(main, ["estimate", "--gpu", "rtx4090", "--lora-rank", "16", "--zero-stage", "2", "--json"])
+    d = json.loads(r.stdout)
+    init = next(i for i in d["items"] if i["name"] == "building the engine")
+    base = next(i for i in d["items"] if i["name"] == "frozen base parameters (bf16)")
+    assert init["gib"] < base["gib"] + 0.5 and d["peak_phase"] == "train"
+    for stage in (0, 1, 2):
+        e = estimate(RunSpec(DEV, stage=stage, lora_rank=16))
+        assert e.gpu_phase("init") < 23 * GiB
+
+
+def test_int8_base_is_a_byte_per_weight_plus_scales():
+    bf16 = estimate(RunSpec(DEV, stage=2, lora_rank=16))
+    int8 = estimate(RunSpec(DEV, stage=2, lora_rank=16, base_quant="int8"))
+    base = {i.name: i.bytes for i in int8.items}["frozen base parameters (int8)"]
+    assert 0.49 < base / {i.name: i.bytes for i in bf16.items}["frozen base parameters (bf16)"] < 0.51
+    assert int8.gpu_total < bf16.gpu_total - 9 * GiB
+    # each dequantized weight is saved for backward: without checkpointing every block's bf16 weights are alive
+    plain = {i.name: i.bytes for i in estimate(RunSpec(DEV, stage=2, lora_rank=16, checkpoint_every=0)).items}
+    q = {i.name: i.bytes for i in estimate(RunSpec(DEV, stage=2, lora_rank=16, checkpoint_every=0,
+                                                   base_quant="int8")).items}
+    linear_weights = sum(i * o for n, (i, o) in memory.spec.linear_shapes(DEV).items() if "_blocks." in n)
+    assert q["activations saved for backward"] - plain["activations saved for backward"] == 2 * linear_weights
+
+
+@pytest.mark.parametrize("args,word", [
+    (["--base-quant", "int8"], "needs a LoRA"),
+    (["--base-quant", "int8", "--lora-rank", "16", "--zero-stage", "3"], "stage 0, 1 or 2"),
+])
+def test_estimate_base_quant_refusals(args, word):
+    r = CliRunner().invoke(main, ["estimate", *args])
+    assert r.exit_code == 2 and word in r.output and "Traceback" not in r.output
+
+
+def test_estimate_says_what_fits_instead_and_the_next_command():
+    r = CliRunner().invoke(main, ["estimate", "--gpu", "rtx4090", "--lora-rank", "16", "--zero-stage", "2"])
+    assert r.exit_code == 0 and "DOES NOT FIT" in r.output
+    assert "What fits instead: ZeRO-0 without offload, int8 base" in r.output
+    assert "next: fluxzero gen-config --fit --gpu rtx4090 --world-size 1 --lora-rank 16 -o ds.json" in r.output
+    r = CliRunner().invoke(main, ["estimate", "--gpu", "h100", "--lora-rank", "16", "--zero-stage", "2", "--json"])
+    d = json.loads(r.stdout)
+    assert d["fits"] and d["instead"] is None and d["next"].startswith("fluxzero gen-config --world-size 1 "
+                                                                         "--lora-rank 16 --zero-stage 2")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gen-config --lora-rank: the LoRA's lr, --fit's choices on the GPUs of issue 23
+# ---------------------------------------------------------------------------------------------------------
+def test_lora_lr_and_warmup_defaults():
+    _, full = gen()
+    _, lora = gen("--lora-rank", "16")
+    assert full["optimizer"]["params"]["lr"] == 1e-5 and full["scheduler"]["params"]["warmup_num_steps"] == 98
+    assert lora["optimizer"]["params"]["lr"] == ds_config.LORA_DEFAULTS["lr"] == 1e-4
+    assert lora["scheduler"]["params"]["warmup_num_steps"] == ds_config.LORA_DEFAULTS["warmup_steps"] - 2
+    _, given = gen("--lora-rank", "16", "--lr", "3e-4", "--warmup-steps", "50")
+    assert given["optimizer"]["params"]["lr"] == 3e-4 and given["scheduler"]["params"]["warmup_num_steps"] == 48
+    r, _ = gen("--lora-rank", "16", "--lora-targets", "attn")
+    assert r.exit_code == 2 and "not a preset" in r.output
+
+
+# GPU, resolution -> what --fit writes for a rank-16 LoRA on one GPU (issue 23's cases; the peaks are printed)
+LORA_CASES = {
+    ("rtx4090", "512"): {"stage": 0, "quant": "int8", "offload_param": None},
+    ("rtx4090", "1024"): {"stage": 0, "quant": "int8", "offload_param": None},
+    ("rtx4080", "512"): {"stage": 3, "quant": None, "offload_param": "cpu"},
+    ("h100", "512"): {"stage": 0, "quant": None, "offload_param": None},
+}
+
+
+@pytest.mark.parametrize("gpu,res", LORA_CASES)
+def test_fit_lora_on_one_gpu(tmp_path, gpu, res):
+    want = LORA_CASES[gpu, res]
+    out = tmp_path / "ds.json"
+    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "1", "--gpu", gpu, "--host-memory", "64",
+                                  "--lora-rank", "16", "--resolution", res, "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads(out.read_text())
+    z = cfg["zero_optimization"]
+    assert z["stage"] == want["stage"] and z.get("offload_param", {}).get("device") == want["offload_param"]
+    assert "offload_optimizer" not in z  # a LoRA's optimizer states are too small to be worth offloading
+    assert cfg["optimizer"]["params"]["lr"] == 1e-4
+    # compiled below ZeRO-3 (the trainer refuses compile with a LoRA under ZeRO-3)
+    assert cfg["fluxzero"].get("compile", {}).get("blocks", False) is (want["stage"] < 3)
+    lora_line = "lora: {rank: 16, targets: attention+mlp" + (", base_quant: int8}" if want["quant"] else "}")
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == f"next: in run.yaml set deepspeed: {out}; {lora_line}; then deepspeed --num_gpus 1 " \
+                   "launch/train.py --config run.yaml"
+    # the printed peak is the estimate of the file written, as `estimate --config` reads it
+    alloc, need = predicted(r.stderr)
+    e = CliRunner().invoke(main, ["estimate", "--config", str(out), "--lora-rank", "16", "--resolution", res,
+                                  "--base-quant", want["quant"] or "none", "--gpu", gpu, "--json"])
+    d = json.loads(e.stdout)
+    assert d["fits"] and (round(d["gpu_allocated_gib"], 1), round(d["gpu_needed_gib"], 1)) == (alloc, need)
+
+
+def test_fit_lora_pins_and_refusals():
+    r, cfg = gen("--fit", "--world-size", "1", "--gpu", "rtx4090", "--lora-rank", "16", "--base-quant", "none")
+    assert r.exit_code == 0, r.output
+    assert cfg["zero_optimization"]["offload_param"]["device"] == "cpu" and "int8" not in r.stderr
+    r, cfg = gen("--fit", "--world-size", "1", "--gpu", "h100", "--lora-rank", "16", "--base-quant", "int8",
+                 "--no-compile")
+    assert r.exit_code == 0 and "base_quant: int8" in r.stderr and cfg["fluxzero"].get("compile") == {"blocks": False}
+    r, _ = gen("--fit", "--world-size", "1", "--gpu", "h100", "--base-quant", "int8")
+    assert r.exit_code == 2 and "add --lora-rank" in r.output
+
+
+def test_fit_policy_is_the_memory_model_s():
+    """commands/ parse and print; the search over gen-config's own configs is memory.fit_gen_config."""
+    req = memory.FitRequest(memory.Hardware(23.6, 64), {"lora_rank": 16})
+    plan = memory.fit_gen_config(ds_config.options_from(None, lora=True, world_size=1), {}, req)
+    assert plan.overrides["zero_stage"] == 0 and plan.result.options["base_quant"] == "int8"
+    assert plan.overrides["compile"] is True and plan.host_warning is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Full fine-tune: nothing fits in a few lines; an unchecked host said on the last line
+# ---------------------------------------------------------------------------------------------------------
+def test_nothing_fits_is_a_few_lines_of_what_would():
+    r, _ = gen("--fit", "--world-size", "1", "--gpu", "rtx4090", "--host-memory", "128")
+    assert r.exit_code == 2
+    message = r.output[r.output.index("Error:"):]
+    assert len(message.splitlines()) <= 8 and len(message) < 1200, message
+    for tip in ("more GPUs: 16", "more host memory: ZeRO-3 with CPU offload of parameters and optimizer, given 249 "
+                "GiB", "--host-memory 249", "NVMe:", "--nvme-path", "a LoRA instead of a full fine-tune",
+                "--lora-rank 16"):
+        assert tip in message
+    assert "host needs 223.7 GiB per node > 115.2 GiB budget" in message
+
+
+def test_an_unchecked_host_beyond_common_machines_is_the_last_line(tmp_path):
+    r, cfg = gen("--fit", "--world-size", "1", "--gpu", "rtx4090", "-o", str(tmp_path / "ds.json"))
+    assert r.exit_code == 0, r.output
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("warning: this config needs 224 GiB of host memory per node") and "--host-memory" in last
+    r, _ = gen("--fit", "--world-size", "1", "--gpu", "rtx4090", "--lora-rank", "16")
+    assert "warning" not in r.stderr  # 44 GiB: within a common machine
+    r = CliRunner().invoke(main, ["estimate", "--gpu", "rtx4090"])
+    assert r.output.strip().splitlines()[-1].startswith("warning: it needs 224 GiB of host memory per node")
+
+
+def test_fit_full_fine_tune_on_80_and_48_gb():
+    r, cfg = gen("--fit", "--world-size", "1", "--gpu", "h100", "--host-memory", "120")
+    assert r.exit_code == 0, r.output
+    assert (cfg["zero_optimization"]["stage"], cfg["fluxzero"]["optimizer_mode"]) == (0, "adafactor-sr")
+    assert predicted(r.stderr) == (60.0, 68.1)
+    r, _ = gen("--fit", "--world-size", "1", "--gpu", "a6000", "--host-memory", "120")
+    assert r.exit_code == 2 and "a LoRA instead of a full fine-tune: rank 16 fits with ZeRO-0" in r.output
+
+
+def test_gen_config_fit_lora_runs_without_torch_or_deepspeed():
+    r = run_without_torch("""
+        from fluxzero.cli import main
+        main(['gen-config', '--fit', '--world-size', '1', '--gpu', 'rtx4090', '--lora-rank', '16'])
+    """)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["optimizer"]["params"]["lr"] == 1e-4 and "int8 base" in r.stderr
