@@ -94,14 +94,11 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
 def _setup_extras(run: Run, cfg: TrainConfig, model_cfg, tag: str | None, rank: int, world: int, device) -> None:
     """EMA (restored from the checkpoint's shard when it has one), validation set, sample previews."""
     if cfg.ema is not None:
-        from fluxzero.train.ema import ShardedEMA, load_shard, shard_name
+        from fluxzero.train.ema import ShardedEMA
 
         run.ema = ShardedEMA(run.engine, cfg.ema, seed=cfg.seed)
-        shard = run.ckpt_dir / tag / shard_name(rank) if tag else None
-        if shard is not None and shard.is_file():
-            run.ema.load_state_dict(load_shard(shard))
-        elif tag and rank == 0:
-            write_line(f"note: {run.ckpt_dir / tag} holds no EMA; the EMA starts from the resumed weights")
+        if tag:
+            _resume_ema(run, tag, rank, world)
     if cfg.validation_data:
         from fluxzero.train.evaluate import Validation
 
@@ -115,6 +112,31 @@ def _setup_extras(run: Run, cfg: TrainConfig, model_cfg, tag: str | None, rank: 
         except ImportError as e:
             raise TrainingError(f"sample_every needs the sampling packages ({e.name} is missing): "
                                 f"pip install -e '.[cache]'") from None
+
+
+def _resume_ema(run: Run, tag: str, rank: int, world: int) -> None:
+    """Restore this rank's EMA shard, checked (step, rank, world size, checksum) on every rank before any is
+    loaded; a checkpoint of a run that had an EMA never resumes with another one without a word."""
+    from fluxzero.train import checkpoint
+    from fluxzero.train.ema import ShardError, read_shard, shard_name
+
+    tag_dir = run.ckpt_dir / tag
+    had = checkpoint.saved_run(tag_dir).get("ema") or any(tag_dir.glob("ema_rank_*.safetensors"))
+    problem, note, sd = None, None, None
+    if had:
+        advice = (f"restore it, remove the ema: section to continue without the EMA, or "
+                  f"{checkpoint.resume_advice(run.ckpt_dir, tag)}")
+        try:
+            sd, note = read_shard(tag_dir / shard_name(rank), rank=rank, world=world, step=run.done, advice=advice)
+            run.ema.load_state_dict(sd)
+        except ShardError as e:
+            problem = str(e)
+        except ValueError:  # the layout: another partitioning (ZeRO stage, model or LoRA targets)
+            problem = (f"EMA shard {tag_dir / shard_name(rank)} was saved with another partitioning of the trained "
+                       f"parameters than this run's; {advice}")
+    distributed.all_ranks_ok(problem)
+    if rank == 0 and (note or not had):
+        write_line(note or f"note: {tag_dir} holds no EMA; the EMA starts from the resumed weights")
 
 
 def _after_step(run: Run, cfg: TrainConfig, step: int, metrics) -> dict:
@@ -262,14 +284,12 @@ def _disk_full(cfg: TrainConfig, run: Run, e: Exception) -> str:
 
 
 def _ema_files(run: Run, rank: int) -> dict[str, bytes]:
-    """This rank's EMA shard for the checkpoint folder (tensors only: safetensors)."""
+    """This rank's EMA shard for the checkpoint folder (tensors only: safetensors, with its step and checksum)."""
     if run.ema is None:
         return {}
-    from safetensors.torch import save
+    from fluxzero.train.ema import shard_file, shard_name
 
-    from fluxzero.train.ema import shard_name
-
-    return {shard_name(rank): save({k: v.contiguous() for k, v in run.ema.state_dict().items()})}
+    return {shard_name(rank): shard_file(run.ema, run.done)}
 
 
 # ---------------------------------------------------------------------------------------------------------

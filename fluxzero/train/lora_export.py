@@ -101,11 +101,10 @@ def export_lora(path: str | Path, out: str | Path, layout: str = "bfl", dtype: s
                 base: str | None = None, weights: str = "live") -> str:
     """A LoRA checkpoint (output_dir, checkpoints/ or one tag folder) -> LoRA file, or merged full weights.
     weights "ema": the EMA of the adapters the run kept instead of the trained ones."""
-    from fluxzero.train.export import consolidated_state_dict, ema_state_dict
+    from fluxzero.train.export import consolidated_state_dict
 
-    sd, tag_dir = consolidated_state_dict(path)
-    if weights == "ema":  # the EMA shards hold the trainable parameters: the adapters, under the same names
-        sd = {**sd, **ema_state_dict(tag_dir)}
+    # weights "ema": the EMA shards hold the trainable parameters, the adapters, under the same names
+    sd, tag_dir = consolidated_state_dict(path, weights)
     if not is_lora_state_dict(sd):
         if merge:
             raise TrainingError(f"checkpoint {tag_dir} is a full fine-tune, not a LoRA: there is nothing to merge; "
