@@ -146,7 +146,14 @@ def _after_step(run: Run, cfg: TrainConfig, step: int, metrics) -> dict:
         run.ema.update(step)
     if run.validation is not None and ((cfg.validation_every and step % cfg.validation_every == 0)
                                        or step == run.total):
-        extra["val_loss"] = run.validation(run.engine)
+        from fluxzero.train.evaluate import ValidationFailed
+
+        try:
+            extra["val_loss"] = run.validation(run.engine)
+        except ValidationFailed as e:  # the training is sound: keep it before stopping
+            _save(run, cfg, dist.get_rank())
+            raise TrainingError(f"{e} (training was saved first: {run.last_ckpt} holds step {step}, so the same "
+                                f"command resumes from it once the data is fixed)") from None
     if run.previews is not None and (step % cfg.sample_every == 0 or step == run.total):
         swap = run.ema.swap() if cfg.sample_weights == "ema" else contextlib.nullcontext()
         with swap:
