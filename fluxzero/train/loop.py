@@ -13,10 +13,12 @@ import contextlib
 import itertools
 import math
 import os
+import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -64,6 +66,10 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     # the trainer owns its process: torch's SDPA flags match the model's backend, so attention calls SDPA
     # directly instead of entering sdpa_kernel ~60 times a forward (the model is right either way)
     set_process_sdpa_flags(cfg.attention)
+    # nothing in training draws from python's or numpy's generators, but each checkpoint saves their states: seeded,
+    # a resumed run saves the same trainer-state bytes as an uninterrupted one (unseeded, each process starts apart)
+    random.seed(cfg.seed * 1_000_003 + rank)
+    np.random.seed((cfg.seed * 1_000_003 + rank) % 2**32)
     model_cfg = resolve_model(cfg.model)
     loader = build_dataloader(cfg.data, micro_batch=v.micro_batch, rank=rank, world_size=world, seed=cfg.seed,
                               num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
