@@ -596,22 +596,27 @@ EXPORT_CASES = [  # (name, damage ops relative to the copied output_dir, extra f
 @pytest.mark.slow
 @pytest.mark.parametrize("name, ops, flags, words", EXPORT_CASES)
 def test_export_refuses_a_damaged_checkpoint(inputs, trained, tmp_path, name, ops, flags, words):
-    from fluxzero.cli import main
-
     results, _ = trained
     assert results["base"][0] == 0
     run = tmp_path / "run"
     shutil.copytree(inputs.parent / "outs" / "base", run, ignore=shutil.ignore_patterns("export*"))
     for op, rel, arg in ops:
         damage(op, str(run / rel), str(tmp_path / arg) if op == "pickle" else arg)
+    export_refused(run, tmp_path / "out.safetensors", flags, words, tmp_path / "PWNED")
+
+
+def export_refused(run: Path, out: Path, flags: list, words: str, marker: Path) -> None:
+    """`fluxzero export RUN OUT FLAGS` meets the bar, names `words`, writes no OUT and never creates `marker`."""
+    from fluxzero.cli import main
+
     before = tree_hash(run)
-    r = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "out.safetensors"), *flags])
+    r = CliRunner().invoke(main, ["export", str(run), str(out), *flags])
     text = r.output + (f"\nTraceback (raised): {r.exc_info[1]!r}" if r.exception and not isinstance(
         r.exception, SystemExit) else "")
-    assert not (tmp_path / "PWNED").exists(), "a checkpoint's pickle ran code"
+    assert not marker.exists(), "a checkpoint's pickle ran code"
     problem = _meets_bar(r.exit_code, text, tree_hash(run) == before)
     assert problem is None, problem
-    assert words in text and not (tmp_path / "out.safetensors").exists(), text
+    assert words in text and not out.exists(), text
 
 
 # ---------------------------------------------------------------------------------------------------------

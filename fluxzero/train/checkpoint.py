@@ -519,9 +519,7 @@ def stray_files_problem(tag_dir: Path, expected, universal: bool = False, advice
     """
     tag_dir = Path(tag_dir)
     if universal:
-        skip = set(FLUXZERO_FILES) | {READ_LOCK}
-        for f in sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name not in skip
-                        and not p.name.endswith(".safetensors")):
+        for f in sorted(p for p in tag_dir.rglob("*") if p.is_file() and _loadable(p)):
             if problem := _file_problem(f, crc=False):
                 return f"checkpoint {tag_dir} is incomplete or corrupt ({problem}); {advice}"
         return None
@@ -535,7 +533,17 @@ def stray_files_problem(tag_dir: Path, expected, universal: bool = False, advice
     more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
     return (f"checkpoint {tag_dir} holds {stray[0]}{more}, which no fluxzero save of this run writes (DeepSpeed's "
             f"loader picks its files by name pattern and would unpickle it), so nothing in it is loaded; "
-            f"remove it if you know what it is, or {advice or 'use another checkpoint'}")
+            f"remove it if you know what it is, otherwise {advice or 'use another checkpoint'}")
+
+
+def _loadable(path: Path) -> bool:
+    """Whether torch.load could be handed `path`: a .pt name, or a zip archive or pickle by its first bytes."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return True  # unreadable: the scan says so
+    return path.suffix == ".pt" or head == b"PK\x03\x04" or head[:1] == b"\x80"
 
 
 def _step_folders(ckpt_dir: Path) -> list[str]:

@@ -130,7 +130,7 @@ def _resume_ema(run: Run, tag: str, rank: int, world: int) -> None:
     had = checkpoint.saved_run(tag_dir).get("ema") or any(tag_dir.glob("ema_rank_*.safetensors"))
     problem, note, sd = None, None, None
     if had:
-        advice = (f"restore it, remove the ema: section to continue without the EMA, or "
+        advice = (f"restore it or remove the ema: section to continue without the EMA, otherwise "
                   f"{checkpoint.resume_advice(run.ckpt_dir, tag)}")
         try:
             sd, note = read_shard(tag_dir / shard_name(rank), rank=rank, world=world, step=run.done, advice=advice)

@@ -22,7 +22,7 @@ import yaml
 from click.testing import CliRunner
 
 from tests.helpers import ROOT, popen_ranks, tiny_ds
-from tests.test_bad_inputs import _meets_bar, damage, tree_hash, two_rank_cases
+from tests.test_bad_inputs import _meets_bar, damage, export_refused, tree_hash, two_rank_cases
 
 DATA = "synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32"
 RUNS = {  # name: (ZeRO stage, extra run-file keys): a full fine-tune at ZeRO-2, LoRA + EMA at ZeRO-3
@@ -133,18 +133,9 @@ def test_resume_refuses_a_planted_file_and_every_ema_shard_fault(trained, tmp_pa
 @pytest.mark.slow
 @pytest.mark.parametrize("name, run, ops, words", CASES)
 def test_export_refuses_a_planted_file_and_every_ema_shard_fault(trained, tmp_path, name, run, ops, words):
-    from fluxzero.cli import main
-
     out = _prepare(trained, tmp_path, name, run, ops)
-    before = tree_hash(out)
     flags = ["--weights", "ema"] if name.startswith("ema_") else []
-    r = CliRunner().invoke(main, ["export", str(out), str(tmp_path / "x.safetensors"), *flags])
-    text = r.output + (f"\nTraceback (raised): {r.exc_info[1]!r}" if r.exception and not isinstance(
-        r.exception, SystemExit) else "")
-    assert not (tmp_path / "PWNED").exists(), "a planted pickle ran code"
-    problem = _meets_bar(r.exit_code, text, tree_hash(out) == before)
-    assert problem is None, problem
-    assert words in text and not (tmp_path / "x.safetensors").exists(), text
+    export_refused(out, tmp_path / "x.safetensors", flags, words, tmp_path / "PWNED")
 
 
 @pytest.mark.slow
@@ -229,3 +220,20 @@ def test_a_reader_waiting_on_a_pruning_learns_the_folder_is_gone(tmp_path):
         with checkpoint.reading(tmp_path, "step_00000001"):
             pass
     assert holder.wait(timeout=30) == 0
+
+
+def test_a_universal_checkpoint_has_every_torch_file_in_its_tree_scanned(tmp_path):
+    """load_universal: DeepSpeed reads its own tree (zero/<param>/fp32.pt, ...), so the names are not a closed set;
+    every file torch.load could be handed, at any depth and under any name, must pass the pickle scan."""
+    import torch
+
+    from fluxzero.train.checkpoint import stray_files_problem
+
+    (tmp_path / "zero" / "w").mkdir(parents=True)
+    torch.save({"fp32": torch.zeros(2)}, tmp_path / "zero" / "w" / "fp32.pt")
+    (tmp_path / "notes.json").write_text("{}")
+    assert stray_files_problem(tmp_path, [], universal=True, advice="fix it") is None
+    _payload(tmp_path / "zero" / "w" / "state", tmp_path / "PWNED")  # no .pt suffix: found by its zip header
+    problem = stray_files_problem(tmp_path, [], universal=True, advice="fix it")
+    assert problem.startswith(f"checkpoint {tmp_path} is incomplete or corrupt (state holds Python code references")
+    assert problem.endswith("; fix it") and not (tmp_path / "PWNED").exists()
