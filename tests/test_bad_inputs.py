@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -560,6 +559,10 @@ def _train_cases(d: Path, outs: Path):
         ck_case("ck_optim_truncated", [["truncate", f"{tag}/zero_pp_rank_0_mp_rank_00_optim_states.pt", 5000]],
                 "incomplete or corrupt"),
         ck_case("ck_other_seed", [], "seed", "seed=7"),
+        # beside the intact files, a name DeepSpeed's glob (mp_rank_*_model_states.pt) picks first
+        ck_case("ck_planted_model_states", [["pickle", f"{tag}/mp_rank_00-a_model_states.pt", str(d / "PWNED")]],
+                "mp_rank_00-a_model_states.pt, which no fluxzero save of this run writes"),
+        ck_case("ck_stray_file", [["write", f"{tag}/notes.txt", "mine"]], "notes.txt"),
     ]
     return cases
 
@@ -617,6 +620,8 @@ EXPORT_CASES = [  # (name, damage ops relative to the copied output_dir, extra f
     ("export_pickle_payload", [["pickle", "checkpoints/step_00000002/mp_rank_00_model_states.pt", "PWNED"]], [],
      "posix.system"),
     ("export_ema_without_ema", [], ["--weights", "ema"], "EMA"),
+    ("export_planted_model_states", [["pickle", "checkpoints/step_00000002/mp_rank_00-a_model_states.pt", "PWNED"]],
+     [], "mp_rank_00-a_model_states.pt, which no fluxzero save of this run writes"),
     ("export_merge_full_run", [], ["--merge"], "LoRA"),
 ]
 
@@ -624,22 +629,27 @@ EXPORT_CASES = [  # (name, damage ops relative to the copied output_dir, extra f
 @pytest.mark.slow
 @pytest.mark.parametrize("name, ops, flags, words", EXPORT_CASES)
 def test_export_refuses_a_damaged_checkpoint(inputs, trained, tmp_path, name, ops, flags, words):
-    from fluxzero.cli import main
-
     results, _ = trained
     assert results["base"][0] == 0
     run = tmp_path / "run"
     shutil.copytree(inputs.parent / "outs" / "base", run, ignore=shutil.ignore_patterns("export*"))
     for op, rel, arg in ops:
         damage(op, str(run / rel), str(tmp_path / arg) if op == "pickle" else arg)
+    export_refused(run, tmp_path / "out.safetensors", flags, words, tmp_path / "PWNED")
+
+
+def export_refused(run: Path, out: Path, flags: list, words: str, marker: Path) -> None:
+    """`fluxzero export RUN OUT FLAGS` meets the bar, names `words`, writes no OUT and never creates `marker`."""
+    from fluxzero.cli import main
+
     before = tree_hash(run)
-    r = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "out.safetensors"), *flags])
+    r = CliRunner().invoke(main, ["export", str(run), str(out), *flags])
     text = r.output + (f"\nTraceback (raised): {r.exc_info[1]!r}" if r.exception and not isinstance(
         r.exception, SystemExit) else "")
-    assert not (tmp_path / "PWNED").exists(), "a checkpoint's pickle ran code"
+    assert not marker.exists(), "a checkpoint's pickle ran code"
     problem = _meets_bar(r.exit_code, text, tree_hash(run) == before)
     assert problem is None, problem
-    assert words in text and not (tmp_path / "out.safetensors").exists(), text
+    assert words in text and not out.exists(), text
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -660,6 +670,25 @@ TWO = textwrap.dedent("""
 """)
 
 
+def two_rank_cases(todo: list, work: Path, timeout: float = 300) -> tuple[dict[str, tuple[int, str]], str]:
+    """main(argv) of every [name, argv] case of `todo` on 2 ranks (one process pair for all): name -> (exit code,
+    rank 0's output of that case), and rank 1's whole output."""
+    from tests.helpers import popen_ranks
+
+    (work / "cases.json").write_text(json.dumps(todo))
+    procs = popen_ranks([sys.executable, "-c", TWO, str(work / "cases.json")], cwd=work)
+    (_, err0), (_, err1) = [p.communicate(timeout=timeout) for p in procs]
+    by_case, text = {}, ""
+    for line in err0.splitlines(keepends=True):
+        if line.startswith("@@ "):
+            _, name, code = line.split()
+            by_case[name], text = (int(code), text), ""
+        else:
+            text += line
+    assert set(by_case) == {name for name, _ in todo}, err0[-3000:]
+    return by_case, err1
+
+
 @pytest.mark.slow
 def test_two_ranks_refuse_batch_arithmetic_and_another_world_size(inputs, trained, tmp_path):
     """ds_batch6.json says train_batch_size 6 (right for 3 ranks); base's checkpoint was written by 1 rank."""
@@ -669,26 +698,9 @@ def test_two_ranks_refuse_batch_arithmetic_and_another_world_size(inputs, traine
     run = ["--config", str(inputs / "run.yaml")]
     todo = [["batch6", [*run, f"output_dir={tmp_path / 'b6'}", f"deepspeed={inputs / 'ds_batch6.json'}"]],
             ["other_world", [*run, f"output_dir={tmp_path / 'world'}"]]]
-    (tmp_path / "cases.json").write_text(json.dumps(todo))
     before = tree_hash(inputs, tmp_path / "world" / "checkpoints")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-c", TWO, str(tmp_path / "cases.json")], cwd=tmp_path, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(r), "LOCAL_RANK": str(r),
-                                   "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
-             for r in range(2)]
-    (out0, err0), (_, err1) = [p.communicate(timeout=300) for p in procs]
+    by_case, err1 = two_rank_cases(todo, tmp_path)
     assert tree_hash(inputs, tmp_path / "world" / "checkpoints") == before
-    by_case, text = {}, ""
-    for line in err0.splitlines(keepends=True):
-        if line.startswith("@@ "):
-            _, name, code = line.split()
-            by_case[name], text = (int(code), text), ""
-        else:
-            text += line
     for name, words in [("batch6", "train_batch_size"), ("other_world", "rank")]:
         code, text = by_case[name]
         assert _meets_bar(code, text, True) is None, text

@@ -5,6 +5,7 @@ No deepspeed import: the engine object saves and loads its own states.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -50,12 +51,71 @@ def prune_checkpoints(ckpt_dir: Path, latest: str, keep: int) -> list[str]:
     """
     older = [t for t in _step_folders(ckpt_dir) if re.fullmatch(r"step_\d{8}", t) and t < latest]
     doomed = older[:max(0, len(older) - (keep - 1))]
+    for left in ckpt_dir.glob(".pruning-step_*"):  # what a pruning killed midway left
+        shutil.rmtree(left, ignore_errors=True)
+    deleted = []
     for tag in doomed:
+        gone = ckpt_dir / f".pruning-{tag}"
         try:
-            shutil.rmtree(ckpt_dir / tag)
+            with _folder_lock(ckpt_dir / tag, exclusive=True) as held:
+                if not held:  # an export is reading it: the next save's pruning tries again
+                    continue
+                # renamed under the lock: a reader arriving later finds no folder, rather than half of one
+                os.rename(ckpt_dir / tag, gone)
+            deleted.append(tag)
+            shutil.rmtree(gone)
         except OSError as e:
             sys.stderr.write(f"warning: could not delete old checkpoint {ckpt_dir / tag} ({e.strerror or e})\n")
-    return doomed
+    return deleted
+
+
+READ_LOCK = ".fluxzero-read.lock"  # in a step folder: readers hold it shared, pruning takes it exclusively
+
+
+@contextlib.contextmanager
+def _folder_lock(tag_dir: Path, exclusive: bool):
+    """flock on tag_dir's READ_LOCK file; yields whether it is held. Exclusive (pruning) never waits: False
+    while a reader holds it. Shared (a reader) waits for a pruning in progress, then yields False when the
+    folder is gone (the lock file it waited on was deleted with it). The kernel drops the lock when its holder
+    ends, however it ends, so a killed export never keeps a checkpoint forever."""
+    import fcntl
+
+    path = tag_dir / READ_LOCK
+    try:  # save writes it into every step folder; a checkpoint saved before that gets it now
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except FileNotFoundError:  # the folder itself is gone
+        yield False
+        return
+    except OSError:  # a read-only checkpoint: nothing prunes it, but a shared lock needs only read access
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            yield not exclusive and tag_dir.is_dir()
+            return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        yield same
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def reading(ckpt_dir: Path, tag: str):
+    """Hold checkpoint `tag` against pruning while the block reads it (an export beside a running training with
+    keep_checkpoints); one sentence when the training pruned it first."""
+    with _folder_lock(Path(ckpt_dir) / tag, exclusive=False) as held:
+        if not held:
+            raise TrainingError(f"{tag} was pruned by the running training (keep_checkpoints) before it could be "
+                                f"read; run export again (it takes the newest checkpoint) or raise keep_checkpoints")
+        yield
 
 
 def latest_tag(ckpt_dir: str | Path) -> str | None:
@@ -82,6 +142,7 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, run_confi
         if tag_dir.exists() and tag != previous:  # left over from an interrupted save: never the latest
             shutil.rmtree(tag_dir)
         tag_dir.mkdir(parents=True, exist_ok=True)
+        (tag_dir / READ_LOCK).touch()  # an export's read lock: there before anyone reads, so reading adds no file
     barrier()
     try:
         # LoRA: the frozen base is left out (it comes from the run's weights again), megabytes not gigabytes
@@ -158,24 +219,29 @@ def decide_resume(cfg: TrainConfig, v: DSView, ckpt_dir: Path, allow_config_chan
     Call before the engine is built: a refusal then costs no model construction.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    decision = [None, None]  # [tag to resume or None, error]
+    decision = [None, None, None]  # [tag to resume or None, error, the names a clean save of it writes]
     if rank == 0:
         try:
-            decision = [_rank0_decision(cfg, v, ckpt_dir, world, allow_config_change), None]
+            tag, expected = _rank0_decision(cfg, v, ckpt_dir, world, allow_config_change)
+            decision = [tag, None, expected]
         except TrainingError as e:
-            decision = [None, str(e)]
+            decision = [None, str(e), None]
     broadcast_objects(decision, src=0)
-    tag, error = decision
+    tag, error, expected = decision
     if error:
         raise TrainingError(error)
     problem = _writable_problem(Path(cfg.output_dir))
+    if problem is None and tag is not None:  # every rank looks: another node may see other files
+        problem = stray_files_problem(ckpt_dir / tag, expected, v.load_universal, resume_advice(ckpt_dir, tag))
     if problem is None and tag is not None:
         problem = _rank_checkpoint_problem(v, ckpt_dir, tag, rank)
     all_ranks_ok(problem)
     return tag
 
 
-def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int, allow: bool) -> str | None:
+def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int,
+                    allow: bool) -> tuple[str | None, list[str] | None]:
+    """(tag to resume or None, the file names a clean save of that checkpoint writes)."""
     _lock_output_dir(Path(cfg.output_dir))
     tag, error = _latest_problem(ckpt_dir)
     if error:
@@ -188,13 +254,12 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int, all
             raise TrainingError(f"output_dir {cfg.output_dir} holds the results of an earlier run ({', '.join(results)}"
                                 f") but no checkpoint to resume; choose another output_dir, or move them away to "
                                 f"start over there")
-        return None
+        return None, None
     if not cfg.resume:
         raise TrainingError(f"{ckpt_dir} already holds checkpoints (latest {tag}) and resume is off; "
                             f"choose another output_dir or set resume: true")
     tag_dir = ckpt_dir / tag
-    saved = read_saved_run(tag_dir / "run.yaml", "it records the settings the checkpoint was trained with: repair it, "
-                           "or choose another output_dir", TrainingError)
+    saved = saved_run(tag_dir / "run.yaml")
     model = saved.get("model")
     if model and not same_model(model, cfg.model):  # resolved shapes: a preset equals its mapping spelling
         raise TrainingError(f"{tag_dir} is a checkpoint of {model_name(model)} but the run file trains "
@@ -223,16 +288,18 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int, all
     problem = _file_problem(state_file)
     if problem:
         raise TrainingError(f"checkpoint {tag_dir} is incomplete or corrupt ({problem}); "
-                            f"{_resume_advice(ckpt_dir, tag)}")
+                            f"{resume_advice(ckpt_dir, tag)}")
     try:
         saved_world = load_trainer_state(state_file)["world_size"]
     except Exception:  # intact zip, but not a fluxzero trainer state
         raise TrainingError(f"checkpoint {tag_dir} holds no fluxzero trainer state in {state_file.name}; "
-                            f"{_resume_advice(ckpt_dir, tag)}") from None
+                            f"{resume_advice(ckpt_dir, tag)}") from None
     if saved_world != world:
         raise TrainingError(f"checkpoint {tag_dir} was saved by {saved_world} ranks but {world} are running; "
                             f"resume with {saved_world} ranks (or convert it with DeepSpeed's ds_to_universal)")
-    return tag
+    view_ = saved_view or v  # an older checkpoint without ds_config.json: the stage and precision of this run
+    return tag, sorted(clean_save_files(view_.stage, view_.precision == "bf16", saved_world,
+                                        saved.get("ema") if "ema" in saved else None))
 
 
 _held_lock: dict = {}  # output_dir -> open file descriptor holding its lock (rank 0, for the run's duration)
@@ -296,6 +363,16 @@ def _saved_view(path: Path) -> DSView | None:
         raise TrainingError(f"{path} cannot be read as the DeepSpeed config the checkpoint was written with "
                             f"({reason}); restore it (a copy of the config that run used), or choose another "
                             f"output_dir") from None
+
+
+def saved_run(path: Path) -> dict:
+    """The run.yaml saved beside a checkpoint ({} when there is none): `path` is the file or its step folder
+    (read by config.runfile.read_saved_run, the one reader)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "run.yaml"
+    return read_saved_run(path, "it records the settings the checkpoint was trained with: repair it, or choose "
+                          "another output_dir", TrainingError)
 
 
 def _setting(d: dict, key: str):
@@ -405,6 +482,67 @@ def checkpoint_files(stage: int, bf16: bool, rank: int) -> tuple[list[str], list
     return own, shared
 
 
+FLUXZERO_FILES = ("run.yaml", "ds_config.json")  # rank 0's, besides each rank's trainer state and EMA shard
+
+
+def clean_save_files(stage: int, bf16: bool, world: int, ema) -> set[str]:
+    """Every name a fluxzero save writes into a step folder at this ZeRO stage, precision and world size.
+
+    ema: whether the run had an ema: section (its shards); None when unknown (an older run.yaml), which
+    allows them. Measured with real 2-rank saves of flux-tiny at ZeRO 0, 1, 2, 3, 2 and 3 with CPU offload,
+    fp32 and bf16, full fine-tunes and LoRA + EMA: the folder holds exactly these names (tests/train/
+    test_train_reliability.py's test_a_clean_save_writes_exactly_the_expected_files); DeepSpeed's recovery
+    scripts (zero_to_fp32.py, zero_to_torch.py) go one folder up, into checkpoints/.
+    """
+    from fluxzero.train.ema import shard_name
+
+    names = {*FLUXZERO_FILES, READ_LOCK}
+    for rank in range(world):
+        own, shared = checkpoint_files(stage, bf16, rank)
+        names.update(own, shared)
+        if ema or ema is None:
+            names.add(shard_name(rank))
+    return names
+
+
+def stray_files_problem(tag_dir: Path, expected, universal: bool = False, advice: str = "") -> str | None:
+    """The sentence refusing a step folder that holds a name no clean save writes, or None.
+
+    DeepSpeed's loader finds its files by wildcard (mp_rank_*_model_states.pt, zero_pp_rank_N_mp_rank_*_...)
+    and unpickles the first match in sorted order, so a torch file planted beside the intact ones would run its
+    code whatever fluxzero checks of the files it expects: nothing in such a folder is loaded. A universal
+    checkpoint (DeepSpeed's ds_to_universal, checkpoint.load_universal) has its own tree: there every torch
+    file in it, at any depth, must pass the pickle scan instead.
+    """
+    tag_dir = Path(tag_dir)
+    if universal:
+        for f in sorted(p for p in tag_dir.rglob("*") if p.is_file() and _loadable(p)):
+            if problem := _file_problem(f, crc=False):
+                return f"checkpoint {tag_dir} is incomplete or corrupt ({problem}); {advice}"
+        return None
+    try:
+        names = sorted(os.listdir(tag_dir))
+    except OSError as e:
+        return f"cannot list checkpoint {tag_dir} ({e.strerror or e}); {advice}"
+    stray = [n for n in names if n not in set(expected) | {READ_LOCK}]  # older checkpoints lack the lock file
+    if not stray:
+        return None
+    more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
+    return (f"checkpoint {tag_dir} holds {stray[0]}{more}, which no fluxzero save of this run writes (DeepSpeed's "
+            f"loader picks its files by name pattern and would unpickle it), so nothing in it is loaded; "
+            f"remove it if you know what it is, otherwise {advice or 'use another checkpoint'}")
+
+
+def _loadable(path: Path) -> bool:
+    """Whether torch.load could be handed `path`: a .pt name, or a zip archive or pickle by its first bytes."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return True  # unreadable: the scan says so
+    return path.suffix == ".pt" or head == b"PK\x03\x04" or head[:1] == b"\x80"
+
+
 def _step_folders(ckpt_dir: Path) -> list[str]:
     try:
         return sorted(p.name for p in ckpt_dir.glob("step_*") if p.is_dir())
@@ -412,7 +550,7 @@ def _step_folders(ckpt_dir: Path) -> list[str]:
         return []
 
 
-def _resume_advice(ckpt_dir: Path, tag: str | None) -> str:
+def resume_advice(ckpt_dir: Path, tag: str | None) -> str:
     """What to do when `latest` cannot be resumed: point it at the newest complete-looking folder before."""
     earlier = [t for t in _step_folders(ckpt_dir) if tag is None or t < tag]
     if earlier:
@@ -427,7 +565,7 @@ def _export_advice(ckpt_dir: Path, tag: str | None) -> str:
             else "export another checkpoint")
 
 
-def _latest_problem(ckpt_dir: Path, advice=_resume_advice) -> tuple[str | None, str | None]:
+def _latest_problem(ckpt_dir: Path, advice=resume_advice) -> tuple[str | None, str | None]:
     """(tag named by `latest`, None), (None, None) without `latest`, or (None, what is wrong with it)."""
     latest = ckpt_dir / "latest"
     if not latest.is_file():
@@ -462,7 +600,7 @@ def _rank_checkpoint_problem(v: DSView, ckpt_dir: Path, tag: str, rank: int) -> 
     for name in own + shared:
         problem = _file_problem(tag_dir / name, crc=name in mine)
         if problem:
-            return f"checkpoint {tag_dir} is incomplete or corrupt ({problem}); {_resume_advice(ckpt_dir, tag)}"
+            return f"checkpoint {tag_dir} is incomplete or corrupt ({problem}); {resume_advice(ckpt_dir, tag)}"
     return None
 
 

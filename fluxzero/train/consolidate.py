@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 from pathlib import Path
 
 import torch
 
+from fluxzero.train import checkpoint
 from fluxzero.train.checkpoint import _export_advice, _file_problem, _latest_problem
 from fluxzero.train.distributed import TrainingError
 
@@ -24,25 +26,43 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
             return ckpt_dir, tag
     if any(path.glob("*model_states.pt")):  # ZeRO-3 folders have one per rank, none named mp_rank_00_...
         return path.parent, path.name
+    if not path.exists() and re.fullmatch(r"step_\d{8}", path.name) and (path.parent / "latest").is_file():
+        raise TrainingError(f"{path} is gone: pruned by the running training (keep_checkpoints); export the run's "
+                            f"output_dir (its newest checkpoint) or raise keep_checkpoints")
     raise TrainingError(f"{path} is not a fluxzero checkpoint (no 'latest' file and no DeepSpeed model states)")
 
 
-def consolidated_state_dict(path: str | Path) -> tuple[dict, Path]:
+def consolidated_state_dict(path: str | Path, weights: str = "live") -> tuple[dict, Path]:
     """Full fp32 weights from a checkpoint of any ZeRO stage: the fp32 master weights wherever training kept
-    them (DeepSpeed's own zero_to_fp32 consolidation for stages 1-3).
+    them (DeepSpeed's own zero_to_fp32 consolidation for stages 1-3); weights "ema": the run's EMA in place of
+    the trained parameters it averages.
 
-    Returns (state_dict, tag folder).
+    The checkpoint is held against pruning while it is read (an export beside a running training). Returns
+    (state_dict, tag folder).
     """
     ckpt_dir, tag = resolve_checkpoint(path)
+    with checkpoint.reading(ckpt_dir, tag):
+        sd = _consolidate(ckpt_dir, tag)
+        if weights == "ema":
+            sd = {**sd, **ema_state_dict(ckpt_dir / tag)}
+    return sd, ckpt_dir / tag
+
+
+def _consolidate(ckpt_dir: Path, tag: str) -> dict:
     tag_dir = ckpt_dir / tag
+    advice = f"export another checkpoint folder of {ckpt_dir}"
     if not any(tag_dir.glob("*model_states.pt")):
         raise TrainingError(f"checkpoint {tag_dir} is incomplete or corrupt (it has no DeepSpeed model states "
-                            f"file); export another checkpoint folder of {ckpt_dir}")
+                            f"file); {advice}")
+    layout = _saved_layout(tag_dir, advice)
+    if layout is not None:  # DeepSpeed's zero_to_fp32 globs *_model_states.pt and *_optim_states.pt
+        problem = checkpoint.stray_files_problem(tag_dir, checkpoint.clean_save_files(*layout), advice=advice)
+        if problem:
+            raise TrainingError(problem)
     for f in sorted(tag_dir.glob("*.pt")):  # a damaged file would otherwise export wrong weights silently
         problem = _file_problem(f)
         if problem:
-            raise TrainingError(f"checkpoint {tag_dir} is incomplete or corrupt ({problem}); export another "
-                                f"checkpoint folder of {ckpt_dir}")
+            raise TrainingError(f"checkpoint {tag_dir} is incomplete or corrupt ({problem}); {advice}")
     try:
         if glob.glob(str(tag_dir / "*zero_pp_rank_*optim_states.pt")):
             from fluxzero.train.engine import zero_fp32_state_dict  # DeepSpeed's own zero_to_fp32
@@ -55,9 +75,41 @@ def consolidated_state_dict(path: str | Path) -> tuple[dict, Path]:
         raise
     except Exception as e:  # missing shard files: torch and DeepSpeed raise many kinds
         reason = str(e).splitlines()[0].split(". ")[0].rstrip(".") if str(e) else type(e).__name__
-        raise TrainingError(f"checkpoint {tag_dir} is incomplete or corrupt ({reason[:200]}); export another "
-                            f"checkpoint folder of {ckpt_dir}") from None
-    return {k: v.float() for k, v in sd.items()}, tag_dir
+        raise TrainingError(f"checkpoint {tag_dir} is incomplete or corrupt ({reason[:200]}); {advice}") from None
+    return {k: v.float() for k, v in sd.items()}
+
+
+def _saved_layout(tag_dir: Path, advice: str) -> tuple[int, bool, int, object] | None:
+    """(ZeRO stage, bf16, world size, ema section) a step folder was saved with, from its ds_config.json,
+    trainer state and run.yaml; None for an older checkpoint without ds_config.json (then every torch file in
+    it is scanned, which is all DeepSpeed's consolidation reads)."""
+    from fluxzero.config.ds_view import view
+
+    try:
+        v = view(json.loads((tag_dir / "ds_config.json").read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0][:200] or type(e).__name__
+        raise TrainingError(f"{tag_dir / 'ds_config.json'} cannot be read as the DeepSpeed config the checkpoint "
+                            f"was written with ({reason}); restore it, or {advice}") from None
+    world, step = _saved_world_step(tag_dir, advice)
+    saved = checkpoint.saved_run(tag_dir)
+    return v.stage, v.precision == "bf16", world, saved.get("ema") if "ema" in saved else None
+
+
+def _saved_world_step(tag_dir: Path, advice: str) -> tuple[int, int]:
+    """(world size, step) from the checkpoint's trainer state (scanned before it is loaded, without code)."""
+    state_file = tag_dir / "trainer_state_rank0.pt"
+    problem = _file_problem(state_file)
+    if problem:
+        raise TrainingError(f"checkpoint {tag_dir} is incomplete or corrupt ({problem}); {advice}")
+    try:
+        state = checkpoint.load_trainer_state(state_file)
+        return int(state["world_size"]), int(state["step"])
+    except Exception:  # intact zip, but not a fluxzero trainer state
+        raise TrainingError(f"checkpoint {tag_dir} holds no fluxzero trainer state in {state_file.name}; "
+                            f"{advice}") from None
 
 
 def _stage0_master_weights(states: dict) -> dict:
@@ -92,18 +144,29 @@ def _stage0_master_weights(states: dict) -> dict:
 
 
 def ema_state_dict(tag_dir: Path) -> dict:
-    """The consolidated fp32 EMA of a checkpoint folder (name -> full tensor), from its per-rank shard files."""
-    from fluxzero.train.ema import consolidate
+    """The consolidated fp32 EMA of a checkpoint folder (name -> full tensor), from its per-rank shard files,
+    each checked (step, rank, world size, checksum) before it is used."""
+    from fluxzero.train.ema import ShardError, consolidate, read_shard, shard_name
 
-    shards = sorted(Path(tag_dir).glob("ema_*.safetensors"))
-    if not shards:
+    tag_dir = Path(tag_dir)
+    had = checkpoint.saved_run(tag_dir).get("ema")
+    if not had and not any(tag_dir.glob("ema_*.safetensors")):
         raise TrainingError(f"checkpoint {tag_dir} holds no EMA (the run had no ema: section); export its live "
                             f"weights instead")
+    advice = "export its live weights (--weights live), or another checkpoint"
+    world, step = _saved_world_step(tag_dir, advice)
+    shards = (read_shard(tag_dir / shard_name(r), rank=r, world=world, step=step, advice=advice)[0]
+              for r in range(world))
     try:
-        return consolidate(shards)
+        ema = consolidate(shards)
+        for _ in shards:  # ZeRO-0: one shard holds the whole EMA; the others are checked all the same
+            pass
+        return ema
+    except ShardError as e:
+        raise TrainingError(str(e)) from None
     except (ValueError, OSError, KeyError) as e:
-        raise TrainingError(f"the EMA shards of {tag_dir} cannot be read ({str(e).splitlines()[0][:200]}); export "
-                            f"its live weights, or another checkpoint") from None
+        raise TrainingError(f"the EMA shards of {tag_dir} cannot be read ({str(e).splitlines()[0][:200]}); "
+                            f"{advice}") from None
 
 
 def _diffusers_files(folder: Path) -> list[Path]:

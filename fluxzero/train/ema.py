@@ -354,13 +354,93 @@ def _read_layout(sd: dict) -> dict:
 
 
 def load_shard(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """One per-rank EMA file: .safetensors, or a torch.save file read with weights_only=True."""
+    """One per-rank EMA file: .safetensors, or a torch.save file read with weights_only=True (unchecked: a
+    checkpoint's shards are read with read_shard)."""
     path = os.fspath(path)
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
 
         return load_file(path)
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ----- shard files in a checkpoint folder ------------------------------------------------------------------
+# A shard file's safetensors header holds one metadata key (safetensors writes several in a random order, and a
+# checkpoint's files must be byte-reproducible), as the data shards do (fluxzero/data/shards.py): JSON with the
+# checkpoint step, the rank and world size that wrote it, and the XXH3-64 of its tensors' bytes, so a shard
+# deleted, damaged in place, copied from another step or from another rank is named before anything is loaded.
+SHARD_FORMAT, SHARD_VERSION, SHARD_META_KEY = "fluxzero-ema-shard", 1, "fluxzero.ema"
+
+
+class ShardError(ValueError):
+    """An EMA shard file that cannot be used, in one sentence naming it."""
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """XXH3-64 (hex) over the names and stored bytes of `tensors`, in sorted name order."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
+    return h.hexdigest()
+
+
+def shard_file(ema: "ShardedEMA", step: int) -> bytes:
+    """This rank's EMA shard as the bytes of its file in the checkpoint of step `step` (safetensors)."""
+    from safetensors.torch import save
+
+    tensors = {k: v.detach().contiguous().cpu() for k, v in ema.state_dict().items()}
+    header = {"format": SHARD_FORMAT, "version": SHARD_VERSION, "step": int(step), "rank": ema._rank,
+              "world": ema._world, "xxh3_64": _digest(tensors)}
+    return save(tensors, metadata={SHARD_META_KEY: json.dumps(header, sort_keys=True)})
+
+
+def read_shard(path, *, rank: int, world: int, step: int, advice: str) -> tuple[dict[str, torch.Tensor], str | None]:
+    """(state dict, note) of rank `rank`'s shard in the checkpoint of step `step` saved by `world` ranks, checked
+    before anything is loaded from it; ShardError (one sentence naming the file and ending in `advice`) when it is
+    missing, unreadable, damaged, or from another step, rank or world size.
+
+    A shard written before shards had a header loads unchecked, with a note: its layout entry still names the rank
+    and world size that wrote it (checked here and again by load_state_dict), and refusing it would throw away
+    the EMA of every run saved by an earlier fluxzero, which the damage it could hide does not justify.
+    """
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ShardError(f"EMA shard {path} is missing, so the run's EMA cannot be restored; {advice}")
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            sd = {k: f.get_tensor(k) for k in f.keys()}
+        layout = _read_layout(sd)
+    except Exception:  # safetensors and json raise several kinds for a truncated or foreign file
+        raise ShardError(f"EMA shard {path} is not a readable EMA shard (truncated, overwritten or not written by "
+                         f"fluxzero); {advice}") from None
+    note = None
+    if SHARD_META_KEY in meta:
+        try:
+            head = json.loads(meta[SHARD_META_KEY])
+            ok = head["format"] == SHARD_FORMAT and head["version"] == SHARD_VERSION
+            saved = {k: int(head[k]) for k in ("step", "rank", "world")}
+        except (ValueError, TypeError, KeyError):
+            ok = False
+        if not ok:
+            raise ShardError(f"EMA shard {path} has a header fluxzero does not read; {advice}")
+        if head.get("xxh3_64") != _digest(sd):
+            raise ShardError(f"EMA shard {path} fails its checksum, so its bytes changed after it was saved; {advice}")
+    else:
+        saved = {"step": step, "rank": layout.get("rank"), "world": layout.get("world")}
+        note = f"note: EMA shard {path} predates EMA shard checksums and is loaded unchecked"
+    for key, want in (("rank", rank), ("world", world), ("step", step)):
+        if saved[key] != want:
+            what = {"rank": f"rank {saved['rank']}'s EMA", "world": f"the EMA of a {saved['world']}-rank run",
+                    "step": f"the EMA of step {saved['step']}"}[key]
+            mine = {"rank": f"rank {rank}'s", "world": f"this {world}-rank checkpoint's", "step": f"step {step}'s"}[key]
+            raise ShardError(f"EMA shard {path} holds {what}, not {mine} (copied from elsewhere); {advice}")
+    return sd, note
 
 
 def consolidate(shards: Iterable, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 from fluxzero.config import TrainConfig
+from fluxzero.data import DataError
 from fluxzero.train import flow
 from fluxzero.train.checkpoint import rng_state, set_rng_state
-from fluxzero.train.distributed import all_reduce
+from fluxzero.train.distributed import TrainingError, all_ranks_ok, all_reduce
 
 VALIDATION_SEED = 1_234_567  # fixed: the same noise for every sample in every run and after every resume
 
@@ -50,9 +51,29 @@ class Validation:
         self.loader.check_model(model_cfg)
         self.flow_cfg, self.timesteps = cfg.flow, [float(t) for t in cfg.validation_timesteps]
         self.guidance_embed, self.device, self.dtype = model_cfg.guidance_embed, device, dtype
+        all_ranks_ok(self._sample_problem(rank, world))
+
+    def _sample_problem(self, rank: int, world: int) -> str | None:
+        """What is wrong with this rank's share of the validation samples (every world-th), read once at the
+        start: a damaged sample would otherwise stop the run at its first validation, steps after the last
+        checkpoint. Each read checks the sample's XXH3 checksum (ShardSource.get), and its values must be finite.
+        The cost is one read of the validation set split over the ranks, what every validation pass reads."""
+        source = self.loader.source
+        for i in range(rank, len(source), world):
+            try:
+                sample = source.get(i)
+            except DataError as e:
+                return f"validation_data: {e}"
+            bad = [k for k in ("latents", "t5", "clip") if not torch.isfinite(sample[k]).all()]
+            if bad:
+                return (f"validation_data: {source.describe(i)} holds non-finite {bad[0]} values (NaN or inf), which "
+                        f"make val_loss NaN; re-create it with `fluxzero cache`, or choose another validation_data")
+        return None
 
     @torch.no_grad()
     def __call__(self, engine) -> float:
+        """The validation loss; ValidationFailed on every rank (the same sentence) when a sample cannot be read
+        or its loss is not finite."""
         module = engine.module
         was_training = module.training
         n = self.loader.num_samples
@@ -62,7 +83,8 @@ class Validation:
         try:
             with _same_random_streams():
                 self.loader.set_epoch(0)
-                for batch in self.loader:
+                batches = iter(self.loader)
+                while (batch := self._next(batches)) is not None:
                     index = batch["index"].to(self.device)
                     for t in self.timesteps:
                         inputs, target = flow.prepare_batch(
@@ -76,7 +98,36 @@ class Validation:
         all_reduce(sums)
         all_reduce(counts)
         seen = counts > 0
-        return float((sums[seen] / counts[seen]).mean())
+        per_sample = sums[seen] / counts[seen]
+        if not torch.isfinite(per_sample).all():  # every rank holds the same sums: all raise together
+            bad = seen.nonzero().flatten()[~torch.isfinite(per_sample)].tolist()
+            where = ", ".join(self.loader.source.describe(i) for i in bad[:3]) + (", ..." if len(bad) > 3 else "")
+            raise ValidationFailed(f"val_loss is not finite: the loss of {where} is NaN or inf; check that "
+                                   f"validation sample, or choose another validation_data")
+        return float(per_sample.mean())
+
+    def _next(self, batches):
+        """The next batch of this rank, or None after the last; every rank learns whether any failed to read
+        one before the forward pass (under ZeRO-3 each forward is a collective of all ranks)."""
+        try:
+            batch, problem = next(batches), None
+        except StopIteration:  # every rank has the same number of batches
+            return None
+        except DataError as e:
+            batch, problem = None, f"validation_data: {e}"
+        failed = torch.tensor([problem is not None], dtype=torch.float32, device=self.device)
+        all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        if failed.item():
+            try:
+                all_ranks_ok(problem)
+            except TrainingError as e:
+                raise ValidationFailed(str(e)) from None
+        return batch
+
+
+class ValidationFailed(TrainingError):
+    """A validation sample that could not be read or gave a non-finite loss (the same sentence on every rank):
+    the training step before it is sound, so the trainer saves it before stopping."""
 
 
 class Previews:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from fluxzero.config import TrainConfig
-from fluxzero.train.consolidate import _export_is_current, consolidated_state_dict, ema_state_dict
+from fluxzero.train.consolidate import _export_is_current, consolidated_state_dict
 from fluxzero.train.distributed import TrainingError
 
 
@@ -26,9 +26,7 @@ def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dt
     from fluxzero.model.layouts import WeightsError
     from fluxzero.model.weights import save_weights
 
-    sd, tag_dir = consolidated_state_dict(path)
-    if weights == "ema":
-        sd = {**sd, **ema_state_dict(tag_dir)}
+    sd, tag_dir = consolidated_state_dict(path, weights)
     from fluxzero.train import lora_export
 
     if lora_export.is_lora_state_dict(sd):  # adapters only: a LoRA file in the layout's LoRA counterpart

@@ -13,10 +13,12 @@ import contextlib
 import itertools
 import math
 import os
+import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -66,6 +68,10 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     # the trainer owns its process: torch's SDPA flags match the model's backend, so attention calls SDPA
     # directly instead of entering sdpa_kernel ~60 times a forward (the model is right either way)
     set_process_sdpa_flags(cfg.attention)
+    # nothing in training draws from python's or numpy's generators, but each checkpoint saves their states: seeded,
+    # a resumed run saves the same trainer-state bytes as an uninterrupted one (unseeded, each process starts apart)
+    random.seed(cfg.seed * 1_000_003 + rank)
+    np.random.seed((cfg.seed * 1_000_003 + rank) % 2**32)
     model_cfg = resolve_model(cfg.model)
     workers = cfg.loader_workers(device.type, len(os.sched_getaffinity(0)), distributed.local_world_size())
     loader = build_dataloader(cfg.data, micro_batch=v.micro_batch, rank=rank, world_size=world, seed=cfg.seed,
@@ -117,14 +123,11 @@ def _check_inputs(cfg: TrainConfig) -> None:
 def _setup_extras(run: Run, cfg: TrainConfig, model_cfg, tag: str | None, rank: int, world: int, device) -> None:
     """EMA (restored from the checkpoint's shard when it has one), validation set, sample previews."""
     if cfg.ema is not None:
-        from fluxzero.train.ema import ShardedEMA, load_shard, shard_name
+        from fluxzero.train.ema import ShardedEMA
 
         run.ema = ShardedEMA(run.engine, cfg.ema, seed=cfg.seed)
-        shard = run.ckpt_dir / tag / shard_name(rank) if tag else None
-        if shard is not None and shard.is_file():
-            run.ema.load_state_dict(load_shard(shard))
-        elif tag and rank == 0:
-            write_line(f"note: {run.ckpt_dir / tag} holds no EMA; the EMA starts from the resumed weights")
+        if tag:
+            _resume_ema(run, tag, rank, world)
     if cfg.validation_data:
         from fluxzero.train.evaluate import Validation
 
@@ -140,6 +143,31 @@ def _setup_extras(run: Run, cfg: TrainConfig, model_cfg, tag: str | None, rank: 
                                 f"pip install -e '.[cache]'") from None
 
 
+def _resume_ema(run: Run, tag: str, rank: int, world: int) -> None:
+    """Restore this rank's EMA shard, checked (step, rank, world size, checksum) on every rank before any is
+    loaded; a checkpoint of a run that had an EMA never resumes with another one without a word."""
+    from fluxzero.train import checkpoint
+    from fluxzero.train.ema import ShardError, read_shard, shard_name
+
+    tag_dir = run.ckpt_dir / tag
+    had = checkpoint.saved_run(tag_dir).get("ema") or any(tag_dir.glob("ema_rank_*.safetensors"))
+    problem, note, sd = None, None, None
+    if had:
+        advice = (f"restore it or remove the ema: section to continue without the EMA, otherwise "
+                  f"{checkpoint.resume_advice(run.ckpt_dir, tag)}")
+        try:
+            sd, note = read_shard(tag_dir / shard_name(rank), rank=rank, world=world, step=run.done, advice=advice)
+            run.ema.load_state_dict(sd)
+        except ShardError as e:
+            problem = str(e)
+        except ValueError:  # the layout: another partitioning (ZeRO stage, model or LoRA targets)
+            problem = (f"EMA shard {tag_dir / shard_name(rank)} was saved with another partitioning of the trained "
+                       f"parameters than this run's; {advice}")
+    distributed.all_ranks_ok(problem)
+    if rank == 0 and (note or not had):
+        write_line(note or f"note: {tag_dir} holds no EMA; the EMA starts from the resumed weights")
+
+
 def _after_step(run: Run, cfg: TrainConfig, step: int, metrics) -> dict:
     """EMA update, validation and previews of optimizer step `step`; returns the values to log with it."""
     extra = {}
@@ -147,7 +175,14 @@ def _after_step(run: Run, cfg: TrainConfig, step: int, metrics) -> dict:
         run.ema.update(step)
     if run.validation is not None and ((cfg.validation_every and step % cfg.validation_every == 0)
                                        or step == run.total):
-        extra["val_loss"] = run.validation(run.engine)
+        from fluxzero.train.evaluate import ValidationFailed
+
+        try:
+            extra["val_loss"] = run.validation(run.engine)
+        except ValidationFailed as e:  # the training is sound: keep it before stopping
+            _save(run, cfg, dist.get_rank())
+            raise TrainingError(f"{e} (training was saved first: {run.last_ckpt} holds step {step}, so the same "
+                                f"command resumes from it once the data is fixed)") from None
     if run.previews is not None and (step % cfg.sample_every == 0 or step == run.total):
         swap = run.ema.swap() if cfg.sample_weights == "ema" else contextlib.nullcontext()
         with swap:
@@ -290,14 +325,12 @@ def _disk_full(cfg: TrainConfig, run: Run, e: Exception) -> str:
 
 
 def _ema_files(run: Run, rank: int) -> dict[str, bytes]:
-    """This rank's EMA shard for the checkpoint folder (tensors only: safetensors)."""
+    """This rank's EMA shard for the checkpoint folder (tensors only: safetensors, with its step and checksum)."""
     if run.ema is None:
         return {}
-    from safetensors.torch import save
+    from fluxzero.train.ema import shard_file, shard_name
 
-    from fluxzero.train.ema import shard_name
-
-    return {shard_name(rank): save({k: v.contiguous() for k, v in run.ema.state_dict().items()})}
+    return {shard_name(rank): shard_file(run.ema, run.done)}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from fluxzero.config import TrainConfig
-from fluxzero.train.consolidate import _export_is_current, consolidated_state_dict, ema_state_dict, lora_is_current
+from fluxzero.train.consolidate import _export_is_current, consolidated_state_dict, lora_is_current
 from fluxzero.train.distributed import TrainingError
 
 # export_format -> the layout of the adapter file: ComfyUI (and tools on BFL's names) read kohya's layout,
@@ -99,9 +99,8 @@ def export_lora(path: str | Path, out: str | Path, layout: str = "bfl", dtype: s
                 base: str | None = None, weights: str = "live") -> str:
     """A LoRA checkpoint (output_dir, checkpoints/ or one tag folder) -> LoRA file, or merged full weights.
     weights "ema": the EMA of the adapters the run kept instead of the trained ones."""
-    sd, tag_dir = consolidated_state_dict(path)
-    if weights == "ema":  # the EMA shards hold the trainable parameters: the adapters, under the same names
-        sd = {**sd, **ema_state_dict(tag_dir)}
+    # weights "ema": the EMA shards hold the trainable parameters, the adapters, under the same names
+    sd, tag_dir = consolidated_state_dict(path, weights)
     if not is_lora_state_dict(sd):
         if merge:
             raise TrainingError(f"checkpoint {tag_dir} is a full fine-tune, not a LoRA: there is nothing to merge; "

@@ -6,15 +6,26 @@ pickle imports and calls. A pickle can only reach code through a global (module 
 `check_checkpoint_file` lists the globals a torch.save file would import WITHOUT unpickling it and refuses
 any that fluxzero's and DeepSpeed's checkpoints do not hold (`ALLOWED_GLOBALS`, measured, see below).
 
-Why our own opcode scan (pickletools) and not torch.serialization.get_unsafe_globals_in_checkpoint: that
-function is missing from torch 2.4 (setup.cfg allows torch>=2.4; it came in 2.5), its answer is relative to
-torch's default allow-list and to whatever any code in the process added with add_safe_globals (so it
-changes with the torch version and the process), and it reads only the GLOBAL opcode (an attacker's
-protocol-4 STACK_GLOBAL makes it raise, which is safe but says nothing). pickletools parses every protocol;
+Why our own opcode scan (pickletools) and not torch's weights_only loading or
+torch.serialization.get_unsafe_globals_in_checkpoint (kept after measuring both on torch 2.13, 2026-12):
+- weights_only=True cannot be the loader here: DeepSpeed's own checkpoint loads call torch.load(weights_only=False)
+  themselves, and their files hold six globals outside torch's allow-list (three of DeepSpeed's, three of numpy's,
+  as get_unsafe_globals_in_checkpoint lists them for real ZeRO 0-3 saves), so they fail a weights_only load. It is used where fluxzero loads a file itself
+  (load_trainer_state).
+- get_unsafe_globals_in_checkpoint raised "UnpicklingError: Unsupported operand 149" on a payload saved with
+  pickle_protocol=4 (MEMOIZE): safe, but it cannot name what the file imports, so the refusal could not say why;
+  it returned [] for a zip with a payload in a second .pkl record (harmless to torch.load, which unpickles
+  data.pkl only); it is missing from torch 2.4 (setup.cfg allows torch>=2.4; it came in 2.5), and its answer is
+  relative to torch's default allow-list and to whatever any code in the process added with add_safe_globals
+  (so it changes with the torch version and the process). pickletools parses every protocol;
 the scan below tracks the string arguments of STACK_GLOBAL through the memo and refuses what it cannot
 resolve, so the list it returns is complete. The pickle bytes are taken from torch's own zip reader
 (the one torch.load uses) as well as Python's zipfile, so a zip built to show the two readers different
 records cannot hide a payload from the scan.
+
+A scan covers the files fluxzero hands DeepSpeed, but DeepSpeed finds some of its files by wildcard and
+unpickles the first match: checkpoint.stray_files_problem refuses a step folder holding any name a clean save
+does not write, so every torch file a load can reach is one of the scanned ones.
 
 Torch only: no deepspeed import, so the export command and tests use it without starting DeepSpeed.
 """

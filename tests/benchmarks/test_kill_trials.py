@@ -1,6 +1,8 @@
 """One kill -9 trial of benchmarks/kill_trials.py (the full set runs there; benchmarks/RESULTS.md has the counts):
-a rank of a 2-rank ZeRO-2 run killed 0.1-35 ms after a checkpoint folder appeared, then resumed; the resumed run's
-losses and final export must equal an uninterrupted run's bit for bit."""
+a rank of a 2-rank run killed 0.1-35 ms after a checkpoint folder appeared, then resumed; the resumed run's losses
+and final files (the export and every file of the final checkpoint, by sha256) must equal an uninterrupted run's.
+A full fine-tune at ZeRO-2, and a LoRA with an EMA (its shards in every checkpoint, its export at the end) at
+ZeRO-3."""
 import importlib.util
 import random
 from pathlib import Path
@@ -18,11 +20,18 @@ def _kill_trials():
 
 
 @pytest.mark.slow
-def test_kill_during_a_checkpoint_save_resumes_bit_exact(tmp_path):
+@pytest.mark.parametrize("stage, lora_ema", [(2, False), (3, True)])
+def test_kill_during_a_checkpoint_save_resumes_bit_exact(tmp_path, stage, lora_ema):
     kill_trials = _kill_trials()
-    ref = kill_trials.reference(tmp_path / "reference", stage=2)
+    ref = kill_trials.reference(tmp_path / "reference", stage=stage, lora_ema=lora_ema)
     assert len(ref["losses"]) == kill_trials.STEPS and ref["export_sha256"]
-    rec = kill_trials.trial("save", 2, tmp_path / "trial", random.Random(0), ref)
+    if lora_ema:
+        assert ref["export"] == "lora_ema.safetensors" and any("ema_rank_00001" in f for f in ref["files"]), ref
+    rec = kill_trials.trial("save", stage, tmp_path / "trial", random.Random(0), ref)
     assert rec["resume_exit"] == [0, 0] and not rec["resume_traceback"], rec
     assert not rec["survivor_traceback"], rec  # the rank left alive stops with one line, not a gloo traceback
-    assert rec["losses_equal"] and rec["export_equal"], rec
+    # LoRA files are written with their header keys in a random order until issue 26 item 7 is fixed: the same
+    # header and bytes otherwise (then this reads `rec["files_equal"]` alone)
+    same = rec["files_equal"] or (lora_ema and rec["files_equal_but_header_order"]
+                                  and set(rec["files_differ"]) == {"lora_ema.safetensors"})
+    assert rec["losses_equal"] and same and rec["files_compared"] >= 8, rec

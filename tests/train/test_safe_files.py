@@ -177,10 +177,15 @@ def test_every_file_of_real_deepspeed_checkpoints_passes(tmp_path):
     runs = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert sorted((d["stage"], d["bf16"]) for d in runs) == sorted(
         [(s, b) for s in (0, 1, 2, 3) for b in (False, True)] + [(s, b) for s in (2, 3) for b in (False, True)])
+    from fluxzero.train.checkpoint import FLUXZERO_FILES, READ_LOCK, clean_save_files
+
     seen = set()
     for run in runs:
         files = sorted(Path(run["dir"]).glob("*.pt"))
         names = {f.name for f in files}
+        # DeepSpeed writes exactly the names the resume's stray-file check expects (rank 0 adds the others)
+        assert set(os.listdir(run["dir"])) == clean_save_files(run["stage"], run["bf16"], 1, False) - {
+            *FLUXZERO_FILES, READ_LOCK}, run
         assert "trainer_state_rank0.pt" in names and any("model_states" in n for n in names), names
         if run["stage"] >= 1:
             assert any("optim_states" in n for n in names), names

@@ -163,3 +163,63 @@ def test_an_lr_edited_for_the_resume_is_applied_and_said(tmp_path):
     assert "note: lr is 0.0005 from the DeepSpeed config (the checkpoint trained at 0.001)" in r.stderr
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [row["lr"] for row in rows] == [1e-3, 1e-3, 5e-4, 5e-4]
+
+
+def _validation_shards(folder: Path, nan_sample: int | None = None) -> Path:
+    """4 held-out samples of flux-tiny's sizes in one shard; sample `nan_sample` with a NaN latent (its checksum
+    is right: the bytes are what the writer was given)."""
+    import torch
+
+    from fluxzero.data import ShardWriter
+
+    torch.manual_seed(3)
+    with ShardWriter(folder, samples_per_shard=4) as w:
+        for i in range(4):
+            latents = torch.randn(16, 8, 8)
+            if i == nan_sample:
+                latents[0, 0, 0] = float("nan")
+            w.add(latents, torch.randn(4, 64), torch.randn(32))
+    return folder
+
+
+def _flip_latent_byte(shard_dir: Path, sample: int) -> None:
+    """One byte of `sample`'s latents changed in place (same file, same size: what a disk error leaves)."""
+    shard = next(shard_dir.glob("shard-*.safetensors"))
+    with open(shard, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        start = json.loads(f.read(n))["latents"]["data_offsets"][0]
+        offset = 8 + n + start + sample * 16 * 8 * 8 * 4 + 100  # latents float32 (4, 16, 8, 8)
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_a_damaged_or_nan_validation_sample_is_refused_before_training(tmp_path):
+    flipped = _validation_shards(tmp_path / "flipped")
+    _flip_latent_byte(flipped, 2)
+    nan = _validation_shards(tmp_path / "nan", nan_sample=1)
+    run = _files(tmp_path, steps=2)
+    for data, words in ((flipped, "sample 2 (global index 2) fails its checksum"),
+                        (nan, "sample 1 (global index 1) holds non-finite latents values")):
+        r = _train(run, f"validation_data={data}", f"output_dir={tmp_path / data.name / 'out'}")
+        lines = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert lines[0].startswith("error: validation_data: ") and words in lines[0], lines[0]
+        assert not (tmp_path / data.name / "out" / "metrics.jsonl").exists()  # refused before the first step
+
+
+def test_a_validation_sample_damaged_mid_run_stops_after_saving_the_training(tmp_path):
+    val = _validation_shards(tmp_path / "val")
+    run = _files(tmp_path, steps=40, validation_data=str(val), validation_every=20, checkpoint_every=0)
+    out = tmp_path / "out"
+    procs = start_ranks(run, world=1)
+    _wait_for_step(out, 1, procs)
+    _flip_latent_byte(val, 3)  # after the start's check, before the first validation (step 20)
+    code = procs[0].wait(timeout=300)
+    err = procs[0].stderr.read()
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert "sample 3 (global index 3) fails its checksum" in lines[0], lines[0]
+    assert "training was saved first: " in lines[0] and "step_00000020 holds step 20" in lines[0], lines[0]
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000020"  # checkpoint_every 0 saved it anyway
