@@ -129,6 +129,20 @@ def enter_rank(rank: int, world: int, port: int | str, **extra: str) -> None:
     os.environ.update(rank_vars(rank, world, port), OMP_NUM_THREADS="1", **extra)
 
 
+def enter_training_rank(rank: int, world: int, port: int | str) -> None:
+    """A spawned rank that trains: enter_rank without progress bars, one torch thread, warnings off, and a rank
+    stuck in a collective its peer never joins fails the test after 600 s (with stacks) instead of hanging CI."""
+    import faulthandler
+    import warnings
+
+    import torch
+
+    faulthandler.dump_traceback_later(600, exit=True)
+    enter_rank(rank, world, port, FLUXZERO_NO_PROGRESS="1")
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+
+
 def close_group(done: bool) -> None:
     """A spawned rank's end: when it finished its work, a barrier first, so that neither rank tears its
     process group down while the other still talks; then the group is destroyed."""

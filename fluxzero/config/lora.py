@@ -33,6 +33,9 @@ TARGET_PRESETS: dict[str, tuple[str, ...]] = {
 # base weights (W <- W - BA), which a ZeRO-3 placeholder cannot hold and which would make every saved LoRA
 # valid only against the rewritten base.
 LORA_INITS = ("default", "gaussian")
+# How the frozen base's block linears are stored under a LoRA (fluxzero/model/quant.py): in the training dtype,
+# or weight-only quantized through torchao (int8: one scale per output row; fp8: e4m3, one scale per row).
+BASE_QUANTS = ("none", "int8", "fp8")
 
 
 @dataclass
@@ -45,6 +48,7 @@ class LoraConfig:
     init: str = "default"  # one of LORA_INITS
     targets: str | list[str] = "attention+mlp"  # a TARGET_PRESETS name or a list of fnmatch module-name patterns
     weights: str | None = None  # a LoRA .safetensors file (diffusers or kohya layout) to continue from
+    base_quant: str = "none"  # one of BASE_QUANTS: the frozen base's block linears stored quantized (QLoRA-style)
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
@@ -63,6 +67,8 @@ class LoraConfig:
                    "files would then depend on)" if str(self.init).lower().startswith(("pissa", "olora", "corda"))
                    else "")
             raise ValueError(f"lora.init must be one of {', '.join(LORA_INITS)}, got {self.init!r}{why}")
+        if self.base_quant not in BASE_QUANTS:
+            raise ValueError(f"lora.base_quant must be one of {', '.join(BASE_QUANTS)}, got {self.base_quant!r}")
         self._check_targets()
         if isinstance(self.weights, os.PathLike):
             self.weights = os.fspath(self.weights)

@@ -1,6 +1,8 @@
 """The FLUX.1 transformer (BFL parameter names) and its constructor."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -77,15 +79,51 @@ class Flux(nn.Module):
 
 
 def build_model(cfg: ModelConfig | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                attention: str = "auto") -> Flux:
-    """A randomly initialised Flux, created directly on `device` in `dtype` (device="meta": shapes only)."""
+                attention: str = "auto", finish: Callable[[str, nn.Module], None] | None = None) -> Flux:
+    """A randomly initialised Flux, born in `dtype` on `device` (device="meta": shapes only).
+
+    Built on the meta device, then materialised one module at a time in construction order: each module's
+    parameters are initialised on `device` in float32 (`reset_parameters`, drawing the generator as an eager build
+    draws it) and rounded to `dtype`. So one seed gives the same weights in every dtype (the float32 model's,
+    rounded) and no float32 copy of the model ever exists: the float32 values live in one scratch buffer the size
+    of the largest module, reused by every module (FLUX.1-dev: 0.26 GB next to the 23.8 GB bf16 model; no
+    allocation and free of a float32 tensor per module for an allocator to fragment on). `finish(name, module)`,
+    when given, runs on each materialised module right away (the trainer copies its pretrained weights in and
+    quantizes it there). Under deepspeed.zero.Init, which makes every tensor itself (on the accelerator, in its
+    dtype, partitioned as each module is built), the model is returned as that built it.
+    """
     if isinstance(cfg, str):
         cfg = get_model_config(cfg)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # parameters are born in `dtype`: no float32 copy of a 12B model
-    try:
-        with torch.device(device):
-            model = Flux(cfg, attention)
-    finally:
-        torch.set_default_dtype(previous)
+    with torch.device("meta"):
+        model = Flux(cfg, attention)
+    if torch.device(device).type == "meta":
+        return model.to(dtype)
+    if next(model.parameters()).device.type != "meta":  # a context placed the tensors itself (deepspeed.zero.Init)
+        return model
+    modules = [(name, m) for name, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
+    if any(next(m.buffers(recurse=False), None) is not None for m in model.modules()):
+        raise NotImplementedError("build_model materialises parameters only; a module with buffers needs it here")
+    scratch = None
+    if dtype != torch.float32:
+        largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for _, m in modules)
+        scratch = torch.empty(largest, dtype=torch.float32, device=device)
+    for name, module in modules:
+        _materialize(module, device, dtype, scratch)
+        if finish is not None:
+            finish(name, module)
     return model
+
+
+def _materialize(module: nn.Module, device, dtype: torch.dtype, scratch: Tensor | None) -> None:
+    """`module`'s own meta parameters -> initialised on `device` in `dtype` (float32 values in `scratch` first)."""
+    if scratch is None:
+        module.to_empty(device=device, recurse=False)
+        module.reset_parameters()
+        return
+    offset, params = 0, module._parameters
+    for key, p in params.items():
+        params[key] = nn.Parameter(scratch[offset:offset + p.numel()].view(p.shape), requires_grad=p.requires_grad)
+        offset += p.numel()
+    module.reset_parameters()
+    for key, p in params.items():
+        params[key] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)

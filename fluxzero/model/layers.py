@@ -40,7 +40,11 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int):
         super().__init__()
-        self.scale = nn.Parameter(torch.ones(dim))
+        self.scale = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.scale)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.rms_norm(x, self.scale.shape, self.scale, eps=1e-6)

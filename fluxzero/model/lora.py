@@ -19,6 +19,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
+import warnings
 from typing import Sequence
 
 import torch
@@ -98,7 +99,11 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     if has_lora(model):
         raise LoraError("the model already has LoRA adapters; apply_lora once per model (build a fresh one)")
     names = target_modules(model, cfg.targets)
-    peft.inject_adapter_in_model(_peft_config(cfg, names), model, adapter_name=ADAPTER)
+    with warnings.catch_warnings():
+        # on a quantized base (model/quant.py) PEFT's torchao tuner warns that merge() would need a requantizing
+        # hook: nothing merges into the quantized model (exports merge into the base weights file)
+        warnings.filterwarnings("ignore", message=".*without `get_apply_tensor_subclass`")
+        peft.inject_adapter_in_model(_peft_config(cfg, names), model, adapter_name=ADAPTER)
     cast_adapter_dtype(model, ADAPTER, autocast_adapter_dtype=True)  # bf16 / fp16 adapters -> fp32
     for name, p in model.named_parameters():
         p.requires_grad_(_LORA_KEY.match(name.replace(f".{ADAPTER}.", ".")) is not None)

@@ -51,31 +51,97 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     ds: the DeepSpeed dict (no "fluxzero" section); v: its view, which says what to apply from outside.
     lora: a LoraConfig (adapters on the loaded weights, only they trained) or None (full fine-tune).
     """
-    from fluxzero.model import build_model
-
     join_deepspeed_comm()
-    stage = v.stage
     torch.manual_seed(seed)  # identical random init on every rank (ZeRO-3 then keeps each rank's slice)
-    # Under ZeRO-3, zero.Init partitions every parameter as its module is constructed: no rank ever holds
-    # the whole model. Below stage 3 each rank holds a full copy anyway.
-    with deepspeed.zero.Init(config_dict_or_path=ds, enabled=stage == 3):
-        model = build_model(model_cfg, device="cpu" if stage == 3 else device, attention=attention,
-                            dtype=torch.bfloat16 if v.trainer_casts_to_bf16 else torch.float32)
-    if weights:
-        load_pretrained(model, weights, model_cfg, partitioned=stage == 3)
+    quant = lora.base_quant if lora is not None else "none"
+    if v.fp8 and quant != "none":
+        raise TrainingError(f"fluxzero.fp8 and lora.base_quant {quant} both change the base's linear layers; keep "
+                            f"one (FP8 for speed, the quantized base for memory)")
+    model = born_model(model_cfg, ds, v, device, weights=weights, attention=attention, quant=quant)
     if v.fp8:  # before the adapters: PEFT then wraps the FP8 layers, its own small ones stay bf16
-        apply_fp8(model, v.fp8, stage)
+        apply_fp8(model, v.fp8, v.stage)
     if lora is not None:  # after the weights: the base's names gain `.base_layer` once adapters wrap it
         apply_adapters(model, lora, v)
     if v.compiles_blocks(device.type, lora is not None):  # first: checkpointing then wraps the compiled block
         apply_compile(model, v.compile_mode, v.compile_backend)
-        if stage == 3:
+        if v.stage == 3:
             zero3_leaf_blocks(model)
     apply_activation_checkpointing(model, v.checkpoint_every, v.checkpoint_impl, v)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, ds = client_optimizer(params, ds, v)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=ds)
     return engine
+
+
+def born_model(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.device, *, weights: str | None = None,
+               attention: str = "auto", quant: str = "none") -> torch.nn.Module:
+    """The model in its training dtype (model_dtype), on its device, with the pretrained weights when given and
+    the blocks' linears quantized when `quant` (lora.base_quant) asks: no configuration ever holds a float32 copy
+    of the weights it does not train.
+
+    Under ZeRO-3, zero.Init partitions every parameter as its module is constructed (no rank ever holds the whole
+    model) and makes each tensor in DeepSpeed's dtype as it is created. Below stage 3 each rank holds a full copy:
+    build_model materialises it module by module in the training dtype, and each module gets its pretrained
+    weights (streamed from the file one tensor at a time) and its quantization right there, so the peak is the
+    model as it trains plus one module. The random init runs even when weights replace it: the generator is
+    then drawn as at ZeRO-3 and as with random weights, so LoRA adapters drawn after it are the same at every stage.
+    """
+    from fluxzero.model import build_model
+
+    if v.stage == 3:
+        if quant != "none":
+            raise TrainingError(f"lora.base_quant {quant} cannot be combined with ZeRO-3, which partitions the base "
+                                f"weights it would quantize; use ZeRO-2 (`fluxzero gen-config --zero-stage 2`) or "
+                                f"set lora.base_quant: none")
+        with deepspeed.zero.Init(config_dict_or_path=ds):
+            model = build_model(model_cfg, attention=attention)
+        if weights:
+            load_pretrained(model, weights, model_cfg)
+        return model
+    finish = _finisher(weights, model_cfg, quant)
+    return build_model(model_cfg, device=device, dtype=model_dtype(v), attention=attention, finish=finish)
+
+
+def _finisher(weights: str | None, model_cfg: ModelConfig, quant: str):
+    """build_model's per-module step: copy the module's pretrained tensors in, then quantize it if it is a block
+    linear and `quant` asks for it (None when there is nothing to do)."""
+    if not weights and quant == "none":
+        return None
+    if quant != "none":
+        from fluxzero.model.quant import QuantError, check_quant, quantize_linear, quantizes
+
+        try:
+            check_quant(quant)
+        except QuantError as e:
+            raise TrainingError(str(e)) from None
+    take = _weights_taker(weights, model_cfg) if weights else None
+
+    @torch.no_grad()
+    def finish(name: str, module: torch.nn.Module) -> None:
+        if take is not None:
+            for pname, p in module.named_parameters(recurse=False):
+                p.copy_(take(f"{name}.{pname}" if name else pname))
+        if quant != "none" and quantizes(name, module):
+            quantize_linear(module, quant)
+
+    return finish
+
+
+def _weights_taker(path: str, model_cfg: ModelConfig):
+    """take(name) -> that tensor of the weights file, read one at a time in file order (iter_weights checks the
+    whole file against the model first: a WeightsError names what does not fit before anything is read)."""
+    from fluxzero.model.weights import iter_weights
+
+    tensors = iter_weights(path, cfg=model_cfg)
+    pending = dict([next(tensors)])
+
+    def take(key):
+        while key not in pending:
+            k, t = next(tensors)
+            pending[k] = t
+        return pending.pop(key)
+
+    return take
 
 
 def model_dtype(v: DSView) -> torch.dtype:
@@ -139,35 +205,24 @@ def _require_grad(module, args, output):
 
 
 @torch.no_grad()
-def load_pretrained(model: torch.nn.Module, path: str, model_cfg: ModelConfig, partitioned: bool) -> None:
-    """Copy pretrained weights into `model`; under ZeRO-3 module by module into the partitioned params.
+def load_pretrained(model: torch.nn.Module, path: str, model_cfg: ModelConfig) -> None:
+    """Copy pretrained weights into a ZeRO-3 `model`, module by module into the partitioned params (below stage 3
+    born_model copies them in as it builds the model).
 
-    Partitioned: only rank 0 reads the file, one tensor at a time; each module's own parameters are
+    Only rank 0 reads the file, one tensor at a time; each module's own parameters are
     gathered to full shape for the copy (GatheredParameters, modifier_rank=0) and re-partitioned on exit,
     so no rank ever holds more than one module whole.
     """
-    from fluxzero.model.weights import iter_weights, load_weights
-
-    if not partitioned:
-        model.load_state_dict(load_weights(path, cfg=model_cfg, dtype=torch.float32), strict=True)
-        return
     rank = dist.get_rank()
-    tensors, error = None, [None]
+    take, error = None, [None]
     if rank == 0:
-        try:  # iter_weights checks names and shapes of the whole file before the first read
-            tensors = iter_weights(path, cfg=model_cfg, dtype=torch.float32)
-            pending = dict([next(tensors)])
+        try:
+            take = _weights_taker(path, model_cfg)
         except (ValueError, OSError) as e:
             error = [str(e)]
     broadcast_objects(error, src=0)
     if error[0]:
         raise TrainingError(error[0])
-
-    def take(key):
-        while key not in pending:
-            k, v = next(tensors)
-            pending[k] = v
-        return pending.pop(key)
 
     for name, module in model.named_modules():
         local = list(module.named_parameters(recurse=False))

@@ -191,3 +191,16 @@ def test_rope_matches_complex_rotation_and_gradcheck():
     # bf16 in, bf16 out, computed in float32: equals rotating the float32 copy then rounding
     xb = x.detach().bfloat16()
     torch.testing.assert_close(fmath.apply_rope(xb, pe), fmath.apply_rope(xb.float(), pe).bfloat16(), rtol=0, atol=0)
+
+
+def test_one_seed_gives_the_float32_weights_rounded_in_every_dtype():
+    # build_model initialises in float32 and rounds each module to its dtype: a bf16 run and an fp32 run of one
+    # seed start from the same weights, and the generator is left where an fp32 build leaves it
+    torch.manual_seed(3)
+    fp32 = build_model("flux-tiny").state_dict()
+    after = torch.rand(1)
+    torch.manual_seed(3)
+    bf16 = build_model("flux-tiny", dtype=torch.bfloat16).state_dict()
+    assert torch.equal(torch.rand(1), after)
+    assert bf16.keys() == fp32.keys()
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, fp32[k].bfloat16()) for k, v in bf16.items())

@@ -18,7 +18,7 @@ import yaml
 
 from fluxzero.config import LoraConfig, TrainConfig, get_model_config, lora_param_count
 from fluxzero.config.lora import TARGET_PRESETS, linear_shapes
-from tests.helpers import TRAINER_CHILD, close_group, enter_rank, plain_losses, spawn_ranks, tiny_ds, tiny_weights
+from tests.helpers import TRAINER_CHILD, close_group, enter_training_rank, plain_losses, spawn_ranks, tiny_ds, tiny_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA4 = "synthetic:n=4,hw=8x8,txt=4,ctx=64,vec=32"
@@ -276,14 +276,7 @@ def test_bad_lora_input_through_the_trainer(tmp_path):
 # Slow: 2 ranks, ZeRO-2 and ZeRO-3, one spawned launch for every run
 # ---------------------------------------------------------------------------------------------------------
 def _worker(rank, world, port, jobs, probe, out_file):
-    import faulthandler
-
-    faulthandler.dump_traceback_later(600, exit=True)  # a rank stuck in a collective fails the test, with stacks
-    enter_rank(rank, world, port, FLUXZERO_NO_PROGRESS="1")
-    torch.set_num_threads(1)
-    import warnings
-
-    warnings.filterwarnings("ignore")
+    enter_training_rank(rank, world, port)
     from fluxzero.train.loop import train
 
     results, done = {}, False

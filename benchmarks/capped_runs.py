@@ -1,0 +1,191 @@
+"""launch/train.py under a memory cap: what fits on a 24 GB (or 16 GB) card, proven on a bigger one.
+
+Each case is a real run: `fluxzero gen-config` (the CLI itself) writes the DeepSpeed JSON, a run file names it,
+and launch/train.py's main() runs it in a process of its own under a per-run timeout. Before the trainer starts,
+that process caps PyTorch's CUDA allocator at --memory-cap-gib with
+torch.cuda.set_per_process_memory_fraction(cap / total), so anything that would allocate more than the smaller
+card holds fails here as it would there (the cap is what torch reports for the card: ~23.6 GiB for a 24 GB RTX
+4090, ~15.6 GiB for a 16 GB card). Each row (JSON line in --out, appended as soon as the case ends) records
+samples/s (median of metrics.jsonl after the warm-up steps), peak allocated and reserved GiB
+(torch.cuda.max_memory_*), the host's peak RSS of the trainer process, the cap, the exit code and the last line
+of the trainer's output when it failed (an out-of-memory is one sentence there). A short table is printed last.
+
+    # GPU, the 24 GB LoRA story: FLUX.1-dev (random init, `weights:` unset), rank 16, 512 px
+    PYTHONPATH=. python3 benchmarks/capped_runs.py --set lora24 --memory-cap-gib 23.6 --out $OUT/capped.jsonl
+    # CPU smoke test of the same code path on flux-tiny (no cap: there is no CUDA allocator to cap)
+    PYTHONPATH=. python3 benchmarks/capped_runs.py --set cpu-smoke --out /tmp/capped.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1024**3
+
+
+@dataclass
+class Case:
+    name: str
+    gen_config: list[str]  # gen-config options beyond the common ones (model, micro batch, precision, ...)
+    lora: dict = field(default_factory=dict)  # the run file's lora: section
+    model: str = "flux-dev"
+    data: str = "synthetic:n=64,hw=64x64,txt=512,ctx=4096,vec=768,ch=16"  # 512 px: 1024 image + 512 text tokens
+    micro_batch: int = 1
+    precision: str = "bf16"
+    steps: int = 8
+    warmup: int = 3  # steps left out of the median (allocation, DeepSpeed's first-step setup)
+    timeout: int = 900
+
+
+_LORA16 = {"rank": 16, "targets": "all-linear"}
+SETS = {
+    # the issue's 24 GB row: ZeRO-2 with the bf16 base, ZeRO-2 with the int8 base, ZeRO-3 parameter offload
+    "lora24": [
+        Case("z2-bf16-base", ["--zero-stage", "2"], {**_LORA16, "base_quant": "none"}),
+        Case("z2-int8-base", ["--zero-stage", "2"], {**_LORA16, "base_quant": "int8"}),
+        Case("z3-param-offload", ["--zero-stage", "3", "--offload-param", "cpu"], {**_LORA16, "base_quant": "none"}),
+    ],
+    "cpu-smoke": [
+        Case(f"tiny-{n}", opts, {"rank": 4, "targets": "all-linear", "base_quant": q}, model="flux-tiny",
+             data="synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32", steps=3, warmup=1, timeout=600)
+        for n, opts, q in [("z2-bf16-base", ["--zero-stage", "2"], "none"),
+                           ("z2-int8-base", ["--zero-stage", "2"], "int8"),
+                           ("z3-param-offload", ["--zero-stage", "3", "--offload-param", "cpu"], "none")]
+    ],
+}
+
+# The trainer's process: cap the CUDA allocator, run launch/train.py's main(), write what it used.
+CHILD = r"""
+import json, os, resource, sys
+root, cap, run_file, stats_file = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
+sys.path.insert(0, root)
+import torch
+GIB = 1024**3
+stats = {"memory_cap_gib": cap or None}
+if torch.cuda.is_available():
+    total = torch.cuda.get_device_properties(0).total_memory
+    stats["device_total_gib"] = total / GIB
+    if cap:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GIB / total))
+code = 1
+try:
+    from fluxzero.train.loop import main
+    code = main(["--config", run_file])
+finally:
+    stats["exit_code"] = code
+    stats["host_peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+    if torch.cuda.is_available():
+        stats["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+        stats["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+    with open(stats_file, "w") as f:
+        json.dump(stats, f)
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(code)
+"""
+
+
+def _gen_config(case: Case, path: Path) -> None:
+    cmd = [sys.executable, "-m", "fluxzero.cli", "gen-config", "--model", case.model,
+           "--micro-batch", str(case.micro_batch), "--precision", case.precision, "--checkpoint-every", "1",
+           "--adam-impl", "torch", "--lr", "1e-4", "--scheduler", "none", "--steps-per-print", "1000000000",
+           *case.gen_config, "-o", str(path)]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)
+
+
+def run_case(case: Case, cap: float, work: Path) -> dict:
+    """One case in its own process; the row of what it measured (or how it failed)."""
+    work.mkdir(parents=True, exist_ok=True)
+    row = {"case": case.name, "model": case.model, "data": case.data, "micro_batch": case.micro_batch,
+           "precision": case.precision, "gen_config": case.gen_config, "lora": case.lora,
+           "memory_cap_gib": cap or None}
+    try:
+        _gen_config(case, work / "ds.json")
+    except subprocess.CalledProcessError as e:
+        return {**row, "ok": False, "error": (e.stderr or e.stdout).strip().splitlines()[-1]}
+    run = {"deepspeed": str(work / "ds.json"), "data": case.data, "output_dir": str(work / "run"),
+           "model": case.model, "steps": case.steps, "seed": 0, "log_every": 1, "resume": False,
+           "checkpoint_every": 0, "export_format": None, "lora": case.lora}
+    (work / "run.json").write_text(json.dumps(run))  # YAML is a superset of JSON: the run file as it is
+    env = {**os.environ, "FLUXZERO_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)}
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+        env.setdefault(k, v)
+    env.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    stats_file = work / "stats.json"
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), str(cap or 0), str(work / "run.json"),
+                              str(stats_file)], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=case.timeout)
+        code, tail = out.returncode, (out.stdout + out.stderr).strip().splitlines()[-1:]
+    except subprocess.TimeoutExpired:
+        code, tail = None, [f"timed out after {case.timeout} s"]
+    row["wall_s"] = round(time.perf_counter() - t0, 1)
+    if stats_file.is_file():
+        row.update(json.loads(stats_file.read_text()))
+    metrics = work / "run" / "metrics.jsonl"
+    speeds = []
+    if metrics.is_file():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        speeds = [r["samples_per_s"] for r in rows if "samples_per_s" in r and r.get("step", 0) > case.warmup]
+    row["samples_per_s"] = statistics.median(speeds) if speeds else None
+    row["ok"] = code == 0 and bool(speeds)
+    if not row["ok"]:
+        row["error"] = tail[0] if tail else f"exit code {code}"
+    return row
+
+
+def _table(rows: list[dict]) -> str:
+    def f(v, fmt="{:.2f}"):
+        return "-" if v is None else fmt.format(v)
+
+    lines = ["| case | ok | samples/s | peak alloc GiB | peak reserved GiB | host RSS GiB | cap GiB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {'yes' if r['ok'] else 'no: ' + r.get('error', '')[:80]} | "
+                     f"{f(r.get('samples_per_s'))} | {f(r.get('peak_allocated_gib'))} | "
+                     f"{f(r.get('peak_reserved_gib'))} | {f(r.get('host_peak_rss_gib'))} | "
+                     f"{f(r.get('memory_cap_gib'), '{:.1f}')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--set", choices=sorted(SETS), default="lora24")
+    ap.add_argument("--cases", help="comma-separated case names of the set (default: all)")
+    ap.add_argument("--memory-cap-gib", type=float, default=0.0,
+                    help="cap PyTorch's CUDA allocator at this many GiB in each trainer process (0: no cap)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "capped_runs.jsonl")
+    ap.add_argument("--workdir", type=Path, help="where the runs write (default: a temporary folder)")
+    a = ap.parse_args(argv)
+    cases = SETS[a.set]
+    if a.cases:
+        wanted = a.cases.split(",")
+        unknown = sorted(set(wanted) - {c.name for c in cases})
+        if unknown:
+            ap.error(f"no case {', '.join(unknown)} in set {a.set}; its cases: {', '.join(c.name for c in cases)}")
+        cases = [c for c in cases if c.name in wanted]
+    work = a.workdir or Path(tempfile.mkdtemp(prefix="capped_runs_"))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for case in cases:
+        row = run_case(case, a.memory_cap_gib, work / case.name)
+        rows.append(row)
+        with a.out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"{case.name}: {'ok' if row['ok'] else 'FAILED'} samples/s={row.get('samples_per_s')} "
+              f"peak_alloc={row.get('peak_allocated_gib')} rss={row.get('host_peak_rss_gib')}", flush=True)
+    print(_table(rows))
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

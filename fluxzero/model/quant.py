@@ -1,0 +1,61 @@
+"""A quantized frozen base for LoRA (QLoRA-style): the transformer blocks' linear weights stored weight-only
+quantized through torchao, dequantized inside each matmul; the adapters PEFT puts on top (its torchao tuner,
+peft/tuners/lora/torchao.py) train in the usual dtypes.
+
+- int8: torchao's Int8WeightOnlyConfig, symmetric absmax with one float32 scale per output row: 1 byte a weight
+  instead of bf16's 2. FLUX.1-dev's blocks hold 11.8B of its 11.9B parameters, so the base goes from 23.8 GB
+  to 12.0 GB.
+- fp8: Float8WeightOnlyConfig (e4m3, one scale per row): the same size, 3 mantissa bits instead of int8's ~7.
+
+Only the linears of `double_blocks` / `single_blocks` are quantized; the embedders, norms, biases and final
+layer stay in the model's dtype (0.6% of FLUX.1-dev). A quantized weight becomes a non-persistent buffer, not a
+parameter: DeepSpeed broadcasts every parameter through a uint8 view that torchao's tensors do not implement,
+while buffers it neither broadcasts, partitions, hands to the optimizer nor saves (every rank quantizes the same
+weights, so the ranks agree without a broadcast). Exports never see them: a LoRA file holds the adapters only
+and a merged export merges them into the base weights file, never into these quantized copies.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+BLOCKS = ("double_blocks.", "single_blocks.")
+
+
+class QuantError(ValueError):
+    """A quantized base that this installation or configuration cannot train."""
+
+
+def _config(kind: str):
+    try:
+        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
+    except ImportError:
+        raise QuantError(f"lora.base_quant {kind} needs torchao: pip install -e '.[lowmem]'") from None
+    return {"int8": Int8WeightOnlyConfig, "fp8": Float8WeightOnlyConfig}[kind]()
+
+
+def check_quant(kind: str) -> None:
+    """Raise QuantError (one sentence naming the pip extra) when `kind` cannot be made here."""
+    if kind != "none":
+        _config(kind)
+
+
+def quantizes(name: str, module: nn.Module) -> bool:
+    """True for the modules `quantize_linear` is applied to: the nn.Linear layers of the transformer blocks."""
+    return type(module) is nn.Linear and name.startswith(BLOCKS)
+
+
+def quantize_linear(module: nn.Linear, kind: str) -> None:
+    """Replace `module`'s weight by its `kind` (int8, fp8) weight-only quantized copy, kept as a non-persistent
+    buffer (module docstring: why); its bias stays a frozen parameter."""
+    from torchao.quantization import quantize_
+
+    quantize_(module, _config(kind))
+    weight = module.weight.detach()
+    del module.weight
+    module.register_buffer("weight", weight, persistent=False)
+
+
+def is_quantized(module: nn.Module) -> bool:
+    from torchao.utils import TorchAOBaseTensor
+
+    return isinstance(getattr(module, "weight", None), TorchAOBaseTensor)
