@@ -51,3 +51,25 @@ def test_the_link_check_can_fail(tmp_path):
 
 def test_the_readme_is_a_first_screen():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+def _undocumented(cls, text: str, prefix: str = "") -> list[str]:
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(cls)
+            if not re.search(rf"`{re.escape(prefix + f.name)}[`.]", text)]  # `flow.shift` documents `flow`
+
+
+def test_every_run_file_key_is_documented():
+    """A run-file key users cannot find is a key they cannot use: training.md's table, lora.md's for `lora:`."""
+    from fluxzero.config import TrainConfig
+    from fluxzero.config.ema import EmaConfig
+    from fluxzero.config.lora import LoraConfig
+    from fluxzero.config.run import FlowConfig
+
+    training = (ROOT / "docs" / "training.md").read_text()
+    assert not _undocumented(TrainConfig, training), "document these run-file keys in docs/training.md"
+    assert not _undocumented(FlowConfig, training, "flow."), "document these flow keys in docs/training.md"
+    assert not _undocumented(EmaConfig, training, "ema."), "document these ema keys in docs/training.md"
+    assert not _undocumented(LoraConfig, (ROOT / "docs" / "lora.md").read_text()), "document these in docs/lora.md"
+    assert _undocumented(TrainConfig, "`deepspeed` `data`") != []  # the check can fail
