@@ -11,6 +11,7 @@ import click
 # command name -> "module:attribute"; each module keeps torch/deepspeed imports inside command bodies.
 COMMANDS: dict[str, str] = {
     "cache": "fluxzero.commands.cache:cache",
+    "tiny-encoders": "fluxzero.commands.cache:tiny_encoders",
     "launch": "fluxzero.commands.launch:launch",
     "doctor": "fluxzero.commands.launch:doctor",
     "monitor": "fluxzero.commands.launch:monitor",

@@ -183,7 +183,7 @@ def check_user_env(env: dict[str, str]) -> None:
 
 
 def profiles_markdown() -> str:
-    """The README's NCCL profile table (a test keeps README and code identical)."""
+    """docs/multi-node.md's NCCL profile table (a test keeps that file and the code identical)."""
     rows = ["| profile | for | sets | add yourself with `--env` |", "| --- | --- | --- | --- |"]
     for p in PROFILES.values():
         sets = "<br>".join(f"`{v.name}={v.value}`: {v.why}" for v in p.vars)

@@ -11,12 +11,12 @@ _NEEDS = {"torch": "torch", "numpy": "numpy", "safetensors": "safetensors", "tqd
           "transformers": "transformers", "diffusers": "diffusers"}
 
 
-def _check_dependencies() -> None:
+def _check_dependencies(command: str = "fluxzero cache") -> None:
     import importlib.util
 
     missing = [pip for mod, pip in _NEEDS.items() if importlib.util.find_spec(mod) is None]
     if missing:
-        raise click.ClickException(f"fluxzero cache needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+        raise click.ClickException(f"{command} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
                                    f"not installed; install them with pip install -e '.[cache]'.")
 
 
@@ -102,6 +102,11 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
         paths = resolve_paths(flux_dir, vae=vae, t5=t5, clip=clip, t5_tokenizer=t5_tokenizer, clip_tokenizer=clip_tokenizer)
     except DataError as e:
         raise click.UsageError(str(e)) from None
+    from fluxzero.data.tiny_encoders import is_tiny
+
+    if any(is_tiny(os.path.dirname(p)) for p in vars(paths).values()):
+        click.echo("note: these are the tiny random-weight encoders of `fluxzero tiny-encoders`, for trying the "
+                   "pipeline only: the shards fit flux-tiny and are useless for training a real model", err=True)
     try:
         dev, dt = pick_device_dtype(device, dtype)
     except (RuntimeError, DataError) as e:
@@ -142,3 +147,30 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
             click.echo(f"{n_small} of {n_buckets} buckets hold fewer than {SMALL_BUCKET} samples ({n_in_small} samples in all); "
                        f"the trainer repeats the samples of a bucket smaller than a global batch (micro batch x GPUs) to fill "
                        f"one, so a larger --bucket-step (e.g. 64) or a smaller --max-aspect (both merge buckets) may suit this data better.")
+
+
+@click.command("tiny-encoders")
+@click.argument("out_dir", type=_DIR)
+def tiny_encoders(out_dir):
+    """Write tiny random-weight encoders in FLUX.1's folder layout, for trying the pipeline only.
+
+    OUT_DIR gets vae/, text_encoder/ (CLIP), text_encoder_2/ (T5), tokenizer/ and tokenizer_2/, as a FLUX.1
+    diffusers folder has, so `fluxzero cache IMAGES SHARDS --flux-dir OUT_DIR` (and encode-prompts, sample)
+    run without FLUX.1's weights. The weights are random and the tokenizers know 19 words: the shards fit
+    flux-tiny and are useless for training a real model. The same folder every time (seeded).
+    """
+    from pathlib import Path
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise click.UsageError(f"{out} is not empty; give a new folder for the tiny encoders.")
+    _check_dependencies("fluxzero tiny-encoders")
+    from fluxzero.data.tiny_encoders import NOTE_FILE, write_tiny_encoders
+
+    try:
+        write_tiny_encoders(out)
+    except OSError as e:
+        raise click.ClickException(f"cannot write the tiny encoders to {out} ({e.strerror or e}); choose a folder "
+                                   f"you can write to.") from None
+    click.echo(f"wrote tiny random-weight encoders to {out} (see {out / NOTE_FILE}): for trying the pipeline only; "
+               f"try `fluxzero cache IMAGES SHARDS --flux-dir {out} --resolution 256`, then train flux-tiny on SHARDS")

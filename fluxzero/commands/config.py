@@ -114,7 +114,7 @@ _OPTIONS = [
     _opt("adam_impl", click.Choice(ds_check.ADAM_IMPLS), "AdamW implementation: torch (torch.optim.AdamW(fused=True), no build), fused "
          "(DeepSpeed FusedAdam, GPU), cpu (DeepSpeedCPUAdam, with optimizer offload)."),
     _opt("optimizer_mode", click.Choice(list(ds_check.trainable_modes())), "Memory-saving optimizer mode the "
-         "trainer builds instead of DeepSpeed's AdamW on fp32 masters (README: optimizer modes); writes the bf16 "
+         "trainer builds instead of DeepSpeed's AdamW on fp32 masters (docs/optimizer-modes.md); writes the bf16 "
          "and ZeRO keys it needs."),
     _opt("lr", click.FloatRange(min=0, min_open=True), "AdamW learning rate (peak, after warm-up)."),
     _opt("beta1", click.FloatRange(0, 1, max_open=True), "AdamW beta1."),

@@ -1,7 +1,7 @@
 """The one parsed view of a DeepSpeed config: what the trainer, the memory model, `check-config`, `estimate`
 and gen-config's own checks read. No other module reads raw DeepSpeed keys. Pure Python.
 
-Who owns what (the rule the README states): the DeepSpeed JSON owns everything DeepSpeed's engine does
+Who owns what (the rule docs/training.md states): the DeepSpeed JSON owns everything DeepSpeed's engine does
 (ZeRO stage, offload, precision, batch arithmetic, optimizer and lr, lr scheduler, gradient clipping) plus the
 memory policy gen-config --fit chooses together with the stage (the "fluxzero" section: activation
 checkpointing, compiled blocks). The run file owns what the trainer does around the engine (model, weights,

@@ -411,6 +411,22 @@ def small_buckets(manifest: dict, below: int = SMALL_BUCKET) -> tuple[int, int, 
     return len(small), sum(small), len(sizes)
 
 
+def _nothing_usable(skipped: list[dict], plan: dict, opts: CacheOptions, report: Path) -> str:
+    """Why no image made it into a shard, counted by reason, and the option that would change it."""
+    small = sum(s["reason"].startswith("too small") for s in skipped)
+    kinds = ", ".join(f"{n} {what}" for n, what in ((small, "too small"), (len(skipped) - small, "unreadable")) if n)
+    why = f"no image in {opts.images_dir} could be used: {len(skipped)} of {plan['num_images']} skipped ({kinds}); "
+    if not small:
+        return why + f"each file and its reason is in {report}."
+    side = plan["min_image_side"]
+    if opts.min_image_side is None:
+        fix = ("half the smallest bucket side; a lower --resolution or --min-side, or --min-image-side 0 to "
+               "upscale them, keeps them")
+    else:
+        fix = "--min-image-side; a lower value keeps them, 0 keeps all"
+    return why + f"too small means a shorter side below {side} px ({fix}); each file is listed in {report}."
+
+
 def _finalize(out: Path, plan: dict, opts: CacheOptions):
     parts = []
     for s in plan["shards"]:
@@ -426,7 +442,7 @@ def _finalize(out: Path, plan: dict, opts: CacheOptions):
               "captions_matching_no_image": plan["unmatched_captions"]}
     _write_if_changed(out / REPORT_FILE, report)
     if not records:
-        raise DataError(f"no image in {opts.images_dir} could be read; see {out / REPORT_FILE}.")
+        raise DataError(_nothing_usable(skipped, plan, opts, out / REPORT_FILE))
     first = next(p for p in parts if p["record"] is not None)
     kept = [it for s, p in zip(plan["shards"], parts) if p["record"] is not None for it in s["items"] if it["file"] not in bad]
     total = sum(r["num_samples"] for r in records)

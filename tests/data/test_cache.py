@@ -16,10 +16,10 @@ from fluxzero.cli import main
 from fluxzero.data.buckets import cover_and_crop, make_buckets, nearest_bucket
 from fluxzero.data.errors import DataError
 from fluxzero.data.images import captions_for, list_images
+from fluxzero.data.tiny_encoders import CLIP_DIM, T5_DIM, WORDS
+from fluxzero.data.tiny_encoders import write_tiny_encoders as build_tiny_flux_dir
 
-WORDS = "a an the photo of cat dog red blue green house tree sky on in with small big".split()
-# flux-tiny: context_in_dim 64 (tiny T5 d_model), vec_in_dim 32 (tiny CLIP hidden size)
-T5_DIM, CLIP_DIM, T5_LEN = 64, 32, 16
+T5_LEN = 16
 CACHE_ARGS = ["--resolution", "64", "--min-side", "32", "--t5-max-length", str(T5_LEN), "--shard-size", "2", "--batch-size", "2"]
 
 
@@ -83,45 +83,6 @@ def test_caption_sources(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ tiny encoders
-def _tokenizer(kind: str, out: Path) -> tuple[int, int]:
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    bos, unk, eos = ("<pad>", "<unk>", "</s>") if kind == "t5" else ("<|startoftext|>", "<unk>", "<|endoftext|>")
-    vocab = {w: i for i, w in enumerate([bos, unk, *WORDS, eos])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    if kind == "t5":  # T5: "... </s>", padded with <pad> (id 0)
-        tok.post_processor = processors.TemplateProcessing(single=f"$A {eos}", special_tokens=[(eos, vocab[eos])])
-        fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=bos, unk_token=unk, eos_token=eos)
-    else:  # CLIP: "<|startoftext|> ... <|endoftext|>", padded with <|endoftext|>
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A {eos}", special_tokens=[(bos, 0), (eos, vocab[eos])])
-        fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=eos, unk_token=unk, bos_token=bos, eos_token=eos)
-    fast.save_pretrained(out)
-    return len(vocab), vocab[eos]
-
-
-def build_tiny_flux_dir(root: Path) -> Path:
-    """Random-initialised VAE (16 latent channels), T5 (d_model 64) and CLIP (hidden 32) in FLUX's diffusers layout."""
-    import torch
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
-    torch.manual_seed(0)
-    n5, eos5 = _tokenizer("t5", root / "tokenizer_2")
-    nc, eosc = _tokenizer("clip", root / "tokenizer")
-    T5EncoderModel(T5Config(vocab_size=n5, d_model=T5_DIM, d_kv=16, d_ff=128, num_layers=1, num_heads=4,
-                            pad_token_id=0, eos_token_id=eos5)).save_pretrained(root / "text_encoder_2")
-    # eos id != 2, so CLIP pools at the first <|endoftext|> like the real CLIP-L
-    CLIPTextModel(CLIPTextConfig(vocab_size=nc, hidden_size=CLIP_DIM, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, max_position_embeddings=77, projection_dim=CLIP_DIM,
-                                 bos_token_id=0, eos_token_id=eosc, pad_token_id=eosc)).save_pretrained(root / "text_encoder")
-    AutoencoderKL(latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                  block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4, scaling_factor=0.3611,
-                  shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False).save_pretrained(root / "vae")
-    return root
-
-
 def make_images(root: Path) -> Path:
     """Five good images in several aspect ratios and formats, one corrupt, one truncated; captions as .txt."""
     import numpy as np
@@ -268,7 +229,8 @@ def test_bad_input_messages(tiny, tmp_path):
     bad.mkdir()
     (bad / "x.png").write_bytes(b"not an image")
     r = _cache(bad, tmp_path / "o2", "--flux-dir", flux, *CACHE_ARGS)
-    assert r.exit_code == 1 and "could be read" in r.output and "cache_report.json" in r.output
+    assert r.exit_code == 1 and "could be used: 1 of 1 skipped (1 unreadable)" in r.output, r.output
+    assert "cache_report.json" in r.output
     out = tmp_path / "o3"
     assert _cache(images, out, "--flux-dir", flux, *CACHE_ARGS).exit_code == 0
     r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, "--flip", "random")
@@ -583,3 +545,44 @@ def test_large_images_are_not_taken_for_decompression_bombs(tmp_path, monkeypatc
     monkeypatch.setattr(images, "MAX_PIXELS", 200_000)
     with pytest.raises(ValueError, match="600x400 px is more than"):
         images.probe_size(tmp_path / "big.png")
+
+
+def test_tiny_encoders_command_lets_cache_run_without_weights(tmp_path):
+    """`fluxzero tiny-encoders DIR` writes a FLUX.1-layout folder that `cache --flux-dir DIR` takes, marked as a toy."""
+    from fluxzero.data.tiny_encoders import NOTE_FILE
+
+    enc = tmp_path / "tiny"
+    r = CliRunner().invoke(main, ["tiny-encoders", str(enc)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "for trying the pipeline only" in r.output and f"--flux-dir {enc}" in r.output
+    assert {p.name for p in enc.iterdir()} == {"vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", NOTE_FILE}
+    assert "useless for training a real model" in (enc / NOTE_FILE).read_text()
+    r = CliRunner().invoke(main, ["tiny-encoders", str(enc)])
+    assert r.exit_code == 2 and "is not empty" in r.output  # never writes over a folder
+    images = make_images(tmp_path / "images")
+    r = _cache(images, tmp_path / "shards", "--flux-dir", enc, *CACHE_ARGS)
+    assert r.exit_code == 0, r.output
+    assert "tiny random-weight encoders" in r.output and "useless for training a real model" in r.output
+    dims = json.loads((tmp_path / "shards" / "manifest.json").read_text())["dims"]
+    assert (dims["t5_dim"], dims["clip_dim"], dims["latent_channels"]) == (T5_DIM, CLIP_DIM, 16)  # flux-tiny's widths
+
+
+def test_nothing_usable_says_how_many_were_skipped_and_why(tiny, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    flux, _ = tiny
+    data = tmp_path / "small"
+    data.mkdir()
+    for i in range(2):
+        Image.fromarray(np.zeros((8, 12, 3), np.uint8)).save(data / f"s{i}.png")
+    (data / "bad.png").write_bytes(b"not an image")
+    r = _cache(data, tmp_path / "out", "--flux-dir", flux, *CACHE_ARGS)  # smallest bucket side 32: 16 px at least
+    assert r.exit_code == 1, r.output
+    assert "could be used: 3 of 3 skipped (2 too small, 1 unreadable)" in r.output, r.output
+    assert "shorter side below 16 px (half the smallest bucket side; a lower --resolution or --min-side" in r.output
+    assert "cache_report.json" in r.output and "loading encoders" not in r.output
+    report = json.loads((tmp_path / "out" / "cache_report.json").read_text())
+    assert sorted(s["file"] for s in report["skipped"]) == ["bad.png", "s0.png", "s1.png"]
+    r = _cache(data, tmp_path / "out2", "--flux-dir", flux, *CACHE_ARGS, "--min-image-side", "10")
+    assert r.exit_code == 1 and "below 10 px (--min-image-side; a lower value keeps them" in r.output, r.output

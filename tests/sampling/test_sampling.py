@@ -248,7 +248,7 @@ CLI_SIZE = ["--height", "32", "--width", "48", "--steps", "2", "--t5-max-length"
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """Tiny random encoders in FLUX's folder layout (shared with test_cache) and flux-tiny weights."""
-    from tests.data.test_cache import build_tiny_flux_dir
+    from fluxzero.data.tiny_encoders import write_tiny_encoders as build_tiny_flux_dir
 
     base = tmp_path_factory.mktemp("sample")
     flux = build_tiny_flux_dir(base / "flux")

@@ -102,7 +102,7 @@ class FitResult:
 
 CHECKPOINT_CHOICES = (0, 8, 4, 2, 1)  # every k-th block: none, 1/8, 1/4, 1/2, all
 # Optimizer modes --fit tries, best training quality first; None = DeepSpeed's own optimizer on fp32 masters
-# (the reference). The order of the bf16 modes is the README's measured distance from fp32 masters (weight
+# (the reference). The order of the bf16 modes is docs/optimizer-modes.md's measured distance from fp32 masters (weight
 # change off by 0.05% bf16-kahan, 3.0% adamw8bit-sr, 4.4% bf16-sr); adafactor-sr last: not AdamW's trajectory.
 FIT_MODES: tuple[str | None, ...] = (None, "bf16-kahan", "adamw8bit-sr", "bf16-sr", "adafactor-sr")
 
