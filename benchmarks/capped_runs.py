@@ -115,7 +115,9 @@ def run_case(case: Case, cap: float, work: Path) -> dict:
            "model": case.model, "steps": case.steps, "seed": 0, "log_every": 1, "resume": False,
            "checkpoint_every": 0, "export_format": None, "lora": case.lora}
     (work / "run.json").write_text(json.dumps(run))  # YAML is a superset of JSON: the run file as it is
-    env = {**os.environ, "FLUXZERO_NO_PROGRESS": "1", "PYTHONPATH": str(ROOT)}
+    # this checkout first, then whatever path the caller had (the device's wheels live there)
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "FLUXZERO_NO_PROGRESS": "1", "PYTHONPATH": path}
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
         env.setdefault(k, v)
     env.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))

@@ -74,7 +74,7 @@ def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, weights: str, mer
             export_checkpoint(ckpt / tag, out, layout, dtype, weights)
     except TrainingError as e:  # a corrupt checkpoint or an unwritable OUT: the message names which
         raise click.UsageError(str(e)) from None
-    from fluxzero.model.lora import is_lora_file
+    from fluxzero.model.lora_keys import is_lora_file
     from fluxzero.train.lora_export import LORA_LAYOUTS
 
     if merge or base:

@@ -231,10 +231,10 @@ def decide_resume(cfg: TrainConfig, v: DSView, ckpt_dir: Path, allow_config_chan
     if error:
         raise TrainingError(error)
     problem = _writable_problem(Path(cfg.output_dir))
+    if problem is None and tag is not None:  # first what this rank sees of the files it reads (names its host)
+        problem = _rank_checkpoint_problem(v, ckpt_dir, tag, rank)
     if problem is None and tag is not None:  # every rank looks: another node may see other files
         problem = stray_files_problem(ckpt_dir / tag, expected, v.load_universal, resume_advice(ckpt_dir, tag))
-    if problem is None and tag is not None:
-        problem = _rank_checkpoint_problem(v, ckpt_dir, tag, rank)
     all_ranks_ok(problem)
     return tag
 

@@ -118,9 +118,12 @@ class Prefetcher:
                     t.record_stream(current)
         return item
 
-    def close(self) -> None:
-        """Stop the thread at its next hand-over (it is a daemon: a thread still reading does not block exit)."""
+    def close(self, wait: float = 10.0) -> None:
+        """Stop the thread at its next hand-over and wait for it (up to `wait` s: a batch it is preparing ends
+        first), so that no thread is inside torch while the process tears down."""
         self._closed.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=wait)
 
 
 class TrainStep:

@@ -191,7 +191,7 @@ def test_pruning_skips_a_checkpoint_an_export_is_reading_and_takes_it_next_time(
 
 def test_an_export_of_a_pruned_step_folder_says_so(tmp_path):
     from fluxzero.train.distributed import TrainingError
-    from fluxzero.train.export import resolve_checkpoint
+    from fluxzero.train.consolidate import resolve_checkpoint
 
     (tmp_path / "step_00000002").mkdir()
     (tmp_path / "latest").write_text("step_00000002")
