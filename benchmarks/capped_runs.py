@@ -18,8 +18,10 @@ of the trainer's output when it failed (an out-of-memory is one sentence there).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -27,6 +29,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1024**3
@@ -44,6 +48,9 @@ class Case:
     steps: int = 8
     warmup: int = 3  # steps left out of the median (allocation, DeepSpeed's first-step setup)
     timeout: int = 900
+    # `gen-config --fit` options (GPU and host memory, LoRA rank): the config and the lora: section are then what
+    # --fit writes and prints (micro batch, stage, base quantization), and its predicted peak goes in the row
+    fit: list[str] | None = None
 
 
 _LORA16 = {"rank": 16, "targets": "all-linear"}
@@ -53,6 +60,20 @@ SETS = {
         Case("z2-bf16-base", ["--zero-stage", "2"], {**_LORA16, "base_quant": "none"}),
         Case("z2-int8-base", ["--zero-stage", "2"], {**_LORA16, "base_quant": "int8"}),
         Case("z3-param-offload", ["--zero-stage", "3", "--offload-param", "cpu"], {**_LORA16, "base_quant": "none"}),
+    ],
+    # what `gen-config --fit` chooses for each card of the issue (the configs users run); host 128 GiB
+    "fit": [
+        Case("fit-lora16-512px-24gb", [], fit=["--gpu-memory", "24", "--host-memory", "128", "--lora-rank", "16"]),
+        Case("fit-lora16-1024px-24gb", [], data="synthetic:n=64,hw=128x128,txt=512,ctx=4096,vec=768,ch=16",
+             fit=["--gpu-memory", "24", "--host-memory", "128", "--lora-rank", "16", "--resolution", "1024"]),
+        Case("fit-lora16-512px-16gb", [], fit=["--gpu-memory", "16", "--host-memory", "128", "--lora-rank", "16"]),
+        Case("fit-full-512px-80gb", [], fit=["--gpu-memory", "80", "--host-memory", "120"]),
+        Case("fit-full-512px-48gb", [], fit=["--gpu-memory", "48", "--host-memory", "120"]),
+    ],
+    "cpu-fit-smoke": [
+        Case("tiny-fit-lora", [], model="flux-tiny", data="synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32", steps=3,
+             warmup=1, timeout=600, fit=["--gpu-memory", "24", "--host-memory", "64", "--lora-rank", "4",
+                                         "--resolution", "128"]),
     ],
     "cpu-smoke": [
         Case(f"tiny-{n}", opts, {"rank": 4, "targets": "all-linear", "base_quant": q}, model="flux-tiny",
@@ -93,12 +114,27 @@ finally:
 """
 
 
-def _gen_config(case: Case, path: Path) -> None:
+def _gen_config(case: Case, path: Path) -> dict:
+    """Writes the case's DeepSpeed JSON; for a --fit case, what --fit chose: micro batch, lora:, predicted peak."""
+    if case.fit is not None:
+        cmd = [sys.executable, "-m", "fluxzero.cli", "gen-config", "--fit", "--world-size", "1", "--model",
+               case.model, *case.fit, *case.gen_config, "-o", str(path)]
+        done = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)
+        out = done.stdout + done.stderr
+        chose = {"micro_batch": json.loads(path.read_text())["train_micro_batch_size_per_gpu"],
+                 "fit_chose": next((ln.strip() for ln in out.splitlines() if ln.strip().startswith("chose")), None)}
+        m = re.search(r"predicted ([0-9.]+) GiB allocated", out)
+        chose["fit_predicted_gib"] = float(m.group(1)) if m else None
+        m = re.search(r"lora: (\{[^}]*\})", out)
+        if m:
+            chose["lora"] = yaml.safe_load(m.group(1))
+        return chose
     cmd = [sys.executable, "-m", "fluxzero.cli", "gen-config", "--model", case.model,
            "--micro-batch", str(case.micro_batch), "--precision", case.precision, "--checkpoint-every", "1",
            "--adam-impl", "torch", "--lr", "1e-4", "--scheduler", "none", "--steps-per-print", "1000000000",
            *case.gen_config, "-o", str(path)]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)
+    return {}
 
 
 def run_case(case: Case, cap: float, work: Path) -> dict:
@@ -108,12 +144,13 @@ def run_case(case: Case, cap: float, work: Path) -> dict:
            "precision": case.precision, "gen_config": case.gen_config, "lora": case.lora,
            "memory_cap_gib": cap or None}
     try:
-        _gen_config(case, work / "ds.json")
+        row.update(_gen_config(case, work / "ds.json"))
     except subprocess.CalledProcessError as e:
-        return {**row, "ok": False, "error": (e.stderr or e.stdout).strip().splitlines()[-1]}
+        lines = (e.stderr or e.stdout).strip().splitlines()
+        return {**row, "ok": False, "error": " ".join(lines[-6:]) if case.fit is not None else lines[-1]}
     run = {"deepspeed": str(work / "ds.json"), "data": case.data, "output_dir": str(work / "run"),
            "model": case.model, "steps": case.steps, "seed": 0, "log_every": 1, "resume": False,
-           "checkpoint_every": 0, "export_format": None, "lora": case.lora}
+           "checkpoint_every": 0, "export_format": None, "lora": row["lora"] or None}
     (work / "run.json").write_text(json.dumps(run))  # YAML is a superset of JSON: the run file as it is
     # this checkout first, then whatever path the caller had (the device's wheels live there)
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -149,11 +186,12 @@ def _table(rows: list[dict]) -> str:
     def f(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
 
-    lines = ["| case | ok | samples/s | peak alloc GiB | peak reserved GiB | host RSS GiB | cap GiB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| case | ok | micro batch | samples/s | peak alloc GiB | --fit predicted GiB | peak reserved GiB "
+             "| host RSS GiB | cap GiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {'yes' if r['ok'] else 'no: ' + r.get('error', '')[:80]} | "
-                     f"{f(r.get('samples_per_s'))} | {f(r.get('peak_allocated_gib'))} | "
+                     f"{r.get('micro_batch')} | {f(r.get('samples_per_s'))} | {f(r.get('peak_allocated_gib'))} | "
+                     f"{f(r.get('fit_predicted_gib'))} | "
                      f"{f(r.get('peak_reserved_gib'))} | {f(r.get('host_peak_rss_gib'))} | "
                      f"{f(r.get('memory_cap_gib'), '{:.1f}')} |")
     return "\n".join(lines)
@@ -165,6 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", help="comma-separated case names of the set (default: all)")
     ap.add_argument("--memory-cap-gib", type=float, default=0.0,
                     help="cap PyTorch's CUDA allocator at this many GiB in each trainer process (0: no cap)")
+    ap.add_argument("--timeout", type=int, help="seconds per case (default: each case's own)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "capped_runs.jsonl")
     ap.add_argument("--workdir", type=Path, help="where the runs write (default: a temporary folder)")
     a = ap.parse_args(argv)
@@ -175,6 +214,8 @@ def main(argv=None) -> int:
         if unknown:
             ap.error(f"no case {', '.join(unknown)} in set {a.set}; its cases: {', '.join(c.name for c in cases)}")
         cases = [c for c in cases if c.name in wanted]
+    if a.timeout:
+        cases = [dataclasses.replace(c, timeout=a.timeout) for c in cases]
     work = a.workdir or Path(tempfile.mkdtemp(prefix="capped_runs_"))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     rows = []

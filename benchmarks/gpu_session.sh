@@ -38,5 +38,25 @@ D)
   timeout 150 python3 benchmarks/ckpt_zero3.py --model flux-tiny --res 512 --precision bf16 --steps 4 --out $R/ckpt_zero3.json > $R/ckpt.out 2>&1
   tail -12 $R/ckpt.out
   ;;
+E)  # issue 23: the 24 GB LoRA --fit picks; issue 27: zero2-offload's slow start (py-spy dumps while it runs), zero3-offload
+  timeout 280 python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-512px-24gb --timeout 265 --memory-cap-gib 23.6 \
+     --out $R/capped_fit.jsonl > $R/capped_e.log 2>&1; tail -3 $R/capped_e.log
+  (timeout 190 python3 benchmarks/offload_presets.py --presets zero2-offload --model flux-tiny --res 256 --steps 4 \
+     --timeout 80 --out $R/op > $R/op_z2.log 2>&1) &
+  last=0; for t in 35 70; do sleep $((t - last)); last=$t
+    for p in $(pgrep -f "launch/train.py" | head -3); do
+      echo "== t=$t pid $p" >> $R/spy.txt; timeout 20 py-spy dump --pid $p >> $R/spy.txt 2>&1; done; done
+  wait; tail -4 $R/op_z2.log
+  timeout 100 python3 benchmarks/offload_presets.py --presets zero3-offload --model flux-tiny --res 256 --steps 4 \
+     --timeout 60 --out $R/op > $R/op_z3.log 2>&1; tail -4 $R/op_z3.log
+  ;;
+F)  # the other LoRA cards of issue 23 and ZeRO-3 parameter offload under the 24 GB cap
+  timeout 230 python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-512px-16gb --timeout 215 --memory-cap-gib 15.6 \
+     --out $R/capped_fit.jsonl > $R/capped_f1.log 2>&1; tail -3 $R/capped_f1.log
+  timeout 200 python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-1024px-24gb --timeout 185 --memory-cap-gib 23.6 \
+     --out $R/capped_fit.jsonl > $R/capped_f2.log 2>&1; tail -3 $R/capped_f2.log
+  timeout 150 python3 benchmarks/capped_runs.py --set lora24 --cases z3-param-offload --timeout 140 --memory-cap-gib 23.6 \
+     --out $R/capped_fit.jsonl > $R/capped_f3.log 2>&1; tail -3 $R/capped_f3.log
+  ;;
 esac
 tar czf $OUTDIR/results_$1.tgz -C $R .
