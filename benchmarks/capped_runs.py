@@ -86,8 +86,8 @@ SETS = {
 
 # The trainer's process: cap the CUDA allocator, run launch/train.py's main(), write what it used.
 CHILD = r"""
-import json, os, resource, sys
-root, cap, run_file, stats_file = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
+import json, os, resource, sys, threading, time
+root, cap, run_file, stats_file, metrics, steps = sys.argv[1], float(sys.argv[2]), *sys.argv[3:6], int(sys.argv[6])
 sys.path.insert(0, root)
 import torch
 GIB = 1024**3
@@ -97,11 +97,8 @@ if torch.cuda.is_available():
     stats["device_total_gib"] = total / GIB
     if cap:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GIB / total))
-code = 1
-try:
-    from fluxzero.train.loop import main
-    code = main(["--config", run_file])
-finally:
+
+def finish(code):
     stats["exit_code"] = code
     stats["host_peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
     if torch.cuda.is_available():
@@ -111,6 +108,30 @@ finally:
         json.dump(stats, f)
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(code)
+
+T0 = time.time()
+
+def watch():  # the measurement ends with the last step's metrics row: the final save is not part of it
+    while True:
+        time.sleep(0.5)
+        try:
+            with open(metrics) as f:
+                n = sum(1 for line in f if '"samples_per_s"' in line)
+            if n and "first_step_logged_s" not in stats:  # start-up: build, quantize, compile, first step
+                stats["first_step_logged_s"] = round(time.time() - T0, 1)
+            if n >= steps:
+                stats["stopped_after_steps"] = steps
+                finish(0)
+        except OSError:
+            pass
+
+threading.Thread(target=watch, daemon=True).start()
+code = 1
+try:
+    from fluxzero.train.loop import main
+    code = main(["--config", run_file])
+finally:
+    finish(code)
 """
 
 
@@ -160,13 +181,16 @@ def run_case(case: Case, cap: float, work: Path) -> dict:
     env.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     stats_file = work / "stats.json"
     t0 = time.perf_counter()
-    try:
-        out = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), str(cap or 0), str(work / "run.json"),
-                              str(stats_file)], cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=case.timeout)
-        code, tail = out.returncode, (out.stdout + out.stderr).strip().splitlines()[-1:]
-    except subprocess.TimeoutExpired:
-        code, tail = None, [f"timed out after {case.timeout} s"]
+    log = work / "train.log"  # the trainer's whole output, kept beside the run (a timeout leaves it too)
+    with log.open("w") as f:
+        try:
+            code = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), str(cap or 0), str(work / "run.json"),
+                                   str(stats_file), str(work / "run" / "metrics.jsonl"), str(case.steps)],
+                                  cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=case.timeout
+                                  ).returncode
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:]
+        except subprocess.TimeoutExpired:
+            code, tail = None, [f"timed out after {case.timeout} s"]
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     if stats_file.is_file():
         row.update(json.loads(stats_file.read_text()))

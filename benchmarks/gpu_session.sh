@@ -50,13 +50,16 @@ E)  # issue 23: the 24 GB LoRA --fit picks; issue 27: zero2-offload's slow start
   timeout 100 python3 benchmarks/offload_presets.py --presets zero3-offload --model flux-tiny --res 256 --steps 4 \
      --timeout 60 --out $R/op > $R/op_z3.log 2>&1; tail -4 $R/op_z3.log
   ;;
-F)  # the other LoRA cards of issue 23 and ZeRO-3 parameter offload under the 24 GB cap
-  timeout 230 python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-512px-16gb --timeout 215 --memory-cap-gib 15.6 \
-     --out $R/capped_fit.jsonl > $R/capped_f1.log 2>&1; tail -3 $R/capped_f1.log
-  timeout 200 python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-1024px-24gb --timeout 185 --memory-cap-gib 23.6 \
-     --out $R/capped_fit.jsonl > $R/capped_f2.log 2>&1; tail -3 $R/capped_f2.log
-  timeout 150 python3 benchmarks/capped_runs.py --set lora24 --cases z3-param-offload --timeout 140 --memory-cap-gib 23.6 \
-     --out $R/capped_fit.jsonl > $R/capped_f3.log 2>&1; tail -3 $R/capped_f3.log
+F)  # issue 23: the 24 GB and 16 GB LoRA as --fit writes them, with py-spy dumps of the trainer every 50 s
+  export PATH=/tmp/site/bin:$PATH
+  (while sleep 50; do for p in $(pgrep -f "fluxzero.train.loop import main" | head -2); do
+     echo "== $(date +%T) pid $p" >> $R/spy.txt; timeout 15 py-spy dump --pid $p >> $R/spy.txt 2>&1; done; done) &
+  spy=$!
+  timeout 330 python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-512px-24gb --timeout 320 --memory-cap-gib 23.6 \
+     --workdir $R/cw --out $R/capped_fit.jsonl > $R/capped_f1.log 2>&1; tail -3 $R/capped_f1.log
+  timeout 230 python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-512px-16gb --timeout 220 --memory-cap-gib 15.6 \
+     --workdir $R/cw --out $R/capped_fit.jsonl > $R/capped_f2.log 2>&1; tail -3 $R/capped_f2.log
+  kill $spy; rm -rf $R/cw/*/run/checkpoints
   ;;
 esac
 tar czf $OUTDIR/results_$1.tgz -C $R .
