@@ -61,5 +61,12 @@ F)  # issue 23: the 24 GB and 16 GB LoRA as --fit writes them, with py-spy dumps
      --workdir $R/cw --out $R/capped_fit.jsonl > $R/capped_f2.log 2>&1; tail -3 $R/capped_f2.log
   kill $spy; rm -rf $R/cw/*/run/checkpoints
   ;;
+G)  # issue 23 again after the quantized base stopped switching on Inductor's coordinate-descent tuning
+  for c in "fit-lora16-512px-24gb 150 23.6" "fit-lora16-512px-16gb 125 15.6" "fit-lora16-1024px-24gb 135 23.6" \
+           "fit-full-512px-80gb 165 79.1"; do set -- $c
+    timeout $(($2 + 8)) python3 benchmarks/capped_runs.py --set fit --cases $1 --timeout $2 --memory-cap-gib $3 \
+       --workdir $R/cw --out $R/capped_fit.jsonl > $R/capped_$1.log 2>&1; tail -1 $R/capped_$1.log
+  done; rm -rf $R/cw/*/run/checkpoints
+  ;;
 esac
 tar czf $OUTDIR/results_$1.tgz -C $R .
