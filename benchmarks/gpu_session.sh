@@ -63,9 +63,9 @@ F)  # issue 23: the 24 GB and 16 GB LoRA as --fit writes them, with py-spy dumps
   ;;
 G)  # issue 23 again after the quantized base stopped switching on Inductor's coordinate-descent tuning
   for c in "fit-lora16-512px-24gb 150 23.6" "fit-lora16-512px-16gb 125 15.6" "fit-lora16-1024px-24gb 135 23.6" \
-           "fit-full-512px-80gb 165 79.1"; do set -- $c
-    timeout $(($2 + 8)) python3 benchmarks/capped_runs.py --set fit --cases $1 --timeout $2 --memory-cap-gib $3 \
-       --workdir $R/cw --out $R/capped_fit.jsonl > $R/capped_$1.log 2>&1; tail -1 $R/capped_$1.log
+           "fit-full-512px-80gb 165 79.1"; do read -r n t cap <<< "$c"
+    timeout $((t + 8)) python3 benchmarks/capped_runs.py --set fit --cases $n --timeout $t --memory-cap-gib $cap \
+       --workdir $R/cw --out $R/capped_fit.jsonl > $R/capped_$n.log 2>&1; tail -1 $R/capped_$n.log
   done; rm -rf $R/cw/*/run/checkpoints
   ;;
 esac
