@@ -60,6 +60,9 @@ SETS = {
         Case("z2-bf16-base", ["--zero-stage", "2"], {**_LORA16, "base_quant": "none"}),
         Case("z2-int8-base", ["--zero-stage", "2"], {**_LORA16, "base_quant": "int8"}),
         Case("z3-param-offload", ["--zero-stage", "3", "--offload-param", "cpu"], {**_LORA16, "base_quant": "none"}),
+        # the parameter fetch is paid once per micro batch: a larger one spreads it
+        Case("z3-param-offload-mb4", ["--zero-stage", "3", "--offload-param", "cpu"],
+             {**_LORA16, "base_quant": "none"}, micro_batch=4),
     ],
     # what `gen-config --fit` chooses for each card of the issue (the configs users run); host 128 GiB
     "fit": [
