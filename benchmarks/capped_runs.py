@@ -63,6 +63,8 @@ SETS = {
         # the parameter fetch is paid once per micro batch: a larger one spreads it
         Case("z3-param-offload-mb4", ["--zero-stage", "3", "--offload-param", "cpu"],
              {**_LORA16, "base_quant": "none"}, micro_batch=4),
+        Case("z3-param-offload-mb16", ["--zero-stage", "3", "--offload-param", "cpu"],
+             {**_LORA16, "base_quant": "none"}, micro_batch=16),
     ],
     # what `gen-config --fit` chooses for each card of the issue (the configs users run); host 128 GiB
     "fit": [
