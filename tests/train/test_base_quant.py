@@ -202,10 +202,12 @@ def test_checkpoints_and_exports_hold_no_quantized_tensor(trained):
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_quantizing_leaves_the_compile_settings_alone(kind):
     """torchao's configs default to set_inductor_config=True, which turns on coordinate-descent tuning for the whole
-    process: on an H200 that made the first compiled FLUX.1-dev LoRA step take over 5 minutes."""
+    process: on an H200 that made the first compiled FLUX.1-dev LoRA step take over 5 minutes. The settings start
+    off here (and are restored after), so a quantization that switches them on is seen whatever ran before."""
     import torch._inductor.config as inductor
 
-    before = {k: getattr(inductor, k) for k in ("coordinate_descent_tuning", "coordinate_descent_check_all_directions",
-                                                "force_fuse_int_mm_with_mul")}
-    quantize_linear(torch.nn.Linear(64, 32, dtype=torch.bfloat16), kind)
-    assert {k: getattr(inductor, k) for k in before} == before
+    off = dict(coordinate_descent_tuning=False, coordinate_descent_check_all_directions=False,
+               force_fuse_int_mm_with_mul=False)
+    with inductor.patch(off):
+        quantize_linear(torch.nn.Linear(64, 32, dtype=torch.bfloat16), kind)
+        assert {k: getattr(inductor, k) for k in off} == off
