@@ -8,10 +8,15 @@ card holds fails here as it would there (the cap is what torch reports for the c
 4090, ~15.6 GiB for a 16 GB card). Each row (JSON line in --out, appended as soon as the case ends) records
 samples/s (median of metrics.jsonl after the warm-up steps), peak allocated and reserved GiB
 (torch.cuda.max_memory_*), the host's peak RSS of the trainer process, the cap, the exit code and the last line
-of the trainer's output when it failed (an out-of-memory is one sentence there). A short table is printed last.
+of the trainer's output when it failed (an out-of-memory is one sentence there); the trainer's whole output is in
+train.log beside each run (under --workdir). A run ends at its last step's metrics row (the final save is not
+timed). The `fit` set runs what `gen-config --fit` writes and prints for each card (DeepSpeed JSON, micro batch,
+lora: section) and records --fit's predicted peak beside the measured one. A short table is printed last.
 
     # GPU, the 24 GB LoRA story: FLUX.1-dev (random init, `weights:` unset), rank 16, 512 px
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set lora24 --memory-cap-gib 23.6 --out $OUT/capped.jsonl
+    # GPU, every card of issue 23 as --fit chooses (one case per call: --cases, with a --timeout each)
+    PYTHONPATH=. python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-512px-24gb --memory-cap-gib 23.6
     # CPU smoke test of the same code path on flux-tiny (no cap: there is no CUDA allocator to cap)
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set cpu-smoke --out /tmp/capped.jsonl
 """

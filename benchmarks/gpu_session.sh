@@ -39,6 +39,7 @@ D)
   tail -12 $R/ckpt.out
   ;;
 E)  # issue 23: the 24 GB LoRA --fit picks; issue 27: zero2-offload's slow start (py-spy dumps while it runs), zero3-offload
+  export PATH=/tmp/site/bin:$PATH  # py-spy's wheel installs its binary there (without this, call E's dumps failed)
   timeout 280 python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-512px-24gb --timeout 265 --memory-cap-gib 23.6 \
      --out $R/capped_fit.jsonl > $R/capped_e.log 2>&1; tail -3 $R/capped_e.log
   (timeout 190 python3 benchmarks/offload_presets.py --presets zero2-offload --model flux-tiny --res 256 --steps 4 \

@@ -460,3 +460,19 @@ def test_device_wheels_empties_the_folder_and_its_pins_are_in_the_readme(tmp_pat
     installs = [ln for ln in readme.splitlines() if "pip install -q --no-index" in ln]
     assert installs and all(".whl/*.whl || exit 1;" in ln for ln in installs)
     assert "../shared/" not in readme and "grep -qx /.whl/ .git/info/exclude ||" in readme
+
+
+@pytest.mark.parametrize("name", ["fit-lora16-512px-24gb", "fit-full-512px-80gb"])
+def test_capped_runs_reads_what_fit_writes_and_prints(tmp_path, name):
+    """The `fit` set runs what `gen-config --fit` chose: its micro batch, its lora: line and its predicted peak come
+    from the CLI's own output, so a change of that wording must show here, not as empty rows on a GPU."""
+    capped = _load("capped_runs")
+    case = next(c for c in capped.SETS["fit"] if c.name == name)
+    chose = capped._gen_config(case, tmp_path / "ds.json")
+    config = json.loads((tmp_path / "ds.json").read_text())
+    assert chose["micro_batch"] == config["train_micro_batch_size_per_gpu"] >= 1
+    assert chose["fit_chose"].startswith("chose ZeRO-") and chose["fit_predicted_gib"] > 1
+    if "--lora-rank" in case.fit:
+        assert chose["lora"]["rank"] == 16 and chose["lora"]["base_quant"] == "int8"  # the 24 GB choice
+    else:
+        assert "lora" not in chose
