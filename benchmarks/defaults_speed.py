@@ -34,6 +34,9 @@ ROOT = HERE.parent
 
 # name: (model, resolution, gen-config args, run-file keys, lora section or None)
 DEV_LORA = {"rank": 16, "targets": "all-linear"}
+# a case whose gen-config args hold --fit gets only --model and --world-size 1 besides them: --fit chooses the rest
+FIT_H200 = ["--fit", "--gpu-memory", "141", "--host-memory", "128"]
+FULL_SR_CK1 = ["--zero-stage", "0", "--optimizer-mode", "bf16-sr", "--micro-batch", "16", "--checkpoint-every", "1"]
 CASES = {
     # flux-dev-lite (5 + 10 full-width blocks), ZeRO-2 bf16, micro batch 16: the issue's rows
     "lite-ckpt1-old": ("flux-dev-lite", 512, ["--checkpoint-every", "1", "--no-compile"],
@@ -51,6 +54,15 @@ CASES = {
     "lora-mb1-fp8": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "1", "--fp8", "tensorwise"],
                      {}, DEV_LORA),
     "cpu-smoke": ("flux-tiny", 128, ["--checkpoint-every", "1", "--micro-batch", "2"], {}, None),
+    # full FLUX.1-dev fine-tune on one H200 (issue 22 target 5): what `gen-config --fit` writes, and the levers
+    # beside it (FP8 matmuls, bf16-sr with every block checkpointed at micro batch 16, an EMA of the weights)
+    "full-fit": ("flux-dev", 512, FIT_H200, {}, None),
+    "full-fit-fp8": ("flux-dev", 512, [*FIT_H200, "--fp8", "tensorwise"], {}, None),
+    "full-fit-sr": ("flux-dev", 512, [*FIT_H200, "--optimizer-mode", "bf16-sr"], {}, None),
+    "full-sr-ck1": ("flux-dev", 512, FULL_SR_CK1, {}, None),
+    "full-sr-ck1-fp8": ("flux-dev", 512, [*FULL_SR_CK1, "--fp8", "tensorwise"], {}, None),
+    "full-sr-ck1-ema": ("flux-dev", 512, FULL_SR_CK1, {"ema": {"decay": 0.9999, "dtype": "bf16"}}, None),
+    "cpu-smoke-fit": ("flux-tiny", 128, ["--fit", "--gpu-memory", "8", "--host-memory", "16"], {}, None),
 }
 PEERS = {  # benchmarks/sweep.py arguments of the diffusers + DeepSpeed baseline, compiled blocks
     "peer:lite-ckpt0": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "0", "--mb", "16", "--compile", "1"],
@@ -104,9 +116,12 @@ def run_case(name: str, work: Path, rows: int, timeout: float, cap: float | None
     model, res, gen_args, keys, lora = CASES[name]
     work.mkdir(parents=True, exist_ok=True)
     ds = work / "ds.json"
-    gen = subprocess.run([sys.executable, "-m", "fluxzero.cli", "gen-config", "--preset", "zero2", "--model", model,
-                          *([] if "--micro-batch" in gen_args else ["--micro-batch", "16"]), *gen_args,
-                          "-o", str(ds)], capture_output=True, text=True, cwd=ROOT)
+    if "--fit" in gen_args:
+        base = ["--model", model, "--world-size", "1"]
+    else:
+        base = ["--preset", "zero2", "--model", model, *([] if "--micro-batch" in gen_args else ["--micro-batch", "16"])]
+    gen = subprocess.run([sys.executable, "-m", "fluxzero.cli", "gen-config", *base, *gen_args, "-o", str(ds)],
+                         capture_output=True, text=True, cwd=ROOT)
     if gen.returncode:
         return {"case": name, "status": "gen-config failed", "error": gen.stderr.strip().splitlines()[-1:]}
     lat, txt, ctx, vec = res // 8, 512, 4096, 768

@@ -69,5 +69,9 @@ G)  # issue 23 again after the quantized base stopped switching on Inductor's co
        --workdir $R/cw --out $R/capped_fit.jsonl > $R/capped_$n.log 2>&1; tail -1 $R/capped_$n.log
   done; rm -rf $R/cw/*/run/checkpoints
   ;;
+H)  # issue 22 target 5/6: the full FLUX.1-dev fine-tune as --fit writes it, FP8, bf16-sr at mb 16, an EMA's cost
+  timeout 570 python3 benchmarks/defaults_speed.py --cases full-fit,full-fit-fp8,full-sr-ck1,full-sr-ck1-ema \
+     --timeout 130 --rows 7 --out $R/defaults_full.jsonl > $R/full_h.log 2>&1; tail -8 $R/full_h.log
+  ;;
 esac
 tar czf $OUTDIR/results_$1.tgz -C $R .
