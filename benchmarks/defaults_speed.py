@@ -53,6 +53,7 @@ CASES = {
     "lora-mb1": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "1"], {}, DEV_LORA),
     "lora-mb1-fp8": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "1", "--fp8", "tensorwise"],
                      {}, DEV_LORA),
+    "lora-1024-mb1": ("flux-dev", 1024, ["--checkpoint-every", "1", "--micro-batch", "1"], {}, DEV_LORA),
     "cpu-smoke": ("flux-tiny", 128, ["--checkpoint-every", "1", "--micro-batch", "2"], {}, None),
     # full FLUX.1-dev fine-tune on one H200 (issue 22 target 5): what `gen-config --fit` writes, and the levers
     # beside it (FP8 matmuls, bf16-sr with every block checkpointed at micro batch 16, an EMA of the weights)

@@ -73,5 +73,12 @@ H)  # issue 22 target 5/6: the full FLUX.1-dev fine-tune as --fit writes it, FP8
   timeout 570 python3 benchmarks/defaults_speed.py --cases full-fit,full-fit-fp8,full-sr-ck1,full-sr-ck1-ema \
      --timeout 130 --rows 7 --out $R/defaults_full.jsonl > $R/full_h.log 2>&1; tail -8 $R/full_h.log
   ;;
+I)  # issue 22: the optimizer step per mode (bf16-kahan fused vs eager), the full fine-tune as --fit writes it again
+    # (fused bf16-kahan) and with bf16-sr pinned, the LoRA at 1024 px
+  timeout 170 python3 benchmarks/optim_step_speed.py --model flux-dev --out $R/optim_step.jsonl > $R/optim_i.log 2>&1
+  tail -5 $R/optim_i.log
+  timeout 400 python3 benchmarks/defaults_speed.py --cases full-fit,full-fit-sr,lora-1024-mb1 \
+     --timeout 125 --rows 7 --out $R/defaults_full2.jsonl > $R/full_i.log 2>&1; tail -6 $R/full_i.log
+  ;;
 esac
 tar czf $OUTDIR/results_$1.tgz -C $R .
