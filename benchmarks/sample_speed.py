@@ -142,7 +142,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-# ----- the two sides: one call each, returning uint8 images (N, H, W, 3) ---------------------------------------
+# ----- the two sides: one call each, returning the paths of the PNGs it wrote ----------------------------------
 def fluxzero_call(model, vae, emb, out_dir: Path, *, size: int, steps: int, batch_size: int, clock: StepClock):
     """The command's loop (commands/sample.py -> sampling.pipeline.sample_images), PNGs included."""
     from fluxzero.sampling.pipeline import sample_images
@@ -151,7 +151,7 @@ def fluxzero_call(model, vae, emb, out_dir: Path, *, size: int, steps: int, batc
         return sample_images(model, vae, emb, out_dir, width=size, height=size, steps=steps, seeds=[SEED],
                              guidance=GUIDANCE, batch_size=batch_size, weights="random init", on_step=clock.mark)
 
-    return run, lambda paths: _read_pngs(paths)
+    return run
 
 
 def diffusers_call(pipe, emb, out_dir: Path, *, size: int, steps: int, device, dtype, clock: StepClock):
@@ -173,10 +173,11 @@ def diffusers_call(pipe, emb, out_dir: Path, *, size: int, steps: int, device, d
             im.save(paths[-1])
         return paths
 
-    return run, lambda paths: _read_pngs(paths)
+    return run
 
 
-def _read_pngs(paths) -> torch.Tensor:
+def read_pngs(paths) -> torch.Tensor:
+    """Shape: -> (N, H, W, 3) uint8"""
     import numpy as np
     from PIL import Image
 
@@ -253,7 +254,7 @@ def measure_row(name: str, args, ctx: dict, watchdog: Watchdog) -> dict:
         torch.cuda.reset_peak_memory_stats()
     warm = []
     for w in range(args.warmup):
-        run, _ = make(args.warmup_steps)
+        run = make(args.warmup_steps)
         s, _ = timed(run, device, watchdog, args.run_timeout_s + (COMPILE_ALLOWANCE_S if "compiled" in name else 0),
                      f"{name}: warm-up {w + 1}")
         warm.append(round(s, 3))
@@ -261,12 +262,12 @@ def measure_row(name: str, args, ctx: dict, watchdog: Watchdog) -> dict:
     clock.marks.clear()
     times, images = [], None
     for r in range(args.runs):
-        run, read = make(args.steps)
+        run = make(args.steps)
         s, paths = timed(run, device, watchdog, args.run_timeout_s, f"{name}: run {r + 1}")
         times.append(s)
         print(f"[sample_speed] {name}: run {r + 1} {s:.2f} s", flush=True)
         if r == args.runs - 1:
-            images = read(paths)
+            images = read_pngs(paths)
     step = clock.step_s(args.steps)
     median = statistics.median(times)
     loop = step * args.steps * calls
@@ -280,15 +281,20 @@ def measure_row(name: str, args, ctx: dict, watchdog: Watchdog) -> dict:
                    peak_allocated_gib=round(torch.cuda.max_memory_allocated() / GIB, 2),
                    peak_above_resident_gib=round((torch.cuda.max_memory_allocated() - resident) / GIB, 2),
                    peak_reserved_gib=round(torch.cuda.max_memory_reserved() / GIB, 2))
-    ref = ctx.setdefault("ref_images", (name, images))
-    row["images_vs"] = ref[0]
-    row["image_rel_diff"] = round(rel_diff(images, ref[1]), 5)
-    row["image_mean_abs_levels"] = round((images.int() - ref[1].int()).abs().float().mean().item(), 3)
-    row["image_max_abs_levels"] = int((images.int() - ref[1].int()).abs().max())
-    if len(images) > 1:
-        row["other_prompt_rel_diff"] = round(rel_diff(images[1], images[0]), 5)
-    row["images_match"] = images_match(row, dtype)
+    row.update(compare_images(name, images, ctx))
     return row
+
+
+def compare_images(name: str, images: torch.Tensor, ctx: dict) -> dict:
+    """This row's images against the first measured row's (the reference is kept in ctx)."""
+    ref_name, ref = ctx.setdefault("ref_images", (name, images))
+    diff = (images.int() - ref.int()).abs()
+    out = {"images_vs": ref_name, "image_rel_diff": round(rel_diff(images, ref), 5),
+           "image_mean_abs_levels": round(diff.float().mean().item(), 3), "image_max_abs_levels": int(diff.max())}
+    if len(images) > 1:  # same noise, another prompt: the size of a real difference
+        out["other_prompt_rel_diff"] = round(rel_diff(images[1], images[0]), 5)
+    out["images_match"] = images_match(out, ctx["dtype"])
+    return out
 
 
 def images_match(row: dict, dtype: torch.dtype) -> bool:
@@ -406,6 +412,19 @@ def ema_rows(args, base: dict, watchdog: Watchdog) -> list[dict]:
     return [row]
 
 
+def sdpa_state() -> dict:
+    """torch's process-wide SDPA flags and backend priority: what diffusers' attention calls may pick (fluxzero's
+    blocks choose theirs with their `attention` setting, "auto" = flash, efficient, math)."""
+    b = torch.backends.cuda
+    state = {"flash": b.flash_sdp_enabled(), "efficient": b.mem_efficient_sdp_enabled(), "math": b.math_sdp_enabled(),
+             "cudnn": b.cudnn_sdp_enabled()}
+    order = getattr(torch._C, "_get_sdp_priority_order", None)
+    if order is not None:
+        names = {int(v): k.lower() for k, v in torch.nn.attention.SDPBackend.__members__.items()}
+        state["priority"] = [names.get(int(i), str(i)) for i in order()]
+    return state
+
+
 # ----- output --------------------------------------------------------------------------------------------------
 def write_row(out: Path, row: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -485,7 +504,7 @@ def main(argv=None) -> int:
             "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
             "versions": provenance.versions("torch", "diffusers", "deepspeed"), "model": args.model,
             "dtype": args.dtype, "size": args.size, "steps": args.steps, "images": args.images,
-            "t5_tokens": args.t5_tokens, "vae": "tiny" if args.tiny_vae else "FLUX.1 shapes"}
+            "t5_tokens": args.t5_tokens, "vae": "tiny" if args.tiny_vae else "FLUX.1 shapes", "sdpa": sdpa_state()}
     watchdog = Watchdog(args.out, base)
     rows = ema_rows(args, base, watchdog) if args.ema else sample_rows(args, base, watchdog, t0)
     print(f"[sample_speed] done in {time.monotonic() - t0:.0f} s; rows in {args.out}", flush=True)
