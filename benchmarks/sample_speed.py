@@ -513,4 +513,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # every row is written and closed: leave without interpreter teardown, where the --ema run's process group
+    # (NCCL, or gloo on the CPU) can stall or abort a finished process (as launch/train.py does)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
