@@ -131,9 +131,11 @@ class ShardedEMA:
         self._gen.manual_seed((self.seed * 1_000_003 + step) * 65_537 + self._rank)
         for ema, master in zip(self._ema, self._masters()):
             master = master.detach().reshape(-1)
-            if not bf16 and master.device == ema.device:
+            if not bf16 and master.device == ema.device and master.dtype == ema.dtype:
                 ema.lerp_(master, weight)  # in place, no temporary
                 continue
+            # else slice by slice: an fp32 EMA of bf16 masters (the bf16 optimizer modes at ZeRO-0 step the bf16
+            # weights themselves, and lerp_ takes no mixed dtypes), a bf16 EMA, or an EMA on another device
             for lo in range(0, ema.numel(), _CHUNK):
                 e, m = ema[lo:lo + _CHUNK], master[lo:lo + _CHUNK].to(ema.device, torch.float32)
                 if bf16:

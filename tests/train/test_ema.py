@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fluxzero.config.ema import EmaConfig
-from tests.helpers import close_group, enter_rank, spawn_ranks
+from tests.helpers import ONE_RANK, close_group, enter_rank, spawn_ranks
 from tests.pure_python import run_without_torch
 
 STEPS, SWITCH = 6, 3  # optimizer steps; the resumed EMA takes over after step SWITCH
@@ -345,6 +345,47 @@ def test_shards_of_a_different_partitioning_are_refused_in_one_sentence(matrix):
     mid = consolidate([tmp / f"z3_bf16_mid_rank{r}.safetensors" for r in range(2)])  # any stage, offline
     assert set(mid) == {"a.weight", "a.bias", "b.weight", "b.bias"} and mid["a.weight"].shape == (13, 7)
     assert load_shard(tmp / "z3_bf16_mid_rank0.pt")["step"].item() == SWITCH
+
+
+# ----- one rank: the bf16 optimizer modes at ZeRO-0 -------------------------------------------------------
+_BF16_WEIGHTS = ONE_RANK + r"""
+import json
+from fluxzero.config.ema import EmaConfig
+from fluxzero.train.ema import ShardedEMA
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3)).to(torch.bfloat16)
+opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+       "steps_per_print": 10**9, "zero_optimization": {"stage": 0}}
+engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+ema = ShardedEMA(engine, EmaConfig(decay=0.8), seed=0)
+ref = [p.detach().float().clone() for p in engine.module.parameters()]
+for step in range(1, 4):
+    engine.backward(engine(torch.randn(4, 7, dtype=torch.bfloat16)).float().pow(2).mean())
+    engine.step()
+    ema.update(step)
+    for r, p in zip(ref, engine.module.parameters()):
+        r.lerp_(p.detach().float(), 0.2)
+diff = max((e - r.reshape(-1)).abs().max().item() for e, r in zip(ema._ema, ref))
+moved = max((e - p.detach().float().reshape(-1)).abs().max().item() for e, p in zip(ema._ema, engine.module.parameters()))
+print(json.dumps({"kind": ema.kind, "dtype": str(ema._ema[0].dtype), "diff": diff, "moved": moved}))
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_fp32_ema_of_bf16_weights_at_zero0():
+    """The bf16 optimizer modes at ZeRO-0 (what `gen-config --fit` picks for a full FLUX.1-dev fine-tune on one
+    H200) step the bf16 weights themselves: the fp32 EMA averages them (lerp_ refused the mixed dtypes before)."""
+    import json
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _BF16_WEIGHTS], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["kind"] == "params" and r["dtype"] == "torch.float32"
+    assert r["diff"] == 0.0  # the same elementwise lerp of the same fp32 values as the reference
+    assert r["moved"] > 1e-3  # the weights moved away from their average: the comparison means something
 
 
 # ----- single process ---------------------------------------------------------------------------------
