@@ -80,5 +80,12 @@ I)  # issue 22: the optimizer step per mode (bf16-kahan fused vs eager), the ful
   timeout 400 python3 benchmarks/defaults_speed.py --cases full-fit,full-fit-sr,lora-1024-mb1 \
      --timeout 125 --rows 7 --out $R/defaults_full2.jsonl > $R/full_i.log 2>&1; tail -6 $R/full_i.log
   ;;
+J)  # issue 22 target 6: fluxzero sample vs FluxPipeline (1024 px, 28 steps, 4 images), the EMA update (fp32, bf16)
+  timeout 330 python3 benchmarks/sample_speed.py --rows fluxzero,diffusers,fluxzero-batch4 --budget-s 290 \
+     --out $R/sample_speed.jsonl > $R/sample_j.log 2>&1; tail -8 $R/sample_j.log
+  timeout 110 python3 benchmarks/sample_speed.py --ema --out $R/ema_update.jsonl > $R/ema_j.log 2>&1; tail -4 $R/ema_j.log
+  timeout 110 python3 benchmarks/sample_speed.py --ema --ema-section '{"dtype": "bf16"}' --out $R/ema_update.jsonl \
+     > $R/ema_j2.log 2>&1; tail -4 $R/ema_j2.log
+  ;;
 esac
 tar czf $OUTDIR/results_$1.tgz -C $R .
