@@ -121,11 +121,16 @@ def _mode_problems(v: DSView, name) -> list[str]:
     if wrong_precision:
         fix = f"{name('precision')} bf16" if name("precision").startswith("--") else "bf16.enabled true"
         p.append(f"{M} {mode.name} trains in bf16, not {v.precision}: set {fix}")
-    if bf16_master and v.offload_optimizer != "none":
-        # _configure_master_weights: bf16 masters with offload assert type(optimizer) == DeepSpeedCPUAdam
+    host = [n for n, m in optim_modes.MODES.items() if m.needs_offload]
+    if bf16_master and v.offload_optimizer != "none" and not mode.needs_offload:
+        # _configure_master_weights: bf16 masters with offload assert type(optimizer) == DeepSpeedCPUAdam; only the
+        # host modes' optimizer is let through (fluxzero.train.engine.accept_host_optimizer)
         p.append(f"{M} {mode.name} keeps bf16 master weights, which deepspeed 0.19.8 offloads only for its own "
                  f"DeepSpeedCPUAdam (it stops at engine start): drop {name('offload_optimizer')} "
-                 f"{v.offload_optimizer}, or use {M} fp32")
+                 f"{v.offload_optimizer}, or use {M} {', '.join(host)} (AdamW on the host) or fp32")
+    if mode.needs_offload and v.offload_optimizer != "cpu":
+        # NVMe: DeepSpeed's optimizer swapper with bf16 masters and a client optimizer is untried
+        p.append(f"{M} {mode.name} steps the optimizer in host memory: set {name('offload_optimizer')} cpu")
     want = mode.ds_bf16_section(stage) if stage in mode.zero_stages else {"enabled": True}
     if v.trainer_casts_to_bf16:
         if v.precision == "bf16" or v.bf16_master_weights_and_grads or v.bf16_optimizer_states:
@@ -145,7 +150,7 @@ def _mode_problems(v: DSView, name) -> list[str]:
     if stage >= 1 and mode.name not in ZERO_TESTED_MODES and not v.allow_untested_optimizer:
         p.append(f"{M} {mode.name} hands ZeRO a client optimizer it has not tested (DeepSpeed stops at engine "
                  f"start): set {name('allow_untested_optimizer')} true")
-    if v.offload_optimizer != "none" and not bf16_master and v.force_ds_cpu_optimizer:
+    if v.offload_optimizer != "none" and mode.offload_ok and v.force_ds_cpu_optimizer:
         p.append(f"{M} {mode.name} with {name('offload_optimizer')} {v.offload_optimizer} runs a client optimizer "
                  f"on the CPU, which DeepSpeed refuses unless {name('force_ds_cpu_optimizer')} is false: set it false")
     return p

@@ -236,7 +236,7 @@ def _mode_keys(o: DSOptions) -> dict:
         out["bf16"] = section if section else {"enabled": False}
     if o.zero_stage >= 1 and mode.name not in ZERO_TESTED_MODES:
         out["zero_allow_untested_optimizer"] = True
-    if o.offload_optimizer != "none" and mode.master_dtype == "fp32":
+    if o.offload_optimizer != "none" and mode.offload_ok:
         out["zero_force_ds_cpu_optimizer"] = False
     return out
 

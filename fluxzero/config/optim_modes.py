@@ -19,6 +19,10 @@ from dataclasses import dataclass, field
 
 # DeepSpeed "bf16" section keys that make ZeRO 1-3 hand the client optimizer bf16 partitions (0.19.8)
 BF16_MASTER_KEYS = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+# The host modes (optimizer_offload "cpu", fluxzero.train.host_optim) step a partition this many elements at a
+# time, so their fp32 temporaries are bounded whatever the partition; a multiple of QUANT_BLOCK
+HOST_STEP_CHUNK = 1 << 22
+QUANT_BLOCK = 256  # values per fp32 scale of the 8-bit states (torchao's AdamW8bit default block)
 
 
 @dataclass(frozen=True)
@@ -39,17 +43,27 @@ class OptimMode:
     states_flat: float | None = None  # states at ZeRO 1-3 when flat partitions change them (None: same)
     trainable: bool = True  # False: comparison only, refused for training
     where: str = "all on the accelerator"
+    # "cpu": steps DeepSpeed's offloaded bf16 partitions in host memory, so it needs optimizer offload to cpu
+    # (fluxzero.train.host_optim); "none": runs where ZeRO keeps the partitions, offload refused for bf16 masters
+    optimizer_offload: str = "none"
 
     @property
     def offload_ok(self) -> bool:
-        """DeepSpeed's optimizer offload takes only its own DeepSpeedCPUAdam (fp32 mode: "optimizer" section)."""
-        return self.master_dtype == "fp32"
+        """Whether it runs with DeepSpeed's optimizer offload: fp32 masters (DeepSpeed's own CPU Adam, or a client
+        optimizer on fp32 partitions) and the host modes; the other bf16-master modes step on the accelerator."""
+        return self.master_dtype == "fp32" or self.optimizer_offload == "cpu"
+
+    @property
+    def needs_offload(self) -> bool:
+        return self.optimizer_offload == "cpu"
 
     def __post_init__(self):
         if self.master_dtype not in ("fp32", "bf16"):
             raise ValueError(f"optimizer mode {self.name!r}: master_dtype must be 'fp32' or 'bf16'")
         if not set(self.zero_stages) <= {0, 1, 2, 3}:
             raise ValueError(f"optimizer mode {self.name!r}: zero_stages must be within 0-3")
+        if self.optimizer_offload not in ("none", "cpu"):
+            raise ValueError(f"optimizer mode {self.name!r}: optimizer_offload must be 'none' or 'cpu'")
 
     @property
     def total(self) -> float:
@@ -74,7 +88,7 @@ class OptimMode:
 
 
 # 8-bit AdamW: two uint8 states plus one fp32 scale per 256-value block each (torchao's default block)
-_ADAMW8BIT_STATES = 2 * (1 + 4 / 256)
+_ADAMW8BIT_STATES = 2 * (1 + 4 / QUANT_BLOCK)
 
 _STAGE0_BF16 = ("bf16 off in the DeepSpeed config and the model cast to bf16 by us: the engine steps the "
                 "client optimizer on the model's own bf16 parameters (no master copy, shapes kept)")
@@ -110,6 +124,18 @@ MODES: dict[str, OptimMode] = {m.name: m for m in (
               zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16, master_stage0=0,
               caveat="no momentum and relative step sizes: not AdamW's trajectory; factored only at ZeRO 0 "
                      "(ZeRO 1-3 flatten tensors, so its variance becomes full-size)"),
+    # On the host: DeepSpeed's optimizer offload with bf16 master partitions and gradients, stepped by HostAdamW
+    OptimMode("cpu-bf16-sr", "HostAdamW (ours) on the host: bf16 m and v, stochastic rounding", weights=2, grads=2,
+              master=2, states=4, master_dtype="bf16", zero_stages=(1, 2, 3), ds_bf16=BF16_MASTER_KEYS,
+              optimizer_offload="cpu", where="master, gradients and states in host memory (optimizer offload cpu)",
+              caveat="m, v and weights stochastically rounded: within 1% of fp32 masters at 400 steps; the step "
+                     "runs on the CPU"),
+    OptimMode("cpu-adamw8bit-sr", "HostAdamW (ours) on the host: 8-bit m and v (torchao's format), stochastic "
+              "rounding", weights=2, grads=2, master=2, states=_ADAMW8BIT_STATES, master_dtype="bf16",
+              zero_stages=(1, 2, 3), ds_bf16=BF16_MASTER_KEYS, optimizer_offload="cpu", extra="lowmem",
+              where="master, gradients and 8-bit states in host memory (optimizer offload cpu)",
+              caveat="8-bit blockwise m and v: a few % from fp32 masters, 2 B/param less host memory than "
+                     "cpu-bf16-sr; the step runs on the CPU"),
 )}
 
 
@@ -118,7 +144,7 @@ def trainer_casts_to_bf16(mode_name: str | None, stage: int) -> bool:
     keep fp32 masters), so the model is born in bf16, cast by the trainer, and the client optimizer steps those
     weights themselves. The one statement of this rule: DSView, the memory model and the trainer call it."""
     mode = MODES.get(mode_name) if isinstance(mode_name, str) else None
-    return mode is not None and mode.master_dtype == "bf16" and stage == 0
+    return mode is not None and mode.master_dtype == "bf16" and stage == 0 and stage in mode.zero_stages
 
 
 def get_mode(name: str) -> OptimMode:

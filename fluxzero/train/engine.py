@@ -69,8 +69,38 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     apply_activation_checkpointing(model, v.checkpoint_every, v.checkpoint_impl, v)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, ds = client_optimizer(params, ds, v)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=ds)
+    with accept_host_optimizer(optimizer):
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=ds)
     return engine
+
+
+@contextlib.contextmanager
+def accept_host_optimizer(optimizer):
+    """Let ZeRO offload bf16 master weights for a client optimizer that steps them on the host (fluxzero.train.
+    host_optim.HostAdamW), for the length of deepspeed.initialize; any other optimizer: nothing changes.
+
+    deepspeed 0.19.8 offloads bf16 masters (bf16_master_weights_and_grads) only after asserting that the optimizer's
+    class is exactly DeepSpeedCPUAdam: `type(self.optimizer) in [DeepSpeedCPUAdam]` (runtime/zero/stage_1_and_2.py
+    _enforce_cpu_offload) and `type(self.optimizer) == DeepSpeedCPUAdam` (runtime/zero/stage3.py
+    _enforce_optimizer_offload), so a subclass fails too. Its offload step itself calls only optimizer.step() on
+    the host partition, like torch's optimizers. The class name those modules look up is rebound to the
+    optimizer's class while the engine is built; the other uses of that name there are a comment, the hybrid
+    (partial_offload < 1) branch that fluxzero never writes, and an unused deepspeed_adam_offload flag.
+    """
+    from fluxzero.train.host_optim import HostAdamW
+
+    if not isinstance(optimizer, HostAdamW):
+        yield
+        return
+    modules = [importlib.import_module(f"deepspeed.runtime.zero.{m}") for m in ("stage_1_and_2", "stage3")]
+    saved = [m.DeepSpeedCPUAdam for m in modules]
+    for m in modules:
+        m.DeepSpeedCPUAdam = type(optimizer)
+    try:
+        yield
+    finally:
+        for m, cls in zip(modules, saved):
+            m.DeepSpeedCPUAdam = cls
 
 
 def born_model(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.device, *, weights: str | None = None,

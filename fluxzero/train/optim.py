@@ -362,6 +362,11 @@ def build_optimizer(params: Iterable, mode: str, lr: float, betas: tuple[float, 
         opt = KahanAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     elif mode == "adafactor-sr":
         opt = AdafactorSR(params, lr=lr, weight_decay=weight_decay)
+    elif spec.needs_offload:
+        from fluxzero.train.host_optim import HostAdamW
+
+        opt = HostAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        states="8bit" if "8bit" in mode else "bf16", mode=mode)
     else:  # a registry entry without a builder is a bug here, not a user error
         raise AssertionError(f"no optimizer for registered mode {mode!r}")
     if spec.master_dtype == "bf16":

@@ -20,11 +20,13 @@ def gen(*args) -> dict:
     return json.loads(r.output)
 
 
-@pytest.mark.parametrize("mode", ds_check.trainable_modes())
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("mode,stage", [(m, st) for m in ds_check.trainable_modes()
+                                        for st in optim_modes.get_mode(m).zero_stages])
 def test_every_mode_writes_what_it_needs_and_checks_clean(mode, stage):
-    cfg = gen("--optimizer-mode", mode, "--zero-stage", str(stage))
     m = optim_modes.get_mode(mode)
+    offload = ["--offload-optimizer", "cpu"] if m.needs_offload else []  # the host modes step offloaded partitions
+    cfg = gen("--optimizer-mode", mode, "--zero-stage", str(stage), *offload)
+    assert cfg.get("zero_force_ds_cpu_optimizer") is (False if offload else None)
     assert cfg["fluxzero"]["optimizer_mode"] == mode
     want = m.ds_bf16_section(stage)  # from the registry, not copied here
     assert cfg.get("bf16", {}) == want
@@ -60,7 +62,7 @@ def _cfg(mode: str, stage: int = 2, **top) -> dict:
 @pytest.mark.parametrize("edit,sentence", [
     (lambda c: c["fluxzero"].update(optimizer_mode="bf16-fast"),
      'fluxzero.optimizer_mode "bf16-fast" is not an optimizer mode: choose one of fp32, bf16-sr, bf16-kahan, '
-     'adamw8bit-sr, adafactor-sr'),
+     'adamw8bit-sr, adafactor-sr, cpu-bf16-sr, cpu-adamw8bit-sr'),
     (lambda c: c["fluxzero"].update(optimizer_mode="bf16-rtn"),
      "fluxzero.optimizer_mode bf16-rtn is for comparison only"),
     (lambda c: c["bf16"].pop("bf16_optimizer_states"),
@@ -74,7 +76,7 @@ def _cfg(mode: str, stage: int = 2, **top) -> dict:
     (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu"}),
      "fluxzero.optimizer_mode bf16-sr keeps bf16 master weights, which deepspeed 0.19.8 offloads only for its own "
      "DeepSpeedCPUAdam (it stops at engine start): drop zero_optimization.offload_optimizer.device cpu, or use "
-     "fluxzero.optimizer_mode fp32"),
+     "fluxzero.optimizer_mode cpu-bf16-sr, cpu-adamw8bit-sr (AdamW on the host) or fp32"),
     (lambda c: (c.pop("bf16"), c.update(fp16={"enabled": True})),
      "fluxzero.optimizer_mode bf16-sr trains in bf16, not fp16: set bf16.enabled true"),
 ])

@@ -23,13 +23,19 @@ def items(spec: RunSpec) -> dict[str, memory.Item]:
 @pytest.mark.parametrize("mode", [m for m in optim_modes.MODES if m != "bf16-rtn"])
 def test_mode_bytes_come_from_the_registry(mode):
     m = optim_modes.get_mode(mode)
-    spec = RunSpec(DEV, gpus_per_node=4, stage=2, optimizer_mode=mode)
+    offload = "cpu" if m.needs_offload else "none"  # the host modes step DeepSpeed's offloaded partitions
+    spec = RunSpec(DEV, gpus_per_node=4, stage=2, optimizer_mode=mode, offload_optimizer=offload)
     part = math.ceil(P / 4)
     it = items(spec)
     master = "bf16 master partition" if m.master_dtype == "bf16" else "fp32 master partition"
     assert it[master].bytes == int((m.master if m.master_dtype == "bf16" else 4) * part)
+    assert it[master].where == ("host" if m.needs_offload else "gpu")
     states = m.states if m.states_flat is None else m.states_flat  # ZeRO 1-3 hand the optimizer flat partitions
     assert it[f"optimizer state partition ({mode})"].bytes == int(states * part)
+    if m.needs_offload:  # bf16 gradients straight into the host buffer the optimizer reads
+        assert it["bf16 master gradient partition (offloaded)"].bytes == 2 * part
+        assert it["optimizer temporary at step (host)"].bytes == 32 * optim_modes.HOST_STEP_CHUNK  # one chunk
+        return
     assert it["gradient partition (bf16)"].bytes == 2 * part
     # bf16 masters: the flattened bf16 gradient is handed over as it is, no fp32 copy at the step
     assert ("fp32 gradient partition at step" in it) is (m.master_dtype == "fp32")
@@ -43,8 +49,11 @@ def test_stage0_bf16_mode_steps_the_weights_themselves():
 
 
 def test_modes_refuse_what_deepspeed_refuses():
-    with pytest.raises(ValueError, match="cannot offload"):
+    with pytest.raises(ValueError, match="does not offload for it"):
         RunSpec(DEV, stage=2, offload_optimizer="cpu", optimizer_mode="bf16-sr")
+    with pytest.raises(ValueError, match="needs offload_optimizer cpu"):
+        RunSpec(DEV, stage=2, optimizer_mode="cpu-bf16-sr")
+    RunSpec(DEV, stage=3, offload_optimizer="cpu", optimizer_mode="cpu-adamw8bit-sr")  # on the host: fine
     with pytest.raises(ValueError, match="unknown optimizer mode"):
         RunSpec(DEV, optimizer_mode="bf16-fast")
     RunSpec(DEV, stage=3, offload_optimizer="cpu", offload_param="cpu", optimizer_mode="fp32")  # fp32 masters: fine
@@ -127,7 +136,8 @@ def test_fit_one_80gb_gpu():
 
 
 def test_fit_one_24gb_gpu_needs_zero3_offload_and_a_larger_host():
-    r, _ = fit("--gpu", "rtx4090", "--host-memory", "128")
+    # DeepSpeed's CPU Adam on fp32 masters (the host modes fit there: test_fit_full_fine_tune_on_a_48gb_card...)
+    r, _ = fit("--gpu", "rtx4090", "--host-memory", "128", "--adam-impl", "cpu")
     assert r.exit_code == 2
     assert "ZeRO-3 with optimizer offload cpu, parameter offload cpu: even micro batch 1 with every block " \
            "checkpointed does not fit (host needs 223.7 GiB per node > 115.2 GiB budget)" in r.output
@@ -138,6 +148,24 @@ def test_fit_one_24gb_gpu_needs_zero3_offload_and_a_larger_host():
     assert (z["stage"], z["offload_optimizer"]["device"], z["offload_param"]["device"]) == (3, "cpu", "cpu")
     assert "optimizer_mode" not in cfg["fluxzero"] and cfg["train_micro_batch_size_per_gpu"] == 8
     assert "host memory: the choice needs 223.7 GiB per node of 230.4 GiB budget" in r.stderr
+
+
+def test_fit_full_fine_tune_on_a_48gb_card_and_120gb_host_steps_on_the_host():
+    """Issue 23's 48 GB case: fp32 masters on the host need 201.5 GiB; bf16 masters and 8-bit states on the host
+    (cpu-adamw8bit-sr) need 91 GiB, the bf16-state cpu-bf16-sr 113 GiB (over 120 GiB less the margin)."""
+    r, _ = fit("--gpu-memory", "48", "--host-memory", "120", "--optimizer-mode", "fp32")
+    assert r.exit_code == 2 and "nothing fits" in r.output
+    r, cfg = fit("--gpu-memory", "48", "--host-memory", "120")
+    assert r.exit_code == 0, r.output
+    z = cfg["zero_optimization"]
+    assert (z["stage"], z["offload_optimizer"]["device"], "offload_param" in z) == (3, "cpu", False)
+    assert cfg["fluxzero"]["optimizer_mode"] == "cpu-adamw8bit-sr" and cfg["zero_force_ds_cpu_optimizer"] is False
+    assert cfg["bf16"] == optim_modes.BF16_MASTER_KEYS
+    assert "optimizer mode cpu-bf16-sr: even micro batch 1 with every block checkpointed does not fit: ZeRO-1: GPU " \
+           "needs 52.6 GiB" in r.stderr and "ZeRO-3: host needs 113.0 GiB per node > 108.0 GiB budget" in r.stderr
+    assert re.search(r"host memory: the choice needs 91\.\d GiB per node of 108\.0 GiB budget", r.stderr)
+    r, cfg = fit("--gpu-memory", "48", "--host-memory", "140")  # room for bf16 states: the closer mode first
+    assert r.exit_code == 0 and cfg["fluxzero"]["optimizer_mode"] == "cpu-bf16-sr", r.output
 
 
 def test_fit_models_exactly_the_file_it_writes(tmp_path):

@@ -104,7 +104,8 @@ CHECKPOINT_CHOICES = (0, 8, 4, 2, 1)  # every k-th block: none, 1/8, 1/4, 1/2, a
 # Optimizer modes --fit tries, best training quality first; None = DeepSpeed's own optimizer on fp32 masters
 # (the reference). The order of the bf16 modes is docs/optimizer-modes.md's measured distance from fp32 masters (weight
 # change off by 0.05% bf16-kahan, 3.0% adamw8bit-sr, 4.4% bf16-sr); adafactor-sr last: not AdamW's trajectory.
-FIT_MODES: tuple[str | None, ...] = (None, "bf16-kahan", "adamw8bit-sr", "bf16-sr", "adafactor-sr")
+FIT_MODES: tuple[str | None, ...] = (None, "bf16-kahan", "adamw8bit-sr", "bf16-sr", "adafactor-sr", "cpu-bf16-sr",
+                                     "cpu-adamw8bit-sr")
 
 
 def fit_grid(modes: tuple[str | None, ...] = (None,), fixed: dict | None = None,
@@ -113,28 +114,32 @@ def fit_grid(modes: tuple[str | None, ...] = (None,), fixed: dict | None = None,
 
     No offload with fp32 masters first; then the bf16-master modes without offload (same speed, less
     training fidelity: each prints its caveat); then offload, which runs the optimizer step on the CPU and
-    moves states over PCIe every step (fp32 masters only: deepspeed 0.19.8 offloads bf16 masters only for its
-    DeepSpeedCPUAdam); NVMe last. Within a level the lowest stage first.
+    moves states over PCIe every step: at each offload choice fp32 masters (DeepSpeed's CPU Adam) first, then the
+    host modes (cpu-*: bf16 masters, gradients and states in host memory, our AdamW on the CPU, slower than
+    DeepSpeed's CPU Adam; the other bf16 modes never offload); NVMe last. Within a level the lowest stage first.
     """
     fixed = fixed or {}
+    specs = {m: optim_modes.get_mode(m) for m in modes if m is not None}
+    fp32_ok = None in modes or any(m.master_dtype == "fp32" for m in specs.values())
+    host = [m for m in modes if m is not None and specs[m].needs_offload]
     rows = []
     for st, oo, op in STAGE_OFFLOAD_GRID:
         if oo == "none" and op == "none":
             continue
-        rows.append((st, oo, op, None if None in modes else "fp32"))
+        if fp32_ok:
+            rows.append((st, oo, op, None if None in modes else "fp32"))
+        rows += [(st, oo, op, m) for m in host if oo == "cpu"]
     plain = [(st, oo, op) for st, oo, op in STAGE_OFFLOAD_GRID if oo == op == "none"]
     first = [(st, oo, op, m) for m in modes for st, oo, op in plain
-             if m is None or optim_modes.get_mode(m).master_dtype == "fp32"]
+             if m is None or specs[m].master_dtype == "fp32"]
     second = [(st, oo, op, m) for m in modes for st, oo, op in plain
-              if m is not None and optim_modes.get_mode(m).master_dtype == "bf16"]
-    if not any(optim_modes.get_mode(m).master_dtype == "fp32" for m in modes if m is not None) and None not in modes:
-        rows = []  # only bf16-master modes asked for: nothing may offload
+              if m is not None and specs[m].master_dtype == "bf16" and not specs[m].needs_offload]
     out = []
     for st, oo, op, m in first + second + rows:
         if fixed.get("stage", st) != st or fixed.get("offload_optimizer", oo) != oo \
                 or fixed.get("offload_param", op) != op or (not allow_nvme and "nvme" in (oo, op)):
             continue
-        if m is not None and st not in optim_modes.get_mode(m).zero_stages:
+        if m is not None and st not in specs[m].zero_stages:
             continue
         if (st, oo, op, m) not in out:
             out.append((st, oo, op, m))

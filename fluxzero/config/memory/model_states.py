@@ -25,6 +25,11 @@ from fluxzero.config.memory.spec import (GiB, OPTIMIZER_STATE_BYTES, PRECISION_B
 # A ZeRO-1/2 partition is one tensor, so their step costs 36 / 31 B per element of it at once.
 MODE_STEP_TEMP = {"fp32": 8.0, "bf16-rtn": 8.0, "bf16-sr": 0.7, "bf16-kahan": 36.0, "adamw8bit-sr": 0.7,
                   "adafactor-sr": 31.0}
+# The host modes (cpu-*) step HOST_STEP_CHUNK elements at a time: bytes per element of one chunk, counted from
+# their ops (g, m, v and the weight in fp32, stochastic rounding's int32 noise and bit arithmetic; the 8-bit
+# states' int64 bucket indices instead); benchmarks/optim_step_memory.py measured 130 MB (cpu-bf16-sr, 2e7
+# elements: 31 B per chunk element), a bound the allocator's reuse of freed chunks can hide.
+HOST_STEP_TEMP = 32.0
 
 
 
@@ -101,7 +106,11 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         add(sname.replace("states", "state partition"), opt * part, opt_dev, ds=True)
 
     # --- transient copies at the optimizer step
-    if mode is not None:
+    host_mode = mode is not None and mode.needs_offload
+    if host_mode:
+        impl_temp = HOST_STEP_TEMP
+        tnote = f"fluxzero.train.host_optim: {optim_modes.HOST_STEP_CHUNK} elements at a time"
+    elif mode is not None:
         impl_temp = MODE_STEP_TEMP[mode.name]
         tnote = "benchmarks/optim_step_memory.py (CPU, flat partition)"
     else:
@@ -133,12 +142,14 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
             add("optimizer temporary at step" if mode else "optimizer temporary (torch foreach)", impl_temp * sg,
                 phase="step", note=tnote)
     else:
-        # The optimizer runs on the host; gradients travel there in fp32 during backward.
-        add("fp32 gradient partition (offloaded)", 4 * part, opt_dev, ds=True,
-            note="pinned buffers that receive the reduced gradients")
+        # The optimizer runs on the host; gradients travel there in the master's dtype during backward.
+        add("%s gradient partition (offloaded)" % ("bf16 master" if bf16_master else "fp32"), master_b * part,
+            opt_dev, ds=True, note="pinned buffers that receive the reduced gradients")
         if impl_temp:
-            add("optimizer temporary at step (host)", impl_temp * (part if s.stage < 3 else min(
-                part, s.zero.sub_group_size)), opt_dev, phase="step", note=tnote)
+            stepped = part if s.stage < 3 else min(part, s.zero.sub_group_size)
+            add("optimizer temporary at step (host)", impl_temp * (min(stepped, optim_modes.HOST_STEP_CHUNK)
+                                                                   if host_mode else stepped),
+                opt_dev, phase="step", note=tnote)
         if s.stage < 3:
             add("%s partition staging buffer" % s.precision, b * part, "host",
                 note="param_buffer_of_bit16_for_cpu_offload_groups")

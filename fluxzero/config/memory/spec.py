@@ -243,9 +243,11 @@ class RunSpec:
             mode = optim_modes.get_mode(self.optimizer_mode)  # ValueError naming the modes
             if self.stage not in mode.zero_stages:
                 raise ValueError(f"optimizer mode {mode.name} does not run at ZeRO stage {self.stage}")
-            if mode.master_dtype == "bf16" and self.offload_optimizer != "none":
-                raise ValueError(f"optimizer mode {mode.name} keeps bf16 masters, which deepspeed 0.19.8 cannot "
-                                 f"offload for a client optimizer: use offload_optimizer none or mode fp32")
+            if not mode.offload_ok and self.offload_optimizer != "none":
+                raise ValueError(f"optimizer mode {mode.name} keeps bf16 masters on the accelerator, which deepspeed "
+                                 f"0.19.8 does not offload for it: use offload_optimizer none, a cpu-* mode or fp32")
+            if mode.needs_offload and self.offload_optimizer != "cpu":
+                raise ValueError(f"optimizer mode {mode.name} steps in host memory: it needs offload_optimizer cpu")
             if mode.master_dtype == "bf16" and self.precision != "bf16":
                 raise ValueError(f"optimizer mode {mode.name} trains in bf16, got precision {self.precision}")
         if self.lora_rank:
