@@ -87,5 +87,12 @@ J)  # issue 22 target 6: fluxzero sample vs FluxPipeline (1024 px, 28 steps, 4 i
   timeout 110 python3 benchmarks/sample_speed.py --ema --ema-section '{"dtype": "bf16"}' --out $R/ema_update.jsonl \
      > $R/ema_j2.log 2>&1; tail -4 $R/ema_j2.log
   ;;
+K)  # issue 23: the full fine-tune on a 48 GB card (cap 44.4 GiB, an L40S as torch reports it) with 120 GiB of host,
+    # as --fit writes it (ZeRO-3, optimizer offload, cpu-adamw8bit-sr: the step runs on the host)
+  (while sleep 60; do echo "== $(date +%T)"; free -g | head -2; nvidia-smi --query-gpu=memory.used --format=csv; done) > $R/mon.txt 2>&1 &
+  timeout 540 python3 benchmarks/capped_runs.py --set fit --cases fit-full-512px-48gb --timeout 520 --memory-cap-gib 44.4 \
+     --workdir $R/cw --out $R/capped_fit48.jsonl > $R/capped_k.log 2>&1; tail -3 $R/capped_k.log
+  tail -30 $R/cw/*/train.log; rm -rf $R/cw/*/run/checkpoints
+  ;;
 esac
 tar czf $OUTDIR/results_$1.tgz -C $R .
