@@ -24,7 +24,7 @@ resolve, so the list it returns is complete. The pickle bytes are taken from tor
 records cannot hide a payload from the scan.
 
 A scan covers the files fluxzero hands DeepSpeed, but DeepSpeed finds some of its files by wildcard and
-unpickles the first match: checkpoint.stray_files_problem refuses a step folder holding any name a clean save
+unpickles the first match: integrity.stray_files_problem refuses a step folder holding any name a clean save
 does not write, so every torch file a load can reach is one of the scanned ones.
 
 Torch only: no deepspeed import, so the export command and tests use it without starting DeepSpeed.
