@@ -22,6 +22,7 @@ from fluxzero.fsutil import atomic_write
 from fluxzero.train.distributed import TrainingError, all_reduce, barrier, peer_stopped
 from fluxzero.train.locks import READ_LOCK, folder_lock
 
+
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -143,8 +144,8 @@ def _torch_bytes(obj) -> bytes:
 
 
 def load(engine, ckpt_dir: Path, tag: str) -> dict:
-    """Restore checkpoint `tag` (model, optimizer, lr scheduler, this rank's RNG), which decide_resume chose and
-    checked on every rank; returns the trainer state (step, loader position)."""
+    """Restore checkpoint `tag` (model, optimizer, lr scheduler, this rank's RNG), which resume.decide_resume chose
+    and checked on every rank; returns the trainer state (step, loader position)."""
     rank = dist.get_rank()
     state = load_trainer_state(ckpt_dir / tag / f"trainer_state_rank{rank}.pt")
     path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
@@ -165,6 +166,7 @@ def load_trainer_state(path: Path) -> dict:
 
 
 def step_folders(ckpt_dir: Path) -> list[str]:
+    """The step_* folders of a checkpoints folder, oldest first; [] when it cannot be listed."""
     try:
         return sorted(p.name for p in ckpt_dir.glob("step_*") if p.is_dir())
     except OSError:

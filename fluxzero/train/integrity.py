@@ -13,6 +13,7 @@ from pathlib import Path
 from fluxzero.config.ds_view import DSView
 from fluxzero.train.locks import READ_LOCK
 
+
 def checkpoint_files(stage: int, bf16: bool, rank: int) -> tuple[list[str], list[str]]:
     """(files only `rank` reads, files every rank reads) of a fluxzero checkpoint folder.
 

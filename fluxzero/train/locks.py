@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fluxzero.train.distributed import TrainingError
 
+
 READ_LOCK = ".fluxzero-read.lock"  # in a step folder: readers hold it shared, pruning takes it exclusively
 
 

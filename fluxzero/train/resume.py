@@ -21,6 +21,7 @@ from fluxzero.train.integrity import (clean_save_files, file_problem, latest_pro
                                       stray_files_problem)
 from fluxzero.train.locks import lock_output_dir
 
+
 # Settings a resume must keep, because they change what the next steps compute. Others (steps, epochs,
 # stop_after, logging, checkpointing, export, attention kernel, workers, the lr schedule) may change: extending
 # a run or logging more often is common. micro_batch and grad_accum are the DeepSpeed config's
