@@ -60,7 +60,7 @@ def worker(rank, world, port, args, offload, impl, result_path):
     import torch.distributed as dist
 
     from fluxzero.config import TrainConfig, get_model_config
-    from fluxzero.train import checkpoint, distributed, loop
+    from fluxzero.train import distributed, locks, loop
 
     mc = get_model_config(args.model)
     hw = args.res // 8
@@ -90,7 +90,7 @@ def worker(rank, world, port, args, offload, impl, result_path):
     except Exception as e:  # a failing variant is a result, not a crash of the benchmark
         rec.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
     finally:
-        checkpoint.release_output_dir()
+        locks.release_output_dir()
     if rank == 0:
         Path(result_path).write_text(json.dumps(rec))
     if dist.is_initialized():

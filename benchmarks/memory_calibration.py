@@ -129,7 +129,7 @@ def worker(case: Case, ds_path: str, result_path: str) -> None:
     import torch.distributed as dist
 
     from fluxzero.config import TrainConfig
-    from fluxzero.train import checkpoint, distributed, loop
+    from fluxzero.train import distributed, locks, loop
 
     out = tempfile.mkdtemp(prefix="memcal-")
     world = case.gpus
@@ -181,7 +181,7 @@ def worker(case: Case, ds_path: str, result_path: str) -> None:
         rec.update(status="oom", oom_phase=phase, oom_step=len(rec["steps"]), error=str(e).splitlines()[0][:300],
                    at_oom=mark(phase))
     finally:
-        checkpoint.release_output_dir()
+        locks.release_output_dir()
     rec["rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
     everyone = [None] * world
     dist.all_gather_object(everyone, rec)

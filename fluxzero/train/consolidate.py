@@ -10,9 +10,11 @@ from pathlib import Path
 
 import torch
 
-from fluxzero.train import checkpoint
-from fluxzero.train.checkpoint import _export_advice, _file_problem, _latest_problem
+from fluxzero.train import locks
+from fluxzero.train.checkpoint import load_trainer_state, step_folders
 from fluxzero.train.distributed import TrainingError
+from fluxzero.train.integrity import clean_save_files, file_problem, latest_problem, stray_files_problem
+from fluxzero.train.resume import saved_run
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
@@ -20,7 +22,7 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     path = Path(path)
     for ckpt_dir in (path, path / "checkpoints"):
         if (ckpt_dir / "latest").is_file():
-            tag, error = _latest_problem(ckpt_dir, _export_advice)
+            tag, error = latest_problem(ckpt_dir, _export_advice)
             if error:
                 raise TrainingError(error)
             return ckpt_dir, tag
@@ -32,6 +34,12 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     raise TrainingError(f"{path} is not a fluxzero checkpoint (no 'latest' file and no DeepSpeed model states)")
 
 
+def _export_advice(ckpt_dir: Path, tag: str | None) -> str:
+    folders = step_folders(ckpt_dir)
+    return (f"export one of its checkpoint folders instead, such as {ckpt_dir / folders[-1]}" if folders
+            else "export another checkpoint")
+
+
 def consolidated_state_dict(path: str | Path, weights: str = "live") -> tuple[dict, Path]:
     """Full fp32 weights from a checkpoint of any ZeRO stage: the fp32 master weights wherever training kept
     them (DeepSpeed's own zero_to_fp32 consolidation for stages 1-3); weights "ema": the run's EMA in place of
@@ -41,7 +49,7 @@ def consolidated_state_dict(path: str | Path, weights: str = "live") -> tuple[di
     (state_dict, tag folder).
     """
     ckpt_dir, tag = resolve_checkpoint(path)
-    with checkpoint.reading(ckpt_dir, tag):
+    with locks.reading(ckpt_dir, tag):
         sd = _consolidate(ckpt_dir, tag)
         if weights == "ema":
             sd = {**sd, **ema_state_dict(ckpt_dir / tag)}
@@ -56,11 +64,11 @@ def _consolidate(ckpt_dir: Path, tag: str) -> dict:
                             f"file); {advice}")
     layout = _saved_layout(tag_dir, advice)
     if layout is not None:  # DeepSpeed's zero_to_fp32 globs *_model_states.pt and *_optim_states.pt
-        problem = checkpoint.stray_files_problem(tag_dir, checkpoint.clean_save_files(*layout), advice=advice)
+        problem = stray_files_problem(tag_dir, clean_save_files(*layout), advice=advice)
         if problem:
             raise TrainingError(problem)
     for f in sorted(tag_dir.glob("*.pt")):  # a damaged file would otherwise export wrong weights silently
-        problem = _file_problem(f)
+        problem = file_problem(f)
         if problem:
             raise TrainingError(f"checkpoint {tag_dir} is incomplete or corrupt ({problem}); {advice}")
     try:
@@ -94,18 +102,18 @@ def _saved_layout(tag_dir: Path, advice: str) -> tuple[int, bool, int, object] |
         raise TrainingError(f"{tag_dir / 'ds_config.json'} cannot be read as the DeepSpeed config the checkpoint "
                             f"was written with ({reason}); restore it, or {advice}") from None
     world, step = _saved_world_step(tag_dir, advice)
-    saved = checkpoint.saved_run(tag_dir)
+    saved = saved_run(tag_dir)
     return v.stage, v.precision == "bf16", world, saved.get("ema") if "ema" in saved else None
 
 
 def _saved_world_step(tag_dir: Path, advice: str) -> tuple[int, int]:
     """(world size, step) from the checkpoint's trainer state (scanned before it is loaded, without code)."""
     state_file = tag_dir / "trainer_state_rank0.pt"
-    problem = _file_problem(state_file)
+    problem = file_problem(state_file)
     if problem:
         raise TrainingError(f"checkpoint {tag_dir} is incomplete or corrupt ({problem}); {advice}")
     try:
-        state = checkpoint.load_trainer_state(state_file)
+        state = load_trainer_state(state_file)
         return int(state["world_size"]), int(state["step"])
     except Exception:  # intact zip, but not a fluxzero trainer state
         raise TrainingError(f"checkpoint {tag_dir} holds no fluxzero trainer state in {state_file.name}; "
@@ -149,7 +157,7 @@ def ema_state_dict(tag_dir: Path) -> dict:
     from fluxzero.train.ema import ShardError, consolidate, read_shard, shard_name
 
     tag_dir = Path(tag_dir)
-    had = checkpoint.saved_run(tag_dir).get("ema")
+    had = saved_run(tag_dir).get("ema")
     if not had and not any(tag_dir.glob("ema_*.safetensors")):
         raise TrainingError(f"checkpoint {tag_dir} holds no EMA (the run had no ema: section); export its live "
                             f"weights instead")

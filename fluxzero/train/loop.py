@@ -54,7 +54,7 @@ class Run:
 def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: bool = False) -> Run:
     """Everything the loop needs, built as the trainer builds it (benchmarks call this too, then time run.step)."""
     from fluxzero.data import build_dataloader
-    from fluxzero.train import checkpoint, engine as ds_engine
+    from fluxzero.train import checkpoint, engine as ds_engine, resume
     from fluxzero.train.step import TrainStep, batches
 
     try:
@@ -81,7 +81,7 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     loader.check_model(model_cfg)
     total = cfg.total_steps(len(loader), v.grad_accum)
     ckpt_dir = Path(cfg.output_dir) / "checkpoints"
-    tag = checkpoint.decide_resume(cfg, v, ckpt_dir, allow_config_change)
+    tag = resume.decide_resume(cfg, v, ckpt_dir, allow_config_change)
     engine = ds_engine.build_engine(model_cfg, ds, v, device, seed=cfg.seed, weights=cfg.weights,
                                     attention=cfg.attention, lora=cfg.lora)
     state = checkpoint.load(engine, ckpt_dir, tag) if tag else None
@@ -146,15 +146,15 @@ def _setup_extras(run: Run, cfg: TrainConfig, model_cfg, tag: str | None, rank: 
 def _resume_ema(run: Run, tag: str, rank: int, world: int) -> None:
     """Restore this rank's EMA shard, checked (step, rank, world size, checksum) on every rank before any is
     loaded; a checkpoint of a run that had an EMA never resumes with another one without a word."""
-    from fluxzero.train import checkpoint
+    from fluxzero.train import resume
     from fluxzero.train.ema import ShardError, read_shard, shard_name
 
     tag_dir = run.ckpt_dir / tag
-    had = checkpoint.saved_run(tag_dir).get("ema") or any(tag_dir.glob("ema_rank_*.safetensors"))
+    had = resume.saved_run(tag_dir).get("ema") or any(tag_dir.glob("ema_rank_*.safetensors"))
     problem, note, sd = None, None, None
     if had:
         advice = (f"restore it or remove the ema: section to continue without the EMA, otherwise "
-                  f"{checkpoint.resume_advice(run.ckpt_dir, tag)}")
+                  f"{resume.resume_advice(run.ckpt_dir, tag)}")
         try:
             sd, note = read_shard(tag_dir / shard_name(rank), rank=rank, world=world, step=run.done, advice=advice)
             run.ema.load_state_dict(sd)
@@ -221,16 +221,16 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     """Train as configured; returns {"losses": [...], "step", "checkpoint", "export"}.
 
     allow_config_change: resume a checkpoint although data, grad_accum or flow options changed (see
-    checkpoint.decide_resume); the new values are saved with the next checkpoint.
+    resume.decide_resume); the new values are saved with the next checkpoint.
     """
-    from fluxzero.train import checkpoint, export
+    from fluxzero.train import export, locks
     from fluxzero.train.metrics import LogWriteError, Metrics
 
     rank, world, device = distributed.init_distributed()
     try:
         run = setup(cfg, rank, world, device, allow_config_change)
     except BaseException:
-        checkpoint.release_output_dir()
+        locks.release_output_dir()
         raise
     losses, saved_step, result, metrics = [], run.done if run.last_ckpt else None, {}, None
     try:
@@ -273,7 +273,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
         if metrics is not None:
             metrics.close(strict=False)
         run.engine.destroy()
-        checkpoint.release_output_dir()
+        locks.release_output_dir()
     if rank == 0:
         write_line(_done(run, result))
     return result

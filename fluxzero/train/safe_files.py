@@ -7,24 +7,34 @@ pickle imports and calls. A pickle can only reach code through a global (module 
 any that fluxzero's and DeepSpeed's checkpoints do not hold (`ALLOWED_GLOBALS`, measured, see below).
 
 Why our own opcode scan (pickletools) and not torch's weights_only loading or
-torch.serialization.get_unsafe_globals_in_checkpoint (kept after measuring both on torch 2.13, 2026-12):
+torch.serialization.get_unsafe_globals_in_checkpoint (kept after measuring both on torch 2.13, 2026-12; issue 25
+item 8 decided it: ours stays):
+- On clean saves torch's function serves: over the 608 torch files of our clean saves it named nothing beyond six
+  globals (DeepSpeed's ZeroStageEnum, LossScaler, fragment_address; numpy's _reconstruct, ndarray, dtype), so with
+  those six allowed it accepted every one. Re-checked 2026-12-04 on the 22 .pt files of 8 step folders saved by
+  launch/train.py (1 rank, flux-tiny; ZeRO 0 fp32, 1 and 2 bf16, 3 bf16 with LoRA + EMA): the same six. A
+  weights_only load with them allowed read the 14 DeepSpeed files but not the 8 trainer states, whose numpy RNG
+  state also needs numpy.dtypes.UInt32DType (a class the unpickler BUILDs, not a global, so the function never
+  names it; _numpy_safe_globals allows it). What falls short is below.
 - weights_only=True cannot be the loader here: DeepSpeed's own checkpoint loads call torch.load(weights_only=False)
   themselves, and their files hold six globals outside torch's allow-list (three of DeepSpeed's, three of numpy's,
   as get_unsafe_globals_in_checkpoint lists them for real ZeRO 0-3 saves), so they fail a weights_only load. It is used where fluxzero loads a file itself
   (load_trainer_state).
 - get_unsafe_globals_in_checkpoint raised "UnpicklingError: Unsupported operand 149" on a payload saved with
-  pickle_protocol=4 (MEMOIZE): safe, but it cannot name what the file imports, so the refusal could not say why;
+  pickle_protocol=4 (MEMOIZE; again on 2026-12-04): safe, but it cannot name what the file imports, so the refusal could not say why;
   it returned [] for a zip with a payload in a second .pkl record (harmless to torch.load, which unpickles
   data.pkl only); it is missing from torch 2.4 (setup.cfg allows torch>=2.4; it came in 2.5), and its answer is
   relative to torch's default allow-list and to whatever any code in the process added with add_safe_globals
-  (so it changes with the torch version and the process). pickletools parses every protocol;
+  (so it changes with the torch version and the process: importing deepspeed 0.19.8 changed none of the 22
+  answers above, one add_safe_globals([numpy.ndarray]) took ndarray off a trainer state's). pickletools parses
+  every protocol;
 the scan below tracks the string arguments of STACK_GLOBAL through the memo and refuses what it cannot
 resolve, so the list it returns is complete. The pickle bytes are taken from torch's own zip reader
 (the one torch.load uses) as well as Python's zipfile, so a zip built to show the two readers different
 records cannot hide a payload from the scan.
 
 A scan covers the files fluxzero hands DeepSpeed, but DeepSpeed finds some of its files by wildcard and
-unpickles the first match: checkpoint.stray_files_problem refuses a step folder holding any name a clean save
+unpickles the first match: integrity.stray_files_problem refuses a step folder holding any name a clean save
 does not write, so every torch file a load can reach is one of the scanned ones.
 
 Torch only: no deepspeed import, so the export command and tests use it without starting DeepSpeed.

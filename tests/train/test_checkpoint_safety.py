@@ -60,7 +60,7 @@ def trained(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_a_clean_save_writes_exactly_the_names_the_check_expects(trained):
-    from fluxzero.train.checkpoint import clean_save_files
+    from fluxzero.train.integrity import clean_save_files
 
     for name, (stage, extra) in RUNS.items():
         for tag in (EARLIER, TAG):
@@ -172,20 +172,20 @@ def test_an_older_ema_shard_without_a_header_loads_unchecked_with_a_note(tmp_pat
 # An export beside a running training: pruning skips the checkpoint it reads
 # ---------------------------------------------------------------------------------------------------------
 def test_pruning_skips_a_checkpoint_an_export_is_reading_and_takes_it_next_time(tmp_path):
-    from fluxzero.train import checkpoint
+    from fluxzero.train import checkpoint, locks
     from fluxzero.train.distributed import TrainingError
 
     for tag in ("step_00000001", "step_00000002"):
         (tmp_path / tag).mkdir()
         (tmp_path / tag / "run.yaml").write_text("steps: 2\n")
-    with checkpoint.reading(tmp_path, "step_00000001"):  # the export's shared lock
+    with locks.reading(tmp_path, "step_00000001"):  # the export's shared lock
         assert checkpoint.prune_checkpoints(tmp_path, "step_00000002", keep=1) == []
         assert (tmp_path / "step_00000001" / "run.yaml").read_text() == "steps: 2\n"  # intact while it is read
     assert checkpoint.prune_checkpoints(tmp_path, "step_00000002", keep=1) == ["step_00000001"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
     with pytest.raises(TrainingError, match=r"^step_00000001 was pruned by the running training \(keep_checkpoints"
                                             r"\) before it could be read; run export again"):
-        with checkpoint.reading(tmp_path, "step_00000001"):
+        with locks.reading(tmp_path, "step_00000001"):
             pass
 
 
@@ -202,13 +202,13 @@ def test_an_export_of_a_pruned_step_folder_says_so(tmp_path):
 def test_a_reader_waiting_on_a_pruning_learns_the_folder_is_gone(tmp_path):
     """Pruning holds the lock while it renames the folder away; a reader that opened the lock file before gets it
     afterwards and must see that the folder went (a child process holds the exclusive lock, as the trainer does)."""
-    from fluxzero.train import checkpoint
+    from fluxzero.train import locks
     from fluxzero.train.distributed import TrainingError
 
     (tmp_path / "step_00000001").mkdir()
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import fcntl, os, shutil, sys, time
-        fd = os.open({str(tmp_path / 'step_00000001' / checkpoint.READ_LOCK)!r}, os.O_RDWR | os.O_CREAT)
+        fd = os.open({str(tmp_path / 'step_00000001' / locks.READ_LOCK)!r}, os.O_RDWR | os.O_CREAT)
         fcntl.flock(fd, fcntl.LOCK_EX)
         print("held", flush=True)
         time.sleep(1.0)
@@ -217,7 +217,7 @@ def test_a_reader_waiting_on_a_pruning_learns_the_folder_is_gone(tmp_path):
     """)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "held\n"
     with pytest.raises(TrainingError, match="was pruned by the running training"):
-        with checkpoint.reading(tmp_path, "step_00000001"):
+        with locks.reading(tmp_path, "step_00000001"):
             pass
     assert holder.wait(timeout=30) == 0
 
@@ -227,7 +227,7 @@ def test_a_universal_checkpoint_has_every_torch_file_in_its_tree_scanned(tmp_pat
     every file torch.load could be handed, at any depth and under any name, must pass the pickle scan."""
     import torch
 
-    from fluxzero.train.checkpoint import stray_files_problem
+    from fluxzero.train.integrity import stray_files_problem
 
     (tmp_path / "zero" / "w").mkdir(parents=True)
     torch.save({"fp32": torch.zeros(2)}, tmp_path / "zero" / "w" / "fp32.pt")

@@ -55,8 +55,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 # every collective path of the trainer's own, as the helpers record it (module.function op)
 EXPECTED = {
-    "fluxzero.train.checkpoint.decide_resume broadcast_object_list",  # the resume decision
-    "fluxzero.train.checkpoint.decide_resume all_gather_object",  # all_ranks_ok: every rank's own problem
+    "fluxzero.train.resume.decide_resume broadcast_object_list",  # the resume decision
+    "fluxzero.train.resume.decide_resume all_gather_object",  # all_ranks_ok: every rank's own problem
     "fluxzero.train.engine.load_pretrained broadcast_object_list",  # ZeRO-3: rank 0 reads the weights
     "fluxzero.train.ema.ShardedEMA._check_coverage all_reduce",
     "fluxzero.train.step.TrainStep.__call__ all_reduce",  # loss and stop flag, one reduction

@@ -11,8 +11,8 @@ import torch
 from fluxzero.config import ds_check
 from fluxzero.config.ds_file import load_for_training
 from fluxzero.config.ds_view import DSConfigError
-from fluxzero.train.checkpoint import _file_problem
 from fluxzero.train.distributed import TrainingError
+from fluxzero.train.integrity import file_problem
 from fluxzero.train.consolidate import _stage0_master_weights, consolidated_state_dict, resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,15 +139,15 @@ def test_stage0_masters_that_do_not_pair_up_are_refused():
 def test_torch_files_overwritten_in_place_fail_their_crc(tmp_path):
     f = tmp_path / "x.pt"
     torch.save({"w": torch.randn(100_000)}, f)
-    assert _file_problem(f) is None
+    assert file_problem(f) is None
     data = bytearray(f.read_bytes())
     data[len(data) // 2:len(data) // 2 + 2000] = bytes(2000)  # same size: torch.load would not notice
     f.write_bytes(bytes(data))
     torch.load(f, weights_only=True)
-    assert _file_problem(f).startswith("x.pt fails its CRC-32 check in x/data/")
+    assert file_problem(f).startswith("x.pt fails its CRC-32 check in x/data/")
     f.write_bytes(bytes(data[:1000]))
-    assert _file_problem(f) == "x.pt is not a complete torch file"
-    assert _file_problem(tmp_path / "y.pt") == "y.pt is missing"
+    assert file_problem(f) == "x.pt is not a complete torch file"
+    assert file_problem(tmp_path / "y.pt") == "y.pt is missing"
 
 
 def test_export_refuses_a_broken_latest(tmp_path):

@@ -177,7 +177,8 @@ def test_every_file_of_real_deepspeed_checkpoints_passes(tmp_path):
     runs = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert sorted((d["stage"], d["bf16"]) for d in runs) == sorted(
         [(s, b) for s in (0, 1, 2, 3) for b in (False, True)] + [(s, b) for s in (2, 3) for b in (False, True)])
-    from fluxzero.train.checkpoint import FLUXZERO_FILES, READ_LOCK, clean_save_files
+    from fluxzero.train.integrity import FLUXZERO_FILES, clean_save_files
+    from fluxzero.train.locks import READ_LOCK
 
     seen = set()
     for run in runs:

@@ -400,14 +400,14 @@ def test_export_command(cases, tmp_path):
 
 def test_truncated_checkpoint_is_one_sentence(cases, tmp_path):
     from fluxzero.cli import main
-    from fluxzero.train.checkpoint import _unreadable_files
+    from fluxzero.train.integrity import unreadable_files
 
     tmp, _ = cases
     shutil.copytree(tmp / "disk", tmp_path / "run")
     tag = tmp_path / "run" / "checkpoints" / "step_00000004"
     victim = sorted(tag.glob("*optim_states.pt"))[-1]
     victim.write_bytes(victim.read_bytes()[:1000])  # what a killed copy or a full disk leaves
-    assert _unreadable_files(tag) == [victim.name]  # resume checks these on every rank before DeepSpeed loads
+    assert unreadable_files(tag) == [victim.name]  # resume checks these on every rank before DeepSpeed loads
     r = CliRunner().invoke(main, ["export", str(tmp_path / "run"), str(tmp_path / "x.safetensors")])
     assert r.exit_code == 2 and f"checkpoint {tag} is incomplete or corrupt" in r.output, r.output
 

@@ -135,7 +135,7 @@ def _checkpoint_checks_probe(cfg):
 
     from fluxzero.config import get_model_config
     from fluxzero.config.ds_file import load_for_training
-    from fluxzero.train import checkpoint, engine as ds_engine
+    from fluxzero.train import checkpoint, engine as ds_engine, resume
 
     rank = dist.get_rank()
     ckpt = Path(cfg.output_dir) / "checkpoints"
@@ -153,7 +153,7 @@ def _checkpoint_checks_probe(cfg):
             folder = folder.parent / "other_node" / "checkpoints"
         before = _tree_digest(folder) if rank == 0 else None
         try:
-            tag = checkpoint.decide_resume(cfg, v, folder)
+            tag = resume.decide_resume(cfg, v, folder)
             if tag:
                 checkpoint.load(engine, folder, tag)
             error = None
@@ -169,7 +169,7 @@ def _checkpoint_checks_probe(cfg):
 
     out_dir = Path(cfg.output_dir) if rank == 0 else ckpt.parent.parent / "damaged_not_shared" / "other_node"
     try:
-        checkpoint.decide_resume(dataclasses.replace(cfg, output_dir=str(out_dir), resume=False), v,
+        resume.decide_resume(dataclasses.replace(cfg, output_dir=str(out_dir), resume=False), v,
                                  out_dir / "checkpoints")
         error = None
     except Exception as e:  # noqa: BLE001
@@ -358,7 +358,7 @@ def test_output_dir_is_judged_by_rank_0_for_every_rank(matrix):
 
 
 def test_checkpoint_file_names_match_deepspeed(matrix):
-    from fluxzero.train.checkpoint import checkpoint_files
+    from fluxzero.train.integrity import checkpoint_files
 
     for name, stage, bf16 in [("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z3", 3, False),
                               ("z0_bf16", 0, True), ("full_bf16", 2, True)]:

@@ -402,7 +402,7 @@ def test_lora_resume_is_exact(trained, stage):
 
 @pytest.mark.slow
 def test_lora_checkpoints_hold_the_adapters_only(trained):
-    from fluxzero.train.checkpoint import checkpoint_files
+    from fluxzero.train.integrity import checkpoint_files
 
     tmp = trained["tmp"]
     full_bytes = trained["weights"].stat().st_size  # the fp32 base: 2.0 MB for flux-tiny

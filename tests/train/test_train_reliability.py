@@ -103,7 +103,7 @@ def test_a_diverged_update_is_never_saved_and_the_good_checkpoint_stays(tmp_path
 
 
 def test_refusals_in_one_sentence(tmp_path):
-    from fluxzero.train import checkpoint
+    from fluxzero.train import locks
 
     run = _files(tmp_path, steps=1, checkpoint_every=1)
     assert _train(run).returncode == 0
@@ -126,12 +126,12 @@ def test_refusals_in_one_sentence(tmp_path):
     assert (tmp_path / "done" / "export.safetensors").read_bytes() == b"weights"
 
     # an output_dir another run holds: this test process takes the lock the trainer takes
-    checkpoint._lock_output_dir(tmp_path / "busy")
+    locks.lock_output_dir(tmp_path / "busy")
     try:
         msg = refused(f"output_dir={tmp_path / 'busy'}")
         assert f"output_dir {tmp_path / 'busy'} is in use by another run (process {os.getpid()}" in msg
     finally:
-        checkpoint.release_output_dir()
+        locks.release_output_dir()
     assert _train(run, f"output_dir={tmp_path / 'busy'}").returncode == 0  # the lock went with its holder
 
     dup = tmp_path / "dup.yaml"
