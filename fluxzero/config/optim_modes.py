@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Elements of a flat tensor (ZeRO 1-3 hand the optimizer one per rank and group) that the eager bf16 optimizers
-# (`step_chunk` below) do their fp32 math on at once: 2^24 x their ~36 B of temporaries per element is 0.6 GiB,
+# (`step_chunk` below) do their fp32 math on at once: 2^24 x their ~30 B of temporaries per element is 0.5 GiB,
 # whatever the partition size, and 715 chunks for FLUX.1-dev's 12B parameters keep the launches few.
 STEP_CHUNK = 1 << 24
 

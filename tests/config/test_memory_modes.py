@@ -140,15 +140,17 @@ def test_fit_one_80gb_gpu():
            "checkpointed does not fit: ZeRO-0: GPU needs 72.6 GiB > 71.2 GiB budget" in r.stderr
 
 
-def test_fit_four_48gb_gpus_choose_zero3_with_bf16_kahan():
-    """Chunked steps put bf16-kahan at ZeRO-3 within 48 GB on 4 GPUs (its whole-partition step needed 98.3 GiB,
-    so --fit fell back to adamw8bit-sr); --fit tries the modes closest to fp32 masters first."""
-    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "4", "--gpu-memory", "48",
+@pytest.mark.parametrize("gpus, gib, micro", [(4, 48, 4), (2, 80, 2)])
+def test_fit_several_gpus_choose_zero3_with_bf16_kahan(gpus, gib, micro):
+    """Chunked steps put bf16-kahan at ZeRO-3 on 4 x 48 GB and 2 x 80 GB (its whole-partition step needed 98.3
+    and 132.8 GiB, so --fit fell back to adamw8bit-sr); --fit tries the modes closest to fp32 masters first
+    (docs/memory.md's table)."""
+    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", str(gpus), "--gpu-memory", str(gib),
                                   "--host-memory", "128"])
     assert r.exit_code == 0, r.output
     cfg = json.loads(r.stdout)
     assert (cfg["zero_optimization"]["stage"], cfg["fluxzero"]["optimizer_mode"]) == (3, "bf16-kahan")
-    assert cfg["train_micro_batch_size_per_gpu"] == 4
+    assert cfg["train_micro_batch_size_per_gpu"] == micro
 
 
 def test_fit_one_24gb_gpu_needs_zero3_offload_and_a_larger_host():

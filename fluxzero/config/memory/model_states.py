@@ -22,10 +22,11 @@ from fluxzero.config.memory.spec import (GiB, OPTIMIZER_STATE_BYTES, PRECISION_B
 # temporaries at once); the torchao modes (bf16-sr, adamw8bit-sr) run one torch.compile'd kernel per tensor
 # (upper bound: the first step's peak, compile included; the second step's is under 0.1 B); ours do their math
 # in eager fp32, a mode's `step_chunk` elements of a flat tensor at a time (fluxzero.config.optim_modes), so these
-# bytes are per element of one chunk (2026-12-04: 478 / 459 MiB for one 2^24 chunk of bf16-kahan / adafactor-sr;
-# 27 B per element for a whole 5e7 tensor, as shaped tensors at ZeRO 0 are stepped).
+# bytes are per element of one chunk: the larger of two runs on 2026-12-04 (a 5e7 tensor in 2^24 chunks, the
+# peak 385 / 478 MiB for bf16-kahan, 523 / 459 MiB for adafactor-sr: glibc's reuse of freed chunks moves it);
+# 27 B per element for a whole 5e7 tensor, as shaped tensors are stepped at ZeRO 0.
 MODE_STEP_TEMP = {"fp32": 8.0, "bf16-rtn": 8.0, "bf16-sr": 0.7, "bf16-kahan": 30.0, "adamw8bit-sr": 0.7,
-                  "adafactor-sr": 29.0}
+                  "adafactor-sr": 33.0}
 
 
 def stepped_at_once(mode, elements: int) -> int:
