@@ -43,9 +43,10 @@ bf16_optimizer_states it demands CPU offload with DeepSpeedCPUAdam).
 - Adafactor: at ZeRO 1-3 it sees one flat vector, so it is unfactored (a full variance: 2 B/param in bf16);
   factored (rows + columns) only at ZeRO 0, where shapes are kept.
 - The flat partition is the whole of a rank's parameters (stage 3: one sub_group_size of them), so a step that
-  does eager fp32 math on it at once needs ~36 B (KahanAdamW) / ~31 B (AdafactorSR) per partition element of
-  temporaries (benchmarks/optim_step_memory.py). Both step a flat tensor STEP_CHUNK (2^24) elements at a time,
-  bit-identical to one piece on CPU (tests/train/test_optim_chunked.py). torchao's _AdamW / AdamW8bit need no
+  does eager fp32 math on it at once needed ~36 B (KahanAdamW) / ~31 B (AdafactorSR) per partition element of
+  temporaries (benchmarks/optim_step_memory.py; 27 B each now, per element stepped at once). Both step a flat
+  tensor STEP_CHUNK (2^24) elements at a time, bit-identical to one piece on CPU
+  (tests/train/test_optim_chunked.py). torchao's _AdamW / AdamW8bit need no
   chunking: one torch.compile'd kernel per tensor, under 1 B per element beyond the states (same benchmark).
 - AdamW8bit quantizes a tensor of >= 4096 values that is a multiple of its 256-value block; a ZeRO flat
   partition that is not (the probe's 16576 = 64.75 x 256) silently gets bf16 states. A 65536-value partition
@@ -209,7 +210,7 @@ class KahanAdamW(ExactStateMixin, torch.optim.Optimizer):
     Math in fp32 each step; `comp` holds what rounding the weight to bf16 lost, and is added to the next
     update, so no update is lost however small. On fp32 parameters it is plain AdamW (comp stays zero).
     Every element's update depends only on that element, so a flat tensor is stepped `step_chunk` elements at a
-    time (about 36 B of fp32 temporaries per element of a chunk, not of the whole ZeRO partition); the result
+    time (about 30 B of fp32 temporaries per element of a chunk, not of the whole ZeRO partition); the result
     does not depend on the chunk size (bit-identical on CPU, tests/train/test_optim_chunked.py).
     """
 
@@ -236,7 +237,8 @@ class KahanAdamW(ExactStateMixin, torch.optim.Optimizer):
     @staticmethod
     def _step_piece(group, t, p, grad, exp_avg, exp_avg_sq, comp):
         # Each temporary is dropped once used and the rest is done in place (the same IEEE operations as
-        # -(lr / bc1) * m / denom - (lr * wd) * p32 and p32 + (update + comp)): 5 fp32 copies alive at most.
+        # -(lr / bc1) * m / denom - (lr * wd) * p32 and p32 + (update + comp)): 27 B per element measured, 44 with
+        # every temporary kept to the end (benchmarks/optim_step_memory.py).
         # .float() of an fp32 tensor is that tensor, so nothing is done in place on g, v or p32.
         beta1, beta2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
