@@ -17,6 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Elements of a flat tensor (ZeRO 1-3 hand the optimizer one per rank and group) that the eager bf16 optimizers
+# (`step_chunk` below) do their fp32 math on at once: 2^24 x their ~30 B of temporaries per element is 0.5 GiB,
+# whatever the partition size, and 715 chunks for FLUX.1-dev's 12B parameters keep the launches few.
+STEP_CHUNK = 1 << 24
+
 # DeepSpeed "bf16" section keys that make ZeRO 1-3 hand the client optimizer bf16 partitions (0.19.8)
 BF16_MASTER_KEYS = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 # The host modes (optimizer_offload "cpu", fluxzero.train.host_optim) step a partition this many elements at a
@@ -42,6 +47,7 @@ class OptimMode:
     master_stage0: float | None = None  # master at ZeRO 0 when it differs (bf16 modes: the weights themselves)
     states_flat: float | None = None  # states at ZeRO 1-3 when flat partitions change them (None: same)
     trainable: bool = True  # False: comparison only, refused for training
+    step_chunk: int | None = None  # a flat (1-D) tensor is stepped this many elements at a time; None: whole
     where: str = "all on the accelerator"
     # "cpu": steps DeepSpeed's offloaded bf16 partitions in host memory, so it needs optimizer offload to cpu
     # (fluxzero.train.host_optim); "none": runs where ZeRO keeps the partitions, offload refused for bf16 masters
@@ -111,7 +117,7 @@ MODES: dict[str, OptimMode] = {m.name: m for m in (
                                       "measured at 400 steps)"),
     OptimMode("bf16-kahan", "KahanAdamW (ours): bf16 m, v and Kahan carry", weights=2, grads=2, master=2,
               states=6, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
-              master_stage0=0,
+              master_stage0=0, step_chunk=STEP_CHUNK,
               caveat="the carry keeps every weight update and m, v are stochastically rounded: closest to fp32 "
                      "masters (0.05% at 400 steps), at 2 bytes more than bf16-sr"),
     OptimMode("adamw8bit-sr", "torchao AdamW8bit(bf16_stochastic_round=True)", weights=2, grads=2, master=2,
@@ -122,6 +128,7 @@ MODES: dict[str, OptimMode] = {m.name: m for m in (
     OptimMode("adafactor-sr", "AdafactorSR (ours): torch.optim.Adafactor's algorithm, stochastic rounding",
               weights=2, grads=2, master=2, states=0.0, states_flat=2, master_dtype="bf16",
               zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16, master_stage0=0,
+              step_chunk=STEP_CHUNK,
               caveat="no momentum and relative step sizes: not AdamW's trajectory; factored only at ZeRO 0 "
                      "(ZeRO 1-3 flatten tensors, so its variance becomes full-size)"),
     # On the host: DeepSpeed's optimizer offload with bf16 master partitions and gradients, stepped by HostAdamW

@@ -43,6 +43,12 @@ bf16_optimizer_states it demands CPU offload with DeepSpeedCPUAdam).
   nothing and nothing is saved. The step pre-hook of build_optimizer raises OptimModeError then.
 - Adafactor: at ZeRO 1-3 it sees one flat vector, so it is unfactored (a full variance: 2 B/param in bf16);
   factored (rows + columns) only at ZeRO 0, where shapes are kept.
+- The flat partition is the whole of a rank's parameters (stage 3: one sub_group_size of them), so a step that
+  does eager fp32 math on it at once needed ~36 B (KahanAdamW) / ~31 B (AdafactorSR) per partition element of
+  temporaries (benchmarks/optim_step_memory.py; 27 B each now, per element stepped at once). Both step a flat
+  tensor STEP_CHUNK (2^24) elements at a time, bit-identical to one piece on CPU
+  (tests/train/test_optim_chunked.py). torchao's _AdamW / AdamW8bit need no
+  chunking: one torch.compile'd kernel per tensor, under 1 B per element beyond the states (same benchmark).
 - AdamW8bit quantizes a tensor of >= 4096 values that is a multiple of its 256-value block; a ZeRO flat
   partition that is not (the probe's 16576 = 64.75 x 256) silently gets bf16 states. A 65536-value partition
   was quantized (OptimState8bit). build_optimizer warns once when this happens.
@@ -81,7 +87,7 @@ from itertools import chain
 
 import torch
 
-from fluxzero.config.optim_modes import MODES, get_mode
+from fluxzero.config.optim_modes import MODES, STEP_CHUNK, get_mode
 
 __all__ = ["build_optimizer", "KahanAdamW", "AdafactorSR", "stochastic_round_bf16", "OptimModeError"]
 
@@ -99,13 +105,19 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = N
     bf16 is the top 16 bits of fp32: add a uniform 16-bit integer to the low half, then truncate. Values that
     are already bf16 (low half zero) never change. Inf/NaN are left as they are.
     """
-    bits = x.float().contiguous().view(torch.int32)
-    # randint_like: the same draws as randint(..., x.shape) (both are random_ on a fresh tensor), and it traces
-    # with a symbolic size (the fused KahanAdamW kernel is compiled with dynamic sizes)
-    noise = (torch.randint_like(bits, 0, 1 << 16) if generator is None
-             else torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int32, generator=generator))
+    return _round_with_noise(x.float(), _sr_noise(x.shape, x.device, generator))
+
+
+def _sr_noise(shape, device, generator=None) -> torch.Tensor:
+    # on CPU torch draws one 32-bit number per element in order, so drawing a tensor piece by piece gives the
+    # same values as drawing it whole: what keeps the chunked steps below bit-identical to unchunked ones
+    return torch.randint(0, 1 << 16, shape, device=device, dtype=torch.int32, generator=generator)
+
+
+def _round_with_noise(x32: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    bits = x32.contiguous().view(torch.int32)
     rounded = ((bits + noise) & -65536).view(torch.float32)
-    return torch.where(torch.isfinite(x), rounded, x.float()).to(torch.bfloat16)
+    return torch.where(torch.isfinite(x32), rounded, x32).to(torch.bfloat16)
 
 
 def round_bf16_nearest(x: torch.Tensor) -> torch.Tensor:
@@ -190,16 +202,22 @@ def _kahan_adamw_(p, g, m, v, comp, scalars, beta1: float, beta2: float, eps: fl
     and its Kahan carry. `scalars` is a 3-value fp32 tensor on p's device: lr / (1 - beta1^t),
     sqrt(1 - beta2^t), lr * weight_decay (a tensor, so the compiled kernel serves every step without a recompile).
 
-    The same function runs eagerly (CPU) and compiled into one fused kernel per call (CUDA, `_fused_kahan`):
-    eagerly each line below is a pass over the tensor with fp32 temporaries; fused, none is materialised.
+    Compiled into one fused kernel per call (`_fused_kahan`, the CUDA path): none of the fp32 values below is
+    materialised. Its arithmetic is `KahanAdamW._step_piece`'s, operation for operation (tests/train/
+    test_optim_fused.py holds the two together); the noise is drawn with randint_like, which traces with a symbolic
+    size, so the draws differ from the eager path's.
     """
     g = g.float()
     m32 = m.float().lerp(g, 1 - beta1)
     v32 = v.float().lerp(g.square(), 1 - beta2)
     # bf16 m and v are rounded stochastically: v's EMA moves 0.1% a step at beta2 0.999, under
     # half a bf16 ulp, so round-to-nearest stalls it (measured: weight change +2.4% at 400 steps)
-    _store(m, m32, sr=True)
-    _store(v, v32, sr=True)
+    if m.dtype == torch.bfloat16:
+        m.copy_(_round_with_noise(m32, torch.randint_like(m32, 0, 1 << 16, dtype=torch.int32)))
+        v.copy_(_round_with_noise(v32, torch.randint_like(v32, 0, 1 << 16, dtype=torch.int32)))
+    else:
+        m.copy_(m32)
+        v.copy_(v32)
     p32 = p.float()
     denom = (v32.sqrt() / scalars[1]).add(eps)
     update = -scalars[0] * m32 / denom - scalars[2] * p32
@@ -229,16 +247,38 @@ def _fused_kahan():
     return _FUSED["fn"]
 
 
+def _pieces(p: torch.Tensor, chunk: int | None) -> list:
+    """Slices that step `p` `chunk` elements at a time: a flat (1-D) tensor, as ZeRO 1-3 hand one per rank, is
+    cut up so the fp32 temporaries of a step stay chunk-sized; a shaped tensor (ZeRO 0: one layer) is whole."""
+    n = p.numel()
+    if p.dim() != 1 or chunk is None or n <= chunk:
+        return [...]
+    return [slice(i, min(i + chunk, n)) for i in range(0, n, chunk)]
+
+
+def _check_chunk(chunk: int | None, multiple_of: int = 1) -> int | None:
+    if chunk is not None and (chunk < 1 or chunk % multiple_of):
+        raise ValueError(f"step_chunk must be a positive multiple of {multiple_of} elements or None (whole "
+                         f"tensors), got {chunk}")
+    return chunk
+
+
 class KahanAdamW(ExactStateMixin, torch.optim.Optimizer):
     """AdamW whose states live in the parameter's dtype and whose bf16 updates are Kahan-compensated.
 
     Math in fp32 each step; `comp` holds what rounding the weight to bf16 lost, and is added to the next
     update, so no update is lost however small. On fp32 parameters it is plain AdamW (comp stays zero).
-    On CUDA tensors the update of each tensor is one compiled kernel (`fused=None`: on CUDA; True/False forces it).
+    Every element's update depends only on that element, so a flat tensor is stepped `step_chunk` elements at a
+    time (about 30 B of fp32 temporaries per element of a chunk, not of the whole ZeRO partition); the result
+    does not depend on the chunk size (bit-identical on CPU, tests/train/test_optim_chunked.py).
+    On CUDA tensors the update of each tensor is instead one compiled kernel with no temporaries (`fused=None`: on
+    CUDA; True/False forces it): measured on one H200, 0.131 s for FLUX.1-dev's 11.9e9 weights against 1.32 s eager.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused: bool | None = None):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
+                 step_chunk: int | None = STEP_CHUNK, fused: bool | None = None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.step_chunk = _check_chunk(step_chunk)
         self.fused = fused
 
     @torch.no_grad()
@@ -246,8 +286,6 @@ class KahanAdamW(ExactStateMixin, torch.optim.Optimizer):
         loss = _closure_loss(closure)
         scalars = {}  # one small host-to-device copy per (group, device, step count), not one per tensor
         for group, p, st in _with_grads(self):
-            beta1, beta2 = group["betas"]
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
             if not st:
                 st["step"] = torch.tensor(0.0)
                 st["exp_avg"] = torch.zeros_like(p)
@@ -255,15 +293,69 @@ class KahanAdamW(ExactStateMixin, torch.optim.Optimizer):
                 st["comp"] = torch.zeros_like(p)
             st["step"] += 1
             t = st["step"].item()  # a CPU tensor: no device sync
-            key = (id(group), p.device, t)
-            if key not in scalars:
-                scalars[key] = torch.tensor([lr / (1 - beta1**t), math.sqrt(1 - beta2**t), lr * wd],
-                                            dtype=torch.float32).to(p.device, non_blocking=True)
-            fused = p.is_cuda if self.fused is None else self.fused
-            update = _fused_kahan() if fused else _kahan_adamw_
-            update(p.view(-1), p.grad.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1),
-                   st["comp"].view(-1), scalars[key], beta1, beta2, eps)
+            if p.is_cuda if self.fused is None else self.fused:
+                beta1, beta2 = group["betas"]
+                lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+                key = (id(group), p.device, t)
+                if key not in scalars:
+                    scalars[key] = torch.tensor([lr / (1 - beta1**t), math.sqrt(1 - beta2**t), lr * wd],
+                                                dtype=torch.float32).to(p.device, non_blocking=True)
+                _fused_kahan()(p.view(-1), p.grad.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1),
+                               st["comp"].view(-1), scalars[key], beta1, beta2, eps)
+                continue
+            for i in _pieces(p, self.step_chunk):
+                self._step_piece(group, t, p[i], p.grad[i], st["exp_avg"][i], st["exp_avg_sq"][i], st["comp"][i])
         return loss
+
+    @staticmethod
+    def _step_piece(group, t, p, grad, exp_avg, exp_avg_sq, comp):
+        # Each temporary is dropped once used and the rest is done in place (the same IEEE operations as
+        # -(lr / bc1) * m / denom - (lr * wd) * p32 and p32 + (update + comp)): 27 B per element measured, 44 with
+        # every temporary kept to the end (benchmarks/optim_step_memory.py).
+        # .float() of an fp32 tensor is that tensor, so nothing is done in place on g, v or p32.
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        g = grad.float()
+        m = exp_avg.float().lerp_(g, 1 - beta1)
+        v = exp_avg_sq.float().lerp_(g.square(), 1 - beta2)
+        del g
+        # bf16 m and v are rounded stochastically: v's EMA moves 0.1% a step at beta2 0.999, under half a bf16
+        # ulp, so round-to-nearest stalls it (measured: weight change +2.4% at 400 steps). One draw of two
+        # numbers per element, m's and v's side by side, so the random stream does not depend on the chunking.
+        if exp_avg.dtype == torch.bfloat16:
+            noise = _sr_noise(m.shape + (2,), m.device)
+            exp_avg.copy_(_round_with_noise(m, noise[..., 0]))
+            exp_avg_sq.copy_(_round_with_noise(v, noise[..., 1]))
+            del noise
+        else:
+            exp_avg.copy_(m)
+            exp_avg_sq.copy_(v)
+        denom = v.sqrt().div_(math.sqrt(1 - beta2**t)).add_(eps)
+        del v
+        update = m.mul(-(lr / (1 - beta1**t))).div_(denom)
+        del m, denom
+        p32 = p.float()
+        update.sub_(p32 * (lr * wd))
+        # Kahan: the new weight is p + (update + carry); what bf16 cannot hold becomes the next carry
+        exact = update.add_(comp.float()).add_(p32)
+        del p32
+        p.copy_(exact)
+        comp.copy_(exact.sub_(p.float()))
+
+
+# AdafactorSR's two whole-tensor norms are sums of fp64 squares over blocks of this many elements, then one sum of
+# the block sums: the same blocks whatever the chunk size, so chunking leaves the norms (and the step) unchanged
+_SUMSQ_BLOCK = 1 << 14
+
+
+def _block_sumsq(x: torch.Tensor) -> torch.Tensor:
+    """Shape: (n,) -> (ceil(n / _SUMSQ_BLOCK),) fp64 sums of squares (x's start must be a block boundary)."""
+    x = x.reshape(-1)
+    full = x.numel() // _SUMSQ_BLOCK * _SUMSQ_BLOCK
+    parts = [x[:full].view(-1, _SUMSQ_BLOCK).double().square_().sum(dim=1)] if full else []
+    if full < x.numel():
+        parts.append(x[full:].double().square_().sum().view(1))
+    return torch.cat(parts)
 
 
 class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
@@ -271,18 +363,21 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
 
     Factored second moments (row and column means, fp32: they are O(rows + cols)) for tensors of two or more
     dimensions; a full variance in the parameter's dtype for vectors. A ZeRO stage 1-3 partition is a flat
-    vector, so under ZeRO it is unfactored: see DEEPSPEED_FINDINGS.
+    vector, so under ZeRO it is unfactored: see DEEPSPEED_FINDINGS. Such a vector is stepped `step_chunk`
+    elements at a time, in two passes (the step size needs the norms of the whole weight and update before any
+    element is written: the first pass sums their squares, the second recomputes the update and applies it);
+    a factored tensor needs whole rows and columns and is stepped whole (ZeRO 0: one layer at a time).
     """
 
-    def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0):
+    def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, *,
+                 step_chunk: int | None = STEP_CHUNK):
         super().__init__(params, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay))
+        self.step_chunk = _check_chunk(step_chunk, _SUMSQ_BLOCK)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = _closure_loss(closure)
         for group, p, st in _with_grads(self):
-            lr, wd, d = group["lr"], group["weight_decay"], group["d"]
-            eps1, eps2 = group["eps"]
             if not st:
                 st["step"] = torch.tensor(0.0)
                 if p.dim() > 1:
@@ -293,30 +388,65 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
             # same order of operations as torch.optim.Adafactor's single-tensor path (torch 2.13)
             st["step"] += 1
             t = st["step"].item()
-            # torch takes eps1 from the param's dtype; the math here is fp32, and bf16's eps (7.8e-3)
-            # would clamp fine-tuning second moments (~1e-8) and shrink every update ~100-fold
-            e1 = torch.finfo(torch.float32).eps if eps1 is None else eps1
-            g = p.grad.float()
-            p32 = p.float()
-            one_minus_beta2_t = t**group["beta2_decay"]
-            alpha = max(eps2, p32.norm(2).item() / (p.numel() ** 0.5)) * min(lr, 1 / t**0.5)
-            if wd != 0:
-                p32.mul_(1 - lr * wd)
             if p.dim() > 1:
-                st["row_var"].lerp_(torch.norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1)),
-                                    one_minus_beta2_t)
-                st["col_var"].lerp_(torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2)),
-                                    one_minus_beta2_t)
-                var = st["row_var"] @ st["col_var"]
-                var.div_(st["row_var"].mean(dim=-2, keepdim=True).clamp_(min=e1))
+                self._step_factored(group, t, p, st)
             else:
-                v = st["variance"].float().lerp_(g * g, one_minus_beta2_t)
-                st["variance"].copy_(v)
-                var = v.clone()
-            update = var.clamp_(min=e1 * e1).rsqrt_().mul_(g)
-            denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * d))
-            _store(p, p32.add_(update, alpha=-alpha / denom), sr=True)
+                self._step_flat(group, t, p, st["variance"])
         return loss
+
+    @staticmethod
+    def _eps1(group) -> float:
+        # torch takes eps1 from the param's dtype; the math here is fp32, and bf16's eps (7.8e-3) would clamp
+        # fine-tuning second moments (~1e-8) and shrink every update ~100-fold
+        return torch.finfo(torch.float32).eps if group["eps"][0] is None else group["eps"][0]
+
+    @staticmethod
+    def _scale(group, t, p_norm: float, u_norm: float, n: int) -> float:
+        """-alpha / denom: torch's relative step size (RMS of the weight) and update clipping (RMS of it)."""
+        alpha = max(group["eps"][1], p_norm / (n ** 0.5)) * min(group["lr"], 1 / t**0.5)
+        return -alpha / max(1.0, u_norm / ((n ** 0.5) * group["d"]))
+
+    def _step_factored(self, group, t, p, st):
+        lr, wd, e1 = group["lr"], group["weight_decay"], self._eps1(group)
+        g, p32 = p.grad.float(), p.float()
+        one_minus_beta2_t = t ** group["beta2_decay"]
+        p_norm = p32.norm(2).item()
+        if wd != 0:
+            p32.mul_(1 - lr * wd)
+        st["row_var"].lerp_(torch.norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1)), one_minus_beta2_t)
+        st["col_var"].lerp_(torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2)), one_minus_beta2_t)
+        var = st["row_var"] @ st["col_var"]
+        var.div_(st["row_var"].mean(dim=-2, keepdim=True).clamp_(min=e1))
+        update = var.clamp_(min=e1 * e1).rsqrt_().mul_(g)
+        scale = self._scale(group, t, p_norm, update.norm(2).item(), p.numel())
+        _store(p, p32.add_(update, alpha=scale), sr=True)
+
+    def _step_flat(self, group, t, p, variance):
+        pieces = _pieces(p, self.step_chunk)
+        scale = self._flat_scale(group, t, p, variance, pieces)  # pass 1: nothing written
+        for i in pieces:  # pass 2: the same update again, applied
+            v, update = self._flat_update(group, t, p, variance, i)
+            variance[i].copy_(v)
+            p32 = p[i].float()
+            if group["weight_decay"] != 0:
+                p32.mul_(1 - group["lr"] * group["weight_decay"])
+            _store(p[i], p32.add_(update, alpha=scale), sr=True)
+
+    def _flat_update(self, group, t, p, variance, i):
+        """The new variance (fp32, not yet stored) and the update of piece `i` of a flat tensor."""
+        g = p.grad[i].float()
+        # out of place: .float() of an fp32 variance is the state itself, which pass 1 must leave as it is
+        v = variance[i].float().lerp(g * g, t ** group["beta2_decay"])
+        e1 = self._eps1(group)
+        return v, v.clamp(min=e1 * e1).rsqrt_().mul_(g)
+
+    def _flat_scale(self, group, t, p, variance, pieces) -> float:
+        """The step's scale from the norms of the whole weight and update, summed a piece at a time."""
+        p_sq, u_sq = [], []
+        for i in pieces:
+            p_sq.append(_block_sumsq(p[i]))
+            u_sq.append(_block_sumsq(self._flat_update(group, t, p, variance, i)[1]))
+        return self._scale(group, t, math.sqrt(torch.cat(p_sq).sum()), math.sqrt(torch.cat(u_sq).sum()), p.numel())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -360,9 +490,10 @@ def build_optimizer(params: Iterable, mode: str, lr: float, betas: tuple[float, 
         opt = _exact(ao.AdamW8bit)(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                    bf16_stochastic_round=True)
     elif mode == "bf16-kahan":
-        opt = KahanAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        opt = KahanAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         step_chunk=spec.step_chunk)
     elif mode == "adafactor-sr":
-        opt = AdafactorSR(params, lr=lr, weight_decay=weight_decay)
+        opt = AdafactorSR(params, lr=lr, weight_decay=weight_decay, step_chunk=spec.step_chunk)
     elif spec.needs_offload:
         from fluxzero.train.host_optim import HostAdamW
 

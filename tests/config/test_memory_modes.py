@@ -59,6 +59,20 @@ def test_modes_refuse_what_deepspeed_refuses():
     RunSpec(DEV, stage=3, offload_optimizer="cpu", offload_param="cpu", optimizer_mode="fp32")  # fp32 masters: fine
 
 
+@pytest.mark.parametrize("mode", ["bf16-kahan", "adafactor-sr"])
+def test_eager_modes_hold_one_chunk_of_temporaries_whatever_the_partition(mode):
+    """KahanAdamW and AdafactorSR step a flat partition step_chunk elements at a time (tests/train/
+    test_optim_chunked.py): the step's temporary is one chunk's, at 1 GPU (12B elements) as at 8."""
+    chunk = optim_modes.get_mode(mode).step_chunk
+    assert chunk == optim_modes.STEP_CHUNK
+    for stage, gpus in ((1, 1), (2, 1), (2, 8), (3, 2)):
+        it = items(RunSpec(DEV, gpus_per_node=gpus, stage=stage, optimizer_mode=mode))
+        assert it["optimizer temporary at step"].bytes == int(memory.MODE_STEP_TEMP[mode] * chunk), (stage, gpus)
+    # a mode without a step_chunk (torchao's, one compiled kernel per tensor) still counts its whole partition
+    it = items(RunSpec(DEV, gpus_per_node=2, stage=2, optimizer_mode="bf16-sr"))
+    assert it["optimizer temporary at step"].bytes == int(memory.MODE_STEP_TEMP["bf16-sr"] * math.ceil(P / 2))
+
+
 def test_lora_trains_only_the_adapters():
     full, lora = RunSpec(DEV, stage=2), RunSpec(DEV, stage=2, lora_rank=16)
     A = lora_param_count(DEV, LoraConfig(rank=16))
@@ -133,6 +147,19 @@ def test_fit_one_80gb_gpu():
     assert "not AdamW's trajectory" in r.stderr
     assert "ZeRO-0/1/2/3 without offload, optimizer mode adamw8bit-sr: even micro batch 1 with every block " \
            "checkpointed does not fit: ZeRO-0: GPU needs 72.6 GiB > 71.2 GiB budget" in r.stderr
+
+
+@pytest.mark.parametrize("gpus, gib, micro", [(4, 48, 4), (2, 80, 2)])
+def test_fit_several_gpus_choose_zero3_with_bf16_kahan(gpus, gib, micro):
+    """Chunked steps put bf16-kahan at ZeRO-3 on 4 x 48 GB and 2 x 80 GB (its whole-partition step needed 98.3
+    and 132.8 GiB, so --fit fell back to adamw8bit-sr); --fit tries the modes closest to fp32 masters first
+    (docs/memory.md's table)."""
+    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", str(gpus), "--gpu-memory", str(gib),
+                                  "--host-memory", "128"])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads(r.stdout)
+    assert (cfg["zero_optimization"]["stage"], cfg["fluxzero"]["optimizer_mode"]) == (3, "bf16-kahan")
+    assert cfg["train_micro_batch_size_per_gpu"] == micro
 
 
 def test_fit_one_24gb_gpu_needs_zero3_offload_and_a_larger_host():

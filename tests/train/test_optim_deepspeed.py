@@ -55,6 +55,7 @@ class Layer(torch.nn.Module):
 
 
 def engine(mode, stage):
+    mode, _, chunk = mode.partition(":")  # "bf16-kahan:16384": step the flat partition 16384 values at a time
     torch.manual_seed(0)
     model = Layer()
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
@@ -71,6 +72,8 @@ def engine(mode, stage):
             model = model.bfloat16()  # ZeRO 0, bf16 off: the engine steps the model's own bf16 weight
         lr = LR_ADAFACTOR if mode.startswith("adafactor") else LR
         opt = build_optimizer(model.parameters(), mode, lr=lr, allow_comparison_only=True)
+        if chunk:
+            opt.step_chunk = int(chunk)
     eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     return eng, opt
 
@@ -121,7 +124,8 @@ torch.distributed.destroy_process_group()  # a gloo group left to interpreter te
 """
 
 CASES = [("fp32", 2), ("bf16-rtn", 2), ("bf16-sr", 2), ("bf16-kahan", 3), ("adamw8bit-sr", 1),
-         ("fp32-adafactor", 0), ("adafactor-sr", 0)]
+         ("fp32-adafactor", 0), ("adafactor-sr", 0),
+         ("bf16-kahan:16384", 3), ("adafactor-sr", 2), ("adafactor-sr:16384", 2)]
 
 
 def _env(**extra) -> dict:
@@ -173,6 +177,19 @@ def test_adafactor_sr_keeps_shapes_at_zero0_and_matches_fp32_adafactor(runs):
     assert "row_var:Tensor" in run["states"] and "variance:Tensor" not in run["states"]
     dw, dl = _off(run, ref)
     assert dw < BOUND and dl < BOUND, (dw, dl, run, ref)
+
+
+@pytest.mark.slow
+def test_chunked_steps_of_a_deepspeed_partition_equal_whole_ones(runs):
+    """The 65536-value flat partition stepped 16384 values at a time (ZeRO 3 swaps it into the optimizer only
+    for the step; ZeRO 2 hands over its own flat copy): the same weights to the last bit (CPU); resume is
+    exact too (test_every_mode_resumes_exactly)."""
+    for mode, stage in (("bf16-kahan", 3), ("adafactor-sr", 2)):
+        whole, chunked = runs[f"{mode}@{stage}"], runs[f"{mode}:16384@{stage}"]
+        assert chunked["stepped"] == whole["stepped"] == [["torch.bfloat16", [65536]]], mode
+        assert "variance:Tensor" in runs["adafactor-sr@2"]["states"]  # flat: unfactored
+        assert (chunked["dw"], chunked["loss"]) == (whole["dw"], whole["loss"]), (mode, chunked, whole)
+        assert chunked["dw"] > 0.01  # the weights moved
 
 
 @pytest.mark.slow

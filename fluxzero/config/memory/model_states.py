@@ -20,17 +20,26 @@ from fluxzero.config.memory.spec import (GiB, OPTIMIZER_STATE_BYTES, PRECISION_B
 # 1-D tensor as ZeRO 1-3 hand it: measured on CPU by benchmarks/optim_step_memory.py (peak RSS over the steady
 # state, 5e7 elements, 2026-12). fp32: torch.optim.AdamW(foreach=False), sqrt then divide (two fp32
 # temporaries at once); the torchao modes (bf16-sr, adamw8bit-sr) run one torch.compile'd kernel per tensor
-# (upper bound: the first step's peak, compile included); ours do their math in eager fp32: bf16-kahan keeps
-# ~9 fp32 copies alive (g, m, v, p32, denom, update, the Kahan sum, stochastic-rounding noise), adafactor-sr ~8.
-# A ZeRO-1/2 partition is one tensor, so their step costs 36 / 31 B per element of it at once.
-MODE_STEP_TEMP = {"fp32": 8.0, "bf16-rtn": 8.0, "bf16-sr": 0.7, "bf16-kahan": 36.0, "adamw8bit-sr": 0.7,
-                  "adafactor-sr": 31.0}
+# (upper bound: the first step's peak, compile included; the second step's is under 0.1 B); ours do their math
+# in eager fp32, a mode's `step_chunk` elements of a flat tensor at a time (fluxzero.config.optim_modes), so these
+# bytes are per element of one chunk: the larger of two runs on 2026-12-04 (a 5e7 tensor in 2^24 chunks, the
+# peak 385 / 478 MiB for bf16-kahan, 523 / 459 MiB for adafactor-sr: glibc's reuse of freed chunks moves it);
+# 27 B per element for a whole 5e7 tensor, as shaped tensors are stepped at ZeRO 0.
+MODE_STEP_TEMP = {"fp32": 8.0, "bf16-rtn": 8.0, "bf16-sr": 0.7, "bf16-kahan": 30.0, "adamw8bit-sr": 0.7,
+                  "adafactor-sr": 33.0}
+# (on CUDA bf16-kahan's update is one compiled kernel per tensor and holds none of these: an upper bound there)
 # The host modes (cpu-*) step HOST_STEP_CHUNK elements at a time: bytes per element of one chunk, counted from
 # their ops (g, m, v and the weight in fp32, stochastic rounding's int32 noise and bit arithmetic; the 8-bit
 # states' int64 bucket indices instead); benchmarks/optim_step_memory.py measured 130 MB (cpu-bf16-sr, 2e7
 # elements: 31 B per chunk element), a bound the allocator's reuse of freed chunks can hide.
 HOST_STEP_TEMP = 32.0
 
+
+def stepped_at_once(mode, elements: int) -> int:
+    """Elements of a flat tensor of `elements` that `mode` (an OptimMode, or None for DeepSpeed's optimizer)
+    holds step temporaries for at once: its step_chunk, or the whole tensor."""
+    chunk = getattr(mode, "step_chunk", None)
+    return elements if chunk is None else min(elements, chunk)
 
 
 def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
@@ -139,8 +148,9 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
             add("fp32 gradient partition at step", 4 * sg, phase="step", note=note, ds=True)
         add("flattened %s gradient copy at step" % s.precision, b * sg, phase="step", note=note)
         if impl_temp:
-            add("optimizer temporary at step" if mode else "optimizer temporary (torch foreach)", impl_temp * sg,
-                phase="step", note=tnote)
+            add("optimizer temporary at step" if mode else "optimizer temporary (torch foreach)",
+                impl_temp * stepped_at_once(mode, sg), phase="step",
+                note=tnote + (f", {mode.step_chunk} elements at a time" if mode and mode.step_chunk else ""))
     else:
         # The optimizer runs on the host; gradients travel there in the master's dtype during backward.
         add("%s gradient partition (offloaded)" % ("bf16 master" if bf16_master else "fp32"), master_b * part,
