@@ -110,11 +110,11 @@ def _folder_lock(tag_dir: Path, exclusive: bool):
 @contextlib.contextmanager
 def reading(ckpt_dir: Path, tag: str):
     """Hold checkpoint `tag` against pruning while the block reads it (an export beside a running training with
-    keep_checkpoints); one sentence when the training pruned it first."""
+    checkpoint.keep); one sentence when the training pruned it first."""
     with _folder_lock(Path(ckpt_dir) / tag, exclusive=False) as held:
         if not held:
-            raise TrainingError(f"{tag} was pruned by the running training (keep_checkpoints) before it could be "
-                                f"read; run export again (it takes the newest checkpoint) or raise keep_checkpoints")
+            raise TrainingError(f"{tag} was pruned by the running training (checkpoint.keep) before it could be "
+                                f"read; run export again (it takes the newest checkpoint) or raise checkpoint.keep")
         yield
 
 
@@ -255,9 +255,9 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int,
                                 f") but no checkpoint to resume; choose another output_dir, or move them away to "
                                 f"start over there")
         return None, None
-    if not cfg.resume:
-        raise TrainingError(f"{ckpt_dir} already holds checkpoints (latest {tag}) and resume is off; "
-                            f"choose another output_dir or set resume: true")
+    if not cfg.checkpoint.resume:
+        raise TrainingError(f"{ckpt_dir} already holds checkpoints (latest {tag}) and checkpoint.resume is off; "
+                            f"choose another output_dir or set checkpoint.resume to true")
     tag_dir = ckpt_dir / tag
     saved = saved_run(tag_dir / "run.yaml")
     model = saved.get("model")
