@@ -1,4 +1,5 @@
-"""The training run file as validated dataclasses (TrainConfig, FlowConfig); pure Python, no torch."""
+"""The training run file as validated dataclasses (TrainConfig, FlowConfig; the checkpoint:, sample:, validation:
+and export: sections are fluxzero.config.sections'); pure Python, no torch."""
 from __future__ import annotations
 
 import dataclasses

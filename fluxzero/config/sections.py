@@ -159,7 +159,6 @@ class ValidationConfig:
             raise ValueError(f"validation.timesteps must be a list of numbers in (0, 1] such as [0.25, 0.5, 0.75], "
                              f"got {ts!r}")
 
-
     @classmethod
     def from_dict(cls, d) -> "ValidationConfig":
         return section_from_dict(cls, "validation", d)

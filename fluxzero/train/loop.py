@@ -247,8 +247,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
             extra = _after_step(run, cfg, step, metrics)
             metrics.log(step, r.loss, r.lr, r.grad_norm, r.skipped_steps, img_tokens=r.img_tokens,
                         txt_tokens=r.txt_tokens, log=step % cfg.log_every == 0 or step == run.stop, extra=extra)
-            every = cfg.checkpoint.every
-            if r.stop_requested or (every and step % every == 0 and step < run.stop):
+            if r.stop_requested or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < run.stop):
                 saved_step = _save(run, cfg, rank)
             if r.stop_requested:
                 raise distributed.Stopped(
