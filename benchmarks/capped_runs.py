@@ -181,8 +181,8 @@ def run_case(case: Case, cap: float, work: Path) -> dict:
         lines = (e.stderr or e.stdout).strip().splitlines()
         return {**row, "ok": False, "error": " ".join(lines[-6:]) if case.fit is not None else lines[-1]}
     run = {"deepspeed": str(work / "ds.json"), "data": case.data, "output_dir": str(work / "run"),
-           "model": case.model, "steps": case.steps, "seed": 0, "log_every": 1, "resume": False,
-           "checkpoint_every": 0, "export_format": None, "lora": row["lora"] or None}
+           "model": case.model, "steps": case.steps, "seed": 0, "log_every": 1,
+           "checkpoint": {"every": 0, "resume": False}, "export": {"format": None}, "lora": row["lora"] or None}
     (work / "run.json").write_text(json.dumps(run))  # YAML is a superset of JSON: the run file as it is
     # this checkout first, then whatever path the caller had (the device's wheels live there)
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])

@@ -69,8 +69,8 @@ def worker(rank, world, port, args, offload, impl, result_path):
     ds_path.write_text(json.dumps(ds_config(offload, impl, world, args.precision)))
     cfg = TrainConfig(deepspeed=str(ds_path), data=f"synthetic:n={world * args.steps},hw={hw}x{hw},txt={args.txt},"
                       f"ctx={mc.context_in_dim},vec={mc.vec_in_dim}", output_dir=str(Path(tmp) / "run"),
-                      model=args.model, steps=args.steps, resume=False,
-                      export_format=None)  # precision is the DeepSpeed config's (ds_config above)
+                      model=args.model, steps=args.steps, checkpoint={"resume": False},
+                      export={"format": None})  # precision is the DeepSpeed config's (ds_config above)
     rec = {"offload": offload, "impl": impl, "status": "ok", "losses": [], "step_s": []}
     try:
         rank, world, device = distributed.init_distributed()

@@ -132,7 +132,7 @@ def run_case(name: str, work: Path, rows: int, timeout: float, cap: float | None
     run = {"deepspeed": str(ds), "data": f"synthetic:n={max(64, mb * (rows + 4))},hw={lat}x{lat},txt={txt},"
                                           f"ctx={ctx},vec={vec}",
            "output_dir": str(work / "out"), "model": model, "steps": 100000, "log_every": 1,
-           "export_format": None, "attention": "flash" if _cuda() else "auto", **keys}
+           "export": {"format": None}, "attention": "flash" if _cuda() else "auto", **keys}
     if lora:
         run["lora"] = lora
     (work / "run.yaml").write_text(json.dumps(run))  # JSON is YAML

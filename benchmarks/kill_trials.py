@@ -58,11 +58,11 @@ def write_run(folder: Path, stage: int, lora_ema: bool = False) -> Path:
           "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
     (folder / "ds.json").write_text(json.dumps(ds))
     run = {"deepspeed": str(folder / "ds.json"), "data": DATA, "output_dir": str(folder / "out"), "model": "flux-tiny",
-           "steps": STEPS, "checkpoint_every": EVERY, "log_every": 1, "seed": 0, "export_format": "bfl",
-           "export_dtype": "bf16"}
+           "steps": STEPS, "checkpoint": {"every": EVERY}, "log_every": 1, "seed": 0,
+           "export": {"format": "bfl", "dtype": "bf16"}}
     if lora_ema:
         run.update(lora={"rank": 4, "alpha": 4, "targets": "all-linear"}, ema={"decay": 0.9},
-                   export_weights="ema")
+                   export={"format": "bfl", "dtype": "bf16", "weights": "ema"})
     (folder / "run.yaml").write_text(yaml.safe_dump(run))
     return folder / "run.yaml"
 

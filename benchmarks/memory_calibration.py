@@ -137,8 +137,8 @@ def worker(case: Case, ds_path: str, result_path: str) -> None:
     mc = get_model_config(case.model)
     data = (f"synthetic:n={max(64, 2 * case.micro_batch * world)},hw={hw}x{hw},txt={case.txt_len},"
             f"ctx={mc.context_in_dim},vec={mc.vec_in_dim}")
-    cfg = TrainConfig(deepspeed=ds_path, data=data, output_dir=out, model=case.model, resume=False,
-                      steps=case.steps, export_format=None)  # micro batch and bf16: in the DeepSpeed config
+    cfg = TrainConfig(deepspeed=ds_path, data=data, output_dir=out, model=case.model,
+                      checkpoint={"resume": False}, steps=case.steps, export={"format": None})  # micro batch and bf16: in the DeepSpeed config
     rank, world, device = distributed.init_distributed()
     cuda = torch.cuda.is_available()
     rec: dict = {"rank": rank, "steps": [], "status": "ok"}

@@ -111,7 +111,7 @@ def one_preset(name: str, args, folder: Path) -> dict:
         return {**record, "phase": "gen-config", "error": r["error"]}
     run_file = {"deepspeed": str(ds), "data": data_spec(get_model_config(args.model), args.res, args.txt),
                 "output_dir": str(folder / "run"), "model": args.model, "steps": args.steps + 2,
-                "stop_after": args.steps, "checkpoint_every": args.steps, "log_every": 1, "export_format": None,
+                "stop_after": args.steps, "checkpoint": {"every": args.steps}, "log_every": 1, "export": {"format": None},
                 "seed": 0}
     if args.weights:
         run_file["weights"] = args.weights

@@ -372,7 +372,7 @@ def ema_rows(args, base: dict, watchdog: Watchdog) -> list[dict]:
     m = get_model_config(args.model)
     latent = args.ema_resolution // 8
     run_file = {"deepspeed": str(ds_path), "model": args.model, "output_dir": str(work / "run"), "steps": 10,
-                "seed": 0, "log_every": 1, "resume": False, "export_format": None, "ema": json.loads(args.ema_section),
+                "seed": 0, "log_every": 1, "checkpoint": {"resume": False}, "export": {"format": None}, "ema": json.loads(args.ema_section),
                 "data": f"synthetic:n=1024,hw={latent}x{latent},txt=16,ctx={m.context_in_dim},vec={m.vec_in_dim},"
                         f"ch={m.latent_channels}"}
     print(f"[sample_speed] EMA: building the trainer's run ({args.model}, `fluxzero {' '.join(fit[:-2])}`)", flush=True)

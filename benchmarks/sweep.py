@@ -348,7 +348,8 @@ def run_file(case: Case, world: int, ds_path: str, output_dir: str) -> dict:
     Batch sizes, precision, ZeRO, checkpointing and compile are the DeepSpeed JSON's."""
     return {"deepspeed": str(ds_path), "data": data_source(case, world), "output_dir": str(output_dir),
             "model": case.model, "steps": case.total_steps, "seed": 0, "attention": case.attn,
-            "num_workers": case.workers, "log_every": 1, "resume": False, "export_format": None}
+            "num_workers": case.workers, "log_every": 1, "checkpoint": {"resume": False},
+            "export": {"format": None}}
 
 
 class _Clock:

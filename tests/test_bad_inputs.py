@@ -89,13 +89,13 @@ def inputs(tmp_path_factory) -> Path:
     w("hosts_unknown", "no-such-host-fluxzero-audit slots=2\n")
     w("hosts_empty", "# nothing\n")
     # run files (the training cases start from run.yaml)
-    base = {"deepspeed": str(d / "ds.json"), "data": DATA, "steps": 2, "export_format": None}
+    base = {"deepspeed": str(d / "ds.json"), "data": DATA, "steps": 2, "export": {"format": None}}
     w("run.yaml", yaml.safe_dump(base))
     w("run_dup.yaml", yaml.safe_dump(base) + "steps: 3\n")
     w("run_syntax.yaml", "deepspeed: [unclosed\n")
     w("run_list.yaml", "- deepspeed\n- data\n")
     w("run_nan.yaml", yaml.safe_dump(base) + "flow:\n  guidance: .nan\n")
-    w("run_inf.yaml", yaml.safe_dump({**base, "steps": 2}) + "checkpoint_every: .inf\n")
+    w("run_inf.yaml", yaml.safe_dump({**base, "steps": 2}) + "checkpoint:\n  every: .inf\n")
     w("run_shift_inf.yaml", yaml.safe_dump(base) + "flow:\n  shift: .inf\n")
     w("prompts.txt", "a cat\n")
     w("not_weights.safetensors", "this is text, not safetensors\n")
@@ -149,7 +149,7 @@ def inputs(tmp_path_factory) -> Path:
     w("run_empty.yaml", "")
     (d / "run_binary.yaml").write_bytes(b"\x00\xff\xfe binary")
     w("run_model_mapping.yaml", yaml.safe_dump({**base, "model": {"preset": "flux-tiny", "depth": -1}}))
-    w("run_sample_size.yaml", yaml.safe_dump(base) + "sample_size: 500x500\n")
+    w("run_sample_size.yaml", yaml.safe_dump(base) + "sample:\n  size: 500x500\n")
     w("hosts_negative", "worker-0 slots=-2\n")
     w("hosts_ipv6", "fe80::1 slots=2\n")
     w("hosts_trailing", "worker-0 slots=2 gpus=8\n")
@@ -442,7 +442,7 @@ def _train_cases(d: Path, outs: Path):
 
     cases = [
         # a good run first: its checkpoints are what the checkpoint cases damage
-        ["base", [*run, f"output_dir={outs / 'base'}", "checkpoint_every=1"], [str(d)], [], None],
+        ["base", [*run, f"output_dir={outs / 'base'}", "checkpoint.every=1"], [str(d)], [], None],
         # the run file: types, ranges, moved keys, unknown keys, duplicates, NaN/inf, not a mapping
         case("run_missing", run_file=d / "nope.yaml", words="nope.yaml"),
         case("run_syntax", run_file=d / "run_syntax.yaml", words="YAML"),
@@ -454,30 +454,31 @@ def _train_cases(d: Path, outs: Path):
         case("run_moved_micro", "micro_batch=2", words="train_micro_batch_size_per_gpu"),
         case("run_lr", "lr=1e-4", words="optimizer.params.lr"),
         case("run_moved_warmup", "warmup_steps=10", words="warmup_num_steps"),
+        case("run_moved_to_section", "checkpoint_every=1", words="checkpoint_every is checkpoint.every now"),
         case("run_guidance_nan", run_file=d / "run_nan.yaml", words="guidance"),
-        case("run_checkpoint_every_inf", run_file=d / "run_inf.yaml", words="checkpoint_every"),
+        case("run_checkpoint_every_inf", run_file=d / "run_inf.yaml", words="checkpoint.every"),
         case("run_shift_inf", run_file=d / "run_shift_inf.yaml", words="shift"),
         case("run_output_dir_type", "output_dir=5", words="output_dir"),
-        case("run_export_format", "export_format=png", words="export_format"),
+        case("run_export_format", "export.format=png", words="export.format"),
         case("run_ema_decay", "ema.decay=2", words="decay"),
         case("run_lora_rank", "lora.rank=0", words="rank"),
-        case("run_sample_every_alone", "sample_every=1", words="sample_"),
+        case("run_sample_every_alone", "sample.every=1", words="sample.prompts"),
         case("run_unknown_model", "model=flux-huge", words="flux-huge"),
         case("run_seed_float", "seed=1.5", words="seed"),
         case("run_epochs_zero", "epochs=0", words="epochs"),
-        case("run_keep_negative", "keep_checkpoints=-1", words="keep_checkpoints"),
+        case("run_keep_negative", "checkpoint.keep=-1", words="checkpoint.keep"),
         case("run_workers_negative", "num_workers=-1", words="num_workers"),
         case("run_log_every_zero", "log_every=0", words="log_every"),
-        case("run_export_dtype", "export_dtype=fp8", words="export_dtype"),
-        case("run_export_ema_without_ema", "export_weights=ema", words="ema"),
+        case("run_export_dtype", "export.dtype=fp8", words="export.dtype"),
+        case("run_export_ema_without_ema", "export.weights=ema", words="ema"),
         case("run_attention", "attention=magic", words="attention"),
         case("run_timestep_sampling", "flow.timestep_sampling=beta", words="timestep_sampling"),
-        case("run_resume_text", "resume=maybe", words="resume"),
-        case("run_validation_missing", f"validation_data={d / 'nope'}", words="nope"),
+        case("run_resume_text", "checkpoint.resume=maybe", words="checkpoint.resume"),
+        case("run_validation_missing", f"validation.data={d / 'nope'}", words="nope"),
         case("run_empty", run_file=d / "run_empty.yaml", words="must set"),
         case("run_binary", run_file=d / "run_binary.yaml", words="text file"),
         case("run_model_mapping", run_file=d / "run_model_mapping.yaml", words="depth"),
-        case("run_sample_size", run_file=d / "run_sample_size.yaml", words="sample_size"),
+        case("run_sample_size", run_file=d / "run_sample_size.yaml", words="sample.size"),
         case("run_synthetic_spec", "data=synthetic:n=abc", words="synthetic"),
         case("run_lora_targets", "lora.targets=[nope_*]", words="nope_"),
         case("lora_weights_rank_text", "lora.rank=4", f"lora.weights={d / 'lora_rank_text.safetensors'}",
@@ -485,10 +486,10 @@ def _train_cases(d: Path, outs: Path):
         case("lora_weights_alpha_two_values", "lora.rank=4", f"lora.weights={d / 'lora_alpha2.safetensors'}",
              words="an alpha is one number"),
         case("lora_weights_nan", "lora.rank=4", f"lora.weights={d / 'lora_nan.safetensors'}", words="NaN"),
-        case("sample_prompts_nan", "sample_every=1", f"sample_prompts={d / 'emb_nan.safetensors'}",
-             f"sample_vae={d / 'vae'}", "sample_size=16x16", words="t5 holds NaN"),
-        case("sample_prompts_other_width", "sample_every=1", f"sample_prompts={d / 'emb_wide.safetensors'}",
-             f"sample_vae={d / 'vae'}", "sample_size=16x16", words="T5 128"),
+        case("sample_prompts_nan", "sample.every=1", f"sample.prompts={d / 'emb_nan.safetensors'}",
+             f"sample.vae={d / 'vae'}", "sample.size=16x16", words="t5 holds NaN"),
+        case("sample_prompts_other_width", "sample.every=1", f"sample.prompts={d / 'emb_wide.safetensors'}",
+             f"sample.vae={d / 'vae'}", "sample.size=16x16", words="T5 128"),
         case("run_output_dir_file", f"output_dir={d / 'a_file'}", words="a_file"),
         case("run_override_no_value", "steps", words="steps"),
         # the DeepSpeed config
@@ -551,7 +552,7 @@ def _train_cases(d: Path, outs: Path):
         ck_case("ck_other_stage", [], "ZeRO stage 2", f"deepspeed={d / 'ds3.json'}"),
         ck_case("ck_other_precision", [], "fp32", f"deepspeed={d / 'ds_bf16.json'}"),
         ck_case("ck_other_model", [], "flux-tiny-schnell", "model=flux-tiny-schnell"),
-        ck_case("ck_resume_off", [], "resume is off", "resume=false"),
+        ck_case("ck_resume_off", [], "resume is off", "checkpoint.resume=false"),
         ck_case("ck_latest_traversal", [["write", "latest", "../../../in"]], "latest"),
         ck_case("ck_latest_file", [["write", "latest", "step_00000001/run.yaml"]], "latest"),
         ck_case("ck_trainer_state_truncated", [["truncate", f"{tag}/trainer_state_rank0.pt", 200]], "trainer_state"),

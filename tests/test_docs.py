@@ -66,10 +66,13 @@ def test_every_run_file_key_is_documented():
     from fluxzero.config.ema import EmaConfig
     from fluxzero.config.lora import LoraConfig
     from fluxzero.config.run import FlowConfig
+    from fluxzero.config.sections import SECTIONS
 
     training = (ROOT / "docs" / "training.md").read_text()
     assert not _undocumented(TrainConfig, training), "document these run-file keys in docs/training.md"
     assert not _undocumented(FlowConfig, training, "flow."), "document these flow keys in docs/training.md"
     assert not _undocumented(EmaConfig, training, "ema."), "document these ema keys in docs/training.md"
+    for name, cls in SECTIONS.items():
+        assert not _undocumented(cls, training, f"{name}."), f"document these {name} keys in docs/training.md"
     assert not _undocumented(LoraConfig, (ROOT / "docs" / "lora.md").read_text()), "document these in docs/lora.md"
     assert _undocumented(TrainConfig, "`deepspeed` `data`") != []  # the check can fail

@@ -69,12 +69,12 @@ def test_tiny_lora_trains_on_two_ranks_and_exports_a_lora(tmp_path):
 
     out = tmp_path / "tiny-lora"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "launch/train.py",
-           "--config", "launch/tiny-lora.yaml", "steps=2", "checkpoint_every=0", "log_every=1", f"output_dir={out}"]
+           "--config", "launch/tiny-lora.yaml", "steps=2", "checkpoint.every=0", "log_every=1", f"output_dir={out}"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "done: step 2/2" in p.stderr
     _, info = read_lora(out / "lora.safetensors")
     assert (info.layout, info.rank, info.alpha, info.targets, info.base_model) == \
-        ("kohya", 4, 4.0, "attention+mlp", "flux-tiny")  # export_format: comfyui writes the kohya layout
+        ("kohya", 4, 4.0, "attention+mlp", "flux-tiny")  # export.format comfyui writes the kohya layout
     assert not (out / "export.safetensors").exists()  # a LoRA run exports the LoRA, not the whole model

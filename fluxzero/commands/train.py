@@ -16,12 +16,12 @@ def train(config: Path, overrides: tuple[str, ...]):
     One process when started plainly; under `torchrun` or the `deepspeed` launcher, one rank per process.
     KEY=VALUE pairs override run-file settings, e.g. `steps=50 flow.shift=none`.
     """
+    from fluxzero.config.runfile import override_key
     from fluxzero.train.loop import main
 
     for item in overrides:
         if "=" not in item:
-            hint = f"; run-file settings are overridden as {item.lstrip('-').replace('-', '_')}=VALUE" \
-                if item.startswith("--") else ""
+            hint = f"; run-file settings are overridden as {override_key(item)}=VALUE" if item.startswith("--") else ""
             raise click.BadParameter(f"{item!r} is not KEY=VALUE{hint}", param_hint="[KEY=VALUE]...")
     code = main(["--config", str(config), *overrides])
     raise SystemExit(code)

@@ -1,4 +1,5 @@
-"""The training run file as validated dataclasses (TrainConfig, FlowConfig); pure Python, no torch."""
+"""The training run file as validated dataclasses (TrainConfig, FlowConfig; the checkpoint:, sample:, validation:
+and export: sections are fluxzero.config.sections'); pure Python, no torch."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,9 +7,13 @@ import os
 from dataclasses import dataclass
 
 from fluxzero.config.ema import EmaConfig
+from fluxzero.config.keys import and_list as _and
+from fluxzero.config.keys import check_types as _check_types
 from fluxzero.config.keys import did_you_mean as _did_you_mean
 from fluxzero.config.lora import LoraConfig
 from fluxzero.config.models import model_spec, resolve_model
+from fluxzero.config.sections import (MOVED_TO_SECTIONS, SECTIONS, CheckpointConfig, ExportConfig, SampleConfig,
+                                      ValidationConfig, moved_to_sections_message)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -32,10 +37,6 @@ MOVED_TO_SCHEDULER = {
 }
 
 
-def _and(words: list[str]) -> str:
-    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
-
-
 def moved_keys_message(keys, deepspeed: str | None) -> str:
     """The one sentence for run-file keys whose values live in the DeepSpeed config now."""
     where = deepspeed if isinstance(deepspeed, str) and deepspeed.strip() else "the file deepspeed: names"
@@ -53,32 +54,6 @@ def moved_keys_message(keys, deepspeed: str | None) -> str:
                      f"`fluxzero gen-config --scheduler WarmupCosineLR --warmup-steps N --total-steps M` writes it)")
     them = "it" if len(engine) + len(sched) == 1 else "them"
     return f"{' and '.join(parts)}: remove {them} from the run file"
-
-
-def _check_types(obj, prefix: str = "") -> None:
-    """Each field of a run-file dataclass has the type its annotation names (YAML gives `steps: abc` a str,
-    `resume: maybe` a str that would read as true); ints are accepted where a float is expected."""
-    for f in dataclasses.fields(obj):
-        value, kind = getattr(obj, f.name), str(f.type)
-        if value is None and "None" in kind:
-            continue
-        if kind.startswith("int"):
-            ok, want = isinstance(value, int) and not isinstance(value, bool), "a whole number"
-        elif kind.startswith("float"):
-            ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-            if ok:
-                setattr(obj, f.name, float(value))
-        elif kind.startswith("bool"):
-            ok, want = isinstance(value, bool), "true or false"
-        elif kind.startswith("str"):
-            if isinstance(value, os.PathLike):  # Python callers may pass paths
-                value = os.fspath(value)
-                setattr(obj, f.name, value)
-            ok, want = isinstance(value, str), "text" + (" or null" if "None" in kind else "")
-        else:
-            continue
-        if not ok:
-            raise ValueError(f"{prefix}{f.name} must be {want}, got {value!r}")
 
 
 @dataclass
@@ -133,36 +108,22 @@ class TrainConfig:
     epochs: int = 1
     stop_after: int = 0  # stop (with a checkpoint) after this step although the schedule runs to `steps`
     seed: int = 0
-    checkpoint_every: int = 0  # steps; 0 = only at the end
-    keep_checkpoints: int = 0  # keep the newest N checkpoints, deleting older ones after each save; 0 = all
     log_every: int = 1
-    resume: bool = True  # continue from output_dir/checkpoints/latest when it exists
-    export_format: str | None = "bfl"  # export the final weights: "bfl" | "diffusers" | "comfyui" | None
-    export_dtype: str = "bf16"
-    # LoRA runs: also write the base (`weights`) with the LoRA merged, in export_format's full layout
-    export_merged: bool = False
     attention: str = "auto"  # fluxzero.model.math.set_attention_backend
     # loader worker processes; null = auto (TrainConfig.loader_workers: a few on a GPU, none on the CPU)
     num_workers: int | None = None
     # batches read, noised and copied to the device ahead of the step by a background thread (0 = inside it)
     prefetch_batches: int = 1
     flow: FlowConfig = dataclasses.field(default_factory=FlowConfig)
-    # EMA of the trained weights (fluxzero.config.ema.EmaConfig; null = none), and which weights the export holds
+    # EMA of the trained weights (fluxzero.config.ema.EmaConfig; null = none)
     ema: EmaConfig | None = None
-    export_weights: str = "live"  # "live" | "ema" (needs ema)
-    # what the model learns, shown during training: sample images and a held-out validation loss
-    sample_every: int = 0  # optimizer steps; 0 = never
-    sample_prompts: str | None = None  # prompt-embeddings file from `fluxzero encode-prompts` (no T5 needed here)
-    sample_vae: str | None = None  # diffusers VAE folder to decode with (the one `fluxzero cache` used)
-    sample_size: str = "512x512"  # WIDTHxHEIGHT in pixels, multiples of 16
-    sample_steps: int = 28
-    sample_guidance: float = 3.5  # the guidance embedding's value (FLUX.1-dev); ignored by schnell
-    sample_seeds: list = dataclasses.field(default_factory=lambda: [0])  # one image per prompt and seed
-    sample_weights: str = "live"  # "live" | "ema" (needs ema)
-    validation_data: str | None = None  # held-out shard folder (or synthetic spec); null = no validation
-    validation_every: int = 0  # optimizer steps; 0 = once, at the end of the run
-    validation_timesteps: list = dataclasses.field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
     lora: LoraConfig | None = None  # LoRA adapters (fluxzero.config.lora.LoraConfig); null = full fine-tune
+    # around the steps, one section a room (fluxzero.config.sections): saving and resuming, sample images, a
+    # held-out validation loss, the export at the end
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
+    validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
+    export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
 
     def __post_init__(self):
         if isinstance(self.flow, dict):
@@ -174,8 +135,10 @@ class TrainConfig:
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
             raise ValueError(f"lora must be a mapping of LoRA options (rank, alpha, targets, ...) or null, got "
                              f"{self.lora!r}")
+        for name, cls in SECTIONS.items():  # a mapping (YAML, Python callers) becomes its frozen section
+            if not isinstance(getattr(self, name), cls):
+                setattr(self, name, cls.from_dict(getattr(self, name)))
         _check_types(self)
-        self._check_previews()
         self.model = model_spec(resolve_model(self.model))
         for f in ("deepspeed", "data", "output_dir"):
             if not getattr(self, f).strip():
@@ -186,65 +149,25 @@ class TrainConfig:
         for f in ("epochs", "log_every"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f} must be at least 1, got {getattr(self, f)}")
-        for f in ("steps", "stop_after", "checkpoint_every", "keep_checkpoints", "num_workers", "prefetch_batches"):
+        for f in ("steps", "stop_after", "num_workers", "prefetch_batches"):
             if getattr(self, f) is not None and getattr(self, f) < 0:
                 raise ValueError(f"{f} must be 0 or more, got {getattr(self, f)}")
-        if self.export_format not in (None, "bfl", "diffusers", "comfyui"):
-            raise ValueError(f"export_format must be bfl, diffusers, comfyui or null, got {self.export_format!r}")
-        if self.export_dtype not in ("bf16", "fp32"):
-            raise ValueError(f"export_dtype must be bf16 or fp32, got {self.export_dtype!r}")
         if self.attention not in ("auto", "flash", "efficient", "cudnn", "math"):
             raise ValueError(f"attention must be auto, flash, efficient, cudnn or math, got {self.attention!r}")
-        if self.export_merged and self.lora is None:
-            raise ValueError("export_merged merges a LoRA into its base weights, but this run has no lora section; "
-                             "remove export_merged (a full fine-tune exports the whole model anyway)")
-        if self.export_merged and not self.weights:
-            raise ValueError("export_merged needs the base weights to merge the LoRA into; set weights: to the "
-                             "pretrained file the LoRA is trained on, or remove export_merged")
+        self._check_across_sections()
 
-    def _check_previews(self) -> None:
-        import math
-        import re
-
-        for f in ("sample_prompts", "sample_vae", "validation_data"):
-            if getattr(self, f):
-                setattr(self, f, os.path.expanduser(getattr(self, f)))
-        for f in ("sample_every", "validation_every"):
-            if getattr(self, f) < 0:
-                raise ValueError(f"{f} must be 0 or more, got {getattr(self, f)}")
-        if self.sample_every and not (self.sample_prompts and self.sample_vae):
-            raise ValueError("sample_every needs sample_prompts (a file from `fluxzero encode-prompts`) and "
-                             "sample_vae (a diffusers VAE folder); set both, or sample_every: 0")
-        m = re.fullmatch(r"(\d+)x(\d+)", str(self.sample_size))
-        if not m or int(m[1]) % 16 or int(m[2]) % 16 or not int(m[1]) or not int(m[2]):
-            raise ValueError(f"sample_size must be WIDTHxHEIGHT in pixels, multiples of 16 (e.g. 512x512), got "
-                             f"{self.sample_size!r}")
-        if self.sample_steps < 1:
-            raise ValueError(f"sample_steps must be at least 1, got {self.sample_steps}")
-        if not math.isfinite(self.sample_guidance) or self.sample_guidance < 0:
-            raise ValueError(f"sample_guidance must be a finite number >= 0, got {self.sample_guidance}")
-        if not (isinstance(self.sample_seeds, list) and self.sample_seeds
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in self.sample_seeds)):
-            raise ValueError(f"sample_seeds must be a list of whole numbers such as [0, 1], got {self.sample_seeds!r}")
-        if self.validation_every and not self.validation_data:
-            raise ValueError("validation_every needs validation_data (a held-out shard folder); set it, or "
-                             "validation_every: 0")
-        ts = self.validation_timesteps
-        if not (isinstance(ts, list) and ts and all(isinstance(t, (int, float)) and not isinstance(t, bool)
-                                                    and 0 < t <= 1 for t in ts)):
-            raise ValueError(f"validation_timesteps must be a list of numbers in (0, 1] such as [0.25, 0.5, 0.75], "
-                             f"got {ts!r}")
-        for f in ("export_weights", "sample_weights"):
-            if getattr(self, f) not in ("live", "ema"):
-                raise ValueError(f"{f} must be live or ema, got {getattr(self, f)!r}")
-            if getattr(self, f) == "ema" and self.ema is None:
-                raise ValueError(f"{f} is ema but the run keeps no EMA; add an ema: section (e.g. ema: {{decay: "
-                                 f"0.9999}}) or set {f}: live")
-
-    @property
-    def sample_wh(self) -> tuple[int, int]:
-        width, height = (int(v) for v in self.sample_size.split("x"))
-        return width, height
+    def _check_across_sections(self) -> None:
+        """What a section asks of the rest of the run file: an EMA to sample or export, a LoRA to merge."""
+        for name in ("sample", "export"):
+            if getattr(self, name).weights == "ema" and self.ema is None:
+                raise ValueError(f"{name}.weights is ema but the run keeps no EMA; add an ema: section (e.g. ema: "
+                                 f"{{decay: 0.9999}}) or set {name}.weights to live")
+        if self.export.merged and self.lora is None:
+            raise ValueError("export.merged merges a LoRA into its base weights, but this run has no lora section; "
+                             "remove export.merged (a full fine-tune exports the whole model anyway)")
+        if self.export.merged and not self.weights:
+            raise ValueError("export.merged needs the base weights to merge the LoRA into; set weights: to the "
+                             "pretrained file the LoRA is trained on, or remove export.merged")
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -252,6 +175,8 @@ class TrainConfig:
         moved = set(d) & (set(MOVED_TO_DEEPSPEED) | set(MOVED_TO_SCHEDULER))
         if moved:
             raise ValueError(moved_keys_message(moved, d.get("deepspeed")))
+        if set(d) & set(MOVED_TO_SECTIONS):  # an older run file (a saved run.yaml: runfile.read_saved_run nests them)
+            raise ValueError(moved_to_sections_message(set(d)))
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown run-file keys {unknown}{_did_you_mean(unknown, names)}; valid keys: "

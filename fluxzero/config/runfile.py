@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fluxzero.config.run import TrainConfig
+from fluxzero.config.sections import MOVED_TO_SECTIONS, nest_moved_keys
 
 
 def _parse_value(text: str):
@@ -89,7 +90,10 @@ def config_text(cfg: TrainConfig) -> str:
 def read_saved_run(path, fix: str, error: type[Exception]) -> dict:
     """The run.yaml saved beside a checkpoint as a dict, {} when there is none: the one reader for resume and export.
 
-    Unreadable, not YAML or not a mapping is `error(sentence)`, the sentence ending in `fix` (what to do instead).
+    The flat keys of an older run.yaml (checkpoint_every, sample_vae, export_format, ...) come back in their
+    sections (config.sections.nest_moved_keys), so a checkpoint saved before the sections resumes and exports
+    as one saved after. Unreadable, not YAML or not a mapping is `error(sentence)`, the sentence ending in `fix`
+    (what to do instead).
     """
     import yaml
 
@@ -103,7 +107,14 @@ def read_saved_run(path, fix: str, error: type[Exception]) -> dict:
         raise error(f"cannot read {path} ({getattr(e, 'strerror', None) or e}); {fix}") from None
     if not isinstance(saved, dict):
         raise error(f"{path} is not a mapping of settings; {fix}")
-    return saved
+    return nest_moved_keys(saved)
+
+
+def override_key(flag: str) -> str:
+    """The KEY of KEY=VALUE that a command-line flag such as `--steps` or `--export-format` stands for (a key
+    that moved into a section by its new name: export.format)."""
+    name = flag.lstrip("-").split("=")[0].replace("-", "_")
+    return MOVED_TO_SECTIONS.get(name, name)
 
 
 def split_allow(overrides: list[str]) -> tuple[list[str], bool]:

@@ -29,8 +29,8 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     if any(path.glob("*model_states.pt")):  # ZeRO-3 folders have one per rank, none named mp_rank_00_...
         return path.parent, path.name
     if not path.exists() and re.fullmatch(r"step_\d{8}", path.name) and (path.parent / "latest").is_file():
-        raise TrainingError(f"{path} is gone: pruned by the running training (keep_checkpoints); export the run's "
-                            f"output_dir (its newest checkpoint) or raise keep_checkpoints")
+        raise TrainingError(f"{path} is gone: pruned by the running training (checkpoint.keep); export the run's "
+                            f"output_dir (its newest checkpoint) or raise checkpoint.keep")
     raise TrainingError(f"{path} is not a fluxzero checkpoint (no 'latest' file and no DeepSpeed model states)")
 
 

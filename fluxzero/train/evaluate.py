@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from fluxzero.config import TrainConfig
+from fluxzero.config.run import FlowConfig
+from fluxzero.config.sections import SampleConfig, ValidationConfig
 from fluxzero.data import DataError
 from fluxzero.train import flow
 from fluxzero.train.checkpoint import rng_state, set_rng_state
@@ -42,14 +43,14 @@ class Validation:
     twice) whatever the world size.
     """
 
-    def __init__(self, cfg: TrainConfig, model_cfg, *, micro_batch: int, rank: int, world: int, device,
-                 dtype: torch.dtype):
+    def __init__(self, cfg: ValidationConfig, flow_cfg: FlowConfig, model_cfg, *, micro_batch: int, rank: int,
+                 world: int, device, dtype: torch.dtype):
         from fluxzero.data import build_dataloader
 
-        self.loader = build_dataloader(cfg.validation_data, micro_batch=micro_batch, rank=rank, world_size=world,
+        self.loader = build_dataloader(cfg.data, micro_batch=micro_batch, rank=rank, world_size=world,
                                        seed=VALIDATION_SEED, pin_memory=device.type == "cuda")
         self.loader.check_model(model_cfg)
-        self.flow_cfg, self.timesteps = cfg.flow, [float(t) for t in cfg.validation_timesteps]
+        self.flow_cfg, self.timesteps = flow_cfg, [float(t) for t in cfg.timesteps]
         self.guidance_embed, self.device, self.dtype = model_cfg.guidance_embed, device, dtype
         all_ranks_ok(self._sample_problem(rank, world))
 
@@ -63,11 +64,11 @@ class Validation:
             try:
                 sample = source.get(i)
             except DataError as e:
-                return f"validation_data: {e}"
+                return f"validation.data: {e}"
             bad = [k for k in ("latents", "t5", "clip") if not torch.isfinite(sample[k]).all()]
             if bad:
-                return (f"validation_data: {source.describe(i)} holds non-finite {bad[0]} values (NaN or inf), which "
-                        f"make val_loss NaN; re-create it with `fluxzero cache`, or choose another validation_data")
+                return (f"validation.data: {source.describe(i)} holds non-finite {bad[0]} values (NaN or inf), which "
+                        f"make val_loss NaN; re-create it with `fluxzero cache`, or choose another validation.data")
         return None
 
     @torch.no_grad()
@@ -103,7 +104,7 @@ class Validation:
             bad = seen.nonzero().flatten()[~torch.isfinite(per_sample)].tolist()
             where = ", ".join(self.loader.source.describe(i) for i in bad[:3]) + (", ..." if len(bad) > 3 else "")
             raise ValidationFailed(f"val_loss is not finite: the loss of {where} is NaN or inf; check that "
-                                   f"validation sample, or choose another validation_data")
+                                   f"validation sample, or choose another validation.data")
         return float(per_sample.mean())
 
     def _next(self, batches):
@@ -114,7 +115,7 @@ class Validation:
         except StopIteration:  # every rank has the same number of batches
             return None
         except DataError as e:
-            batch, problem = None, f"validation_data: {e}"
+            batch, problem = None, f"validation.data: {e}"
         failed = torch.tensor([problem is not None], dtype=torch.float32, device=self.device)
         all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
         if failed.item():
@@ -136,27 +137,27 @@ class Previews:
     no rank loads T5. Rank 0 decodes and writes; under ZeRO-3 every rank runs the forward passes, below it the
     others wait at the next collective."""
 
-    def __init__(self, cfg: TrainConfig, *, rank: int, stage: int, device, dtype: torch.dtype):
-        from fluxzero.config import resolve_model
+    def __init__(self, cfg: SampleConfig, model_cfg, output_dir: str, *, rank: int, stage: int, device,
+                 dtype: torch.dtype):
         from fluxzero.sampling.embeddings import EmbeddingsError, load_embeddings
         from fluxzero.train.distributed import TrainingError
         from fluxzero.sampling.vae import load_vae
 
-        self.cfg, self.rank, self.stage = cfg, rank, stage
+        self.cfg, self.output_dir, self.rank, self.stage = cfg, output_dir, rank, stage
         self.takes_part = stage == 3 or rank == 0
         # checked on every rank before the first step (a few MB): a file of another T5 width, or NaN, integer or
         # empty embeddings, is refused now by all ranks alike, not at the first preview with nothing saved
         try:
-            emb = load_embeddings(cfg.sample_prompts)  # its messages name the file
+            emb = load_embeddings(cfg.prompts)  # its messages name the file
             try:
-                emb.check_model(resolve_model(cfg.model))
+                emb.check_model(model_cfg)
             except EmbeddingsError as e:
-                raise EmbeddingsError(f"{cfg.sample_prompts}: {e}") from None
+                raise EmbeddingsError(f"{cfg.prompts}: {e}") from None
         except EmbeddingsError as e:
-            raise TrainingError(f"sample_prompts {e}") from None
+            raise TrainingError(f"sample.prompts {e}") from None
         self.emb = emb if self.takes_part else None
         # the VAE decodes on rank 0 only; in float32 (a few hundred MB for FLUX's), as `fluxzero sample` does
-        self.vae = load_vae(cfg.sample_vae, device=device, dtype=torch.float32) if rank == 0 else None
+        self.vae = load_vae(cfg.vae, device=device, dtype=torch.float32) if rank == 0 else None
 
     def __call__(self, engine, step: int) -> tuple[list[Path], float]:
         """(PNG paths written (rank 0; [] elsewhere), seconds it took)."""
@@ -165,11 +166,10 @@ class Previews:
         t0 = time.perf_counter()
         paths: list[Path] = []
         if self.takes_part:
-            out = Path(self.cfg.output_dir) / "samples" / f"step_{step:08d}" if self.rank == 0 else None
-            width, height = self.cfg.sample_wh
+            out = Path(self.output_dir) / "samples" / f"step_{step:08d}" if self.rank == 0 else None
+            width, height = self.cfg.wh
             with _same_random_streams():
                 paths = sample_images(engine.module, self.vae, self.emb, out, width=width, height=height,
-                                      steps=self.cfg.sample_steps, seeds=self.cfg.sample_seeds,
-                                      guidance=self.cfg.sample_guidance,
-                                      weights=f"step {step} ({self.cfg.sample_weights} weights)")
+                                      steps=self.cfg.steps, seeds=self.cfg.seeds, guidance=self.cfg.guidance,
+                                      weights=f"step {step} ({self.cfg.weights} weights)")
         return paths, time.perf_counter() - t0

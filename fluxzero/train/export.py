@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from fluxzero.config import TrainConfig
+from fluxzero.config.sections import ExportConfig
 from fluxzero.train.consolidate import _export_is_current, consolidated_state_dict
 from fluxzero.train.distributed import TrainingError
 
@@ -61,24 +61,26 @@ def _write_reason(e: Exception) -> str:
     return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
-def final_export(cfg: TrainConfig, ckpt_dir: Path, rank: int) -> tuple[str, bool]:
-    """Export the final checkpoint on rank 0; returns (path, whether it was written): an export newer than
-    the checkpoint, in the same layout and dtype, is left as it is (a rerun of a finished run does nothing)."""
-    if cfg.lora is not None:  # lora.safetensors (and the merged weights with export_merged)
+def final_export(cfg: ExportConfig, output_dir: str, ckpt_dir: Path, rank: int, *, lora: bool,
+                 base: str | None) -> tuple[str, bool]:
+    """Export the final checkpoint on rank 0 as the run file's export: section says; returns (path, whether it
+    was written): an export newer than the checkpoint, in the same layout and dtype, is left as it is (a rerun
+    of a finished run does nothing). lora: the run trains a LoRA (base: its base weights, for export.merged)."""
+    if lora:  # lora.safetensors (and the merged weights with export.merged)
         from fluxzero.train.lora_export import final_lora_export
 
-        return final_lora_export(cfg, ckpt_dir, rank)
-    name = "export_ema" if cfg.export_weights == "ema" else "export"
-    out = Path(cfg.output_dir) / (name if cfg.export_format == "diffusers" else f"{name}.safetensors")
+        return final_lora_export(cfg, output_dir, ckpt_dir, rank, base)
+    name = "export_ema" if cfg.weights == "ema" else "export"
+    out = Path(output_dir) / (name if cfg.format == "diffusers" else f"{name}.safetensors")
     # The other ranks do not wait for it: an export of FLUX.1-dev can outlast the collectives' timeout
     # (DeepSpeed's default is 10 minutes), and they have nothing left to do. The caller met them at a barrier.
     if rank != 0:
         return str(out), False
     try:
-        if _export_is_current(out, ckpt_dir / "latest", cfg.export_format, cfg.export_dtype):
+        if _export_is_current(out, ckpt_dir / "latest", cfg.format, cfg.dtype):
             return str(out), False
-        export_checkpoint(ckpt_dir, out, cfg.export_format, cfg.export_dtype, cfg.export_weights)
+        export_checkpoint(ckpt_dir, out, cfg.format, cfg.dtype, cfg.weights)
     except TrainingError as e:
-        raise TrainingError(f"{e} (training finished and is saved: `fluxzero export {cfg.output_dir} "
+        raise TrainingError(f"{e} (training finished and is saved: `fluxzero export {output_dir} "
                                       f"OUT` writes it again)") from None
     return str(out), True

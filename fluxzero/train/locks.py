@@ -53,11 +53,11 @@ def folder_lock(tag_dir: Path, exclusive: bool):
 @contextlib.contextmanager
 def reading(ckpt_dir: Path, tag: str):
     """Hold checkpoint `tag` against pruning while the block reads it (an export beside a running training with
-    keep_checkpoints); one sentence when the training pruned it first."""
+    checkpoint.keep); one sentence when the training pruned it first."""
     with folder_lock(Path(ckpt_dir) / tag, exclusive=False) as held:
         if not held:
-            raise TrainingError(f"{tag} was pruned by the running training (keep_checkpoints) before it could be "
-                                f"read; run export again (it takes the newest checkpoint) or raise keep_checkpoints")
+            raise TrainingError(f"{tag} was pruned by the running training (checkpoint.keep) before it could be "
+                                f"read; run export again (it takes the newest checkpoint) or raise checkpoint.keep")
         yield
 
 

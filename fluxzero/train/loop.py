@@ -25,7 +25,7 @@ import torch.distributed as dist
 from fluxzero.config import TrainConfig, resolve_model
 from fluxzero.config.ds_file import load_for_training
 from fluxzero.config.ds_view import DSConfigError, DSView
-from fluxzero.config.runfile import ConfigError, config_text, load_config, split_allow
+from fluxzero.config.runfile import ConfigError, config_text, load_config, override_key, split_allow
 from fluxzero.train import distributed
 from fluxzero.train.distributed import Interrupted, TrainingError, write_line
 
@@ -47,8 +47,8 @@ class Run:
     dtype: torch.dtype
     step: object = None  # the TrainStep
     ema: object = None  # ShardedEMA, when the run file has an ema: section
-    validation: object = None  # evaluate.Validation, when it has validation_data
-    previews: object = None  # evaluate.Previews, when it has sample_every
+    validation: object = None  # evaluate.Validation, when it has validation.data
+    previews: object = None  # evaluate.Previews, when it has sample.every
 
 
 def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: bool = False) -> Run:
@@ -128,18 +128,19 @@ def _setup_extras(run: Run, cfg: TrainConfig, model_cfg, tag: str | None, rank: 
         run.ema = ShardedEMA(run.engine, cfg.ema, seed=cfg.seed)
         if tag:
             _resume_ema(run, tag, rank, world)
-    if cfg.validation_data:
+    if cfg.validation.data:
         from fluxzero.train.evaluate import Validation
 
-        run.validation = Validation(cfg, model_cfg, micro_batch=run.view.micro_batch, rank=rank, world=world,
-                                    device=device, dtype=run.dtype)
-    if cfg.sample_every:
+        run.validation = Validation(cfg.validation, cfg.flow, model_cfg, micro_batch=run.view.micro_batch, rank=rank,
+                                    world=world, device=device, dtype=run.dtype)
+    if cfg.sample.every:
         try:
             from fluxzero.train.evaluate import Previews
 
-            run.previews = Previews(cfg, rank=rank, stage=run.view.stage, device=device, dtype=run.dtype)
+            run.previews = Previews(cfg.sample, model_cfg, cfg.output_dir, rank=rank, stage=run.view.stage,
+                                    device=device, dtype=run.dtype)
         except ImportError as e:
-            raise TrainingError(f"sample_every needs the sampling packages ({e.name} is missing): "
+            raise TrainingError(f"sample.every needs the sampling packages ({e.name} is missing): "
                                 f"pip install -e '.[cache]'") from None
 
 
@@ -173,7 +174,7 @@ def _after_step(run: Run, cfg: TrainConfig, step: int, metrics) -> dict:
     extra = {}
     if run.ema is not None:
         run.ema.update(step)
-    if run.validation is not None and ((cfg.validation_every and step % cfg.validation_every == 0)
+    if run.validation is not None and ((cfg.validation.every and step % cfg.validation.every == 0)
                                        or step == run.total):
         from fluxzero.train.evaluate import ValidationFailed
 
@@ -183,8 +184,8 @@ def _after_step(run: Run, cfg: TrainConfig, step: int, metrics) -> dict:
             _save(run, cfg, dist.get_rank())
             raise TrainingError(f"{e} (training was saved first: {run.last_ckpt} holds step {step}, so the same "
                                 f"command resumes from it once the data is fixed)") from None
-    if run.previews is not None and (step % cfg.sample_every == 0 or step == run.total):
-        swap = run.ema.swap() if cfg.sample_weights == "ema" else contextlib.nullcontext()
+    if run.previews is not None and (step % cfg.sample.every == 0 or step == run.total):
+        swap = run.ema.swap() if cfg.sample.weights == "ema" else contextlib.nullcontext()
         with swap:
             paths, extra["sample_s"] = run.previews(run.engine, step)
         metrics.add_images("samples", paths, step)
@@ -246,7 +247,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
             extra = _after_step(run, cfg, step, metrics)
             metrics.log(step, r.loss, r.lr, r.grad_norm, r.skipped_steps, img_tokens=r.img_tokens,
                         txt_tokens=r.txt_tokens, log=step % cfg.log_every == 0 or step == run.stop, extra=extra)
-            if r.stop_requested or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.stop):
+            if r.stop_requested or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < run.stop):
                 saved_step = _save(run, cfg, rank)
             if r.stop_requested:
                 raise distributed.Stopped(
@@ -260,8 +261,9 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
         # every rank is done with collectives: meet once more so that none tears its process group down
         # while another still has messages in flight, then only rank 0 exports (the others leave)
         distributed.barrier()
-        if cfg.export_format and run.done >= run.total:
-            result["export"], result["exported"] = export.final_export(cfg, run.ckpt_dir, rank)
+        if cfg.export.format and run.done >= run.total:
+            result["export"], result["exported"] = export.final_export(cfg.export, cfg.output_dir, run.ckpt_dir, rank,
+                                                                       lora=cfg.lora is not None, base=cfg.weights)
     except KeyboardInterrupt:
         distributed.ignore_stop_signals()  # a second Ctrl-C, or the launcher's SIGTERM, must not cut the cleanup short
         raise Interrupted(_interrupted(run)) from None
@@ -297,7 +299,7 @@ def _save(run: Run, cfg: TrainConfig, rank: int) -> int:
                             f"{run.last_ckpt or '(none)'} is kept")
     try:
         run.last_ckpt = checkpoint.save(run.engine, run.ckpt_dir, step, {"step": step, "loader": _loader_state(run)},
-                                        config_text(cfg), run.ds, keep=cfg.keep_checkpoints,
+                                        config_text(cfg), run.ds, keep=cfg.checkpoint.keep,
                                         rank_files=_ema_files(run, rank))
     except KeyboardInterrupt:  # Ctrl-C after `latest` moved (in the last barrier or the pruning): say so
         if checkpoint.latest_tag(run.ckpt_dir) == f"step_{step:08d}":
@@ -358,8 +360,7 @@ def parse_args(argv):
     args, unknown = p.parse_known_args(argv)
     flags = [a for a in unknown if a.startswith("--")]
     if flags:  # `--steps 50`: say how run-file settings are overridden
-        name = flags[0].lstrip("-").split("=")[0].replace("-", "_")
-        p.error(f"unrecognized argument {flags[0]}; run-file settings are overridden as {name}=VALUE")
+        p.error(f"unrecognized argument {flags[0]}; run-file settings are overridden as {override_key(flags[0])}=VALUE")
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import torch
 
-from fluxzero.config import TrainConfig
+from fluxzero.config.sections import ExportConfig
 from fluxzero.train.consolidate import _export_is_current, consolidated_state_dict, lora_is_current
 from fluxzero.train.distributed import TrainingError
 
-# export_format -> the layout of the adapter file: ComfyUI (and tools on BFL's names) read kohya's layout,
+# export.format -> the layout of the adapter file: ComfyUI (and tools on BFL's names) read kohya's layout,
 # diffusers and PEFT their own (fluxzero.model.lora_formats)
 LORA_LAYOUTS = {"bfl": "kohya", "comfyui": "kohya", "diffusers": "diffusers", "kohya": "kohya"}
 LORA_FILE = "lora.safetensors"
-LORA_EMA_FILE = "lora_ema.safetensors"  # export_weights: ema
+LORA_EMA_FILE = "lora_ema.safetensors"  # export.weights: ema
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -109,27 +109,27 @@ def export_lora(path: str | Path, out: str | Path, layout: str = "bfl", dtype: s
     return write_lora_export(sd, tag_dir, out, layout, dtype, merge=merge, base=base)
 
 
-def final_lora_export(cfg: TrainConfig, ckpt_dir: Path, rank: int) -> tuple[str, bool]:
-    """A LoRA run's end, on rank 0: output_dir/lora.safetensors in export_format's LoRA layout and, with
-    export_merged, the merged full weights where a full fine-tune's export goes (export.safetensors or
-    export/); export_weights: ema writes lora_ema.safetensors (and export_ema...) from the adapters' EMA.
+def final_lora_export(cfg: ExportConfig, output_dir: str, ckpt_dir: Path, rank: int,
+                      base: str | None) -> tuple[str, bool]:
+    """A LoRA run's end, on rank 0: output_dir/lora.safetensors in export.format's LoRA layout and, with
+    export.merged, the base weights `base` with it merged where a full fine-tune's export goes (export.safetensors
+    or export/); export.weights: ema writes lora_ema.safetensors (and export_ema...) from the adapters' EMA.
     Returns (LoRA file, whether anything was written): files already current are left alone."""
-    ema = cfg.export_weights == "ema"
-    out = Path(cfg.output_dir) / (LORA_EMA_FILE if ema else LORA_FILE)
+    ema = cfg.weights == "ema"
+    out = Path(output_dir) / (LORA_EMA_FILE if ema else LORA_FILE)
     name = "export_ema" if ema else "export"
-    merged = Path(cfg.output_dir) / (name if cfg.export_format == "diffusers" else f"{name}.safetensors")
+    merged = Path(output_dir) / (name if cfg.format == "diffusers" else f"{name}.safetensors")
     if rank != 0:
         return str(out), False
     latest, written = ckpt_dir / "latest", False
     try:
-        if not lora_is_current(out, latest, LORA_LAYOUTS[cfg.export_format], cfg.export_dtype):
-            export_lora(ckpt_dir, out, cfg.export_format, cfg.export_dtype, weights=cfg.export_weights)
+        if not lora_is_current(out, latest, LORA_LAYOUTS[cfg.format], cfg.dtype):
+            export_lora(ckpt_dir, out, cfg.format, cfg.dtype, weights=cfg.weights)
             written = True
-        if cfg.export_merged and not _export_is_current(merged, latest, cfg.export_format, cfg.export_dtype):
-            export_lora(ckpt_dir, merged, cfg.export_format, cfg.export_dtype, merge=True, base=cfg.weights,
-                        weights=cfg.export_weights)
+        if cfg.merged and not _export_is_current(merged, latest, cfg.format, cfg.dtype):
+            export_lora(ckpt_dir, merged, cfg.format, cfg.dtype, merge=True, base=base, weights=cfg.weights)
             written = True
     except TrainingError as e:
-        raise TrainingError(f"{e} (training finished and is saved: `fluxzero export {cfg.output_dir} OUT` writes "
+        raise TrainingError(f"{e} (training finished and is saved: `fluxzero export {output_dir} OUT` writes "
                             f"it again)") from None
     return str(out), written

@@ -79,9 +79,9 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int,
                                 f") but no checkpoint to resume; choose another output_dir, or move them away to "
                                 f"start over there")
         return None, None
-    if not cfg.resume:
-        raise TrainingError(f"{ckpt_dir} already holds checkpoints (latest {tag}) and resume is off; "
-                            f"choose another output_dir or set resume: true")
+    if not cfg.checkpoint.resume:
+        raise TrainingError(f"{ckpt_dir} already holds checkpoints (latest {tag}) and checkpoint.resume is off; "
+                            f"choose another output_dir or set checkpoint.resume to true")
     tag_dir = ckpt_dir / tag
     saved = saved_run(tag_dir / "run.yaml")
     model = saved.get("model")

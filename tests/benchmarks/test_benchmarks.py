@@ -74,7 +74,8 @@ def test_run_file_is_one_the_trainer_accepts_and_its_data_covers_the_case(tmp_pa
 
     case = sweep.Case(**sweep._cpu(zero=2, mb=2, gpus=2, warmup=2, steps=3))
     cfg = TrainConfig(**sweep.run_file(case, 2, tmp_path / "ds.json", tmp_path / "run"))
-    assert (cfg.steps, cfg.model, cfg.attention, cfg.resume, cfg.export_format) == (5, "flux-tiny", "auto", False, None)
+    assert (cfg.steps, cfg.model, cfg.attention, cfg.checkpoint.resume, cfg.export.format) == \
+        (5, "flux-tiny", "auto", False, None)
     # one epoch holds every step of the case: no epoch boundary among the timed steps
     loader = build_dataloader(cfg.data, micro_batch=2, rank=1, world_size=2, seed=0)
     assert len(loader) == case.total_steps

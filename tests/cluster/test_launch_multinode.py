@@ -38,7 +38,7 @@ def write_run(tmp: Path, name: str) -> Path:
         f"deepspeed: {tmp / 'ds.json'}\n"
         "data: synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32\n"
         f"output_dir: {tmp / name}\n"
-        "model: flux-tiny\nsteps: 3\nseed: 7\nexport_format: null\n"
+        "model: flux-tiny\nsteps: 3\nseed: 7\nexport:\n  format: null\n"
     )
     return run
 

@@ -405,7 +405,7 @@ def test_trainer_learns_from_cached_shards(tiny, tmp_path):
           "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     cfg = {"deepspeed": str(tmp_path / "ds.json"), "data": str(out), "output_dir": str(tmp_path / "run"),
-           "model": "flux-tiny", "steps": 40, "seed": 0, "export_format": None, "log_every": 10}
+           "model": "flux-tiny", "steps": 40, "seed": 0, "export": {"format": None}, "log_every": 10}
     code = ("import json, sys; from fluxzero.config import TrainConfig; from fluxzero.train.loop import train; "
             "print('LOSSES', json.dumps(train(TrainConfig.from_dict(json.loads(sys.argv[1])))['losses']))")
     env = {**os.environ, "FLUXZERO_NO_PROGRESS": "1"}

@@ -305,8 +305,8 @@ def test_mapping_model_trains_resumes_and_exports(tmp_path):
           "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     out = tmp_path / "run"
-    run = {"deepspeed": str(tmp_path / "ds.json"), "output_dir": str(out), "steps": 2, "export_format": "bfl",
-           "export_dtype": "fp32", "data": "synthetic:n=8,hw=8x8,txt=4,ctx=32,vec=16,ch=4", "model": model}
+    run = {"deepspeed": str(tmp_path / "ds.json"), "output_dir": str(out), "steps": 2, "export": {"format": "bfl", "dtype": "fp32"},
+           "data": "synthetic:n=8,hw=8x8,txt=4,ctx=32,vec=16,ch=4", "model": model}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLUXZERO_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
 

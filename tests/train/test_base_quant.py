@@ -105,7 +105,7 @@ def trained(tmp_path_factory):
     def job(name, quant, stage=2, **kw):
         return name, {"deepspeed": str(tmp / f"z{stage}.json"), "data": DATA, "output_dir": str(tmp / name),
                       "model": "flux-tiny", "weights": str(weights), "steps": STEPS, "seed": 5,
-                      "lora": {**LORA, "base_quant": quant}, "export_format": "diffusers", "export_dtype": "fp32",
+                      "lora": {**LORA, "base_quant": quant}, "export": {"format": "diffusers", "dtype": "fp32"},
                       **kw}
 
     jobs = [job("bf16", "none"), job("int8", "int8"), job("fp8", "fp8"), job("broken", "int8"),

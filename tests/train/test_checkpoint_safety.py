@@ -41,7 +41,7 @@ def _run_file(folder: Path, stage: int, extra: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "ds.json").write_text(json.dumps(tiny_ds(stage)))
     run = {"deepspeed": str(folder / "ds.json"), "data": DATA, "output_dir": str(folder / "out"), "steps": 2,
-           "checkpoint_every": 1, "export_format": None, **extra}
+           "checkpoint": {"every": 1}, "export": {"format": None}, **extra}
     (folder / "run.yaml").write_text(yaml.safe_dump(run))
     return folder / "run.yaml"
 
@@ -183,7 +183,7 @@ def test_pruning_skips_a_checkpoint_an_export_is_reading_and_takes_it_next_time(
         assert (tmp_path / "step_00000001" / "run.yaml").read_text() == "steps: 2\n"  # intact while it is read
     assert checkpoint.prune_checkpoints(tmp_path, "step_00000002", keep=1) == ["step_00000001"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
-    with pytest.raises(TrainingError, match=r"^step_00000001 was pruned by the running training \(keep_checkpoints"
+    with pytest.raises(TrainingError, match=r"^step_00000001 was pruned by the running training \(checkpoint.keep"
                                             r"\) before it could be read; run export again"):
         with locks.reading(tmp_path, "step_00000001"):
             pass

@@ -82,10 +82,10 @@ def test_trainer_collectives_follow_the_nccl_rule_under_zero3_parameter_offload(
     zero = {"stage": 3, "offload_param": {"device": "cpu"}}
     (tmp_path / "ds.json").write_text(json.dumps(tiny_ds(3, clipping=0.0, lr=1e-2, zero_optimization=zero)))
     (tmp_path / "nan.json").write_text(json.dumps(tiny_ds(3, clipping=0.0, lr=1e30, zero_optimization=zero)))
-    run = {"deepspeed": str(tmp_path / "ds.json"), "data": DATA, "validation_data": DATA, "validation_every": 2,
+    run = {"deepspeed": str(tmp_path / "ds.json"), "data": DATA, "validation": {"data": DATA, "every": 2},
            "output_dir": str(tmp_path / "out"), "weights": str(tiny_weights(tmp_path / "base.safetensors")),
-           "steps": 4, "stop_after": 2, "checkpoint_every": 2, "lora": {"rank": 4, "alpha": 8},
-           "ema": {"decay": 0.5}, "export_format": "diffusers", "seed": 3}
+           "steps": 4, "stop_after": 2, "checkpoint": {"every": 2}, "lora": {"rank": 4, "alpha": 8},
+           "ema": {"decay": 0.5}, "export": {"format": "diffusers"}, "seed": 3}
     (tmp_path / "run.yaml").write_text(json.dumps(run))
     cmd = [sys.executable, "-c", GUARDED_TRAIN, str(TRAIN_PY), "--config", str(tmp_path / "run.yaml")]
     env = {"FLUXZERO_COMM_CHECK": str(tmp_path / "comm")}

@@ -104,7 +104,7 @@ def test_trainer_runs_fp8_under_zero2(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     run = tmp_path / "run.yaml"
     run.write_text(f"deepspeed: {tmp_path / 'ds.json'}\ndata: '{DATA}'\noutput_dir: {tmp_path / 'out'}\n"
-                   f"steps: 3\nexport_format: null\n")
+                   f"steps: 3\nexport:\n  format: null\n")
     train_ok(run)
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(r["loss"] == r["loss"] for r in rows)

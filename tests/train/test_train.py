@@ -35,9 +35,9 @@ def test_load_config_with_overrides(tmp_path):
 
     run = tmp_path / "run.yaml"
     run.write_text("deepspeed: ds.json\ndata: d\noutput_dir: o\nsteps: 5\nflow:\n  guidance: 3.5\n")
-    cfg = load_config(str(run), ["steps=7", "flow.shift=none", "weights=null", "export_format=diffusers"])
+    cfg = load_config(str(run), ["steps=7", "flow.shift=none", "weights=null", "export.format=diffusers"])
     assert cfg.steps == 7 and cfg.flow.shift == "none" and cfg.flow.guidance == 3.5
-    assert cfg.weights is None and cfg.export_format == "diffusers"
+    assert cfg.weights is None and cfg.export.format == "diffusers"
     assert TrainConfig.from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg  # the saved run.yaml
     from fluxzero.config.runfile import ConfigError
 
@@ -60,7 +60,8 @@ def test_load_config_with_overrides(tmp_path):
     ({"deepspeed": "a", "data": "b", "output_dir": "c", "micro_batch": 0},
      r"^micro_batch is set in the DeepSpeed config now \(train_micro_batch_size_per_gpu in a\)"),
     ({"deepspeed": "a", "data": "b", "output_dir": "c", "steps": "abc"}, "steps must be a whole number, got 'abc'"),
-    ({"deepspeed": "a", "data": "b", "output_dir": "c", "resume": "maybe"}, "resume must be true or false"),
+    ({"deepspeed": "a", "data": "b", "output_dir": "c", "checkpoint": {"resume": "maybe"}},
+     "checkpoint.resume must be true or false"),
     ({"deepspeed": "a", "data": "b", "output_dir": 5}, "output_dir must be text"),
     ({"deepspeed": "a", "data": "b", "output_dir": "c", "flow": {"guidance": "x"}}, "flow.guidance must be a number"),
     ({"deepspeed": "a", "data": "b", "output_dir": " "}, "output_dir is empty"),
@@ -84,7 +85,7 @@ def test_flag_style_override_says_how_to_write_it(capsys):
     assert r.exit_code == 2 and "run-file settings are overridden as steps=VALUE" in r.output, r.output
     with pytest.raises(SystemExit) as e:
         parse_args(["--config", "run.yaml", "--export-format", "null"])
-    assert e.value.code == 2 and "overridden as export_format=VALUE" in capsys.readouterr().err
+    assert e.value.code == 2 and "overridden as export.format=VALUE" in capsys.readouterr().err
     assert parse_args(["--config", "r.yaml", "--local_rank=1", "steps=3"]).overrides == ["steps=3"]
 
 
@@ -234,7 +235,7 @@ def cases(tmp_path_factory):
     from fluxzero.model.weights import save_weights
 
     save_weights(build_model("flux-tiny-schnell").state_dict(), tmp / "schnell.safetensors")
-    run = {"deepspeed": str(tmp / "ds.json"), "data": DATA, "steps": 4, "export_format": None}  # micro batch 2: _ds
+    run = {"deepspeed": str(tmp / "ds.json"), "data": DATA, "steps": 4, "export": {"format": None}}  # micro batch 2: _ds
     (tmp / "run.yaml").write_text(yaml.safe_dump(run))
 
     def case(name, *over, fsize=0, out=None, prep=None):
@@ -254,24 +255,33 @@ def cases(tmp_path_factory):
         case("ds_not_object", f"deepspeed={tmp / 'ds_list.json'}"),
         case("fp16_on_cpu", f"deepspeed={tmp / 'ds_fp16.json'}"),
         case("unwritable_output", out="a_file/run"),
-        case("export_blocked", "steps=1", "export_format=bfl"),
-        case("nan", f"deepspeed={tmp / 'nan.json'}", "checkpoint_every=1"),
+        case("export_blocked", "steps=1", "export.format=bfl"),
+        case("nan", f"deepspeed={tmp / 'nan.json'}", "checkpoint.every=1"),
         case("bad_saved_run", f"deepspeed={tmp / 'nan.json'}", out="nan",
              prep={str(tmp / "nan/checkpoints/step_00000001/run.yaml"): "model: [flux-tiny\n"}),
-        case("first", "stop_after=2", "checkpoint_every=2", out="disk"),
+        case("first", "stop_after=2", "checkpoint.every=2", out="disk"),
         case("tensorboard_disk_full", fsize=1, out="disk"),  # a rerun on a full disk: no log can start
         case("disk_full", fsize=600_000, out="disk"),  # the model states file alone is ~2 MB
         case("jsonl_disk_full", fsize=1, out="disk"),  # steps 3-4 of metrics.jsonl must go: rewriting fails
-        case("after_disk_full", "export_format=bfl", out="disk"),
-        case("rerun_finished", "export_format=bfl", out="disk"),
-        case("no_resume_over_checkpoints", "resume=false", out="disk"),
+        case("after_disk_full", "export.format=bfl", out="disk"),
+        case("rerun_finished", "export.format=bfl", out="disk"),
+        case("no_resume_over_checkpoints", "checkpoint.resume=false", out="disk"),
         case("other_model", "model=flux-tiny-schnell", out="disk"),
         case("other_stage", f"deepspeed={tmp / 'ds3.json'}", out="disk"),
         case("other_precision", f"deepspeed={tmp / 'ds_bf16.json'}", out="disk"),
         case("other_data", f"data={DATA.replace('n=8', 'n=16')}", "flow.shift=none", out="disk"),
         case("other_seed", "seed=1", out="disk"),
         case("other_data_allowed", f"data={DATA.replace('n=8', 'n=16')}", "allow_config_change=true", out="disk"),
-        case("keep_two", "checkpoint_every=1", "keep_checkpoints=2"),
+        case("keep_two", "checkpoint.every=1", "checkpoint.keep=2"),
+        case("before_sections", "stop_after=2", "checkpoint.every=2"),
+        # its checkpoint's run.yaml as the version before the sections wrote it: flat keys, resumed and exported
+        case("after_sections", "export.format=bfl", out="before_sections", prep={
+            str(tmp / "before_sections/checkpoints/step_00000002/run.yaml"): yaml.safe_dump(
+                {**{k: v for k, v in run.items() if k != "export"}, "output_dir": str(tmp / "before_sections"), "model": "flux-tiny", "seed": 0, "stop_after": 2,
+                 "checkpoint_every": 2, "keep_checkpoints": 0, "resume": True, "export_format": None,
+                 "export_dtype": "bf16", "export_merged": False, "export_weights": "live", "sample_every": 0,
+                 "sample_size": "512x512", "sample_seeds": [0], "validation_data": None,
+                 "validation_timesteps": [0.1, 0.3, 0.5, 0.7, 0.9]}, sort_keys=False)}),
     ]
     (tmp / "cases.json").write_text(json.dumps(todo))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -295,7 +305,7 @@ def _one_sentence_error(result):
     ("wide_t5", "4096"),
     ("odd_latent", "7x8"),
     ("old_manifest", "version 999"),
-    ("no_resume_over_checkpoints", "already holds checkpoints (latest step_00000004) and resume is off"),
+    ("no_resume_over_checkpoints", "already holds checkpoints (latest step_00000004) and checkpoint.resume is off"),
     ("other_model", "is a checkpoint of flux-tiny but the run file trains flux-tiny-schnell"),
     ("other_stage", "was written under ZeRO stage 2 but"),
     ("other_precision", "was written in fp32 but"),
@@ -379,7 +389,7 @@ def test_export_command(cases, tmp_path):
     assert r.exit_code == 0, r.output
     assert "step_00000004" in r.output
     ours = load_weights(tmp_path / "w.safetensors")
-    bf16 = load_weights(run_dir / "export.safetensors")  # written by the run itself (export_dtype bf16)
+    bf16 = load_weights(run_dir / "export.safetensors")  # written by the run itself (export.dtype bf16)
     assert all(bf16[k].equal(v.bfloat16()) for k, v in ours.items())
     r = CliRunner().invoke(main, ["export", str(run_dir), str(tmp_path / "w.safetensors")])
     assert r.exit_code == 2 and "--overwrite" in r.output
@@ -418,8 +428,8 @@ def test_ctrl_c_exits_cleanly_with_checkpoint_to_resume(tmp_path):
     import time
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "launch/train.py", "--config", "launch/tiny.yaml", "steps=100000", "checkpoint_every=2",
-           "export_format=null", f"output_dir={out}"]
+    cmd = [sys.executable, "launch/train.py", "--config", "launch/tiny.yaml", "steps=100000", "checkpoint.every=2",
+           "export.format=null", f"output_dir={out}"]
     p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT), "FLUXZERO_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"},
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a CI shell may ignore it
@@ -492,7 +502,7 @@ def test_two_ranks_print_each_error_once(tmp_path):
         for _ in range(8):
             w.add(torch.randn(16, 8, 8), torch.randn(4, 64), torch.randn(32))
     run = {"deepspeed": str(tmp_path / "ds.json"), "data": str(shards), "steps": 2,
-           "export_format": None}
+           "export": {"format": None}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
     argv = ["--config", str(tmp_path / "run.yaml"), f"output_dir={tmp_path / 'out'}"]
     todo = [["bad_override", [*argv, "steps=abc"], None], ["missing_data", [*argv, f"data={tmp_path / 'nope'}"], None],
@@ -537,7 +547,7 @@ def test_quick_start_torchrun_two_ranks(tmp_path):
 
     out = tmp_path / "tiny"
     cmd = [sys.executable, "-m", "torch.distributed.run", *QUICK_START.split()[1:],
-           "steps=12", "checkpoint_every=6", "log_every=3", f"output_dir={out}"]
+           "steps=12", "checkpoint.every=6", "log_every=3", f"output_dir={out}"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(ROOT), "FLUXZERO_PEAK_TFLOPS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
@@ -568,7 +578,7 @@ def test_deepspeed_launcher_two_ranks(tmp_path):
         port = s.getsockname()[1]
     out = tmp_path / "ds"
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
-           "launch/train.py", "--config", "launch/tiny.yaml", "steps=3", "export_format=null",
+           "launch/train.py", "--config", "launch/tiny.yaml", "steps=3", "export.format=null",
            f"output_dir={out}"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -594,6 +604,16 @@ def test_an_incomplete_diffusers_export_is_not_up_to_date(tmp_path):
     single.mkdir()
     (single / DIFFUSERS_WEIGHTS).write_bytes(b"x")
     assert _diffusers_files(single) == [single / DIFFUSERS_WEIGHTS]
+
+
+def test_a_checkpoint_saved_before_the_run_file_sections_resumes_and_exports(cases):
+    tmp, results = cases
+    assert results["before_sections"][0] == 0, results["before_sections"]
+    code, err = results["after_sections"]
+    assert code == 0 and "resuming from step 2 " in err and "Traceback" not in err, err
+    assert (tmp / "before_sections" / "export.safetensors").is_file()
+    saved = yaml.safe_load((tmp / "before_sections/checkpoints/step_00000004/run.yaml").read_text())
+    assert saved["export"]["format"] == "bfl" and "export_format" not in saved  # saved again, in sections
 
 
 def test_keep_checkpoints_leaves_the_newest(cases):

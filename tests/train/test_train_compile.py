@@ -112,7 +112,7 @@ def _jobs(tmp_path, cases):
         assert ds_check.check(ds) == []
         (tmp_path / f"{name}.json").write_text(json.dumps(ds))
         jobs.append([name, {"deepspeed": str(tmp_path / f"{name}.json"), "data": DATA,
-                            "steps": STEPS, "output_dir": str(tmp_path / name), "export_format": None}])
+                            "steps": STEPS, "output_dir": str(tmp_path / name), "export": {"format": None}}])
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     (tmp_path / "child.py").write_text(CHILD)
     return [str(tmp_path / "child.py"), str(tmp_path / "jobs.json"), str(tmp_path / "out.json")]

@@ -169,7 +169,8 @@ def _checkpoint_checks_probe(cfg):
 
     out_dir = Path(cfg.output_dir) if rank == 0 else ckpt.parent.parent / "damaged_not_shared" / "other_node"
     try:
-        resume.decide_resume(dataclasses.replace(cfg, output_dir=str(out_dir), resume=False), v,
+        resume.decide_resume(dataclasses.replace(
+            cfg, output_dir=str(out_dir), checkpoint=dataclasses.replace(cfg.checkpoint, resume=False)), v,
                                  out_dir / "checkpoints")
         error = None
     except Exception as e:  # noqa: BLE001

@@ -76,15 +76,15 @@ def test_run_file_lora_section(tmp_path):
 
     run = tmp_path / "run.yaml"
     run.write_text("deepspeed: ds.json\ndata: d\noutput_dir: o\nweights: base.safetensors\nlora:\n  rank: 8\n")
-    cfg = load_config(str(run), ["lora.targets=[single_blocks.*.linear1]", "export_merged=true"])
+    cfg = load_config(str(run), ["lora.targets=[single_blocks.*.linear1]", "export.merged=true"])
     assert cfg.lora == LoraConfig(rank=8, targets=["single_blocks.*.linear1"]) and cfg.lora.alpha == 8.0
     assert TrainConfig.from_dict(yaml.safe_load(config_text(cfg))) == cfg  # what a checkpoint's run.yaml holds
     assert load_config(str(run), ["lora=null"]).lora is None
     for over, words in [(["lora.rank=0"], "lora.rank must be a whole number of at least 1, got 0"),
                         (["lora.rnak=4"], "unknown lora keys ['rnak']"),
                         (["lora=4"], "lora must be a mapping of LoRA options"),
-                        (["lora=null", "export_merged=true"], "export_merged merges a LoRA into its base weights"),
-                        (["weights=null", "export_merged=true"], "export_merged needs the base weights"),
+                        (["lora=null", "export.merged=true"], "export.merged merges a LoRA into its base weights"),
+                        (["weights=null", "export.merged=true"], "export.merged needs the base weights"),
                         # `lora` is the nearest run-file key to `lr`: the sentence must point at the DeepSpeed config
                         (["lr=1e-4"], "lr is set in the DeepSpeed config now (optimizer.params.lr in ds.json)")]:
         with pytest.raises(ConfigError) as e:
@@ -215,13 +215,13 @@ def test_bad_lora_input_through_the_trainer(tmp_path):
     save_embeddings(tmp_path / "wide.safetensors", PromptEmbeddings(["a cat"], torch.randn(1, 4, 128), torch.randn(1, 32)))
     save_file({"t5": torch.full((1, 4, 64), float("nan")), "clip_pooled": torch.randn(1, 32)},
               str(tmp_path / "emb_nan.safetensors"), {"format": FORMAT, "version": VERSION, "prompts": '["a cat"]'})
-    previews = ["sample_every=1", f"sample_vae={tmp_path / 'vae'}", "sample_size=16x16", "sample_steps=1"]
+    previews = ["sample.every=1", f"sample.vae={tmp_path / 'vae'}", "sample.size=16x16", "sample.steps=1"]
     from fluxzero.model.weights import save_weights
 
     save_weights(base, tmp_path / "base.safetensors")  # another base than the run's (random init)
     (tmp_path / "ds.json").write_text(json.dumps(_ds()))
     (tmp_path / "ds3c.json").write_text(json.dumps(_ds(3, fluxzero={"compile": {"blocks": True, "backend": "eager"}})))
-    run = {"deepspeed": str(tmp_path / "ds.json"), "data": DATA4, "steps": 1, "export_format": None,
+    run = {"deepspeed": str(tmp_path / "ds.json"), "data": DATA4, "steps": 1, "export": {"format": None},
            "lora": {"rank": 4}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
     cases = {  # name: (overrides, output_dir, start of the one error line; None: trains)
@@ -239,11 +239,11 @@ def test_bad_lora_input_through_the_trainer(tmp_path):
                    f"{tmp_path / 'rank_text.safetensors'}: header entry fluxzero.rank is 'four', not a whole number"),
         "nan": ([f"lora.weights={tmp_path / 'nan.safetensors'}"], "nan",
                 f"{tmp_path / 'nan.safetensors'}: {up} holds NaN or infinite values"),
-        "prompts_width": ([*previews, f"sample_prompts={tmp_path / 'wide.safetensors'}"], "prompts_width",
-                          f"sample_prompts {tmp_path / 'wide.safetensors'}: the prompt embeddings are T5 128 / CLIP "
+        "prompts_width": ([*previews, f"sample.prompts={tmp_path / 'wide.safetensors'}"], "prompts_width",
+                          f"sample.prompts {tmp_path / 'wide.safetensors'}: the prompt embeddings are T5 128 / CLIP "
                           "32 wide but model 'flux-tiny' takes 64 / 32"),
-        "prompts_nan": ([*previews, f"sample_prompts={tmp_path / 'emb_nan.safetensors'}"], "prompts_nan",
-                        f"sample_prompts {tmp_path / 'emb_nan.safetensors'}: t5 holds NaN or infinite values"),
+        "prompts_nan": ([*previews, f"sample.prompts={tmp_path / 'emb_nan.safetensors'}"], "prompts_nan",
+                        f"sample.prompts {tmp_path / 'emb_nan.safetensors'}: t5 holds NaN or infinite values"),
         "trains": ([f"lora.weights={lora_file}"], "run", None),
         "resume_without_lora": (["lora=null"], "run", "is a checkpoint of a LoRA but the run file trains the full "
                                 "model (no lora section); add its lora section back, or choose another output_dir"),
@@ -356,16 +356,16 @@ def trained(tmp_path_factory):
 
     def job(name, ds, **kw):
         cfg = {"deepspeed": str(tmp / f"{ds}.json"), "data": DATA4, "output_dir": str(tmp / name), "model": "flux-tiny",
-               "weights": str(weights), "steps": STEPS, "seed": 3, "lora": LORA, "export_format": None}
+               "weights": str(weights), "steps": STEPS, "seed": 3, "lora": LORA, "export": {"format": None}}
         return name, {**cfg, **kw}
 
     jobs = [
-        job("z2", "z2", export_format="diffusers", export_dtype="fp32", export_merged=True),
+        job("z2", "z2", export={"format": "diffusers", "dtype": "fp32", "merged": True}),
         job("stop2", "z2", stop_after=2),
-        job("resumed2", "z2", output_dir=str(tmp / "stop2"), export_format="comfyui"),
-        job("z3", "z3", export_format="comfyui", export_dtype="fp32"),
+        job("resumed2", "z2", output_dir=str(tmp / "stop2"), export={"format": "comfyui"}),
+        job("z3", "z3", export={"format": "comfyui", "dtype": "fp32"}),
         job("stop3", "z3", stop_after=2),
-        job("resumed3", "z3", output_dir=str(tmp / "stop3"), export_format="diffusers", export_dtype="fp32"),
+        job("resumed3", "z3", output_dir=str(tmp / "stop3"), export={"format": "diffusers", "dtype": "fp32"}),
         job("z2_bf16", "z2_bf16", steps=3),
         job("z3_bf16", "z3_bf16", steps=3),  # here the adapters stay fp32 (engine.apply_adapters says why)
     ]
@@ -479,7 +479,7 @@ def test_exported_lora_loads_in_diffusers_and_reproduces_the_trained_model(train
     with torch.no_grad():
         before = run_theirs(theirs, x)
     assert _rel(before, want) > 1e-2, _rel(before, want)  # the 4 steps moved the output (measured 6.6e-2)
-    lora = tmp / name / "lora.safetensors"  # export_format diffusers: the diffusers/PEFT layout
+    lora = tmp / name / "lora.safetensors"  # export.format diffusers: the diffusers/PEFT layout
     sd, metadata = FluxLoraLoaderMixin.lora_state_dict(str(lora), return_lora_metadata=True)
     theirs.load_lora_adapter(sd, prefix="transformer", metadata=metadata)
     with torch.no_grad():
@@ -500,7 +500,7 @@ def test_kohya_export_holds_the_trained_adapters(trained):
     from fluxzero.train.consolidate import consolidated_state_dict
     from fluxzero.train.lora_export import canonical_lora
 
-    got, info = read_lora(trained["tmp"] / "z3" / "lora.safetensors")  # export_format comfyui, fp32
+    got, info = read_lora(trained["tmp"] / "z3" / "lora.safetensors")  # export.format comfyui, fp32
     want = canonical_lora(consolidated_state_dict(trained["tmp"] / "z3")[0])
     assert info.layout == "kohya" and (info.rank, info.alpha) == (4, 8.0) and set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
@@ -530,7 +530,7 @@ def test_merged_export_and_the_export_command(trained, tmp_path):
     x = _inputs()
     with torch.no_grad():
         want = _trained_model(trained, "z2")(**x)
-        merged = load_model(tmp / "z2" / "export", dtype=torch.float32)(**x)  # export_merged: the diffusers folder
+        merged = load_model(tmp / "z2" / "export", dtype=torch.float32)(**x)  # export.merged: the diffusers folder
     assert _rel(merged, want) <= OUT_RTOL
     runner = CliRunner()
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
@@ -568,7 +568,7 @@ from fluxzero.model.lora_formats import read_lora
 results = {}
 for name, cfg in json.load(open(sys.argv[1])):
     losses = train(TrainConfig.from_dict(cfg))["losses"]
-    file = "/lora_ema.safetensors" if cfg.get("export_weights") == "ema" else "/lora.safetensors"
+    file = "/lora_ema.safetensors" if cfg["export"].get("weights") == "ema" else "/lora.safetensors"
     results[name] = [losses, sorted(read_lora(cfg["output_dir"] + file)[0])]
 json.dump(results, open(sys.argv[2], "w"))
 """
@@ -588,8 +588,8 @@ def test_lora_at_zero_0_with_offload_and_ema(tmp_path):
             ds["bf16"] = {"enabled": True}
         (tmp_path / f"{name}.json").write_text(json.dumps(ds))
         jobs.append([name, {"deepspeed": str(tmp_path / f"{name}.json"), "data": DATA4, "steps": 3, "seed": 3,
-                            "output_dir": str(tmp_path / name), "lora": LORA, "export_format": "diffusers"}])
-    jobs[-1][1].update(ema={"decay": 0.5}, export_weights="ema", export_dtype="fp32")  # z2_ema: lora_ema.safetensors
+                            "output_dir": str(tmp_path / name), "lora": LORA, "export": {"format": "diffusers"}}])
+    jobs[-1][1].update(ema={"decay": 0.5}, export={"format": "diffusers", "weights": "ema", "dtype": "fp32"})  # z2_ema: lora_ema.safetensors
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     subprocess.run([sys.executable, "-c", _STAGES, str(tmp_path / "jobs.json"), str(tmp_path / "out.json")], cwd=ROOT,
                    check=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -599,7 +599,7 @@ def test_lora_at_zero_0_with_offload_and_ema(tmp_path):
     for name in ("z2_offload", "z3_offload"):
         assert r[name][0] == pytest.approx(r["z0"][0], rel=LOSS_RTOL), name
     assert r["z0_bf16"][0] == pytest.approx(r["z0"][0], rel=5e-3)  # measured 1.3e-3 at step 3
-    # export_weights: ema writes the adapters' EMA (the EMA shards hold the trainable parameters only)
+    # export.weights: ema writes the adapters' EMA (the EMA shards hold the trainable parameters only)
     from fluxzero.model.lora_formats import read_lora
     from fluxzero.train.consolidate import consolidated_state_dict, ema_state_dict
     from fluxzero.train.lora_export import canonical_lora

@@ -44,7 +44,8 @@ def test_mode_resumes_exactly_and_exports_the_trained_weights(tmp_path, mode, st
     runs = {}
     for name in ("whole", "cut"):
         cfg = {"deepspeed": str(tmp_path / "ds.json"), "data": DATA, "output_dir": str(tmp_path / name),
-               "steps": 4, "checkpoint_every": 2, "export_format": "bfl", "export_dtype": "fp32", "seed": 1}
+               "steps": 4, "checkpoint": {"every": 2},
+               "export": {"format": "bfl", "dtype": "fp32"}, "seed": 1}
         runs[name] = tmp_path / f"{name}.yaml"
         runs[name].write_text(yaml.safe_dump(cfg))
     _train(runs["whole"])

@@ -41,12 +41,14 @@ def assets(tmp_path_factory):
 
 def _run_file(assets, out, *, previews: bool, stage=2, **over):
     cfg = {"deepspeed": str(assets / f"ds{stage}.json"), "data": DATA, "output_dir": str(out), "steps": 4,
-           "checkpoint_every": 2, "export_format": "bfl", "export_dtype": "fp32", "log_every": 1}
+           "checkpoint": {"every": 2}, "export": {"format": "bfl", "dtype": "fp32"}, "log_every": 1}
     if previews:
-        cfg.update(ema={"decay": 0.9}, export_weights="ema", sample_every=2, sample_prompts=str(assets / "prompts.safetensors"),
-                   sample_vae=str(assets / "vae"), sample_size="32x32", sample_steps=2, sample_seeds=[0, 1],
-                   validation_data=VALIDATION, validation_every=2)
-    cfg.update(over)
+        cfg.update(ema={"decay": 0.9}, validation={"data": VALIDATION, "every": 2},
+                   sample={"every": 2, "prompts": str(assets / "prompts.safetensors"), "vae": str(assets / "vae"),
+                           "size": "32x32", "steps": 2, "seeds": [0, 1]})
+        cfg["export"]["weights"] = "ema"
+    for key, value in over.items():  # a section's keys are merged into it
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
     path = Path(str(out) + ".yaml")
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -103,8 +105,8 @@ def test_previews_validation_and_ema_leave_training_unchanged(assets, tmp_path):
 
 
 def test_validation_and_ema_resume_exactly(assets, tmp_path):
-    _train(_run_file(assets, tmp_path / "whole", previews=True, sample_every=0))
-    run = _run_file(assets, tmp_path / "cut", previews=True, sample_every=0)
+    _train(_run_file(assets, tmp_path / "whole", previews=True, sample={"every": 0}))
+    run = _run_file(assets, tmp_path / "cut", previews=True, sample={"every": 0})
     _train(run, "stop_after=2")
     _train(run)
     whole, cut = _rows(tmp_path / "whole"), _rows(tmp_path / "cut")
@@ -120,10 +122,10 @@ def test_bad_preview_settings_are_one_sentence(assets, tmp_path):
     from fluxzero.config import TrainConfig
 
     base = {"deepspeed": "d.json", "data": DATA, "output_dir": str(tmp_path)}
-    for bad, words in (({"sample_every": 2}, "sample_every needs sample_prompts"),
-                       ({"sample_size": "30x32"}, "multiples of 16"),
-                       ({"sample_weights": "ema"}, "keeps no EMA"),
-                       ({"validation_every": 5}, "validation_every needs validation_data"),
+    for bad, words in (({"sample": {"every": 2}}, "sample.every needs sample.prompts"),
+                       ({"sample": {"size": "30x32"}}, "multiples of 16"),
+                       ({"sample": {"weights": "ema"}}, "keeps no EMA"),
+                       ({"validation": {"every": 5}}, "validation.every needs validation.data"),
                        ({"ema": {"decay": 1.0}}, "ema.decay must be between 0 and 1")):
         with pytest.raises(ValueError, match=words):
             TrainConfig.from_dict({**base, **bad})
@@ -132,8 +134,8 @@ def test_bad_preview_settings_are_one_sentence(assets, tmp_path):
 @pytest.mark.slow
 def test_zero3_two_ranks_sample_and_validate(assets, tmp_path):
     # every rank takes part in the forward passes (ZeRO-3 gathers the parameters collectively); rank 0 writes
-    run = _run_file(assets, tmp_path / "z3", previews=True, stage=3, steps=2, export_format=None,
-                    sample_seeds=[0])
+    run = _run_file(assets, tmp_path / "z3", previews=True, stage=3, steps=2, export={"format": None},
+                    sample={"seeds": [0]})
     _train(run, world=2)
     rows = _rows(tmp_path / "z3")
     assert rows[2]["val_loss"] > 0

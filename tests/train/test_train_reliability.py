@@ -27,7 +27,7 @@ DATA = "synthetic:n=64,hw=8x8,txt=4,ctx=64,vec=32"
 def _files(tmp, ds=None, **run):
     (tmp / "ds.json").write_text(json.dumps(ds or tiny_ds()))
     cfg = {"deepspeed": str(tmp / "ds.json"), "data": DATA, "output_dir": str(tmp / "out"), "steps": 6,
-           "export_format": None, "log_every": 1, **run}
+           "export": {"format": None}, "log_every": 1, **run}
     (tmp / "run.yaml").write_text(yaml.safe_dump(cfg))
     return tmp / "run.yaml"
 
@@ -90,7 +90,7 @@ def test_a_diverged_update_is_never_saved_and_the_good_checkpoint_stays(tmp_path
     boom = _ds(gradient_clipping=0.0, scheduler={"type": "WarmupLR", "params": {
         "warmup_min_lr": 1e-3, "warmup_max_lr": 1e39, "warmup_num_steps": 1, "warmup_type": "linear"}})
     boom["optimizer"]["params"]["fused"] = True
-    run = _files(tmp_path, boom, steps=3, checkpoint_every=1, keep_checkpoints=1)
+    run = _files(tmp_path, boom, steps=3, checkpoint={"every": 1, "keep": 1})
     r = _train(run)
     lines = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
@@ -105,7 +105,7 @@ def test_a_diverged_update_is_never_saved_and_the_good_checkpoint_stays(tmp_path
 def test_refusals_in_one_sentence(tmp_path):
     from fluxzero.train import locks
 
-    run = _files(tmp_path, steps=1, checkpoint_every=1)
+    run = _files(tmp_path, steps=1, checkpoint={"every": 1})
     assert _train(run).returncode == 0
 
     def refused(*over, run_file=run):
@@ -202,16 +202,17 @@ def test_a_damaged_or_nan_validation_sample_is_refused_before_training(tmp_path)
     run = _files(tmp_path, steps=2)
     for data, words in ((flipped, "sample 2 (global index 2) fails its checksum"),
                         (nan, "sample 1 (global index 1) holds non-finite latents values")):
-        r = _train(run, f"validation_data={data}", f"output_dir={tmp_path / data.name / 'out'}")
+        r = _train(run, f"validation.data={data}", f"output_dir={tmp_path / data.name / 'out'}")
         lines = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
         assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-        assert lines[0].startswith("error: validation_data: ") and words in lines[0], lines[0]
+        assert lines[0].startswith("error: validation.data: ") and words in lines[0], lines[0]
         assert not (tmp_path / data.name / "out" / "metrics.jsonl").exists()  # refused before the first step
 
 
 def test_a_validation_sample_damaged_mid_run_stops_after_saving_the_training(tmp_path):
     val = _validation_shards(tmp_path / "val")
-    run = _files(tmp_path, steps=40, validation_data=str(val), validation_every=20, checkpoint_every=0)
+    run = _files(tmp_path, steps=40, validation={"data": str(val), "every": 20},
+                 checkpoint={"every": 0})
     out = tmp_path / "out"
     procs = start_ranks(run, world=1)
     _wait_for_step(out, 1, procs)

@@ -46,7 +46,7 @@ def test_grad_norm_is_logged_in_every_mode(tmp_path):
     for name, ds in cases.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(ds))
         jobs.append([name, {"deepspeed": str(tmp_path / f"{name}.json"), "data": DATA, "steps": 2, "seed": 1,
-                            "output_dir": str(tmp_path / name), "export_format": None}])
+                            "output_dir": str(tmp_path / name), "export": {"format": None}}])
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     subprocess.run([sys.executable, "-c", _NORMS, str(tmp_path / "jobs.json"), str(tmp_path / "out.json")], cwd=ROOT,
                    check=True, timeout=600, env=rank_env())
@@ -106,7 +106,7 @@ def test_resume_line_refusals_and_a_moved_base(tmp_path, monkeypatch):
     (tmp_path / "ds.json").write_text(json.dumps(tiny_ds(0)))
     (tmp_path / "ds_mb4.json").write_text(json.dumps(tiny_ds(0, train_micro_batch_size_per_gpu=4)))
     run = {"deepspeed": "ds.json", "data": DATA, "output_dir": "out", "steps": 2, "stop_after": 1,
-           "weights": "base.safetensors", "lora": {"rank": 4}, "export_format": None}
+           "weights": "base.safetensors", "lora": {"rank": 4}, "export": {"format": None}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
 
     def start(*overrides):  # from the run's folder: its paths are relative to it
