@@ -178,9 +178,14 @@ FIT_OPTIONS = [
                  help="--fit: keep this fraction of GPU and host memory free."),
     click.option("--max-micro-batch", type=_POS, default=16, show_default=True,
                  help="--fit: largest micro batch to consider."),
+    click.option("--ema", "fit_ema", type=click.Choice(["none", "fp32", "bf16"]), default="none", show_default=True,
+                 help="--fit: the run keeps an EMA of the trained weights in this dtype (the run file's ema: "
+                      "section), so its memory is part of the fit."),
+    click.option("--ema-device", "fit_ema_device", type=click.Choice(["gpu", "cpu"]), default="gpu",
+                 show_default=True, help="--fit: where that EMA lives (ema.device)."),
 ]
 _FIT_KEYS = ("fit", "gpu", "gpu_memory", "host_memory", "resolution", "txt_len", "fit_margin", "max_micro_batch",
-             "lora_rank", "lora_targets", "base_quant")
+             "lora_rank", "lora_targets", "base_quant", "fit_ema", "fit_ema_device")
 
 
 def fit_options(fn):
@@ -227,7 +232,9 @@ def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node
     h, w = request["resolution"]
     try:
         run = {"height": h, "width": w, "txt_len": request["txt_len"], "lora_rank": request["lora_rank"],
-               "lora_targets": _lora_targets(request["lora_targets"])}
+               "lora_targets": _lora_targets(request["lora_targets"]),
+               "ema": None if request["fit_ema"] == "none" else request["fit_ema"],
+               "ema_device": request["fit_ema_device"]}
         req = memory.FitRequest(memory.Hardware(capacity, request["host_memory"], nodes, gpus_per_node), run,
                                 margin=request["fit_margin"], max_micro_batch=request["max_micro_batch"],
                                 base_quant=request["base_quant"])
@@ -247,6 +254,8 @@ def next_command(output: str | None, world: int | None, hostfile, request: dict,
     if request["lora_rank"]:
         lora = f"lora: {{rank: {request['lora_rank']}, targets: {request['lora_targets']}"
         keys.append(lora + (f", base_quant: {base_quant}}}" if base_quant else "}"))
+    if request.get("fit_ema", "none") != "none":
+        keys.append(f"ema: {{dtype: {request['fit_ema']}, device: {request['fit_ema_device']}}}")
     launch = (f"fluxzero launch --hostfile {hostfile} -- --config run.yaml" if hostfile
               else f"deepspeed --num_gpus {world or 1} launch/train.py --config run.yaml")
     return f"next: in run.yaml set {'; '.join(keys)}; then {launch}"

@@ -241,3 +241,22 @@ def test_estimate_options_and_config_read_the_mode(tmp_path):
     d = json.loads(CliRunner().invoke(main, ["estimate", "--lora-rank", "32", "--ema", "bf16", "--json"]).output)
     names = {i["name"] for i in d["items"]}
     assert {"frozen base parameters (bf16)", "EMA (bf16)"} <= names
+
+
+def test_fit_counts_the_optimizer_step_once_per_micro_batch():
+    """Measured on one H200 (benchmarks/RESULTS.md, 2026-12-04): bf16-sr at micro batch 4 without recompute ran at
+    3.18 samples/s, at 16 with every block recomputed 5.13; the proxy without the step term chose the former."""
+    small = RunSpec("flux-dev", stage=0, micro_batch=4, checkpoint_every=0, optimizer_mode="bf16-sr")
+    large = small.replace(micro_batch=16, checkpoint_every=1)
+    assert memory.throughput_proxy(large) > memory.throughput_proxy(small)
+    r, ds = fit("--model", "flux-dev", "--gpu", "h200", "--host-memory", "128", "--optimizer-mode", "bf16-sr")
+    assert ds["train_micro_batch_size_per_gpu"] == 16 and ds["fluxzero"]["activation_checkpointing"]["every_k_blocks"] == 1
+
+
+def test_fit_with_an_ema_counts_its_memory_and_names_the_section():
+    _, plain = fit("--model", "flux-dev", "--gpu", "h200", "--host-memory", "128")
+    r, ds = fit("--model", "flux-dev", "--gpu", "h200", "--host-memory", "128", "--ema", "fp32")
+    # bf16-kahan (66 GiB of states) leaves no room for a 44 GiB fp32 EMA beside it on one H200
+    assert plain["fluxzero"]["optimizer_mode"] == "bf16-kahan"
+    assert ds["fluxzero"]["optimizer_mode"] != "bf16-kahan"
+    assert "ema: {dtype: fp32, device: gpu}" in r.output

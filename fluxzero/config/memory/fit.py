@@ -79,8 +79,9 @@ def verdict(est: Estimate, hw: Hardware, margin: float) -> tuple[bool, str]:
 
 # Seconds one optimizer step takes per 1e9 stepped elements on the GPU, measured on one H200 over FLUX.1-dev's
 # 11.9e9 bf16 weights (benchmarks/optim_step_speed.py, benchmarks/RESULTS.md 2026-12-04): bf16-kahan 0.131 s,
-# bf16-sr 0.467 s. Modes not measured add nothing (the proxy then compares micro batch and recompute alone).
-STEP_S_PER_BILLION = {"bf16-kahan": 0.131 / 11.90, "bf16-sr": 0.467 / 11.90}
+# bf16-sr 0.467 s. adamw8bit-sr is not measured: it is torchao's same compiled per-tensor step with 8-bit states,
+# taken at bf16-sr's figure. Modes not listed add nothing (the proxy then compares micro batch and recompute alone).
+STEP_S_PER_BILLION = {"bf16-kahan": 0.131 / 11.90, "bf16-sr": 0.467 / 11.90, "adamw8bit-sr": 0.467 / 11.90}
 # The forward + backward rate those figures are set against, from the same day: --fit's FLUX.1-dev run (mb 16, every
 # block recomputed) took 3.01 s a step, 0.13 s of it the optimizer: 2.88 s for 16 x 4/3 samples' worth of FLOPs.
 # 3 x forward FLOPs per sample (flux-dev at 512 px: 21.50e12 by ModelConfig.flops_per_sample) x 4/3 (recompute):
