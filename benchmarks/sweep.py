@@ -98,6 +98,10 @@ class Case:
     # by `fluxzero cache` / fluxzero.data.ShardWriter (res and txt then come from the shards)
     data: str = ""
     workers: int = 0  # the loader's worker processes (run-file num_workers)
+    lora: dict = field(default_factory=dict)  # the run file's lora: section (fluxzero rows only); {} = full fine-tune
+    # a DeepSpeed JSON written by `fluxzero gen-config` (or --fit), used as it is instead of the case's own; its
+    # micro batch, stage and checkpointing must be the case's (main() reads them from it for --ds-json)
+    ds_json: str = ""
 
     def __post_init__(self):
         problems = []
@@ -117,6 +121,8 @@ class Case:
             problems.append("z3_leaf needs zero 3")
         if min(self.gpus, self.mb, self.txt, self.steps) < 1 or min(self.ckpt, self.warmup, self.workers) < 0:
             problems.append("gpus, mb, txt, steps must be >= 1 and ckpt, warmup, workers >= 0")
+        if self.lora and self.impl != "fluxzero":
+            problems.append("lora: fluxzero rows only (the baseline has no adapters)")
         if self.inject_oom and self.inject_oom not in PHASE_NAMES.values():
             problems.append(f"inject_oom must be one of {sorted(PHASE_NAMES.values())}, got {self.inject_oom!r}")
         if problems:
@@ -159,6 +165,10 @@ class Case:
             parts.append(f"data={Path(self.data).name or self.data}")
         if self.workers:
             parts.append(f"workers={self.workers}")
+        if self.lora:
+            parts.append(f"lora{self.lora.get('rank')}")
+        if self.ds_json:
+            parts.append(f"ds={Path(self.ds_json).name}")
         return " ".join(parts)
 
 
@@ -310,7 +320,15 @@ BASELINE_API = "deepspeed.initialize (diffusers FluxTransformer2DModel, as users
 
 
 def _ds_config(case: Case, world: int) -> dict:
-    """The case's DeepSpeed config, written by fluxzero's generator (`fluxzero gen-config`'s builder)."""
+    """The case's DeepSpeed config, written by fluxzero's generator (`fluxzero gen-config`'s builder), or the
+    gen-config JSON the case names (then its batch, stage and checkpointing must be the case's)."""
+    if case.ds_json:
+        ds = json.loads(Path(case.ds_json).read_text())
+        got = (ds["train_micro_batch_size_per_gpu"], ds.get("zero_optimization", {}).get("stage", 0))
+        if got != (case.mb, case.zero):
+            raise ValueError(f"{case.ds_json} has micro batch {got[0]}, ZeRO-{got[1]}; the case says {case.mb}, "
+                             f"ZeRO-{case.zero}")
+        return ds
     from fluxzero.config import ds_config as gen
 
     adam = {"torch-fused": "torch", "torch": "torch", "deepspeed-fused": "fused"}[case.optim]
@@ -349,6 +367,7 @@ def run_file(case: Case, world: int, ds_path: str, output_dir: str) -> dict:
     return {"deepspeed": str(ds_path), "data": data_source(case, world), "output_dir": str(output_dir),
             "model": case.model, "steps": case.total_steps, "seed": 0, "attention": case.attn,
             "num_workers": case.workers, "log_every": 1, "checkpoint": {"resume": False},
+            **({"lora": case.lora} if case.lora else {}),
             "export": {"format": None}}
 
 
@@ -996,6 +1015,10 @@ def parse_args(argv):
                                   "or synthetic spec, through the trainer's loader (default: synthetic latents "
                                   "of each case's res and txt)")
     p.add_argument("--workers", type=int, default=0, help="loader worker processes (run-file num_workers)")
+    p.add_argument("--lora-rank", type=int, default=0, help="train a LoRA of this rank (targets all-linear) instead "
+                                                            "of the whole model (fluxzero rows)")
+    p.add_argument("--ds-json", help="time the DeepSpeed JSON gen-config (or --fit) wrote, as it is: its micro "
+                                     "batch, stage, checkpointing and compile replace --mb/--zero/--ckpt/--compile")
     g = p.add_argument_group("a custom sweep: the cartesian product of these comma-separated lists")
     g.add_argument("--impl", type=_csv(str), default=["fluxzero"])
     g.add_argument("--model", type=_csv(str), default=["flux-dev-lite"])
@@ -1057,6 +1080,19 @@ def main(argv=None) -> int:
             "synthetic:") else args.data) for c in cases]
     if args.workers:
         cases = [dataclasses.replace(c, workers=args.workers) for c in cases]
+    if args.lora_rank:
+        cases = [dataclasses.replace(c, lora={"rank": args.lora_rank, "targets": "all-linear"}) for c in cases]
+    if args.ds_json:  # gen-config's JSON decides batch, stage, checkpointing and compile
+        ds = json.loads(Path(args.ds_json).read_text())
+        fz = ds.get("fluxzero", {})
+        cases = [dataclasses.replace(c, ds_json=str(Path(args.ds_json).resolve()),
+                                     mb=ds["train_micro_batch_size_per_gpu"],
+                                     zero=ds.get("zero_optimization", {}).get("stage", 0),
+                                     ckpt=fz.get("activation_checkpointing", {}).get("every_k_blocks", 0),
+                                     # absent: the trainer compiles the blocks on a GPU below ZeRO-3
+                                     compile=fz.get("compile", {}).get("blocks", args.device == "cuda" and
+                                                                       ds.get("zero_optimization", {}).get("stage", 0) < 3))
+                 for c in cases]
     if not cases:
         print("no cases selected", file=sys.stderr)
         return 2
