@@ -14,7 +14,7 @@ from fluxzero.train import locks
 from fluxzero.train.checkpoint import load_trainer_state, step_folders
 from fluxzero.train.distributed import TrainingError
 from fluxzero.train.integrity import clean_save_files, file_problem, latest_problem, stray_files_problem
-from fluxzero.train.resume import saved_run
+from fluxzero.train.resume import saved_run, saved_view
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
@@ -91,16 +91,9 @@ def _saved_layout(tag_dir: Path, advice: str) -> tuple[int, bool, int, object] |
     """(ZeRO stage, bf16, world size, ema section) a step folder was saved with, from its ds_config.json,
     trainer state and run.yaml; None for an older checkpoint without ds_config.json (then every torch file in
     it is scanned, which is all DeepSpeed's consolidation reads)."""
-    from fluxzero.config.ds_view import view
-
-    try:
-        v = view(json.loads((tag_dir / "ds_config.json").read_text()))
-    except FileNotFoundError:
+    v = saved_view(tag_dir / "ds_config.json", otherwise=advice)
+    if v is None:
         return None
-    except (OSError, ValueError, TypeError, AttributeError) as e:
-        reason = getattr(e, "strerror", None) or str(e).splitlines()[0][:200] or type(e).__name__
-        raise TrainingError(f"{tag_dir / 'ds_config.json'} cannot be read as the DeepSpeed config the checkpoint "
-                            f"was written with ({reason}); restore it, or {advice}") from None
     world, step = _saved_world_step(tag_dir, advice)
     saved = saved_run(tag_dir)
     return v.stage, v.precision == "bf16", world, saved.get("ema") if "ema" in saved else None

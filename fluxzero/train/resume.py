@@ -89,22 +89,22 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int,
         raise TrainingError(f"{tag_dir} is a checkpoint of {model_name(model)} but the run file trains "
                             f"{model_name(cfg.model)}; "
                             f"choose another output_dir")
-    saved_view = _saved_view(tag_dir / "ds_config.json")
-    if saved_view is not None:
-        if saved_view.stage != v.stage:  # DeepSpeed's loader fails with a bare assertion deep inside
+    saved_ds = saved_view(tag_dir / "ds_config.json")
+    if saved_ds is not None:
+        if saved_ds.stage != v.stage:  # DeepSpeed's loader fails with a bare assertion deep inside
             raise TrainingError(
-                f"{tag_dir} was written under ZeRO stage {saved_view.stage} but {cfg.deepspeed} uses stage "
-                f"{v.stage}; resume with a stage-{saved_view.stage} DeepSpeed config, or choose another "
+                f"{tag_dir} was written under ZeRO stage {saved_ds.stage} but {cfg.deepspeed} uses stage "
+                f"{v.stage}; resume with a stage-{saved_ds.stage} DeepSpeed config, or choose another "
                 f"output_dir (DeepSpeed's ds_to_universal converts between layouts)")
-        if saved_view.precision != v.precision:  # DeepSpeed names its files per precision
-            raise TrainingError(f"{tag_dir} was written in {saved_view.precision} but {cfg.deepspeed} trains in "
-                                f"{v.precision}; resume in {saved_view.precision}, or choose another output_dir")
-        if saved_view.scheduler != v.scheduler:  # DeepSpeed's load fails with a TypeError deep inside
-            raise TrainingError(f"{tag_dir} was trained with lr scheduler {saved_view.scheduler or 'none'} but "
+        if saved_ds.precision != v.precision:  # DeepSpeed names its files per precision
+            raise TrainingError(f"{tag_dir} was written in {saved_ds.precision} but {cfg.deepspeed} trains in "
+                                f"{v.precision}; resume in {saved_ds.precision}, or choose another output_dir")
+        if saved_ds.scheduler != v.scheduler:  # DeepSpeed's load fails with a TypeError deep inside
+            raise TrainingError(f"{tag_dir} was trained with lr scheduler {saved_ds.scheduler or 'none'} but "
                                 f"{cfg.deepspeed} has {v.scheduler or 'none'}; resume with the checkpoint's "
                                 f"scheduler, or choose another output_dir")
         # older run.yaml files hold micro_batch and grad_accum themselves; the DeepSpeed config owns them now
-        saved = {**saved, "micro_batch": saved_view.micro_batch, "grad_accum": saved_view.grad_accum}
+        saved = {**saved, "micro_batch": saved_ds.micro_batch, "grad_accum": saved_ds.grad_accum}
     _check_same_adapters(cfg, saved, tag_dir)
     _check_same_training({**cfg.to_dict(), "micro_batch": v.micro_batch, "grad_accum": v.grad_accum}, saved,
                          tag_dir, allow)
@@ -121,7 +121,7 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int,
     if saved_world != world:
         raise TrainingError(f"checkpoint {tag_dir} was saved by {saved_world} ranks but {world} are running; "
                             f"resume with {saved_world} ranks (or convert it with DeepSpeed's ds_to_universal)")
-    view_ = saved_view or v  # an older checkpoint without ds_config.json: the stage and precision of this run
+    view_ = saved_ds or v  # an older checkpoint without ds_config.json: the stage and precision of this run
     return tag, sorted(clean_save_files(view_.stage, view_.precision == "bf16", saved_world,
                                         saved.get("ema") if "ema" in saved else None))
 
@@ -137,11 +137,12 @@ def _writable_problem(out: Path) -> str | None:
     return None
 
 
-def _saved_view(path: Path) -> DSView | None:
-    """The view of the DeepSpeed config saved beside a checkpoint; None when absent (an older checkpoint).
+def saved_view(path: Path, otherwise: str = "choose another output_dir") -> DSView | None:
+    """The view of the DeepSpeed config saved beside a checkpoint (the one reader of a checkpoint's
+    ds_config.json); None when absent (an older checkpoint).
 
-    Present but unreadable is one sentence: the stage / precision / scheduler checks would otherwise be skipped
-    and DeepSpeed's own load fail deep inside on a mismatch."""
+    Present but unreadable is one sentence ending in "restore it (...), or <otherwise>": the stage / precision /
+    scheduler checks would otherwise be skipped and DeepSpeed's own load fail deep inside on a mismatch."""
     try:
         return view(json.loads(path.read_text()))
     except FileNotFoundError:
@@ -149,8 +150,7 @@ def _saved_view(path: Path) -> DSView | None:
     except (OSError, ValueError, TypeError, AttributeError) as e:
         reason = getattr(e, "strerror", None) or str(e).splitlines()[0][:200] or type(e).__name__
         raise TrainingError(f"{path} cannot be read as the DeepSpeed config the checkpoint was written with "
-                            f"({reason}); restore it (a copy of the config that run used), or choose another "
-                            f"output_dir") from None
+                            f"({reason}); restore it (a copy of the config that run used), or {otherwise}") from None
 
 
 def saved_run(path: Path) -> dict:
