@@ -179,7 +179,7 @@ def compare_files(out: Path, ref_out: Path, ref_files: dict[str, str]) -> dict:
     differ = sorted(k for k in set(got) | set(ref_files) if got.get(k) != ref_files.get(k))
     order = {k: _same_but_header_order(out / k, ref_out / k) for k in differ}
     return {"files_equal": not differ, "files_compared": len(ref_files), "files_differ": order,
-            # a LoRA file's header keys come in a random order (issue 26 item 7): the same content otherwise
+            # a LoRA file whose header keys came in a random order (issue 26 item 7, fixed) had the same content
             "files_equal_but_header_order": bool(differ) and all(order.values())}
 
 
