@@ -18,10 +18,10 @@ most weights: round-to-nearest loses it, see fluxzero.train.optim). m and v are 
           2026-12; 2 of 4M codes differ, ties at a midpoint in fp32 arithmetic).
 The update itself uses the unquantized fp32 m and v of this step, as torchao's does.
 
-Libraries: torchao for the 8-bit format (above). Stochastic rounding is fluxzero.train.optim.stochastic_round_bf16
-rather than torchao's _fp32_to_bf16_sr (same bit trick) because it takes a generator: each state keeps its own
-generator state (`sr_rng`), saved in the checkpoint, so resume is exact whatever else draws from torch's global
-generator in between. Not DeepSpeedCPUAdam: it rounds bf16 masters to nearest (measured -78% weight change, +105%
+Libraries: torchao for the 8-bit format (above). Stochastic rounding is torchao's and fluxzero.train.optim's bit
+trick (add 16 random low bits, truncate) with the random bits from a counter-based hash of (state, step, element)
+rather than from a generator, which on the CPU fills tensors serially (round_bf16 says the measurement); the
+noise is then a function of the step alone, so resume is exact whatever else draws random numbers. Not DeepSpeedCPUAdam: it rounds bf16 masters to nearest (measured -78% weight change, +105%
 loss against fp32 masters) and needs a C++ build.
 
 DeepSpeed 0.19.8 accepts this optimizer with offload only through fluxzero.train.engine.accept_host_optimizer
@@ -35,10 +35,10 @@ import math
 import torch
 
 from fluxzero.config.optim_modes import HOST_STEP_CHUNK, QUANT_BLOCK
-from fluxzero.train.optim import ExactStateMixin, OptimModeError, _closure_loss, _with_grads, stochastic_round_bf16
+from fluxzero.train.optim import ExactStateMixin, OptimModeError, _closure_loss, _with_grads
 
 STATE_FORMATS = ("bf16", "8bit")
-_SEED = 0x5EED
+_SEED = 0x5EED  # the rounding noise's key is (this, the state's stream, the step, m / v / weights)
 
 
 class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
@@ -68,8 +68,7 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
 
     def _init_state(self, p: torch.Tensor, st: dict) -> None:
         st["step"] = torch.tensor(0.0)
-        # one generator per state, seeded by the order states are made in (the same on every run and rank)
-        st["sr_rng"] = torch.Generator().manual_seed(_SEED + len(self.state)).get_state()
+        st["sr_stream"] = len(self.state)  # this state's rounding stream: the order states are made in
         if self.states == "bf16":
             st["exp_avg"] = torch.zeros_like(p)
             st["exp_avg_sq"] = torch.zeros_like(p)
@@ -88,30 +87,28 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
             if not st:
                 self._init_state(p, st)
             st["step"] += 1
-            gen = torch.Generator()
-            gen.set_state(st["sr_rng"])
-            self._step_param(p, st, group, st["step"].item(), gen)
-            st["sr_rng"] = gen.get_state()
+            self._step_param(p, st, group, int(st["step"].item()))
         self._checked = True
         return loss
 
-    def _step_param(self, p, st, group, t, gen) -> None:
+    def _step_param(self, p, st, group, t: int) -> None:
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         step_size = lr / (1 - beta1**t)
         root_bc2 = math.sqrt(1 - beta2**t)
         flat, grad = p.view(-1), p.grad.view(-1)
+        keys = [_mix(_SEED, st["sr_stream"], t, what) for what in range(3)]  # m, v, weights: three draws a step
         for s in range(0, flat.numel(), self.chunk):
             e = min(flat.numel(), s + self.chunk)
             g = grad[s:e].float()
             m = self._load(st, "exp_avg", s, e).lerp_(g, 1 - beta1)
             v = self._load(st, "exp_avg_sq", s, e).lerp_(g.mul_(g), 1 - beta2)
             del g
-            self._save(st, "exp_avg", m, s, e, gen)
-            self._save(st, "exp_avg_sq", v, s, e, gen)
+            self._save(st, "exp_avg", m, s, e, keys[0])
+            self._save(st, "exp_avg_sq", v, s, e, keys[1])
             denom = v.sqrt_().div_(root_bc2).add_(eps)
             w = flat[s:e].float().mul_(1 - lr * wd).addcdiv_(m, denom, value=-step_size)
-            flat[s:e].copy_(stochastic_round_bf16(w, gen))
+            flat[s:e].copy_(round_bf16(w, s, keys[2]))
 
     # --- the moments' storage: bf16, or 8-bit codes with a scale per QUANT_BLOCK values
     def _load(self, st: dict, key: str, s: int, e: int) -> torch.Tensor:
@@ -122,9 +119,9 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
         codes, scale = _padded(st[key + "_codes"], s, e), st[key + "_scale"][s // QUANT_BLOCK:-(-e // QUANT_BLOCK)]
         return dequant_with_qmap(codes, self._qmaps[key == "exp_avg"], scale)[:e - s].clone()
 
-    def _save(self, st: dict, key: str, x: torch.Tensor, s: int, e: int, gen: torch.Generator) -> None:
+    def _save(self, st: dict, key: str, x: torch.Tensor, s: int, e: int, draw: int) -> None:
         if self.states == "bf16":
-            st[key].view(-1)[s:e].copy_(stochastic_round_bf16(x, gen))
+            st[key].view(-1)[s:e].copy_(round_bf16(x, s, draw))
             return
         from torchao.optim.quant_utils import scale_tensor
 
@@ -136,6 +133,63 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
         codes = torch.bucketize(xs[:n], self._mids[key == "exp_avg"], right=True)
         st[key + "_codes"][s:e].copy_(codes)
         st[key + "_scale"][s // QUANT_BLOCK:s // QUANT_BLOCK + scale.numel()].copy_(scale)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# stochastic rounding with counter-based noise
+# ---------------------------------------------------------------------------------------------------------
+_M32 = 0xFFFFFFFF
+
+
+def _mix(*words: int) -> int:
+    """A 32-bit key from a few integers (lowbias32 over each in turn)."""
+    h = 0
+    for w in words:
+        h = _lowbias32((h ^ (w & _M32)) * 0x9E3779B1 & _M32)
+    return h
+
+
+def _lowbias32(x: int) -> int:
+    """Chris Wellons' lowbias32 integer hash of a 32-bit value (the reference hash_noise follows)."""
+    x ^= x >> 16
+    x = x * 0x7FEB352D & _M32
+    x ^= x >> 15
+    x = x * 0x846CA68B & _M32
+    return x ^ (x >> 16)
+
+
+def _i32(c: int) -> int:
+    """A 32-bit constant as the int32 with the same bits."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def hash_noise(start: int, n: int, key: int) -> torch.Tensor:
+    """int32 bits lowbias32((start + i) * 0x9E3779B1 + key) for i < n, in place on int32 tensors: multiplication
+    wraps modulo 2^32 and the masks make torch's arithmetic right shifts logical (a test holds it to _lowbias32).
+    int32, not int64: a 4M-value int64 temporary (32 MB) is mmap'ed afresh by every op, 6 ns a value against 0.4."""
+    x = torch.arange(start, start + n, dtype=torch.int32)
+    x.mul_(_i32(0x9E3779B1)).add_(_i32(key))
+    x ^= (x >> 16) & 0xFFFF
+    x.mul_(_i32(0x7FEB352D))
+    x ^= (x >> 15) & 0x1FFFF
+    x.mul_(_i32(0x846CA68B))
+    x ^= (x >> 16) & 0xFFFF
+    return x
+
+
+def round_bf16(x: torch.Tensor, start: int, key: int) -> torch.Tensor:
+    """fp32 -> bf16 by stochastic rounding (fluxzero.train.optim.stochastic_round_bf16's bit trick: add 16 random
+    low bits, truncate), the noise a hash of (key, element index start + i) instead of a generator's draws.
+
+    torch's CPU generator (mt19937) fills a tensor serially: 17-22 ns a value on one thread however many cores,
+    three draws a value a step, ~10 minutes a step for FLUX.1-dev's 11.9e9 values. The hash is torch's parallel
+    integer kernels (6 ns a value on one thread here); and the noise depends only on (key, index), so neither
+    chunking nor resume changes it.
+    """
+    noise = hash_noise(start, x.numel(), key) & 0xFFFF
+    bits = x.contiguous().view(torch.int32)
+    rounded = ((bits + noise) & -65536).view(torch.float32)
+    return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)
 
 
 def _padded(codes: torch.Tensor, s: int, e: int) -> torch.Tensor:

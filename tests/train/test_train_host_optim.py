@@ -55,7 +55,7 @@ def test_host_mode_resumes_exactly_and_exports_the_trained_weights(tmp_path, mod
     sd = torch.load(optim, map_location="cpu", weights_only=False)["optimizer_state_dict"]
     states = sd["optimizer_state_dict"]["state"] if "optimizer_state_dict" in sd else sd["base_optimizer_state"]["state"]
     keys = set().union(*(s.keys() for s in states.values()))
-    assert "sr_rng" in keys and ("exp_avg_codes" in keys) is ("8bit" in mode)
+    assert "sr_stream" in keys and ("exp_avg_codes" in keys) is ("8bit" in mode)
     # the export is the trained model: it moved after step 2
     first, _ = consolidated_state_dict(ck / "step_00000002")
     assert any(not torch.equal(first[k], whole[k]) for k in whole)
