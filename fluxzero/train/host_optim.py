@@ -12,10 +12,8 @@ most weights: round-to-nearest loses it, see fluxzero.train.optim). m and v are 
   "bf16"  in bf16, stochastically rounded too (v's EMA moves 0.1% a step at beta2 0.999, under half an ulp), or
   "8bit"  blockwise 8-bit with one fp32 scale per 256 values, signed / unsigned dynamic maps (torchao's AdamW8bit
           format and its create_dynamic_map, scale_tensor and dequant_with_qmap, called eagerly on chunks; a
-          partition that is not a multiple of 256 gets a short last block). The nearest code is found with
-          torch.bucketize on the maps' midpoints: torchao's quantize_8bit_with_qmap (a branchless search written
-          for compiled GPU kernels) took 190 ns a value eagerly on one CPU thread, bucketize 49 (4M values,
-          2026-12; 2 of 4M codes differ, ties at a midpoint in fp32 arithmetic).
+          partition that is not a multiple of 256 gets a short last block). The nearest code comes from a 65536-entry
+          table on the value's top 16 bits (nearest_codes: 20-40x faster than torchao's eager quantizer here).
 The update itself uses the unquantized fp32 m and v of this step, as torchao's does.
 
 Libraries: torchao for the 8-bit format (above). Stochastic rounding is torchao's and fluxzero.train.optim's bit
@@ -55,7 +53,7 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.states, self.chunk, self.mode = states, chunk, mode
         self._qmaps = _qmaps(mode) if states == "8bit" else None
-        self._mids = {k: (q[1:] + q[:-1]) / 2 for k, q in self._qmaps.items()} if self._qmaps else None
+        self._codes = {k: _code_tables(q) for k, q in self._qmaps.items()} if self._qmaps else None
         self._checked = False
 
     def _check(self, p: torch.Tensor) -> None:
@@ -128,10 +126,7 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
         n = e - s
         pad = -n % QUANT_BLOCK  # a short last block: zeros do not change its absmax scale
         xs, scale = scale_tensor(torch.nn.functional.pad(x, (0, pad)) if pad else x, QUANT_BLOCK)
-        # nearest code: how many midpoints between neighbouring codes lie at or below the value (ties go up, as
-        # in torchao's quantize_8bit_with_qmap, whose 8-step eager search costs 190 ns/value here against 49)
-        codes = torch.bucketize(xs[:n], self._mids[key == "exp_avg"], right=True)
-        st[key + "_codes"][s:e].copy_(codes)
+        st[key + "_codes"][s:e].copy_(nearest_codes(xs[:n], *self._codes[key == "exp_avg"]))
         st[key + "_scale"][s // QUANT_BLOCK:s // QUANT_BLOCK + scale.numel()].copy_(scale)
 
 
@@ -190,6 +185,31 @@ def round_bf16(x: torch.Tensor, start: int, key: int) -> torch.Tensor:
     bits = x.contiguous().view(torch.int32)
     rounded = ((bits + noise) & -65536).view(torch.float32)
     return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)
+
+
+def _code_tables(qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base, mid): for each of the 65536 bf16 bit patterns (the top half of an fp32), the number of midpoints
+    between neighbouring codes of `qmap` below every fp32 value with that top half, and the one midpoint inside
+    that range (+inf if none). torchao's maps have at most one midpoint in any such range (checked here)."""
+    mids = (qmap[1:] + qmap[:-1]) / 2
+    top = torch.arange(1 << 16, dtype=torch.int64) << 16
+    ends = [torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32) for b in (top, top | 0xFFFF)]
+    low, high = torch.minimum(*ends), torch.maximum(*ends)
+    base = torch.searchsorted(mids, low, right=True)
+    inside = torch.searchsorted(mids, high, right=True) - base
+    if inside[torch.isfinite(low) & torch.isfinite(high)].max() > 1:
+        raise AssertionError("a bf16 range holds two midpoints of the 8-bit map: nearest_codes needs a search")
+    mid = torch.where(inside > 0, mids[base.clamp(max=mids.numel() - 1)], torch.tensor(float("inf")))
+    return base.to(torch.uint8), mid
+
+
+def nearest_codes(xs: torch.Tensor, base: torch.Tensor, mid: torch.Tensor) -> torch.Tensor:
+    """The nearest code of each scaled value in [-1, 1] (ties up): torch.bucketize(xs, midpoints, right=True),
+    through _code_tables: the value's top 16 bits pick a base code, one comparison adds the midpoint inside.
+    Measured on 4M values, one thread (2026-12): torchao's quantize_8bit_with_qmap (a branchless search written
+    for compiled GPU kernels) 190 ns a value eagerly, torch.bucketize 52, this 5-9; codes equal to bucketize's."""
+    top = (xs.view(torch.int32) >> 16) & 0xFFFF
+    return base.index_select(0, top) + (xs >= mid.index_select(0, top))
 
 
 def _padded(codes: torch.Tensor, s: int, e: int) -> torch.Tensor:

@@ -134,3 +134,19 @@ def test_rounding_noise_is_the_reference_hash_and_unbiased():
     # mean of 200k Bernoulli(0.3) draws: sigma = sqrt(0.21 / 2e5) = 1e-3 ulp; 5 sigma
     assert abs((r.mean().item() - 1.0) / ulp - 0.3) < 5e-3
     assert host_optim.round_bf16(torch.tensor([float("inf"), 2.0]), 0, key=7).tolist() == [float("inf"), 2.0]
+
+
+def test_nearest_codes_are_the_nearest_map_values():
+    """The table lookup equals torch.bucketize over the map's midpoints (ties up), midpoints and ends included."""
+    pytest.importorskip("torchao")
+    from torchao.optim.quant_utils import create_dynamic_map
+
+    g = torch.Generator().manual_seed(0)
+    for signed in (True, False):
+        q = torch.tensor(create_dynamic_map(signed=signed))
+        mids = (q[1:] + q[:-1]) / 2
+        x = torch.rand(100_000, generator=g) ** 4  # crowded near 0, where the map is finest
+        x = torch.cat([x * torch.sign(torch.randn(100_000, generator=g)) if signed else x, mids, q,
+                       torch.nextafter(mids, torch.zeros_like(mids))])
+        codes = host_optim.nearest_codes(x, *host_optim._code_tables(q))
+        assert codes.dtype == torch.uint8 and torch.equal(codes.long(), torch.bucketize(x, mids, right=True))
