@@ -24,7 +24,8 @@ loss against fp32 masters) and needs a C++ build.
 
 DeepSpeed 0.19.8 accepts this optimizer with offload only through fluxzero.train.engine.accept_host_optimizer
 (its bf16-master offload check asks for exactly DeepSpeedCPUAdam); `fp32_optimizer_states = False` answers the
-other half of that check (base_optimizer._configure_master_weights).
+other half of that check (base_optimizer._configure_master_weights). Build it with fluxzero.train.optim.
+build_optimizer, which checks torchao and, at the first step, that the tensors really are bf16 host partitions.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import math
 import torch
 
 from fluxzero.config.optim_modes import HOST_STEP_CHUNK, QUANT_BLOCK
-from fluxzero.train.optim import ExactStateMixin, OptimModeError, _closure_loss, _with_grads
+from fluxzero.train.optim_state import ExactStateMixin
 
 STATE_FORMATS = ("bf16", "8bit")
 _SEED = 0x5EED  # the rounding noise's key is (this, the state's stream, the step, m / v / weights)
@@ -54,15 +55,6 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
         self.states, self.chunk, self.mode = states, chunk, mode
         self._qmaps = _qmaps(mode) if states == "8bit" else None
         self._codes = {k: _code_tables(q) for k, q in self._qmaps.items()} if self._qmaps else None
-        self._checked = False
-
-    def _check(self, p: torch.Tensor) -> None:
-        if p.dtype != torch.bfloat16 or p.device.type != "cpu":
-            raise OptimModeError(
-                f"optimizer mode {self.mode!r} steps bf16 master partitions in host memory, but was handed a "
-                f"{p.dtype} tensor on {p.device.type}: set zero_optimization.offload_optimizer.device cpu and "
-                f"bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states true (fluxzero gen-config "
-                f"--optimizer-mode {self.mode} --offload-optimizer cpu writes them)")
 
     def _init_state(self, p: torch.Tensor, st: dict) -> None:
         st["step"] = torch.tensor(0.0)
@@ -78,15 +70,19 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = _closure_loss(closure)
-        for group, p, st in _with_grads(self):
-            if not self._checked:
-                self._check(p)
-            if not st:
-                self._init_state(p, st)
-            st["step"] += 1
-            self._step_param(p, st, group, int(st["step"].item()))
-        self._checked = True
+        loss = None
+        if closure is not None:  # torch.optim's contract: re-evaluate the loss with grad enabled
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    self._init_state(p, st)
+                st["step"] += 1
+                self._step_param(p, st, group, int(st["step"].item()))
         return loss
 
     def _step_param(self, p, st, group, t: int) -> None:
@@ -114,7 +110,8 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
             return st[key].view(-1)[s:e].float()
         from torchao.optim.quant_utils import dequant_with_qmap
 
-        codes, scale = _padded(st[key + "_codes"], s, e), st[key + "_scale"][s // QUANT_BLOCK:-(-e // QUANT_BLOCK)]
+        codes = _padded(st[key + "_codes"], s, e)
+        scale = st[key + "_scale"][s // QUANT_BLOCK:-(-e // QUANT_BLOCK)]
         return dequant_with_qmap(codes, self._qmaps[key == "exp_avg"], scale)[:e - s].clone()
 
     def _save(self, st: dict, key: str, x: torch.Tensor, s: int, e: int, draw: int) -> None:
@@ -159,11 +156,13 @@ def _i32(c: int) -> int:
 
 
 def hash_noise(start: int, n: int, key: int) -> torch.Tensor:
-    """int32 bits lowbias32((start + i) * 0x9E3779B1 + key) for i < n, in place on int32 tensors: multiplication
-    wraps modulo 2^32 and the masks make torch's arithmetic right shifts logical (a test holds it to _lowbias32).
-    int32, not int64: a 4M-value int64 temporary (32 MB) is mmap'ed afresh by every op, 6 ns a value against 0.4."""
-    x = torch.arange(start, start + n, dtype=torch.int32)
-    x.mul_(_i32(0x9E3779B1)).add_(_i32(key))
+    """int32 bits lowbias32(((start + i) mod 2^32) * 0x9E3779B1 + _mix(key, start >> 32)) for i < n, in place on
+    int32 tensors: additions and multiplications wrap modulo 2^32 and the masks make torch's arithmetic right
+    shifts logical (a test holds it to _lowbias32). The high half of the index goes into the key: one ZeRO-2
+    partition of FLUX.1-dev on one GPU holds 11.9e9 values. int32, not int64: with a 4M-value chunk every int64 op
+    took ~6 ns a value (a fresh 32 MB mmap each), an int32 one 0.3-0.9 (one thread, 2026-12)."""
+    x = torch.arange(n, dtype=torch.int32).add_(_i32(start & _M32))
+    x.mul_(_i32(0x9E3779B1)).add_(_i32(_mix(key, start >> 32)))
     x ^= (x >> 16) & 0xFFFF
     x.mul_(_i32(0x7FEB352D))
     x ^= (x >> 15) & 0x1FFFF
@@ -220,12 +219,8 @@ def _padded(codes: torch.Tensor, s: int, e: int) -> torch.Tensor:
 
 
 def _qmaps(mode: str) -> dict[bool, torch.Tensor]:
-    """{signed: map}: torchao's dynamic 8-bit maps (signed for m, unsigned for v), as its AdamW8bit uses them."""
-    try:
-        from torchao.optim.quant_utils import create_dynamic_map
-    except ImportError:
-        from fluxzero.config.optim_modes import get_mode
+    """{signed: map}: torchao's dynamic 8-bit maps (signed for m, unsigned for v), as its AdamW8bit uses them
+    (build_optimizer checks that torchao is there first)."""
+    from torchao.optim.quant_utils import create_dynamic_map
 
-        raise OptimModeError(f"optimizer mode {mode!r} needs torchao for its 8-bit states: pip install -e "
-                             f"'.[{get_mode(mode).extra}]' in the fluxzero checkout") from None
     return {signed: torch.tensor(create_dynamic_map(signed=signed), dtype=torch.float32) for signed in (True, False)}

@@ -34,19 +34,13 @@ join_deepspeed_comm()
 torch.set_num_threads(1)
 from fluxzero.config.optim_modes import BF16_MASTER_KEYS
 from fluxzero.train.optim import build_optimizer
-from tests.train.test_optim_quality import LR, STEPS, LeastSquares
+from tests.train.test_optim_quality import LR, STEPS, LeastSquares, LeastSquaresLayer
 
 P = LeastSquares()
 
 
-class Layer(torch.nn.Module):  # target and Gram matrix as plain attributes: DeepSpeed's bf16 cast leaves them fp32
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(P.w0.clone())
-
-    def forward(self):
-        e = self.weight.float() - P.target
-        return ((e @ P.gram) * e).sum() / 256
+def Layer():
+    return LeastSquaresLayer(P)
 
 
 def engine(mode, stage, param_offload):
