@@ -38,7 +38,8 @@ bf16_optimizer_states it demands CPU offload with DeepSpeedCPUAdam).
   ZeRO-Offload with a client provided optimizer") unless "zero_force_ds_cpu_optimizer": false; then with the
   bf16 keys DeepSpeed asserts "Master weights feature requires ZeRO-2 Offload with DeepSpeedCPUAdam", and
   with bf16.enabled alone it hands over fp32 partitions (our check stops it). The bf16 modes and DeepSpeed's
-  optimizer offload do not combine: offload means DeepSpeedCPUAdam.
+  optimizer offload do not combine: offload means DeepSpeedCPUAdam. (The cpu-* modes' HostAdamW, fluxzero.train.
+  host_optim, is let through by fluxzero.train.engine.accept_host_optimizer.)
 - bf16 modes with bf16 on at ZeRO 0, or bf16.enabled alone at ZeRO 1-3, step fp32 masters: rounding does
   nothing and nothing is saved. The step pre-hook of build_optimizer raises OptimModeError then.
 - Adafactor: at ZeRO 1-3 it sees one flat vector, so it is unfactored (a full variance: 2 B/param in bf16);
@@ -83,11 +84,11 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable
-from itertools import chain
 
 import torch
 
 from fluxzero.config.optim_modes import MODES, STEP_CHUNK, get_mode
+from fluxzero.train.optim_state import ExactStateMixin
 
 __all__ = ["build_optimizer", "KahanAdamW", "AdafactorSR", "stochastic_round_bf16", "OptimModeError"]
 
@@ -181,52 +182,6 @@ def _with_grads(opt: torch.optim.Optimizer):
         for p in group["params"]:
             if p.grad is not None:
                 yield group, p, opt.state[p]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# checkpoints: keep every state in the dtype and type it was saved in
-# ---------------------------------------------------------------------------------------------------------
-_PACKED = "fluxzero_optim_state8bit"
-
-
-class ExactStateMixin:
-    """Makes `state_dict` / `load_state_dict` round-trip exactly for states that are not the param's dtype.
-
-    torch's Optimizer.load_state_dict casts every floating state to its parameter's dtype (fp32 Adafactor
-    rows of a bf16 weight came back bf16, and the next lerp_ failed); and DeepSpeed loads checkpoints with a
-    callable map_location, which torch refuses for torchao's 8-bit tensor subclass ("Callable map_location
-    not supported with _rebuild_wrapper_subclass"). So subclass states are saved as their plain parts, and
-    after torch's load every state is put back as saved.
-    """
-
-    def state_dict(self):
-        sd = super().state_dict()
-        sd["state"] = {pid: {k: _pack(v) for k, v in st.items()} for pid, st in sd["state"].items()}
-        return sd
-
-    def load_state_dict(self, state_dict):
-        incoming = state_dict["state"]
-        super().load_state_dict(state_dict)
-        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = chain.from_iterable(g["params"] for g in self.param_groups)
-        for pid, p in zip(saved_ids, params):
-            for k, v in incoming.get(pid, {}).items():
-                self.state[p][k] = _unpack(v, p)
-
-
-def _pack(v):
-    if type(v).__name__ == "OptimState8bit":  # torchao's; matched by name so torchao stays optional here
-        return {_PACKED: True, "codes": v.codes, "scale": v.scale, "qmap": v.qmap, "signed": v.signed,
-                "dtype": v.dtype}
-    return v
-
-
-def _unpack(v, p):
-    if isinstance(v, dict) and v.get(_PACKED):
-        from torchao.optim.subclass_8bit import OptimState8bit
-        return OptimState8bit(v["codes"].to(p.device), v["scale"].to(p.device), v["qmap"].to(p.device),
-                              v["signed"], dtype=v["dtype"])
-    return v.to(p.device) if isinstance(v, torch.Tensor) else v
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -532,12 +487,14 @@ def build_optimizer(params: Iterable, mode: str, lr: float, betas: tuple[float, 
     elif spec.needs_offload:
         from fluxzero.train.host_optim import HostAdamW
 
+        if "8bit" in mode:
+            _torchao_optim(mode)
         opt = HostAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         states="8bit" if "8bit" in mode else "bf16", mode=mode)
     else:  # a registry entry without a builder is a bug here, not a user error
         raise AssertionError(f"no optimizer for registered mode {mode!r}")
     if spec.master_dtype == "bf16":
-        opt.register_step_pre_hook(_check_bf16_once(mode))
+        opt.register_step_pre_hook(_check_bf16_once(mode, host=spec.needs_offload))
     if mode == "adamw8bit-sr":
         opt.register_step_post_hook(_warn_unquantized_once())
     opt.fluxzero_mode = mode
@@ -573,14 +530,22 @@ def _warn_unquantized_once():
     return hook
 
 
-def _check_bf16_once(mode: str):
+def _check_bf16_once(mode: str, host: bool = False):
+    """At the first step: the tensors are bf16 (`host`: bf16 in host memory, DeepSpeed's offloaded partitions)."""
     checked = False
 
     def hook(opt, args, kwargs):
         nonlocal checked
         if checked:
             return
-        dtypes = {p.dtype for g in opt.param_groups for p in g["params"] if p.grad is not None}
+        kinds = {(p.dtype, p.device.type) for g in opt.param_groups for p in g["params"] if p.grad is not None}
+        dtypes = {d for d, _ in kinds}
+        if host and kinds - {(torch.bfloat16, "cpu")}:
+            raise OptimModeError(
+                f"optimizer mode {mode!r} steps bf16 master partitions in host memory, but was handed "
+                f"{sorted(f'{d} on {dev}' for d, dev in kinds)}: set zero_optimization.offload_optimizer.device cpu "
+                f"and bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states true (`fluxzero gen-config "
+                f"--optimizer-mode {mode} --offload-optimizer cpu` writes them)")
         if dtypes and dtypes != {torch.bfloat16}:
             raise OptimModeError(
                 f"optimizer mode {mode!r} is stepping {sorted(map(str, dtypes))} tensors, so its bf16 rounding "

@@ -160,3 +160,18 @@ def test_fit_keeps_a_pinned_mode():
     r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "1", "--gpu", "h200", "--optimizer-mode",
                                   "bf16-sr", "--offload-optimizer", "cpu"])
     assert r.exit_code == 2 and "contradict" in r.output
+
+
+def test_host_modes_need_cpu_optimizer_offload():
+    for args in (["--zero-stage", "2"], ["--zero-stage", "3", "--offload-optimizer", "nvme", "--nvme-path", "/nvme"]):
+        r = CliRunner().invoke(main, ["gen-config", "--optimizer-mode", "cpu-bf16-sr", *args])
+        assert r.exit_code == 2 and "--optimizer-mode cpu-bf16-sr steps the optimizer in host memory: set " \
+                                    "--offload-optimizer cpu" in r.output, r.output
+    cfg = gen("--optimizer-mode", "cpu-adamw8bit-sr", "--zero-stage", "3", "--offload-optimizer", "cpu")
+    del cfg["zero_force_ds_cpu_optimizer"], cfg["zero_optimization"]["offload_optimizer"]
+    assert check(cfg, 1) == ["fluxzero.optimizer_mode cpu-adamw8bit-sr steps the optimizer in host memory: set "
+                             "zero_optimization.offload_optimizer.device cpu"]
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    assert check(cfg, 1) == ["fluxzero.optimizer_mode cpu-adamw8bit-sr with zero_optimization.offload_optimizer.device "
+                             "cpu runs a client optimizer on the CPU, which DeepSpeed refuses unless "
+                             "zero_force_ds_cpu_optimizer is false: set it false"]

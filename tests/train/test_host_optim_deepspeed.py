@@ -34,19 +34,13 @@ join_deepspeed_comm()
 torch.set_num_threads(1)
 from fluxzero.config.optim_modes import BF16_MASTER_KEYS
 from fluxzero.train.optim import build_optimizer
-from tests.train.test_optim_quality import LR, STEPS, LeastSquares
+from tests.train.test_optim_quality import LR, STEPS, LeastSquares, LeastSquaresLayer
 
 P = LeastSquares()
 
 
-class Layer(torch.nn.Module):  # target and Gram matrix as plain attributes: DeepSpeed's bf16 cast leaves them fp32
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(P.w0.clone())
-
-    def forward(self):
-        e = self.weight.float() - P.target
-        return ((e @ P.gram) * e).sum() / 256
+def Layer():
+    return LeastSquaresLayer(P)
 
 
 def engine(mode, stage, param_offload):
@@ -98,7 +92,7 @@ for mode, stage, param_offload in json.loads(sys.argv[1]):
         step(eng)
         eng2, _ = engine(mode, stage, param_offload)
         eng2.load_checkpoint(ck, tag="s5")
-        torch.manual_seed(7)  # whatever the global generator does: each state keeps its own
+        torch.manual_seed(7)  # whatever the global generator does: the rounding noise is a hash of the step
         step(eng2)
         row["resume_max_diff"] = (master(eng) - master(eng2)).abs().max().item()
     print(json.dumps({key: row}), flush=True)

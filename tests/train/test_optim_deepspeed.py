@@ -37,21 +37,13 @@ join_deepspeed_comm()
 torch.set_num_threads(1)
 from fluxzero.config.optim_modes import get_mode
 from fluxzero.train.optim import build_optimizer
-from tests.train.test_optim_quality import LR, LR_ADAFACTOR, STEPS, LeastSquares
+from tests.train.test_optim_quality import LR, LR_ADAFACTOR, STEPS, LeastSquares, LeastSquaresLayer
 
 P = LeastSquares()
 
 
-class Layer(torch.nn.Module):
-    # the weight is the only parameter (65536 values: a ZeRO partition torchao can quantize in 256-blocks);
-    # target and Gram matrix are plain attributes so DeepSpeed's bf16 cast leaves them fp32
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(P.w0.clone())
-
-    def forward(self):
-        e = self.weight.float() - P.target
-        return ((e @ P.gram) * e).sum() / 256
+def Layer():
+    return LeastSquaresLayer(P)
 
 
 def engine(mode, stage):

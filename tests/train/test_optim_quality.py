@@ -61,6 +61,21 @@ class LeastSquares:
         return ((w.float() - self.w0).norm() / self.w0.norm()).item(), self.loss_grad(w)[0]
 
 
+class LeastSquaresLayer(torch.nn.Module):
+    """The problem as a module for DeepSpeed engines (tests/train/test_optim_deepspeed.py, test_host_optim_deepspeed
+    .py): the weight is the only parameter (65536 values: a ZeRO partition torchao can quantize in 256-blocks);
+    target and Gram matrix are plain attributes so DeepSpeed's bf16 cast leaves them fp32."""
+
+    def __init__(self, problem: LeastSquares):
+        super().__init__()
+        self.problem = problem
+        self.weight = torch.nn.Parameter(problem.w0.clone())
+
+    def forward(self):
+        e = self.weight.float() - self.problem.target
+        return ((e @ self.problem.gram) * e).sum() / 256
+
+
 def _within(run, ref) -> tuple[float, float]:
     return abs(run[0] / ref[0] - 1), abs(run[1] / ref[1] - 1)
 
