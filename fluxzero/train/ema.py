@@ -48,7 +48,8 @@ from fluxzero.config.ema import EmaConfig
 from fluxzero.train.distributed import all_reduce, reduce
 # the project's one bf16 stochastic rounding (fp32 bits + uniform 16-bit noise, truncated): an EMA with decay
 # 0.9999 moves by 1e-4 of the gap per update, far below half a bf16 ulp, which round-to-nearest would drop
-from fluxzero.train.optim import _round_with_noise, counter_noise, mix32
+from fluxzero.train.optim import _round_with_noise
+from fluxzero.train.rounding import counter_noise, mix32
 
 LAYOUT_VERSION = 1
 _CHUNK = 1 << 24  # elements per slice of a bf16 or cross-device update: bounds the temporaries (64 MB fp32)

@@ -35,6 +35,7 @@ import torch
 
 from fluxzero.config.optim_modes import HOST_STEP_CHUNK, QUANT_BLOCK
 from fluxzero.train.optim_state import ExactStateMixin
+from fluxzero.train.rounding import counter_noise, mix32
 
 STATE_FORMATS = ("bf16", "8bit")
 _SEED = 0x5EED  # the rounding noise's key is (this, the state's stream, the step, m / v / weights)
@@ -91,7 +92,7 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
         step_size = lr / (1 - beta1**t)
         root_bc2 = math.sqrt(1 - beta2**t)
         flat, grad = p.view(-1), p.grad.view(-1)
-        keys = [_mix(_SEED, st["sr_stream"], t, what) for what in range(3)]  # m, v, weights: three draws a step
+        keys = [mix32(_SEED, st["sr_stream"], t, what) for what in range(3)]  # m, v, weights: three draws a step
         for s in range(0, flat.numel(), self.chunk):
             e = min(flat.numel(), s + self.chunk)
             g = grad[s:e].float()
@@ -130,47 +131,6 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
 # ---------------------------------------------------------------------------------------------------------
 # stochastic rounding with counter-based noise
 # ---------------------------------------------------------------------------------------------------------
-_M32 = 0xFFFFFFFF
-
-
-def _mix(*words: int) -> int:
-    """A 32-bit key from a few integers (lowbias32 over each in turn)."""
-    h = 0
-    for w in words:
-        h = _lowbias32((h ^ (w & _M32)) * 0x9E3779B1 & _M32)
-    return h
-
-
-def _lowbias32(x: int) -> int:
-    """Chris Wellons' lowbias32 integer hash of a 32-bit value (the reference hash_noise follows)."""
-    x ^= x >> 16
-    x = x * 0x7FEB352D & _M32
-    x ^= x >> 15
-    x = x * 0x846CA68B & _M32
-    return x ^ (x >> 16)
-
-
-def _i32(c: int) -> int:
-    """A 32-bit constant as the int32 with the same bits."""
-    return c - (1 << 32) if c >= 1 << 31 else c
-
-
-def hash_noise(start: int, n: int, key: int) -> torch.Tensor:
-    """int32 bits lowbias32(((start + i) mod 2^32) * 0x9E3779B1 + _mix(key, start >> 32)) for i < n, in place on
-    int32 tensors: additions and multiplications wrap modulo 2^32 and the masks make torch's arithmetic right
-    shifts logical (a test holds it to _lowbias32). The high half of the index goes into the key: one ZeRO-2
-    partition of FLUX.1-dev on one GPU holds 11.9e9 values. int32, not int64: with a 4M-value chunk every int64 op
-    took ~6 ns a value (a fresh 32 MB mmap each), an int32 one 0.3-0.9 (one thread, 2026-12)."""
-    x = torch.arange(n, dtype=torch.int32).add_(_i32(start & _M32))
-    x.mul_(_i32(0x9E3779B1)).add_(_i32(_mix(key, start >> 32)))
-    x ^= (x >> 16) & 0xFFFF
-    x.mul_(_i32(0x7FEB352D))
-    x ^= (x >> 15) & 0x1FFFF
-    x.mul_(_i32(0x846CA68B))
-    x ^= (x >> 16) & 0xFFFF
-    return x
-
-
 def round_bf16(x: torch.Tensor, start: int, key: int) -> torch.Tensor:
     """fp32 -> bf16 by stochastic rounding (fluxzero.train.optim.stochastic_round_bf16's bit trick: add 16 random
     low bits, truncate), the noise a hash of (key, element index start + i) instead of a generator's draws.
@@ -180,7 +140,7 @@ def round_bf16(x: torch.Tensor, start: int, key: int) -> torch.Tensor:
     integer kernels (6 ns a value on one thread here); and the noise depends only on (key, index), so neither
     chunking nor resume changes it.
     """
-    noise = hash_noise(start, x.numel(), key) & 0xFFFF
+    noise = counter_noise(x.numel(), mix32(key, start >> 32), "cpu", offset=start & 0xFFFFFFFF)
     bits = x.contiguous().view(torch.int32)
     rounded = ((bits + noise) & -65536).view(torch.float32)
     return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)

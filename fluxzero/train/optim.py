@@ -121,41 +121,6 @@ def _round_with_noise(x32: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x32), rounded, x32).to(torch.bfloat16)
 
 
-def _i32(c: int) -> int:
-    """A 32-bit constant as the int32 with the same bits."""
-    c &= 0xFFFFFFFF
-    return c - (1 << 32) if c >= 1 << 31 else c
-
-
-def mix32(*words: int) -> int:
-    """A 32-bit key from a few integers (lowbias32 over each in turn), as a Python int in int32's range."""
-    h = 0
-    for w in words:
-        h = (h ^ (w & 0xFFFFFFFF)) * 0x9E3779B1 & 0xFFFFFFFF
-        h ^= h >> 16
-        h = h * 0x7FEB352D & 0xFFFFFFFF
-        h ^= h >> 15
-        h = h * 0x846CA68B & 0xFFFFFFFF
-        h ^= h >> 16
-    return _i32(h)
-
-
-def counter_noise(n: int, key, device) -> torch.Tensor:
-    """Shape: () -> (n,) int32 in [0, 2^16): Chris Wellons' lowbias32 of (i * 0x9E3779B1 + key) for element i.
-
-    Noise for stochastic rounding that is a function of (key, index), not a generator's state: the same values
-    whatever the chunking, after a resume, on any device, and inside a compiled kernel (`key` may be a 0-d int32
-    tensor, so one kernel serves every key). int32 products wrap modulo 2^32; the masks make the arithmetic right
-    shifts logical."""
-    x = torch.arange(n, device=device, dtype=torch.int32).mul_(_i32(0x9E3779B1)).add_(key)
-    x ^= (x >> 16) & 0xFFFF
-    x.mul_(_i32(0x7FEB352D))
-    x ^= (x >> 15) & 0x1FFFF
-    x.mul_(_i32(0x846CA68B))
-    x ^= (x >> 16) & 0xFFFF
-    return x & 0xFFFF
-
-
 def round_bf16_nearest(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> the fp32 value bf16 holds for it (round to nearest, ties to even), computed on the bits: equal to
     `x.to(torch.bfloat16).float()` eagerly, and kept exact inside a compiled kernel. Inf/NaN pass through."""

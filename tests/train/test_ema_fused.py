@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fluxzero.train import ema as ema_mod
-from fluxzero.train.optim import counter_noise, mix32
+from fluxzero.train.rounding import counter_noise, mix32
 
 M = 0xFFFFFFFF
 

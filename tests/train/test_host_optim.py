@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 from fluxzero.config.optim_modes import get_mode  # noqa: E402
 from fluxzero.train import host_optim  # noqa: E402
+from fluxzero.train.rounding import counter_noise, lowbias32, mix32  # noqa: E402
 from fluxzero.train.host_optim import HostAdamW  # noqa: E402
 from fluxzero.train.optim import OptimModeError, build_optimizer  # noqa: E402
 
@@ -124,13 +125,14 @@ def test_registry_says_where_they_run():
 
 
 def test_rounding_noise_is_the_reference_hash_and_unbiased():
-    """hash_noise relies on int32 multiplication wrapping in torch's kernels: held to the Python-int hash here."""
+    """counter_noise relies on int32 multiplication wrapping in torch's kernels: held to the Python-int hash here,
+    at the offsets and keys round_bf16 gives it."""
     for start in (1000, 5 * 2**32 + 2**31 - 10):  # past 2^31 and 2^32: a ZeRO-2 partition of FLUX.1-dev
-        x = host_optim.hash_noise(start, 5000, key=0xDEADBEEF)
-        key = host_optim._mix(0xDEADBEEF, start >> 32)
+        key = mix32(0xDEADBEEF, start >> 32)
+        x = counter_noise(5000, key, "cpu", offset=start & 0xFFFFFFFF)
         for i in (0, 1, 9, 10, 2500, 4999):
-            want = host_optim._lowbias32((((start + i) & 0xFFFFFFFF) * 0x9E3779B1 + key) & 0xFFFFFFFF)
-            assert x[i].item() & 0xFFFFFFFF == want, (start, i)
+            want = lowbias32((((start + i) & 0xFFFFFFFF) * 0x9E3779B1 + key) & 0xFFFFFFFF)
+            assert x[i].item() == want & 0xFFFF, (start, i)
     ulp = 2.0**-7
     r = host_optim.round_bf16(torch.full((200_000,), 1.0 + 0.3 * ulp), 0, key=7).float()
     assert set(r.unique().tolist()) == {1.0, 1.0 + ulp}
