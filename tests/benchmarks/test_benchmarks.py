@@ -249,8 +249,14 @@ def test_trainer_vs_sweep_cpu_smoke(tmp_path):
     # the same configuration on both sides: DeepSpeed JSON and run file (paths aside)
     assert t["ds_config"] == s["ds_config"]
     paths = ("deepspeed", "output_dir")
-    assert {k: v for k, v in t["run_file"].items() if k not in paths} == {
-        k: s["run_file"][k] for k in t["run_file"] if k not in paths}
+    # every key the trainer's run file sets (a section: each key it sets) has the sweep's value; the sweep records
+    # whole sections, defaults included
+    def sets_the_same(mine, theirs):
+        return all(sets_the_same(v, theirs.get(k)) if isinstance(v, dict) and isinstance(theirs.get(k), dict)
+                   else theirs.get(k) == v for k, v in mine.items())
+
+    assert sets_the_same({k: v for k, v in t["run_file"].items() if k not in paths}, s["run_file"]), (
+        t["run_file"], s["run_file"])
     assert s["engine_api"] == "fluxzero.train.loop.setup + TrainStep"
 
 

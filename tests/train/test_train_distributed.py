@@ -43,7 +43,7 @@ def run_config(tmp, name, ds, weights, **kw):
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(ds))
     cfg = {"deepspeed": str(path), "data": DATA4, "output_dir": str(tmp / name), "model": "flux-tiny",
-           "weights": str(weights), "steps": STEPS, "seed": 3, "export_format": None}  # batch: in `ds`
+           "weights": str(weights), "steps": STEPS, "seed": 3, "export": {"format": None}}  # batch: in `ds`
     cfg.update(kw)
     return name, cfg
 
@@ -221,8 +221,8 @@ def matrix(tmp_path_factory):
             "warmup_type": "linear"}}}
         common = dict(data=DATA12, steps=8)
         jobs.append(run_config(tmp, f"full{s}", ds, weights, **common))
-        jobs.append(run_config(tmp, f"stop{s}", ds, weights, checkpoint_every=2, stop_after=5, **common))
-        jobs.append(run_config(tmp, f"resumed{s}", ds, weights, checkpoint_every=2,
+        jobs.append(run_config(tmp, f"stop{s}", ds, weights, checkpoint={"every": 2}, stop_after=5, **common))
+        jobs.append(run_config(tmp, f"resumed{s}", ds, weights, checkpoint={"every": 2},
                                output_dir=str(tmp / f"stop{s}"), **common))
     # resume in bf16 (ZeRO-2): fp32 master weights and optimizer states come back from the checkpoint
     ds = {**ds_config(2, micro=1), "bf16": {"enabled": True}}
