@@ -193,7 +193,7 @@ def _tensor_dtypes(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     return {k: v["dtype"] for k, v in entries.items()}, meta
 
 
-def _export_is_current(out: Path, latest: Path, layout: str, dtype: str) -> bool:
+def export_is_current(out: Path, latest: Path, layout: str, dtype: str) -> bool:
     """`out` was written after the checkpoint `latest` names, in this layout and dtype (read from the
     safetensors header: tensor dtypes, and ComfyUI's key prefix; diffusers is the folder)."""
     from fluxzero.model.layouts import COMFY_PREFIX

@@ -48,7 +48,7 @@ from fluxzero.config.ema import EmaConfig
 from fluxzero.train.distributed import all_reduce, reduce
 # the project's one bf16 stochastic rounding (fp32 bits + uniform 16-bit noise, truncated): an EMA with decay
 # 0.9999 moves by 1e-4 of the gap per update, far below half a bf16 ulp, which round-to-nearest would drop
-from fluxzero.train.optim import _round_with_noise
+from fluxzero.train.optim import round_with_noise
 from fluxzero.train.rounding import counter_noise, mix32
 
 LAYOUT_VERSION = 1
@@ -64,7 +64,7 @@ def _ema_bf16_(e, m, weight, key) -> None:
     on one H200 before it (2026-12-04), the eager bf16 update of FLUX.1-dev's 11.9e9 weights took 351 ms, the
     fp32 one (a plain lerp_) 75 ms."""
     x = e.float().lerp(m.float(), weight)
-    e.copy_(_round_with_noise(x, counter_noise(e.numel(), key, e.device)))
+    e.copy_(round_with_noise(x, counter_noise(e.numel(), key, e.device)))
 
 
 _FUSED = {}

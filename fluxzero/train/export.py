@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from fluxzero.config.sections import ExportConfig
-from fluxzero.train.consolidate import _export_is_current, consolidated_state_dict
+from fluxzero.train.consolidate import export_is_current, consolidated_state_dict
 from fluxzero.train.distributed import TrainingError
 
 
@@ -77,7 +77,7 @@ def final_export(cfg: ExportConfig, output_dir: str, ckpt_dir: Path, rank: int, 
     if rank != 0:
         return str(out), False
     try:
-        if _export_is_current(out, ckpt_dir / "latest", cfg.format, cfg.dtype):
+        if export_is_current(out, ckpt_dir / "latest", cfg.format, cfg.dtype):
             return str(out), False
         export_checkpoint(ckpt_dir, out, cfg.format, cfg.dtype, cfg.weights)
     except TrainingError as e:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from fluxzero.config.sections import ExportConfig
-from fluxzero.train.consolidate import _export_is_current, consolidated_state_dict, lora_is_current
+from fluxzero.train.consolidate import export_is_current, consolidated_state_dict, lora_is_current
 from fluxzero.train.distributed import TrainingError
 
 # export.format -> the layout of the adapter file: ComfyUI (and tools on BFL's names) read kohya's layout,
@@ -126,7 +126,7 @@ def final_lora_export(cfg: ExportConfig, output_dir: str, ckpt_dir: Path, rank: 
         if not lora_is_current(out, latest, LORA_LAYOUTS[cfg.format], cfg.dtype):
             export_lora(ckpt_dir, out, cfg.format, cfg.dtype, weights=cfg.weights)
             written = True
-        if cfg.merged and not _export_is_current(merged, latest, cfg.format, cfg.dtype):
+        if cfg.merged and not export_is_current(merged, latest, cfg.format, cfg.dtype):
             export_lora(ckpt_dir, merged, cfg.format, cfg.dtype, merge=True, base=base, weights=cfg.weights)
             written = True
     except TrainingError as e:

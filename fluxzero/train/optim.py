@@ -106,7 +106,7 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = N
     bf16 is the top 16 bits of fp32: add a uniform 16-bit integer to the low half, then truncate. Values that
     are already bf16 (low half zero) never change. Inf/NaN are left as they are.
     """
-    return _round_with_noise(x.float(), _sr_noise(x.shape, x.device, generator))
+    return round_with_noise(x.float(), _sr_noise(x.shape, x.device, generator))
 
 
 def _sr_noise(shape, device, generator=None) -> torch.Tensor:
@@ -115,7 +115,7 @@ def _sr_noise(shape, device, generator=None) -> torch.Tensor:
     return torch.randint(0, 1 << 16, shape, device=device, dtype=torch.int32, generator=generator)
 
 
-def _round_with_noise(x32: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+def round_with_noise(x32: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     bits = x32.contiguous().view(torch.int32)
     rounded = ((bits + noise) & -65536).view(torch.float32)
     return torch.where(torch.isfinite(x32), rounded, x32).to(torch.bfloat16)
@@ -168,8 +168,8 @@ def _kahan_adamw_(p, g, m, v, comp, scalars, beta1: float, beta2: float, eps: fl
     # bf16 m and v are rounded stochastically: v's EMA moves 0.1% a step at beta2 0.999, under
     # half a bf16 ulp, so round-to-nearest stalls it (measured: weight change +2.4% at 400 steps)
     if m.dtype == torch.bfloat16:
-        m.copy_(_round_with_noise(m32, torch.randint_like(m32, 0, 1 << 16, dtype=torch.int32)))
-        v.copy_(_round_with_noise(v32, torch.randint_like(v32, 0, 1 << 16, dtype=torch.int32)))
+        m.copy_(round_with_noise(m32, torch.randint_like(m32, 0, 1 << 16, dtype=torch.int32)))
+        v.copy_(round_with_noise(v32, torch.randint_like(v32, 0, 1 << 16, dtype=torch.int32)))
     else:
         m.copy_(m32)
         v.copy_(v32)
@@ -279,8 +279,8 @@ class KahanAdamW(ExactStateMixin, torch.optim.Optimizer):
         # numbers per element, m's and v's side by side, so the random stream does not depend on the chunking.
         if exp_avg.dtype == torch.bfloat16:
             noise = _sr_noise(m.shape + (2,), m.device)
-            exp_avg.copy_(_round_with_noise(m, noise[..., 0]))
-            exp_avg_sq.copy_(_round_with_noise(v, noise[..., 1]))
+            exp_avg.copy_(round_with_noise(m, noise[..., 0]))
+            exp_avg_sq.copy_(round_with_noise(v, noise[..., 1]))
             del noise
         else:
             exp_avg.copy_(m)

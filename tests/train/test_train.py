@@ -118,17 +118,17 @@ def test_export_is_current_only_in_the_same_layout_and_dtype(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from fluxzero.train.consolidate import _export_is_current
+    from fluxzero.train.consolidate import export_is_current
 
     latest = tmp_path / "latest"
     latest.write_text("step_00000004")
     out = tmp_path / "export.safetensors"
-    assert not _export_is_current(out, latest, "bfl", "bf16")
+    assert not export_is_current(out, latest, "bfl", "bf16")
     save_file({"img_in.weight": torch.zeros(2, 2, dtype=torch.bfloat16)}, str(out))
-    assert _export_is_current(out, latest, "bfl", "bf16")
-    assert not _export_is_current(out, latest, "bfl", "fp32") and not _export_is_current(out, latest, "comfyui", "bf16")
+    assert export_is_current(out, latest, "bfl", "bf16")
+    assert not export_is_current(out, latest, "bfl", "fp32") and not export_is_current(out, latest, "comfyui", "bf16")
     os.utime(latest, (out.stat().st_mtime + 1,) * 2)  # a newer checkpoint
-    assert not _export_is_current(out, latest, "bfl", "bf16")
+    assert not export_is_current(out, latest, "bfl", "bf16")
 
 
 def test_flow_config_validates():
