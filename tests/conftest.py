@@ -1,4 +1,5 @@
-"""What the whole test run shares: DeepSpeed's JIT-built C++ ops go to a folder of this run, which must stay empty.
+"""What the whole test run shares: DeepSpeed's JIT-built C++ ops go to a folder of this run, which must stay empty;
+child processes get one OpenMP thread (pytest_collection_finish below).
 
 A JIT build costs 55-110 s of CPU (the shared-memory comm op at every DeepSpeed start, FusedAdam without
 "torch_adam": true, DeepSpeedCPUAdam for CPU offload) and CI starts from a clean machine, so none may happen:
@@ -51,3 +52,11 @@ def pytest_sessionfinish(session, exitstatus):
             f"as tests/helpers.py's ONE_RANK does and set \"torch_adam\": true in the test's optimizer params",
             red=True, bold=True)
         session.exitstatus = 1
+
+
+def pytest_collection_finish(session):
+    # Every child process of the tests (trainer runs, spawned ranks, one-rank DeepSpeed scripts) gets one OpenMP
+    # thread unless it sets its own: flux-tiny's ops are too small to gain from a second thread, and on a shared
+    # 2-core machine two spinning threads per process cost CPU time the other processes need. Set after collection,
+    # once this process has imported torch with its own default.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
