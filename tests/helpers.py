@@ -5,6 +5,7 @@ under tests/ finds it). No torch import at module level: pure tests import this 
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -98,6 +99,19 @@ from fluxzero.train.loop import main, train
 from fluxzero.train.distributed import init_distributed
 init_distributed()
 """
+
+
+def train_all_ok(*runs, timeout: float = 600) -> None:
+    """launch/train.py's main() on each `(run_file, *overrides)` of `runs`, in order, in ONE child process (a
+    process's start, ~3-4 s of CPU for the imports and DeepSpeed's setup, is more than a few flux-tiny steps);
+    fails the test with the child's stderr unless every run returns 0. Not for the run that resumes: a resume is
+    a new process in real use, so it gets one here too (train_ok)."""
+    script = TRAINER_CHILD + "codes = [main(argv) for argv in json.loads(sys.argv[1])]\nsys.exit(max(codes))\n"
+    argv = [["--config", str(run_file), *overrides] for run_file, *overrides in runs]
+    r = subprocess.run([sys.executable, "-c", script, json.dumps(argv)], capture_output=True, text=True,
+                       env=rank_env(), timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+
 
 # The first lines of a `python -c` script that runs DeepSpeed as one rank (gloo) in a fresh interpreter: the rank
 # variables on a free port unless the caller set them (with none, DeepSpeed tries MPI discovery), the unused

@@ -82,5 +82,10 @@ def test_two_nodes_no_ssh_match_one_node(tmp_path):
 
     got, ref = losses(tmp_path / "two_nodes"), losses(tmp_path / "one_node")
     assert len(got) == len(ref) == 3
+    # the one-node run is also the trainer's test under the deepspeed launcher (it passes --local_rank=N and the
+    # rank variables; launch/train.py accepts both): a checkpoint at the end and every rank's step time
+    assert (tmp_path / "one_node" / "checkpoints" / "latest").read_text() == "step_00000003"
+    rows = [json.loads(line) for line in (tmp_path / "one_node" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows[-1]["step_time_s_per_rank"]) == 2
     assert got == ref  # bit-identical: same data, noise and two-rank gloo reductions, only the node layout differs
     assert got[0] != got[-1]  # it trained

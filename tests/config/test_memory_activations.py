@@ -127,7 +127,9 @@ class LiveBytes:
         self.mode = Mode()
 
 
-@pytest.mark.parametrize("batch", [1, 4])
+# batch 1 and 2 prove the batch scaling (saved and workspace scale, the weight gradient in flight does not); 4 cost
+# 3x the CPU time of 2 in bf16 matmuls and proved the same line
+@pytest.mark.parametrize("batch", [1, 2])
 def test_single_block_backward_peak_matches(batch):
     """Forward + backward of one single block, parameter gradients dropped as soon as they are made (what
     ZeRO-2/3 do when they move them into a bucket): the measured peak is the saved tensors + the backward
@@ -167,7 +169,7 @@ def test_whole_model_training_peak_matches(every):
 
     cfg = get_model_config("flux-dev").replace(depth=2, depth_single_blocks=4, hidden_size=384, num_heads=3,
                                                context_in_dim=128, vec_in_dim=32)
-    B, px, T = 3, 256, 64
+    B, px, T = 2, 256, 64  # micro batch 2: batch-scaled items still differ from the per-model ones, at 2/3 of 3's CPU
     model = build_model(cfg, device="meta", dtype=torch.bfloat16).to_empty(device="cpu")
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)

@@ -408,7 +408,9 @@ def test_trainer_learns_from_cached_shards(tiny, tmp_path):
            "model": "flux-tiny", "steps": 40, "seed": 0, "export": {"format": None}, "log_every": 10}
     code = ("import json, sys; from fluxzero.config import TrainConfig; from fluxzero.train.loop import train; "
             "print('LOSSES', json.dumps(train(TrainConfig.from_dict(json.loads(sys.argv[1])))['losses']))")
-    env = {**os.environ, "FLUXZERO_NO_PROGRESS": "1"}
+    # one thread, as every trainer child of the suite: two OpenMP threads on a shared 2-core machine spin for
+    # the CPU and flux-tiny gains nothing from them
+    env = {**os.environ, "FLUXZERO_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(k, None)
     p = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], env=env, capture_output=True, text=True, timeout=300)

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from tests.helpers import ROOT, popen_ranks, tiny_ds
+from tests.helpers import tiny_ds
 from tests.test_bad_inputs import _meets_bar, damage, export_refused, tree_hash, two_rank_cases
 
 DATA = "synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32"
@@ -50,11 +50,10 @@ def _run_file(folder: Path, stage: int, extra: dict) -> Path:
 def trained(tmp_path_factory) -> Path:
     """Both runs trained 2 steps on 2 ranks, a checkpoint after each step."""
     base = tmp_path_factory.mktemp("safety")
-    for name, (stage, extra) in RUNS.items():  # one pair at a time: 2 cores
-        ps = popen_ranks([sys.executable, str(ROOT / "launch" / "train.py"), "--config",
-                          str(_run_file(base / name, stage, extra))])
-        errs = [p.communicate(timeout=600)[1] for p in ps]
-        assert [p.returncode for p in ps] == [0, 0], errs[0][-3000:]
+    # one process pair trains both, main() once per run (a pair's start costs more than a 2-step run)
+    todo = [[name, ["--config", str(_run_file(base / name, stage, extra))]] for name, (stage, extra) in RUNS.items()]
+    results, err1 = two_rank_cases(todo, base, timeout=600)
+    assert {name: code for name, (code, _) in results.items()} == dict.fromkeys(RUNS, 0), (results, err1[-3000:])
     return base
 
 

@@ -568,24 +568,7 @@ def test_quick_start_torchrun_two_ranks(tmp_path):
     assert saved["steps"] == 12 and saved["output_dir"] == str(out)
 
 
-@pytest.mark.slow
-def test_deepspeed_launcher_two_ranks(tmp_path):
-    """The deepspeed launcher passes --local_rank=N and the rank variables; the entry accepts both."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "ds"
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
-           "launch/train.py", "--config", "launch/tiny.yaml", "steps=3", "export.format=null",
-           f"output_dir={out}"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    assert (out / "checkpoints" / "latest").read_text() == "step_00000003"
-    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(records[-1]["step_time_s_per_rank"]) == 2
+# The deepspeed launcher's two ranks: tests/cluster/test_launch_multinode.py (its one-node run).
 
 
 def test_an_incomplete_diffusers_export_is_not_up_to_date(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import tiny_ds, train_ok
+from tests.helpers import tiny_ds, train_all_ok, train_ok
 
 pytest.importorskip("torchao")
 
@@ -52,8 +52,7 @@ def test_mode_resumes_exactly_and_exports_the_trained_weights(tmp_path, mode, st
                "export": {"format": "bfl", "dtype": "fp32"}, "seed": 1}
         runs[name] = tmp_path / f"{name}.yaml"
         runs[name].write_text(yaml.safe_dump(cfg))
-    _train(runs["whole"])
-    _train(runs["cut"], "stop_after=2")
+    train_all_ok([runs["whole"]], [runs["cut"], "stop_after=2"])  # one process; the resume in a new one:
     _train(runs["cut"])
     assert _losses(tmp_path / "whole") == _losses(tmp_path / "cut")
     whole, cut = load_file(tmp_path / "whole" / "export.safetensors"), load_file(tmp_path / "cut" / "export.safetensors")

@@ -52,15 +52,19 @@ def _wait_for_step(out: Path, step: int, procs, timeout=240):
     raise AssertionError("training did not reach the step in time")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
-def test_stop_signal_to_one_rank_saves_the_same_step_on_both_and_resumes_exactly(tmp_path, sig):
-    (tmp_path / "ref").mkdir()
-    ref = _files(tmp_path / "ref", steps=12)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted 2-rank run both signals' runs must reproduce (one run for both: same files, seed, data)."""
+    ref = _files(tmp_path_factory.mktemp("ref"), steps=12)
     procs = start_ranks(ref)
     assert [p.wait(timeout=300) for p in procs] == [0, 0], procs[0].stderr.read()[-3000:]
-    reference = _losses(tmp_path / "ref" / "out")
+    return _losses(ref.parent / "out")
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+def test_stop_signal_to_one_rank_saves_the_same_step_on_both_and_resumes_exactly(tmp_path, sig, reference):
+    assert sorted(reference) == list(range(1, 13))
     (tmp_path / "cut").mkdir()
     cut = _files(tmp_path / "cut", steps=12)
     out = tmp_path / "cut" / "out"
