@@ -48,6 +48,10 @@ class OptimMode:
     states_flat: float | None = None  # states at ZeRO 1-3 when flat partitions change them (None: same)
     trainable: bool = True  # False: comparison only, refused for training
     step_chunk: int | None = None  # a flat (1-D) tensor is stepped this many elements at a time; None: whole
+    # seconds one optimizer step takes per 1e9 stepped elements on the accelerator, measured on one H200
+    # (benchmarks/optim_step_speed.py, benchmarks/RESULTS.md 2026-12-04); None: not measured. --fit's speed proxy
+    # pays it once per micro batch.
+    step_s_per_billion: float | None = None
     where: str = "all on the accelerator"
     # "cpu": steps DeepSpeed's offloaded bf16 partitions in host memory, so it needs optimizer offload to cpu
     # (fluxzero.train.host_optim); "none": runs where ZeRO keeps the partitions, offload refused for bf16 masters
@@ -93,6 +97,11 @@ class OptimMode:
         return dict(self.ds_bf16) if stage > 0 else {}
 
 
+# One optimizer step over FLUX.1-dev's 11.90e9 bf16 weights on one H200 (2026-12-04): bf16-kahan 0.131 s (one
+# compiled kernel per tensor), bf16-sr 0.467 s (torchao). adamw8bit-sr is not measured: torchao's same compiled
+# per-tensor step with 8-bit states, taken at bf16-sr's figure.
+_H200_STEP_S = {m: s / 11.90 for m, s in (("bf16-kahan", 0.131), ("bf16-sr", 0.467), ("adamw8bit-sr", 0.467))}
+
 # 8-bit AdamW: two uint8 states plus one fp32 scale per 256-value block each (torchao's default block)
 _ADAMW8BIT_STATES = 2 * (1 + 4 / QUANT_BLOCK)
 
@@ -111,18 +120,18 @@ MODES: dict[str, OptimMode] = {m.name: m for m in (
               caveat="loses updates below half a bf16 ulp: at lr 1e-5 the weights barely move", trainable=False),
     OptimMode("bf16-sr", "torchao _AdamW(bf16_stochastic_round=True), bf16 m and v", weights=2, grads=2, master=2,
               states=4, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
-              master_stage0=0,
+              master_stage0=0, step_s_per_billion=_H200_STEP_S["bf16-sr"],
               extra="lowmem", caveat="unbiased weight updates, but torchao rounds bf16 m and v to nearest: v's "
                                       "EMA stalls and steps come out a few % larger (+4.4% weight change "
                                       "measured at 400 steps)"),
     OptimMode("bf16-kahan", "KahanAdamW (ours): bf16 m, v and Kahan carry", weights=2, grads=2, master=2,
               states=6, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
-              master_stage0=0, step_chunk=STEP_CHUNK,
+              master_stage0=0, step_chunk=STEP_CHUNK, step_s_per_billion=_H200_STEP_S["bf16-kahan"],
               caveat="the carry keeps every weight update and m, v are stochastically rounded: closest to fp32 "
                      "masters (0.05% at 400 steps), at 2 bytes more than bf16-sr"),
     OptimMode("adamw8bit-sr", "torchao AdamW8bit(bf16_stochastic_round=True)", weights=2, grads=2, master=2,
               states=_ADAMW8BIT_STATES, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS,
-              stage0=_STAGE0_BF16, master_stage0=0, extra="lowmem",
+              stage0=_STAGE0_BF16, master_stage0=0, extra="lowmem", step_s_per_billion=_H200_STEP_S["adamw8bit-sr"],
               caveat="8-bit blockwise m and v; a tensor (ZeRO: a flat partition) under 4096 values or not a "
                      "multiple of 256 keeps bf16 states instead"),
     OptimMode("adafactor-sr", "AdafactorSR (ours): torch.optim.Adafactor's algorithm, stochastic rounding",

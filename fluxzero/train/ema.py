@@ -35,6 +35,7 @@ Trainer integration (after the trainer split), on every rank:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -48,8 +49,7 @@ from fluxzero.config.ema import EmaConfig
 from fluxzero.train.distributed import all_reduce, reduce
 # the project's one bf16 stochastic rounding (fp32 bits + uniform 16-bit noise, truncated): an EMA with decay
 # 0.9999 moves by 1e-4 of the gap per update, far below half a bf16 ulp, which round-to-nearest would drop
-from fluxzero.train.optim import round_with_noise
-from fluxzero.train.rounding import counter_noise, mix32
+from fluxzero.train.rounding import counter_noise, mix32, round_with_noise
 
 LAYOUT_VERSION = 1
 _CHUNK = 1 << 24  # elements per slice of a bf16 or cross-device update: bounds the temporaries (64 MB fp32)
@@ -67,13 +67,9 @@ def _ema_bf16_(e, m, weight, key) -> None:
     e.copy_(round_with_noise(x, counter_noise(e.numel(), key, e.device)))
 
 
-_FUSED = {}
-
-
+@functools.cache
 def _fused_ema_bf16():
-    if "fn" not in _FUSED:
-        _FUSED["fn"] = torch.compile(_ema_bf16_, dynamic=True, fullgraph=True)
-    return _FUSED["fn"]
+    return torch.compile(_ema_bf16_, dynamic=True, fullgraph=True)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import torch
 
 from fluxzero.config.optim_modes import HOST_STEP_CHUNK, QUANT_BLOCK
 from fluxzero.train.optim_state import ExactStateMixin
-from fluxzero.train.rounding import counter_noise, mix32
+from fluxzero.train.rounding import counter_noise, mix32, round_with_noise
 
 STATE_FORMATS = ("bf16", "8bit")
 _SEED = 0x5EED  # the rounding noise's key is (this, the state's stream, the step, m / v / weights)
@@ -140,10 +140,7 @@ def round_bf16(x: torch.Tensor, start: int, key: int) -> torch.Tensor:
     integer kernels (6 ns a value on one thread here); and the noise depends only on (key, index), so neither
     chunking nor resume changes it.
     """
-    noise = counter_noise(x.numel(), mix32(key, start >> 32), "cpu", offset=start & 0xFFFFFFFF)
-    bits = x.contiguous().view(torch.int32)
-    rounded = ((bits + noise) & -65536).view(torch.float32)
-    return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)
+    return round_with_noise(x, counter_noise(x.numel(), mix32(key, start >> 32), "cpu", offset=start & 0xFFFFFFFF))
 
 
 def _code_tables(qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Counter-based noise for stochastic rounding: random bits that are a hash of (key, element index).
+"""Stochastic rounding to bf16 (round_with_noise) and counter-based noise for it: random bits that are a hash of (key, element index).
 
 torch's CPU generator fills a tensor serially (17-22 ns a value on one thread however many cores), and a draw
 from the global CUDA generator inside a compiled kernel would move the stream the trainer's own draws come from.
@@ -55,3 +55,11 @@ def counter_noise(n: int, key, device, offset: int = 0) -> torch.Tensor:
     x.mul_(_i32(0x846CA68B))
     x ^= (x >> 16) & 0xFFFF
     return x & 0xFFFF
+
+
+def round_with_noise(x32: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 by stochastic rounding: add 16 random low bits (`noise`, int32 in [0, 2^16)) to the fp32 bits,
+    truncate. Unbiased; values already bf16 never change; inf/NaN pass through."""
+    bits = x32.contiguous().view(torch.int32)
+    rounded = ((bits + noise) & -65536).view(torch.float32)
+    return torch.where(torch.isfinite(x32), rounded, x32).to(torch.bfloat16)

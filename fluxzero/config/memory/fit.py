@@ -77,13 +77,9 @@ def verdict(est: Estimate, hw: Hardware, margin: float) -> tuple[bool, str]:
     return True, f"GPU {need:.1f} of {budget:.1f} GiB budget"
 
 
-# Seconds one optimizer step takes per 1e9 stepped elements on the GPU, measured on one H200 over FLUX.1-dev's
-# 11.9e9 bf16 weights (benchmarks/optim_step_speed.py, benchmarks/RESULTS.md 2026-12-04): bf16-kahan 0.131 s,
-# bf16-sr 0.467 s. adamw8bit-sr is not measured: it is torchao's same compiled per-tensor step with 8-bit states,
-# taken at bf16-sr's figure. Modes not listed add nothing (the proxy then compares micro batch and recompute alone).
-STEP_S_PER_BILLION = {"bf16-kahan": 0.131 / 11.90, "bf16-sr": 0.467 / 11.90, "adamw8bit-sr": 0.467 / 11.90}
-# The forward + backward rate those figures are set against, from the same day: --fit's FLUX.1-dev run (mb 16, every
-# block recomputed) took 3.01 s a step, 0.13 s of it the optimizer: 2.88 s for 16 x 4/3 samples' worth of FLOPs.
+# The forward + backward rate the modes' measured step times (OptimMode.step_s_per_billion) are set against, from
+# the same day: --fit's FLUX.1-dev run (mb 16, every block recomputed) took 3.01 s a step, 0.13 s of it the
+# optimizer: 2.88 s for 16 x 4/3 samples' worth of FLOPs.
 # 3 x forward FLOPs per sample (flux-dev at 512 px: 21.50e12 by ModelConfig.flops_per_sample) x 4/3 (recompute):
 _FWD_BWD_FLOPS_PER_S = 16 * (1 + 1 / 3) * 3 * 21.50e12 / 2.88  # ~478e12 FLOP/s
 
@@ -96,8 +92,8 @@ def throughput_proxy(spec: RunSpec) -> float:
     so time grows by (checkpointed fraction) / 3. Small micro batches underfill the GEMMs and amortise
     per-micro-step overheads (ZeRO-3 gathers, launches) badly: efficiency tokens / (tokens + 2048). The optimizer
     step is paid once per micro batch here (no accumulation): a mode whose step is measured adds its time
-    (STEP_S_PER_BILLION over this rank's partition), so a small micro batch no longer looks free. Measured on one
-    H200, 2026-12-04: bf16-sr at micro batch 4 without recompute ran at 3.18 samples/s, at 16 with every block
+    (OptimMode.step_s_per_billion over this rank's partition), so a small micro batch no longer looks free.
+    Measured on one H200, 2026-12-04: bf16-sr at micro batch 4 without recompute ran at 3.18 samples/s, at 16 with every block
     recomputed 5.13; without the step term this proxy ranked them the other way.
     """
     cfg = spec.model
@@ -108,7 +104,8 @@ def throughput_proxy(spec: RunSpec) -> float:
     compute = spec.micro_batch * per_sample * (1 + frac / 3) * (tokens + 2048) / tokens
     stepped = cfg.num_params() / (1 if spec.stage == 0 else spec.nodes * spec.gpus_per_node)
     gpu_step = spec.offload_optimizer == "none" and not spec.lora_rank
-    step = STEP_S_PER_BILLION.get(spec.optimizer_mode, 0.0) * stepped / 1e9 if gpu_step else 0.0
+    rate = optim_modes.get_mode(spec.optimizer_mode).step_s_per_billion if spec.optimizer_mode else None
+    step = (rate or 0.0) * stepped / 1e9 if gpu_step else 0.0
     return spec.micro_batch / (compute + step)
 
 
