@@ -7,7 +7,8 @@ torch.cuda.set_per_process_memory_fraction(cap / total), so anything that would 
 card holds fails here as it would there (the cap is what torch reports for the card: ~23.6 GiB for a 24 GB RTX
 4090, ~15.6 GiB for a 16 GB card). Each row (JSON line in --out, appended as soon as the case ends) records
 samples/s (median of metrics.jsonl after the warm-up steps), peak allocated and reserved GiB
-(torch.cuda.max_memory_*), the host's peak RSS of the trainer process, the cap, the exit code and the last line
+(torch.cuda.max_memory_*), the host's peak RSS of the trainer process (written every 5 s, so a run killed at its
+timeout still has them), the cap, the exit code and the last line
 of the trainer's output when it failed (an out-of-memory is one sentence there); the trainer's whole output is in
 train.log beside each run (under --workdir). A run ends at its last step's metrics row (the final save is not
 timed). The `fit` set runs what `gen-config --fit` writes and prints for each card (DeepSpeed JSON, micro batch,
@@ -79,7 +80,7 @@ SETS = {
         Case("fit-lora16-512px-16gb", [], fit=["--gpu-memory", "16", "--host-memory", "128", "--lora-rank", "16"]),
         Case("fit-full-512px-80gb", [], fit=["--gpu-memory", "80", "--host-memory", "120"]),
         # the optimizer step runs on the host (cpu-* modes): a step takes tens of seconds, so fewer are timed
-        Case("fit-full-512px-48gb", [], fit=["--gpu-memory", "48", "--host-memory", "120"], steps=5, warmup=2),
+        Case("fit-full-512px-48gb", [], fit=["--gpu-memory", "48", "--host-memory", "120"], steps=4, warmup=2),
     ],
     "cpu-fit-smoke": [
         Case("tiny-fit-lora", [], model="flux-tiny", data="synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32", steps=3,
@@ -109,22 +110,30 @@ if torch.cuda.is_available():
     if cap:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GIB / total))
 
-def finish(code):
-    stats["exit_code"] = code
+def snapshot():  # what was used so far: written every few seconds, so a run the parent kills at its timeout has it
     stats["host_peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
     if torch.cuda.is_available():
         stats["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
         stats["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
-    with open(stats_file, "w") as f:
+    with open(stats_file + ".tmp", "w") as f:
         json.dump(stats, f)
+    os.replace(stats_file + ".tmp", stats_file)
+
+def finish(code):
+    stats["exit_code"] = code
+    snapshot()
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(code)
 
 T0 = time.time()
 
 def watch():  # the measurement ends with the last step's metrics row: the final save is not part of it
+    ticks = 0
     while True:
         time.sleep(0.5)
+        ticks += 1
+        if ticks % 10 == 0:
+            snapshot()
         try:
             with open(metrics) as f:
                 n = sum(1 for line in f if '"samples_per_s"' in line)
@@ -211,6 +220,7 @@ def run_case(case: Case, cap: float, work: Path) -> dict:
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         speeds = [r["samples_per_s"] for r in rows if "samples_per_s" in r and r.get("step", 0) > case.warmup]
     row["samples_per_s"] = statistics.median(speeds) if speeds else None
+    row["steps_logged"] = sum("samples_per_s" in r for r in rows) if metrics.is_file() else 0
     row["ok"] = code == 0 and bool(speeds)
     if not row["ok"]:
         row["error"] = tail[0] if tail else f"exit code {code}"

@@ -94,5 +94,16 @@ K)  # issue 23: the full fine-tune on a 48 GB card (cap 44.4 GiB, an L40S as tor
      --workdir $R/cw --out $R/capped_fit48.jsonl > $R/capped_k.log 2>&1; tail -3 $R/capped_k.log
   tail -30 $R/cw/*/train.log; rm -rf $R/cw/*/run/checkpoints
   ;;
+L)  # issue 23: the 48 GB full fine-tune's steady state after the host step's rework (8-bit code tables, hash noise);
+    # issue 22 target 6: the bf16 EMA update as one compiled kernel
+  timeout 110 python3 benchmarks/sample_speed.py --ema --ema-section '{"dtype": "bf16"}' --out $R/ema_update.jsonl \
+     > $R/ema_l.log 2>&1; tail -4 $R/ema_l.log
+  (while sleep 30; do echo "== $(date +%T)"; free -g | head -2; top -bn1 | head -12 | tail -6
+     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; done) > $R/mon.txt 2>&1 &
+  timeout 440 python3 benchmarks/capped_runs.py --set fit --cases fit-full-512px-48gb --timeout 425 --memory-cap-gib 44.4 \
+     --workdir $R/cw --out $R/capped_fit48.jsonl > $R/capped_l.log 2>&1; tail -3 $R/capped_l.log
+  cp $R/cw/*/run/metrics.jsonl $R/capped_fit48_metrics.jsonl 2>/dev/null; tail -12 $R/cw/*/train.log
+  rm -rf $R/cw/*/run/checkpoints
+  ;;
 esac
 tar czf $OUTDIR/results_$1.tgz -C $R .
