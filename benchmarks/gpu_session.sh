@@ -105,5 +105,18 @@ L)  # issue 23: the 48 GB full fine-tune's steady state after the host step's re
   cp $R/cw/*/run/metrics.jsonl $R/capped_fit48_metrics.jsonl 2>/dev/null; tail -12 $R/cw/*/train.log
   rm -rf $R/cw/*/run/checkpoints
   ;;
+M)  # issue 22 target 6: the EMA update replayed as a CUDA graph (against the kernels launched one by one, same call);
+    # issue 23: the host optimizer step alone on this machine's 16 cores; issue 22: FP8 on the fused bf16-kahan step,
+    # and target 7's profile of the LoRA at 1024 px, mb 1 (the row missing 1.3x)
+  timeout 150 python3 benchmarks/sample_speed.py --ema --ema-section '{"dtype": "bf16"}' --out $R/ema_update.jsonl \
+     > $R/ema_m.log 2>&1; tail -4 $R/ema_m.log
+  timeout 130 python3 benchmarks/cpu_adam_speed.py --params 5e8 --steps 2 --no-deepspeed --out $R > $R/cpu_adam.log 2>&1
+  tail -6 $R/cpu_adam.log
+  timeout 150 python3 benchmarks/defaults_speed.py --cases full-fit-fp8 --timeout 140 --rows 7 \
+     --out $R/defaults_fp8.jsonl > $R/fp8_m.log 2>&1; tail -4 $R/fp8_m.log
+  python3 -m fluxzero.cli gen-config --preset zero2 --model flux-dev --micro-batch 1 --checkpoint-every 1 -o $R/lora1024.json
+  timeout 200 python3 benchmarks/sweep.py --name lora1024prof --model flux-dev --lora-rank 16 --ds-json $R/lora1024.json \
+     --res 1024 --profile --warmup 2 --steps 2 --workers 4 --budget 190 --out $R > $R/lora_prof.out 2>&1; tail -30 $R/lora_prof.out
+  ;;
 esac
 tar czf $OUTDIR/results_$1.tgz -C $R .

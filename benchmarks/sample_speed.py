@@ -388,17 +388,26 @@ def ema_rows(args, base: dict, watchdog: Watchdog) -> list[dict]:
                ema_gib=round(ema.nbytes / GIB, 2), ema_buffers=len(ema._ema),
                ema_device=str(ema._ema[0].device), ema_dtype=str(ema._ema[0].dtype).replace("torch.", ""),
                master_dtype=str(next(iter(ema._masters())).dtype).replace("torch.", ""))
-    times = []
+    times, eager_times = [], []
     try:
         for step in range(1, args.ema_updates + 3):
             s, updated = timed(lambda: ema.update(step), device, watchdog, args.run_timeout_s, f"ema-update: {step}")
             if not updated:
                 raise RuntimeError(f"ema.update({step}) did not update")
-            if step > 2:  # the first two: allocator and kernel warm-up
+            if step > 2:  # the first two: allocator and kernel warm-up (the second captures the CUDA graph)
                 times.append(s)
+        step = args.ema_updates + 3
+        row["check"] = check_update(ema, step)  # one more update, against a reference computed here
+        if device.type == "cuda":  # before: the kernels launched one by one (no CUDA graph), same call
+            ema.use_graphs = False
+            for step in range(step + 1, step + 1 + args.ema_updates // 2):
+                eager_times.append(timed(lambda: ema.update(step), device, watchdog, args.run_timeout_s,
+                                         f"ema-update (no graph): {step}")[0])
     except (RuntimeError, TypeError) as e:  # a failing update is the row's result
         watchdog.disarm()
         row["status"] = f"update failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if eager_times:
+        row["median_update_s_no_graph"] = round(statistics.median(eager_times), 5)
     if times:
         med = statistics.median(times)
         row.update(updates=len(times), update_s=[round(t, 5) for t in times], median_update_s=round(med, 5),
@@ -410,6 +419,38 @@ def ema_rows(args, base: dict, watchdog: Watchdog) -> list[dict]:
         row["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
     write_row(args.out, row)
     return [row]
+
+
+@torch.no_grad()
+def check_update(ema, step: int) -> str:
+    """One ema.update(step) against old.lerp(master, 1 - decay) in fp32, on three buffers (first, largest, last)
+    first halved so that the EMA differs from the masters (no optimizer step runs here). An fp32 EMA must be
+    within 1e-6 relative. A bf16 EMA moves 1e-4 of the gap, far under an ulp, so element by element only its
+    mean can be checked: stochastic rounding is unbiased, so the moves projected on the expected ones' signs
+    must sum to their expected total within 5% (~0.7% is noise over FLUX.1-dev's largest tensor); an update
+    that does nothing gives 0."""
+    masters = [m.detach().reshape(-1) for m in ema._masters()]
+    picks = sorted({0, max(range(len(ema._ema)), key=lambda i: ema._ema[i].numel()), len(ema._ema) - 1})
+    for i in picks:
+        ema._ema[i].mul_(0.5)
+    before = {i: ema._ema[i].float().clone() for i in picks}  # .float() of an fp32 EMA is the EMA itself
+    weight = 1.0 - ema.config.decay_at(step)
+    if not ema.update(step):
+        return f"FAILED: update({step}) did not update"
+    out, moved, expected = [], 0.0, 0.0
+    for i in picks:
+        want = before[i].lerp(masters[i].to(before[i].device, torch.float32), weight)
+        got = ema._ema[i].float()
+        if ema._ema[i].dtype == torch.bfloat16:  # summed over the buffers: the largest decides
+            moved += float(((got - before[i]) * (want - before[i]).sign()).sum())
+            expected += float((want - before[i]).abs().sum())
+        else:
+            err = float(((got - want).abs() / (want.abs() + 1e-30)).max())
+            out.append((err <= 1e-6, f"buffer {i}: max relative error {err:.1e}"))
+    if expected:
+        out.append((abs(moved / expected - 1) <= 0.05, f"buffers {picks}: moved {moved / expected:.3f} of the "
+                                                         f"expected ({sum(before[i].numel() for i in picks):,} values)"))
+    return ("ok: " if all(ok for ok, _ in out) else "FAILED: ") + "; ".join(text for _, text in out)
 
 
 def sdpa_state() -> dict:

@@ -115,6 +115,8 @@ class ShardedEMA:
         with torch.no_grad():  # the EMA starts at the current weights (step 0)
             self._ema = [m.detach().reshape(-1).to(device=device, dtype=dtype, copy=True) for m in self._masters()]
         self._check_coverage()
+        self.use_graphs = True  # CUDA: replay the update as one CUDA graph (_replay)
+        self._graph, self._warm = None, None
 
     # ----- what this rank holds -------------------------------------------------------------------------
     @property
@@ -141,20 +143,35 @@ class ShardedEMA:
         if not self.config.updates_at(step) or step == self.step:  # off the grid, or this step already done
             return False
         weight = 1.0 - self.config.decay_at(step)
-        bf16 = self._ema[0].dtype == torch.bfloat16 if self._ema else False
-        if bf16:
-            # Stochastic rounding's noise is a hash of (seed, step, rank, buffer, slice, element): a resumed run
-            # draws exactly what the uninterrupted one drew, with no generator state to save
-            dev = self._ema[0].device
-            keys = torch.tensor([mix32(self.seed, step, self._rank, i, lo) for i, e in enumerate(self._ema)
-                                 for lo in range(0, e.numel(), _CHUNK)], dtype=torch.int32).to(dev)
-            w = torch.tensor(weight, dtype=torch.float32).to(dev)
-            update = _fused_ema_bf16() if dev.type == "cuda" else _ema_bf16_
+        masters = [m.detach().reshape(-1) for m in self._masters()]
+        keys = self._keys(step)
+        dev = self._ema[0].device if self._ema else torch.device("cpu")
+        if self.use_graphs and dev.type == "cuda" and all(m.device == dev for m in masters):
+            self._replay(masters, weight, keys)
+        else:
+            self._apply(masters, torch.tensor(weight, dtype=torch.float32).to(dev),
+                        None if keys is None else torch.tensor(keys, dtype=torch.int32).to(dev))
+        self.step = step
+        return True
+
+    def _keys(self, step: int) -> list[int] | None:
+        """The bf16 EMA's rounding keys, one per slice: noise is a hash of (seed, step, rank, buffer, slice,
+        element), so a resumed run draws exactly what the uninterrupted one drew, with no generator state to
+        save. None for an fp32 EMA."""
+        if not self._ema or self._ema[0].dtype != torch.bfloat16:
+            return None
+        return [mix32(self.seed, step, self._rank, i, lo) for i, e in enumerate(self._ema)
+                for lo in range(0, e.numel(), _CHUNK)]
+
+    def _apply(self, masters: list[torch.Tensor], w: torch.Tensor, keys: torch.Tensor | None) -> None:
+        """The update's kernels: `w` the 0-d fp32 weight and `keys` the slices' int32 keys (bf16), both on the
+        EMA's device, so that a CUDA graph captured from this call replays any step after their values change."""
+        bf16 = keys is not None
+        update = _fused_ema_bf16() if bf16 and w.is_cuda else _ema_bf16_
         k = 0
-        for ema, master in zip(self._ema, self._masters()):
-            master = master.detach().reshape(-1)
+        for ema, master in zip(self._ema, masters):
             if not bf16 and master.device == ema.device and master.dtype == ema.dtype:
-                ema.lerp_(master, weight)  # in place, no temporary
+                ema.lerp_(master, w)  # in place, no temporary
                 continue
             # else slice by slice: an fp32 EMA of bf16 masters (the bf16 optimizer modes at ZeRO-0 step the bf16
             # weights themselves, and lerp_ takes no mixed dtypes), a bf16 EMA, or an EMA on another device
@@ -164,9 +181,36 @@ class ShardedEMA:
                     update(e, master[lo:lo + _CHUNK].to(ema.device), w, keys[k])
                     k += 1
                 else:
-                    e.lerp_(master[lo:lo + _CHUNK].to(ema.device, torch.float32), weight)
-        self.step = step
-        return True
+                    e.lerp_(master[lo:lo + _CHUNK].to(ema.device, torch.float32), w)
+
+    def _replay(self, masters: list[torch.Tensor], weight: float, keys: list[int] | None) -> None:
+        """_apply on CUDA as one CUDA graph: FLUX.1-dev's EMA is ~780 tensors in ~1,500 slices, and launching
+        their kernels one by one from Python cost more than the memory traffic (measured on one H200, 2026-12-04:
+        the compiled bf16 update took 136 ms for 71 GB, 526 GB/s). The first update on a set of tensors runs
+        eagerly (it compiles the kernels), the next captures the graph; every later one writes the step's weight
+        and keys into the graph's inputs and replays it. A graph is only replayed over the tensors it was captured
+        on: if DeepSpeed rebinds a master or the EMA buffers move, the next update captures again."""
+        dev = self._ema[0].device
+        sig = tuple(t.data_ptr() for t in (*self._ema, *masters))
+        if self._graph is not None and sig == self._graph[0]:
+            _, graph, w, k = self._graph
+            w.fill_(weight)
+            if k is not None:
+                k.copy_(torch.tensor(keys, dtype=torch.int32))
+            graph.replay()
+            return
+        w = torch.full((), weight, dtype=torch.float32, device=dev)
+        k = None if keys is None else torch.tensor(keys, dtype=torch.int32).to(dev)
+        if sig != self._warm:  # first update over these tensors: compile and run eagerly
+            self._graph, self._warm = None, sig
+            self._apply(masters, w, k)
+            return
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the trainer's prefetch thread may copy the next batch to the GPU meanwhile
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._apply(masters, w, k)
+        self._graph = (sig, graph, w, k)
+        graph.replay()
 
     # ----- per-rank state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
