@@ -161,8 +161,8 @@ FIT_OPTIONS = [
                       "lora.base_quant, which the printed next step names); auto lets --fit choose int8 when the "
                       "bf16 base does not fit (without --fit: none)."),
     click.option("--fit", is_flag=True, default=False,
-                 help="Choose ZeRO stage, offload, optimizer mode, micro batch, checkpointing (and, for a LoRA, "
-                      "compile and the base's quantization): the fastest that fits the hardware (needs the world "
+                 help="Choose ZeRO stage, offload, optimizer mode, micro batch, checkpointing, compiled blocks (and, "
+                      "for a LoRA, the base's quantization): the fastest that fits the hardware (needs the world "
                       "size and --gpu/--gpu-memory); prints why, the predicted peak and each choice's caveat."),
     click.option("--gpu", type=click.Choice(list(memory.GPU_MEMORY_GIB)), default=None,
                  help="--fit: GPU model, for its memory."),

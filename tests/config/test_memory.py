@@ -384,6 +384,7 @@ def test_gen_config_fit_writes_the_choice_and_says_why(tmp_path):
     cfg = json.loads(out.read_text())
     assert cfg["zero_optimization"]["stage"] == 3 and "offload_optimizer" not in cfg["zero_optimization"]
     assert "ZeRO-0/1/2 without offload" in r.stderr and "chose ZeRO-3" in r.stderr
+    assert cfg["fluxzero"]["compile"] == {"blocks": False}  # written out: ZeRO-3 runs eager
     mb, k = cfg["train_micro_batch_size_per_gpu"], cfg["fluxzero"]["activation_checkpointing"]["every_k_blocks"]
     assert f"micro batch {mb}" in r.stderr
     # what was written is what the memory model says fits, with the settings gen-config wrote

@@ -135,6 +135,7 @@ def test_fit_one_h200_needs_a_bf16_mode():
     assert cfg["train_micro_batch_size_per_gpu"] == 16 and cfg["fluxzero"]["activation_checkpointing"][
         "every_k_blocks"] == 1
     assert "optimizer mode bf16-kahan (KahanAdamW (ours)" in r.stderr  # its caveat, one line
+    assert cfg["fluxzero"]["compile"] == {"blocks": True, "mode": "default"}  # what the trainer runs, written out
     assert optim_modes.get_mode("bf16-kahan").caveat in r.stderr
 
 

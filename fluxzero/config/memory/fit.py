@@ -275,12 +275,13 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
                    "checkpoint_every": spec.checkpoint_every, "optimizer_mode": mode}
         if base.lora_rank:
             options["base_quant"] = quant
-            # measured 2026-12-02 on one H200: LoRA rank 16, micro batch 1, compiled blocks 1.46 samples/s; the
-            # trainer refuses compile with a LoRA under ZeRO-3. Compiled kernels save no more for backward
-            # than eager ones, so the estimate (eager) bounds them.
-            options["compile"] = st < 3
-            if options["compile"]:
-                reason.append("compiled blocks (fluxzero.compile.blocks): the LoRA's measured fastest setting")
+        # Compiled blocks below ZeRO-3, written out so the JSON says what runs. Measured 2026-12-02 on one H200:
+        # LoRA rank 16 mb 1 1.46 samples/s compiled; flux-dev-lite 11.5 -> 15.3 eager -> compiled. The trainer
+        # refuses compile with a LoRA under ZeRO-3, and a full fine-tune there is not measured compiled.
+        # Compiled kernels save no more for backward than eager ones, so the estimate (eager) bounds them.
+        options["compile"] = st < 3
+        if options["compile"]:
+            reason.append("compiled blocks (fluxzero.compile.blocks): the measured fastest setting below ZeRO-3")
         if quant is not None:
             reason.append(f"{quant} base: set lora.base_quant: {quant} in the run file (torchao weight-only int8, "
                           f"pip install -e '.[lowmem]'); the bf16 base does not fit without parameter "
