@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..model.compile import apply_compile
+from ..model import compile as block_compile  # the module: tests swap its apply_compile
 from ..model.math import check_attention_backend
 from .embeddings import PromptEmbeddings
 from .images import grid, save_png
@@ -75,13 +75,14 @@ def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None,
         return [f.result() for f in pending]  # in order; a failed write raises here
 
 
-def prepare_model(model, *, attention: str | None = None, compile: bool = False) -> None:
+def prepare_model(model, *, attention: str | None = None, compile: bool = False, backend: str = "inductor") -> None:
     """What `fluxzero sample --attention/--compile` does to the loaded model before sampling, in place:
     `attention` (None: leave the model's) switches every block's SDPA backend (Flux.set_attention); `compile`
     compiles every block with the trainer's helper (fluxzero.model.compile.apply_compile: one graph per block
-    class, compiled at the first call, ~30-60 s for FLUX.1 on an H200, again for each new batch shape)."""
+    class, compiled at the first call, ~30-60 s for FLUX.1 on an H200, again for each new batch shape). `backend`:
+    Dynamo's, as the trainer's `compile.backend` (`eager` / `aot_eager` only for tests and debugging)."""
     if attention is not None:
         model.set_attention(check_attention_backend(attention))
     if compile:
-        apply_compile(model)
+        block_compile.apply_compile(model, backend=backend)
 

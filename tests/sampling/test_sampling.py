@@ -424,12 +424,12 @@ def test_attention_choices_are_the_models():
 def test_sample_command_speed_options(files, tmp_path, monkeypatch):
     """--compile, --attention and --no-grid reach the model and the files; the images stay the default's.
     Compiled with Dynamo's eager backend here (the wiring; Inductor's numbers are the test above's)."""
-    import fluxzero.sampling.pipeline as P
+    import fluxzero.model.compile as C
 
     flux, weights = files
     calls = []
-    real = P.apply_compile
-    monkeypatch.setattr(P, "apply_compile", lambda model: calls.append(real(model, backend="eager")))
+    real = C.apply_compile
+    monkeypatch.setattr(C, "apply_compile", lambda model, backend: calls.append((real(model, backend="eager"), backend)))
     args = ["--flux-dir", flux, "--prompt", "a red cat", "--seed", "1", "--seed", "2", *CLI_SIZE]
     r = _run("sample", weights, "--out", tmp_path / "plain", *args)
     assert r.exit_code == 0 and "images and grid.png" in r.output, r.output
@@ -437,7 +437,7 @@ def test_sample_command_speed_options(files, tmp_path, monkeypatch):
     r = _run("sample", weights, "--out", tmp_path / "fast", *args, "--compile", "--attention", "math", "--no-grid")
     assert r.exit_code == 0 and "wrote 2 images to" in r.output, r.output
     tiny = get_model_config("flux-tiny")
-    assert calls == [tiny.depth + tiny.depth_single_blocks]  # every block compiled, once
+    assert calls == [(tiny.depth + tiny.depth_single_blocks, "inductor")]  # every block compiled, once
     assert sorted(p.name for p in (tmp_path / "fast").iterdir()) == ["0000-p0-s1.png", "0001-p0-s2.png"]
     for name in ("0000-p0-s1.png", "0001-p0-s2.png"):  # fp32: math and flash kernels agree to ~1e-7
         assert (_pixels(tmp_path / "fast" / name).int() - _pixels(tmp_path / "plain" / name).int()).abs().max() <= 1
