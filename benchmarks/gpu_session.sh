@@ -105,5 +105,10 @@ L)  # issue 23: the 48 GB full fine-tune's steady state after the host step's re
   cp $R/cw/*/run/metrics.jsonl $R/capped_fit48_metrics.jsonl 2>/dev/null; tail -12 $R/cw/*/train.log
   rm -rf $R/cw/*/run/checkpoints
   ;;
+M)  # issue 22 target 6: fluxzero sample's speed options (compile, cuDNN attention, batch 4, no grid) vs FluxPipeline
+    # eager and under cuDNN attention, each with one profiled denoising step; then the levers one at a time
+  timeout 320 python3 benchmarks/sample_speed.py --rows diffusers,fluxzero-fast,fluxzero-cudnn,diffusers-cudnn,fluxzero-compile,fluxzero \
+     --runs 2 --profile --budget-s 270 --out $R/sample_speed.jsonl > $R/sample_m.log 2>&1; tail -30 $R/sample_m.log
+  ;;
 esac
 tar czf $OUTDIR/results_$1.tgz -C $R .

@@ -67,7 +67,8 @@ time. Into the row's JSON ("profile") and a table in <--out stem>_profile.txt be
 
 Output: one JSON line per row to --out (date, device, versions, command), a table printed last. Time limits
 inside: --run-timeout-s per call (a watchdog writes a timeout row and ends the process), --budget-s for the
-whole script (a row whose estimated time does not fit is written as "not run (budget)").
+whole script (a row whose estimated time does not fit is written as "not run (budget)"; the estimate: the slowest
+row so far times the calls, plus COMPILE_ALLOWANCE_S for a compiling row and the profiled call with --profile).
 """
 from __future__ import annotations
 
@@ -365,6 +366,11 @@ KINDS = (
 )
 
 
+# record_function ranges (compiled regions) that appear on the GPU timeline; older torch does not flag them all
+ANNOTATIONS = ("## Call CompiledFxGraph", "Torch-Compiled Region", "TorchDynamo Cache Lookup",
+               "CompiledFunction")
+
+
 def kind_of(name: str) -> str:
     return next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
 
@@ -399,12 +405,15 @@ def profile_step(make, device: torch.device, batch: int) -> dict:
     wall_us = (clock.marks[1] - clock.marks[0]) * 1e6
     spent, count, names = {"attention": 0.0, "matmul": 0.0, "other": 0.0}, 0, {}
     for e in trace.get("events", []):
-        if cuda:  # kernels: their span on the device
+        if e.name.startswith("ProfilerStep") or (cuda and (getattr(e, "is_user_annotation", False)
+                                                          or e.name.startswith(ANNOTATIONS))):
+            continue  # ranges, not work: on the GPU timeline they span the kernels inside them
+        if cuda:  # kernels (and copies): their span on the device
             if e.device_type != DeviceType.CUDA:
                 continue
             us = e.time_range.elapsed_us()
         else:  # operators: self time, so nested operators are not counted twice
-            if e.device_type != DeviceType.CPU or e.name.startswith("ProfilerStep"):
+            if e.device_type != DeviceType.CPU:
                 continue
             us = e.self_cpu_time_total
         spent[kind_of(e.name)] += us
@@ -493,7 +502,7 @@ def sample_rows(args, base: dict, watchdog: Watchdog, t0: float) -> list[dict]:
         else:
             try:
                 row.update(measure_row(name, args, ctx, watchdog))
-                last = row["median_s"]
+                last = max(last or 0.0, row["median_s"])  # the slowest row so far: a compiled one is no guide
             except Exception as e:  # noqa: BLE001 - an OOM or a failed compile is this row's result; the others stand
                 watchdog.disarm()
                 kind = "OOM" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
