@@ -23,8 +23,9 @@ def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None,
                   weights: str | None = None, lora: dict | None = None,
                   on_step: Callable[[], None] | None = None, write_grid: bool = True) -> list[Path]:
     """Sample every prompt once per seed, write NNNN-pP-sS.png files (parameters in their text chunks) and
-    grid.png (a row per prompt, a column per seed; not with write_grid=False) into out_dir; return the PNG paths in order. `lora` (the
-    LoRA merged into `model`: its path, layout, scale, ...) goes into the parameters as it is.
+    grid.png (a row per prompt, a column per seed; not with write_grid=False) into out_dir; return the PNG
+    paths in order. `lora` (the LoRA merged into `model`: its path, layout, scale, ...) goes into the
+    parameters as it is.
 
     Each image's noise comes from its own seed, so the files do not depend on batch_size. The negative
     prompt of `emb` is used when true_cfg > 1. `on_step()` is called after every Euler step of every
@@ -33,8 +34,10 @@ def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None,
     collectively); the others pass out_dir=None (and may pass vae=None): they run the model's forward passes
     and decode, write and return nothing.
 
-    The PNGs are encoded in a few threads (PIL's zlib encoder releases the GIL) while the next batch samples:
-    at 1024 px one PNG is ~0.2 s of CPU and the grid about four times that (lossless, PIL's default level).
+    The PNGs are encoded in a few threads (Pillow's encoder releases the GIL) while the next batch samples, so
+    only the last batch's PNGs and the grid wait at the end (lossless, Pillow's default level). Measured with
+    Pillow 13 on noisy images like a random-init model's: 0.16-0.21 s of CPU a 1024 px PNG, 0.32 s the 4096 x
+    1024 grid of four.
     """
     if out_dir is not None:
         out_dir = Path(out_dir)
