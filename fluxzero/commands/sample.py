@@ -277,13 +277,14 @@ def _encode(encoders, prompts, negative_prompt):
 @click.option("--lora-scale", type=float, default=1.0, show_default=True,
               help="Strength of the --lora: its change to the weights times this (1 = as trained, 0 = none).")
 @click.option("--compile/--no-compile", "compile_blocks", default=False, show_default=True,
-              help="torch.compile every transformer block (as the trainer does): the first model call compiles "
-                   "(~30-60 s for FLUX.1 on a GPU, again for a new batch shape), then each step runs faster. "
-                   "Worth it for many images, not for one.")
+              help="torch.compile every transformer block (as the trainer does). The first model call compiles "
+                   "(~30-60 s for FLUX.1 on a GPU, again for a new batch shape), so it can pay off only over many "
+                   "images; the GPU speed-up is in benchmarks/sample_speed.py's fluxzero-compile row.")
 @click.option("--attention", type=click.Choice(ATTENTION_CHOICES), default="auto", show_default=True,
-              help="SDPA kernels of the transformer's attention: auto = flash, then efficient, then math; cudnn "
-                   "(forward only here, so none of training's cuDNN backward troubles) may be faster on Hopper. "
-                   "efficient and cudnn need a CUDA device.")
+              help="SDPA kernels of the transformer's attention: auto = flash, then efficient, then math. cudnn "
+                   "is expected to be faster on Hopper for the forward pass (training keeps flash: cuDNN's backward "
+                   "gave non-finite gradients); measured by sample_speed.py's fluxzero-cudnn row. efficient and "
+                   "cudnn need a CUDA device.")
 @click.option("--grid/--no-grid", "write_grid", default=True, show_default=True,
               help="Also write grid.png (a row per prompt, a column per seed).")
 @_device_options
