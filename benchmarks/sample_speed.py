@@ -4,6 +4,8 @@
     PYTHONPATH=. python3 benchmarks/sample_speed.py --ema --out $OUT/ema_update.jsonl      # GPU: flux-dev EMA
     PYTHONPATH=. python3 benchmarks/sample_speed.py --device cpu --size 32 --steps 2 --runs 1 --t5-tokens 8 \
         --tiny-vae --rows fluxzero,diffusers,fluxzero-batch4 --out /tmp/sample_speed.jsonl   # CPU smoke test
+    PYTHONPATH=. python3 benchmarks/sample_speed.py --rows fluxzero-fast,diffusers,fluxzero-cudnn --profile \
+        --out $OUT/sample_speed.jsonl                                                      # GPU: the speed options
 
 Sampling. One transformer, built by fluxzero's model builder (random init, seed 0; bf16 on the GPU, fp32 on the
 CPU), and diffusers' FluxTransformer2DModel holding the same weights (fluxzero.model.layouts.bfl_to_diffusers);
@@ -16,9 +18,20 @@ pooled (images x 768) embeddings; seed 0 for every image. Rows, in the order the
   diffusers           FluxPipeline(FLUX.1-dev's scheduler config, vae, transformer, no text encoders) called
                       with prompt_embeds / pooled_prompt_embeds, guidance_scale 3.5, output_type "pil", as a
                       diffusers user runs it (eager), each image then saved as a PNG.
-  fluxzero-batch4     the command with --batch-size 4 (all images in one model call): its one faster option.
+  fluxzero-batch4     the command with --batch-size 4 (all images in one model call).
+  fluxzero-compile    the command with --compile: every block compiled by the trainer's helper
+                      (fluxzero.sampling.pipeline.prepare_model, as the command calls it); the warm-up compiles.
+  fluxzero-cudnn      the command with --attention cudnn (on the CPU, which has no cuDNN attention: math).
+  fluxzero-fast       --compile --attention cudnn --batch-size 4 --no-grid: every speed option at once.
+  diffusers           ... (above); diffusers-cudnn: the same call inside sdpa_kernel([cuDNN, flash, efficient,
+                      math], set_priority=True), so its transformer takes cuDNN attention; the VAE's head dim
+                      512 has no cuDNN kernel and falls back as it would (its pipeline stays eager unless
+                      diffusers-compiled ran before it: the row records "compiled").
   diffusers-compiled  the pipeline after transformer.compile_repeated_blocks(fullgraph=True) (diffusers'
                       regional compile of its two block classes), for reference.
+Every fluxzero row starts from the eager "auto" model: after a row its blocks lose their compiled forwards and
+Dynamo's caches are reset, so each compiled row pays its compile in its warm-up, as a fresh `fluxzero sample
+--compile` does.
 Both sides decode with the VAE and write PNG files inside the timed region. Each row: --warmup calls with
 --warmup-steps (the same shapes, so compilation and allocator growth happen there), then --runs timed calls
 of --steps, torch.cuda.synchronize() around each; the row's figure is the median. A CUDA event recorded in
@@ -45,14 +58,24 @@ step is taken); the update's work does not depend on their values.
 FLOPs (forward, per image and step): ModelConfig.flops_per_sample(image tokens, T5 tokens), derived in
 fluxzero/config/models.py; 1024 x 1024 px = 4096 image tokens. TFLOP/s = that x images x steps / loop time.
 
+--profile: after a row's timed calls, one more call of 2 steps under torch.profiler, recording only the second
+denoising step (the device synchronized at both ends, so the window holds that step's kernels and nothing else):
+CUDA kernel time by kind (attention: flash/fmha/sdpa/cuDNN SDPA kernels; matmul: gemm/cutlass/sm90/nvjet;
+other: pointwise, norms, copies, Triton fusions) and host gaps = the step's wall time minus the kernel time
+(the GPU idle, waiting for the host). On the CPU (the smoke test) operator self time stands in for kernel
+time. Into the row's JSON ("profile") and a table in <--out stem>_profile.txt beside --out.
+
 Output: one JSON line per row to --out (date, device, versions, command), a table printed last. Time limits
 inside: --run-timeout-s per call (a watchdog writes a timeout row and ends the process), --budget-s for the
-whole script (a row whose estimated time does not fit is written as "not run (budget)").
+whole script (a row whose estimated time does not fit is written as "not run (budget)"; the estimate: the slowest
+row so far times the calls, plus COMPILE_ALLOWANCE_S for a compiling row and the profiled call with --profile).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import os
 import shlex
 import statistics
@@ -68,9 +91,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # provenance, cache_speed; also when loaded by path
 import provenance  # noqa: E402 - needs the lines above
 
-ROWS = ("fluxzero", "diffusers", "fluxzero-batch4", "diffusers-compiled")
+# fluxzero rows: the command's options (--batch-size, --compile, --attention, --grid) for each
+FLUXZERO_ROWS = {
+    "fluxzero": dict(batch_size=1, compile=False, attention="auto", grid=True),
+    "fluxzero-batch4": dict(batch_size=4, compile=False, attention="auto", grid=True),
+    "fluxzero-compile": dict(batch_size=1, compile=True, attention="auto", grid=True),
+    "fluxzero-cudnn": dict(batch_size=1, compile=False, attention="cudnn", grid=True),
+    "fluxzero-fast": dict(batch_size=4, compile=True, attention="cudnn", grid=False),
+}
+ROWS = (*FLUXZERO_ROWS, "diffusers", "diffusers-cudnn", "diffusers-compiled")
+COMPILING_ROWS = ("fluxzero-compile", "fluxzero-fast", "diffusers-compiled")
 GUIDANCE, SEED = 3.5, 0
-COMPILE_ALLOWANCE_S = 90.0  # budget estimate for the compiled row's first call (regional compile of two blocks)
+COMPILE_ALLOWANCE_S = 90.0  # budget estimate for a compiling row's first call (two block classes: ~30-60 s on H200)
+PROFILE_STEPS = 2  # the profiled call: step 1 warms the profiler up, step 2 is recorded
 GIB = 2**30
 
 
@@ -143,19 +176,25 @@ def sync(device: torch.device) -> None:
 
 
 # ----- the two sides: one call each, returning the paths of the PNGs it wrote ----------------------------------
-def fluxzero_call(model, vae, emb, out_dir: Path, *, size: int, steps: int, batch_size: int, clock: StepClock):
+def fluxzero_call(model, vae, emb, out_dir: Path, *, size: int, steps: int, batch_size: int, clock: StepClock,
+                  grid: bool = True):
     """The command's loop (commands/sample.py -> sampling.pipeline.sample_images), PNGs included."""
     from fluxzero.sampling.pipeline import sample_images
 
     def run():
         return sample_images(model, vae, emb, out_dir, width=size, height=size, steps=steps, seeds=[SEED],
-                             guidance=GUIDANCE, batch_size=batch_size, weights="random init", on_step=clock.mark)
+                             guidance=GUIDANCE, batch_size=batch_size, weights="random init", on_step=clock.mark,
+                             write_grid=grid)
 
     return run
 
 
-def diffusers_call(pipe, emb, out_dir: Path, *, size: int, steps: int, device, dtype, clock: StepClock):
-    """FluxPipeline as a diffusers user calls it with precomputed embeddings, then each image saved as a PNG."""
+def diffusers_call(pipe, emb, out_dir: Path, *, size: int, steps: int, device, dtype, clock: StepClock,
+                   cudnn: bool = False):
+    """FluxPipeline as a diffusers user calls it with precomputed embeddings, then each image saved as a PNG;
+    `cudnn`: inside sdpa_kernel with cuDNN attention first (the others after it, for what cuDNN cannot run)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     txt, y = emb.t5.to(device, dtype), emb.clip_pooled.to(device, dtype)
     n = txt.shape[0]
 
@@ -163,10 +202,14 @@ def diffusers_call(pipe, emb, out_dir: Path, *, size: int, steps: int, device, d
         clock.mark()
         return {}
 
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
     def run():
-        images = pipe(prompt_embeds=txt, pooled_prompt_embeds=y, height=size, width=size, num_inference_steps=steps,
-                      guidance_scale=GUIDANCE, generator=[torch.Generator().manual_seed(SEED) for _ in range(n)],
-                      output_type="pil", callback_on_step_end=on_step).images
+        with sdpa_kernel(order, set_priority=True) if cudnn else contextlib.nullcontext():
+            images = pipe(prompt_embeds=txt, pooled_prompt_embeds=y, height=size, width=size,
+                          num_inference_steps=steps, guidance_scale=GUIDANCE,
+                          generator=[torch.Generator().manual_seed(SEED) for _ in range(n)], output_type="pil",
+                          callback_on_step_end=on_step).images
         paths = []
         for i, im in enumerate(images):
             paths.append(out_dir / f"{i:04d}.png")
@@ -230,32 +273,57 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def measure_row(name: str, args, ctx: dict, watchdog: Watchdog) -> dict:
+    device = ctx["device"]
+    if name in FLUXZERO_ROWS:
+        opts = dict(FLUXZERO_ROWS[name])
+        if device.type != "cuda" and opts["attention"] == "cudnn":  # torch's CPU SDPA has no cuDNN: exercise a switch
+            opts["attention"] = "math"
+        from fluxzero.sampling.pipeline import prepare_model
+
+        # as the command does; --compile-backend eager only for the CPU smoke test (Inductor there: ~15 s a row)
+        prepare_model(ctx["ours"], attention=opts["attention"], compile=opts["compile"], backend=args.compile_backend)
+        try:
+            return dict(_measure(name, args, ctx, watchdog, opts), options=opts)
+        finally:
+            eager_again(ctx["ours"])
+    if name == "diffusers-compiled" and not ctx.get("compiled"):
+        ctx["pipe"].transformer.compile_repeated_blocks(fullgraph=True)
+        ctx["compiled"] = True
+    opts = dict(batch_size=args.images, compiled=bool(ctx.get("compiled")), cudnn=name == "diffusers-cudnn")
+    return dict(_measure(name, args, ctx, watchdog, opts), options=opts)
+
+
+def eager_again(model) -> None:
+    """Undo prepare_model: the blocks' own forwards (apply_compile set instance attributes), "auto" attention, and
+    Dynamo's caches cleared, so the next row compiles afresh (as a new `fluxzero sample --compile` process)."""
+    for block in (*model.double_blocks, *model.single_blocks):
+        block.__dict__.pop("forward", None)
+    model.set_attention("auto")
+    torch._dynamo.reset()
+
+
+def _measure(name: str, args, ctx: dict, watchdog: Watchdog, opts: dict) -> dict:
     device, dtype, cfg = ctx["device"], ctx["dtype"], ctx["cfg"]
     out_dir = Path(tempfile.mkdtemp(prefix=f"sample_speed_{name}_"))
     clock = StepClock(device)
-    batch = 4 if name == "fluxzero-batch4" else 1
-    if name.startswith("fluxzero"):
-        def make(steps):
+    batch = opts["batch_size"]
+    if name in FLUXZERO_ROWS:
+        def make(steps, clock=clock):
             return fluxzero_call(ctx["ours"], ctx["vae"], ctx["emb"], out_dir, size=args.size, steps=steps,
-                                 batch_size=batch, clock=clock)
+                                 batch_size=batch, clock=clock, grid=opts["grid"])
         calls = -(-args.images // batch)
     else:
-        if name == "diffusers-compiled" and not ctx.get("compiled"):
-            ctx["pipe"].transformer.compile_repeated_blocks(fullgraph=True)
-            ctx["compiled"] = True
-
-        def make(steps):
+        def make(steps, clock=clock):
             return diffusers_call(ctx["pipe"], ctx["emb"], out_dir, size=args.size, steps=steps, device=device,
-                                  dtype=dtype, clock=clock)
+                                  dtype=dtype, clock=clock, cudnn=opts["cudnn"])
         calls = 1
-        batch = args.images
     resident = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     warm = []
     for w in range(args.warmup):
         run = make(args.warmup_steps)
-        s, _ = timed(run, device, watchdog, args.run_timeout_s + (COMPILE_ALLOWANCE_S if "compiled" in name else 0),
+        s, _ = timed(run, device, watchdog, args.run_timeout_s + (COMPILE_ALLOWANCE_S if name in COMPILING_ROWS else 0),
                      f"{name}: warm-up {w + 1}")
         warm.append(round(s, 3))
         print(f"[sample_speed] {name}: warm-up {w + 1} ({args.warmup_steps} steps) {s:.2f} s", flush=True)
@@ -282,7 +350,105 @@ def measure_row(name: str, args, ctx: dict, watchdog: Watchdog) -> dict:
                    peak_above_resident_gib=round((torch.cuda.max_memory_allocated() - resident) / GIB, 2),
                    peak_reserved_gib=round(torch.cuda.max_memory_reserved() / GIB, 2))
     row.update(compare_images(name, images, ctx))
+    if args.profile:
+        watchdog.arm(args.run_timeout_s, f"{name}: profile")
+        row["profile"] = profile_step(make, device, min(batch, args.images))
+        watchdog.disarm()
     return row
+
+
+# ----- --profile -------------------------------------------------------------------------------------------------
+# kernel (CUDA) or operator (CPU) name -> kind, first match wins: attention before matmul (the efficient kernel's
+# name says cutlass), matmul before the rest
+KINDS = (
+    ("attention", re.compile(r"flash|fmha|sdpa|scaled_dot_product|attention", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|sm90|nvjet|wgmma|\baten::(?:mm|addmm|bmm|baddbmm|matmul|linear)$", re.I)),
+)
+
+
+# record_function ranges (compiled regions) that appear on the GPU timeline; older torch does not flag them all
+ANNOTATIONS = ("## Call CompiledFxGraph", "Torch-Compiled Region", "TorchDynamo Cache Lookup",
+               "CompiledFunction")
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
+
+
+class ProfileClock(StepClock):
+    """The per-step hook while profiling: wait for the device, then advance the profiler's schedule (so the
+    recorded window is exactly one denoising step's work, started and finished on the device)."""
+
+    def __init__(self, device: torch.device, prof):
+        super().__init__(device)
+        self.device, self.prof = device, prof
+
+    def mark(self) -> None:
+        sync(self.device)
+        self.marks.append(time.perf_counter())
+        self.prof.step()
+
+
+def profile_step(make, device: torch.device, batch: int) -> dict:
+    """One call of PROFILE_STEPS steps under torch.profiler, recording its second denoising step: time by kind."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    trace = {}
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=1, repeat=1),
+                 on_trace_ready=lambda p: trace.setdefault("events", p.events())) as prof:
+        clock = ProfileClock(device, prof)
+        make(PROFILE_STEPS, clock)()
+    sync(device)
+    wall_us = (clock.marks[1] - clock.marks[0]) * 1e6
+    spent, count, names = {"attention": 0.0, "matmul": 0.0, "other": 0.0}, 0, {}
+    for e in trace.get("events", []):
+        if e.name.startswith("ProfilerStep") or (cuda and (getattr(e, "is_user_annotation", False)
+                                                          or e.name.startswith(ANNOTATIONS))):
+            continue  # ranges, not work: on the GPU timeline they span the kernels inside them
+        if cuda:  # kernels (and copies): their span on the device
+            if e.device_type != DeviceType.CUDA:
+                continue
+            us = e.time_range.elapsed_us()
+        else:  # operators: self time, so nested operators are not counted twice
+            if e.device_type != DeviceType.CPU:
+                continue
+            us = e.self_cpu_time_total
+        spent[kind_of(e.name)] += us
+        count += 1
+        n = names.setdefault(e.name, [0.0, 0])
+        n[0] += us
+        n[1] += 1
+    busy = sum(spent.values())
+    ms = {k: round(v / 1e3, 3) for k, v in spent.items()}
+    ms["host_gaps"] = round(max(wall_us - busy, 0.0) / 1e3, 3)
+    top = sorted(names.items(), key=lambda kv: -kv[1][0])[:12]
+    return {"window": f"denoising step 2 of a {PROFILE_STEPS}-step call, device synchronized at both ends",
+            "timing": "CUDA kernel time" if cuda else "CPU operator self time", "images_per_step": batch,
+            "wall_ms": round(wall_us / 1e3, 3), "ms": ms,
+            "share": {k: round(v * 1e3 / wall_us, 4) for k, v in ms.items()} if wall_us > 0 else {},
+            "events": count,
+            "top": [{"name": n[:120], "kind": kind_of(n), "ms": round(v[0] / 1e3, 3), "calls": v[1]} for n, v in top]}
+
+
+def profile_table(rows: list[dict]) -> str:
+    lines = ["| row | images / step | step wall ms | attention ms | matmul ms | other ms | host gaps ms | timing |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r.get("profile")
+        if not p:
+            continue
+        m, sh = p["ms"], p["share"]
+        cells = [f"{m[k]:.1f} ({100 * sh.get(k, 0):.0f}%)" for k in ("attention", "matmul", "other", "host_gaps")]
+        lines.append(f"| {r['row']} | {p['images_per_step']} | {p['wall_ms']:.1f} | {' | '.join(cells)} | {p['timing']} |")
+    out = ["\n".join(lines)]
+    for r in rows:
+        if r.get("profile"):
+            out.append(f"\n{r['row']}: top kernels\n" + "\n".join(
+                f"  {t['ms']:9.3f} ms {t['calls']:5d}x  {t['kind']:9s} {t['name']}" for t in r["profile"]["top"]))
+    return "\n".join(out)
 
 
 def compare_images(name: str, images: torch.Tensor, ctx: dict) -> dict:
@@ -308,7 +474,8 @@ def fits(name: str, args, t0: float, last_run_s: float | None) -> bool:
     if last_run_s is None:
         return True
     estimate = (args.runs + args.warmup * args.warmup_steps / args.steps) * last_run_s
-    estimate += COMPILE_ALLOWANCE_S if "compiled" in name else 0
+    estimate += PROFILE_STEPS / args.steps * last_run_s * 2 if args.profile else 0  # 2: the profiler's own cost
+    estimate += COMPILE_ALLOWANCE_S if name in COMPILING_ROWS else 0
     return time.monotonic() - t0 + estimate <= args.budget_s
 
 
@@ -335,7 +502,7 @@ def sample_rows(args, base: dict, watchdog: Watchdog, t0: float) -> list[dict]:
         else:
             try:
                 row.update(measure_row(name, args, ctx, watchdog))
-                last = row["median_s"]
+                last = max(last or 0.0, row["median_s"])  # the slowest row so far: a compiled one is no guide
             except Exception as e:  # noqa: BLE001 - an OOM or a failed compile is this row's result; the others stand
                 watchdog.disarm()
                 kind = "OOM" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
@@ -344,7 +511,7 @@ def sample_rows(args, base: dict, watchdog: Watchdog, t0: float) -> list[dict]:
         rows.append(row)
         print(f"[sample_speed] {name}: {row['status']}", flush=True)
     summary = dict(base, row="summary", status="ok", images_match={r["row"]: r.get("images_match") for r in rows})
-    for ref_name in ("diffusers", "diffusers-compiled"):
+    for ref_name in ("diffusers", "diffusers-cudnn", "diffusers-compiled"):
         ref = next((r for r in rows if r["row"] == ref_name and r["status"] == "ok"), None)
         if ref is not None:
             key = f"speedup_vs_{ref_name.replace('-', '_')}"
@@ -483,7 +650,7 @@ def table(rows: list[dict]) -> str:
                 f"| {r['ema_kind']}, every {r['ema_config']['every']} | {r['median_update_s'] * 1e3:.1f} ms | "
                 f"{r['ema_gib']} GiB {r['ema_dtype']} | {r['ema_device']} | {shares} |")
     lines = ["| row | s / batch (median) | runs | s / step | loop s | rest s | loop TFLOP/s | peak GiB (above "
-             "models) | vs diffusers / compiled | image diff (rel, mean levels) |",
+             "models) | vs diffusers / cudnn / compiled | image diff (rel, mean levels) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
@@ -491,7 +658,8 @@ def table(rows: list[dict]) -> str:
             continue
         peak = f"{r['peak_allocated_gib']} (+{r['peak_above_resident_gib']})" if "peak_allocated_gib" in r else "-"
         speed = " / ".join(f"{r[k]:.3f}x" if k in r else "-"
-                           for k in ("speedup_vs_diffusers", "speedup_vs_diffusers_compiled"))
+                           for k in ("speedup_vs_diffusers", "speedup_vs_diffusers_cudnn",
+                                     "speedup_vs_diffusers_compiled"))
         ok = "" if r["images_match"] else " MISMATCH"
         lines.append(f"| {r['row']} | {r['median_s']:.3f} | {', '.join(f'{t:.2f}' for t in r['run_s'])} | "
                      f"{r['step_s']:.4f} | {r['loop_s']:.2f} | {r['other_s']:.2f} | {r['loop_tflops']} | {peak} | "
@@ -515,6 +683,11 @@ def parse_args(argv=None):
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
     p.add_argument("--run-timeout-s", type=float, default=120.0, help="limit for one call")
     p.add_argument("--budget-s", type=float, default=270.0, help="rows that would end past this are not run")
+    p.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
+                   help="Dynamo backend of the fluxzero compile rows (the command's: inductor; eager: CPU smoke test)")
+    p.add_argument("--profile", action="store_true",
+                   help="after each row's timed calls, profile one denoising step: time by kind, into the row and "
+                        "<--out stem>_profile.txt")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "sample_speed.jsonl")
     p.add_argument("--ema", action="store_true", help="measure the trainer's EMA update instead of sampling")
     p.add_argument("--ema-updates", type=int, default=20, help="timed EMA updates")
@@ -550,6 +723,11 @@ def main(argv=None) -> int:
     rows = ema_rows(args, base, watchdog) if args.ema else sample_rows(args, base, watchdog, t0)
     print(f"[sample_speed] done in {time.monotonic() - t0:.0f} s; rows in {args.out}", flush=True)
     print(table(rows), flush=True)
+    if args.profile and not args.ema:
+        text = profile_table(rows)
+        path = args.out.with_name(args.out.stem + "_profile.txt")
+        path.write_text(f"{base['date']} {base['device']} {base['model']} {base['size']} px\n{text}\n")
+        print(text, flush=True)
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

@@ -5,6 +5,9 @@ from pathlib import Path
 
 import click
 
+# fluxzero.model.math.ATTENTION_BACKENDS' names, spelled here so `--help` needs no torch (tests/sampling checks they agree)
+ATTENTION_CHOICES = ("auto", "flash", "efficient", "cudnn", "math")
+CUDA_ONLY_ATTENTION = ("efficient", "cudnn")  # torch's CPU SDPA has flash and math only
 _DIR = click.Path(file_okay=False, path_type=str)
 _FILE = click.Path(dir_okay=False, path_type=Path)
 
@@ -179,6 +182,14 @@ def _check_lora_scale(lora, scale: float) -> None:
         raise click.UsageError("--lora-scale sets the strength of a --lora; pass --lora FILE or drop --lora-scale.")
 
 
+def _check_attention(attention: str, dev) -> None:
+    import torch
+
+    if attention in CUDA_ONLY_ATTENTION and torch.device(dev).type != "cuda":
+        raise click.BadParameter(f"{attention} attention runs on CUDA only, and this samples on {dev}; use auto "
+                                 "(or flash, math) here", param_hint="--attention")
+
+
 def _check_size(height: int, width: int) -> None:
     from ..sampling.sampler import size_hint
 
@@ -265,21 +276,33 @@ def _encode(encoders, prompts, negative_prompt):
                    "merged into WEIGHTS before sampling.")
 @click.option("--lora-scale", type=float, default=1.0, show_default=True,
               help="Strength of the --lora: its change to the weights times this (1 = as trained, 0 = none).")
+@click.option("--compile/--no-compile", "compile_blocks", default=False, show_default=True,
+              help="torch.compile every transformer block (as the trainer does). The first model call compiles "
+                   "(~30-60 s for FLUX.1 on a GPU, again for a new batch shape), so it can pay off only over many "
+                   "images; the GPU speed-up is in benchmarks/sample_speed.py's fluxzero-compile row.")
+@click.option("--attention", type=click.Choice(ATTENTION_CHOICES), default="auto", show_default=True,
+              help="SDPA kernels of the transformer's attention: auto = flash, then efficient, then math. cudnn "
+                   "is expected to be faster on Hopper for the forward pass (training keeps flash: cuDNN's backward "
+                   "gave non-finite gradients); measured by sample_speed.py's fluxzero-cudnn row. efficient and "
+                   "cudnn need a CUDA device.")
+@click.option("--grid/--no-grid", "write_grid", default=True, show_default=True,
+              help="Also write grid.png (a row per prompt, a column per seed).")
 @_device_options
 def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt, embeddings, flux_dir, vae, t5, clip,
            t5_tokenizer, clip_tokenizer, t5_max_length, width, height, steps, guidance, true_cfg, seeds, batch_size,
-           lora, lora_scale, device, dtype):
+           lora, lora_scale, compile_blocks, attention, write_grid, device, dtype):
     """Sample images from FLUX.1 transformer weights with the Euler flow sampler.
 
     WEIGHTS is any full transformer layout `fluxzero convert` reads (BFL or ComfyUI .safetensors, a
     diffusers folder). Prompts come as text (--prompt, --prompts; encoded with the T5 and CLIP folders)
     or pre-encoded (--embeddings). Writes one PNG per prompt and seed, with the sampling parameters in
-    its text chunks, and grid.png (a row per prompt, a column per seed).
+    its text chunks, and grid.png (a row per prompt, a column per seed; --no-grid leaves it out).
+    Faster: --compile, --attention cudnn (on Hopper), --batch-size; docs/sampling.md has the measurements.
     """
     from tqdm import tqdm
 
     from ..data.encode import T5_MAX_LENGTH
-    from ..sampling.pipeline import sample_images
+    from ..sampling.pipeline import prepare_model, sample_images
 
     _check_size(height, width)
     _check_lora_scale(lora, lora_scale)
@@ -293,6 +316,7 @@ def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt
     else:
         vae_dir = _vae_folder(vae, flux_dir)
     dev, dt = _device(device, dtype)
+    _check_attention(attention, dev)
     _make_folder(out_dir)
     vae_model = _load_vae(vae_dir, dev, dt)
 
@@ -304,13 +328,15 @@ def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt
         emb = _encode(encoders, prompts, negative_prompt if true_cfg > 1 else None)
         del encoders  # T5-XXL is ~9 GB in bf16: free it before sampling
     _check_dims(emb, cfg)
+    prepare_model(model, attention=attention, compile=compile_blocks)
     steps = steps or (28 if cfg.guidance_embed else 4)
     batches = -(-len(emb.prompts) * len(seeds) // batch_size)
     with tqdm(total=batches * steps, desc="sample", unit="step", dynamic_ncols=True) as bar:
         written = sample_images(model, vae_model, emb, out_dir, width=width, height=height, steps=steps,
                                 seeds=list(seeds), guidance=guidance, true_cfg=true_cfg, batch_size=batch_size,
-                                weights=str(Path(weights).resolve()), lora=lora_record, on_step=bar.update)
-    click.echo(f"wrote {len(written)} images and grid.png to {out_dir}")
+                                weights=str(Path(weights).resolve()), lora=lora_record, on_step=bar.update,
+                                write_grid=write_grid)
+    click.echo(f"wrote {len(written)} images{' and grid.png' if write_grid else ''} to {out_dir}")
 
 
 @click.command("encode-prompts")

@@ -1,24 +1,31 @@
 """Prompts x seeds -> PNG files: the loop `fluxzero sample` runs, public so training previews write the same files."""
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
+from ..model import compile as block_compile  # the module: tests swap its apply_compile
+from ..model.math import check_attention_backend
 from .embeddings import PromptEmbeddings
 from .images import grid, save_png
 from .sampler import sample
 from .vae import decode
 
+PNG_THREADS = min(4, os.cpu_count() or 1)  # a batch's PNGs and the grid at once; more buys nothing at 4 images
+
 
 def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None, *, width: int, height: int, steps: int,
                   seeds: Sequence[int], guidance: float = 3.5, true_cfg: float = 1.0, batch_size: int = 1,
                   weights: str | None = None, lora: dict | None = None,
-                  on_step: Callable[[], None] | None = None) -> list[Path]:
+                  on_step: Callable[[], None] | None = None, write_grid: bool = True) -> list[Path]:
     """Sample every prompt once per seed, write NNNN-pP-sS.png files (parameters in their text chunks) and
-    grid.png (a row per prompt, a column per seed) into out_dir; return the PNG paths in order. `lora` (the
-    LoRA merged into `model`: its path, layout, scale, ...) goes into the parameters as it is.
+    grid.png (a row per prompt, a column per seed; not with write_grid=False) into out_dir; return the PNG
+    paths in order. `lora` (the LoRA merged into `model`: its path, layout, scale, ...) goes into the
+    parameters as it is.
 
     Each image's noise comes from its own seed, so the files do not depend on batch_size. The negative
     prompt of `emb` is used when true_cfg > 1. `on_step()` is called after every Euler step of every
@@ -26,6 +33,11 @@ def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None,
     Under ZeRO-3 every rank must call this with the same arguments (the forward gathers parameters
     collectively); the others pass out_dir=None (and may pass vae=None): they run the model's forward passes
     and decode, write and return nothing.
+
+    The PNGs are encoded in a few threads (Pillow's encoder releases the GIL) while the next batch samples, so
+    only the last batch's PNGs and the grid wait at the end (lossless, Pillow's default level). Measured with
+    Pillow 13 on noisy images like a random-init model's: 0.16-0.21 s of CPU a 1024 px PNG, 0.32 s the 4096 x
+    1024 grid of four.
     """
     if out_dir is not None:
         out_dir = Path(out_dir)
@@ -36,28 +48,44 @@ def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None,
         raise ValueError("true_cfg > 1 needs a negative prompt in the embeddings; encode one with the prompts")
     jobs = [(p, s) for p in range(len(emb.prompts)) for s in seeds]  # row per prompt, column per seed
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    images, written = [], []
-    for start in range(0, len(jobs), batch_size):
-        batch = jobs[start:start + batch_size]
-        rows = torch.tensor([p for p, _ in batch])
-        latents = sample(
-            model, emb.t5[rows], emb.clip_pooled[rows], height=height, width=width, steps=steps, guidance=guidance,
-            seed=[s for _, s in batch], true_cfg=true_cfg, neg_txt=emb.neg_t5 if cfg_on else None,
-            neg_y=emb.neg_clip_pooled if cfg_on else None, callback=(lambda *_: on_step()) if on_step else None,
-        )
-        if out_dir is None:  # a ZeRO-3 peer: its part was the forward passes
-            continue
-        for (p, s), image in zip(batch, decode(vae, latents)):
-            params = {
-                "prompt": emb.prompts[p], "negative_prompt": emb.negative_prompt if cfg_on else None, "seed": s,
-                "steps": steps, "guidance": guidance if cfg.guidance_embed else None,
-                "true_cfg": true_cfg if cfg_on else None, "width": width, "height": height, "model": cfg.name,
-                "weights": weights, "sampler": "euler", "dtype": dtype,
-            }
-            if lora is not None:
-                params["lora"] = lora
-            written.append(save_png(image, out_dir / f"{len(written):04d}-p{p}-s{s}.png", params))
-            images.append(image)
-    if out_dir is not None:
-        grid(images, cols=len(seeds)).save(out_dir / "grid.png")
-    return written
+    images, pending = [], []
+    with ThreadPoolExecutor(max_workers=PNG_THREADS) as pool:
+        for start in range(0, len(jobs), batch_size):
+            batch = jobs[start:start + batch_size]
+            rows = torch.tensor([p for p, _ in batch])
+            latents = sample(
+                model, emb.t5[rows], emb.clip_pooled[rows], height=height, width=width, steps=steps,
+                guidance=guidance, seed=[s for _, s in batch], true_cfg=true_cfg,
+                neg_txt=emb.neg_t5 if cfg_on else None, neg_y=emb.neg_clip_pooled if cfg_on else None,
+                callback=(lambda *_: on_step()) if on_step else None,
+            )
+            if out_dir is None:  # a ZeRO-3 peer: its part was the forward passes
+                continue
+            for (p, s), image in zip(batch, decode(vae, latents)):
+                params = {
+                    "prompt": emb.prompts[p], "negative_prompt": emb.negative_prompt if cfg_on else None, "seed": s,
+                    "steps": steps, "guidance": guidance if cfg.guidance_embed else None,
+                    "true_cfg": true_cfg if cfg_on else None, "width": width, "height": height, "model": cfg.name,
+                    "weights": weights, "sampler": "euler", "dtype": dtype,
+                }
+                if lora is not None:
+                    params["lora"] = lora
+                pending.append(pool.submit(save_png, image, out_dir / f"{len(pending):04d}-p{p}-s{s}.png", params))
+                if write_grid:
+                    images.append(image)
+        if out_dir is not None and write_grid:
+            pool.submit(lambda: grid(images, cols=len(seeds)).save(out_dir / "grid.png")).result()  # beside the last PNGs
+        return [f.result() for f in pending]  # in order; a failed write raises here
+
+
+def prepare_model(model, *, attention: str | None = None, compile: bool = False, backend: str = "inductor") -> None:
+    """What `fluxzero sample --attention/--compile` does to the loaded model before sampling, in place:
+    `attention` (None: leave the model's) switches every block's SDPA backend (Flux.set_attention); `compile`
+    compiles every block with the trainer's helper (fluxzero.model.compile.apply_compile: one graph per block
+    class, compiled at the first call, ~30-60 s for FLUX.1 on an H200, again for each new batch shape). `backend`:
+    Dynamo's, as the trainer's `compile.backend` (`eager` / `aot_eager` only for tests and debugging)."""
+    if attention is not None:
+        model.set_attention(check_attention_backend(attention))
+    if compile:
+        block_compile.apply_compile(model, backend=backend)
+

@@ -8,11 +8,14 @@ the same Euler update and true-CFG combination.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
+from torch.nn.attention import sdpa_kernel
 
+from ..model.math import ATTENTION_BACKENDS
 from ..model.packing import img_ids as make_img_ids
 from ..model.packing import pack, unpack
 from .schedule import image_tokens, sigmas as make_sigmas
@@ -74,6 +77,17 @@ def _batch_rows(t: Tensor, batch: int, name: str) -> Tensor:
     raise ValueError(f"{name} has {t.shape[0]} rows for {batch} images; give one row per image or a single row")
 
 
+def _model_sdpa_flags(model):
+    """torch's SDPA flags set to what the model's attention allows, for the whole loop: each attention call
+    then finds them matching and skips its own `sdpa_kernel` (fluxzero.model.math.attention; ~60 calls a
+    step). The same kernels either way, so the same numbers; the flags are restored after the loop, so the
+    VAE decode and anything else outside it see the process's own."""
+    name = getattr(model, "attention", None)
+    if name not in ATTENTION_BACKENDS:  # not a Flux (a wrapper, a stand-in): the blocks choose per call
+        return contextlib.nullcontext()
+    return sdpa_kernel(ATTENTION_BACKENDS[name])
+
+
 @torch.no_grad()
 def sample(model: torch.nn.Module, txt: Tensor, y: Tensor, *, height: int, width: int, steps: int,
            guidance: float = 3.5, seed: int | Sequence[int] | None = None,
@@ -130,8 +144,10 @@ def sample(model: torch.nn.Module, txt: Tensor, y: Tensor, *, height: int, width
     sig_dev = sig.to(device)
 
     was_training = model.training
+    stack = contextlib.ExitStack()
     model.eval()
     try:
+        stack.enter_context(_model_sdpa_flags(model))
         x = pack(noise.to(device, dtype))  # (B, HW/256, 64)
         for i in range(steps):
             # timesteps in float32, as the trainer feeds them (diffusers and BFL round t to the model dtype
@@ -147,5 +163,6 @@ def sample(model: torch.nn.Module, txt: Tensor, y: Tensor, *, height: int, width
             if callback is not None:
                 callback(i + 1, steps, float(sig[i + 1]), x)
     finally:
+        stack.close()
         model.train(was_training)
     return unpack(x, h, w)  # (B, 16, H/8, W/8)

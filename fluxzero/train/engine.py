@@ -20,6 +20,7 @@ from deepspeed.accelerator import get_accelerator
 
 from fluxzero.config import ModelConfig
 from fluxzero.config.ds_view import DSView
+from fluxzero.model.compile import apply_compile
 from fluxzero.train.distributed import TrainingError, broadcast_objects
 
 
@@ -317,32 +318,6 @@ def apply_fp8(model: torch.nn.Module, recipe: str, stage: int = 0) -> int:
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
                                module_filter_fn=fp8_layer)
     return len(names)
-
-
-def apply_compile(model, mode: str = "default", backend: str = "inductor") -> int:
-    """torch.compile every transformer block (double and single); returns how many. Call it before
-    apply_activation_checkpointing.
-
-    Applied from outside, like checkpointing: each block's forward is replaced by a compiled callable, so
-    parameter names, state dicts and checkpoints do not change and the model stays plain PyTorch. One
-    compiled function per block class, with the block as its first argument: all blocks of a class share
-    its graphs (Dynamo treats the module and its parameters as inputs), two graphs for the whole model.
-
-    Order with checkpointing: checkpoint(compiled block). torch.utils.checkpoint (non-reentrant) and
-    deepspeed.checkpointing then recompute through the compiled code, at every ZeRO stage. Under ZeRO-3 call
-    zero3_leaf_blocks too, or DeepSpeed's per-submodule hooks split every block's graph.
-    """
-    kwargs = {"backend": backend}
-    if backend == "inductor":
-        kwargs["mode"] = mode
-    blocks = list(model.double_blocks) + list(model.single_blocks)
-    compiled = {}
-    for block in blocks:
-        cls = type(block)
-        if cls not in compiled:
-            compiled[cls] = torch.compile(cls.forward, **kwargs)
-        block.forward = functools.partial(compiled[cls], block)
-    return len(blocks)
 
 
 def zero3_leaf_blocks(model) -> int:

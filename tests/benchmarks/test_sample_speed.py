@@ -72,3 +72,44 @@ def test_ema_update_cpu_smoke(tmp_path):
     assert r["ema_bytes"] == 4 * r["ema_numel"] and r["updates"] == 3 and r["median_update_s"] > 0
     assert r["check"].startswith("ok: "), r["check"]  # one more update against a reference computed apart
     assert "| EMA update |" in p.stdout
+
+
+def test_sample_speed_speed_option_rows_and_profile(tmp_path):
+    """The rows of the command's speed options (--compile, --attention cudnn, all at once) and diffusers under
+    cuDNN attention, each with --profile: the options reach the model, the images stay the first row's (fp32:
+    cuDNN runs as math on the CPU, compiled blocks compute what eager ones do), and the profile table is written.
+    Dynamo's eager backend: the wiring, in seconds (Inductor's numbers: tests/sampling/test_sampling.py)."""
+    bench = _bench()
+    out = tmp_path / "rows.jsonl"
+    rows_run = ["fluxzero", "fluxzero-compile", "fluxzero-cudnn", "fluxzero-fast", "diffusers-cudnn"]
+    assert bench.main([*SMOKE, "--rows", ",".join(rows_run), "--profile", "--compile-backend", "eager",
+                       "--out", str(out)]) == 0
+    rows = _rows(out)
+    assert list(rows) == [*rows_run, "summary"]
+    for name in rows_run:
+        r = rows[name]
+        assert r["status"] == "ok" and r["images_match"] and r["image_max_abs_levels"] <= 1, (name, r)
+        p = r["profile"]
+        assert p["timing"] == "CPU operator self time" and p["wall_ms"] > 0 and p["events"] > 0
+        assert set(p["ms"]) == {"attention", "matmul", "other", "host_gaps"} and p["ms"]["matmul"] > 0
+        assert abs(sum(p["ms"].values()) - p["wall_ms"]) <= 0.01 * p["wall_ms"] + 0.01 or p["ms"]["host_gaps"] == 0
+    assert rows["fluxzero-compile"]["options"] == dict(batch_size=1, compile=True, attention="auto", grid=True)
+    assert rows["fluxzero-fast"]["options"] == dict(batch_size=4, compile=True, attention="math", grid=False)
+    assert rows["fluxzero-cudnn"]["options"]["attention"] == "math"  # no cuDNN attention on the CPU
+    assert rows["diffusers-cudnn"]["options"]["cudnn"] and rows["fluxzero-fast"]["calls"] == 1
+    assert set(rows["summary"]["speedup_vs_diffusers_cudnn"]) == set(rows_run)
+    text = (tmp_path / "rows_profile.txt").read_text()
+    assert "| fluxzero-fast | 2 |" in text and "top kernels" in text
+
+
+def test_compile_rows_count_their_compile_in_the_budget():
+    bench = _bench()
+    args = bench.parse_args(["--device", "cpu", "--budget-s", "100", "--runs", "1", "--steps", "28"])
+    import time
+
+    t0 = time.monotonic()
+    assert bench.fits("fluxzero-cudnn", args, t0, 20.0)  # ~21 s: fits
+    assert not bench.fits("fluxzero-compile", args, t0, 20.0)  # + the compile allowance: does not
+    assert not bench.fits("fluxzero-fast", args, t0, 20.0)
+    args.profile = True
+    assert bench.fits("fluxzero-cudnn", args, t0, 20.0)

@@ -12,6 +12,7 @@ give uint8 pixels that differ only where a value sits on a rounding boundary: at
 """
 from __future__ import annotations
 
+import functools
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ import torch
 from click.testing import CliRunner
 
 from fluxzero.cli import main
+from fluxzero.config import get_model_config
 from fluxzero.model import weights as W
 from fluxzero.sampling import initial_noise, sample
 from fluxzero.sampling import schedule as S
@@ -358,6 +360,8 @@ def test_sample_bad_input_is_one_sentence(files, tmp_path):
         ([*base, "--embeddings", weights, "--flux-dir", flux], "is not a fluxzero prompt-embeddings file"),
         (["sample", weights, "--out", tmp_path / "file" / "o", "--embeddings", small, "--flux-dir", flux],
          "Invalid value for --out: cannot create"),
+        ([*base, "--prompt", "a cat", "--flux-dir", flux, "--attention", "cudnn"],
+         "Invalid value for --attention: cudnn attention runs on CUDA only, and this samples on cpu"),
     ]
     for args, message in cases:
         r = _run(*args[:1], *CLI_SIZE, *args[1:])  # the case's own options come last and win
@@ -365,6 +369,79 @@ def test_sample_bad_input_is_one_sentence(files, tmp_path):
         text = " ".join(r.output.split())  # Click wraps long messages
         assert message in text and "Traceback" not in text, (message, r.output)
         assert text.count("Error:") == 1
+
+
+# ------------------------------------------------------------------------------------------ the speed options
+def test_compiled_blocks_sample_what_eager_ones_do():
+    """--compile's helper (the trainer's apply_compile, Inductor on CPU) against the eager model, fp32, 2 steps.
+    Tolerance rel 1e-5 as for the parity tests above: Inductor fuses the pointwise ops and may reassociate the
+    norms' reductions, ~1e-7 per forward (measured 8e-8 after 2 steps), while a block that compiled into other
+    work (a dropped modulation, a wrong attention mask) moves the latents by > 1e-2."""
+    from fluxzero.model import build_model
+    from fluxzero.sampling.pipeline import prepare_model
+
+    torch.manual_seed(0)
+    model = build_model("flux-tiny").eval()
+    g = torch.Generator().manual_seed(1)
+    txt, y = torch.randn(2, 8, model.config.context_in_dim, generator=g), torch.randn(2, model.config.vec_in_dim, generator=g)
+    eager = sample(model, txt, y, height=32, width=48, steps=2, seed=[1, 2])
+    prepare_model(model, attention="math", compile=True)
+    assert model.attention == "math" and all(b.attention == "math" for b in model.single_blocks)
+    assert all(isinstance(b.__dict__.get("forward"), functools.partial) for b in model.double_blocks)
+    compiled = sample(model, txt, y, height=32, width=48, steps=2, seed=[1, 2])
+    assert rel_err(compiled, eager) <= RTOL
+
+
+def test_sampler_sets_the_models_sdpa_flags_for_the_loop_only(setup):
+    """The loop runs under the model's attention flags (each call then skips its own sdpa_kernel) and leaves
+    torch's process-wide flags as it found them; the numbers are the per-call path's."""
+    cfg, ours, _, _, emb = setup
+    b = torch.backends.cuda
+    before = (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(), b.cudnn_sdp_enabled())
+    seen = []
+    out = run_ours(ours, emb, callback=lambda *_: seen.append((b.flash_sdp_enabled(), b.cudnn_sdp_enabled())))
+    assert seen[0] == (True, False)  # "auto" = flash, efficient, math: cuDNN off inside the loop
+    assert (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(), b.cudnn_sdp_enabled()) == before
+
+    class Wrapped(torch.nn.Module):  # no `attention` name: every call chooses its kernels itself, as before
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, **kw):
+            return self.inner(**kw)
+
+    assert torch.equal(run_ours(Wrapped(ours), emb), out)
+
+
+def test_attention_choices_are_the_models():
+    from fluxzero.commands.sample import ATTENTION_CHOICES
+    from fluxzero.model.math import ATTENTION_BACKENDS
+
+    assert ATTENTION_CHOICES == tuple(ATTENTION_BACKENDS)
+
+
+def test_sample_command_speed_options(files, tmp_path, monkeypatch):
+    """--compile, --attention and --no-grid reach the model and the files; the images stay the default's.
+    Compiled with Dynamo's eager backend here (the wiring; Inductor's numbers are the test above's)."""
+    import fluxzero.model.compile as C
+
+    flux, weights = files
+    calls = []
+    real = C.apply_compile
+    monkeypatch.setattr(C, "apply_compile", lambda model, backend: calls.append((real(model, backend="eager"), backend)))
+    args = ["--flux-dir", flux, "--prompt", "a red cat", "--seed", "1", "--seed", "2", *CLI_SIZE]
+    r = _run("sample", weights, "--out", tmp_path / "plain", *args)
+    assert r.exit_code == 0 and "images and grid.png" in r.output, r.output
+    assert calls == []  # the defaults: eager, "auto" attention, a grid
+    r = _run("sample", weights, "--out", tmp_path / "fast", *args, "--compile", "--attention", "math", "--no-grid")
+    assert r.exit_code == 0 and "wrote 2 images to" in r.output, r.output
+    tiny = get_model_config("flux-tiny")
+    assert calls == [(tiny.depth + tiny.depth_single_blocks, "inductor")]  # every block compiled, once
+    assert sorted(p.name for p in (tmp_path / "fast").iterdir()) == ["0000-p0-s1.png", "0001-p0-s2.png"]
+    for name in ("0000-p0-s1.png", "0001-p0-s2.png"):  # fp32: math and flash kernels agree to ~1e-7
+        assert (_pixels(tmp_path / "fast" / name).int() - _pixels(tmp_path / "plain" / name).int()).abs().max() <= 1
+        assert read_png_params(tmp_path / "fast" / name) == read_png_params(tmp_path / "plain" / name)
 
 
 def test_sampling_needs_no_deepspeed():
