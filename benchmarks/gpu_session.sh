@@ -118,5 +118,10 @@ M)  # issue 22 target 6: the EMA update replayed as a CUDA graph (against the ke
   timeout 200 python3 benchmarks/sweep.py --name lora1024prof --model flux-dev --lora-rank 16 --ds-json $R/lora1024.json \
      --res 1024 --profile --warmup 2 --steps 2 --workers 4 --budget 190 --out $R > $R/lora_prof.out 2>&1; tail -30 $R/lora_prof.out
   ;;
+N)  # issue 22 target 6: fluxzero sample's speed options (compile, cuDNN attention, batch 4, no grid) vs FluxPipeline
+    # eager and under cuDNN attention, each with one profiled denoising step
+  timeout 300 python3 benchmarks/sample_speed.py --rows diffusers,fluxzero-fast,fluxzero-cudnn,diffusers-cudnn,fluxzero-compile,fluxzero \
+     --runs 2 --profile --budget-s 275 --out $R/sample_speed.jsonl > $R/sample_n.log 2>&1; tail -30 $R/sample_n.log
+  ;;
 esac
 tar czf $OUTDIR/results_$1.tgz -C $R .
