@@ -13,8 +13,8 @@ one VAE (diffusers AutoencoderKL with FLUX.1's shapes, random init); random T5 (
 pooled (images x 768) embeddings; seed 0 for every image. Rows, in the order they run:
   fluxzero            the loop `fluxzero sample` runs (fluxzero.sampling.pipeline.sample_images, called as
                       fluxzero/commands/sample.py calls it) at the command's defaults: --batch-size 1 (one
-                      image per model call), the model as load_model builds it (attention "auto", eager: the
-                      command has no compile option), PNGs and grid.png written to a temporary folder.
+                      image per model call), attention "any" (torch's choice: cuDNN's kernel on Hopper),
+                      eager, PNGs and grid.png written to a temporary folder.
   diffusers           FluxPipeline(FLUX.1-dev's scheduler config, vae, transformer, no text encoders) called
                       with prompt_embeds / pooled_prompt_embeds, guidance_scale 3.5, output_type "pil", as a
                       diffusers user runs it (eager), each image then saved as a PNG.
@@ -22,6 +22,8 @@ pooled (images x 768) embeddings; seed 0 for every image. Rows, in the order the
   fluxzero-compile    the command with --compile: every block compiled by the trainer's helper
                       (fluxzero.sampling.pipeline.prepare_model, as the command calls it); the warm-up compiles.
   fluxzero-cudnn      the command with --attention cudnn (on the CPU, which has no cuDNN attention: math).
+  fluxzero-flash      the command with --attention auto (flash first: the trainer's, and the command's default
+                      before 2026-12-04).
   fluxzero-fast       --compile --attention cudnn --batch-size 4 --no-grid: every speed option at once.
   diffusers           ... (above); diffusers-cudnn: the same call inside sdpa_kernel([cuDNN, flash, efficient,
                       math], set_priority=True), so its transformer takes cuDNN attention; the VAE's head dim
@@ -93,10 +95,11 @@ import provenance  # noqa: E402 - needs the lines above
 
 # fluxzero rows: the command's options (--batch-size, --compile, --attention, --grid) for each
 FLUXZERO_ROWS = {
-    "fluxzero": dict(batch_size=1, compile=False, attention="auto", grid=True),
-    "fluxzero-batch4": dict(batch_size=4, compile=False, attention="auto", grid=True),
-    "fluxzero-compile": dict(batch_size=1, compile=True, attention="auto", grid=True),
+    "fluxzero": dict(batch_size=1, compile=False, attention="any", grid=True),
+    "fluxzero-batch4": dict(batch_size=4, compile=False, attention="any", grid=True),
+    "fluxzero-compile": dict(batch_size=1, compile=True, attention="any", grid=True),
     "fluxzero-cudnn": dict(batch_size=1, compile=False, attention="cudnn", grid=True),
+    "fluxzero-flash": dict(batch_size=1, compile=False, attention="auto", grid=True),
     "fluxzero-fast": dict(batch_size=4, compile=True, attention="cudnn", grid=False),
 }
 ROWS = (*FLUXZERO_ROWS, "diffusers", "diffusers-cudnn", "diffusers-compiled")

@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 # fluxzero.model.math.ATTENTION_BACKENDS' names, spelled here so `--help` needs no torch (tests/sampling checks they agree)
-ATTENTION_CHOICES = ("auto", "flash", "efficient", "cudnn", "math")
+ATTENTION_CHOICES = ("auto", "any", "flash", "efficient", "cudnn", "math")
 CUDA_ONLY_ATTENTION = ("efficient", "cudnn")  # torch's CPU SDPA has flash and math only
 _DIR = click.Path(file_okay=False, path_type=str)
 _FILE = click.Path(dir_okay=False, path_type=Path)
@@ -280,11 +280,11 @@ def _encode(encoders, prompts, negative_prompt):
               help="torch.compile every transformer block (as the trainer does). The first model call compiles "
                    "(~30-60 s for FLUX.1 on a GPU, again for a new batch shape), so it can pay off only over many "
                    "images; the GPU speed-up is in benchmarks/sample_speed.py's fluxzero-compile row.")
-@click.option("--attention", type=click.Choice(ATTENTION_CHOICES), default="auto", show_default=True,
-              help="SDPA kernels of the transformer's attention: auto = flash, then efficient, then math. cudnn "
-                   "is expected to be faster on Hopper for the forward pass (training keeps flash: cuDNN's backward "
-                   "gave non-finite gradients); measured by sample_speed.py's fluxzero-cudnn row. efficient and "
-                   "cudnn need a CUDA device.")
+@click.option("--attention", type=click.Choice(ATTENTION_CHOICES), default="any", show_default=True,
+              help="SDPA kernels of the transformer's attention: any = torch's own choice (cuDNN's on Hopper, as "
+                   "FluxPipeline gets; 2x flash's speed there for the forward pass, 2026-12-04), auto = flash, "
+                   "then efficient, then math (the trainer's: cuDNN's backward gave non-finite gradients). "
+                   "efficient and cudnn need a CUDA device.")
 @click.option("--grid/--no-grid", "write_grid", default=True, show_default=True,
               help="Also write grid.png (a row per prompt, a column per seed).")
 @_device_options

@@ -93,7 +93,7 @@ def test_sample_speed_speed_option_rows_and_profile(tmp_path):
         assert p["timing"] == "CPU operator self time" and p["wall_ms"] > 0 and p["events"] > 0
         assert set(p["ms"]) == {"attention", "matmul", "other", "host_gaps"} and p["ms"]["matmul"] > 0
         assert abs(sum(p["ms"].values()) - p["wall_ms"]) <= 0.01 * p["wall_ms"] + 0.01 or p["ms"]["host_gaps"] == 0
-    assert rows["fluxzero-compile"]["options"] == dict(batch_size=1, compile=True, attention="auto", grid=True)
+    assert rows["fluxzero-compile"]["options"] == dict(batch_size=1, compile=True, attention="any", grid=True)
     assert rows["fluxzero-fast"]["options"] == dict(batch_size=4, compile=True, attention="math", grid=False)
     assert rows["fluxzero-cudnn"]["options"]["attention"] == "math"  # no cuDNN attention on the CPU
     assert rows["diffusers-cudnn"]["options"]["cudnn"] and rows["fluxzero-fast"]["calls"] == 1
