@@ -3,15 +3,33 @@
 With optimizer offload and `bf16_master_weights_and_grads` + `bf16_optimizer_states`, ZeRO 1-3 keep the master
 partition and its gradient in bf16 in host memory and hand them to the client optimizer (one flat 1-D tensor per
 group or ZeRO-3 sub-group). This optimizer steps them in chunks of HOST_STEP_CHUNK elements, so its fp32
-temporaries stay a few hundred MB whatever the partition (FLUX.1-dev: 11.9e9 elements at one GPU); each chunk's
-ops are torch's multi-threaded CPU kernels (intra-op threads: torch.get_num_threads()).
+temporaries stay a few hundred MB whatever the partition (FLUX.1-dev: 11.9e9 elements at one GPU). A chunk's
+update is one function (_step_bf16_ / _step_8bit_) that Inductor compiles into one C++/OpenMP kernel (_fused_step:
+one vectorized, parallel loop nest instead of ~40 passes of torch's ops over chunk-sized temporaries), or that runs
+eagerly as torch's multi-threaded CPU ops where Inductor finds no C++ compiler, with compiled=False, or with the
+environment variable FLUXZERO_HOST_OPTIM_EAGER=1 (the test suite's default). Both give bit-identical weights and
+states (tests/train/test_host_optim.py). Everything compiles, the 8-bit lookups included; the 8-bit states' short
+last block of a partition (< 256 values) steps eagerly.
+
+Measured on THIS 2-CORE DEVELOPMENT MACHINE, shared with other jobs (load 2-5 during the runs: +-50%), with
+`benchmarks/cpu_adam_speed.py --params 5e7 --steps 3 --no-deepspeed`, OMP_NUM_THREADS 1 / 2, seconds a step
+(median of 3), 2026-12-04; "before" is the eager chunk loop this replaced:
+                          1 thread                       2 threads
+  cpu-bf16-sr       before 1.96  compiled 0.24  eager 4.15   before 10.5  compiled 0.17  eager 1.09
+  cpu-adamw8bit-sr  before 1.82  compiled 1.18  eager 2.36   before 6.06  compiled 0.55  eager 1.18
+  torch AdamW fp32  fused 0.036-0.040, foreach 0.25-0.31
+The bf16 kernel runs at ~5 ns a value on one thread; the 8-bit one at ~20: its four 65536-entry table lookups and
+two 256-entry map lookups a value are scalar gathers in Inductor's C++ (a (blocks, 256) layout for whole blocks
+took the dequantization from 15 to 3 ns a value: with a dynamic 1-D length every scale index was an integer
+division). The first step compiles (10-30 s a state format on a cold cache, ~3 s from Inductor's disk cache). The
+chunk length was not tuned: 2^16, 2^20 and 2^22 gave no consistent order on this loaded machine (`--chunk`).
 
 Per chunk, in fp32: m and v updated as in torch's AdamW, the weight decayed and moved by the bias-corrected step,
 then written back to bf16 by stochastic rounding (an AdamW step at fine-tuning lr is under half a bf16 ulp of
 most weights: round-to-nearest loses it, see fluxzero.train.optim). m and v are kept either
   "bf16"  in bf16, stochastically rounded too (v's EMA moves 0.1% a step at beta2 0.999, under half an ulp), or
   "8bit"  blockwise 8-bit with one fp32 scale per 256 values, signed / unsigned dynamic maps (torchao's AdamW8bit
-          format and its create_dynamic_map, scale_tensor and dequant_with_qmap, called eagerly on chunks; a
+          format and its create_dynamic_map, scale_tensor and dequant_with_qmap, compiled with the rest; a
           partition that is not a multiple of 256 gets a short last block). The nearest code comes from a 65536-entry
           table on the value's top 16 bits (nearest_codes: 20-40x faster than torchao's eager quantizer here).
 The update itself uses the unquantized fp32 m and v of this step, as torchao's does.
