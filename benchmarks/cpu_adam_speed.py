@@ -1,13 +1,15 @@
 """One optimizer-offload step on this machine's CPU: torch.optim.AdamW (what gen-config writes with
 `"torch_adam": true`, fused and foreach) against DeepSpeedCPUAdam (`--adam-impl cpu`), and the host optimizer modes
-(cpu-bf16-sr, cpu-adamw8bit-sr: fluxzero.train.host_optim.HostAdamW on a bf16 copy of the partition).
+(cpu-bf16-sr, cpu-adamw8bit-sr: fluxzero.train.host_optim.HostAdamW on a bf16 copy of the partition), each with
+its compiled chunk kernel and with its eager fallback (two rows; the compile happens in the untimed first step,
+reported as first_step_s).
 
 What ZeRO-Offload's CPU step does, on one flat fp32 partition of N parameters (its gradient filled in, as
 the reduced gradients arrive in pinned host memory): one `optimizer.step()`. Each optimizer takes one
 untimed step first (state allocation; DeepSpeedCPUAdam's JIT build, ~2 minutes the first time, happens at
 construction and is timed apart), then the median of --steps timed steps.
 
-    python benchmarks/cpu_adam_speed.py --params 250e6 --steps 3 --out $OUT [--no-deepspeed]
+    python benchmarks/cpu_adam_speed.py --params 250e6 --steps 3 --out $OUT [--no-deepspeed] [--chunk 65536]
 
 Writes cpu_adam_<host CPU count>cpu.json under --out. The ratio holds for the machine it ran on: a 2-core
 development machine says little about a GPU host's many-core CPUs (DeepSpeedCPUAdam's AVX kernel and
@@ -39,6 +41,7 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=250e6, help="fp32 parameters in the flat partition")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--chunk", type=float, default=0, help="HostAdamW's elements per chunk (0: HOST_STEP_CHUNK)")
     ap.add_argument("--no-deepspeed", action="store_true", help="leave out DeepSpeedCPUAdam (and its JIT build)")
     a = ap.parse_args()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_extensions"))
@@ -55,22 +58,30 @@ def main() -> None:
         opt = make()
         times = step_times(opt, [p], a.steps)
         rows[name] = {"median_s": statistics.median(times), "times_s": times}
-        print(f"{name:<28} {statistics.median(times):7.3f} s / step", flush=True)
+        print(f"{name:<44} {statistics.median(times):7.3f} s / step", flush=True)
         del opt
     from fluxzero.train.optim import OptimModeError, build_optimizer
 
     pb = torch.nn.Parameter(p.detach().bfloat16())  # the host modes step bf16 masters and gradients
     pb.grad = p.grad.bfloat16()
     for mode in ("cpu-bf16-sr", "cpu-adamw8bit-sr"):
-        try:
-            opt = build_optimizer([pb], mode, **kw)
-        except OptimModeError as e:  # torchao missing
-            print(f"{mode:<28} skipped: {e}", flush=True)
-            continue
-        times = step_times(opt, [pb], a.steps)
-        rows[f"HostAdamW ({mode})"] = {"median_s": statistics.median(times), "times_s": times}
-        print(f"{'HostAdamW (' + mode + ')':<28} {statistics.median(times):7.3f} s / step", flush=True)
-        del opt
+        for compiled in (True, False):  # HostAdamW's compiled chunk kernel and its eager fallback, one row each
+            try:
+                opt = build_optimizer([pb], mode, **kw)
+            except OptimModeError as e:  # torchao missing
+                print(f"{mode:<28} skipped: {e}", flush=True)
+                break
+            opt.compiled = compiled
+            if a.chunk:
+                opt.chunk = int(a.chunk)
+            t = time.perf_counter()
+            times = step_times(opt, [pb], a.steps)
+            first = time.perf_counter() - t - sum(times)  # the untimed step: state allocation, and the compile
+            name = f"HostAdamW ({mode}, {'compiled' if compiled else 'eager'})"
+            rows[name] = {"median_s": statistics.median(times), "times_s": times, "first_step_s": first,
+                          "chunk": opt.chunk}
+            print(f"{name:<44} {statistics.median(times):7.3f} s / step (first step {first:.1f} s)", flush=True)
+            del opt
     if not a.no_deepspeed:
         t0 = time.perf_counter()
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -79,11 +90,11 @@ def main() -> None:
         build = time.perf_counter() - t0
         times = step_times(opt, [p], a.steps)
         rows["DeepSpeedCPUAdam"] = {"median_s": statistics.median(times), "times_s": times, "build_s": build}
-        print(f"{'DeepSpeedCPUAdam':<28} {statistics.median(times):7.3f} s / step (construction incl. JIT build "
+        print(f"{'DeepSpeedCPUAdam':<44} {statistics.median(times):7.3f} s / step (construction incl. JIT build "
               f"{build:.0f} s)", flush=True)
     result = {"params": n, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
               "processor": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
+              "chunk_arg": a.chunk, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
     try:
         import deepspeed
 

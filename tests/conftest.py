@@ -60,3 +60,7 @@ def pytest_collection_finish(session):
     # 2-core machine two spinning threads per process cost CPU time the other processes need. Set after collection,
     # once this process has imported torch with its own default.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # HostAdamW (the cpu-* optimizer modes) steps eagerly in this process and its children unless a test asks for
+    # its compiled kernel: Inductor's C++ build costs 10-30 s of CPU a process. FLUXZERO_HOST_OPTIM_EAGER=0 pytest
+    # ... runs them all compiled.
+    os.environ.setdefault("FLUXZERO_HOST_OPTIM_EAGER", "1")

@@ -3,15 +3,33 @@
 With optimizer offload and `bf16_master_weights_and_grads` + `bf16_optimizer_states`, ZeRO 1-3 keep the master
 partition and its gradient in bf16 in host memory and hand them to the client optimizer (one flat 1-D tensor per
 group or ZeRO-3 sub-group). This optimizer steps them in chunks of HOST_STEP_CHUNK elements, so its fp32
-temporaries stay a few hundred MB whatever the partition (FLUX.1-dev: 11.9e9 elements at one GPU); each chunk's
-ops are torch's multi-threaded CPU kernels (intra-op threads: torch.get_num_threads()).
+temporaries stay a few hundred MB whatever the partition (FLUX.1-dev: 11.9e9 elements at one GPU). A chunk's
+update is one function (_step_bf16_ / _step_8bit_) that Inductor compiles into one C++/OpenMP kernel (_fused_step:
+one vectorized, parallel loop nest instead of ~40 passes of torch's ops over chunk-sized temporaries), or that runs
+eagerly as torch's multi-threaded CPU ops where Inductor finds no C++ compiler, with compiled=False, or with the
+environment variable FLUXZERO_HOST_OPTIM_EAGER=1 (the test suite's default). Both give bit-identical weights and
+states (tests/train/test_host_optim.py). Everything compiles, the 8-bit lookups included; the 8-bit states' short
+last block of a partition (< 256 values) steps eagerly.
+
+Measured on THIS 2-CORE DEVELOPMENT MACHINE, shared with other jobs (load 2-5 during the runs: +-50%), with
+`benchmarks/cpu_adam_speed.py --params 5e7 --steps 3 --no-deepspeed`, OMP_NUM_THREADS 1 / 2, seconds a step
+(median of 3), 2026-12-04; "before" is the eager chunk loop this replaced:
+                          1 thread                       2 threads
+  cpu-bf16-sr       before 1.96  compiled 0.24  eager 4.15   before 10.5  compiled 0.17  eager 1.09
+  cpu-adamw8bit-sr  before 1.82  compiled 1.18  eager 2.36   before 6.06  compiled 0.55  eager 1.18
+  torch AdamW fp32  fused 0.036-0.040, foreach 0.25-0.31
+The bf16 kernel runs at ~5 ns a value on one thread; the 8-bit one at ~20: its four 65536-entry table lookups and
+two 256-entry map lookups a value are scalar gathers in Inductor's C++ (a (blocks, 256) layout for whole blocks
+took the dequantization from 15 to 3 ns a value: with a dynamic 1-D length every scale index was an integer
+division). The first step compiles (10-30 s a state format on a cold cache, ~3 s from Inductor's disk cache). The
+chunk length was not tuned: 2^16, 2^20 and 2^22 gave no consistent order on this loaded machine (`--chunk`).
 
 Per chunk, in fp32: m and v updated as in torch's AdamW, the weight decayed and moved by the bias-corrected step,
 then written back to bf16 by stochastic rounding (an AdamW step at fine-tuning lr is under half a bf16 ulp of
 most weights: round-to-nearest loses it, see fluxzero.train.optim). m and v are kept either
   "bf16"  in bf16, stochastically rounded too (v's EMA moves 0.1% a step at beta2 0.999, under half an ulp), or
   "8bit"  blockwise 8-bit with one fp32 scale per 256 values, signed / unsigned dynamic maps (torchao's AdamW8bit
-          format and its create_dynamic_map, scale_tensor and dequant_with_qmap, called eagerly on chunks; a
+          format and its create_dynamic_map, scale_tensor and dequant_with_qmap, compiled with the rest; a
           partition that is not a multiple of 256 gets a short last block). The nearest code comes from a 65536-entry
           table on the value's top 16 bits (nearest_codes: 20-40x faster than torchao's eager quantizer here).
 The update itself uses the unquantized fp32 m and v of this step, as torchao's does.
@@ -29,15 +47,21 @@ build_optimizer, which checks torchao and, at the first step, that the tensors r
 """
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import os
 
 import torch
 
 from fluxzero.config.optim_modes import HOST_STEP_CHUNK, QUANT_BLOCK
 from fluxzero.train.optim_state import ExactStateMixin
-from fluxzero.train.rounding import counter_noise, mix32, round_with_noise
+from fluxzero.train.rounding import _i32, counter_noise, mix32, round_with_noise
+
+log = logging.getLogger(__name__)
 
 STATE_FORMATS = ("bf16", "8bit")
+EAGER_ENV = "FLUXZERO_HOST_OPTIM_EAGER"  # "1": HostAdamW steps eagerly (the test suite: a compile is 10-30 s a process)
 _SEED = 0x5EED  # the rounding noise's key is (this, the state's stream, the step, m / v / weights)
 
 
@@ -47,13 +71,15 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
     fp32_optimizer_states = False  # read by DeepSpeed's bf16_optimizer_states check: moments are not fp32
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, states="bf16",
-                 chunk=HOST_STEP_CHUNK, mode="cpu-bf16-sr"):
+                 chunk=HOST_STEP_CHUNK, mode="cpu-bf16-sr", compiled: bool | None = None):
         if states not in STATE_FORMATS:
             raise ValueError(f"states must be one of {', '.join(STATE_FORMATS)}, got {states!r}")
         if chunk < QUANT_BLOCK or chunk % QUANT_BLOCK:
             raise ValueError(f"chunk must be a positive multiple of {QUANT_BLOCK}, got {chunk}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.states, self.chunk, self.mode = states, chunk, mode
+        # step chunks with the compiled kernel where Inductor can build one (_fused_step); None: unless EAGER_ENV is 1
+        self.compiled = os.environ.get(EAGER_ENV) != "1" if compiled is None else compiled
         self._qmaps = _qmaps(mode) if states == "8bit" else None
         self._codes = {k: _code_tables(q) for k, q in self._qmaps.items()} if self._qmaps else None
 
@@ -89,48 +115,146 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
     def _step_param(self, p, st, group, t: int) -> None:
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
-        step_size = lr / (1 - beta1**t)
-        root_bc2 = math.sqrt(1 - beta2**t)
+        # the step's scalars as one fp32 tensor: a compiled kernel takes them as data, so a new lr or step does not
+        # recompile it (the values are what the Python floats round to in torch's fp32 kernels)
+        h = torch.tensor([1 - beta1, 1 - beta2, math.sqrt(1 - beta2**t), eps, 1 - lr * wd, -lr / (1 - beta1**t)],
+                         dtype=torch.float32)
         flat, grad = p.view(-1), p.grad.view(-1)
-        keys = [mix32(_SEED, st["sr_stream"], t, what) for what in range(3)]  # m, v, weights: three draws a step
+        draws = [mix32(_SEED, st["sr_stream"], t, what) for what in range(3)]  # m, v, weights: three draws a step
+        fused = _fused_step(self.states) if self.compiled else None
+        if self.states == "bf16":
+            states = (st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1))
+            tables = ()
+        else:
+            states = tuple(st[k] for k in ("exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes", "exp_avg_sq_scale"))
+            tables = (self._qmaps[True], *self._codes[True], self._qmaps[False], *self._codes[False])
         for s in range(0, flat.numel(), self.chunk):
             e = min(flat.numel(), s + self.chunk)
-            g = grad[s:e].float()
-            m = self._load(st, "exp_avg", s, e).lerp_(g, 1 - beta1)
-            v = self._load(st, "exp_avg_sq", s, e).lerp_(g.mul_(g), 1 - beta2)
-            del g
-            self._save(st, "exp_avg", m, s, e, keys[0])
-            self._save(st, "exp_avg_sq", v, s, e, keys[1])
-            denom = v.sqrt_().div_(root_bc2).add_(eps)
-            w = flat[s:e].float().mul_(1 - lr * wd).addcdiv_(m, denom, value=-step_size)
-            flat[s:e].copy_(round_bf16(w, s, keys[2]))
+            # the compiled kernel takes whole 256-value blocks; the 8-bit states' short last block (< 256 values,
+            # at most one a partition) is stepped eagerly by the same function
+            cut = e if self.states == "bf16" or fused is None else s + (e - s) // QUANT_BLOCK * QUANT_BLOCK
+            for a, b, fn in ((s, cut, fused or _STEPS[self.states]), (cut, e, _STEPS[self.states])):
+                if b > a:
+                    keys = torch.tensor([noise_key(d, a) for d in draws], dtype=torch.int32)
+                    fn(*_slices(self.states, (flat, grad, *states), a, b), h, keys, *tables)
 
-    # --- the moments' storage: bf16, or 8-bit codes with a scale per QUANT_BLOCK values
-    def _load(self, st: dict, key: str, s: int, e: int) -> torch.Tensor:
-        if self.states == "bf16":
-            return st[key].view(-1)[s:e].float()
-        from torchao.optim.quant_utils import dequant_with_qmap
+# ---------------------------------------------------------------------------------------------------------
+# one chunk's update: the same function eagerly and compiled
+# ---------------------------------------------------------------------------------------------------------
+def _step_bf16_(w, g, m, v, h, keys) -> None:
+    """One chunk, bf16 moments, in place. Shape: w, g, m, v (n,) bf16; h (6,) fp32 = (1 - beta1, 1 - beta2,
+    sqrt(1 - beta2^t), eps, 1 - lr * wd, -lr / (1 - beta1^t)); keys (3,) int32 (noise_key of m, v, weights)."""
+    g32 = g.float()
+    m32 = _ema(m.float(), g32, h[0])
+    v32 = _ema(v.float(), g32 * g32, h[1])
+    m.copy_(_round(m32, keys[0]))
+    v.copy_(_round(v32, keys[1]))
+    _move(w, m32, v32, h, keys[2])
 
-        codes = _padded(st[key + "_codes"], s, e)
-        scale = st[key + "_scale"][s // QUANT_BLOCK:-(-e // QUANT_BLOCK)]
-        return dequant_with_qmap(codes, self._qmaps[key == "exp_avg"], scale)[:e - s].clone()
 
-    def _save(self, st: dict, key: str, x: torch.Tensor, s: int, e: int, draw: int) -> None:
-        if self.states == "bf16":
-            st[key].view(-1)[s:e].copy_(round_bf16(x, s, draw))
-            return
-        from torchao.optim.quant_utils import scale_tensor
+def _step_8bit_(w, g, mc, ms, vc, vs, h, keys, qm, base_m, mid_m, qv, base_v, mid_v) -> None:
+    """One chunk, 8-bit moments, in place. Shape: w, g (n,) bf16, codes mc, vc (n,) uint8, scales ms, vs
+    (ceil(n / 256),) fp32, or w, g, mc, vc as (n / 256, 256) for whole blocks; qm / qv the signed / unsigned maps
+    (256,) and base_*, mid_* their _code_tables (65536,); the rest as _step_bf16_. A short last block (1-D, n not a
+    multiple of 256) is padded with zeros, which leave its absmax alone."""
+    g32 = g.float()
+    m32 = _ema(_dequant(mc, qm, ms), g32, h[0])
+    v32 = _ema(_dequant(vc, qv, vs), g32 * g32, h[1])
+    _quant_into(m32, mc, ms, base_m, mid_m)
+    _quant_into(v32, vc, vs, base_v, mid_v)
+    _move(w, m32, v32, h, keys[2])
 
-        n = e - s
-        pad = -n % QUANT_BLOCK  # a short last block: zeros do not change its absmax scale
-        xs, scale = scale_tensor(torch.nn.functional.pad(x, (0, pad)) if pad else x, QUANT_BLOCK)
-        st[key + "_codes"][s:e].copy_(nearest_codes(xs[:n], *self._codes[key == "exp_avg"]))
-        st[key + "_scale"][s // QUANT_BLOCK:s // QUANT_BLOCK + scale.numel()].copy_(scale)
+
+def _ema(x, y, weight):
+    """x + weight * (y - x): torch's lerp for a weight under 0.5, written out so eager and compiled round alike
+    (eager lerp fuses the multiply-add on its vectorized body only; Inductor builds with -ffp-contract=off)."""
+    return x + weight * (y - x)
+
+
+def _move(w, m32, v32, h, key) -> None:
+    """The weights decayed and moved by the bias-corrected step (torch's AdamW: w * (1 - lr wd) + addcdiv), then
+    stochastically rounded back into `w`."""
+    denom = v32.sqrt() / h[2] + h[3]
+    w.copy_(_round(w.float() * h[4] + h[5] * m32 / denom, key))
+
+
+def _round(x32, key):
+    """fp32 -> bf16 by stochastic rounding with counter_noise(len, key): `key` a 0-d int32 tensor (noise_key)."""
+    return round_with_noise(x32, counter_noise(x32.numel(), key, x32.device).view(x32.shape))
+
+
+def _dequant(codes, qmap, scale):
+    """torchao's dequant_with_qmap on codes of any length or (blocks, 256) (a short last block padded with code 0,
+    then cut off)."""
+    from torchao.optim.quant_utils import dequant_with_qmap
+
+    n = codes.numel()
+    pad = n % QUANT_BLOCK and QUANT_BLOCK - n % QUANT_BLOCK
+    if pad:
+        return dequant_with_qmap(torch.cat([codes, codes.new_zeros(pad)]), qmap, scale)[:n]
+    return dequant_with_qmap(codes, qmap, scale)
+
+
+def _quant_into(x, codes, scale, base, mid) -> None:
+    """x (fp32) -> its 8-bit codes and per-block absmax scales (torchao's scale_tensor, then nearest_codes)."""
+    from torchao.optim.quant_utils import scale_tensor
+
+    n = x.numel()
+    pad = n % QUANT_BLOCK and QUANT_BLOCK - n % QUANT_BLOCK
+    xs, sc = scale_tensor(torch.nn.functional.pad(x, (0, pad)) if pad else x, QUANT_BLOCK)
+    codes.copy_(nearest_codes(xs[:n] if pad else xs, base, mid))
+    scale.copy_(sc)
+
+
+_STEPS = {"bf16": _step_bf16_, "8bit": _step_8bit_}
+
+
+def _slices(states: str, tensors: tuple, s: int, e: int) -> tuple:
+    """Elements [s, e) of the weights, the gradient and the moments' storage (bf16 slices, or 8-bit codes and the
+    scales of their blocks). Shape: 8-bit whole blocks as (blocks, 256) views: with the block a static inner
+    dimension, Inductor's kernel indexes the scales without a division by a dynamic size (dequant 3x faster)."""
+    if states == "bf16":
+        return tuple(x[s:e] for x in tensors)
+    whole = (e - s) % QUANT_BLOCK == 0
+    blocks = slice(s // QUANT_BLOCK, -(-e // QUANT_BLOCK))
+    return tuple(x[blocks] if x.dtype == torch.float32 else x[s:e].view(-1, QUANT_BLOCK) if whole else x[s:e]
+                 for x in tensors)
+
+
+@functools.cache
+def _fused_step(states: str):
+    """_STEPS[states] compiled once for every chunk length (dynamic sizes) by Inductor's C++/OpenMP backend: one
+    vectorized, parallel loop over the chunk instead of a pass (and a chunk-sized temporary) per op; or None,
+    with one log line, where that backend has no C++ compiler (the eager function then steps every chunk)."""
+    if not can_compile_cpu():
+        return None
+    return torch.compile(_STEPS[states], dynamic=True, fullgraph=True)
+
+
+@functools.cache
+def can_compile_cpu() -> bool:
+    """Whether Inductor can build CPU kernels here: the C++ compiler it would call exists (a path lookup, once)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure to find one means: step eagerly
+        log.info("host_optim: no C++ compiler for Inductor (%s); HostAdamW steps eagerly", e)
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------------
 # stochastic rounding with counter-based noise
 # ---------------------------------------------------------------------------------------------------------
+def noise_key(key: int, start: int) -> int:
+    """The key that makes counter_noise(n, noise_key(key, start)) element i equal the noise of element start + i
+    under `key`: the high half of the index goes into the key by mix32, the low half (times the hash's odd
+    multiplier, modulo 2^32, as counter_noise's int32 arithmetic wraps) is added to it; so a chunk's kernel takes
+    one 0-d key and no offset."""
+    return _i32((start & 0xFFFFFFFF) * 0x9E3779B1 + mix32(key, start >> 32))
+
+
 def round_bf16(x: torch.Tensor, start: int, key: int) -> torch.Tensor:
     """fp32 -> bf16 by stochastic rounding (fluxzero.train.optim.stochastic_round_bf16's bit trick: add 16 random
     low bits, truncate), the noise a hash of (key, element index start + i) instead of a generator's draws.
@@ -140,7 +264,7 @@ def round_bf16(x: torch.Tensor, start: int, key: int) -> torch.Tensor:
     integer kernels (6 ns a value on one thread here); and the noise depends only on (key, index), so neither
     chunking nor resume changes it.
     """
-    return round_with_noise(x, counter_noise(x.numel(), mix32(key, start >> 32), "cpu", offset=start & 0xFFFFFFFF))
+    return round_with_noise(x, counter_noise(x.numel(), noise_key(key, start), x.device))
 
 
 def _code_tables(qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,15 +288,8 @@ def nearest_codes(xs: torch.Tensor, base: torch.Tensor, mid: torch.Tensor) -> to
     through _code_tables: the value's top 16 bits pick a base code, one comparison adds the midpoint inside.
     Measured on 4M values, one thread (2026-12): torchao's quantize_8bit_with_qmap (a branchless search written
     for compiled GPU kernels) 190 ns a value eagerly, torch.bucketize 52, this 5-9; codes equal to bucketize's."""
-    top = (xs.view(torch.int32) >> 16) & 0xFFFF
-    return base.index_select(0, top) + (xs >= mid.index_select(0, top))
-
-
-def _padded(codes: torch.Tensor, s: int, e: int) -> torch.Tensor:
-    """codes[s:e], padded with zeros to whole QUANT_BLOCK blocks (dequant_with_qmap reshapes by block)."""
-    part = codes[s:e]
-    pad = -(e - s) % QUANT_BLOCK
-    return torch.cat([part, part.new_zeros(pad)]) if pad else part
+    top = ((xs.view(torch.int32) >> 16) & 0xFFFF).view(-1)
+    return (base.index_select(0, top) + (xs.view(-1) >= mid.index_select(0, top))).view(xs.shape)
 
 
 def _qmaps(mode: str) -> dict[bool, torch.Tensor]:
