@@ -82,7 +82,8 @@ def batch_grad_checks(optimizer) -> list[str]:
     """Replace DeepSpeed 0.19.8's per-tensor Python loops in the update's gradient checks with one multi-tensor
     call each, on this optimizer object only; returns the names of the methods replaced.
 
-    The loops cost per tensor, not per value: a LoRA's ~600-1000 small adapters spend most of the update in them.
+    The loops cost per tensor, not per value: a LoRA's many small adapters (FLUX.1-dev all-linear: 608 tensors)
+    spend most of the update in them.
     H200, FLUX.1-dev rank-16 all-linear LoRA, ZeRO-2 bf16: a 147 ms update for 76.6M values whose AdamW is ~2 ms
     of kernels. What is replaced, and why the result is the same:
     - ZeRO-1/2 (DeepSpeedZeroOptimizer, no CPU offload): has_overflow_partitioned_grads_serial ran amin, amax,
@@ -147,10 +148,9 @@ def _zero_grad_norm(self, gradients, params, norm_type=2, *, plain):
     grads = [g.data.detach() for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params)
              if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
              and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)]
-    device = get_accelerator().current_device_name()
     if grads:
-        norms = [n.to(device) for n in torch._foreach_norm(grads, 2.0, dtype=get_norm_dtype())]
-        total_norm = torch.stack(norms).pow(2.0).sum().float()
+        norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=get_norm_dtype()))
+        total_norm = norms.to(get_accelerator().current_device_name()).pow(2.0).sum().float()
     else:
         total_norm = torch.tensor(0.0, dtype=torch.float32).to(self.device)
     deepspeed.comm.all_reduce(total_norm, op=deepspeed.comm.ReduceOp.SUM, group=self.dp_process_group)
