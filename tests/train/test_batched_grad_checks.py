@@ -50,13 +50,14 @@ def _run(stage: int, batched: bool, nan: bool) -> dict:
     finally:
         E.batch_grad_checks = plain
     adapters = [p for p in engine.module.parameters() if p.requires_grad]
-    losses, norms = [], []
+    losses, norms, checks = [], [], []
     for step in range(STEPS):
         hook = None
         if nan and step == NAN_STEP and dist.get_rank() == 1:
             hook = adapters[len(adapters) // 2].register_hook(lambda g: g * float("nan"))
         loss = engine(**_inputs(cfg, dist.get_rank(), step, torch.bfloat16)).float().square().mean()
         engine.backward(loss)
+        checks.append(_local_overflow(engine.optimizer, adapters))
         engine.step()
         if hook is not None:
             hook.remove()
@@ -64,15 +65,29 @@ def _run(stage: int, batched: bool, nan: bool) -> dict:
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
     weights = torch.cat([p.detach().float().flatten() for p in adapters])
-    out = {"losses": losses, "norms": norms, "skipped": int(engine.skipped_steps), "replaced": replaced,
+    out = {"losses": losses, "norms": norms, "checks": checks, "skipped": int(engine.skipped_steps), "replaced": replaced,
            "optimizer": type(engine.optimizer).__name__, "weights": weights.tolist(),
            "finite": bool(torch.isfinite(weights).all())}
     engine.destroy()
     return out
 
 
+def _local_overflow(optimizer, adapters) -> list[bool]:
+    """This rank's overflow answer before the update: [the method the optimizer calls, DeepSpeed's own]."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if isinstance(optimizer, FP16_UnfusedOptimizer):
+        checker = optimizer.overflow_checker
+        params = [p for g in optimizer.fp16_groups for p in g]
+        return [bool(checker.has_overflow_serial(params)), bool(type(checker).has_overflow_serial(checker, params))]
+    return [bool(optimizer.has_overflow_partitioned_grads_serial()),
+            bool(type(optimizer).has_overflow_partitioned_grads_serial(optimizer))]
+
+
 def _worker(rank, world, port, out_file):
     enter_training_rank(rank, world, port)
+    import torch.distributed as dist
+
     from fluxzero.train.distributed import init_distributed
 
     init_distributed()
@@ -81,7 +96,11 @@ def _worker(rank, world, port, out_file):
         for stage in STAGES:
             for batched in (False, True):
                 for nan in (False, True):
-                    results[f"{stage}/{batched}/{nan}"] = _run(stage, batched, nan)
+                    out = _run(stage, batched, nan)
+                    every = [None] * world
+                    dist.all_gather_object(every, out["checks"])  # each rank checks its own partition
+                    out["checks"] = every
+                    results[f"{stage}/{batched}/{nan}"] = out
         done = True
     finally:
         close_group(done)
@@ -106,6 +125,7 @@ def test_batched_checks_change_nothing(runs, stage):
     assert after["norms"] == before["norms"]
     assert after["weights"] == before["weights"]
     assert len(set(after["losses"])) == STEPS  # the adapters moved
+    assert not any(a or b for rank in after["checks"] for a, b in rank)
     assert min(after["norms"]) > 10 * 1e-3  # gradient_clipping 1e-3 scaled every update: the norm reached the weights
 
 
@@ -113,5 +133,10 @@ def test_batched_checks_change_nothing(runs, stage):
 def test_a_nan_gradient_is_still_skipped(runs, stage):
     before, after = runs[f"{stage}/False/True"], runs[f"{stage}/True/True"]
     assert before["skipped"] == after["skipped"] == 1
+    # each rank's own answer before the update, [batched, DeepSpeed's]: the NaN put into rank 1's gradient reaches
+    # the rank(s) holding that adapter's reduced gradient (ZeRO-0: both; ZeRO-1/2: its partition's owner)
+    for got in (before["checks"], after["checks"]):
+        assert all(a == b for rank in got for a, b in rank)
+        assert [any(rank[step][0] for rank in got) for step in range(STEPS)] == [s == NAN_STEP for s in range(STEPS)]
     assert after["finite"] and after["weights"] == before["weights"]
     assert after["losses"] == before["losses"]
