@@ -12,12 +12,14 @@ part (fluxzero's own norm/reduction, then engine.step()). Median of --steps. Fig
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import json
 import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fluxzero.config import get_model_config
 from fluxzero.config.ds_view import view
@@ -27,6 +29,20 @@ from fluxzero.train.distributed import init_distributed
 # FLUX.1-dev's block structure and linears, widths divided so that compute disappears
 SHAPE = get_model_config("flux-dev").replace(name="flux-dev-structure", hidden_size=64, num_heads=4,
                                              axes_dim=(4, 6, 6), context_in_dim=64, vec_in_dim=32)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while active; ops they call inside are not counted (the mode is off there),
+    so a multi-tensor op such as _foreach_norm counts once, as it launches one or a few kernels on CUDA."""
+
+    def __init__(self):
+        super().__init__()
+        self.count, self.names = 0, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        self.names[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def ds_config(stage: int, bf16: bool) -> dict:
@@ -54,6 +70,9 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--profile")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="also count the aten ops one update dispatches (one more update, under a TorchDispatchMode): "
+                         "a proxy for the kernels it launches on a GPU")
     ap.add_argument("--deepspeed-loops", action="store_true",
                     help="leave DeepSpeed's per-tensor checks as they are (engine.batch_grad_checks off): the before")
     args = ap.parse_args()
@@ -96,9 +115,15 @@ def main():
             times.append(dt)
     if args.profile:
         prof.dump_stats(args.profile)
+    ops = None
+    if args.count_ops:
+        engine.backward(engine(**x).float().square().mean())
+        with OpCounter() as counter:
+            update()
+        ops = {"total": counter.count, "most": dict(counter.names.most_common(8))}
     print(json.dumps({"zero": args.zero, "bf16": not args.fp32, "batched_checks": not args.deepspeed_loops, "lora_tensors": len(params),
                       "lora_values": sum(p.numel() for p in params), "step_ms": round(1e3 * statistics.median(times), 2),
-                      "min_ms": round(1e3 * min(times), 2), "losses": losses[-3:], "grad_norm": float(engine.get_global_grad_norm() or 0),
+                      "min_ms": round(1e3 * min(times), 2), "aten_ops": ops, "losses": losses[-3:], "grad_norm": float(engine.get_global_grad_norm() or 0),
                       "threads": torch.get_num_threads()}))
 
 

@@ -145,7 +145,7 @@ def _zero_grad_norm(self, gradients, params, norm_type=2, *, plain):
 
     if float(norm_type) != 2.0:
         return plain(gradients, params, norm_type)
-    grads = [g.data.detach() for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params)
+    grads = [g for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params)
              if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
              and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)]
     if grads:
