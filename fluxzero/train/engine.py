@@ -72,7 +72,93 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     optimizer, ds = client_optimizer(params, ds, v)
     with accept_host_optimizer(optimizer):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=ds)
+    batch_grad_checks(engine.optimizer)
     return engine
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The update's per-tensor checks, one call each
+# ---------------------------------------------------------------------------------------------------------
+def batch_grad_checks(optimizer) -> list[str]:
+    """Replace DeepSpeed 0.19.8's per-tensor Python loops in the update's gradient checks with one multi-tensor
+    call each, on this optimizer object only; returns the names of the methods replaced.
+
+    The loops cost per tensor, not per value: a LoRA's many small adapters (FLUX.1-dev all-linear: 608 tensors)
+    spend most of the update in them.
+    H200, FLUX.1-dev rank-16 all-linear LoRA, ZeRO-2 bf16: a 147 ms update for 76.6M values whose AdamW is ~2 ms
+    of kernels. What is replaced, and why the result is the same:
+    - ZeRO-1/2 (DeepSpeedZeroOptimizer, no CPU offload): has_overflow_partitioned_grads_serial ran amin, amax,
+      two isfinite, logical_and and an add per gradient (~6 kernels each); now the max |g| of every gradient
+      in one torch._foreach_norm(inf) (NaN and inf propagate through a max, no sum can overflow) and one isfinite:
+      True exactly when some gradient holds a NaN or an inf, as before. get_grad_norm_direct (L2) cast each
+      gradient to fp32 and took its norm (two kernels and a Python step each); now torch._foreach_norm with
+      dtype=fp32 over the same gradients (the same filter: padding, pipeline replicas, model-parallel rank), then
+      DeepSpeed's own reduction of the per-tensor norms. Bit-identical on CPU (its foreach_norm calls the same
+      vector_norm per tensor, tests/train/test_batched_grad_checks.py); on CUDA the fused kernel sums in another
+      order: the norm, hence the clip factor, can differ in the last bits.
+    - ZeRO-0 with DeepSpeed's bf16 (FP16_UnfusedOptimizer): its overflow check converted each gradient's check to
+      a Python bool, a device sync per tensor, stopping at the first non-finite one; now one sync in all, the same
+      answer.
+    Any other optimizer (BF16_Optimizer, ZeRO-3, CPU offload, a client optimizer at ZeRO 0) is left as it is.
+    """
+    import types
+
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    done = []
+    # the exact classes whose loops were read (a subclass may step differently), and only while the methods exist
+    if (type(optimizer) is DeepSpeedZeroOptimizer and not optimizer.cpu_offload
+            and hasattr(optimizer, "has_overflow_partitioned_grads_serial")):
+        optimizer.has_overflow_partitioned_grads_serial = types.MethodType(_zero_grads_overflow, optimizer)
+        plain = optimizer.get_grad_norm_direct
+        optimizer.get_grad_norm_direct = types.MethodType(functools.partial(_zero_grad_norm, plain=plain), optimizer)
+        done = ["has_overflow_partitioned_grads_serial", "get_grad_norm_direct"]
+    elif type(optimizer) is FP16_UnfusedOptimizer and hasattr(optimizer.overflow_checker, "has_overflow_serial"):
+        checker = optimizer.overflow_checker
+        checker.has_overflow_serial = lambda params: bool(_any_nonfinite([p.grad for p in params
+                                                                           if p.grad is not None]))
+        done = ["overflow_checker.has_overflow_serial"]
+    return done
+
+
+def _any_nonfinite(grads: list) -> torch.Tensor:
+    """(1,) bool on the gradients' device: does any of `grads` hold a NaN or an inf (one multi-tensor max |g|)."""
+    if not grads:
+        return torch.zeros(1, dtype=torch.bool, device=get_accelerator().current_device_name())
+    if any(g.is_sparse for g in grads):
+        grads = [g._values() if g.is_sparse else g for g in grads]
+    peaks = torch._foreach_norm(grads, float("inf"))
+    return ~torch.isfinite(torch.stack(peaks)).all().reshape(1)
+
+
+def _zero_grads_overflow(self) -> torch.Tensor:
+    # as DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial: every partitioned gradient of every group
+    return _any_nonfinite([g for i in range(len(self.bit16_groups)) for g in self.averaged_gradients[i]
+                           if g is not None])
+
+
+def _zero_grad_norm(self, gradients, params, norm_type=2, *, plain):
+    """DeepSpeedZeroOptimizer.get_grad_norm_direct for the L2 norm, its per-tensor norms in one call."""
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+    from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    if float(norm_type) != 2.0:
+        return plain(gradients, params, norm_type)
+    grads = [g for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params)
+             if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
+             and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)]
+    if grads:
+        norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=get_norm_dtype()))
+        total_norm = norms.to(get_accelerator().current_device_name()).pow(2.0).sum().float()
+    else:
+        total_norm = torch.tensor(0.0, dtype=torch.float32).to(self.device)
+    deepspeed.comm.all_reduce(total_norm, op=deepspeed.comm.ReduceOp.SUM, group=self.dp_process_group)
+    self._model_parallel_all_reduce(tensor=total_norm, op=deepspeed.comm.ReduceOp.SUM)
+    total_norm = total_norm.pow(1.0 / 2.0)
+    mask_nan_or_inf_with_val_inplace(total_norm, device=self.device)
+    return total_norm
 
 
 @contextlib.contextmanager
