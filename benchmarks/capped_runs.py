@@ -249,6 +249,8 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-cap-gib", type=float, default=0.0,
                     help="cap PyTorch's CUDA allocator at this many GiB in each trainer process (0: no cap)")
     ap.add_argument("--timeout", type=int, help="seconds per case (default: each case's own)")
+    ap.add_argument("--steps", type=int, help="optimizer steps per case (default: each case's own)")
+    ap.add_argument("--warmup", type=int, help="steps left out of the median (default: each case's own)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "capped_runs.jsonl")
     ap.add_argument("--workdir", type=Path, help="where the runs write (default: a temporary folder)")
     a = ap.parse_args(argv)
@@ -259,8 +261,8 @@ def main(argv=None) -> int:
         if unknown:
             ap.error(f"no case {', '.join(unknown)} in set {a.set}; its cases: {', '.join(c.name for c in cases)}")
         cases = [c for c in cases if c.name in wanted]
-    if a.timeout:
-        cases = [dataclasses.replace(c, timeout=a.timeout) for c in cases]
+    given = {k: v for k, v in (("timeout", a.timeout), ("steps", a.steps), ("warmup", a.warmup)) if v is not None}
+    cases = [dataclasses.replace(c, **given) for c in cases]
     work = a.workdir or Path(tempfile.mkdtemp(prefix="capped_runs_"))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
