@@ -80,6 +80,7 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
         self.states, self.chunk, self.mode = states, chunk, mode
         # step chunks with the compiled kernel where Inductor can build one (_fused_step); None: unless EAGER_ENV is 1
         self.compiled = os.environ.get(EAGER_ENV) != "1" if compiled is None else compiled
+        self._fused_ran = False  # the compiled kernel has run once (its build succeeded)
         self._qmaps = _qmaps(mode) if states == "8bit" else None
         self._codes = {k: _code_tables(q) for k, q in self._qmaps.items()} if self._qmaps else None
 
@@ -136,7 +137,26 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
             for a, b, fn in ((s, cut, fused or _STEPS[self.states]), (cut, e, _STEPS[self.states])):
                 if b > a:
                     keys = torch.tensor([noise_key(d, a) for d in draws], dtype=torch.int32)
-                    fn(*_slices(self.states, (flat, grad, *states), a, b), h, keys, *tables)
+                    args = (*_slices(self.states, (flat, grad, *states), a, b), h, keys, *tables)
+                    if fn is fused and not self._fused_ran:
+                        fused = self._first_fused_call(fused, args)
+                    else:
+                        fn(*args)
+
+    def _first_fused_call(self, fused, args):
+        """The compiled kernel's first call, where Inductor builds it. A build that fails (a compiler that is
+        there but cannot build, missing headers) raises before the kernel touches a value: this step and the rest
+        of the run then go eagerly (bit-identical results, slower), with one warning, instead of ending the run."""
+        try:
+            fused(*args)
+            self._fused_ran = True
+            return fused
+        except Exception as e:  # noqa: BLE001 - any build failure: the eager function computes the same
+            log.warning("host_optim: the compiled host step could not be built (%s: %s); stepping eagerly, which "
+                        "is slower", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            self.compiled = False
+            _STEPS[self.states](*args)
+            return None
 
 # ---------------------------------------------------------------------------------------------------------
 # one chunk's update: the same function eagerly and compiled

@@ -107,6 +107,27 @@ def test_the_compiled_step_equals_the_eager_one(states):
         assert torch.equal(v, s2[k]) if isinstance(v, torch.Tensor) else v == s2[k], k
 
 
+def test_a_compiled_step_that_cannot_be_built_steps_eagerly(monkeypatch, caplog):
+    """A C++ compiler that is found but fails at the build (headers missing, say) raises at the kernel's first
+    call, before it touches a value: the step goes eagerly, with one warning, and equals the eager run."""
+    def broken(states):
+        def kernel(*args):
+            raise RuntimeError("C++ compile error: Python.h: No such file or directory")
+        return kernel
+
+    runs = []
+    for compiled in (False, True):
+        monkeypatch.setattr(host_optim, "_fused_step", broken)
+        p = _param(5000)
+        opt = HostAdamW([p], lr=1e-3, states="bf16", chunk=256 * 7, compiled=compiled)
+        for seed in range(2):
+            p.grad = _param(5000, seed + 1).grad
+            opt.step()
+        runs.append((p.detach().clone(), opt.compiled))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[1][1] is False
+    assert "the compiled host step could not be built (RuntimeError: C++ compile error" in caplog.text
+
+
 @pytest.mark.parametrize("mode", HOST_MODES)
 def test_resume_is_exact_and_keeps_state_dtypes(mode):
     """Save after 2 steps, load into a fresh optimizer, step both: bit-identical, whatever torch's global generator
