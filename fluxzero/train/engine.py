@@ -96,6 +96,11 @@ def batch_grad_checks(optimizer) -> list[str]:
       DeepSpeed's own reduction of the per-tensor norms. Bit-identical on CPU (its foreach_norm calls the same
       vector_norm per tensor, tests/train/test_batched_grad_checks.py); on CUDA the fused kernel sums in another
       order: the norm, hence the clip factor, can differ in the last bits.
+      After every step it re-pointed each bf16 parameter at its slice of the flat buffer (_update_model_bit16_
+      weights: a narrow, a view and a .data assignment per tensor; "TODO: we probably don't need this? just to be
+      safe" in DeepSpeed's source), though the all-gather writes into that same buffer; now it does so only when
+      the buffer or a parameter's storage moved since the last re-pointing (one data_ptr() per tensor), as after
+      a checkpoint load that assigns new tensors.
     - ZeRO-0 with DeepSpeed's bf16 (FP16_UnfusedOptimizer): its overflow check converted each gradient's check to
       a Python bool, a device sync per tensor, stopping at the first non-finite one; now one sync in all, the same
       answer.
@@ -114,12 +119,27 @@ def batch_grad_checks(optimizer) -> list[str]:
         plain = optimizer.get_grad_norm_direct
         optimizer.get_grad_norm_direct = types.MethodType(functools.partial(_zero_grad_norm, plain=plain), optimizer)
         done = ["has_overflow_partitioned_grads_serial", "get_grad_norm_direct"]
+        if hasattr(optimizer, "_update_model_bit16_weights"):
+            repoint = optimizer._update_model_bit16_weights
+            optimizer._update_model_bit16_weights = functools.partial(_repoint_when_moved, optimizer, repoint, {})
+            done.append("_update_model_bit16_weights")
     elif type(optimizer) is FP16_UnfusedOptimizer and hasattr(optimizer.overflow_checker, "has_overflow_serial"):
         checker = optimizer.overflow_checker
         checker.has_overflow_serial = lambda params: bool(_any_nonfinite([p.grad for p in params
                                                                            if p.grad is not None]))
         done = ["overflow_checker.has_overflow_serial"]
     return done
+
+
+def _repoint_when_moved(self, repoint, seen: dict, group_index: int) -> None:
+    """DeepSpeedZeroOptimizer._update_model_bit16_weights(group_index), skipped while the group's flat buffer and
+    every parameter's data are where the last re-pointing left them (`seen`: group -> their data_ptr()s)."""
+    group = self.bit16_groups[group_index]
+    where = (self.bit16_groups_flat[group_index].data_ptr(), *(p.data_ptr() for p in group))
+    if seen.get(group_index) == where:
+        return
+    repoint(group_index)
+    seen[group_index] = (self.bit16_groups_flat[group_index].data_ptr(), *(p.data_ptr() for p in group))
 
 
 def _any_nonfinite(grads: list) -> torch.Tensor:

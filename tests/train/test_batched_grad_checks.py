@@ -4,7 +4,9 @@ Two ranks (gloo), a flux-tiny all-linear LoRA in bf16 at ZeRO 0, 1 and 2: the sa
 and with the batched checks gives bit-identical losses, grad norms and adapters (on CPU torch._foreach_norm calls
 the same per-tensor norm, so equality is exact, not a tolerance); clipping is active (a small gradient_clipping),
 so the norm reaches the weights. A NaN put into one adapter's gradient on one rank at step 2 is caught by both as
-an overflow: the step is skipped on both ranks and the adapters stay equal.
+an overflow: the step is skipped on both ranks and the adapters stay equal. At ZeRO-1/2 the parameters' re-pointing
+after each step is skipped while nothing moved (the adapters still train: the losses change every step) and done
+when the flat buffer moves.
 """
 from __future__ import annotations
 
@@ -65,9 +67,16 @@ def _run(stage: int, batched: bool, nan: bool) -> dict:
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
     weights = torch.cat([p.detach().float().flatten() for p in adapters])
+    repointed = None
+    if hasattr(engine.optimizer, "bit16_groups_flat"):  # ZeRO-1/2: a moved flat buffer is re-pointed, not skipped
+        flat = engine.optimizer.bit16_groups_flat[0]
+        flat.data = flat.data.clone()  # as DeepSpeed's offload_states / reload_states move it
+        engine.optimizer._update_model_bit16_weights(0)
+        lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+        repointed = all(lo <= p.data_ptr() < hi for p in engine.optimizer.bit16_groups[0])
     out = {"losses": losses, "norms": norms, "checks": checks, "skipped": int(engine.skipped_steps), "replaced": replaced,
            "optimizer": type(engine.optimizer).__name__, "weights": weights.tolist(),
-           "finite": bool(torch.isfinite(weights).all())}
+           "finite": bool(torch.isfinite(weights).all()), "repointed": repointed}
     engine.destroy()
     return out
 
@@ -127,6 +136,7 @@ def test_batched_checks_change_nothing(runs, stage):
     assert len(set(after["losses"])) == STEPS  # the adapters moved
     assert not any(a or b for rank in after["checks"] for a, b in rank)
     assert min(after["norms"]) > 10 * 1e-3  # gradient_clipping 1e-3 scaled every update: the norm reached the weights
+    assert after["repointed"] is (None if stage == 0 else True) and before["repointed"] == after["repointed"]
 
 
 @pytest.mark.parametrize("stage", STAGES)
