@@ -75,13 +75,19 @@ def test_steps_do_not_depend_on_the_chunk(states):
         for _ in range(3):
             opt.step()
         runs.append((p.detach().clone(), opt.state[p]))
-    (w1, s1), (w2, s2) = runs
-    assert torch.equal(w1, w2)
-    for k, v in s1.items():
-        assert torch.equal(v, s2[k]) if isinstance(v, torch.Tensor) else v == s2[k], k
+    s1 = _assert_same(*runs)
     if states == "8bit":
         assert s1["exp_avg_codes"].dtype == torch.uint8 and s1["exp_avg_scale"].shape == (20,)  # ceil(5000 / 256)
         assert s1["exp_avg_scale"].dtype == torch.float32 and s1["exp_avg_scale"].max() > 0
+
+
+def _assert_same(run1, run2) -> dict:
+    """Two runs' (weights, optimizer state) are bit-identical; returns the first state."""
+    (w1, s1), (w2, s2) = run1, run2
+    assert torch.equal(w1, w2)
+    for k, v in s1.items():
+        assert torch.equal(v, s2[k]) if isinstance(v, torch.Tensor) else v == s2[k], k
+    return s1
 
 
 @pytest.mark.parametrize("states", ["bf16", "8bit"])
@@ -101,10 +107,7 @@ def test_the_compiled_step_equals_the_eager_one(states):
             p.grad = _param(5000, seed + 1).grad
             opt.step()
         runs.append((p.detach().clone(), opt.state[p]))
-    (w1, s1), (w2, s2) = runs
-    assert torch.equal(w1, w2)
-    for k, v in s1.items():
-        assert torch.equal(v, s2[k]) if isinstance(v, torch.Tensor) else v == s2[k], k
+    _assert_same(*runs)
 
 
 def test_a_compiled_step_that_cannot_be_built_steps_eagerly(monkeypatch, caplog):
