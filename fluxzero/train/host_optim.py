@@ -18,11 +18,18 @@ Measured on THIS 2-CORE DEVELOPMENT MACHINE, shared with other jobs (load 2-5 du
   cpu-bf16-sr       before 1.96  compiled 0.24  eager 4.15   before 10.5  compiled 0.17  eager 1.09
   cpu-adamw8bit-sr  before 1.82  compiled 1.18  eager 2.36   before 6.06  compiled 0.55  eager 1.18
   torch AdamW fp32  fused 0.036-0.040, foreach 0.25-0.31
-The bf16 kernel runs at ~5 ns a value on one thread; the 8-bit one at ~20: its four 65536-entry table lookups and
-two 256-entry map lookups a value are scalar gathers in Inductor's C++ (a (blocks, 256) layout for whole blocks
-took the dequantization from 15 to 3 ns a value: with a dynamic 1-D length every scale index was an integer
-division). The first step compiles (10-30 s a state format on a cold cache, ~3 s from Inductor's disk cache). The
-chunk length was not tuned: 2^16, 2^20 and 2^22 gave no consistent order on this loaded machine (`--chunk`).
+The 8-bit kernel compiled at 128-bit vectors (_fused_step), same machine, `--params 2e7`, 2026-12-04 (load ~1):
+                          1 thread                     2 threads
+  cpu-adamw8bit-sr  256-bit 0.420  128-bit 0.256      256-bit 0.208  128-bit 0.142   (bf16 compiled 0.095 / 0.048)
+The bf16 kernel runs at ~5 ns a value on one thread; the 8-bit one at ~12 (~20 at AVX2's 256 bits): its four
+65536-entry table lookups and two 256-entry map lookups a value are scalar gathers in Inductor's C++ (a (blocks,
+256) layout for whole blocks took the dequantization from 15 to 3 ns a value: with a dynamic 1-D length every scale
+index was an integer division). Tried without gain (2026-12): 6,912-entry tables by sign, clamped exponent and 7
+mantissa bits instead of 65536 (the tables were not the cost), int64 indices through aten._unsafe_index (no
+bounds checks, no faster), one 65536-entry table of (m, v) map pairs for the dequantization (-4%, in the noise).
+The 128-bit width is measured on this AVX2 machine only (not on an AVX-512 GPU host). The first step compiles
+(10-30 s a state format on a cold cache, ~3 s from Inductor's disk cache). The chunk length was not tuned: 2^16,
+2^20 and 2^22 gave no consistent order on this loaded machine (`--chunk`).
 
 Per chunk, in fp32: m and v updated as in torch's AdamW, the weight decayed and moved by the bias-corrected step,
 then written back to bf16 by stochastic rounding (an AdamW step at fine-tuning lr is under half a bf16 ulp of
@@ -248,7 +255,12 @@ def _fused_step(states: str):
     with one log line, where that backend has no C++ compiler (the eager function then steps every chunk)."""
     if not can_compile_cpu():
         return None
-    return torch.compile(_STEPS[states], dynamic=True, fullgraph=True)
+    # the 8-bit step at 128-bit vectors (SSE: 4 lanes) rather than the widest the CPU has: Inductor's C++ turns
+    # each table lookup into a scalar loop over a vector's lanes through stack arrays (no vector gather), and at
+    # AVX2's 8 lanes that cost more than the vector arithmetic saved (one thread, 4M-value chunk, 2026-12:
+    # 18.4 ns a value at 256 bits, 12.3-12.9 at 128, 12-15 scalar); the same values at any width
+    opts = {"cpp.simdlen": 128} if states == "8bit" else {}
+    return torch.compile(_STEPS[states], dynamic=True, fullgraph=True, options=opts)
 
 
 @functools.cache
