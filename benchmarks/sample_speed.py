@@ -105,7 +105,7 @@ FLUXZERO_ROWS = {
 ROWS = (*FLUXZERO_ROWS, "diffusers", "diffusers-cudnn", "diffusers-compiled")
 COMPILING_ROWS = ("fluxzero-compile", "fluxzero-fast", "diffusers-compiled")
 GUIDANCE, SEED = 3.5, 0
-COMPILE_ALLOWANCE_S = 90.0  # budget estimate for a compiling row's first call (two block classes: ~30-60 s on H200)
+COMPILE_ALLOWANCE_S = 90.0  # budget estimate for a compiling row's first call (measured ~12 s on an H200, 2026-12-04)
 PROFILE_STEPS = 2  # the profiled call: step 1 warms the profiler up, step 2 is recorded
 GIB = 2**30
 

@@ -278,8 +278,8 @@ def _encode(encoders, prompts, negative_prompt):
               help="Strength of the --lora: its change to the weights times this (1 = as trained, 0 = none).")
 @click.option("--compile/--no-compile", "compile_blocks", default=False, show_default=True,
               help="torch.compile every transformer block (as the trainer does). The first model call compiles "
-                   "(~30-60 s for FLUX.1 on a GPU, again for a new batch shape), so it can pay off only over many "
-                   "images; the GPU speed-up is in benchmarks/sample_speed.py's fluxzero-compile row.")
+                   "(~12 s for FLUX.1 on an H200, again for a new batch shape), so it pays off from ~10 images on "
+                   "(docs/sampling.md has the measurements).")
 @click.option("--attention", type=click.Choice(ATTENTION_CHOICES), default="any", show_default=True,
               help="SDPA kernels of the transformer's attention: any = torch's own choice (cuDNN's on Hopper, as "
                    "FluxPipeline gets; 2x flash's speed there for the forward pass, 2026-12-04), auto = flash, "
