@@ -272,7 +272,7 @@ def can_compile_cpu() -> bool:
         get_cpp_compiler()
         return True
     except Exception as e:  # noqa: BLE001 - any failure to find one means: step eagerly
-        log.warning("host_optim: no C++ compiler for Inductor (%s); HostAdamW steps eagerly, ~10x slower", e)
+        log.warning("host_optim: no C++ compiler for Inductor (%s); HostAdamW steps eagerly, several times slower", e)
         return False
 
 
