@@ -110,14 +110,17 @@ if torch.cuda.is_available():
     if cap:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GIB / total))
 
+LOCK = threading.Lock()  # the watcher's snapshots and the main thread's finish() write the same file
+
 def snapshot():  # what was used so far: written every few seconds, so a run the parent kills at its timeout has it
-    stats["host_peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
-    if torch.cuda.is_available():
-        stats["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
-        stats["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
-    with open(stats_file + ".tmp", "w") as f:
-        json.dump(stats, f)
-    os.replace(stats_file + ".tmp", stats_file)
+    with LOCK:
+        stats["host_peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+        if torch.cuda.is_available():
+            stats["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+            stats["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+        with open(stats_file + ".tmp", "w") as f:
+            json.dump(stats, f)
+        os.replace(stats_file + ".tmp", stats_file)
 
 def finish(code):
     stats["exit_code"] = code

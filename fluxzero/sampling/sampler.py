@@ -144,25 +144,23 @@ def sample(model: torch.nn.Module, txt: Tensor, y: Tensor, *, height: int, width
     sig_dev = sig.to(device)
 
     was_training = model.training
-    stack = contextlib.ExitStack()
     model.eval()
     try:
-        stack.enter_context(_model_sdpa_flags(model))
-        x = pack(noise.to(device, dtype))  # (B, HW/256, 64)
-        for i in range(steps):
-            # timesteps in float32, as the trainer feeds them (diffusers and BFL round t to the model dtype
-            # first; in bf16 that moves t by up to 0.4%, so here bf16 sampling differs from theirs in that)
-            t = sig_dev[i].expand(rows)
-            v = model(img=torch.cat([x, x]) if do_cfg else x, timesteps=t, **inputs)  # (rows, HW/256, 64)
-            if do_cfg:
-                v_pos, v_neg = v.chunk(2)
-                v = v_neg + true_cfg * (v_pos - v_neg)
-            # diffusers' Euler step: the state upcast to float32, dt (float32 scalar) * v in v's dtype, then
-            # back to the model dtype, so bf16 runs round where theirs do
-            x = (x.float() + (sig_dev[i + 1] - sig_dev[i]) * v).to(v.dtype)
-            if callback is not None:
-                callback(i + 1, steps, float(sig[i + 1]), x)
+        with _model_sdpa_flags(model):
+            x = pack(noise.to(device, dtype))  # (B, HW/256, 64)
+            for i in range(steps):
+                # timesteps in float32, as the trainer feeds them (diffusers and BFL round t to the model dtype
+                # first; in bf16 that moves t by up to 0.4%, so here bf16 sampling differs from theirs in that)
+                t = sig_dev[i].expand(rows)
+                v = model(img=torch.cat([x, x]) if do_cfg else x, timesteps=t, **inputs)  # (rows, HW/256, 64)
+                if do_cfg:
+                    v_pos, v_neg = v.chunk(2)
+                    v = v_neg + true_cfg * (v_pos - v_neg)
+                # diffusers' Euler step: the state upcast to float32, dt (float32 scalar) * v in v's dtype, then
+                # back to the model dtype, so bf16 runs round where theirs do
+                x = (x.float() + (sig_dev[i + 1] - sig_dev[i]) * v).to(v.dtype)
+                if callback is not None:
+                    callback(i + 1, steps, float(sig[i + 1]), x)
     finally:
-        stack.close()
         model.train(was_training)
     return unpack(x, h, w)  # (B, 16, H/8, W/8)

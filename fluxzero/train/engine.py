@@ -97,8 +97,8 @@ def batch_grad_checks(optimizer) -> list[str]:
       vector_norm per tensor, tests/train/test_batched_grad_checks.py); on CUDA the fused kernel sums in another
       order: the norm, hence the clip factor, can differ in the last bits.
       After every step it re-pointed each bf16 parameter at its slice of the flat buffer (_update_model_bit16_
-      weights: a narrow, a view and a .data assignment per tensor; "TODO: we probably don't need this? just to be
-      safe" in DeepSpeed's source), though the all-gather writes into that same buffer; now it does so only when
+      weights: a narrow, a view and a .data assignment per tensor, which DeepSpeed's own comment there doubts is
+      needed), though the all-gather writes into that same buffer; now it does so only when
       the buffer or a parameter's storage moved since the last re-pointing (one data_ptr() per tensor), as after
       a checkpoint load that assigns new tensors.
     - ZeRO-0 with DeepSpeed's bf16 (FP16_UnfusedOptimizer): its overflow check converted each gradient's check to
