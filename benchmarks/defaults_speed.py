@@ -68,6 +68,10 @@ CASES = {
 PEERS = {  # benchmarks/sweep.py arguments of the diffusers + DeepSpeed baseline, compiled blocks
     "peer:lite-ckpt0": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "0", "--mb", "16", "--compile", "1"],
     "peer:lite-ckpt1": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "1", "--mb", "16", "--compile", "1"],
+    "peer:lite-ckpt1-mb8": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "1", "--mb", "8", "--compile", "1"],
+    # issue 22 target 2's other bar: 1.3x the eager peer
+    "peer:lite-ckpt1-eager": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "1", "--mb", "16",
+                              "--compile", "0"],
 }
 SETS = {
     "lite": ["lite-ckpt1-old", "lite-ckpt1", "lite-ckpt1-fp8", "lite-ckpt0", "lite-ckpt0-fp8", "peer:lite-ckpt0"],

@@ -134,5 +134,32 @@ P)  # issue 23: the 48 GB full fine-tune with the compiled host step; issue 22 t
   timeout 175 python3 benchmarks/defaults_speed.py --cases lora-mb1,lora-1024-mb1 --timeout 85 --rows 6 \
      --out $R/defaults_lora.jsonl > $R/lora_p.log 2>&1; tail -5 $R/lora_p.log
   ;;
+Q)  # planned (not yet run): call P again. Issue 23: the 48 GB full fine-tune with the compiled host step, and the
+    # host step alone on the GPU machine's cores; issue 22 target 4: the LoRA after the batched gradient checks
+  (while sleep 20; do echo "== $(date +%T)"; free -g | head -2; top -bn1 | head -8 | tail -2
+     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; done) > $R/mon.txt 2>&1 &
+  timeout 215 python3 benchmarks/capped_runs.py --set fit --cases fit-full-512px-48gb --timeout 205 --steps 3 --warmup 1 \
+     --memory-cap-gib 44.4 --workdir $R/cw --out $R/capped_fit48.jsonl > $R/capped_q.log 2>&1; tail -3 $R/capped_q.log
+  cp $R/cw/*/run/metrics.jsonl $R/capped_fit48_metrics.jsonl 2>/dev/null; tail -5 $R/cw/*/train.log
+  rm -rf $R/cw/*/run/checkpoints; kill %1
+  timeout 90 python3 benchmarks/cpu_adam_speed.py --params 5e8 --steps 2 --no-deepspeed > $R/host_optim.log 2>&1
+  tail -8 $R/host_optim.log
+  timeout 175 python3 benchmarks/defaults_speed.py --cases lora-mb1,lora-1024-mb1 --timeout 85 --rows 6 \
+     --out $R/defaults_lora.jsonl > $R/lora_q.log 2>&1; tail -5 $R/lora_q.log
+  ;;
+R)  # planned (not yet run): issue 22 target 2, flux-dev-lite checkpointed at mb 16 and 8 against the compiled peer
+    # at the same settings and the eager peer (same call)
+  timeout 490 python3 benchmarks/defaults_speed.py --cases lite-ckpt1,lite-ckpt1-mb8,peer:lite-ckpt1,peer:lite-ckpt1-mb8,peer:lite-ckpt1-eager \
+     --timeout 95 --rows 8 --out $R/defaults_lite2.jsonl > $R/lite_r.log 2>&1; tail -8 $R/lite_r.log
+  ;;
+S)  # planned (not yet run): issue 23 item 2a, ZeRO-3 parameter offload for the 24 GB LoRA with gen-config's prefetch
+    # against one block prefetched (mb 1 and 4, same call); issue 22 target 6, sampling's isolated --compile row
+  # (mb 1 with gen-config's prefetch: 0.32 samples/s on 2026-12-02; the mb 4 pair is the same-call comparison)
+  timeout 340 python3 benchmarks/capped_runs.py --set lora24 --cases z3-param-offload-mb4,z3-param-offload-mb4-pf,z3-param-offload-pf \
+     --timeout 110 --memory-cap-gib 23.6 --workdir $R/cw --out $R/capped_prefetch.jsonl > $R/capped_s.log 2>&1
+  tail -6 $R/capped_s.log; rm -rf $R/cw
+  timeout 165 python3 benchmarks/sample_speed.py --rows diffusers,fluxzero-compile --runs 2 --budget-s 150 \
+     --out $R/sample_compile.jsonl > $R/sample_s.log 2>&1; tail -5 $R/sample_s.log
+  ;;
 esac
 tar czf $OUTDIR/results_$1.tgz -C $R .
