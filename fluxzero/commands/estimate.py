@@ -145,7 +145,7 @@ OPTIONS = [
     click.option("--expandable-segments/--no-expandable-segments", default=False, show_default=True,
                  help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)."),
     click.option("--weights/--no-weights", default=True, show_default=True,
-                 help="Pretrained weights are loaded (each rank reads them in fp32 on the host below stage 3)."),
+                 help="Pretrained weights are loaded (each rank reads the file one tensor at a time: one layer on the host)."),
     click.option("--margin", type=_FRACTION, default=0.10, show_default=True,
                  help="Safety margin: fits when the need is at most (1 - margin) x the memory."),
     click.option("--json", "as_json", is_flag=True, default=False, help="Print one JSON object instead of tables."),

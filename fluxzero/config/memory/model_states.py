@@ -215,11 +215,17 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         add("building the engine", model_bytes + b * P + one_layer, phase="init",
             note=f"{s.precision} model, trained parameters flattened (stage_1_and_2 __init__)")
 
-    # --- host copy of the model while loading (each local rank, before deepspeed.initialize)
-    zero_init = s.stage == 3 and s.zero_init
-    loaded = inv.largest_layer if zero_init else total
+    # --- host memory while the weights load (each local rank, before deepspeed.initialize). The trainer never holds
+    # the model on the host: below stage 3 engine.born_model materialises it on its device module by module and
+    # copies each module's tensors in as the memory-mapped file yields them, one at a time; zero.Init does the
+    # same per partition. Measured on CPU (benchmarks/build_peak.py --weights, tests/train/test_build_peak.py):
+    # the anonymous peak of a LoRA build that loads a bf16 file equals random init's (2.38 B/param both). The
+    # file's pages count in the resident set while mapped, but as page cache the kernel drops under pressure.
+    # zero_init False at stage 3 (a model built whole, then partitioned: DeepSpeed's estimator's other case).
+    streamed = s.stage < 3 or s.zero_init
+    loaded = inv.largest_layer if streamed else total
     add("model load (%d B/param)" % s.load_bytes, s.load_bytes * loaded, "host", "load",
-        note="largest layer at a time under zero.Init" if zero_init else "whole model on every local rank",
+        note="one layer at a time (the file memory-mapped)" if streamed else "whole model on every local rank",
         ds=True)
     add("process (CUDA runtime, libraries)", 2 * GiB, "host", note="per rank; assumed typical RSS")
     return items

@@ -196,7 +196,7 @@ class RunSpec:
     attention: str = "flash"  # "flash" / "efficient": O(L) softmax statistics; "math": O(L^2)
     zero: ZeroSettings = field(default_factory=ZeroSettings)
     zero_init: bool = True  # stage 3 builds the model partitioned (deepspeed.zero.Init)
-    load_bytes: int = 4  # bytes per parameter of the host copy each rank loads before initialize
+    load_bytes: int = 4  # bytes per parameter of a tensor as read from the weights file (4: an fp32 file at worst)
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     fragmentation: float | None = None  # (reserved - allocated) / per-step transients; None: see Estimate.fragmentation
     cuda_context_gib: float = 1.0  # CUDA context, cuBLAS workspace, NCCL buffers: outside the allocator
