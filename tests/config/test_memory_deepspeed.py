@@ -85,8 +85,9 @@ def _worker(rank, world, port, out_dir):
             if step == 1:
                 measured = _storage_bytes(engine)
             engine.step()
-        est = memory.estimate(memory.RunSpec(model_cfg, gpus_per_node=world,
-                                             **memory.run_options_from_ds_config(ds)))
+        # DeepSpeed's CPU accelerator pins nothing (its pin_memory is a no-op): no power-of-two pinned blocks
+        est = memory.estimate(memory.RunSpec(model_cfg, gpus_per_node=world, **{
+            **memory.run_options_from_ds_config(ds), "pin_offload_optimizer": False, "pin_offload_param": False}))
         # resident model states wherever they live, and stage 0's full gradients (made in backward, held to
         # the step: measured here, after backward); not the per-process runtime estimate
         held = [i for i in est.items if (i.phase == "resident" or i.name.startswith("gradients (full"))

@@ -35,6 +35,13 @@ MODE_STEP_TEMP = {"fp32": 8.0, "bf16-rtn": 8.0, "bf16-sr": 0.7, "bf16-kahan": 30
 HOST_STEP_TEMP = 32.0
 
 
+def pinned_block(nbytes: int) -> int:
+    """Bytes torch's pinned-memory allocator takes for a request of `nbytes`: the next power of two
+    (at::CachingHostAllocator; a pinned_max_round_threshold_mb in PYTORCH_ALLOC_CONF, where a torch release has
+    it, turns the rounding off above that size, which this does not model)."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
 def stepped_at_once(mode, elements: int) -> int:
     """Elements of a flat tensor of `elements` that `mode` (an OptimMode, or None for DeepSpeed's optimizer)
     holds step temporaries for at once: its step_chunk, or the whole tensor."""
@@ -174,6 +181,32 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         swap = min(part, s.zero.sub_group_size)
         add("NVMe swap buffers (pinned)", (4 + opt) * swap + (5 * 100_000_000 * b if off_par else 0), "host",
             note="one sub-group's fp32 master + states swapped in; parameters: buffer_count 5 x buffer_size 1e8")
+
+    # --- page-locked offload buffers. torch's pinned-memory allocator (at::CachingHostAllocator, which DeepSpeed's
+    # pin_memory goes through) rounds every block up to a power of two and keeps freed blocks cached. Measured on
+    # one H200 (benchmarks/RESULTS.md): the 48 GB full fine-tune (ZeRO-3, optimizer offload) held 103.1 GiB of
+    # host against 91.1 predicted without this, the ZeRO-3 parameter-offload LoRA 33.4 against 24.2.
+    pinned: list[int] = []  # bytes of each pinned buffer as DeepSpeed 0.19.8 asks for it
+    if s.offload_optimizer == "cpu" and s.pin_offload_optimizer and s.stage in (1, 2):
+        # stage_1_and_2.__init__: the master partition, its bit16 staging copy and its gradient per group,
+        # and one largest-tensor gradient staging buffer
+        pinned += [master_b * part, b * part, master_b * part, b * largest_trained]
+    elif s.offload_optimizer == "cpu" and s.pin_offload_optimizer and s.stage == 3:
+        # stage3: grad_partitions_flat_buffer, and one gradient buffer per optimizer sub-group
+        groups = [part] if lora else inv.sub_group_sizes(N, s.zero.sub_group_size)
+        pinned += ([b * part] if b < 4 else []) + [master_b * n for n in groups]
+    if s.offload_param == "cpu" and s.pin_offload_param and s.stage == 3:
+        # zero.Init pins each parameter's partition as it is made (persistent ones stay on the GPU); the trained
+        # ones then move into one flat pinned buffer (param_groups_fp16_flat_cpu_memory) and their first blocks
+        # stay in the allocator's cache
+        pinned += [b * -(-n // N) for n in inv.tensor_sizes if n >= s.zero.param_persistence_threshold]
+        add("trained parameters' flat buffer (pinned)", b * part, "host",
+            note="param_groups_fp16_flat_cpu_memory; the partitions first pinned one by one stay cached")
+        pinned.append(b * part)
+    rounding = sum(pinned_block(n) - n for n in pinned)
+    if rounding:
+        add("pinned-memory rounding", rounding, "host",
+            note=f"{len(pinned)} page-locked buffers, each rounded up to a power of two by torch's allocator")
 
     # --- EMA of the trained weights (fluxzero.train.ema.ShardedEMA): beside this rank's master partition
     if s.ema is not None:

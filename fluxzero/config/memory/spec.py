@@ -49,19 +49,24 @@ class ParamInventory:
         """Elements ZeRO-3 keeps whole on every rank: tensors with fewer than `threshold` elements."""
         return sum(n for n in self.tensor_sizes if n < threshold)
 
-    def largest_sub_group(self, world_size: int, sub_group_size: int) -> int:
-        """Elements of ZeRO-3's largest optimizer sub-group on one rank.
+    def sub_group_sizes(self, world_size: int, sub_group_size: int) -> list[int]:
+        """Elements of each of ZeRO-3's optimizer sub-groups on one rank.
 
         stage3._create_fp16_sub_groups walks the parameters in order and closes a sub-group once its
         partitions reach sub_group_size, so a sub-group overshoots by up to one tensor's partition
         (ceil(numel / world_size) elements each).
         """
-        best = run = 0
+        sizes, run = [], 0
         for n in self.tensor_sizes:
             run += -(-n // world_size)
             if run >= sub_group_size:
-                best, run = max(best, run), 0
-        return max(best, run)
+                sizes.append(run)
+                run = 0
+        return sizes + [run] if run else sizes
+
+    def largest_sub_group(self, world_size: int, sub_group_size: int) -> int:
+        """Elements of ZeRO-3's largest optimizer sub-group on one rank (sub_group_sizes)."""
+        return max(self.sub_group_sizes(world_size, sub_group_size), default=0)
 
 
 def _linear(n_in: int, n_out: int, bias: bool = True) -> list[int]:
@@ -170,6 +175,11 @@ def run_options_from_ds_config(ds: dict, world_size: int | None = None) -> dict:
     if v.checkpoint_impl == "deepspeed":
         out["cpu_checkpointing"] = v.cpu_checkpointing
     out["zero"] = ZeroSettings.from_view(v)
+    zero = ds.get("zero_optimization")
+    for key in ("offload_optimizer", "offload_param"):  # DeepSpeed's default: not pinned
+        section = zero.get(key) if isinstance(zero, dict) else None
+        if isinstance(section, dict):
+            out[f"pin_{key}"] = section.get("pin_memory", False) is True
     return out
 
 
@@ -197,6 +207,9 @@ class RunSpec:
     zero: ZeroSettings = field(default_factory=ZeroSettings)
     zero_init: bool = True  # stage 3 builds the model partitioned (deepspeed.zero.Init)
     load_bytes: int = 4  # bytes per parameter of a tensor as read from the weights file (4: an fp32 file at worst)
+    # offload buffers in page-locked memory (offload_*.pin_memory: gen-config writes true, DeepSpeed's default false)
+    pin_offload_optimizer: bool = True
+    pin_offload_param: bool = True
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     fragmentation: float | None = None  # (reserved - allocated) / per-step transients; None: see Estimate.fragmentation
     cuda_context_gib: float = 1.0  # CUDA context, cuBLAS workspace, NCCL buffers: outside the allocator
