@@ -178,6 +178,18 @@ def test_fit_one_24gb_gpu_needs_zero3_offload_and_a_larger_host():
     assert "host memory: the choice needs 276.9 GiB per node of 288.0 GiB budget" in r.stderr
 
 
+def test_fit_one_24gb_gpu_names_the_host_a_host_mode_needs():
+    # pinned buffers as torch rounds them: nothing fits 128 GiB; the tip names the leanest mode's host, which fits
+    r, _ = fit("--gpu", "rtx4090", "--host-memory", "128")
+    assert r.exit_code == 2
+    assert "more host memory: ZeRO-3 with CPU offload of parameters and optimizer, optimizer mode cpu-adamw8bit-sr, " \
+           "given 184 GiB of host memory per node (--host-memory 184)" in r.output
+    r, cfg = fit("--gpu", "rtx4090", "--host-memory", "184")
+    assert r.exit_code == 0, r.output
+    assert cfg["fluxzero"]["optimizer_mode"] == "cpu-adamw8bit-sr"
+    assert "host memory: the choice needs 164.7 GiB per node of 165.6 GiB budget" in r.stderr
+
+
 def test_fit_full_fine_tune_on_a_48gb_card_and_120gb_host_steps_on_the_host():
     """Issue 23's 48 GB case: bf16 masters and 8-bit states on the host (cpu-adamw8bit-sr) need 103 GiB (measured
     103.1 GiB on one H200: 91 before the pinned buffers' power-of-two rounding was counted), the bf16-state

@@ -414,14 +414,24 @@ def _what_would_fit(base: RunSpec, hw: Hardware, margin: float, micro: int, fixe
             tips.append(f"more GPUs: {r.world_size} ({r.nodes} node(s) x {gpn}) with ZeRO-3, micro batch {micro}, "
                         f"every block checkpointed (--world-size {r.world_size}, or --nodes/--gpus-per-node)")
             break
-    full_off = _try(base, stage=3, offload_optimizer="cpu", offload_param="cpu", base_quant=None, **lean)
-    if full_off is not None:
-        e = estimate(full_off)
-        host_short = hw.host_memory_gib is not None and e.host_per_node / GiB > hw.host_memory_gib * (1 - margin)
-        if host_short and e.gpu_total / GiB <= hw.gpu_memory_gib * (1 - margin):
-            need = math.ceil(e.host_per_node / GiB / (1 - margin))
-            tips.append(f"more host memory: ZeRO-3 with CPU offload of parameters and optimizer, given {need} GiB of "
-                        f"host memory per node (--host-memory {need})")
+    # more host memory: the leanest host of the optimizer modes tried with both offloads (the host modes keep bf16
+    # masters and small states there), so the --host-memory it names is one --fit then fits
+    modes = list(dict.fromkeys(m for st, oo, op, m, _, _ in rejected or () if (st, oo, op) == (3, "cpu", "cpu")))
+    leanest = None
+    for mode in modes or [base.optimizer_mode]:
+        r = _try(base, stage=3, offload_optimizer="cpu", offload_param="cpu", base_quant=None, optimizer_mode=mode,
+                 **lean)
+        e = estimate(r) if r is not None else None
+        if e is not None and e.gpu_total / GiB <= hw.gpu_memory_gib * (1 - margin) and (
+                leanest is None or e.host_per_node < leanest[1].host_per_node):
+            leanest = (mode, e)
+    if leanest is not None and hw.host_memory_gib is not None \
+            and leanest[1].host_per_node / GiB > hw.host_memory_gib * (1 - margin):
+        mode, e = leanest
+        need = math.ceil(e.host_per_node / GiB / (1 - margin))
+        tips.append(f"more host memory: ZeRO-3 with CPU offload of parameters and optimizer"
+                    f"{f', optimizer mode {mode}' if mode else ''}, given {need} GiB of host memory per node "
+                    f"(--host-memory {need})")
     nvme = _try(base, stage=3, offload_optimizer="nvme", offload_param="nvme", base_quant=None, **lean)
     if not allow_nvme and nvme is not None and fits(nvme):
         tips.append("NVMe: ZeRO-3 with NVMe offload of parameters and optimizer (give a local NVMe folder with "
