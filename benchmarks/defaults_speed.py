@@ -65,7 +65,7 @@ CASES = {
     "full-sr-ck1-ema": ("flux-dev", 512, FULL_SR_CK1, {"ema": {"decay": 0.9999, "dtype": "bf16"}}, None),
     "cpu-smoke-fit": ("flux-tiny", 128, ["--fit", "--gpu-memory", "8", "--host-memory", "16"], {}, None),
 }
-PEERS = {  # benchmarks/sweep.py arguments of the diffusers + DeepSpeed baseline, compiled blocks
+PEERS = {  # benchmarks/sweep.py arguments of the diffusers + DeepSpeed baseline (--compile 1: compiled blocks)
     "peer:lite-ckpt0": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "0", "--mb", "16", "--compile", "1"],
     "peer:lite-ckpt1": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "1", "--mb", "16", "--compile", "1"],
     "peer:lite-ckpt1-mb8": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "1", "--mb", "8", "--compile", "1"],
