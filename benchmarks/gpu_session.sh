@@ -142,7 +142,7 @@ Q)  # planned (not yet run): call P again. Issue 23: the 48 GB full fine-tune wi
      --memory-cap-gib 44.4 --workdir $R/cw --out $R/capped_fit48.jsonl > $R/capped_q.log 2>&1; tail -3 $R/capped_q.log
   cp $R/cw/*/run/metrics.jsonl $R/capped_fit48_metrics.jsonl 2>/dev/null; tail -5 $R/cw/*/train.log
   rm -rf $R/cw/*/run/checkpoints; kill %1
-  timeout 120 python3 benchmarks/cpu_adam_speed.py --params 5e8 --steps 2 --no-deepspeed > $R/host_optim.log 2>&1
+  timeout 130 python3 benchmarks/cpu_adam_speed.py --params 5e8 --steps 2 --no-deepspeed --out $R > $R/host_optim.log 2>&1
   tail -8 $R/host_optim.log
   timeout 175 python3 benchmarks/defaults_speed.py --cases lora-mb1,lora-1024-mb1 --timeout 85 --rows 6 \
      --out $R/defaults_lora.jsonl > $R/lora_q.log 2>&1; tail -5 $R/lora_q.log
