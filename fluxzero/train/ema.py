@@ -49,7 +49,7 @@ from fluxzero.config.ema import EmaConfig
 from fluxzero.train.distributed import all_reduce, reduce
 # the project's one bf16 stochastic rounding (fp32 bits + uniform 16-bit noise, truncated): an EMA with decay
 # 0.9999 moves by 1e-4 of the gap per update, far below half a bf16 ulp, which round-to-nearest would drop
-from fluxzero.train.rounding import counter_noise, mix32, round_with_noise
+from fluxzero.train.rounding import mix32, round_keyed
 
 LAYOUT_VERSION = 1
 _CHUNK = 1 << 24  # elements per slice of a bf16 or cross-device update: bounds the temporaries (64 MB fp32)
@@ -58,13 +58,13 @@ _BUCKET = 1 << 26  # elements per collective bucket when full tensors are assemb
 
 def _ema_bf16_(e, m, weight, key) -> None:
     """e (a bf16 slice of the EMA) <- lerp(e, m, weight) rounded stochastically, in place; `weight` a 0-d fp32
-    tensor, `key` a 0-d int32 tensor (the noise is counter_noise(len, key): a resume draws the same).
+    tensor, `key` a 0-d int32 tensor (fluxzero.train.rounding.round_keyed: a resume draws the same noise).
 
     Eagerly (CPU) a pass over the slice per line; on CUDA compiled into one kernel (`_fused_ema_bf16`): measured
     on one H200 before it (2026-12-04), the eager bf16 update of FLUX.1-dev's 11.9e9 weights took 351 ms, the
     fp32 one (a plain lerp_) 75 ms."""
     x = e.float().lerp(m.float(), weight)
-    e.copy_(round_with_noise(x, counter_noise(e.numel(), key, e.device)))
+    e.copy_(round_keyed(x, key))
 
 
 @functools.cache

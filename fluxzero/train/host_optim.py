@@ -43,7 +43,8 @@ The update itself uses the unquantized fp32 m and v of this step, as torchao's d
 
 Libraries: torchao for the 8-bit format (above). Stochastic rounding is torchao's and fluxzero.train.optim's bit
 trick (add 16 random low bits, truncate) with the random bits from a counter-based hash of (state, step, element)
-rather than from a generator, which on the CPU fills tensors serially (round_bf16 says the measurement); the
+rather than from a generator, which on the CPU fills tensors serially (fluxzero.train.rounding says the
+measurement); the
 noise is then a function of the step alone, so resume is exact whatever else draws random numbers. Not DeepSpeedCPUAdam: it rounds bf16 masters to nearest (measured -78% weight change, +105%
 loss against fp32 masters) and needs a C++ build.
 
@@ -63,7 +64,7 @@ import torch
 
 from fluxzero.config.optim_modes import HOST_STEP_CHUNK, QUANT_BLOCK
 from fluxzero.train.optim_state import ExactStateMixin
-from fluxzero.train.rounding import _i32, counter_noise, mix32, round_with_noise
+from fluxzero.train.rounding import mix32, noise_key, round_keyed
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
             _STEPS[self.states](*args)
             return None
 
+
 # ---------------------------------------------------------------------------------------------------------
 # one chunk's update: the same function eagerly and compiled
 # ---------------------------------------------------------------------------------------------------------
@@ -174,8 +176,8 @@ def _step_bf16_(w, g, m, v, h, keys) -> None:
     g32 = g.float()
     m32 = _ema(m.float(), g32, h[0])
     v32 = _ema(v.float(), g32 * g32, h[1])
-    m.copy_(_round(m32, keys[0]))
-    v.copy_(_round(v32, keys[1]))
+    m.copy_(round_keyed(m32, keys[0]))
+    v.copy_(round_keyed(v32, keys[1]))
     _move(w, m32, v32, h, keys[2])
 
 
@@ -202,12 +204,7 @@ def _move(w, m32, v32, h, key) -> None:
     """The weights decayed and moved by the bias-corrected step (torch's AdamW: w * (1 - lr wd) + addcdiv), then
     stochastically rounded back into `w`."""
     denom = v32.sqrt() / h[2] + h[3]
-    w.copy_(_round(w.float() * h[4] + h[5] * m32 / denom, key))
-
-
-def _round(x32, key):
-    """fp32 -> bf16 by stochastic rounding with counter_noise(len, key): `key` a 0-d int32 tensor (noise_key)."""
-    return round_with_noise(x32, counter_noise(x32.numel(), key, x32.device).view(x32.shape))
+    w.copy_(round_keyed(w.float() * h[4] + h[5] * m32 / denom, key))
 
 
 def _dequant(codes, qmap, scale):
@@ -277,28 +274,8 @@ def can_compile_cpu() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# stochastic rounding with counter-based noise
+# the 8-bit states' nearest-code tables
 # ---------------------------------------------------------------------------------------------------------
-def noise_key(key: int, start: int) -> int:
-    """The key that makes counter_noise(n, noise_key(key, start)) element i equal the noise of element start + i
-    under `key`: the high half of the index goes into the key by mix32, the low half (times the hash's odd
-    multiplier, modulo 2^32, as counter_noise's int32 arithmetic wraps) is added to it; so a chunk's kernel takes
-    one 0-d key and no offset."""
-    return _i32((start & 0xFFFFFFFF) * 0x9E3779B1 + mix32(key, start >> 32))
-
-
-def round_bf16(x: torch.Tensor, start: int, key: int) -> torch.Tensor:
-    """fp32 -> bf16 by stochastic rounding (fluxzero.train.optim.stochastic_round_bf16's bit trick: add 16 random
-    low bits, truncate), the noise a hash of (key, element index start + i) instead of a generator's draws.
-
-    torch's CPU generator (mt19937) fills a tensor serially: 17-22 ns a value on one thread however many cores,
-    three draws a value a step, ~10 minutes a step for FLUX.1-dev's 11.9e9 values. The hash is torch's parallel
-    integer kernels (6 ns a value on one thread here); and the noise depends only on (key, index), so neither
-    chunking nor resume changes it.
-    """
-    return round_with_noise(x, counter_noise(x.numel(), noise_key(key, start), x.device))
-
-
 def _code_tables(qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(base, mid): for each of the 65536 bf16 bit patterns (the top half of an fp32), the number of midpoints
     between neighbouring codes of `qmap` below every fp32 value with that top half, and the one midpoint inside

@@ -35,19 +35,17 @@ def mix32(*words: int) -> int:
     return _i32(h)
 
 
-def counter_noise(n: int, key, device, offset: int = 0) -> torch.Tensor:
-    """Shape: () -> (n,) int32 in [0, 2^16): the low 16 bits of lowbias32(((offset + i) mod 2^32) * 0x9E3779B1 + key)
-    for element i.
+def counter_noise(n: int, key, device) -> torch.Tensor:
+    """Shape: () -> (n,) int32 in [0, 2^16): the low 16 bits of lowbias32(i * 0x9E3779B1 + key mod 2^32) for
+    element i.
 
     Noise for stochastic rounding that is a function of (key, index), not a generator's state: the same values
     whatever the chunking, after a resume, on any device, and inside a compiled kernel (`key` may be a 0-d int32
     tensor, so one kernel serves every key). int32 additions and products wrap modulo 2^32 and the masks make the
     arithmetic right shifts logical (tests hold it to `lowbias32`). int32, not int64: with a 4M-value chunk on the
     CPU every int64 op took ~6 ns a value (a fresh 32 MB mmap each), an int32 one 0.3-0.9 (one thread, 2026-12).
-    An index past 2^32 (one ZeRO-2 partition of FLUX.1-dev holds 11.9e9 values) puts its high half into `key`."""
+    Elements from `start` of a longer stream: key noise_key(key, start)."""
     x = torch.arange(n, device=device, dtype=torch.int32)
-    if offset:
-        x.add_(_i32(offset))
     x.mul_(_i32(0x9E3779B1)).add_(key)
     x ^= (x >> 16) & 0xFFFF
     x.mul_(_i32(0x7FEB352D))
@@ -55,6 +53,20 @@ def counter_noise(n: int, key, device, offset: int = 0) -> torch.Tensor:
     x.mul_(_i32(0x846CA68B))
     x ^= (x >> 16) & 0xFFFF
     return x & 0xFFFF
+
+
+def noise_key(key: int, start: int) -> int:
+    """The key that makes counter_noise(n, noise_key(key, start)) element i the noise of element start + i under
+    `key`: the low 32 bits of the index, times the hash's odd multiplier modulo 2^32 (as counter_noise's int32
+    arithmetic wraps), are added to the key, and an index past 2^32 (one ZeRO-2 partition of FLUX.1-dev holds
+    11.9e9 values) puts its high half into it by mix32. A chunk's kernel then takes one 0-d key and no offset."""
+    return _i32((start & 0xFFFFFFFF) * 0x9E3779B1 + mix32(key, start >> 32))
+
+
+def round_keyed(x32: torch.Tensor, key) -> torch.Tensor:
+    """fp32 -> bf16 by stochastic rounding with counter_noise(x32.numel(), key), any shape; `key` an int or a 0-d
+    int32 tensor (one compiled kernel for every key)."""
+    return round_with_noise(x32, counter_noise(x32.numel(), key, x32.device).view(x32.shape))
 
 
 def round_with_noise(x32: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from fluxzero.config.optim_modes import get_mode  # noqa: E402
 from fluxzero.train import host_optim  # noqa: E402
-from fluxzero.train.rounding import counter_noise, lowbias32, mix32  # noqa: E402
+from fluxzero.train.rounding import counter_noise, lowbias32, mix32, noise_key, round_keyed  # noqa: E402
 from fluxzero.train.host_optim import HostAdamW  # noqa: E402
 from fluxzero.train.optim import OptimModeError, build_optimizer  # noqa: E402
 
@@ -44,7 +44,7 @@ def test_the_same_step_rounded_to_nearest_fails_the_bar(problem, monkeypatch):
     """What makes the host modes pass is stochastic rounding: with every bf16 write rounded to nearest (what
     DeepSpeedCPUAdam does with bf16 masters), the same optimizer loses most updates (measured -78% / +105%)."""
     p, ref = problem
-    monkeypatch.setattr(host_optim, "_round", lambda x, key: x.to(torch.bfloat16))
+    monkeypatch.setattr(host_optim, "round_keyed", lambda x, key: x.to(torch.bfloat16))
 
     def eager(ps):  # a compiled kernel would keep the rounding it was traced with
         opt = build_optimizer(ps, "cpu-bf16-sr", lr=LR)
@@ -179,21 +179,23 @@ def test_registry_says_where_they_run():
 
 def test_rounding_noise_is_the_reference_hash_and_unbiased():
     """counter_noise relies on int32 multiplication wrapping in torch's kernels: held to the Python-int hash here,
-    at the offsets and keys round_bf16 gives it."""
-    for start in (1000, 5 * 2**32 + 2**31 - 10):  # past 2^31 and 2^32: a ZeRO-2 partition of FLUX.1-dev
-        key = mix32(0xDEADBEEF, start >> 32)
-        x = counter_noise(5000, key, "cpu", offset=start & 0xFFFFFFFF)
+    for the chunk keys noise_key gives, past 2^31 and 2^32 (a ZeRO-2 partition of FLUX.1-dev holds 11.9e9)."""
+    for start in (0, 1000, 5 * 2**32 + 2**31 - 10):
+        x = counter_noise(5000, noise_key(0xDEADBEEF, start), "cpu")
+        high = mix32(0xDEADBEEF, start >> 32)
         for i in (0, 1, 9, 10, 2500, 4999):
-            want = lowbias32((((start + i) & 0xFFFFFFFF) * 0x9E3779B1 + key) & 0xFFFFFFFF)
+            want = lowbias32((((start + i) & 0xFFFFFFFF) * 0x9E3779B1 + high) & 0xFFFFFFFF)
             assert x[i].item() == want & 0xFFFF, (start, i)
-        # the compiled step's key folds the offset in: the same noise
-        assert torch.equal(counter_noise(5000, host_optim.noise_key(0xDEADBEEF, start), "cpu"), x)
+    # chunked as the step does (its chunks never straddle a multiple of 2^32): the same noise as one call
+    whole = counter_noise(10_000, noise_key(7, 2**32 + 1_000), "cpu")
+    parts = [counter_noise(2_500, noise_key(7, 2**32 + 1_000 + s), "cpu") for s in range(0, 10_000, 2_500)]
+    assert torch.equal(torch.cat(parts), whole)
     ulp = 2.0**-7
-    r = host_optim.round_bf16(torch.full((200_000,), 1.0 + 0.3 * ulp), 0, key=7).float()
+    r = round_keyed(torch.full((200_000,), 1.0 + 0.3 * ulp), noise_key(7, 0)).float()
     assert set(r.unique().tolist()) == {1.0, 1.0 + ulp}
     # mean of 200k Bernoulli(0.3) draws: sigma = sqrt(0.21 / 2e5) = 1e-3 ulp; 5 sigma
     assert abs((r.mean().item() - 1.0) / ulp - 0.3) < 5e-3
-    assert host_optim.round_bf16(torch.tensor([float("inf"), 2.0]), 0, key=7).tolist() == [float("inf"), 2.0]
+    assert round_keyed(torch.tensor([float("inf"), 2.0]), 7).tolist() == [float("inf"), 2.0]
 
 
 def test_nearest_codes_are_the_nearest_map_values():
