@@ -123,19 +123,9 @@ N)  # issue 22 target 6: fluxzero sample's speed options (compile, cuDNN attenti
   timeout 300 python3 benchmarks/sample_speed.py --rows diffusers,fluxzero-fast,fluxzero-cudnn,diffusers-cudnn,fluxzero-compile,fluxzero \
      --runs 2 --profile --budget-s 275 --out $R/sample_speed.jsonl > $R/sample_n.log 2>&1; tail -30 $R/sample_n.log
   ;;
-P)  # issue 23: the 48 GB full fine-tune with the compiled host step; issue 22 target 4: the LoRA after the batched
-    # gradient checks (mb 1 at 512 and 1024 px, the rows that missed 1.3x)
-  (while sleep 20; do echo "== $(date +%T)"; free -g | head -2; top -bn1 | head -8 | tail -2
-     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; done) > $R/mon.txt 2>&1 &
-  timeout 215 python3 benchmarks/capped_runs.py --set fit --cases fit-full-512px-48gb --timeout 205 --steps 3 --warmup 1 \
-     --memory-cap-gib 44.4 --workdir $R/cw --out $R/capped_fit48.jsonl > $R/capped_p.log 2>&1; tail -3 $R/capped_p.log
-  cp $R/cw/*/run/metrics.jsonl $R/capped_fit48_metrics.jsonl 2>/dev/null; tail -5 $R/cw/*/train.log
-  rm -rf $R/cw/*/run/checkpoints; kill %1
-  timeout 175 python3 benchmarks/defaults_speed.py --cases lora-mb1,lora-1024-mb1 --timeout 85 --rows 6 \
-     --out $R/defaults_lora.jsonl > $R/lora_p.log 2>&1; tail -5 $R/lora_p.log
-  ;;
-Q)  # planned (not yet run): call P again. Issue 23: the 48 GB full fine-tune with the compiled host step, and the
-    # host step alone on the GPU machine's cores; issue 22 target 4: the LoRA after the batched gradient checks
+Q)  # planned (not yet run), lost call P's commands plus the host step alone. Issue 23: the 48 GB full fine-tune
+    # with the compiled host step, and that step alone on the GPU machine's cores; issue 22 target 4: the LoRA
+    # after the batched gradient checks (mb 1 at 512 and 1024 px, the rows that missed 1.3x)
   (while sleep 20; do echo "== $(date +%T)"; free -g | head -2; top -bn1 | head -8 | tail -2
      nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; done) > $R/mon.txt 2>&1 &
   timeout 215 python3 benchmarks/capped_runs.py --set fit --cases fit-full-512px-48gb --timeout 205 --steps 3 --warmup 1 \
