@@ -168,6 +168,14 @@ def close_group(done: bool) -> None:
         dist.destroy_process_group()
 
 
+def exit_rank(rank: int, out_file, results: dict) -> None:
+    """A spawned rank's last lines, after close_group: rank 0 writes `results` to out_file as JSON, then the process
+    ends without interpreter teardown (gloo's threads can abort a finished rank there)."""
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(results))
+    os._exit(0)
+
+
 def tiny_weights(path: Path, seed: int = 11) -> Path:
     """A flux-tiny model's random initial weights for `seed`, saved at `path` (BFL layout): the one start the
     trainer's runs and their plain-PyTorch reference share."""

@@ -11,12 +11,10 @@ when the flat buffer moves.
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import close_group, enter_training_rank, spawn_ranks, tiny_ds
+from tests.helpers import close_group, enter_training_rank, exit_rank, spawn_ranks, tiny_ds
 
 STAGES = (0, 1, 2)
 STEPS = 4
@@ -113,9 +111,7 @@ def _worker(rank, world, port, out_file):
         done = True
     finally:
         close_group(done)
-    if rank == 0:
-        Path(out_file).write_text(json.dumps(results))
-    os._exit(0)  # no interpreter teardown: gloo's threads can abort a finished rank there
+    exit_rank(rank, out_file, results)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ import yaml
 
 from fluxzero.config import LoraConfig, TrainConfig, get_model_config, lora_param_count
 from fluxzero.config.lora import TARGET_PRESETS, linear_shapes
-from tests.helpers import TRAINER_CHILD, close_group, enter_training_rank, plain_losses, spawn_ranks, tiny_ds, tiny_weights
+from tests.helpers import (TRAINER_CHILD, close_group, enter_training_rank, exit_rank, plain_losses, spawn_ranks,
+                           tiny_ds, tiny_weights)
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA4 = "synthetic:n=4,hw=8x8,txt=4,ctx=64,vec=32"
@@ -287,9 +288,7 @@ def _worker(rank, world, port, jobs, probe, out_file):
         done = True
     finally:
         close_group(done)
-    if rank == 0:
-        Path(out_file).write_text(json.dumps(results))
-    os._exit(0)  # no interpreter teardown: gloo's threads can abort a finished rank there
+    exit_rank(rank, out_file, results)
 
 
 def _continue_probe(cfg):
