@@ -132,7 +132,8 @@ def snapshot():  # what was used so far: written every few seconds, so a run the
         os.replace(stats_file + ".tmp", stats_file)
 
 def finish(code):
-    stats["exit_code"] = code
+    with LOCK:  # the watcher may be dumping stats: no key added meanwhile
+        stats["exit_code"] = code
     snapshot()
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(code)
@@ -150,9 +151,11 @@ def watch():  # the measurement ends with the last step's metrics row: the final
             with open(metrics) as f:
                 n = sum(1 for line in f if '"samples_per_s"' in line)
             if n and "first_step_logged_s" not in stats:  # start-up: build, quantize, compile, first step
-                stats["first_step_logged_s"] = round(time.time() - T0, 1)
+                with LOCK:
+                    stats["first_step_logged_s"] = round(time.time() - T0, 1)
             if n >= steps:
-                stats["stopped_after_steps"] = steps
+                with LOCK:
+                    stats["stopped_after_steps"] = steps
                 finish(0)
         except OSError:
             pass
