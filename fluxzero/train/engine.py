@@ -134,12 +134,12 @@ def batch_grad_checks(optimizer) -> list[str]:
 def _repoint_when_moved(self, repoint, seen: dict, group_index: int) -> None:
     """DeepSpeedZeroOptimizer._update_model_bit16_weights(group_index), skipped while the group's flat buffer and
     every parameter's data are where the last re-pointing left them (`seen`: group -> their data_ptr()s)."""
-    group = self.bit16_groups[group_index]
-    where = (self.bit16_groups_flat[group_index].data_ptr(), *(p.data_ptr() for p in group))
-    if seen.get(group_index) == where:
-        return
-    repoint(group_index)
-    seen[group_index] = (self.bit16_groups_flat[group_index].data_ptr(), *(p.data_ptr() for p in group))
+    def where():
+        return (self.bit16_groups_flat[group_index].data_ptr(), *(p.data_ptr() for p in self.bit16_groups[group_index]))
+
+    if seen.get(group_index) != where():
+        repoint(group_index)
+        seen[group_index] = where()  # after it: re-pointing moves the parameters' data into the buffer
 
 
 def _any_nonfinite(grads: list) -> torch.Tensor:
