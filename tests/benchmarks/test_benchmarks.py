@@ -466,7 +466,7 @@ def test_device_wheels_empties_the_folder_and_its_pins_are_in_the_readme(tmp_pat
     assert [x for x in pins if f"`{x}`" not in readme] == []
     installs = [ln for ln in readme.splitlines() if "pip install -q --no-index" in ln]
     assert installs and all(".whl/*.whl || exit 1;" in ln for ln in installs)
-    assert "../shared/" not in readme and "grep -qx /.whl/ .git/info/exclude ||" in readme
+    assert "../shared/" not in readme  # .whl/ itself is in .gitignore
 
 
 @pytest.mark.parametrize("name", ["fit-lora16-512px-24gb", "fit-full-512px-80gb"])
