@@ -50,6 +50,8 @@ def _check_dependencies(command: str = "fluxzero cache") -> None:
               help="Share of samples stored with the empty caption (its embedding is encoded once).")
 @click.option("--captions", "caption_file", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
               help="metadata .jsonl/.csv mapping file names to captions  [default: IMAGES_DIR/metadata.jsonl or .csv, else same-name .txt].")
+@click.option("--caption-prefix", default="", show_default=False,
+              help="Text put before every caption, e.g. a trigger word with its separator ('ohwx person, '); images without a caption get it alone.")
 @click.option("--latent", type=click.Choice(["mode", "sample"]), default="mode", show_default=True,
               help="Cache the VAE posterior's mode, or one seeded sample of it.")
 @click.option("--shard-size", type=click.IntRange(min=1), default=64, show_default=True, help="Samples per shard.")
@@ -64,14 +66,16 @@ def _check_dependencies(command: str = "fluxzero cache") -> None:
 @click.option("--world-size", type=click.IntRange(min=1), default=None,
               help="Number of processes sharing the work  [default: env WORLD_SIZE or SLURM_NTASKS, else 1].")
 def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_tokenizer, variant, t5_max_length,
-          resolution, min_side, max_aspect, bucket_step, min_image_side, flip, caption_dropout, caption_file, latent,
+          resolution, min_side, max_aspect, bucket_step, min_image_side, flip, caption_dropout, caption_file, caption_prefix, latent,
           shard_size, batch_size, seed, device, dtype, rank, world_size):
     """Encode a folder of images and captions into training shards (VAE latents, T5 and CLIP embeddings).
 
     Images (png, jpg, webp; subfolders too) go to aspect-ratio buckets, are resized and center-cropped,
-    and are encoded in batches. Several processes split the work by --rank/--world-size (or the
+    and are encoded in batches. A same-name NAME.mask.png beside an image is its loss mask (white trains,
+    black does not; the image's size). Several processes split the work by --rank/--world-size (or the
     launcher's RANK/WORLD_SIZE); rerunning skips finished shards. Unreadable images are skipped and
-    listed in OUT_DIR/cache_report.json.
+    listed in OUT_DIR/cache_report.json. Cache each dataset of a run (a regularization set, say) into its
+    own OUT_DIR.
     """
     import os
 
@@ -115,7 +119,7 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
     opts = CacheOptions(
         images_dir=images_dir, out_dir=out_dir, resolution=resolution, min_side=min_side, max_aspect=max_aspect,
         bucket_step=bucket_step, min_image_side=min_image_side, flip=flip, caption_dropout=caption_dropout,
-        caption_file=caption_file, shard_size=shard_size, batch_size=batch_size, seed=seed,
+        caption_file=caption_file, caption_prefix=caption_prefix, shard_size=shard_size, batch_size=batch_size, seed=seed,
         t5_max_length=t5_max_length or T5_MAX_LENGTH[variant], latent=latent,
         rank=rank, world_size=world_size, encoder_key=encoder_key,
     )
@@ -137,7 +141,9 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
     m, report = result["manifest"], result["report"]
     if m is not None:
         buckets = ", ".join(f"{k} px: {v['num_samples']}" for k, v in m["cache"]["pixel_buckets"].items())
-        click.echo(f"wrote {m['num_samples']} samples in {len(m['shards'])} shards to {out_dir} ({buckets})")
+        masked = m["cache"].get("num_masked")
+        with_masks = f", {masked} with a mask" if masked else ""
+        click.echo(f"wrote {m['num_samples']} samples{with_masks} in {len(m['shards'])} shards to {out_dir} ({buckets})")
         small = sum(s["reason"].startswith("too small") for s in report["skipped"])
         kinds = [f"{n} {what}" for n, what in ((len(report["skipped"]) - small, "unreadable"), (small, "too small")) if n]
         if kinds:

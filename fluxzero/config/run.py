@@ -6,6 +6,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from fluxzero.config.datasets import parse_data
 from fluxzero.config.ema import EmaConfig
 from fluxzero.config.keys import and_list as _and
 from fluxzero.config.keys import check_types as _check_types
@@ -69,6 +70,9 @@ class FlowConfig:
     # velocity, which is exactly what the training target noise - x0 is; a larger value would teach the
     # model that "guided" means "unguided" and wash out the distilled guidance. Ignored for schnell.
     guidance: float = 1.0
+    # loss weight of the image tokens a cached mask leaves out (0: they teach nothing); tokens half inside get
+    # halfway between this and 1
+    mask_floor: float = 0.0
 
     def __post_init__(self):
         _check_types(self, "flow.")
@@ -87,6 +91,8 @@ class FlowConfig:
             raise ValueError(f"flow.logit_std must be positive, got {self.logit_std}")
         if self.shift_value <= 0:
             raise ValueError(f"flow.shift_value must be positive, got {self.shift_value}")
+        if not 0.0 <= self.mask_floor <= 1.0:
+            raise ValueError(f"flow.mask_floor must be in [0, 1], got {self.mask_floor}")
 
 
 @dataclass
@@ -98,7 +104,9 @@ class TrainConfig:
     """
 
     deepspeed: str  # DeepSpeed JSON config (from `fluxzero gen-config`)
-    data: str  # shard directory, or a synthetic spec "synthetic:n=64,hw=32x32,..."
+    # shard directory, or a synthetic spec "synthetic:n=64,hw=32x32,...", or a list of datasets
+    # (fluxzero.config.datasets: each a mapping with path, repeats, loss_weight, caption_dropout)
+    data: list | str
     output_dir: str  # checkpoints/, tensorboard/, metrics.jsonl, export
     # a preset name, a mapping {preset: NAME, field: value}, or a diffusers config.json (models.resolve_model);
     # kept as the preset name or the whole shape, so the run.yaml saved with a checkpoint records the shape
@@ -138,12 +146,13 @@ class TrainConfig:
         for name, cls in SECTIONS.items():  # a mapping (YAML, Python callers) becomes its frozen section
             if not isinstance(getattr(self, name), cls):
                 setattr(self, name, cls.from_dict(getattr(self, name)))
+        self.data = parse_data(self.data)
         _check_types(self)
         self.model = model_spec(resolve_model(self.model))
-        for f in ("deepspeed", "data", "output_dir"):
+        for f in ("deepspeed", "output_dir"):
             if not getattr(self, f).strip():
                 raise ValueError(f"{f} is empty; set it to a path (output_dir holds checkpoints, logs and export)")
-        for f in ("deepspeed", "data", "output_dir", "weights"):  # `~/runs` means the home folder, as in a shell
+        for f in ("deepspeed", "output_dir", "weights"):  # `~/runs` means the home folder, as in a shell
             if getattr(self, f):
                 setattr(self, f, os.path.expanduser(getattr(self, f)))
         for f in ("epochs", "log_every"):

@@ -21,11 +21,11 @@ from fluxzero.data import shards as fmt
 from fluxzero.data.buckets import STEP, make_buckets, nearest_bucket
 from fluxzero.data.errors import DataError
 from fluxzero.fsutil import atomic_write
-from fluxzero.data.images import captions_for, list_images, load_bucketed, probe_size
+from fluxzero.data.images import captions_for, list_images, load_bucketed, load_mask, mask_for, probe_size
 
 PLAN_FILE = "cache_plan.json"
 REPORT_FILE = "cache_report.json"
-EMPTY_FILE = "empty_caption.safetensors"
+EMPTY_FILE = fmt.EMPTY_CAPTION_FILE
 PARTS_DIR = "parts"
 FLIP_MODES = ("none", "random", "both")
 STALE_PLAN_S = 3600  # s: a differing plan this old with nothing encoded under it is from a run that died
@@ -44,6 +44,7 @@ class CacheOptions:
     flip: str = "none"
     caption_dropout: float = 0.0
     caption_file: str | None = None
+    caption_prefix: str = ""  # put before every caption (a trigger word), dropped ones excepted
     shard_size: int = 64
     batch_size: int = 8
     seed: int = 0
@@ -81,6 +82,8 @@ class CacheOptions:
             d["caption_file"] = os.path.abspath(d["caption_file"])
         if d["bucket_step"] == STEP:
             d.pop("bucket_step")
+        if not d["caption_prefix"]:
+            d.pop("caption_prefix")
         return d
 
 
@@ -90,7 +93,10 @@ def _unit(*parts) -> float:
 
 
 def make_plan(opts: CacheOptions) -> dict:
-    """Shards to write: [{"id", "bucket": (h, w) px, "items": [{"file", "flip", "caption", "dropped"}]}]."""
+    """Shards to write: [{"id", "bucket": (h, w) px, "items": [{"file", "flip", "caption", "dropped", "mask"}]}].
+
+    A mask of another size than its image (or one that cannot be read) is a DataError here, before anything
+    is written."""
     root = Path(opts.images_dir)
     if not root.is_dir():
         raise DataError(f"image folder {root} does not exist; pass a folder of .png/.jpg/.webp images.")
@@ -123,14 +129,20 @@ def make_plan(opts: CacheOptions) -> dict:
         caption = captions[im]
         if caption is None:
             no_caption.append(im)
+        if opts.caption_prefix:
+            caption = opts.caption_prefix + (caption or "")
         st = (root / im).stat()  # an in-place edit that keeps the byte size still changes mtime_ns
         fp.update(json.dumps([im, st.st_size, st.st_mtime_ns, [w, h], caption]).encode())
+        mask = _check_mask(root, im, (w, h))
+        if mask is not None:  # hashed only when there is one: folders cached before masks existed still resume
+            mst = (root / mask).stat()
+            fp.update(json.dumps(["mask", mask, mst.st_size, mst.st_mtime_ns]).encode())
         flips = {"none": [False], "both": [False, True], "random": [_unit(opts.seed, "flip", im) < 0.5]}[opts.flip]
         bucket = nearest_bucket(w, h, buckets)
         for flip in flips:
             dropped = opts.caption_dropout > 0 and _unit(opts.seed, "drop", im, flip) < opts.caption_dropout
             by_bucket.setdefault(bucket, []).append(
-                {"file": im, "flip": flip, "caption": caption or "", "dropped": dropped, "size": [w, h]})
+                {"file": im, "flip": flip, "caption": caption or "", "dropped": dropped, "size": [w, h], "mask": mask})
     shards = []
     for bucket in sorted(by_bucket):
         items = by_bucket[bucket]
@@ -139,6 +151,23 @@ def make_plan(opts: CacheOptions) -> dict:
     return {"fingerprint": fp.hexdigest(), "shards": shards, "skipped": skipped, "no_caption": no_caption,
             "caption_source": caption_source, "unmatched_captions": unmatched, "num_images": len(images),
             "min_image_side": min_image}
+
+
+def _check_mask(root: Path, image: str, size: tuple[int, int]) -> str | None:
+    """The image's mask file (images.mask_for), checked to be readable and of the image's size."""
+    mask = mask_for(root, image)
+    if mask is None:
+        return None
+    try:
+        mw, mh = probe_size(root / mask)
+    except Exception as e:  # noqa: BLE001 - any unreadable mask: one sentence, nothing written yet
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"mask {root / mask} cannot be read ({why}); save it as a PNG of its image's size, or "
+                        f"delete it to train on the whole image.") from None
+    if (mw, mh) != size:
+        raise DataError(f"mask {root / mask} is {mw}x{mh} px but its image {root / image} is {size[0]}x{size[1]} px; "
+                        f"save the mask at its image's size (white where the loss applies, black where not).")
+    return mask
 
 
 # ------------------------------------------------------------------------------------------ resume state
@@ -275,10 +304,10 @@ def _empty_caption(out: Path, enc) -> dict:
     return d
 
 
-def _load(path: Path, bucket, flip: bool):
-    """(pixels, None) or (None, reason): a bad file is skipped and reported, never fatal."""
+def _load(path: Path, bucket, flip: bool, mask: Path | None = None):
+    """((pixels, mask or None), None) or (None, reason): a bad file is skipped and reported, never fatal."""
     try:
-        return load_bucketed(path, bucket, flip), None
+        return (load_bucketed(path, bucket, flip), None if mask is None else load_mask(mask, bucket, flip)), None
     except Exception as e:  # noqa: BLE001
         return None, f"could not decode: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
 
@@ -291,18 +320,20 @@ def _encode_shard(shard: dict, opts: CacheOptions, enc, empty: dict, storage_dty
     batches = [shard["items"][k : k + opts.batch_size] for k in range(0, len(shard["items"]), opts.batch_size)]
 
     def submit(batch):  # decode in threads while the encoders work on the previous batch
-        return [pool.submit(_load, root / it["file"], bucket, it["flip"]) for it in batch]
+        return [pool.submit(_load, root / it["file"], bucket, it["flip"], it["mask"] and root / it["mask"])
+                for it in batch]
 
     pending = submit(batches[0])
     for bi, batch in enumerate(batches):
         loaded = [f.result() for f in pending]
         pending = submit(batches[bi + 1]) if bi + 1 < len(batches) else []
-        pixels, ok = [], []
+        pixels, masks, ok = [], [], []
         for it, (px, reason) in zip(batch, loaded):
             if px is None:
                 skipped.append({"file": it["file"], "reason": reason})
             else:
-                pixels.append(px)
+                pixels.append(px[0])
+                masks.append(px[1])
                 ok.append(it)
         bar.update(len(batch))
         if not ok:
@@ -320,7 +351,9 @@ def _encode_shard(shard: dict, opts: CacheOptions, enc, empty: dict, storage_dty
                 e5, elen, ec = t5[k], int(t5_len[k]), clip[k]
                 k += 1
             meta = {"file": it["file"], "flip": it["flip"], "caption_dropped": it["dropped"], "image_size": it["size"]}
-            samples.append({"latents": latents[j], "t5": e5, "clip": ec, "t5_len": elen,
+            if it["mask"]:
+                meta["mask"] = it["mask"]
+            samples.append({"latents": latents[j], "t5": e5, "clip": ec, "t5_len": elen, "mask": masks[j],
                             "caption": "" if it["dropped"] else it["caption"], "meta": meta})
     if not samples:
         return None, skipped
@@ -462,6 +495,8 @@ def _finalize(out: Path, plan: dict, opts: CacheOptions):
         "caption_source": plan["caption_source"],
         "caption_dropout": opts.caption_dropout,
         "num_caption_dropped": sum(it["dropped"] for it in kept),
+        "num_masked": sum(bool(it["mask"]) for it in kept),
+        **({"caption_prefix": opts.caption_prefix} if opts.caption_prefix else {}),
         "empty_caption": EMPTY_FILE,
         "flip": opts.flip,
         "num_flipped": sum(it["flip"] for it in kept),

@@ -10,6 +10,9 @@ from fluxzero.data.buckets import cover_and_crop
 from fluxzero.data.errors import DataError
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp")
+# an image's loss mask: NAME.mask.png beside NAME.jpg (or .png, .webp), white where the loss applies
+MASK_SUFFIX = ".mask.png"
+MASK_PATCH = 16  # pixels per side of one image token: the VAE's 8x, then FLUX's 2x2 latent packing
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 _FILE_KEYS = ("file_name", "file", "image", "path")
 _TEXT_KEYS = ("text", "caption", "prompt")
@@ -30,9 +33,39 @@ def _open(path):
 
 
 def list_images(root) -> list[str]:
-    """Image paths relative to `root` (recursive, sorted, '/' separators)."""
+    """Image paths relative to `root` (recursive, sorted, '/' separators); masks (NAME.mask.png) are not images."""
     root = Path(root)
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTS and p.is_file())
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTS
+                  and not p.name.lower().endswith(MASK_SUFFIX) and p.is_file())
+
+
+def mask_for(root, image: str) -> str | None:
+    """The mask file of `image` (relative to `root`), NAME.mask.png beside it, or None when it has none."""
+    rel = Path(image).with_suffix(MASK_SUFFIX).as_posix()
+    return rel if (Path(root) / rel).is_file() else None
+
+
+def load_mask(path, bucket: tuple[int, int], flip: bool):
+    """A mask image cropped and flipped as its image is (load_bucketed), averaged over each image token's pixels.
+
+    Gray levels are weights (white 1, black 0; colour is converted to gray, alpha ignored). Shape: returns
+    (H/16, W/16) float32 in [0, 1] with (H, W) = bucket, row-major as fluxzero.model.packing.pack's tokens.
+    """
+    import numpy as np
+    import torch
+    from PIL import Image, ImageOps
+
+    with _open(path) as im:
+        im = ImageOps.exif_transpose(im)
+        im = _to_8bit(im) if im.mode == "I" or im.mode.startswith("I;16") else im.convert("L")
+        size, box = cover_and_crop(im.width, im.height, bucket)
+        im = im.resize(size, Image.Resampling.BILINEAR).crop(box)  # no ringing outside [0, 1], unlike Lanczos
+        if flip:
+            im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        arr = np.asarray(im, dtype=np.float32) / 255.0
+    h, w = bucket
+    grid = arr.reshape(h // MASK_PATCH, MASK_PATCH, w // MASK_PATCH, MASK_PATCH).mean(axis=(1, 3))
+    return torch.from_numpy(np.ascontiguousarray(grid, dtype=np.float32))
 
 
 def _pick(row: dict, keys, what: str, source) -> str:

@@ -51,15 +51,22 @@ def epoch_plan(sizes: list[tuple[int, int]], global_batch: int, seed: int, epoch
 
 
 def _collate(samples: list[dict]) -> dict:
-    """Shape: latents (B,C,h,w), t5 (B,L,D), clip (B,V), index (B,) long."""
+    """Shape: latents (B,C,h,w), t5 (B,L,D), clip (B,V), index (B,) long; and only where some sample has
+    one: mask (B,h/2,w/2) (ones for a sample without) and loss_weight (B,) (1 for a sample without)."""
     import torch
 
-    return {
+    batch = {
         "latents": torch.stack([s["latents"] for s in samples]),
         "t5": torch.stack([s["t5"] for s in samples]),
         "clip": torch.stack([s["clip"] for s in samples]),
         "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
     }
+    if any("mask" in s for s in samples):
+        _, _, h, w = batch["latents"].shape
+        batch["mask"] = torch.stack([s.get("mask", torch.ones(h // 2, w // 2)) for s in samples])
+    if any("loss_weight" in s for s in samples):
+        batch["loss_weight"] = torch.tensor([s.get("loss_weight", 1.0) for s in samples], dtype=torch.float32)
+    return batch
 
 
 class _Dataset:
@@ -211,8 +218,13 @@ class ShardLoader:
         self.epoch, self.batches_done = self.epoch + 1, 0
 
 
-def open_source(source):
-    """A shard directory path or a synthetic spec string -> source object."""
+def open_source(source, seed: int = 0):
+    """A shard directory path, a synthetic spec string, or a list of datasets (fluxzero.data.datasets) -> source
+    object; `seed` draws the datasets' caption dropout."""
+    if isinstance(source, (list, tuple)):
+        from fluxzero.data.datasets import MultiSource
+
+        return MultiSource(source, seed, open_source)
     if is_synthetic(source):
         return SyntheticSource(source)
     if isinstance(source, str) and not source.strip():
@@ -227,7 +239,8 @@ def build_dataloader(source, *, micro_batch: int, rank: int, world_size: int, se
                      multiprocessing_context=None) -> ShardLoader:
     """Loader yielding {"latents": (B,16,h,w) f32, "t5": (B,L,D) f32, "clip": (B,V) f32, "index": (B,) long}.
 
-    `source`: a shard directory (str or Path) or "synthetic:n=64,hw=32x32,txt=16,ctx=64,vec=32".
+    `source`: a shard directory (str or Path), "synthetic:n=64,hw=32x32,txt=16,ctx=64,vec=32", or a list of
+    datasets (fluxzero.config.datasets.DatasetConfig); batches may then carry "mask" and "loss_weight" too.
     len(loader) is the same on every rank; see the module docstring for partitioning and remainders.
     """
     if micro_batch < 1:
@@ -238,7 +251,7 @@ def build_dataloader(source, *, micro_batch: int, rank: int, world_size: int, se
         raise ValueError(f"remainder must be one of {REMAINDER}, got {remainder!r}")
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-    return ShardLoader(open_source(source), micro_batch=micro_batch, rank=rank, world_size=world_size, seed=seed,
+    return ShardLoader(open_source(source, seed), micro_batch=micro_batch, rank=rank, world_size=world_size, seed=seed,
                        num_workers=num_workers, pin_memory=pin_memory, remainder=remainder,
                        multiprocessing_context=multiprocessing_context)
 

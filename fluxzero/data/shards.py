@@ -12,13 +12,16 @@ A shard holds, for its n samples (row i = one sample):
     t5       (n, L, D)      T5 encoder output, padded to L tokens (D = 4096 for T5-XXL)
     clip     (n, V)         CLIP pooled output (V = 768 for CLIP-L)
     t5_len   (n,) int32     real (unpadded) token count of each caption
+    mask     (n, h/2, w/2)  optional, float32: per packed 2x2 latent patch (one image token), the share of its
+                            pixels the loss covers (1 = all); a shard of images without masks has none
     header metadata: one key "fluxzero" whose value is JSON {"format", "version", "captions": [n strings],
                      "samples": [n dicts: source file, flip, ...], "xxh3_64": [n hex strings]} (one
                      key, because safetensors writes several metadata keys in a random order and shards
                      must be byte-reproducible)
 
 "xxh3_64" (added within version 1; shards written before it have none and load unchecked, as before) is, per
-sample, the 64-bit XXH3 hash of the bytes of its latents, t5 and clip rows as stored, in that order. The
+sample, the 64-bit XXH3 hash of the bytes of its latents, t5 and clip rows as stored, in that order (and its
+mask row after them, in a shard that has masks). The
 reader checks it for every sample it reads, so a shard damaged in place (same size, so the open-time size and
 header checks pass) stops training at the first damaged sample instead of training on it. XXH3 (the xxhash
 package) rather than the standard library's zlib.crc32: on 4.5 MiB samples (1024 px latents + T5, bf16, from
@@ -43,6 +46,7 @@ FORMAT = "fluxzero-shards"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_TENSORS = ("latents", "t5", "clip", "t5_len")
+EMPTY_CAPTION_FILE = "empty_caption.safetensors"  # `fluxzero cache` keeps the embedding of "" here
 META_KEY = "fluxzero"
 MAX_OPEN_SHARDS = 64  # per process (each DataLoader worker has its own)
 _DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -60,8 +64,9 @@ def bucket_key(h: int, w: int) -> str:
 CHECKSUM_KEY = "xxh3_64"
 
 
-def sample_checksum(latents, t5, clip) -> str:
-    """XXH3-64 (hex) of one sample's stored bytes. Shape: latents (C,h,w), t5 (L,D), clip (V,), shard dtype."""
+def sample_checksum(latents, t5, clip, mask=None) -> str:
+    """XXH3-64 (hex) of one sample's stored bytes. Shape: latents (C,h,w), t5 (L,D), clip (V,), shard dtype;
+    mask (h/2,w/2) float32 or None."""
     import torch
 
     try:
@@ -70,7 +75,7 @@ def sample_checksum(latents, t5, clip) -> str:
         raise DataError("checking shard checksums needs the xxhash package; `pip install xxhash` "
                         "(it is in fluxzero's train requirements).") from None
     h = xxhash.xxh3_64()
-    for t in (latents, t5, clip):  # viewed as bytes first: numpy has no bfloat16
+    for t in (latents, t5, clip) if mask is None else (latents, t5, clip, mask):  # as bytes: numpy has no bfloat16
         h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
@@ -80,7 +85,8 @@ def write_shard(path, samples: list[dict], dtype="float32") -> dict:
     """Write one shard of same-size samples atomically; return its manifest record.
 
     Each sample: {"latents": (C,h,w), "t5": (L,D), "clip": (V,), "caption": str, "t5_len": int (optional),
-    "meta": dict (optional)}.
+    "meta": dict (optional), "mask": (h/2,w/2) in [0, 1] (optional; where some sample has one, the shard
+    stores masks, all ones for the samples without)}.
     """
     import torch
     from safetensors.torch import save
@@ -100,7 +106,16 @@ def write_shard(path, samples: list[dict], dtype="float32") -> dict:
         "clip": torch.stack([s["clip"].detach().to("cpu", tdtype) for s in samples]).contiguous(),
         "t5_len": torch.tensor(text_lens, dtype=torch.int32),
     }
-    sums = [sample_checksum(tensors["latents"][i], tensors["t5"][i], tensors["clip"][i]) for i in range(len(samples))]
+    if any(s.get("mask") is not None for s in samples):
+        grid = (hw[0] // 2, hw[1] // 2)
+        for s in samples:
+            if s.get("mask") is not None and tuple(s["mask"].shape) != grid:
+                raise ValueError(f"a mask must have one value per packed latent patch, {grid}, got {tuple(s['mask'].shape)}")
+        tensors["mask"] = torch.stack([torch.ones(grid) if s.get("mask") is None else s["mask"].detach().float().cpu()
+                                       for s in samples]).contiguous()
+    mask = tensors.get("mask")
+    sums = [sample_checksum(tensors["latents"][i], tensors["t5"][i], tensors["clip"][i], None if mask is None else mask[i])
+            for i in range(len(samples))]
     info = {"format": FORMAT, "version": FORMAT_VERSION, "captions": [s.get("caption", "") for s in samples],
             "samples": [s.get("meta") or {} for s in samples], CHECKSUM_KEY: sums}
     data = save(tensors, metadata={META_KEY: json.dumps(info, ensure_ascii=False)})
@@ -170,8 +185,9 @@ class ShardWriter:
         self._pending: dict[tuple[int, int], list[dict]] = {}
         self._closed = False
 
-    def add(self, latents, t5, clip, caption: str = "", t5_len: int | None = None, meta: dict | None = None) -> None:
-        """Shape: latents (C, h, w), t5 (L, D), clip (V,)."""
+    def add(self, latents, t5, clip, caption: str = "", t5_len: int | None = None, meta: dict | None = None,
+            mask=None) -> None:
+        """Shape: latents (C, h, w), t5 (L, D), clip (V,), mask (h/2, w/2) or None."""
         if latents.dim() != 3 or t5.dim() != 2 or clip.dim() != 1:
             raise ValueError(f"expected latents (C,h,w), t5 (L,D), clip (V,); got {tuple(latents.shape)}, {tuple(t5.shape)}, {tuple(clip.shape)}")
         dims = {"latent_channels": latents.shape[0], "t5_len": t5.shape[0], "t5_dim": t5.shape[1], "clip_dim": clip.shape[0]}
@@ -179,7 +195,7 @@ class ShardWriter:
             self.dims = dims
         elif dims != self.dims:
             raise ValueError(f"sample dims {dims} differ from the first sample's {self.dims}")
-        sample = {"latents": latents, "t5": t5, "clip": clip, "caption": caption, "meta": meta}
+        sample = {"latents": latents, "t5": t5, "clip": clip, "caption": caption, "meta": meta, "mask": mask}
         if t5_len is not None:
             sample["t5_len"] = t5_len
         hw = tuple(latents.shape[-2:])
@@ -283,6 +299,8 @@ def check_shard(data_dir, record: dict, dims: dict) -> None:
         "t5": [n, dims["t5_len"], dims["t5_dim"]],
         "clip": [n, dims["clip_dim"]],
     }
+    if "mask" in header:
+        want["mask"] = [n, h // 2, w // 2]
     for key, shape in want.items():
         got = header.get(key, {}).get("shape")
         if got != shape:
@@ -382,6 +400,27 @@ class ShardSource:
         s, row = self._locate(i)
         return self._info(s)["samples"][row]
 
+    def _has_mask(self, s: int) -> bool:
+        return "mask" in self._handle(s).keys()
+
+    def empty_caption(self) -> dict:
+        """The embedding of the empty caption `fluxzero cache` kept beside the shards (for caption dropout)."""
+        import torch
+        from safetensors.torch import load_file
+
+        path = self.data_dir / EMPTY_CAPTION_FILE
+        try:
+            d = load_file(str(path))
+            t5, clip = d["t5"].to(torch.float32), d["clip"].to(torch.float32)
+        except Exception:  # noqa: BLE001 - missing or unreadable: the same fix
+            raise DataError(f"caption dropout needs {path}, the empty caption's embedding `fluxzero cache` writes; "
+                            f"re-run the `fluxzero cache` command that made {self.data_dir}, or set caption_dropout "
+                            f"to 0 for it.") from None
+        if tuple(t5.shape) != (self.dims["t5_len"], self.dims["t5_dim"]) or tuple(clip.shape) != (self.dims["clip_dim"],):
+            raise DataError(f"{path} does not fit the shards beside it (other encoders); re-run the `fluxzero cache` "
+                            f"command that made {self.data_dir}, or set caption_dropout to 0 for it.")
+        return {"t5": t5, "clip": clip}
+
     def _handle(self, s: int):
         from safetensors import safe_open
 
@@ -401,12 +440,13 @@ class ShardSource:
         path = self.data_dir / self.manifest["shards"][s]["file"]
         try:
             f = self._handle(s)
-            raw = {k: f.get_slice(k)[row : row + 1][0] for k in ("latents", "t5", "clip")}  # stored dtype
+            keys = ("latents", "t5", "clip", "mask") if self._has_mask(s) else ("latents", "t5", "clip")
+            raw = {k: f.get_slice(k)[row : row + 1][0] for k in keys}  # stored dtype
             sums = self._info(s).get(CHECKSUM_KEY) if self.checksums else None
         except Exception as e:  # any read failure mid-training: name the shard, keep it one sentence
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DataError(f"shard {path} could not be read at row {row} ({msg}); {_RECREATE}.") from None
-        if sums is not None and (row >= len(sums) or sample_checksum(raw["latents"], raw["t5"], raw["clip"]) != sums[row]):
+        if sums is not None and (row >= len(sums) or sample_checksum(raw["latents"], raw["t5"], raw["clip"], raw.get("mask")) != sums[row]):
             raise DataError(f"shard {path} sample {row} (global index {i}) fails its checksum, so its bytes "
                             f"changed after `fluxzero cache` wrote them; delete {path} and re-run the same "
                             f"`fluxzero cache` command, which rewrites it.")

@@ -69,6 +69,12 @@ class SyntheticSource:
     def caption(self, i: int) -> str:
         return f"synthetic sample {i}"
 
+    def empty_caption(self) -> dict:
+        """The embedding caption dropout trains with: zeros here (there is no text encoder)."""
+        import torch
+
+        return {"t5": torch.zeros(self.dims["t5_len"], self.dims["t5_dim"]), "clip": torch.zeros(self.dims["clip_dim"])}
+
     def get(self, i: int) -> dict:
         """Shape: {"latents": (C,h,w), "t5": (L,D), "clip": (V,), "index": int}, all float32."""
         import torch

@@ -36,9 +36,34 @@ def target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return noise - x0
 
 
-def loss(pred: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    """Mean squared error in fp32 (bf16 predictions are upcast so the reduction does not lose bits)."""
-    return F.mse_loss(pred.float(), tgt.float())
+def loss(pred: torch.Tensor, tgt: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean squared error in fp32 (bf16 predictions are upcast so the reduction does not lose bits).
+
+    weight (B, L), from `loss_weights`, scales each token's squared errors before the mean (the mean is still
+    over every element, so a token of weight 0 adds nothing and a half-masked image counts half); None is the
+    plain mean, bit for bit. Shape: pred, tgt (B, L, C).
+    """
+    if weight is None:
+        return F.mse_loss(pred.float(), tgt.float())
+    return ((pred.float() - tgt.float()).square() * weight.to(pred.device, torch.float32)[..., None]).mean()
+
+
+def loss_weights(batch: dict, mask_floor: float = 0.0) -> torch.Tensor | None:
+    """Per-token loss weights of a batch: its cached masks (a masked-out token weighs `mask_floor`, flow.mask_floor)
+    times its datasets' loss weights; None when the batch has neither, so `loss` is the plain mean.
+
+    Shape: batch["mask"] (B, H/2, W/2) in `pack`'s row-major patch order, batch["loss_weight"] (B,) -> (B, HW/4).
+    """
+    mask, per_sample = batch.get("mask"), batch.get("loss_weight")
+    if mask is None and per_sample is None:
+        return None
+    b, _, h, w = batch["latents"].shape
+    weight = torch.ones(b, (h // 2) * (w // 2))
+    if mask is not None:
+        weight = mask_floor + (1.0 - mask_floor) * mask.float().reshape(b, -1)
+    if per_sample is not None:
+        weight = weight * per_sample.float()[:, None]
+    return weight
 
 
 def sample_losses(pred: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:

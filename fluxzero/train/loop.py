@@ -79,6 +79,8 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
                               # forked workers can hang once DeepSpeed's threads and process group exist
                               multiprocessing_context="spawn" if workers else None)
     loader.check_model(model_cfg)
+    if rank == 0 and hasattr(loader.source, "summary"):  # several datasets: what an epoch draws from each
+        write_line(loader.source.summary())
     total = cfg.total_steps(len(loader), v.grad_accum)
     ckpt_dir = Path(cfg.output_dir) / "checkpoints"
     tag = resume.decide_resume(cfg, v, ckpt_dir, allow_config_change)

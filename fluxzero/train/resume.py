@@ -29,7 +29,7 @@ from fluxzero.train.locks import lock_output_dir
 FIXED_ON_RESUME = ("micro_batch", "seed")  # the loader's saved position means other samples under others
 DS_KEYS = {"micro_batch": "train_micro_batch_size_per_gpu", "grad_accum": "gradient_accumulation_steps"}
 SAME_ON_RESUME = ("data", "grad_accum") + tuple(f"flow.{f}" for f in (
-    "timestep_sampling", "logit_mean", "logit_std", "shift", "shift_value", "guidance"))
+    "timestep_sampling", "logit_mean", "logit_std", "shift", "shift_value", "guidance", "mask_floor"))
 
 
 def decide_resume(cfg: TrainConfig, v: DSView, ckpt_dir: Path, allow_config_change: bool = False) -> str | None:

@@ -59,6 +59,7 @@ class Prepared:
     target: torch.Tensor
     index: torch.Tensor  # (B,) sample indices, for messages about non-finite losses
     position: dict | None  # the loader position once this batch is consumed ({"epoch", "batches_done"})
+    weight: torch.Tensor | None = None  # (B, L_img) per-token loss weights (flow.loss_weights); None: plain mean
     ready: object = None  # a CUDA event recorded on the copy stream after the copies (None: already there)
 
 
@@ -113,7 +114,7 @@ class Prefetcher:
         if item.ready is not None:
             current = torch.cuda.current_stream(self._device)
             current.wait_event(item.ready)
-            for t in [*item.inputs.values(), item.target]:
+            for t in [*item.inputs.values(), item.target, item.weight]:
                 if t is not None:
                     t.record_stream(current)
         return item
@@ -168,7 +169,10 @@ class TrainStep:
             inputs, target = flow.prepare_batch(batch, self.flow_cfg, self.seed, epoch,
                                                 guidance_embed=self.guidance_embed, device=self.device,
                                                 dtype=self.dtype)
-            yield Prepared(inputs, target, batch["index"], position)
+            weight = flow.loss_weights(batch, self.flow_cfg.mask_floor)
+            if weight is not None:
+                weight = weight.to(self.device, non_blocking=True)
+            yield Prepared(inputs, target, batch["index"], position, weight)
 
     def _next_batch(self) -> Prepared:
         if self._prepared is None:
@@ -198,7 +202,7 @@ class TrainStep:
             inputs, target = item.inputs, item.target
             phase("forward")
             pred = engine(**inputs)  # (B, L_img, 64)
-            loss = flow.loss(pred, target)
+            loss = flow.loss(pred, target, item.weight)
             phase("backward")
             engine.backward(loss)
             loss_sum += loss.detach()
