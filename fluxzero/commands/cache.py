@@ -83,7 +83,7 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
     from fluxzero.data.buckets import STEP
     from fluxzero.data.cache import SMALL_BUCKET, CacheOptions, env_rank_world, run_cache, small_buckets
     from fluxzero.data.encode import T5_MAX_LENGTH, pick_device_dtype, resolve_paths
-    from fluxzero.data.errors import DataError
+    from fluxzero.data.errors import DataError, InputFileError
 
     if resolution % STEP:
         raise click.BadParameter(f"must be a multiple of {STEP}, got {resolution}", param_hint="--resolution")
@@ -136,6 +136,8 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
 
     try:
         result = run_cache(opts, load_encoders, log=lambda m: click.echo(m, err=True))
+    except InputFileError as e:
+        raise click.UsageError(str(e)) from None
     except DataError as e:
         raise click.ClickException(str(e)) from None
     m, report = result["manifest"], result["report"]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from fluxzero.data import shards as fmt
 from fluxzero.data.buckets import STEP, make_buckets, nearest_bucket
-from fluxzero.data.errors import DataError
+from fluxzero.data.errors import DataError, InputFileError
 from fluxzero.fsutil import atomic_write
 from fluxzero.data.images import captions_for, list_images, load_bucketed, load_mask, mask_for, probe_size
 
@@ -162,10 +162,10 @@ def _check_mask(root: Path, image: str, size: tuple[int, int]) -> str | None:
         mw, mh = probe_size(root / mask)
     except Exception as e:  # noqa: BLE001 - any unreadable mask: one sentence, nothing written yet
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"mask {root / mask} cannot be read ({why}); save it as a PNG of its image's size, or "
+        raise InputFileError(f"mask {root / mask} cannot be read ({why}); save it as a PNG of its image's size, or "
                         f"delete it to train on the whole image.") from None
     if (mw, mh) != size:
-        raise DataError(f"mask {root / mask} is {mw}x{mh} px but its image {root / image} is {size[0]}x{size[1]} px; "
+        raise InputFileError(f"mask {root / mask} is {mw}x{mh} px but its image {root / image} is {size[0]}x{size[1]} px; "
                         f"save the mask at its image's size (white where the loss applies, black where not).")
     return mask
 
