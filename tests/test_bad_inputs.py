@@ -528,6 +528,10 @@ def _train_cases(d: Path, outs: Path):
         case("data_shard_gone", f"data={d / 'shard_gone'}", words="shard"),
         case("data_shard_resized", f"data={d / 'shard_resized'}", words="shard"),
         case("data_is_a_file", f"data={d / 'a_file'}", words="a_file"),
+        # several datasets: an empty one among them, repeats of 0
+        case("datasets_one_empty", f"data=[{{path: {d / 'shards'}}}, {{path: {d / 'empty_data'}}}]",
+             words=f"{d / 'empty_data'} is empty"),
+        case("datasets_repeats_zero", f"data=[{{path: {d / 'shards'}, repeats: 0}}]", words="set repeats to 1 or more"),
         case("data_synthetic_none", "data=synthetic:n=0,hw=8x8,txt=4,ctx=64,vec=32", words="n="),
         # weights
         case("weights_missing", f"weights={d / 'nope.safetensors'}", words="nope.safetensors"),
