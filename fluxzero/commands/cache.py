@@ -52,6 +52,8 @@ def _check_dependencies(command: str = "fluxzero cache") -> None:
               help="metadata .jsonl/.csv mapping file names to captions  [default: IMAGES_DIR/metadata.jsonl or .csv, else same-name .txt].")
 @click.option("--caption-prefix", default="", show_default=False,
               help="Text put before every caption, e.g. a trigger word with its separator ('ohwx person, '); images without a caption get it alone.")
+@click.option("--mask-from-alpha", is_flag=True, default=False,
+              help="Use an image's alpha channel as its loss mask (opaque trains) where it has no NAME.mask.png.")
 @click.option("--latent", type=click.Choice(["mode", "sample"]), default="mode", show_default=True,
               help="Cache the VAE posterior's mode, or one seeded sample of it.")
 @click.option("--shard-size", type=click.IntRange(min=1), default=64, show_default=True, help="Samples per shard.")
@@ -66,7 +68,7 @@ def _check_dependencies(command: str = "fluxzero cache") -> None:
 @click.option("--world-size", type=click.IntRange(min=1), default=None,
               help="Number of processes sharing the work  [default: env WORLD_SIZE or SLURM_NTASKS, else 1].")
 def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_tokenizer, variant, t5_max_length,
-          resolution, min_side, max_aspect, bucket_step, min_image_side, flip, caption_dropout, caption_file, caption_prefix, latent,
+          resolution, min_side, max_aspect, bucket_step, min_image_side, flip, caption_dropout, caption_file, caption_prefix, mask_from_alpha, latent,
           shard_size, batch_size, seed, device, dtype, rank, world_size):
     """Encode a folder of images and captions into training shards (VAE latents, T5 and CLIP embeddings).
 
@@ -119,7 +121,7 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
     opts = CacheOptions(
         images_dir=images_dir, out_dir=out_dir, resolution=resolution, min_side=min_side, max_aspect=max_aspect,
         bucket_step=bucket_step, min_image_side=min_image_side, flip=flip, caption_dropout=caption_dropout,
-        caption_file=caption_file, caption_prefix=caption_prefix, shard_size=shard_size, batch_size=batch_size, seed=seed,
+        caption_file=caption_file, caption_prefix=caption_prefix, mask_from_alpha=mask_from_alpha, shard_size=shard_size, batch_size=batch_size, seed=seed,
         t5_max_length=t5_max_length or T5_MAX_LENGTH[variant], latent=latent,
         rank=rank, world_size=world_size, encoder_key=encoder_key,
     )

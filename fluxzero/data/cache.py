@@ -21,7 +21,7 @@ from fluxzero.data import shards as fmt
 from fluxzero.data.buckets import STEP, make_buckets, nearest_bucket
 from fluxzero.data.errors import DataError, InputFileError
 from fluxzero.fsutil import atomic_write
-from fluxzero.data.images import captions_for, list_images, load_bucketed, load_mask, mask_for, probe_size
+from fluxzero.data.images import captions_for, has_alpha, list_images, load_bucketed, load_mask, mask_for, probe_size
 
 PLAN_FILE = "cache_plan.json"
 REPORT_FILE = "cache_report.json"
@@ -45,6 +45,7 @@ class CacheOptions:
     caption_dropout: float = 0.0
     caption_file: str | None = None
     caption_prefix: str = ""  # put before every caption (a trigger word), dropped ones excepted
+    mask_from_alpha: bool = False  # an image's alpha channel is its loss mask where it has no NAME.mask.png
     shard_size: int = 64
     batch_size: int = 8
     seed: int = 0
@@ -82,8 +83,9 @@ class CacheOptions:
             d["caption_file"] = os.path.abspath(d["caption_file"])
         if d["bucket_step"] == STEP:
             d.pop("bucket_step")
-        if not d["caption_prefix"]:
-            d.pop("caption_prefix")
+        for k in ("caption_prefix", "mask_from_alpha"):  # unset: folders cached before them still resume
+            if not d[k]:
+                d.pop(k)
         return d
 
 
@@ -133,16 +135,19 @@ def make_plan(opts: CacheOptions) -> dict:
             caption = opts.caption_prefix + (caption or "")
         st = (root / im).stat()  # an in-place edit that keeps the byte size still changes mtime_ns
         fp.update(json.dumps([im, st.st_size, st.st_mtime_ns, [w, h], caption]).encode())
-        mask = _check_mask(root, im, (w, h))
+        mask, alpha = _check_mask(root, im, (w, h)), False
         if mask is not None:  # hashed only when there is one: folders cached before masks existed still resume
             mst = (root / mask).stat()
             fp.update(json.dumps(["mask", mask, mst.st_size, mst.st_mtime_ns]).encode())
+        elif opts.mask_from_alpha and has_alpha(root / im):
+            mask, alpha = im, True  # the image's own bytes are hashed above
         flips = {"none": [False], "both": [False, True], "random": [_unit(opts.seed, "flip", im) < 0.5]}[opts.flip]
         bucket = nearest_bucket(w, h, buckets)
         for flip in flips:
             dropped = opts.caption_dropout > 0 and _unit(opts.seed, "drop", im, flip) < opts.caption_dropout
             by_bucket.setdefault(bucket, []).append(
-                {"file": im, "flip": flip, "caption": caption or "", "dropped": dropped, "size": [w, h], "mask": mask})
+                {"file": im, "flip": flip, "caption": caption or "", "dropped": dropped, "size": [w, h], "mask": mask,
+                 "mask_alpha": alpha})
     shards = []
     for bucket in sorted(by_bucket):
         items = by_bucket[bucket]
@@ -304,10 +309,10 @@ def _empty_caption(out: Path, enc) -> dict:
     return d
 
 
-def _load(path: Path, bucket, flip: bool, mask: Path | None = None):
+def _load(path: Path, bucket, flip: bool, mask: Path | None = None, alpha: bool = False):
     """((pixels, mask or None), None) or (None, reason): a bad file is skipped and reported, never fatal."""
     try:
-        return (load_bucketed(path, bucket, flip), None if mask is None else load_mask(mask, bucket, flip)), None
+        return (load_bucketed(path, bucket, flip), None if mask is None else load_mask(mask, bucket, flip, alpha)), None
     except Exception as e:  # noqa: BLE001
         return None, f"could not decode: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
 
@@ -320,8 +325,8 @@ def _encode_shard(shard: dict, opts: CacheOptions, enc, empty: dict, storage_dty
     batches = [shard["items"][k : k + opts.batch_size] for k in range(0, len(shard["items"]), opts.batch_size)]
 
     def submit(batch):  # decode in threads while the encoders work on the previous batch
-        return [pool.submit(_load, root / it["file"], bucket, it["flip"], it["mask"] and root / it["mask"])
-                for it in batch]
+        return [pool.submit(_load, root / it["file"], bucket, it["flip"], it["mask"] and root / it["mask"],
+                            it["mask_alpha"]) for it in batch]
 
     pending = submit(batches[0])
     for bi, batch in enumerate(batches):
@@ -352,7 +357,7 @@ def _encode_shard(shard: dict, opts: CacheOptions, enc, empty: dict, storage_dty
                 k += 1
             meta = {"file": it["file"], "flip": it["flip"], "caption_dropped": it["dropped"], "image_size": it["size"]}
             if it["mask"]:
-                meta["mask"] = it["mask"]
+                meta["mask"] = "alpha" if it["mask_alpha"] else it["mask"]
             samples.append({"latents": latents[j], "t5": e5, "clip": ec, "t5_len": elen, "mask": masks[j],
                             "caption": "" if it["dropped"] else it["caption"], "meta": meta})
     if not samples:

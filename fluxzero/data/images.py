@@ -45,11 +45,30 @@ def mask_for(root, image: str) -> str | None:
     return rel if (Path(root) / rel).is_file() else None
 
 
-def load_mask(path, bucket: tuple[int, int], flip: bool):
+def has_alpha(path) -> bool:
+    """Whether an image has transparency (an alpha channel or a tRNS colour key), reading only its header."""
+    with _open(path) as im:
+        return im.mode in ("RGBA", "LA", "PA") or "transparency" in im.info
+
+
+def _alpha(im):
+    """The alpha channel of an image as 8-bit L (255 opaque); a 16-bit gray PNG's tRNS key marks its transparent value."""
+    import numpy as np
+    from PIL import Image
+
+    if im.mode == "I" or im.mode.startswith("I;16"):
+        key = im.info.get("transparency")
+        opaque = np.ones(im.size[::-1], bool) if key is None else np.asarray(im) != key
+        return Image.fromarray(opaque.astype(np.uint8) * 255)
+    return im.convert("RGBA").getchannel("A")
+
+
+def load_mask(path, bucket: tuple[int, int], flip: bool, from_alpha: bool = False):
     """A mask image cropped and flipped as its image is (load_bucketed), averaged over each image token's pixels.
 
-    Gray levels are weights (white 1, black 0; colour is converted to gray, alpha ignored). Shape: returns
-    (H/16, W/16) float32 in [0, 1] with (H, W) = bucket, row-major as fluxzero.model.packing.pack's tokens.
+    Gray levels are weights (white 1, black 0; colour is converted to gray, alpha ignored); with from_alpha,
+    `path` is the image itself and its alpha channel is the mask (opaque 1). Shape: returns (H/16, W/16)
+    float32 in [0, 1] with (H, W) = bucket, row-major as fluxzero.model.packing.pack's tokens.
     """
     import numpy as np
     import torch
@@ -57,7 +76,10 @@ def load_mask(path, bucket: tuple[int, int], flip: bool):
 
     with _open(path) as im:
         im = ImageOps.exif_transpose(im)
-        im = _to_8bit(im) if im.mode == "I" or im.mode.startswith("I;16") else im.convert("L")
+        if from_alpha:
+            im = _alpha(im)
+        else:
+            im = _to_8bit(im) if im.mode == "I" or im.mode.startswith("I;16") else im.convert("L")
         size, box = cover_and_crop(im.width, im.height, bucket)
         im = im.resize(size, Image.Resampling.BILINEAR).crop(box)  # no ringing outside [0, 1], unlike Lanczos
         if flip:

@@ -174,6 +174,28 @@ def test_masks_are_cached_per_image_token_and_flipped_with_the_image(masked_imag
     torch.testing.assert_close(s["t5"], b["t5"][0], rtol=1e-5, atol=1e-5)
 
 
+def test_an_alpha_channel_is_the_mask_when_asked(masked_images, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    flux, _ = masked_images
+    images = tmp_path / "images"
+    images.mkdir()
+    rgba = np.random.default_rng(1).integers(0, 255, (64, 64, 4), dtype=np.uint8)
+    rgba[..., 3] = 0
+    rgba[:32, :, 3] = 255  # the top half opaque
+    Image.fromarray(rgba, "RGBA").save(images / "cut.png")
+    r = _cache(images, tmp_path / "plain", "--flux-dir", flux, *CACHE_ARGS)  # by default: over white, no mask
+    assert r.exit_code == 0 and "with a mask" not in r.output, r.output
+    assert "mask" not in next(iter(build_dataloader(str(tmp_path / "plain"), micro_batch=1, rank=0, world_size=1, seed=0)))
+    r = _cache(images, tmp_path / "alpha", "--flux-dir", flux, *CACHE_ARGS, "--mask-from-alpha")
+    assert r.exit_code == 0 and "1 with a mask" in r.output, r.output
+    loader = build_dataloader(str(tmp_path / "alpha"), micro_batch=1, rank=0, world_size=1, seed=0)
+    b = next(iter(loader))
+    assert torch.equal(b["mask"][0], torch.tensor([[1.0] * 4] * 2 + [[0.0] * 4] * 2))
+    assert loader.source.sample_meta(0)["mask"] == "alpha"
+
+
 def test_a_bad_mask_stops_the_cache_before_anything_is_written(masked_images, tmp_path):
     from PIL import Image
 
