@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import rank_env, tiny_ds, train_cmd, train_ok
+from tests.helpers import rank_env, tiny_ds, train_all_ok, train_cmd, train_ok
 
 STEPS = 8
 
@@ -24,12 +24,12 @@ def _losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows}
 
 
-def _run_file(tmp: Path, shards: Path, name: str) -> Path:
+def _run_file(tmp: Path, shards: Path, name: str, weight: float = 0.5, floor: float = 0.1) -> Path:
     (tmp / "ds.json").write_text(json.dumps(tiny_ds()))
     data = [{"path": str(shards), "repeats": 2},
-            {"path": "synthetic:n=6,hw=8x8,txt=4,ctx=64,vec=32", "loss_weight": 0.5, "caption_dropout": 0.3}]
+            {"path": "synthetic:n=6,hw=8x8,txt=4,ctx=64,vec=32", "loss_weight": weight, "caption_dropout": 0.3}]
     cfg = {"deepspeed": str(tmp / "ds.json"), "data": data, "output_dir": str(tmp / name), "steps": STEPS,
-           "export": {"format": None}, "checkpoint": {"every": 2}, "flow": {"mask_floor": 0.1}}
+           "export": {"format": None}, "checkpoint": {"every": 2}, "flow": {"mask_floor": floor}}
     (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
     return tmp / f"{name}.yaml"
 
@@ -45,9 +45,12 @@ def test_a_killed_run_on_several_datasets_resumes_exactly(tmp_path):
             w.add(torch.randn(16, 8, 8, generator=g), torch.randn(4, 64, generator=g), torch.randn(32, generator=g),
                   mask=mask)
     reference = _run_file(tmp_path, tmp_path / "masked", "reference")
-    train_ok(reference)
+    unweighted = _run_file(tmp_path, tmp_path / "masked", "unweighted", weight=1.0, floor=1.0)
+    train_all_ok((reference,), (unweighted, "steps=1"))
     want = _losses(tmp_path / "reference")
     assert sorted(want) == list(range(1, STEPS + 1))
+    # the same first batch without masks and weights: another loss, so the trainer applied them
+    assert abs(_losses(tmp_path / "unweighted")[1] - want[1]) > 1e-3 * want[1]
 
     cut = _run_file(tmp_path, tmp_path / "masked", "cut")
     out = tmp_path / "cut"
