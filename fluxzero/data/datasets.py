@@ -80,10 +80,11 @@ class MultiSource:
 
     def summary(self) -> str:
         """One line for the start of training: each dataset's samples, repeats and weight."""
-        parts = [f"{d.path}: {len(s)} x {d.repeats}" + (f", loss weight {d.loss_weight:g}" if d.loss_weight != 1 else "")
+        parts = [f"{d.path}: {len(s)} samples x {d.repeats}" + (f", loss weight {d.loss_weight:g}" if d.loss_weight != 1 else "")
                  + (f", caption dropout {d.caption_dropout:g}" if d.caption_dropout else "")
                  for d, s in zip(self.datasets, self.sources)]
-        return f"data: {self.num_samples} samples an epoch from {len(parts)} datasets ({'; '.join(parts)})"
+        many = f"{len(parts)} datasets" if len(parts) > 1 else "1 dataset"
+        return f"data: {self.num_samples} samples an epoch from {many} ({'; '.join(parts)})"
 
     def get(self, v: int) -> dict:
         """Its dataset's sample, with index v and, where set, "loss_weight" and the empty caption."""

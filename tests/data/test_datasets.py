@@ -43,7 +43,7 @@ def test_repeats_weights_and_caption_dropout_per_dataset():
     # a repeat is a sample of its own: the same latents, its own index (so its own noise and timestep)
     src = loader.source
     assert torch.equal(src.get(0)["latents"], src.get(6)["latents"]) and src.get(6)["index"] == 6
-    assert src.describe(13) == "synthetic sample 1" and "3 x" not in src.summary() and "6 x 3" in src.summary()
+    assert src.describe(13) == "synthetic sample 1" and "6 samples x 3;" in src.summary() and "2 datasets" in src.summary()
     # the same plan on every call: and a loader resumed mid-epoch draws what the uninterrupted one drew
     first = [b["index"].tolist() for b in _loader(data)]
     again = _loader(data)
