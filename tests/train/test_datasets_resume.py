@@ -16,7 +16,7 @@ import yaml
 
 from tests.helpers import rank_env, tiny_ds, train_all_ok, train_cmd, train_ok
 
-STEPS = 8
+STEPS = 12  # the kill comes at step 4 or later: the rest leaves a wide margin on a loaded machine
 
 
 def _losses(out: Path) -> dict[int, float]:
@@ -56,13 +56,13 @@ def test_a_killed_run_on_several_datasets_resumes_exactly(tmp_path):
     out = tmp_path / "cut"
     p = subprocess.Popen(train_cmd(cut), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=rank_env())
     deadline = time.monotonic() + 240
-    while not ((out / "metrics.jsonl").is_file() and max(_losses(out), default=0) >= 5):
+    while not ((out / "metrics.jsonl").is_file() and max(_losses(out), default=0) >= 4):
         assert p.poll() is None, p.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the run did not reach step 5 in time"
+        assert time.monotonic() < deadline, "the run did not reach step 4 in time"
         time.sleep(0.02)
     p.send_signal(signal.SIGKILL)  # no chance to save: the resume starts from the last periodic checkpoint
     p.communicate(timeout=60)
     saved = int((out / "checkpoints" / "latest").read_text().split("_")[1])
-    assert 4 <= saved < STEPS
+    assert 2 <= saved < STEPS
     train_ok(cut)
     assert _losses(out) == want  # bit-exact: the same samples, masks, weights and captions after the restart
