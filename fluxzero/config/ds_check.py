@@ -234,7 +234,7 @@ ZERO_STAGE12_ONLY = frozenset({"allgather_bucket_size", "allgather_partitions", 
 FLUXZERO_KEYS = frozenset({"activation_checkpointing", "compile", "optimizer_mode", "fp8"})
 FLUXZERO_FP8_KEYS = frozenset({"recipe"})
 FLUXZERO_CHECKPOINTING_KEYS = frozenset({"every_k_blocks", "implementation"})
-FLUXZERO_COMPILE_KEYS = frozenset({"blocks", "mode", "backend"})
+FLUXZERO_COMPILE_KEYS = frozenset({"blocks", "mode", "backend", "dynamic"})
 # Constructor keywords of what deepspeed 0.19.8 builds for type Adam/AdamW, plus the keys the engine pops.
 _ADAM_ENGINE_KEYS = {"torch_adam", "adam_w_mode", "fp32_optimizer_states"}
 ADAM_PARAM_KEYS = {
@@ -587,6 +587,8 @@ def _check_compile(cfg: dict, p: list[str]) -> None:
     _unknown("fluxzero.compile", comp, FLUXZERO_COMPILE_KEYS, p)
     if "blocks" in comp and not isinstance(comp["blocks"], bool):
         p.append(f"fluxzero.compile.blocks must be true or false, got {json.dumps(comp['blocks'])}")
+    if "dynamic" in comp and not isinstance(comp["dynamic"], bool):
+        p.append(f"fluxzero.compile.dynamic must be true or false, got {json.dumps(comp['dynamic'])}")
     mode = comp.get("mode", "default")
     if mode not in COMPILE_MODES:
         why = " (it captures CUDA graphs, which fluxzero does not support)" \

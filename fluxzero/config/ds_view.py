@@ -47,6 +47,7 @@ class DSView:
     compile_mode: str = "default"
     fp8: str | None = None  # fluxzero.fp8.recipe: FP8 matmuls in the blocks (torchao float8 training); None = bf16
     compile_backend: str = "inductor"
+    compile_dynamic: bool | None = None  # fluxzero.compile.dynamic; None: not set, dynamic_tokens decides
     optimizer: str | None = None  # optimizer.type, lower case; None: no optimizer section
     allow_untested_optimizer: bool = False  # zero_allow_untested_optimizer
     optimizer_impl: str = "fused"  # Adam(W): "torch" (torch_adam), "torch-fused" (and fused), "fused" (DeepSpeed's)
@@ -89,6 +90,14 @@ class DSView:
         if self.compile is not None:
             return self.compile
         return device_type == "cuda" and self.stage < 3
+
+    def dynamic_tokens(self, token_counts: int) -> bool:
+        """Whether compiled blocks take the token axis as a symbolic size (fluxzero.model.compile.apply_compile):
+        fluxzero.compile.dynamic when the config sets it; when it does not, when the data holds `token_counts`
+        > 1 image token counts (several aspect buckets), so all of them share one graph per block class."""
+        if self.compile_dynamic is not None:
+            return self.compile_dynamic
+        return token_counts > 1
 
     def batch_for(self, world_size: int) -> tuple[int, int, int]:
         """(micro batch, accumulation, global batch) for `world_size` ranks, derived as DeepSpeed does.
@@ -172,6 +181,7 @@ def view(ds: dict) -> DSView:
         compile_mode=comp.get("mode", "default"),
         fp8=section(fz, "fp8", "fluxzero.fp8").get("recipe"),
         compile_backend=comp.get("backend", "inductor"),
+        compile_dynamic=comp["dynamic"] if isinstance(comp.get("dynamic"), bool) else None,
         optimizer=typ.lower() if isinstance(typ, str) else None,
         allow_untested_optimizer=ds.get("zero_allow_untested_optimizer") is True,
         optimizer_impl=impl,

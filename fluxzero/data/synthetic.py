@@ -1,16 +1,35 @@
 """Synthetic source: `"synthetic:n=64,hw=32x32,txt=16,ctx=64,vec=32"`, deterministic per sample index.
 
-Keys (all optional): n (samples, 64), hw (LATENT h x w, several joined by '+', e.g. 32x32+32x48; sample i
-gets size i mod the number of sizes, 32x32), txt (T5 tokens, 16), ctx (T5 width, 64), vec (CLIP width, 32),
-ch (latent channels, 16), seed (data seed, 0). Sample i depends only on (seed, i), never on rank or order.
+Keys (all optional): n (samples, 64), hw (LATENT h x w, several joined by '+', each optionally weighted by
+'*k', e.g. 32x32*2+32x48; sample i gets the (i mod total weight)-th size of the list with each size repeated
+by its weight, 32x32), buckets (a pixel resolution such as 512: instead of hw, the aspect buckets `fluxzero
+cache` makes of a typical photo collection at that resolution, see bucket_mix), txt (T5 tokens, 16), ctx (T5
+width, 64), vec (CLIP width, 32), ch (latent channels, 16), seed (data seed, 0). Sample i depends only on
+(seed, i), never on rank or order.
 """
 from __future__ import annotations
 
 from fluxzero.data.errors import DataError
 
 PREFIX = "synthetic:"
-_DEFAULTS = {"n": 64, "hw": "32x32", "txt": 16, "ctx": 64, "vec": 32, "ch": 16, "seed": 0}
+_DEFAULTS = {"n": 64, "hw": "32x32", "buckets": 0, "txt": 16, "ctx": 64, "vec": 32, "ch": 16, "seed": 0}
 _EXAMPLE = "'synthetic:n=64,hw=32x32,txt=16,ctx=64,vec=32'"
+# (width, height, weight) of a photo collection's aspect ratios: square, then 3:4 and 2:3 both ways
+PHOTO_ASPECTS = ((1, 1, 4), (3, 4, 2), (4, 3, 2), (2, 3, 1), (3, 2, 1))
+
+
+def bucket_mix(resolution: int) -> str:
+    """The `hw` value of PHOTO_ASPECTS at `resolution` px: each aspect's bucket as `fluxzero cache` picks it
+    (fluxzero.data.buckets), as latent h x w (pixels / 8) with its weight.
+    At 512: 64x64*4+74x54*2+54x74*2+78x52+52x78 (512x512 40%, 592x432 and 432x592 20%, 624x416 and 416x624 10%)."""
+    from fluxzero.data.buckets import make_buckets, nearest_bucket
+
+    buckets = make_buckets(resolution)
+    parts = []
+    for w, h, weight in PHOTO_ASPECTS:
+        bh, bw = nearest_bucket(w, h, buckets)
+        parts.append(f"{bh // 8}x{bw // 8}" + (f"*{weight}" if weight > 1 else ""))
+    return "+".join(parts)
 
 
 def is_synthetic(source) -> bool:
@@ -26,12 +45,23 @@ def parse_spec(spec: str) -> dict:
         if not sep or key not in _DEFAULTS:
             raise DataError(f"synthetic spec {spec!r}: unknown item {part!r}; use keys {', '.join(_DEFAULTS)} as in {_EXAMPLE}.")
         opts[key] = value.strip()
+    if opts["buckets"]:
+        if "hw=" in body.replace(" ", ""):
+            raise DataError(f"synthetic spec {spec!r}: give hw or buckets, not both.")
+        res = str(opts["buckets"])
+        if not (res.isdigit() and int(res) >= 64 and int(res) % 16 == 0):
+            raise DataError(f"synthetic spec {spec!r}: buckets must be a pixel resolution, a multiple of 16 from 64 "
+                            f"on such as 512, got {res!r}.")
+        opts["hw"] = bucket_mix(int(res))
     sizes = []
     for s in str(opts["hw"]).split("+"):
-        h, x, w = s.strip().lower().partition("x")
-        if not (x and h.isdigit() and w.isdigit() and int(h) > 0 and int(w) > 0):
-            raise DataError(f"synthetic spec {spec!r}: hw must be latent sizes like 32x32 or 32x32+32x48, got {opts['hw']!r}.")
-        sizes.append((int(h), int(w)))
+        size, star, weight = s.strip().lower().partition("*")
+        h, x, w = size.strip().partition("x")
+        weight = weight.strip() if star else "1"
+        if not (x and h.isdigit() and w.isdigit() and int(h) > 0 and int(w) > 0 and weight.isdigit() and int(weight) > 0):
+            raise DataError(f"synthetic spec {spec!r}: hw must be latent sizes like 32x32, 32x32+32x48 or "
+                            f"32x32*2+32x48, got {opts['hw']!r}.")
+        sizes += [(int(h), int(w))] * int(weight)
     out = {"sizes": sizes}
     for key in ("n", "txt", "ctx", "vec", "ch", "seed"):
         try:
@@ -90,3 +120,17 @@ class SyntheticSource:
             "clip": torch.randn(d["clip_dim"], generator=g),
             "index": i,
         }
+
+
+def write_shards(spec: str, out_dir, *, dtype: str = "bfloat16", samples_per_shard: int = 256) -> dict:
+    """Write the samples of a synthetic spec as a shard folder in `fluxzero cache`'s format (ShardWriter: one
+    latent size per shard, manifest last), so a benchmark reads them through the trainer's shard reader as it
+    reads a user's cached images. Returns the manifest."""
+    from fluxzero.data.shards import ShardWriter
+
+    source = SyntheticSource(spec)
+    writer = ShardWriter(out_dir, samples_per_shard=samples_per_shard, dtype=dtype, extra={"synthetic": spec})
+    for i in range(len(source)):
+        s = source.get(i)
+        writer.add(s["latents"], s["t5"], s["clip"], caption=source.caption(i))
+    return writer.close()  # the manifest only after every sample: an error above leaves no readable folder

@@ -3,11 +3,26 @@ and `fluxzero sample --compile` share. Torch only, so sampling compiles without 
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 
 import torch
 
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
-def apply_compile(model, mode: str = "default", backend: str = "inductor") -> int:
+
+def compile_cache_dir() -> str:
+    """The folder of Inductor's on-disk caches (compiled graphs, autograd graphs, Triton kernels), which make a
+    later run's compile of the same blocks a cache read: TORCHINDUCTOR_CACHE_DIR where the user set it, else
+    $XDG_CACHE_HOME/fluxzero/inductor (~/.cache/fluxzero/inductor), which outlives the /tmp folder torch
+    picks by default and, on a shared home directory, serves every node. Sets the variable for this process."""
+    if not os.environ.get(CACHE_ENV):
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        os.environ[CACHE_ENV] = str(base / "fluxzero" / "inductor")
+    return os.environ[CACHE_ENV]
+
+
+def apply_compile(model, mode: str = "default", backend: str = "inductor", dynamic_tokens: bool = False) -> int:
     """torch.compile every transformer block (double and single); returns how many. The trainer calls it
     before fluxzero.train.engine.apply_activation_checkpointing; `fluxzero sample --compile` on the loaded model.
 
@@ -16,6 +31,13 @@ def apply_compile(model, mode: str = "default", backend: str = "inductor") -> in
     compiled function per block class, with the block as its first argument: all blocks of a class share
     its graphs (Dynamo treats the module and its parameters as inputs), two graphs for the whole model.
 
+    dynamic_tokens: the token axis is a symbolic size from the first call on (see `_tokens_dynamic`), so data
+    of several aspect buckets (several image token counts) runs one graph per block class instead of
+    compiling once per token count. Without it Dynamo compiles the first token count for that size alone and,
+    at the second, recompiles with the axis symbolic (its automatic dynamic shapes): one compile more.
+
+    Inductor's caches go to compile_cache_dir(), so a run after the first reads its graphs and kernels from disk.
+
     Order with checkpointing: checkpoint(compiled block). torch.utils.checkpoint (non-reentrant) and
     deepspeed.checkpointing then recompute through the compiled code, at every ZeRO stage. Under ZeRO-3 call
     fluxzero.train.engine.zero3_leaf_blocks too, or DeepSpeed's per-submodule hooks split every block's graph.
@@ -23,6 +45,7 @@ def apply_compile(model, mode: str = "default", backend: str = "inductor") -> in
     kwargs = {"backend": backend}
     if backend == "inductor":
         kwargs["mode"] = mode
+        compile_cache_dir()
     blocks = list(model.double_blocks) + list(model.single_blocks)
     compiled = {}
     for block in blocks:
@@ -30,4 +53,16 @@ def apply_compile(model, mode: str = "default", backend: str = "inductor") -> in
         if cls not in compiled:
             compiled[cls] = torch.compile(cls.forward, **kwargs)
         block.forward = functools.partial(compiled[cls], block)
+        if dynamic_tokens:
+            block.forward = functools.partial(_tokens_dynamic, block.forward)
     return len(blocks)
+
+
+def _tokens_dynamic(forward, *args):
+    """Call a compiled block with its token axes marked dynamic: dim 1 of the tokens (the first argument:
+    img (B, L_img, C) of a double block, x (B, L, C) of a single one) and dim 3 of the RoPE table (the last:
+    pe (2, B, 1, L, D)). `maybe_mark_dynamic`, not `mark_dynamic`: Dynamo relates the two (L = L_txt + L_img)
+    and may keep one size fixed where a layer needs it, which is a recompile, never an error mid-training."""
+    torch._dynamo.maybe_mark_dynamic(args[0], 1)
+    torch._dynamo.maybe_mark_dynamic(args[-1], 3)
+    return forward(*args)

@@ -85,7 +85,7 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     ckpt_dir = Path(cfg.output_dir) / "checkpoints"
     tag = resume.decide_resume(cfg, v, ckpt_dir, allow_config_change)
     engine = ds_engine.build_engine(model_cfg, ds, v, device, seed=cfg.seed, weights=cfg.weights,
-                                    attention=cfg.attention, lora=cfg.lora)
+                                    attention=cfg.attention, lora=cfg.lora, latent_sizes=loader.dims["latent_sizes"])
     state = checkpoint.load(engine, ckpt_dir, tag) if tag else None
     if state:
         loader.load_state_dict(state["loader"], allow_data_change=allow_config_change)
