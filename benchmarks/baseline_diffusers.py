@@ -2,7 +2,7 @@
 
 Same dimensions as a fluxzero preset (via `from_config`), random init, diffusers' own
 `enable_gradient_checkpointing()` (every block or none), constructed under `deepspeed.zero.Init` for
-ZeRO-3, optionally `block.compile()` on every transformer block. Used by benchmarks/sweep.py with `--impl
+ZeRO-3, optionally PEFT LoRA adapters (diffusers' `add_adapter`) and `block.compile()` on every transformer block. Used by benchmarks/sweep.py with `--impl
 diffusers`, which keeps the baseline's own step (this is the baseline: no fluxzero TrainStep); its inputs are the
 fluxzero trainer's loader and `flow.prepare_batch` output, renamed to diffusers' argument names.
 """
@@ -24,11 +24,14 @@ def diffusers_config(model_cfg) -> dict:
     )
 
 
-def build_engine(model_cfg, ds: dict, ckpt_every: int, device: torch.device, seed: int = 0, compile: bool = False):
+def build_engine(model_cfg, ds: dict, ckpt_every: int, device: torch.device, seed: int = 0, compile: bool = False,
+                 lora_rank: int = 0):
     """diffusers model (partitioned at construction under ZeRO-3) -> DeepSpeed engine, as a user would write it.
 
     compile: `block.compile()` on every transformer block (nn.Module.compile, inductor defaults), the way a
     diffusers user compiles the repeated blocks; diffusers' checkpointing then recomputes through them.
+    lora_rank: > 0 freezes the model and adds a PEFT LoRA of that rank (alpha = rank, gaussian init) on every
+    linear layer of every block, fluxzero's "all-linear" targets, as diffusers' training scripts add theirs.
     """
     import deepspeed
     from diffusers import FluxTransformer2DModel
@@ -50,6 +53,14 @@ def build_engine(model_cfg, ds: dict, ckpt_every: int, device: torch.device, see
     # and partitions it at once.
     with deepspeed.zero.Init(config_dict_or_path=ds, enabled=stage == 3), torch.device(device):
         model = FluxTransformer2DModel.from_config(diffusers_config(model_cfg))
+    if lora_rank:
+        from peft import LoraConfig
+
+        model.requires_grad_(False)
+        targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                   and n.startswith(("transformer_blocks.", "single_transformer_blocks."))]
+        model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, init_lora_weights="gaussian",
+                                     target_modules=targets))
     if ckpt_every:
         model.enable_gradient_checkpointing()
     if compile:

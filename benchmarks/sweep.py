@@ -98,7 +98,7 @@ class Case:
     # by `fluxzero cache` / fluxzero.data.ShardWriter (res and txt then come from the shards)
     data: str = ""
     workers: int = 0  # the loader's worker processes (run-file num_workers)
-    lora: dict = field(default_factory=dict)  # the run file's lora: section (fluxzero rows only); {} = full fine-tune
+    lora: dict = field(default_factory=dict)  # the run file's lora: section (the baseline: PEFT's); {} = full fine-tune
     # a DeepSpeed JSON written by `fluxzero gen-config` (or --fit), used as it is instead of the case's own; its
     # micro batch, stage and checkpointing must be the case's (main() reads them from it for --ds-json)
     ds_json: str = ""
@@ -121,8 +121,9 @@ class Case:
             problems.append("z3_leaf needs zero 3")
         if min(self.gpus, self.mb, self.txt, self.steps) < 1 or min(self.ckpt, self.warmup, self.workers) < 0:
             problems.append("gpus, mb, txt, steps must be >= 1 and ckpt, warmup, workers >= 0")
-        if self.lora and self.impl != "fluxzero":
-            problems.append("lora: fluxzero rows only (the baseline has no adapters)")
+        if self.lora and self.impl == "diffusers" and (set(self.lora) - {"rank", "targets"}
+                                                       or self.lora.get("targets", "all-linear") != "all-linear"):
+            problems.append("lora: the baseline's PEFT adapters take a rank on all-linear targets only")
         if self.inject_oom and self.inject_oom not in PHASE_NAMES.values():
             problems.append(f"inject_oom must be one of {sorted(PHASE_NAMES.values())}, got {self.inject_oom!r}")
         if problems:
@@ -456,7 +457,7 @@ def _baseline_runner(case: Case, cfg, rank: int, world: int, device, hook):
                               num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
                               multiprocessing_context="spawn" if cfg.num_workers else None)
     engine = baseline_diffusers.build_engine(model_cfg, ds, v.checkpoint_every, device, seed=cfg.seed,
-                                             compile=v.compile)
+                                             compile=v.compile, lora_rank=case.lora.get("rank", 0))
     dtype = getattr(torch, v.dtype_name)
     source = batches(loader)
     if case.inject_nan:

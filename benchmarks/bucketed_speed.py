@@ -1,0 +1,286 @@
+"""Time to step N from process start, compile included, and steady speed on aspect-bucketed data: fluxzero's
+`launch/train.py` at its defaults against the compiled diffusers + DeepSpeed peer (PEFT adapters for a LoRA),
+both fed the same batches by the trainer's loader.
+
+    PYTHONPATH=. python3 benchmarks/bucketed_speed.py --out $OUT/bucketed.jsonl                  # 512 px, 200 steps
+    PYTHONPATH=. python3 benchmarks/bucketed_speed.py --res 1024 --out $OUT/bucketed.jsonl
+    PYTHONPATH=. python3 benchmarks/bucketed_speed.py --workloads tiny --steps 4 --out /tmp/b.jsonl   # CPU, flux-tiny
+
+Workloads (WORKLOADS): `lite` is flux-dev-lite (the benchmark model) trained in full, `lora` a rank-16 LoRA on
+all linear layers of FLUX.1-dev, both from random weights, ZeRO-2 bf16, with the micro batch and checkpointing of
+the resolution's row. Data: `bucketed` is the synthetic source's `buckets=RES` mix (fluxzero.data.synthetic.
+bucket_mix: 40% square, 20% each 3:4 and 4:3, 10% each 2:3 and 3:2, as `fluxzero cache` buckets a photo
+collection), `one-shape` the square bucket alone, the figure the bucketed one is held against; T5 512 x 4096
+and CLIP 768 as FLUX.1's encoders give. `--shards` writes the samples as a shard folder first (fluxzero.data.
+synthetic.write_shards), so both sides read them through the shard reader as they would a cached folder.
+
+Each run is one process, started with a fresh Inductor cache folder (TORCHINDUCTOR_CACHE_DIR; `--cache warm`
+runs the case a second time on the folder the first run filled: what a user's second run on a machine costs)
+and killed after step N (no checkpoint is written). fluxzero: `gen-config --preset zero2 --model M ARGS`, a run
+file with only the data, model, LoRA and output keys, `python launch/train.py --config run.yaml`; its time to
+step k is when metrics.jsonl first holds step k (polled every 0.2 s). The peer: this file's `--peer-child`,
+benchmarks/sweep.py's diffusers baseline (its own step, the trainer's loader, the same DeepSpeed config
+builder), timestamping each step after a device synchronisation, with as many loader workers as the
+trainer takes. A row per run: wall_s (process start to step N), first_step_s (start-up and the first
+compile), steady samples/s over the last `--last` steps (their samples over the sum of their step times, so
+every bucket counts by its share), the image token counts seen, peak memory, and provenance. A table is
+printed last; `--budget` records the runs that would start after it as not run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))  # provenance and sweep, also when this file is loaded by path
+
+import provenance  # noqa: E402 - needs the line above
+
+LORA = {"rank": 16, "targets": "all-linear"}
+# name: (model, lora, {resolution: (micro batch, checkpoint every k blocks)})
+WORKLOADS = {
+    "lite": ("flux-dev-lite", None, {512: (16, 0), 1024: (4, 1)}),
+    "lora": ("flux-dev", LORA, {512: (4, 1), 1024: (1, 1)}),
+    "tiny": ("flux-tiny", None, {128: (2, 1), 256: (2, 1)}),  # the CPU test's
+}
+DATA = ("bucketed", "one-shape")
+# fluxzero-dynamo-default: the trainer with the token axis left to Dynamo (fluxzero.compile.dynamic false)
+IMPLS = ("fluxzero", "peer", "fluxzero-dynamo-default")
+
+
+def data_spec(model: str, res: int, data: str, n: int) -> str:
+    """The synthetic spec of one run: `n` samples of the model's text and latent widths."""
+    from fluxzero.config import get_model_config
+
+    m = get_model_config(model)
+    txt = 16 if model == "flux-tiny" else 512
+    shape = f"buckets={res}" if data == "bucketed" else f"hw={res // 8}x{res // 8}"
+    return f"synthetic:n={n},{shape},txt={txt},ctx={m.context_in_dim},vec={m.vec_in_dim},ch={m.latent_channels}"
+
+
+def _child_env(cache: Path) -> dict:
+    path = os.pathsep.join([str(ROOT), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path, "FLUXZERO_NO_PROGRESS": "1", "PYTHONUNBUFFERED": "1",
+           "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "TRITON_CACHE_DIR"):
+        env.pop(key, None)  # each child is its own one-process group; Triton's kernels go in the Inductor folder
+    return env
+
+
+def _follow(cmd: list, log: Path, env: dict, steps_file: Path, steps: int, timeout: float) -> tuple[dict, float, int | None]:
+    """Run `cmd` until `steps_file` (JSON lines, one per step, "step" 1-based) holds step `steps`, it exits, or
+    `timeout`; then kill its process group. Returns ({step: seconds from the start when first seen}, wall, rc)."""
+    seen: dict[int, float] = {}
+    with open(log, "w") as out:
+        t0 = time.monotonic()
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while time.monotonic() - t0 < timeout and p.poll() is None and len(seen) < steps:
+                time.sleep(0.2)
+                if steps_file.is_file():
+                    now = time.monotonic() - t0
+                    for line in steps_file.read_text().splitlines():
+                        if line.strip().endswith("}"):
+                            seen.setdefault(json.loads(line)["step"], now)
+        finally:
+            rc = p.poll()
+            if rc is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return seen, time.monotonic() - t0, rc
+
+
+def run_fluxzero(work: Path, model: str, lora, mb: int, ckpt: int, spec: str, steps: int, timeout: float,
+                 cache: Path, dynamo_default: bool = False) -> tuple[dict, list, str]:
+    """dynamo_default: fluxzero.compile.dynamic false, so the token axis is left to Dynamo's defaults (the first
+    token count compiled for itself alone, a recompile with the axis symbolic at the second)."""
+    ds = work / "ds.json"
+    gen = subprocess.run([sys.executable, "-m", "fluxzero.cli", "gen-config", "--preset", "zero2", "--model", model,
+                          "--micro-batch", str(mb), "--checkpoint-every", str(ckpt),
+                          *(["--lora-rank", str(lora["rank"]), "--lora-targets", lora["targets"]] if lora else []),
+                          "-o", str(ds)], capture_output=True, text=True, cwd=ROOT, env=_child_env(cache))
+    if gen.returncode:
+        return {}, [], f"gen-config failed: {gen.stderr.strip().splitlines()[-1:]}"
+    if dynamo_default:
+        cfg = json.loads(ds.read_text())
+        cfg["fluxzero"].setdefault("compile", {})["dynamic"] = False
+        ds.write_text(json.dumps(cfg))
+    run = {"deepspeed": str(ds), "data": spec, "output_dir": str(work / "out"), "model": model, "steps": 10**6,
+           "log_every": 1, "export": {"format": None}, **({"lora": lora} if lora else {})}
+    (work / "run.yaml").write_text(json.dumps(run))  # JSON is YAML
+    metrics = work / "out" / "metrics.jsonl"
+    seen, _, rc = _follow([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(work / "run.yaml")],
+                          work / "train.log", _child_env(cache), metrics, steps, timeout)
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip().endswith("}")] \
+        if metrics.is_file() else []
+    txt = int(spec.split("txt=")[1].split(",")[0])
+    steps_rows = [{"step": r["step"], "step_time_s": r["step_time_s"], "loss": r["loss"],
+                   "samples": round(r["samples_per_s"] * r["step_time_s"]),
+                   "img_tokens": round(r["tokens_per_s"] / r["samples_per_s"]) - txt,  # the metrics count both
+                   "peak_memory_gb": r["peak_memory_gb"]} for r in rows]
+    return seen, steps_rows, "" if len(seen) >= steps else f"exited {rc}"
+
+
+def run_peer(work: Path, model: str, lora, mb: int, ckpt: int, spec: str, steps: int, timeout: float,
+             cache: Path) -> tuple[dict, list, str]:
+    args = {"model": model, "lora": lora or {}, "mb": mb, "ckpt": ckpt, "data": spec, "steps": steps,
+            "work": str(work)}
+    out = work / "peer_steps.jsonl"
+    seen, _, rc = _follow([sys.executable, str(Path(__file__).resolve()), "--peer-child", json.dumps(args)],
+                          work / "peer.log", _child_env(cache), out, steps, timeout)
+    rows = [json.loads(x) for x in out.read_text().splitlines() if x.strip().endswith("}")] if out.is_file() else []
+    return seen, rows, "" if len(seen) >= steps else f"exited {rc}"
+
+
+def peer_child(args: dict) -> int:
+    """The compiled diffusers + DeepSpeed peer (benchmarks/sweep.py's baseline runner) for `steps` steps, one
+    JSON line per step. Compiled on a GPU; eager on the CPU (the test's path), as the trainer decides there."""
+    import torch
+
+    import sweep
+    from fluxzero.config import TrainConfig
+    from fluxzero.train import distributed
+
+    rank, world, device = distributed.init_distributed()
+    work = Path(args["work"])
+    case = sweep.Case(impl="diffusers", model=args["model"], zero=2, ckpt=args["ckpt"], mb=args["mb"],
+                      attn="flash" if device.type == "cuda" else "auto", compile=device.type == "cuda",
+                      data=args["data"], lora=args["lora"], warmup=0, steps=args["steps"])
+    ds_path = work / "peer_ds.json"
+    ds_path.write_text(json.dumps(sweep._ds_config(case, world)))
+    cfg = TrainConfig(**sweep.run_file(case, world, str(ds_path), str(work / "peer_out")))
+    # the loader workers the trainer takes on this machine (fluxzero.config.run.TrainConfig.loader_workers)
+    workers = cfg.loader_workers(device.type, len(os.sched_getaffinity(0)), distributed.local_world_size())
+    cfg = TrainConfig(**{**sweep.run_file(case, world, str(ds_path), str(work / "peer_out")), "num_workers": workers})
+    engine, step = sweep._baseline_runner(case, cfg, rank, world, device, hook=lambda name: None)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with open(work / "peer_steps.jsonl", "a") as out:
+        for i in range(args["steps"]):
+            sync()
+            t = time.perf_counter()
+            r = step()
+            sync()
+            peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
+            out.write(json.dumps({"step": i + 1, "step_time_s": time.perf_counter() - t, "samples": args["mb"] * world,
+                                  "loss": r.loss, "img_tokens": r.img_tokens, "peak_memory_gb": peak}) + "\n")
+            out.flush()
+    return 0
+
+
+def summarize(row: dict, seen: dict, rows: list, steps: int, last: int) -> dict:
+    if len(seen) < steps or len(rows) < steps:
+        return {**row, "status": "failed", "steps_done": len(rows)}
+    tail = rows[steps - last : steps]
+    return {**row, "status": "ok", "wall_s": round(seen[steps], 2), "first_step_s": round(seen[min(seen)], 2),
+            "steady_samples_per_s": round(sum(r["samples"] for r in tail) / sum(r["step_time_s"] for r in tail), 3),
+            "steady_steps": last, "img_tokens_seen": sorted({r["img_tokens"] for r in rows if r["img_tokens"]}),
+            "peak_memory_gb": max(r["peak_memory_gb"] for r in rows[:steps]),
+            "losses_first": [round(r["loss"], 4) for r in rows[:3]]}
+
+
+def _runs(a) -> list[tuple]:
+    runs = []
+    for w in a.workloads:
+        for data in a.data:
+            for impl in a.impls:
+                for cache in a.cache:
+                    runs.append((w, data, impl, cache))
+    return runs
+
+
+def _csv(choices):
+    def parse(s: str) -> list[str]:
+        items = [x.strip() for x in s.split(",") if x.strip()]
+        bad = [x for x in items if x not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)} (comma-separated), got {s!r}")
+        return items
+    return parse
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="JSON lines file (appended, one row per run); required")
+    ap.add_argument("--workloads", type=_csv(WORKLOADS), default=["lite", "lora"])
+    ap.add_argument("--res", type=int, default=512, help="pixels: the bucket mix's resolution")
+    ap.add_argument("--data", type=_csv(DATA), default=list(DATA))
+    ap.add_argument("--impls", type=_csv(IMPLS), default=list(IMPLS[:2]))
+    ap.add_argument("--cache", type=_csv(("cold", "warm")), default=["cold"],
+                    help="cold: a fresh Inductor cache folder; warm: again on the folder the cold run filled")
+    ap.add_argument("--steps", type=int, default=200, help="the step the wall time runs to")
+    ap.add_argument("--last", type=int, default=50, help="steps at the end that the steady speed is taken over")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for all runs; later runs are not started")
+    ap.add_argument("--shards", action="store_true", help="write the samples as a shard folder and train on that")
+    ap.add_argument("--peer-child", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.peer_child:
+        return peer_child(json.loads(a.peer_child))
+    if not a.out:
+        ap.error("--out is required: the JSON lines file the rows are appended to")
+    bad = [w for w in a.workloads if a.res not in WORKLOADS[w][2]]
+    if bad:
+        ap.error(f"--res {a.res} has no row for {', '.join(bad)}; resolutions: "
+                 f"{', '.join(f'{w} {sorted(WORKLOADS[w][2])}' for w in bad)}")
+    if a.steps < 2 or not 1 <= a.last < a.steps:
+        ap.error("--steps must be >= 2 and --last between 1 and steps - 1 (the first step compiles)")
+    if "warm" in a.cache and "cold" not in a.cache:
+        a.cache = ["cold", *a.cache]  # a warm run reads the folder its cold run filled
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    versions = provenance.versions("torch", "deepspeed", "diffusers", "peft")
+    results, t_start = [], time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        for w, data, impl, cache in _runs(a):
+            model, lora, per_res = WORKLOADS[w]
+            mb, ckpt = per_res[a.res]
+            spec = data_spec(model, a.res, data, n=mb * a.steps)  # one epoch: every sample seen once
+            name = f"{impl} {w} {a.res}px {data} {cache}"
+            row = {"run": name, "impl": impl, "workload": w, "model": model, "lora": lora, "res": a.res, "data": data,
+                   "cache": cache, "micro_batch": mb, "checkpoint_every": ckpt, "steps": a.steps, "data_spec": spec,
+                   "shards": a.shards, "date": provenance.stamp(), "versions": versions}
+            if a.budget is not None and time.monotonic() - t_start > a.budget:
+                row["status"] = "not run (budget)"
+            else:
+                key = f"{impl}-{w}-{data}"
+                work = Path(tmp) / f"{key}-{cache}"
+                work.mkdir()
+                source = spec
+                if a.shards:
+                    source = str(Path(tmp) / f"shards-{w}-{data}")
+                    if not Path(source).is_dir():
+                        from fluxzero.data.synthetic import write_shards
+
+                        write_shards(spec, source)
+                args = (work, model, lora, mb, ckpt, source, a.steps, a.timeout, Path(tmp) / f"inductor-{key}")
+                if impl == "peer":
+                    seen, rows, why = run_peer(*args)
+                else:
+                    seen, rows, why = run_fluxzero(*args, dynamo_default=impl == "fluxzero-dynamo-default")
+                row = summarize(row, seen, rows, a.steps, a.last)
+                if why:
+                    log = work / ("peer.log" if impl == "peer" else "train.log")
+                    row.update(why=why, log_tail=log.read_text(errors="replace").strip().splitlines()[-5:])
+            results.append(row)
+            with out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{name}: {row['status']} wall {row.get('wall_s', '')} s, steady "
+                  f"{row.get('steady_samples_per_s', '')} samples/s {row.get('log_tail', '')}", flush=True)
+    print("| run | wall to step N (s) | first step (s) | steady samples/s | peak GB |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['run']} | {r.get('wall_s', r['status'])} | {r.get('first_step_s', '')} | "
+              f"{r.get('steady_samples_per_s', '')} | {r.get('peak_memory_gb', '')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
