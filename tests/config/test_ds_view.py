@@ -215,3 +215,12 @@ def test_the_view_is_hashable_with_object_values_in_zero_optimization():
     v = view({"zero_optimization": {"stage": 3, "leaf_module": {"classes": ["DoubleStreamBlock"]}}})
     assert hash(v) == hash(view({"zero_optimization": {"stage": 3, "leaf_module": {"classes": ["X"]}}}))
     assert dict(v.zero_settings) == {"leaf_module": {"classes": ["DoubleStreamBlock"]}}
+
+
+@pytest.mark.parametrize("section, counts, dynamic", [
+    ({}, 1, False), ({}, 3, True),  # unset: dynamic where the data has several image token counts
+    ({"dynamic": False}, 3, False), ({"dynamic": True}, 1, True),
+])
+def test_dynamic_tokens_follow_the_buckets_unless_the_config_says(section, counts, dynamic):
+    v = view({"train_micro_batch_size_per_gpu": 1, "fluxzero": {"compile": {"blocks": True, **section}}})
+    assert v.dynamic_tokens(counts) is dynamic

@@ -40,6 +40,7 @@ def test_gen_config_compile_flag():
     ({"blocks": "yes"}, "fluxzero.compile.blocks must be true or false"),
     ({"blocks": True, "mode": "reduce-overhead"}, "fluxzero.compile.mode must be one of .* CUDA graphs"),
     ({"blocks": True, "backend": "cudagraphs"}, "fluxzero.compile.backend must be one of"),
+    ({"blocks": True, "dynamic": "auto"}, "fluxzero.compile.dynamic must be true or false"),
     ({"blocks": True, "mdoe": "default"}, "unknown key 'fluxzero.compile.mdoe' \\(did you mean 'mode'\\?\\)"),
 ])
 def test_check_refuses_bad_compile_sections(section, match):
@@ -100,7 +101,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _jobs(tmp_path, cases):
+def _jobs(tmp_path, cases, data=DATA):
     jobs = []
     for name, (stage, every, impl, compiled) in cases.items():
         ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
@@ -111,7 +112,7 @@ def _jobs(tmp_path, cases):
             ds["fluxzero"]["compile"] = {"blocks": True, "backend": "aot_eager"}
         assert ds_check.check(ds) == []
         (tmp_path / f"{name}.json").write_text(json.dumps(ds))
-        jobs.append([name, {"deepspeed": str(tmp_path / f"{name}.json"), "data": DATA,
+        jobs.append([name, {"deepspeed": str(tmp_path / f"{name}.json"), "data": data,
                             "steps": STEPS, "output_dir": str(tmp_path / name), "export": {"format": None}}])
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     (tmp_path / "child.py").write_text(CHILD)
@@ -163,3 +164,16 @@ def test_compiled_blocks_train_like_eager_on_two_ranks(tmp_path):
     r = json.loads((tmp_path / "out.json").read_text())
     _check(r, ["z3_ck1", "z3_ck1_compiled"])
     assert (r["z3_ck1_compiled"]["graphs"], r["z3_ck1_compiled"]["graph_breaks"]) == (2, 0)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_like_eager_on_aspect_buckets(tmp_path):
+    """Three aspect buckets (16, 15 and 12 image tokens), 4 steps, ZeRO-2, every block checkpointed: the trainer
+    hands the loader's buckets to the engine, which compiles each block class once with a dynamic token axis."""
+    cases = {"z2_ck1": (2, 1, "torch", False), "z2_ck1_compiled": (2, 1, "torch", True)}
+    child = _jobs(tmp_path, cases, data="synthetic:n=8,hw=8x8*2+6x10+4x12,txt=4,ctx=64,vec=32")
+    subprocess.run([sys.executable, *child], check=True, cwd=tmp_path, timeout=600,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = json.loads((tmp_path / "out.json").read_text())
+    _check(r, list(cases))
+    assert (r["z2_ck1_compiled"]["graphs"], r["z2_ck1_compiled"]["graph_breaks"]) == (2, 0)
