@@ -23,7 +23,8 @@ benchmarks/sweep.py's diffusers baseline (its own step, the trainer's loader, th
 builder), timestamping each step after a device synchronisation, with as many loader workers as the
 trainer takes. A row per run: wall_s (process start to step N), first_step_s (start-up and the first
 compile), steady samples/s over the last `--last` steps (their samples over the sum of their step times, so
-every bucket counts by its share), the image token counts seen, peak memory, and provenance. A table is
+every bucket counts by its share), each step's image token count (the bucket sequence, the same for both
+sides), peak memory, and provenance. A table is
 printed last; `--budget` records the runs that would start after it as not run.
 """
 from __future__ import annotations
@@ -50,6 +51,7 @@ WORKLOADS = {
     "lite": ("flux-dev-lite", None, {512: (16, 0), 1024: (4, 1)}),
     "lora": ("flux-dev", LORA, {512: (4, 1), 1024: (1, 1)}),
     "tiny": ("flux-tiny", None, {128: (2, 1), 256: (2, 1)}),  # the CPU test's
+    "tiny-lora": ("flux-tiny", {"rank": 4, "targets": "all-linear"}, {128: (2, 1)}),
 }
 DATA = ("bucketed", "one-shape")
 # fluxzero-dynamo-default: the trainer with the token axis left to Dynamo (fluxzero.compile.dynamic false)
@@ -181,7 +183,7 @@ def summarize(row: dict, seen: dict, rows: list, steps: int, last: int) -> dict:
     tail = rows[steps - last : steps]
     return {**row, "status": "ok", "wall_s": round(seen[steps], 2), "first_step_s": round(seen[min(seen)], 2),
             "steady_samples_per_s": round(sum(r["samples"] for r in tail) / sum(r["step_time_s"] for r in tail), 3),
-            "steady_steps": last, "img_tokens_seen": sorted({r["img_tokens"] for r in rows if r["img_tokens"]}),
+            "steady_steps": last, "img_tokens_per_step": [r["img_tokens"] for r in rows[:steps]],
             "peak_memory_gb": max(r["peak_memory_gb"] for r in rows[:steps]),
             "losses_first": [round(r["loss"], 4) for r in rows[:3]]}
 

@@ -1,0 +1,34 @@
+"""benchmarks/bucketed_speed.py end to end on CPU with flux-tiny: the GPU command's code path produces its rows
+(launch/train.py and the diffusers peer, plain and with PEFT adapters, on bucketed data). No timing is checked."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench(out: Path, *args: str) -> list[dict]:
+    subprocess.run([sys.executable, "benchmarks/bucketed_speed.py", "--res", "128", "--steps", "3", "--last", "2",
+                    "--data", "bucketed", "--timeout", "300", "--out", str(out), *args], check=True, cwd=ROOT,
+                   timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_rows_for_the_trainer_and_the_peer_on_the_same_buckets(tmp_path):
+    rows = _bench(tmp_path / "b.jsonl", "--workloads", "tiny")
+    rows += _bench(tmp_path / "l.jsonl", "--workloads", "tiny-lora", "--impls", "peer")
+    assert [(r["impl"], r["workload"], r["status"]) for r in rows] == \
+        [("fluxzero", "tiny", "ok"), ("peer", "tiny", "ok"), ("peer", "tiny-lora", "ok")], \
+        [r.get("log_tail") for r in rows]
+    for r in rows:
+        assert r["wall_s"] >= r["first_step_s"] > 0 and r["steady_samples_per_s"] > 0
+        assert r["data_spec"].startswith("synthetic:n=6,buckets=128,")
+        assert r["versions"]["torch"] and "git_commit" in r["versions"]
+    # both take their batches from the trainer's loader: the same bucket sequence
+    assert rows[0]["img_tokens_per_step"] == rows[1]["img_tokens_per_step"]
+    assert len(rows[0]["img_tokens_per_step"]) == 3
