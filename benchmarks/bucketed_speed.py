@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="JSON lines file (appended, one row per run); required")
     ap.add_argument("--workloads", type=_csv(WORKLOADS), default=["lite", "lora"])
     ap.add_argument("--res", type=int, default=512, help="pixels: the bucket mix's resolution")
-    ap.add_argument("--data", type=_csv(DATA), default=list(DATA))
+    ap.add_argument("--data", type=_csv(DATA), default=["bucketed"])
     ap.add_argument("--impls", type=_csv(IMPLS), default=list(IMPLS[:2]))
     ap.add_argument("--cache", type=_csv(("cold", "warm")), default=["cold"],
                     help="cold: a fresh Inductor cache folder; warm: again on the folder the cold run filled")

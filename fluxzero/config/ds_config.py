@@ -19,10 +19,11 @@ torch.compile of the transformer blocks (`gen-config --compile` / `--no-compile`
 trainer decides: compiled on a GPU below ZeRO-3, eager on the CPU, DSView.compiles_blocks):
 
     "fluxzero": {"compile": {"blocks": true, "mode": "default"|"max-autotune-no-cudagraphs",
-                             "backend": "inductor"|"aot_eager"|"eager"}}
+                             "backend": "inductor"|"aot_eager"|"eager", "dynamic": true|false}}
 
 "mode" and "backend" are optional (defaults "default" and "inductor"; aot_eager and eager exist for tests
-and debugging).
+and debugging); so is "dynamic" (the token axis compiled as a symbolic size; absent: when the data holds
+several image token counts, DSView.dynamic_tokens).
 
 A memory-saving optimizer mode (`gen-config --optimizer-mode NAME`; absent means DeepSpeed's own AdamW on its
 fp32 masters):
