@@ -58,12 +58,17 @@ DATA = ("bucketed", "one-shape")
 IMPLS = ("fluxzero", "peer", "fluxzero-dynamo-default")
 
 
+def text_tokens(model: str) -> int:
+    """T5 tokens per sample: FLUX.1's 512, flux-tiny's 16."""
+    return 16 if model == "flux-tiny" else 512
+
+
 def data_spec(model: str, res: int, data: str, n: int) -> str:
     """The synthetic spec of one run: `n` samples of the model's text and latent widths."""
     from fluxzero.config import get_model_config
 
     m = get_model_config(model)
-    txt = 16 if model == "flux-tiny" else 512
+    txt = text_tokens(model)
     shape = f"buckets={res}" if data == "bucketed" else f"hw={res // 8}x{res // 8}"
     return f"synthetic:n={n},{shape},txt={txt},ctx={m.context_in_dim},vec={m.vec_in_dim},ch={m.latent_channels}"
 
@@ -89,15 +94,25 @@ def _follow(cmd: list, log: Path, env: dict, steps_file: Path, steps: int, timeo
                 time.sleep(0.2)
                 if steps_file.is_file():
                     now = time.monotonic() - t0
-                    for line in steps_file.read_text().splitlines():
-                        if line.strip().endswith("}"):
-                            seen.setdefault(json.loads(line)["step"], now)
+                    for row in _rows(steps_file):
+                        seen.setdefault(row["step"], now)
         finally:
             rc = p.poll()
             if rc is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     return seen, time.monotonic() - t0, rc
+
+
+def _rows(path: Path) -> list[dict]:
+    """The whole JSON lines of a file another process is appending to (a line cut by the read is left out)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return rows
 
 
 def run_fluxzero(work: Path, model: str, lora, mb: int, ckpt: int, spec: str, steps: int, timeout: float,
@@ -121,13 +136,11 @@ def run_fluxzero(work: Path, model: str, lora, mb: int, ckpt: int, spec: str, st
     metrics = work / "out" / "metrics.jsonl"
     seen, _, rc = _follow([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(work / "run.yaml")],
                           work / "train.log", _child_env(cache), metrics, steps, timeout)
-    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip().endswith("}")] \
-        if metrics.is_file() else []
-    txt = int(spec.split("txt=")[1].split(",")[0])
+    txt = text_tokens(model)
     steps_rows = [{"step": r["step"], "step_time_s": r["step_time_s"], "loss": r["loss"],
                    "samples": round(r["samples_per_s"] * r["step_time_s"]),
                    "img_tokens": round(r["tokens_per_s"] / r["samples_per_s"]) - txt,  # the metrics count both
-                   "peak_memory_gb": r["peak_memory_gb"]} for r in rows]
+                   "peak_memory_gb": r["peak_memory_gb"]} for r in _rows(metrics)]
     return seen, steps_rows, "" if len(seen) >= steps else f"exited {rc}"
 
 
@@ -138,8 +151,7 @@ def run_peer(work: Path, model: str, lora, mb: int, ckpt: int, spec: str, steps:
     out = work / "peer_steps.jsonl"
     seen, _, rc = _follow([sys.executable, str(Path(__file__).resolve()), "--peer-child", json.dumps(args)],
                           work / "peer.log", _child_env(cache), out, steps, timeout)
-    rows = [json.loads(x) for x in out.read_text().splitlines() if x.strip().endswith("}")] if out.is_file() else []
-    return seen, rows, "" if len(seen) >= steps else f"exited {rc}"
+    return seen, _rows(out), "" if len(seen) >= steps else f"exited {rc}"
 
 
 def peer_child(args: dict) -> int:
