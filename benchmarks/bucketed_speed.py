@@ -54,8 +54,13 @@ WORKLOADS = {
     "tiny-lora": ("flux-tiny", {"rank": 4, "targets": "all-linear"}, {128: (2, 1)}),
 }
 DATA = ("bucketed", "one-shape")
-# fluxzero-dynamo-default: the trainer with the token axis left to Dynamo (fluxzero.compile.dynamic false)
-IMPLS = ("fluxzero", "peer", "fluxzero-dynamo-default")
+# fluxzero-static: the trainer with fluxzero.compile.dynamic false (a graph per token count); fluxzero-dynamo: the
+# token axis left to Dynamo's default, as the trainer compiled before fluxzero.compile.dynamic (a sitecustomize
+# module on the child's path replaces DSView.dynamic_tokens; the trainer's files are untouched)
+IMPLS = ("fluxzero", "peer", "fluxzero-static", "fluxzero-dynamo")
+SITECUSTOMIZE_DYNAMO = """from fluxzero.config.ds_view import DSView
+DSView.dynamic_tokens = lambda self, token_counts: None
+"""
 
 
 def text_tokens(model: str) -> int:
@@ -73,8 +78,10 @@ def data_spec(model: str, res: int, data: str, n: int) -> str:
     return f"synthetic:n={n},{shape},txt={txt},ctx={m.context_in_dim},vec={m.vec_in_dim},ch={m.latent_channels}"
 
 
-def _child_env(cache: Path) -> dict:
-    path = os.pathsep.join([str(ROOT), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
+def _child_env(cache: Path, site: Path | None = None) -> dict:
+    """site: a folder with a sitecustomize module, first on the path (it would shadow the installation's own)."""
+    path = os.pathsep.join([*([str(site)] if site else []), str(ROOT), str(HERE),
+                            *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "PYTHONPATH": path, "FLUXZERO_NO_PROGRESS": "1", "PYTHONUNBUFFERED": "1",
            "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "TRITON_CACHE_DIR"):
@@ -116,9 +123,7 @@ def _rows(path: Path) -> list[dict]:
 
 
 def run_fluxzero(work: Path, model: str, lora, mb: int, ckpt: int, spec: str, steps: int, timeout: float,
-                 cache: Path, dynamo_default: bool = False) -> tuple[dict, list, str]:
-    """dynamo_default: fluxzero.compile.dynamic false, so the token axis is left to Dynamo's defaults (the first
-    token count compiled for itself alone, a recompile with the axis symbolic at the second)."""
+                 cache: Path, impl: str = "fluxzero") -> tuple[dict, list, str]:
     ds = work / "ds.json"
     gen = subprocess.run([sys.executable, "-m", "fluxzero.cli", "gen-config", "--preset", "zero2", "--model", model,
                           "--micro-batch", str(mb), "--checkpoint-every", str(ckpt),
@@ -126,16 +131,21 @@ def run_fluxzero(work: Path, model: str, lora, mb: int, ckpt: int, spec: str, st
                           "-o", str(ds)], capture_output=True, text=True, cwd=ROOT, env=_child_env(cache))
     if gen.returncode:
         return {}, [], f"gen-config failed: {gen.stderr.strip().splitlines()[-1:]}"
-    if dynamo_default:
+    site = None
+    if impl == "fluxzero-static":
         cfg = json.loads(ds.read_text())
         cfg["fluxzero"].setdefault("compile", {})["dynamic"] = False
         ds.write_text(json.dumps(cfg))
+    elif impl == "fluxzero-dynamo":
+        site = work / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(SITECUSTOMIZE_DYNAMO)
     run = {"deepspeed": str(ds), "data": spec, "output_dir": str(work / "out"), "model": model, "steps": 10**6,
            "log_every": 1, "export": {"format": None}, **({"lora": lora} if lora else {})}
     (work / "run.yaml").write_text(json.dumps(run))  # JSON is YAML
     metrics = work / "out" / "metrics.jsonl"
     seen, _, rc = _follow([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(work / "run.yaml")],
-                          work / "train.log", _child_env(cache), metrics, steps, timeout)
+                          work / "train.log", _child_env(cache, site), metrics, steps, timeout)
     txt = text_tokens(model)
     steps_rows = [{"step": r["step"], "step_time_s": r["step_time_s"], "loss": r["loss"],
                    "samples": round(r["samples_per_s"] * r["step_time_s"]),
@@ -278,7 +288,7 @@ def main(argv=None) -> int:
                 if impl == "peer":
                     seen, rows, why = run_peer(*args)
                 else:
-                    seen, rows, why = run_fluxzero(*args, dynamo_default=impl == "fluxzero-dynamo-default")
+                    seen, rows, why = run_fluxzero(*args, impl=impl)
                 row = summarize(row, seen, rows, a.steps, a.last)
                 if why:
                     log = work / ("peer.log" if impl == "peer" else "train.log")

@@ -22,8 +22,8 @@ trainer decides: compiled on a GPU below ZeRO-3, eager on the CPU, DSView.compil
                              "backend": "inductor"|"aot_eager"|"eager", "dynamic": true|false}}
 
 "mode" and "backend" are optional (defaults "default" and "inductor"; aot_eager and eager exist for tests
-and debugging); so is "dynamic" (the token axis compiled as a symbolic size; absent: when the data holds
-several image token counts, DSView.dynamic_tokens).
+and debugging); so is "dynamic" (true: the image token axis compiled as a symbolic size, false: a graph per token
+count; absent: symbolic when the data holds several token counts, DSView.dynamic_tokens).
 
 A memory-saving optimizer mode (`gen-config --optimizer-mode NAME`; absent means DeepSpeed's own AdamW on its
 fp32 masters):

@@ -47,7 +47,7 @@ class DSView:
     compile_mode: str = "default"
     fp8: str | None = None  # fluxzero.fp8.recipe: FP8 matmuls in the blocks (torchao float8 training); None = bf16
     compile_backend: str = "inductor"
-    compile_dynamic: bool | None = None  # fluxzero.compile.dynamic; None: not set, dynamic_tokens decides
+    compile_dynamic: bool | None = None  # fluxzero.compile.dynamic; None: not set, the data decides (dynamic_tokens)
     optimizer: str | None = None  # optimizer.type, lower case; None: no optimizer section
     allow_untested_optimizer: bool = False  # zero_allow_untested_optimizer
     optimizer_impl: str = "fused"  # Adam(W): "torch" (torch_adam), "torch-fused" (and fused), "fused" (DeepSpeed's)
@@ -91,13 +91,14 @@ class DSView:
             return self.compile
         return device_type == "cuda" and self.stage < 3
 
-    def dynamic_tokens(self, token_counts: int) -> bool:
-        """Whether compiled blocks take the token axis as a symbolic size (fluxzero.model.compile.apply_compile):
-        fluxzero.compile.dynamic when the config sets it; when it does not, when the data holds `token_counts`
-        > 1 image token counts (several aspect buckets), so all of them share one graph per block class."""
+    def dynamic_tokens(self, token_counts: int) -> bool | None:
+        """How compiled blocks treat the image token count (fluxzero.model.compile.apply_compile's dynamic_tokens):
+        fluxzero.compile.dynamic when the config sets it (true: a symbolic token axis, false: a graph per token
+        count); when it does not, symbolic where the data holds `token_counts` > 1 (several aspect buckets, which
+        then share one graph per block class), else None (Dynamo's default: one token count, one graph)."""
         if self.compile_dynamic is not None:
             return self.compile_dynamic
-        return token_counts > 1
+        return True if token_counts > 1 else None
 
     def batch_for(self, world_size: int) -> tuple[int, int, int]:
         """(micro batch, accumulation, global batch) for `world_size` ranks, derived as DeepSpeed does.

@@ -22,7 +22,8 @@ def compile_cache_dir() -> str:
     return os.environ[CACHE_ENV]
 
 
-def apply_compile(model, mode: str = "default", backend: str = "inductor", dynamic_tokens: bool = False) -> int:
+def apply_compile(model, mode: str = "default", backend: str = "inductor", dynamic_tokens: bool | None = None,
+                  token_counts: int = 1) -> int:
     """torch.compile every transformer block (double and single); returns how many. The trainer calls it
     before fluxzero.train.engine.apply_activation_checkpointing; `fluxzero sample --compile` on the loaded model.
 
@@ -31,10 +32,13 @@ def apply_compile(model, mode: str = "default", backend: str = "inductor", dynam
     compiled function per block class, with the block as its first argument: all blocks of a class share
     its graphs (Dynamo treats the module and its parameters as inputs), two graphs for the whole model.
 
-    dynamic_tokens: the token axis is a symbolic size from the first call on (see `_tokens_dynamic`), so data
-    of several aspect buckets (several image token counts) runs one graph per block class instead of
-    compiling once per token count. Without it Dynamo compiles the first token count for that size alone and,
-    at the second, recompiles with the axis symbolic (its automatic dynamic shapes): one compile more.
+    Image token counts (aspect buckets), `dynamic_tokens`:
+      True   the token axis is a symbolic size from the first call on (see `_tokens_dynamic`): one graph per
+             block class serves every bucket.
+      False  a graph per token count with every size fixed (torch.compile(dynamic=False)); Dynamo's recompile
+             limit is raised so that `token_counts` buckets all get theirs instead of falling back to eager.
+      None   Dynamo's default: the first token count gets graphs for that size alone, the second compiles again
+             with the axis symbolic (automatic dynamic shapes), which then serves the rest.
 
     Inductor's caches go to compile_cache_dir(), so a run after the first reads its graphs and kernels from disk.
 
@@ -46,6 +50,12 @@ def apply_compile(model, mode: str = "default", backend: str = "inductor", dynam
     if backend == "inductor":
         kwargs["mode"] = mode
         compile_cache_dir()
+    if dynamic_tokens is False:
+        kwargs["dynamic"] = False
+        # the limit counts graphs per compiled function: each token count needs its own, and each may come in a
+        # few guard variants (grad mode for validation, a checkpoint's recompute)
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, 4 * token_counts + 4)
     blocks = list(model.double_blocks) + list(model.single_blocks)
     compiled = {}
     for block in blocks:

@@ -51,8 +51,8 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
 
     ds: the DeepSpeed dict (no "fluxzero" section); v: its view, which says what to apply from outside.
     lora: a LoraConfig (adapters on the loaded weights, only they trained) or None (full fine-tune).
-    latent_sizes: the data's latent (h, w) buckets; several areas (image token counts) compile the blocks with a
-    dynamic token axis (DSView.dynamic_tokens).
+    latent_sizes: the data's latent (h, w) buckets; their areas (image token counts) decide how the blocks compile
+    (DSView.dynamic_tokens).
     """
     join_deepspeed_comm()
     torch.manual_seed(seed)  # identical random init on every rank (ZeRO-3 then keeps each rank's slice)
@@ -66,8 +66,8 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     if lora is not None:  # after the weights: the base's names gain `.base_layer` once adapters wrap it
         apply_adapters(model, lora, v)
     if v.compiles_blocks(device.type, lora is not None):  # first: checkpointing then wraps the compiled block
-        apply_compile(model, v.compile_mode, v.compile_backend,
-                      dynamic_tokens=v.dynamic_tokens(len({h * w for h, w in latent_sizes})))
+        counts = len({h * w for h, w in latent_sizes})
+        apply_compile(model, v.compile_mode, v.compile_backend, v.dynamic_tokens(counts), counts)
         if v.stage == 3:
             zero3_leaf_blocks(model)
     apply_activation_checkpointing(model, v.checkpoint_every, v.checkpoint_impl, v)

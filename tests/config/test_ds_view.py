@@ -218,7 +218,7 @@ def test_the_view_is_hashable_with_object_values_in_zero_optimization():
 
 
 @pytest.mark.parametrize("section, counts, dynamic", [
-    ({}, 1, False), ({}, 3, True),  # unset: dynamic where the data has several image token counts
+    ({}, 1, None), ({}, 3, True),  # unset: dynamic where the data has several image token counts
     ({"dynamic": False}, 3, False), ({"dynamic": True}, 1, True),
 ])
 def test_dynamic_tokens_follow_the_buckets_unless_the_config_says(section, counts, dynamic):

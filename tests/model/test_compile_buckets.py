@@ -1,5 +1,6 @@
 """Compiled blocks on several aspect buckets: one graph per block class for every image token count when the
-token axis is dynamic, and the same losses and gradients as the eager model on each bucket.
+token axis is dynamic, one per token count when it is static, and the same losses and gradients as the eager
+model on each bucket.
 
 Dynamo with the `aot_eager` backend (capture, AOTAutograd's joint graph, no Inductor code generation): the
 graph count and the wiring are Dynamo's; Inductor's dynamic-shape kernels are run by benchmarks/bucketed_speed.py.
@@ -29,7 +30,7 @@ def _step(model, h: int, w: int) -> tuple[float, list]:
     return loss.item(), [x.norm().item() for x in grads]
 
 
-def _compiled(dynamic: bool):
+def _compiled(dynamic: bool | None):
     """(eager flux-tiny, its compiled copy, Dynamo's counters cleared)."""
     from torch._dynamo.utils import counters
 
@@ -38,7 +39,7 @@ def _compiled(dynamic: bool):
     torch.manual_seed(0)
     eager = build_model(get_model_config("flux-tiny"))
     compiled = copy.deepcopy(eager)
-    apply_compile(compiled, backend="aot_eager", dynamic_tokens=dynamic)
+    apply_compile(compiled, backend="aot_eager", dynamic_tokens=dynamic, token_counts=len(BUCKETS))
     return eager, compiled, counters
 
 
@@ -53,12 +54,13 @@ def test_dynamic_token_axis_compiles_each_block_class_once_for_every_bucket():
         assert grads_c == pytest.approx(grads, rel=1e-5)
 
 
-def test_undeclared_token_axis_compiles_again_at_a_new_bucket():
-    # the count above can fail: left to Dynamo, the first token count gets graphs of its own
-    _, compiled, counters = _compiled(dynamic=False)
+def test_static_token_axis_compiles_a_graph_per_bucket_and_trains_like_eager():
+    # the count above can fail: with the sizes fixed each token count gets graphs of its own
+    eager, compiled, counters = _compiled(dynamic=False)
     for h, w in BUCKETS[:2]:
-        _step(compiled, h, w)
-    assert counters["stats"]["unique_graphs"] > 2
+        (loss, grads), (loss_c, grads_c) = _step(eager, h, w), _step(compiled, h, w)
+        assert loss_c == pytest.approx(loss, rel=1e-6) and grads_c == pytest.approx(grads, rel=1e-5)
+    assert counters["stats"]["unique_graphs"] == 4
 
 
 def test_compile_cache_dir_keeps_the_users_folder(monkeypatch, tmp_path):
