@@ -2,9 +2,10 @@
 
 Same dimensions as a fluxzero preset (via `from_config`), random init, diffusers' own
 `enable_gradient_checkpointing()` (every block or none), constructed under `deepspeed.zero.Init` for
-ZeRO-3, optionally PEFT LoRA adapters (diffusers' `add_adapter`) and `block.compile()` on every transformer block. Used by benchmarks/sweep.py with `--impl
-diffusers`, which keeps the baseline's own step (this is the baseline: no fluxzero TrainStep); its inputs are the
-fluxzero trainer's loader and `flow.prepare_batch` output, renamed to diffusers' argument names.
+ZeRO-3, optionally PEFT LoRA adapters (diffusers' `add_adapter`) and `block.compile()` on every transformer
+block. Used by benchmarks/sweep.py with `--impl diffusers`, which keeps the baseline's own step (this is the
+baseline: no fluxzero TrainStep); its inputs are the fluxzero trainer's loader and `flow.prepare_batch` output,
+renamed to diffusers' argument names.
 """
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def is_synthetic(source) -> bool:
 
 
 def parse_spec(spec: str) -> dict:
-    opts = dict(_DEFAULTS)
+    opts, given = dict(_DEFAULTS), set()
     body = spec[len(PREFIX):].strip()
     for part in filter(None, (p.strip() for p in body.split(","))):
         key, sep, value = part.partition("=")
@@ -45,8 +45,9 @@ def parse_spec(spec: str) -> dict:
         if not sep or key not in _DEFAULTS:
             raise DataError(f"synthetic spec {spec!r}: unknown item {part!r}; use keys {', '.join(_DEFAULTS)} as in {_EXAMPLE}.")
         opts[key] = value.strip()
-    if opts["buckets"]:
-        if "hw=" in body.replace(" ", ""):
+        given.add(key)
+    if "buckets" in given:
+        if "hw" in given:
             raise DataError(f"synthetic spec {spec!r}: give hw or buckets, not both.")
         res = str(opts["buckets"])
         if not (res.isdigit() and int(res) >= 64 and int(res) % 16 == 0):
