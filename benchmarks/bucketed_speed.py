@@ -20,12 +20,13 @@ and killed after step N (no checkpoint is written). fluxzero: `gen-config --pres
 file with only the data, model, LoRA and output keys, `python launch/train.py --config run.yaml`; its time to
 step k is when metrics.jsonl first holds step k (polled every 0.2 s). The peer: this file's `--peer-child`,
 benchmarks/sweep.py's diffusers baseline (its own step, the trainer's loader, the same DeepSpeed config
-builder), timestamping each step after a device synchronisation, with as many loader workers as the
-trainer takes. A row per run: wall_s (process start to step N), first_step_s (start-up and the first
-compile), steady samples/s over the last `--last` steps (their samples over the sum of their step times, so
-every bucket counts by its share), each step's image token count (the bucket sequence, the same for both
-sides), peak memory, and provenance. A table is
-printed last; `--budget` records the runs that would start after it as not run.
+builder), writing a line per step after a device synchronisation, with as many loader workers as the
+trainer takes; its time to step k is when that line is first seen. A row per run: wall_s (process start to
+step N), first_step_s (start-up and the first compile), steady_samples_per_s over the last `--last` steps (their
+samples over the sum of their step times, so every bucket counts by its share) and steady_wall_samples_per_s
+(the same samples over the time between the first sightings of their first and last steps: the time between
+steps too), each step's image token count (the bucket sequence, the same for both sides), peak memory, and
+provenance. A table is printed last; `--budget` records the runs that would start after it as not run.
 """
 from __future__ import annotations
 
@@ -180,10 +181,11 @@ def peer_child(args: dict) -> int:
                       data=args["data"], lora=args["lora"], warmup=0, steps=args["steps"])
     ds_path = work / "peer_ds.json"
     ds_path.write_text(json.dumps(sweep._ds_config(case, world)))
-    cfg = TrainConfig(**sweep.run_file(case, world, str(ds_path), str(work / "peer_out")))
+    keys = sweep.run_file(case, world, str(ds_path), str(work / "peer_out"))
     # the loader workers the trainer takes on this machine (fluxzero.config.run.TrainConfig.loader_workers)
-    workers = cfg.loader_workers(device.type, len(os.sched_getaffinity(0)), distributed.local_world_size())
-    cfg = TrainConfig(**{**sweep.run_file(case, world, str(ds_path), str(work / "peer_out")), "num_workers": workers})
+    workers = TrainConfig(**keys).loader_workers(device.type, len(os.sched_getaffinity(0)),
+                                                 distributed.local_world_size())
+    cfg = TrainConfig(**{**keys, "num_workers": workers})
     engine, step = sweep._baseline_runner(case, cfg, rank, world, device, hook=lambda name: None)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with open(work / "peer_steps.jsonl", "a") as out:
@@ -203,8 +205,11 @@ def summarize(row: dict, seen: dict, rows: list, steps: int, last: int) -> dict:
     if len(seen) < steps or len(rows) < steps:
         return {**row, "status": "failed", "steps_done": len(rows)}
     tail = rows[steps - last : steps]
+    samples = sum(r["samples"] for r in tail)
     return {**row, "status": "ok", "wall_s": round(seen[steps], 2), "first_step_s": round(seen[min(seen)], 2),
-            "steady_samples_per_s": round(sum(r["samples"] for r in tail) / sum(r["step_time_s"] for r in tail), 3),
+            "steady_samples_per_s": round(samples / sum(r["step_time_s"] for r in tail), 3),
+            # the same steps by the clock of the files' growth: also what the process does between steps
+            "steady_wall_samples_per_s": round(samples / max(1e-9, seen[steps] - seen[steps - last]), 3),
             "steady_steps": last, "img_tokens_per_step": [r["img_tokens"] for r in rows[:steps]],
             "peak_memory_gb": max(r["peak_memory_gb"] for r in rows[:steps]),
             "losses_first": [round(r["loss"], 4) for r in rows[:3]]}
