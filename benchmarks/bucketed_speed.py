@@ -25,8 +25,8 @@ trainer takes; its time to step k is when that line is first seen. A row per run
 step N), first_step_s (start-up and the first compile), steady_samples_per_s over the last `--last` steps (their
 samples over the sum of their step times, so every bucket counts by its share) and steady_wall_samples_per_s
 (the same samples over the time between the first sightings of their first and last steps: the time between
-steps too), each step's image token count (the bucket sequence, the same for both sides), peak memory, and
-provenance. A table is printed last; `--budget` records the runs that would start after it as not run.
+steps too), each step's image token count (the bucket sequence, the same for both sides), the recompiles Dynamo
+logged (TORCH_LOGS=recompiles), peak memory, and provenance. A table is printed last; `--budget` records the runs that would start after it as not run.
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def _child_env(cache: Path, site: Path | None = None) -> dict:
     path = os.pathsep.join([*([str(site)] if site else []), str(ROOT), str(HERE),
                             *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "PYTHONPATH": path, "FLUXZERO_NO_PROGRESS": "1", "PYTHONUNBUFFERED": "1",
-           "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+           "TORCHINDUCTOR_CACHE_DIR": str(cache), "TORCH_LOGS": "recompiles"}  # the log names each recompile
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "TRITON_CACHE_DIR"):
         env.pop(key, None)  # each child is its own one-process group; Triton's kernels go in the Inductor folder
     return env
@@ -295,19 +295,21 @@ def main(argv=None) -> int:
                 else:
                     seen, rows, why = run_fluxzero(*args, impl=impl)
                 row = summarize(row, seen, rows, a.steps, a.last)
+                log = work / ("peer.log" if impl == "peer" else "train.log")
+                row["recompiles"] = log.read_text(errors="replace").count("[__recompiles] Recompiling function")
                 if why:
-                    log = work / ("peer.log" if impl == "peer" else "train.log")
                     row.update(why=why, log_tail=log.read_text(errors="replace").strip().splitlines()[-5:])
             results.append(row)
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"{name}: {row['status']} wall {row.get('wall_s', '')} s, steady "
                   f"{row.get('steady_samples_per_s', '')} samples/s {row.get('log_tail', '')}", flush=True)
-    print("| run | wall to step N (s) | first step (s) | steady samples/s | peak GB |")
-    print("|---|---|---|---|---|")
+    print("| run | wall to step N (s) | first step (s) | steady samples/s | by the clock | recompiles | peak GB |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['run']} | {r.get('wall_s', r['status'])} | {r.get('first_step_s', '')} | "
-              f"{r.get('steady_samples_per_s', '')} | {r.get('peak_memory_gb', '')} |")
+              f"{r.get('steady_samples_per_s', '')} | {r.get('steady_wall_samples_per_s', '')} | "
+              f"{r.get('recompiles', '')} | {r.get('peak_memory_gb', '')} |")
     return 0
 
 

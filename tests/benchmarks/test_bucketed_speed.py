@@ -27,6 +27,7 @@ def test_rows_for_the_trainer_and_the_peer_on_the_same_buckets(tmp_path):
         [r.get("log_tail") for r in rows]
     for r in rows:
         assert r["wall_s"] >= r["first_step_s"] > 0 and r["steady_samples_per_s"] > 0
+        assert r["steady_wall_samples_per_s"] > 0 and r["recompiles"] == 0  # eager on the CPU
         assert r["data_spec"].startswith("synthetic:n=6,buckets=128,")
         assert r["versions"]["torch"] and "git_commit" in r["versions"]
     # both take their batches from the trainer's loader: the same bucket sequence
