@@ -11,14 +11,19 @@ import torch
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
-def compile_cache_dir() -> str:
+def compile_cache_dir() -> str | None:
     """The folder of Inductor's on-disk caches (compiled graphs, autograd graphs, Triton kernels), which make a
     later run's compile of the same blocks a cache read: TORCHINDUCTOR_CACHE_DIR where the user set it, else
     $XDG_CACHE_HOME/fluxzero/inductor (~/.cache/fluxzero/inductor), which outlives the /tmp folder torch
-    picks by default and, on a shared home directory, serves every node. Sets the variable for this process."""
+    picks by default and, on a shared home directory, serves every node. Sets the variable for this process;
+    where that folder cannot be made (a read-only home), leaves it unset and torch keeps its own."""
     if not os.environ.get(CACHE_ENV):
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        os.environ[CACHE_ENV] = str(base / "fluxzero" / "inductor")
+        folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fluxzero" / "inductor"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return None
+        os.environ[CACHE_ENV] = str(folder)
     return os.environ[CACHE_ENV]
 
 

@@ -8,6 +8,7 @@ graph count and the wiring are Dynamo's; Inductor's dynamic-shape kernels are ru
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -69,4 +70,8 @@ def test_compile_cache_dir_keeps_the_users_folder(monkeypatch, tmp_path):
     monkeypatch.delenv(CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert compile_cache_dir() == str(tmp_path / "xdg" / "fluxzero" / "inductor")
-    monkeypatch.delenv(CACHE_ENV)  # the helper's setting goes; monkeypatch restores the one from before the test
+    assert (tmp_path / "xdg" / "fluxzero" / "inductor").is_dir()
+    monkeypatch.delenv(CACHE_ENV)
+    (tmp_path / "file").write_text("")  # a cache home that cannot hold folders: torch's own default stays
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    assert compile_cache_dir() is None and CACHE_ENV not in os.environ
