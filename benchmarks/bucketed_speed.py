@@ -112,6 +112,11 @@ def _follow(cmd: list, log: Path, env: dict, steps_file: Path, steps: int, timeo
     return seen, time.monotonic() - t0, rc
 
 
+def _why(seen: dict, steps: int, rc: int | None) -> str:
+    """Why a run has no step `steps`: "" when it has."""
+    return "" if len(seen) >= steps else "timed out" if rc is None else f"exited with {rc}"
+
+
 def _rows(path: Path) -> list[dict]:
     """The whole JSON lines of a file another process is appending to (a line cut by the read is left out)."""
     rows = []
@@ -152,7 +157,7 @@ def run_fluxzero(work: Path, model: str, lora, mb: int, ckpt: int, spec: str, st
                    "samples": round(r["samples_per_s"] * r["step_time_s"]),
                    "img_tokens": round(r["tokens_per_s"] / r["samples_per_s"]) - txt,  # the metrics count both
                    "peak_memory_gb": r["peak_memory_gb"]} for r in _rows(metrics)]
-    return seen, steps_rows, "" if len(seen) >= steps else f"exited {rc}"
+    return seen, steps_rows, _why(seen, steps, rc)
 
 
 def run_peer(work: Path, model: str, lora, mb: int, ckpt: int, spec: str, steps: int, timeout: float,
@@ -162,7 +167,7 @@ def run_peer(work: Path, model: str, lora, mb: int, ckpt: int, spec: str, steps:
     out = work / "peer_steps.jsonl"
     seen, _, rc = _follow([sys.executable, str(Path(__file__).resolve()), "--peer-child", json.dumps(args)],
                           work / "peer.log", _child_env(cache), out, steps, timeout)
-    return seen, _rows(out), "" if len(seen) >= steps else f"exited {rc}"
+    return seen, _rows(out), _why(seen, steps, rc)
 
 
 def peer_child(args: dict) -> int:
@@ -202,16 +207,21 @@ def peer_child(args: dict) -> int:
 
 
 def summarize(row: dict, seen: dict, rows: list, steps: int, last: int) -> dict:
-    if len(seen) < steps or len(rows) < steps:
-        return {**row, "status": "failed", "steps_done": len(rows)}
-    tail = rows[steps - last : steps]
+    """The row's figures up to step `steps`; a run stopped before it (timeout, failure) gets them up to its last
+    step, with status naming that step, so a cut run still says how far it came and how fast."""
+    done = min(steps, len(rows), max(seen, default=0))
+    if done < 2:
+        return {**row, "status": "failed", "steps_done": done}
+    last = min(last, done - 1) if done < steps else last
+    tail = rows[done - last : done]
     samples = sum(r["samples"] for r in tail)
-    return {**row, "status": "ok", "wall_s": round(seen[steps], 2), "first_step_s": round(seen[min(seen)], 2),
+    return {**row, "status": "ok" if done == steps else f"stopped at step {done}", "steps_done": done,
+            "wall_s": round(seen[done], 2), "first_step_s": round(seen[min(seen)], 2),
             "steady_samples_per_s": round(samples / sum(r["step_time_s"] for r in tail), 3),
             # the same steps by the clock of the files' growth: also what the process does between steps
-            "steady_wall_samples_per_s": round(samples / max(1e-9, seen[steps] - seen[steps - last]), 3),
-            "steady_steps": last, "img_tokens_per_step": [r["img_tokens"] for r in rows[:steps]],
-            "peak_memory_gb": max(r["peak_memory_gb"] for r in rows[:steps]),
+            "steady_wall_samples_per_s": round(samples / max(1e-9, seen[done] - seen[done - last]), 3),
+            "steady_steps": last, "img_tokens_per_step": [r["img_tokens"] for r in rows[:done]],
+            "peak_memory_gb": max(r["peak_memory_gb"] for r in rows[:done]),
             "losses_first": [round(r["loss"], 4) for r in rows[:3]]}
 
 
