@@ -76,3 +76,14 @@ def test_every_run_file_key_is_documented():
         assert not _undocumented(cls, training, f"{name}."), f"document these {name} keys in docs/training.md"
     assert not _undocumented(LoraConfig, (ROOT / "docs" / "lora.md").read_text()), "document these in docs/lora.md"
     assert _undocumented(TrainConfig, "`deepspeed` `data`") != []  # the check can fail
+
+
+def test_the_readme_s_skipped_image_size_is_the_cache_s_rule():
+    """The README's "(N px here)" for the `fluxzero cache ... --resolution R` it shows is what the cache skips."""
+    from fluxzero.data.buckets import make_buckets
+    from fluxzero.data.cache import default_min_image_side
+
+    text = (ROOT / "README.md").read_text()
+    resolution = int(re.search(r"fluxzero cache \S+ \S+ .*--resolution (\d+)", text).group(1))
+    said = int(re.search(r"smallest bucket side \((\d+) px here\)", text).group(1))
+    assert said == default_min_image_side(make_buckets(resolution)), "README.md: the skipped image size is wrong"

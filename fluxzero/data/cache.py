@@ -94,6 +94,12 @@ def _unit(*parts) -> float:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") / 2**64
 
 
+def default_min_image_side(buckets: list[tuple[int, int]]) -> int:
+    """Shorter side below which an image is skipped by default: half the smallest bucket side (such an image
+    would be upscaled more than 2x into even the smallest bucket)."""
+    return min(min(b) for b in buckets) // 2
+
+
 def make_plan(opts: CacheOptions) -> dict:
     """Shards to write: [{"id", "bucket": (h, w) px, "items": [{"file", "flip", "caption", "dropped", "mask"}]}].
 
@@ -112,7 +118,7 @@ def make_plan(opts: CacheOptions) -> dict:
         raise DataError(f"no row of the caption file {table}{example} names one of the {len(images)} images in {root} "
                         f"(e.g. {images[0]!r}); file names must be relative to the image folder or bare file names.")
     buckets = make_buckets(opts.resolution, opts.min_side, opts.max_aspect, step=opts.bucket_step)
-    min_image = min(min(b) for b in buckets) // 2 if opts.min_image_side is None else opts.min_image_side
+    min_image = default_min_image_side(buckets) if opts.min_image_side is None else opts.min_image_side
     skipped, no_caption, by_bucket = [], [], {}
     fp = hashlib.sha256(json.dumps(opts.output_options(), sort_keys=True).encode())
     from tqdm import tqdm
