@@ -87,3 +87,13 @@ def test_the_readme_s_skipped_image_size_is_the_cache_s_rule():
     resolution = int(re.search(r"fluxzero cache \S+ \S+ .*--resolution (\d+)", text).group(1))
     said = int(re.search(r"smallest bucket side \((\d+) px here\)", text).group(1))
     assert said == default_min_image_side(make_buckets(resolution)), "README.md: the skipped image size is wrong"
+
+
+def test_install_hints_name_the_extras_one_way():
+    """`pip install -e '.[X]'` works from a clone; fluxzero is not on PyPI, so `fluxzero[X]` would not."""
+    texts = {p: p.read_text() for p in [*DOCS, *(ROOT / "fluxzero").rglob("*.py"), *(ROOT / "launch").glob("*")]
+             if p.is_file()}
+    extras = re.compile(r"pip install (?:-U )?(?:-e )?['\"]?([\w.]*)\[")
+    wrong = sorted({f"{p.relative_to(ROOT)}: {m.group(0)}" for p, t in texts.items() for m in extras.finditer(t)
+                    if m.group(1) != "." or "-e" not in m.group(0)})
+    assert not wrong, wrong

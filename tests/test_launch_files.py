@@ -57,6 +57,11 @@ def test_flux_dev_run_files_gen_config_line_writes_their_json_without_torch(path
     assert view.precision == "bf16"
 
 
+def test_the_lora_run_file_points_a_smaller_gpu_to_fit():
+    header = (ROOT / "launch" / "flux-dev-lora.yaml").read_text().split("\ndeepspeed:")[0]
+    assert "gen-config --fit --gpu rtx4090 --lora-rank 16" in header and "--offload-param" not in header
+
+
 def test_tiny_lora_uses_the_quick_starts_deepspeed_config():
     tiny, lora = (load_config(str(ROOT / "launch" / n)) for n in ("tiny.yaml", "tiny-lora.yaml"))
     assert lora.deepspeed == tiny.deepspeed and lora.model == tiny.model == "flux-tiny"

@@ -296,7 +296,7 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
         if mode is not None:
             m = optim_modes.get_mode(mode)
             reason.append(f"optimizer mode {mode} ({m.optimizer}): {m.caveat}"
-                          + (f"; needs pip install 'fluxzero[{m.extra}]'" if m.extra else ""))
+                          + (f"; needs pip install -e '.[{m.extra}]'" if m.extra else ""))
         return FitResult(spec, est, "\n".join(reason), options)
     if not grid:
         return FitResult(None, None, "nothing to try: the pinned stage and offload choices contradict each other")
