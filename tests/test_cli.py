@@ -105,3 +105,15 @@ def test_sampling_without_the_cache_extra_names_it(command, tmp_path, monkeypatc
     assert f"fluxzero {command} needs transformers, diffusers, which are not installed; install them with pip " \
            "install -e '.[cache]'." in r.output, r.output
     assert not (tmp_path / "o").exists()
+
+
+def test_commands_that_only_import_deepspeed_do_not_print_its_accelerator_note():
+    """DeepSpeed's import logs "Setting accelerator to CPU" on a machine without a GPU; check-config uses none."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "fluxzero.cli", "check-config", "launch/tiny-zero2.json"], cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and ": OK" in r.stdout, r.stderr
+    assert "Setting accelerator" not in r.stderr, r.stderr
