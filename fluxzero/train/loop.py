@@ -403,20 +403,20 @@ def main(argv=None) -> int:
         return 0
     except distributed.Stopped as e:
         if distributed.current_rank() == 0:  # every rank stopped at the same step: one line
-            write_line(f"stopped: {e}")
+            distributed.write_error(f"stopped: {e}")
         return 143  # 128 + SIGTERM, as a process ended by it: a scheduler's requeue logic expects that
     except Interrupted as e:
         if debug:
             raise
         if distributed.current_rank() == 0:  # every rank got the Ctrl-C: one line, not one per rank
-            write_line(f"error: {e}")
+            distributed.write_error(f"error: {e}")
         return 130
     except KeyboardInterrupt:
         distributed.ignore_stop_signals()
         if debug:
             raise
         if distributed.current_rank() == 0:
-            write_line("error: interrupted before training started; nothing was saved")
+            distributed.write_error("error: interrupted before training started; nothing was saved")
         return 130
     except (TrainingError, DataError, WeightsError, ConfigError) as e:
         if debug:
@@ -428,7 +428,7 @@ def main(argv=None) -> int:
         if debug or not distributed.peer_stopped(e):
             raise
         if distributed.current_rank() == 0:  # the rank that stopped printed why (before it exited)
-            write_line("error: another rank stopped (its error is above; if there is none, it was killed: see the "
+            distributed.write_error("error: another rank stopped (its error is above; if there is none, it was killed: see the "
                        "launcher's output and the system log for out-of-memory kills)")
     finally:
         if owns_group and dist.is_initialized():
