@@ -97,3 +97,13 @@ def test_install_hints_name_the_extras_one_way():
     wrong = sorted({f"{p.relative_to(ROOT)}: {m.group(0)}" for p, t in texts.items() for m in extras.finditer(t)
                     if m.group(1) != "." or "-e" not in m.group(0)})
     assert not wrong, wrong
+
+
+def test_the_tiny_paths_say_what_they_need():
+    """The quick start's LoRA names its extra; the no-weights walkthrough names the run file for its shards and the
+    sample flags that suit flux-tiny on a CPU (sample's defaults are FLUX.1's)."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    lora = text[text.index("`launch/tiny-lora.yaml` does the same for a LoRA"):][:200]
+    assert "pip install -e '.[lora]'" in lora, lora
+    tiny = text[text.index("`fluxzero tiny-encoders tiny/`"):][:900]
+    assert "launch/tiny-lora.yaml data=shards/" in tiny and "--width 256 --height 256 --steps 4" in tiny, tiny
