@@ -268,8 +268,9 @@ def _claim_dir(out: Path, plan: dict, opts: CacheOptions) -> None:
                             f"choose a new output folder, or delete it to start over.")
         age = time.time() - plan_file.stat().st_mtime
         if not (old.get("failed") or old.get("fingerprint") == "damaged" or age > STALE_PLAN_S):
-            raise DataError(f"{out} is being cached by another process with other images, captions or options (its {PLAN_FILE} "
-                            f"is {age:.0f} s old); wait for it, choose another output folder, or delete {out} to start over.")
+            raise DataError(f"{out} is being cached by another process with other images, captions or options "
+                            f"({_what_changed(old, opts)}; its {PLAN_FILE} is {age:.0f} s old); wait for it, choose "
+                            f"another output folder, or delete {out} to start over.")
         # nothing encoded under the old plan and nobody working on it: start afresh; its empty-caption
         # embedding may come from other encoders
         plan_file.unlink(missing_ok=True)

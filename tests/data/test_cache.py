@@ -457,7 +457,8 @@ def test_processes_with_different_plans_never_share_a_folder(tmp_path):
     plan_a, plan_b = make_plan(a), make_plan(b)
     _claim_dir(out, plan_a, a)
     _claim_dir(out, plan_a, a)  # a sibling rank of the same run joins
-    with pytest.raises(DataError, match=f"being cached by another process.*delete {out} to start over"):
+    with pytest.raises(DataError, match=f"being cached by another process.*changed: --seed was 0, now 7.*delete {out} "
+                                        f"to start over"):
         _claim_dir(out, plan_b, b)  # a run with another seed starting while the first has no shard yet
     _mark_failed(out, plan_a, a)
     _claim_dir(out, plan_b, b)  # the first run failed before encoding anything: the corrected one takes over
