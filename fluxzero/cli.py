@@ -5,6 +5,7 @@ Commands are loaded lazily by name, so `fluxzero gen-config` imports only what g
 from __future__ import annotations
 
 import importlib
+import logging
 
 import click
 
@@ -26,6 +27,12 @@ COMMANDS: dict[str, str] = {
 }
 
 
+def _accelerator_note(record: logging.LogRecord) -> bool:
+    """False for DeepSpeed's "Setting accelerator to CPU" warning, which its import logs on a machine without a
+    GPU: noise for a command that uses no accelerator (its other warnings pass)."""
+    return not record.getMessage().startswith("Setting accelerator to CPU")
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx):
         return sorted(COMMANDS)
@@ -34,6 +41,8 @@ class LazyGroup(click.Group):
         target = COMMANDS.get(name)
         if target is None:
             return None
+        if name != "train":  # the trainer runs on the device DeepSpeed picks; the other commands only import it
+            logging.getLogger("DeepSpeed").addFilter(_accelerator_note)
         module, attr = target.split(":")
         return getattr(importlib.import_module(module), attr)
 

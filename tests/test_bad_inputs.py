@@ -222,6 +222,8 @@ def _cli_cases():
         ("gen_bad_hostfile", ["gen-config", "--hostfile", f"{I}/hosts_syntax"], "slots=N"),
         ("gen_unwritable", ["gen-config", "-o", f"{I}/a_file/ds.json"], "cannot write"),
         ("gen_unknown_model", ["gen-config", "--model", "flux-huge"], "flux-huge"),
+        ("gen_fit_nothing_fits_a_lora", ["gen-config", "--fit", "--gpu-memory", "1", "--host-memory", "8",
+                                         "--lora-rank", "16", "-o", "{out}.json"], "--host-memory 37"),
         ("gen_two_world_sizes", ["gen-config", "--world-size", "2", "--hostfile", f"{I}/hosts_good"], "one way only"),
         # check-config (one line per finding)
         ("check_syntax", ["check-config", "--no-deepspeed", f"{I}/ds_syntax.json"], "JSON"),

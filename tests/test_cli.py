@@ -89,3 +89,31 @@ def test_the_cli_doc_check_can_fail():
     assert re.search(r"(?<![\w-])--lr(?![\w-])", text)
     assert not re.search(r"(?<![\w-])--lr(?![\w-])", "use --lr-warmup here")
     assert "--ssh-timeout" not in text  # a doctor option: sections do not leak into each other
+
+
+@pytest.mark.parametrize("command", ["sample", "encode-prompts"])
+def test_sampling_without_the_cache_extra_names_it(command, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # find_spec and import then fail as if not installed
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    (tmp_path / "w.safetensors").write_bytes(b"")
+    args = {"sample": ["sample", str(tmp_path / "w.safetensors"), "--out", str(tmp_path / "o")],
+            "encode-prompts": ["encode-prompts", str(tmp_path / "p.safetensors")]}[command]
+    r = CliRunner().invoke(main, [*args, "--prompt", "a dog", "--flux-dir", str(tmp_path)])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert f"fluxzero {command} needs transformers, diffusers, which are not installed; install them with pip " \
+           "install -e '.[cache]'." in r.output, r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_commands_that_only_import_deepspeed_do_not_print_its_accelerator_note():
+    """DeepSpeed's import logs "Setting accelerator to CPU" on a machine without a GPU; check-config uses none."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "fluxzero.cli", "check-config", "launch/tiny-zero2.json"], cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and ": OK" in r.stdout, r.stderr
+    assert "Setting accelerator" not in r.stderr, r.stderr

@@ -76,3 +76,34 @@ def test_every_run_file_key_is_documented():
         assert not _undocumented(cls, training, f"{name}."), f"document these {name} keys in docs/training.md"
     assert not _undocumented(LoraConfig, (ROOT / "docs" / "lora.md").read_text()), "document these in docs/lora.md"
     assert _undocumented(TrainConfig, "`deepspeed` `data`") != []  # the check can fail
+
+
+def test_the_readme_s_skipped_image_size_is_the_cache_s_rule():
+    """The README's "(N px here)" for the `fluxzero cache ... --resolution R` it shows is what the cache skips."""
+    from fluxzero.data.buckets import make_buckets
+    from fluxzero.data.cache import default_min_image_side
+
+    text = (ROOT / "README.md").read_text()
+    resolution = int(re.search(r"fluxzero cache \S+ \S+ .*--resolution (\d+)", text).group(1))
+    said = int(re.search(r"smallest bucket side \((\d+) px here\)", text).group(1))
+    assert said == default_min_image_side(make_buckets(resolution)), "README.md: the skipped image size is wrong"
+
+
+def test_install_hints_name_the_extras_one_way():
+    """`pip install -e '.[X]'` works from a clone; fluxzero is not on PyPI, so `fluxzero[X]` would not."""
+    texts = {p: p.read_text() for p in [*DOCS, *(ROOT / "fluxzero").rglob("*.py"), *(ROOT / "launch").glob("*")]
+             if p.is_file()}
+    extras = re.compile(r"pip install (?:-U )?(?:-e )?['\"]?([\w.]*)\[")
+    wrong = sorted({f"{p.relative_to(ROOT)}: {m.group(0)}" for p, t in texts.items() for m in extras.finditer(t)
+                    if m.group(1) != "." or "-e" not in m.group(0)})
+    assert not wrong, wrong
+
+
+def test_the_tiny_paths_say_what_they_need():
+    """The quick start's LoRA names its extra; the no-weights walkthrough names the run file for its shards and the
+    sample flags that suit flux-tiny on a CPU (sample's defaults are FLUX.1's)."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    lora = text[text.index("`launch/tiny-lora.yaml` does the same for a LoRA"):][:200]
+    assert "pip install -e '.[lora]'" in lora, lora
+    tiny = text[text.index("`fluxzero tiny-encoders tiny/`"):][:900]
+    assert "launch/tiny-lora.yaml data=shards/" in tiny and "--width 256 --height 256 --steps 4" in tiny, tiny

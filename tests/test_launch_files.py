@@ -57,6 +57,11 @@ def test_flux_dev_run_files_gen_config_line_writes_their_json_without_torch(path
     assert view.precision == "bf16"
 
 
+def test_the_lora_run_file_points_a_smaller_gpu_to_fit():
+    header = (ROOT / "launch" / "flux-dev-lora.yaml").read_text().split("\ndeepspeed:")[0]
+    assert "gen-config --fit --gpu rtx4090 --lora-rank 16" in header and "--offload-param" not in header
+
+
 def test_tiny_lora_uses_the_quick_starts_deepspeed_config():
     tiny, lora = (load_config(str(ROOT / "launch" / n)) for n in ("tiny.yaml", "tiny-lora.yaml"))
     assert lora.deepspeed == tiny.deepspeed and lora.model == tiny.model == "flux-tiny"
@@ -78,3 +83,21 @@ def test_tiny_lora_trains_on_two_ranks_and_exports_a_lora(tmp_path):
     assert (info.layout, info.rank, info.alpha, info.targets, info.base_model) == \
         ("kohya", 4, 4.0, "attention+mlp", "flux-tiny")  # export.format comfyui writes the kohya layout
     assert not (out / "export.safetensors").exists()  # a LoRA run exports the LoRA, not the whole model
+
+    # docs/training.md's check of the tiny LoRA in diffusers, run as written (a flux-tiny base stands in for
+    # runs/tiny/export.safetensors)
+    from tests.helpers import tiny_weights
+
+    text = (ROOT / "docs" / "training.md").read_text()
+    block = text[text.index("to check the tiny LoRA in"):].split("```bash\n")[1].split("```")[0]
+    tiny_weights(tmp_path / "base.safetensors")
+    block = block.replace("runs/tiny-lora/", f"{out}/").replace("runs/tiny/export.safetensors",
+                                                                str(tmp_path / "base.safetensors"))
+    for line in block.replace("\\\n", "").strip().splitlines():
+        argv = shlex.split(line)
+        argv = [sys.executable, "-m", "fluxzero.cli", *argv[1:]] if argv[0] == "fluxzero" else [sys.executable,
+                                                                                                 *argv[1:]]
+        p = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert p.returncode == 0, f"{line}: {p.stderr[-3000:]}"
+    assert "default_0" in p.stdout  # the adapter diffusers loaded

@@ -200,13 +200,17 @@ def _check_shm() -> Check:
     return Check("/dev/shm", "pass", detail)
 
 
-def _check_disk(checkpoint_dir: str, min_free_gb: float) -> Check:
-    path = os.path.abspath(checkpoint_dir)
-    probe = path
+def _check_disk(checkpoint_dir: str | None, min_free_gb: float) -> Check:
+    """Free disk where the user says checkpoints go; without a folder, this folder's, as information only
+    (a run's checkpoints go to its output_dir, and a LoRA's need a small part of a full fine-tune's)."""
+    probe = os.path.abspath(checkpoint_dir or ".")
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     free = shutil.disk_usage(probe).free
     detail = f"{free / 1e9:.0f} GB free at {probe}"
+    if checkpoint_dir is None:
+        return Check("disk", "pass", detail + " (not checked against a need: pass --checkpoint-dir with the run's "
+                     f"output_dir to check it has {min_free_gb:g} GB free; one flux-dev ZeRO checkpoint is ~167 GB)")
     if free < min_free_gb * 1e9:
         return Check(
             "checkpoint disk", "fail", detail + f" (< {min_free_gb:g} GB; one flux-dev ZeRO checkpoint is ~167 GB)",
@@ -215,7 +219,7 @@ def _check_disk(checkpoint_dir: str, min_free_gb: float) -> Check:
     return Check("checkpoint disk", "pass", detail)
 
 
-def local_checks(checkpoint_dir: str = "checkpoints", min_free_gb: float = DEFAULT_MIN_FREE_GB) -> tuple[list[Check], dict]:
+def local_checks(checkpoint_dir: str | None = None, min_free_gb: float = DEFAULT_MIN_FREE_GB) -> tuple[list[Check], dict]:
     checks = [_check_python()]
     facts = _check_torch(checks)
     _check_deepspeed(checks, facts)
@@ -237,15 +241,15 @@ def ssh_argv(host: str, remote_command: str, ssh_port: int | None = None, connec
     return argv + ["--", host, remote_command]
 
 
-def _remote_command(checkpoint_dir: str, min_free_gb: float) -> str:
+def _remote_command(checkpoint_dir: str | None, min_free_gb: float) -> str:
     # The remote shell reads this line, so every piece is quoted.
-    parts = [sys.executable, "-m", "fluxzero.cluster.doctor", "--json", "--local-only",
-             "--checkpoint-dir", checkpoint_dir, "--min-free-gb", str(min_free_gb)]
+    parts = [sys.executable, "-m", "fluxzero.cluster.doctor", "--json", "--local-only", "--min-free-gb", str(min_free_gb)]
+    parts += ["--checkpoint-dir", checkpoint_dir] if checkpoint_dir is not None else []
     return f"cd {shlex.quote(os.getcwd())} && " + " ".join(shlex.quote(p) for p in parts)
 
 
 def check_host(
-    host: str, local_facts: dict, *, checkpoint_dir: str, min_free_gb: float,
+    host: str, local_facts: dict, *, checkpoint_dir: str | None, min_free_gb: float,
     ssh_port: int | None = None, connect_timeout: int = 5, timeout: float = 120.0, slots: int | None = None,
 ) -> list[Check]:
     argv = ssh_argv(host, _remote_command(checkpoint_dir, min_free_gb), ssh_port, connect_timeout)
@@ -295,7 +299,7 @@ def slot_checks(slots: int | None, facts: dict, host: str = "") -> list[Check]:
 
 
 def run_doctor(
-    hostfile: str | None = None, *, checkpoint_dir: str = "checkpoints", min_free_gb: float = DEFAULT_MIN_FREE_GB,
+    hostfile: str | None = None, *, checkpoint_dir: str | None = None, min_free_gb: float = DEFAULT_MIN_FREE_GB,
     ssh_port: int | None = None, connect_timeout: int = 5, host_timeout: float = 120.0,
 ) -> dict:
     """All checks as a JSON-ready report: {"ok", "cpu_only", "facts", "checks": [Check as dict]}."""
@@ -357,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fluxzero.cluster.doctor")
     p.add_argument("--json", action="store_true")
     p.add_argument("--local-only", action="store_true")
-    p.add_argument("--checkpoint-dir", default="checkpoints")
+    p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--min-free-gb", type=float, default=DEFAULT_MIN_FREE_GB)
     a = p.parse_args(argv)
     report = run_doctor(None, checkpoint_dir=a.checkpoint_dir, min_free_gb=a.min_free_gb)

@@ -11,10 +11,12 @@ _NEEDS = {"torch": "torch", "numpy": "numpy", "safetensors": "safetensors", "tqd
           "transformers": "transformers", "diffusers": "diffusers"}
 
 
-def _check_dependencies(command: str = "fluxzero cache") -> None:
+def check_dependencies(command: str = "fluxzero cache", without: tuple[str, ...] = ()) -> None:
+    """One sentence naming the cache extra when a package `command` needs is missing (`without`: import names
+    it does not need)."""
     import importlib.util
 
-    missing = [pip for mod, pip in _NEEDS.items() if importlib.util.find_spec(mod) is None]
+    missing = [pip for mod, pip in _NEEDS.items() if mod not in without and importlib.util.find_spec(mod) is None]
     if missing:
         raise click.ClickException(f"{command} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
                                    f"not installed; install them with pip install -e '.[cache]'.")
@@ -81,7 +83,7 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
     """
     import os
 
-    _check_dependencies()
+    check_dependencies()
     from fluxzero.data.buckets import STEP
     from fluxzero.data.cache import SMALL_BUCKET, CacheOptions, env_rank_world, run_cache, small_buckets
     from fluxzero.data.encode import T5_MAX_LENGTH, pick_device_dtype, resolve_paths
@@ -174,7 +176,7 @@ def tiny_encoders(out_dir):
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise click.UsageError(f"{out} is not empty; give a new folder for the tiny encoders.")
-    _check_dependencies("fluxzero tiny-encoders")
+    check_dependencies("fluxzero tiny-encoders")
     from fluxzero.data.tiny_encoders import NOTE_FILE, write_tiny_encoders
 
     try:

@@ -162,8 +162,9 @@ FIT_OPTIONS = [
                       "bf16 base does not fit (without --fit: none)."),
     click.option("--fit", is_flag=True, default=False,
                  help="Choose ZeRO stage, offload, optimizer mode, micro batch, checkpointing, compiled blocks (and, "
-                      "for a LoRA, the base's quantization): the fastest that fits the hardware (needs the world "
-                      "size and --gpu/--gpu-memory); prints why, the predicted peak and each choice's caveat."),
+                      "for a LoRA, the base's quantization): the fastest that fits the hardware (needs "
+                      "--gpu/--gpu-memory; the world size is 1 unless given); prints why, the predicted peak and "
+                      "each choice's caveat."),
     click.option("--gpu", type=click.Choice(list(memory.GPU_MEMORY_GIB)), default=None,
                  help="--fit: GPU model, for its memory."),
     click.option("--gpu-memory", type=_GIB, default=None,
@@ -211,16 +212,15 @@ def _lora_targets(value: str):
 
 def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node,
               world_size) -> memory.GenConfigFit:
-    """Run memory.fit_gen_config for gen-config's flags; prints its lines on stderr. A UsageError (nothing
-    written) when nothing fits or the request cannot be searched."""
+    """Run memory.fit_gen_config for gen-config's flags; prints its lines on stderr. A UsageError when the
+    request cannot be searched; when nothing fits, what would on stderr and one sentence (exit 2, nothing written)."""
+    one_gpu = hostfile is None and gpus_per_node is None and world_size is None
     if hostfile is not None:
         nodes, gpus_per_node = topology_from(hostfile, None, None)
     elif gpus_per_node is not None:
         nodes = nodes or 1
-    elif world_size is not None:
-        nodes, gpus_per_node = 1, world_size
-    else:
-        raise click.UsageError("--fit needs the GPUs: give --hostfile, --nodes/--gpus-per-node or --world-size")
+    else:  # one GPU unless told otherwise, as `fluxzero estimate` assumes
+        nodes, gpus_per_node = 1, world_size or 1
     capacity = gpu_memory_from(request["gpu"], request["gpu_memory"])
     if capacity is None:
         raise click.UsageError("--fit needs the GPU memory: give --gpu NAME or --gpu-memory GIB")
@@ -241,8 +241,15 @@ def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node
         plan = memory.fit_gen_config(opts, given, req)
     except ValueError as e:
         raise click.UsageError(f"--fit: {e}") from None
-    if plan.result.spec is None:
-        raise click.UsageError("--fit: " + "\n".join(plan.lines))
+    if one_gpu:
+        plan.lines.insert(0, "world size not given: 1 GPU (pass --world-size N for more)")
+    if plan.result.spec is None:  # what would fit, then one sentence (no usage text: the flags were fine)
+        i = next(i for i, line in enumerate(plan.lines) if line.startswith("nothing fits"))
+        click.echo("gen-config --fit:\n  " + "\n  ".join(plan.lines[:i] + plan.lines[i + 1:]), err=True)
+        error = click.ClickException(f"--fit: {plan.lines[i].rstrip('.')}; nothing was written (what would fit "
+                                     f"is above).")
+        error.exit_code = 2
+        raise error
     click.echo("gen-config --fit:\n  " + "\n  ".join(plan.lines), err=True)
     return plan
 
@@ -293,6 +300,8 @@ def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, 
     checkpointing policy) go into the top-level "fluxzero" section, which the trainer reads.
     """
     world = world_size_from(hostfile, nodes, gpus_per_node, world_size)
+    if fit["fit"] and world is None:
+        world = 1  # what --fit plans for (apply_fit says so)
     given = {k: v for k, v in fields.items()
              if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
     request, plan = fit, None

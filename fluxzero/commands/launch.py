@@ -151,8 +151,9 @@ def launch(hostfile, launcher, include, exclude, num_nodes, num_gpus, master_add
 @click.command()
 @click.option("--hostfile", type=click.Path(dir_okay=False), default=None,
               help="Also check every host of this hostfile over ssh.")
-@click.option("--checkpoint-dir", default="checkpoints", show_default=True, type=click.Path(file_okay=False),
-              help="Where checkpoints will go (free disk is checked there).")
+@click.option("--checkpoint-dir", default=None, type=click.Path(file_okay=False),
+              help="Where checkpoints will go (a run's output_dir): free disk is checked there. Without it the free "
+                   "disk here is shown, not checked.")
 @click.option("--min-free-gb", type=click.FloatRange(min=0), default=170.0, show_default=True,
               help="Free disk needed at --checkpoint-dir (one flux-dev ZeRO checkpoint is ~167 GB).")
 @click.option("--ssh-port", type=click.IntRange(1, 65535), default=None, help="ssh port of the hosts.")

@@ -299,6 +299,9 @@ def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt
     its text chunks, and grid.png (a row per prompt, a column per seed; --no-grid leaves it out).
     Faster: --compile, --attention cudnn (on Hopper), --batch-size; docs/sampling.md has the measurements.
     """
+    from .cache import check_dependencies
+
+    check_dependencies("fluxzero sample", without=("transformers",) if embeddings else ())
     from tqdm import tqdm
 
     from ..data.encode import T5_MAX_LENGTH
@@ -352,6 +355,9 @@ def encode_prompts_cmd(out, prompt_texts, prompts_file, negative_prompt, flux_di
     fluxzero/sampling/embeddings.py) lets a training node sample without loading T5. The T5 length
     must be the one the model is sampled with: 512 tokens for dev (the default here), 256 for schnell.
     """
+    from .cache import check_dependencies
+
+    check_dependencies("fluxzero encode-prompts")
     from ..data.encode import T5_MAX_LENGTH
     from ..sampling.embeddings import save_embeddings
 

@@ -94,6 +94,12 @@ def _unit(*parts) -> float:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") / 2**64
 
 
+def default_min_image_side(buckets: list[tuple[int, int]]) -> int:
+    """Shorter side below which an image is skipped by default: half the smallest bucket side (such an image
+    would be upscaled more than 2x into even the smallest bucket)."""
+    return min(min(b) for b in buckets) // 2
+
+
 def make_plan(opts: CacheOptions) -> dict:
     """Shards to write: [{"id", "bucket": (h, w) px, "items": [{"file", "flip", "caption", "dropped", "mask"}]}].
 
@@ -112,7 +118,7 @@ def make_plan(opts: CacheOptions) -> dict:
         raise DataError(f"no row of the caption file {table}{example} names one of the {len(images)} images in {root} "
                         f"(e.g. {images[0]!r}); file names must be relative to the image folder or bare file names.")
     buckets = make_buckets(opts.resolution, opts.min_side, opts.max_aspect, step=opts.bucket_step)
-    min_image = min(min(b) for b in buckets) // 2 if opts.min_image_side is None else opts.min_image_side
+    min_image = default_min_image_side(buckets) if opts.min_image_side is None else opts.min_image_side
     skipped, no_caption, by_bucket = [], [], {}
     fp = hashlib.sha256(json.dumps(opts.output_options(), sort_keys=True).encode())
     from tqdm import tqdm
@@ -153,9 +159,11 @@ def make_plan(opts: CacheOptions) -> dict:
         items = by_bucket[bucket]
         for k in range(0, len(items), opts.shard_size):
             shards.append({"id": len(shards), "bucket": bucket, "items": items[k : k + opts.shard_size]})
+    # a caption table wins over same-name .txt files: count those it hides, so the console can say so
+    ignored_txt = 0 if caption_source == "txt" else sum((root / im).with_suffix(".txt").is_file() for im in images)
     return {"fingerprint": fp.hexdigest(), "shards": shards, "skipped": skipped, "no_caption": no_caption,
             "caption_source": caption_source, "unmatched_captions": unmatched, "num_images": len(images),
-            "min_image_side": min_image}
+            "min_image_side": min_image, "ignored_txt": ignored_txt}
 
 
 def _check_mask(root: Path, image: str, size: tuple[int, int]) -> str | None:
@@ -256,18 +264,33 @@ def _claim_dir(out: Path, plan: dict, opts: CacheOptions) -> None:
         if started and old.get("fingerprint") == "damaged":
             raise DataError(f"{plan_file} is damaged, so the shards in {out} cannot be matched to this run; delete {out} to start over.")
         if started:
-            raise DataError(
-                f"{out} was cached from other images, captions or options; choose a new output folder or delete it to start over."
-            )
+            raise DataError(f"{out} was cached from other images, captions or options ({_what_changed(old, opts)}); "
+                            f"choose a new output folder, or delete it to start over.")
         age = time.time() - plan_file.stat().st_mtime
         if not (old.get("failed") or old.get("fingerprint") == "damaged" or age > STALE_PLAN_S):
-            raise DataError(f"{out} is being cached by another process with other images, captions or options (its {PLAN_FILE} "
-                            f"is {age:.0f} s old); wait for it, choose another output folder, or delete {out} to start over.")
+            raise DataError(f"{out} is being cached by another process with other images, captions or options "
+                            f"({_what_changed(old, opts)}; its {PLAN_FILE} is {age:.0f} s old); wait for it, choose "
+                            f"another output folder, or delete {out} to start over.")
         # nothing encoded under the old plan and nobody working on it: start afresh; its empty-caption
         # embedding may come from other encoders
         plan_file.unlink(missing_ok=True)
         (out / EMPTY_FILE).unlink(missing_ok=True)
     raise DataError(f"other processes keep replacing {plan_file}; run one cache command per output folder, or delete {out} to start over.")
+
+
+# CacheOptions.output_options key -> the `fluxzero cache` option that sets it
+_FLAGS = {"caption_file": "--captions", "encoder_key": "the encoders (--flux-dir, --vae, --t5, --clip, --dtype)",
+          "t5_max_length": "--t5-max-length (or --variant)"}
+
+
+def _what_changed(old: dict, opts: CacheOptions) -> str:
+    """Which options differ from those an earlier plan was made with; the images or captions when none do."""
+    was, now = {"bucket_step": STEP, **old.get("options", {})}, {"bucket_step": STEP, **opts.output_options()}
+    changed = [k for k in now if was.get(k) != now[k]]
+    if not changed:
+        return "the options are the same, so the images or their captions changed"
+    return "changed: " + "; ".join(_FLAGS.get(k, "--" + k.replace("_", "-")) + (
+        "" if k == "encoder_key" else f" was {was.get(k)}, now {now[k]}") for k in changed)
 
 
 def _check_plan_unchanged(out: Path, plan: dict) -> None:
@@ -436,6 +459,11 @@ def _log_captions(plan: dict, opts: CacheOptions, log) -> None:
         src = "no same-name .txt file" if plan["caption_source"] == "txt" else f"no row in {plan['caption_source']}"
         log(f"{n} of {images} image(s) have {src} and are encoded with the empty caption (first: {plan['no_caption'][0]}; "
             f"all listed in {REPORT_FILE})")
+    if plan["ignored_txt"]:
+        table = opts.caption_file or Path(opts.images_dir) / plan["caption_source"]
+        log(f"{plan['ignored_txt']} same-name .txt caption file(s) are ignored: the captions come from {table} "
+            + ("(leave out --captions, with no metadata file in the image folder, to use them)" if opts.caption_file
+               else "(move it out of the image folder to use them)"))
     if plan["unmatched_captions"]:
         u = plan["unmatched_captions"]
         log(f"{len(u)} row(s) of {plan['caption_source']} name no image in {opts.images_dir} (first: {u[0]}; "

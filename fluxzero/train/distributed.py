@@ -6,6 +6,7 @@ torch.distributed), so the one training module that imports deepspeed stays flux
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import signal
@@ -312,6 +313,24 @@ def write_line(text: str) -> None:
     sys.stderr.flush()
 
 
+def write_error(text: str) -> None:
+    """write_line for the error that ends this process, also handed to torchrun: torchrun ends its output with a
+    summary of the failed ranks whose `traceback :` line is read from the file TORCHELASTIC_ERROR_FILE names, so
+    the sentence is the last line of that summary instead of a link to torch's docs."""
+    write_line(text)
+    _tell_launcher(text)
+
+
+def _tell_launcher(text: str) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": text.strip(), "timestamp": int(time.time())}, f)
+        except OSError:
+            pass  # the sentence is on stderr already
+
+
 def report(msg: str, call: int) -> None:
     """Print an error once for all the ranks that hit it.
 
@@ -338,10 +357,10 @@ def _report_once(msg: str, call: int) -> None:
     rank = current_rank()
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 or not dist.is_initialized():
-        write_line(f"\n[rank {rank}] error: {msg}" if rank else f"error: {msg}")
+        write_error(f"\n[rank {rank}] error: {msg}" if rank else f"error: {msg}")
         return
     if rank == 0:
-        write_line(f"error: {msg}")
+        write_error(f"error: {msg}")
     key = f"fluxzero/error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{call}/"
     shared = False
     try:
@@ -354,7 +373,9 @@ def _report_once(msg: str, call: int) -> None:
     except (RuntimeError, OSError, ValueError):  # rank 0 is gone (it hosted the store)
         pass
     if rank != 0 and not shared:  # on a line of its own: rank 0's progress bar may hold the current one
-        write_line(f"\n[rank {rank}] error: {msg}")
+        write_error(f"\n[rank {rank}] error: {msg}")
+    elif rank != 0:  # printed once, by rank 0; torchrun's summary lists this rank's failure too
+        _tell_launcher(f"error: {msg}")
 
 
 def _posted(store, keys: list[str]) -> bool:

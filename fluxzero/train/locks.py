@@ -68,30 +68,49 @@ LOCK_FILE = ".fluxzero.lock"
 def lock_output_dir(out: Path) -> None:
     """Rank 0 holds an exclusive lock on output_dir while the run lasts: a second run into a folder in use is
     refused in one sentence. flock: the kernel drops it when the process ends, however it ends, so a killed run
-    never leaves a stale lock (the lock file itself may stay; it is empty of meaning without the lock)."""
+    never leaves a stale lock (its lock file may stay, empty of meaning without the lock; a run that ends removes it)."""
     import fcntl
 
     key = str(out.resolve())
     if key in _held_lock:
         return
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        return  # unwritable: every rank's writability check says so in its own sentence
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise TrainingError(f"output_dir {out} is in use by another run ({holder}); wait for it to finish or choose "
-                            f"another output_dir") from None
+    for _ in range(3):
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return  # unwritable: every rank's writability check says so in its own sentence
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise TrainingError(f"output_dir {out} is in use by another run ({holder}); wait for it to finish or "
+                                f"choose another output_dir") from None
+        if _is_path_of(fd, out / LOCK_FILE):
+            break
+        os.close(fd)  # locked a file a finishing run had just removed: lock the one at the path now
+    else:
+        raise TrainingError(f"output_dir {out} is being taken by other runs starting at the same time; start one run "
+                            f"per output_dir")
     os.ftruncate(fd, 0)
     os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
     _held_lock[key] = fd
 
 
+def _is_path_of(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
 def release_output_dir() -> None:
-    """Give up the output_dir lock this process holds (the end of train(); also done by the kernel at exit)."""
+    """Give up the output_dir lock this process holds and remove its file (the end of train(); a killed run's
+    lock the kernel drops, and its file stays: empty of meaning without the lock)."""
     while _held_lock:
-        os.close(_held_lock.popitem()[1])
+        key, fd = _held_lock.popitem()
+        with contextlib.suppress(OSError):  # removed while held, so a run that opens it next sees it is stale
+            if _is_path_of(fd, Path(key) / LOCK_FILE):
+                os.unlink(Path(key) / LOCK_FILE)
+        os.close(fd)

@@ -236,6 +236,8 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
         locks.release_output_dir()
         raise
     losses, saved_step, result, metrics = [], run.done if run.last_ckpt else None, {}, None
+    if rank == 0:
+        write_line(_summary(run, cfg, world))
     try:
         metrics = Metrics(cfg.output_dir, rank, world, device, run.total, run.done, run.view.train_batch,
                           run.flops_per_sample, run.dtype)
@@ -281,6 +283,17 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     if rank == 0:
         write_line(_done(run, result))
     return result
+
+
+def _summary(run: Run, cfg: TrainConfig, world: int) -> str:
+    """One line before the progress bar: what is trained, on what data, how it is split."""
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in run.engine.module.parameters() if p.requires_grad)
+    what = f"{cfg.model} LoRA rank {cfg.lora.rank}" if cfg.lora is not None else cfg.model
+    micro, accum, global_batch = run.view.batch_for(world)
+    steps = f"steps {run.done + 1}-{run.stop} of {run.total}" if run.done < run.stop else f"all {run.total} steps done"
+    return (f"training {what}: {trainable:,} trainable parameters; {run.loader.num_samples} samples in "
+            f"{len(run.loader.dims['latent_sizes'])} bucket(s); {world} rank(s), ZeRO-{run.view.stage}, global batch "
+            f"{micro} x {accum} accumulation x {world} = {global_batch}; {steps}")
 
 
 def _done(run: Run, result: dict) -> str:
@@ -390,20 +403,20 @@ def main(argv=None) -> int:
         return 0
     except distributed.Stopped as e:
         if distributed.current_rank() == 0:  # every rank stopped at the same step: one line
-            write_line(f"stopped: {e}")
+            distributed.write_error(f"stopped: {e}")
         return 143  # 128 + SIGTERM, as a process ended by it: a scheduler's requeue logic expects that
     except Interrupted as e:
         if debug:
             raise
         if distributed.current_rank() == 0:  # every rank got the Ctrl-C: one line, not one per rank
-            write_line(f"error: {e}")
+            distributed.write_error(f"error: {e}")
         return 130
     except KeyboardInterrupt:
         distributed.ignore_stop_signals()
         if debug:
             raise
         if distributed.current_rank() == 0:
-            write_line("error: interrupted before training started; nothing was saved")
+            distributed.write_error("error: interrupted before training started; nothing was saved")
         return 130
     except (TrainingError, DataError, WeightsError, ConfigError) as e:
         if debug:
@@ -415,7 +428,7 @@ def main(argv=None) -> int:
         if debug or not distributed.peer_stopped(e):
             raise
         if distributed.current_rank() == 0:  # the rank that stopped printed why (before it exited)
-            write_line("error: another rank stopped (its error is above; if there is none, it was killed: see the "
+            distributed.write_error("error: another rank stopped (its error is above; if there is none, it was killed: see the "
                        "launcher's output and the system log for out-of-memory kills)")
     finally:
         if owns_group and dist.is_initialized():

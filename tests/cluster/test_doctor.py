@@ -40,6 +40,19 @@ def test_too_little_disk_is_a_failure_with_a_fix(tmp_path):
     assert not report["ok"]
 
 
+def test_without_a_checkpoint_dir_the_disk_is_shown_not_checked(tmp_path, monkeypatch):
+    """A fresh machine has no run yet: doctor shows the free disk here and fails no row for it."""
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(doctor, ["--json", "--min-free-gb", "1e9"])
+    report = json.loads(r.output)
+    (disk,) = [c for c in report["checks"] if c["name"] in ("disk", "checkpoint disk")]
+    assert disk["name"] == "disk" and disk["status"] == "pass" and "not checked" in disk["detail"], disk
+    assert str(tmp_path) in disk["detail"] and "--checkpoint-dir" in disk["detail"]
+    assert r.exit_code == (0 if report["ok"] else 1) and report["ok"] == all(c["status"] != "fail"
+                                                                            for c in report["checks"])
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_unreachable_hosts_fail_fast_without_hanging(tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("no-such-node-1.invalid slots=8\nno-such-node-2.invalid slots=8\n")

@@ -235,9 +235,11 @@ def test_bad_input_messages(tiny, tmp_path):
     assert _cache(images, out, "--flux-dir", flux, *CACHE_ARGS).exit_code == 0
     r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, "--flip", "random")
     assert r.exit_code == 1 and "other images, captions or options" in r.output
+    assert "(changed: --flip was none, now random)" in r.output, r.output  # which option, by its flag
     shutil.copytree(flux / "text_encoder_2", tmp_path / "t5_copy")
     r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, "--t5", tmp_path / "t5_copy")  # other encoder
     assert r.exit_code == 1 and "other images, captions or options" in r.output
+    assert "(changed: the encoders (--flux-dir, --vae, --t5, --clip, --dtype))" in r.output, r.output
     from fluxzero.data import ShardWriter
 
     with ShardWriter(tmp_path / "foreign") as w:
@@ -386,6 +388,24 @@ def test_missing_cache_dependencies(tiny, tmp_path, monkeypatch):
     assert "pip install -e '.[cache]'" in r.output and not (tmp_path / "o").exists()
 
 
+def test_txt_captions_hidden_by_a_metadata_file_are_counted(tiny, tmp_path):
+    from PIL import Image
+
+    flux, _ = tiny
+    images = tmp_path / "images"
+    images.mkdir()
+    for name in ("a", "b", "c"):
+        Image.new("RGB", (64, 64), (40, 90, 160)).save(images / f"{name}.png")
+        (images / f"{name}.txt").write_text(f"photo {name}")
+    r = _cache(images, tmp_path / "o1", "--flux-dir", flux, *CACHE_ARGS)
+    assert r.exit_code == 0 and "ignored" not in r.output, r.output  # the .txt files are the captions
+    (images / "metadata.jsonl").write_text('{"file_name": "a.png", "text": "a dog"}\n')
+    r = _cache(images, tmp_path / "o2", "--flux-dir", flux, *CACHE_ARGS)
+    assert r.exit_code == 0, r.output
+    assert (f"3 same-name .txt caption file(s) are ignored: the captions come from {images / 'metadata.jsonl'} "
+            "(move it out of the image folder to use them)") in r.output, r.output
+
+
 def _tiny_tensors():
     import torch
 
@@ -437,7 +457,8 @@ def test_processes_with_different_plans_never_share_a_folder(tmp_path):
     plan_a, plan_b = make_plan(a), make_plan(b)
     _claim_dir(out, plan_a, a)
     _claim_dir(out, plan_a, a)  # a sibling rank of the same run joins
-    with pytest.raises(DataError, match=f"being cached by another process.*delete {out} to start over"):
+    with pytest.raises(DataError, match=f"being cached by another process.*changed: --seed was 0, now 7.*delete {out} "
+                                        f"to start over"):
         _claim_dir(out, plan_b, b)  # a run with another seed starting while the first has no shard yet
     _mark_failed(out, plan_a, a)
     _claim_dir(out, plan_b, b)  # the first run failed before encoding anything: the corrected one takes over

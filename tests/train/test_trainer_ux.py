@@ -147,3 +147,42 @@ def test_misspelled_lora_keys_and_the_lr_in_the_run_file():
         with pytest.raises(ValueError, match=rf"{key} is set in the DeepSpeed config now \(optimizer\.params\.lr in "
                                              r"ds\.json\)"):
             TrainConfig.from_dict({"deepspeed": "ds.json", "data": "d", "output_dir": "o", key: 1e-4})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# issue 38 (22): a start-up line before the progress bar; no lock file left after the run
+# ---------------------------------------------------------------------------------------------------------
+def test_a_run_says_what_it_trains_and_leaves_no_lock_file(tmp_path):
+    import re
+
+    (tmp_path / "ds.json").write_text(json.dumps(tiny_ds(2)))
+    run = {"deepspeed": str(tmp_path / "ds.json"), "data": DATA, "output_dir": str(tmp_path / "out"), "steps": 2,
+           "lora": {"rank": 4}, "export": {"format": None}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    r = train(tmp_path / "run.yaml")
+    assert r.returncode == 0, r.stderr[-3000:]
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("training ")]
+    m = re.fullmatch(r"training flux-tiny LoRA rank 4: ([\d,]+) trainable parameters; 4 samples in 1 bucket\(s\); "
+                     r"1 rank\(s\), ZeRO-2, global batch 2 x 1 accumulation x 1 = 2; steps 1-2 of 2", line)
+    assert m and int(m.group(1).replace(",", "")) > 0, line
+    assert not (tmp_path / "out" / ".fluxzero.lock").exists()  # removed by the run that held it
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_error_sentence_ends_its_summary(tmp_path):
+    """torchrun prints a summary of the failed ranks last; its `traceback :` lines carry the trainer's sentence."""
+    from tests.helpers import free_port
+
+    (tmp_path / "ds.json").write_text(json.dumps(tiny_ds(2)))
+    run = {"deepspeed": str(tmp_path / "ds.json"), "data": DATA, "output_dir": str(tmp_path / "out"), "steps": 1,
+           "lora": {"rank": 4}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    (tmp_path / "no_peft.py").write_text(NO_PEFT)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(free_port()), str(tmp_path / "no_peft.py"), str(TRAIN_PY), "--config",
+                        str(tmp_path / "run.yaml")], capture_output=True, text=True, env=rank_env(), timeout=300)
+    sentence = "error: a LoRA run needs the peft package, which is not installed: pip install -e '.[lora]'"
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and lines[-1].startswith("====="), r.stderr[-3000:]
+    assert lines[-2].strip() == f"traceback : {sentence}", r.stderr[-3000:]  # the root cause: rank 0
+    assert sum(line.strip() == f"traceback : {sentence}" for line in lines) == 2  # and rank 1's failure

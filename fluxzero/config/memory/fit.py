@@ -237,6 +237,7 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
     else:
         grid = [(st, oo, op, m, None) for st, oo, op, m in fit_grid(modes, fixed, allow_nvme)]
     rejected: list[tuple] = []
+    closest = None  # (label, spec) of the last row rejected by memory: the grid's leanest that was estimated
     for st, oo, op, mode, quant in grid:
         label = _row_label(st, oo, op, mode, quant)
         precision = "bf16" if mode is not None and optim_modes.get_mode(mode).master_dtype == "bf16" \
@@ -265,6 +266,7 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
         if not fitting:
             smallest = stage_base.replace(micro_batch=micros[0], checkpoint_every=max(ckpts, key=_ckpt_rank))
             _, why = verdict(estimate(smallest), hw, margin)
+            closest = (label, smallest)
             rejected.append((st, oo, op, mode, quant, f"even micro batch {micros[0]} with "
                              f"{_ckpt_text(smallest.checkpoint_every)} does not fit ({why})"))
             continue
@@ -283,8 +285,10 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
         # so the estimate (eager) bounds them.
         options["compile"] = st < 3
         if options["compile"]:
-            reason.append("compiled blocks (fluxzero.compile.blocks): the trainer's default below ZeRO-3 (a LoRA: "
-                          "3.48 -> 4.65 samples/s measured)")
+            measured = ("a rank-16 FLUX.1-dev LoRA: 3.48 -> 4.65" if base.lora_rank
+                        else "a full fine-tune of flux-dev-lite: 11.5 -> 15.3")
+            reason.append(f"compiled blocks (fluxzero.compile.blocks): the trainer's default below ZeRO-3 ({measured} "
+                          f"samples/s measured)")
         if quant is not None:
             reason.append(f"{quant} base: set lora.base_quant: {quant} in the run file (torchao weight-only int8, "
                           f"pip install -e '.[lowmem]'); the bf16 base does not fit without parameter "
@@ -292,11 +296,11 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
         if mode is not None:
             m = optim_modes.get_mode(mode)
             reason.append(f"optimizer mode {mode} ({m.optimizer}): {m.caveat}"
-                          + (f"; needs pip install 'fluxzero[{m.extra}]'" if m.extra else ""))
+                          + (f"; needs pip install -e '.[{m.extra}]'" if m.extra else ""))
         return FitResult(spec, est, "\n".join(reason), options)
     if not grid:
         return FitResult(None, None, "nothing to try: the pinned stage and offload choices contradict each other")
-    return FitResult(None, None, _what_would_fit(base, hw, margin, micros[0], fixed, allow_nvme, rejected))
+    return FitResult(None, None, _what_would_fit(base, hw, margin, micros[0], fixed, allow_nvme, rejected, closest))
 
 
 def _rejections(rows: list[tuple]) -> list[str]:
@@ -379,7 +383,7 @@ def _why_choice(spec: RunSpec, est: Estimate, hw: Hardware, margin: float, micro
 
 
 def _what_would_fit(base: RunSpec, hw: Hardware, margin: float, micro: int, fixed: dict | None = None,
-                    allow_nvme: bool = True, rejected: list[tuple] | None = None) -> str:
+                    allow_nvme: bool = True, rejected: list[tuple] | None = None, closest=None) -> str:
     """Nothing fits: a few lines, what was closest and what would fit -- the pinned choice alone standing in
     the way, more GPUs, more host memory, NVMe, a lower resolution, a LoRA instead of a full fine-tune. Each
     says the flag to change; suggestions keep the pins and never use NVMe unless it is allowed."""
@@ -459,8 +463,28 @@ def _what_would_fit(base: RunSpec, hw: Hardware, margin: float, micro: int, fixe
                         f"{_row_label(o['stage'], o['offload_optimizer'], o['offload_param'], None, o['base_quant'])}"
                         f", predicted {lora.estimate.gpu_total / GiB:.1f} GiB (--lora-rank 16)")
     if not tips:
-        return "\n".join(lines + ["It would fit a larger GPU."])
+        return "\n".join(lines + [_more_memory(closest, hw, margin)])
     return "\n".join(lines + ["It would fit with:"] + [f"  - {t}" for t in tips])
+
+
+def _more_memory(closest: tuple[str, RunSpec] | None, hw: Hardware, margin: float) -> str:
+    """The GPU and host memory the leanest row tried needs, each named only where it is short."""
+    if closest is None:
+        return "It would fit a larger GPU."
+    label, spec = closest
+    est = estimate(spec)
+    needs = []
+    if est.gpu_total / GiB > hw.gpu_memory_gib * (1 - margin):
+        gpu = math.ceil(est.gpu_total / GiB / (1 - margin))
+        card = next((name for name, gib in sorted(GPU_MEMORY_GIB.items(), key=lambda kv: kv[1]) if gib >= gpu), None)
+        needs.append(f"a GPU of {gpu} GiB or more (--gpu-memory {gpu}{f', e.g. --gpu {card}' if card else ''})")
+    if hw.host_memory_gib is not None and est.host_per_node / GiB > hw.host_memory_gib * (1 - margin):
+        host = math.ceil(est.host_per_node / GiB / (1 - margin))
+        needs.append(f"{host} GiB of host memory per node (--host-memory {host})")
+    if not needs:
+        return "It would fit a larger GPU."
+    return (f"It would fit with {' and '.join(needs)}: {label}, micro batch {spec.micro_batch}, "
+            f"{_ckpt_text(spec.checkpoint_every)}.")
 
 
 def _try(base: RunSpec, **changes) -> RunSpec | None:
