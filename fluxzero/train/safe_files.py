@@ -64,14 +64,19 @@ MEASURED_GLOBALS = frozenset({
     "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",  # numpy RNG state (an ndarray)
     "_codecs.encode",                               # ... whose bytes numpy pickles as a latin-1 string
 })
-# Not measurable on this CPU, taken from the sources: fp16 (DeepSpeed refuses it on CPU) saves a
-# DynamicLossScaler (ZeRO's CreateLossScaler for fp16) and float16 tensors; numpy < 2 (setup.cfg pins no
-# numpy) names the same ndarray constructor numpy.core.multiarray._reconstruct.
-UNMEASURED_GLOBALS = frozenset({
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler", "torch.HalfStorage",
-    "numpy.core.multiarray._reconstruct",
+# fp16 runs, measured the same way where DeepSpeed's accelerator trains fp16 (a GPU, or a CPU with AVX512-FP16):
+# the ZeRO optimizer states hold a DynamicLossScaler and name the fp16 dtype, the model states float16 tensors.
+FP16_GLOBALS = frozenset({
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler", "torch.HalfStorage", "torch.float16",
 })
-ALLOWED_GLOBALS = MEASURED_GLOBALS | UNMEASURED_GLOBALS
+# fluxzero's optimizer modes: adamw8bit-sr saves each 8-bit state as its plain parts and its dtype
+# (optim_state._pack), so its files name the bf16 dtype (tests/train/test_train_optim_modes.py resumes and exports
+# them). A dtype is a constant, not code.
+OPTIMIZER_MODE_GLOBALS = frozenset({"torch.bfloat16"})
+# Not measurable here: numpy < 2 (setup.cfg pins no numpy) names the same ndarray constructor
+# numpy.core.multiarray._reconstruct.
+UNMEASURED_GLOBALS = frozenset({"numpy.core.multiarray._reconstruct"})
+ALLOWED_GLOBALS = MEASURED_GLOBALS | FP16_GLOBALS | OPTIMIZER_MODE_GLOBALS | UNMEASURED_GLOBALS
 
 _UNRESOLVED = "<a computed import>"   # STACK_GLOBAL whose module or name is not a literal string
 _MARK = object()

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from fluxzero.train.safe_files import (ALLOWED_GLOBALS, MEASURED_GLOBALS, _pickle_globals, check_checkpoint_file,
-                                       load_trainer_state, unsafe_globals)
+from fluxzero.train.safe_files import (ALLOWED_GLOBALS, FP16_GLOBALS, MEASURED_GLOBALS, _pickle_globals,
+                                       check_checkpoint_file, load_trainer_state, unsafe_globals)
 from tests.helpers import ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,6 +128,15 @@ def test_trainer_state_loads_with_weights_only_and_equals_the_unrestricted_load(
             torch.load(path, weights_only=True)
 
 
+def test_the_dtypes_of_fp16_runs_and_of_adamw8bit_sr_states_are_allowed(tmp_path):
+    # what an fp16 run's ZeRO optimizer states and adamw8bit-sr's packed 8-bit states hold, on any CPU
+    path = tmp_path / "states.pt"
+    torch.save({"state": {0: {"codes": torch.zeros(4, dtype=torch.uint8), "dtype": torch.bfloat16}},
+                "fp16": torch.zeros(2, dtype=torch.float16), "dtype": torch.float16}, path)
+    assert {"torch.bfloat16", "torch.float16", "torch.HalfStorage"} <= set(unsafe_globals(path))
+    check_checkpoint_file(path)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # real DeepSpeed checkpoints: what the allow-list was measured from
 
@@ -139,30 +148,35 @@ from fluxzero.config import get_model_config
 from fluxzero.model import build_model
 from fluxzero.model import packing
 presets, out = Path(sys.argv[1]), Path(sys.argv[2])
+from deepspeed.accelerator import get_accelerator
+precisions = ("fp32", "bf16") + (("fp16",) if get_accelerator().is_fp16_supported() else ())
 for name in sys.argv[3:]:
-    for bf16 in (False, True):
+    for prec in precisions:
+        bf16 = prec == "bf16"
         ds = json.loads((presets / name).read_text())
         ds.pop("fluxzero", None)  # the trainer pops it too
-        ds["bf16"], ds["steps_per_print"] = {"enabled": bf16}, 10**9
+        ds.pop("bf16", None)
+        ds[prec if prec != "fp32" else "bf16"] = {"enabled": prec != "fp32"}
+        ds["steps_per_print"] = 10**9
         stage = ds["zero_optimization"]["stage"]
         torch.manual_seed(0)
         with deepspeed.zero.Init(config_dict_or_path=ds, enabled=stage == 3):  # as the trainer builds it
             model = build_model(get_model_config("flux-tiny"), device="cpu")
         eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-        dt = torch.bfloat16 if bf16 else torch.float32
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[prec]
         pred = eng(packing.pack(torch.randn(1, 16, 4, 4)).to(dt), packing.img_ids(1, 4, 4).to(dt),
                    torch.randn(1, 8, 64, dtype=dt), packing.txt_ids(1, 8).to(dt), torch.rand(1, dtype=dt),
                    torch.randn(1, 32, dtype=dt), torch.ones(1, dtype=dt))
         eng.backward(pred.float().pow(2).mean())
         eng.step()  # optimizer states exist only after a step
-        d = out / f"{name[:-5]}-{'bf16' if bf16 else 'fp32'}"
+        d = out / f"{name[:-5]}-{prec}"
         eng.save_checkpoint(str(d), tag="step_00000001", client_state={"step": 1}, save_latest=False)
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
         loader = {"epoch": 0, "batches_done": 1, "micro_batch": 1, "world_size": 1, "seed": 0,
                   "data": "0123456789abcdef", "num_samples": 8}
         torch.save({"step": 1, "loader": loader, "rng": rng, "world_size": 1},
                    d / "step_00000001" / "trainer_state_rank0.pt")  # fluxzero's trainer state, same structure
-        print(json.dumps({"dir": str(d / "step_00000001"), "stage": stage, "bf16": bf16,
+        print(json.dumps({"dir": str(d / "step_00000001"), "stage": stage, "bf16": bf16, "precision": prec,
                           "optimizer": type(eng.optimizer).__name__}), flush=True)
 torch.distributed.destroy_process_group()  # a gloo group left to interpreter teardown can abort the process
 """
@@ -175,6 +189,8 @@ def test_every_file_of_real_deepspeed_checkpoints_passes(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     runs = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    fp16 = [d for d in runs if d["precision"] == "fp16"]  # where DeepSpeed's accelerator trains fp16
+    runs = [d for d in runs if d["precision"] != "fp16"]
     assert sorted((d["stage"], d["bf16"]) for d in runs) == sorted(
         [(s, b) for s in (0, 1, 2, 3) for b in (False, True)] + [(s, b) for s in (2, 3) for b in (False, True)])
     from fluxzero.train.integrity import FLUXZERO_FILES, clean_save_files
@@ -202,6 +218,11 @@ def test_every_file_of_real_deepspeed_checkpoints_passes(tmp_path):
     # the allow-list is what these files hold, nothing more (the rest is named in UNMEASURED_GLOBALS)
     assert seen == MEASURED_GLOBALS, (sorted(seen - MEASURED_GLOBALS), sorted(MEASURED_GLOBALS - seen))
     assert seen <= ALLOWED_GLOBALS
+    if fp16:  # fp16 adds exactly FP16_GLOBALS
+        seen16 = set().union(*(unsafe_globals(f) for d in fp16 for f in Path(d["dir"]).glob("*.pt")))
+        assert seen16 - MEASURED_GLOBALS == FP16_GLOBALS, sorted(seen16 - MEASURED_GLOBALS)
+        for f in (f for d in fp16 for f in Path(d["dir"]).glob("*.pt")):
+            check_checkpoint_file(f)
     # a resume at another world size reads DeepSpeed's universal checkpoint: its files pass too (~10 s)
     src = next(d["dir"] for d in runs if d["stage"] == 3 and d["bf16"])
     r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src,

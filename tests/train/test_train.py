@@ -253,7 +253,8 @@ def cases(tmp_path_factory):
         case("micro_in_run_file", "micro_batch=1"),
         case("precision_in_run_file", "precision=bf16"),
         case("ds_not_object", f"deepspeed={tmp / 'ds_list.json'}"),
-        case("fp16_on_cpu", f"deepspeed={tmp / 'ds_fp16.json'}"),
+        case("fp16_on_cpu", f"deepspeed={tmp / 'ds_fp16.json'}", "stop_after=2", "checkpoint.every=2"),
+        case("fp16_resumed", f"deepspeed={tmp / 'ds_fp16.json'}", "export.format=bfl", out="fp16_on_cpu"),
         case("unwritable_output", out="a_file/run"),
         case("export_blocked", "steps=1", "export.format=bfl"),
         case("nan", f"deepspeed={tmp / 'nan.json'}", "checkpoint.every=1"),
@@ -313,7 +314,6 @@ def _one_sentence_error(result):
     ("micro_in_run_file", "micro_batch is set in the DeepSpeed config now (train_micro_batch_size_per_gpu in "),
     ("precision_in_run_file", "precision is set in the DeepSpeed config now (bf16.enabled / fp16.enabled in "),
     ("ds_not_object", "ds_list.json must be a JSON object"),
-    ("fp16_on_cpu", "trains in fp16, which DeepSpeed's cpu accelerator does not support"),  # the suite runs on CPU
     ("unwritable_output", "cannot write to output_dir"),
     ("export_blocked", "cannot write the export"),
     ("bad_saved_run", "step_00000001/run.yaml is not valid YAML"),
@@ -326,6 +326,21 @@ def _one_sentence_error(result):
 def test_user_errors_exit_with_one_sentence(cases, name, match):
     _, results = cases
     assert match in _one_sentence_error(results[name])
+
+
+def test_fp16_trains_resumes_and_exports_where_the_accelerator_supports_it_and_is_one_sentence_elsewhere(cases):
+    from deepspeed.accelerator import get_accelerator
+
+    tmp, results = cases
+    accel = get_accelerator()  # it decides, not the test: some CPUs train fp16 (AVX512-FP16 / AMX), most do not
+    if not accel.is_fp16_supported():
+        for name in ("fp16_on_cpu", "fp16_resumed"):
+            assert (f"trains in fp16, which DeepSpeed's {accel.device_name()} accelerator does not support"
+                    in _one_sentence_error(results[name]))
+        return
+    assert results["fp16_on_cpu"][0] == 0 and results["fp16_resumed"][0] == 0, results["fp16_resumed"][1][-2000:]
+    assert (tmp / "fp16_on_cpu" / "export.safetensors").is_file()
+    assert (tmp / "fp16_on_cpu" / "checkpoints" / "latest").read_text() == "step_00000004"
 
 
 def test_non_finite_loss_stops_without_saving(cases):
