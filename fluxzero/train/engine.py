@@ -76,7 +76,26 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     with accept_host_optimizer(optimizer):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=ds)
     batch_grad_checks(engine.optimizer)
+    keep_block_states_whole(engine.optimizer)
     return engine
+
+
+def keep_block_states_whole(optimizer) -> bool:
+    """Stop ZeRO-1/2 from slicing adamw8bit-sr's 8-bit states per parameter; returns whether it was stopped.
+
+    After its first step DeepSpeed 0.19.8's DeepSpeedZeroOptimizer links, for each parameter, a view of every
+    optimizer state at the parameter's offset in the flat partition (_lazy_init_hp_params_optimizer_state ->
+    tensor_fragment.set_optim_state_fragment narrows each state). torchao's 8-bit states hold one scale per
+    256-value block and can only be sliced at block boundaries, which parameters do not fall on, so that step
+    raised. The views serve only DeepSpeed's per-parameter optimizer-state API (safe_get_full_optimizer_state)
+    and a universal-checkpoint load, which fluxzero does not use for this mode; the optimizer steps and saves the
+    whole partition's states as before, so the link is marked done without being made.
+    """
+    client = getattr(optimizer, "optimizer", None)
+    if getattr(client, "fluxzero_mode", None) != "adamw8bit-sr" or not hasattr(optimizer, "_hp_optimizer_states_linked"):
+        return False
+    optimizer._hp_optimizer_states_linked = True
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------

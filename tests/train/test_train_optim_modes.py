@@ -40,9 +40,12 @@ def _losses(out):
 
 
 @pytest.mark.parametrize("mode, stage", [("bf16-kahan", 2), ("adafactor-sr", 0), ("bf16-sr", 3), ("cpu-bf16-sr", 2),
-                                         ("cpu-adamw8bit-sr", 3)])
-def test_mode_resumes_exactly_and_exports_the_trained_weights(tmp_path, mode, stage):
+                                         ("cpu-adamw8bit-sr", 3), ("adamw8bit-sr", 0), ("adamw8bit-sr", 2)])
+def test_mode_resumes_exactly_and_exports_the_trained_weights(tmp_path, monkeypatch, mode, stage):
     from safetensors.torch import load_file
+
+    if mode == "adamw8bit-sr":  # torchao compiles its step per tensor (~50 s on CPU); eager runs the same math
+        monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
 
     (tmp_path / "ds.json").write_text(json.dumps(_ds(mode, stage)))
     runs = {}
