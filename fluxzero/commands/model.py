@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from . import refuse_existing
+
 DTYPES = ("keep", "fp32", "bf16", "fp16")
 
 
@@ -41,8 +43,7 @@ def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, m
     from ..model.lora_keys import is_lora_file
     from ..model.weights import load_weights, save_weights, source_config
 
-    if dst.exists() and not overwrite:
-        raise click.UsageError(f"{dst} exists; pass --overwrite to replace it or choose another OUT")
+    refuse_existing(dst, overwrite)
     if is_lora_file(src):
         if preset:
             raise click.UsageError("--model applies to full weights; a LoRA file is converted as it is (drop --model)")

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import click
 
+from . import refuse_existing
+
 # fluxzero.model.math.ATTENTION_BACKENDS' names, spelled here so `--help` needs no torch (tests/sampling checks they agree)
 ATTENTION_CHOICES = ("auto", "any", "flash", "efficient", "cudnn", "math")
 CUDA_ONLY_ATTENTION = ("efficient", "cudnn")  # torch's CPU SDPA has flash and math only
@@ -347,8 +349,9 @@ def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt
 @_prompt_options
 @_encoder_options
 @_device_options
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 def encode_prompts_cmd(out, prompt_texts, prompts_file, negative_prompt, flux_dir, vae, t5, clip, t5_tokenizer,
-                       clip_tokenizer, t5_max_length, device, dtype):
+                       clip_tokenizer, t5_max_length, device, dtype, overwrite):
     """Encode prompts with T5 and CLIP into a file for `fluxzero sample --embeddings` (and training previews).
 
     Run it where the encoders are; the file (t5, clip_pooled and the prompt texts, see
@@ -363,6 +366,7 @@ def encode_prompts_cmd(out, prompt_texts, prompts_file, negative_prompt, flux_di
 
     if out.suffix != ".safetensors":
         raise click.BadParameter(f"give the file a .safetensors name, got {out.name}", param_hint="OUT.safetensors")
+    refuse_existing(out, overwrite)
     prompts = _read_prompts(prompt_texts, prompts_file)
     if not prompts:
         raise click.UsageError("no prompts; pass --prompt TEXT (repeatable) or --prompts FILE.")

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import click
 
+from . import refuse_existing
+
 
 @click.command("train", context_settings={"ignore_unknown_options": True})
 @click.option("--config", "config", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -53,8 +55,7 @@ def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, weights: str, mer
     A LoRA run's checkpoint gives its LoRA file (OUT.safetensors): the diffusers/PEFT layout for --format
     diffusers, the kohya layout ComfyUI reads for bfl and comfyui; with --merge, the full weights.
     """
-    if out.exists() and not overwrite:
-        raise click.UsageError(f"{out} exists; pass --overwrite to replace it or choose another OUT")
+    refuse_existing(out, overwrite)
     if layout != "diffusers" and out.suffix != ".safetensors":
         raise click.BadParameter(f"--format {layout} writes one file: give OUT a .safetensors name", param_hint="OUT")
     from fluxzero.train.distributed import TrainingError

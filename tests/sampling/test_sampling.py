@@ -311,6 +311,15 @@ def test_encode_prompts_then_sample_from_embeddings(files, tmp_path):
     assert r.exit_code == 0, r.output
     e = load_embeddings(emb)
     assert e.prompts == ["a red cat", "the sky"] and e.t5.shape == (2, 8, 64) and e.neg_t5.shape == (1, 8, 64)
+    # an existing OUT (a LoRA, say) is replaced only with --overwrite
+    again = ["encode-prompts", emb, "--flux-dir", flux, "--prompt", "a dog", "--t5-max-length", "8", "--device", "cpu"]
+    r = CliRunner().invoke(main, [*map(str, again)])
+    assert r.exit_code == 2 and f"{emb} exists; pass --overwrite to replace it or choose another OUT" in r.output
+    assert load_embeddings(emb).prompts == ["a red cat", "the sky"]
+    assert _run(*again, "--overwrite").exit_code == 0 and load_embeddings(emb).prompts == ["a dog"]
+    r = _run("encode-prompts", emb, "--flux-dir", flux, "--prompts", tmp_path / "prompts.txt", "--negative-prompt",
+             "small", "--t5-max-length", "8", "--device", "cpu", "--overwrite")
+    assert r.exit_code == 0, r.output
     common = ["--seed", "4", "--true-cfg", "3", *CLI_SIZE]
     r = _run("sample", weights, "--out", tmp_path / "a", "--embeddings", emb, "--vae", flux / "vae", *common)
     assert r.exit_code == 0, r.output
