@@ -16,10 +16,10 @@ from fluxzero.config.models import model_name, same_model
 from fluxzero.config.runfile import read_saved_run
 from fluxzero.config.ds_view import DSView, view
 from fluxzero.train.checkpoint import load_trainer_state, step_folders
-from fluxzero.train.distributed import TrainingError, all_ranks_ok, broadcast_objects
+from fluxzero.train.distributed import TrainingError, all_ranks_ok, broadcast_objects, write_line
 from fluxzero.train.integrity import (clean_save_files, file_problem, latest_problem, rank_checkpoint_problem,
                                       stray_files_problem)
-from fluxzero.train.locks import lock_output_dir
+from fluxzero.train.locks import READ_LOCK, lock_output_dir
 
 
 # Settings a resume must keep, because they change what the next steps compute. Others (steps, epochs,
@@ -70,6 +70,12 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int,
     tag, error = latest_problem(ckpt_dir, resume_advice)
     if error:
         raise TrainingError(error)
+    found = tag is None and _newest_complete(ckpt_dir)
+    if found:  # `latest` was lost, the step folders were not: never train from 0 over them
+        tag = found
+        if cfg.checkpoint.resume:
+            write_line(f"note: {ckpt_dir / 'latest'} is missing; resuming from {tag}, the newest complete "
+                       f"checkpoint there")
     if tag is None:
         results = [p.name for name in ("export", "export_ema")
                    for p in (Path(cfg.output_dir) / f"{name}.safetensors", Path(cfg.output_dir) / name) if p.exists()]
@@ -124,6 +130,28 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int,
     view_ = saved_ds or v  # an older checkpoint without ds_config.json: the stage and precision of this run
     return tag, sorted(clean_save_files(view_.stage, view_.precision == "bf16", saved_world,
                                         saved.get("ema") if "ema" in saved else None))
+
+
+def _newest_complete(ckpt_dir: Path) -> str | None:
+    """The newest step folder holding every file its save writes (by name; resume's checks judge the bytes), or
+    None. A save killed midway lacks some of them: DeepSpeed's files come first, rank 0's run.yaml and
+    ds_config.json after its own, and `latest` only once every rank finished."""
+    for tag in reversed(step_folders(ckpt_dir)):
+        tag_dir = ckpt_dir / tag
+        try:
+            v = saved_view(tag_dir / "ds_config.json")
+            saved = saved_run(tag_dir / "run.yaml") if (tag_dir / "run.yaml").is_file() else None
+            state = tag_dir / "trainer_state_rank0.pt"
+            if v is None or saved is None or file_problem(state):
+                continue
+            world = load_trainer_state(state)["world_size"]
+            # an older run.yaml without an ema key: its shards are not required
+            names = clean_save_files(v.stage, v.precision == "bf16", world, bool(saved.get("ema"))) - {READ_LOCK}
+        except Exception:  # unreadable pieces: not a complete save
+            continue
+        if all((tag_dir / n).is_file() for n in names):
+            return tag
+    return None
 
 
 def _writable_problem(out: Path) -> str | None:

@@ -228,3 +228,24 @@ def test_a_validation_sample_damaged_mid_run_stops_after_saving_the_training(tmp
     assert "sample 3 (global index 3) fails its checksum" in lines[0], lines[0]
     assert "training was saved first: " in lines[0] and "step_00000020 holds step 20" in lines[0], lines[0]
     assert (out / "checkpoints" / "latest").read_text() == "step_00000020"  # checkpoint_every 0 saved it anyway
+
+
+def test_a_lost_latest_resumes_from_the_newest_complete_step_folder(tmp_path):
+    import shutil
+
+    run = _files(tmp_path, steps=6, checkpoint={"every": 2})
+    assert _train(run, "stop_after=4").returncode == 0
+    out, ck = tmp_path / "out", tmp_path / "out" / "checkpoints"
+    (ck / "latest").unlink()
+    shutil.copytree(ck / "step_00000004", ck / "step_00000006")  # a save killed before rank 0's last files
+    (ck / "step_00000006" / "ds_config.json").unlink()
+    r = _train(run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (f"note: {ck / 'latest'} is missing; resuming from step_00000004, the newest complete checkpoint there"
+            in r.stderr and "resuming from step 4 " in r.stderr), r.stderr[-3000:]
+    assert sorted(_losses(out)) == [1, 2, 3, 4, 5, 6]
+    assert (ck / "latest").read_text() == "step_00000006" and (ck / "step_00000002" / "run.yaml").is_file()
+    # with checkpoint.resume off the folders are not trained over either
+    (ck / "latest").unlink()
+    r = _train(run, "checkpoint.resume=false")
+    assert r.returncode == 1 and "already holds checkpoints (latest step_00000006) and checkpoint.resume is off" in r.stderr
