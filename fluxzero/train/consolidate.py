@@ -43,17 +43,23 @@ def _export_advice(ckpt_dir: Path, tag: str | None) -> str:
 def consolidated_state_dict(path: str | Path, weights: str = "live") -> tuple[dict, Path]:
     """Full fp32 weights from a checkpoint of any ZeRO stage: the fp32 master weights wherever training kept
     them (DeepSpeed's own zero_to_fp32 consolidation for stages 1-3); weights "ema": the run's EMA in place of
-    the trained parameters it averages.
+    the trained parameters it averages. Returns (state_dict, tag folder)."""
+    sd, tag_dir, _ = consolidated_checkpoint(path, weights)
+    return sd, tag_dir
 
-    The checkpoint is held against pruning while it is read (an export beside a running training). Returns
-    (state_dict, tag folder).
-    """
+
+def consolidated_checkpoint(path: str | Path, weights: str = "live") -> tuple[dict, Path, dict]:
+    """(state_dict, tag folder, its run.yaml as a dict): consolidated_state_dict and the settings saved beside it,
+    all read while the checkpoint is held against pruning (an export beside a running training), so the
+    settings are the ones of the weights read, never a file pruned in between."""
     ckpt_dir, tag = resolve_checkpoint(path)
     with locks.reading(ckpt_dir, tag):
         sd = _consolidate(ckpt_dir, tag)
         if weights == "ema":
             sd = {**sd, **ema_state_dict(ckpt_dir / tag)}
-    return sd, ckpt_dir / tag
+        saved = saved_run(ckpt_dir / tag, "it records what the checkpoint trained: repair it, or export another "
+                                          "checkpoint")
+    return sd, ckpt_dir / tag, saved
 
 
 def _consolidate(ckpt_dir: Path, tag: str) -> dict:
@@ -165,7 +171,7 @@ def ema_state_dict(tag_dir: Path) -> dict:
         return ema
     except ShardError as e:
         raise TrainingError(str(e)) from None
-    except (ValueError, OSError, KeyError) as e:
+    except (ValueError, OSError, KeyError, TypeError) as e:
         raise TrainingError(f"the EMA shards of {tag_dir} cannot be read ({str(e).splitlines()[0][:200]}); "
                             f"{advice}") from None
 

@@ -532,7 +532,12 @@ def consolidate(shards: Iterable, dtype: torch.dtype = torch.float32) -> dict[st
             if name not in out:
                 out[name] = torch.zeros(math.prod(shape), dtype=dtype)
         for name, buf, offset, start, n in lay["pieces"]:
-            out[name][start:start + n] = sd[f"ema.{buf}"].reshape(-1)[offset:offset + n]
+            src = sd.get(f"ema.{buf}")
+            if (name not in out or src is None or min(offset, start, n) < 0 or offset + n > src.numel()
+                    or start + n > out[name].numel()):  # a layout that does not fit its buffers: say so, not crash
+                raise ValueError(f"rank {lay['rank']}'s EMA shard places {n} values of {name} at {offset} of its "
+                                 f"buffer {buf}, which it does not hold")
+            out[name][start:start + n] = src.reshape(-1)[offset:offset + n]
         del sd
         if replicated:  # ZeRO-0: any one rank holds the whole EMA
             break

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from fluxzero.config.sections import ExportConfig
-from fluxzero.train.consolidate import export_is_current, consolidated_state_dict
+from fluxzero.train.consolidate import consolidated_checkpoint, export_is_current
 from fluxzero.train.distributed import TrainingError
 
 
@@ -22,20 +22,17 @@ def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dt
     from safetensors import SafetensorError
 
     from fluxzero.config import resolve_model
-    from fluxzero.config.runfile import read_saved_run
     from fluxzero.model.layouts import WeightsError
     from fluxzero.model.weights import save_weights
 
-    sd, tag_dir = consolidated_state_dict(path, weights)
+    sd, tag_dir, saved = consolidated_checkpoint(path, weights)  # run.yaml read with the weights
     from fluxzero.train import lora_export
 
     if lora_export.is_lora_state_dict(sd):  # adapters only: a LoRA file in the layout's LoRA counterpart
-        return lora_export.write_lora_export(sd, tag_dir, out, layout, dtype)
+        return lora_export.write_lora_export(sd, tag_dir, out, layout, dtype, saved=saved)
     run = tag_dir / "run.yaml"
     cfg = None
-    if run.is_file():
-        saved = read_saved_run(run, "it records what the checkpoint trained: repair it, or export another checkpoint",
-                               TrainingError)
+    if saved:
         try:
             cfg = resolve_model(saved["model"])
         except (TypeError, KeyError, ValueError) as e:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from fluxzero.config.sections import ExportConfig
-from fluxzero.train.consolidate import export_is_current, consolidated_state_dict, lora_is_current
+from fluxzero.train.consolidate import consolidated_checkpoint, export_is_current, lora_is_current
 from fluxzero.train.distributed import TrainingError
 
 # export.format -> the layout of the adapter file: ComfyUI (and tools on BFL's names) read kohya's layout,
@@ -28,13 +28,15 @@ def is_lora_state_dict(sd: dict) -> bool:
     return any(".lora_A." in k for k in sd)
 
 
-def lora_settings(tag_dir: Path):
-    """(LoraConfig, ModelConfig or None, the run's base weights path or None) from a checkpoint's run.yaml."""
+def lora_settings(tag_dir: Path, saved: dict | None = None):
+    """(LoraConfig, ModelConfig or None, the run's base weights path or None) from a checkpoint's run.yaml, or from
+    `saved`, that file as consolidate.consolidated_checkpoint read it with the weights."""
     from fluxzero.config import LoraConfig, resolve_model
     from fluxzero.config.runfile import read_saved_run
 
-    saved = read_saved_run(Path(tag_dir) / "run.yaml", "it records the LoRA's rank, alpha and targets: restore it, or "
-                           "export another checkpoint", TrainingError)
+    if saved is None:
+        saved = read_saved_run(Path(tag_dir) / "run.yaml", "it records the LoRA's rank, alpha and targets: restore "
+                               "it, or export another checkpoint", TrainingError)
     if not saved.get("lora"):
         raise TrainingError(f"checkpoint {tag_dir} holds LoRA adapters but its run.yaml has no lora section (their "
                             f"rank, alpha and targets); restore run.yaml, or export another checkpoint")
@@ -54,10 +56,11 @@ def canonical_lora(sd: dict) -> dict:
 
 
 def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "bfl", dtype: str = "bf16",
-                      merge: bool = False, base: str | None = None) -> str:
-    """Write the consolidated LoRA checkpoint `sd` (of folder `tag_dir`): a LoRA file in LORA_LAYOUTS[layout],
-    or with `merge` the full weights in `layout` (bfl, comfyui, diffusers): `base` (default: the run's
-    `weights`) with the LoRA merged in, W + (alpha / rank) B A in fp32, then rounded to `dtype`."""
+                      merge: bool = False, base: str | None = None, saved: dict | None = None) -> str:
+    """Write the consolidated LoRA checkpoint `sd` (of folder `tag_dir`, whose run.yaml is `saved` when it was read
+    with it): a LoRA file in LORA_LAYOUTS[layout], or with `merge` the full weights in `layout` (bfl, comfyui,
+    diffusers): `base` (default: the run's `weights`) with the LoRA merged in, W + (alpha / rank) B A in fp32,
+    then rounded to `dtype`."""
     from safetensors import SafetensorError
 
     from fluxzero.model.lora_keys import LoraError
@@ -67,7 +70,7 @@ def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "b
 
     from fluxzero.fsutil import remove_stale_temps
 
-    lcfg, cfg, run_weights = lora_settings(tag_dir)
+    lcfg, cfg, run_weights = lora_settings(tag_dir, saved)
     lora_sd = canonical_lora(sd)
     remove_stale_temps(out)  # what a killed earlier export of `out` left beside it (its process is gone)
     try:
@@ -100,13 +103,13 @@ def export_lora(path: str | Path, out: str | Path, layout: str = "bfl", dtype: s
     """A LoRA checkpoint (output_dir, checkpoints/ or one tag folder) -> LoRA file, or merged full weights.
     weights "ema": the EMA of the adapters the run kept instead of the trained ones."""
     # weights "ema": the EMA shards hold the trainable parameters, the adapters, under the same names
-    sd, tag_dir = consolidated_state_dict(path, weights)
+    sd, tag_dir, saved = consolidated_checkpoint(path, weights)
     if not is_lora_state_dict(sd):
         if merge:
             raise TrainingError(f"checkpoint {tag_dir} is a full fine-tune, not a LoRA: there is nothing to merge; "
                                 f"export it without merging")
         raise TrainingError(f"checkpoint {tag_dir} is a full fine-tune, not a LoRA; export its full weights")
-    return write_lora_export(sd, tag_dir, out, layout, dtype, merge=merge, base=base)
+    return write_lora_export(sd, tag_dir, out, layout, dtype, merge=merge, base=base, saved=saved)
 
 
 def final_lora_export(cfg: ExportConfig, output_dir: str, ckpt_dir: Path, rank: int,

@@ -181,14 +181,14 @@ def saved_view(path: Path, otherwise: str = "choose another output_dir") -> DSVi
                             f"({reason}); restore it (a copy of the config that run used), or {otherwise}") from None
 
 
-def saved_run(path: Path) -> dict:
+def saved_run(path: Path, fix: str = "it records the settings the checkpoint was trained with: repair it, or "
+                                     "choose another output_dir") -> dict:
     """The run.yaml saved beside a checkpoint ({} when there is none): `path` is the file or its step folder
-    (read by config.runfile.read_saved_run, the one reader)."""
+    (read by config.runfile.read_saved_run, the one reader); `fix` ends the sentence refusing a damaged one."""
     path = Path(path)
     if path.is_dir():
         path = path / "run.yaml"
-    return read_saved_run(path, "it records the settings the checkpoint was trained with: repair it, or choose "
-                          "another output_dir", TrainingError)
+    return read_saved_run(path, fix, TrainingError)
 
 
 def _setting(d: dict, key: str):

@@ -167,6 +167,51 @@ def test_an_older_ema_shard_without_a_header_loads_unchecked_with_a_note(tmp_pat
         read_shard(tmp_path / "old.safetensors", rank=0, world=2, step=4, advice="fix it")
 
 
+def test_an_ema_shard_whose_layout_points_past_its_buffer_is_one_sentence(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from fluxzero.train.consolidate import ema_state_dict
+    from fluxzero.train.distributed import TrainingError
+
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"ema": {"decay": 0.5}}))
+    torch.save({"step": 4, "world_size": 1}, tmp_path / "trainer_state_rank0.pt")
+    for pieces in ([["w", 0, 2, 0, 4]], [["w", 0, 0, 3, 4]], [["w", 1, 0, 0, 4]], [["v", 0, 0, 0, 4]]):
+        layout = {"rank": 0, "world": 1, "replicated": False, "shapes": {"w": [2, 2]}, "pieces": pieces}
+        save_file({"ema.0": torch.ones(4), "layout": torch.frombuffer(bytearray(json.dumps(layout).encode()),
+                                                                      dtype=torch.uint8)},
+                  tmp_path / "ema_rank_00000.safetensors")  # an older shard: no header, loaded unchecked
+        with pytest.raises(TrainingError, match=r"^the EMA shards of .* cannot be read \(rank 0's EMA shard places 4 "
+                                                r"values of \w at \d of its buffer \d, which it does not hold\); "):
+            ema_state_dict(tmp_path)
+
+
+def test_a_lora_export_reads_the_settings_of_the_checkpoint_it_holds_before_pruning_takes_it(tmp_path, monkeypatch):
+    """A pruning that takes the folder the moment the export's read lock is released (checkpoint.keep of a running
+    training) must find the export done with it: the LoRA's settings (run.yaml) are read under the lock too."""
+    import contextlib
+
+    from fluxzero.train import checkpoint, locks
+    from fluxzero.train.lora_export import export_lora
+    from tests.helpers import train_ok
+
+    pytest.importorskip("peft")
+    run = _run_file(tmp_path, 2, {"lora": {"rank": 4, "alpha": 4}})
+    train_ok(run)
+    ck = tmp_path / "out" / "checkpoints"
+    reading = locks.reading
+
+    @contextlib.contextmanager
+    def pruned_when_released(ckpt_dir, tag):
+        with reading(ckpt_dir, tag):
+            yield
+        assert checkpoint.prune_checkpoints(ckpt_dir, "step_00000002", keep=1) == [tag]
+
+    monkeypatch.setattr(locks, "reading", pruned_when_released)
+    export_lora(ck / EARLIER, tmp_path / "lora.safetensors")
+    assert (tmp_path / "lora.safetensors").is_file() and not (ck / EARLIER).exists()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # An export beside a running training: pruning skips the checkpoint it reads
 # ---------------------------------------------------------------------------------------------------------
