@@ -160,16 +160,35 @@ class Previews:
         self.vae = load_vae(cfg.vae, device=device, dtype=torch.float32) if rank == 0 else None
 
     def __call__(self, engine, step: int) -> tuple[list[Path], float]:
-        """(PNG paths written (rank 0; [] elsewhere), seconds it took)."""
+        """(PNG paths written (rank 0; [] elsewhere), seconds it took).
+
+        Previews never cost the training: when rank 0 cannot write them (output_dir/samples is a file, a full
+        disk) it says so in one line and training goes on. Its folder is made before sampling, so that under
+        ZeRO-3 rank 0 still takes part in every forward pass the other ranks make when it cannot write."""
         from fluxzero.sampling.pipeline import sample_images
+        from fluxzero.train.distributed import write_line
 
         t0 = time.perf_counter()
         paths: list[Path] = []
         if self.takes_part:
             out = Path(self.output_dir) / "samples" / f"step_{step:08d}" if self.rank == 0 else None
+            problem = None
+            try:
+                if out is not None:
+                    out.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                problem, out = e, None
             width, height = self.cfg.wh
-            with _same_random_streams():
-                paths = sample_images(engine.module, self.vae, self.emb, out, width=width, height=height,
-                                      steps=self.cfg.steps, seeds=self.cfg.seeds, guidance=self.cfg.guidance,
-                                      weights=f"step {step} ({self.cfg.weights} weights)")
+            try:
+                with _same_random_streams():
+                    paths = sample_images(engine.module, self.vae, self.emb, out, width=width, height=height,
+                                          steps=self.cfg.steps, seeds=self.cfg.seeds, guidance=self.cfg.guidance,
+                                          weights=f"step {step} ({self.cfg.weights} weights)")
+            except OSError as e:  # a PNG write: the sampling itself is done
+                problem, paths = e, []
+            if problem is not None:
+                where = Path(self.output_dir) / "samples" / f"step_{step:08d}"
+                write_line(f"warning: the preview images of step {step} were not written to {where} "
+                           f"({problem.strerror or problem}); training goes on: make that folder writable for the "
+                           f"next previews")
         return paths, time.perf_counter() - t0

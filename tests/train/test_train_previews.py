@@ -118,6 +118,20 @@ def test_validation_and_ema_resume_exactly(assets, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)  # the EMA resumed from its shard, not from the weights
 
 
+def test_previews_that_cannot_be_written_are_one_line_and_training_goes_on(assets, tmp_path):
+    from tests.helpers import train
+
+    run = _run_file(assets, tmp_path / "out", previews=True, steps=2, export={"format": None}, sample={"seeds": [0]})
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "samples").write_text("a file where the previews go")
+    r = train(run)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    warned = [line for line in r.stderr.splitlines() if line.startswith("warning: the preview images")]
+    assert len(warned) == 1 and "of step 2 were not written to " in warned[0] and "training goes on" in warned[0]
+    assert (tmp_path / "out" / "checkpoints" / "latest").read_text() == "step_00000002"
+    assert _rows(tmp_path / "out")[2]["val_loss"] > 0
+
+
 def test_bad_preview_settings_are_one_sentence(assets, tmp_path):
     from fluxzero.config import TrainConfig
 
