@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import stat
 import struct
 from functools import partial
@@ -21,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..config import MODEL_PRESETS, ModelConfig
+from ..fsutil import atomic_folder
 from .layouts import (
     _SHOW, COMFY_PREFIX, DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS, LAYOUTS, MODEL_METADATA, WeightsError, _combine,
     _diffusers_parts, _expected_shapes, _part, _plan_from_diffusers, _raise_if, _wrong_shapes, infer_config,
@@ -310,20 +312,38 @@ def save_weights(
     shards = _shards([_Out.of(name, state_dict[key], how, rows, dtype) for key in state_dict
                       for name, how, rows in _diffusers_parts(key, state_dict[key].shape[0], cfg.hidden_size)],
                      max_shard_bytes)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for old in list(path.glob("diffusion_pytorch_model*.safetensors")) + [path / DIFFUSERS_INDEX]:
-        old.unlink(missing_ok=True)  # a previous save with another shard count would confuse the reader
+    _check_replaceable(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     n = len(shards)
     files = [DIFFUSERS_WEIGHTS] if n == 1 else [f"diffusion_pytorch_model-{i:05d}-of-{n:05d}.safetensors"
                                                 for i in range(1, n + 1)]
-    for file, shard in zip(files, shards):
-        _write_safetensors(path / file, shard, meta)
-    if n > 1:
-        weight_map = {out.name: file for file, shard in zip(files, shards) for out in shard}
-        index = {"metadata": {"total_size": sum(out.nbytes for shard in shards for out in shard)},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        (path / DIFFUSERS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    # written beside `path` and swapped in whole: a failure or a kill midway leaves an existing folder as it was
+    with atomic_folder(path) as tmp:
+        tmp = Path(tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for file, shard in zip(files, shards):
+            _write_safetensors(tmp / file, shard, meta)
+        if n > 1:
+            weight_map = {out.name: file for file, shard in zip(files, shards) for out in shard}
+            index = {"metadata": {"total_size": sum(out.nbytes for shard in shards for out in shard)},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / DIFFUSERS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _check_replaceable(path: Path) -> None:
+    """Refuse to replace `path` by a diffusers folder unless it is absent or one itself (a diffusers transformer
+    folder, or what a killed write of one left): the whole folder is replaced, so nothing else may be in it."""
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise WeightsError(f"{path} not written: it is a file, and a diffusers export is a folder; choose another "
+                           f"path")
+    other = sorted(n for n in os.listdir(path) if not (n in ("config.json", DIFFUSERS_INDEX)
+                   or re.fullmatch(r"diffusion_pytorch_model.*\.safetensors|\..+\.tmp-\d+", n)))
+    if other:
+        more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
+        raise WeightsError(f"{path} not written: it holds {other[0]}{more}, which is not part of a diffusers "
+                           f"transformer folder, and the whole folder would be replaced; choose a new or empty folder")
 
 
 class _Out(NamedTuple):

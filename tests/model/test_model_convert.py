@@ -130,3 +130,49 @@ def test_convert_malformed_files_are_one_sentence(tmp_path):
         assert r.exit_code == 2, r.exception
         assert text in r.output and "Traceback" not in r.output, r.output
     assert not (tmp_path / "nb").exists()
+
+
+_FAILING_WRITES = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))  # writes past 20 kB fail (EFBIG; Python ignores SIGXFSZ)
+from fluxzero.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_diffusers_folder_is_replaced_whole_or_not_at_all(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from fluxzero.fsutil import remove_stale_temps
+    from tests.test_bad_inputs import tree_hash
+
+    torch.manual_seed(0)
+    sd = build_model("flux-tiny").state_dict()
+    W.save_weights(sd, tmp_path / "a.safetensors", layout="bfl")
+    d = tmp_path / "d"
+    assert run(tmp_path / "a.safetensors", d, "--to", "diffusers", "--max-shard-gb", "0.0002").exit_code == 0
+    before = tree_hash(d)
+    # convert DIR DIR --overwrite whose writes fail midway (a full disk): the old folder stays, nothing beside it
+    r = subprocess.run([sys.executable, "-c", _FAILING_WRITES, "convert", str(d), str(d), "--to", "diffusers",
+                        "--dtype", "bf16", "--overwrite"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(W.__file__).rsplit("/fluxzero/", 1)[0]})
+    assert r.returncode == 2 and "cannot write" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert tree_hash(d) == before and sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "d"]
+    # the same command with room: the new folder replaces the old one, its other shard count included
+    assert run(d, d, "--to", "diffusers", "--dtype", "bf16", "--overwrite").exit_code == 0
+    assert sorted(p.name for p in d.iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    assert all(torch.equal(v, sd[k].bfloat16()) for k, v in W.load_weights(d).items())
+    # a writer killed between its two renames left the old folder aside and the new one beside: the old comes back
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    done = tree_hash(d)
+    os.rename(d, tmp_path / f".d.old-{int(dead.stdout)}")
+    (tmp_path / f".d.tmp-{int(dead.stdout)}").mkdir()
+    assert sorted(remove_stale_temps(d)) == [f".d.old-{int(dead.stdout)}", f".d.tmp-{int(dead.stdout)}"]
+    assert tree_hash(d) == done and sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "d"]
+    # a folder holding anything else is not replaced
+    (d / "notes.txt").write_text("mine")
+    r = run(tmp_path / "a.safetensors", d, "--to", "diffusers", "--overwrite")
+    assert r.exit_code == 2 and "holds notes.txt, which is not part of a diffusers transformer folder" in r.output
+    assert (d / "notes.txt").read_text() == "mine"
