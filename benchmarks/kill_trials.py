@@ -3,9 +3,13 @@ with an uninterrupted run (every loss in metrics.jsonl, the final export's sha25
 
     python benchmarks/kill_trials.py --stage 2 --trials 12 --out benchmarks/results/kill_trials_zero2.json
     python benchmarks/kill_trials.py --stage 3 --lora-ema --trials 8 --out benchmarks/results/kill_trials_lora_ema.json
+    python benchmarks/kill_trials.py --stage 2 --optimizer-mode adamw8bit-sr --trials 7
+    python benchmarks/kill_trials.py --stage 2 --precision fp16 --trials 7   # where DeepSpeed trains fp16
 
 --lora-ema trains a LoRA (rank 4, all linear layers) with an EMA of its adapters and exports the EMA
-(lora_ema.safetensors), so a kill can land in an EMA shard write or in the LoRA export too.
+(lora_ema.safetensors), so a kill can land in an EMA shard write or in the LoRA export too. --optimizer-mode trains
+with one of fluxzero's optimizer modes (fluxzero.config.optim_modes), --precision fp16 in fp16 (its checkpoints hold
+a loss scaler and fp16 optimizer states).
 
 "Bit for bit" is by sha256 of the final files: the export and every file of the final checkpoint folder
 (DeepSpeed's model and optimizer states, the trainer states, the EMA shards, run.yaml, ds_config.json). A file
@@ -23,6 +27,8 @@ The trial kinds, cycled in this order:
 - double:  kill -9 at a random step, then a second kill -9 at a random moment of the resumed run
 - export:  kill -9 of rank 0 (the only exporter) 0-1 ms after the final export's temp file appeared
 - sigterm: SIGTERM to a random rank after a random step (both ranks must save that step and exit 143)
+- lost-latest: kill -9 of a random rank after a random step, then checkpoints/latest deleted before the resume
+           (the resume must take the newest complete step folder, never start over)
 """
 from __future__ import annotations
 
@@ -43,19 +49,29 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ("step", "save", "startup", "double", "export", "sigterm")
+KINDS = ("step", "save", "startup", "double", "export", "sigterm", "lost-latest")
 STEPS, EVERY = 12, 3
 DATA = "synthetic:n=64,hw=8x8,txt=4,ctx=64,vec=32"
 
 
-def write_run(folder: Path, stage: int, lora_ema: bool = False) -> Path:
-    """The run file (and its DeepSpeed config) every run of a stage uses; output_dir is folder/out."""
+def write_run(folder: Path, stage: int, lora_ema: bool = False, mode: str | None = None,
+              precision: str = "fp32") -> Path:
+    """The run file (and its DeepSpeed config) every run of a stage uses; output_dir is folder/out. mode: a
+    fluxzero optimizer mode (with the bf16 keys it needs); precision: fp32 or fp16 (DeepSpeed's fp16 section)."""
     folder.mkdir(parents=True, exist_ok=True)
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
                                                        "warmup_num_steps": 4, "warmup_type": "linear"}},
           "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    if mode:
+        from fluxzero.config.optim_modes import get_mode
+
+        ds.update(fluxzero={"optimizer_mode": mode}, zero_allow_untested_optimizer=True)
+        if get_mode(mode).ds_bf16_section(stage):
+            ds["bf16"] = get_mode(mode).ds_bf16_section(stage)
+    if precision == "fp16":
+        ds["fp16"] = {"enabled": True}
     (folder / "ds.json").write_text(json.dumps(ds))
     run = {"deepspeed": str(folder / "ds.json"), "data": DATA, "output_dir": str(folder / "out"), "model": "flux-tiny",
            "steps": STEPS, "checkpoint": {"every": EVERY}, "log_every": 1, "seed": 0,
@@ -219,9 +235,10 @@ def _finish(run_file: Path, folder: Path, name: str) -> dict:
     return {"resume_exit": codes, "resume_traceback": any("Traceback" in ranks.text(r) for r in range(2))}
 
 
-def reference(folder: Path, stage: int, lora_ema: bool = False) -> dict:
+def reference(folder: Path, stage: int, lora_ema: bool = False, mode: str | None = None,
+              precision: str = "fp32") -> dict:
     """An uninterrupted run; also measures the moments the trials aim at (first step, save length)."""
-    run = write_run(folder, stage, lora_ema)
+    run = write_run(folder, stage, lora_ema, mode, precision)
     out = folder / "out"
     ranks = Ranks(run, folder / "ref")
     ck = out / "checkpoints" / f"step_{EVERY:08d}"
@@ -235,20 +252,21 @@ def reference(folder: Path, stage: int, lora_ema: bool = False) -> dict:
     assert codes == [0, 0], ranks.text(0)[-3000:]
     export = "lora_ema.safetensors" if lora_ema else "export.safetensors"
     return {"losses": losses(out), "export": export, "export_sha256": sha256(out / export), "out": str(out),
-            "files": final_files(out), "lora_ema": lora_ema,
+            "files": final_files(out), "lora_ema": lora_ema, "mode": mode, "precision": precision,
             "first_step_s": round(first_step, 2), "save_ms": round(save_ms, 1),
             "wall_s": round(time.monotonic() - ranks.started, 1)}
 
 
 def trial(kind: str, stage: int, folder: Path, rng: random.Random, ref: dict) -> dict:
     """One trial of `kind`; returns what happened and whether the resumed run equals the reference bit for bit."""
-    run = write_run(folder, stage, ref["lora_ema"])
+    run = write_run(folder, stage, ref["lora_ema"], ref.get("mode"), ref.get("precision", "fp32"))
     out = folder / "out"
-    rec: dict = {"kind": kind, "stage": stage, "lora_ema": ref["lora_ema"]}
+    rec: dict = {"kind": kind, "stage": stage, "lora_ema": ref["lora_ema"], "mode": ref.get("mode"),
+                 "precision": ref.get("precision", "fp32")}
     ranks = Ranks(run, folder / "cut")
     victim = 0 if kind == "export" else rng.randrange(2)
     rec["victim"] = victim
-    if kind in ("step", "double", "sigterm"):
+    if kind in ("step", "double", "sigterm", "lost-latest"):
         k = rng.randrange(1, STEPS)
         _poll(lambda: max(logged_steps(out), default=0) >= k, ranks, interval=0.005)
         rec["at"] = f"after step {max(logged_steps(out), default=0)} logged (aimed at {k})"
@@ -289,6 +307,10 @@ def trial(kind: str, stage: int, folder: Path, rng: random.Random, ref: dict) ->
     else:
         ranks.kill(victim)
         rec.update(_after_kill(ranks, victim))
+    if kind == "lost-latest":
+        latest = out / "checkpoints" / "latest"
+        rec["lost_latest"] = latest.read_text() if latest.is_file() else None
+        latest.unlink(missing_ok=True)
     if kind == "double":  # the resume is killed too, at a random moment of it
         ranks = Ranks(run, folder / "resume1")
         delay = rng.uniform(0.3, ref["first_step_s"] + 3)
@@ -313,6 +335,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stage", type=int, choices=(2, 3), default=2)
     p.add_argument("--lora-ema", action="store_true", help="a LoRA with an EMA, exporting the EMA")
+    p.add_argument("--optimizer-mode", default=None, help="a fluxzero optimizer mode (default: DeepSpeed's AdamW)")
+    p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
+                   help="fp16: DeepSpeed's fp16 (a GPU, or a CPU whose DeepSpeed accelerator supports it)")
     p.add_argument("--trials", type=int, default=12)
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, cycled")
     p.add_argument("--seed", type=int, default=0)
@@ -323,7 +348,7 @@ def main(argv=None) -> int:
     kinds = args.kinds.split(",")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kill_trials_"))
     t0 = time.monotonic()
-    ref = reference(work / "reference", args.stage, args.lora_ema)
+    ref = reference(work / "reference", args.stage, args.lora_ema, args.optimizer_mode, args.precision)
     print(f"reference: {ref['wall_s']} s, first step at {ref['first_step_s']} s, save {ref['save_ms']} ms", flush=True)
     records = []
     for i in range(args.trials):
@@ -336,12 +361,14 @@ def main(argv=None) -> int:
             shutil.rmtree(folder, ignore_errors=True)
     ok = sum(r["ok"] for r in records)
     byte_exact = sum(r["ok"] and r["files_equal"] for r in records)
-    summary = {"stage": args.stage, "lora_ema": args.lora_ema, "trials": len(records), "bit_exact": ok,
+    summary = {"stage": args.stage, "lora_ema": args.lora_ema, "optimizer_mode": args.optimizer_mode,
+               "precision": args.precision, "trials": len(records), "bit_exact": ok,
                "every_file_byte_identical": byte_exact,
                "seed": args.seed, "reference": {k: v for k, v in ref.items() if k not in ("losses", "files")},
                "files_compared": len(ref["files"]), "wall_s": round(time.monotonic() - t0),
                "records": records}
-    print(f"ZeRO-{args.stage}{' LoRA + EMA' if args.lora_ema else ''}: {ok} of {len(records)} trials resumed "
+    what = "".join(f", {x}" for x in (args.optimizer_mode, args.precision if args.precision != "fp32" else None) if x)
+    print(f"ZeRO-{args.stage}{' LoRA + EMA' if args.lora_ema else ''}{what}: {ok} of {len(records)} trials resumed "
           f"bit-exact, {byte_exact} with all {len(ref['files'])} final files of the same sha256 "
           f"({summary['wall_s']} s)", flush=True)
     if args.out:
