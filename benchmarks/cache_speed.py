@@ -147,8 +147,8 @@ def main():
         have_text = True
     except ImportError:
         have_text = False
-        print("transformers is not installed here: measuring the VAE only (carry transformers and tokenizers "
-              "wheels, as in the development venv, for T5/CLIP and the whole pipeline)", file=sys.stderr)
+        print("transformers is not installed here: measuring the VAE only (install transformers and "
+              "tokenizers, as in the development venv, for T5/CLIP and the whole pipeline)", file=sys.stderr)
     t0 = time.perf_counter()
     enc = build_encoders(args.tiny, device, dtype) if have_text else None
     encode_images = enc.encode_images if enc else vae_only_encode(build_vae(args.tiny, device, dtype), dtype)

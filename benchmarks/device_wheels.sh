@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Fills DIR (default .whl) with the wheels that the lent GPU machines (Python 3.12, torch 2.11 cu130, no
-# internet) lack for fluxzero's benchmarks: deepspeed (sdist-only upstream, built here as a pure py3-none-any
+# Fills DIR (default .whl) with the wheels that a GPU machine without a package index (Python 3.12, torch 2.11
+# cu130) lacks for fluxzero's benchmarks: deepspeed (sdist-only upstream, built here as a pure py3-none-any
 # wheel without compiled ops, DS_BUILD_OPS=0: DeepSpeed JIT-builds any op it needs on the GPU machine, which
 # has nvcc and ninja), the packages it needs that the GPU image lacks, and diffusers (the baseline).
-# Run on the development machine (it needs the package registry), from the repository root:
+# Run on a machine that reaches the package index, from the repository root:
 #   bash benchmarks/device_wheels.sh [DIR]
 # DIR is emptied of wheels first, so it holds exactly the set below; a DIR holding anything but wheels is
 # refused. The pins are listed in benchmarks/README.md (tests/benchmarks/test_benchmarks.py keeps the two in step).
-# Then carry ".whl" in each device call and start the device command with
+# Then copy .whl/ to the GPU machine's clone: benchmarks/gpu_run.sh installs it, or by hand
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #     --target /tmp/site .whl/*.whl || exit 1; export PYTHONPATH=/tmp/site:.
 set -eu

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # runner, also when this file is loaded by path
+
+import runner  # noqa: E402
 
 from fluxzero.config import ds_config, memory  # noqa: E402  (pure modules: the parent never imports torch)
 from fluxzero.config import get_model_config  # noqa: E402
@@ -255,8 +257,7 @@ def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path) -> lis
                 rec = {"model": model, "kind": kind, "px": px, "txt_len": T, "attention": backend, "device": dev,
                        "saved_gib": saved / GiB, "saved_pred_gib": pred_saved / GiB,
                        "bwd_peak_gib": peak, "bwd_peak_pred_gib": pred_peak}
-                with (out_dir / "memory_blocks.jsonl").open("a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                runner.append_row(out_dir / "memory_blocks.jsonl", rec)
                 err = (pred_saved - saved) / saved
                 mib = GiB / 1024
                 rows.append(f"| {kind} | {px} | {backend} | {pred_saved / mib:.1f} / {saved / mib:.1f} ({err:+.1%}) | "
@@ -311,21 +312,13 @@ def run_case(case: Case, workdir: Path) -> dict:
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}",
            str(Path(__file__).resolve()), "--worker", json.dumps(asdict(case)), str(ds_path), str(result)]
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=case.timeout_s)
-        status = None
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the whole process group of this case, nothing else
-        log, _ = proc.communicate()
-        status = "timeout"
-    out = {"wall_s": round(time.time() - t0, 1)}
+    log = workdir / f"{case.name}.log"
+    res = runner.run(cmd, timeout=case.timeout_s, log=log, env=env, cwd=Path.cwd())
+    out = {"wall_s": round(res.wall_s, 1)}
     if result.exists():
         out.update(summarise(json.loads(result.read_text())))
     else:
-        out.update(status=status or "error", rc=proc.returncode, log_tail=(log or "")[-1500:])
+        out.update(status="timeout" if res.timed_out else "error", rc=res.rc, log_tail=runner.log_tail(log, 1500))
     return out
 
 
@@ -361,7 +354,7 @@ def row(case: Case, pred: dict, meas: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = runner.parser(__doc__)
     p.add_argument("--grid", choices=sorted(GRIDS), default="lite")
     p.add_argument("--cases", help="1-based indices, ranges (1-3) or names, comma-separated (default: all)")
     p.add_argument("--list", action="store_true", help="list the grid's cases with predictions and exit")
@@ -374,7 +367,7 @@ def main(argv=None) -> int:
     p.add_argument("--worker", nargs=3, metavar=("CASE", "DS", "RESULT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.blocks:
-        out_dir = Path(os.environ.get("OUT", "."))
+        out_dir = runner.out_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
         rows = blocks_check(a.blocks_model, [int(v) for v in a.blocks_px.split(",")], a.blocks_txt, out_dir)
         print("| block | px | attention | saved MiB pred / meas | fwd+bwd peak above inputs MiB pred / meas |\n"
@@ -392,11 +385,9 @@ def main(argv=None) -> int:
         for i, c in enumerate(GRIDS[a.grid], 1):
             print(row(c, predict(c), {"status": f"#{i}"}))
         return 0
-    out_dir = Path(os.environ.get("OUT", "."))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    jsonl = out_dir / "memory_calibration.jsonl"
+    jsonl = runner.out_dir() / "memory_calibration.jsonl"
     t0, rows, walls = time.time(), [], []
-    with tempfile.TemporaryDirectory() as tmp, jsonl.open("a") as f:
+    with tempfile.TemporaryDirectory() as tmp:
         for c in cases:
             # expect a case to take 1.5x the slowest so far (its timeout before the first one finished)
             expected = min(c.timeout_s, 1.5 * max(walls)) if walls else c.timeout_s
@@ -406,8 +397,7 @@ def main(argv=None) -> int:
             pred = predict(c)
             meas = run_case(c, Path(tmp))
             walls.append(meas["wall_s"])
-            f.write(json.dumps({"case": asdict(c), "predicted": pred, "measured": meas}) + "\n")
-            f.flush()
+            runner.append_row(jsonl, {"case": asdict(c), "predicted": pred, "measured": meas})
             rows.append(row(c, pred, meas))
             print(rows[-1], file=sys.stderr, flush=True)
     print(header)

@@ -22,18 +22,16 @@ A base with random weights is used when --weights is not given (speed and memory
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner, also when this file is loaded by path
+import runner  # noqa: E402
+
+ROOT = runner.ROOT
 PRESETS = {  # name -> gen-config arguments
     "zero2-offload": ["--preset", "zero2-offload"],
     "zero3-offload": ["--preset", "zero3-offload"],
@@ -66,22 +64,12 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def run(cmd: list[str], timeout: float, env: dict, log: Path) -> dict:
-    """One subprocess (its own session, killed whole on timeout): exit code, wall time, peak RSS, last error."""
-    t0 = time.perf_counter()
-    with open(log, "w") as out:
-        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-        timer = threading.Timer(timeout, lambda: os.killpg(p.pid, signal.SIGKILL))
-        timer.start()
-        try:
-            _, status, usage = os.wait4(p.pid, 0)
-        finally:
-            timer.cancel()
-    p.returncode = os.waitstatus_to_exitcode(status)
+    """One subprocess (its own process group, killed whole on timeout): exit code, wall time, peak RSS, last error."""
+    r = runner.run(cmd, timeout=timeout, log=log, env=env)
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     error = next((line for line in reversed(lines) if "error" in line.lower()), lines[-1] if lines else "")
-    wall = time.perf_counter() - t0
-    return {"rc": p.returncode, "wall_s": round(wall, 1), "rss_gb": usage.ru_maxrss * 1024 / 1e9,
-            "error": None if p.returncode == 0 else ("timed out" if wall >= timeout else error[-300:])}
+    return {"rc": r.rc, "wall_s": round(r.wall_s, 1), "rss_gb": r.rss_gb,
+            "error": None if r.rc == 0 else ("timed out" if r.timed_out else error[-300:])}
 
 
 def data_spec(model_cfg, res: int, txt: int) -> str:
@@ -151,7 +139,7 @@ def one_preset(name: str, args, folder: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = runner.parser(__doc__)
     p.add_argument("--model", default="flux-tiny")
     p.add_argument("--weights", default=None, help="base weights (safetensors); random init when not given")
     p.add_argument("--lora-rank", type=int, default=16, help="0: full fine-tune")
@@ -166,8 +154,8 @@ def main(argv=None) -> int:
                    help="override the presets' AdamW (torch: no DeepSpeedCPUAdam build, for a CPU smoke test)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default=None)
     p.add_argument("--presets", default=",".join(PRESETS), help="comma-separated subset of " + ", ".join(PRESETS))
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "offload_presets")
+    runner.add_timeout(p, 1800, "seconds per subprocess")
+    runner.add_out(p, "offload_presets", "folder for offload_presets.jsonl and each preset's run")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     jsonl = args.out / "offload_presets.jsonl"
@@ -175,8 +163,7 @@ def main(argv=None) -> int:
     for name in args.presets.split(","):
         record = one_preset(name, args, args.out / name)
         records.append(record)
-        with open(jsonl, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        runner.append_row(jsonl, record)
     print(f"\n{'preset':<22}{'ok':<5}{'samples/s':>10}{'alloc GB':>10}{'resv GB':>9}{'RSS GB':>8}{'wall s':>8}  error")
     for r in records:
         wall = sum(r.get(f"{ph}_wall_s", 0) for ph in ("train", "resume", "export"))

@@ -41,7 +41,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -54,9 +53,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))  # provenance (and baseline_diffusers), also when this file is loaded by path
+sys.path.insert(0, str(HERE))  # runner, provenance, baseline_diffusers; also when this file is loaded by path
 
 import provenance  # noqa: E402 - needs the line above
+import runner  # noqa: E402
 GIB = 1024**3
 OPTIMS = ("torch-fused", "torch", "deepspeed-fused")
 IMPLS = ("fluxzero", "diffusers")
@@ -320,7 +320,7 @@ ENGINE_API = "fluxzero.train.loop.setup + TrainStep"
 BASELINE_API = "deepspeed.initialize (diffusers FluxTransformer2DModel, as users wrap it)"
 
 
-def _ds_config(case: Case, world: int) -> dict:
+def deepspeed_config(case: Case, world: int) -> dict:
     """The case's DeepSpeed config, written by fluxzero's generator (`fluxzero gen-config`'s builder), or the
     gen-config JSON the case names (then its batch, stage and checkpointing must be the case's)."""
     if case.ds_json:
@@ -760,64 +760,11 @@ def peak_main(device: str) -> int:
 # ---------------------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------------------
-def children(pid: int) -> list[int]:
-    """Process ids whose parent is `pid` (Linux /proc)."""
-    kids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                kids.append(int(d.name))
-    return kids
-
-
-def _signal_groups(pgids: list[int], sig) -> None:
-    for pgid in pgids:
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _wait_gone(pids: list[int], seconds: float) -> None:
-    deadline = time.time() + seconds
-    while any(Path(f"/proc/{p}").exists() for p in pids) and time.time() < deadline:
-        time.sleep(0.1)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    """End the case's torch.distributed.run and its ranks, which this driver started. torchrun starts each rank
-    in a session of its own, so the ranks are found as its children (by id) first: SIGTERM to torchrun's group
-    (it passes it on to the ranks), then SIGKILL to torchrun's group and each rank's group for what is left."""
-    ranks = children(proc.pid)
-    _signal_groups([proc.pid], signal.SIGTERM)
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        pass
-    _wait_gone(ranks, 5)
-    _signal_groups([proc.pid, *ranks], signal.SIGKILL)
-    proc.wait()
-    _wait_gone(ranks, 30)
-
-
-def kill_now(proc: subprocess.Popen) -> None:
-    """SIGKILL a torch.distributed.run this process started and its ranks at once (no SIGTERM: a trainer rank
-    answers that by saving a checkpoint)."""
-    ranks = children(proc.pid)
-    _signal_groups([proc.pid, *ranks], signal.SIGKILL)
-    proc.wait()
-    _wait_gone(ranks, 30)  # gone before the caller deletes the folders they were writing
-
-
 def run_one(case: Case, device: str, timeout: float, log_path: Path, env: dict, grace: float) -> dict:
     """Launch one case under torch.distributed.run and turn whatever it left behind into a row."""
     rowdir = Path(tempfile.mkdtemp(prefix="fzbench-"))
     try:  # one DeepSpeed JSON for every rank, as a user's run has it
-        (rowdir / "ds.json").write_text(json.dumps(_ds_config(case, case.gpus), indent=1))
+        (rowdir / "ds.json").write_text(json.dumps(deepspeed_config(case, case.gpus), indent=1))
     except ValueError as e:  # gen-config refuses the options (DSConfigError): a row, not a crash of the sweep
         shutil.rmtree(rowdir, ignore_errors=True)
         return {"status": f"DeepSpeed config refused: {e}"[:400], "valid": False, "wall_s": 0.0}
@@ -826,8 +773,7 @@ def run_one(case: Case, device: str, timeout: float, log_path: Path, env: dict, 
     t0 = time.time()
     outcome = "exit"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**env, **case.env},
-                                start_new_session=True, cwd=str(ROOT))
+        proc = runner.start(cmd, log=log, env={**env, **case.env})
         first_error = finished = None
         while proc.poll() is None:
             time.sleep(0.25)
@@ -839,13 +785,13 @@ def run_one(case: Case, device: str, timeout: float, log_path: Path, env: dict, 
                 finished = now  # rank 0 has the row: exiting must not cost more than `grace`
             if first_error is not None and now - first_error > grace:
                 outcome = "killed after error"
-                _kill(proc)
+                runner.kill_group(proc, term_s=5)
             elif finished is not None and now - finished > grace:
                 outcome = "killed after its row"
-                _kill(proc)
+                runner.kill_group(proc, term_s=5)
             elif now - t0 > timeout:
                 outcome = "timeout"
-                _kill(proc)
+                runner.kill_group(proc, term_s=5)
     wall = time.time() - t0
     ranks = {p.name: _read_json(p) for p in sorted(rowdir.glob("rank*.json"))}
     row = ranks.get("rank0.json", {})
@@ -915,8 +861,8 @@ def sweep(name: str, cases: list[Case], out_dir: Path, device: str, budget: floa
         raise ValueError("--parallel runs 1-GPU cases side by side; this selection has multi-GPU cases")
     out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / f"{name}.jsonl"
-    # Whole per-case logs stay outside out_dir (the device tool brings back at most 8 files from $OUT);
-    # out_dir gets one <name>.log with each case's tail (more of it when the case failed).
+    # Whole per-case logs stay outside out_dir, which keeps few files; out_dir gets one <name>.log with
+    # each case's tail (more of it when the case failed).
     logs = Path(tempfile.mkdtemp(prefix=f"fzbench-logs-{name}-"))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
@@ -960,8 +906,7 @@ def sweep(name: str, cases: list[Case], out_dir: Path, device: str, budget: floa
             with lock:
                 if log is not None:
                     _append_log(out_dir / f"{name}.log", i, case, row, log)
-                with open(jsonl, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                runner.append_row(jsonl, row)
                 print(summary(i, len(cases), case, row), flush=True)
                 rows.append(row)
 

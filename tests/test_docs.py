@@ -39,7 +39,11 @@ def test_the_reference_docs_exist():
                                       "optimizer-modes.md", "troubleshooting.md", "data.md", "benchmarks.md"}
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+BENCHMARK_DOCS = [ROOT / "benchmarks" / "README.md", ROOT / "benchmarks" / "RESULTS.md",
+                  ROOT / "benchmarks" / "archive" / "README.md"]
+
+
+@pytest.mark.parametrize("doc", DOCS + BENCHMARK_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_links_resolve(doc):
     assert not _broken(doc), f"{doc.relative_to(ROOT)}: broken links {_broken(doc)}"
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call = several measurements, each under its own timeout, all results packed into one
-# archive under $OUT (the device returns at most 8 files).
+# The lettered GPU runs ("call A" ...) behind the older rows of benchmarks/RESULTS.md, kept as they ran: several
+# measurements a run, each under its own timeout, all results packed into one archive under $OUT.
+# benchmarks/gpu_run.sh is the maintained form.
 #   bash benchmarks/gpu_session.sh A|B
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1

@@ -27,7 +27,7 @@ header checks pass) stops training at the first damaged sample instead of traini
 package) rather than the standard library's zlib.crc32: on 4.5 MiB samples (1024 px latents + T5, bf16, from
 the page cache, one thread, 2-core machine) crc32 made ShardSource.get 3.2-3.8x slower (+3.3 ms a sample),
 XXH3 1.5-2.1x (+0.6-0.9 ms a sample, against a GPU step of ~250 ms a sample at 1024 px): the hash is a
-second pass over bytes the float32 conversion reads anyway (benchmarks/shard_checksum.py measures it).
+second pass over bytes the float32 conversion reads anyway (benchmarks/archive/shard_checksum.py measures it).
 
 The manifest lists the shards in order (file, num_samples, latent_hw, bytes, sha256, text_lens), the
 dims, the per-bucket sample counts and, under "cache", how the shards were made. Global sample index =

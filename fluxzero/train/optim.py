@@ -16,7 +16,7 @@ ours stays for now) and `AdafactorSR` (Adafactor with stochastic rounding); `Ada
 it to torch's within float rounding on fp32 tensors.
 
 DEEPSPEED_FINDINGS: DeepSpeed 0.19.8, torch 2.13 CPU, torchao 0.18, one rank unless said; a client optimizer
-from build_optimizer on nn.Sequential(Linear(64,128), GELU, Linear(128,64)) (benchmarks/optim_modes_probe.py)
+from build_optimizer on nn.Sequential(Linear(64,128), GELU, Linear(128,64)) (benchmarks/archive/optim_modes_probe.py)
 and on a 256 x 256 least-squares layer (tests/train/test_optim_deepspeed.py). "bf16 keys" = bf16.enabled +
 bf16_master_weights_and_grads + bf16_optimizer_states (DeepSpeed accepts them at ZeRO 1-3 only, and without
 bf16_optimizer_states it demands CPU offload with DeepSpeedCPUAdam).
@@ -60,7 +60,7 @@ bf16_optimizer_states it demands CPU offload with DeepSpeedCPUAdam).
   -> next step is bit-identical for every mode at every stage (probe and tests).
 
 GRADIENT RELEASE (optimizer step fused into backward): does not work under DeepSpeed's engine. Tried at ZeRO 0
-(benchmarks/grad_release_probe.py): one optimizer per parameter, stepped by a post-accumulate-grad hook that
+(benchmarks/archive/grad_release_probe.py): one optimizer per parameter, stepped by a post-accumulate-grad hook that
 then sets p.grad = None. Observed:
 - The engine refuses backward without an optimizer ("must provide optimizer during init in order to use
   backward"); an SGD at lr 0 was given to it.

@@ -112,7 +112,7 @@ def test_resident_model_states_match_a_real_engine(tmp_path):
 
 @pytest.mark.slow
 def test_stage1_gradients_are_what_the_memory_model_counts():
-    """benchmarks/zero1_grad_probe.py on real engines (2 ranks, bf16, reduce buckets 0.06 b P): a stage-1 rank
+    """benchmarks/archive/zero1_grad_probe.py on real engines (2 ranks, bf16, reduce buckets 0.06 b P): a stage-1 rank
     holds a whole gradient's worth until backward ends, with or without overlap_comm, and b P / N after it.
     Tolerance 0.01 b P: Python-held scalars and index tensors are ~1e-4 b P; the probe samples after each
     layer's backward and after each bucket's reduction (one layer = 0.125 b P)."""
@@ -121,7 +121,7 @@ def test_stage1_gradients_are_what_the_memory_model_counts():
 
     from fluxzero.config import memory
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # spawned ranks import it by name
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "archive"))  # spawned ranks import it by name
     import zero1_grad_probe as probe
     for overlap in (True, False):
         rows = probe.run(overlap)

@@ -106,7 +106,7 @@ def test_ema_is_partitioned_like_the_optimizer_states():
 
 
 def test_stage1_holds_a_whole_gradient_until_backward_ends():
-    """benchmarks/zero1_grad_probe.py on real engines: without overlap_comm every param.grad stays whole; with it,
+    """benchmarks/archive/zero1_grad_probe.py on real engines: without overlap_comm every param.grad stays whole; with it,
     this rank's own gradients go into its partition but the other ranks' stay (b P/N + b P (N-1)/N = b P)."""
     for overlap in (True, False):
         spec = RunSpec(DEV, stage=1, gpus_per_node=8, zero=memory.ZeroSettings(overlap_comm=overlap))

@@ -97,7 +97,7 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         add("gradient partition (%s)" % s.precision, b * part, ds=True,
             note="stage 1/2: grads_in_partition, then averaged_gradients; stage 3: grad_partitions_flat_buffer")
     if s.stage == 1:
-        # Measured (benchmarks/zero1_grad_probe.py, real deepspeed 0.19.8 engines, 2 ranks): stage 1 holds a whole
+        # Measured (benchmarks/archive/zero1_grad_probe.py, real deepspeed 0.19.8 engines, 2 ranks): stage 1 holds a whole
         # gradient's worth until backward ends. Without overlap_comm every param.grad stays whole until the
         # epilogue reduces them (stage_1_and_2.reduce_gradients); with it, this rank's own gradients are copied
         # into its partition as they come, but the other ranks' parameters keep their param.grad until then.

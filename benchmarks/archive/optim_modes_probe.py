@@ -1,6 +1,6 @@
 """What DeepSpeed's engine and ZeRO wrappers do with each client optimizer of fluxzero.train.optim.
 
-python benchmarks/optim_modes_probe.py [mode ...] [--stages 0,1,2,3]   (one rank, CPU is fine)
+python benchmarks/archive/optim_modes_probe.py [mode ...] [--stages 0,1,2,3]   (one rank, CPU is fine)
 Prints one JSON line per (mode, stage): accepted or the error, the wrapper, dtype and shape of the tensors
 the client optimizer steps, whether they alias the model's weights, state types, and whether a checkpoint
 save -> load into a fresh engine gives a bit-identical next step. The findings table in optim.py came from it.
@@ -17,7 +17,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _setup():

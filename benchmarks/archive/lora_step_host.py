@@ -1,7 +1,7 @@
 """Host time of one LoRA optimizer step (engine.step()), where compute is negligible: FLUX.1-dev's structure
 (19 double + 38 single blocks, all-linear adapters: the same 608 LoRA tensors) at tiny widths.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python3 benchmarks/lora_step_host.py --zero 2 --rank 2 --steps 30  # one process, gloo
+    PYTHONPATH=. OMP_NUM_THREADS=1 python3 benchmarks/archive/lora_step_host.py --zero 2 --rank 2 --steps 30  # one process, gloo
     ... --deepspeed-loops: DeepSpeed's per-tensor checks as they were (the before); --profile F: cProfile of the steps
 
 On the GPU (the H200 figure: 0.147 s of a 0.783 s step) an AdamW step over 76.6M values is ~1-2 ms of kernels;

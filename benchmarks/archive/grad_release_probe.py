@@ -1,6 +1,6 @@
 """Gradient release (optimizer step fused into backward) inside a DeepSpeed engine at ZeRO stage 0.
 
-python benchmarks/grad_release_probe.py [--ranks 2] [--gas 1]
+python benchmarks/archive/grad_release_probe.py [--ranks 2] [--gas 1]
 Each parameter gets its own optimizer, stepped by a post-accumulate-grad hook that then frees the grad
 (p.grad = None). The engine is built with the same parameters and gradient_clipping 0. Prints, per rank:
 how many grads exist, and how many are non-zero, after each engine.backward (DeepSpeed's allreduce re-creates them), the number of hook
@@ -17,7 +17,7 @@ import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _free_port() -> int:

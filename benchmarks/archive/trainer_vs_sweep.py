@@ -1,12 +1,12 @@
 """Does the sweep time what users run? launch/train.py and sweep.py on one configuration, in one call.
 
-    PYTHONPATH=. python3 benchmarks/trainer_vs_sweep.py                                  # flux-dev-lite ZeRO-2 mb 16
-    PYTHONPATH=. python3 benchmarks/trainer_vs_sweep.py --ckpt 0 --compile 1 --name compiled
-    PYTHONPATH=. python3 benchmarks/trainer_vs_sweep.py --device cpu --model flux-tiny --res 64 --txt 16 \\
+    PYTHONPATH=. python3 benchmarks/archive/trainer_vs_sweep.py                                  # flux-dev-lite ZeRO-2 mb 16
+    PYTHONPATH=. python3 benchmarks/archive/trainer_vs_sweep.py --ckpt 0 --compile 1 --name compiled
+    PYTHONPATH=. python3 benchmarks/archive/trainer_vs_sweep.py --device cpu --model flux-tiny --res 64 --txt 16 \\
         --attn auto --mb 2 --warmup 1 --steps 3                                           # CPU smoke test
 
 1. The trainer: `launch/train.py --config <run file>` under `torch.distributed.run`, with the run file
-   (sweep.run_file) and DeepSpeed JSON (sweep._ds_config, i.e. fluxzero.config.ds_config.build) of the case,
+   (sweep.run_file) and DeepSpeed JSON (sweep.deepspeed_config, i.e. fluxzero.config.ds_config.build) of the case,
    for warmup + steps optimizer steps, log_every 1. Its samples/s per step come from its own metrics.jsonl
    (fluxzero.train.metrics: global batch / the slowest rank's step time). Once the last step's row is there
    the trainer's process group (which this script started) is killed (SIGKILL: SIGTERM would make it save):
@@ -33,11 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import provenance  # noqa: E402 - needs the line above
+import runner  # noqa: E402
 import sweep  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def run_trainer(case: sweep.Case, device: str, work: Path, timeout: float) -> di
     """launch/train.py on the case; its metrics.jsonl rows, the timed steps' median samples/s."""
     work.mkdir(parents=True, exist_ok=True)
     ds_path, run_path, out = work / "ds.json", work / "run.yaml", work / "run"
-    ds_path.write_text(json.dumps(sweep._ds_config(case, case.gpus), indent=1))
+    ds_path.write_text(json.dumps(sweep.deepspeed_config(case, case.gpus), indent=1))
     run_path.write_text(json.dumps(sweep.run_file(case, case.gpus, ds_path, out), indent=1))  # JSON is YAML
     metrics = out / "metrics.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}",
@@ -92,7 +92,7 @@ def run_trainer(case: sweep.Case, device: str, work: Path, timeout: float) -> di
                 outcome = "timeout"
                 break
         if proc.poll() is None:
-            sweep.kill_now(proc)  # torchrun and its ranks, found by id
+            runner.kill_group(proc)  # torchrun and its ranks, found by id
     rows = _rows(metrics)
     rec = {"command": " ".join(cmd), "run_file": json.loads(run_path.read_text()),
            "ds_config": json.loads(ds_path.read_text()), "outcome": outcome,

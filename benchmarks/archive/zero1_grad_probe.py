@@ -9,7 +9,7 @@ engine.backward() returns (before engine.step()). Gradient bytes =
 those sums minus the before-forward baseline, expressed in units of b P (b = 2 bytes, bf16): 1.0 means a
 whole gradient copy, 1/N a partition.
 
-    python benchmarks/zero1_grad_probe.py [--out DIR]
+    python benchmarks/archive/zero1_grad_probe.py [--out DIR]
 
 The memory model (fluxzero/config/memory/model_states.py, stage-1 gradient items) and docs/memory.md's stage table state
 what this measures; tests/config/test_memory_deepspeed.py runs it.
@@ -24,7 +24,7 @@ import socket
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's fluxzero, run without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's fluxzero, run without installing
 
 WIDTH, LAYERS, BUCKET = 1024, 8, 500_000
 

@@ -6,7 +6,7 @@ from the page cache after a warm-up pass, the worst case for the checksum's shar
 slower, the CRC the same). One torch thread, as in a DataLoader worker. Passes with and without the check
 alternate, so the drift of a shared machine hits both; the ratio of medians is the figure to quote.
 
-    python benchmarks/shard_checksum.py --samples 64 --per-shard 16 --repeats 3 --dir /tmp/shard-bench
+    python benchmarks/archive/shard_checksum.py --samples 64 --per-shard 16 --repeats 3 --dir /tmp/shard-bench
 """
 from __future__ import annotations
 
