@@ -18,9 +18,7 @@ Training step = forward + backward ~ 3x forward; TFLOP/s below use that.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -34,8 +32,9 @@ from fluxzero.model import math as fmath
 from fluxzero.model.layers import DoubleStreamBlock, SingleStreamBlock
 from fluxzero.model.layouts import bfl_to_diffusers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # provenance, also when this file is loaded by path
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # provenance, runner; also when loaded by path
 import provenance  # noqa: E402 - needs the line above
+import runner  # noqa: E402
 
 
 def block_flops(cfg, img_tokens, txt_tokens, kind):
@@ -137,7 +136,7 @@ def time_it(fn, grads, iters, warmup, device):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = runner.parser(__doc__)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="flux-tiny widths and few tokens (CPU smoke test)")
     ap.add_argument("--batches", default="1,4")
@@ -191,9 +190,9 @@ def main(argv=None):
         versions={**provenance.versions("torch", "deepspeed", "diffusers"), "cuda": torch.version.cuda},
         rows=rows,
     )
-    out_dir = os.environ.get("OUT", ".")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bench_blocks.json"), "w") as f:
+    out_dir = runner.out_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "bench_blocks.json", "w") as f:
         json.dump(result, f, indent=2)
     print(f"{result['gpu']} torch {result['torch']} diffusers {result['diffusers']} {cfg.name} {args.dtype}, "
           f"fwd+bwd median of {iters}")

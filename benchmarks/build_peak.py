@@ -19,12 +19,14 @@ millisecond by a thread): what loading holds beyond the model.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner, also when this file is loaded by path
+import runner  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ("model", "lora", "lora-int8", "lora-fp8", "full")
@@ -117,7 +119,7 @@ def measure(case: str, spec: str, precision: str = "bf16", stage: int = 2, root:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = runner.parser(__doc__)
     ap.add_argument("--model", default="flux-dev:depth=1,depth_single_blocks=2")
     ap.add_argument("--cases", default="model,lora,lora-int8,full")
     ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")

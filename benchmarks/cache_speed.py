@@ -12,9 +12,7 @@ FLOPs are not the point here (the VAE encoder dominates and is convolution-bound
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -23,6 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner, also when this file is loaded by path
+import runner  # noqa: E402
 
 WORDS = ("a photo of the cat dog red blue green house tree sky on in with small big person car street city "
          "night day light dark water mountain river sunset portrait close up old new wooden table").split()
@@ -125,12 +125,12 @@ def make_images(root: Path, n: int, scale: float) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = runner.parser(__doc__)
     ap.add_argument("--tiny", action="store_true", help="tiny encoders, small images (CPU smoke test)")
     ap.add_argument("--images", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=8)
     args = ap.parse_args()
-    out_dir = Path(os.environ.get("OUT", "."))
+    out_dir = runner.out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")

@@ -14,7 +14,6 @@ Each figure is the median of --repeats timed copies after a warm-up, in GB/s (1e
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import stamp, versions  # noqa: E402
+import runner  # noqa: E402
 
 
 def _time(fn, repeats: int) -> float:
@@ -51,10 +50,10 @@ def registered(nbytes: int) -> torch.Tensor:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = runner.parser(__doc__)
     ap.add_argument("--mbytes", type=int, default=680, help="buffer size in MB (1e6 bytes)")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--out", type=Path, default=None)
+    runner.add_out(ap, None, "JSON file (default: print only)")
     args = ap.parse_args()
     nbytes = args.mbytes * 10**6
     gpu_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -100,8 +99,8 @@ def main() -> None:
     rows["matmul_alone_s"] = t_mm
     rows["h2d_alone_s"] = t_copy
     rows["overlap_efficiency"] = (t_mm + t_copy) / t_both - 1.0  # 1.0: the copy hid entirely behind the matmuls
-    result = {"mbytes": args.mbytes, "repeats": args.repeats, "gbps": rows, "date": stamp(), "gpu": torch.cuda.get_device_name(),
-              "versions": versions("torch")}
+    result = {"mbytes": args.mbytes, "repeats": args.repeats, "gbps": rows, "gpu": torch.cuda.get_device_name(),
+              **runner.provenance_fields("torch")}
     for k, v in rows.items():
         print(f"{k:24s} {v:10.3f}")
     if args.out:

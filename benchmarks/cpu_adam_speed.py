@@ -17,13 +17,16 @@ torch's fused kernel both scale with cores and memory bandwidth, not necessarily
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
+import sys
 import statistics
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner, also when this file is loaded by path
+import runner  # noqa: E402
 
 
 def step_times(opt, params, steps: int) -> list[float]:
@@ -37,10 +40,10 @@ def step_times(opt, params, steps: int) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = runner.parser(__doc__)
     ap.add_argument("--params", type=float, default=250e6, help="fp32 parameters in the flat partition")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    runner.add_out(ap, "", "folder for cpu_adam_<CPU count>cpu.json")
     ap.add_argument("--chunk", type=float, default=0, help="HostAdamW's elements per chunk (0: HOST_STEP_CHUNK)")
     ap.add_argument("--no-deepspeed", action="store_true", help="leave out DeepSpeedCPUAdam (and its JIT build)")
     a = ap.parse_args()

@@ -9,7 +9,6 @@ Prints a markdown table; writes JSON to $OUT/gen_config_speed.json when OUT is s
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -20,6 +19,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner, also when this file is loaded by path
+import runner  # noqa: E402
 
 
 def timed(cmd: list[str], runs: int) -> tuple[list[float], list[float]]:
@@ -38,7 +41,7 @@ def timed(cmd: list[str], runs: int) -> tuple[list[float], list[float]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = runner.parser(__doc__)
     ap.add_argument("--runs", type=int, default=21)
     args = ap.parse_args()
 

@@ -32,7 +32,6 @@ The trial kinds, cycled in this order:
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -47,6 +46,9 @@ import time
 from pathlib import Path
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner, also when this file is loaded by path
+import runner  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("step", "save", "startup", "double", "export", "sigterm", "lost-latest")
@@ -332,7 +334,7 @@ def trial(kind: str, stage: int, folder: Path, rng: random.Random, ref: dict) ->
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = runner.parser(__doc__)
     p.add_argument("--stage", type=int, choices=(2, 3), default=2)
     p.add_argument("--lora-ema", action="store_true", help="a LoRA with an EMA, exporting the EMA")
     p.add_argument("--optimizer-mode", default=None, help="a fluxzero optimizer mode (default: DeepSpeed's AdamW)")
@@ -341,7 +343,7 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=12)
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, cycled")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="JSON file for the records")
+    runner.add_out(p, None, "JSON file for the records")
     p.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder, removed at the end")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)

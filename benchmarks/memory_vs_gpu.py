@@ -16,7 +16,6 @@ model implementation, not what fluxzero.config.memory describes) are listed for 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -26,6 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 from fluxzero.config import ds_config, memory  # noqa: E402  (pure modules)
 from fluxzero.config import get_model_config  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner, also when this file is loaded by path
+import runner  # noqa: E402
 
 GiB = memory.GiB
 RESULTS = ROOT / "benchmarks" / "results" / "2026-11-h200"
@@ -177,7 +179,7 @@ def markdown(cmp: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = runner.parser(__doc__)
     ap.add_argument("--results", type=Path, default=RESULTS, help="directory with the sweep's .jsonl files")
     ap.add_argument("--out", default=str(RESULTS / "memory_vs_estimate.md"), help="markdown file ('-': print only)")
     args = ap.parse_args(argv)

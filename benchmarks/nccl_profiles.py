@@ -42,6 +42,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fluxzero.cluster.nccl import profile_env  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner, also when this file is loaded by path
+import runner  # noqa: E402
+
 SIZES_MB = (1, 50, 500)
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 TCP = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
@@ -174,7 +177,7 @@ def table(records: list[dict]) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = runner.parser(__doc__, raw=True)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--cpu-smoke", action="store_true", help="gloo on CPU with tiny sizes (checks the script)")
@@ -200,7 +203,7 @@ def main() -> int:
         if torch.cuda.device_count() < a.nproc:
             print(f"needs {a.nproc} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
             return 1
-    out_dir = Path(os.environ.get("OUT", "."))
+    out_dir = runner.out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     records, t_start = [], time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:

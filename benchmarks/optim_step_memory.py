@@ -15,7 +15,6 @@ once: a whole tensor, or for modes with a step_chunk (fluxzero.config.optim_mode
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -25,6 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from fluxzero.config.optim_modes import get_mode  # noqa: E402  (pure: no torch in this process)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner, also when this file is loaded by path
+import runner  # noqa: E402
 CHILD = r"""
 import gc, json, os, resource, sys, tempfile
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fluxzero-inductor"))
@@ -65,12 +67,12 @@ print(json.dumps({"mode": mode, "numel": n, "step_chunk": getattr(opt, "step_chu
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = runner.parser(__doc__)
     ap.add_argument("--numel", type=float, default=5e7)
     ap.add_argument("--modes", nargs="*", default=["fp32", "bf16-sr", "bf16-kahan", "adamw8bit-sr", "adafactor-sr"])
     ap.add_argument("--step-chunks", nargs="*", default=["default"],
                     help="for modes with a step_chunk: 'default' (the registry's), 0 (whole tensor) or elements")
-    ap.add_argument("--out", default=None)
+    runner.add_out(ap, None, "folder for --file (default: print only)")
     ap.add_argument("--file", default="optim_step_memory.json", help="file name under --out")
     a = ap.parse_args()
     rows = []

@@ -12,7 +12,6 @@ carry and writes weight, m, v, carry (18 B); bf16-sr the same without the carry 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -23,6 +22,9 @@ import torch
 
 from fluxzero.model.flux import build_model
 from fluxzero.train.optim import KahanAdamW, build_optimizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner, also when this file is loaded by path
+import runner  # noqa: E402
 
 FLOOR_BYTES = {"bf16-kahan": 18, "bf16-kahan-eager": 18, "bf16-sr": 14, "adamw8bit-sr": 10, "adafactor-sr": 8}
 
@@ -66,12 +68,12 @@ def time_mode(mode: str, params: list, steps: int, device: torch.device) -> dict
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = runner.parser(__doc__)
     ap.add_argument("--model", default="flux-dev")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--modes", default="bf16-kahan,bf16-kahan-eager,bf16-sr")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--out", required=True)
+    runner.add_out(ap, None, "JSON lines file (appended)", required=True)
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     params = weights(a.model, device)
@@ -86,8 +88,7 @@ def main(argv=None) -> int:
         row.update(model=a.model, device=str(device), torch=torch.__version__,
                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
         rows.append(row)
-        with out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        runner.append_row(out, row)
         print(json.dumps(row), flush=True)
     print("| mode | step s | GB/s at the floor's bytes |\n|---|---|---|")
     for r in rows:

@@ -14,10 +14,12 @@ listed together at the end.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner, also when this file is loaded by path
+import runner  # noqa: E402
 
 MATCH_KEYS = ("model", "gpus", "zero", "precision", "ckpt", "mb", "res", "txt", "attn", "optim", "zero_opts", "env")
 
@@ -364,7 +366,7 @@ def render(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = runner.parser(__doc__)
     p.add_argument("jsonl", nargs="+", help="results of benchmarks/sweep.py")
     p.add_argument("--md", help="also write the markdown here")
     p.add_argument("--plot", help="write the plot here (.png / .svg)")

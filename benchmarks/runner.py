@@ -157,10 +157,12 @@ def parser(doc: str, raw: bool = False) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=doc.split("\n\n")[0])
 
 
-def add_out(p: argparse.ArgumentParser, default: Path | str | None, help: str = "result file") -> None:
-    """--out. `default`: a file name under out_dir(), an explicit path, or None (the flag is then required)."""
+def add_out(p: argparse.ArgumentParser, default: Path | str | None, help: str = "result file",
+            required: bool = False) -> None:
+    """--out. `default`: a name under out_dir() (an absolute path stays itself), or None: no default (with
+    required, the flag must be given; without, --out unset means the tool writes no file)."""
     if default is None:
-        p.add_argument("--out", type=Path, required=True, help=help)
+        p.add_argument("--out", type=Path, default=None, required=required, help=help)
     else:
         p.add_argument("--out", type=Path, default=out_dir() / default, help=f"{help} (default: %(default)s)")
 

@@ -74,7 +74,6 @@ row so far times the calls, plus COMPILE_ALLOWANCE_S for a compiling row and the
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import re
@@ -90,8 +89,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # provenance, cache_speed; also when loaded by path
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # provenance, runner, cache_speed; also when loaded by path
 import provenance  # noqa: E402 - needs the lines above
+import runner  # noqa: E402
 
 # fluxzero rows: the command's options (--batch-size, --compile, --attention, --grid) for each
 FLUXZERO_ROWS = {
@@ -639,8 +639,7 @@ def sdpa_state() -> dict:
 # ----- output --------------------------------------------------------------------------------------------------
 def write_row(out: Path, row: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    runner.append_row(out, row)
 
 
 def table(rows: list[dict]) -> str:
@@ -671,7 +670,7 @@ def table(rows: list[dict]) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = runner.parser(__doc__)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default=None, help="model preset (default: flux-dev on cuda, flux-tiny on cpu)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
@@ -691,7 +690,7 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="after each row's timed calls, profile one denoising step: time by kind, into the row and "
                         "<--out stem>_profile.txt")
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "sample_speed.jsonl")
+    runner.add_out(p, "sample_speed.jsonl", "JSON lines file (appended)")
     p.add_argument("--ema", action="store_true", help="measure the trainer's EMA update instead of sampling")
     p.add_argument("--ema-updates", type=int, default=20, help="timed EMA updates")
     p.add_argument("--ema-section", default="{}", help="the run file's ema: section as JSON ({} = the defaults)")
