@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 import os
 import platform
-import sys
 import statistics
+import sys
 import time
 from pathlib import Path
 
