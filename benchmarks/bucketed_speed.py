@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,9 +41,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))  # provenance and sweep, also when this file is loaded by path
+sys.path.insert(0, str(HERE))  # provenance, runner and sweep, also when this file is loaded by path
 
 import provenance  # noqa: E402 - needs the line above
+import runner  # noqa: E402
 
 LORA = {"rank": 16, "targets": "all-linear"}
 # name: (model, lora, {resolution: (micro batch, checkpoint every k blocks)})
@@ -96,7 +96,7 @@ def _follow(cmd: list, log: Path, env: dict, steps_file: Path, steps: int, timeo
     seen: dict[int, float] = {}
     with open(log, "w") as out:
         t0 = time.monotonic()
-        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        p = runner.start(cmd, log=out, env=env)
         try:
             while time.monotonic() - t0 < timeout and p.poll() is None and len(seen) < steps:
                 time.sleep(0.2)
@@ -107,7 +107,7 @@ def _follow(cmd: list, log: Path, env: dict, steps_file: Path, steps: int, timeo
         finally:
             rc = p.poll()
             if rc is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                runner.kill_group(p)
             p.wait()
     return seen, time.monotonic() - t0, rc
 
@@ -185,13 +185,13 @@ def peer_child(args: dict) -> int:
                       attn="flash" if device.type == "cuda" else "auto", compile=device.type == "cuda",
                       data=args["data"], lora=args["lora"], warmup=0, steps=args["steps"])
     ds_path = work / "peer_ds.json"
-    ds_path.write_text(json.dumps(sweep._ds_config(case, world)))
+    ds_path.write_text(json.dumps(sweep.deepspeed_config(case, world)))
     keys = sweep.run_file(case, world, str(ds_path), str(work / "peer_out"))
     # the loader workers the trainer takes on this machine (fluxzero.config.run.TrainConfig.loader_workers)
     workers = TrainConfig(**keys).loader_workers(device.type, len(os.sched_getaffinity(0)),
                                                  distributed.local_world_size())
     cfg = TrainConfig(**{**keys, "num_workers": workers})
-    engine, step = sweep._baseline_runner(case, cfg, rank, world, device, hook=lambda name: None)
+    engine, step = sweep.baseline_runner(case, cfg, rank, world, device, hook=lambda name: None)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with open(work / "peer_steps.jsonl", "a") as out:
         for i in range(args["steps"]):
@@ -246,8 +246,8 @@ def _csv(choices):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", help="JSON lines file (appended, one row per run); required")
+    ap = runner.parser(__doc__)
+    runner.add_out(ap, None, "JSON lines file (appended, one row per run); required")
     ap.add_argument("--workloads", type=_csv(WORKLOADS), default=["lite", "lora"])
     ap.add_argument("--res", type=int, default=512, help="pixels: the bucket mix's resolution")
     ap.add_argument("--data", type=_csv(DATA), default=["bucketed"])
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
                     help="cold: a fresh Inductor cache folder; warm: again on the folder the cold run filled")
     ap.add_argument("--steps", type=int, default=200, help="the step the wall time runs to")
     ap.add_argument("--last", type=int, default=50, help="steps at the end that the steady speed is taken over")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    runner.add_timeout(ap, 900, "seconds per run")
     ap.add_argument("--budget", type=float, default=None, help="seconds for all runs; later runs are not started")
     ap.add_argument("--shards", action="store_true", help="write the samples as a shard folder and train on that")
     ap.add_argument("--peer-child", help=argparse.SUPPRESS)
@@ -310,8 +310,7 @@ def main(argv=None) -> int:
                 if why:
                     row.update(why=why, log_tail=log.read_text(errors="replace").strip().splitlines()[-5:])
             results.append(row)
-            with out.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            runner.append_row(out, row)
             print(f"{name}: {row['status']} wall {row.get('wall_s', '')} s, steady "
                   f"{row.get('steady_samples_per_s', '')} samples/s {row.get('log_tail', '')}", flush=True)
     print("| run | wall to step N (s) | first step (s) | steady samples/s | by the clock | recompiles | peak GB |")

@@ -23,7 +23,6 @@ lora: section) and records --fit's predicted peak beside the measured one. A sho
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -39,6 +38,10 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # runner, also when this file is loaded by path
+
+import runner  # noqa: E402
+
 GIB = 1024**3
 
 
@@ -217,15 +220,13 @@ def run_case(case: Case, cap: float, work: Path) -> dict:
     stats_file = work / "stats.json"
     t0 = time.perf_counter()
     log = work / "train.log"  # the trainer's whole output, kept beside the run (a timeout leaves it too)
-    with log.open("w") as f:
-        try:
-            code = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), str(cap or 0), str(work / "run.json"),
-                                   str(stats_file), str(work / "run" / "metrics.jsonl"), str(case.steps)],
-                                  cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=case.timeout
-                                  ).returncode
-            tail = log.read_text(errors="replace").strip().splitlines()[-1:]
-        except subprocess.TimeoutExpired:
-            code, tail = None, [f"timed out after {case.timeout} s"]
+    res = runner.run([sys.executable, "-c", CHILD, str(ROOT), str(cap or 0), str(work / "run.json"),
+                      str(stats_file), str(work / "run" / "metrics.jsonl"), str(case.steps)],
+                     timeout=case.timeout, log=log, env=env)
+    if res.timed_out:
+        code, tail = None, [f"timed out after {case.timeout} s"]
+    else:
+        code, tail = res.rc, log.read_text(errors="replace").strip().splitlines()[-1:]
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     if stats_file.is_file():
         row.update(json.loads(stats_file.read_text()))
@@ -258,15 +259,15 @@ def _table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = runner.parser(__doc__)
     ap.add_argument("--set", choices=sorted(SETS), default="lora24")
     ap.add_argument("--cases", help="comma-separated case names of the set (default: all)")
     ap.add_argument("--memory-cap-gib", type=float, default=0.0,
                     help="cap PyTorch's CUDA allocator at this many GiB in each trainer process (0: no cap)")
-    ap.add_argument("--timeout", type=int, help="seconds per case (default: each case's own)")
+    runner.add_timeout(ap, None, "seconds per case (default: each case's own)", type=int)
     ap.add_argument("--steps", type=int, help="optimizer steps per case (default: each case's own)")
     ap.add_argument("--warmup", type=int, help="steps left out of the median (default: each case's own)")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "capped_runs.jsonl")
+    runner.add_out(ap, "capped_runs.jsonl", "JSON lines file (appended)")
     ap.add_argument("--workdir", type=Path, help="where the runs write (default: a temporary folder)")
     a = ap.parse_args(argv)
     cases = SETS[a.set]
@@ -284,8 +285,7 @@ def main(argv=None) -> int:
     for case in cases:
         row = run_case(case, a.memory_cap_gib, work / case.name)
         rows.append(row)
-        with a.out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        runner.append_row(a.out, row)
         print(f"{case.name}: {'ok' if row['ok'] else 'FAILED'} samples/s={row.get('samples_per_s')} "
               f"peak_alloc={row.get('peak_allocated_gib')} rss={row.get('host_peak_rss_gib')}", flush=True)
     print(_table(rows))

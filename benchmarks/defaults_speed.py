@@ -18,10 +18,8 @@ One JSON line per case is appended to --out as soon as it is measured; a table i
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -31,6 +29,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))  # runner, also when this file is loaded by path
+
+import runner  # noqa: E402
 
 # name: (model, resolution, gen-config args, run-file keys, lora section or None)
 DEV_LORA = {"rank": 16, "targets": "all-linear"}
@@ -150,8 +151,8 @@ def run_case(name: str, work: Path, rows: int, timeout: float, cap: float | None
         env["FLUXZERO_BENCH_MEMORY_CAP_GIB"] = str(cap)
     log = open(work / "train.log", "w")
     t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(work / "run.yaml")],
-                         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    p = runner.start([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(work / "run.yaml")],
+                     log=log, env=env)
     metrics, got, rss = work / "out" / "metrics.jsonl", [], None
     while time.monotonic() - t0 < timeout and p.poll() is None:
         time.sleep(1)
@@ -161,7 +162,7 @@ def run_case(name: str, work: Path, rows: int, timeout: float, cap: float | None
             break
     rss = _rss_gib(p.pid)
     if p.poll() is None:
-        os.killpg(p.pid, signal.SIGKILL)
+        runner.kill_group(p)
     p.wait()
     log.close()
     wall = time.monotonic() - t0
@@ -214,12 +215,12 @@ def _cuda() -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = runner.parser(__doc__)
     ap.add_argument("--cases", required=True, help=f"comma-separated case names or sets ({', '.join(SETS)}); "
                                                    f"cases: {', '.join([*CASES, *PEERS])}")
-    ap.add_argument("--out", required=True, help="JSON lines file (appended)")
+    runner.add_out(ap, None, "JSON lines file (appended)", required=True)
     ap.add_argument("--rows", type=int, default=8, help="metrics rows (steps) to wait for per case")
-    ap.add_argument("--timeout", type=float, default=150, help="seconds per case")
+    runner.add_timeout(ap, 150)
     ap.add_argument("--memory-cap-gib", type=float, default=None)
     a = ap.parse_args(argv)
     names = [n for part in a.cases.split(",") for n in SETS.get(part, [part])]
@@ -237,8 +238,7 @@ def main(argv=None) -> int:
                                                                             a.memory_cap_gib, peak)
             row.update(measured_peak_tflops=peak, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
             results.append(row)
-            with out.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            runner.append_row(out, row)
             print(f"{n}: {row.get('status')} {row.get('samples_per_s', '')} samples/s "
                   f"peak {row.get('peak_allocated_gb', '')} GB {row.get('log_tail', '')}", flush=True)
     print(f"\nmeasured bf16 matmul peak: {peak and round(peak)} TFLOP/s")

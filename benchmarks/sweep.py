@@ -437,7 +437,7 @@ def _fluxzero_runner(case: Case, cfg, rank: int, world: int, device, hook):
     return run.engine, step
 
 
-def _baseline_runner(case: Case, cfg, rank: int, world: int, device, hook):
+def baseline_runner(case: Case, cfg, rank: int, world: int, device, hook):
     """The baseline keeps a step of its own (diffusers + DeepSpeed as users write it), fed by the trainer's
     loader and flow.prepare_batch, with the same phase marks."""
     import torch
@@ -515,7 +515,7 @@ def run_case(case: Case, phase: _Phase) -> dict:
         engine, train_step = _fluxzero_runner(case, cfg, rank, world, device, hook)
         engine_api = ENGINE_API
     else:
-        engine, train_step = _baseline_runner(case, cfg, rank, world, device, hook)
+        engine, train_step = baseline_runner(case, cfg, rank, world, device, hook)
         engine_api = BASELINE_API
     clock.sync()
     init_s = time.perf_counter() - t0
