@@ -5,7 +5,6 @@ Only pure modules are imported at the top; deepspeed is imported by check-config
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 
 import click
@@ -352,11 +351,13 @@ def _load_json(path: str) -> tuple[object, list[str]]:
         return seen
 
     problems: list[str] = []
+    from fluxzero.config.user_files import ParseError, parse_json
+
     try:
-        with open(path) as f:
-            return json.load(f, object_pairs_hook=no_duplicates), problems
-    except json.JSONDecodeError as e:
-        return None, [f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"]
+        with open(path, encoding="utf-8") as f:
+            return parse_json(f.read(), object_pairs_hook=no_duplicates), problems
+    except ParseError as e:
+        return None, [f"not valid JSON: {e}"]
     except UnicodeDecodeError:
         return None, ["not a text file"]
 

@@ -15,6 +15,7 @@ from fluxzero.config.lora import LoraConfig
 from fluxzero.config.models import model_spec, resolve_model
 from fluxzero.config.sections import (MOVED_TO_SECTIONS, SECTIONS, CheckpointConfig, ExportConfig, SampleConfig,
                                       ValidationConfig, moved_to_sections_message)
+from fluxzero.config.user_files import excerpt
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -77,9 +78,9 @@ class FlowConfig:
     def __post_init__(self):
         _check_types(self, "flow.")
         if self.timestep_sampling not in ("uniform", "logit_normal"):
-            raise ValueError(f"flow.timestep_sampling must be 'uniform' or 'logit_normal', got {self.timestep_sampling!r}")
+            raise ValueError(f"flow.timestep_sampling must be 'uniform' or 'logit_normal', got {excerpt(self.timestep_sampling)}")
         if self.shift not in ("none", "fixed", "resolution"):
-            raise ValueError(f"flow.shift must be 'none', 'fixed' or 'resolution', got {self.shift!r}")
+            raise ValueError(f"flow.shift must be 'none', 'fixed' or 'resolution', got {excerpt(self.shift)}")
         import math
 
         # nan and inf pass every comparison below (logit_mean inf trained with every t = 1)
@@ -142,7 +143,7 @@ class TrainConfig:
             self.lora = LoraConfig.from_dict(self.lora)
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
             raise ValueError(f"lora must be a mapping of LoRA options (rank, alpha, targets, ...) or null, got "
-                             f"{self.lora!r}")
+                             f"{excerpt(self.lora)}")
         for name, cls in SECTIONS.items():  # a mapping (YAML, Python callers) becomes its frozen section
             if not isinstance(getattr(self, name), cls):
                 setattr(self, name, cls.from_dict(getattr(self, name)))
@@ -162,7 +163,7 @@ class TrainConfig:
             if getattr(self, f) is not None and getattr(self, f) < 0:
                 raise ValueError(f"{f} must be 0 or more, got {getattr(self, f)}")
         if self.attention not in ("auto", "flash", "efficient", "cudnn", "math"):
-            raise ValueError(f"attention must be auto, flash, efficient, cudnn or math, got {self.attention!r}")
+            raise ValueError(f"attention must be auto, flash, efficient, cudnn or math, got {excerpt(self.attention)}")
         self._check_across_sections()
 
     def _check_across_sections(self) -> None:

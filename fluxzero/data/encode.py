@@ -1,11 +1,11 @@
 """FLUX.1's frozen encoders, loaded from local files only: VAE (latents), T5 (sequence), CLIP-L (pooled)."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from fluxzero.config.user_files import parse_json
 from fluxzero.data.errors import DataError
 
 # FLUX.1's autoencoder: latents are (z - shift) * scale; used when the VAE config does not carry them.
@@ -47,7 +47,7 @@ class EncoderPaths:
 
 def _read_json(path: Path) -> dict:
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = parse_json(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise DataError(f"{path} is not readable JSON ({str(e).splitlines()[0]}); restore it from the model's files.") from None
     if not isinstance(doc, dict):

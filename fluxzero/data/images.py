@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import csv
-import json
 import threading
 from pathlib import Path
 
+from fluxzero.config.user_files import parse_json
 from fluxzero.data.buckets import cover_and_crop
 from fluxzero.data.errors import DataError
 
@@ -108,7 +108,7 @@ def read_caption_table(path) -> dict[str, str]:
             for n, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
                 if line.strip():
                     try:
-                        rows.append(json.loads(line))
+                        rows.append(parse_json(line))
                     except ValueError:
                         raise DataError(f"{path} line {n} is not valid JSON.") from None
         elif path.suffix == ".csv":

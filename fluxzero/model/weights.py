@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..config import MODEL_PRESETS, ModelConfig
+from ..config.user_files import parse_json
 from .layouts import (
     _SHOW, COMFY_PREFIX, DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS, LAYOUTS, MODEL_METADATA, WeightsError, _combine,
     _diffusers_parts, _expected_shapes, _part, _plan_from_diffusers, _raise_if, _wrong_shapes, infer_config,
@@ -58,7 +59,7 @@ def _index_files(index: Path) -> dict[str, Path]:
     """Raw key -> shard file, from a diffusers index; every shard is checked to hold what the index says."""
     fix = "fix it or write the folder again"
     try:
-        index_json = json.loads(index.read_text())
+        index_json = parse_json(index.read_text())
     except ValueError as e:  # not JSON, not UTF-8
         raise WeightsError(f"{index}: not a valid index file ({e}); {fix}") from None
     weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
@@ -175,7 +176,7 @@ def diffusers_axes(path) -> tuple[int, ...] | None:
     """RoPE axes declared by a diffusers folder's config.json, if any."""
     d = Path(path).is_dir() and _diffusers_dir(Path(path))
     try:
-        axes = json.loads((d / "config.json").read_text()).get("axes_dims_rope") if d else None
+        axes = parse_json((d / "config.json").read_text()).get("axes_dims_rope") if d else None
     except (OSError, ValueError, AttributeError):  # no or unreadable config.json: infer from head dim
         return None
     if axes is None:
@@ -201,7 +202,7 @@ def declared(path) -> dict:
     if text is None:
         return {}
     try:
-        cfg = ModelConfig.from_dict(json.loads(text))
+        cfg = ModelConfig.from_dict(parse_json(text))
     except ValueError as e:  # also invalid JSON
         raise WeightsError(f"{path}: the model recorded in its metadata ({MODEL_METADATA}) is unreadable "
                            f"({str(e).splitlines()[0][:200]}); pass --model naming the shape the weights have") from None
