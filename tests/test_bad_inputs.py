@@ -713,3 +713,157 @@ def test_two_ranks_refuse_batch_arithmetic_and_another_world_size(inputs, traine
         assert _meets_bar(code, text, True) is None, text
         assert words in text, text
     assert "Traceback" not in err1 and not _error_lines(err1), err1[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every reader of a JSON or YAML file fluxzero is given: nesting that would exhaust Python's stack, a YAML alias
+# bomb, a YAML syntax error (one sentence, bounded, naming the file; the YAML one keeps PyYAML's line and column)
+# ---------------------------------------------------------------------------------------------------------
+DEEP_JSON = "[" * 5000 + "]" * 5000
+DEEP_YAML = "steps: " + "[" * 5000 + "]" * 5000 + "\n"
+# 600 bytes that expand to 9^6 strings when a value is printed or copied
+ALIAS_BOMB = "steps: [" + ", ".join(
+    [f'&a0 ["{"lol"}"' + ', "lol"' * 8 + "]"]
+    + [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 7)]) + "]\n"
+TAB_YAML = "steps: 2\ndata: x\n\tdeepspeed: y\n"
+
+
+def _safetensors_with(path: Path, meta: dict, tensors: dict | None = None) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file(tensors or {"x": torch.zeros(1)}, str(path), meta)
+    return path
+
+
+def _read_run_file(tmp: Path, text: str):
+    from fluxzero.config.runfile import load_config
+
+    (tmp / "run.yaml").write_text(text)
+    return load_config(str(tmp / "run.yaml"))
+
+
+def _read_saved_run(tmp: Path, text: str):
+    from fluxzero.config.runfile import read_saved_run
+
+    (tmp / "run.yaml").write_text(text)
+    return read_saved_run(tmp / "run.yaml", "restore it", ValueError)
+
+
+def _reader_cases():
+    """(name, reader(tmp) that raises, words its one sentence holds)."""
+    def ds_json(tmp):
+        from fluxzero.config.ds_file import read_json
+
+        (tmp / "ds.json").write_text('{"optimizer": ' + DEEP_JSON + "}")
+        return read_json(tmp / "ds.json")
+
+    def ckpt_ds_config(tmp):
+        from fluxzero.train.resume import saved_view
+
+        (tmp / "ds_config.json").write_text(DEEP_JSON)
+        return saved_view(tmp / "ds_config.json")
+
+    def lora_targets(tmp):
+        import torch
+
+        from fluxzero.model.lora_formats import read_lora
+
+        t = {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(4, 64),
+             "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(192, 4)}
+        return read_lora(_safetensors_with(tmp / "lora.safetensors", {"fluxzero.targets": DEEP_JSON}, t))
+
+    def weights_header(tmp):
+        from fluxzero.model.layouts import MODEL_METADATA
+        from fluxzero.model.weights import declared
+
+        return declared(_safetensors_with(tmp / "w.safetensors", {MODEL_METADATA: DEEP_JSON}))
+
+    def diffusers_index(tmp):
+        from fluxzero.model.layouts import DIFFUSERS_INDEX
+        from fluxzero.model.weights import source_config
+
+        (tmp / "config.json").write_text("{}")
+        (tmp / DIFFUSERS_INDEX).write_text(DEEP_JSON)
+        return source_config(tmp)
+
+    def diffusers_config(tmp):
+        from fluxzero.config.models import from_diffusers_config
+
+        (tmp / "config.json").write_text(DEEP_JSON)
+        return from_diffusers_config(tmp / "config.json")
+
+    def manifest(tmp):
+        from fluxzero.data.shards import MANIFEST, read_manifest
+
+        (tmp / MANIFEST).write_text(DEEP_JSON)
+        return read_manifest(tmp)
+
+    def metadata_jsonl(tmp):
+        from fluxzero.data.images import read_caption_table
+
+        (tmp / "metadata.jsonl").write_text('{"file_name": "a.png", "text": "a"}\n' + DEEP_JSON + "\n")
+        return read_caption_table(tmp / "metadata.jsonl")
+
+    def embeddings(tmp):
+        import torch
+
+        from fluxzero.sampling.embeddings import FORMAT, VERSION, load_embeddings
+
+        return load_embeddings(_safetensors_with(
+            tmp / "emb.safetensors", {"format": FORMAT, "version": VERSION, "prompts": DEEP_JSON},
+            {"t5": torch.zeros(1, 4, 64), "clip_pooled": torch.zeros(1, 32)}))
+
+    return [
+        ("run_file_deep", lambda tmp: _read_run_file(tmp, DEEP_YAML), "nested more than"),
+        ("run_file_alias_bomb", lambda tmp: _read_run_file(tmp, ALIAS_BOMB), "aliases"),
+        ("run_file_tab", lambda tmp: _read_run_file(tmp, TAB_YAML), "found character '\\t' that cannot start any "
+                                                                    "token at line 3, column 1"),
+        ("run_override_deep", lambda tmp: __import__("fluxzero.config.runfile").config.runfile.load_config(
+            None, ["steps=" + "[" * 5000]), "steps="),
+        ("saved_run_yaml_deep", lambda tmp: _read_saved_run(tmp, DEEP_YAML), "nested more than"),
+        ("saved_run_yaml_bomb", lambda tmp: _read_saved_run(tmp, ALIAS_BOMB), "aliases"),
+        ("deepspeed_json", ds_json, "nested more than"),
+        ("checkpoint_ds_config", ckpt_ds_config, "ds_config.json"),
+        ("lora_header", lora_targets, "fluxzero.targets"),
+        ("weights_header", weights_header, "w.safetensors"),
+        ("diffusers_index", diffusers_index, "index"),
+        ("diffusers_config", diffusers_config, "config.json"),
+        ("shard_manifest", manifest, "manifest"),
+        ("metadata_jsonl", metadata_jsonl, "line 2"),
+        ("embeddings_prompts", embeddings, "emb.safetensors"),
+    ]
+
+
+@pytest.mark.parametrize("name, reader, words", _reader_cases(), ids=[c[0] for c in _reader_cases()])
+def test_reader_refuses_deep_or_aliased_input_in_one_sentence(tmp_path, name, reader, words):
+    with pytest.raises(Exception) as e:
+        reader(tmp_path)
+    text = str(e.value)
+    assert isinstance(e.value, ValueError) or type(e.value).__module__.startswith("fluxzero"), repr(e.value)[:500]
+    assert words in text and "\n" not in text and len(text) < 400, text
+
+
+def test_readers_that_skip_damage_skip_deep_lines(tmp_path):
+    """metrics.jsonl on resume and the cache plan treat an unreadable record as damage (dropped, encoded again)."""
+    from fluxzero.data.cache import _read_plan
+    from fluxzero.train.metrics import truncate_jsonl
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n' + DEEP_JSON + '\n{"step": 2}\n')
+    assert truncate_jsonl(tmp_path / "metrics.jsonl", 1) == 2
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    (tmp_path / "plan.json").write_text(DEEP_JSON)
+    assert _read_plan(tmp_path / "plan.json") == {"fingerprint": "damaged"}
+
+
+def test_an_excerpt_bounds_any_value_quoted_in_an_error():
+    from fluxzero.config.runfile import ConfigError, load_config
+    from fluxzero.config.user_files import excerpt, parse_yaml
+
+    shared = parse_yaml("a: &a [" + ", ".join(['"lol"'] * 9) + "]\n"
+                        + "".join(f"a{i}: &a{i} [{', '.join(['*a' + (str(i - 1) if i > 1 else '')] * 9)}]\n"
+                                  for i in range(1, 5)))
+    assert len(excerpt(shared["a4"])) < 120 and len(excerpt("x" * 10**6)) < 120
+    with pytest.raises(ConfigError) as e:  # a large value within the bounds: quoted short
+        load_config(None, ["deepspeed=a", "data=b", "output_dir=c", f"steps={list(range(50000))}"])
+    assert "steps must be a whole number" in str(e.value) and len(str(e.value)) < 200, str(e.value)[:500]
