@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -179,6 +180,20 @@ def inputs(tmp_path_factory) -> Path:
     (d / "tiny_truncated.safetensors").write_bytes(raw[: len(raw) // 2])
     (d / "no_weights_dir").mkdir()
     (d / "no_weights_dir" / "readme.txt").write_text("nothing here")
+    # pipes and folders where a file is read (opening a FIFO waits for a writer forever)
+    from PIL import Image
+
+    for name in ("fifo_caption", "folder_caption"):
+        (d / name).mkdir()
+        Image.new("RGB", (32, 32)).save(d / name / "a.png")
+    os.mkfifo(d / "fifo_caption" / "a.txt")
+    (d / "folder_caption" / "a.txt").mkdir()
+    os.mkfifo(d / "fifo.jsonl")
+    os.mkfifo(d / "fifo_prompts.txt")
+    os.mkfifo(d / "fifo_run.yaml")
+    from fluxzero.data.tiny_encoders import write_tiny_encoders
+
+    write_tiny_encoders(d / "tiny_enc")
     return d
 
 
@@ -342,7 +357,23 @@ def _cli_cases():
         # train (the command)
         ("train_missing_config", ["train", "--config", f"{I}/nope.yaml"], "nope.yaml"),
         ("train_flag_override", ["train", "--config", f"{I}/run.yaml", "--steps", "5"], "steps=VALUE"),
+        # a pipe or a folder where a file is read
+        ("cache_fifo_captions", ["cache", f"{I}/fifo_caption", "{out}", "--captions", f"{I}/fifo.jsonl",
+                                 "--flux-dir", f"{I}/tiny_enc"], "not a regular file"),
+        ("cache_fifo_txt_caption", ["cache", f"{I}/fifo_caption", "{out}", "--flux-dir", f"{I}/tiny_enc"],
+         "not a regular file"),
+        ("cache_folder_txt_caption", ["cache", f"{I}/folder_caption", "{out}", "--flux-dir", f"{I}/tiny_enc"],
+         "is a folder"),
+        ("encode_prompts_fifo", ["encode-prompts", "--prompts", f"{I}/fifo_prompts.txt", "{out}.safetensors"],
+         "not a regular file"),
+        ("sample_prompts_fifo", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", "--prompts",
+                                 f"{I}/fifo_prompts.txt"], "not a regular file"),
+        ("train_fifo_run_file", ["train", "--config", f"{I}/fifo_run.yaml"], "not a regular file"),
     ]
+
+
+def _waited_too_long(*_):
+    raise TimeoutError("the command waited 120 s (a read that blocks)")
 
 
 CLI_XFAIL: dict[str, str] = {}  # none left; a case that cannot pass yet goes here with its reason
@@ -359,7 +390,12 @@ def test_command_refuses_bad_input(inputs, tmp_path, monkeypatch, name, argv, wo
         monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
     argv = [a.replace("{in}", str(inputs)).replace("{out}", str(tmp_path / "out")) for a in argv]
     before = tree_hash(inputs)
-    r = CliRunner().invoke(main, argv, catch_exceptions=True)
+    signal.signal(signal.SIGALRM, _waited_too_long)
+    signal.alarm(120)  # a read that blocks (a FIFO) fails the case instead of hanging the suite
+    try:
+        r = CliRunner().invoke(main, argv, catch_exceptions=True)
+    finally:
+        signal.alarm(0)
     text = r.output + (f"\nTraceback (raised): {r.exc_info[1]!r}" if r.exception and not isinstance(
         r.exception, SystemExit) else "")
     kind = {"check-config": "findings", "doctor": "report"}.get(argv[0], "one")

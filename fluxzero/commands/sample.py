@@ -53,8 +53,12 @@ def _device_options(f):
 
 
 def _read_prompts(prompt_texts, prompts_file: Path | None) -> list[str]:
+    from fluxzero.config.user_files import check_regular
+
     prompts = list(prompt_texts)
     if prompts_file is not None:
+        check_regular(prompts_file, "prompts file", "pass a UTF-8 text file with one prompt per line",
+                      lambda sentence: click.BadParameter(sentence, param_hint="--prompts"))
         try:
             lines = prompts_file.read_text(encoding="utf-8-sig").splitlines()
         except UnicodeDecodeError:

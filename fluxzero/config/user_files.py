@@ -4,15 +4,33 @@ sentence that names the file and says what to pass instead. Pure Python.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 
+def check_regular(path: str | os.PathLike, what: str, fix: str, error, missing: str | None = None) -> None:
+    """`error(sentence)` unless `path` is a regular file: missing, a folder, or a pipe, socket or device (opening a
+    FIFO waits for a writer that may never come). `what`, `fix` and `missing` as for `read_text`."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise error(f"{what} {path} does not exist; {missing or fix}") from None
+    except OSError as e:
+        raise error(f"cannot read {what} {path} ({e.strerror or e}); {fix}") from None
+    if stat.S_ISDIR(mode):
+        raise error(f"{what} {path} is a folder; {fix}")
+    if not stat.S_ISREG(mode):
+        raise error(f"{what} {path} is not a regular file (a pipe, socket or device); {fix}")
+
+
 def read_text(path: str | os.PathLike, what: str, fix: str, error: type[Exception], missing: str | None = None) -> str:
-    """The text of `path`, or `error(sentence)` when it does not exist, is a folder, is not text or is unreadable.
+    """The text of `path`, or `error(sentence)` when it does not exist, is a folder, a pipe or device, is not text
+    or is unreadable.
 
     `what` names the file for the reader ("run file"), `fix` says what to pass instead; `missing`, when given,
     is said instead of `fix` for a file that does not exist (how to make one).
     """
+    check_regular(path, what, fix, error, missing)
     try:
         return Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
