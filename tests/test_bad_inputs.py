@@ -147,6 +147,9 @@ def inputs(tmp_path_factory) -> Path:
     w("ds_empty.json", "")
     w("ds_clip_negative.json", json.dumps(_ds(gradient_clipping=-1.0)))
     w("ds_offload_opt_z0.json", json.dumps(_ds(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}})))
+    w("ds_micro_nan.json", json.dumps(_ds(train_micro_batch_size_per_gpu=float("nan"))))
+    w("ds_fp8_z3.json", json.dumps(_ds(zero_optimization={"stage": 3}, bf16={"enabled": True},
+                                       fluxzero={"fp8": {"recipe": "tensorwise"}})))
     w("run_empty.yaml", "")
     (d / "run_binary.yaml").write_bytes(b"\x00\xff\xfe binary")
     w("run_model_mapping.yaml", yaml.safe_dump({**base, "model": {"preset": "flux-tiny", "depth": -1}}))
@@ -357,6 +360,25 @@ def _cli_cases():
         # train (the command)
         ("train_missing_config", ["train", "--config", f"{I}/nope.yaml"], "nope.yaml"),
         ("train_flag_override", ["train", "--config", f"{I}/run.yaml", "--steps", "5"], "steps=VALUE"),
+        # numbers without a bound, each refused naming the setting and its range
+        ("estimate_hidden_size_huge", ["estimate", "--hidden-size", "10000000000", "--heads", "1"], "1 to 65536"),
+        ("estimate_depth_huge", ["estimate", "--depth", "10000000000"], "0 to 1024"),
+        ("estimate_lora_rank_huge", ["estimate", "--model", "flux-tiny", "--lora-rank", "100000000000"],
+         "lora.rank must be from 1 to"),
+        ("estimate_theta_zero", ["estimate", "--model", "flux-tiny:theta=0"], "theta"),
+        ("estimate_mlp_width_zero", ["estimate", "--model", "flux-tiny:mlp_ratio=0.001"], "mlp_ratio"),
+        ("estimate_micro_batch_nan", ["estimate", "--config", f"{I}/ds_micro_nan.json"],
+         "train_micro_batch_size_per_gpu"),
+        ("gen_lora_rank_huge", ["gen-config", "--model", "flux-tiny", "--lora-rank", "100000"], "lora.rank"),
+        ("gen_lora_matches_nothing", ["gen-config", "--model", "flux-tiny", "--lora-rank", "4", "--lora-targets",
+                                      "nope.*"], "matches no linear layer"),
+        ("gen_fp8_zero3", ["gen-config", "--zero-stage", "3", "--fp8", "tensorwise"], "ZeRO-3"),
+        ("check_fp8_zero3", ["check-config", "--no-deepspeed", f"{I}/ds_fp8_z3.json"], "fluxzero.fp8"),
+        ("encode_prompts_t5_length", ["encode-prompts", "--prompt", "a", "--t5-max-length", "1000000000",
+                                      "{out}.safetensors"], "1<=x<=4096"),
+        ("cache_seed_huge", ["cache", f"{I}/empty_data", "{out}", "--seed", str(2**70)], "--seed"),
+        ("sample_seed_huge", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", "--prompt", "a", "--seed",
+                              str(2**70)], "--seed"),
         # a pipe or a folder where a file is read
         ("cache_fifo_captions", ["cache", f"{I}/fifo_caption", "{out}", "--captions", f"{I}/fifo.jsonl",
                                  "--flux-dir", f"{I}/tiny_enc"], "not a regular file"),
@@ -903,3 +925,59 @@ def test_an_excerpt_bounds_any_value_quoted_in_an_error():
     with pytest.raises(ConfigError) as e:  # a large value within the bounds: quoted short
         load_config(None, ["deepspeed=a", "data=b", "output_dir=c", f"steps={list(range(50000))}"])
     assert "steps must be a whole number" in str(e.value) and len(str(e.value)) < 200, str(e.value)[:500]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Numbers without a bound in a run file: refused where they enter (the dataclasses), naming the setting and range
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, words", [
+    (f"seed={2**70}", "seed must be a whole number from 0 to 2**63 - 1"),
+    ("seed=-1", "seed must be a whole number from 0 to 2**63 - 1"),
+    ("lora={rank: 100000000}", "lora.rank must be from 1 to the model's width 64"),
+    ("lora={rank: 4, alpha: .inf}", "lora.alpha must be a positive finite number"),
+    ("lora={rank: 4, targets: [nope.*]}", "matches no linear layer of flux-tiny"),
+    ("model={preset: flux-tiny, theta: 0}", "theta (RoPE base) must be from 1 to"),
+    ("model={preset: flux-tiny, theta: -3}", "theta (RoPE base) must be from 1 to"),
+    ("model={preset: flux-tiny, mlp_ratio: 0.001}", "mlp_ratio 0.001 gives an MLP width of hidden_size x mlp_ratio = 0"),
+    ("model={preset: flux-tiny, mlp_ratio: .inf}", "mlp_ratio"),
+    ("model={preset: flux-tiny, depth: 10000000000}", "depth must be from 0 to 1024"),
+    ("model={preset: flux-tiny, hidden_size: 100000000, num_heads: 1}", "hidden_size"),
+], ids=lambda v: v if len(v) < 40 else v[:40])
+def test_run_file_refuses_unbounded_numbers(override, words):
+    from fluxzero.config.runfile import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["deepspeed=ds.json", "data=d", "output_dir=o", "model=flux-tiny", override])
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What gen-config writes and prints, the trainer accepts: its JSON passes the trainer's DeepSpeed checks and the
+# run-file keys of its `next:` line load as the trainer loads a run file
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ["--model", "flux-tiny"],
+    ["--model", "flux-tiny", "--lora-rank", "8"],
+    ["--model", "flux-tiny", "--lora-rank", "8", "--lora-targets", "double_blocks.*.img_attn.qkv,single_blocks.*"],
+    ["--model", "flux-tiny", "--lora-rank", "4", "--lora-targets", "*.linear1"],
+    ["--model", "flux-tiny", "--zero-stage", "2", "--fp8", "tensorwise", "--precision", "bf16"],
+    ["--model", "flux-tiny", "--lora-rank", "8", "--fit", "--gpu-memory", "24", "--world-size", "1"],
+    ["--model", "flux-tiny", "--fit", "--gpu-memory", "80", "--world-size", "2", "--ema", "bf16"],
+], ids=lambda a: " ".join(a[2:]) or "plain")
+def test_what_gen_config_writes_passes_the_trainers_checks(tmp_path, argv):
+    from fluxzero.cli import main
+    from fluxzero.config.ds_file import load_for_training
+    from fluxzero.config.runfile import load_config
+
+    out = tmp_path / "ds.json"
+    r = CliRunner().invoke(main, ["gen-config", *argv, "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    world = int(argv[argv.index("--world-size") + 1]) if "--world-size" in argv else 1
+    load_for_training(out, world)  # the trainer's checks of its DeepSpeed config (raises on a finding)
+    nxt = [line for line in r.output.splitlines() if line.startswith("next: in run.yaml set ")]
+    keys = nxt[0].removeprefix("next: in run.yaml set ").split("; then ")[0].split("; ") if nxt else []
+    run = tmp_path / "run.yaml"
+    keys = keys or [f"deepspeed: {out}"]
+    run.write_text("\n".join(keys) + "\ndata: d\noutput_dir: o\nmodel: flux-tiny\n")
+    cfg = load_config(str(run))
+    assert (cfg.lora is not None) == ("--lora-rank" in argv) and cfg.deepspeed == str(out)

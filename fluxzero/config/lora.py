@@ -7,6 +7,7 @@ regexes because they read naturally in YAML and need no escaping of the dots in 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -56,9 +57,10 @@ class LoraConfig:
             raise ValueError(f"lora.rank must be a whole number of at least 1, got {excerpt(self.rank)}; set e.g. rank: 16")
         if self.alpha is None:
             self.alpha = float(self.rank)
-        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not self.alpha > 0:
-            raise ValueError(f"lora.alpha must be a positive number, got {excerpt(self.alpha)}; set it to the rank "
-                             "(scale 1) or leave it out")
+        if (not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not self.alpha > 0
+                or not math.isfinite(self.alpha)):
+            raise ValueError(f"lora.alpha must be a positive finite number, got {excerpt(self.alpha)}; set it to the "
+                             "rank (scale 1) or leave it out")
         self.alpha = float(self.alpha)
         if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
             raise ValueError(f"lora.dropout must be a number in [0, 1), got {excerpt(self.dropout)}; use 0 to turn it off")
@@ -119,6 +121,31 @@ class LoraConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def check_model(self, model_cfg) -> None:
+        """ValueError (one sentence naming the setting) unless these adapters fit a model of shape `model_cfg` (a
+        ModelConfig): a rank from 1 to the model's width (a larger one adds nothing but memory), and targets
+        that select linears of it, every pattern of a list at least one (fluxzero.model.lora.target_modules
+        applies the same rule to the built model). The one check of a LoRA against its model, for the run file,
+        gen-config and the memory model."""
+        import fnmatch
+
+        width = model_cfg.hidden_size
+        if self.rank > width:
+            raise ValueError(f"lora.rank must be from 1 to the model's width {width} ({model_cfg.name}), got "
+                             f"{self.rank}; set e.g. rank: 16")
+        names = list(linear_shapes(model_cfg))
+        hits = {p: [n for n in names if fnmatch.fnmatchcase(n, p)] for p in self.patterns}
+        if isinstance(self.targets, str):
+            if not any(hits.values()):
+                raise ValueError(f"lora.targets {self.targets!r} selects no linear layer of {model_cfg.name}; name "
+                                 f"module patterns instead (e.g. img_in, final_layer.linear)")
+            return
+        missed = [p for p, hit in hits.items() if not hit]
+        if missed:
+            raise ValueError(f"lora.targets pattern {excerpt(missed[0])} matches no linear layer of {model_cfg.name}; "
+                             f"patterns are fnmatch globs over whole module names such as "
+                             f"double_blocks.*.img_attn.qkv or single_blocks.*.linear1")
 
 
 def linear_shapes(model_cfg) -> dict[str, tuple[int, int]]:

@@ -11,6 +11,14 @@ from dataclasses import dataclass
 from fluxzero.config.user_files import excerpt, parse_json
 
 
+# What a ModelConfig may say: far beyond any FLUX.1-shaped model (FLUX.1-dev: width 3072, 19 + 38 blocks), and
+# small enough that the memory model and parameter counts stay exact and a typo (depth=10000000000) is refused
+# instead of exhausting memory
+MAX_WIDTH = 65536
+MAX_BLOCKS = 1024
+MAX_THETA = 10**9
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a FLUX.1 transformer. Field names follow BFL's `FluxParams`."""
@@ -31,11 +39,23 @@ class ModelConfig:
     guidance_embed: bool = True
 
     def __post_init__(self):
+        import math
+
         for f in ("in_channels", "out_channels", "vec_in_dim", "context_in_dim", "hidden_size", "num_heads"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"model {excerpt(self.name)}: {f} must be positive, got {getattr(self, f)}")
-        if self.depth < 0 or self.depth_single_blocks < 0:
-            raise ValueError(f"model {excerpt(self.name)}: depth and depth_single_blocks must be >= 0")
+            if not 1 <= getattr(self, f) <= MAX_WIDTH:
+                raise ValueError(f"model {excerpt(self.name)}: {f} must be from 1 to {MAX_WIDTH}, got "
+                                 f"{excerpt(getattr(self, f))}")
+        for f in ("depth", "depth_single_blocks"):
+            if not 0 <= getattr(self, f) <= MAX_BLOCKS:
+                raise ValueError(f"model {excerpt(self.name)}: {f} must be from 0 to {MAX_BLOCKS}, got "
+                                 f"{excerpt(getattr(self, f))}")
+        if not (math.isfinite(self.mlp_ratio) and 1 <= self.mlp_hidden_dim <= MAX_WIDTH * 16):
+            raise ValueError(f"model {excerpt(self.name)}: mlp_ratio {self.mlp_ratio} gives an MLP width of "
+                             f"hidden_size x mlp_ratio = {self.mlp_hidden_dim if math.isfinite(self.mlp_ratio) else 'inf'}"
+                             f"; choose mlp_ratio so that the width is from 1 to {MAX_WIDTH * 16} (FLUX.1: 4.0)")
+        if not 1 <= self.theta <= MAX_THETA:
+            raise ValueError(f"model {excerpt(self.name)}: theta (RoPE base) must be from 1 to {MAX_THETA}, got "
+                             f"{excerpt(self.theta)} (FLUX.1: 10000)")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model {excerpt(self.name)}: hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}"
@@ -44,8 +64,9 @@ class ModelConfig:
             raise ValueError(
                 f"model {excerpt(self.name)}: axes_dim {self.axes_dim} must sum to the head dim {self.head_dim}"
             )
-        if any(d % 2 for d in self.axes_dim):
-            raise ValueError(f"model {excerpt(self.name)}: every entry of axes_dim {self.axes_dim} must be even (RoPE pairs)")
+        if any(d % 2 or d <= 0 for d in self.axes_dim):
+            raise ValueError(f"model {excerpt(self.name)}: every entry of axes_dim {self.axes_dim} must be positive "
+                             f"and even (RoPE pairs)")
 
     @property
     def head_dim(self) -> int:

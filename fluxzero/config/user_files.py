@@ -129,7 +129,7 @@ def _yaml_loader(unique_keys: bool):
             for key_node, _ in node.value:
                 key = loader.construct_object(key_node, deep=deep)
                 if key in seen:
-                    raise yaml.constructor.ConstructorError(None, None, f"key {excerpt(key)} appears twice; keep one",
+                    raise yaml.constructor.ConstructorError(None, None, f"key {excerpt(key)} appears twice (keep one), the second time",
                                                             key_node.start_mark)
                 seen.add(key)
             return loader.construct_mapping(node, deep)

@@ -12,6 +12,9 @@ from fluxzero.data.errors import DataError
 FLUX_VAE_SCALE = 0.3611
 FLUX_VAE_SHIFT = 0.1159
 T5_MAX_LENGTH = {"dev": 512, "schnell": 256}
+# The longest T5 token row --t5-max-length may ask for: 8x FLUX.1-dev's; each caption is padded to it, so a typo
+# (1000000000) would otherwise end in the tokenizer's out-of-memory abort
+T5_MAX_TOKENS = 4096
 CLIP_MAX_LENGTH = 77
 
 LAYOUT = ("a FLUX.1 diffusers folder holds vae/ (AutoencoderKL), text_encoder/ (CLIP-L), text_encoder_2/ (T5), "
