@@ -934,7 +934,7 @@ def test_an_excerpt_bounds_any_value_quoted_in_an_error():
     (f"seed={2**70}", "seed must be a whole number from 0 to 2**63 - 1"),
     ("seed=-1", "seed must be a whole number from 0 to 2**63 - 1"),
     ("lora={rank: 100000000}", "lora.rank must be from 1 to the model's width 64"),
-    ("lora={rank: 4, alpha: .inf}", "lora.alpha must be a positive finite number"),
+    ("lora={rank: 4, alpha: .inf}", "lora.alpha must be a positive number (finite)"),
     ("lora={rank: 4, targets: [nope.*]}", "matches no linear layer of flux-tiny"),
     ("model={preset: flux-tiny, theta: 0}", "theta (RoPE base) must be from 1 to"),
     ("model={preset: flux-tiny, theta: -3}", "theta (RoPE base) must be from 1 to"),

@@ -59,7 +59,7 @@ class LoraConfig:
             self.alpha = float(self.rank)
         if (not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not self.alpha > 0
                 or not math.isfinite(self.alpha)):
-            raise ValueError(f"lora.alpha must be a positive finite number, got {excerpt(self.alpha)}; set it to the "
+            raise ValueError(f"lora.alpha must be a positive number (finite), got {excerpt(self.alpha)}; set it to the "
                              "rank (scale 1) or leave it out")
         self.alpha = float(self.alpha)
         if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
