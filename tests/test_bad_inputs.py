@@ -183,6 +183,17 @@ def inputs(tmp_path_factory) -> Path:
     (d / "tiny_truncated.safetensors").write_bytes(raw[: len(raw) // 2])
     (d / "no_weights_dir").mkdir()
     (d / "no_weights_dir" / "readme.txt").write_text("nothing here")
+    # convert: a pickle under a .safetensors name, weights beyond fp16's range, a diffusers part of another rank
+    tiny_sd = build_model("flux-tiny").state_dict()
+    torch.save(tiny_sd, d / "pickled.safetensors")
+    save_weights({k: v * 1e6 for k, v in tiny_sd.items()}, d / "beyond_fp16.safetensors")
+    save_weights(tiny_sd, d / "diffusers_scalar_part", layout="diffusers")
+    from safetensors.torch import load_file
+
+    part = d / "diffusers_scalar_part" / "diffusion_pytorch_model.safetensors"
+    raw = load_file(str(part))
+    raw["single_transformer_blocks.0.attn.to_k.bias"] = torch.zeros(())
+    save_file(raw, str(part))
     # pipes and folders where a file is read (opening a FIFO waits for a writer forever)
     from PIL import Image
 
@@ -379,6 +390,13 @@ def _cli_cases():
         ("cache_seed_huge", ["cache", f"{I}/empty_data", "{out}", "--seed", str(2**70)], "--seed"),
         ("sample_seed_huge", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", "--prompt", "a", "--seed",
                               str(2**70)], "--seed"),
+        # convert: what IN is, fp16's range, parts that cannot be fused
+        ("convert_pickled_to_kohya", ["convert", f"{I}/pickled.safetensors", "{out}.safetensors", "--to", "kohya"],
+         "not a readable safetensors file"),
+        ("convert_fp16_overflow", ["convert", f"{I}/beyond_fp16.safetensors", "{out}.safetensors", "--to", "bfl",
+                                   "--dtype", "fp16"], "68 of 84 tensors"),
+        ("convert_diffusers_scalar_part", ["convert", f"{I}/diffusers_scalar_part", "{out}.safetensors", "--to",
+                                           "bfl"], "wrong shape"),
         # a pipe or a folder where a file is read
         ("cache_fifo_captions", ["cache", f"{I}/fifo_caption", "{out}", "--captions", f"{I}/fifo.jsonl",
                                  "--flux-dir", f"{I}/tiny_enc"], "not a regular file"),
@@ -981,3 +999,25 @@ def test_what_gen_config_writes_passes_the_trainers_checks(tmp_path, argv):
     run.write_text("\n".join(keys) + "\ndata: d\noutput_dir: o\nmodel: flux-tiny\n")
     cfg = load_config(str(run))
     assert (cfg.lora is not None) == ("--lora-rank" in argv) and cfg.deepspeed == str(out)
+
+
+def test_convert_names_the_tensors_it_leaves_out(tmp_path):
+    """A ComfyUI all-in-one checkpoint's VAE and text encoders are not the transformer's: convert says so."""
+    import torch
+    from safetensors.torch import save_file
+
+    from fluxzero.cli import main
+    from fluxzero.model import build_model
+    from fluxzero.model.layouts import COMFY_PREFIX
+    from fluxzero.model.weights import load_weights
+
+    sd = build_model("flux-tiny").state_dict()
+    save_file({**{COMFY_PREFIX + k: v.contiguous() for k, v in sd.items()}, "first_stage_model.w": torch.zeros(2),
+               "cond_stage_model.a.w": torch.zeros(3), "cond_stage_model.b.w": torch.zeros(3)},
+              str(tmp_path / "aio.safetensors"))
+    r = CliRunner().invoke(main, ["convert", str(tmp_path / "aio.safetensors"), str(tmp_path / "out.safetensors"),
+                                  "--to", "bfl"])
+    assert r.exit_code == 0, r.output
+    assert "left out 3 tensors of IN that are not the transformer's: cond_stage_model.* (2), first_stage_model.* (1)" \
+        in r.output, r.output
+    assert set(load_weights(tmp_path / "out.safetensors")) == set(sd)

@@ -131,12 +131,14 @@ class _Source:
             self.missing_raw = sorted({p for parts, _ in plan.values() for p in parts} - set(self.files))
             self.plan = {k: v for k, v in plan.items() if all(p in self.files for p in v[0])}
             self.known = set(plan)
+            self.ignored = []
         else:
             prefix = COMFY_PREFIX if self.layout == "comfyui" else ""
             self.plan = {k[len(prefix):]: ([k], "copy") for k in self.files if k.startswith(prefix)}
             # A ComfyUI all-in-one checkpoint also holds the VAE and text encoders under other prefixes:
             # those are not ours to check. Everything in a BFL file must be the transformer's.
             self.unexpected = [] if prefix else sorted(k for k in self.files if not k.startswith(prefix))
+            self.ignored = sorted(k for k in self.files if not k.startswith(prefix)) if prefix else []
             self.missing_raw = []
             self.known = set(self.plan)
         self._handles: dict[Path, object] = {}
@@ -157,7 +159,7 @@ class _Source:
         parts, how = self.plan[key]
         shapes = [tuple(self._handle(self.files[p]).get_slice(p).get_shape()) for p in parts]
         if how == "cat":
-            if len({s[1:] for s in shapes}) > 1:  # parts that cannot be fused: report them all as the shape
+            if len({s[1:] for s in shapes}) > 1 or not all(shapes):  # parts that cannot be fused: report them all
                 return tuple(shapes)
             return (sum(s[0] for s in shapes), *shapes[0][1:])
         return shapes[0]
@@ -247,6 +249,13 @@ def iter_weights(
         for key in wanted:
             t = src.read(key, device)
             yield key, t if dtype is None else t.to(dtype)
+
+
+def ignored_tensors(path: str | os.PathLike) -> list[str]:
+    """Tensors of `path` that are not the transformer's and that loading it leaves out: a ComfyUI all-in-one
+    checkpoint's VAE and text encoders (every other layout refuses a tensor it cannot place)."""
+    with _Source(path) as src:
+        return src.ignored
 
 
 def load_weights(
