@@ -24,6 +24,14 @@ from click.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = "synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32"
+# JSON and YAML nested past what the readers follow, a YAML alias bomb, a tab where YAML wants spaces
+DEEP_JSON = "[" * 5000 + "]" * 5000
+DEEP_YAML = "steps: " + "[" * 5000 + "]" * 5000 + "\n"
+# 600 bytes that expand to 9^6 strings when a value is printed or copied
+ALIAS_BOMB = "steps: [" + ", ".join(
+    [f'&a0 ["{"lol"}"' + ', "lol"' * 8 + "]"]
+    + [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 7)]) + "]\n"
+TAB_YAML = "steps: 2\ndata: x\n\tdeepspeed: y\n"
 
 
 def tree_hash(*paths) -> str:
@@ -98,6 +106,9 @@ def inputs(tmp_path_factory) -> Path:
     w("run_nan.yaml", yaml.safe_dump(base) + "flow:\n  guidance: .nan\n")
     w("run_inf.yaml", yaml.safe_dump({**base, "steps": 2}) + "checkpoint:\n  every: .inf\n")
     w("run_shift_inf.yaml", yaml.safe_dump(base) + "flow:\n  shift: .inf\n")
+    w("run_deep.yaml", yaml.safe_dump(base) + DEEP_YAML.replace("steps:", "sample:"))
+    w("run_alias_bomb.yaml", yaml.safe_dump(base) + ALIAS_BOMB.replace("steps:", "sample:"))
+    w("run_tab.yaml", yaml.safe_dump(base) + "flow:\n\tshift: none\n")
     w("prompts.txt", "a cat\n")
     w("not_weights.safetensors", "this is text, not safetensors\n")
     # data
@@ -536,6 +547,9 @@ def _train_cases(d: Path, outs: Path):
         case("run_guidance_nan", run_file=d / "run_nan.yaml", words="guidance"),
         case("run_checkpoint_every_inf", run_file=d / "run_inf.yaml", words="checkpoint.every"),
         case("run_shift_inf", run_file=d / "run_shift_inf.yaml", words="shift"),
+        case("run_deep", run_file=d / "run_deep.yaml", words="nested more than 64 levels deep"),
+        case("run_alias_bomb", run_file=d / "run_alias_bomb.yaml", words="aliases (*name) expand to more than"),
+        case("run_tab", run_file=d / "run_tab.yaml", words="found character '\\t' that cannot start any token"),
         case("run_output_dir_type", "output_dir=5", words="output_dir"),
         case("run_export_format", "export.format=png", words="export.format"),
         case("run_ema_decay", "ema.decay=2", words="decay"),
@@ -642,6 +656,8 @@ def _train_cases(d: Path, outs: Path):
         ck_case("ck_optim_truncated", [["truncate", f"{tag}/zero_pp_rank_0_mp_rank_00_optim_states.pt", 5000]],
                 "incomplete or corrupt"),
         ck_case("ck_other_seed", [], "seed", "seed=7"),
+        ck_case("ck_run_yaml_alias_bomb", [["write", f"{tag}/run.yaml", ALIAS_BOMB]], "aliases (*name) expand"),
+        ck_case("ck_ds_config_deep", [["write", f"{tag}/ds_config.json", DEEP_JSON]], "nested more than 64"),
         # beside the intact files, a name DeepSpeed's glob (mp_rank_*_model_states.pt) picks first
         ck_case("ck_planted_model_states", [["pickle", f"{tag}/mp_rank_00-a_model_states.pt", str(d / "PWNED")]],
                 "mp_rank_00-a_model_states.pt, which no fluxzero save of this run writes"),
@@ -795,13 +811,6 @@ def test_two_ranks_refuse_batch_arithmetic_and_another_world_size(inputs, traine
 # Every reader of a JSON or YAML file fluxzero is given: nesting that would exhaust Python's stack, a YAML alias
 # bomb, a YAML syntax error (one sentence, bounded, naming the file; the YAML one keeps PyYAML's line and column)
 # ---------------------------------------------------------------------------------------------------------
-DEEP_JSON = "[" * 5000 + "]" * 5000
-DEEP_YAML = "steps: " + "[" * 5000 + "]" * 5000 + "\n"
-# 600 bytes that expand to 9^6 strings when a value is printed or copied
-ALIAS_BOMB = "steps: [" + ", ".join(
-    [f'&a0 ["{"lol"}"' + ', "lol"' * 8 + "]"]
-    + [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 7)]) + "]\n"
-TAB_YAML = "steps: 2\ndata: x\n\tdeepspeed: y\n"
 
 
 def _safetensors_with(path: Path, meta: dict, tensors: dict | None = None) -> Path:
