@@ -1,5 +1,7 @@
 """Reading a file the user names (the run file, the DeepSpeed JSON, a hostfile): each way it can be unreadable is one
-sentence that names the file and says what to pass instead. Pure Python.
+sentence that names the file and says what to pass instead. Also the one JSON reader (parse_json) and the one YAML
+reader (parse_yaml) of every file fluxzero is given, bounded in nesting and YAML alias expansion, and `excerpt`,
+the bounded quote of a value in an error message. Pure Python (json, yaml and reprlib imported inside the calls).
 """
 from __future__ import annotations
 
