@@ -1030,3 +1030,21 @@ def test_convert_names_the_tensors_it_leaves_out(tmp_path):
     assert "left out 3 tensors of IN that are not the transformer's: cond_stage_model.* (2), first_stage_model.* (1)" \
         in r.output, r.output
     assert set(load_weights(tmp_path / "out.safetensors")) == set(sd)
+
+
+def test_gen_config_fit_never_writes_fp8_at_zero3(tmp_path):
+    """--fit with --fp8 pinned on a GPU too small for ZeRO-2: the ZeRO-3 rows are not written (the trainer refuses
+    fp8 at ZeRO-3), so gen-config writes a config the trainer accepts or nothing at all."""
+    from fluxzero.cli import main
+    from fluxzero.config.ds_file import load_for_training
+
+    out = tmp_path / "ds.json"
+    r = CliRunner().invoke(main, ["gen-config", "--fit", "--fp8", "tensorwise", "--precision", "bf16", "--model",
+                                  "flux-dev", "--gpu-memory", "40", "--world-size", "1",
+                                  "-o", str(out)])
+    if r.exit_code == 0:
+        load_for_training(out, 1)
+        ds = json.loads(out.read_text())  # the engine's rule, which older checks left to the trainer's start
+        assert not (ds["zero_optimization"]["stage"] == 3 and "fp8" in ds.get("fluxzero", {})), ds
+    else:
+        assert "Traceback" not in r.output and "--fp8 with ZeRO-3 is not supported" in r.output and not out.exists()
