@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,14 @@ from click.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = "synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32"
+# JSON and YAML nested past what the readers follow, a YAML alias bomb, a tab where YAML wants spaces
+DEEP_JSON = "[" * 5000 + "]" * 5000
+DEEP_YAML = "steps: " + "[" * 5000 + "]" * 5000 + "\n"
+# 600 bytes that expand to 9^6 strings when a value is printed or copied
+ALIAS_BOMB = "steps: [" + ", ".join(
+    [f'&a0 ["{"lol"}"' + ', "lol"' * 8 + "]"]
+    + [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 7)]) + "]\n"
+TAB_YAML = "steps: 2\ndata: x\n\tdeepspeed: y\n"
 
 
 def tree_hash(*paths) -> str:
@@ -97,6 +106,9 @@ def inputs(tmp_path_factory) -> Path:
     w("run_nan.yaml", yaml.safe_dump(base) + "flow:\n  guidance: .nan\n")
     w("run_inf.yaml", yaml.safe_dump({**base, "steps": 2}) + "checkpoint:\n  every: .inf\n")
     w("run_shift_inf.yaml", yaml.safe_dump(base) + "flow:\n  shift: .inf\n")
+    w("run_deep.yaml", yaml.safe_dump(base) + DEEP_YAML.replace("steps:", "sample:"))
+    w("run_alias_bomb.yaml", yaml.safe_dump(base) + ALIAS_BOMB.replace("steps:", "sample:"))
+    w("run_tab.yaml", yaml.safe_dump(base) + "flow:\n\tshift: none\n")
     w("prompts.txt", "a cat\n")
     w("not_weights.safetensors", "this is text, not safetensors\n")
     # data
@@ -146,6 +158,9 @@ def inputs(tmp_path_factory) -> Path:
     w("ds_empty.json", "")
     w("ds_clip_negative.json", json.dumps(_ds(gradient_clipping=-1.0)))
     w("ds_offload_opt_z0.json", json.dumps(_ds(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}})))
+    w("ds_micro_nan.json", json.dumps(_ds(train_micro_batch_size_per_gpu=float("nan"))))
+    w("ds_fp8_z3.json", json.dumps(_ds(zero_optimization={"stage": 3}, bf16={"enabled": True},
+                                       fluxzero={"fp8": {"recipe": "tensorwise"}})))
     w("run_empty.yaml", "")
     (d / "run_binary.yaml").write_bytes(b"\x00\xff\xfe binary")
     w("run_model_mapping.yaml", yaml.safe_dump({**base, "model": {"preset": "flux-tiny", "depth": -1}}))
@@ -179,6 +194,31 @@ def inputs(tmp_path_factory) -> Path:
     (d / "tiny_truncated.safetensors").write_bytes(raw[: len(raw) // 2])
     (d / "no_weights_dir").mkdir()
     (d / "no_weights_dir" / "readme.txt").write_text("nothing here")
+    # convert: a pickle under a .safetensors name, weights beyond fp16's range, a diffusers part of another rank
+    tiny_sd = build_model("flux-tiny").state_dict()
+    torch.save(tiny_sd, d / "pickled.safetensors")
+    save_weights({k: v * 1e6 for k, v in tiny_sd.items()}, d / "beyond_fp16.safetensors")
+    save_weights(tiny_sd, d / "diffusers_scalar_part", layout="diffusers")
+    from safetensors.torch import load_file
+
+    part = d / "diffusers_scalar_part" / "diffusion_pytorch_model.safetensors"
+    raw = load_file(str(part))
+    raw["single_transformer_blocks.0.attn.to_k.bias"] = torch.zeros(())
+    save_file(raw, str(part))
+    # pipes and folders where a file is read (opening a FIFO waits for a writer forever)
+    from PIL import Image
+
+    for name in ("fifo_caption", "folder_caption"):
+        (d / name).mkdir()
+        Image.new("RGB", (32, 32)).save(d / name / "a.png")
+    os.mkfifo(d / "fifo_caption" / "a.txt")
+    (d / "folder_caption" / "a.txt").mkdir()
+    os.mkfifo(d / "fifo.jsonl")
+    os.mkfifo(d / "fifo_prompts.txt")
+    os.mkfifo(d / "fifo_run.yaml")
+    from fluxzero.data.tiny_encoders import write_tiny_encoders
+
+    write_tiny_encoders(d / "tiny_enc")
     return d
 
 
@@ -346,7 +386,49 @@ def _cli_cases():
         # train (the command)
         ("train_missing_config", ["train", "--config", f"{I}/nope.yaml"], "nope.yaml"),
         ("train_flag_override", ["train", "--config", f"{I}/run.yaml", "--steps", "5"], "steps=VALUE"),
+        # numbers without a bound, each refused naming the setting and its range
+        ("estimate_hidden_size_huge", ["estimate", "--hidden-size", "10000000000", "--heads", "1"], "1 to 65536"),
+        ("estimate_depth_huge", ["estimate", "--depth", "10000000000"], "0 to 1024"),
+        ("estimate_lora_rank_huge", ["estimate", "--model", "flux-tiny", "--lora-rank", "100000000000"],
+         "lora.rank must be from 1 to"),
+        ("estimate_theta_zero", ["estimate", "--model", "flux-tiny:theta=0"], "theta"),
+        ("estimate_mlp_width_zero", ["estimate", "--model", "flux-tiny:mlp_ratio=0.001"], "mlp_ratio"),
+        ("estimate_micro_batch_nan", ["estimate", "--config", f"{I}/ds_micro_nan.json"],
+         "train_micro_batch_size_per_gpu"),
+        ("gen_lora_rank_huge", ["gen-config", "--model", "flux-tiny", "--lora-rank", "100000"], "lora.rank"),
+        ("gen_lora_matches_nothing", ["gen-config", "--model", "flux-tiny", "--lora-rank", "4", "--lora-targets",
+                                      "nope.*"], "matches no linear layer"),
+        ("gen_fp8_zero3", ["gen-config", "--zero-stage", "3", "--fp8", "tensorwise"], "ZeRO-3"),
+        ("check_fp8_zero3", ["check-config", "--no-deepspeed", f"{I}/ds_fp8_z3.json"], "fluxzero.fp8"),
+        ("encode_prompts_t5_length", ["encode-prompts", "--prompt", "a", "--t5-max-length", "1000000000",
+                                      "{out}.safetensors"], "1<=x<=4096"),
+        ("cache_seed_huge", ["cache", f"{I}/empty_data", "{out}", "--seed", str(2**70)], "--seed"),
+        ("sample_seed_huge", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", "--prompt", "a", "--seed",
+                              str(2**70)], "--seed"),
+        # convert: what IN is, fp16's range, parts that cannot be fused
+        ("convert_pickled_to_kohya", ["convert", f"{I}/pickled.safetensors", "{out}.safetensors", "--to", "kohya"],
+         "not a readable safetensors file"),
+        ("convert_fp16_overflow", ["convert", f"{I}/beyond_fp16.safetensors", "{out}.safetensors", "--to", "bfl",
+                                   "--dtype", "fp16"], "68 of 84 tensors"),
+        ("convert_diffusers_scalar_part", ["convert", f"{I}/diffusers_scalar_part", "{out}.safetensors", "--to",
+                                           "bfl"], "wrong shape"),
+        # a pipe or a folder where a file is read
+        ("cache_fifo_captions", ["cache", f"{I}/fifo_caption", "{out}", "--captions", f"{I}/fifo.jsonl",
+                                 "--flux-dir", f"{I}/tiny_enc"], "not a regular file"),
+        ("cache_fifo_txt_caption", ["cache", f"{I}/fifo_caption", "{out}", "--flux-dir", f"{I}/tiny_enc"],
+         "not a regular file"),
+        ("cache_folder_txt_caption", ["cache", f"{I}/folder_caption", "{out}", "--flux-dir", f"{I}/tiny_enc"],
+         "is a folder"),
+        ("encode_prompts_fifo", ["encode-prompts", "--prompts", f"{I}/fifo_prompts.txt", "{out}.safetensors"],
+         "not a regular file"),
+        ("sample_prompts_fifo", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", "--prompts",
+                                 f"{I}/fifo_prompts.txt"], "not a regular file"),
+        ("train_fifo_run_file", ["train", "--config", f"{I}/fifo_run.yaml"], "not a regular file"),
     ]
+
+
+def _waited_too_long(*_):
+    raise TimeoutError("the command waited 120 s (a read that blocks)")
 
 
 CLI_XFAIL: dict[str, str] = {}  # none left; a case that cannot pass yet goes here with its reason
@@ -363,7 +445,12 @@ def test_command_refuses_bad_input(inputs, tmp_path, monkeypatch, name, argv, wo
         monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
     argv = [a.replace("{in}", str(inputs)).replace("{out}", str(tmp_path / "out")) for a in argv]
     before = tree_hash(inputs)
-    r = CliRunner().invoke(main, argv, catch_exceptions=True)
+    signal.signal(signal.SIGALRM, _waited_too_long)
+    signal.alarm(120)  # a read that blocks (a FIFO) fails the case instead of hanging the suite
+    try:
+        r = CliRunner().invoke(main, argv, catch_exceptions=True)
+    finally:
+        signal.alarm(0)
     text = r.output + (f"\nTraceback (raised): {r.exc_info[1]!r}" if r.exception and not isinstance(
         r.exception, SystemExit) else "")
     kind = {"check-config": "findings", "doctor": "report"}.get(argv[0], "one")
@@ -464,6 +551,9 @@ def _train_cases(d: Path, outs: Path):
         case("run_guidance_nan", run_file=d / "run_nan.yaml", words="guidance"),
         case("run_checkpoint_every_inf", run_file=d / "run_inf.yaml", words="checkpoint.every"),
         case("run_shift_inf", run_file=d / "run_shift_inf.yaml", words="shift"),
+        case("run_deep", run_file=d / "run_deep.yaml", words="nested more than 64 levels deep"),
+        case("run_alias_bomb", run_file=d / "run_alias_bomb.yaml", words="aliases (*name) expand to more than"),
+        case("run_tab", run_file=d / "run_tab.yaml", words="found character '\\t' that cannot start any token"),
         case("run_output_dir_type", "output_dir=5", words="output_dir"),
         case("run_export_format", "export.format=png", words="export.format"),
         case("run_ema_decay", "ema.decay=2", words="decay"),
@@ -570,6 +660,8 @@ def _train_cases(d: Path, outs: Path):
         ck_case("ck_optim_truncated", [["truncate", f"{tag}/zero_pp_rank_0_mp_rank_00_optim_states.pt", 5000]],
                 "incomplete or corrupt"),
         ck_case("ck_other_seed", [], "seed", "seed=7"),
+        ck_case("ck_run_yaml_alias_bomb", [["write", f"{tag}/run.yaml", ALIAS_BOMB]], "aliases (*name) expand"),
+        ck_case("ck_ds_config_deep", [["write", f"{tag}/ds_config.json", DEEP_JSON]], "nested more than 64"),
         # beside the intact files, a name DeepSpeed's glob (mp_rank_*_model_states.pt) picks first
         ck_case("ck_planted_model_states", [["pickle", f"{tag}/mp_rank_00-a_model_states.pt", str(d / "PWNED")]],
                 "mp_rank_00-a_model_states.pt, which no fluxzero save of this run writes"),
@@ -717,3 +809,246 @@ def test_two_ranks_refuse_batch_arithmetic_and_another_world_size(inputs, traine
         assert _meets_bar(code, text, True) is None, text
         assert words in text, text
     assert "Traceback" not in err1 and not _error_lines(err1), err1[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every reader of a JSON or YAML file fluxzero is given: nesting that would exhaust Python's stack, a YAML alias
+# bomb, a YAML syntax error (one sentence, bounded, naming the file; the YAML one keeps PyYAML's line and column)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _safetensors_with(path: Path, meta: dict, tensors: dict | None = None) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file(tensors or {"x": torch.zeros(1)}, str(path), meta)
+    return path
+
+
+def _read_run_file(tmp: Path, text: str):
+    from fluxzero.config.runfile import load_config
+
+    (tmp / "run.yaml").write_text(text)
+    return load_config(str(tmp / "run.yaml"))
+
+
+def _read_saved_run(tmp: Path, text: str):
+    from fluxzero.config.runfile import read_saved_run
+
+    (tmp / "run.yaml").write_text(text)
+    return read_saved_run(tmp / "run.yaml", "restore it", ValueError)
+
+
+def _reader_cases():
+    """(name, reader(tmp) that raises, words its one sentence holds)."""
+    def ds_json(tmp):
+        from fluxzero.config.ds_file import read_json
+
+        (tmp / "ds.json").write_text('{"optimizer": ' + DEEP_JSON + "}")
+        return read_json(tmp / "ds.json")
+
+    def ckpt_ds_config(tmp):
+        from fluxzero.train.resume import saved_view
+
+        (tmp / "ds_config.json").write_text(DEEP_JSON)
+        return saved_view(tmp / "ds_config.json")
+
+    def lora_targets(tmp):
+        import torch
+
+        from fluxzero.model.lora_formats import read_lora
+
+        t = {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(4, 64),
+             "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(192, 4)}
+        return read_lora(_safetensors_with(tmp / "lora.safetensors", {"fluxzero.targets": DEEP_JSON}, t))
+
+    def weights_header(tmp):
+        from fluxzero.model.layouts import MODEL_METADATA
+        from fluxzero.model.weights import declared
+
+        return declared(_safetensors_with(tmp / "w.safetensors", {MODEL_METADATA: DEEP_JSON}))
+
+    def diffusers_index(tmp):
+        from fluxzero.model.layouts import DIFFUSERS_INDEX
+        from fluxzero.model.weights import source_config
+
+        (tmp / "config.json").write_text("{}")
+        (tmp / DIFFUSERS_INDEX).write_text(DEEP_JSON)
+        return source_config(tmp)
+
+    def diffusers_config(tmp):
+        from fluxzero.config.models import from_diffusers_config
+
+        (tmp / "config.json").write_text(DEEP_JSON)
+        return from_diffusers_config(tmp / "config.json")
+
+    def manifest(tmp):
+        from fluxzero.data.shards import MANIFEST, read_manifest
+
+        (tmp / MANIFEST).write_text(DEEP_JSON)
+        return read_manifest(tmp)
+
+    def metadata_jsonl(tmp):
+        from fluxzero.data.images import read_caption_table
+
+        (tmp / "metadata.jsonl").write_text('{"file_name": "a.png", "text": "a"}\n' + DEEP_JSON + "\n")
+        return read_caption_table(tmp / "metadata.jsonl")
+
+    def embeddings(tmp):
+        import torch
+
+        from fluxzero.sampling.embeddings import FORMAT, VERSION, load_embeddings
+
+        return load_embeddings(_safetensors_with(
+            tmp / "emb.safetensors", {"format": FORMAT, "version": VERSION, "prompts": DEEP_JSON},
+            {"t5": torch.zeros(1, 4, 64), "clip_pooled": torch.zeros(1, 32)}))
+
+    return [
+        ("run_file_deep", lambda tmp: _read_run_file(tmp, DEEP_YAML), "nested more than"),
+        ("run_file_alias_bomb", lambda tmp: _read_run_file(tmp, ALIAS_BOMB), "aliases"),
+        ("run_file_tab", lambda tmp: _read_run_file(tmp, TAB_YAML), "found character '\\t' that cannot start any "
+                                                                    "token at line 3, column 1"),
+        ("run_override_deep", lambda tmp: __import__("fluxzero.config.runfile").config.runfile.load_config(
+            None, ["steps=" + "[" * 5000]), "steps="),
+        ("saved_run_yaml_deep", lambda tmp: _read_saved_run(tmp, DEEP_YAML), "nested more than"),
+        ("saved_run_yaml_bomb", lambda tmp: _read_saved_run(tmp, ALIAS_BOMB), "aliases"),
+        ("deepspeed_json", ds_json, "nested more than"),
+        ("checkpoint_ds_config", ckpt_ds_config, "ds_config.json"),
+        ("lora_header", lora_targets, "fluxzero.targets"),
+        ("weights_header", weights_header, "w.safetensors"),
+        ("diffusers_index", diffusers_index, "index"),
+        ("diffusers_config", diffusers_config, "config.json"),
+        ("shard_manifest", manifest, "manifest"),
+        ("metadata_jsonl", metadata_jsonl, "line 2"),
+        ("embeddings_prompts", embeddings, "emb.safetensors"),
+    ]
+
+
+@pytest.mark.parametrize("name, reader, words", _reader_cases(), ids=[c[0] for c in _reader_cases()])
+def test_reader_refuses_deep_or_aliased_input_in_one_sentence(tmp_path, name, reader, words):
+    with pytest.raises(Exception) as e:
+        reader(tmp_path)
+    text = str(e.value)
+    assert isinstance(e.value, ValueError) or type(e.value).__module__.startswith("fluxzero"), repr(e.value)[:500]
+    assert words in text and "\n" not in text and len(text) < 400, text
+
+
+def test_readers_that_skip_damage_skip_deep_lines(tmp_path):
+    """metrics.jsonl on resume and the cache plan treat an unreadable record as damage (dropped, encoded again)."""
+    from fluxzero.data.cache import _read_plan
+    from fluxzero.train.metrics import truncate_jsonl
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n' + DEEP_JSON + '\n{"step": 2}\n')
+    assert truncate_jsonl(tmp_path / "metrics.jsonl", 1) == 2
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    (tmp_path / "plan.json").write_text(DEEP_JSON)
+    assert _read_plan(tmp_path / "plan.json") == {"fingerprint": "damaged"}
+
+
+def test_an_excerpt_bounds_any_value_quoted_in_an_error():
+    from fluxzero.config.runfile import ConfigError, load_config
+    from fluxzero.config.user_files import excerpt, parse_yaml
+
+    shared = parse_yaml("a: &a [" + ", ".join(['"lol"'] * 9) + "]\n"
+                        + "".join(f"a{i}: &a{i} [{', '.join(['*a' + (str(i - 1) if i > 1 else '')] * 9)}]\n"
+                                  for i in range(1, 5)))
+    assert len(excerpt(shared["a4"])) < 120 and len(excerpt("x" * 10**6)) < 120
+    with pytest.raises(ConfigError) as e:  # a large value within the bounds: quoted short
+        load_config(None, ["deepspeed=a", "data=b", "output_dir=c", f"steps={list(range(3000))}"])
+    assert "steps must be a whole number" in str(e.value) and len(str(e.value)) < 200, str(e.value)[:500]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Numbers without a bound in a run file: refused where they enter (the dataclasses), naming the setting and range
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, words", [
+    (f"seed={2**70}", "seed must be a whole number from 0 to 2**63 - 1"),
+    ("seed=-1", "seed must be a whole number from 0 to 2**63 - 1"),
+    ("lora={rank: 100000000}", "lora.rank must be from 1 to the model's width 64"),
+    ("lora={rank: 4, alpha: .inf}", "lora.alpha must be a positive number (finite)"),
+    ("lora={rank: 4, targets: [nope.*]}", "matches no linear layer of flux-tiny"),
+    ("model={preset: flux-tiny, theta: 0}", "theta (RoPE base) must be from 1 to"),
+    ("model={preset: flux-tiny, theta: -3}", "theta (RoPE base) must be from 1 to"),
+    ("model={preset: flux-tiny, mlp_ratio: 0.001}", "mlp_ratio 0.001 gives an MLP width of hidden_size x mlp_ratio = 0"),
+    ("model={preset: flux-tiny, mlp_ratio: .inf}", "mlp_ratio"),
+    ("model={preset: flux-tiny, depth: 10000000000}", "depth must be from 0 to 1024"),
+    ("model={preset: flux-tiny, hidden_size: 100000000, num_heads: 1}", "hidden_size"),
+], ids=lambda v: v if len(v) < 40 else v[:40])
+def test_run_file_refuses_unbounded_numbers(override, words):
+    from fluxzero.config.runfile import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["deepspeed=ds.json", "data=d", "output_dir=o", "model=flux-tiny", override])
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What gen-config writes and prints, the trainer accepts: its JSON passes the trainer's DeepSpeed checks and the
+# run-file keys of its `next:` line load as the trainer loads a run file
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ["--model", "flux-tiny"],
+    ["--model", "flux-tiny", "--lora-rank", "8"],
+    ["--model", "flux-tiny", "--lora-rank", "8", "--lora-targets", "double_blocks.*.img_attn.qkv,single_blocks.*"],
+    ["--model", "flux-tiny", "--lora-rank", "4", "--lora-targets", "*.linear1"],
+    ["--model", "flux-tiny", "--zero-stage", "2", "--fp8", "tensorwise", "--precision", "bf16"],
+    ["--model", "flux-tiny", "--lora-rank", "8", "--fit", "--gpu-memory", "24", "--world-size", "1"],
+    ["--model", "flux-tiny", "--fit", "--gpu-memory", "80", "--world-size", "2", "--ema", "bf16"],
+], ids=lambda a: " ".join(a[2:]) or "plain")
+def test_what_gen_config_writes_passes_the_trainers_checks(tmp_path, argv):
+    from fluxzero.cli import main
+    from fluxzero.config.ds_file import load_for_training
+    from fluxzero.config.runfile import load_config
+
+    out = tmp_path / "ds.json"
+    r = CliRunner().invoke(main, ["gen-config", *argv, "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    world = int(argv[argv.index("--world-size") + 1]) if "--world-size" in argv else 1
+    load_for_training(out, world)  # the trainer's checks of its DeepSpeed config (raises on a finding)
+    nxt = [line for line in r.output.splitlines() if line.startswith("next: in run.yaml set ")]
+    keys = nxt[0].removeprefix("next: in run.yaml set ").split("; then ")[0].split("; ") if nxt else []
+    run = tmp_path / "run.yaml"
+    keys = keys or [f"deepspeed: {out}"]
+    run.write_text("\n".join(keys) + "\ndata: d\noutput_dir: o\nmodel: flux-tiny\n")
+    cfg = load_config(str(run))
+    assert (cfg.lora is not None) == ("--lora-rank" in argv) and cfg.deepspeed == str(out)
+
+
+def test_convert_names_the_tensors_it_leaves_out(tmp_path):
+    """A ComfyUI all-in-one checkpoint's VAE and text encoders are not the transformer's: convert says so."""
+    import torch
+    from safetensors.torch import save_file
+
+    from fluxzero.cli import main
+    from fluxzero.model import build_model
+    from fluxzero.model.layouts import COMFY_PREFIX
+    from fluxzero.model.weights import load_weights
+
+    sd = build_model("flux-tiny").state_dict()
+    save_file({**{COMFY_PREFIX + k: v.contiguous() for k, v in sd.items()}, "first_stage_model.w": torch.zeros(2),
+               "cond_stage_model.a.w": torch.zeros(3), "cond_stage_model.b.w": torch.zeros(3)},
+              str(tmp_path / "aio.safetensors"))
+    r = CliRunner().invoke(main, ["convert", str(tmp_path / "aio.safetensors"), str(tmp_path / "out.safetensors"),
+                                  "--to", "bfl"])
+    assert r.exit_code == 0, r.output
+    assert "left out 3 tensors of IN that are not the transformer's: cond_stage_model.* (2), first_stage_model.* (1)" \
+        in r.output, r.output
+    assert set(load_weights(tmp_path / "out.safetensors")) == set(sd)
+
+
+def test_gen_config_fit_never_writes_fp8_at_zero3(tmp_path):
+    """--fit with --fp8 pinned on a GPU too small for ZeRO-2: the ZeRO-3 rows are not written (the trainer refuses
+    fp8 at ZeRO-3), so gen-config writes a config the trainer accepts or nothing at all."""
+    from fluxzero.cli import main
+    from fluxzero.config.ds_file import load_for_training
+
+    out = tmp_path / "ds.json"
+    r = CliRunner().invoke(main, ["gen-config", "--fit", "--fp8", "tensorwise", "--precision", "bf16", "--model",
+                                  "flux-dev", "--gpu-memory", "40", "--world-size", "1",
+                                  "-o", str(out)])
+    if r.exit_code == 0:
+        load_for_training(out, 1)
+        ds = json.loads(out.read_text())  # the engine's rule, which older checks left to the trainer's start
+        assert not (ds["zero_optimization"]["stage"] == 3 and "fp8" in ds.get("fluxzero", {})), ds
+    else:
+        assert "Traceback" not in r.output and "--fp8 with ZeRO-3 is not supported" in r.output and not out.exists()

@@ -5,6 +5,9 @@ import json
 
 import click
 
+from fluxzero.config.run import MAX_SEED
+from fluxzero.data.encode import T5_MAX_TOKENS
+
 _DIR = click.Path(file_okay=False, path_type=str)
 # import name -> pip name of what `fluxzero cache` needs beyond the trainer (setup.cfg's [cache] extra)
 _NEEDS = {"torch": "torch", "numpy": "numpy", "safetensors": "safetensors", "tqdm": "tqdm", "PIL": "Pillow",
@@ -34,7 +37,7 @@ def check_dependencies(command: str = "fluxzero cache", without: tuple[str, ...]
 @click.option("--clip-tokenizer", type=_DIR, default=None, help="CLIP tokenizer folder (overrides FLUX_DIR/tokenizer).")
 @click.option("--variant", type=click.Choice(["dev", "schnell"]), default="dev", show_default=True,
               help="FLUX.1 variant: sets the T5 length (dev 512 tokens, schnell 256).")
-@click.option("--t5-max-length", type=click.IntRange(min=1), default=None,
+@click.option("--t5-max-length", type=click.IntRange(1, T5_MAX_TOKENS), default=None,
               help="T5 tokens per caption (padded); overrides the variant's length.")
 @click.option("--resolution", type=click.IntRange(min=16), default=1024, show_default=True,
               help="Bucket pixel area is at most RESOLUTION squared; a multiple of 16.")
@@ -60,7 +63,7 @@ def check_dependencies(command: str = "fluxzero cache", without: tuple[str, ...]
               help="Cache the VAE posterior's mode, or one seeded sample of it.")
 @click.option("--shard-size", type=click.IntRange(min=1), default=64, show_default=True, help="Samples per shard.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Images per encoder batch.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of flip, caption-dropout and VAE-sample draws.")
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True, help="Seed of flip, caption-dropout and VAE-sample draws.")
 @click.option("--device", default="auto", show_default=True,
               help="Encoder device: auto = cuda:LOCAL_RANK (or SLURM_LOCALID) when a GPU is present, else cpu.")
 @click.option("--dtype", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,

@@ -259,7 +259,9 @@ def next_command(output: str | None, world: int | None, hostfile, request: dict,
     ds = output or "ds.json"
     keys = [f"deepspeed: {ds}"]
     if request["lora_rank"]:
-        lora = f"lora: {{rank: {request['lora_rank']}, targets: {request['lora_targets']}"
+        targets = _lora_targets(request["lora_targets"])  # patterns as a YAML list of quoted names: `*` and `,`
+        targets = targets if isinstance(targets, str) else json.dumps(list(targets))  # mean something in YAML
+        lora = f"lora: {{rank: {request['lora_rank']}, targets: {targets}"
         keys.append(lora + (f", base_quant: {base_quant}}}" if base_quant else "}"))
     if request.get("fit_ema", "none") != "none":
         keys.append(f"ema: {{dtype: {request['fit_ema']}, device: {request['fit_ema_device']}}}")
@@ -307,11 +309,14 @@ def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, 
     request, plan = fit, None
     if request["lora_rank"]:
         from fluxzero.config.lora import LoraConfig
+        from fluxzero.config.models import resolve_model
 
-        try:
-            LoraConfig(rank=request["lora_rank"], targets=_lora_targets(request["lora_targets"]))
+        try:  # the trainer's checks of the run file's lora section, so the printed `lora:` line trains
+            LoraConfig(rank=request["lora_rank"], targets=_lora_targets(request["lora_targets"])).check_model(
+                resolve_model(fields["model"]))
         except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--lora-targets") from None
+            hint = "--lora-rank" if str(e).startswith("lora.rank") else "--lora-targets"
+            raise click.BadParameter(str(e), param_hint=hint) from None
     if request["fit"]:  # memory.fit picks stage, offload, micro batch, checkpointing; what was given stays pinned
         plan = apply_fit(request, preset, given, hostfile, nodes, gpus_per_node, world_size)
         given.update(plan.overrides)
@@ -352,11 +357,13 @@ def _load_json(path: str) -> tuple[object, list[str]]:
         return seen
 
     problems: list[str] = []
+    from fluxzero.config.user_files import ParseError, parse_json
+
     try:
-        with open(path) as f:
-            return json.load(f, object_pairs_hook=no_duplicates), problems
-    except json.JSONDecodeError as e:
-        return None, [f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"]
+        with open(path, encoding="utf-8") as f:
+            return parse_json(f.read(), object_pairs_hook=no_duplicates), problems
+    except ParseError as e:
+        return None, [f"not valid JSON: {e}"]
     except UnicodeDecodeError:
         return None, ["not a text file"]
 

@@ -190,6 +190,8 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
                 raise click.BadParameter(f"{ds_path}: {problem}, which DeepSpeed ignores and the trainer refuses: "
                                          f"fix it (`fluxzero check-config {ds_path}` checks the whole file)",
                                          param_hint="--config")
+            if problem.startswith(tuple(f"{k} must be" for k in ds_view.BATCH_KEYS)):  # NaN would read as unset
+                raise click.BadParameter(f"{ds_path}: {problem}", param_hint="--config")
         try:  # read through ds_view.view, as the trainer reads it
             from_file = memory.run_options_from_ds_config(ds, nodes * gpus_per_node)
         except ds_view.DSConfigError as e:

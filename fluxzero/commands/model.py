@@ -2,6 +2,7 @@
 between the diffusers/PEFT and kohya/ComfyUI layouts."""
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import click
@@ -41,17 +42,14 @@ def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, m
     from ..config import resolve_model
     from ..model.layouts import WeightsError
     from ..model.lora_keys import is_lora_file
-    from ..model.weights import load_weights, save_weights, source_config
+    from ..model.weights import ignored_tensors, load_weights, save_weights, source_config
 
     refuse_existing(dst, overwrite)
     if is_lora_file(src):
         if preset:
             raise click.UsageError("--model applies to full weights; a LoRA file is converted as it is (drop --model)")
         return _convert_lora(src, dst, layout, dtype)
-    if layout == "kohya":
-        raise click.BadParameter("kohya is a LoRA layout and IN holds full weights; write them as bfl, comfyui or "
-                                 "diffusers", param_hint="--to")
-    if layout != "diffusers" and dst.suffix != ".safetensors":
+    if layout != "diffusers" and layout != "kohya" and dst.suffix != ".safetensors":
         raise click.BadParameter(f"--to {layout} writes one file: give OUT a .safetensors name", param_hint="OUT")
     try:
         cfg = resolve_model(preset) if preset else None
@@ -61,11 +59,17 @@ def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, m
     from safetensors import SafetensorError
 
     try:
+        if layout == "kohya":
+            ignored_tensors(src)  # reads IN's header: an unreadable or pickled IN is named as such, not as weights
+            raise click.BadParameter("kohya is a LoRA layout and IN holds full weights; write them as bfl, comfyui "
+                                     "or diffusers", param_hint="--to")
         if cfg is None:  # keeps the RoPE axes the weights declare, for the file or config.json written
             cfg = source_config(src)
-        state = load_weights(src, cfg=cfg, dtype=torch_dtype)
+        state = load_weights(src, cfg=cfg, dtype=None if dtype == "fp16" else torch_dtype)
     except WeightsError as e:
         raise click.BadParameter(str(e), param_hint="IN") from None
+    if dtype == "fp16":
+        _to_fp16(state, src)
     try:
         save_weights(state, dst, layout=layout, cfg=cfg, max_shard_bytes=int(max_shard_gb * 2**30))
     except WeightsError as e:  # a model the diffusers layout cannot hold
@@ -76,6 +80,27 @@ def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, m
                                  param_hint="OUT") from None
     n = sum(t.numel() for t in state.values())
     click.echo(f"wrote {dst} ({layout}, {len(state)} tensors, {n:,} parameters)")
+    left = ignored_tensors(src)
+    if left:
+        groups = Counter(k.split(".", 1)[0] for k in left)
+        click.echo(f"left out {len(left)} tensors of IN that are not the transformer's: "
+                   f"{', '.join(f'{g}.* ({c})' for g, c in groups.items())}")
+
+
+def _to_fp16(state: dict, src: Path) -> None:
+    """`state`'s floating tensors cast to fp16 in place, or BadParameter when a value lies beyond fp16's range
+    (it would be written as inf, and fluxzero refuses weights holding inf)."""
+    import torch
+
+    top = torch.finfo(torch.float16).max
+    over = [k for k, t in state.items() if t.is_floating_point() and t.numel() and t.abs().max() > top]
+    if over:
+        raise click.BadParameter(f"{len(over)} of {len(state)} tensors of {src} hold values beyond fp16's range "
+                                 f"(+-{top:g}; e.g. {over[0]}), which fp16 would store as inf; write bf16 (the same "
+                                 f"size, fp32's range) or keep", param_hint="--dtype")
+    for k, t in state.items():
+        if t.is_floating_point():
+            state[k] = t.to(torch.float16)
 
 
 def _convert_lora(src: Path, dst: Path, layout: str, dtype: str) -> None:
@@ -96,7 +121,9 @@ def _convert_lora(src: Path, dst: Path, layout: str, dtype: str) -> None:
             lcfg = LoraConfig(rank=info.rank, alpha=info.alpha, targets=info.targets or list(info.modules))
         except ValueError:
             lcfg = LoraConfig(rank=info.rank, alpha=info.alpha, targets=list(info.modules))
-        torch_dtype = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        torch_dtype = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": None}[dtype]
+        if dtype == "fp16":
+            _to_fp16(sd, src)
         save_lora(dst, sd, lcfg, layout=out_layout, base_model=info.base_model, dtype=torch_dtype)
     except LoraError as e:
         raise click.BadParameter(str(e), param_hint="IN") from None

@@ -5,6 +5,9 @@ from pathlib import Path
 
 import click
 
+from fluxzero.config.run import MAX_SEED
+from fluxzero.data.encode import T5_MAX_TOKENS
+
 from . import refuse_existing
 
 # fluxzero.model.math.ATTENTION_BACKENDS' names, spelled here so `--help` needs no torch (tests/sampling checks they agree)
@@ -24,7 +27,7 @@ def _encoder_options(f):
         click.option("--clip", type=_DIR, default=None, help="transformers CLIPTextModel folder (overrides FLUX_DIR/text_encoder)."),
         click.option("--t5-tokenizer", type=_DIR, default=None, help="T5 tokenizer folder (overrides FLUX_DIR/tokenizer_2)."),
         click.option("--clip-tokenizer", type=_DIR, default=None, help="CLIP tokenizer folder (overrides FLUX_DIR/tokenizer)."),
-        click.option("--t5-max-length", type=click.IntRange(min=1), default=None,
+        click.option("--t5-max-length", type=click.IntRange(1, T5_MAX_TOKENS), default=None,
                      help="T5 tokens per prompt (padded)  [default: 512 for dev, 256 for schnell]."),
     ]):
         f = decorator(f)
@@ -55,8 +58,12 @@ def _device_options(f):
 
 
 def _read_prompts(prompt_texts, prompts_file: Path | None) -> list[str]:
+    from fluxzero.config.user_files import check_regular
+
     prompts = list(prompt_texts)
     if prompts_file is not None:
+        check_regular(prompts_file, "prompts file", "pass a UTF-8 text file with one prompt per line",
+                      lambda sentence: click.BadParameter(sentence, param_hint="--prompts"))
         try:
             lines = prompts_file.read_text(encoding="utf-8-sig").splitlines()
         except UnicodeDecodeError:
@@ -269,7 +276,7 @@ def _encode(encoders, prompts, negative_prompt):
 @click.option("--true-cfg", type=click.FloatRange(min=1.0), default=1.0, show_default=True,
               help="Real classifier-free guidance scale with --negative-prompt (diffusers' true_cfg_scale); "
                    "above 1 doubles the model work.")
-@click.option("--seed", "seeds", type=int, multiple=True, default=(0,), show_default=True,
+@click.option("--seed", "seeds", type=click.IntRange(0, MAX_SEED), multiple=True, default=(0,), show_default=True,
               help="Noise seed; repeat for several. Every prompt is sampled once per seed, each image from its own seed.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Images per model call (the images do not depend on it).")

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 
 from fluxzero.config.keys import check_types, section_from_dict
+from fluxzero.config.user_files import excerpt
 
 
 @dataclass(frozen=True)
@@ -66,10 +67,10 @@ def parse_data(value):
                 out.append(section_from_dict(DatasetConfig, f"data[{i}]", d))
             else:
                 raise ValueError(f"data[{i}] must be a mapping with path: (and repeats:, loss_weight:, "
-                                 f"caption_dropout:), got {d!r}")
+                                 f"caption_dropout:), got {excerpt(d)}")
         paths = [d.path for d in out]
         dup = next((p for p in paths if paths.count(p) > 1), None)
         if dup is not None:
             raise ValueError(f"data lists {dup} twice; list each dataset once and raise its repeats instead")
         return out
-    raise ValueError(f"data must be a shard folder (text) or a list of datasets, got {value!r}")
+    raise ValueError(f"data must be a shard folder (text) or a list of datasets, got {excerpt(value)}")

@@ -51,6 +51,7 @@ def config_name(what: str) -> str:
     return {"stage": "zero_optimization.stage", "optimizer": "optimizer.type",
             "offload_optimizer": "zero_optimization.offload_optimizer.device",
             "offload_param": "zero_optimization.offload_param.device", "optimizer_mode": "fluxzero.optimizer_mode",
+            "fp8": "fluxzero.fp8",
             "precision": "bf16.enabled", "bf16_master_weights_and_grads": "bf16.bf16_master_weights_and_grads",
             "bf16_optimizer_states": "bf16.bf16_optimizer_states",
             "allow_untested_optimizer": "zero_allow_untested_optimizer",
@@ -88,6 +89,10 @@ def combination_problems(v: DSView, name=config_name, zero_keys=()) -> list[str]
             and not v.allow_untested_optimizer:
         p.append(f"{name('optimizer')} {v.optimizer} is not one ZeRO is tested with (DeepSpeed stops at engine "
                  f"start): use AdamW, or set zero_allow_untested_optimizer: true")
+    # torchao's Float8Linear is not tested with ZeRO-3's partitioned parameters (fluxzero.train.engine.apply_fp8)
+    if v.fp8 and stage == 3:
+        p.append(f"{name('fp8')} with ZeRO-3 is not supported (not tested with partitioned parameters): set {S} 2 "
+                 f"(or 0/1), or remove {name('fp8')}")
     if v.optimizer_mode is not None:
         p += _mode_problems(v, name)
     return p

@@ -4,12 +4,11 @@ starts from (the checked config and its view). Pure Python; `ds_view` reads dict
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from fluxzero.config.ds_check import check
 from fluxzero.config.ds_view import FLUXZERO_SECTION, DSConfigError, DSView, view
-from fluxzero.config.user_files import read_text
+from fluxzero.config.user_files import ParseError, parse_json, read_text
 
 
 def read_json(path: str | Path) -> dict:
@@ -26,9 +25,9 @@ def read_json(path: str | Path) -> dict:
         return seen
 
     try:
-        ds = json.loads(text, object_pairs_hook=no_duplicates)
-    except json.JSONDecodeError as e:
-        raise DSConfigError(f"DeepSpeed config {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        ds = parse_json(text, object_pairs_hook=no_duplicates)
+    except ParseError as e:
+        raise DSConfigError(f"DeepSpeed config {path} is not valid JSON ({e})") from None
     if not isinstance(ds, dict):
         raise DSConfigError(f"DeepSpeed config {path} must be a JSON object ({{...}}), got {type(ds).__name__}; "
                             f"write one with `fluxzero gen-config`")

@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fluxzero.config.keys import did_you_mean
+from fluxzero.config.user_files import excerpt
 
 EMA_DEVICES = ("gpu", "cpu")
 EMA_DTYPES = ("fp32", "bf16")
@@ -35,24 +36,24 @@ class EmaConfig:
     def __post_init__(self):
         d = self.decay
         if isinstance(d, bool) or not isinstance(d, (int, float)):
-            raise ValueError(f"ema.decay must be a number between 0 and 1 (exclusive), for example 0.9999, got {d!r}")
+            raise ValueError(f"ema.decay must be a number between 0 and 1 (exclusive), for example 0.9999, got {excerpt(d)}")
         if not 0.0 < d < 1.0:  # 1 would never move, 0 would be the weights themselves
             raise ValueError(f"ema.decay must be between 0 and 1 (exclusive), for example 0.9999, got {d}")
         self.decay = float(d)
         if not isinstance(self.warmup, bool):
-            raise ValueError(f"ema.warmup must be true or false, got {self.warmup!r}")
+            raise ValueError(f"ema.warmup must be true or false, got {excerpt(self.warmup)}")
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"ema.every must be a whole number of optimizer steps, at least 1, got {self.every!r}")
+            raise ValueError(f"ema.every must be a whole number of optimizer steps, at least 1, got {excerpt(self.every)}")
         if self.device not in EMA_DEVICES:
-            raise ValueError(f"ema.device must be 'gpu' or 'cpu', got {self.device!r}")
+            raise ValueError(f"ema.device must be 'gpu' or 'cpu', got {excerpt(self.device)}")
         if self.dtype not in EMA_DTYPES:
-            raise ValueError(f"ema.dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
+            raise ValueError(f"ema.dtype must be 'fp32' or 'bf16', got {excerpt(self.dtype)}")
 
     @classmethod
     def from_dict(cls, d) -> "EmaConfig":
         """The `ema:` mapping of a run file; unknown keys are refused with a did-you-mean."""
         if not isinstance(d, dict):
-            raise ValueError(f"ema must be a mapping of EMA options (decay, warmup, every, device, dtype), got {d!r}")
+            raise ValueError(f"ema must be a mapping of EMA options (decay, warmup, every, device, dtype), got {excerpt(d)}")
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(map(str, d)) - set(names))
         if unknown:

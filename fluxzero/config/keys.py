@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from fluxzero.config.user_files import excerpt
+
 
 def did_you_mean(unknown, names) -> str:
     """' (did you mean 'rank' for 'rnak'?)' for the unknown keys with a close valid name, else ''."""
     import difflib
 
-    hints = [f"{m[0]!r} for {k!r}" for k in unknown
+    hints = [f"{excerpt(m[0])} for {excerpt(k)}" for k in unknown
              if (m := difflib.get_close_matches(str(k), sorted(map(str, names)), n=1, cutoff=0.6))]
     return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
@@ -44,7 +46,7 @@ def check_types(obj, prefix: str = "") -> None:
         else:
             continue
         if not ok:
-            raise ValueError(f"{prefix}{f.name} must be {want}, got {value!r}")
+            raise ValueError(f"{prefix}{f.name} must be {want}, got {excerpt(value)}")
 
 
 def section_from_dict(cls, name: str, d):
@@ -54,7 +56,7 @@ def section_from_dict(cls, name: str, d):
         return cls()
     names = [f.name for f in dataclasses.fields(cls)]
     if not isinstance(d, dict):
-        raise ValueError(f"{name} must be a mapping of {name} options ({', '.join(names)}), got {d!r}")
+        raise ValueError(f"{name} must be a mapping of {name} options ({', '.join(names)}), got {excerpt(d)}")
     unknown = sorted(set(map(str, d)) - set(names))
     if unknown:
         raise ValueError(f"unknown {name} keys {unknown}{did_you_mean(unknown, names)}; valid keys: "

@@ -7,10 +7,12 @@ regexes because they read naturally in YAML and need no escaping of the dots in 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
 from fluxzero.config.keys import did_you_mean
+from fluxzero.config.user_files import excerpt
 
 # What each stream of a double block and each single block holds, by preset. A single block's attention
 # and MLP share fused linears (linear1 = q, k, v and MLP-in; linear2 = attn-out and MLP-out), so even the
@@ -52,36 +54,37 @@ class LoraConfig:
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
-            raise ValueError(f"lora.rank must be a whole number of at least 1, got {self.rank!r}; set e.g. rank: 16")
+            raise ValueError(f"lora.rank must be a whole number of at least 1, got {excerpt(self.rank)}; set e.g. rank: 16")
         if self.alpha is None:
             self.alpha = float(self.rank)
-        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not self.alpha > 0:
-            raise ValueError(f"lora.alpha must be a positive number, got {self.alpha!r}; set it to the rank "
-                             "(scale 1) or leave it out")
+        if (not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not self.alpha > 0
+                or not math.isfinite(self.alpha)):
+            raise ValueError(f"lora.alpha must be a positive number (finite), got {excerpt(self.alpha)}; set it to the "
+                             "rank (scale 1) or leave it out")
         self.alpha = float(self.alpha)
         if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
-            raise ValueError(f"lora.dropout must be a number in [0, 1), got {self.dropout!r}; use 0 to turn it off")
+            raise ValueError(f"lora.dropout must be a number in [0, 1), got {excerpt(self.dropout)}; use 0 to turn it off")
         self.dropout = float(self.dropout)
         if self.init not in LORA_INITS:
             why = (" (it rewrites the frozen base weights, which ZeRO-3 placeholders cannot hold and saved LoRA "
                    "files would then depend on)" if str(self.init).lower().startswith(("pissa", "olora", "corda"))
                    else "")
-            raise ValueError(f"lora.init must be one of {', '.join(LORA_INITS)}, got {self.init!r}{why}")
+            raise ValueError(f"lora.init must be one of {', '.join(LORA_INITS)}, got {excerpt(self.init)}{why}")
         if self.base_quant not in BASE_QUANTS:
-            raise ValueError(f"lora.base_quant must be one of {', '.join(BASE_QUANTS)}, got {self.base_quant!r}")
+            raise ValueError(f"lora.base_quant must be one of {', '.join(BASE_QUANTS)}, got {excerpt(self.base_quant)}")
         self._check_targets()
         if isinstance(self.weights, os.PathLike):
             self.weights = os.fspath(self.weights)
         if self.weights is not None:
             if not isinstance(self.weights, str) or not self.weights.strip():
-                raise ValueError(f"lora.weights must be a path to a LoRA .safetensors file or null, got {self.weights!r}")
+                raise ValueError(f"lora.weights must be a path to a LoRA .safetensors file or null, got {excerpt(self.weights)}")
             self.weights = os.path.expanduser(self.weights)
 
     def _check_targets(self) -> None:
         presets = ", ".join(TARGET_PRESETS)
         if isinstance(self.targets, str):
             if self.targets not in TARGET_PRESETS:
-                raise ValueError(f"lora.targets {self.targets!r} is not a preset; use one of {presets}, or a list "
+                raise ValueError(f"lora.targets {excerpt(self.targets)} is not a preset; use one of {presets}, or a list "
                                  "of module-name patterns such as ['double_blocks.*.img_attn.qkv']")
             return
         if isinstance(self.targets, tuple):
@@ -89,7 +92,7 @@ class LoraConfig:
         if (not isinstance(self.targets, list) or not self.targets
                 or not all(isinstance(p, str) and p.strip() for p in self.targets)):
             raise ValueError(f"lora.targets must be a preset ({presets}) or a non-empty list of module-name patterns, "
-                             f"got {self.targets!r}")
+                             f"got {excerpt(self.targets)}")
 
     @property
     def scale(self) -> float:
@@ -105,7 +108,7 @@ class LoraConfig:
     def from_dict(cls, d: dict) -> "LoraConfig":
         """From the run file's `lora:` mapping; unknown keys are refused with the valid ones listed."""
         if not isinstance(d, dict):
-            raise ValueError(f"lora must be a mapping of LoRA options (rank, alpha, ...), got {d!r}")
+            raise ValueError(f"lora must be a mapping of LoRA options (rank, alpha, ...), got {excerpt(d)}")
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(names))
         if set(unknown) & {"lr", "learning_rate"}:  # a LoRA's lr is the optimizer's, as for a full fine-tune
@@ -118,6 +121,31 @@ class LoraConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def check_model(self, model_cfg) -> None:
+        """ValueError (one sentence naming the setting) unless these adapters fit a model of shape `model_cfg` (a
+        ModelConfig): a rank from 1 to the model's width (a larger one adds nothing but memory), and targets
+        that select linears of it, every pattern of a list at least one (fluxzero.model.lora.target_modules
+        applies the same rule to the built model). The one check of a LoRA against its model, for the run file,
+        gen-config and the memory model."""
+        import fnmatch
+
+        width = model_cfg.hidden_size
+        if self.rank > width:
+            raise ValueError(f"lora.rank must be from 1 to the model's width {width} ({model_cfg.name}), got "
+                             f"{self.rank}; set e.g. rank: 16")
+        names = list(linear_shapes(model_cfg))
+        hits = {p: [n for n in names if fnmatch.fnmatchcase(n, p)] for p in self.patterns}
+        if isinstance(self.targets, str):
+            if not any(hits.values()):
+                raise ValueError(f"lora.targets {self.targets!r} selects no linear layer of {model_cfg.name}; name "
+                                 f"module patterns instead (e.g. img_in, final_layer.linear)")
+            return
+        missed = [p for p, hit in hits.items() if not hit]
+        if missed:
+            raise ValueError(f"lora.targets pattern {excerpt(missed[0])} matches no linear layer of {model_cfg.name}; "
+                             f"patterns are fnmatch globs over whole module names such as "
+                             f"double_blocks.*.img_attn.qkv or single_blocks.*.linear1")
 
 
 def linear_shapes(model_cfg) -> dict[str, tuple[int, int]]:

@@ -8,6 +8,16 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from fluxzero.config.user_files import excerpt, parse_json
+
+
+# What a ModelConfig may say: far beyond any FLUX.1-shaped model (FLUX.1-dev: width 3072, 19 + 38 blocks), and
+# small enough that the memory model and parameter counts stay exact and a typo (depth=10000000000) is refused
+# instead of exhausting memory
+MAX_WIDTH = 65536
+MAX_BLOCKS = 1024
+MAX_THETA = 10**9
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -29,21 +39,34 @@ class ModelConfig:
     guidance_embed: bool = True
 
     def __post_init__(self):
+        import math
+
         for f in ("in_channels", "out_channels", "vec_in_dim", "context_in_dim", "hidden_size", "num_heads"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"model {self.name!r}: {f} must be positive, got {getattr(self, f)}")
-        if self.depth < 0 or self.depth_single_blocks < 0:
-            raise ValueError(f"model {self.name!r}: depth and depth_single_blocks must be >= 0")
+            if not 1 <= getattr(self, f) <= MAX_WIDTH:
+                raise ValueError(f"model {excerpt(self.name)}: {f} must be from 1 to {MAX_WIDTH}, got "
+                                 f"{excerpt(getattr(self, f))}")
+        for f in ("depth", "depth_single_blocks"):
+            if not 0 <= getattr(self, f) <= MAX_BLOCKS:
+                raise ValueError(f"model {excerpt(self.name)}: {f} must be from 0 to {MAX_BLOCKS}, got "
+                                 f"{excerpt(getattr(self, f))}")
+        if not (math.isfinite(self.mlp_ratio) and 1 <= self.mlp_hidden_dim <= MAX_WIDTH * 16):
+            raise ValueError(f"model {excerpt(self.name)}: mlp_ratio {self.mlp_ratio} gives an MLP width of "
+                             f"hidden_size x mlp_ratio = {self.mlp_hidden_dim if math.isfinite(self.mlp_ratio) else 'inf'}"
+                             f"; choose mlp_ratio so that the width is from 1 to {MAX_WIDTH * 16} (FLUX.1: 4.0)")
+        if not 1 <= self.theta <= MAX_THETA:
+            raise ValueError(f"model {excerpt(self.name)}: theta (RoPE base) must be from 1 to {MAX_THETA}, got "
+                             f"{excerpt(self.theta)} (FLUX.1: 10000)")
         if self.hidden_size % self.num_heads:
             raise ValueError(
-                f"model {self.name!r}: hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}"
+                f"model {excerpt(self.name)}: hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}"
             )
         if sum(self.axes_dim) != self.head_dim:
             raise ValueError(
-                f"model {self.name!r}: axes_dim {self.axes_dim} must sum to the head dim {self.head_dim}"
+                f"model {excerpt(self.name)}: axes_dim {self.axes_dim} must sum to the head dim {self.head_dim}"
             )
-        if any(d % 2 for d in self.axes_dim):
-            raise ValueError(f"model {self.name!r}: every entry of axes_dim {self.axes_dim} must be even (RoPE pairs)")
+        if any(d % 2 or d <= 0 for d in self.axes_dim):
+            raise ValueError(f"model {excerpt(self.name)}: every entry of axes_dim {self.axes_dim} must be positive "
+                             f"and even (RoPE pairs)")
 
     @property
     def head_dim(self) -> int:
@@ -111,7 +134,7 @@ class ModelConfig:
         """A ModelConfig from `to_dict()`'s mapping (missing fields take flux-dev's values); ValueError naming
         a bad field."""
         if not isinstance(d, dict):
-            raise ValueError(f"model must be a mapping of ModelConfig fields, got {d!r}")
+            raise ValueError(f"model must be a mapping of ModelConfig fields, got {excerpt(d)}")
         return _from_mapping({"name": "custom", **d}, "model")
 
     def same_shape(self, other: "ModelConfig") -> bool:
@@ -189,7 +212,7 @@ def _did_you_mean(key: str, names) -> str:
     import difflib
 
     m = difflib.get_close_matches(str(key), list(names), n=1, cutoff=0.6)
-    return f" (did you mean {m[0]!r}?)" if m else ""
+    return f" (did you mean {excerpt(m[0])}?)" if m else ""
 
 
 def _checked(where: str, key: str, value, label: str | None = None):
@@ -197,24 +220,24 @@ def _checked(where: str, key: str, value, label: str | None = None):
     label = label or key
     if key in _INT_FIELDS:
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{where}: {label} must be a whole number, got {value!r}")
+            raise ValueError(f"{where}: {label} must be a whole number, got {excerpt(value)}")
     elif key == "mlp_ratio":
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or value == float("inf"):
-            raise ValueError(f"{where}: {label} must be a positive number, got {value!r}")
+            raise ValueError(f"{where}: {label} must be a positive number, got {excerpt(value)}")
         value = float(value)
     elif key in _BOOL_FIELDS:
         if not isinstance(value, bool):
-            raise ValueError(f"{where}: {label} must be true or false, got {value!r}")
+            raise ValueError(f"{where}: {label} must be true or false, got {excerpt(value)}")
     elif key == "axes_dim":
         ok = isinstance(value, (list, tuple)) and len(value) == 3 and all(
             isinstance(a, int) and not isinstance(a, bool) and a > 0 for a in value)
         if not ok:  # RoPE rotates three position axes (frame, row, column): the ids have three columns
             raise ValueError(f"{where}: {label} must be three positive even whole numbers summing to the head dim, "
-                             f"such as [16, 56, 56], got {value!r}")
+                             f"such as [16, 56, 56], got {excerpt(value)}")
         value = tuple(value)
     elif key in ("name", "preset"):
         if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"{where}: {label} must be text, got {value!r}")
+            raise ValueError(f"{where}: {label} must be text, got {excerpt(value)}")
     return value
 
 
@@ -233,7 +256,7 @@ def _matching_preset(cfg: ModelConfig) -> ModelConfig | None:
 def _from_mapping(spec: dict, where: str) -> ModelConfig:
     unknown = [k for k in spec if k not in SPEC_KEYS]
     if unknown:
-        raise ValueError(f"{where}: unknown field {unknown[0]!r}{_did_you_mean(unknown[0], SPEC_KEYS)}; "
+        raise ValueError(f"{where}: unknown field {excerpt(unknown[0])}{_did_you_mean(unknown[0], SPEC_KEYS)}; "
                          f"valid fields: {', '.join(SPEC_KEYS)}")
     values = {k: _checked(where, k, v) for k, v in spec.items()}
     preset = values.pop("preset", None)
@@ -242,7 +265,7 @@ def _from_mapping(spec: dict, where: str) -> ModelConfig:
     elif preset in MODEL_PRESETS:
         base = MODEL_PRESETS[preset]
     else:
-        raise ValueError(f"{where}: unknown preset {preset!r}{_did_you_mean(preset, MODEL_PRESETS)}; choose one "
+        raise ValueError(f"{where}: unknown preset {excerpt(preset)}{_did_you_mean(preset, MODEL_PRESETS)}; choose one "
                          f"of: {', '.join(MODEL_PRESETS)}")
     name = values.pop("name", None)
     heads = values.get("num_heads", base.num_heads)
@@ -299,7 +322,7 @@ def _parse_inline(spec: str) -> dict:
             prev = out[key]
             out[key] = [*(prev if isinstance(prev, list) else [prev]), _parse_scalar(item)]
         elif item.strip():
-            raise ValueError(f"model {spec!r}: {item.strip()!r} must look like field=value, as in "
+            raise ValueError(f"model {excerpt(spec)}: {excerpt(item.strip())} must look like field=value, as in "
                              f"'flux-dev:depth=5,depth_single_blocks=10'")
     return out
 
@@ -318,12 +341,10 @@ def _diffusers_json(path: str) -> str:
 
 def from_diffusers_config(path: str | os.PathLike) -> ModelConfig:
     """The ModelConfig of a diffusers FluxTransformer2DModel config.json (or the folder holding it)."""
-    import json
-
     file = _diffusers_json(os.fspath(path))
     try:
         with open(file, encoding="utf-8") as f:
-            d = json.load(f)
+            d = parse_json(f.read())
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"model {file}: not a readable JSON file ({str(e).splitlines()[0][:200]}); pass a diffusers "
                          f"config.json") from None
@@ -333,7 +354,7 @@ def from_diffusers_config(path: str | os.PathLike) -> ModelConfig:
         raise ValueError(f"model {file}: describes a {d['_class_name']}, not a FluxTransformer2DModel; pass the "
                          f"transformer's config.json (a pipeline's transformer/ folder)")
     if d.get("patch_size", 1) != 1:
-        raise ValueError(f"model {file}: patch_size {d['patch_size']!r} is not FLUX.1's 1; only patch_size 1 "
+        raise ValueError(f"model {file}: patch_size {excerpt(d['patch_size'])} is not FLUX.1's 1; only patch_size 1 "
                          f"models load")
     values = {}
     for key, (ours, default) in _DIFFUSERS.items():
@@ -366,17 +387,17 @@ def resolve_model(spec) -> ModelConfig:
     if isinstance(spec, dict):
         return _from_mapping(spec, "model")
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"model must be {_SPEC_FORMS}, got {spec!r}")
+        raise ValueError(f"model must be {_SPEC_FORMS}, got {excerpt(spec)}")
     if spec in MODEL_PRESETS:
         return MODEL_PRESETS[spec]
     if os.path.exists(spec):
         return from_diffusers_config(spec)
     if ":" in spec and spec.partition(":")[0].strip() in MODEL_PRESETS:
-        return _from_mapping(_parse_inline(spec), f"model {spec!r}")
+        return _from_mapping(_parse_inline(spec), f"model {excerpt(spec)}")
     if "/" in spec or spec.endswith(".json"):
         raise ValueError(f"model {spec}: no such file or folder; pass a diffusers config.json (or its folder) "
                          f"that exists, or a preset name")
-    raise ValueError(f"unknown model preset {spec!r}{_did_you_mean(spec, MODEL_PRESETS)}; choose one of: "
+    raise ValueError(f"unknown model preset {excerpt(spec)}{_did_you_mean(spec, MODEL_PRESETS)}; choose one of: "
                      f"{', '.join(MODEL_PRESETS)} (or give {_SPEC_FORMS.partition(', ')[2]})")
 
 

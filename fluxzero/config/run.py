@@ -15,6 +15,7 @@ from fluxzero.config.lora import LoraConfig
 from fluxzero.config.models import model_spec, resolve_model
 from fluxzero.config.sections import (MOVED_TO_SECTIONS, SECTIONS, CheckpointConfig, ExportConfig, SampleConfig,
                                       ValidationConfig, moved_to_sections_message)
+from fluxzero.config.user_files import excerpt
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -57,6 +58,10 @@ def moved_keys_message(keys, deepspeed: str | None) -> str:
     return f"{' and '.join(parts)}: remove {them} from the run file"
 
 
+# Seeds reach torch.manual_seed and torch.Generator, which take at most 64 bits; 63 keep them non-negative
+MAX_SEED = 2**63 - 1
+
+
 @dataclass
 class FlowConfig:
     """Rectified-flow options: how timesteps are drawn and shifted, and the guidance value fed to the model."""
@@ -77,9 +82,9 @@ class FlowConfig:
     def __post_init__(self):
         _check_types(self, "flow.")
         if self.timestep_sampling not in ("uniform", "logit_normal"):
-            raise ValueError(f"flow.timestep_sampling must be 'uniform' or 'logit_normal', got {self.timestep_sampling!r}")
+            raise ValueError(f"flow.timestep_sampling must be 'uniform' or 'logit_normal', got {excerpt(self.timestep_sampling)}")
         if self.shift not in ("none", "fixed", "resolution"):
-            raise ValueError(f"flow.shift must be 'none', 'fixed' or 'resolution', got {self.shift!r}")
+            raise ValueError(f"flow.shift must be 'none', 'fixed' or 'resolution', got {excerpt(self.shift)}")
         import math
 
         # nan and inf pass every comparison below (logit_mean inf trained with every t = 1)
@@ -142,7 +147,7 @@ class TrainConfig:
             self.lora = LoraConfig.from_dict(self.lora)
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
             raise ValueError(f"lora must be a mapping of LoRA options (rank, alpha, targets, ...) or null, got "
-                             f"{self.lora!r}")
+                             f"{excerpt(self.lora)}")
         for name, cls in SECTIONS.items():  # a mapping (YAML, Python callers) becomes its frozen section
             if not isinstance(getattr(self, name), cls):
                 setattr(self, name, cls.from_dict(getattr(self, name)))
@@ -161,12 +166,17 @@ class TrainConfig:
         for f in ("steps", "stop_after", "num_workers", "prefetch_batches"):
             if getattr(self, f) is not None and getattr(self, f) < 0:
                 raise ValueError(f"{f} must be 0 or more, got {getattr(self, f)}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be a whole number from 0 to 2**63 - 1, got {excerpt(self.seed)}")
         if self.attention not in ("auto", "flash", "efficient", "cudnn", "math"):
-            raise ValueError(f"attention must be auto, flash, efficient, cudnn or math, got {self.attention!r}")
+            raise ValueError(f"attention must be auto, flash, efficient, cudnn or math, got {excerpt(self.attention)}")
         self._check_across_sections()
 
     def _check_across_sections(self) -> None:
-        """What a section asks of the rest of the run file: an EMA to sample or export, a LoRA to merge."""
+        """What a section asks of the rest of the run file: an EMA to sample or export, a LoRA to merge, a LoRA
+        that fits the model."""
+        if self.lora is not None:
+            self.lora.check_model(resolve_model(self.model))
         for name in ("sample", "export"):
             if getattr(self, name).weights == "ema" and self.ema is None:
                 raise ValueError(f"{name}.weights is ema but the run keeps no EMA; add an ema: section (e.g. ema: "

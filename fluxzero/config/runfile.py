@@ -8,12 +8,15 @@ from pathlib import Path
 
 from fluxzero.config.run import TrainConfig
 from fluxzero.config.sections import MOVED_TO_SECTIONS, nest_moved_keys
+from fluxzero.config.user_files import ParseError, excerpt, parse_yaml, read_text
 
 
-def _parse_value(text: str):
-    import yaml
-
-    return yaml.safe_load(text) if text.strip() else ""
+def _parse_value(item: str, text: str):
+    """The VALUE of override `item` (KEY=VALUE) as YAML reads it ("" when empty)."""
+    try:
+        return parse_yaml(text) if text.strip() else ""
+    except ParseError as e:
+        raise ConfigError(f"override {excerpt(item)}: the value is not valid YAML ({e})") from None
 
 
 class ConfigError(ValueError):
@@ -31,39 +34,14 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
 
 
 
-def _unique_key_loader():
-    """yaml.SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    def mapping(loader, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = loader.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice (line {key_node.start_mark.line + 1}); keep one", key_node.start_mark)
-            seen.add(key)
-        return loader.construct_mapping(node, deep)
-
-    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
-    return Loader
-
-
 def _load_config(path, overrides) -> TrainConfig:
-    import yaml
-
     data = {}
     if path:
-        from fluxzero.config.user_files import read_text
-
         text = read_text(path, "run file", "pass a YAML run file such as launch/tiny.yaml", ConfigError)
         try:
-            data = yaml.load(text, Loader=_unique_key_loader()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"run file {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+            data = parse_yaml(text, unique_keys=True) or {}
+        except ParseError as e:
+            raise ConfigError(f"run file {path} is not valid YAML ({e})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"run file {path} must be a mapping of settings")
     for item in overrides:
@@ -77,7 +55,7 @@ def _load_config(path, overrides) -> TrainConfig:
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {'.'.join(parents[:i + 1])} is a value, not a section; "
                                   f"write {'.'.join(parents[:i + 1])}=VALUE")
-        node[leaf] = _parse_value(value)
+        node[leaf] = _parse_value(item, value)
     return TrainConfig.from_dict(data)
 
 
@@ -95,14 +73,12 @@ def read_saved_run(path, fix: str, error: type[Exception]) -> dict:
     as one saved after. Unreadable, not YAML or not a mapping is `error(sentence)`, the sentence ending in `fix`
     (what to do instead).
     """
-    import yaml
-
     try:
-        saved = yaml.safe_load(Path(path).read_text())
+        saved = parse_yaml(Path(path).read_text())
     except FileNotFoundError:
         return {}
-    except yaml.YAMLError as e:
-        raise error(f"{path} is not valid YAML ({str(e).splitlines()[0]}); {fix}") from None
+    except ParseError as e:
+        raise error(f"{path} is not valid YAML ({e}); {fix}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise error(f"cannot read {path} ({getattr(e, 'strerror', None) or e}); {fix}") from None
     if not isinstance(saved, dict):
@@ -126,8 +102,8 @@ def split_allow(overrides: list[str]) -> tuple[list[str], bool]:
         if key.strip() != "allow_config_change" or not sep:
             rest.append(item)
             continue
-        allow = _parse_value(value)
+        allow = _parse_value(item, value)
         if not isinstance(allow, bool):
-            raise ConfigError(f"allow_config_change must be true or false, got {value!r}")
+            raise ConfigError(f"allow_config_change must be true or false, got {excerpt(value)}")
     return rest, allow
 

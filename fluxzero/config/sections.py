@@ -40,6 +40,7 @@ import re
 from dataclasses import dataclass
 
 from fluxzero.config.keys import and_list, check_types, section_from_dict
+from fluxzero.config.user_files import excerpt
 
 # flat key of an older run file -> section.key where it lives now
 MOVED_TO_SECTIONS = {
@@ -67,7 +68,7 @@ def _at_least(obj, prefix: str, names, low: int) -> None:
 
 def _weights(obj, prefix: str) -> None:
     if obj.weights not in WEIGHTS:
-        raise ValueError(f"{prefix}.weights must be live or ema, got {obj.weights!r}")
+        raise ValueError(f"{prefix}.weights must be live or ema, got {excerpt(obj.weights)}")
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class SampleConfig:
         m = re.fullmatch(r"(\d+)x(\d+)", str(self.size))
         if not m or int(m[1]) % 16 or int(m[2]) % 16 or not int(m[1]) or not int(m[2]):
             raise ValueError(f"sample.size must be WIDTHxHEIGHT in pixels, multiples of 16 (e.g. 512x512), got "
-                             f"{self.size!r}")
+                             f"{excerpt(self.size)}")
         _at_least(self, "sample", ("steps",), 1)
         if not math.isfinite(self.guidance) or self.guidance < 0:
             raise ValueError(f"sample.guidance must be a finite number >= 0, got {self.guidance}")
@@ -120,7 +121,7 @@ class SampleConfig:
             _set(self, "seeds", list(self.seeds))
         if not (isinstance(self.seeds, list) and self.seeds
                 and all(isinstance(x, int) and not isinstance(x, bool) for x in self.seeds)):
-            raise ValueError(f"sample.seeds must be a list of whole numbers such as [0, 1], got {self.seeds!r}")
+            raise ValueError(f"sample.seeds must be a list of whole numbers such as [0, 1], got {excerpt(self.seeds)}")
         _weights(self, "sample")
 
     @property
@@ -157,7 +158,7 @@ class ValidationConfig:
         if not (isinstance(ts, list) and ts and all(isinstance(t, (int, float)) and not isinstance(t, bool)
                                                     and 0 < t <= 1 for t in ts)):
             raise ValueError(f"validation.timesteps must be a list of numbers in (0, 1] such as [0.25, 0.5, 0.75], "
-                             f"got {ts!r}")
+                             f"got {excerpt(ts)}")
 
     @classmethod
     def from_dict(cls, d) -> "ValidationConfig":
@@ -179,9 +180,9 @@ class ExportConfig:
     def __post_init__(self):
         check_types(self, "export.")
         if self.format not in (None, *EXPORT_FORMATS):
-            raise ValueError(f"export.format must be bfl, diffusers, comfyui or null, got {self.format!r}")
+            raise ValueError(f"export.format must be bfl, diffusers, comfyui or null, got {excerpt(self.format)}")
         if self.dtype not in ("bf16", "fp32"):
-            raise ValueError(f"export.dtype must be bf16 or fp32, got {self.dtype!r}")
+            raise ValueError(f"export.dtype must be bf16 or fp32, got {excerpt(self.dtype)}")
         _weights(self, "export")
 
     @classmethod

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fluxzero.config.user_files import parse_json
 from fluxzero.data import shards as fmt
 from fluxzero.data.buckets import STEP, make_buckets, nearest_bucket
 from fluxzero.data.errors import DataError, InputFileError
@@ -194,7 +195,7 @@ def _read_part(out: Path, sid: int, fingerprint: str) -> dict | None:
     if not p.exists():
         return None
     try:
-        part = json.loads(p.read_text())
+        part = parse_json(p.read_text())
         if part.get("fingerprint") != fingerprint:
             return None  # written under another plan (or by a version that did not record one)
         rec = part["record"]
@@ -227,7 +228,7 @@ def _create_exclusive(path: Path, data: bytes) -> bool:
 
 def _read_plan(plan_file: Path) -> dict:
     try:
-        old = json.loads(plan_file.read_text())
+        old = parse_json(plan_file.read_text())
         return old if isinstance(old, dict) else {"fingerprint": "damaged"}
     except FileNotFoundError:
         return {}

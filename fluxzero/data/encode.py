@@ -1,17 +1,20 @@
 """FLUX.1's frozen encoders, loaded from local files only: VAE (latents), T5 (sequence), CLIP-L (pooled)."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from fluxzero.config.user_files import parse_json
 from fluxzero.data.errors import DataError
 
 # FLUX.1's autoencoder: latents are (z - shift) * scale; used when the VAE config does not carry them.
 FLUX_VAE_SCALE = 0.3611
 FLUX_VAE_SHIFT = 0.1159
 T5_MAX_LENGTH = {"dev": 512, "schnell": 256}
+# The longest T5 token row --t5-max-length may ask for: 8x FLUX.1-dev's; each caption is padded to it, so a typo
+# (1000000000) would otherwise end in the tokenizer's out-of-memory abort
+T5_MAX_TOKENS = 4096
 CLIP_MAX_LENGTH = 77
 
 LAYOUT = ("a FLUX.1 diffusers folder holds vae/ (AutoencoderKL), text_encoder/ (CLIP-L), text_encoder_2/ (T5), "
@@ -47,7 +50,7 @@ class EncoderPaths:
 
 def _read_json(path: Path) -> dict:
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = parse_json(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise DataError(f"{path} is not readable JSON ({str(e).splitlines()[0]}); restore it from the model's files.") from None
     if not isinstance(doc, dict):

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import csv
-import json
+import os
 import threading
 from pathlib import Path
 
+from fluxzero.config.user_files import check_regular, parse_json
 from fluxzero.data.buckets import cover_and_crop
 from fluxzero.data.errors import DataError
 
@@ -100,15 +101,14 @@ def _pick(row: dict, keys, what: str, source) -> str:
 def read_caption_table(path) -> dict[str, str]:
     """file name -> caption from a metadata .jsonl or .csv (columns file_name|file|image|path and text|caption|prompt)."""
     path = Path(path)
-    if not path.exists():
-        raise DataError(f"caption file {path} does not exist.")
+    check_regular(path, "caption file", "pass a metadata .jsonl or .csv file.", DataError)
     rows = []
     try:
         if path.suffix == ".jsonl":
             for n, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
                 if line.strip():
                     try:
-                        rows.append(json.loads(line))
+                        rows.append(parse_json(line))
                     except ValueError:
                         raise DataError(f"{path} line {n} is not valid JSON.") from None
         elif path.suffix == ".csv":
@@ -120,6 +120,8 @@ def read_caption_table(path) -> dict[str, str]:
         raise DataError(f"caption file {path} is not UTF-8 text (byte {e.start} cannot be decoded); save it as UTF-8.") from None
     except csv.Error as e:
         raise DataError(f"caption file {path} is not a readable CSV file ({e}); save it as comma-separated UTF-8 text.") from None
+    except OSError as e:
+        raise DataError(f"cannot read caption file {path} ({e.strerror or e}); make it readable.") from None
     if any(not isinstance(row, dict) for row in rows):
         raise DataError(f"{path}: every line must be a JSON object such as {{\"file_name\": \"a.png\", \"text\": \"...\"}}.")
     out = {}
@@ -146,10 +148,16 @@ def captions_for(root, images: list[str], caption_file=None) -> tuple[dict[str, 
     out = {}
     for im in images:
         txt = (root / im).with_suffix(".txt")
+        if not os.path.lexists(txt):
+            out[im] = None
+            continue
+        check_regular(txt, "caption file", f"make it the caption of {im} as UTF-8 text, or remove it.", DataError)
         try:  # utf-8-sig: a BOM (Notepad) is dropped, not kept as U+FEFF; other encodings are refused, not mangled
-            out[im] = txt.read_text(encoding="utf-8-sig").strip() if txt.exists() else None
+            out[im] = txt.read_text(encoding="utf-8-sig").strip()
         except UnicodeDecodeError as e:
             raise DataError(f"caption file {txt} is not UTF-8 text (byte {e.start} cannot be decoded); save it as UTF-8.") from None
+        except OSError as e:
+            raise DataError(f"cannot read caption file {txt} ({e.strerror or e}); make it readable or remove it.") from None
     return out, "txt", []
 
 

@@ -39,6 +39,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from fluxzero.config.user_files import parse_json
 from fluxzero.data.errors import DataError
 from fluxzero.fsutil import atomic_write
 
@@ -241,7 +242,7 @@ def read_manifest(data_dir) -> dict:
             raise DataError(f"data directory {d} is empty; fill it with `fluxzero cache IMAGES_DIR {d}`.")
         raise DataError(f"data directory {d} has no {MANIFEST} (unfinished or not a shard folder); {_RECREATE}.")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = parse_json(path.read_text())
     except (OSError, ValueError) as e:
         raise DataError(f"manifest {path} cannot be read ({e}); {_RECREATE}.") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -306,7 +307,7 @@ def check_shard(data_dir, record: dict, dims: dict) -> None:
         if got != shape:
             raise DataError(f"shard {path} holds {key} of shape {got} but the manifest implies {shape}; {_RECREATE}.")
     try:
-        version = json.loads(meta[META_KEY])["version"]
+        version = parse_json(meta[META_KEY])["version"]
     except (KeyError, TypeError, ValueError):
         raise DataError(f"shard {path} has no fluxzero metadata in its header; {_RECREATE}.") from None
     if version != FORMAT_VERSION:
@@ -383,7 +384,7 @@ class ShardSource:
 
     def _info(self, s: int) -> dict:
         if s not in self._infos:
-            self._infos[s] = json.loads(self._handle(s).metadata()[META_KEY])
+            self._infos[s] = parse_json(self._handle(s).metadata()[META_KEY])
         return self._infos[s]
 
     def caption(self, i: int) -> str:

@@ -147,6 +147,9 @@ def _combine(parts: list[Tensor], how: str) -> Tensor:
         return parts[0]
     if how == "swap":
         return _swap_halves(parts[0])
+    if len({p.shape[1:] for p in parts}) > 1 or any(p.dim() == 0 for p in parts):
+        raise WeightsError(f"parts of shapes {', '.join(str(tuple(p.shape)) for p in parts)} cannot be fused into one "
+                           f"tensor (their widths differ); pass weights of one FLUX.1 model")
     return torch.cat(parts, dim=0)
 
 

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from ..config.lora import LoraConfig
+from ..config.user_files import parse_json
 from .layouts import diffusers_names
 from .lora_keys import _LORA_KEY, LoraError, _looks_full
 
@@ -383,7 +384,7 @@ def _adapter_metadata(path: Path, meta: dict[str, str]) -> dict | None:
     if not text:
         return None
     try:
-        am = json.loads(text)
+        am = parse_json(text)
     except ValueError:
         am = None
     if not isinstance(am, dict):
@@ -437,7 +438,7 @@ def _targets(path: Path, meta: dict[str, str]):
     if not text:
         return None
     try:
-        targets = json.loads(text)
+        targets = parse_json(text)
     except ValueError:
         targets = None
     if not (isinstance(targets, str) or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..config import MODEL_PRESETS, ModelConfig
+from ..config.user_files import parse_json
 from ..fsutil import atomic_folder
 from .layouts import (
     _SHOW, COMFY_PREFIX, DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS, LAYOUTS, MODEL_METADATA, WeightsError, _combine,
@@ -60,7 +61,7 @@ def _index_files(index: Path) -> dict[str, Path]:
     """Raw key -> shard file, from a diffusers index; every shard is checked to hold what the index says."""
     fix = "fix it or write the folder again"
     try:
-        index_json = json.loads(index.read_text())
+        index_json = parse_json(index.read_text())
     except ValueError as e:  # not JSON, not UTF-8
         raise WeightsError(f"{index}: not a valid index file ({e}); {fix}") from None
     weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
@@ -132,12 +133,14 @@ class _Source:
             self.missing_raw = sorted({p for parts, _ in plan.values() for p in parts} - set(self.files))
             self.plan = {k: v for k, v in plan.items() if all(p in self.files for p in v[0])}
             self.known = set(plan)
+            self.ignored = []
         else:
             prefix = COMFY_PREFIX if self.layout == "comfyui" else ""
             self.plan = {k[len(prefix):]: ([k], "copy") for k in self.files if k.startswith(prefix)}
             # A ComfyUI all-in-one checkpoint also holds the VAE and text encoders under other prefixes:
             # those are not ours to check. Everything in a BFL file must be the transformer's.
             self.unexpected = [] if prefix else sorted(k for k in self.files if not k.startswith(prefix))
+            self.ignored = sorted(k for k in self.files if not k.startswith(prefix)) if prefix else []
             self.missing_raw = []
             self.known = set(self.plan)
         self._handles: dict[Path, object] = {}
@@ -158,7 +161,7 @@ class _Source:
         parts, how = self.plan[key]
         shapes = [tuple(self._handle(self.files[p]).get_slice(p).get_shape()) for p in parts]
         if how == "cat":
-            if len({s[1:] for s in shapes}) > 1:  # parts that cannot be fused: report them all as the shape
+            if len({s[1:] for s in shapes}) > 1 or not all(shapes):  # parts that cannot be fused: report them all
                 return tuple(shapes)
             return (sum(s[0] for s in shapes), *shapes[0][1:])
         return shapes[0]
@@ -177,7 +180,7 @@ def diffusers_axes(path) -> tuple[int, ...] | None:
     """RoPE axes declared by a diffusers folder's config.json, if any."""
     d = Path(path).is_dir() and _diffusers_dir(Path(path))
     try:
-        axes = json.loads((d / "config.json").read_text()).get("axes_dims_rope") if d else None
+        axes = parse_json((d / "config.json").read_text()).get("axes_dims_rope") if d else None
     except (OSError, ValueError, AttributeError):  # no or unreadable config.json: infer from head dim
         return None
     if axes is None:
@@ -203,7 +206,7 @@ def declared(path) -> dict:
     if text is None:
         return {}
     try:
-        cfg = ModelConfig.from_dict(json.loads(text))
+        cfg = ModelConfig.from_dict(parse_json(text))
     except ValueError as e:  # also invalid JSON
         raise WeightsError(f"{path}: the model recorded in its metadata ({MODEL_METADATA}) is unreadable "
                            f"({str(e).splitlines()[0][:200]}); pass --model naming the shape the weights have") from None
@@ -248,6 +251,13 @@ def iter_weights(
         for key in wanted:
             t = src.read(key, device)
             yield key, t if dtype is None else t.to(dtype)
+
+
+def ignored_tensors(path: str | os.PathLike) -> list[str]:
+    """Tensors of `path` that are not the transformer's and that loading it leaves out: a ComfyUI all-in-one
+    checkpoint's VAE and text encoders (every other layout refuses a tensor it cannot place)."""
+    with _Source(path) as src:
+        return src.ignored
 
 
 def load_weights(

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from fluxzero.config.user_files import parse_json
+
 FORMAT, VERSION = "fluxzero-prompt-embeddings", "1"
 
 
@@ -113,7 +115,7 @@ def load_embeddings(path: str | os.PathLike) -> PromptEmbeddings:
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
         raise EmbeddingsError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]}); {fix}") from None
     try:
-        prompts = json.loads(meta.get("prompts", ""))
+        prompts = parse_json(meta.get("prompts", ""))
     except ValueError:
         prompts = None
     if not (isinstance(prompts, list) and all(isinstance(p, str) for p in prompts)) or not {"t5", "clip_pooled"} <= set(t):

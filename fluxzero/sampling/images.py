@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from fluxzero.config.user_files import parse_json
+
 # Text chunks written to every PNG (values as text; the whole set also as JSON under "parameters").
 PNG_KEYS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "true_cfg", "width", "height", "model", "weights")
 SOFTWARE = "fluxzero"
@@ -49,7 +51,7 @@ def read_png_params(path: str | os.PathLike) -> dict:
 
     with Image.open(path) as im:
         text = getattr(im, "text", {}) or {}
-        return json.loads(text["parameters"]) if "parameters" in text else {}
+        return parse_json(text["parameters"]) if "parameters" in text else {}
 
 
 def grid(images, cols: int | None = None, pad: int = 0):

@@ -4,12 +4,12 @@ checkpoint, in the layout and dtype asked). export.py (full weights) and lora_ex
 from __future__ import annotations
 
 import glob
-import json
 import re
 from pathlib import Path
 
 import torch
 
+from fluxzero.config.user_files import parse_json
 from fluxzero.train import locks
 from fluxzero.train.checkpoint import load_trainer_state, step_folders
 from fluxzero.train.distributed import TrainingError
@@ -183,7 +183,7 @@ def _diffusers_files(folder: Path) -> list[Path]:
 
     index = folder / DIFFUSERS_INDEX
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(parse_json(index.read_text())["weight_map"].values()))
         files = [folder / n for n in names]
         return files if files and all(f.is_file() for f in files) else []
     single = folder / DIFFUSERS_WEIGHTS

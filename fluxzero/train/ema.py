@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from fluxzero.config.ema import EmaConfig
+from fluxzero.config.user_files import parse_json
 from fluxzero.train.distributed import all_reduce, reduce
 # the project's one bf16 stochastic rounding (fp32 bits + uniform 16-bit noise, truncated): an EMA with decay
 # 0.9999 moves by 1e-4 of the gap per update, far below half a bf16 ulp, which round-to-nearest would drop
@@ -419,7 +420,7 @@ def _read_layout(sd: dict) -> dict:
     if "layout" not in sd:
         raise ValueError("this is not an EMA shard (no 'layout' entry); pass files written from "
                          "ShardedEMA.state_dict()")
-    return json.loads(bytes(sd["layout"].tolist()).decode())
+    return parse_json(bytes(sd["layout"].tolist()).decode())
 
 
 def load_shard(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -491,7 +492,7 @@ def read_shard(path, *, rank: int, world: int, step: int, advice: str) -> tuple[
     note = None
     if SHARD_META_KEY in meta:
         try:
-            head = json.loads(meta[SHARD_META_KEY])
+            head = parse_json(meta[SHARD_META_KEY])
             ok = head["format"] == SHARD_FORMAT and head["version"] == SHARD_VERSION
             saved = {k: int(head[k]) for k in ("step", "rank", "world")}
         except (ValueError, TypeError, KeyError):

@@ -62,7 +62,7 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
                             f"one (FP8 for speed, the quantized base for memory)")
     model = born_model(model_cfg, ds, v, device, weights=weights, attention=attention, quant=quant)
     if v.fp8:  # before the adapters: PEFT then wraps the FP8 layers, its own small ones stay bf16
-        apply_fp8(model, v.fp8, v.stage)
+        apply_fp8(model, v.fp8)  # not at ZeRO-3: ds_check.combination_problems refuses that config
     if lora is not None:  # after the weights: the base's names gain `.base_layer` once adapters wrap it
         apply_adapters(model, lora, v)
     if v.compiles_blocks(device.type, lora is not None):  # first: checkpointing then wraps the compiled block
@@ -431,13 +431,11 @@ def fp8_layer(module: torch.nn.Module, name: str) -> bool:
             and module.out_features % 16 == 0)
 
 
-def apply_fp8(model: torch.nn.Module, recipe: str, stage: int = 0) -> int:
+def apply_fp8(model: torch.nn.Module, recipe: str) -> int:
     """torchao float8 training (dynamic scaling, `recipe` tensorwise or rowwise) on fp8_layer's layers; returns
     how many. Weights and their state-dict names stay as they are (Float8Linear keeps the Linear's parameters
-    and casts them at each matmul), so checkpoints, exports and EMA do not change. Fast only when compiled."""
-    if stage == 3:
-        raise TrainingError("fluxzero.fp8 with ZeRO-3 is not supported (not tested with partitioned parameters); "
-                            "use ZeRO-2 (or 0/1), or remove fluxzero.fp8")
+    and casts them at each matmul), so checkpoints, exports and EMA do not change. Fast only when compiled.
+    Not at ZeRO-3, which the DeepSpeed config check refuses (ds_check.combination_problems)."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from fluxzero.config.user_files import parse_json
 from fluxzero.fsutil import atomic_write
 from fluxzero.train.distributed import all_gather
 
@@ -95,7 +96,7 @@ def truncate_jsonl(path: Path, last_step: int) -> int:
     keep = []
     for line in lines:
         try:
-            if json.loads(line)["step"] <= last_step:
+            if parse_json(line)["step"] <= last_step:
                 keep.append(line)
         except (ValueError, KeyError, TypeError):  # a line cut short by a crash: not a record
             pass

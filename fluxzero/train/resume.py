@@ -5,7 +5,6 @@ run.yaml, and the advice a refusal of `latest` gives.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from fluxzero.config import TrainConfig
 from fluxzero.config.models import model_name, same_model
 from fluxzero.config.runfile import read_saved_run
 from fluxzero.config.ds_view import DSView, view
+from fluxzero.config.user_files import parse_json
 from fluxzero.train.checkpoint import load_trainer_state, step_folders
 from fluxzero.train.distributed import TrainingError, all_ranks_ok, broadcast_objects, write_line
 from fluxzero.train.integrity import (clean_save_files, file_problem, latest_problem, rank_checkpoint_problem,
@@ -172,7 +172,7 @@ def saved_view(path: Path, otherwise: str = "choose another output_dir") -> DSVi
     Present but unreadable is one sentence ending in "restore it (...), or <otherwise>": the stage / precision /
     scheduler checks would otherwise be skipped and DeepSpeed's own load fail deep inside on a mismatch."""
     try:
-        return view(json.loads(path.read_text()))
+        return view(parse_json(path.read_text()))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError, AttributeError) as e:

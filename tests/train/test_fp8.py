@@ -117,5 +117,5 @@ def test_trainer_runs_fp8_under_zero2(tmp_path):
     p = subprocess.run(train_cmd(run, f"output_dir={tmp_path / 'out3'}"), capture_output=True, text=True,
                        env=rank_env(), cwd=ROOT, timeout=600)
     assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == (
-        "error: fluxzero.fp8 with ZeRO-3 is not supported (not tested with partitioned parameters); use ZeRO-2 "
-        "(or 0/1), or remove fluxzero.fp8"), p.stderr[-2000:]
+        f"error: DeepSpeed config {tmp_path / 'ds.json'}: fluxzero.fp8 with ZeRO-3 is not supported (not tested "
+        f"with partitioned parameters): set zero_optimization.stage 2 (or 0/1), or remove fluxzero.fp8"), p.stderr[-2000:]

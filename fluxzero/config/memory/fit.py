@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from fluxzero.config import ds_config, optim_modes
+from fluxzero.config.ds_view import DSConfigError
 from fluxzero.config.memory.activations import checkpointed_split
 from fluxzero.config.memory.breakdown import Estimate, estimate
 from fluxzero.config.memory.spec import GiB, RunSpec, ZeroSettings, run_options_from_ds_config
@@ -569,7 +570,7 @@ def fit_gen_config(opts, given: dict, req: FitRequest) -> GenConfigFit:
         """RunSpec fields of the very config that row writes, read back as `estimate --config` reads it."""
         try:
             cfg = ds_config.build(row_options(stage, oo, op, mode))
-        except ds_config.DSConfigError as e:
+        except DSConfigError as e:  # a row the combination rules refuse (fp8 at ZeRO-3): not written
             raise ValueError("; ".join(e.problems)) from None
         fields = run_options_from_ds_config(cfg, world)
         return {k: v for k, v in fields.items() if k not in ("micro_batch", "checkpoint_every")}

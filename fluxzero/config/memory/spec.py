@@ -266,7 +266,7 @@ class RunSpec:
         if self.lora_rank:
             if isinstance(self.lora_targets, list):
                 object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
-            lora_config(self)  # validates rank and targets (ValueError naming the field)
+            lora_config(self).check_model(self.model)  # validates rank and targets (ValueError naming the field)
         if self.base_quant is not None:
             if self.base_quant not in BASE_QUANT_BYTES:
                 raise ValueError(f"base_quant must be one of {', '.join(BASE_QUANT_BYTES)} or None, got "
