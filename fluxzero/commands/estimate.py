@@ -241,7 +241,7 @@ def describe(spec: memory.RunSpec) -> str:
     size = f"{inv.total / 1e9:.2f}B" if inv.total >= 1e8 else f"{inv.total / 1e6:.2f}M"
     return (f"{spec.model.name} ({size} parameters), {spec.world_size} GPU(s) "
             f"({spec.nodes} node(s) x {spec.gpus_per_node}), {spec.height}x{spec.width} px = {spec.img_tokens} image "
-            f"+ {spec.txt_len} text tokens, micro batch {spec.micro_batch}, {spec.precision}, {opt}, "
+            f"{'(target + Kontext reference) ' if spec.reference_tokens else ''}+ {spec.txt_len} text tokens, micro batch {spec.micro_batch}, {spec.precision}, {opt}, "
             f"{spec.attention} attention\n"
             f"{memory._label(spec.stage, spec.offload_optimizer, spec.offload_param)}, "
             f"{memory._ckpt_text(spec.checkpoint_every)}")

@@ -37,6 +37,8 @@ class ModelConfig:
     theta: int = 10_000
     qkv_bias: bool = True
     guidance_embed: bool = True
+    # FLUX.1 Kontext: FLUX.1-dev's tensors, fed a reference image's tokens after the target's (image editing)
+    kontext: bool = False
 
     def __post_init__(self):
         import math
@@ -157,6 +159,9 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     ),
 }
 MODEL_PRESETS["flux-tiny-schnell"] = MODEL_PRESETS["flux-tiny"].replace(name="flux-tiny-schnell", guidance_embed=False)
+# FLUX.1 Kontext [dev]: FLUX.1-dev's architecture and keys; the flag makes training and sampling feed reference tokens
+MODEL_PRESETS["flux-kontext-dev"] = _FLUX_DEV.replace(name="flux-kontext-dev", kontext=True)
+MODEL_PRESETS["flux-tiny-kontext"] = MODEL_PRESETS["flux-tiny"].replace(name="flux-tiny-kontext", kontext=True)
 
 
 def get_model_config(name) -> ModelConfig:
@@ -192,7 +197,7 @@ def reshaped(base: ModelConfig, *, depth: int | None = None, depth_single_blocks
 # ------------------------------------------------------------------------------------------------------
 _INT_FIELDS = ("in_channels", "out_channels", "vec_in_dim", "context_in_dim", "hidden_size", "num_heads", "depth",
                "depth_single_blocks", "theta", "head_dim")
-_BOOL_FIELDS = ("qkv_bias", "guidance_embed")
+_BOOL_FIELDS = ("qkv_bias", "guidance_embed", "kontext")
 # What a mapping may set: every ModelConfig field, `head_dim` (hidden_size = head_dim x num_heads) and `preset`.
 SPEC_KEYS = ("preset", *(f.name for f in dataclasses.fields(ModelConfig)), "head_dim")
 _SPEC_FORMS = ("a preset name, a mapping {preset: NAME, field: value, ...}, 'PRESET:field=value,...' or the path "
@@ -365,11 +370,25 @@ def from_diffusers_config(path: str | os.PathLike) -> ModelConfig:
     base = os.path.dirname(os.path.abspath(file))
     name = os.path.basename(os.path.dirname(base)) if os.path.basename(base) == "transformer" else os.path.basename(base)
     values.setdefault("out_channels", values["in_channels"])
+    if os.path.basename(base) == "transformer" and is_kontext_pipeline(os.path.dirname(base)):
+        values["kontext"] = True
     try:
         cfg = ModelConfig(name=name or "custom", **{k: v for k, v in values.items() if k != "head_dim"})
     except ValueError as e:
         raise ValueError(f"model {file}: {str(e).partition(': ')[2] or e}") from None
     return _matching_preset(cfg) or cfg
+
+
+def is_kontext_pipeline(folder: str | os.PathLike) -> bool:
+    """Whether a diffusers pipeline folder is FLUX.1 Kontext's: its model_index.json names FluxKontextPipeline
+    (the transformer's own config.json is FLUX.1-dev's)."""
+    import json
+
+    try:
+        with open(os.path.join(folder, "model_index.json"), encoding="utf-8") as f:
+            return json.load(f).get("_class_name") == "FluxKontextPipeline"
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False
 
 
 def resolve_model(spec) -> ModelConfig:

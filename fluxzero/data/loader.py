@@ -51,8 +51,8 @@ def epoch_plan(sizes: list[tuple[int, int]], global_batch: int, seed: int, epoch
 
 
 def _collate(samples: list[dict]) -> dict:
-    """Shape: latents (B,C,h,w), t5 (B,L,D), clip (B,V), index (B,) long; and only where some sample has
-    one: mask (B,h/2,w/2) (ones for a sample without) and loss_weight (B,) (1 for a sample without)."""
+    """Shape: latents (B,C,h,w), t5 (B,L,D), clip (B,V), index (B,) long; reference (B,C,h,w) for FLUX.1 Kontext
+    pairs; and only where some sample has one: mask (B,h/2,w/2) (ones for a sample without) and loss_weight (B,) (1 for a sample without)."""
     import torch
 
     batch = {
@@ -61,6 +61,8 @@ def _collate(samples: list[dict]) -> dict:
         "clip": torch.stack([s["clip"] for s in samples]),
         "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
     }
+    if "reference" in samples[0]:  # FLUX.1 Kontext pairs: a source holds references for all samples or none
+        batch["reference"] = torch.stack([s["reference"] for s in samples])
     if any("mask" in s for s in samples):
         _, _, h, w = batch["latents"].shape
         batch["mask"] = torch.stack([s.get("mask", torch.ones(h // 2, w // 2)) for s in samples])
@@ -264,6 +266,13 @@ def check_model_fit(dims: dict, model_cfg) -> None:
         raise DataError(f"the data's T5 width is {dims['t5_dim']} but model {model_cfg.name!r} has context_in_dim {model_cfg.context_in_dim}; re-cache with a matching T5 or pick a matching model.")
     if dims["clip_dim"] != model_cfg.vec_in_dim:
         raise DataError(f"the data's CLIP width is {dims['clip_dim']} but model {model_cfg.name!r} has vec_in_dim {model_cfg.vec_in_dim}; re-cache with a matching CLIP or pick a matching model.")
+    if bool(dims.get("reference")) != model_cfg.kontext:
+        if model_cfg.kontext:
+            raise DataError(f"model {model_cfg.name!r} is FLUX.1 Kontext, which trains on (reference, target) pairs, but "
+                            f"the data holds no reference latents; cache a folder whose metadata.jsonl gives each image a "
+                            f"control_file_name (docs/kontext.md).")
+        raise DataError(f"the data holds FLUX.1 Kontext pairs (reference latents) but model {model_cfg.name!r} is not "
+                        f"a Kontext model; train flux-kontext-dev (or a model spec with kontext: true).")
     for h, w in dims.get("latent_sizes", []):
         if h % 2 or w % 2:
             raise DataError(f"latent size {h}x{w} is odd but FLUX packs 2x2 latent patches; re-cache with image sides that are multiples of 16 pixels.")

@@ -14,6 +14,8 @@ A shard holds, for its n samples (row i = one sample):
     t5_len   (n,) int32     real (unpadded) token count of each caption
     mask     (n, h/2, w/2)  optional, float32: per packed 2x2 latent patch (one image token), the share of its
                             pixels the loss covers (1 = all); a shard of images without masks has none
+    reference (n, C, h, w)  FLUX.1 Kontext pairs only: the reference image's latents, cached at its target's
+                            bucket (manifest dims "reference": 1); other shards have none
     header metadata: one key "fluxzero" whose value is JSON {"format", "version", "captions": [n strings],
                      "samples": [n dicts: source file, flip, ...], "xxh3_64": [n hex strings]} (one
                      key, because safetensors writes several metadata keys in a random order and shards
@@ -21,7 +23,7 @@ A shard holds, for its n samples (row i = one sample):
 
 "xxh3_64" (added within version 1; shards written before it have none and load unchecked, as before) is, per
 sample, the 64-bit XXH3 hash of the bytes of its latents, t5 and clip rows as stored, in that order (and its
-mask row after them, in a shard that has masks). The
+mask row after them, in a shard that has masks, then its reference row, in a shard of Kontext pairs). The
 reader checks it for every sample it reads, so a shard damaged in place (same size, so the open-time size and
 header checks pass) stops training at the first damaged sample instead of training on it. XXH3 (the xxhash
 package) rather than the standard library's zlib.crc32: on 4.5 MiB samples (1024 px latents + T5, bf16, from
@@ -65,9 +67,9 @@ def bucket_key(h: int, w: int) -> str:
 CHECKSUM_KEY = "xxh3_64"
 
 
-def sample_checksum(latents, t5, clip, mask=None) -> str:
+def sample_checksum(latents, t5, clip, mask=None, reference=None) -> str:
     """XXH3-64 (hex) of one sample's stored bytes. Shape: latents (C,h,w), t5 (L,D), clip (V,), shard dtype;
-    mask (h/2,w/2) float32 or None."""
+    mask (h/2,w/2) float32 or None; reference (C,h,w) in the shard dtype or None."""
     import torch
 
     try:
@@ -76,7 +78,7 @@ def sample_checksum(latents, t5, clip, mask=None) -> str:
         raise DataError("checking shard checksums needs the xxhash package; `pip install xxhash` "
                         "(it is in fluxzero's train requirements).") from None
     h = xxhash.xxh3_64()
-    for t in (latents, t5, clip) if mask is None else (latents, t5, clip, mask):  # as bytes: numpy has no bfloat16
+    for t in (t for t in (latents, t5, clip, mask, reference) if t is not None):  # as bytes: numpy has no bfloat16
         h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
@@ -87,7 +89,8 @@ def write_shard(path, samples: list[dict], dtype="float32") -> dict:
 
     Each sample: {"latents": (C,h,w), "t5": (L,D), "clip": (V,), "caption": str, "t5_len": int (optional),
     "meta": dict (optional), "mask": (h/2,w/2) in [0, 1] (optional; where some sample has one, the shard
-    stores masks, all ones for the samples without)}.
+    stores masks, all ones for the samples without), "reference": (C,h,w) (FLUX.1 Kontext; every sample of
+    the shard has one, or none does)}.
     """
     import torch
     from safetensors.torch import save
@@ -114,8 +117,14 @@ def write_shard(path, samples: list[dict], dtype="float32") -> dict:
                 raise ValueError(f"a mask must have one value per packed latent patch, {grid}, got {tuple(s['mask'].shape)}")
         tensors["mask"] = torch.stack([torch.ones(grid) if s.get("mask") is None else s["mask"].detach().float().cpu()
                                        for s in samples]).contiguous()
-    mask = tensors.get("mask")
-    sums = [sample_checksum(tensors["latents"][i], tensors["t5"][i], tensors["clip"][i], None if mask is None else mask[i])
+    refs = [s.get("reference") is not None for s in samples]
+    if any(refs):
+        if not all(refs) or any(tuple(s["reference"].shape) != tuple(s["latents"].shape) for s in samples):
+            raise ValueError("every sample of a shard of Kontext pairs needs a reference of its latents' shape")
+        tensors["reference"] = torch.stack([s["reference"].detach().to("cpu", tdtype) for s in samples]).contiguous()
+    mask, ref = tensors.get("mask"), tensors.get("reference")
+    sums = [sample_checksum(tensors["latents"][i], tensors["t5"][i], tensors["clip"][i], None if mask is None else mask[i],
+                            None if ref is None else ref[i])
             for i in range(len(samples))]
     info = {"format": FORMAT, "version": FORMAT_VERSION, "captions": [s.get("caption", "") for s in samples],
             "samples": [s.get("meta") or {} for s in samples], CHECKSUM_KEY: sums}
@@ -187,16 +196,20 @@ class ShardWriter:
         self._closed = False
 
     def add(self, latents, t5, clip, caption: str = "", t5_len: int | None = None, meta: dict | None = None,
-            mask=None) -> None:
-        """Shape: latents (C, h, w), t5 (L, D), clip (V,), mask (h/2, w/2) or None."""
+            mask=None, reference=None) -> None:
+        """Shape: latents (C, h, w), t5 (L, D), clip (V,), mask (h/2, w/2) or None, reference (C, h, w) or None
+        (FLUX.1 Kontext pairs: all samples of a writer have one, or none)."""
         if latents.dim() != 3 or t5.dim() != 2 or clip.dim() != 1:
             raise ValueError(f"expected latents (C,h,w), t5 (L,D), clip (V,); got {tuple(latents.shape)}, {tuple(t5.shape)}, {tuple(clip.shape)}")
         dims = {"latent_channels": latents.shape[0], "t5_len": t5.shape[0], "t5_dim": t5.shape[1], "clip_dim": clip.shape[0]}
+        if reference is not None:
+            dims["reference"] = 1
         if self.dims is None:
             self.dims = dims
         elif dims != self.dims:
             raise ValueError(f"sample dims {dims} differ from the first sample's {self.dims}")
-        sample = {"latents": latents, "t5": t5, "clip": clip, "caption": caption, "meta": meta, "mask": mask}
+        sample = {"latents": latents, "t5": t5, "clip": clip, "caption": caption, "meta": meta, "mask": mask,
+                  "reference": reference}
         if t5_len is not None:
             sample["t5_len"] = t5_len
         hw = tuple(latents.shape[-2:])
@@ -302,6 +315,8 @@ def check_shard(data_dir, record: dict, dims: dict) -> None:
     }
     if "mask" in header:
         want["mask"] = [n, h // 2, w // 2]
+    if dims.get("reference"):
+        want["reference"] = [n, dims["latent_channels"], h, w]
     for key, shape in want.items():
         got = header.get(key, {}).get("shape")
         if got != shape:
@@ -434,20 +449,23 @@ class ShardSource:
         return self._handles[s]
 
     def get(self, i: int) -> dict:
-        """Shape: {"latents": (C,h,w) f32, "t5": (L,D) f32, "clip": (V,) f32, "index": int}."""
+        """Shape: {"latents": (C,h,w) f32, "t5": (L,D) f32, "clip": (V,) f32, "index": int}, plus "mask" (h/2,w/2)
+        where the shard has masks and "reference" (C,h,w) for Kontext pairs."""
         import torch
 
         s, row = self._locate(i)
         path = self.data_dir / self.manifest["shards"][s]["file"]
         try:
             f = self._handle(s)
-            keys = ("latents", "t5", "clip", "mask") if self._has_mask(s) else ("latents", "t5", "clip")
+            keys = ("latents", "t5", "clip", *(("mask",) if self._has_mask(s) else ()),
+                    *(("reference",) if self.dims.get("reference") else ()))
             raw = {k: f.get_slice(k)[row : row + 1][0] for k in keys}  # stored dtype
             sums = self._info(s).get(CHECKSUM_KEY) if self.checksums else None
         except Exception as e:  # any read failure mid-training: name the shard, keep it one sentence
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DataError(f"shard {path} could not be read at row {row} ({msg}); {_RECREATE}.") from None
-        if sums is not None and (row >= len(sums) or sample_checksum(raw["latents"], raw["t5"], raw["clip"], raw.get("mask")) != sums[row]):
+        if sums is not None and (row >= len(sums) or sample_checksum(raw["latents"], raw["t5"], raw["clip"], raw.get("mask"),
+                                                                               raw.get("reference")) != sums[row]):
             raise DataError(f"shard {path} sample {row} (global index {i}) fails its checksum, so its bytes "
                             f"changed after `fluxzero cache` wrote them; delete {path} and re-run the same "
                             f"`fluxzero cache` command, which rewrites it.")

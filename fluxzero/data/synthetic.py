@@ -4,15 +4,16 @@ Keys (all optional): n (samples, 64), hw (LATENT h x w, several joined by '+', e
 '*k', e.g. 32x32*2+32x48; sample i gets the (i mod total weight)-th size of the list with each size repeated
 by its weight, 32x32), buckets (a pixel resolution such as 512: instead of hw, the aspect buckets `fluxzero
 cache` makes of a typical photo collection at that resolution, see bucket_mix), txt (T5 tokens, 16), ctx (T5
-width, 64), vec (CLIP width, 32), ch (latent channels, 16), seed (data seed, 0). Sample i depends only on
-(seed, i), never on rank or order.
+width, 64), vec (CLIP width, 32), ch (latent channels, 16), seed (data seed, 0), ref (1: each sample also holds
+the reference latents of a FLUX.1 Kontext pair, at its target's size; 0). Sample i depends only on (seed, i),
+never on rank or order.
 """
 from __future__ import annotations
 
 from fluxzero.data.errors import DataError
 
 PREFIX = "synthetic:"
-_DEFAULTS = {"n": 64, "hw": "32x32", "buckets": 0, "txt": 16, "ctx": 64, "vec": 32, "ch": 16, "seed": 0}
+_DEFAULTS = {"n": 64, "hw": "32x32", "buckets": 0, "txt": 16, "ctx": 64, "vec": 32, "ch": 16, "seed": 0, "ref": 0}
 _EXAMPLE = "'synthetic:n=64,hw=32x32,txt=16,ctx=64,vec=32'"
 # (width, height, weight) of a photo collection's aspect ratios: square, then 3:4 and 2:3 both ways
 PHOTO_ASPECTS = ((1, 1, 4), (3, 4, 2), (4, 3, 2), (2, 3, 1), (3, 2, 1))
@@ -64,13 +65,17 @@ def parse_spec(spec: str) -> dict:
                             f"32x32*2+32x48, got {opts['hw']!r}.")
         sizes += [(int(h), int(w))] * int(weight)
     out = {"sizes": sizes}
-    for key in ("n", "txt", "ctx", "vec", "ch", "seed"):
+    for key in ("n", "txt", "ctx", "vec", "ch", "seed", "ref"):
         try:
             out[key] = int(opts[key])
         except ValueError:
             raise DataError(f"synthetic spec {spec!r}: {key} must be an integer, got {opts[key]!r}.") from None
-        if key != "seed" and out[key] < 1:
+        if key not in ("seed", "ref") and out[key] < 1:
             raise DataError(f"synthetic spec {spec!r}: {key} must be >= 1, got {out[key]}.")
+    if out["ref"] not in (0, 1):
+        raise DataError(f"synthetic spec {spec!r}: ref must be 0 or 1, got {out['ref']}.")
+    if not out["ref"]:  # kept out: the fingerprint of a spec without pairs stays what it was before ref existed
+        del out["ref"]
     return out
 
 
@@ -82,6 +87,8 @@ class SyntheticSource:
         o = parse_spec(spec)
         self.sizes, self.num_samples, self.seed = o["sizes"], o["n"], o["seed"]
         self.dims = {"latent_channels": o["ch"], "t5_len": o["txt"], "t5_dim": o["ctx"], "clip_dim": o["vec"]}
+        if o.get("ref"):
+            self.dims["reference"] = 1
 
     def __len__(self) -> int:
         return self.num_samples
@@ -107,7 +114,8 @@ class SyntheticSource:
         return {"t5": torch.zeros(self.dims["t5_len"], self.dims["t5_dim"]), "clip": torch.zeros(self.dims["clip_dim"])}
 
     def get(self, i: int) -> dict:
-        """Shape: {"latents": (C,h,w), "t5": (L,D), "clip": (V,), "index": int}, all float32."""
+        """Shape: {"latents": (C,h,w), "t5": (L,D), "clip": (V,), "index": int} and with ref=1 "reference": (C,h,w),
+        all float32."""
         import torch
 
         if not 0 <= i < self.num_samples:
@@ -115,12 +123,15 @@ class SyntheticSource:
         h, w = self.sizes[i % len(self.sizes)]
         d = self.dims
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        return {
+        out = {
             "latents": torch.randn(d["latent_channels"], h, w, generator=g),
             "t5": torch.randn(d["t5_len"], d["t5_dim"], generator=g),
             "clip": torch.randn(d["clip_dim"], generator=g),
             "index": i,
         }
+        if d.get("reference"):  # drawn last: the other tensors stay those of the same spec without ref
+            out["reference"] = torch.randn(d["latent_channels"], h, w, generator=g)
+        return out
 
 
 def write_shards(spec: str, out_dir, *, dtype: str = "bfloat16", samples_per_shard: int = 256) -> dict:
@@ -133,5 +144,5 @@ def write_shards(spec: str, out_dir, *, dtype: str = "bfloat16", samples_per_sha
     writer = ShardWriter(out_dir, samples_per_shard=samples_per_shard, dtype=dtype, extra={"synthetic": spec})
     for i in range(len(source)):
         s = source.get(i)
-        writer.add(s["latents"], s["t5"], s["clip"], caption=source.caption(i))
+        writer.add(s["latents"], s["t5"], s["clip"], caption=source.caption(i), reference=s.get("reference"))
     return writer.close()  # the manifest only after every sample: an error above leaves no readable folder

@@ -198,11 +198,12 @@ def _raise_if(missing, unexpected, wrong_shape, layout, path="", wrong_dtype=())
 
 
 def infer_config(shapes: dict[str, tuple[int, ...]], name: str = "custom", axes_dim=None,
-                 theta: int | None = None) -> ModelConfig:
+                 theta: int | None = None, kontext: bool = False) -> ModelConfig:
     """The ModelConfig a BFL-named set of tensor shapes describes (a preset when one matches exactly).
 
     The tensors do not show the RoPE axes and theta: `axes_dim` / `theta` given (declared by the weights or
-    the user) win; without them a head dim of 128 gets FLUX.1's (16, 56, 56) and theta 10000.
+    the user) win; without them a head dim of 128 gets FLUX.1's (16, 56, 56) and theta 10000. Nor do they show
+    FLUX.1 Kontext (FLUX.1-dev's tensors): `kontext` says so where the weights declare it.
     """
     fix = ("name the model the weights belong to (--model PRESET, PRESET:field=value,... such as "
            "flux-dev:head_dim=16,num_heads=2,axes_dim=4,6,6, or a diffusers config.json)")
@@ -219,7 +220,7 @@ def infer_config(shapes: dict[str, tuple[int, ...]], name: str = "custom", axes_
             depth=len({k.split(".")[1] for k in shapes if k.startswith("double_blocks.")}),
             depth_single_blocks=len({k.split(".")[1] for k in shapes if k.startswith("single_blocks.")}),
             qkv_bias="double_blocks.0.img_attn.qkv.bias" in shapes,
-            guidance_embed="guidance_in.in_layer.weight" in shapes,
+            guidance_embed="guidance_in.in_layer.weight" in shapes, kontext=kontext,
         )
     except KeyError as e:
         raise WeightsError(f"cannot infer the model shape: tensor {e.args[0]} is missing; {fix}") from None

@@ -53,3 +53,25 @@ def txt_ids(batch: int, length: int, device=None) -> torch.Tensor:
     Shape: -> (B, L, 3)
     """
     return torch.zeros(batch, length, 3, device=device)
+
+
+def reference_ids(batch: int, height: int, width: int, device=None) -> torch.Tensor:
+    """Position ids of a FLUX.1 Kontext reference image's packed tokens: its own (row, col) grid, as `img_ids`,
+    with 1 on the first axis (the target's tokens have 0 there), as diffusers' FluxKontextPipeline sets them.
+
+    Shape: -> (B, H/2 * W/2, 3)
+    """
+    ids = img_ids(batch, height, width, device).clone()
+    ids[..., 0] = 1
+    return ids
+
+
+def with_reference(img: torch.Tensor, ids: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLUX.1 Kontext's image input: the reference latents' packed tokens and ids appended after the target's.
+
+    The model's output keeps this order, so its first N tokens are the target's prediction.
+    Shape: img (B, N, C*4), ids (B, N, 3), reference (B, C, h, w) -> (B, N + hw/4, C*4), (B, N + hw/4, 3)
+    """
+    b, _, h, w = reference.shape
+    ref_ids = reference_ids(b, h, w, ids.device).to(ids.dtype)
+    return torch.cat((img, pack(reference).to(img.dtype)), dim=1), torch.cat((ids, ref_ids), dim=1)

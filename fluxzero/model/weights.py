@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..config import MODEL_PRESETS, ModelConfig
+from ..config.models import is_kontext_pipeline
 from ..config.user_files import parse_json
 from ..fsutil import atomic_folder
 from .layouts import (
@@ -198,7 +199,9 @@ def declared(path) -> dict:
     path = Path(path)
     if path.is_dir():
         axes = diffusers_axes(path)
-        return {} if axes is None else {"axes_dim": axes}
+        out = {} if axes is None else {"axes_dim": axes}
+        root = path.parent if path.name == "transformer" else path
+        return {**out, "kontext": True} if is_kontext_pipeline(root) else out
     if path.suffix != ".safetensors" or not path.is_file():
         return {}
     with _safe_open(path) as f:
@@ -210,7 +213,7 @@ def declared(path) -> dict:
     except ValueError as e:  # also invalid JSON
         raise WeightsError(f"{path}: the model recorded in its metadata ({MODEL_METADATA}) is unreadable "
                            f"({str(e).splitlines()[0][:200]}); pass --model naming the shape the weights have") from None
-    return {"name": cfg.name, "axes_dim": cfg.axes_dim, "theta": cfg.theta}
+    return {"name": cfg.name, "axes_dim": cfg.axes_dim, "theta": cfg.theta, "kontext": cfg.kontext}
 
 
 def source_config(path) -> ModelConfig:
@@ -313,7 +316,8 @@ def save_weights(
     meta = {"format": "pt"}
     if layout != "diffusers":
         prefix = COMFY_PREFIX if layout == "comfyui" else ""
-        if not any(p.same_shape(cfg) for p in MODEL_PRESETS.values()):  # a preset's file stays plain
+        # a preset's file stays plain; Kontext's is recorded, its tensors being FLUX.1-dev's
+        if cfg.kontext or not any(p.same_shape(cfg) for p in MODEL_PRESETS.values()):
             meta[MODEL_METADATA] = json.dumps(cfg.to_dict(), separators=(",", ":"))
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_safetensors(path, [_Out.of(prefix + k, v, "copy", None, dtype) for k, v in state_dict.items()], meta)

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fluxzero.model.packing import img_ids, pack, txt_ids
+from fluxzero.model.packing import img_ids, pack, txt_ids, with_reference
 
 TIMESTEP_SAMPLING = ("uniform", "logit_normal")
 SHIFTS = ("none", "fixed", "resolution")
@@ -41,11 +41,21 @@ def loss(pred: torch.Tensor, tgt: torch.Tensor, weight: torch.Tensor | None = No
 
     weight (B, L), from `loss_weights`, scales each token's squared errors before the mean (the mean is still
     over every element, so a token of weight 0 adds nothing and a half-masked image counts half); None is the
-    plain mean, bit for bit. Shape: pred, tgt (B, L, C).
+    plain mean, bit for bit. Shape: pred (B, L + R, C), tgt (B, L, C): a FLUX.1 Kontext prediction also holds
+    its R reference tokens, after the target's, and the loss covers the target's tokens only.
     """
+    pred = target_tokens(pred, tgt)
     if weight is None:
         return F.mse_loss(pred.float(), tgt.float())
     return ((pred.float() - tgt.float()).square() * weight.to(pred.device, torch.float32)[..., None]).mean()
+
+
+def target_tokens(pred: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    """The prediction of the target's tokens: the first L of a FLUX.1 Kontext output (reference tokens follow).
+
+    Shape: pred (B, L + R, C), tgt (B, L, C) -> (B, L, C)
+    """
+    return pred if pred.shape[1] == tgt.shape[1] else pred[:, :tgt.shape[1]]
 
 
 def loss_weights(batch: dict, mask_floor: float = 0.0) -> torch.Tensor | None:
@@ -67,7 +77,8 @@ def loss_weights(batch: dict, mask_floor: float = 0.0) -> torch.Tensor | None:
 
 
 def sample_losses(pred: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    """`loss` per sample. Shape: pred, tgt (B, L, C) -> (B,) fp32."""
+    """`loss` per sample (target tokens only, as `loss`). Shape: pred (B, L + R, C), tgt (B, L, C) -> (B,) fp32."""
+    pred = target_tokens(pred, tgt)
     return (pred.float() - tgt.float()).square().flatten(1).mean(1)
 
 
@@ -146,6 +157,8 @@ def prepare_batch(batch: dict, cfg, seed: int, epoch: int, *, guidance_embed: bo
     batch: {"latents": (B,16,H,W), "t5": (B,L,D), "clip": (B,V), "index": (B,)}; cfg: a FlowConfig.
     Shape: -> inputs {img (B,HW/4,64), img_ids (B,HW/4,3), txt (B,L,D), txt_ids (B,L,3), timesteps (B,),
     y (B,V), guidance (B,) or None}, target (B,HW/4,64) in fp32.
+    A FLUX.1 Kontext batch also holds "reference": (B,16,h,w), the clean reference latents; their tokens follow
+    the noisy target's in img and img_ids (packing.with_reference), and the target stays the target's alone.
     """
     x0 = batch["latents"].float()
     b, _, h, w = x0.shape
@@ -159,10 +172,13 @@ def prepare_batch(batch: dict, cfg, seed: int, epoch: int, *, guidance_embed: bo
         # host was a single-threaded pass over ~8 MB per sample, measured at 15-20% of a step on an H200.
         return x.to(device, non_blocking=True).to(to_dtype)
 
+    ids = img_ids(b, h, w)
+    if "reference" in batch:
+        x_t, ids = with_reference(x_t, ids, batch["reference"].float())
     txt = batch["t5"]
     inputs = {
         "img": dev(x_t),
-        "img_ids": dev(img_ids(b, h, w), torch.float32),  # positions stay exact whatever the model dtype
+        "img_ids": dev(ids, torch.float32),  # positions stay exact whatever the model dtype
         "txt": dev(txt),
         "txt_ids": dev(txt_ids(b, txt.shape[1]), torch.float32),
         "timesteps": dev(t, torch.float32),  # the model embeds t in float32; rounding t to bf16 would not help

@@ -15,7 +15,8 @@ from fluxzero.config.models import ModelConfig
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Activations, from fluxzero.model.layers (per sample; L = L_txt + L_img, C hidden, M mlp hidden, H heads)
+# Activations, from fluxzero.model.layers (per sample; L = L_txt + L_img, C hidden, M mlp hidden, H heads;
+# L_img = RunSpec.img_tokens: a FLUX.1 Kontext model's reference tokens are image tokens too)
 # ---------------------------------------------------------------------------------------------------------
 def _rms_saved(L: int, cfg: ModelConfig, b: int, device: str) -> dict[str, int]:
     """What F.rms_norm saves for ONE of q/k, beyond its input (which is a view of the qkv projection).

@@ -286,8 +286,14 @@ class RunSpec:
         return self.nodes * self.gpus_per_node
 
     @property
+    def reference_tokens(self) -> int:
+        """A FLUX.1 Kontext model's reference image tokens (the reference is cached at its target's size); 0 else."""
+        return image_tokens(self.height, self.width) if self.model.kontext else 0
+
+    @property
     def img_tokens(self) -> int:
-        return image_tokens(self.height, self.width)
+        """Image tokens through the blocks: the target's, then a Kontext model's reference tokens."""
+        return image_tokens(self.height, self.width) + self.reference_tokens
 
     def replace(self, **changes) -> "RunSpec":
         return dataclasses.replace(self, **changes)
