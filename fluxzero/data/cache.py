@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fluxzero.config.user_files import parse_json
+from fluxzero.data import kontext
 from fluxzero.data import shards as fmt
 from fluxzero.data.buckets import STEP, make_buckets, nearest_bucket
 from fluxzero.data.errors import DataError, InputFileError
@@ -102,16 +103,20 @@ def default_min_image_side(buckets: list[tuple[int, int]]) -> int:
 
 
 def make_plan(opts: CacheOptions) -> dict:
-    """Shards to write: [{"id", "bucket": (h, w) px, "items": [{"file", "flip", "caption", "dropped", "mask"}]}].
+    """Shards to write: [{"id", "bucket": (h, w) px, "items": [{"file", "flip", "caption", "dropped", "mask",
+    "reference"}]}]; "pairs": whether the folder holds FLUX.1 Kontext pairs (fluxzero.data.kontext).
 
-    A mask of another size than its image (or one that cannot be read) is a DataError here, before anything
-    is written."""
+    A mask of another size than its image (or one that cannot be read), a missing reference image or one of
+    another aspect than its target is an InputFileError here, before anything is written."""
     root = Path(opts.images_dir)
     if not root.is_dir():
         raise DataError(f"image folder {root} does not exist; pass a folder of .png/.jpg/.webp images.")
     images = list_images(root)
     if not images:
         raise DataError(f"image folder {root} holds no .png, .jpg, .jpeg or .webp files.")
+    references = kontext.references_for(root, images, opts.caption_file)
+    if references is not None:  # Kontext pairs: the references are not targets of their own
+        images = [im for im in images if im not in set(references.values())]
     captions, caption_source, unmatched = captions_for(root, images, opts.caption_file)
     if caption_source != "txt" and all(c is None for c in captions.values()):
         table = opts.caption_file or root / caption_source
@@ -148,13 +153,18 @@ def make_plan(opts: CacheOptions) -> dict:
             fp.update(json.dumps(["mask", mask, mst.st_size, mst.st_mtime_ns]).encode())
         elif opts.mask_from_alpha and has_alpha(root / im):
             mask, alpha = im, True  # the image's own bytes are hashed above
+        reference = None if references is None else references[im]
+        if reference is not None:
+            kontext.check_reference(root, im, reference, (w, h), buckets)
+            rst = (root / reference).stat()
+            fp.update(json.dumps(["reference", reference, rst.st_size, rst.st_mtime_ns]).encode())
         flips = {"none": [False], "both": [False, True], "random": [_unit(opts.seed, "flip", im) < 0.5]}[opts.flip]
         bucket = nearest_bucket(w, h, buckets)
         for flip in flips:
             dropped = opts.caption_dropout > 0 and _unit(opts.seed, "drop", im, flip) < opts.caption_dropout
             by_bucket.setdefault(bucket, []).append(
                 {"file": im, "flip": flip, "caption": caption or "", "dropped": dropped, "size": [w, h], "mask": mask,
-                 "mask_alpha": alpha})
+                 "mask_alpha": alpha, "reference": reference})
     shards = []
     for bucket in sorted(by_bucket):
         items = by_bucket[bucket]
@@ -164,7 +174,7 @@ def make_plan(opts: CacheOptions) -> dict:
     ignored_txt = 0 if caption_source == "txt" else sum((root / im).with_suffix(".txt").is_file() for im in images)
     return {"fingerprint": fp.hexdigest(), "shards": shards, "skipped": skipped, "no_caption": no_caption,
             "caption_source": caption_source, "unmatched_captions": unmatched, "num_images": len(images),
-            "min_image_side": min_image, "ignored_txt": ignored_txt}
+            "min_image_side": min_image, "ignored_txt": ignored_txt, "pairs": references is not None}
 
 
 def _check_mask(root: Path, image: str, size: tuple[int, int]) -> str | None:
@@ -333,10 +343,12 @@ def _empty_caption(out: Path, enc) -> dict:
     return d
 
 
-def _load(path: Path, bucket, flip: bool, mask: Path | None = None, alpha: bool = False):
-    """((pixels, mask or None), None) or (None, reason): a bad file is skipped and reported, never fatal."""
+def _load(path: Path, bucket, flip: bool, mask: Path | None = None, alpha: bool = False, reference: Path | None = None):
+    """((pixels, mask or None, reference pixels or None), None) or (None, reason): a bad file is skipped and
+    reported, never fatal. A Kontext reference is cropped and flipped to its target's bucket as the target is."""
     try:
-        return (load_bucketed(path, bucket, flip), None if mask is None else load_mask(mask, bucket, flip, alpha)), None
+        return (load_bucketed(path, bucket, flip), None if mask is None else load_mask(mask, bucket, flip, alpha),
+                None if reference is None else load_bucketed(reference, bucket, flip)), None
     except Exception as e:  # noqa: BLE001
         return None, f"could not decode: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
 
@@ -350,19 +362,20 @@ def _encode_shard(shard: dict, opts: CacheOptions, enc, empty: dict, storage_dty
 
     def submit(batch):  # decode in threads while the encoders work on the previous batch
         return [pool.submit(_load, root / it["file"], bucket, it["flip"], it["mask"] and root / it["mask"],
-                            it["mask_alpha"]) for it in batch]
+                            it["mask_alpha"], it.get("reference") and root / it["reference"]) for it in batch]
 
     pending = submit(batches[0])
     for bi, batch in enumerate(batches):
         loaded = [f.result() for f in pending]
         pending = submit(batches[bi + 1]) if bi + 1 < len(batches) else []
-        pixels, masks, ok = [], [], []
+        pixels, masks, refs, ok = [], [], [], []
         for it, (px, reason) in zip(batch, loaded):
             if px is None:
                 skipped.append({"file": it["file"], "reason": reason})
             else:
                 pixels.append(px[0])
                 masks.append(px[1])
+                refs.append(px[2])
                 ok.append(it)
         bar.update(len(batch))
         if not ok:
@@ -370,6 +383,7 @@ def _encode_shard(shard: dict, opts: CacheOptions, enc, empty: dict, storage_dty
         # noise seeded per sample (plan seed, file, flip): shards do not depend on --batch-size
         seeds = [int(_unit(opts.seed, "vae", it["file"], it["flip"]) * 2**62) for it in ok]
         latents = enc.encode_images(torch.stack(pixels), seeds=seeds)
+        ref_latents = _encode_references(enc, refs, ok, opts)
         texts = [it["caption"] for it in ok if not it["dropped"]]
         t5, t5_len, clip = enc.encode_text(texts) if texts else (None, None, None)
         k = 0
@@ -382,11 +396,29 @@ def _encode_shard(shard: dict, opts: CacheOptions, enc, empty: dict, storage_dty
             meta = {"file": it["file"], "flip": it["flip"], "caption_dropped": it["dropped"], "image_size": it["size"]}
             if it["mask"]:
                 meta["mask"] = "alpha" if it["mask_alpha"] else it["mask"]
+            if it.get("reference"):
+                meta["reference"] = it["reference"]
             samples.append({"latents": latents[j], "t5": e5, "clip": ec, "t5_len": elen, "mask": masks[j],
+                            "reference": None if ref_latents is None else ref_latents[j],
                             "caption": "" if it["dropped"] else it["caption"], "meta": meta})
     if not samples:
         return None, skipped
     return fmt.write_shard(Path(opts.out_dir) / fmt.shard_name(shard["id"]), samples, storage_dtype), skipped
+
+
+def _encode_references(enc, refs: list, items: list[dict], opts: CacheOptions):
+    """The Kontext references' latents (their own seeded VAE draws), or None for a plain folder."""
+    import torch
+
+    if refs[0] is None:
+        return None
+    seeds = [int(_unit(opts.seed, "vae-reference", it["file"], it["flip"]) * 2**62) for it in items]
+    return enc.encode_images(torch.stack(refs), seeds=seeds)
+
+
+def _shard_dims(enc, plan: dict) -> dict:
+    """The manifest's dims: the encoders', and "reference": 1 for a folder of Kontext pairs."""
+    return {**enc.dims, "reference": 1} if plan["pairs"] else dict(enc.dims)
 
 
 def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
@@ -425,7 +457,7 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
                     for sk in {sk["file"]: sk for sk in skipped}.values():
                         bar.write(f"skipped {sk['file']}: {sk['reason']}")
                     _check_plan_unchanged(out, plan)
-                    part = {"fingerprint": plan["fingerprint"], "record": record, "skipped": skipped, "dims": enc.dims, "dtype": storage,
+                    part = {"fingerprint": plan["fingerprint"], "record": record, "skipped": skipped, "dims": _shard_dims(enc, plan), "dtype": storage,
                             "vae_scale": enc.scale, "vae_shift": enc.shift, "encoders": vars(enc.paths)}
                     atomic_write(_part_path(out, s["id"]), (json.dumps(part) + "\n").encode())
                     finished += 1
@@ -530,6 +562,7 @@ def _finalize(out: Path, plan: dict, opts: CacheOptions):
         "caption_dropout": opts.caption_dropout,
         "num_caption_dropped": sum(it["dropped"] for it in kept),
         "num_masked": sum(bool(it["mask"]) for it in kept),
+        **({"num_pairs": len(kept)} if plan["pairs"] else {}),
         **({"caption_prefix": opts.caption_prefix} if opts.caption_prefix else {}),
         "empty_caption": EMPTY_FILE,
         "flip": opts.flip,

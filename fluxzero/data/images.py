@@ -101,6 +101,20 @@ def _pick(row: dict, keys, what: str, source) -> str:
 def read_caption_table(path) -> dict[str, str]:
     """file name -> caption from a metadata .jsonl or .csv (columns file_name|file|image|path and text|caption|prompt)."""
     path = Path(path)
+    out = {}
+    for row in read_table_rows(path):
+        out[table_file_name(row, path)] = str(_pick(row, _TEXT_KEYS, "caption", path) or "").strip()
+    return out
+
+
+def table_file_name(row: dict, path) -> str:
+    """The image a row of a metadata table names, '/'-separated."""
+    return Path(str(_pick(row, _FILE_KEYS, "file name", path))).as_posix()
+
+
+def read_table_rows(path) -> list[dict]:
+    """The rows of a metadata .jsonl or .csv, each a dict; DataError naming the file when it cannot be read."""
+    path = Path(path)
     check_regular(path, "caption file", "pass a metadata .jsonl or .csv file.", DataError)
     rows = []
     try:
@@ -124,11 +138,7 @@ def read_caption_table(path) -> dict[str, str]:
         raise DataError(f"cannot read caption file {path} ({e.strerror or e}); make it readable.") from None
     if any(not isinstance(row, dict) for row in rows):
         raise DataError(f"{path}: every line must be a JSON object such as {{\"file_name\": \"a.png\", \"text\": \"...\"}}.")
-    out = {}
-    for row in rows:
-        name = Path(str(_pick(row, _FILE_KEYS, "file name", path))).as_posix()
-        out[name] = str(_pick(row, _TEXT_KEYS, "caption", path) or "").strip()
-    return out
+    return rows
 
 
 def captions_for(root, images: list[str], caption_file=None) -> tuple[dict[str, str | None], str, list[str]]:
@@ -139,7 +149,7 @@ def captions_for(root, images: list[str], caption_file=None) -> tuple[dict[str, 
     A table row matches an image by its path relative to `root` or by its bare file name.
     """
     root = Path(root)
-    table_path = Path(caption_file) if caption_file else next((root / m for m in METADATA_FILES if (root / m).exists()), None)
+    table_path = caption_table_path(root, caption_file)
     if table_path is not None:
         table = read_caption_table(table_path)
         known = set(images) | {Path(im).name for im in images}
@@ -159,6 +169,12 @@ def captions_for(root, images: list[str], caption_file=None) -> tuple[dict[str, 
         except OSError as e:
             raise DataError(f"cannot read caption file {txt} ({e.strerror or e}); make it readable or remove it.") from None
     return out, "txt", []
+
+
+def caption_table_path(root, caption_file=None) -> Path | None:
+    """The caption table in use: `caption_file`, else metadata.jsonl / metadata.csv in `root`, else None (.txt)."""
+    root = Path(root)
+    return Path(caption_file) if caption_file else next((root / m for m in METADATA_FILES if (root / m).exists()), None)
 
 
 def probe_size(path) -> tuple[int, int]:

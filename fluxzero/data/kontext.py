@@ -1,0 +1,69 @@
+"""FLUX.1 Kontext pairs for `fluxzero cache`: (reference image, target image, instruction).
+
+A folder of pairs holds a metadata.jsonl (or .csv, or the --captions table) whose rows name the target in
+`file_name`, its reference in `control_file_name` (diffusers' and ai-toolkit's convention; `control_image` and
+`reference` are read too) and the instruction in `text`. Every image the table names as a reference is a
+reference, never a target of its own; every other image of the folder is a target and needs a reference. A
+reference must have its target's aspect (the same bucket): it is resized and cropped to its target's bucket, so
+both latents have one size and their tokens line up as FLUX.1 Kontext's were trained.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fluxzero.data.buckets import nearest_bucket
+from fluxzero.data.errors import InputFileError
+from fluxzero.data.images import caption_table_path, probe_size, read_table_rows, table_file_name
+
+CONTROL_KEYS = ("control_file_name", "control_image", "reference")
+
+
+def references_for(root, images: list[str], caption_file=None) -> dict[str, str] | None:
+    """target -> reference (both relative to `root`) when the folder's caption table names references, else None
+    (a plain text-to-image folder). `images` (list_images) holds both; the caller drops the references from it.
+
+    InputFileError naming the file when a target has no reference or a reference does not exist.
+    """
+    root = Path(root)
+    table = caption_table_path(root, caption_file)
+    if table is None:
+        return None
+    rows = read_table_rows(table)
+    pairs = {}
+    for row in rows:
+        key = next((k for k in CONTROL_KEYS if row.get(k)), None)
+        if key is not None:
+            pairs[table_file_name(row, table)] = Path(str(row[key])).as_posix()
+    if not pairs:
+        return None
+    by_name = {Path(im).name: im for im in images}
+    out = {}
+    for target, ref in pairs.items():
+        ref_rel = ref if (root / ref).is_file() else None
+        if ref_rel is None:
+            raise InputFileError(f"reference image {root / ref} (the control_file_name of {target} in {table}) does "
+                                 f"not exist; add it, or fix that row of {table.name}.")
+        out[target if target in images else by_name.get(target, target)] = ref_rel
+    references = set(out.values())
+    for im in images:
+        if im not in references and im not in out:
+            raise InputFileError(f"image {root / im} has no reference image: {table} names references "
+                                 f"(control_file_name) for other images, so every target needs one; add a "
+                                 f"control_file_name to its row, or move it out of {root}.")
+    return out
+
+
+def check_reference(root, target: str, reference: str, size: tuple[int, int], buckets) -> None:
+    """InputFileError naming the reference when it cannot be read or has another aspect than its target
+    (another bucket of `buckets`); `size` is the target's (width, height)."""
+    root = Path(root)
+    try:
+        rw, rh = probe_size(root / reference)
+    except Exception as e:  # noqa: BLE001 - any unreadable reference: one sentence, nothing written yet
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputFileError(f"reference image {root / reference} cannot be read ({why}); save it as a PNG, JPEG or "
+                             f"WebP image.") from None
+    w, h = size
+    if nearest_bucket(rw, rh, buckets) != nearest_bucket(w, h, buckets):
+        raise InputFileError(f"reference image {root / reference} is {rw}x{rh} px, another aspect ratio than its "
+                             f"target {root / target} ({w}x{h} px); crop the reference to its target's aspect ratio.")
