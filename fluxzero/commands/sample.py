@@ -257,6 +257,28 @@ def _encode(encoders, prompts, negative_prompt):
         raise click.UsageError(f"the text encoders' output is unusable: {e}") from None
 
 
+def _reference(model, reference: Path | None, preset: str | None, vae, height: int, width: int):
+    """The --reference latents (None without one). A model inferred from its tensors alone is taken as Kontext
+    (FLUX.1 Kontext [dev] has FLUX.1-dev's tensors); a --model that is not Kontext is refused."""
+    if reference is None:
+        return None
+    from ..config import MODEL_PRESETS
+    from ..data.errors import DataError
+    from ..sampling.vae import encode_reference
+
+    cfg = model.config
+    if not cfg.kontext:
+        if preset:
+            raise click.UsageError(f"--reference needs a FLUX.1 Kontext model, and --model {preset} is not one; pass "
+                                   f"--model flux-kontext-dev (or a model spec with kontext=true).")
+        kontext = cfg.replace(kontext=True)
+        model.config = next((p for p in MODEL_PRESETS.values() if p.same_shape(kontext)), kontext)
+    try:
+        return encode_reference(vae, reference, height=height, width=width)
+    except DataError as e:
+        raise click.BadParameter(str(e), param_hint="--reference") from None
+
+
 @click.command("sample")
 @click.argument("weights", type=click.Path(exists=True, path_type=Path))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
@@ -294,17 +316,21 @@ def _encode(encoders, prompts, negative_prompt):
                    "FluxPipeline gets; 2x flash's speed there for the forward pass, 2026-12-04), auto = flash, "
                    "then efficient, then math (the trainer's: cuDNN's backward gave non-finite gradients). "
                    "efficient and cudnn need a CUDA device.")
+@click.option("--reference", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="FLUX.1 Kontext: the image to edit (resized to cover --width x --height and center-cropped), or a "
+                   ".safetensors file of its scaled VAE latents under 'latents'. Makes an inferred model Kontext.")
 @click.option("--grid/--no-grid", "write_grid", default=True, show_default=True,
               help="Also write grid.png (a row per prompt, a column per seed).")
 @_device_options
 def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt, embeddings, flux_dir, vae, t5, clip,
            t5_tokenizer, clip_tokenizer, t5_max_length, width, height, steps, guidance, true_cfg, seeds, batch_size,
-           lora, lora_scale, compile_blocks, attention, write_grid, device, dtype):
+           lora, lora_scale, compile_blocks, attention, reference, write_grid, device, dtype):
     """Sample images from FLUX.1 transformer weights with the Euler flow sampler.
 
     WEIGHTS is any full transformer layout `fluxzero convert` reads (BFL or ComfyUI .safetensors, a
     diffusers folder). Prompts come as text (--prompt, --prompts; encoded with the T5 and CLIP folders)
-    or pre-encoded (--embeddings). Writes one PNG per prompt and seed, with the sampling parameters in
+    or pre-encoded (--embeddings). With --reference a FLUX.1 Kontext model edits that image as each prompt says
+    (docs/kontext.md). Writes one PNG per prompt and seed, with the sampling parameters in
     its text chunks, and grid.png (a row per prompt, a column per seed; --no-grid leaves it out).
     Faster: --compile, --attention cudnn (on Hopper), --batch-size; docs/sampling.md has the measurements.
     """
@@ -334,6 +360,7 @@ def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt
 
     click.echo(f"loading {weights} on {dev} ({str(dt).replace('torch.', '')})", err=True)
     model, lora_record = _apply_adapters(_load_model(weights, preset, dev, dt), lora, lora_scale)
+    ref_latents = _reference(model, reference, preset, vae_model, height, width)
     cfg = model.config
     if emb is None:
         encoders = _load_encoders(paths, dev, dt, t5_max_length or T5_MAX_LENGTH["dev" if cfg.guidance_embed else "schnell"])
@@ -347,7 +374,8 @@ def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt
         written = sample_images(model, vae_model, emb, out_dir, width=width, height=height, steps=steps,
                                 seeds=list(seeds), guidance=guidance, true_cfg=true_cfg, batch_size=batch_size,
                                 weights=str(Path(weights).resolve()), lora=lora_record, on_step=bar.update,
-                                write_grid=write_grid)
+                                write_grid=write_grid, reference=ref_latents,
+                                reference_path=str(reference.resolve()) if reference else None)
     click.echo(f"wrote {len(written)} images{' and grid.png' if write_grid else ''} to {out_dir}")
 
 

@@ -21,7 +21,8 @@ PNG_THREADS = min(4, os.cpu_count() or 1)  # a batch's PNGs and the grid at once
 def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None, *, width: int, height: int, steps: int,
                   seeds: Sequence[int], guidance: float = 3.5, true_cfg: float = 1.0, batch_size: int = 1,
                   weights: str | None = None, lora: dict | None = None,
-                  on_step: Callable[[], None] | None = None, write_grid: bool = True) -> list[Path]:
+                  on_step: Callable[[], None] | None = None, write_grid: bool = True,
+                  reference: torch.Tensor | None = None, reference_path: str | None = None) -> list[Path]:
     """Sample every prompt once per seed, write NNNN-pP-sS.png files (parameters in their text chunks) and
     grid.png (a row per prompt, a column per seed; not with write_grid=False) into out_dir; return the PNG
     paths in order. `lora` (the LoRA merged into `model`: its path, layout, scale, ...) goes into the
@@ -30,6 +31,8 @@ def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None,
     Each image's noise comes from its own seed, so the files do not depend on batch_size. The negative
     prompt of `emb` is used when true_cfg > 1. `on_step()` is called after every Euler step of every
     batch (len(prompts) * len(seeds) / batch_size * steps calls, rounded up per batch), for progress bars.
+    `reference` (1, 16, h, w): the scaled latents a FLUX.1 Kontext model edits in every image (`reference_path`,
+    recorded in the PNGs, names where it came from).
     Under ZeRO-3 every rank must call this with the same arguments (the forward gathers parameters
     collectively); the others pass out_dir=None (and may pass vae=None): they run the model's forward passes
     and decode, write and return nothing.
@@ -57,7 +60,7 @@ def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None,
                 model, emb.t5[rows], emb.clip_pooled[rows], height=height, width=width, steps=steps,
                 guidance=guidance, seed=[s for _, s in batch], true_cfg=true_cfg,
                 neg_txt=emb.neg_t5 if cfg_on else None, neg_y=emb.neg_clip_pooled if cfg_on else None,
-                callback=(lambda *_: on_step()) if on_step else None,
+                callback=(lambda *_: on_step()) if on_step else None, reference=reference,
             )
             if out_dir is None:  # a ZeRO-3 peer: its part was the forward passes
                 continue
@@ -70,6 +73,8 @@ def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None,
                 }
                 if lora is not None:
                     params["lora"] = lora
+                if reference is not None:
+                    params["reference"] = reference_path
                 pending.append(pool.submit(save_png, image, out_dir / f"{len(pending):04d}-p{p}-s{s}.png", params))
                 if write_grid:
                     images.append(image)

@@ -17,7 +17,7 @@ from torch.nn.attention import sdpa_kernel
 
 from ..model.math import ATTENTION_BACKENDS
 from ..model.packing import img_ids as make_img_ids
-from ..model.packing import pack, unpack
+from ..model.packing import pack, reference_ids, unpack
 from .schedule import image_tokens, sigmas as make_sigmas
 
 LATENT_CHANNELS = 16
@@ -93,7 +93,8 @@ def sample(model: torch.nn.Module, txt: Tensor, y: Tensor, *, height: int, width
            guidance: float = 3.5, seed: int | Sequence[int] | None = None,
            generator: torch.Generator | Sequence[torch.Generator] | None = None, txt_ids: Tensor | None = None,
            true_cfg: float = 1.0, neg_txt: Tensor | None = None, neg_y: Tensor | None = None,
-           noise: Tensor | None = None, shift: bool | None = None, callback: StepCallback | None = None) -> Tensor:
+           noise: Tensor | None = None, shift: bool | None = None, callback: StepCallback | None = None,
+           reference: Tensor | None = None) -> Tensor:
     """Sample B images' latents from text embeddings with `steps` Euler steps.
 
     txt: T5 embeddings (B, L, context_in_dim); y: CLIP pooled (B, vec_in_dim); txt_ids (B, L, 3), default
@@ -104,6 +105,10 @@ def sample(model: torch.nn.Module, txt: Tensor, y: Tensor, *, height: int, width
     image) runs real classifier-free guidance as diffusers' true_cfg_scale: v = v_neg + s (v - v_neg),
     both halves in one batched model call. `shift`: resolution-shifted grid, default on for models that
     embed guidance (dev) and off otherwise (schnell), as FLUX.1's released schedulers do.
+    `reference` (one row, or one per image; 16 channels, scaled as the VAE encoder's output, any size that packs):
+    a FLUX.1 Kontext model edits it. Its tokens follow the target's in every model call (reference ids: 1 on the
+    first axis), the velocity is read off the target's tokens and the schedule counts the target's alone, as
+    diffusers' FluxKontextPipeline does; without one a Kontext model samples from text alone.
     Shape: -> latents (B, 16, H/8, W/8) in the model's dtype, still scaled (decode with sampling.vae).
     """
     check_size(height, width)
@@ -132,8 +137,20 @@ def sample(model: torch.nn.Module, txt: Tensor, y: Tensor, *, height: int, width
         # conditional and negative halves go through the model as one batch of 2B
         txt, y, txt_ids = torch.cat([txt, neg_txt]), torch.cat([y, neg_y]), torch.cat([txt_ids, txt_ids])
     rows = txt.shape[0]
+    ids = make_img_ids(rows, h, w, device=device)  # float32: positions stay exact in any dtype
+    ref_tokens = None
+    if reference is not None:
+        if not cfg.kontext:
+            raise ValueError(f"model {cfg.name!r} is not FLUX.1 Kontext, so it takes no reference image; sample a "
+                             f"Kontext model (flux-kontext-dev) or leave the reference out")
+        if reference.ndim != 4 or reference.shape[1] != LATENT_CHANNELS or reference.shape[2] % 2 or reference.shape[3] % 2:
+            raise ValueError(f"reference must be latents (B, 16, h, w) with even h and w, got {tuple(reference.shape)}")
+        reference = _batch_rows(reference, b, "reference")
+        reference = torch.cat([reference, reference]) if do_cfg else reference
+        ref_tokens = pack(reference.to(device, dtype))  # (rows, hw/4, 64)
+        ids = torch.cat([ids, reference_ids(rows, *reference.shape[2:], device=device)], dim=1)
     inputs = {
-        "img_ids": make_img_ids(rows, h, w, device=device),  # float32: positions stay exact in any dtype
+        "img_ids": ids,
         "txt": txt.to(device, dtype),
         "txt_ids": txt_ids.to(device, torch.float32),
         "y": y.to(device, dtype),
@@ -152,7 +169,10 @@ def sample(model: torch.nn.Module, txt: Tensor, y: Tensor, *, height: int, width
                 # timesteps in float32, as the trainer feeds them (diffusers and BFL round t to the model dtype
                 # first; in bf16 that moves t by up to 0.4%, so here bf16 sampling differs from theirs in that)
                 t = sig_dev[i].expand(rows)
-                v = model(img=torch.cat([x, x]) if do_cfg else x, timesteps=t, **inputs)  # (rows, HW/256, 64)
+                img = torch.cat([x, x]) if do_cfg else x
+                if ref_tokens is not None:  # Kontext: reference tokens after the target's; keep the target's output
+                    img = torch.cat([img, ref_tokens], dim=1)
+                v = model(img=img, timesteps=t, **inputs)[:, :x.shape[1]]  # (rows, HW/256, 64)
                 if do_cfg:
                     v_pos, v_neg = v.chunk(2)
                     v = v_neg + true_cfg * (v_pos - v_neg)

@@ -59,3 +59,40 @@ def decode(vae, latents: Tensor) -> Tensor:
         img = (img.float() / 2 + 0.5).clamp(0, 1)
         out.append((img * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu())
     return torch.cat(out)
+
+
+@torch.no_grad()
+def encode_reference(vae, path: str | os.PathLike, *, height: int, width: int) -> Tensor:
+    """A FLUX.1 Kontext reference for `sample`: an image resized to cover (height, width) and center-cropped
+    (as `fluxzero cache` puts a reference into its target's bucket), encoded to the posterior's mode and
+    scaled as the trainer's latents; or a .safetensors file holding such latents under "latents" as they are.
+    DataError (one sentence naming the file) when it cannot be read.
+
+    Shape: -> (1, 16, h, w): height/8 x width/8 for an image, the file's own size for latents
+    """
+    from ..data.images import load_bucketed
+
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            z = load_file(str(path))["latents"].float()
+        except Exception as e:  # noqa: BLE001 - unreadable file or no such key: the same fix
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"reference {path} holds no readable latents tensor ({why}); save the scaled VAE latents "
+                            f"(16, h, w) under the key 'latents', or pass an image.") from None
+        z = z[None] if z.ndim == 3 else z
+        if z.ndim != 4 or z.shape[:2] != (1, 16) or z.shape[2] % 2 or z.shape[3] % 2:
+            raise DataError(f"reference {path} holds latents of shape {tuple(z.shape)}; save one (16, h, w) tensor "
+                            f"with even h and w.")
+        return z
+    try:
+        pixels = load_bucketed(path, (height, width), flip=False)  # (3, H, W) in [-1, 1]
+    except Exception as e:  # noqa: BLE001 - any unreadable image: one sentence
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"reference image {path} cannot be read ({why}); pass a PNG, JPEG or WebP image.") from None
+    scale, shift = latent_factors(vae)
+    p = next(vae.parameters())
+    z = vae.encode(pixels[None].to(p.device, p.dtype)).latent_dist.mode()  # diffusers' Kontext: sample_mode="argmax"
+    return ((z - shift) * scale).float().cpu()
