@@ -23,6 +23,9 @@ diffusers' kohya converter splits single_blocks.N.linear1 with FLUX.1's widths w
 so on flux-tiny the kohya file read through diffusers (and through Nunchaku, which calls the same converter) leaves
 linear1 out; test_lora.py checks linear1 through that converter at full width on the tensors alone.
 
+FLUX.1 Kontext LoRAs (flux-tiny-kontext, inputs with reference tokens) are read the same ways, through
+FluxKontextPipeline.load_lora_weights.
+
 Tolerance RTOL 1e-5, as in test_lora.py: the same fp32 math in another op order (~1e-6 at worst), while a wrong
 scale moves the output by far more (the LoRA moves it by > 3 %, asserted).
 """
@@ -191,3 +194,47 @@ def test_comfy_key_map_is_every_linear_of_our_flux():
         model = build_model(name, device="meta")
         ours = [f"{n}.weight" for n in lora_keys._linear_names(model)]
         assert sorted(ours) == sorted(comfy_flux_weights(model.config)), name
+
+
+def kontext_pipeline_read(path, transformer):
+    """FluxKontextPipeline.load_lora_weights (the same FluxLoraLoaderMixin as FluxPipeline's) on a pipeline
+    holding only `transformer`."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
+
+    pipe = FluxKontextPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None,
+                               tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=transformer)
+    pipe.load_lora_weights(str(path))
+    return pipe.transformer
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "kohya"])
+def test_a_kontext_lora_loads_in_every_reader(tmp_path, layout):
+    """A FLUX.1 Kontext LoRA (flux-tiny-kontext), on inputs that hold reference tokens after the target's, read by
+    FluxKontextPipeline.load_lora_weights, Nunchaku's tensors-only path and ComfyUI's key map."""
+    from fluxzero.model.packing import img_ids, pack, with_reference
+
+    lcfg = LoraConfig(rank=5, alpha=2.0, targets="attention+mlp")
+    cfg, ours, theirs = lora_model(lcfg, name="flux-tiny-kontext", seed=5)
+    assert cfg.kontext
+    lora_sd = {k: v.clone() for k, v in L.lora_state_dict(ours).items()}
+    base_sd = {k: v.clone() for k, v in L.base_state_dict(ours).items()}
+    x = make_inputs(cfg, batch=2, h=2, w=4, txt_len=5, seed=8)
+    ref = torch.randn(2, 16, 4, 8, generator=torch.Generator().manual_seed(9))
+    x["img"], x["img_ids"] = with_reference(x["img"], img_ids(2, 4, 8), ref)
+    assert x["img"].shape[1] == 16 and torch.equal(x["img"][:, 8:], pack(ref))
+    want = _merged_output(cfg, base_sd, lora_sd, lcfg, x)
+    path = tmp_path / f"kontext-{layout}.safetensors"
+    results = {}
+    if layout == "kohya":
+        F.save_lora(path, lora_sd, lcfg, layout=layout, base_model=cfg.name)
+        with torch.no_grad():
+            results["comfyui"] = (comfy_read(path, base_sd, cfg)(**x), want)
+        assert F.read_lora(path)[1].base_model == "flux-tiny-kontext"
+    else:
+        F.save_lora(path, lora_sd, lcfg, layout=layout, base_model=cfg.name)
+        for name, read in (("kontext pipeline", kontext_pipeline_read), ("tensors", nunchaku_read)):
+            model = read(path, copy.deepcopy(theirs))
+            with torch.no_grad():
+                results[name] = (run_theirs(model, x), want)
+    errors = {name: rel_err(got, ref) for name, (got, ref) in results.items()}
+    assert errors and all(e <= RTOL for e in errors.values()), errors
