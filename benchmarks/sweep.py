@@ -349,6 +349,17 @@ def deepspeed_config(case: Case, world: int) -> dict:
     return ds
 
 
+def with_ds_json(case: Case, path: str, device: str) -> Case:
+    """The case timing the DeepSpeed JSON at `path` (gen-config's) as it is: its micro batch, stage,
+    checkpointing and compile replace the case's."""
+    ds = json.loads(Path(path).read_text())
+    fz, stage = ds.get("fluxzero", {}), ds.get("zero_optimization", {}).get("stage", 0)
+    return dataclasses.replace(case, ds_json=str(Path(path).resolve()), mb=ds["train_micro_batch_size_per_gpu"],
+                               zero=stage, ckpt=fz.get("activation_checkpointing", {}).get("every_k_blocks", 0),
+                               # absent: the trainer compiles the blocks on a GPU below ZeRO-3
+                               compile=fz.get("compile", {}).get("blocks", device == "cuda" and stage < 3))
+
+
 def data_source(case: Case, world: int) -> str:
     """The case's data: its shard folder, or a synthetic spec of the case's sizes with one epoch covering every
     step of the case (no epoch boundary among the timed steps)."""
@@ -359,7 +370,7 @@ def data_source(case: Case, world: int) -> str:
     m = get_model_config(case.model)
     n = case.mb * world * case.total_steps
     return (f"synthetic:n={n},hw={case.latent}x{case.latent},txt={case.txt},ctx={m.context_in_dim},"
-            f"vec={m.vec_in_dim},ch={m.latent_channels}")
+            f"vec={m.vec_in_dim},ch={m.latent_channels}" + (",ref=1" if m.kontext else ""))  # Kontext: pairs
 
 
 def run_file(case: Case, world: int, ds_path: str, output_dir: str) -> dict:
@@ -1029,16 +1040,7 @@ def main(argv=None) -> int:
     if args.lora_rank:
         cases = [dataclasses.replace(c, lora={"rank": args.lora_rank, "targets": "all-linear"}) for c in cases]
     if args.ds_json:  # gen-config's JSON decides batch, stage, checkpointing and compile
-        ds = json.loads(Path(args.ds_json).read_text())
-        fz = ds.get("fluxzero", {})
-        cases = [dataclasses.replace(c, ds_json=str(Path(args.ds_json).resolve()),
-                                     mb=ds["train_micro_batch_size_per_gpu"],
-                                     zero=ds.get("zero_optimization", {}).get("stage", 0),
-                                     ckpt=fz.get("activation_checkpointing", {}).get("every_k_blocks", 0),
-                                     # absent: the trainer compiles the blocks on a GPU below ZeRO-3
-                                     compile=fz.get("compile", {}).get("blocks", args.device == "cuda" and
-                                                                       ds.get("zero_optimization", {}).get("stage", 0) < 3))
-                 for c in cases]
+        cases = [with_ds_json(c, args.ds_json, args.device) for c in cases]
     if not cases:
         print("no cases selected", file=sys.stderr)
         return 2
