@@ -79,7 +79,9 @@ def cache(images_dir, out_dir, flux_dir, vae, t5, clip, t5_tokenizer, clip_token
 
     Images (png, jpg, webp; subfolders too) go to aspect-ratio buckets, are resized and center-cropped,
     and are encoded in batches. A same-name NAME.mask.png beside an image is its loss mask (white trains,
-    black does not; the image's size). Several processes split the work by --rank/--world-size (or the
+    black does not; the image's size). A caption table whose rows name a control_file_name holds FLUX.1 Kontext
+    pairs: each target is cached with its reference image's latents, resized to the target's bucket
+    (docs/kontext.md). Several processes split the work by --rank/--world-size (or the
     launcher's RANK/WORLD_SIZE); rerunning skips finished shards. Unreadable images are skipped and
     listed in OUT_DIR/cache_report.json. Cache each dataset of a run (a regularization set, say) into its
     own OUT_DIR.
