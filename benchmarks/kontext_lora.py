@@ -7,9 +7,10 @@ diffusers + PEFT on the same configuration, in one call.
 
 1. `fluxzero gen-config --fit` for the model, resolution and LoRA rank on one GPU of --gpu (the memory model counts
    the reference's tokens: 512 px is 1024 target + 1024 reference image tokens).
-2. fluxzero: launch/train.py on that JSON (benchmarks/trainer_vs_sweep.run_trainer: a run file of synthetic
-   Kontext pairs of the size, random weights, the LoRA on `attention+mlp`), the median samples/s of the timed
-   steps and the peak memory allocated, from its metrics.jsonl.
+2. fluxzero: launch/train.py on that JSON (sweep.run_file's run file: synthetic Kontext pairs of the size, random
+   weights, the LoRA on `attention+mlp`), the median samples/s of the timed steps and the peak memory allocated,
+   from its metrics.jsonl; its process group is killed once the last timed step is logged (the final checkpoint
+   is no part of the speed).
 3. diffusers + PEFT, as diffusers' Kontext LoRA example trains (a fresh process): FluxTransformer2DModel in bf16,
    frozen, PEFT LoRA of the same rank and alpha on diffusers' names of the same layers (to_q/k/v, to_out.0,
    add_q/k/v_proj, to_add_out, ff and ff_context, and proj_mlp / proj_out of the single blocks), adapters in fp32
@@ -37,14 +38,16 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-import provenance  # noqa: E402 - needs the line above
+import runner  # noqa: E402 - needs the line above
 import sweep  # noqa: E402
-import trainer_vs_sweep  # noqa: E402
 
-# diffusers' module names of fluxzero's `attention+mlp` targets (fluxzero.config.lora), as PEFT matches them
-DIFFUSERS_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-                     "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                     "ff_context.net.2", "proj_mlp", "proj_out"]
+# diffusers' module names of fluxzero's `attention+mlp` targets (fluxzero.config.lora), as one regular expression
+# PEFT matches against whole module names (a list would also take the final layer's proj_out)
+_SUFFIXES = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+             "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+             "ff_context.net.2", "proj_mlp"]
+DIFFUSERS_TARGETS = (r".*\.(" + "|".join(x.replace(".", r"\.") for x in _SUFFIXES) + r")"
+                     r"|single_transformer_blocks\.\d+\.proj_out")
 
 
 def fit_config(a, path: Path) -> None:
@@ -52,10 +55,52 @@ def fit_config(a, path: Path) -> None:
     cmd = [sys.executable, "-m", "fluxzero.cli", "gen-config", "--fit", "--model", a.model, "--resolution", str(a.res),
            "--lora-rank", str(a.rank), "--world-size", "1", "-o", str(path),
            *(["--gpu", a.gpu] if a.gpu else ["--gpu-memory", str(a.gpu_memory)])]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), env=trainer_vs_sweep._env(a.device, sweep.Case()))
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), env=_env(a.device))
     if p.returncode:
         raise SystemExit(f"gen-config --fit failed: {(p.stderr or p.stdout).strip()[-500:]}")
     print(p.stdout.strip()[-800:], flush=True)
+
+
+def _env(device: str) -> dict:
+    env = {**os.environ, "FLUXZERO_NO_PROGRESS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if device == "cpu":
+        env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
+    return env
+
+
+def _rows(path: Path) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line being written
+            pass
+    return rows
+
+
+def run_trainer(case: sweep.Case, device: str, work: Path, timeout: float) -> dict:
+    """launch/train.py on the case (one process, one GPU); the timed steps' median samples/s and peak memory."""
+    ds_path, run_path, out = work / "ds.json", work / "run.yaml", work / "run"
+    ds_path.write_text(json.dumps(sweep.deepspeed_config(case, 1), indent=1))
+    run_path.write_text(json.dumps(sweep.run_file(case, 1, ds_path, out), indent=1))  # JSON is YAML
+    total, t0 = case.warmup + case.steps, time.monotonic()
+    with open(work / "trainer.log", "w") as log:
+        p = runner.start([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(run_path)], log=log,
+                         env=_env(device))
+        while p.poll() is None and time.monotonic() - t0 < timeout and len(_rows(out / "metrics.jsonl")) < total:
+            time.sleep(0.5)
+        if p.poll() is None:
+            runner.kill_group(p)
+        p.wait()
+    rows = _rows(out / "metrics.jsonl")
+    rec = {"run_file": json.loads(run_path.read_text()), "wall_s": time.monotonic() - t0, "steps_logged": len(rows)}
+    timed = [r["samples_per_s"] for r in rows if r["step"] > case.warmup]
+    if len(rows) < total or not timed:
+        return {**rec, "status": f"{len(rows)} of {total} steps logged",
+                "log_tail": runner.log_tail(work / "trainer.log", 1500)}
+    return {**rec, "status": "ok", "samples_per_s": statistics.median(timed), "samples_per_s_all": timed,
+            "peak_memory_gb": max(r["peak_memory_gb"] for r in rows), "losses": [r["loss"] for r in rows]}
 
 
 def baseline(case: sweep.Case, device: str) -> dict:
@@ -71,7 +116,7 @@ def baseline(case: sweep.Case, device: str) -> dict:
 
     dev = torch.device(device)
     m = get_model_config(case.model)
-    ds = sweep._ds_config(case, 1)
+    ds = sweep.deepspeed_config(case, 1)
     bf16 = ds.get("bf16", {}).get("enabled", False)
     torch.manual_seed(0)
     with dev:
@@ -158,7 +203,6 @@ def main(argv=None) -> int:
         return 0
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    started = provenance.stamp()
     ds_path = out_dir / f"{a.name}_fit.json"
     fit_config(a, ds_path)
     case = sweep.Case(model=a.model, res=a.res, txt=a.txt, attn=a.attn, warmup=a.warmup, steps=a.steps,
@@ -166,23 +210,18 @@ def main(argv=None) -> int:
     case = sweep.with_ds_json(case, str(ds_path), a.device)
     with tempfile.TemporaryDirectory(prefix="fz-kontext-lora-") as tmp:
         print(f"fluxzero: launch/train.py, {case.name}, {case.warmup} + {case.steps} steps", flush=True)
-        ours = trainer_vs_sweep.run_trainer(case, a.device, Path(tmp), a.timeout)
-    rows = ours.get("metrics_rows", [])
-    ours["peak_memory_gb"] = max((r.get("peak_memory_gb", 0) for r in rows), default=None)
+        ours = run_trainer(case, a.device, Path(tmp), a.timeout)
     print(f"fluxzero: {ours['status']} [{ours['wall_s']:.0f} s]", flush=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--device", a.device, "--baseline-case",
            json.dumps(dataclasses.asdict(case))]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=a.timeout,
-                       env=trainer_vs_sweep._env(a.device, case))
+                       env=_env(a.device))
     line = next((x for x in p.stdout.splitlines() if x.startswith("BASELINE ")), None)
     theirs = json.loads(line[9:]) if line else {"status": f"failed (exit {p.returncode})",
                                                  "log_tail": p.stderr.strip().splitlines()[-8:]}
     print(f"diffusers + PEFT: {theirs['status']}", flush=True)
-    result = {"case": dataclasses.asdict(case), "name": case.name, "date": started,
-              "versions": {**provenance.versions("torch", "deepspeed", "diffusers", "peft"),
-                           **provenance.code_version(ROOT)},
-              "fit_json": json.loads(ds_path.read_text()), "fluxzero": {k: v for k, v in ours.items() if k != "metrics_rows"},
-              "baseline": theirs}
+    result = {"case": dataclasses.asdict(case), "name": case.name, **runner.provenance_fields("torch", "deepspeed", "diffusers", "peft"),
+              "fit_json": json.loads(ds_path.read_text()), "fluxzero": ours, "baseline": theirs}
     code = 2
     if ours["status"] == "ok" and theirs["status"] == "ok":
         result["speedup"] = ours["samples_per_s"] / theirs["samples_per_s"]
