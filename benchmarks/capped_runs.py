@@ -63,6 +63,13 @@ class Case:
 
 
 _LORA16 = {"rank": 16, "targets": "all-linear"}
+_DATA_1024 = "synthetic:n=64,hw=128x128,txt=512,ctx=4096,vec=768,ch=16"  # 1024 px: 4096 image + 512 text tokens
+
+
+def _fused(k: int) -> list[str]:
+    return ["--zero-stage", "0", "--optimizer-mode", "fused-adafactor-sr", "--offload-blocks", str(k)]
+
+
 SETS = {
     # the issue's 24 GB row: ZeRO-2 with the bf16 base, ZeRO-2 with the int8 base, ZeRO-3 parameter offload
     "lora24": [
@@ -87,12 +94,25 @@ SETS = {
     # what `gen-config --fit` chooses for each card of the issue (the configs users run); host 128 GiB
     "fit": [
         Case("fit-lora16-512px-24gb", [], fit=["--gpu-memory", "24", "--host-memory", "128", "--lora-rank", "16"]),
-        Case("fit-lora16-1024px-24gb", [], data="synthetic:n=64,hw=128x128,txt=512,ctx=4096,vec=768,ch=16",
+        Case("fit-lora16-1024px-24gb", [], data=_DATA_1024,
              fit=["--gpu-memory", "24", "--host-memory", "128", "--lora-rank", "16", "--resolution", "1024"]),
         Case("fit-lora16-512px-16gb", [], fit=["--gpu-memory", "16", "--host-memory", "128", "--lora-rank", "16"]),
         Case("fit-full-512px-80gb", [], fit=["--gpu-memory", "80", "--host-memory", "120"]),
         # the optimizer step runs on the host (cpu-* modes): a step takes tens of seconds, so fewer are timed
         Case("fit-full-512px-48gb", [], fit=["--gpu-memory", "48", "--host-memory", "120"], steps=4, warmup=2),
+    ],
+    # full fine-tunes in the fused mode (each tensor stepped in backward, no gradient buffer), the last K blocks
+    # streamed from pinned host memory (gen-config --offload-blocks K); run each with its card's cap
+    "fused": [
+        Case("fused-512px-24gb", _fused(38), micro_batch=4),  # --memory-cap-gib 23.6, host <= 64 GiB
+        Case("fused-512px-16gb", _fused(48), micro_batch=2),  # --memory-cap-gib 15.6, host <= 64 GiB
+        Case("fused-512px-48gb", _fused(0), micro_batch=8),  # --memory-cap-gib 44.4, host <= 96 GiB
+        Case("fused-512px-80gb", _fused(0), micro_batch=16),  # --memory-cap-gib 79.1, host <= 120 GiB
+        Case("fused-1024px-24gb", _fused(38), data=_DATA_1024),  # --memory-cap-gib 23.6, host <= 64 GiB
+    ],
+    "cpu-fused-smoke": [
+        Case("tiny-fused-k2", _fused(2), model="flux-tiny", data="synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32",
+             steps=3, warmup=1, timeout=600),
     ],
     "cpu-fit-smoke": [
         Case("tiny-fit-lora", [], model="flux-tiny", data="synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32", steps=3,

@@ -116,6 +116,8 @@ _OPTIONS = [
     _opt("optimizer_mode", click.Choice(list(ds_check.trainable_modes())), "Memory-saving optimizer mode the "
          "trainer builds instead of DeepSpeed's AdamW on fp32 masters (docs/optimizer-modes.md); writes the bf16 "
          "and ZeRO keys it needs."),
+    _opt("offload_blocks", _NONNEG, "Fused optimizer modes: the last K transformer blocks keep their bf16 weights "
+         "in pinned host memory, streamed to the GPU one block ahead (0: all resident)."),
     _opt("lr", click.FloatRange(min=0, min_open=True), "AdamW learning rate (peak, after warm-up)."),
     _opt("beta1", click.FloatRange(0, 1, max_open=True), "AdamW beta1."),
     _opt("beta2", click.FloatRange(0, 1, max_open=True), "AdamW beta2."),

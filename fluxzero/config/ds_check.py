@@ -55,7 +55,9 @@ def config_name(what: str) -> str:
             "precision": "bf16.enabled", "bf16_master_weights_and_grads": "bf16.bf16_master_weights_and_grads",
             "bf16_optimizer_states": "bf16.bf16_optimizer_states",
             "allow_untested_optimizer": "zero_allow_untested_optimizer",
-            "force_ds_cpu_optimizer": "zero_force_ds_cpu_optimizer"}.get(what) or f"zero_optimization.{what}"
+            "force_ds_cpu_optimizer": "zero_force_ds_cpu_optimizer", "grad_accum": "gradient_accumulation_steps",
+            "gradient_clipping": "gradient_clipping",
+            "offload_blocks": f"{FLUXZERO_SECTION}.offload_blocks"}.get(what) or f"zero_optimization.{what}"
 
 
 def combination_problems(v: DSView, name=config_name, zero_keys=()) -> list[str]:
@@ -95,6 +97,11 @@ def combination_problems(v: DSView, name=config_name, zero_keys=()) -> list[str]
                  f"(or 0/1), or remove {name('fp8')}")
     if v.optimizer_mode is not None:
         p += _mode_problems(v, name)
+    if isinstance(v.offload_blocks, int) and v.offload_blocks > 0 and not v.fused_step:
+        fused = [n for n, m in optim_modes.MODES.items() if m.fused]
+        p.append(f"{name('offload_blocks')} {v.offload_blocks} streams blocks from host memory, which only a fused "
+                 f"optimizer mode supports: set {name('optimizer_mode')} to {' or '.join(fused)}, or set "
+                 f"{name('offload_blocks')} to 0")
     return p
 
 
@@ -124,8 +131,12 @@ def _mode_problems(v: DSView, name) -> list[str]:
     bf16_master = mode.master_dtype == "bf16"
     wrong_precision = bf16_master and v.precision != "bf16" and not (stage == 0 and v.precision == "fp32")
     if wrong_precision:
-        fix = f"{name('precision')} bf16" if name("precision").startswith("--") else "bf16.enabled true"
+        fix = f"{name('precision')} bf16" if name("precision").startswith("--") else (
+            "fp16.enabled false (at ZeRO stage 0 the trainer casts the model to bf16)" if stage == 0
+            else "bf16.enabled true")
         p.append(f"{M} {mode.name} trains in bf16, not {v.precision}: set {fix}")
+    if mode.fused:
+        p += _fused_problems(v, name, mode.name)
     host = [n for n, m in optim_modes.MODES.items() if m.needs_offload]
     if bf16_master and v.offload_optimizer != "none" and not mode.needs_offload:
         # _configure_master_weights: bf16 masters with offload assert type(optimizer) == DeepSpeedCPUAdam; only the
@@ -158,6 +169,19 @@ def _mode_problems(v: DSView, name) -> list[str]:
     if v.offload_optimizer != "none" and mode.offload_ok and v.force_ds_cpu_optimizer:
         p.append(f"{M} {mode.name} with {name('offload_optimizer')} {v.offload_optimizer} runs a client optimizer "
                  f"on the CPU, which DeepSpeed refuses unless {name('force_ds_cpu_optimizer')} is false: set it false")
+    return p
+
+
+def _fused_problems(v: DSView, name, mode: str) -> list[str]:
+    """A fused mode applies each parameter's update during backward (fluxzero.train.fused_step), before the
+    engine's step: what needs the whole step's gradients first cannot run with it."""
+    M, p = name("optimizer_mode"), []
+    if v.grad_accum is not None and v.grad_accum > 1:
+        p.append(f"{M} {mode} applies each update during backward, so it cannot accumulate gradients over micro "
+                 f"batches: set {name('grad_accum')} to 1 (raise the micro batch instead)")
+    if v.gradient_clipping is None or (isinstance(v.gradient_clipping, (int, float)) and v.gradient_clipping > 0):
+        p.append(f"{M} {mode} applies each update before a global gradient norm exists, so it cannot clip by it: "
+                 f"set {name('gradient_clipping')} to 0 (Adafactor clips each update's RMS itself)")
     return p
 
 
@@ -236,7 +260,7 @@ ZERO_STAGE3_ONLY = frozenset(k for k in ZERO_KEYS if k.startswith("stage3_")) | 
     "use_all_reduce_for_fetch_params", "allgather_sequential",
 })
 ZERO_STAGE12_ONLY = frozenset({"allgather_bucket_size", "allgather_partitions", "round_robin_gradients"})
-FLUXZERO_KEYS = frozenset({"activation_checkpointing", "compile", "optimizer_mode", "fp8"})
+FLUXZERO_KEYS = frozenset({"activation_checkpointing", "compile", "optimizer_mode", "fp8", "offload_blocks"})
 FLUXZERO_FP8_KEYS = frozenset({"recipe"})
 FLUXZERO_CHECKPOINTING_KEYS = frozenset({"every_k_blocks", "implementation"})
 FLUXZERO_COMPILE_KEYS = frozenset({"blocks", "mode", "backend", "dynamic"})
@@ -340,6 +364,8 @@ def check(cfg, world_size: int | None = None) -> list[str]:
     _check_checkpointing(cfg, p)
     _check_compile(cfg, p)
     _check_fp8(cfg, p)
+    fz = cfg.get(FLUXZERO_SECTION)
+    _positive_ints(FLUXZERO_SECTION, fz if isinstance(fz, dict) else {}, ("offload_blocks",), p, minimum=0)
     tb = _section(cfg, "tensorboard", p)
     _unknown("tensorboard", tb, TENSORBOARD_KEYS, p)
     for key, known in (("flops_profiler", FLOPS_PROFILER_KEYS), ("aio", AIO_KEYS), ("data_types", DATA_TYPES_KEYS),

@@ -113,6 +113,7 @@ class DSOptions:
     # optimizer (AdamW) and gradient clipping
     adam_impl: str = "torch"
     optimizer_mode: str | None = None  # a fluxzero.config.optim_modes name; None: DeepSpeed's AdamW, fp32 masters
+    offload_blocks: int = 0  # fluxzero.offload_blocks: the last K blocks streamed from host memory (fused modes)
     lr: float = 1e-5
     beta1: float = 0.9
     beta2: float = 0.999
@@ -169,7 +170,11 @@ def options_from(preset: str | None = None, lora: bool = False, **overrides) -> 
         if preset not in PRESETS:
             raise ds_view.DSConfigError([f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}"])
         base.update(PRESETS[preset])
-    base.update({k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    mode = optim_modes.MODES.get(given.get("optimizer_mode", base.get("optimizer_mode")))
+    if mode is not None and mode.fused and "gradient_clipping" not in given:
+        base["gradient_clipping"] = 0.0  # a fused mode steps before any global norm exists (ds_check says so)
+    base.update(given)
     return DSOptions(**base)
 
 
@@ -218,10 +223,20 @@ def options_view(o: DSOptions) -> DSView:
                   optimizer_impl=impl,
                   lr=o.lr, scheduler=None if o.scheduler == "none" else o.scheduler,
                   gradient_clipping=o.gradient_clipping, optimizer_mode=o.optimizer_mode,
+                  grad_accum=_accum_or_none(o), offload_blocks=o.offload_blocks,
                   bf16_master_weights_and_grads=bf16.get("bf16_master_weights_and_grads") is True,
                   bf16_optimizer_states=bf16.get("bf16_optimizer_states") is True,
                   allow_untested_optimizer=mode_keys.get("zero_allow_untested_optimizer") is True,
                   force_ds_cpu_optimizer=mode_keys.get("zero_force_ds_cpu_optimizer", True) is not False)
+
+
+def _accum_or_none(o: DSOptions) -> int | None:
+    """The accumulation steps the options give, None where they do not say (yet) without the world size."""
+    if o.grad_accum is not None or o.global_batch is None:
+        return o.grad_accum if o.grad_accum is not None else 1
+    if o.world_size is None or not o.micro_batch:
+        return None
+    return o.global_batch // (o.micro_batch * o.world_size)
 
 
 def _mode_keys(o: DSOptions) -> dict:
@@ -290,6 +305,7 @@ def check_options(o: DSOptions) -> list[str]:
     for f in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_reuse_distance"):
         at_least(f, 0, optional=True)
     at_least("checkpoint_every", 0)
+    at_least("offload_blocks", 0)
     at_least("fp16_initial_scale_power", 0)
     number("fp16_loss_scale", lo=0)
     number("lr", lo=0, lo_open=True)
@@ -382,6 +398,8 @@ def _check_checkpoint_options(o: DSOptions, p: list[str]) -> None:
     if o.contiguous_memory_optimization and not o.partition_activations:
         p.append(f"{flag('contiguous_memory_optimization')} needs {flag('partition_activations')}")
     model = _model(o.model)
+    if model is not None and o.offload_blocks > num_blocks(o.model):
+        p.append(f"{flag('offload_blocks')} {o.offload_blocks} exceeds the {num_blocks(o.model)} blocks of {o.model}")
     if model is not None and o.checkpoint_every > num_blocks(o.model):
         p.append(f"{flag('checkpoint_every')} {o.checkpoint_every} exceeds the {num_blocks(o.model)} blocks of "
                  f"{o.model}")
@@ -490,6 +508,8 @@ def build(o: DSOptions) -> dict:
         cfg[FLUXZERO_SECTION]["compile"] = {"blocks": True, "mode": "default"} if o.compile else {"blocks": False}
     if o.optimizer_mode is not None:
         cfg[FLUXZERO_SECTION]["optimizer_mode"] = o.optimizer_mode
+    if options_view(o).fused_step:  # written for every fused mode, 0 included: the key says what is resident
+        cfg[FLUXZERO_SECTION]["offload_blocks"] = o.offload_blocks
     if o.fp8 is not None:
         cfg[FLUXZERO_SECTION]["fp8"] = {"recipe": o.fp8}
     return cfg

@@ -64,6 +64,10 @@ class DSView:
     bf16_master_weights_and_grads: bool = False  # bf16.bf16_master_weights_and_grads
     bf16_optimizer_states: bool = False  # bf16.bf16_optimizer_states
     force_ds_cpu_optimizer: bool = True  # zero_force_ds_cpu_optimizer (0.19.8 default true)
+    # fluxzero.offload_blocks: the LAST K transformer blocks (double then single, one index, as for
+    # checkpointing) keep their bf16 weights in pinned host memory and are streamed to the accelerator one block
+    # ahead (fluxzero.train.block_stream); a fused optimizer mode only. 0: every block resident
+    offload_blocks: int = 0
 
     @property
     def dtype_name(self) -> str:
@@ -77,9 +81,19 @@ class DSView:
 
         return trainer_casts_to_bf16(self.optimizer_mode, self.stage)
 
+    @property
+    def fused_step(self) -> bool:
+        """The optimizer mode steps each parameter during backward (optim_modes.OptimMode.fused)."""
+        from fluxzero.config.optim_modes import MODES  # pure
+
+        mode = MODES.get(self.optimizer_mode) if isinstance(self.optimizer_mode, str) else None
+        return mode is not None and mode.fused
+
     def checkpointed_blocks(self, n_blocks: int) -> int:
-        """How many of n_blocks the trainer checkpoints (block i iff i % every_k_blocks == 0)."""
-        return checkpointed_blocks(n_blocks, self.checkpoint_every)
+        """How many of n_blocks the trainer checkpoints: block i iff i % every_k_blocks == 0, and every streamed
+        block (the last offload_blocks, which are always recomputed in backward)."""
+        streamed = min(max(self.offload_blocks, 0), n_blocks) if isinstance(self.offload_blocks, int) else 0
+        return checkpointed_blocks(n_blocks - streamed, self.checkpoint_every) + streamed
 
     def compiles_blocks(self, device_type: str, lora: bool) -> bool:
         """Whether the trainer compiles the blocks: fluxzero.compile.blocks when the config sets it; when it does
@@ -197,4 +211,5 @@ def view(ds: dict) -> DSView:
         bf16_master_weights_and_grads=bf16.get("bf16_master_weights_and_grads") is True,
         bf16_optimizer_states=bf16.get("bf16_optimizer_states") is True,
         force_ds_cpu_optimizer=ds.get("zero_force_ds_cpu_optimizer", True) is not False,
+        offload_blocks=fz.get("offload_blocks", 0),
     )

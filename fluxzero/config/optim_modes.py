@@ -56,6 +56,11 @@ class OptimMode:
     # "cpu": steps DeepSpeed's offloaded bf16 partitions in host memory, so it needs optimizer offload to cpu
     # (fluxzero.train.host_optim); "none": runs where ZeRO keeps the partitions, offload refused for bf16 masters
     optimizer_offload: str = "none"
+    # True: each parameter is stepped during backward as soon as its gradient is complete (fluxzero.train.
+    # fused_step), so no whole-model gradient buffer exists (`grads` 0: one tensor's gradient at a time) and the
+    # weights of the last fluxzero.offload_blocks blocks may live in host memory (fluxzero.train.block_stream)
+    fused: bool = False
+    trajectory: str = "AdamW"  # the update rule it follows, as --fit names it: "AdamW" or "Adafactor"
 
     @property
     def offload_ok(self) -> bool:
@@ -72,6 +77,8 @@ class OptimMode:
             raise ValueError(f"optimizer mode {self.name!r}: master_dtype must be 'fp32' or 'bf16'")
         if not set(self.zero_stages) <= {0, 1, 2, 3}:
             raise ValueError(f"optimizer mode {self.name!r}: zero_stages must be within 0-3")
+        if self.fused and self.zero_stages != (0,):
+            raise ValueError(f"optimizer mode {self.name!r}: a fused mode runs at ZeRO stage 0 only")
         if self.optimizer_offload not in ("none", "cpu"):
             raise ValueError(f"optimizer mode {self.name!r}: optimizer_offload must be 'none' or 'cpu'")
 
@@ -137,9 +144,19 @@ MODES: dict[str, OptimMode] = {m.name: m for m in (
     OptimMode("adafactor-sr", "AdafactorSR (ours): torch.optim.Adafactor's algorithm, stochastic rounding",
               weights=2, grads=2, master=2, states=0.0, states_flat=2, master_dtype="bf16",
               zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16, master_stage0=0,
-              step_chunk=STEP_CHUNK,
+              step_chunk=STEP_CHUNK, trajectory="Adafactor",
               caveat="no momentum and relative step sizes: not AdamW's trajectory; factored only at ZeRO 0 "
                      "(ZeRO 1-3 flatten tensors, so its variance becomes full-size)"),
+    # Fused into backward: AdafactorSR's step per tensor in a post-accumulate-grad hook, no gradient buffer
+    OptimMode("fused-adafactor-sr", "FusedAdafactorSR (ours): AdafactorSR stepped per tensor during backward",
+              weights=2, grads=0, master=2, states=0.0, master_dtype="bf16", zero_stages=(0,),
+              stage0=_STAGE0_BF16 + "; each tensor stepped in backward (no gradient buffer), the last "
+                     "fluxzero.offload_blocks blocks streamed from host memory",
+              master_stage0=0, fused=True, trajectory="Adafactor", step_chunk=STEP_CHUNK,
+              where="accelerator; with fluxzero.offload_blocks K the bf16 weights of the last K blocks in pinned "
+                    "host memory, streamed to the accelerator one block ahead",
+              caveat="Adafactor's trajectory (adafactor-sr's, stepped per tensor with keyed rounding noise); no "
+                     "gradient accumulation and no global-norm clipping (Adafactor clips each update's RMS)"),
     # On the host: DeepSpeed's optimizer offload with bf16 master partitions and gradients, stepped by HostAdamW
     OptimMode("cpu-bf16-sr", "HostAdamW (ours) on the host: bf16 m and v, stochastic rounding", weights=2, grads=2,
               master=2, states=4, master_dtype="bf16", zero_stages=(1, 2, 3), ds_bf16=BF16_MASTER_KEYS,

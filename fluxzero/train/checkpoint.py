@@ -128,7 +128,9 @@ def weights_finite(engine) -> bool:
     checkpoint). Each rank checks what it holds (its ZeRO-3 partitions, or the module's parameters below stage 3):
     one pass over the weights and one all_reduce."""
     params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
-    ok = torch.stack([torch.isfinite(t).all() for t in params]).all() if params else torch.tensor(True)
+    # on one device: streamed blocks (fluxzero.train.block_stream) keep their weights on the host
+    where = params[0].device if params else None
+    ok = torch.stack([torch.isfinite(t).all().to(where) for t in params]).all() if params else torch.tensor(True)
     flag = ok.to(dtype=torch.float32).reshape(1)  # on the CPU under parameter offload: all_reduce moves it
     if dist.is_initialized():
         all_reduce(flag, op=dist.ReduceOp.MIN)

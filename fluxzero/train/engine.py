@@ -60,7 +60,9 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     if v.fp8 and quant != "none":
         raise TrainingError(f"fluxzero.fp8 and lora.base_quant {quant} both change the base's linear layers; keep "
                             f"one (FP8 for speed, the quantized base for memory)")
-    model = born_model(model_cfg, ds, v, device, weights=weights, attention=attention, quant=quant)
+    streamer = plan_streaming(model_cfg, v, device, lora is not None)
+    model = born_model(model_cfg, ds, v, device, weights=weights, attention=attention, quant=quant,
+                       place=streamer.place if streamer is not None else None)
     if v.fp8:  # before the adapters: PEFT then wraps the FP8 layers, its own small ones stay bf16
         apply_fp8(model, v.fp8)  # not at ZeRO-3: ds_check.combination_problems refuses that config
     if lora is not None:  # after the weights: the base's names gain `.base_layer` once adapters wrap it
@@ -70,11 +72,18 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
         apply_compile(model, v.compile_mode, v.compile_backend, v.dynamic_tokens(counts), counts)
         if v.stage == 3:
             zero3_leaf_blocks(model)
-    apply_activation_checkpointing(model, v.checkpoint_every, v.checkpoint_impl, v)
+    apply_activation_checkpointing(model, v.checkpoint_every, v.checkpoint_impl, v,
+                                   skip_last=len(streamer.blocks) if streamer is not None else 0)
+    if streamer is not None:  # after compile: the streamed blocks' checkpointing wraps the compiled forward
+        streamer.attach(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer, ds = client_optimizer(params, ds, v)
-    with accept_host_optimizer(optimizer):
+    optimizer, ds = client_optimizer(params, ds, v, seed=seed)
+    if v.fused_step:
+        optimizer.attach(device, streamer)
+    with accept_host_optimizer(optimizer), keep_on_host(streamer):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=ds)
+    if v.fused_step:  # the fused step all-reduces each gradient itself; the engine's would re-create them all
+        engine.enable_backward_allreduce = False
     batch_grad_checks(engine.optimizer)
     keep_block_states_whole(engine.optimizer)
     return engine
@@ -96,6 +105,75 @@ def keep_block_states_whole(optimizer) -> bool:
         return False
     optimizer._hp_optimizer_states_linked = True
     return True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fused optimizer modes: blocks streamed from host memory (fluxzero.train.block_stream)
+# ---------------------------------------------------------------------------------------------------------
+def plan_streaming(model_cfg: ModelConfig, v: DSView, device: torch.device, lora: bool):
+    """The BlockStreamer of fluxzero.offload_blocks (None when it is 0), its host buffers allocated (and pinned on
+    CUDA) before the model is built, so the pretrained weights are copied straight into them."""
+    if v.fused_step and lora:
+        raise TrainingError(f"fluxzero.optimizer_mode {v.optimizer_mode} is for full fine-tunes; a LoRA trains few "
+                            f"tensors and needs no fused step: choose another optimizer mode or remove the lora: "
+                            f"section")
+    k = int(v.offload_blocks or 0)
+    if k == 0:
+        return None
+    from fluxzero.model import build_model
+    from fluxzero.train.block_stream import BlockStreamer
+
+    n = model_cfg.depth + model_cfg.depth_single_blocks
+    if k > n:
+        raise TrainingError(f"fluxzero.offload_blocks {k} exceeds the {n} transformer blocks of {model_cfg.name}: "
+                            f"set it to at most {n}")
+    return BlockStreamer.plan(build_model(model_cfg, device="meta", dtype=model_dtype(v)), k, device)
+
+
+@contextlib.contextmanager
+def keep_on_host(streamer):
+    """Keep the streamed blocks' weights in host memory through deepspeed.initialize (nothing without a streamer).
+
+    deepspeed 0.19.8's _configure_distributed_model moves the whole module to the accelerator
+    (`self.module.to(self.device)`, engine.py, unless `dont_change_device`, which deepspeed.initialize does not
+    expose): the streamed blocks get an `_apply` that leaves them where they are (Module._apply recurses through
+    each child's own `_apply`). Its _broadcast_model then broadcasts every parameter from rank 0, which NCCL cannot
+    do for host tensors: the streamed ones are left out of it (DeepSpeed skips a parameter with `ds_optim_param`,
+    its mark for OptimizedLinear's per-rank shards) and broadcast here one block at a time through the device.
+    """
+    if streamer is None:
+        yield
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    blocks = streamer.modules()
+    params = [p for m in blocks for p in m.parameters()]
+    plain = DeepSpeedEngine._broadcast_model
+
+    def broadcast(engine):
+        for p in params:
+            p.ds_optim_param = True
+        try:
+            plain(engine)
+        finally:
+            for p in params:
+                del p.ds_optim_param
+        if engine.dist_backend is not None and dist.get_world_size() > 1:
+            streamer.broadcast(src=0)
+
+    for m in blocks:
+        m._apply = functools.partial(_left_in_place, m)
+    DeepSpeedEngine._broadcast_model = broadcast
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._broadcast_model = plain
+        for m in blocks:
+            del m._apply
+
+
+def _left_in_place(module, fn, recurse=True):
+    return module
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -233,7 +311,7 @@ def accept_host_optimizer(optimizer):
 
 
 def born_model(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.device, *, weights: str | None = None,
-               attention: str = "auto", quant: str = "none") -> torch.nn.Module:
+               attention: str = "auto", quant: str = "none", place=None) -> torch.nn.Module:
     """The model in its training dtype (model_dtype), on its device, with the pretrained weights when given and
     the blocks' linears quantized when `quant` (lora.base_quant) asks: no configuration ever holds a float32 copy
     of the weights it does not train.
@@ -257,14 +335,14 @@ def born_model(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.device
         if weights:
             load_pretrained(model, weights, model_cfg)
         return model
-    finish = _finisher(weights, model_cfg, quant)
+    finish = _finisher(weights, model_cfg, quant, place)
     return build_model(model_cfg, device=device, dtype=model_dtype(v), attention=attention, finish=finish)
 
 
-def _finisher(weights: str | None, model_cfg: ModelConfig, quant: str):
+def _finisher(weights: str | None, model_cfg: ModelConfig, quant: str, place=None):
     """build_model's per-module step: copy the module's pretrained tensors in, then quantize it if it is a block
-    linear and `quant` asks for it (None when there is nothing to do)."""
-    if not weights and quant == "none":
+    linear and `quant` asks for it, then `place` it (None when there is nothing to do)."""
+    if not weights and quant == "none" and place is None:
         return None
     if quant != "none":
         from fluxzero.model.quant import QuantError, check_quant, quantize_linear, quantizes
@@ -282,6 +360,8 @@ def _finisher(weights: str | None, model_cfg: ModelConfig, quant: str):
                 p.copy_(take(f"{name}.{pname}" if name else pname))
         if quant != "none" and quantizes(name, module):
             quantize_linear(module, quant)
+        if place is not None:
+            place(name, module)
 
     return finish
 
@@ -309,17 +389,18 @@ def model_dtype(v: DSView) -> torch.dtype:
     return torch.bfloat16 if v.trainer_casts_to_bf16 else getattr(torch, v.dtype_name)
 
 
-def client_optimizer(params: list, ds: dict, v: DSView):
+def client_optimizer(params: list, ds: dict, v: DSView, seed: int = 0):
     """(optimizer, ds): the optimizer of the config's fluxzero.optimizer_mode (fluxzero.train.optim), handed to
     DeepSpeed in place of the optimizer section it would build itself (dropped from ds), with the section's
-    lr, betas, eps and weight decay; (None, ds) without a mode, or for fp32 (DeepSpeed's own AdamW)."""
+    lr, betas, eps and weight decay; (None, ds) without a mode, or for fp32 (DeepSpeed's own AdamW). `seed` keys
+    the rounding noise of the modes that key it (the fused ones)."""
     if v.optimizer_mode in (None, "fp32"):
         return None, ds
     from fluxzero.train.optim import OptimModeError, build_optimizer
 
     try:
         optimizer = build_optimizer(params, v.optimizer_mode, lr=v.lr if v.lr is not None else 1e-3,
-                                    betas=tuple(v.betas), eps=v.eps, weight_decay=v.weight_decay)
+                                    betas=tuple(v.betas), eps=v.eps, weight_decay=v.weight_decay, noise_seed=seed)
     except OptimModeError as e:
         raise TrainingError(str(e)) from None
     return optimizer, {k: val for k, val in ds.items() if k != "optimizer"}
@@ -397,11 +478,13 @@ def _checkpointed(checkpoint_fn, forward, *args):
     return checkpoint_fn(forward, *args)
 
 
-def apply_activation_checkpointing(model, every_k: int, implementation: str, v: DSView | None = None) -> int:
+def apply_activation_checkpointing(model, every_k: int, implementation: str, v: DSView | None = None,
+                                   skip_last: int = 0) -> int:
     """Recompute every k-th transformer block (double then single) in backward; returns how many.
 
     Applied from outside: the block's bound forward is wrapped, so parameter names (and checkpoints)
-    do not change. Blocks take only positional tensors, which both implementations require.
+    do not change. Blocks take only positional tensors, which both implementations require. The last `skip_last`
+    blocks are left alone: they are streamed, and the BlockStreamer checkpoints them itself.
     """
     if every_k <= 0:
         return 0
@@ -414,7 +497,7 @@ def apply_activation_checkpointing(model, every_k: int, implementation: str, v: 
         fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     blocks = list(model.double_blocks) + list(model.single_blocks)
     count = 0
-    for i, block in enumerate(blocks):
+    for i, block in enumerate(blocks[:len(blocks) - skip_last]):
         if i % every_k == 0:
             block.forward = functools.partial(_checkpointed, fn, block.forward)
             count += 1

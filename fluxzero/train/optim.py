@@ -90,7 +90,7 @@ import torch
 
 from fluxzero.config.optim_modes import MODES, STEP_CHUNK, get_mode
 from fluxzero.train.optim_state import ExactStateMixin
-from fluxzero.train.rounding import round_with_noise
+from fluxzero.train.rounding import mix32, noise_key, round_keyed, round_with_noise
 
 __all__ = ["build_optimizer", "KahanAdamW", "AdafactorSR", "stochastic_round_bf16", "OptimModeError"]
 
@@ -125,8 +125,12 @@ def round_bf16_nearest(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), rounded, x.float())
 
 
-def _store(p: torch.Tensor, value32: torch.Tensor, sr: bool) -> None:
-    p.copy_(stochastic_round_bf16(value32) if sr and p.dtype == torch.bfloat16 else value32)
+def _store(p: torch.Tensor, value32: torch.Tensor, sr: bool, key: int | None = None) -> None:
+    """p <- value32, stochastically rounded when p is bf16 and `sr` (noise keyed on `key`, else drawn)."""
+    if not (sr and p.dtype == torch.bfloat16):
+        p.copy_(value32)
+    else:
+        p.copy_(stochastic_round_bf16(value32) if key is None else round_keyed(value32.float(), key))
 
 
 def _closure_loss(closure):
@@ -317,29 +321,41 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, *,
-                 step_chunk: int | None = STEP_CHUNK):
+                 step_chunk: int | None = STEP_CHUNK, noise_seed: int | None = None):
         super().__init__(params, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay))
         self.step_chunk = _check_chunk(step_chunk, _SUMSQ_BLOCK)
+        # None: rounding noise from torch's generator (its state is in the trainer's checkpoint); an int: noise
+        # keyed on (seed, the parameter's place in param_groups, its step), the same whatever order the tensors
+        # are stepped in (fluxzero.train.fused_step steps them in backward's order)
+        self.noise_seed = noise_seed
+        self._place = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = _closure_loss(closure)
         for group, p, st in _with_grads(self):
-            if not st:
-                st["step"] = torch.tensor(0.0)
-                if p.dim() > 1:
-                    st["row_var"] = p.new_zeros(p.shape[:-1] + (1,), dtype=torch.float32)
-                    st["col_var"] = p.new_zeros(p.shape[:-2] + (1, p.shape[-1]), dtype=torch.float32)
-                else:
-                    st["variance"] = torch.zeros_like(p)
-            # same order of operations as torch.optim.Adafactor's single-tensor path (torch 2.13)
-            st["step"] += 1
-            t = st["step"].item()
-            if p.dim() > 1:
-                self._step_factored(group, t, p, st)
-            else:
-                self._step_flat(group, t, p, st["variance"])
+            self.step_param(group, p)
         return loss
+
+    @torch.no_grad()
+    def step_param(self, group: dict, p: torch.Tensor) -> None:
+        """Step one parameter of `group` with its gradient (what step() does for each)."""
+        st = self.state[p]
+        if not st:
+            st["step"] = torch.tensor(0.0)
+            if p.dim() > 1:
+                st["row_var"] = p.new_zeros(p.shape[:-1] + (1,), dtype=torch.float32)
+                st["col_var"] = p.new_zeros(p.shape[:-2] + (1, p.shape[-1]), dtype=torch.float32)
+            else:
+                st["variance"] = torch.zeros_like(p)
+        # same order of operations as torch.optim.Adafactor's single-tensor path (torch 2.13)
+        st["step"] += 1
+        t = st["step"].item()
+        key = None if self.noise_seed is None else mix32(self.noise_seed, self._place[p], int(t))
+        if p.dim() > 1:
+            self._step_factored(group, t, p, st, key)
+        else:
+            self._step_flat(group, t, p, st["variance"], key)
 
     @staticmethod
     def _eps1(group) -> float:
@@ -353,7 +369,7 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
         alpha = max(group["eps"][1], p_norm / (n ** 0.5)) * min(group["lr"], 1 / t**0.5)
         return -alpha / max(1.0, u_norm / ((n ** 0.5) * group["d"]))
 
-    def _step_factored(self, group, t, p, st):
+    def _step_factored(self, group, t, p, st, key=None):
         lr, wd, e1 = group["lr"], group["weight_decay"], self._eps1(group)
         g, p32 = p.grad.float(), p.float()
         one_minus_beta2_t = t ** group["beta2_decay"]
@@ -366,9 +382,9 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
         var.div_(st["row_var"].mean(dim=-2, keepdim=True).clamp_(min=e1))
         update = var.clamp_(min=e1 * e1).rsqrt_().mul_(g)
         scale = self._scale(group, t, p_norm, update.norm(2).item(), p.numel())
-        _store(p, p32.add_(update, alpha=scale), sr=True)
+        _store(p, p32.add_(update, alpha=scale), sr=True, key=key)
 
-    def _step_flat(self, group, t, p, variance):
+    def _step_flat(self, group, t, p, variance, key=None):
         pieces = _pieces(p, self.step_chunk)
         scale = self._flat_scale(group, t, p, variance, pieces)  # pass 1: nothing written
         for i in pieces:  # pass 2: the same update again, applied
@@ -377,7 +393,8 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
             p32 = p[i].float()
             if group["weight_decay"] != 0:
                 p32.mul_(1 - group["lr"] * group["weight_decay"])
-            _store(p[i], p32.add_(update, alpha=scale), sr=True)
+            start = i.start if isinstance(i, slice) else 0
+            _store(p[i], p32.add_(update, alpha=scale), sr=True, key=None if key is None else noise_key(key, start))
 
     def _flat_update(self, group, t, p, variance, i):
         """The new variance (fp32, not yet stored) and the update of piece `i` of a flat tensor."""
@@ -413,12 +430,14 @@ def _torchao_optim(mode: str):
 
 def build_optimizer(params: Iterable, mode: str, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                     eps: float = 1e-8, weight_decay: float = 0.0, *,
-                    allow_comparison_only: bool = False) -> torch.optim.Optimizer:
+                    allow_comparison_only: bool = False, noise_seed: int = 0) -> torch.optim.Optimizer:
     """The client optimizer for `mode` (a name in `fluxzero.config.optim_modes.MODES`).
 
     Modes whose master weights are bf16 check, at their first step, that the tensors they step really are
     bf16; otherwise DeepSpeed kept fp32 masters and the mode saves nothing (OptimModeError says which keys).
     `allow_comparison_only` admits "bf16-rtn", which loses most fine-tuning updates (tests compare with it).
+    `noise_seed` keys the rounding noise of the fused modes (fluxzero.train.fused_step), which step the tensors in
+    backward's order; the others draw theirs from torch's generator.
     For Adafactor `betas` and `eps` are unused: it has no first moment; its epsilons are torch's defaults
     except eps1, which is fp32's (see AdafactorSR.step).
     """
@@ -441,6 +460,11 @@ def build_optimizer(params: Iterable, mode: str, lr: float, betas: tuple[float, 
                          step_chunk=spec.step_chunk)
     elif mode == "adafactor-sr":
         opt = AdafactorSR(params, lr=lr, weight_decay=weight_decay, step_chunk=spec.step_chunk)
+    elif mode == "fused-adafactor-sr":
+        from fluxzero.train.fused_step import FusedAdafactorSR
+
+        opt = FusedAdafactorSR(params, lr=lr, weight_decay=weight_decay, step_chunk=spec.step_chunk,
+                               noise_seed=noise_seed)
     elif spec.needs_offload:
         from fluxzero.train.host_optim import HostAdamW
 

@@ -196,6 +196,9 @@ class TrainStep:
         lr = float(engine.get_lr()[0])  # before engine.step (a scheduler moves on inside it); torchao keeps a tensor
         loss_sum = torch.zeros((), device=self.device)
         self._micro = []  # (loss, sample indices) of each micro batch: which samples a non-finite loss came from
+        # a fused optimizer mode (fluxzero.train.fused_step) applies the update during backward: the loss is
+        # reduced and checked before it (no accumulation there), so a non-finite one never reaches the weights
+        in_backward = getattr(engine.optimizer, "steps_in_backward", False)
         for micro in range(self.grad_accum):
             phase("data")
             item = self._next_batch()
@@ -203,12 +206,26 @@ class TrainStep:
             phase("forward")
             pred = engine(**inputs)  # (B, L_img, 64)
             loss = flow.loss(pred, target, item.weight)
-            phase("backward")
-            engine.backward(loss)
             loss_sum += loss.detach()
             self._micro.append((loss.detach(), item.index))
+            if in_backward:
+                mean, stops, own_sq = self._reduce_and_check(loss_sum)
+            phase("backward")
+            engine.backward(loss)
             if micro < self.grad_accum - 1:
                 engine.step()  # inside accumulation: DeepSpeed only counts the micro step
+        if not in_backward:
+            mean, stops, own_sq = self._reduce_and_check(loss_sum)
+        phase("update")
+        engine.step()
+        phase("end")
+        norm = math.sqrt(own_sq) if self._own_norm else engine.get_global_grad_norm()
+        return StepResult(loss=mean, lr=lr, grad_norm=None if norm is None else float(norm),
+                          skipped_steps=int(engine.skipped_steps), img_tokens=inputs["img"].shape[1],
+                          txt_tokens=inputs["txt"].shape[1], stop_requested=stops > 0)
+
+    def _reduce_and_check(self, loss_sum: torch.Tensor) -> tuple[float, float, float]:
+        """(mean loss over micro batches and ranks, stop flags, own squared grad norm), then before_update."""
         flag = torch.ones((), device=self.device) if self.stop_flag() else torch.zeros((), device=self.device)
         # the grad norm (squared, divided over the ranks that all hold the same reduced grads) rides on the same
         # reduction: no collective and no host sync of its own
@@ -217,13 +234,7 @@ class TrainStep:
         mean = total / (self.grad_accum * self.world_size)
         if self.before_update is not None:
             self.before_update(mean)
-        phase("update")
-        engine.step()
-        phase("end")
-        norm = math.sqrt(own_sq) if self._own_norm else engine.get_global_grad_norm()
-        return StepResult(loss=mean, lr=lr, grad_norm=None if norm is None else float(norm),
-                          skipped_steps=int(engine.skipped_steps), img_tokens=inputs["img"].shape[1],
-                          txt_tokens=inputs["txt"].shape[1], stop_requested=stops > 0)
+        return mean, stops, own_sq
 
     def _grad_norm_sq(self) -> torch.Tensor:
         """Squared 2-norm of all gradients (before clipping, as DeepSpeed reports it), on the device."""

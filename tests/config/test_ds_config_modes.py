@@ -62,7 +62,7 @@ def _cfg(mode: str, stage: int = 2, **top) -> dict:
 @pytest.mark.parametrize("edit,sentence", [
     (lambda c: c["fluxzero"].update(optimizer_mode="bf16-fast"),
      'fluxzero.optimizer_mode "bf16-fast" is not an optimizer mode: choose one of fp32, bf16-sr, bf16-kahan, '
-     'adamw8bit-sr, adafactor-sr, cpu-bf16-sr, cpu-adamw8bit-sr'),
+     'adamw8bit-sr, adafactor-sr, fused-adafactor-sr, cpu-bf16-sr, cpu-adamw8bit-sr'),
     (lambda c: c["fluxzero"].update(optimizer_mode="bf16-rtn"),
      "fluxzero.optimizer_mode bf16-rtn is for comparison only"),
     (lambda c: c["bf16"].pop("bf16_optimizer_states"),

@@ -1,0 +1,103 @@
+"""The fused optimizer modes: each parameter is stepped during backward as soon as its gradient is complete, so no
+whole-model gradient buffer ever exists (fluxzero.config.optim_modes: `fused`).
+
+`FusedAdafactorSR` is AdafactorSR (fluxzero.train.optim), the same step code per tensor, driven by a
+`register_post_accumulate_grad_hook` on every trained parameter: the hook averages the gradient over the
+data-parallel ranks, checks it is finite, steps the tensor with its param group's lr (as DeepSpeed's lr scheduler
+set it for this step) and sets `p.grad = None`. It is the client optimizer handed to deepspeed.initialize at ZeRO
+stage 0; DeepSpeed's engine.step() then calls `step()`, which ends the optimizer step: it waits for the streamed
+blocks' write-backs (fluxzero.train.block_stream), reports the step's gradient norm (`_global_grad_norm`) and
+whether any tensor was skipped (`overflow`: DeepSpeed then counts a skipped step and holds its lr scheduler).
+
+What an earlier per-parameter attempt under DeepSpeed got wrong, and how this answers it:
+- DeepSpeed's allreduce re-created every freed gradient as zeros after backward: the engine builder turns the
+  engine's backward all-reduce off (`enable_backward_allreduce = False`); this hook all-reduces instead.
+- Ranks stepped their own un-averaged gradients: the hook all-reduces (average) each gradient before stepping,
+  in the same order on every rank (autograd's order is the graph's), so the replicas stay identical.
+- Gradient accumulation and clipping were bypassed: both are refused for these modes (config/ds_check.py), since
+  the update happens before a later micro batch or a global norm exists; Adafactor clips each update's RMS.
+- The whole step is no longer all-or-nothing: a tensor whose gradient is not finite is left as it is (and its
+  states), the others are stepped. The trainer checks the loss before backward in these modes (train/step.py), so
+  a non-finite loss never reaches any weight.
+
+Rounding noise is keyed on (seed, the parameter's place, its step) (fluxzero.train.rounding), so backward's order
+and a resume leave it unchanged: a resumed run is bit-identical to an uninterrupted one.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from fluxzero.train.optim import AdafactorSR
+
+
+class FusedAdafactorSR(AdafactorSR):
+    """AdafactorSR stepped per parameter in backward; `attach()` registers the hooks (the engine builder calls it)."""
+
+    steps_in_backward = True  # train/step.py reads it: the loss is checked before backward
+
+    def __init__(self, params, lr: float, weight_decay: float = 0.0, *, noise_seed: int, **kw):
+        super().__init__(params, lr=lr, weight_decay=weight_decay, noise_seed=noise_seed, **kw)
+        self.overflow = False  # DeepSpeed's engine reads it after step(): a skipped step, lr scheduler held
+        self._global_grad_norm = None  # DeepSpeed's engine copies it after step() (engine.get_global_grad_norm)
+        self.skipped_tensors = 0  # over the run: tensors left unstepped for a non-finite gradient
+        self._group = {p: g for g in self.param_groups for p in g["params"]}
+        self._norm_sq, self._new_step = 0.0, True
+        self._streamer, self._device, self._world, self._handles = None, None, 1, []
+
+    def attach(self, device: torch.device, streamer=None) -> None:
+        """Step each trained parameter from its gradient hook; `streamer` (a block_stream.BlockStreamer) is told
+        when a tensor of a streamed block has been stepped. States live on `device` (the accelerator)."""
+        self._streamer, self._device = streamer, torch.device(device)
+        self._world = dist.get_world_size() if dist.is_initialized() else 1
+        for p in self._group:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    @torch.no_grad()
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self._new_step:  # the first gradient of a step: what step() reported belongs to the last one
+            self.overflow, self._norm_sq, self._new_step = False, 0.0, False
+        g = p.grad
+        if self._world > 1:
+            dist.all_reduce(g)
+            g.div_(self._world)
+        norm = torch.linalg.vector_norm(g, dtype=torch.float32).item()
+        if math.isfinite(norm):
+            self._norm_sq += norm * norm
+            self.step_param(self._group[p], p)
+        else:
+            self.overflow = True
+            self.skipped_tensors += 1
+        p.grad = None
+        if self._streamer is not None:
+            self._streamer.stepped(p)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """End the optimizer step (every tensor was stepped in backward): wait for the write-backs of streamed
+        blocks, so the host copies are current for a checkpoint or an export."""
+        if self._streamer is not None:
+            self._streamer.finish()
+        self._global_grad_norm = math.sqrt(self._norm_sq)
+        self._new_step = True
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._group:
+            p.grad = None
+
+    def state_dict(self):
+        if self._streamer is not None:
+            self._streamer.finish()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        # the states of streamed parameters come back to the host (where their weights are between steps);
+        # they are stepped on the accelerator, and the step count is read on the host every step
+        for st in self.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    st[k] = v.cpu() if k == "step" else v.to(self._device or v.device)
