@@ -126,6 +126,9 @@ OPTIONS = [
     click.option("--optimizer-mode", type=click.Choice(list(optim_modes.MODES)), default=None,
                  help="Memory-saving optimizer mode (fluxzero.config.optim_modes; --config reads fluxzero."
                       "optimizer_mode) [default: none, DeepSpeed's AdamW on fp32 masters]."),
+    click.option("--offload-blocks", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="Fused optimizer modes: the last K blocks' bf16 weights in pinned host memory, streamed to the "
+                      "GPU (--config reads fluxzero.offload_blocks)."),
     click.option("--lora-rank", type=click.IntRange(min=0), default=0, show_default=True,
                  help="LoRA adapters of this rank, the base frozen in bf16 (0: full fine-tune)."),
     click.option("--lora-targets", default="attention+mlp", show_default=True,
@@ -160,7 +163,8 @@ def _with_options(fn):
 
 _SPEC_OPTIONS = {"micro_batch": "micro_batch", "precision": "precision", "zero_stage": "stage",
                  "offload_optimizer": "offload_optimizer", "offload_param": "offload_param",
-                 "checkpoint_every": "checkpoint_every", "optimizer": "optimizer", "optimizer_mode": "optimizer_mode"}
+                 "checkpoint_every": "checkpoint_every", "optimizer": "optimizer", "optimizer_mode": "optimizer_mode",
+                 "offload_blocks": "offload_blocks"}
 
 
 def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, attention, expandable_segments,
@@ -234,6 +238,8 @@ def describe(spec: memory.RunSpec) -> str:
     opt = spec.optimizer + (" (torch foreach)" if spec.optimizer_impl == "torch" else "")
     if spec.optimizer_mode is not None:
         opt = f"optimizer mode {spec.optimizer_mode}"
+    if spec.offload_blocks:
+        opt += f", the last {spec.offload_blocks} blocks streamed from host memory"
     if spec.lora_rank:
         opt += f", LoRA rank {spec.lora_rank} on {spec.lora_targets} ({memory.trained_params(spec) / 1e6:.1f}M trained)"
     if spec.ema:
@@ -266,6 +272,11 @@ def report(est: memory.Estimate, hw: memory.Hardware | None, margin: float, zero
         lines.append(f"  {i.name + ' x ' + str(s.gpus_per_node):<48}{_gib(i.bytes * s.gpus_per_node)}  "
                      f"{phase_name[i.phase]:<8} {i.note}")
     lines.append(f"  {'needed (larger of loading and training)':<48}{_gib(est.host_per_node)}")
+    moved = memory.stream_traffic(s)
+    if moved:
+        lines += ["", "Moved between host and GPU per micro batch (streamed blocks, side CUDA streams, one block "
+                      "ahead of the compute)"]
+        lines += [f"  {what:<48}{_gib(n)}" for what, n in moved]
     if est.nvme_per_node:
         lines.append(f"  {'NVMe per node':<48}{_gib(est.nvme_per_node)}")
     if hw is not None:
@@ -300,6 +311,7 @@ def as_dict(est: memory.Estimate, hw: memory.Hardware | None, margin: float, zer
         "optimizer_mode": s.optimizer_mode, "lora_rank": s.lora_rank, "ema": s.ema,
         "trained_params": memory.trained_params(s), "fragmentation": est.fragmentation,
         "offload_param": s.offload_param, "checkpoint_every": s.checkpoint_every,
+        "offload_blocks": s.offload_blocks, "stream_traffic": dict(memory.stream_traffic(s)),
         "gpu_allocated_gib": est.gpu_allocated / GiB, "gpu_reserved_gib": est.gpu_reserved / GiB,
         "gpu_needed_gib": est.gpu_total / GiB, "peak_phase": est.peak_phase,
         "host_per_node_gib": est.host_per_node / GiB, "nvme_per_node_gib": est.nvme_per_node / GiB,
@@ -363,6 +375,7 @@ def advise(est: memory.Estimate, hw: memory.Hardware, margin: float, zero_by_sta
         flags += [f"--offload-optimizer {s.offload_optimizer}"] if s.offload_optimizer != "none" else []
         flags += [f"--offload-param {s.offload_param}"] if s.offload_param != "none" else []
         flags += [f"--optimizer-mode {s.optimizer_mode}"] if s.optimizer_mode else []
+        flags += [f"--offload-blocks {s.offload_blocks}"] if s.offload_blocks else []
         cmd = " ".join(["fluxzero gen-config", *shape, *flags, "-o ds.json"])
         return f"next: {cmd}" + _host_note(est, hw), None, cmd
     r = memory.fit(s, hw, margin, zero_by_stage=zero_by_stage, modes=() if s.lora_rank else memory.FIT_MODES)

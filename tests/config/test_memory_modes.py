@@ -140,14 +140,17 @@ def test_fit_one_h200_needs_a_bf16_mode():
 
 
 def test_fit_one_80gb_gpu():
-    r, cfg = fit("--gpu", "h100", "--host-memory", "128")
+    # fused-adafactor-sr comes first where it fits (test_fit_chooses_the_fused_mode...); adafactor-sr pinned here
+    r, cfg = fit("--gpu", "h100", "--host-memory", "128", "--optimizer-mode", "adafactor-sr")
     assert r.exit_code == 0, r.output
     assert (cfg["zero_optimization"]["stage"], cfg["fluxzero"]["optimizer_mode"]) == (0, "adafactor-sr")
     assert cfg["train_micro_batch_size_per_gpu"] == 4
     assert cfg["fluxzero"]["activation_checkpointing"]["every_k_blocks"] == 8
     assert "not AdamW's trajectory" in r.stderr
+    r, cfg = fit("--gpu", "h100", "--host-memory", "128")
     assert "ZeRO-0/1/2/3 without offload, optimizer mode adamw8bit-sr: even micro batch 1 with every block " \
            "checkpointed does not fit: ZeRO-0: GPU needs 72.6 GiB > 71.2 GiB budget" in r.stderr
+    assert cfg["fluxzero"]["optimizer_mode"] == "fused-adafactor-sr"
 
 
 @pytest.mark.parametrize("gpus, gib, micro", [(4, 48, 4), (2, 80, 2)])
@@ -170,7 +173,7 @@ def test_fit_one_24gb_gpu_needs_zero3_offload_and_a_larger_host():
     assert "ZeRO-3 with optimizer offload cpu, parameter offload cpu: even micro batch 1 with every block " \
            "checkpointed does not fit (host needs 276.9 GiB per node > 115.2 GiB budget)" in r.output
     assert "ZeRO-3 with CPU offload of parameters and optimizer, given 308 GiB of host memory per node" in r.output
-    r, cfg = fit("--gpu", "rtx4090", "--host-memory", "320")
+    r, cfg = fit("--gpu", "rtx4090", "--host-memory", "320", "--adam-impl", "cpu")
     assert r.exit_code == 0, r.output
     z = cfg["zero_optimization"]
     assert (z["stage"], z["offload_optimizer"]["device"], z["offload_param"]["device"]) == (3, "cpu", "cpu")
@@ -180,11 +183,12 @@ def test_fit_one_24gb_gpu_needs_zero3_offload_and_a_larger_host():
 
 def test_fit_one_24gb_gpu_names_the_host_a_host_mode_needs():
     # pinned buffers as torch rounds them: nothing fits 128 GiB; the tip names the leanest mode's host, which fits
-    r, _ = fit("--gpu", "rtx4090", "--host-memory", "128")
+    # optimizer offload pinned: the fused mode, which streams blocks instead, fits 24 GB without it
+    r, _ = fit("--gpu", "rtx4090", "--host-memory", "128", "--offload-optimizer", "cpu")
     assert r.exit_code == 2
     assert "more host memory: ZeRO-3 with CPU offload of parameters and optimizer, optimizer mode cpu-adamw8bit-sr, " \
            "given 184 GiB of host memory per node (--host-memory 184)" in r.output
-    r, cfg = fit("--gpu", "rtx4090", "--host-memory", "184")
+    r, cfg = fit("--gpu", "rtx4090", "--host-memory", "184", "--offload-optimizer", "cpu")
     assert r.exit_code == 0, r.output
     assert cfg["fluxzero"]["optimizer_mode"] == "cpu-adamw8bit-sr"
     assert "host memory: the choice needs 164.7 GiB per node of 165.6 GiB budget" in r.stderr
@@ -196,7 +200,7 @@ def test_fit_full_fine_tune_on_a_48gb_card_and_120gb_host_steps_on_the_host():
     cpu-bf16-sr 125 GiB (over 120 GiB less the margin); fp32 masters on the host fit nothing."""
     r, _ = fit("--gpu-memory", "48", "--host-memory", "120", "--optimizer-mode", "fp32")
     assert r.exit_code == 2 and "nothing fits" in r.output
-    r, cfg = fit("--gpu-memory", "48", "--host-memory", "120")
+    r, cfg = fit("--gpu-memory", "48", "--host-memory", "120", "--offload-optimizer", "cpu")  # not the fused mode
     assert r.exit_code == 0, r.output
     z = cfg["zero_optimization"]
     assert (z["stage"], z["offload_optimizer"]["device"], "offload_param" in z) == (3, "cpu", False)
@@ -205,7 +209,7 @@ def test_fit_full_fine_tune_on_a_48gb_card_and_120gb_host_steps_on_the_host():
     assert "optimizer mode cpu-bf16-sr: even micro batch 1 with every block checkpointed does not fit: ZeRO-1: GPU " \
            "needs 52.6 GiB" in r.stderr and "ZeRO-3: host needs 124.6 GiB per node > 108.0 GiB budget" in r.stderr
     assert re.search(r"host memory: the choice needs 102\.8 GiB per node of 108\.0 GiB budget", r.stderr)
-    r, cfg = fit("--gpu-memory", "48", "--host-memory", "140")  # room for bf16 states: the closer mode first
+    r, cfg = fit("--gpu-memory", "48", "--host-memory", "140", "--offload-optimizer", "cpu")  # bf16 states fit
     assert r.exit_code == 0 and cfg["fluxzero"]["optimizer_mode"] == "cpu-bf16-sr", r.output
 
 
@@ -274,3 +278,49 @@ def test_fit_with_an_ema_counts_its_memory_and_names_the_section():
     assert plain["fluxzero"]["optimizer_mode"] == "bf16-kahan"
     assert ds["fluxzero"]["optimizer_mode"] != "bf16-kahan"
     assert "ema: {dtype: fp32, device: gpu}" in r.output
+
+
+@pytest.mark.parametrize("gib, host, px, streamed", [(24, 64, 512, True), (16, 64, 512, True), (48, 96, 512, False),
+                                                     (80, 120, 512, False), (24, 64, 1024, True)])
+def test_fit_chooses_the_fused_mode_on_one_card(gib, host, px, streamed):
+    """One card below an H200: no AdamW mode fits without offload, and the fused mode (no gradient buffer) beats
+    adafactor-sr at 48/80 GB and ZeRO-3 offload at 24/16 GB, streaming blocks from the host where the GPU is short."""
+    r, cfg = fit("--gpu-memory", str(gib), "--host-memory", str(host), "--resolution", str(px))
+    assert r.exit_code == 0, r.output
+    fz = cfg["fluxzero"]
+    assert (cfg["zero_optimization"]["stage"], fz["optimizer_mode"]) == (0, "fused-adafactor-sr")
+    assert (fz["offload_blocks"] > 0) is streamed
+    assert cfg["gradient_clipping"] == 0.0 and cfg["gradient_accumulation_steps"] == 1 and "bf16" not in cfg
+    assert "Adafactor's trajectory" in r.stderr  # which update rule it follows, said by --fit
+    if streamed:
+        assert f"the last {fz['offload_blocks']} blocks streamed from host memory" in r.stderr
+        assert "host -> GPU, recompute in backward" in r.stderr
+    spec = memory.RunSpec(DEV, stage=0, optimizer_mode="fused-adafactor-sr", height=px, width=px,
+                          micro_batch=cfg["train_micro_batch_size_per_gpu"], offload_blocks=fz["offload_blocks"],
+                          checkpoint_every=fz["activation_checkpointing"]["every_k_blocks"])
+    assert estimate(spec).gpu_total / memory.GiB <= gib * 0.9 and estimate(spec).host_per_node / memory.GiB <= host * 0.9
+
+
+def test_fused_mode_memory_items():
+    """What the fused mode holds: no gradient buffer, the streamed blocks' bf16 weights on the host (pinned in
+    place: no rounding), three block copies on the GPU, and what moves per micro batch."""
+    plain = items(RunSpec(DEV, stage=0, optimizer_mode="adafactor-sr"))
+    fused = items(RunSpec(DEV, stage=0, optimizer_mode="fused-adafactor-sr"))
+    assert "gradients (full, bf16)" in plain and "gradients (full, bf16)" not in fused
+    assert "allreduce bucket" not in fused and fused["parameters (full, bf16)"].bytes == 2 * P
+    inv = memory.param_inventory(DEV)
+    s = RunSpec(DEV, stage=0, optimizer_mode="fused-adafactor-sr", offload_blocks=40)
+    it = items(s)
+    streamed = 38 * inv.single_block + 2 * inv.double_block  # the LAST 40: every single block, two double ones
+    assert it["streamed block weights (bf16, pinned)"].bytes == 2 * streamed
+    assert it["streamed block weights (bf16, pinned)"].where == "host" and "pinned-memory rounding" not in it
+    assert it["parameters (resident, bf16)"].bytes == 2 * (P - streamed)
+    assert it["streamed block copies (3 blocks)"].bytes == 3 * 2 * inv.double_block
+    assert memory.stream_traffic(s) == [("host -> GPU, forward", 2 * streamed),
+                                        ("host -> GPU, recompute in backward", 2 * streamed),
+                                        ("GPU -> host, updated weights", 2 * streamed)]
+    assert memory.activation_bytes(s.replace(checkpoint_every=0))["checkpointed"] == 40  # streamed: recomputed
+    with pytest.raises(ValueError, match="needs a fused optimizer mode"):
+        RunSpec(DEV, stage=0, optimizer_mode="adafactor-sr", offload_blocks=4)
+    with pytest.raises(ValueError, match="does not run at ZeRO stage 2"):
+        RunSpec(DEV, stage=2, optimizer_mode="fused-adafactor-sr")

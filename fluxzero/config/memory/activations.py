@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 
-from fluxzero.config.ds_view import checkpointed_blocks
+from fluxzero.config import optim_modes
 from fluxzero.config.lora import linear_shapes
 from fluxzero.config.memory.spec import PRECISION_BYTES, Item, RunSpec, lora_config, param_inventory, trained_params
 from fluxzero.config.models import ModelConfig
@@ -130,13 +130,12 @@ def outside_blocks_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: 
     return embed, head
 
 
-def checkpointed_split(cfg: ModelConfig, every: int) -> tuple[int, int]:
+def checkpointed_split(cfg: ModelConfig, every: int, streamed: int = 0) -> tuple[int, int]:
     """(double, single) blocks checkpointed. As fluxzero.train.engine.apply_activation_checkpointing: one index
-    over double then single blocks, block i checkpointed iff i % k == 0."""
-    if every <= 0:
-        return 0, 0
-    d = checkpointed_blocks(cfg.depth, every)
-    return d, checkpointed_blocks(cfg.depth + cfg.depth_single_blocks, every) - d
+    over double then single blocks, block i checkpointed iff i % k == 0, and the last `streamed` blocks always."""
+    n = cfg.depth + cfg.depth_single_blocks
+    flags = [every > 0 and i % every == 0 or i >= n - streamed for i in range(n)]
+    return sum(flags[:cfg.depth]), sum(flags[cfg.depth:])
 
 
 
@@ -158,7 +157,8 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     d, si = d + lora_d, si + lora_s
     k = s.checkpoint_every
     kinds = [d] * cfg.depth + [si] * cfg.depth_single_blocks
-    ckpt = [k > 0 and j % k == 0 for j in range(len(kinds))]
+    # streamed blocks (the last offload_blocks) are always recomputed: fluxzero.train.block_stream checkpoints them
+    ckpt = [k > 0 and j % k == 0 or j >= len(kinds) - s.offload_blocks for j in range(len(kinds))]
     x_in = 0 if s.cpu_checkpointing else L * C * b  # a checkpointed block's input (on the host with cpu_ckpt)
     kept = [(x_in if c else L * C * b + saved) for saved, c in zip(kinds, ckpt)]  # per block, one sample
     embed, head = outside_blocks_saved(cfg, I, T, b)
@@ -175,7 +175,8 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     params = [inv.double_block] * cfg.depth + [inv.single_block] * cfg.depth_single_blocks
     if s.lora_rank:  # only the adapters get gradients: spread them over the blocks like the parameters
         params = [n * trained_params(s, inv) / inv.total for n in params]
-    g_bytes = b if s.stage == 0 else 0
+    fused = s.optimizer_mode is not None and optim_modes.get_mode(s.optimizer_mode).fused
+    g_bytes = b if s.stage == 0 and not fused else 0  # a fused mode steps and drops each gradient in backward
     grads = g_bytes * (inv.outside_blocks - _embedder_params(cfg))  # the head's, made before the blocks
     peak, alive = stored, stored
     both = B * stored + grads  # activations and gradients together

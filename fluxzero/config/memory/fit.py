@@ -13,7 +13,9 @@ from fluxzero.config import ds_config, optim_modes
 from fluxzero.config.ds_view import DSConfigError
 from fluxzero.config.memory.activations import checkpointed_split
 from fluxzero.config.memory.breakdown import Estimate, estimate
-from fluxzero.config.memory.spec import GiB, RunSpec, ZeroSettings, run_options_from_ds_config
+from fluxzero.config.memory.model_states import stream_traffic
+from fluxzero.config.memory.spec import (PRECISION_BYTES, GiB, RunSpec, ZeroSettings, run_options_from_ds_config,
+                                         streamed_blocks)
 from fluxzero.config.models import get_model_config
 
 # Usable GPU memory as torch reports it (total_memory), for `--gpu NAME`.
@@ -85,6 +87,22 @@ def verdict(est: Estimate, hw: Hardware, margin: float) -> tuple[bool, str]:
 _FWD_BWD_FLOPS_PER_S = 16 * (1 + 1 / 3) * 3 * 21.50e12 / 2.88  # ~478e12 FLOP/s
 
 
+# Host <-> GPU bandwidth of pinned copies in each direction (PCIe 5 x16, 64 GB/s raw): --fit's speed proxy for
+# streamed blocks (fluxzero.offload_blocks); an assumption until benchmarks/capped_runs.py's fused set measures it
+PCIE_BYTES_PER_S = 40e9
+
+
+STREAM_TOLERANCE = 0.9
+
+
+def offload_choices(spec: RunSpec) -> tuple[int, ...]:
+    """Streamed block counts --fit tries: 0 and every 4th up to all blocks for a fused mode, else the spec's."""
+    if spec.optimizer_mode is None or not optim_modes.get_mode(spec.optimizer_mode).fused:
+        return (spec.offload_blocks,)
+    n = spec.model.depth + spec.model.depth_single_blocks
+    return tuple(sorted({0, n, *range(4, n, 4)}))
+
+
 def throughput_proxy(spec: RunSpec) -> float:
     """Relative speed (samples/s on one H200-class GPU) of a (micro batch, checkpointing) choice at fixed stage,
     offload and optimizer mode.
@@ -99,7 +117,7 @@ def throughput_proxy(spec: RunSpec) -> float:
     """
     cfg = spec.model
     blocks = cfg.depth + cfg.depth_single_blocks
-    frac = sum(checkpointed_split(cfg, spec.checkpoint_every)) / max(1, blocks)
+    frac = sum(checkpointed_split(cfg, spec.checkpoint_every, spec.offload_blocks)) / max(1, blocks)
     tokens = spec.micro_batch * (spec.img_tokens + spec.txt_len)
     per_sample = 3 * cfg.flops_per_sample(spec.img_tokens, spec.txt_len) / _FWD_BWD_FLOPS_PER_S
     compute = spec.micro_batch * per_sample * (1 + frac / 3) * (tokens + 2048) / tokens
@@ -107,7 +125,10 @@ def throughput_proxy(spec: RunSpec) -> float:
     gpu_step = spec.offload_optimizer == "none" and not spec.lora_rank
     rate = optim_modes.get_mode(spec.optimizer_mode).step_s_per_billion if spec.optimizer_mode else None
     step = (rate or 0.0) * stepped / 1e9 if gpu_step else 0.0
-    return spec.micro_batch / (compute + step)
+    # streamed blocks come in twice (forward, recompute) on one copy engine while the update goes out on the other,
+    # one block ahead of the compute: the slower of the two sets the pace
+    transfer = 2 * PRECISION_BYTES[spec.precision] * sum(streamed_blocks(spec)) / PCIE_BYTES_PER_S
+    return spec.micro_batch / (max(compute, transfer) + step)
 
 
 @dataclass
@@ -123,8 +144,10 @@ CHECKPOINT_CHOICES = (0, 8, 4, 2, 1)  # every k-th block: none, 1/8, 1/4, 1/2, a
 # Optimizer modes --fit tries, best training quality first; None = DeepSpeed's own optimizer on fp32 masters
 # (the reference). The order of the bf16 modes is docs/optimizer-modes.md's measured distance from fp32 masters (weight
 # change off by 0.05% bf16-kahan, 3.0% adamw8bit-sr, 4.4% bf16-sr); adafactor-sr last: not AdamW's trajectory.
-FIT_MODES: tuple[str | None, ...] = (None, "bf16-kahan", "adamw8bit-sr", "bf16-sr", "adafactor-sr", "cpu-bf16-sr",
-                                     "cpu-adamw8bit-sr")
+# fused-adafactor-sr follows adafactor-sr's trajectory with less memory (no gradient buffer; blocks streamed from
+# the host when the GPU is short): before it, so that it wins wherever it fits a larger micro batch.
+FIT_MODES: tuple[str | None, ...] = (None, "bf16-kahan", "adamw8bit-sr", "bf16-sr", "fused-adafactor-sr",
+                                     "adafactor-sr", "cpu-bf16-sr", "cpu-adamw8bit-sr")
 
 
 def fit_grid(modes: tuple[str | None, ...] = (None,), fixed: dict | None = None,
@@ -218,7 +241,7 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     fixed = dict(fixed or {})
     unknown = set(fixed) - {"stage", "offload_optimizer", "offload_param", "micro_batch", "checkpoint_every",
-                            "optimizer_mode", "base_quant"}
+                            "optimizer_mode", "base_quant", "offload_blocks"}
     if unknown:
         raise ValueError(f"fit cannot pin {sorted(unknown)}")
     if "optimizer_mode" in fixed:
@@ -257,25 +280,41 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
             rejected.append((st, oo, op, mode, quant, str(e)))
             continue
         fitting = []
-        for ck in ckpts:
-            for mb in micros:
-                cand = stage_base.replace(micro_batch=mb, checkpoint_every=ck)
-                est = estimate(cand)
-                if not verdict(est, hw, margin)[0]:
-                    break  # a larger micro batch will not fit either
-                fitting.append((throughput_proxy(cand), mb, -_ckpt_count(cand), cand, est))
+        try:
+            streams = (fixed["offload_blocks"],) if "offload_blocks" in fixed else offload_choices(stage_base)
+            stage_base = stage_base.replace(offload_blocks=streams[0])
+        except ValueError as e:
+            rejected.append((st, oo, op, mode, quant, str(e)))
+            continue
+        for k in streams:  # fewest streamed blocks first: each one streamed costs transfers
+            every = True
+            for ck in ckpts:
+                for mb in micros:
+                    cand = stage_base.replace(micro_batch=mb, checkpoint_every=ck, offload_blocks=k)
+                    est = estimate(cand)
+                    if not verdict(est, hw, margin)[0]:
+                        every = False
+                        break  # a larger micro batch will not fit either
+                    fitting.append((throughput_proxy(cand), mb, -_ckpt_count(cand), -k, cand, est))
+            if every:
+                break  # all fit with fewer streamed blocks: streaming more is only slower
         if not fitting:
-            smallest = stage_base.replace(micro_batch=micros[0], checkpoint_every=max(ckpts, key=_ckpt_rank))
+            smallest = stage_base.replace(micro_batch=micros[0], checkpoint_every=max(ckpts, key=_ckpt_rank),
+                                          offload_blocks=streams[-1])
             _, why = verdict(estimate(smallest), hw, margin)
             closest = (label, smallest)
             rejected.append((st, oo, op, mode, quant, f"even micro batch {micros[0]} with "
                              f"{_ckpt_text(smallest.checkpoint_every)} does not fit ({why})"))
             continue
-        fitting.sort(key=lambda t: t[:3], reverse=True)
-        _, mb, _, spec, est = fitting[0]
+        # the fewest streamed blocks within STREAM_TOLERANCE of the fastest: what streaming costs is PCIE_BYTES_PER_S's
+        # assumption, so more blocks on the host must buy a clear gain; then speed, micro batch, least recompute
+        fastest = max(t[0] for t in fitting)
+        _, mb, _, _, spec, est = max((t for t in fitting if t[0] >= STREAM_TOLERANCE * fastest),
+                                     key=lambda t: (t[3], *t[:3]))
         reason = _rejections(rejected) + [f"chose {label}: " + _why_choice(spec, est, hw, margin, micros, ckpts)]
         options = {"stage": st, "offload_optimizer": oo, "offload_param": op, "micro_batch": mb,
-                   "checkpoint_every": spec.checkpoint_every, "optimizer_mode": mode}
+                   "checkpoint_every": spec.checkpoint_every, "optimizer_mode": mode,
+                   "offload_blocks": spec.offload_blocks}
         if base.lora_rank:
             options["base_quant"] = quant
         # Compiled blocks below ZeRO-3, written out so the JSON says what runs. Measured 2026-12-02 on one H200,
@@ -296,8 +335,13 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
                           f"offload, which is slower; the exported LoRA applies to the bf16 base")
         if mode is not None:
             m = optim_modes.get_mode(mode)
-            reason.append(f"optimizer mode {mode} ({m.optimizer}): {m.caveat}"
+            reason.append(f"optimizer mode {mode} ({m.optimizer}; {m.trajectory}'s trajectory): {m.caveat}"
                           + (f"; needs pip install -e '.[{m.extra}]'" if m.extra else ""))
+        if spec.offload_blocks:
+            moved = stream_traffic(spec)
+            reason.append(f"the last {spec.offload_blocks} blocks streamed from host memory (fluxzero.offload_blocks"
+                          f" {spec.offload_blocks}, recomputed in backward): per micro batch "
+                          + ", ".join(f"{what} {n / 1e9:.1f} GB" for what, n in moved))
         return FitResult(spec, est, "\n".join(reason), options)
     if not grid:
         return FitResult(None, None, "nothing to try: the pinned stage and offload choices contradict each other")
@@ -332,7 +376,7 @@ def _ckpt_rank(k: int) -> float:
 
 
 def _ckpt_count(spec: RunSpec) -> int:
-    return sum(checkpointed_split(spec.model, spec.checkpoint_every))
+    return sum(checkpointed_split(spec.model, spec.checkpoint_every, spec.offload_blocks))
 
 
 def _label(stage: int, oo: str, op: str) -> str:
@@ -433,13 +477,25 @@ def _what_would_fit(base: RunSpec, hw: Hardware, margin: float, micro: int, fixe
         if e is not None and e.gpu_total / GiB <= hw.gpu_memory_gib * (1 - margin) and (
                 leanest is None or e.host_per_node < leanest[1].host_per_node):
             leanest = (mode, e)
+    if leanest is not None:
+        mode, e = leanest
+        leanest = (f"ZeRO-3 with CPU offload of parameters and optimizer{f', optimizer mode {mode}' if mode else ''}",
+                   e)
+    # a fused mode streaming blocks: the fewest streamed blocks that fit the GPU need the least host memory
+    for mode in dict.fromkeys(m for _, _, _, m, _, _ in rejected or () if m and optim_modes.get_mode(m).fused):
+        r = _try(base, stage=0, offload_optimizer="none", offload_param="none", base_quant=None, optimizer_mode=mode,
+                 **lean)
+        for k in offload_choices(r) if r is not None else ():
+            e = estimate(r.replace(offload_blocks=k))
+            if e.gpu_total / GiB <= hw.gpu_memory_gib * (1 - margin):
+                if leanest is None or e.host_per_node < leanest[1].host_per_node:
+                    leanest = (f"ZeRO-0, optimizer mode {mode} with the last {k} blocks streamed from host memory", e)
+                break
     if leanest is not None and hw.host_memory_gib is not None \
             and leanest[1].host_per_node / GiB > hw.host_memory_gib * (1 - margin):
-        mode, e = leanest
+        label, e = leanest
         need = math.ceil(e.host_per_node / GiB / (1 - margin))
-        tips.append(f"more host memory: ZeRO-3 with CPU offload of parameters and optimizer"
-                    f"{f', optimizer mode {mode}' if mode else ''}, given {need} GiB of host memory per node "
-                    f"(--host-memory {need})")
+        tips.append(f"more host memory: {label}, given {need} GiB of host memory per node (--host-memory {need})")
     nvme = _try(base, stage=3, offload_optimizer="nvme", offload_param="nvme", base_quant=None, **lean)
     if not allow_nvme and nvme is not None and fits(nvme):
         tips.append("NVMe: ZeRO-3 with NVMe offload of parameters and optimizer (give a local NVMe folder with "
@@ -502,7 +558,7 @@ def _try(base: RunSpec, **changes) -> RunSpec | None:
 # gen-config option -> fit pin: what the user set himself is kept, --fit chooses the rest
 GEN_CONFIG_PINS = {"zero_stage": "stage", "offload_optimizer": "offload_optimizer", "offload_param": "offload_param",
                    "micro_batch": "micro_batch", "checkpoint_every": "checkpoint_every",
-                   "optimizer_mode": "optimizer_mode"}
+                   "optimizer_mode": "optimizer_mode", "offload_blocks": "offload_blocks"}
 # Host memory that common machines have per GPU: a 24 GB desktop card usually sits in a 64 GB machine, cloud
 # GPU instances give 60-250 GB per GPU. Without --host-memory a choice that needs more says so on its last line.
 COMMON_HOST_GIB_PER_GPU = 64
@@ -563,8 +619,11 @@ def fit_gen_config(opts, given: dict, req: FitRequest) -> GenConfigFit:
         if mode is not None:
             impl = "torch"  # the mode's client optimizer replaces DeepSpeed's AdamW
         nvme = "nvme" in (oo, op)
+        fused = mode is not None and optim_modes.get_mode(mode).fused
+        extra = {"gradient_clipping": 0.0} if fused and "gradient_clipping" not in given else {}
         return opts.replace(zero_stage=stage, offload_optimizer=oo, offload_param=op, optimizer_mode=mode,
-                            adam_impl=impl, nvme_path=opts.nvme_path if nvme else None)
+                            adam_impl=impl, nvme_path=opts.nvme_path if nvme else None,
+                            offload_blocks=opts.offload_blocks if fused else 0, **extra)
 
     def settings_for(stage, oo, op, mode) -> dict:
         """RunSpec fields of the very config that row writes, read back as `estimate --config` reads it."""
@@ -573,7 +632,7 @@ def fit_gen_config(opts, given: dict, req: FitRequest) -> GenConfigFit:
         except DSConfigError as e:  # a row the combination rules refuse (fp8 at ZeRO-3): not written
             raise ValueError("; ".join(e.problems)) from None
         fields = run_options_from_ds_config(cfg, world)
-        return {k: v for k, v in fields.items() if k not in ("micro_batch", "checkpoint_every")}
+        return {k: v for k, v in fields.items() if k not in ("micro_batch", "checkpoint_every", "offload_blocks")}
 
     micros = None
     if opts.global_batch is not None:
@@ -620,6 +679,8 @@ def fit_gen_config(opts, given: dict, req: FitRequest) -> GenConfigFit:
     chosen = row_options(o["stage"], o["offload_optimizer"], o["offload_param"], o["optimizer_mode"])
     out = {theirs: o[ours] for theirs, ours in GEN_CONFIG_PINS.items()}
     out["adam_impl"] = chosen.adam_impl
+    if chosen.gradient_clipping != opts.gradient_clipping:  # a fused mode cannot clip (row_options)
+        out["gradient_clipping"] = chosen.gradient_clipping
     if o.get("compile") is not None and "compile" not in given:
         out["compile"] = o["compile"]
     return GenConfigFit(result, out, notes + result.reason.split("\n") + [host_line], warning)

@@ -13,7 +13,7 @@ import math
 from fluxzero.config import optim_modes
 from fluxzero.config.lora import linear_shapes
 from fluxzero.config.memory.spec import (GiB, OPTIMIZER_STATE_BYTES, PRECISION_BYTES, Item, ParamInventory, RunSpec,
-                                          base_bytes, lora_config, optim_mode, trained_params)
+                                          base_bytes, lora_config, optim_mode, streamed_blocks, trained_params)
 
 
 # Transient bytes per stepped element of one optimizer step beyond its states, by optimizer mode, on one flat
@@ -27,6 +27,7 @@ from fluxzero.config.memory.spec import (GiB, OPTIMIZER_STATE_BYTES, PRECISION_B
 # 27 B per element for a whole 5e7 tensor, as shaped tensors are stepped at ZeRO 0.
 MODE_STEP_TEMP = {"fp32": 8.0, "bf16-rtn": 8.0, "bf16-sr": 0.7, "bf16-kahan": 30.0, "adamw8bit-sr": 0.7,
                   "adafactor-sr": 33.0}
+MODE_STEP_TEMP["fused-adafactor-sr"] = MODE_STEP_TEMP["adafactor-sr"]  # AdafactorSR's code, one tensor at a time
 # (on CUDA bf16-kahan's update is one compiled kernel per tensor and holds none of these: an upper bound there)
 # The host modes (cpu-*) step HOST_STEP_CHUNK elements at a time: bytes per element of one chunk, counted from
 # their ops (g, m, v and the weight in fp32, stochastic rounding's int32 noise and bit arithmetic; the 8-bit
@@ -81,7 +82,16 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
             add("frozen base parameters (%s)" % base_dtype, base, note="LoRA: no gradients, no optimizer states"
                 + ("; linear weights int8 (torchao weight-only) + per-channel scales" if s.base_quant else ""),
                 ds=True)
-        add(f"{what} (full, {s.precision})", b * P, note="every rank holds all of them below stage 3", ds=True)
+        streamed = sum(streamed_blocks(s, inv))
+        if streamed:  # fluxzero.train.block_stream: one host buffer per block, pinned in place (no rounding)
+            add(f"{what} (resident, {s.precision})", b * (P - streamed), note=f"all but the last "
+                f"{s.offload_blocks} blocks", ds=True)
+            add(f"streamed block weights ({s.precision}, pinned)", b * streamed, "host",
+                note=f"the last {s.offload_blocks} blocks, cudaHostRegister'd: exactly their bytes")
+            add("streamed block copies (3 blocks)", 3 * b * max(streamed_blocks(s, inv)), phase="train",
+                note="the block computing, the next one arriving, the last one being written back")
+        else:
+            add(f"{what} (full, {s.precision})", b * P, note="every rank holds all of them below stage 3", ds=True)
     else:
         where = {"none": "gpu", "cpu": "host", "nvme": "nvme"}[s.offload_param]
         if lora:
@@ -89,7 +99,11 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
                 note="ZeRO-3 partitions the frozen base too", ds=True)
         add(f"{what} partition ({s.precision})", b * part, where, note="1/N of the parameters", ds=True)
     overlap = s.zero.overlap_comm if s.zero.overlap_comm is not None else s.stage == 3
-    if s.stage == 0:
+    fused = mode is not None and mode.fused
+    if fused:  # fluxzero.train.fused_step: each gradient stepped and dropped as backward makes it
+        add("gradient being stepped (one tensor, %s)" % s.precision, b * largest_trained, phase="train",
+            note="no gradient buffer: each tensor is stepped in backward")
+    elif s.stage == 0:
         # made tensor by tensor in backward (the train phase counts what exists at its peak: "gradients made
         # in backward ..."), all present at the step, freed by zero_grad(set_to_none=True) after it
         add("gradients (full, %s)" % s.precision, b * P, phase="step", note="param.grad from backward to the step")
@@ -133,7 +147,10 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         impl_temp = 4 if s.optimizer_impl == "torch" else 0
         tnote = "_foreach_sqrt(exp_avg_sq)"
     if s.stage == 0:
-        if bf16_master:
+        if fused:
+            add("optimizer working set in backward (one tensor)", impl_temp * largest_trained, phase="train",
+                note=tnote)
+        elif bf16_master:
             # torch's optimizers loop over tensors: one tensor's working set at a time
             add("optimizer working set at step (one tensor)", impl_temp * largest_trained, phase="step", note=tnote)
         elif b < 4 and s.optimizer_impl == "fused" and mode is None:
@@ -231,7 +248,10 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     # partitioned (zero.Init): nothing whole, no init peak.
     model_bytes = base + b * P
     one_layer = b * inv.largest_layer if s.base_quant else 0
-    if optim_modes.trainer_casts_to_bf16(s.optimizer_mode, s.stage):
+    if fused and s.offload_blocks:
+        add("building the engine", model_bytes - b * sum(streamed_blocks(s, inv)) + b * inv.largest_layer,
+            phase="init", note="resident bf16 weights; each streamed module is made here, then moved to the host")
+    elif optim_modes.trainer_casts_to_bf16(s.optimizer_mode, s.stage):
         add("building the engine", model_bytes + one_layer, phase="init",
             note="bf16 model, stepped by the client optimizer itself (no master copy)")
     elif s.stage == 0 and b < 4 and s.optimizer_impl != "fused" or (s.stage == 0 and mode is not None):
@@ -288,9 +308,11 @@ def communication_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     z = s.zero
     items: list[Item] = []
     overlap = z.overlap_comm if z.overlap_comm is not None else s.stage == 3
+    fused = s.optimizer_mode is not None and optim_modes.get_mode(s.optimizer_mode).fused
     if s.stage == 0:
-        items.append(Item("allreduce bucket", b * min(z.reduce_bucket_size, trained_params(s, inv)), "gpu", "train",
-                          "engine.buffered_allreduce_fallback flattens one bucket"))
+        if not fused:  # the fused step all-reduces each gradient in place
+            items.append(Item("allreduce bucket", b * min(z.reduce_bucket_size, trained_params(s, inv)), "gpu",
+                              "train", "engine.buffered_allreduce_fallback flattens one bucket"))
     elif s.stage in (1, 2):
         n = 2 if overlap else 1
         items.append(Item("gradient reduction buckets", n * b * z.reduce_bucket_size, "gpu", "train",
@@ -317,3 +339,13 @@ def communication_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         items.append(Item("persistent parameters", b * persistent, "gpu", "resident",
                           f"tensors under param_persistence_threshold={z.param_persistence_threshold}"))
     return items
+
+
+def stream_traffic(s: RunSpec) -> list[tuple[str, int]]:
+    """What streamed blocks (fluxzero.offload_blocks) move between host and GPU per micro batch, in bytes: each
+    streamed block's weights in for its forward and again for its recompute in backward, and back out updated."""
+    moved = PRECISION_BYTES[s.precision] * sum(streamed_blocks(s))
+    if not moved:
+        return []
+    return [("host -> GPU, forward", moved), ("host -> GPU, recompute in backward", moved),
+            ("GPU -> host, updated weights", moved)]

@@ -172,6 +172,8 @@ def run_options_from_ds_config(ds: dict, world_size: int | None = None) -> dict:
         out["optimizer_mode"] = v.optimizer_mode
         if v.trainer_casts_to_bf16:
             out["precision"] = "bf16"  # bf16 off in DeepSpeed: the trainer casts the model to bf16 itself
+    if isinstance(v.offload_blocks, int) and not isinstance(v.offload_blocks, bool):
+        out["offload_blocks"] = v.offload_blocks
     if v.checkpoint_impl == "deepspeed":
         out["cpu_checkpointing"] = v.cpu_checkpointing
     out["zero"] = ZeroSettings.from_view(v)
@@ -221,6 +223,7 @@ class RunSpec:
     ema: str | None = None  # None: no EMA; "fp32" | "bf16": EMA of the trained weights (fluxzero.config.ema)
     ema_device: str = "gpu"  # "gpu" | "cpu" (ema.device)
     base_quant: str | None = None  # None: the frozen LoRA base in the training dtype; "int8": BASE_QUANT_BYTES
+    offload_blocks: int = 0  # fluxzero.offload_blocks: the last K blocks' weights in host memory (fused modes)
 
     def __post_init__(self):
         if isinstance(self.model, str):
@@ -263,6 +266,13 @@ class RunSpec:
                 raise ValueError(f"optimizer mode {mode.name} steps in host memory: it needs offload_optimizer cpu")
             if mode.master_dtype == "bf16" and self.precision != "bf16":
                 raise ValueError(f"optimizer mode {mode.name} trains in bf16, got precision {self.precision}")
+            if mode.fused and self.lora_rank:
+                raise ValueError(f"optimizer mode {mode.name} is for full fine-tunes, not a LoRA")
+        blocks = self.model.depth + self.model.depth_single_blocks
+        if not 0 <= self.offload_blocks <= blocks:
+            raise ValueError(f"offload_blocks must be within 0-{blocks}, got {self.offload_blocks}")
+        if self.offload_blocks and not (self.optimizer_mode and optim_modes.get_mode(self.optimizer_mode).fused):
+            raise ValueError("offload_blocks streams blocks from host memory: it needs a fused optimizer mode")
         if self.lora_rank:
             if isinstance(self.lora_targets, list):
                 object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
@@ -318,6 +328,13 @@ class Item:
 def optim_mode(s: RunSpec):
     """The spec's OptimMode (fluxzero.config.optim_modes), or None for DeepSpeed's own optimizer."""
     return None if s.optimizer_mode is None else optim_modes.get_mode(s.optimizer_mode)
+
+
+def streamed_blocks(s: RunSpec, inv: ParamInventory | None = None) -> list[int]:
+    """Parameters of each streamed block (fluxzero.offload_blocks: the last K, double blocks then single ones)."""
+    inv = inv or param_inventory(s.model)
+    sizes = [inv.double_block] * s.model.depth + [inv.single_block] * s.model.depth_single_blocks
+    return sizes[len(sizes) - s.offload_blocks:] if s.offload_blocks else []
 
 
 def lora_config(s: RunSpec) -> LoraConfig | None:
