@@ -97,9 +97,17 @@ SETS = {
         Case("fit-lora16-1024px-24gb", [], data=_DATA_1024,
              fit=["--gpu-memory", "24", "--host-memory", "128", "--lora-rank", "16", "--resolution", "1024"]),
         Case("fit-lora16-512px-16gb", [], fit=["--gpu-memory", "16", "--host-memory", "128", "--lora-rank", "16"]),
+        # full fine-tunes: --fit chooses fused-adafactor-sr on these cards (blocks streamed from the host at 24/16 GB)
         Case("fit-full-512px-80gb", [], fit=["--gpu-memory", "80", "--host-memory", "120"]),
-        # the optimizer step runs on the host (cpu-* modes): a step takes tens of seconds, so fewer are timed
-        Case("fit-full-512px-48gb", [], fit=["--gpu-memory", "48", "--host-memory", "120"], steps=4, warmup=2),
+        Case("fit-full-512px-48gb", [], fit=["--gpu-memory", "48", "--host-memory", "96"]),
+        Case("fit-full-512px-24gb", [], fit=["--gpu-memory", "24", "--host-memory", "64"]),
+        Case("fit-full-512px-16gb", [], fit=["--gpu-memory", "16", "--host-memory", "64"]),
+        Case("fit-full-1024px-24gb", [], data=_DATA_1024,
+             fit=["--gpu-memory", "24", "--host-memory", "64", "--resolution", "1024"]),
+        # the optimizer step on the host (cpu-* modes, what --fit chose at 48 GB before the fused mode): a step
+        # takes tens of seconds, so fewer are timed
+        Case("fit-full-512px-48gb-host-step", [], fit=["--gpu-memory", "48", "--host-memory", "120",
+                                                       "--offload-optimizer", "cpu"], steps=4, warmup=2),
     ],
     # full fine-tunes in the fused mode (each tensor stepped in backward, no gradient buffer), the last K blocks
     # streamed from pinned host memory (gen-config --offload-blocks K); run each with its card's cap
@@ -118,6 +126,10 @@ SETS = {
         Case("tiny-fit-lora", [], model="flux-tiny", data="synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32", steps=3,
              warmup=1, timeout=600, fit=["--gpu-memory", "24", "--host-memory", "64", "--lora-rank", "4",
                                          "--resolution", "128"]),
+        # the fused mode pinned with two blocks streamed: what --fit writes for it, run on the CPU
+        Case("tiny-fit-fused", ["--optimizer-mode", "fused-adafactor-sr", "--offload-blocks", "2"],
+             model="flux-tiny", data="synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32", steps=3, warmup=1, timeout=600,
+             fit=["--gpu-memory", "24", "--host-memory", "64", "--resolution", "128"]),
     ],
     "cpu-smoke": [
         Case(f"tiny-{n}", opts, {"rank": 4, "targets": "all-linear", "base_quant": q}, model="flux-tiny",
