@@ -175,3 +175,66 @@ def test_host_modes_need_cpu_optimizer_offload():
     assert check(cfg, 1) == ["fluxzero.optimizer_mode cpu-adamw8bit-sr with zero_optimization.offload_optimizer.device "
                              "cpu runs a client optimizer on the CPU, which DeepSpeed refuses unless "
                              "zero_force_ds_cpu_optimizer is false: set it false"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the fused mode: each update applied in backward (fluxzero.train.fused_step), blocks streamed from the host
+FUSED = ["--optimizer-mode", "fused-adafactor-sr", "--zero-stage", "0"]
+
+
+def test_fused_mode_writes_offload_blocks_and_no_clipping():
+    cfg = gen(*FUSED, "--offload-blocks", "40")
+    assert cfg["fluxzero"]["offload_blocks"] == 40 and cfg["gradient_clipping"] == 0.0
+    assert cfg["gradient_accumulation_steps"] == 1 and "bf16" not in cfg and check(cfg, 1) == []
+    assert view(cfg).offload_blocks == 40 and view(cfg).fused_step
+    assert gen(*FUSED)["fluxzero"]["offload_blocks"] == 0  # written even when nothing is streamed
+    assert view(gen("--offload-blocks", "0")).offload_blocks == 0
+
+
+@pytest.mark.parametrize("flags, sentence", [
+    (["--grad-accum", "2"], "--optimizer-mode fused-adafactor-sr applies each update during backward, so it cannot "
+                            "accumulate gradients over micro batches: set --grad-accum to 1 (raise the micro batch "
+                            "instead)"),
+    (["--gradient-clipping", "1"], "--optimizer-mode fused-adafactor-sr applies each update before a global gradient "
+                                   "norm exists, so it cannot clip by it: set --gradient-clipping to 0"),
+    (["--zero-stage", "2"], "--optimizer-mode fused-adafactor-sr does not run at ZeRO stage 2: set --zero-stage to 0"),
+    (["--precision", "fp16"], "--optimizer-mode fused-adafactor-sr trains in bf16, not fp16: set --precision bf16"),
+    (["--offload-blocks", "58"], "--offload-blocks 58 exceeds the 57 blocks of flux-dev"),
+])
+def test_gen_config_refuses_what_the_fused_mode_cannot_run(flags, sentence):
+    r = CliRunner().invoke(main, ["gen-config", *FUSED, *flags])
+    assert r.exit_code == 2 and sentence in r.output, r.output
+
+
+def test_offload_blocks_needs_a_fused_mode():
+    r = CliRunner().invoke(main, ["gen-config", "--optimizer-mode", "adafactor-sr", "--zero-stage", "0",
+                                  "--offload-blocks", "4"])
+    assert r.exit_code == 2 and "--offload-blocks 4 streams blocks from host memory, which only a fused optimizer " \
+                                "mode supports: set --optimizer-mode to fused-adafactor-sr" in r.output
+
+
+@pytest.mark.parametrize("edit, sentence", [
+    (lambda c: c.update(gradient_accumulation_steps=4), "set gradient_accumulation_steps to 1 (raise the micro batch "
+                                                        "instead)"),
+    (lambda c: c.update(gradient_clipping=1.0), "so it cannot clip by it: set gradient_clipping to 0"),
+    (lambda c: c.pop("gradient_clipping"), "so it cannot clip by it: set gradient_clipping to 0"),
+    (lambda c: c["zero_optimization"].update(stage=1), "does not run at ZeRO stage 1: set zero_optimization.stage to 0"),
+    (lambda c: c.update(fp16={"enabled": True}), "trains in bf16, not fp16: set fp16.enabled false (at ZeRO stage 0 "
+                                                 "the trainer casts the model to bf16)"),
+    (lambda c: c.update(bf16={"enabled": True}), "at ZeRO stage 0 needs bf16 off in the DeepSpeed config"),
+    (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu"}), "offload_optimizer.device cpu needs"),
+    (lambda c: c["fluxzero"].update(offload_blocks=-1), "fluxzero.offload_blocks must be an integer >= 0"),
+    (lambda c: c["fluxzero"].update(optimizer_mode="adafactor-sr"), "fluxzero.offload_blocks 2 streams blocks from host "
+                                                                    "memory, which only a fused optimizer mode supports"),
+])
+def test_check_config_and_the_trainer_refuse_what_the_fused_mode_cannot_run(tmp_path, edit, sentence):
+    from fluxzero.config.ds_file import load_for_training
+    from fluxzero.config.ds_view import DSConfigError
+
+    cfg = gen(*FUSED, "--offload-blocks", "2")
+    edit(cfg)
+    assert any(sentence in p for p in check(cfg, 1)), check(cfg, 1)
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    with pytest.raises(DSConfigError) as e:  # the trainer's first read of the file: one sentence, before any engine
+        load_for_training(tmp_path / "ds.json", 1)
+    assert "DeepSpeed config" in str(e.value)

@@ -114,6 +114,27 @@ def test_adafactor_sr_matches_fp32_adafactor_and_rtn_does_not(problem):
     assert dw > BOUND and dl > BOUND, (dw, dl)
 
 
+def test_fused_adafactor_sr_matches_fp32_adafactor(problem):
+    """The fused mode's step happens in the gradient hook during backward (fluxzero.train.fused_step): the same
+    problem through autograd, each step's update applied by loss.backward() itself, held to the same reference
+    (round-to-nearest misses it: the test above)."""
+    from fluxzero.train.fused_step import FusedAdafactorSR
+
+    ref = problem.train(lambda p: torch.optim.Adafactor(p, lr=LR_ADAFACTOR, foreach=False), torch.float32)
+    layer = LeastSquaresLayer(problem).to(torch.bfloat16)
+    opt = build_optimizer(layer.parameters(), "fused-adafactor-sr", lr=LR_ADAFACTOR, noise_seed=1)
+    assert isinstance(opt, FusedAdafactorSR)
+    opt.attach(torch.device("cpu"))
+    for _ in range(STEPS):
+        layer().backward()  # the update is applied here
+        assert layer.weight.grad is None
+        opt.step()
+    w = layer.weight.detach()
+    fused = (((w.float() - problem.w0).norm() / problem.w0.norm()).item(), problem.loss_grad(w)[0])
+    dw, dl = _within(fused, ref)
+    assert dw < BOUND and dl < BOUND, (dw, dl)
+
+
 def test_adafactor_sr_is_torchs_adafactor_on_fp32():
     """On fp32 tensors nothing is rounded: ours must be torch.optim.Adafactor (2-D factored, 1-D full).
 
