@@ -14,13 +14,13 @@ import json
 import pytest
 import torch
 
-from tests.helpers import tiny_ds
+from tests.helpers import close_group, enter_training_rank, exit_rank, spawn_ranks, tiny_ds
 
 DATA = "synthetic:n=16,hw=4x4,txt=4,ctx=64,vec=32"
 STEPS, SEED = 3, 3
 
 
-def _setup(tmp_path, mode: str, k: int | None, every_k: int = 0):
+def _setup(tmp_path, mode: str, k: int | None, every_k: int = 0, micro: int = 2, data: str = DATA):
     from fluxzero.config import TrainConfig
     from fluxzero.train import distributed
     from fluxzero.train.loop import setup
@@ -28,10 +28,11 @@ def _setup(tmp_path, mode: str, k: int | None, every_k: int = 0):
     fz = {"optimizer_mode": mode, "activation_checkpointing": {"every_k_blocks": every_k}}
     if k is not None:
         fz["offload_blocks"] = k
-    out = tmp_path / f"{mode}-{k}-{every_k}"
-    out.mkdir()
-    (out / "ds.json").write_text(json.dumps(tiny_ds(0, clipping=0.0, weight_decay=0.0, lr=1e-2, fluxzero=fz)))
-    cfg = TrainConfig.from_dict({"deepspeed": str(out / "ds.json"), "data": DATA, "output_dir": str(out / "run"),
+    out = tmp_path / f"{mode}-{k}-{every_k}-{micro}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ds.json").write_text(json.dumps(tiny_ds(0, clipping=0.0, weight_decay=0.0, lr=1e-2, fluxzero=fz,
+                                                    train_micro_batch_size_per_gpu=micro)))
+    cfg = TrainConfig.from_dict({"deepspeed": str(out / "ds.json"), "data": data, "output_dir": str(out / "run"),
                                  "steps": STEPS, "seed": SEED})
     rank, world, device = distributed.init_distributed()
     return setup(cfg, rank, world, device)
@@ -78,3 +79,54 @@ def test_fused_step_equals_adafactor_sr_stepped_after_backward(tmp_path, referen
     assert all(torch.equal(weights[n], ref_weights[n]) for n in ref_weights), k
     assert grads_after_backward == [0] * STEPS  # no gradient buffer: each was stepped and dropped in backward
     assert run.engine.skipped_steps == 0 and run.engine.enable_backward_allreduce is False
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Slow: 2 ranks (gloo, spawned), each averaging every gradient in its hook before stepping
+# ---------------------------------------------------------------------------------------------------------
+ALL4 = "synthetic:n=4,hw=4x4,txt=4,ctx=64,vec=32"  # 2 ranks x micro batch 2 = 1 rank x 4: every sample, every step
+
+
+def _two_rank_worker(rank, world, port, tmp, out_file):
+    enter_training_rank(rank, world, port)
+    import torch.distributed as dist
+
+    from pathlib import Path
+
+    results, done = {}, False
+    try:
+        run = _setup(Path(tmp) / "two", "fused-adafactor-sr", 2, micro=2, data=ALL4)
+        losses, weights = _train(run)
+        flat = torch.cat([w.float().flatten() for w in weights.values()])
+        every = [torch.zeros_like(flat) for _ in range(world)]
+        dist.all_gather(every, flat)
+        results = {"losses": losses, "replicas_equal": all(torch.equal(every[0], f) for f in every),
+                   "weights": flat.tolist()}
+        done = True
+    finally:
+        close_group(done)
+    exit_rank(rank, out_file, results)
+
+
+@pytest.mark.slow
+def test_two_ranks_stay_identical_and_match_one_rank_with_the_doubled_batch(tmp_path):
+    out = tmp_path / "two.json"
+    spawn_ranks(_two_rank_worker, 2, str(tmp_path), str(out))
+    two = json.loads(out.read_text())
+    assert two["replicas_equal"]  # the same averaged gradient and the same noise key on both ranks
+    one_losses, one_weights = _train(_setup(tmp_path / "one", "fused-adafactor-sr", 2, micro=4, data=ALL4))
+    # the same samples and noise; only the order of the bf16 gradient sums differs (2 halves averaged vs one mean)
+    assert two["losses"] == pytest.approx(one_losses, rel=1e-3), (two["losses"], one_losses)
+    one = torch.cat([w.float().flatten() for w in one_weights.values()])
+    two_w = torch.tensor(two["weights"])
+    moved = (one - _initial_weights(tmp_path)).abs().mean()
+    assert (two_w - one).abs().mean() < 0.05 * moved  # measured 0.01 of the mean update over 3 steps
+
+
+def _initial_weights(tmp_path) -> torch.Tensor:
+    run = _setup(tmp_path / "init", "fused-adafactor-sr", 2, micro=4, data=ALL4)
+    try:
+        return torch.cat([p.detach().float().flatten() for p in run.engine.module.parameters()])
+    finally:
+        run.step.close()
+        run.engine.destroy()
