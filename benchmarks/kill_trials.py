@@ -5,11 +5,13 @@ with an uninterrupted run (every loss in metrics.jsonl, the final export's sha25
     python benchmarks/kill_trials.py --stage 3 --lora-ema --trials 8 --out benchmarks/results/kill_trials_lora_ema.json
     python benchmarks/kill_trials.py --stage 2 --optimizer-mode adamw8bit-sr --trials 7
     python benchmarks/kill_trials.py --stage 2 --precision fp16 --trials 7   # where DeepSpeed trains fp16
+    python benchmarks/kill_trials.py --stage 0 --optimizer-mode fused-adafactor-sr --trials 12
 
 --lora-ema trains a LoRA (rank 4, all linear layers) with an EMA of its adapters and exports the EMA
 (lora_ema.safetensors), so a kill can land in an EMA shard write or in the LoRA export too. --optimizer-mode trains
-with one of fluxzero's optimizer modes (fluxzero.config.optim_modes), --precision fp16 in fp16 (its checkpoints hold
-a loss scaler and fp16 optimizer states).
+with one of fluxzero's optimizer modes (fluxzero.config.optim_modes; fused-adafactor-sr at --stage 0 streams two of
+flux-tiny's four blocks from host memory, so a kill can land while a block's update is written back), --precision
+fp16 in fp16 (its checkpoints hold a loss scaler and fp16 optimizer states).
 
 "Bit for bit" is by sha256 of the final files: the export and every file of the final checkpoint folder
 (DeepSpeed's model and optimizer states, the trainer states, the EMA shards, run.yaml, ds_config.json). A file
@@ -72,6 +74,9 @@ def write_run(folder: Path, stage: int, lora_ema: bool = False, mode: str | None
         ds.update(fluxzero={"optimizer_mode": mode}, zero_allow_untested_optimizer=True)
         if get_mode(mode).ds_bf16_section(stage):
             ds["bf16"] = get_mode(mode).ds_bf16_section(stage)
+        if get_mode(mode).fused:  # each update in backward (no global-norm clipping), two of four blocks streamed
+            ds.update(gradient_clipping=0.0)
+            ds["fluxzero"]["offload_blocks"] = 2
     if precision == "fp16":
         ds["fp16"] = {"enabled": True}
     (folder / "ds.json").write_text(json.dumps(ds))
@@ -335,7 +340,7 @@ def trial(kind: str, stage: int, folder: Path, rng: random.Random, ref: dict) ->
 
 def main(argv=None) -> int:
     p = runner.parser(__doc__)
-    p.add_argument("--stage", type=int, choices=(2, 3), default=2)
+    p.add_argument("--stage", type=int, choices=(0, 2, 3), default=2, help="0: with --optimizer-mode of a ZeRO-0 mode")
     p.add_argument("--lora-ema", action="store_true", help="a LoRA with an EMA, exporting the EMA")
     p.add_argument("--optimizer-mode", default=None, help="a fluxzero optimizer mode (default: DeepSpeed's AdamW)")
     p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",

@@ -89,7 +89,8 @@ class BlockStreamer:
             for pname, p in meta_model.get_submodule(name).named_parameters():
                 slots[pname] = (offset, tuple(p.shape), p.dtype)
                 offset += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
-            host = torch.empty(offset, dtype=torch.uint8)
+            # zeros, not empty: a checkpoint saves the whole buffer (its tensors are views), padding included
+            host = torch.zeros(offset, dtype=torch.uint8)
             if cuda and not _pin(host):
                 unpinned += host.numel()
             blocks.append(_Block(name, host, slots))

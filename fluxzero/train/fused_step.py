@@ -26,6 +26,7 @@ and a resume leave it unchanged: a resumed run is bit-identical to an uninterrup
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,8 @@ class FusedAdafactorSR(AdafactorSR):
         self.overflow = False  # DeepSpeed's engine reads it after step(): a skipped step, lr scheduler held
         self._global_grad_norm = None  # DeepSpeed's engine copies it after step() (engine.get_global_grad_norm)
         self.skipped_tensors = 0  # over the run: tensors left unstepped for a non-finite gradient
-        self._group = {p: g for g in self.param_groups for p in g["params"]}
+        # param -> index of its group: load_state_dict replaces the group dicts (whose lr the scheduler then sets)
+        self._group = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._norm_sq, self._new_step = 0.0, True
         self._streamer, self._device, self._world, self._handles = None, None, 1, []
 
@@ -66,7 +68,7 @@ class FusedAdafactorSR(AdafactorSR):
         norm = torch.linalg.vector_norm(g, dtype=torch.float32).item()
         if math.isfinite(norm):
             self._norm_sq += norm * norm
-            self.step_param(self._group[p], p)
+            self.step_param(self.param_groups[self._group[p]], p)
         else:
             self.overflow = True
             self.skipped_tensors += 1
@@ -96,8 +98,9 @@ class FusedAdafactorSR(AdafactorSR):
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
         # the states of streamed parameters come back to the host (where their weights are between steps);
-        # they are stepped on the accelerator, and the step count is read on the host every step
-        for st in self.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    st[k] = v.cpu() if k == "step" else v.to(self._device or v.device)
+        # they are stepped on the accelerator, and the step count is read on the host every step. Keys interned as
+        # the step code's literals are: pickle then memoizes them as before the resume, and the next checkpoint is
+        # byte for byte the uninterrupted run's
+        for p, st in list(self.state.items()):
+            self.state[p] = {sys.intern(k): (v.cpu() if k == "step" else v.to(self._device or v.device))
+                             if isinstance(v, torch.Tensor) else v for k, v in st.items()}
