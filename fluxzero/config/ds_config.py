@@ -30,6 +30,12 @@ fp32 masters):
 
     "fluxzero": {"optimizer_mode": "bf16-sr"}
 
+A fused mode (fused-adafactor-sr: each tensor stepped in backward) also takes the number of transformer blocks
+whose weights live in host memory (`gen-config --offload-blocks K`, the LAST K blocks, double then single; written
+for every fused mode, 0 included):
+
+    "fluxzero": {"optimizer_mode": "fused-adafactor-sr", "offload_blocks": K}
+
 The trainer then builds that mode's client optimizer (fluxzero.train.optim.build_optimizer) with the
 "optimizer" section's lr, betas, eps and weight decay; the modes, their bytes per parameter and the DeepSpeed
 "bf16" keys each needs are in fluxzero.config.optim_modes. gen-config writes those keys, and

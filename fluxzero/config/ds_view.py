@@ -4,7 +4,7 @@ and gen-config's own checks read. No other module reads raw DeepSpeed keys. Pure
 Who owns what (the rule docs/training.md states): the DeepSpeed JSON owns everything DeepSpeed's engine does
 (ZeRO stage, offload, precision, batch arithmetic, optimizer and lr, lr scheduler, gradient clipping) plus the
 memory policy gen-config --fit chooses together with the stage (the "fluxzero" section: activation
-checkpointing, compiled blocks). The run file owns what the trainer does around the engine (model, weights,
+checkpointing, compiled blocks, the optimizer mode, blocks streamed from host memory). The run file owns what the trainer does around the engine (model, weights,
 data, steps, seed, flow, logging, checkpoints, export). No setting is in both.
 """
 from __future__ import annotations

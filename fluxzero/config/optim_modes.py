@@ -7,7 +7,8 @@ engines (see the DEEPSPEED_FINDINGS table in that module's docstring).
 Bytes are per trained parameter, steady state, for one data-parallel rank before ZeRO partitioning divides
 `grads` (stage 2-3), `master` and `states` (stage 1-3) and `weights` (stage 3) by the world size.
   weights  the bf16 copy the forward pass reads
-  grads    the gradient DeepSpeed keeps (bf16 under `bf16.enabled`)
+  grads    the gradient DeepSpeed keeps (bf16 under `bf16.enabled`; 0 for a fused mode, which steps and drops each
+           gradient in backward)
   master   the tensor the optimizer steps when it is not `weights` itself (fp32 masters, or DeepSpeed's own
            bf16 flat partition under bf16_master_weights_and_grads: measured not to alias the weights); at
            ZeRO 0 with bf16 off the bf16 modes step the weights themselves (master 0)

@@ -59,7 +59,8 @@ bf16_optimizer_states it demands CPU offload with DeepSpeedCPUAdam).
   saves subclass states as their plain parts and restores saved dtypes; then save -> load into a fresh engine
   -> next step is bit-identical for every mode at every stage (probe and tests).
 
-GRADIENT RELEASE (optimizer step fused into backward): does not work under DeepSpeed's engine. Tried at ZeRO 0
+GRADIENT RELEASE (optimizer step fused into backward): the first attempt, below, failed under DeepSpeed's engine;
+fluxzero.train.fused_step (mode fused-adafactor-sr) answers each failure at ZeRO 0 (its docstring says how). Tried at ZeRO 0
 (benchmarks/archive/grad_release_probe.py): one optimizer per parameter, stepped by a post-accumulate-grad hook that
 then sets p.grad = None. Observed:
 - The engine refuses backward without an optimizer ("must provide optimizer during init in order to use
