@@ -35,6 +35,28 @@ ALIGN = 256  # bytes: each tensor's start in a block's buffer (the copies are on
 _REGISTERED: list[torch.Tensor] = []
 
 
+def host_available() -> int | None:
+    """Bytes of host memory available to a new allocation now (Linux MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def host_shortfall(need: int, available: int | None, k: int) -> str | None:
+    """The sentence refusing `need` bytes of streamed weights when the host has not `available` (with 10% kept
+    free), or None: a host short of them would swap or meet the OOM killer mid-run instead."""
+    if available is None or need <= 0.9 * available:
+        return None
+    return (f"fluxzero.offload_blocks {k} keeps {need / 2**30:.1f} GiB of block weights in host memory, but "
+            f"{available / 2**30:.1f} GiB is available on this machine: lower offload_blocks, or let `fluxzero "
+            f"gen-config --fit --host-memory GIB` choose it for the memory this machine has")
+
+
 def streamed_names(n_double: int, n_single: int, k: int) -> list[str]:
     """Module names of the last `k` blocks in forward order (double blocks first, single blocks after)."""
     names = [f"double_blocks.{i}" for i in range(n_double)] + [f"single_blocks.{i}" for i in range(n_single)]
@@ -83,12 +105,18 @@ class BlockStreamer:
         dtype: only shapes and dtypes are read), pinned when `device` is CUDA."""
         names = streamed_names(len(meta_model.double_blocks), len(meta_model.single_blocks), k)
         cuda = torch.device(device).type == "cuda"
-        blocks, unpinned = [], 0
+        layouts = []
         for name in names:
             slots, offset = {}, 0
             for pname, p in meta_model.get_submodule(name).named_parameters():
                 slots[pname] = (offset, tuple(p.shape), p.dtype)
                 offset += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+            layouts.append((name, slots, offset))
+        short = host_shortfall(sum(n for _, _, n in layouts), host_available(), k)
+        if short:  # before anything is allocated
+            raise MemoryError(short)
+        blocks, unpinned = [], 0
+        for name, slots, offset in layouts:
             # zeros, not empty: a checkpoint saves the whole buffer (its tensors are views), padding included
             host = torch.zeros(offset, dtype=torch.uint8)
             if cuda and not _pin(host):

@@ -127,7 +127,10 @@ def plan_streaming(model_cfg: ModelConfig, v: DSView, device: torch.device, lora
     if k > n:
         raise TrainingError(f"fluxzero.offload_blocks {k} exceeds the {n} transformer blocks of {model_cfg.name}: "
                             f"set it to at most {n}")
-    return BlockStreamer.plan(build_model(model_cfg, device="meta", dtype=model_dtype(v)), k, device)
+    try:
+        return BlockStreamer.plan(build_model(model_cfg, device="meta", dtype=model_dtype(v)), k, device)
+    except MemoryError as e:  # the host cannot hold the streamed weights (block_stream.host_shortfall)
+        raise TrainingError(str(e)) from None
 
 
 @contextlib.contextmanager

@@ -102,6 +102,17 @@ def test_fused_step_equals_adafactor_sr_stepped_after_backward(tmp_path):
         assert r["at_home"] and r["skipped"] == 0 and r["engine_allreduce"] is False, r
 
 
+def test_streamed_weights_beyond_the_host_are_refused_in_one_sentence():
+    from fluxzero.train.block_stream import host_available, host_shortfall
+
+    assert host_shortfall(10 * 2**30, 20 * 2**30, 44) is None and host_shortfall(1, None, 1) is None
+    assert host_shortfall(20 * 2**30, 16 * 2**30, 44) == (
+        "fluxzero.offload_blocks 44 keeps 20.0 GiB of block weights in host memory, but 16.0 GiB is available on "
+        "this machine: lower offload_blocks, or let `fluxzero gen-config --fit --host-memory GIB` choose it for the "
+        "memory this machine has")
+    assert host_available() is None or host_available() > 0
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Slow: 2 ranks (gloo, spawned), each averaging every gradient in its hook before stepping
 # ---------------------------------------------------------------------------------------------------------
