@@ -85,10 +85,33 @@ def _equivalence_worker(rank, world, port, tmp, out_file):
                 "weights_equal": all(torch.equal(weights[n], ref_weights[n]) for n in ref_weights),
                 "grads_after_backward": grads, "at_home": all(homes), "skipped": run.engine.skipped_steps,
                 "engine_allreduce": run.engine.enable_backward_allreduce}
+        results["nonfinite"] = _nonfinite_gradient(Path(tmp))
         done = True
     finally:
         close_group(done)
     exit_rank(rank, out_file, results)
+
+
+def _nonfinite_gradient(tmp) -> dict:
+    """A NaN in one streamed tensor's gradient at step 2: that tensor is left as it was, the others step, and
+    DeepSpeed counts a skipped step."""
+    run = _setup(tmp / "nan", "fused-adafactor-sr", 2)
+    try:
+        engine = run.engine
+        run.step()
+        name, p = next((n, p) for n, p in engine.module.named_parameters() if n.startswith("single_blocks.1."))
+        before = {n: q.detach().clone() for n, q in engine.module.named_parameters()}
+        handle = p.register_hook(lambda g: g * float("nan"))
+        r = run.step()
+        handle.remove()
+        moved = [n for n, q in engine.module.named_parameters() if not torch.equal(q.detach(), before[n])]
+        run.step()
+        return {"kept": name not in moved, "others_moved": len(moved), "skipped": r.skipped_steps,
+                "skipped_tensors": engine.optimizer.skipped_tensors, "finite": bool(torch.isfinite(p).all()),
+                "after": engine.skipped_steps}
+    finally:
+        run.step.close()
+        run.engine.destroy()
 
 
 def test_fused_step_equals_adafactor_sr_stepped_after_backward(tmp_path):
@@ -100,6 +123,9 @@ def test_fused_step_equals_adafactor_sr_stepped_after_backward(tmp_path):
         assert r["streamed"] == k and r["losses_equal"] and r["weights_equal"], (k, r)
         assert r["grads_after_backward"] == [0] * STEPS, r  # no gradient buffer: each stepped and dropped in backward
         assert r["at_home"] and r["skipped"] == 0 and r["engine_allreduce"] is False, r
+    nan = results["nonfinite"]
+    assert nan["kept"] and nan["finite"] and nan["others_moved"] > 10, nan
+    assert nan["skipped"] == 1 and nan["skipped_tensors"] == 1 and nan["after"] == 1, nan  # logged as a skipped step
 
 
 def test_streamed_weights_beyond_the_host_are_refused_in_one_sentence():
@@ -154,3 +180,17 @@ def test_two_ranks_stay_identical_and_match_one_rank_with_the_doubled_batch(tmp_
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-3), (two["losses"], one["losses"])
     moved = (one["weights"] - one["init"]).abs().mean()
     assert (two["weights"] - one["weights"]).abs().mean() < 0.05 * moved  # measured 0.01 of the mean update
+
+
+def test_a_lora_and_too_many_streamed_blocks_are_refused_before_the_model_is_built():
+    from fluxzero.config import get_model_config
+    from fluxzero.config.ds_view import view
+    from fluxzero.train.distributed import TrainingError
+    from fluxzero.train.engine import plan_streaming
+
+    cfg = get_model_config("flux-tiny")
+    v = view(tiny_ds(0, clipping=0.0, fluxzero={"optimizer_mode": "fused-adafactor-sr", "offload_blocks": 5}))
+    with pytest.raises(TrainingError, match="is for full fine-tunes; a LoRA trains few tensors"):
+        plan_streaming(cfg, v, torch.device("cpu"), lora=True)
+    with pytest.raises(TrainingError, match="offload_blocks 5 exceeds the 4 transformer blocks of flux-tiny"):
+        plan_streaming(cfg, v, torch.device("cpu"), lora=False)
