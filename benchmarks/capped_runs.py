@@ -18,6 +18,9 @@ lora: section) and records --fit's predicted peak beside the measured one. A sho
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set lora24 --memory-cap-gib 23.6 --out $OUT/capped.jsonl
     # GPU, every card of issue 23 as --fit chooses (one case per call: --cases, with a --timeout each)
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-512px-24gb --memory-cap-gib 23.6
+    # GPU, the full fine-tune in the fused mode as --fit writes it, one step profiled (copies vs compute)
+    PYTHONPATH=. python3 benchmarks/capped_runs.py --set fit --cases fit-full-512px-24gb --memory-cap-gib 23.6 \
+        --profile-step 5
     # CPU smoke test of the same code path on flux-tiny (no cap: there is no CUDA allocator to cap)
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set cpu-smoke --out /tmp/capped.jsonl
 """
@@ -195,6 +198,41 @@ def watch():  # the measurement ends with the last step's metrics row: the final
         except OSError:
             pass
 
+def profiled(n):  # optimizer step n under torch.profiler: busy time of copies and of compute kernels, and its wall time
+    from fluxzero.train import step as train_step
+    plain, calls = train_step.TrainStep.__call__, [0]
+
+    def call(self):
+        calls[0] += 1
+        if calls[0] != n:
+            return plain(self)
+        from torch.profiler import ProfilerActivity, profile
+        cuda = torch.cuda.is_available()
+        t = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            result = plain(self)
+            if cuda:
+                torch.cuda.synchronize()
+        split = {"profile_step": n, "profile_wall_ms": (time.perf_counter() - t) * 1e3, "profile_h2d_ms": 0.0,
+                 "profile_d2h_ms": 0.0, "profile_kernels_ms": 0.0}
+        try:  # GPU activity only: memcpys by direction, everything else as compute (they overlap: busy, not wall)
+            for e in prof.key_averages():
+                ms = getattr(e, "self_device_time_total", 0) / 1e3
+                if not ms or str(getattr(e, "device_type", "")).split(".")[-1] != "CUDA":
+                    continue
+                key = "profile_h2d_ms" if "HtoD" in e.key else "profile_d2h_ms" if "DtoH" in e.key else \
+                    "profile_kernels_ms"
+                split[key] += ms
+        except Exception as err:  # noqa: BLE001 - a profiler API change must not lose the run's row
+            split["profile_error"] = repr(err)[:200]
+        with LOCK:
+            stats.update(split)
+        return result
+
+    train_step.TrainStep.__call__ = call
+
+if os.environ.get("CAPPED_PROFILE_STEP"):
+    profiled(int(os.environ["CAPPED_PROFILE_STEP"]))
 threading.Thread(target=watch, daemon=True).start()
 code = 1
 try:
@@ -228,7 +266,7 @@ def _gen_config(case: Case, path: Path) -> dict:
     return {}
 
 
-def run_case(case: Case, cap: float, work: Path) -> dict:
+def run_case(case: Case, cap: float, work: Path, profile_step: int | None = None) -> dict:
     """One case in its own process; the row of what it measured (or how it failed)."""
     work.mkdir(parents=True, exist_ok=True)
     row = {"case": case.name, "model": case.model, "data": case.data, "micro_batch": case.micro_batch,
@@ -249,6 +287,8 @@ def run_case(case: Case, cap: float, work: Path) -> dict:
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
         env.setdefault(k, v)
     env.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if profile_step:
+        env["CAPPED_PROFILE_STEP"] = str(profile_step)
     stats_file = work / "stats.json"
     t0 = time.perf_counter()
     log = work / "train.log"  # the trainer's whole output, kept beside the run (a timeout leaves it too)
@@ -301,6 +341,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, help="steps left out of the median (default: each case's own)")
     runner.add_out(ap, "capped_runs.jsonl", "JSON lines file (appended)")
     ap.add_argument("--workdir", type=Path, help="where the runs write (default: a temporary folder)")
+    ap.add_argument("--profile-step", type=int, help="run this optimizer step under torch.profiler: the row gets its "
+                    "GPU busy time in host-to-device and device-to-host copies and in compute kernels (profile_*_ms)")
     a = ap.parse_args(argv)
     cases = SETS[a.set]
     if a.cases:
@@ -315,7 +357,7 @@ def main(argv=None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for case in cases:
-        row = run_case(case, a.memory_cap_gib, work / case.name)
+        row = run_case(case, a.memory_cap_gib, work / case.name, a.profile_step)
         rows.append(row)
         runner.append_row(a.out, row)
         print(f"{case.name}: {'ok' if row['ok'] else 'FAILED'} samples/s={row.get('samples_per_s')} "
