@@ -17,7 +17,7 @@ What an earlier per-parameter attempt under DeepSpeed got wrong, and how this an
 - Gradient accumulation and clipping were bypassed: both are refused for these modes (config/ds_check.py), since
   the update happens before a later micro batch or a global norm exists; Adafactor clips each update's RMS.
 - The whole step is no longer all-or-nothing: a tensor whose gradient is not finite is left as it is (and its
-  states), the others are stepped. The trainer checks the loss before backward in these modes (train/step.py), so
+  states; only its step count moves, since the check stays on the device), the others are stepped. The trainer checks the loss before backward in these modes (train/step.py), so
   a non-finite loss never reaches any weight.
 
 Rounding noise is keyed on (seed, the parameter's place, its step) (fluxzero.train.rounding), so backward's order
@@ -46,7 +46,7 @@ class FusedAdafactorSR(AdafactorSR):
         self.skipped_tensors = 0  # over the run: tensors left unstepped for a non-finite gradient
         # param -> index of its group: load_state_dict replaces the group dicts (whose lr the scheduler then sets)
         self._group = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
-        self._norm_sq, self._new_step = 0.0, True
+        self._norm_sq, self._nonfinite, self._new_step = 0.0, 0, True
         self._streamer, self._device, self._world, self._handles = None, None, 1, []
 
     def attach(self, device: torch.device, streamer=None) -> None:
@@ -60,18 +60,18 @@ class FusedAdafactorSR(AdafactorSR):
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._new_step:  # the first gradient of a step: what step() reported belongs to the last one
-            self.overflow, self._norm_sq, self._new_step = False, 0.0, False
+            self._norm_sq, self._nonfinite, self._new_step = 0.0, 0, False
         g = p.grad
         if self._world > 1:
             dist.all_reduce(g)
             g.div_(self._world)
-        norm = torch.linalg.vector_norm(g, dtype=torch.float32).item()
-        if math.isfinite(norm):
-            self._norm_sq += norm * norm
-            self.step_param(self.param_groups[self._group[p]], p)
-        else:
-            self.overflow = True
-            self.skipped_tensors += 1
+        # the norm and the finite check stay on the device (no .item()): a host sync per tensor would drain the
+        # queue of backward's kernels and the block copies behind it, hundreds of times a step
+        norm = torch.linalg.vector_norm(g, dtype=torch.float32)
+        finite = torch.isfinite(norm)
+        self._norm_sq = self._norm_sq + torch.where(finite, norm * norm, 0.0)
+        self._nonfinite = self._nonfinite + (~finite).int()
+        self.step_param(self.param_groups[self._group[p]], p, finite=finite)
         p.grad = None
         if self._streamer is not None:
             self._streamer.stepped(p)
@@ -79,11 +79,15 @@ class FusedAdafactorSR(AdafactorSR):
     @torch.no_grad()
     def step(self, closure=None):
         """End the optimizer step (every tensor was stepped in backward): wait for the write-backs of streamed
-        blocks, so the host copies are current for a checkpoint or an export."""
+        blocks, so the host copies are current for a checkpoint or an export; read the step's gradient norm and
+        count of skipped tensors (the step's one host sync)."""
         if self._streamer is not None:
             self._streamer.finish()
-        self._global_grad_norm = math.sqrt(self._norm_sq)
-        self._new_step = True
+        skipped = int(self._nonfinite)
+        self.overflow = skipped > 0
+        self.skipped_tensors += skipped
+        self._global_grad_norm = math.sqrt(float(self._norm_sq))
+        self._norm_sq, self._nonfinite, self._new_step = 0.0, 0, True
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

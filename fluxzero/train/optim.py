@@ -339,8 +339,12 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()
-    def step_param(self, group: dict, p: torch.Tensor) -> None:
-        """Step one parameter of `group` with its gradient (what step() does for each)."""
+    def step_param(self, group: dict, p: torch.Tensor, finite: torch.Tensor | None = None) -> None:
+        """Step one parameter of `group` with its gradient (what step() does for each).
+
+        finite: None, or a 0-d bool tensor on p's device; where it is False the weight and its second moments stay
+        as they are (only the step count moves). The decision stays on the device: no host sync, so a step in
+        backward (fluxzero.train.fused_step) never stalls the queue of kernels behind it."""
         st = self.state[p]
         if not st:
             st["step"] = torch.tensor(0.0)
@@ -351,12 +355,12 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
                 st["variance"] = torch.zeros_like(p)
         # same order of operations as torch.optim.Adafactor's single-tensor path (torch 2.13)
         st["step"] += 1
-        t = st["step"].item()
+        t = st["step"].item()  # a CPU tensor: no device sync
         key = None if self.noise_seed is None else mix32(self.noise_seed, self._place[p], int(t))
         if p.dim() > 1:
-            self._step_factored(group, t, p, st, key)
+            self._step_factored(group, t, p, st, key, finite)
         else:
-            self._step_flat(group, t, p, st["variance"], key)
+            self._step_flat(group, t, p, st["variance"], key, finite)
 
     @staticmethod
     def _eps1(group) -> float:
@@ -364,54 +368,107 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
         # fine-tuning second moments (~1e-8) and shrink every update ~100-fold
         return torch.finfo(torch.float32).eps if group["eps"][0] is None else group["eps"][0]
 
-    @staticmethod
-    def _scale(group, t, p_norm: float, u_norm: float, n: int) -> float:
-        """-alpha / denom: torch's relative step size (RMS of the weight) and update clipping (RMS of it)."""
-        alpha = max(group["eps"][1], p_norm / (n ** 0.5)) * min(group["lr"], 1 / t**0.5)
-        return -alpha / max(1.0, u_norm / ((n ** 0.5) * group["d"]))
+    def _scalars(self, group, t, p, finite) -> torch.Tensor:
+        """fp64 (3,) on p's device: min(lr, t^-1/2), t^beta2_decay, the weight-decay factor (1 where not finite).
+        Tensors, so the compiled step serves every step without a recompile."""
+        lr, wd = group["lr"], group["weight_decay"]
+        s = torch.tensor([min(lr, 1 / t**0.5), t ** group["beta2_decay"], 1 - lr * wd], dtype=torch.float64)
+        s = s.to(p.device, non_blocking=True)
+        if finite is not None:
+            s = torch.where(finite | (torch.arange(3, device=p.device) < 2), s, 1.0)
+        return s
 
-    def _step_factored(self, group, t, p, st, key=None):
-        lr, wd, e1 = group["lr"], group["weight_decay"], self._eps1(group)
-        g, p32 = p.grad.float(), p.float()
-        one_minus_beta2_t = t ** group["beta2_decay"]
-        p_norm = p32.norm(2).item()
-        if wd != 0:
-            p32.mul_(1 - lr * wd)
-        st["row_var"].lerp_(torch.norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1)), one_minus_beta2_t)
-        st["col_var"].lerp_(torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2)), one_minus_beta2_t)
-        var = st["row_var"] @ st["col_var"]
-        var.div_(st["row_var"].mean(dim=-2, keepdim=True).clamp_(min=e1))
-        update = var.clamp_(min=e1 * e1).rsqrt_().mul_(g)
-        scale = self._scale(group, t, p_norm, update.norm(2).item(), p.numel())
-        _store(p, p32.add_(update, alpha=scale), sr=True, key=key)
+    def _step_factored(self, group, t, p, st, key=None, finite=None):
+        scalars = self._scalars(group, t, p, finite)
+        # compiled where the noise is keyed: a draw from torch's generator inside a compiled kernel would move
+        # the stream the trainer's own draws come from
+        fn = _compiled_factored() if p.is_cuda and key is not None else _adafactor_factored
+        key_t = None if key is None else torch.tensor(key, dtype=torch.int32).to(p.device, non_blocking=True)
+        fn(p, p.grad, st["row_var"], st["col_var"], scalars, finite, key_t, self._eps1(group), group["eps"][1],
+           group["d"], group["weight_decay"] != 0)
 
-    def _step_flat(self, group, t, p, variance, key=None):
+    def _step_flat(self, group, t, p, variance, key=None, finite=None):
         pieces = _pieces(p, self.step_chunk)
-        scale = self._flat_scale(group, t, p, variance, pieces)  # pass 1: nothing written
+        scale = self._flat_scale(group, t, p, variance, pieces, finite)  # pass 1: nothing written
         for i in pieces:  # pass 2: the same update again, applied
-            v, update = self._flat_update(group, t, p, variance, i)
+            v, update = self._flat_update(group, t, p, variance, i, finite)
+            if finite is not None:
+                v = torch.where(finite, v, variance[i].float())
             variance[i].copy_(v)
             p32 = p[i].float()
             if group["weight_decay"] != 0:
-                p32.mul_(1 - group["lr"] * group["weight_decay"])
+                factor = 1 - group["lr"] * group["weight_decay"]
+                p32.mul_(factor if finite is None else torch.where(finite, factor, 1.0).float())
             start = i.start if isinstance(i, slice) else 0
-            _store(p[i], p32.add_(update, alpha=scale), sr=True, key=None if key is None else noise_key(key, start))
+            _store(p[i], p32.addcmul_(update, scale.float()), sr=True,
+                   key=None if key is None else noise_key(key, start))
 
-    def _flat_update(self, group, t, p, variance, i):
+    def _flat_update(self, group, t, p, variance, i, finite=None):
         """The new variance (fp32, not yet stored) and the update of piece `i` of a flat tensor."""
         g = p.grad[i].float()
+        if finite is not None:
+            g = torch.where(finite, g, 0.0)
         # out of place: .float() of an fp32 variance is the state itself, which pass 1 must leave as it is
         v = variance[i].float().lerp(g * g, t ** group["beta2_decay"])
         e1 = self._eps1(group)
         return v, v.clamp(min=e1 * e1).rsqrt_().mul_(g)
 
-    def _flat_scale(self, group, t, p, variance, pieces) -> float:
-        """The step's scale from the norms of the whole weight and update, summed a piece at a time."""
+    def _flat_scale(self, group, t, p, variance, pieces, finite=None) -> torch.Tensor:
+        """The step's scale (a 0-d fp64 tensor) from the norms of the whole weight and update, summed a piece at a
+        time."""
         p_sq, u_sq = [], []
         for i in pieces:
             p_sq.append(_block_sumsq(p[i]))
-            u_sq.append(_block_sumsq(self._flat_update(group, t, p, variance, i)[1]))
-        return self._scale(group, t, math.sqrt(torch.cat(p_sq).sum()), math.sqrt(torch.cat(u_sq).sum()), p.numel())
+            u_sq.append(_block_sumsq(self._flat_update(group, t, p, variance, i, finite)[1]))
+        lr_t = min(group["lr"], 1 / t**0.5)
+        return _scale(torch.cat(p_sq).sum().sqrt(), torch.cat(u_sq).sum().sqrt(), lr_t, group["eps"][1], group["d"],
+                      p.numel())
+
+
+def _scale(p_norm: torch.Tensor, u_norm: torch.Tensor, lr_t, eps2: float, d: float, n: int) -> torch.Tensor:
+    """-alpha / denom as a 0-d fp64 tensor: torch's relative step size (RMS of the weight, at least eps2, times
+    lr_t = min(lr, t^-1/2)) and update clipping (by the update's RMS over d). Tensors throughout: no host sync."""
+    alpha = torch.clamp(p_norm.double() / n**0.5, min=eps2) * lr_t
+    return -alpha / torch.clamp(u_norm.double() / (n**0.5 * d), min=1.0)
+
+
+def _adafactor_factored(p, g, row_var, col_var, scalars, finite, key, e1: float, eps2: float, d: float,
+                        decay: bool) -> None:
+    """One AdafactorSR update of one tensor of two or more dimensions, in place: the factored second moments (row
+    and column means of g^2, fp32) and the weight, stochastically rounded when bf16 (noise keyed on `key`, a 0-d
+    int32 tensor, or drawn when None). scalars: AdafactorSR._scalars. Where `finite` (a 0-d bool tensor, or None)
+    is False, the gradient counts as zero and the states are kept: the weight is written back unchanged.
+
+    Eager on the CPU; on CUDA compiled once per shape (`_compiled_factored`): the weight's fp32 copy, the full-size
+    variance and the rounding noise are never materialised, and nothing waits for the host."""
+    g = g.float()
+    if finite is not None:
+        g = torch.where(finite, g, 0.0)
+    p32 = p.float()
+    p_norm = torch.linalg.vector_norm(p32)
+    if decay:
+        p32 = p32 * scalars[2].float()
+    w = scalars[1].float()
+    row = row_var.lerp(torch.norm(g, dim=-1, keepdim=True).square().div(g.size(-1)), w)
+    col = col_var.lerp(torch.norm(g, dim=-2, keepdim=True).square().div(g.size(-2)), w)
+    if finite is not None:
+        row, col = torch.where(finite, row, row_var), torch.where(finite, col, col_var)
+    row_var.copy_(row)
+    col_var.copy_(col)
+    var = (row @ col).div(row.mean(dim=-2, keepdim=True).clamp(min=e1))
+    update = var.clamp(min=e1 * e1).rsqrt().mul(g)
+    scale = _scale(p_norm, torch.linalg.vector_norm(update), scalars[0], eps2, d, p.numel())
+    new = p32.addcmul(update, scale.float())
+    if p.dtype != torch.bfloat16:
+        p.copy_(new)
+    else:
+        p.copy_(stochastic_round_bf16(new) if key is None else round_keyed(new, key))
+
+
+@functools.cache
+def _compiled_factored():
+    """`_adafactor_factored` compiled (a graph per weight shape: FLUX.1 has a handful)."""
+    return torch.compile(_adafactor_factored, dynamic=False, fullgraph=True)
 
 
 # ---------------------------------------------------------------------------------------------------------

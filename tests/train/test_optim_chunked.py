@@ -55,7 +55,7 @@ def test_adafactor_norms_do_not_depend_on_the_chunking():
     opt = AdafactorSR([p], lr=1e-2)
     variance = torch.rand(N, generator=gen) * 1e-6
     with torch.no_grad():
-        scales = {c: opt._flat_scale(opt.param_groups[0], 3, p, variance, _pieces(p, c))
+        scales = {c: opt._flat_scale(opt.param_groups[0], 3, p, variance, _pieces(p, c)).item()
                   for c in (None, BLOCK, 2 * BLOCK)}
     assert len(set(scales.values())) == 1, scales
 
