@@ -55,6 +55,9 @@ CASES = {
     "lora-mb1-fp8": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "1", "--fp8", "tensorwise"],
                      {}, DEV_LORA),
     "lora-1024-mb1": ("flux-dev", 1024, ["--checkpoint-every", "1", "--micro-batch", "1"], {}, DEV_LORA),
+    # the same with a DoRA (its forward makes each W + s B A whole to take row norms) and a LoKr (lora.type)
+    "dora-mb4": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "4"], {}, {**DEV_LORA, "type": "dora"}),
+    "lokr-mb4": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "4"], {}, {**DEV_LORA, "type": "lokr"}),
     "cpu-smoke": ("flux-tiny", 128, ["--checkpoint-every", "1", "--micro-batch", "2"], {}, None),
     # full FLUX.1-dev fine-tune on one H200 (issue 22 target 5): what `gen-config --fit` writes, and the levers
     # beside it (FP8 matmuls, bf16-sr with every block checkpointed at micro batch 16, an EMA of the weights)
@@ -77,6 +80,7 @@ PEERS = {  # benchmarks/sweep.py arguments of the diffusers + DeepSpeed baseline
 SETS = {
     "lite": ["lite-ckpt1-old", "lite-ckpt1", "lite-ckpt1-fp8", "lite-ckpt0", "lite-ckpt0-fp8", "peer:lite-ckpt0"],
     "lora": ["lora-mb4", "lora-mb4-fp8", "lora-mb1", "lora-mb1-fp8"],
+    "adapters": ["lora-mb4", "dora-mb4", "lokr-mb4"],
 }
 
 SITECUSTOMIZE = '''import os

@@ -12,6 +12,18 @@ from . import refuse_existing
 DTYPES = ("keep", "fp32", "bf16", "fp16")
 
 
+def as_lora_options(f):
+    """--as-lora-rank and --max-error, which `convert` and `export` share (fluxzero.model.adapters)."""
+    f = click.option("--max-error", type=click.FloatRange(min=0), default=None,
+                     help="With --as-lora-rank: refuse (writing nothing) when a layer's relative error is above "
+                          "this.")(f)
+    return click.option("--as-lora-rank", type=click.IntRange(min=1), default=None,
+                        help="Write a plain LoRA of this rank standing for the adapters (LoRA, DoRA or LoKr; in "
+                             "convert, IN in any trainer's layout): the truncated SVD of each layer's change, for "
+                             "Nunchaku and other plain-LoRA loaders; prints its relative error per layer and "
+                             "overall.")(f)
+
+
 @click.command("convert")
 @click.argument("src", metavar="IN", type=click.Path(exists=True, path_type=Path))
 @click.argument("dst", metavar="OUT", type=click.Path(path_type=Path))
@@ -26,8 +38,12 @@ DTYPES = ("keep", "fp32", "bf16", "fp16")
                    "(default: the tensor shapes, with the RoPE axes the weights declare).")
 @click.option("--max-shard-gb", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
               help="Largest diffusers shard, in GB (2**30 bytes); more than one shard writes an index JSON.")
+@as_lora_options
+@click.option("--base", type=click.Path(exists=True, path_type=Path), default=None,
+              help="With --as-lora-rank on a DoRA: the base weights it was trained on (a DoRA rescales them).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
-def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, max_shard_gb: float, overwrite: bool):
+def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, max_shard_gb: float,
+            as_lora_rank: int | None, max_error: float | None, base: Path | None, overwrite: bool):
     """Convert FLUX.1 transformer weights between BFL, ComfyUI and diffusers layouts.
 
     IN is a .safetensors file (BFL, ComfyUI or diffusers naming, detected from its keys) or a diffusers
@@ -35,7 +51,8 @@ def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, m
     .safetensors file for --to bfl/comfyui and a folder for --to diffusers.
 
     IN may also be a LoRA file (diffusers/PEFT, kohya, or fluxzero's own module names): OUT is then a LoRA
-    .safetensors file in the layout --to names, with the same rank, alpha and delta.
+    .safetensors file in the layout --to names, with the same rank, alpha and delta. A LoKr or DoRA file
+    (LyCORIS, SimpleTuner, ai-toolkit, OneTrainer layouts) is written as a plain LoRA with --as-lora-rank.
     """
     import torch
 
@@ -45,6 +62,20 @@ def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, m
     from ..model.weights import ignored_tensors, load_weights, save_weights, source_config
 
     refuse_existing(dst, overwrite)
+    if max_error is not None and as_lora_rank is None:
+        raise click.UsageError("--max-error bounds the error of --as-lora-rank; add --as-lora-rank R or drop it")
+    if base is not None and as_lora_rank is None:
+        raise click.UsageError("--base is a DoRA's base weights for --as-lora-rank; add --as-lora-rank R or drop it")
+    from ..model.adapters import has_adapter_keys
+
+    if has_adapter_keys(src) and as_lora_rank is None:
+        raise click.BadParameter(f"{src} is a LoKr or DoRA, which plain-LoRA loaders (Nunchaku, diffusers) cannot "
+                                 "apply; pass --as-lora-rank R to write it as a plain LoRA of rank R", param_hint="IN")
+    if as_lora_rank is not None:
+        if preset:
+            raise click.UsageError("--model applies to full weights; an adapter file is converted as it is (drop "
+                                   "--model)")
+        return _convert_to_plain(src, dst, layout, dtype, as_lora_rank, max_error, base)
     if is_lora_file(src):
         if preset:
             raise click.UsageError("--model applies to full weights; a LoRA file is converted as it is (drop --model)")
@@ -132,3 +163,47 @@ def _convert_lora(src: Path, dst: Path, layout: str, dtype: str) -> None:
                                  param_hint="OUT") from None
     click.echo(f"wrote {dst} (LoRA, {out_layout} layout, {len(info.modules)} modules, rank {info.rank}, "
                f"alpha {info.alpha:g}) from {src} ({info.layout} layout)")
+
+
+def _convert_to_plain(src: Path, dst: Path, layout: str, dtype: str, rank: int, max_error: float | None,
+                      base: Path | None) -> None:
+    """An adapter file (LoKr, DoRA or LoRA) as a plain LoRA of `rank` (fluxzero.model.adapters), nothing written
+    when a layer's error is above `max_error`."""
+    import torch
+
+    from ..config.lora import LoraConfig
+    from ..model import adapters
+    from ..model.layouts import WeightsError
+    from ..model.lora_formats import read_lora, save_lora
+    from ..model.lora_keys import LoraError
+    from ..model.weights import load_weights
+    from ..train.lora_export import LORA_LAYOUTS
+
+    if dst.suffix != ".safetensors":
+        raise click.BadParameter("a LoRA is written as one file: give OUT a .safetensors name", param_hint="OUT")
+    out_layout = LORA_LAYOUTS[layout]
+    try:
+        if adapters.has_adapter_keys(src):
+            parts, _ = adapters.read_adapters(src)
+        else:  # a plain LoRA at another rank: read_lora knows every LoRA layout's scale
+            sd, info = read_lora(src)
+            parts = adapters.trained_parts(sd, LoraConfig(rank=info.rank, alpha=info.alpha, targets=list(info.modules)))
+        first = next(t for p in parts for t in p.tensors.values() if t.is_floating_point())
+        torch_dtype = {"keep": first.dtype, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        try:
+            weights = load_weights(base, dtype=torch.float32) if base else None
+        except WeightsError as e:
+            raise click.BadParameter(str(e), param_hint="--base") from None
+        plain = adapters.as_plain_lora(adapters.module_deltas(parts, weights), rank, torch_dtype)
+        for line in adapters.error_report(plain):
+            click.echo(line)
+        adapters.check_error(plain, max_error, str(src))
+        save_lora(dst, plain.state_dict, plain.config, layout=out_layout)
+    except LoraError as e:
+        raise click.BadParameter(str(e), param_hint="IN") from None
+    except OSError as e:
+        raise click.BadParameter(f"cannot write {dst} ({e.strerror or e}); choose a writable place with free space",
+                                 param_hint="OUT") from None
+    kinds = sorted({p.kind for p in parts})
+    click.echo(f"wrote {dst} (plain LoRA of rank {rank}, {out_layout} layout, {len(plain.errors)} modules, relative "
+               f"error {plain.overall:.3g} overall) from {src} ({', '.join(kinds)})")

@@ -148,9 +148,12 @@ def _apply_adapters(model, lora: Path | None, scale: float = 1.0):
     import torch
 
     from ..config.lora import LoraConfig
+    from ..model.adapters import has_adapter_keys
     from ..model.lora_keys import LoraError
     from ..model.lora_formats import merge_lora, read_lora
 
+    if has_adapter_keys(lora):
+        return _apply_lycoris(model, lora, scale)
     try:
         sd, info = read_lora(lora)
         if scale != 1.0:  # the strength of the whole delta, as diffusers' lora_scale and ComfyUI's strength
@@ -170,6 +173,35 @@ def _apply_adapters(model, lora: Path | None, scale: float = 1.0):
         raise click.BadParameter(str(e), param_hint="--lora") from None
     return model, {"path": str(Path(lora).resolve()), "layout": info.layout, "scale": scale, "rank": info.rank,
                    "alpha": info.alpha}
+
+
+def _apply_lycoris(model, lora: Path, scale: float):
+    """_apply_adapters for a LoKr / DoRA file (fluxzero.model.adapters): W + scale x delta, one module at a time."""
+    import torch
+
+    from ..model import adapters
+    from ..model.lora_keys import LoraError
+
+    try:
+        parts, meta = adapters.read_adapters(lora)
+        params = dict(model.named_parameters())
+        by_module: dict[str, list] = {}
+        for p in parts:
+            by_module.setdefault(p.module, []).append(p)
+        absent = [m for m in by_module if f"{m}.weight" not in params]
+        if absent:
+            raise LoraError(f"{lora} adapts {absent[0]}, which the model has no weight for; use an adapter made "
+                            "for this model")
+        for module, ps in by_module.items():
+            weight = params[f"{module}.weight"]
+            delta = adapters.module_deltas(ps, {f"{module}.weight": weight.detach()})[module]
+            with torch.no_grad():
+                weight.copy_((weight.float() + scale * delta).to(weight.dtype))
+    except LoraError as e:
+        raise click.BadParameter(str(e), param_hint="--lora") from None
+    kinds = sorted({p.kind for p in parts})
+    return model, {"path": str(Path(lora).resolve()), "layout": "lycoris", "scale": scale, "type": ",".join(kinds),
+                   "rank": int(meta.get("fluxzero.rank") or 0) or None}
 
 
 def _check_dims(emb, cfg):
@@ -303,7 +335,8 @@ def _reference(model, reference: Path | None, preset: str | None, vae, height: i
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Images per model call (the images do not depend on it).")
 @click.option("--lora", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="A LoRA .safetensors file (diffusers/PEFT or kohya/ComfyUI layout, e.g. a run's lora.safetensors) "
+              help="A LoRA .safetensors file (diffusers/PEFT or kohya/ComfyUI layout, e.g. a run's lora.safetensors; "
+                   "or a LoKr / DoRA in LyCORIS' layout) "
                    "merged into WEIGHTS before sampling.")
 @click.option("--lora-scale", type=float, default=1.0, show_default=True,
               help="Strength of the --lora: its change to the weights times this (1 = as trained, 0 = none).")

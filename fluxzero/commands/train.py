@@ -6,6 +6,7 @@ from pathlib import Path
 import click
 
 from . import refuse_existing
+from .model import as_lora_options
 
 
 @click.command("train", context_settings={"ignore_unknown_options": True})
@@ -42,10 +43,12 @@ def train(config: Path, overrides: tuple[str, ...]):
               help="LoRA checkpoints: write the base weights with the LoRA merged in (full weights in --format) "
                    "instead of the LoRA file.")
 @click.option("--base", type=click.Path(exists=True, path_type=Path), default=None,
-              help="With --merge: the base weights to merge into  [default: the run's weights:].")
+              help="With --merge: the base weights to merge into; with --as-lora-rank, a DoRA's base weights  "
+                   "[default: the run's weights:].")
+@as_lora_options
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, weights: str, merge: bool, base: Path | None,
-           overwrite: bool):
+           as_lora_rank: int | None, max_error: float | None, overwrite: bool):
     """Consolidate a training checkpoint (any ZeRO stage) into FLUX.1 safetensors.
 
     CKPT_DIR is a run's output_dir, its checkpoints/ folder (the `latest` checkpoint is used) or one
@@ -53,8 +56,13 @@ def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, weights: str, mer
     zero_to_fp32 consolidation, so this runs on one CPU process.
 
     A LoRA run's checkpoint gives its LoRA file (OUT.safetensors): the diffusers/PEFT layout for --format
-    diffusers, the kohya layout ComfyUI reads for bfl and comfyui; with --merge, the full weights.
+    diffusers, the kohya layout ComfyUI reads for bfl and comfyui; with --merge, the full weights. A DoRA or
+    LoKr run's gives its file in LyCORIS' layout (ComfyUI reads it), or with --as-lora-rank a plain LoRA.
     """
+    if merge and as_lora_rank:
+        raise click.UsageError("--merge writes full weights and --as-lora-rank a plain LoRA; choose one")
+    if max_error is not None and as_lora_rank is None:
+        raise click.UsageError("--max-error bounds the error of --as-lora-rank; add --as-lora-rank R or drop it")
     refuse_existing(out, overwrite)
     if layout != "diffusers" and out.suffix != ".safetensors":
         raise click.BadParameter(f"--format {layout} writes one file: give OUT a .safetensors name", param_hint="OUT")
@@ -67,19 +75,25 @@ def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, weights: str, mer
     except TrainingError as e:
         raise click.BadParameter(str(e), param_hint="CKPT_DIR") from None
     try:
-        if merge or base:
+        if as_lora_rank or merge or base:
             from fluxzero.train.lora_export import export_lora
 
-            export_lora(ckpt / tag, out, layout, dtype, merge=True, base=str(base) if base else None, weights=weights)
+            export_lora(ckpt / tag, out, layout, dtype, merge=not as_lora_rank, base=str(base) if base else None,
+                        weights=weights, as_lora_rank=as_lora_rank, max_error=max_error, report=click.echo)
         else:  # a LoRA checkpoint writes its LoRA file (kohya layout for bfl / comfyui)
             export_checkpoint(ckpt / tag, out, layout, dtype, weights)
     except TrainingError as e:  # a corrupt checkpoint or an unwritable OUT: the message names which
         raise click.UsageError(str(e)) from None
+    from fluxzero.model.adapters import has_adapter_keys
     from fluxzero.model.lora_keys import is_lora_file
     from fluxzero.train.lora_export import LORA_LAYOUTS
 
-    if merge or base:
+    if as_lora_rank:
+        what = f"plain LoRA of rank {as_lora_rank}, {LORA_LAYOUTS[layout]} layout"
+    elif merge or base:
         what = f"full weights with the LoRA merged in, {layout}"
+    elif has_adapter_keys(out):
+        what = "LoKr / DoRA, LyCORIS layout"
     elif is_lora_file(out):
         what = f"LoRA, {LORA_LAYOUTS[layout]} layout" + (f" for {layout}" if LORA_LAYOUTS[layout] != layout else "")
     else:

@@ -38,11 +38,17 @@ LORA_INITS = ("default", "gaussian")
 # How the frozen base's block linears are stored under a LoRA (fluxzero/model/quant.py): in the training dtype,
 # or weight-only quantized through torchao (int8: one scale per output row; fp8: e4m3, one scale per row).
 BASE_QUANTS = ("none", "int8", "fp8")
+# What is trained on each targeted linear (all through PEFT): "lora" = B A; "dora" = LoRA plus a trained magnitude
+# per output row, m (W + s B A) / ||W + s B A||; "lokr" = a Kronecker product w1 (x) w2, w2 (and with
+# decompose_both w1) itself low-rank when the rank is small against its shape (PEFT's and LyCORIS' rule).
+ADAPTER_TYPES = ("lora", "dora", "lokr")
+_LOKR_KEYS = ("factor", "decompose_both")
 
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters on the transformer's linears: W x + (alpha / rank) B A x, only A and B trained."""
+    """Adapters on the transformer's linears, only they trained: W x + (alpha / rank) B A x for a LoRA (type
+    sets DoRA or LoKr instead, ADAPTER_TYPES)."""
 
     rank: int = 16
     alpha: float | None = None  # None = rank (scale 1)
@@ -51,6 +57,9 @@ class LoraConfig:
     targets: str | list[str] = "attention+mlp"  # a TARGET_PRESETS name or a list of fnmatch module-name patterns
     weights: str | None = None  # a LoRA .safetensors file (diffusers or kohya layout) to continue from
     base_quant: str = "none"  # one of BASE_QUANTS: the frozen base's block linears stored quantized (QLoRA-style)
+    type: str = "lora"  # one of ADAPTER_TYPES
+    factor: int = -1  # lokr: the Kronecker split of each dimension (-1: the divisors nearest its square root)
+    decompose_both: bool = False  # lokr: w1 low-rank too, not only w2
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
@@ -72,6 +81,7 @@ class LoraConfig:
             raise ValueError(f"lora.init must be one of {', '.join(LORA_INITS)}, got {excerpt(self.init)}{why}")
         if self.base_quant not in BASE_QUANTS:
             raise ValueError(f"lora.base_quant must be one of {', '.join(BASE_QUANTS)}, got {excerpt(self.base_quant)}")
+        self._check_type()
         self._check_targets()
         if isinstance(self.weights, os.PathLike):
             self.weights = os.fspath(self.weights)
@@ -79,6 +89,26 @@ class LoraConfig:
             if not isinstance(self.weights, str) or not self.weights.strip():
                 raise ValueError(f"lora.weights must be a path to a LoRA .safetensors file or null, got {excerpt(self.weights)}")
             self.weights = os.path.expanduser(self.weights)
+            if self.type != "lora":
+                raise ValueError(f"lora.weights continues a plain LoRA file, and lora.type is {self.type}; remove "
+                                 "lora.weights (resuming the run's own checkpoint needs none) or set lora.type: lora")
+
+    def _check_type(self) -> None:
+        if self.type not in ADAPTER_TYPES:
+            raise ValueError(f"lora.type must be one of {', '.join(ADAPTER_TYPES)}, got {self.type!r}")
+        if not isinstance(self.factor, int) or isinstance(self.factor, bool) or not (self.factor == -1 or self.factor >= 1):
+            raise ValueError(f"lora.factor must be -1 (automatic) or a whole number of at least 1, got {self.factor!r}")
+        if not isinstance(self.decompose_both, bool):
+            raise ValueError(f"lora.decompose_both must be true or false, got {self.decompose_both!r}")
+        if self.type != "lokr" and (self.factor != -1 or self.decompose_both):
+            raise ValueError(f"lora.factor and lora.decompose_both shape a LoKr; set lora.type: lokr or remove them "
+                             f"(lora.type is {self.type})")
+        if self.type == "lokr" and (self.dropout or self.init != "default"):
+            raise ValueError("a LoKr (lora.type: lokr) has no lora.dropout or lora.init (PEFT draws w2 as LyCORIS does "
+                             "and starts w1 at 0); remove them")
+        if self.type != "lora" and self.base_quant != "none":
+            raise ValueError(f"lora.base_quant {self.base_quant} quantizes the base under a plain LoRA only ({self.type} "
+                             "reads the base weight in its own forward); set lora.base_quant: none or lora.type: lora")
 
     def _check_targets(self) -> None:
         presets = ", ".join(TARGET_PRESETS)
@@ -169,12 +199,44 @@ def linear_shapes(model_cfg) -> dict[str, tuple[int, int]]:
     return out
 
 
+def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:
+    """(m, n), m <= n, m x n = dimension: LoKr's split of one dimension (peft.tuners.lokr.layer.factorization, the
+    same rule, here without torch for the memory model): m = factor when it divides, else the divisor pair nearest
+    the square root, or nearest `factor` from below."""
+    if factor > 0 and dimension % factor == 0:
+        return factor, dimension // factor
+    if factor == -1:
+        factor = dimension
+    m, n = 1, dimension
+    while m < n:
+        new_m = m + 1
+        while dimension % new_m:
+            new_m += 1
+        new_n = dimension // new_m
+        if new_m + new_n > dimension + 1 or new_m > factor:
+            break
+        m, n = new_m, new_n
+    return (n, m) if m > n else (m, n)
+
+
+def adapter_param_count(shape: tuple[int, int], lora_cfg: LoraConfig) -> int:
+    """Trainable parameters of one adapter on a linear of (in_features, out_features)."""
+    fan_in, fan_out = shape
+    r = lora_cfg.rank
+    if lora_cfg.type != "lokr":
+        return r * (fan_in + fan_out) + (fan_out if lora_cfg.type == "dora" else 0)  # DoRA: a magnitude per row
+    (a, c), (b, d) = factorization(fan_out, lora_cfg.factor), factorization(fan_in, lora_cfg.factor)
+    w1 = r * (a + b) if lora_cfg.decompose_both and r < max(a, b) / 2 else a * b  # PEFT's use_w1 / use_w2 rule
+    w2 = r * (c + d) if r < max(c, d) / 2 else c * d
+    return w1 + w2
+
+
 def lora_param_count(model_cfg, lora_cfg: LoraConfig) -> int:
     """Trainable parameters of the adapters `lora_cfg` puts on a model of shape `model_cfg` (a ModelConfig):
-    rank x (in + out) per adapted linear, the modules chosen as fluxzero.model.lora.target_modules chooses them.
+    adapter_param_count per adapted linear, the modules chosen as fluxzero.model.lora.target_modules chooses them.
     Pure arithmetic (no torch), for the memory model."""
     import fnmatch
 
     shapes = linear_shapes(model_cfg)
     chosen = {n for p in lora_cfg.patterns for n in shapes if fnmatch.fnmatchcase(n, p)}
-    return sum(lora_cfg.rank * sum(shapes[n]) for n in chosen)
+    return sum(adapter_param_count(shapes[n], lora_cfg) for n in chosen)

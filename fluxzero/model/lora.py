@@ -12,7 +12,10 @@ placeholders (numel 0) are fine for the initialisations offered (LORA_INITS). Th
 ordinary tensors until `deepspeed.initialize` partitions them; `lora_state_dict` then needs them gathered.
 
 Canonical adapter names are PEFT's saved names on our modules: `<module>.lora_A.weight` (rank, in) and
-`<module>.lora_B.weight` (out, rank); the scale alpha / rank is not in the tensors but in LoraConfig.
+`<module>.lora_B.weight` (out, rank); the scale alpha / rank is not in the tensors but in LoraConfig. A DoRA
+(lora.type: dora) adds `<module>.lora_magnitude_vector` (out,); a LoKr (lora.type: lokr) has `<module>.lokr_w1`
+or `.lokr_w1_a` / `.lokr_w1_b`, and `.lokr_w2` or `.lokr_w2_a` / `.lokr_w2_b` (fluxzero.model.adapters says what
+each computes).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config.lora import TARGET_PRESETS, LoraConfig
-from .lora_keys import _LORA_KEY, LoraError, _linear_names, _looks_full
+from .lora_keys import _ADAPTER_KEY, LoraError, _linear_names, _looks_full, canonical_adapter_name
 
 ADAPTER = "default"  # PEFT's adapter name; one adapter per model here
 _SHOW = 6
@@ -76,22 +79,30 @@ def require_peft():
 
 def _peft_config(cfg: LoraConfig, names: list[str]):
     peft = require_peft()
+    if cfg.type == "lokr":  # PEFT's default init: w1 = 0 (the base model's output at step 0), w2 as LyCORIS draws it
+        return peft.LoKrConfig(r=cfg.rank, alpha=cfg.alpha, target_modules=names, decompose_factor=cfg.factor,
+                               decompose_both=cfg.decompose_both, init_weights=True)
     return peft.LoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=names, bias="none",
-        init_lora_weights=True if cfg.init == "default" else cfg.init,
+        init_lora_weights=True if cfg.init == "default" else cfg.init, use_dora=cfg.type == "dora",
     )
 
 
 def has_lora(model: nn.Module) -> bool:
-    return any(".lora_A." in n for n, _ in model.named_parameters())
+    """The model carries adapters of any type."""
+    return any(canonical_adapter_name(n, ADAPTER) for n, _ in model.named_parameters())
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
+def apply_lora(model: nn.Module, cfg: LoraConfig, gather=None) -> list[str]:
     """Inject LoRA adapters into `model` in place; return the adapted module names.
 
     Every base parameter is frozen; adapter parameters are trainable and float32 whatever the base dtype
     (PEFT casts the adapter's input to float32 and its output back). With `cfg.weights` the adapters start
     from that LoRA file (its B rescaled when the file's alpha / rank differs from cfg's).
+
+    A DoRA starts its magnitude at the norm of each base weight row, so on partitioned (ZeRO-3) base weights
+    `gather` (deepspeed.zero.GatheredParameters) makes one linear's weight whole while its adapter is made:
+    one linear at a time, never the whole model.
     """
     peft = require_peft()
     from peft.tuners.tuners_utils import cast_adapter_dtype
@@ -103,10 +114,15 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
         # on a quantized base (model/quant.py) PEFT's torchao tuner warns that merge() would need a requantizing
         # hook: nothing merges into the quantized model (exports merge into the base weights file)
         warnings.filterwarnings("ignore", message=".*without `get_apply_tensor_subclass`")
-        peft.inject_adapter_in_model(_peft_config(cfg, names), model, adapter_name=ADAPTER)
+        if gather is None or cfg.type != "dora":
+            peft.inject_adapter_in_model(_peft_config(cfg, names), model, adapter_name=ADAPTER)
+        else:
+            for name in names:
+                with gather(list(model.get_submodule(name).parameters())):
+                    peft.inject_adapter_in_model(_peft_config(cfg, [name]), model, adapter_name=ADAPTER)
     cast_adapter_dtype(model, ADAPTER, autocast_adapter_dtype=True)  # bf16 / fp16 adapters -> fp32
     for name, p in model.named_parameters():
-        p.requires_grad_(_LORA_KEY.match(name.replace(f".{ADAPTER}.", ".")) is not None)
+        p.requires_grad_(canonical_adapter_name(name, ADAPTER) is not None)
     if cfg.weights is not None:
         from .lora_formats import read_lora
 
@@ -122,14 +138,14 @@ def _adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
     """Canonical name -> adapter parameter."""
     out = {}
     for name, p in model.named_parameters():
-        key = name.replace(f".{ADAPTER}.", ".")
-        if _LORA_KEY.match(key):
+        key = canonical_adapter_name(name, ADAPTER)
+        if key:
             out[key] = p
     return out
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """Adapter tensors only, canonical names (`<module>.lora_A.weight`, `<module>.lora_B.weight`), detached.
+    """Adapter tensors only, canonical names (`<module>.lora_A.weight`, `<module>.lora_B.weight`, ...), detached.
 
     Under ZeRO-3 gather the adapters first (deepspeed.zero.GatheredParameters over the trainable parameters).
     """
@@ -148,23 +164,30 @@ def load_lora_state_dict(model: nn.Module, sd: dict[str, Tensor]) -> None:
     params = _adapter_params(model)
     if not params:
         raise LoraError("the model has no LoRA adapters; call apply_lora before loading a LoRA")
-    full = _looks_full(sd)
-    if full and not any(_LORA_KEY.match(k) for k in sd):
+    full = [k for k in _looks_full(sd) if not _ADAPTER_KEY.match(k)]
+    if full and not any(_ADAPTER_KEY.match(k) for k in sd):
         raise LoraError(f"this holds full model weights ({full[0]}, ...), not LoRA adapters; load it as the model's "
                         "weights (run file `weights:`) and give LoRA files to lora.weights")
-    other = [k for k in sd if not _LORA_KEY.match(k)]
+    other = [k for k in sd if not _ADAPTER_KEY.match(k)]
     if other:
         raise LoraError(f"tensor {other[0]} is not a LoRA tensor (<module>.lora_A.weight / .lora_B.weight); pass an "
                         "adapter-only state dict")
+    modules = lambda keys: sorted({_ADAPTER_KEY.match(k).group(1) for k in keys})  # noqa: E731
     unknown = sorted(set(sd) - set(params))
     if unknown:
-        module = _LORA_KEY.match(unknown[0]).group(1)
-        raise LoraError(f"the LoRA has tensors for {len(unknown) // 2 or 1} module(s) the model has no adapter on "
-                        f"(e.g. {module}); add them to lora.targets or use a LoRA made for these targets")
+        mods = modules(unknown)
+        if set(mods) <= set(modules(params)):  # the modules are adapted, by another kind of adapter
+            raise LoraError(f"the file holds {unknown[0]}, which adapters of this lora.type / lora.rank do not have; "
+                            "set lora.type (lora, dora, lokr) and lora.rank to the file's")
+        raise LoraError(f"the LoRA has tensors for {len(mods)} module(s) the model has no adapter on "
+                        f"(e.g. {mods[0]}); add them to lora.targets or use a LoRA made for these targets")
     missing = sorted(set(params) - set(sd))
     if missing:
-        module = _LORA_KEY.match(missing[0]).group(1)
-        raise LoraError(f"the LoRA has no tensors for {len(missing) // 2 or 1} adapted module(s) (e.g. {module}); set "
+        mods = modules(missing)
+        if set(mods) <= set(modules(sd)):
+            raise LoraError(f"the file has no {missing[0]}, which adapters of this lora.type / lora.rank have; set "
+                            "lora.type (lora, dora, lokr) and lora.rank to the file's")
+        raise LoraError(f"the LoRA has no tensors for {len(mods)} adapted module(s) (e.g. {mods[0]}); set "
                         "lora.targets to the targets the file was made for")
     for k, p in params.items():  # model order: the first mismatch named is the first layer's
         t = sd[k]
@@ -180,4 +203,5 @@ def load_lora_state_dict(model: nn.Module, sd: dict[str, Tensor]) -> None:
 
 def base_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """The base model's state dict in our (BFL) names, adapters left out: what weights.save_weights takes."""
-    return {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".lora_" not in k}
+    return {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items()
+            if not canonical_adapter_name(k, ADAPTER)}

@@ -271,10 +271,35 @@ def _scale_b(B: Tensor, factor: float) -> Tensor:
     return B if factor == 1.0 else (B.float() * factor).to(B.dtype)
 
 
-def _from_kohya(raw: dict[str, Tensor]) -> tuple[dict[str, tuple[Tensor, Tensor, float | None]], list[str]]:
-    """module -> (A, B, alpha or None), plus skipped (text-encoder) keys."""
+def kohya_module(base: str) -> str | None:
+    """Our module name of a kohya key base (`lora_unet_double_blocks_0_img_attn_qkv` ->
+    `double_blocks.0.img_attn.qkv`); None when it names no FLUX.1 transformer linear."""
     names = _module_names()
     lookup = {kind: {n.replace(".", "_"): n for n in names[kind]} for kind in names}
+    flat = base.removeprefix(KOHYA_PREFIX)
+    m = _KBLOCK.match(flat)
+    kind, index, inner = (("double" if m.group(1) == "double_blocks" else "single"), m.group(2), m.group(3)) \
+        if m else ("top", "", flat)
+    if not base.startswith(KOHYA_PREFIX) or inner not in lookup[kind]:
+        return None
+    return f"{m.group(1)}.{index}.{lookup[kind][inner]}" if m else lookup[kind][inner]
+
+
+def diffusers_module(name: str) -> tuple[str, int, int] | None:
+    """(our module, part index, part count) of a diffusers FluxTransformer2DModel linear, by its dotted name
+    (`transformer_blocks.0.attn.to_k` -> (`double_blocks.0.img_attn.qkv`, 1, 3)); None for another name."""
+    m = _DBLOCK.match(name)
+    kind, index, inner = (("double" if m.group(1) == "transformer_blocks" else "single"), m.group(2), m.group(3)) \
+        if m else ("top", "", name)
+    hit = _from_diffusers_table().get((kind, inner))
+    if hit is None:
+        return None
+    ours, part, n = hit
+    return (f"{'double_blocks' if kind == 'double' else 'single_blocks'}.{index}.{ours}" if m else ours), part, n
+
+
+def _from_kohya(raw: dict[str, Tensor]) -> tuple[dict[str, tuple[Tensor, Tensor, float | None]], list[str]]:
+    """module -> (A, B, alpha or None), plus skipped (text-encoder) keys."""
     out, skipped = {}, []
     for key in raw:
         if not key.endswith(".lora_down.weight"):
@@ -283,14 +308,10 @@ def _from_kohya(raw: dict[str, Tensor]) -> tuple[dict[str, tuple[Tensor, Tensor,
         if base.startswith("lora_te"):
             skipped.append(base)
             continue
-        flat = base.removeprefix(KOHYA_PREFIX)
-        m = _KBLOCK.match(flat)
-        kind, index, inner = (("double" if m.group(1) == "double_blocks" else "single"), m.group(2), m.group(3)) \
-            if m else ("top", "", flat)
-        if not base.startswith(KOHYA_PREFIX) or inner not in lookup[kind]:
+        module = kohya_module(base)
+        if module is None:
             raise LoraError(f"kohya key {base} names no FLUX.1 transformer linear (expected e.g. "
                             "lora_unet_double_blocks_0_img_attn_qkv); this is not a FLUX.1 LoRA")
-        module = f"{m.group(1)}.{index}.{lookup[kind][inner]}" if m else lookup[kind][inner]
         up = raw.get(f"{base}.lora_up.weight")
         if up is None:
             raise LoraError(f"kohya LoRA {base} has lora_down but no lora_up; the file is incomplete")
@@ -324,7 +345,6 @@ def _fuse(module: str, parts: dict[int, tuple[Tensor, Tensor]], n: int) -> tuple
 
 
 def _from_diffusers(raw: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor, float | None]]:
-    table = _from_diffusers_table()
     found: dict[str, dict[int, tuple[Tensor, Tensor, float | None]]] = {}
     counts: dict[str, int] = {}
     for key in raw:
@@ -333,15 +353,11 @@ def _from_diffusers(raw: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor, f
         base = key.removesuffix(".lora_A.weight")
         if not base.startswith(DIFFUSERS_PREFIX) and base.split(".")[0] in ("text_encoder", "text_encoder_2"):
             continue  # another pipeline component's LoRA
-        name = base.removeprefix(DIFFUSERS_PREFIX)
-        m = _DBLOCK.match(name)
-        kind, index, inner = (("double" if m.group(1) == "transformer_blocks" else "single"), m.group(2), m.group(3)) \
-            if m else ("top", "", name)
-        if (kind, inner) not in table:
+        hit = diffusers_module(base.removeprefix(DIFFUSERS_PREFIX))
+        if hit is None:
             raise LoraError(f"diffusers LoRA key {base} names no FluxTransformer2DModel linear (expected e.g. "
                             "transformer.transformer_blocks.0.attn.to_q); this is not a FLUX.1 transformer LoRA")
-        ours, part, n = table[(kind, inner)]
-        module = f"{'double_blocks' if kind == 'double' else 'single_blocks'}.{index}.{ours}" if m else ours
+        module, part, n = hit
         B = raw.get(f"{base}.lora_B.weight")
         if B is None:
             raise LoraError(f"diffusers LoRA {base} has lora_A but no lora_B; the file is incomplete")
@@ -456,6 +472,11 @@ def read_lora(path: str | os.PathLike, scale: float | None = None) -> tuple[dict
     path = Path(path)
     raw, meta = _open(path)
     keys = list(raw)
+    other = next((k for k in keys if ".lokr_" in k or k.endswith((".dora_scale", ".lora_magnitude_vector"))), None)
+    if other:  # read as a LoRA, a DoRA would lose its magnitude (diffusers' reader drops it) and a LoKr everything
+        kind = "LoKr" if ".lokr_" in other else "DoRA"
+        raise LoraError(f"{path} is a {kind} ({other}), not a plain LoRA; `fluxzero convert {path} OUT --to kohya "
+                        f"--as-lora-rank R` writes it as one")
     if any(k.endswith(".lora_down.weight") for k in keys):
         layout = "kohya"
         found, _ = _from_kohya(raw)

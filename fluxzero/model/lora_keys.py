@@ -8,10 +8,24 @@ import re
 from torch import nn
 
 _LORA_KEY = re.compile(r"^(.+)\.(lora_A|lora_B)\.weight$")
+# Every adapter tensor under PEFT's saved names (its state dict without the adapter name): a LoRA's A and B, a
+# DoRA's magnitude, a LoKr's factors. Group 1 is the module, group 2 the tensor's role.
+ADAPTER_TENSORS = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector", "lokr_w1", "lokr_w1_a", "lokr_w1_b",
+                   "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+_ADAPTER_KEY = re.compile(r"^(.+)\.(" + "|".join(re.escape(t) for t in ADAPTER_TENSORS) + r")$")
 
 
 class LoraError(ValueError):
     """A LoRA setting or file that does not fit the model."""
+
+
+def canonical_adapter_name(name: str, adapter: str = "default") -> str | None:
+    """A PEFT parameter name (`m.lora_A.default.weight`, `m.lokr_w1.default`,
+    `m.lora_magnitude_vector.default.weight`) under its saved name (`m.lora_A.weight`, `m.lokr_w1`,
+    `m.lora_magnitude_vector`); None for a name that is no adapter tensor."""
+    key = name.replace(f".{adapter}.", ".").removesuffix(f".{adapter}")
+    key = key.removesuffix(".weight") if ".lora_magnitude_vector." in key else key
+    return key if _ADAPTER_KEY.match(key) else None
 
 
 def _linear_names(model: nn.Module) -> list[str]:
@@ -19,7 +33,7 @@ def _linear_names(model: nn.Module) -> list[str]:
     wrapper), in module order."""
     names = []
     for name, mod in model.named_modules():
-        if ".lora_" in name or name.endswith(".base_layer"):
+        if ".lora_" in name or ".lokr_" in name or name.endswith(".base_layer"):
             continue
         base = getattr(mod, "base_layer", None)
         if isinstance(mod, nn.Linear) or isinstance(base, nn.Linear):

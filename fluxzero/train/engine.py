@@ -431,8 +431,15 @@ def apply_adapters(model: torch.nn.Module, lora, v: DSView) -> list[str]:
         raise TrainingError("compiled blocks (fluxzero.compile.blocks) with LoRA under ZeRO-3 fail in DeepSpeed "
                             "0.19.8's backward pass (an adapter-shaped tensor is an empty ZeRO-3 placeholder there); "
                             "turn fluxzero.compile.blocks off, or train the LoRA under ZeRO-2, where compile works")
+    if v.stage == 3 and lora.type != "lora" and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:  # tests/train/test_train_adapters.py measures it
+        raise TrainingError(f"a {'DoRA' if lora.type == 'dora' else 'LoKr'} under ZeRO-3 on more than one "
+                            f"rank trains away from the same run in plain PEFT (its losses drift by 1e-5 to 3e-4 in 3 "
+                            f"steps, where a LoRA's agree to 1e-7); train it under ZeRO-0, 1 or 2, or on one rank")
+    # a DoRA's magnitude starts from its base weight's row norms, which ZeRO-3 holds partitioned (apply_lora)
+    gather = deepspeed.zero.GatheredParameters if v.stage == 3 else None
     try:
-        names = apply_lora(model, lora)
+        names = apply_lora(model, lora, gather=gather)
     except LoraError as e:
         raise TrainingError(str(e)) from None
     if v.checkpoint_every > 0 and v.checkpoint_impl == "deepspeed":

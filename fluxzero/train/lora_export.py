@@ -25,7 +25,17 @@ _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def is_lora_state_dict(sd: dict) -> bool:
-    return any(".lora_A." in k for k in sd)
+    """The consolidated checkpoint holds adapters (LoRA, DoRA or LoKr), not full weights."""
+    from fluxzero.model.lora import ADAPTER
+    from fluxzero.model.lora_keys import canonical_adapter_name
+
+    return any(canonical_adapter_name(k, ADAPTER) for k in sd)
+
+
+def lora_layout(layout: str, lcfg) -> str:
+    """The adapter file's layout for export.format `layout`: LORA_LAYOUTS' for a LoRA; a DoRA or LoKr exists in
+    LyCORIS' layout only (fluxzero.model.adapters), which ComfyUI reads."""
+    return LORA_LAYOUTS[layout] if lcfg.type == "lora" else "lycoris"
 
 
 def lora_settings(tag_dir: Path, saved: dict | None = None):
@@ -51,43 +61,56 @@ def lora_settings(tag_dir: Path, saved: dict | None = None):
 def canonical_lora(sd: dict) -> dict:
     """The adapter tensors of a consolidated checkpoint under fluxzero.model.lora's canonical names."""
     from fluxzero.model.lora import ADAPTER
+    from fluxzero.model.lora_keys import canonical_adapter_name
 
-    return {k.replace(f".{ADAPTER}.", "."): v for k, v in sd.items() if ".lora_" in k}
+    return {canonical_adapter_name(k, ADAPTER): v for k, v in sd.items() if canonical_adapter_name(k, ADAPTER)}
 
 
 def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "bfl", dtype: str = "bf16",
-                      merge: bool = False, base: str | None = None, saved: dict | None = None) -> str:
-    """Write the consolidated LoRA checkpoint `sd` (of folder `tag_dir`, whose run.yaml is `saved` when it was read
-    with it): a LoRA file in LORA_LAYOUTS[layout], or with `merge` the full weights in `layout` (bfl, comfyui,
-    diffusers): `base` (default: the run's `weights`) with the LoRA merged in, W + (alpha / rank) B A in fp32,
-    then rounded to `dtype`."""
+                      merge: bool = False, base: str | None = None, saved: dict | None = None,
+                      as_lora_rank: int | None = None, max_error: float | None = None, report=None) -> str:
+    """Write the consolidated adapter checkpoint `sd` (of folder `tag_dir`, whose run.yaml is `saved` when it was
+    read with it): an adapter file in lora_layout(layout), or with `merge` the full weights in `layout` (bfl,
+    comfyui, diffusers): `base` (default: the run's `weights`) with the adapters merged in (in fp32, then rounded
+    to `dtype`), or with `as_lora_rank` a plain LoRA of that rank standing for the adapters
+    (fluxzero.model.adapters; a DoRA reads `base`), refused when a layer's relative error is above `max_error`;
+    `report` receives its error lines."""
     from safetensors import SafetensorError
 
+    from fluxzero.model import adapters
     from fluxzero.model.lora_keys import LoraError
     from fluxzero.model.lora_formats import merge_lora, save_lora
     from fluxzero.model.layouts import WeightsError
-    from fluxzero.model.weights import load_weights, save_weights
+    from fluxzero.model.weights import save_weights
 
     from fluxzero.fsutil import remove_stale_temps
 
     lcfg, cfg, run_weights = lora_settings(tag_dir, saved)
     lora_sd = canonical_lora(sd)
+    name = cfg.name if cfg else None
     remove_stale_temps(out)  # what a killed earlier export of `out` left beside it (its process is gone)
     try:
-        if not merge:
-            save_lora(out, lora_sd, lcfg, layout=LORA_LAYOUTS[layout], base_model=cfg.name if cfg else None,
-                      dtype=_DTYPES[dtype])
+        if as_lora_rank is not None:
+            parts = adapters.trained_parts(lora_sd, lcfg)
+            weights = _base_weights(tag_dir, base, run_weights, cfg) if lcfg.type == "dora" else None
+            plain = adapters.as_plain_lora(adapters.module_deltas(parts, weights), as_lora_rank, _DTYPES[dtype])
+            for line in adapters.error_report(plain) if report else ():
+                report(line)
+            adapters.check_error(plain, max_error)
+            save_lora(out, plain.state_dict, plain.config, layout=LORA_LAYOUTS[layout], base_model=name)
             return str(out)
-        base = base or run_weights
-        if not base:
-            raise TrainingError(f"checkpoint {tag_dir} is a LoRA trained on random weights (its run.yaml has no "
-                                f"weights:), so there is no base to merge it into; name the base weights file")
-        if base == run_weights and not Path(base).exists():  # the run's own base, moved or read from elsewhere
-            raise TrainingError(f"cannot merge {tag_dir}: its base is the run's weights: {run_weights} (in its "
-                                f"run.yaml, a path relative to the folder training was launched from), which is "
-                                f"not found from {os.getcwd()}; run the export from that folder, or pass --base "
-                                f"with the base weights file")
-        merged = merge_lora(load_weights(base, cfg=cfg, dtype=torch.float32), lora_sd, lcfg)
+        if not merge:
+            if lcfg.type == "lora":
+                save_lora(out, lora_sd, lcfg, layout=LORA_LAYOUTS[layout], base_model=name, dtype=_DTYPES[dtype])
+            else:
+                adapters.save_lycoris(out, lora_sd, lcfg, base_model=name, dtype=_DTYPES[dtype])
+            return str(out)
+        weights = _base_weights(tag_dir, base, run_weights, cfg)
+        if lcfg.type == "lora":
+            merged = merge_lora(weights, lora_sd, lcfg)
+        else:
+            merged = adapters.merge_deltas(weights, adapters.module_deltas(adapters.trained_parts(lora_sd, lcfg),
+                                                                           weights))
         save_weights(merged, str(out), layout=layout, dtype=_DTYPES[dtype], cfg=cfg)
     except (WeightsError, LoraError) as e:
         raise TrainingError(f"cannot export {tag_dir}: {e}") from None
@@ -98,9 +121,28 @@ def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "b
     return str(out)
 
 
+def _base_weights(tag_dir: Path, base: str | None, run_weights: str | None, cfg) -> dict:
+    """The base weights (fp32, our names) an export merges into or a DoRA rescales: `base`, else the run's."""
+    from fluxzero.model.weights import load_weights
+
+    base = base or run_weights
+    if not base:
+        raise TrainingError(f"checkpoint {tag_dir} is an adapter trained on random weights (its run.yaml has no "
+                            f"weights:), so there is no base weight to merge into or rescale; name the base weights "
+                            f"file (--base)")
+    if base == run_weights and not Path(base).exists():  # the run's own base, moved or read from elsewhere
+        raise TrainingError(f"cannot export {tag_dir}: its base is the run's weights: {run_weights} (in its "
+                            f"run.yaml, a path relative to the folder training was launched from), which is "
+                            f"not found from {os.getcwd()}; run the export from that folder, or pass --base "
+                            f"with the base weights file")
+    return load_weights(base, cfg=cfg, dtype=torch.float32)
+
+
 def export_lora(path: str | Path, out: str | Path, layout: str = "bfl", dtype: str = "bf16", merge: bool = False,
-                base: str | None = None, weights: str = "live") -> str:
-    """A LoRA checkpoint (output_dir, checkpoints/ or one tag folder) -> LoRA file, or merged full weights.
+                base: str | None = None, weights: str = "live", as_lora_rank: int | None = None,
+                max_error: float | None = None, report=None) -> str:
+    """A LoRA checkpoint (output_dir, checkpoints/ or one tag folder) -> LoRA file, or merged full weights, or
+    (as_lora_rank) a plain LoRA of that rank standing for its adapters (write_lora_export).
     weights "ema": the EMA of the adapters the run kept instead of the trained ones."""
     # weights "ema": the EMA shards hold the trainable parameters, the adapters, under the same names
     sd, tag_dir, saved = consolidated_checkpoint(path, weights)
@@ -108,8 +150,12 @@ def export_lora(path: str | Path, out: str | Path, layout: str = "bfl", dtype: s
         if merge:
             raise TrainingError(f"checkpoint {tag_dir} is a full fine-tune, not a LoRA: there is nothing to merge; "
                                 f"export it without merging")
+        if as_lora_rank is not None:
+            raise TrainingError(f"checkpoint {tag_dir} is a full fine-tune, not an adapter: --as-lora-rank has "
+                                f"nothing to approximate; export it without --as-lora-rank")
         raise TrainingError(f"checkpoint {tag_dir} is a full fine-tune, not a LoRA; export its full weights")
-    return write_lora_export(sd, tag_dir, out, layout, dtype, merge=merge, base=base, saved=saved)
+    return write_lora_export(sd, tag_dir, out, layout, dtype, merge=merge, base=base, saved=saved,
+                             as_lora_rank=as_lora_rank, max_error=max_error, report=report)
 
 
 def final_lora_export(cfg: ExportConfig, output_dir: str, ckpt_dir: Path, rank: int,
@@ -126,7 +172,12 @@ def final_lora_export(cfg: ExportConfig, output_dir: str, ckpt_dir: Path, rank: 
         return str(out), False
     latest, written = ckpt_dir / "latest", False
     try:
-        if not lora_is_current(out, latest, LORA_LAYOUTS[cfg.format], cfg.dtype):
+        lcfg = lora_settings(ckpt_dir / latest.read_text().strip())[0]
+    except (OSError, TrainingError):  # export_lora below names what is wrong with the checkpoint
+        lcfg = None
+    try:
+        layout = lora_layout(cfg.format, lcfg) if lcfg else LORA_LAYOUTS[cfg.format]
+        if not lora_is_current(out, latest, layout, cfg.dtype):
             export_lora(ckpt_dir, out, cfg.format, cfg.dtype, weights=cfg.weights)
             written = True
         if cfg.merged and not export_is_current(merged, latest, cfg.format, cfg.dtype):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fluxzero.config import TrainConfig
+from fluxzero.config import LoraConfig, TrainConfig
 from fluxzero.config.models import model_name, same_model
 from fluxzero.config.runfile import read_saved_run
 from fluxzero.config.ds_view import DSView, view
@@ -223,7 +223,8 @@ def _check_same_training(now: dict, saved: dict, ckpt: Path, allow_config_change
                 f"has {', '.join(f'{name(k)}={_setting(now, k)}' for k in diff)}{where}; {fix}")
 
 
-LORA_FIXED_ON_RESUME = ("rank", "alpha", "targets", "init")  # the adapters' shapes and scale; dropout may change
+# the adapters' kind, shapes and scale; dropout may change
+LORA_FIXED_ON_RESUME = ("rank", "alpha", "targets", "init", "type", "factor", "decompose_both")
 
 
 def _check_same_adapters(cfg: TrainConfig, saved: dict, ckpt: Path) -> None:
@@ -237,6 +238,8 @@ def _check_same_adapters(cfg: TrainConfig, saved: dict, ckpt: Path) -> None:
                             f"trains {'a LoRA' if now else 'the full model (no lora section)'}; "
                             f"{'add its lora section back' if was else 'remove the lora section'}, or choose another "
                             f"output_dir")
+    if was:  # a key a checkpoint's run.yaml lacks was written before it existed: it had the default
+        was = {**LoraConfig(rank=1).to_dict(), **was}
     diff = [k for k in LORA_FIXED_ON_RESUME if was and was.get(k) != getattr(now, k)]
     if diff:
         raise TrainingError(f"{ckpt} was trained with {', '.join(f'lora.{k}={was.get(k)}' for k in diff)} but this "
