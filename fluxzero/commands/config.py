@@ -246,10 +246,11 @@ def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node
     if one_gpu:
         plan.lines.insert(0, "world size not given: 1 GPU (pass --world-size N for more)")
     if plan.result.spec is None:  # what would fit, then one sentence (no usage text: the flags were fine)
-        i = next(i for i, line in enumerate(plan.lines) if line.startswith("nothing fits"))
+        # the sentence that says why: "nothing fits ..." or, for pins that contradict each other, the last line
+        i = next((i for i, line in enumerate(plan.lines) if line.startswith("nothing fits")), len(plan.lines) - 1)
         click.echo("gen-config --fit:\n  " + "\n  ".join(plan.lines[:i] + plan.lines[i + 1:]), err=True)
-        error = click.ClickException(f"--fit: {plan.lines[i].rstrip('.')}; nothing was written (what would fit "
-                                     f"is above).")
+        above = " (what would fit is above)" if plan.lines[i].startswith("nothing fits") else ""
+        error = click.ClickException(f"--fit: {plan.lines[i].rstrip('.')}; nothing was written{above}.")
         error.exit_code = 2
         raise error
     click.echo("gen-config --fit:\n  " + "\n  ".join(plan.lines), err=True)
