@@ -382,10 +382,19 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
         scalars = self._scalars(group, t, p, finite)
         # compiled where the noise is keyed: a draw from torch's generator inside a compiled kernel would move
         # the stream the trainer's own draws come from
-        fn = _compiled_factored() if p.is_cuda and key is not None else _adafactor_factored
-        key_t = None if key is None else torch.tensor(key, dtype=torch.int32).to(p.device, non_blocking=True)
-        fn(p, p.grad, st["row_var"], st["col_var"], scalars, finite, key_t, self._eps1(group), group["eps"][1],
-           group["d"], group["weight_decay"] != 0)
+        args = (p, p.grad, st["row_var"], st["col_var"], scalars, finite, self._eps1(group), group["eps"][1],
+                group["d"], group["weight_decay"] != 0)
+        new = None
+        if p.is_cuda and key is not None and not _COMPILE_FAILED:
+            try:
+                new = _compiled_factored()(*args)
+            except Exception as e:  # a compiler that cannot build it: the same math eagerly, said once
+                _compile_failed(e)
+        if new is None:
+            new = _adafactor_factored(*args)
+        # the rounding stays outside the compiled graph (its int32 hash is not Inductor-safe on CUDA), eager but
+        # with no host sync
+        _store(p, new, sr=True, key=key)
 
     def _step_flat(self, group, t, p, variance, key=None, finite=None):
         pieces = _pieces(p, self.step_chunk)
@@ -432,15 +441,15 @@ def _scale(p_norm: torch.Tensor, u_norm: torch.Tensor, lr_t, eps2: float, d: flo
     return -alpha / torch.clamp(u_norm.double() / (n**0.5 * d), min=1.0)
 
 
-def _adafactor_factored(p, g, row_var, col_var, scalars, finite, key, e1: float, eps2: float, d: float,
-                        decay: bool) -> None:
-    """One AdafactorSR update of one tensor of two or more dimensions, in place: the factored second moments (row
-    and column means of g^2, fp32) and the weight, stochastically rounded when bf16 (noise keyed on `key`, a 0-d
-    int32 tensor, or drawn when None). scalars: AdafactorSR._scalars. Where `finite` (a 0-d bool tensor, or None)
-    is False, the gradient counts as zero and the states are kept: the weight is written back unchanged.
+def _adafactor_factored(p, g, row_var, col_var, scalars, finite, e1: float, eps2: float, d: float,
+                        decay: bool) -> torch.Tensor:
+    """One AdafactorSR update of one tensor of two or more dimensions: the factored second moments (row and column
+    means of g^2, fp32) in place, and the new weight returned in fp32 (the caller stores it, stochastically rounded
+    when bf16). scalars: AdafactorSR._scalars. Where `finite` (a 0-d bool tensor, or None) is False, the gradient
+    counts as zero and the states are kept: the weight comes back unchanged.
 
-    Eager on the CPU; on CUDA compiled once per shape (`_compiled_factored`): the weight's fp32 copy, the full-size
-    variance and the rounding noise are never materialised, and nothing waits for the host."""
+    Eager on the CPU; on CUDA compiled once per shape (`_compiled_factored`): the full-size variance and the other
+    temporaries are never materialised, and nothing waits for the host."""
     g = g.float()
     if finite is not None:
         g = torch.where(finite, g, 0.0)
@@ -458,17 +467,23 @@ def _adafactor_factored(p, g, row_var, col_var, scalars, finite, key, e1: float,
     var = (row @ col).div(row.mean(dim=-2, keepdim=True).clamp(min=e1))
     update = var.clamp(min=e1 * e1).rsqrt().mul(g)
     scale = _scale(p_norm, torch.linalg.vector_norm(update), scalars[0], eps2, d, p.numel())
-    new = p32.addcmul(update, scale.float())
-    if p.dtype != torch.bfloat16:
-        p.copy_(new)
-    else:
-        p.copy_(stochastic_round_bf16(new) if key is None else round_keyed(new, key))
+    return p32.addcmul(update, scale.float())
 
 
 @functools.cache
 def _compiled_factored():
     """`_adafactor_factored` compiled (a graph per weight shape: FLUX.1 has a handful)."""
     return torch.compile(_adafactor_factored, dynamic=False, fullgraph=True)
+
+
+_COMPILE_FAILED = False
+
+
+def _compile_failed(e: Exception) -> None:
+    global _COMPILE_FAILED
+    _COMPILE_FAILED = True
+    warnings.warn(f"the compiled Adafactor step could not be built ({type(e).__name__}: {str(e)[:200]}); stepping "
+                  f"eagerly (same math, slower)", stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------------------------
