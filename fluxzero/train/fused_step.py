@@ -1,7 +1,7 @@
 """The fused optimizer modes: each parameter is stepped during backward as soon as its gradient is complete, so no
 whole-model gradient buffer ever exists (fluxzero.config.optim_modes: `fused`).
 
-`FusedAdafactorSR` is AdafactorSR (fluxzero.train.optim), the same step code per tensor, driven by a
+`FusedStep` turns an optimizer with a per-tensor `step_param` into one driven by a
 `register_post_accumulate_grad_hook` on every trained parameter: the hook averages the gradient over the
 data-parallel ranks, checks it is finite, steps the tensor with its param group's lr (as DeepSpeed's lr scheduler
 set it for this step) and sets `p.grad = None`. It is the client optimizer handed to deepspeed.initialize at ZeRO
@@ -31,11 +31,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from fluxzero.train.optim import AdafactorSR
 
 
-class FusedAdafactorSR(AdafactorSR):
-    """AdafactorSR stepped per parameter in backward; `attach()` registers the hooks (the engine builder calls it)."""
+class FusedStep:
+    """Mixin before an optimizer with `step_param(group, p, finite=)` (fluxzero.train.optim.FusedAdafactorSR is
+    AdafactorSR's): stepped per parameter in backward; `attach()` registers the hooks (the engine builder calls
+    it). It imports no optimizer, so fluxzero.train.optim can build on it."""
 
     steps_in_backward = True  # train/step.py reads it: the loss is checked before backward
 

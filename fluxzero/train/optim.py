@@ -90,10 +90,11 @@ from collections.abc import Iterable
 import torch
 
 from fluxzero.config.optim_modes import MODES, STEP_CHUNK, get_mode
+from fluxzero.train.fused_step import FusedStep
 from fluxzero.train.optim_state import ExactStateMixin
 from fluxzero.train.rounding import mix32, noise_key, round_keyed, round_with_noise
 
-__all__ = ["build_optimizer", "KahanAdamW", "AdafactorSR", "stochastic_round_bf16", "OptimModeError"]
+__all__ = ["build_optimizer", "KahanAdamW", "AdafactorSR", "FusedAdafactorSR", "stochastic_round_bf16", "OptimModeError"]
 
 
 class OptimModeError(ValueError):
@@ -486,6 +487,10 @@ def _compile_failed(e: Exception) -> None:
                   f"eagerly (same math, slower)", stacklevel=3)
 
 
+class FusedAdafactorSR(FusedStep, AdafactorSR):
+    """AdafactorSR stepped per parameter in backward (fluxzero.train.fused_step): mode fused-adafactor-sr."""
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the one entry point
 # ---------------------------------------------------------------------------------------------------------
@@ -534,8 +539,6 @@ def build_optimizer(params: Iterable, mode: str, lr: float, betas: tuple[float, 
     elif mode == "adafactor-sr":
         opt = AdafactorSR(params, lr=lr, weight_decay=weight_decay, step_chunk=spec.step_chunk)
     elif mode == "fused-adafactor-sr":
-        from fluxzero.train.fused_step import FusedAdafactorSR
-
         opt = FusedAdafactorSR(params, lr=lr, weight_decay=weight_decay, step_chunk=spec.step_chunk,
                                noise_seed=noise_seed)
     elif spec.needs_offload:

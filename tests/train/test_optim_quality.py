@@ -118,7 +118,7 @@ def test_fused_adafactor_sr_matches_fp32_adafactor(problem):
     """The fused mode's step happens in the gradient hook during backward (fluxzero.train.fused_step): the same
     problem through autograd, each step's update applied by loss.backward() itself, held to the same reference
     (round-to-nearest misses it: the test above)."""
-    from fluxzero.train.fused_step import FusedAdafactorSR
+    from fluxzero.train.optim import FusedAdafactorSR
 
     ref = problem.train(lambda p: torch.optim.Adafactor(p, lr=LR_ADAFACTOR, foreach=False), torch.float32)
     layer = LeastSquaresLayer(problem).to(torch.bfloat16)

@@ -228,8 +228,9 @@ def test_bad_lora_input_through_the_trainer(tmp_path):
     cases = {  # name: (overrides, output_dir, start of the one error line; None: trains)
         "rank": (["lora.rank=0"], "rank", "lora.rank must be a whole number of at least 1, got 0; set e.g. rank: 16"),
         "pattern": (["lora.targets=[double_blocks.*.img_attn.qvk]"], "pattern",
-                    "lora.targets pattern 'double_blocks.*.img_attn.qvk' matches no linear layer of the model; "
-                    "patterns are fnmatch globs over whole module names, e.g. double_blocks.*.img_attn.qkv"),
+                    "lora.targets pattern 'double_blocks.*.img_attn.qvk' matches no linear layer of flux-tiny; "
+                    "patterns are fnmatch globs over whole module names such as double_blocks.*.img_attn.qkv or "
+                    "single_blocks.*.linear1"),
         "shape": (["lora.rank=8", f"lora.weights={lora_file}"], "shape",
                   f"{lora_file}: LoRA tensor double_blocks.0.img_attn.qkv.lora_A.weight has shape (4, 64) in the file "
                   f"but (8, 64) in the model; the file was made for another model shape or rank"),
