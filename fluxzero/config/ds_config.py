@@ -373,7 +373,7 @@ def _check_zero_options(o: DSOptions, p: list[str]) -> None:
     if stage == 3 and o.offload_param == "nvme" and _model(o.model) is not None:
         # DeepSpeed swaps each rank's partition of a parameter through one buffer (partitioned_param_swapper
         # get_buffer asserts "More elements ... than buffer size" at the first swap otherwise).
-        from fluxzero.config.lora import linear_shapes  # pure; FLUX.1's largest tensor is a linear's weight
+        from fluxzero.config.architecture import linear_shapes  # FLUX.1's largest tensor is a linear's weight
 
         largest = max(i * n for i, n in linear_shapes(_model(o.model)).values())
         need = -(-largest // (o.world_size or 1))

@@ -11,6 +11,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from fluxzero.config.architecture import linear_shapes
 from fluxzero.config.keys import did_you_mean
 from fluxzero.config.user_files import excerpt
 
@@ -176,27 +177,6 @@ class LoraConfig:
             raise ValueError(f"lora.targets pattern {excerpt(missed[0])} matches no linear layer of {model_cfg.name}; "
                              f"patterns are fnmatch globs over whole module names such as "
                              f"double_blocks.*.img_attn.qkv or single_blocks.*.linear1")
-
-
-def linear_shapes(model_cfg) -> dict[str, tuple[int, int]]:
-    """Every nn.Linear of a FLUX.1 transformer of this shape: module name -> (in_features, out_features), in
-    module order, from the architecture alone (fluxzero/model/flux.py and layers.py build the same)."""
-    C, M = model_cfg.hidden_size, model_cfg.mlp_hidden_dim
-    out = {"img_in": (model_cfg.in_channels, C), "time_in.in_layer": (256, C), "time_in.out_layer": (C, C),
-           "vector_in.in_layer": (model_cfg.vec_in_dim, C), "vector_in.out_layer": (C, C)}
-    if model_cfg.guidance_embed:
-        out.update({"guidance_in.in_layer": (256, C), "guidance_in.out_layer": (C, C)})
-    out["txt_in"] = (model_cfg.context_in_dim, C)
-    for i in range(model_cfg.depth):
-        for s in ("img", "txt"):
-            p = f"double_blocks.{i}.{s}"
-            out.update({f"{p}_mod.lin": (C, 6 * C), f"{p}_attn.qkv": (C, 3 * C), f"{p}_attn.proj": (C, C),
-                        f"{p}_mlp.0": (C, M), f"{p}_mlp.2": (M, C)})
-    for i in range(model_cfg.depth_single_blocks):
-        p = f"single_blocks.{i}"
-        out.update({f"{p}.linear1": (C, 3 * C + M), f"{p}.linear2": (C + M, C), f"{p}.modulation.lin": (C, 3 * C)})
-    out.update({"final_layer.linear": (C, model_cfg.out_channels), "final_layer.adaLN_modulation.1": (C, 2 * C)})
-    return out
 
 
 def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:

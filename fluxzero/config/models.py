@@ -1,4 +1,5 @@
-"""Model shapes: ModelConfig, the named presets and reshaped variants (pure Python).
+"""Model shapes: ModelConfig, the named presets (fluxzero.config.architecture.PRESETS) and reshaped variants
+(pure Python).
 
 No torch import here: `fluxzero gen-config`, `fluxzero estimate` and friends must stay instant.
 """
@@ -8,6 +9,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from fluxzero.config import architecture
 from fluxzero.config.user_files import excerpt, parse_json
 
 
@@ -84,45 +86,13 @@ class ModelConfig:
         return self.in_channels // 4
 
     def num_params(self) -> int:
-        """Parameter count of the transformer (flux-dev: 11,901,408,320), from the architecture alone."""
-        C, M, D = self.hidden_size, self.mlp_hidden_dim, self.head_dim
-
-        def linear(n_in: int, n_out: int, bias: bool = True) -> int:
-            return n_in * n_out + (n_out if bias else 0)
-
-        embed = linear(self.in_channels, C) + linear(self.context_in_dim, C)  # img_in, txt_in
-        embed += linear(256, C) + linear(C, C) + linear(self.vec_in_dim, C) + linear(C, C)  # time_in, vector_in
-        if self.guidance_embed:
-            embed += linear(256, C) + linear(C, C)  # guidance_in
-        stream = (linear(C, 6 * C) + linear(C, 3 * C, self.qkv_bias) + 2 * D  # mod, qkv, q/k norm scales
-                  + linear(C, C) + linear(C, M) + linear(M, C))  # proj, mlp
-        single = linear(C, 3 * C + M) + linear(C + M, C) + 2 * D + linear(C, 3 * C)  # linear1/2, norm, mod
-        final = linear(C, self.out_channels) + linear(C, 2 * C)
-        return embed + self.depth * 2 * stream + self.depth_single_blocks * single + final
+        """Parameter count of the transformer (flux-dev: 11,901,408,320), from the architecture table."""
+        return architecture.num_params(self)
 
     def flops_per_sample(self, img_tokens: int, txt_tokens: int) -> float:
         """Forward FLOPs of one sample (multiply-add = 2 FLOPs); training step is about 3x this.
-
-        Counted: every linear layer on the tokens that pass through it, attention's QK^T and AV, and the
-        per-sample work (modulation, embedders, final adaLN) once per sample. Not counted (memory-bound,
-        < 1% at FLUX sizes): norms, RoPE, softmax, activations, biases, residual adds.
-        With C hidden, M mlp hidden, I img tokens, T txt tokens, L = I + T:
-          double block: 2 (I + T) (3C^2 + C^2 + 2CM)   qkv, proj, mlp per stream
-                        + 4 L^2 C                      QK^T (2 L^2 D per head) + AV (the same), H heads
-                        + 2 * 2 * 6 C^2                img and txt modulation, per sample
-          single block: 2 L (C (3C + M) + (C + M) C) + 4 L^2 C + 2 * 3 C^2
-          embedders:    2 I in C + 2 T ctx C + 2 (256 C + C^2) (time, guidance) + 2 (vec C + C^2)
-          final layer:  2 I C out + 2 * 2 C^2
-        """
-        C, M, I, T = self.hidden_size, self.mlp_hidden_dim, img_tokens, txt_tokens
-        L = I + T
-        attn = 4 * L * L * C
-        double = 2 * L * (4 * C * C + 2 * C * M) + attn + 2 * 2 * 6 * C * C
-        single = 2 * L * (C * (3 * C + M) + (C + M) * C) + attn + 2 * 3 * C * C
-        embed = 2 * I * self.in_channels * C + 2 * T * self.context_in_dim * C
-        embed += 2 * (256 * C + C * C) * (2 if self.guidance_embed else 1) + 2 * (self.vec_in_dim * C + C * C)
-        final = 2 * I * C * self.out_channels + 2 * 2 * C * C
-        return float(self.depth * double + self.depth_single_blocks * single + embed + final)
+        fluxzero.config.architecture.flops_per_sample says what is counted."""
+        return architecture.flops_per_sample(self, img_tokens, txt_tokens)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -144,24 +114,15 @@ class ModelConfig:
         return dataclasses.replace(self, name="") == dataclasses.replace(other, name="")
 
 
-_FLUX_DEV = ModelConfig(name="flux-dev")
+def _presets() -> dict[str, ModelConfig]:
+    """MODEL_PRESETS from fluxzero.config.architecture.PRESETS (a preset starts from one listed before it)."""
+    out: dict[str, ModelConfig] = {}
+    for name, (base, changes) in architecture.PRESETS.items():
+        out[name] = (out[base] if base else ModelConfig(name=name)).replace(name=name, **changes)
+    return out
 
-MODEL_PRESETS: dict[str, ModelConfig] = {
-    "flux-dev": _FLUX_DEV,
-    "flux-schnell": _FLUX_DEV.replace(name="flux-schnell", guidance_embed=False),
-    # Full width (so per-block kernels and MFU are representative), a quarter of the depth: fits one GPU
-    # with plain data parallelism and AdamW, for benchmarks.
-    "flux-dev-lite": _FLUX_DEV.replace(name="flux-dev-lite", depth=5, depth_single_blocks=10),
-    # Tiny presets for tests and the CPU quick start: every code path of the real model, in milliseconds.
-    "flux-tiny": _FLUX_DEV.replace(
-        name="flux-tiny", hidden_size=64, num_heads=4, axes_dim=(4, 6, 6), depth=2, depth_single_blocks=2,
-        context_in_dim=64, vec_in_dim=32,
-    ),
-}
-MODEL_PRESETS["flux-tiny-schnell"] = MODEL_PRESETS["flux-tiny"].replace(name="flux-tiny-schnell", guidance_embed=False)
-# FLUX.1 Kontext [dev]: FLUX.1-dev's architecture and keys; the flag makes training and sampling feed reference tokens
-MODEL_PRESETS["flux-kontext-dev"] = _FLUX_DEV.replace(name="flux-kontext-dev", kontext=True)
-MODEL_PRESETS["flux-tiny-kontext"] = MODEL_PRESETS["flux-tiny"].replace(name="flux-tiny-kontext", kontext=True)
+
+MODEL_PRESETS: dict[str, ModelConfig] = _presets()
 
 
 def get_model_config(name) -> ModelConfig:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 
-from fluxzero.config import optim_modes
+from fluxzero.config import architecture, optim_modes
 from fluxzero.config.lora import linear_shapes
 from fluxzero.config.memory.spec import PRECISION_BYTES, Item, RunSpec, lora_config, param_inventory, trained_params
 from fluxzero.config.models import ModelConfig
@@ -231,10 +231,7 @@ def _block_linear_weights(cfg: ModelConfig) -> list[int]:
 
 def _embedder_params(cfg: ModelConfig) -> int:
     """Parameters of img_in, time_in, vector_in, guidance_in and txt_in: their gradients come last."""
-    C = cfg.hidden_size
-    n = cfg.in_channels * C + C + (256 * C + C) + (C * C + C) + (cfg.vec_in_dim * C + C) + (C * C + C)
-    n += (256 * C + C) + (C * C + C) if cfg.guidance_embed else 0
-    return n + cfg.context_in_dim * C + C
+    return architecture.block_params(architecture.embedders(cfg))
 
 
 def activation_items(s: RunSpec) -> list[Item]:

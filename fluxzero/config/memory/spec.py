@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from fluxzero.config import ds_view, optim_modes
+from fluxzero.config import architecture, ds_view, optim_modes
 from fluxzero.config.lora import LoraConfig, linear_shapes, lora_param_count
 from fluxzero.config.models import ModelConfig, get_model_config
 
@@ -69,33 +69,16 @@ class ParamInventory:
         return max(self.sub_group_sizes(world_size, sub_group_size), default=0)
 
 
-def _linear(n_in: int, n_out: int, bias: bool = True) -> list[int]:
-    return [n_in * n_out] + ([n_out] if bias else [])
-
-
 def param_inventory(cfg: ModelConfig) -> ParamInventory:
-    C, M, D = cfg.hidden_size, cfg.mlp_hidden_dim, cfg.head_dim
-    stream = [_linear(C, 6 * C), _linear(C, 3 * C, cfg.qkv_bias), [D], [D], _linear(C, C),
-              _linear(C, M), _linear(M, C)]  # mod.lin, attn.qkv, q/k norm scales, attn.proj, mlp.0, mlp.2
-    double = stream + stream  # img_* and txt_*
-    single = [_linear(C, 3 * C + M), _linear(C + M, C), [D], [D], _linear(C, 3 * C)]
-    # in fluxzero.model.Flux's parameters() order: img_in, time_in, vector_in, guidance_in, txt_in, the blocks,
-    # final_layer (ZeRO-3 cuts its optimizer sub-groups along this order)
-    embed = [_linear(cfg.in_channels, C), _linear(256, C), _linear(C, C), _linear(cfg.vec_in_dim, C), _linear(C, C)]
-    embed += [_linear(256, C), _linear(C, C)] if cfg.guidance_embed else []
-    embed += [_linear(cfg.context_in_dim, C)]
-    head = [_linear(C, cfg.out_channels), _linear(C, 2 * C)]
-    outside = embed + head
-    modules = embed + double * cfg.depth + single * cfg.depth_single_blocks + head
-    n_double, n_single = sum(map(sum, double)), sum(map(sum, single))
-    n_outside = sum(map(sum, outside))
+    """The inventory of a model of shape `cfg`, from fluxzero.config.architecture's table."""
+    double, single = architecture.double_block(cfg), architecture.single_block(cfg)
+    outside = architecture.outside_blocks(cfg)
+    modules = [lay for _, lay in architecture.layers(cfg)]  # ZeRO-3 cuts its optimizer sub-groups along this order
     return ParamInventory(
-        total=cfg.depth * n_double + cfg.depth_single_blocks * n_single + n_outside,
-        double_block=n_double, single_block=n_single, outside_blocks=n_outside,
-        largest_layer=max(map(sum, modules)),
-        tensor_sizes=tuple(n for m in modules for n in m),
+        total=architecture.num_params(cfg), double_block=architecture.block_params(double),
+        single_block=architecture.block_params(single), outside_blocks=architecture.block_params(outside),
+        largest_layer=max(lay.params for lay in modules), tensor_sizes=tuple(n for lay in modules for n in lay.tensors),
     )
-
 
 
 def image_tokens(height: int, width: int) -> int:
@@ -298,7 +281,7 @@ class RunSpec:
     @property
     def reference_tokens(self) -> int:
         """A FLUX.1 Kontext model's reference image tokens (the reference is cached at its target's size); 0 else."""
-        return image_tokens(self.height, self.width) if self.model.kontext else 0
+        return architecture.reference_tokens(self.model, image_tokens(self.height, self.width))
 
     @property
     def img_tokens(self) -> int:
