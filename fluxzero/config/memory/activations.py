@@ -8,7 +8,7 @@ from __future__ import annotations
 import fnmatch
 
 from fluxzero.config import architecture, optim_modes
-from fluxzero.config.lora import linear_shapes
+from fluxzero.config.architecture import linear_shapes
 from fluxzero.config.memory.spec import PRECISION_BYTES, Item, RunSpec, lora_config, param_inventory, trained_params
 from fluxzero.config.models import ModelConfig
 

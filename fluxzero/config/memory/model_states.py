@@ -11,7 +11,7 @@ import fnmatch
 import math
 
 from fluxzero.config import optim_modes
-from fluxzero.config.lora import linear_shapes
+from fluxzero.config.architecture import linear_shapes
 from fluxzero.config.memory.spec import (GiB, OPTIMIZER_STATE_BYTES, PRECISION_BYTES, Item, ParamInventory, RunSpec,
                                           base_bytes, lora_config, optim_mode, streamed_blocks, trained_params)
 

@@ -9,7 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from fluxzero.config import architecture, ds_view, optim_modes
-from fluxzero.config.lora import LoraConfig, linear_shapes, lora_param_count
+from fluxzero.config.architecture import linear_shapes
+from fluxzero.config.lora import LoraConfig, lora_param_count
 from fluxzero.config.models import ModelConfig, get_model_config
 
 GiB = 1024**3
