@@ -87,9 +87,10 @@ def verdict(est: Estimate, hw: Hardware, margin: float) -> tuple[bool, str]:
 _FWD_BWD_FLOPS_PER_S = 16 * (1 + 1 / 3) * 3 * 21.50e12 / 2.88  # ~478e12 FLOP/s
 
 
-# Host <-> GPU bandwidth of pinned copies in each direction (PCIe 5 x16, 64 GB/s raw): --fit's speed proxy for
-# streamed blocks (fluxzero.offload_blocks); an assumption until benchmarks/capped_runs.py's fused set measures it
-PCIE_BYTES_PER_S = 40e9
+# Host <-> GPU bandwidth of pinned copies in each direction while both directions run (one block comes in as the
+# last one's update goes out): --fit's speed proxy for streamed blocks (fluxzero.offload_blocks), as
+# benchmarks/copy_bandwidth.py measured it on an H200 (PCIe 5; benchmarks/RESULTS.md, "Host <-> GPU copies")
+PCIE_BYTES_PER_S = 44e9
 
 
 STREAM_TOLERANCE = 0.9
