@@ -369,18 +369,22 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
         # fine-tuning second moments (~1e-8) and shrink every update ~100-fold
         return torch.finfo(torch.float32).eps if group["eps"][0] is None else group["eps"][0]
 
-    def _scalars(self, group, t, p, finite) -> torch.Tensor:
-        """fp64 (3,) on p's device: min(lr, t^-1/2), t^beta2_decay, the weight-decay factor (1 where not finite).
-        Tensors, so the compiled step serves every step without a recompile."""
+    def _scalars(self, group, t, p) -> torch.Tensor:
+        """fp64 (3,) on p's device: min(lr, t^-1/2), t^beta2_decay, the weight-decay factor. Tensors, so the
+        compiled step serves every step without a recompile; one copy per (group, device, step, lr), not one per
+        tensor: a copy from pageable host memory waits for the device's queue, the sync the fused step avoids."""
         lr, wd = group["lr"], group["weight_decay"]
-        s = torch.tensor([min(lr, 1 / t**0.5), t ** group["beta2_decay"], 1 - lr * wd], dtype=torch.float64)
-        s = s.to(p.device, non_blocking=True)
-        if finite is not None:
-            s = torch.where(finite | (torch.arange(3, device=p.device) < 2), s, 1.0)
-        return s
+        key = (id(group), p.device, t, lr, wd, group["beta2_decay"])
+        cache = self.__dict__.setdefault("_scalar_cache", {})
+        if key not in cache:
+            if len(cache) > 64:  # a new step or lr: the old entries are done with
+                cache.clear()
+            cache[key] = torch.tensor([min(lr, 1 / t**0.5), t ** group["beta2_decay"], 1 - lr * wd],
+                                      dtype=torch.float64).to(p.device)
+        return cache[key]
 
     def _step_factored(self, group, t, p, st, key=None, finite=None):
-        scalars = self._scalars(group, t, p, finite)
+        scalars = self._scalars(group, t, p)
         # compiled where the noise is keyed: a draw from torch's generator inside a compiled kernel would move
         # the stream the trainer's own draws come from
         args = (p, p.grad, st["row_var"], st["col_var"], scalars, finite, self._eps1(group), group["eps"][1],
@@ -456,8 +460,9 @@ def _adafactor_factored(p, g, row_var, col_var, scalars, finite, e1: float, eps2
         g = torch.where(finite, g, 0.0)
     p32 = p.float()
     p_norm = torch.linalg.vector_norm(p32)
-    if decay:
-        p32 = p32 * scalars[2].float()
+    if decay:  # a tensor with a non-finite gradient keeps its weight: no decay either
+        factor = scalars[2] if finite is None else torch.where(finite, scalars[2], 1.0)
+        p32 = p32 * factor.float()
     w = scalars[1].float()
     row = row_var.lerp(torch.norm(g, dim=-1, keepdim=True).square().div(g.size(-1)), w)
     col = col_var.lerp(torch.norm(g, dim=-2, keepdim=True).square().div(g.size(-2)), w)
