@@ -251,15 +251,28 @@ def _record(op: str) -> None:
 # Signals
 # ---------------------------------------------------------------------------------------------------------
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")  # what Slurm (--signal), Kubernetes and the launchers send before a kill
-_stop = {"graceful": False, "requested": None}
+_stop = {"graceful": False, "requested": None, "interrupted": False}
+
+
+def _interrupt() -> None:
+    """Raise KeyboardInterrupt once: Ctrl-C reaches a rank together with the launcher's SIGTERM, and the second
+    signal must not cut short the cleanup the first one started."""
+    if not _stop["interrupted"]:
+        _stop["interrupted"] = True
+        raise KeyboardInterrupt
+
+
+def _on_interrupt(signum, frame):
+    _interrupt()
 
 
 def _on_stop_signal(signum, frame):
     """SIGTERM / SIGUSR1: during the loop, ask for a checkpoint at the next step boundary (every rank learns of
     it in that step's loss all-reduce, so all save the same step); before it, stop at once like Ctrl-C."""
     if not _stop["graceful"]:
-        raise KeyboardInterrupt
-    _stop["requested"] = signal.Signals(signum).name
+        _interrupt()
+    else:
+        _stop["requested"] = signal.Signals(signum).name
 
 
 def graceful_stops(on: bool) -> None:
@@ -273,12 +286,16 @@ def stop_requested() -> str | None:
 
 
 def install_stop_handlers() -> dict:
-    """Install the stop-signal handler (main thread only; elsewhere signals cannot be set); returns the old ones."""
+    """Install the stop-signal and Ctrl-C handlers (main thread only; elsewhere signals cannot be set); returns
+    the old ones."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {name: signal.signal(getattr(signal, name), _on_stop_signal) for name in STOP_SIGNALS}
+    _stop["interrupted"] = False
+    old = {name: signal.signal(getattr(signal, name), _on_stop_signal) for name in STOP_SIGNALS}
+    old["SIGINT"] = signal.signal(signal.SIGINT, _on_interrupt)
+    return old
 
 
 def restore_handlers(old: dict) -> None:

@@ -120,13 +120,16 @@ def test_ctrl_c_waits_for_the_ranks_and_says_how_to_resume(tmp_path):
     import signal
     import time
 
-    (tmp_path / "rank.py").write_text(  # stops as launch/train.py does: SIGTERM from the launcher = Ctrl-C
+    # stops as launch/train.py's loop does: the terminal's SIGINT and the launcher's SIGTERM arrive together, the
+    # first interrupts, the second only asks for the stop already under way (it must not cut the cleanup short)
+    (tmp_path / "rank.py").write_text(
         "import pathlib, signal, time\n"
-        "def stop(*_): raise KeyboardInterrupt\n"
-        "signal.signal(signal.SIGTERM, stop)\n"
+        "stopping = []\n"
+        "def stop(*_):\n"
+        "    if not stopping:\n        stopping.append(1); raise KeyboardInterrupt\n"
+        "signal.signal(signal.SIGTERM, stop); signal.signal(signal.SIGINT, stop)\n"
         "try:\n    pathlib.Path('started').touch()\n    time.sleep(120)\n"  # SIGINT only after this point
         "except KeyboardInterrupt:\n"
-        "    signal.signal(signal.SIGTERM, signal.SIG_IGN); signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
         "    time.sleep(1); pathlib.Path('stopped').touch(); raise SystemExit(130)\n")
     p = subprocess.Popen([sys.executable, "-m", "fluxzero.cli", "launch", "--master-port", "29614", "--script", "rank.py"],
                          cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True,

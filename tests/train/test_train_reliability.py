@@ -245,3 +245,21 @@ def test_a_lost_latest_resumes_from_the_newest_complete_step_folder(tmp_path):
             in r.stderr and "resuming from step 4 " in r.stderr), r.stderr[-3000:]
     assert sorted(_losses(out)) == [1, 2, 3, 4, 5, 6]
     assert (ck / "latest").read_text() == "step_00000006" and (ck / "step_00000002" / "run.yaml").is_file()
+
+
+def test_ctrl_c_and_the_launchers_sigterm_together_interrupt_once():
+    """Ctrl-C reaches a rank with the launcher's SIGTERM right behind it: the first interrupts, the second must not
+    raise again inside the cleanup the first started (before the loop, where SIGTERM means 'stop now'); the next
+    run in the same process is interruptible again. In a child process: an escaping interrupt would stop pytest."""
+    code = (
+        "import os, signal, time\n"
+        "from fluxzero.train import distributed\n"
+        "old = distributed.install_stop_handlers()\n"
+        "try:\n    os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n"
+        "except KeyboardInterrupt:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.05); print('cleaned')\n"
+        "distributed.restore_handlers(old)\n"
+        "old = distributed.install_stop_handlers()\n"
+        "try:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\n"
+        "except KeyboardInterrupt:\n    print('interrupted again')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split("\n")[:2] == ["cleaned", "interrupted again"], out.stdout + out.stderr
