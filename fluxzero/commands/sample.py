@@ -342,11 +342,10 @@ def _reference(model, reference: Path | None, preset: str | None, vae, height: i
               help="Strength of the --lora: its change to the weights times this (1 = as trained, 0 = none).")
 @click.option("--compile/--no-compile", "compile_blocks", default=False, show_default=True,
               help="torch.compile every transformer block (as the trainer does). The first model call compiles "
-                   "(~12 s for FLUX.1 on an H200, again for a new batch shape), so it pays off from ~10 images on "
-                   "(docs/sampling.md has the measurements).")
+                   "(seconds, again for a new batch shape), so it pays off over many images (docs/sampling.md).")
 @click.option("--attention", type=click.Choice(ATTENTION_CHOICES), default="any", show_default=True,
               help="SDPA kernels of the transformer's attention: any = torch's own choice (cuDNN's on Hopper, as "
-                   "FluxPipeline gets; 2x flash's speed there for the forward pass, 2026-12-04), auto = flash, "
+                   "FluxPipeline gets; faster than flash there for the forward pass), auto = flash, "
                    "then efficient, then math (the trainer's: cuDNN's backward gave non-finite gradients). "
                    "efficient and cudnn need a CUDA device.")
 @click.option("--reference", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,

@@ -221,8 +221,8 @@ class TrainConfig:
     def loader_workers(self, device_type: str, cpus: int, local_ranks: int) -> int:
         """Worker processes for the loader: num_workers as written, or by default none on the CPU (the
         workers would take cores from the training's own threads) and up to 4 per rank on a GPU, leaving
-        each rank one core for its own thread (measured on one H200, flux-dev-lite mb 16: with 0 workers the
-        loader worked inside the step, 28% of it)."""
+        each rank one core for its own thread (with 0 workers the loader works inside the step: a large part of a
+        GPU step, benchmarks/RESULTS.md)."""
         if self.num_workers is not None:
             return self.num_workers
         if device_type != "cuda":

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# name -> SDPA backends allowed, in priority order. cuDNN is left out of "auto" on purpose: on H200 with
-# torch 2.11 its SDPA kernel gave non-finite FLUX gradients and illegal memory accesses under ZeRO-3.
+# name -> SDPA backends allowed, in priority order. cuDNN is left out of "auto" on purpose: with torch 2.11 on
+# Hopper its SDPA kernel gave non-finite FLUX gradients and illegal memory accesses under ZeRO-3.
 # "any" allows every kernel and lets torch pick, as a plain F.scaled_dot_product_attention user gets: on Hopper
-# torch prefers cuDNN's kernel (FluxPipeline's default ran it on an H200, 2026-12-04). For the forward only
-# (`fluxzero sample`'s default): there it was 2x faster than flash (24 against 48 ms a 1024 px image a step).
+# torch prefers cuDNN's kernel, as FluxPipeline does. For the forward only (`fluxzero sample`'s default), where
+# it is faster than flash (benchmarks/RESULTS.md).
 ATTENTION_BACKENDS: dict[str, list[SDPBackend]] = {
     "auto": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
     "any": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],

@@ -31,8 +31,8 @@ def _config(kind: str):
     except ImportError:
         raise QuantError(f"lora.base_quant {kind} needs torchao: pip install -e '.[lowmem]'") from None
     # set_inductor_config=False: torchao's default turns on Inductor's coordinate-descent tuning for the whole
-    # process, which made the first compiled step of a FLUX.1-dev LoRA take over 5 minutes on an H200
-    # (benchmarks/RESULTS.md, 2026-12-02); the trainer's compile settings stay its own
+    # process, which made the first compiled step of a FLUX.1-dev LoRA take minutes (benchmarks/RESULTS.md); the
+    # trainer's compile settings stay its own
     return {"int8": Int8WeightOnlyConfig, "fp8": Float8WeightOnlyConfig}[kind](set_inductor_config=False)
 
 

@@ -87,7 +87,7 @@ def prepare_model(model, *, attention: str | None = None, compile: bool = False,
     """What `fluxzero sample --attention/--compile` does to the loaded model before sampling, in place:
     `attention` (None: leave the model's) switches every block's SDPA backend (Flux.set_attention); `compile`
     compiles every block with the trainer's helper (fluxzero.model.compile.apply_compile: one graph per block
-    class, compiled at the first call, ~12 s for FLUX.1 on an H200 (2026-12-04), again for each new batch shape). `backend`:
+    class, compiled at the first call, again for each new batch shape). `backend`:
     Dynamo's, as the trainer's `compile.backend` (`eager` / `aot_eager` only for tests and debugging)."""
     if attention is not None:
         model.set_attention(check_attention_backend(attention))

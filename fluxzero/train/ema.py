@@ -61,9 +61,8 @@ def _ema_bf16_(e, m, weight, key) -> None:
     """e (a bf16 slice of the EMA) <- lerp(e, m, weight) rounded stochastically, in place; `weight` a 0-d fp32
     tensor, `key` a 0-d int32 tensor (fluxzero.train.rounding.round_keyed: a resume draws the same noise).
 
-    Eagerly (CPU) a pass over the slice per line; on CUDA compiled into one kernel (`_fused_ema_bf16`): measured
-    on one H200 before it (2026-12-04), the eager bf16 update of FLUX.1-dev's 11.9e9 weights took 351 ms, the
-    fp32 one (a plain lerp_) 75 ms."""
+    Eagerly (CPU) a pass over the slice per line; on CUDA compiled into one kernel (`_fused_ema_bf16`): the eager
+    bf16 update was several times the fp32 one (a plain lerp_) on FLUX.1-dev (benchmarks/RESULTS.md)."""
     x = e.float().lerp(m.float(), weight)
     e.copy_(round_keyed(x, key))
 
@@ -186,8 +185,7 @@ class ShardedEMA:
 
     def _replay(self, masters: list[torch.Tensor], weight: float, keys: list[int] | None) -> None:
         """_apply on CUDA as one CUDA graph: FLUX.1-dev's EMA is ~780 tensors in ~1,500 slices, and launching
-        their kernels one by one from Python cost more than the memory traffic (measured on one H200, 2026-12-04:
-        the compiled bf16 update took 136 ms for 71 GB, 526 GB/s). The first update on a set of tensors runs
+        their kernels one by one from Python cost more than the memory traffic (benchmarks/RESULTS.md). The first update on a set of tensors runs
         eagerly (it compiles the kernels), the next captures the graph; every later one writes the step's weight
         and keys into the graph's inputs and replays it. A graph is only replayed over the tensors it was captured
         on: if DeepSpeed rebinds a master or the EMA buffers move, the next update captures again."""

@@ -169,7 +169,7 @@ def prepare_batch(batch: dict, cfg, seed: int, epoch: int, *, guidance_embed: bo
     tgt = pack(target(x0, noise))  # (B, HW/4, 64)
     def dev(x: torch.Tensor, to_dtype: torch.dtype | None = dtype) -> torch.Tensor:
         # Copy first (asynchronous from pinned memory), cast on the device: casting the T5 embeddings on the
-        # host was a single-threaded pass over ~8 MB per sample, measured at 15-20% of a step on an H200.
+        # host is a single-threaded pass over ~8 MB per sample, a large part of a GPU step (benchmarks/RESULTS.md).
         return x.to(device, non_blocking=True).to(to_dtype)
 
     ids = img_ids(b, h, w)

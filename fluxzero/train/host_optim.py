@@ -11,25 +11,10 @@ environment variable FLUXZERO_HOST_OPTIM_EAGER=1 (the test suite's default). Bot
 states (tests/train/test_host_optim.py). Everything compiles, the 8-bit lookups included; the 8-bit states' short
 last block of a partition (< 256 values) steps eagerly.
 
-Measured on THIS 2-CORE DEVELOPMENT MACHINE, shared with other jobs (load 2-5 during the runs: +-50%), with
-`benchmarks/cpu_adam_speed.py --params 5e7 --steps 3 --no-deepspeed`, OMP_NUM_THREADS 1 / 2, seconds a step
-(median of 3), 2026-12-04; "before" is the eager chunk loop this replaced:
-                          1 thread                       2 threads
-  cpu-bf16-sr       before 1.96  compiled 0.24  eager 4.15   before 10.5  compiled 0.17  eager 1.09
-  cpu-adamw8bit-sr  before 1.82  compiled 1.18  eager 2.36   before 6.06  compiled 0.55  eager 1.18
-  torch AdamW fp32  fused 0.036-0.040, foreach 0.25-0.31
-The 8-bit kernel compiled at 128-bit vectors (_fused_step), same machine, `--params 2e7`, 2026-12-04 (load ~1):
-                          1 thread                     2 threads
-  cpu-adamw8bit-sr  256-bit 0.420  128-bit 0.256      256-bit 0.208  128-bit 0.142   (bf16 compiled 0.095 / 0.048)
-The bf16 kernel runs at ~5 ns a value on one thread; the 8-bit one at ~12 (~20 at AVX2's 256 bits): its four
-65536-entry table lookups and two 256-entry map lookups a value are scalar gathers in Inductor's C++ (a (blocks,
-256) layout for whole blocks took the dequantization from 15 to 3 ns a value: with a dynamic 1-D length every scale
-index was an integer division). Tried without gain (2026-12): 6,912-entry tables by sign, clamped exponent and 7
-mantissa bits instead of 65536 (the tables were not the cost), int64 indices through aten._unsafe_index (no
-bounds checks, no faster), one 65536-entry table of (m, v) map pairs for the dequantization (-4%, in the noise).
-The 128-bit width is measured on this AVX2 machine only (not on an AVX-512 GPU host). The first step compiles
-(10-30 s a state format on a cold cache, ~3 s from Inductor's disk cache). The chunk length was not tuned: 2^16,
-2^20 and 2^22 gave no consistent order on this loaded machine (`--chunk`).
+Step times (compiled, eager, and the loop it replaced) and what was tried for the 8-bit lookups are in
+benchmarks/RESULTS.md ("Figures behind code choices"). The 8-bit kernel is compiled at 128-bit vectors: its table
+lookups are scalar gathers in Inductor's C++, and wider vectors only add lane loops. The first step compiles (a few
+seconds from Inductor's disk cache, longer on a cold one).
 
 Per chunk, in fp32: m and v updated as in torch's AdamW, the weight decayed and moved by the bias-corrected step,
 then written back to bf16 by stochastic rounding (an AdamW step at fine-tuning lr is under half a bf16 ulp of
@@ -38,15 +23,14 @@ most weights: round-to-nearest loses it, see fluxzero.train.optim). m and v are 
   "8bit"  blockwise 8-bit with one fp32 scale per 256 values, signed / unsigned dynamic maps (torchao's AdamW8bit
           format and its create_dynamic_map, scale_tensor and dequant_with_qmap, compiled with the rest; a
           partition that is not a multiple of 256 gets a short last block). The nearest code comes from a 65536-entry
-          table on the value's top 16 bits (nearest_codes: 20-40x faster than torchao's eager quantizer here).
+          table on the value's top 16 bits (nearest_codes, faster than torchao's eager quantizer on the CPU).
 The update itself uses the unquantized fp32 m and v of this step, as torchao's does.
 
 Libraries: torchao for the 8-bit format (above). Stochastic rounding is torchao's and fluxzero.train.optim's bit
 trick (add 16 random low bits, truncate) with the random bits from a counter-based hash of (state, step, element)
-rather than from a generator, which on the CPU fills tensors serially (fluxzero.train.rounding says the
-measurement); the
-noise is then a function of the step alone, so resume is exact whatever else draws random numbers. Not DeepSpeedCPUAdam: it rounds bf16 masters to nearest (measured -78% weight change, +105%
-loss against fp32 masters) and needs a C++ build.
+rather than from a generator, which on the CPU fills tensors serially; the noise is then a function of the
+step alone, so resume is exact whatever else draws random numbers. Not DeepSpeedCPUAdam: it rounds bf16 masters to
+nearest (most of a fine-tuning update is lost: tests/train/test_optim_quality.py) and needs a C++ build.
 
 DeepSpeed 0.19.8 accepts this optimizer with offload only through fluxzero.train.engine.accept_host_optimizer
 (its bf16-master offload check asks for exactly DeepSpeedCPUAdam); `fp32_optimizer_states = False` answers the
@@ -254,8 +238,8 @@ def _fused_step(states: str):
         return None
     # the 8-bit step at 128-bit vectors (SSE: 4 lanes) rather than the widest the CPU has: Inductor's C++ turns
     # each table lookup into a scalar loop over a vector's lanes through stack arrays (no vector gather), and at
-    # AVX2's 8 lanes that cost more than the vector arithmetic saved (one thread, 4M-value chunk, 2026-12:
-    # 18.4 ns a value at 256 bits, 12.3-12.9 at 128, 12-15 scalar); the same values at any width
+    # AVX2's 8 lanes that cost more than the vector arithmetic saved (benchmarks/RESULTS.md); the same values at
+    # any width
     opts = {"cpp.simdlen": 128} if states == "8bit" else {}
     return torch.compile(_STEPS[states], dynamic=True, fullgraph=True, options=opts)
 
@@ -295,8 +279,8 @@ def _code_tables(qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def nearest_codes(xs: torch.Tensor, base: torch.Tensor, mid: torch.Tensor) -> torch.Tensor:
     """The nearest code of each scaled value in [-1, 1] (ties up): torch.bucketize(xs, midpoints, right=True),
     through _code_tables: the value's top 16 bits pick a base code, one comparison adds the midpoint inside.
-    Measured on 4M values, one thread (2026-12): torchao's quantize_8bit_with_qmap (a branchless search written
-    for compiled GPU kernels) 190 ns a value eagerly, torch.bucketize 52, this 5-9; codes equal to bucketize's."""
+    Several times faster on the CPU than torchao's quantize_8bit_with_qmap (a branchless search written for
+    compiled GPU kernels) or torch.bucketize (benchmarks/RESULTS.md); codes equal to bucketize's."""
     top = ((xs.view(torch.int32) >> 16) & 0xFFFF).view(-1)
     return (base.index_select(0, top) + (xs.view(-1) >= mid.index_select(0, top))).view(xs.shape)
 

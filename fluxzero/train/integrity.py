@@ -116,8 +116,8 @@ def rank_checkpoint_problem(v: DSView, ckpt_dir: Path, tag: str, rank: int, advi
     """This rank's view of the checkpoint rank 0 chose: the folder, then the files it reads, then their CRCs.
 
     The files every rank reads (the model states below ZeRO-3) are CRC-checked once per node (local rank 0),
-    the rest by the rank that reads them. CRC-checking reads the whole file; measured ~0.4 s/GB on one core
-    from the page cache (torch.load of the same file: ~0.6 s/GB). advice ends the sentence of a refusal.
+    the rest by the rank that reads them. CRC-checking reads the whole file, at about the speed of
+    torch.load of the same file. advice ends the sentence of a refusal.
     """
     tag_dir = ckpt_dir / tag
     if not tag_dir.is_dir():

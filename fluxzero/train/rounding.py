@@ -42,8 +42,8 @@ def counter_noise(n: int, key, device) -> torch.Tensor:
     Noise for stochastic rounding that is a function of (key, index), not a generator's state: the same values
     whatever the chunking, after a resume, on any device, and inside a compiled kernel (`key` may be a 0-d int32
     tensor, so one kernel serves every key). int32 additions and products wrap modulo 2^32 and the masks make the
-    arithmetic right shifts logical (tests hold it to `lowbias32`). int32, not int64: with a 4M-value chunk on the
-    CPU every int64 op took ~6 ns a value (a fresh 32 MB mmap each), an int32 one 0.3-0.9 (one thread, 2026-12).
+    arithmetic right shifts logical (tests hold it to `lowbias32`). int32, not int64: on the CPU an int64 op over a
+    chunk cost several times an int32 one (a fresh temporary twice the size each; benchmarks/RESULTS.md).
     Elements from `start` of a longer stream: key noise_key(key, start)."""
     x = torch.arange(n, device=device, dtype=torch.int32)
     x.mul_(_i32(0x9E3779B1)).add_(key)

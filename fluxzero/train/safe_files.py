@@ -4,34 +4,22 @@ torch.load(weights_only=False), which the trainer and DeepSpeed's own checkpoint
 `trainer_state_rank0.pt` or `mp_rank_00_model_states.pt` replaced by a crafted pickle runs whatever that
 pickle imports and calls. A pickle can only reach code through a global (module + name) it imports, so
 `check_checkpoint_file` lists the globals a torch.save file would import WITHOUT unpickling it and refuses
-any that fluxzero's and DeepSpeed's checkpoints do not hold (`ALLOWED_GLOBALS`, measured, see below).
+any that fluxzero's and DeepSpeed's checkpoints do not hold (`ALLOWED_GLOBALS`, below).
 
-Why our own opcode scan (pickletools) and not torch's weights_only loading or
-torch.serialization.get_unsafe_globals_in_checkpoint (kept after measuring both on torch 2.13, 2026-12; issue 25
-item 8 decided it: ours stays):
-- On clean saves torch's function serves: over the 608 torch files of our clean saves it named nothing beyond six
-  globals (DeepSpeed's ZeroStageEnum, LossScaler, fragment_address; numpy's _reconstruct, ndarray, dtype), so with
-  those six allowed it accepted every one. Re-checked 2026-12-04 on the 22 .pt files of 8 step folders saved by
-  launch/train.py (1 rank, flux-tiny; ZeRO 0 fp32, 1 and 2 bf16, 3 bf16 with LoRA + EMA): the same six. A
-  weights_only load with them allowed read the 14 DeepSpeed files but not the 8 trainer states, whose numpy RNG
-  state also needs numpy.dtypes.UInt32DType (a class the unpickler BUILDs, not a global, so the function never
-  names it; _numpy_safe_globals allows it). What falls short is below.
-- weights_only=True cannot be the loader here: DeepSpeed's own checkpoint loads call torch.load(weights_only=False)
-  themselves, and their files hold six globals outside torch's allow-list (three of DeepSpeed's, three of numpy's,
-  as get_unsafe_globals_in_checkpoint lists them for real ZeRO 0-3 saves), so they fail a weights_only load. It is used where fluxzero loads a file itself
-  (load_trainer_state).
-- get_unsafe_globals_in_checkpoint raised "UnpicklingError: Unsupported operand 149" on a payload saved with
-  pickle_protocol=4 (MEMOIZE; again on 2026-12-04): safe, but it cannot name what the file imports, so the refusal could not say why;
-  it returned [] for a zip with a payload in a second .pkl record (harmless to torch.load, which unpickles
-  data.pkl only); it is missing from torch 2.4 (setup.cfg allows torch>=2.4; it came in 2.5), and its answer is
-  relative to torch's default allow-list and to whatever any code in the process added with add_safe_globals
-  (so it changes with the torch version and the process: importing deepspeed 0.19.8 changed none of the 22
-  answers above, one add_safe_globals([numpy.ndarray]) took ndarray off a trainer state's). pickletools parses
-  every protocol;
-the scan below tracks the string arguments of STACK_GLOBAL through the memo and refuses what it cannot
-resolve, so the list it returns is complete. The pickle bytes are taken from torch's own zip reader
-(the one torch.load uses) as well as Python's zipfile, so a zip built to show the two readers different
-records cannot hide a payload from the scan.
+Why an opcode scan of our own (pickletools) and not torch's weights_only loading or
+torch.serialization.get_unsafe_globals_in_checkpoint:
+- weights_only=True cannot be the loader: DeepSpeed's own checkpoint loads call torch.load(weights_only=False)
+  themselves, and their files hold globals outside torch's allow-list (DeepSpeed's ZeroStageEnum, LossScaler,
+  fragment_address; numpy's RNG state), so they fail a weights_only load. It is used where fluxzero loads a file
+  itself (load_trainer_state).
+- get_unsafe_globals_in_checkpoint fails on some valid pickles (protocol 4's MEMOIZE: "Unsupported operand 149"),
+  so a refusal could not say what the file imports; it reads only data.pkl of a zip (a payload in a second record
+  goes unseen); it is missing from torch 2.4 (setup.cfg allows torch>=2.4); and its answer depends on what any
+  code in the process added with add_safe_globals.
+pickletools parses every protocol; the scan below tracks the string arguments of STACK_GLOBAL through the memo
+and refuses what it cannot resolve, so the list it returns is complete. The pickle bytes are taken from torch's
+own zip reader (the one torch.load uses) as well as Python's zipfile, so a zip built to show the two readers
+different records cannot hide a payload from the scan.
 
 A scan covers the files fluxzero hands DeepSpeed, but DeepSpeed finds some of its files by wildcard and
 unpickles the first match: integrity.stray_files_problem refuses a step folder holding any name a clean save
@@ -45,12 +33,10 @@ import pickletools
 import zipfile
 from pathlib import Path
 
-# Every global in every .pt file that DeepSpeed 0.19.8 writes under deepspeed.initialize at ZeRO 0, 1, 2
-# and 3 (and the CPU-offload presets), in fp32 and bf16, and in fluxzero's trainer state: measured on
-# torch 2.13 / numpy 2.4 with 1 rank, the flux-tiny model and the committed ds_configs presets by
-# tests/train/test_safe_files.py's checkpoint script, which asserts that this set is exactly what those files hold.
-# The files of DeepSpeed's universal checkpoint (ds_to_universal, for a resume at another world size) hold a
-# subset of it (measured at ZeRO-2 bf16 and ZeRO-3 fp32; the test converts ZeRO-3 bf16).
+# Every global in every .pt file that DeepSpeed writes under deepspeed.initialize at ZeRO 0, 1, 2 and 3 (and
+# the CPU-offload presets), in fp32 and bf16, and in fluxzero's trainer state; tests/train/test_safe_files.py's
+# checkpoint script saves them and asserts that this set is exactly what those files hold. The files of
+# DeepSpeed's universal checkpoint (ds_to_universal, for a resume at another world size) hold a subset of it.
 MEASURED_GLOBALS = frozenset({
     "torch._utils._rebuild_tensor_v2",             # every tensor
     "torch._tensor._rebuild_from_type_v2", "torch.Tensor",  # ZeRO-3 optimizer states: a tensor with attributes
@@ -64,7 +50,7 @@ MEASURED_GLOBALS = frozenset({
     "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",  # numpy RNG state (an ndarray)
     "_codecs.encode",                               # ... whose bytes numpy pickles as a latin-1 string
 })
-# fp16 runs, measured the same way where DeepSpeed's accelerator trains fp16 (a GPU, or a CPU with AVX512-FP16):
+# fp16 runs, where DeepSpeed's accelerator trains fp16 (a GPU, or a CPU with AVX512-FP16):
 # the ZeRO optimizer states hold a DynamicLossScaler and name the fp16 dtype, the model states float16 tensors.
 FP16_GLOBALS = frozenset({
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler", "torch.HalfStorage", "torch.float16",
