@@ -332,17 +332,19 @@ def _reference(model, reference: Path | None, preset: str | None, vae, height: i
                    "above 1 doubles the model work.")
 @click.option("--seed", "seeds", type=click.IntRange(0, MAX_SEED), multiple=True, default=(0,), show_default=True,
               help="Noise seed; repeat for several. Every prompt is sampled once per seed, each image from its own seed.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Images per model call (the images do not depend on it).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Images per model call (the images do not depend on it)  [default: up to 4 on a GPU (with "
+                   "--compile, the most that divides the images), 1 on the CPU].")
 @click.option("--lora", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="A LoRA .safetensors file (diffusers/PEFT or kohya/ComfyUI layout, e.g. a run's lora.safetensors; "
                    "or a LoKr / DoRA in LyCORIS' layout) "
                    "merged into WEIGHTS before sampling.")
 @click.option("--lora-scale", type=float, default=1.0, show_default=True,
               help="Strength of the --lora: its change to the weights times this (1 = as trained, 0 = none).")
-@click.option("--compile/--no-compile", "compile_blocks", default=False, show_default=True,
+@click.option("--compile/--no-compile", "compile_blocks", default=None,
               help="torch.compile every transformer block (as the trainer does). The first model call compiles "
-                   "(seconds, again for a new batch shape), so it pays off over many images (docs/sampling.md).")
+                   "(seconds, again for a new batch shape), so it pays off over many images  [default: on a GPU "
+                   "when the images x steps are enough for it to pay off (docs/sampling.md), off on the CPU].")
 @click.option("--attention", type=click.Choice(ATTENTION_CHOICES), default="any", show_default=True,
               help="SDPA kernels of the transformer's attention: any = torch's own choice (cuDNN's on Hopper, as "
                    "FluxPipeline gets; faster than flash there for the forward pass), auto = flash, "
@@ -372,7 +374,7 @@ def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt
     from tqdm import tqdm
 
     from ..data.encode import T5_MAX_LENGTH
-    from ..sampling.pipeline import prepare_model, sample_images
+    from ..sampling.pipeline import auto_speed, prepare_model, sample_images
 
     _check_size(height, width)
     _check_lora_scale(lora, lora_scale)
@@ -399,9 +401,12 @@ def sample(weights, out_dir, preset, prompt_texts, prompts_file, negative_prompt
         emb = _encode(encoders, prompts, negative_prompt if true_cfg > 1 else None)
         del encoders  # T5-XXL is ~9 GB in bf16: free it before sampling
     _check_dims(emb, cfg)
-    prepare_model(model, attention=attention, compile=compile_blocks)
     steps = steps or (28 if cfg.guidance_embed else 4)
-    batches = -(-len(emb.prompts) * len(seeds) // batch_size)
+    images = len(emb.prompts) * len(seeds)
+    batch_size, compile_on = auto_speed(dev.type, images, steps, height, width, batch_size, compile_blocks)
+    click.echo(f"{images} image(s), {batch_size} a model call{', compiled blocks' if compile_on else ''}", err=True)
+    prepare_model(model, attention=attention, compile=compile_on)
+    batches = -(-images // batch_size)
     with tqdm(total=batches * steps, desc="sample", unit="step", dynamic_ncols=True) as bar:
         written = sample_images(model, vae_model, emb, out_dir, width=width, height=height, steps=steps,
                                 seeds=list(seeds), guidance=guidance, true_cfg=true_cfg, batch_size=batch_size,

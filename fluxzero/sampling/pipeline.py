@@ -83,6 +83,35 @@ def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None,
         return [f.result() for f in pending]  # in order; a failed write raises here
 
 
+# --compile auto: compiling FLUX.1's blocks costs seconds once (again for a new batch shape) and saves a fixed share of
+# every model call's pointwise work, which grows with the image tokens: it pays off from about this many
+# image-steps at 1024 x 1024 px (4096 image tokens) on one GPU (benchmarks/RESULTS.md, "Sampling with the speed
+# options": ~11.5 s of compile against ~45 ms saved an image a step)
+COMPILE_PAYS_OFF_IMAGE_STEPS = 256
+AUTO_BATCH = 4  # images per model call at --batch-size auto on a GPU (a forward pass keeps no activations)
+
+
+def auto_speed(device_type: str, images: int, steps: int, height: int, width: int, batch_size: int | None,
+               compile: bool | None) -> tuple[int, bool]:
+    """`fluxzero sample`'s --batch-size auto (None) and --compile auto (None) -> (batch_size, compile).
+
+    On a GPU: compile when the image-steps, weighted by image tokens, reach COMPILE_PAYS_OFF_IMAGE_STEPS; batch up
+    to AUTO_BATCH images a call, and when compiling the largest batch that divides the images (a smaller last
+    batch would compile again). On the CPU: one image a call, eager (a compile there takes longer than it saves
+    on the test models this runs)."""
+    gpu = device_type == "cuda"
+    if compile is None:
+        compile = gpu and images * steps * (height // 16) * (width // 16) >= COMPILE_PAYS_OFF_IMAGE_STEPS * 4096
+    if batch_size is None:
+        if not gpu:
+            batch_size = 1
+        elif compile:
+            batch_size = max(b for b in range(1, min(AUTO_BATCH, images) + 1) if images % b == 0)
+        else:
+            batch_size = min(AUTO_BATCH, images)
+    return batch_size, compile
+
+
 def prepare_model(model, *, attention: str | None = None, compile: bool = False, backend: str = "inductor") -> None:
     """What `fluxzero sample --attention/--compile` does to the loaded model before sampling, in place:
     `attention` (None: leave the model's) switches every block's SDPA backend (Flux.set_attention); `compile`
