@@ -56,7 +56,7 @@ def config_name(what: str) -> str:
             "bf16_optimizer_states": "bf16.bf16_optimizer_states",
             "allow_untested_optimizer": "zero_allow_untested_optimizer",
             "force_ds_cpu_optimizer": "zero_force_ds_cpu_optimizer", "grad_accum": "gradient_accumulation_steps",
-            "gradient_clipping": "gradient_clipping",
+            "gradient_clipping": "gradient_clipping", "load_universal": "checkpoint.load_universal",
             "offload_blocks": f"{FLUXZERO_SECTION}.offload_blocks"}.get(what) or f"zero_optimization.{what}"
 
 
@@ -137,6 +137,10 @@ def _mode_problems(v: DSView, name) -> list[str]:
         p.append(f"{M} {mode.name} trains in bf16, not {v.precision}: set {fix}")
     if mode.fused:
         p += _fused_problems(v, name, mode.name)
+    if v.load_universal and not mode.universal_checkpoint:
+        p.append(f"{M} {mode.name} keeps optimizer states that DeepSpeed's universal checkpoint cannot split "
+                 f"per parameter: remove {name('load_universal')} and resume at the world size the checkpoint was "
+                 f"saved with, or train with another optimizer mode")
     host = [n for n, m in optim_modes.MODES.items() if m.needs_offload]
     if bf16_master and v.offload_optimizer != "none" and not mode.needs_offload:
         # _configure_master_weights: bf16 masters with offload assert type(optimizer) == DeepSpeedCPUAdam; only the

@@ -62,6 +62,9 @@ class OptimMode:
     # weights of the last fluxzero.offload_blocks blocks may live in host memory (fluxzero.train.block_stream)
     fused: bool = False
     trajectory: str = "AdamW"  # the update rule it follows, as --fit names it: "AdamW" or "Adafactor"
+    # False: its optimizer states cannot be split per parameter, which DeepSpeed's universal checkpoint
+    # (checkpoint.load_universal, a resume at another world size) needs; such a config is refused up front
+    universal_checkpoint: bool = True
 
     @property
     def offload_ok(self) -> bool:
@@ -140,6 +143,7 @@ MODES: dict[str, OptimMode] = {m.name: m for m in (
     OptimMode("adamw8bit-sr", "torchao AdamW8bit(bf16_stochastic_round=True)", weights=2, grads=2, master=2,
               states=_ADAMW8BIT_STATES, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS,
               stage0=_STAGE0_BF16, master_stage0=0, extra="lowmem", step_s_per_billion=_H200_STEP_S["adamw8bit-sr"],
+              universal_checkpoint=False,  # 8-bit blocks slice only at 256 values (train.engine.keep_block_states_whole)
               caveat="8-bit blockwise m and v; a tensor (ZeRO: a flat partition) under 4096 values or not a "
                      "multiple of 256 keeps bf16 states instead"),
     OptimMode("adafactor-sr", "AdafactorSR (ours): torch.optim.Adafactor's algorithm, stochastic rounding",

@@ -238,3 +238,19 @@ def test_check_config_and_the_trainer_refuse_what_the_fused_mode_cannot_run(tmp_
     with pytest.raises(DSConfigError) as e:  # the trainer's first read of the file: one sentence, before any engine
         load_for_training(tmp_path / "ds.json", 1)
     assert "DeepSpeed config" in str(e.value)
+
+
+def test_adamw8bit_sr_with_a_universal_checkpoint_load_is_refused_up_front(tmp_path):
+    from fluxzero.config.ds_file import load_for_training
+    from fluxzero.config.ds_view import DSConfigError
+
+    sentence = ("fluxzero.optimizer_mode adamw8bit-sr keeps optimizer states that DeepSpeed's universal checkpoint "
+                "cannot split per parameter: remove checkpoint.load_universal and resume at the world size the "
+                "checkpoint was saved with, or train with another optimizer mode")
+    for stage in optim_modes.get_mode("adamw8bit-sr").zero_stages:
+        cfg = _cfg("adamw8bit-sr", stage, checkpoint={"load_universal": True})
+        assert check(cfg, 1) == [sentence]
+        assert check(_cfg("bf16-sr", stage, checkpoint={"load_universal": True}), 1) == []  # the mode's own rule
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    with pytest.raises(DSConfigError, match="universal checkpoint cannot split"):  # the trainer's first read
+        load_for_training(tmp_path / "ds.json", 1)
