@@ -12,13 +12,14 @@ import torch
 from fluxzero.config.user_files import parse_json
 from fluxzero.train import locks
 from fluxzero.train.checkpoint import load_trainer_state, step_folders
-from fluxzero.train.distributed import TrainingError
+from fluxzero.train.distributed import TrainingError, write_line
 from fluxzero.train.integrity import clean_save_files, file_problem, latest_problem, stray_files_problem
-from fluxzero.train.resume import saved_run, saved_view
+from fluxzero.train.resume import newest_complete, saved_run, saved_view
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
-    """A checkpoints folder (uses `latest`), the run's output_dir, or one tag folder -> (checkpoints folder, tag)."""
+    """A checkpoints folder (uses `latest`; without it, the newest complete step folder, as a resume does), the
+    run's output_dir, or one tag folder -> (checkpoints folder, tag)."""
     path = Path(path)
     for ckpt_dir in (path, path / "checkpoints"):
         if (ckpt_dir / "latest").is_file():
@@ -28,6 +29,15 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
             return ckpt_dir, tag
     if any(path.glob("*model_states.pt")):  # ZeRO-3 folders have one per rank, none named mp_rank_00_...
         return path.parent, path.name
+    for ckpt_dir in (path, path / "checkpoints"):
+        if step_folders(ckpt_dir):  # `latest` was lost, the step folders were not: the trainer's choice on resume
+            tag = newest_complete(ckpt_dir)
+            if tag is None:
+                raise TrainingError(f"{ckpt_dir} has no 'latest' file and none of its step folders is a complete "
+                                    f"checkpoint; export another run's checkpoint")
+            write_line(f"note: {ckpt_dir / 'latest'} is missing; exporting {tag}, the newest complete checkpoint "
+                       f"there")
+            return ckpt_dir, tag
     if not path.exists() and re.fullmatch(r"step_\d{8}", path.name) and (path.parent / "latest").is_file():
         raise TrainingError(f"{path} is gone: pruned by the running training (checkpoint.keep); export the run's "
                             f"output_dir (its newest checkpoint) or raise checkpoint.keep")

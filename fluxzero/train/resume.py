@@ -70,7 +70,7 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int,
     tag, error = latest_problem(ckpt_dir, resume_advice)
     if error:
         raise TrainingError(error)
-    found = tag is None and _newest_complete(ckpt_dir)
+    found = tag is None and newest_complete(ckpt_dir)
     if found:  # `latest` was lost, the step folders were not: never train from 0 over them
         tag = found
         if cfg.checkpoint.resume:
@@ -132,7 +132,7 @@ def _rank0_decision(cfg: TrainConfig, v: DSView, ckpt_dir: Path, world: int,
                                         saved.get("ema") if "ema" in saved else None))
 
 
-def _newest_complete(ckpt_dir: Path) -> str | None:
+def newest_complete(ckpt_dir: Path) -> str | None:
     """The newest step folder holding every file its save writes (by name; resume's checks judge the bytes), or
     None. A save killed midway lacks some of them: DeepSpeed's files come first, rank 0's run.yaml and
     ds_config.json after its own, and `latest` only once every rank finished."""

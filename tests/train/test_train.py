@@ -410,6 +410,21 @@ def test_export_command(cases, tmp_path):
     assert r.exit_code == 2 and "--overwrite" in r.output
     r = CliRunner().invoke(main, ["export", str(tmp_path), str(tmp_path / "x.safetensors")])
     assert r.exit_code == 2 and "not a fluxzero checkpoint" in r.output
+    # a lost `latest`: the newest complete step folder, named, as a resume takes it
+    lost = tmp_path / "lost"
+    shutil.copytree(run_dir / "checkpoints", lost / "checkpoints")
+    (lost / "checkpoints" / "latest").unlink()
+    r = CliRunner().invoke(main, ["export", str(lost), str(tmp_path / "lost.safetensors"), "--dtype", "fp32"])
+    assert r.exit_code == 0, r.output
+    assert f"note: {lost / 'checkpoints' / 'latest'} is missing; exporting step_00000004, the newest complete " \
+           "checkpoint there" in r.output, r.output
+    again = load_weights(tmp_path / "lost.safetensors")
+    assert all(again[k].equal(v) for k, v in ours.items())
+    for tag in ("step_00000002", "step_00000004"):  # saves killed before their last files
+        (lost / "checkpoints" / tag / "ds_config.json").unlink()
+    r = CliRunner().invoke(main, ["export", str(lost), str(tmp_path / "none.safetensors")])
+    assert r.exit_code == 2 and "has no 'latest' file and none of its step folders is a complete checkpoint" \
+        in r.output and not (tmp_path / "none.safetensors").exists(), r.output
     (tmp_path / "a_file").write_text("")
     r = CliRunner().invoke(main, ["export", str(run_dir), str(tmp_path / "a_file" / "x.safetensors")])
     assert r.exit_code == 2 and "cannot write the export" in r.output, r.output
