@@ -340,6 +340,19 @@ def from_diffusers_config(path: str | os.PathLike) -> ModelConfig:
     return _matching_preset(cfg) or cfg
 
 
+# A diffusers FluxKontextPipeline folder's model_index.json, as FLUX.1 Kontext [dev] ships it: the pipeline's
+# class (what diffusers, and fluxzero, tell Kontext by: its transformer's config.json is FLUX.1-dev's) and where each
+# component's folder is. A diffusers export of a Kontext model writes it above its transformer/ folder.
+KONTEXT_MODEL_INDEX = {
+    "_class_name": "FluxKontextPipeline",
+    "feature_extractor": [None, None], "image_encoder": [None, None],
+    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
+    "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "T5TokenizerFast"],
+    "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
+}
+
+
 def is_kontext_pipeline(folder: str | os.PathLike) -> bool:
     """Whether a diffusers pipeline folder is FLUX.1 Kontext's: its model_index.json names FluxKontextPipeline
     (the transformer's own config.json is FLUX.1-dev's)."""
@@ -347,7 +360,7 @@ def is_kontext_pipeline(folder: str | os.PathLike) -> bool:
 
     try:
         with open(os.path.join(folder, "model_index.json"), encoding="utf-8") as f:
-            return json.load(f).get("_class_name") == "FluxKontextPipeline"
+            return json.load(f).get("_class_name") == KONTEXT_MODEL_INDEX["_class_name"]
     except (OSError, UnicodeDecodeError, ValueError, AttributeError):
         return False
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..config import MODEL_PRESETS, ModelConfig
-from ..config.models import is_kontext_pipeline
+from ..config.models import KONTEXT_MODEL_INDEX, is_kontext_pipeline
 from ..config.user_files import parse_json
 from ..fsutil import atomic_folder
 from .layouts import (
@@ -304,7 +304,9 @@ def save_weights(
     """Write a BFL-named state dict as a BFL or ComfyUI .safetensors file, or a diffusers transformer folder.
 
     diffusers: `path` is the folder; weights above `max_shard_bytes` are sharded with an index JSON, and a
-    config.json lets `FluxTransformer2DModel.from_pretrained(path)` load it.
+    config.json lets `FluxTransformer2DModel.from_pretrained(path)` load it. A FLUX.1 Kontext model's folder is
+    FluxKontextPipeline's instead: model_index.json naming the pipeline, the transformer in `path`/transformer/
+    (the other components are the base pipeline's, passed to from_pretrained or copied in beside it).
     Streams one tensor at a time (`_write_safetensors`): a tensor is copied (dtype, device, the final layer's
     swapped halves) only while it is written; split parts are views of the fused tensor. So the memory on top
     of `state_dict` is about its largest converted tensor, also for a single-file bf16 export of fp32 weights.
@@ -334,6 +336,10 @@ def save_weights(
     # written beside `path` and swapped in whole: a failure or a kill midway leaves an existing folder as it was
     with atomic_folder(path) as tmp:
         tmp = Path(tmp)
+        if cfg.kontext:  # diffusers tells Kontext from the pipeline's model_index.json alone
+            (tmp / "model_index.json").write_text(json.dumps(KONTEXT_MODEL_INDEX, indent=2) + "\n")
+            tmp = tmp / "transformer"
+            tmp.mkdir()
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for file, shard in zip(files, shards):
             _write_safetensors(tmp / file, shard, meta)
@@ -346,18 +352,27 @@ def save_weights(
 
 def _check_replaceable(path: Path) -> None:
     """Refuse to replace `path` by a diffusers folder unless it is absent or one itself (a diffusers transformer
-    folder, or what a killed write of one left): the whole folder is replaced, so nothing else may be in it."""
+    folder, a Kontext export's model_index.json and transformer/ folder, or what a killed write of one left): the
+    whole folder is replaced, so nothing else may be in it."""
     if not path.exists():
         return
     if not path.is_dir():
         raise WeightsError(f"{path} not written: it is a file, and a diffusers export is a folder; choose another "
                            f"path")
-    other = sorted(n for n in os.listdir(path) if not (n in ("config.json", DIFFUSERS_INDEX)
-                   or re.fullmatch(r"diffusion_pytorch_model.*\.safetensors|\..+\.tmp-\d+", n)))
+    kontext = (path / "transformer").is_dir()
+    other = _not_transformer_files(path, "model_index.json", *(["transformer"] if kontext else []))
+    if kontext:
+        other += [f"transformer/{n}" for n in _not_transformer_files(path / "transformer")]
     if other:
         more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
         raise WeightsError(f"{path} not written: it holds {other[0]}{more}, which is not part of a diffusers "
                            f"transformer folder, and the whole folder would be replaced; choose a new or empty folder")
+
+
+def _not_transformer_files(folder: Path, *also: str) -> list[str]:
+    """The names in `folder` that a diffusers transformer folder (or a killed write of one) does not hold."""
+    return sorted(n for n in os.listdir(folder) if not (n in ("config.json", DIFFUSERS_INDEX, *also)
+                  or re.fullmatch(r"diffusion_pytorch_model.*\.safetensors|\..+\.tmp-\d+", n)))
 
 
 class _Out(NamedTuple):

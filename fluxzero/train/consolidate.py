@@ -187,10 +187,12 @@ def ema_state_dict(tag_dir: Path) -> dict:
 
 
 def _diffusers_files(folder: Path) -> list[Path]:
-    """The weight files of a complete diffusers export, [] when it is incomplete: the index is written last,
-    so shards without it are an export that stopped midway."""
+    """The weight files of a complete diffusers export (a Kontext export's in its transformer/ folder), [] when it
+    is incomplete: the index is written last, so shards without it are an export that stopped midway."""
     from fluxzero.model.layouts import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
 
+    if (folder / "transformer").is_dir():
+        folder = folder / "transformer"
     index = folder / DIFFUSERS_INDEX
     if index.is_file():
         names = sorted(set(parse_json(index.read_text())["weight_map"].values()))

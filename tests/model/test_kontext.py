@@ -99,10 +99,10 @@ def test_kontext_checkpoints_load_in_every_layout(tmp_path, layout):
 
     cfg, ours, _ = pair("flux-tiny-kontext", seed=6)
     if layout == "diffusers":
-        path = tmp_path / "pipe" / "transformer"
-        save_weights(ours.state_dict(), path, cfg=cfg, layout="diffusers")
-        (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({"_class_name": "FluxKontextPipeline"}))
+        path = tmp_path / "pipe"
+        save_weights(ours.state_dict(), path, cfg=cfg, layout="diffusers")  # FluxKontextPipeline's folder
         assert source_config(tmp_path / "pipe") == cfg  # the pipeline folder names Kontext
+        assert source_config(tmp_path / "pipe" / "transformer") == cfg
         assert get_model_config(str(tmp_path / "pipe")) == cfg
         (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
         assert not source_config(tmp_path / "pipe").kontext
@@ -117,3 +117,36 @@ def test_kontext_checkpoints_load_in_every_layout(tmp_path, layout):
     model = load_model(path, cfg=cfg, dtype=torch.float32)
     for k, v in ours.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_a_kontext_diffusers_export_is_a_flux_kontext_pipeline_folder(tmp_path):
+    """diffusers tells FLUX.1 Kontext from the pipeline's model_index.json alone (the transformer's config.json is
+    FLUX.1-dev's): the export writes one above transformer/, and DiffusionPipeline.from_pretrained builds a
+    FluxKontextPipeline holding the exported transformer (the other components passed, as from the base model)."""
+    from diffusers import DiffusionPipeline, FluxTransformer2DModel
+
+    from fluxzero.model.layouts import WeightsError
+    from fluxzero.model.weights import save_weights, source_config
+
+    cfg, ours, theirs = pair("flux-tiny-kontext", seed=4)
+    out = tmp_path / "export"
+    save_weights(ours.state_dict(), out, cfg=cfg, layout="diffusers", dtype=torch.float32)
+    assert sorted(p.name for p in out.iterdir()) == ["model_index.json", "transformer"]
+    assert json.loads((out / "model_index.json").read_text())["_class_name"] == "FluxKontextPipeline"
+    others = {name: None for name in ("scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae")}
+    pipe = DiffusionPipeline.from_pretrained(out, **others)
+    assert type(pipe) is FluxKontextPipeline
+    want = theirs.state_dict()
+    got = pipe.transformer.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    loaded = FluxTransformer2DModel.from_pretrained(out, subfolder="transformer")
+    assert all(torch.equal(loaded.state_dict()[k], want[k]) for k in want)
+    assert source_config(out) == cfg  # and fluxzero reads it back as Kontext
+    # written again over itself, and a FLUX.1 model's transformer folder over it: the old folder is replaced whole
+    save_weights(ours.state_dict(), out, cfg=cfg, layout="diffusers")
+    plain = get_model_config("flux-tiny")
+    save_weights(ours.state_dict(), out, cfg=plain, layout="diffusers")
+    assert not (out / "model_index.json").exists() and not source_config(out).kontext
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(WeightsError, match="it holds notes.txt"):
+        save_weights(ours.state_dict(), out, cfg=cfg, layout="diffusers")
