@@ -586,6 +586,15 @@ def _train_cases(d: Path, outs: Path):
              f"sample.vae={d / 'vae'}", "sample.size=16x16", words="t5 holds NaN"),
         case("sample_prompts_other_width", "sample.every=1", f"sample.prompts={d / 'emb_wide.safetensors'}",
              f"sample.vae={d / 'vae'}", "sample.size=16x16", words="T5 128"),
+        # FLUX.1 Kontext previews: a reference for a model that takes none, none for one that needs it, a missing file
+        case("run_sample_reference_not_kontext", f"sample.reference={d / 'nope.png'}",
+             words="is not one; remove sample.reference"),
+        case("run_kontext_previews_without_reference", "model=flux-tiny-kontext", "sample.every=1",
+             f"sample.prompts={d / 'emb_nan.safetensors'}", f"sample.vae={d / 'vae'}",
+             words="so its previews edit a reference image; set sample.reference"),
+        case("sample_reference_missing", "model=flux-tiny-kontext", "sample.every=1",
+             f"sample.prompts={d / 'emb_nan.safetensors'}", f"sample.vae={d / 'vae'}",
+             f"sample.reference={d / 'nope.png'}", words=f"sample.reference {d / 'nope.png'} does not exist"),
         case("run_output_dir_file", f"output_dir={d / 'a_file'}", words="a_file"),
         case("run_override_no_value", "steps", words="steps"),
         # the DeepSpeed config

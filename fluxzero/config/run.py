@@ -12,7 +12,7 @@ from fluxzero.config.keys import and_list as _and
 from fluxzero.config.keys import check_types as _check_types
 from fluxzero.config.keys import did_you_mean as _did_you_mean
 from fluxzero.config.lora import LoraConfig
-from fluxzero.config.models import model_spec, resolve_model
+from fluxzero.config.models import model_name, model_spec, resolve_model
 from fluxzero.config.sections import (MOVED_TO_SECTIONS, SECTIONS, CheckpointConfig, ExportConfig, SampleConfig,
                                       ValidationConfig, moved_to_sections_message)
 from fluxzero.config.user_files import excerpt
@@ -181,6 +181,15 @@ class TrainConfig:
             if getattr(self, name).weights == "ema" and self.ema is None:
                 raise ValueError(f"{name}.weights is ema but the run keeps no EMA; add an ema: section (e.g. ema: "
                                  f"{{decay: 0.9999}}) or set {name}.weights to live")
+        kontext = resolve_model(self.model).kontext
+        if self.sample.reference and not kontext:
+            raise ValueError(f"sample.reference is an image for a FLUX.1 Kontext model to edit, and model "
+                             f"{model_name(self.model)} is not one; remove sample.reference, or train a Kontext model "
+                             f"(flux-kontext-dev, or a model spec with kontext: true)")
+        if self.sample.every and kontext and not (self.sample.reference or self.validation.data):
+            raise ValueError(f"model {model_name(self.model)} is FLUX.1 Kontext, so its previews edit a reference image; "
+                             f"set sample.reference (an image, or a .safetensors file of its latents), or "
+                             f"validation.data (the previews then edit its first pair's reference)")
         if self.export.merged and self.lora is None:
             raise ValueError("export.merged merges a LoRA into its base weights, but this run has no lora section; "
                              "remove export.merged (a full fine-tune exports the whole model anyway)")

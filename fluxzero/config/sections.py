@@ -17,6 +17,8 @@ out for its defaults:
       guidance: 3.5       # the guidance embedding's value (FLUX.1-dev); ignored by schnell
       seeds: [0]          # one image per prompt and seed
       weights: live       # live | ema (needs an ema: section)
+      reference: null     # FLUX.1 Kontext: the image every prompt edits (or a .safetensors of its latents, as
+                          # `fluxzero sample --reference` takes); null = the first validation.data pair's reference
     validation:
       data: null          # held-out shard folder (or synthetic spec); null = no validation
       every: 0            # optimizer steps; 0 = once, at the end of the run
@@ -100,10 +102,11 @@ class SampleConfig:
     guidance: float = 3.5
     seeds: list = dataclasses.field(default_factory=lambda: [0])
     weights: str = "live"
+    reference: str | None = None
 
     def __post_init__(self):
         check_types(self, "sample.")
-        for f in ("prompts", "vae"):
+        for f in ("prompts", "vae", "reference"):
             if getattr(self, f):
                 _set(self, f, os.path.expanduser(getattr(self, f)))
         _at_least(self, "sample", ("every",), 0)

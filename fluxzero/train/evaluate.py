@@ -135,10 +135,11 @@ class Previews:
     """Sample images of fixed prompt embeddings and seeds, written to output_dir/samples/step_XXXXXXXX/ and
     returned for TensorBoard. The prompts were encoded once, before training (`fluxzero encode-prompts`), so
     no rank loads T5. Rank 0 decodes and writes; under ZeRO-3 every rank runs the forward passes, below it the
-    others wait at the next collective."""
+    others wait at the next collective. A FLUX.1 Kontext model edits one reference in every preview, as
+    `fluxzero sample --reference` does: sample.reference, else the first pair of `validation`'s set."""
 
     def __init__(self, cfg: SampleConfig, model_cfg, output_dir: str, *, rank: int, stage: int, device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, validation: Validation | None = None):
         from fluxzero.sampling.embeddings import EmbeddingsError, load_embeddings
         from fluxzero.train.distributed import TrainingError
         from fluxzero.sampling.vae import load_vae
@@ -158,6 +159,32 @@ class Previews:
         self.emb = emb if self.takes_part else None
         # the VAE decodes on rank 0 only; in float32 (a few hundred MB for FLUX's), as `fluxzero sample` does
         self.vae = load_vae(cfg.vae, device=device, dtype=torch.float32) if rank == 0 else None
+        self.reference, self.reference_path = (self._reference(validation) if model_cfg.kontext
+                                               else (None, None))
+
+    def _reference(self, validation: Validation | None) -> tuple[torch.Tensor, str]:
+        """(scaled reference latents (1, 16, h, w), where they came from) on every rank: sample.reference encoded
+        on rank 0 (which holds the VAE) by `fluxzero sample --reference`'s encode_reference and sent to the others,
+        or the first validation pair's cached latents, which every rank reads itself. TrainConfig saw to it that
+        one of the two is set."""
+        from fluxzero.sampling.vae import encode_reference
+        from fluxzero.train.distributed import broadcast_objects
+
+        path = self.cfg.reference
+        if not path:
+            source = validation.loader.source
+            return source.get(0)["reference"][None].float(), f"{source.describe(0)} (validation.data)"
+        latents, problem = None, None
+        if self.rank == 0:  # the file exists (loop._check_inputs)
+            width, height = self.cfg.wh
+            try:
+                latents = encode_reference(self.vae, path, height=height, width=width)
+            except DataError as e:
+                problem = f"sample.reference: {e}"
+        latents, problem = broadcast_objects([latents, problem])
+        if problem:
+            raise TrainingError(problem)
+        return latents, str(Path(path).resolve())
 
     def __call__(self, engine, step: int) -> tuple[list[Path], float]:
         """(PNG paths written (rank 0; [] elsewhere), seconds it took).
@@ -183,7 +210,8 @@ class Previews:
                 with _same_random_streams():
                     paths = sample_images(engine.module, self.vae, self.emb, out, width=width, height=height,
                                           steps=self.cfg.steps, seeds=self.cfg.seeds, guidance=self.cfg.guidance,
-                                          weights=f"step {step} ({self.cfg.weights} weights)")
+                                          weights=f"step {step} ({self.cfg.weights} weights)",
+                                          reference=self.reference, reference_path=self.reference_path)
             except OSError as e:  # a PNG write: the sampling itself is done
                 problem, paths = e, []
             if problem is not None:

@@ -107,11 +107,16 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
 
 
 def _check_inputs(cfg: TrainConfig) -> None:
-    """What the run file names must be there before anything is built: the weights, peft for a LoRA."""
+    """What the run file names must be there before anything is built: the weights, the previews' reference, peft
+    for a LoRA."""
     if cfg.weights and not Path(cfg.weights).exists():
         raise TrainingError(f"weights: {cfg.weights} (the run file's pretrained weights) does not exist; it is read "
                             f"relative to the folder you launch from ({os.getcwd()}): set weights: to the FLUX.1 "
                             f"safetensors file or diffusers folder, or remove it to train from random weights")
+    if cfg.sample.every and cfg.sample.reference and not Path(cfg.sample.reference).is_file():
+        raise TrainingError(f"sample.reference {cfg.sample.reference} does not exist; it is read relative to the folder "
+                            f"you launch from ({os.getcwd()}): set it to the image the previews edit (or a "
+                            f".safetensors file of its latents)")
     if cfg.lora is not None:
         from fluxzero.model.lora import require_peft
         from fluxzero.model.lora_keys import LoraError
@@ -140,7 +145,7 @@ def _setup_extras(run: Run, cfg: TrainConfig, model_cfg, tag: str | None, rank: 
             from fluxzero.train.evaluate import Previews
 
             run.previews = Previews(cfg.sample, model_cfg, cfg.output_dir, rank=rank, stage=run.view.stage,
-                                    device=device, dtype=run.dtype)
+                                    device=device, dtype=run.dtype, validation=run.validation)
         except ImportError as e:
             raise TrainingError(f"sample.every needs the sampling packages ({e.name} is missing): "
                                 f"pip install -e '.[cache]'") from None

@@ -102,3 +102,80 @@ def test_a_kontext_model_refuses_data_without_references_and_back():
     pairs.check_model(get_model_config("flux-tiny-kontext"))
     batch = next(iter(pairs))
     assert batch["reference"].shape == batch["latents"].shape == (2, 16, 8, 8)
+
+
+def _sample_cli(*args) -> None:
+    from click.testing import CliRunner
+
+    from fluxzero.cli import main
+
+    r = CliRunner().invoke(main, ["sample", *map(str, args)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+
+
+def test_kontext_previews_edit_the_reference_as_fluxzero_sample_does(tmp_path):
+    """A Kontext run's previews edit sample.reference (or, without it, validation.data's first pair's reference):
+    each PNG equals what `fluxzero sample --reference` makes of the run's export with the same seed, and differs
+    from the text-only image. The export is a FluxKontextPipeline folder, which `fluxzero sample` reads as Kontext."""
+    import numpy as np
+    import yaml
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from fluxzero.data import build_dataloader
+    from fluxzero.sampling.embeddings import PromptEmbeddings, save_embeddings
+    from fluxzero.sampling.images import read_png_params
+    from tests.helpers import train_all_ok
+    from tests.sampling.test_sampling import tiny_vae
+
+    tiny_vae().save_pretrained(tmp_path / "vae")
+    torch.manual_seed(0)
+    save_embeddings(tmp_path / "prompts.safetensors", PromptEmbeddings(["make it night"], torch.randn(1, 4, 64),
+                                                                       torch.randn(1, 32)))
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 60, 3), dtype=np.uint8)).save(tmp_path / "ref.png")
+    (tmp_path / "ds.json").write_text(json.dumps(tiny_ds(2, clipping=0.0, lr=LR, train_micro_batch_size_per_gpu=4)))
+    sample = {"every": 2, "prompts": str(tmp_path / "prompts.safetensors"), "vae": str(tmp_path / "vae"),
+              "size": "48x32", "steps": 2, "seeds": [5]}
+    runs = {}
+    for name, extra in (("image", {"sample": {**sample, "reference": str(tmp_path / "ref.png")}}),
+                        ("val", {"sample": sample, "validation": {"data": DATA}})):
+        cfg = {"deepspeed": str(tmp_path / "ds.json"), "data": DATA, "output_dir": str(tmp_path / name),
+               "model": "flux-tiny-kontext", "weights": str(tiny_weights(tmp_path / "base.safetensors")), "steps": 2,
+               "seed": 3, "export": {"format": "diffusers", "dtype": "fp32"}, **extra}
+        runs[name] = tmp_path / f"{name}.yaml"
+        runs[name].write_text(yaml.safe_dump(cfg))
+    train_all_ok(*[(run,) for run in runs.values()])
+
+    val_ref = build_dataloader(DATA, micro_batch=1, rank=0, world_size=1, seed=0).source.get(0)["reference"]
+    save_file({"latents": val_ref.contiguous()}, tmp_path / "val_ref.safetensors")
+    common = ["--embeddings", tmp_path / "prompts.safetensors", "--vae", tmp_path / "vae", "--width", 48, "--height",
+              32, "--steps", 2, "--seed", 5, "--device", "cpu", "--no-grid"]
+    pixels = lambda png: np.asarray(Image.open(png)).astype(int)  # noqa: E731
+    for name, reference in (("image", tmp_path / "ref.png"), ("val", tmp_path / "val_ref.safetensors")):
+        preview = tmp_path / name / "samples" / "step_00000002" / "0000-p0-s5.png"
+        export = tmp_path / name / "export"
+        assert json.loads((export / "model_index.json").read_text())["_class_name"] == "FluxKontextPipeline"
+        _sample_cli(export, "--out", tmp_path / f"{name}-cli", "--reference", reference, *common)
+        _sample_cli(export, "--out", tmp_path / f"{name}-text", "--model", "flux-tiny-kontext", *common)
+        same, text = pixels(tmp_path / f"{name}-cli" / "0000-p0-s5.png"), pixels(tmp_path / f"{name}-text" / "0000-p0-s5.png")
+        assert np.array_equal(pixels(preview), same), name
+        assert np.abs(pixels(preview) - text).mean() > 1, name  # the reference steers the preview
+        params = read_png_params(preview)
+        assert params["model"] == "flux-tiny-kontext" and params["seed"] == 5
+        assert params["reference"] == (str((tmp_path / "ref.png").resolve()) if name == "image"
+                                       else "synthetic sample 0 (validation.data)")
+
+
+def test_bad_kontext_preview_settings_are_one_sentence(tmp_path):
+    from fluxzero.config import TrainConfig
+
+    base = {"deepspeed": "d.json", "data": DATA, "output_dir": str(tmp_path), "model": "flux-tiny-kontext",
+            "sample": {"every": 2, "prompts": "p.safetensors", "vae": "vae"}}
+    with pytest.raises(ValueError, match=r"^model flux-tiny-kontext is FLUX.1 Kontext, so its previews edit a "
+                                         r"reference image; set sample.reference .* or validation.data"):
+        TrainConfig.from_dict(base)
+    with pytest.raises(ValueError, match=r"^sample.reference is an image for a FLUX.1 Kontext model to edit, and "
+                                         r"model flux-tiny is not one; remove sample.reference"):
+        TrainConfig.from_dict({**base, "model": "flux-tiny", "data": DATA.replace(",ref=1", ""),
+                               "sample": {"reference": "ref.png"}})
+    # a reference file that is not there: tests/test_bad_inputs.py (sample_reference_missing)
