@@ -34,7 +34,7 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
             tag = newest_complete(ckpt_dir)
             if tag is None:
                 raise TrainingError(f"{ckpt_dir} has no 'latest' file and none of its step folders is a complete "
-                                    f"checkpoint; export another run's checkpoint")
+                                    f"checkpoint (each save was cut short); export another checkpoint")
             write_line(f"note: {ckpt_dir / 'latest'} is missing; exporting {tag}, the newest complete checkpoint "
                        f"there")
             return ckpt_dir, tag
