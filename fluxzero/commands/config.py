@@ -118,11 +118,13 @@ _OPTIONS = [
          "and ZeRO keys it needs."),
     _opt("offload_blocks", _NONNEG, "Fused optimizer modes: the last K transformer blocks keep their bf16 weights "
          "in pinned host memory, streamed to the GPU one block ahead (0: all resident)."),
-    _opt("lr", click.FloatRange(min=0, min_open=True), "AdamW learning rate (peak, after warm-up)."),
+    _opt("lr", click.FloatRange(min=0, min_open=True), "Learning rate (peak, after warm-up). The Adafactor modes "
+         "(adafactor-sr, fused-adafactor-sr) default to 1e-3 with no weight decay: their lr is relative, a step of "
+         "at most lr x RMS(weight), ~2e-5 for FLUX.1's block weights (docs/optimizer-modes.md)."),
     _opt("beta1", click.FloatRange(0, 1, max_open=True), "AdamW beta1."),
     _opt("beta2", click.FloatRange(0, 1, max_open=True), "AdamW beta2."),
     _opt("eps", click.FloatRange(min=0, min_open=True), "AdamW epsilon."),
-    _opt("weight_decay", click.FloatRange(min=0), "AdamW decoupled weight decay."),
+    _opt("weight_decay", click.FloatRange(min=0), "Decoupled weight decay (0 by default in the Adafactor modes)."),
     _opt("gradient_clipping", click.FloatRange(min=0), "Clip the global gradient norm; 0 disables."),
     # scheduler
     _opt("scheduler", click.Choice(ds_check.SCHEDULERS), "DeepSpeed LR scheduler (none: constant lr)."),

@@ -170,7 +170,8 @@ LORA_DEFAULTS = {"lr": 1e-4, "warmup_steps": 10}
 
 def options_from(preset: str | None = None, lora: bool = False, **overrides) -> DSOptions:
     """DSOptions from a preset name plus explicit overrides (None values in `overrides` are ignored); `lora`:
-    LORA_DEFAULTS under the preset and the overrides."""
+    LORA_DEFAULTS under the preset and the overrides; a full fine-tune's optimizer mode brings its own defaults
+    (OptimMode.defaults), under the overrides."""
     base = dict(LORA_DEFAULTS) if lora else {}
     if preset is not None:
         if preset not in PRESETS:
@@ -178,6 +179,8 @@ def options_from(preset: str | None = None, lora: bool = False, **overrides) -> 
         base.update(PRESETS[preset])
     given = {k: v for k, v in overrides.items() if v is not None}
     mode = optim_modes.MODES.get(given.get("optimizer_mode", base.get("optimizer_mode")))
+    if mode is not None and not lora:  # e.g. Adafactor's relative lr (optim_modes._ADAFACTOR_DEFAULTS)
+        base.update(mode.defaults)
     if mode is not None and mode.fused and "gradient_clipping" not in given:
         base["gradient_clipping"] = 0.0  # a fused mode steps before any global norm exists (ds_check says so)
     base.update(given)

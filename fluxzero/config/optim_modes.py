@@ -65,6 +65,9 @@ class OptimMode:
     # False: its optimizer states cannot be split per parameter, which DeepSpeed's universal checkpoint
     # (checkpoint.load_universal, a resume at another world size) needs; such a config is refused up front
     universal_checkpoint: bool = True
+    # gen-config's defaults for a full fine-tune in this mode where DSOptions' (AdamW's) would not train: lr,
+    # weight_decay; an option given on the command line, and a LoRA's defaults, win
+    defaults: dict = field(default_factory=dict)
 
     @property
     def offload_ok(self) -> bool:
@@ -116,6 +119,15 @@ _H200_STEP_S = {m: s / 11.90 for m, s in (("bf16-kahan", 0.131), ("bf16-sr", 0.4
 # 8-bit AdamW: two uint8 states plus one fp32 scale per 256-value block each (torchao's default block)
 _ADAMW8BIT_STATES = 2 * (1 + 4 / QUANT_BLOCK)
 
+# Adafactor's lr is relative (torch.optim.Adafactor, AdafactorSR): a tensor's step is at most lr x RMS(tensor)
+# (Adafactor clips the update's RMS to 1 before scaling it), where AdamW's is about lr itself. FLUX.1 fine-tunes
+# with Adafactor step each weight by about 1e-5..5e-5 (kohya sd-scripts' flux_train.py example: Adafactor with
+# relative_step=False, scale_parameter=False, so lr is the step itself, --learning_rate 5e-5; its AdamW example
+# 1e-5); FLUX.1's block linears are 3072 or more wide, RMS about 1/sqrt(3072) = 0.018, so lr 1e-3 steps them
+# ~2e-5. AdamW's 1e-5 here would step them ~2e-7: the weights barely move. Weight decay multiplies every weight by
+# 1 - lr x wd a step, 100-fold AdamW's at this lr, so it is off (sd-scripts' Adafactor runs without it too).
+_ADAFACTOR_DEFAULTS = {"lr": 1e-3, "weight_decay": 0.0}
+
 _STAGE0_BF16 = ("bf16 off in the DeepSpeed config and the model cast to bf16 by us: the engine steps the "
                 "client optimizer on the model's own bf16 parameters (no master copy, shapes kept)")
 
@@ -149,7 +161,7 @@ MODES: dict[str, OptimMode] = {m.name: m for m in (
     OptimMode("adafactor-sr", "AdafactorSR (ours): torch.optim.Adafactor's algorithm, stochastic rounding",
               weights=2, grads=2, master=2, states=0.0, states_flat=2, master_dtype="bf16",
               zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16, master_stage0=0,
-              step_chunk=STEP_CHUNK, trajectory="Adafactor",
+              step_chunk=STEP_CHUNK, trajectory="Adafactor", defaults=_ADAFACTOR_DEFAULTS,
               caveat="no momentum and relative step sizes: not AdamW's trajectory; factored only at ZeRO 0 "
                      "(ZeRO 1-3 flatten tensors, so its variance becomes full-size)"),
     # Fused into backward: AdafactorSR's step per tensor in a post-accumulate-grad hook, no gradient buffer
@@ -158,6 +170,7 @@ MODES: dict[str, OptimMode] = {m.name: m for m in (
               stage0=_STAGE0_BF16 + "; each tensor stepped in backward (no gradient buffer), the last "
                      "fluxzero.offload_blocks blocks streamed from host memory",
               master_stage0=0, fused=True, trajectory="Adafactor", step_chunk=STEP_CHUNK,
+              defaults=_ADAFACTOR_DEFAULTS,
               where="accelerator; with fluxzero.offload_blocks K the bf16 weights of the last K blocks in pinned "
                     "host memory, streamed to the accelerator one block ahead",
               caveat="Adafactor's trajectory (adafactor-sr's, stepped per tensor with keyed rounding noise); no "

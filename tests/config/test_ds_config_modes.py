@@ -206,6 +206,18 @@ def test_gen_config_refuses_what_the_fused_mode_cannot_run(flags, sentence):
     assert r.exit_code == 2 and sentence in r.output, r.output
 
 
+def test_adafactor_modes_default_to_their_relative_lr_and_no_weight_decay():
+    """Adafactor's lr is relative (a step of at most lr x RMS(weight): tests/train/test_optim_quality.py), so AdamW's
+    1e-5 would barely move FLUX.1's weights; an explicit --lr / --weight-decay and a LoRA's defaults still win."""
+    for mode, stage in (("fused-adafactor-sr", "0"), ("adafactor-sr", "2")):
+        params = gen("--optimizer-mode", mode, "--zero-stage", stage)["optimizer"]["params"]
+        assert (params["lr"], params["weight_decay"]) == (1e-3, 0.0), mode
+    assert gen(*FUSED, "--lr", "4e-4", "--weight-decay", "0.1")["optimizer"]["params"]["lr"] == 4e-4
+    assert gen(*FUSED, "--weight-decay", "0.1")["optimizer"]["params"]["weight_decay"] == 0.1
+    assert options_from(lora=True, optimizer_mode="adafactor-sr", zero_stage=0).lr == 1e-4
+    assert gen("--optimizer-mode", "bf16-kahan")["optimizer"]["params"]["lr"] == 1e-5  # AdamW's
+
+
 def test_offload_blocks_needs_a_fused_mode():
     r = CliRunner().invoke(main, ["gen-config", "--optimizer-mode", "adafactor-sr", "--zero-stage", "0",
                                   "--offload-blocks", "4"])

@@ -135,6 +135,18 @@ def test_fused_adafactor_sr_matches_fp32_adafactor(problem):
     assert dw < BOUND and dl < BOUND, (dw, dl)
 
 
+def test_adafactor_lr_is_relative_to_the_weights_rms():
+    """The lr gen-config writes for the Adafactor modes (optim_modes._ADAFACTOR_DEFAULTS: 1e-3) assumes a step of
+    lr x RMS(weight): the first step's update has RMS 1 (its second moment is g^2), so the weights move by that."""
+    for rms in (0.018, 0.2):
+        w = torch.nn.Parameter(torch.randn(256, 3072, generator=torch.Generator().manual_seed(0)) * rms)
+        before = w.detach().clone()
+        w.grad = torch.randn_like(w)
+        AdafactorSR([w], lr=1e-3).step()
+        step = (w.detach() - before).pow(2).mean().sqrt() / before.pow(2).mean().sqrt()
+        assert step == pytest.approx(1e-3, rel=0.02), (rms, step)
+
+
 def test_adafactor_sr_is_torchs_adafactor_on_fp32():
     """On fp32 tensors nothing is rounded: ours must be torch.optim.Adafactor (2-D factored, 1-D full).
 
