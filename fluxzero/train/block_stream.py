@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fluxzero.train.host_memory import host_available, within
+
 ALIGN = 256  # bytes: each tensor's start in a block's buffer (the copies are one memcpy per block either way)
 
 # Pinned host buffers stay registered for the life of the process: unregistering memory that views still reference
@@ -35,22 +37,11 @@ ALIGN = 256  # bytes: each tensor's start in a block's buffer (the copies are on
 _REGISTERED: list[torch.Tensor] = []
 
 
-def host_available() -> int | None:
-    """Bytes of host memory available to a new allocation now (Linux MemAvailable), None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def host_shortfall(need: int, available: int | None, k: int) -> str | None:
-    """The sentence refusing `need` bytes of streamed weights when the host has not `available` (with 10% kept
-    free), or None: a host short of them would swap or meet the OOM killer mid-run instead."""
-    if available is None or need <= 0.9 * available:
+    """The sentence refusing `need` bytes of streamed weights when the host has not `available`
+    (fluxzero.train.host_memory: with 10% kept free), or None. The trainer checks the run's whole host need first
+    (host_memory.check_run); this check holds for any other caller of plan()."""
+    if within(need, available):
         return None
     return (f"fluxzero.offload_blocks {k} keeps {need / 2**30:.1f} GiB of block weights in host memory, but "
             f"{available / 2**30:.1f} GiB is available on this machine: lower offload_blocks, or let `fluxzero "

@@ -129,7 +129,7 @@ def plan_streaming(model_cfg: ModelConfig, v: DSView, device: torch.device, lora
                             f"set it to at most {n}")
     try:
         return BlockStreamer.plan(build_model(model_cfg, device="meta", dtype=model_dtype(v)), k, device)
-    except MemoryError as e:  # the host cannot hold the streamed weights (block_stream.host_shortfall)
+    except (MemoryError, ValueError) as e:  # the host cannot hold the streamed weights (block_stream.host_shortfall)
         raise TrainingError(str(e)) from None
 
 

@@ -84,6 +84,12 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     total = cfg.total_steps(len(loader), v.grad_accum)
     ckpt_dir = Path(cfg.output_dir) / "checkpoints"
     tag = resume.decide_resume(cfg, v, ckpt_dir, allow_config_change)
+    from fluxzero.train.host_memory import check_run
+
+    # before anything large is allocated: a host short of memory would swap or meet the OOM killer mid-run instead
+    distributed.all_ranks_ok(check_run(model_cfg, ds, v, world=world, local_world=distributed.local_world_size(),
+                                       latent_sizes=loader.dims["latent_sizes"], txt_len=loader.dims.get("t5_len", 512),
+                                       ema=cfg.ema, weights=bool(cfg.weights)))
     engine = ds_engine.build_engine(model_cfg, ds, v, device, seed=cfg.seed, weights=cfg.weights,
                                     attention=cfg.attention, lora=cfg.lora, latent_sizes=loader.dims["latent_sizes"])
     state = checkpoint.load(engine, ckpt_dir, tag) if tag else None

@@ -84,3 +84,54 @@ def test_fp8_and_compiled_blocks_with_streamed_blocks_equal_the_resident_run(tmp
     assert [rows["resident"][s]["loss"] for s in (1, 2)] == [rows["streamed"][s]["loss"] for s in (1, 2)]
     out = {n: load_file(tmp_path / n / "export.safetensors") for n in runs}
     assert all(torch.equal(out["resident"][k], out["streamed"][k]) for k in out["resident"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host memory is part of the fit (fluxzero.train.host_memory): the memory model's whole host need, refused
+# before anything large is allocated
+# ---------------------------------------------------------------------------------------------------------
+def test_a_run_beyond_the_host_is_refused_before_the_engine_starts(tmp_path):
+    from tests.helpers import rank_env, train
+
+    run = _run_file(tmp_path, "short", _ds(2))
+    cfg = yaml.safe_load(run.read_text())
+    cfg["ema"] = {"decay": 0.9, "device": "cpu"}
+    run.write_text(yaml.safe_dump(cfg))
+    r = train(run, env={**rank_env(), "FLUXZERO_HOST_MEMORY_GIB": "0.00001"})  # ~10 KB: flux-tiny needs more
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    line = next(x for x in r.stderr.splitlines() if "host memory" in x)
+    assert "this run needs 0.0 GiB of host memory on this machine (EMA (fp32) 0.0 GiB, streamed block weights " in line
+    assert line.endswith("but FLUXZERO_HOST_MEMORY_GIB gives 0.0 GiB and 10% of it is kept free: lower "
+                         "fluxzero.offload_blocks, keep the EMA on the GPU (ema.device: gpu), or let `fluxzero "
+                         "gen-config --fit --host-memory 1` choose a config for it"), line
+    assert not (tmp_path / "short" / "checkpoints").exists()
+    bad = train(run, env={**rank_env(), "FLUXZERO_HOST_MEMORY_GIB": "lots"})
+    assert bad.returncode == 1 and "environment variable FLUXZERO_HOST_MEMORY_GIB='lots' must be a positive number " \
+                                   "of GiB (the host memory this run may use); fix or unset it" in bad.stderr
+
+
+def test_the_host_need_is_the_memory_models(monkeypatch):
+    """flux-dev with 44 of 57 blocks streamed and a bf16 EMA on the CPU: what `estimate` counts on the host (less
+    its allowance for the running process), per rank on the machine; 20 GiB of it refuses, 64 fits."""
+    from fluxzero.config import get_model_config, memory
+    from fluxzero.config.ds_config import build, options_from
+    from fluxzero.config.ds_view import view
+    from fluxzero.config.ema import EmaConfig
+    from fluxzero.train import host_memory
+
+    cfg = build(options_from(model="flux-dev", optimizer_mode="fused-adafactor-sr", zero_stage=0, offload_blocks=44))
+    v, ds, model = view(cfg), {k: x for k, x in cfg.items() if k != "fluxzero"}, get_model_config("flux-dev")
+    ema = EmaConfig(device="cpu", dtype="bf16")
+    spec = memory.RunSpec(model, **memory.run_options_from_ds_config(cfg), ema="bf16", ema_device="cpu")
+    for local in (1, 2):
+        need, items = host_memory.run_host_need(model, ds, v, world=local, local_world=local, latent_sizes=[(64, 64)],
+                                                ema=ema)
+        assert need == local * (memory.estimate(spec).host_per_rank() - 2 * memory.GiB)
+        assert [name for name, _ in items] == ["EMA (bf16)", "streamed block weights (bf16, pinned)"]
+    monkeypatch.setenv(host_memory.HOST_MEMORY_ENV, "20")
+    assert host_memory.host_available() == 20 * 2**30
+    assert host_memory.check_run(model, ds, v, world=1, local_world=1, ema=ema).startswith(
+        "this run needs 36.0 GiB of host memory on this machine (EMA (bf16) 22.2 GiB, streamed block weights (bf16, "
+        "pinned) 13.8 GiB), but FLUXZERO_HOST_MEMORY_GIB gives 20.0 GiB")
+    monkeypatch.setenv(host_memory.HOST_MEMORY_ENV, "64")
+    assert host_memory.check_run(model, ds, v, world=1, local_world=1, ema=ema) is None

@@ -15,6 +15,8 @@ from fluxzero.config.architecture import linear_shapes
 from fluxzero.config.memory.spec import (GiB, OPTIMIZER_STATE_BYTES, PRECISION_BYTES, Item, ParamInventory, RunSpec,
                                           base_bytes, lora_config, optim_mode, streamed_blocks, trained_params)
 
+PROCESS_ITEM = "process (CUDA runtime, libraries)"  # the host allowance of a running rank itself
+
 
 # Transient bytes per stepped element of one optimizer step beyond its states, by optimizer mode, on one flat
 # 1-D tensor as ZeRO 1-3 hand it: measured on CPU by benchmarks/optim_step_memory.py (peak RSS over the steady
@@ -280,7 +282,7 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     add("model load (%d B/param)" % s.load_bytes, s.load_bytes * loaded, "host", "load",
         note="one layer at a time (the file memory-mapped)" if streamed else "whole model on every local rank",
         ds=True)
-    add("process (CUDA runtime, libraries)", 2 * GiB, "host", note="per rank; assumed typical RSS")
+    add(PROCESS_ITEM, 2 * GiB, "host", note="per rank; assumed typical RSS")
     return items
 
 

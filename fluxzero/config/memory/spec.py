@@ -124,7 +124,7 @@ class ZeroSettings:
         return cls(**{k: (v if isinstance(v, bool) else int(v)) for k, v in values.items()})
 
 
-def run_options_from_ds_config(ds: dict, world_size: int | None = None) -> dict:
+def run_options_from_ds_config(ds: dict, world_size: int | None = None, v: ds_view.DSView | None = None) -> dict:
     """RunSpec fields that a DeepSpeed config (gen-config's or hand-written) decides, read through its DSView.
 
     Absent keys take the values DeepSpeed and the trainer use for them (ZeRO stage 0, no activation
@@ -132,9 +132,10 @@ def run_options_from_ds_config(ds: dict, world_size: int | None = None) -> dict:
     train_batch_size / (accumulation x world_size) when only those are given, and is left out when the
     config does not decide it (not set, "auto", or not dividing for this world size).
     Raises ds_view.DSConfigError (a ValueError) for a section of the wrong type, ValueError for a value of the
-    wrong kind.
+    wrong kind. `v`: the config's view when the caller has it (the trainer's, whose dict has lost its "fluxzero"
+    section to DeepSpeed).
     """
-    v = ds_view.view(ds)
+    v = v if v is not None else ds_view.view(ds)
     out: dict = {"stage": v.stage, "precision": v.precision, "offload_optimizer": v.offload_optimizer,
                  "offload_param": v.offload_param}
     for ours in ("stage", "checkpoint_every"):
