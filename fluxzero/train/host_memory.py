@@ -77,9 +77,9 @@ def _source(available: int) -> str:
 
 
 def run_host_need(model_cfg, ds: dict, v, *, world: int, local_world: int, latent_sizes=(), txt_len: int = 512,
-                  ema=None, weights: bool = False):
+                  ema=None, lora=None, weights: bool = False):
     """(bytes of host memory the run needs on this machine, [(item, bytes)] of it, largest first) from the memory
-    model, for the DeepSpeed config `ds` with its view `v` and the run's data and EMA."""
+    model, for the DeepSpeed config `ds` with its view `v` and the run's data, EMA and LoRA (a LoraConfig)."""
     from fluxzero.config import memory
     from fluxzero.config.memory.spec import PHASES
     from fluxzero.config.memory.model_states import PROCESS_ITEM
@@ -92,6 +92,10 @@ def run_host_need(model_cfg, ds: dict, v, *, world: int, local_world: int, laten
             height, width = 8 * h, 8 * w
     if ema is not None:
         fields.update(ema=ema.dtype, ema_device=ema.device)
+    if lora is not None:
+        targets = lora.targets if isinstance(lora.targets, str) else tuple(lora.targets)
+        fields.update(lora_rank=lora.rank, lora_targets=targets, lora_dropout=lora.dropout,
+                      base_quant=None if lora.base_quant == "none" else lora.base_quant)
     local = max(1, min(local_world, world))
     spec = memory.RunSpec(model_cfg, nodes=max(1, world // local), gpus_per_node=local, height=height, width=width,
                           txt_len=txt_len, load_bytes=4 if weights else 0, **fields)
@@ -135,14 +139,18 @@ def fixes_for(v, ema) -> list[str]:
 
 
 def check_run(model_cfg, ds: dict, v, *, world: int, local_world: int, latent_sizes=(), txt_len: int = 512,
-              ema=None, weights: bool = False) -> str | None:
-    """run_host_need against host_available(): the refusing sentence, or None."""
+              ema=None, lora=None, weights: bool = False) -> str | None:
+    """run_host_need against host_available(): the refusing sentence, or None (also where the memory model does
+    not cover the run: the check must never stop a run it cannot estimate)."""
     try:
         available = host_available()
     except ValueError as e:
         return str(e)
     if available is None:
         return None
-    need, items = run_host_need(model_cfg, ds, v, world=world, local_world=local_world, latent_sizes=latent_sizes,
-                                txt_len=txt_len, ema=ema, weights=weights)
+    try:
+        need, items = run_host_need(model_cfg, ds, v, world=world, local_world=local_world, latent_sizes=latent_sizes,
+                                    txt_len=txt_len, ema=ema, lora=lora, weights=weights)
+    except ValueError:
+        return None
     return host_problem(need, items, available, fixes_for(v, ema))

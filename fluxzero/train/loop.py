@@ -89,7 +89,7 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     # before anything large is allocated: a host short of memory would swap or meet the OOM killer mid-run instead
     distributed.all_ranks_ok(check_run(model_cfg, ds, v, world=world, local_world=distributed.local_world_size(),
                                        latent_sizes=loader.dims["latent_sizes"], txt_len=loader.dims.get("t5_len", 512),
-                                       ema=cfg.ema, weights=bool(cfg.weights)))
+                                       ema=cfg.ema, lora=cfg.lora, weights=bool(cfg.weights)))
     engine = ds_engine.build_engine(model_cfg, ds, v, device, seed=cfg.seed, weights=cfg.weights,
                                     attention=cfg.attention, lora=cfg.lora, latent_sizes=loader.dims["latent_sizes"])
     state = checkpoint.load(engine, ckpt_dir, tag) if tag else None
