@@ -79,7 +79,9 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, ds = client_optimizer(params, ds, v, seed=seed)
     if v.fused_step:
-        optimizer.attach(device, streamer)
+        from fluxzero.train.fused_step import grad_buckets
+
+        optimizer.attach(device, streamer, buckets=grad_buckets(model))
     with accept_host_optimizer(optimizer), keep_on_host(streamer):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=ds)
     if v.fused_step:  # the fused step all-reduces each gradient itself; the engine's would re-create them all

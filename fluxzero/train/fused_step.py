@@ -12,8 +12,13 @@ whether any tensor was skipped (`overflow`: DeepSpeed then counts a skipped step
 What an earlier per-parameter attempt under DeepSpeed got wrong, and how this answers it:
 - DeepSpeed's allreduce re-created every freed gradient as zeros after backward: the engine builder turns the
   engine's backward all-reduce off (`enable_backward_allreduce = False`); this hook all-reduces instead.
-- Ranks stepped their own un-averaged gradients: the hook all-reduces (average) each gradient before stepping,
-  in the same order on every rank (autograd's order is the graph's), so the replicas stay identical.
+- Ranks stepped their own un-averaged gradients: the gradients are averaged before any is stepped, in the same
+  order on every rank (autograd's order is the graph's), so the replicas stay identical. On more than one rank
+  they are averaged a bucket at a time (`attach(buckets=)`: one per transformer block, one per other top-level
+  module): a bucket's tensors wait in their hooks until its last gradient is complete, then one all_reduce of
+  their flattened gradients averages them all and each is stepped, so a step makes one collective per block
+  instead of one per tensor. Gloo and NCCL sum elementwise, so the average is the per-tensor one, bit for bit
+  on two ranks (tests/train/test_fused_step.py); it costs one block's gradients held, twice while flattened.
 - Gradient accumulation and clipping were bypassed: both are refused for these modes (config/ds_check.py), since
   the update happens before a later micro batch or a global norm exists; Adafactor clips each update's RMS.
 - The whole step is no longer all-or-nothing: a tensor whose gradient is not finite is left as it is (and its
@@ -39,6 +44,7 @@ class FusedStep:
     it). It imports no optimizer, so fluxzero.train.optim can build on it."""
 
     steps_in_backward = True  # train/step.py reads it: the loss is checked before backward
+    bucket_grads = True  # on more than one rank, average a bucket's gradients in one all_reduce (attach's buckets)
 
     def __init__(self, params, lr: float, weight_decay: float = 0.0, *, noise_seed: int, **kw):
         super().__init__(params, lr=lr, weight_decay=weight_decay, noise_seed=noise_seed, **kw)
@@ -49,12 +55,20 @@ class FusedStep:
         self._group = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._norm_sq, self._nonfinite, self._new_step = 0.0, 0, True
         self._streamer, self._device, self._world, self._handles = None, None, 1, []
+        self._bucket_of, self._bucket_size, self._waiting = {}, {}, {}
 
-    def attach(self, device: torch.device, streamer=None) -> None:
+    def attach(self, device: torch.device, streamer=None, buckets: dict | None = None) -> None:
         """Step each trained parameter from its gradient hook; `streamer` (a block_stream.BlockStreamer) is told
-        when a tensor of a streamed block has been stepped. States live on `device` (the accelerator)."""
+        when a tensor of a streamed block has been stepped. States live on `device` (the accelerator). `buckets`:
+        parameter -> the name of its bucket (grad_buckets), whose gradients are averaged together on more than
+        one rank."""
         self._streamer, self._device = streamer, torch.device(device)
         self._world = dist.get_world_size() if dist.is_initialized() else 1
+        if buckets:
+            self._bucket_of = {p: buckets[p] for p in self._group if p in buckets}
+            self._bucket_size = {}
+            for name in self._bucket_of.values():
+                self._bucket_size[name] = self._bucket_size.get(name, 0) + 1
         for p in self._group:
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
@@ -62,10 +76,41 @@ class FusedStep:
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._new_step:  # the first gradient of a step: what step() reported belongs to the last one
             self._norm_sq, self._nonfinite, self._new_step = 0.0, 0, False
+        if self._world == 1:
+            self._step_one(p)
+            return
+        bucket = self._bucket_of.get(p) if self.bucket_grads else None
+        if bucket is None:
+            dist.all_reduce(p.grad)
+            p.grad.div_(self._world)
+            self._step_one(p)
+            return
+        waiting = self._waiting.setdefault(bucket, [])
+        waiting.append(p)
+        if len(waiting) == self._bucket_size[bucket]:
+            self._flush(bucket)
+
+    def _flush(self, bucket) -> None:
+        """Average the waiting gradients of `bucket` in one all_reduce per dtype, then step each in arrival order."""
+        params = self._waiting.pop(bucket)
+        by_dtype: dict = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat.div_(self._world)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+            del flat
+        for p in params:
+            self._step_one(p)
+
+    def _step_one(self, p: torch.Tensor) -> None:
+        """Step `p` with its (averaged) gradient and drop the gradient."""
         g = p.grad
-        if self._world > 1:
-            dist.all_reduce(g)
-            g.div_(self._world)
         # the norm and the finite check stay on the device (no .item()): a host sync per tensor would drain the
         # queue of backward's kernels and the block copies behind it, hundreds of times a step
         norm = torch.linalg.vector_norm(g, dtype=torch.float32)
@@ -82,6 +127,8 @@ class FusedStep:
         """End the optimizer step (every tensor was stepped in backward): wait for the write-backs of streamed
         blocks, so the host copies are current for a checkpoint or an export; read the step's gradient norm and
         count of skipped tensors (the step's one host sync)."""
+        for bucket in list(self._waiting):  # a bucket some of whose tensors had no gradient this step: in the
+            self._flush(bucket)  # order their first gradients came, the same on every rank
         if self._streamer is not None:
             self._streamer.finish()
         skipped = int(self._nonfinite)
@@ -109,3 +156,13 @@ class FusedStep:
         for p, st in list(self.state.items()):
             self.state[p] = {sys.intern(k): (v.cpu() if k == "step" else v.to(self._device or v.device))
                              if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+
+
+def grad_buckets(model: torch.nn.Module) -> dict:
+    """parameter -> its gradient bucket for FusedStep.attach: the transformer block it belongs to
+    (`double_blocks.N`, `single_blocks.N`), else its top-level module (`img_in`, `final_layer`, ...)."""
+    out = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        out[p] = ".".join(parts[:2]) if parts[0] in ("double_blocks", "single_blocks") else parts[0]
+    return out

@@ -145,25 +145,29 @@ def test_streamed_weights_beyond_the_host_are_refused_in_one_sentence():
 ALL4 = "synthetic:n=4,hw=4x4,txt=4,ctx=64,vec=32"  # 2 ranks x micro batch 2 = 1 rank x 4: every sample, every step
 
 
-def _two_rank_worker(rank, world, port, tmp, out_file):
+def _two_rank_worker(rank, world, port, tmp, out_file, bucketed=True):
     """`world` spawned ranks of the fused mode (two blocks streamed) on ALL4 with micro batch 4 / world; rank 0 saves
-    the losses, the weights and whether every rank holds the same, and (one rank) the initial weights."""
+    the losses, the weights and whether every rank holds the same, and (one rank) the initial weights. bucketed:
+    a block's gradients averaged in one all_reduce (the default), else one all_reduce per tensor."""
     enter_training_rank(rank, world, port)
     import torch.distributed as dist
 
     from pathlib import Path
 
     done = False
+    name = f"world{world}" + ("" if bucketed else "-per-tensor")
     try:
-        run = _setup(Path(tmp) / f"world{world}", "fused-adafactor-sr", 2, micro=4 // world, data=ALL4)
+        run = _setup(Path(tmp) / name, "fused-adafactor-sr", 2, micro=4 // world, data=ALL4)
+        run.engine.optimizer.bucket_grads = bucketed
+        buckets = len(run.engine.optimizer._bucket_size)
         init = torch.cat([p.detach().float().flatten() for p in run.engine.module.parameters()])
         losses, weights = _train(run)
         flat = torch.cat([w.float().flatten() for w in weights.values()])
         every = [torch.zeros_like(flat) for _ in range(world)]
         dist.all_gather(every, flat)
         if rank == 0:
-            torch.save({"losses": losses, "weights": flat, "init": init,
-                        "replicas_equal": all(torch.equal(every[0], f) for f in every)}, Path(tmp) / f"world{world}.pt")
+            torch.save({"losses": losses, "weights": flat, "init": init, "buckets": buckets,
+                        "replicas_equal": all(torch.equal(every[0], f) for f in every)}, Path(tmp) / f"{name}.pt")
         done = True
     finally:
         close_group(done)
@@ -180,6 +184,18 @@ def test_two_ranks_stay_identical_and_match_one_rank_with_the_doubled_batch(tmp_
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-3), (two["losses"], one["losses"])
     moved = (one["weights"] - one["init"]).abs().mean()
     assert (two["weights"] - one["weights"]).abs().mean() < 0.05 * moved  # measured 0.01 of the mean update
+
+
+@pytest.mark.slow
+def test_a_blocks_gradients_averaged_in_one_all_reduce_equal_one_all_reduce_per_tensor(tmp_path):
+    """2 ranks: the bucketed average (one collective per block) steps exactly the per-tensor one's weights."""
+    for bucketed in (True, False):
+        spawn_ranks(_two_rank_worker, 2, str(tmp_path), str(tmp_path / f"{bucketed}.json"), bucketed)
+    bucketed, per_tensor = (torch.load(tmp_path / f"world2{s}.pt") for s in ("", "-per-tensor"))
+    # flux-tiny: 4 blocks, and img_in, txt_in, time_in, vector_in, guidance_in, final_layer
+    assert bucketed["buckets"] == 10 and bucketed["replicas_equal"] and per_tensor["replicas_equal"]
+    assert bucketed["losses"] == per_tensor["losses"] and torch.equal(bucketed["weights"], per_tensor["weights"])
+    assert not torch.equal(bucketed["weights"], bucketed["init"])
 
 
 def test_a_lora_and_too_many_streamed_blocks_are_refused_before_the_model_is_built():
