@@ -102,7 +102,12 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         add(f"{what} partition ({s.precision})", b * part, where, note="1/N of the parameters", ds=True)
     overlap = s.zero.overlap_comm if s.zero.overlap_comm is not None else s.stage == 3
     fused = mode is not None and mode.fused
-    if fused:  # fluxzero.train.fused_step: each gradient stepped and dropped as backward makes it
+    if fused and N > 1:  # fluxzero.train.fused_step: a block's gradients averaged in one all_reduce, then stepped
+        block = max(inv.double_block if s.model.depth else 0, inv.single_block if s.model.depth_single_blocks else 0)
+        add("gradients of one block, and their flat copy (%s)" % s.precision, 2 * b * block, phase="train",
+            note="no gradient buffer: a block's gradients wait for its last, one all_reduce averages them, each "
+                 "is stepped")
+    elif fused:  # each gradient stepped and dropped as backward makes it
         add("gradient being stepped (one tensor, %s)" % s.precision, b * largest_trained, phase="train",
             note="no gradient buffer: each tensor is stepped in backward")
     elif s.stage == 0:
