@@ -158,9 +158,13 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     k = s.checkpoint_every
     kinds = [d] * cfg.depth + [si] * cfg.depth_single_blocks
     # streamed blocks (the last offload_blocks) are always recomputed: fluxzero.train.block_stream checkpoints them
-    ckpt = [k > 0 and j % k == 0 or j >= len(kinds) - s.offload_blocks for j in range(len(kinds))]
-    x_in = 0 if s.cpu_checkpointing else L * C * b  # a checkpointed block's input (on the host with cpu_ckpt)
-    kept = [(x_in if c else L * C * b + saved) for saved, c in zip(kinds, ckpt)]  # per block, one sample
+    streamed = [j >= len(kinds) - s.offload_blocks for j in range(len(kinds))]
+    ckpt = [k > 0 and j % k == 0 or streamed[j] for j in range(len(kinds))]
+    # a checkpointed block's input, on the host with cpu_checkpointing (deepspeed's), except a streamed block's:
+    # the streamer checkpoints those itself (torch's, non-reentrant), inputs kept on the accelerator
+    on_gpu = [not s.cpu_checkpointing or st for st in streamed]
+    kept = [(L * C * b if g else 0) if c else L * C * b + saved
+            for saved, c, g in zip(kinds, ckpt, on_gpu)]  # per block, one sample
     embed, head = outside_blocks_saved(cfg, I, T, b)
     # A quantized base dequantizes each weight for its matmul, and autograd saves that bf16 copy for the input's
     # gradient (mm saves the other operand): per block, whatever the micro batch; a checkpointed block's only
@@ -188,7 +192,7 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
         grads += g_bytes * params[j]
     # the forward's end holds the head instead of a working set: count the larger of the two
     workspace = max(block_backward_workspace(cfg, I, T, b, att), head)
-    on_host = B * sum(L * C * b for c in ckpt if c) if s.cpu_checkpointing else 0
+    on_host = B * sum(L * C * b for c, g in zip(ckpt, on_gpu) if c and not g)
     return {"stored": B * stored, "recompute": B * (peak - stored), "workspace": B * workspace, "on_host": on_host,
             "grads_net": both - B * peak, "per_block_double": d, "per_block_single": si,
             "checkpointed": sum(ckpt)}
