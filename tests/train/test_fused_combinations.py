@@ -10,6 +10,7 @@ reference here.
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -71,6 +72,7 @@ def test_ema_validation_and_previews_with_streamed_blocks_equal_the_resident_run
     assert any(not torch.equal(ema["streamed"][k], live[k]) for k in live)  # the EMA, not the live weights
 
 
+@pytest.mark.slow  # two compiles of the blocks (aot_eager) on the CPU
 def test_fp8_and_compiled_blocks_with_streamed_blocks_equal_the_resident_run(tmp_path):
     """FP8 matmuls (torchao float8 training casts each weight as it is used: a streamed weight is cast from its
     device copy) and compiled blocks (the streamer's checkpoint wraps the compiled forward): two streamed blocks
