@@ -12,7 +12,8 @@ import click
 from click.core import ParameterSource
 
 from fluxzero.config import ds_check, ds_config, ds_view, memory, optim_modes
-from fluxzero.commands.estimate import _FRACTION, _GIB, _resolution, gpu_memory_from, topology_from
+from fluxzero.commands.estimate import (_FRACTION, _GIB, ADAPTER_KEYS, ADAPTER_OPTIONS, _resolution, adapter_fields,
+                                        gpu_memory_from, topology_from)
 from fluxzero.commands.model_spec import MODEL_SPEC
 from fluxzero.config.ds_check import FP8_RECIPES
 from fluxzero.config.ds_config import DSOptions
@@ -160,6 +161,7 @@ FIT_OPTIONS = [
     click.option("--lora-targets", default="attention+mlp", show_default=True,
                  help="With --lora-rank: the run file's lora.targets, a preset (" + ", ".join(TARGET_PRESETS)
                       + ") or comma-separated module-name patterns."),
+    *ADAPTER_OPTIONS,
     click.option("--base-quant", type=click.Choice(memory.BASE_QUANTS), default="auto", show_default=True,
                  help="With --lora-rank: the frozen base quantized (int8, torchao weight-only; the run file's "
                       "lora.base_quant, which the printed next step names); auto lets --fit choose int8 when the "
@@ -190,7 +192,7 @@ FIT_OPTIONS = [
                  show_default=True, help="--fit: where that EMA lives (ema.device)."),
 ]
 _FIT_KEYS = ("fit", "gpu", "gpu_memory", "host_memory", "resolution", "txt_len", "fit_margin", "max_micro_batch",
-             "lora_rank", "lora_targets", "base_quant", "fit_ema", "fit_ema_device")
+             "lora_rank", "lora_targets", *ADAPTER_KEYS, "base_quant", "fit_ema", "fit_ema_device")
 
 
 def fit_options(fn):
@@ -237,6 +239,7 @@ def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node
     try:
         run = {"height": h, "width": w, "txt_len": request["txt_len"], "lora_rank": request["lora_rank"],
                "lora_targets": _lora_targets(request["lora_targets"]),
+               **(adapter_fields(request) if request["lora_rank"] else {}),
                "ema": None if request["fit_ema"] == "none" else request["fit_ema"],
                "ema_device": request["fit_ema_device"]}
         req = memory.FitRequest(memory.Hardware(capacity, request["host_memory"], nodes, gpus_per_node), run,
@@ -266,13 +269,20 @@ def next_command(output: str | None, world: int | None, hostfile, request: dict,
     if request["lora_rank"]:
         targets = _lora_targets(request["lora_targets"])  # patterns as a YAML list of quoted names: `*` and `,`
         targets = targets if isinstance(targets, str) else json.dumps(list(targets))  # mean something in YAML
-        lora = f"lora: {{rank: {request['lora_rank']}, targets: {targets}"
+        lora = f"lora: {{rank: {request['lora_rank']}, targets: {targets}" + _adapter_keys(request)
         keys.append(lora + (f", base_quant: {base_quant}}}" if base_quant else "}"))
     if request.get("fit_ema", "none") != "none":
         keys.append(f"ema: {{dtype: {request['fit_ema']}, device: {request['fit_ema_device']}}}")
     launch = (f"fluxzero launch --hostfile {hostfile} -- --config run.yaml" if hostfile
               else f"deepspeed --num_gpus {world or 1} launch/train.py --config run.yaml")
     return f"next: in run.yaml set {'; '.join(keys)}; then {launch}"
+
+
+def _adapter_keys(request: dict) -> str:
+    """The run file's lora keys for --lora-type and the LoKr options (empty for a plain LoRA)."""
+    keys = "" if request["lora_type"] == "lora" else f", type: {request['lora_type']}"
+    keys += "" if request["lora_factor"] == -1 else f", factor: {request['lora_factor']}"
+    return keys + (", decompose_both: true" if request["lora_decompose_both"] else "")
 
 
 def world_size_from(hostfile, nodes, gpus_per_node, world_size) -> int | None:
@@ -317,11 +327,19 @@ def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, 
         from fluxzero.config.models import resolve_model
 
         try:  # the trainer's checks of the run file's lora section, so the printed `lora:` line trains
-            LoraConfig(rank=request["lora_rank"], targets=_lora_targets(request["lora_targets"])).check_model(
-                resolve_model(fields["model"]))
+            LoraConfig(rank=request["lora_rank"], targets=_lora_targets(request["lora_targets"]),
+                       type=request["lora_type"], factor=request["lora_factor"],
+                       decompose_both=request["lora_decompose_both"],
+                       base_quant="none" if request["base_quant"] == "auto" else request["base_quant"],
+                       ).check_model(resolve_model(fields["model"]))
         except ValueError as e:
-            hint = "--lora-rank" if str(e).startswith("lora.rank") else "--lora-targets"
+            hints = {k: f"--lora-{k.replace('_', '-')}" for k in ("rank", "targets", "type", "factor", "decompose_both")}
+            hint = next((h for k, h in {**hints, "base_quant": "--base-quant"}.items()
+                         if str(e).startswith(f"lora.{k}")), "--lora-type")
             raise click.BadParameter(str(e), param_hint=hint) from None
+    elif request["lora_type"] != "lora" or request["lora_factor"] != -1 or request["lora_decompose_both"]:
+        raise click.UsageError("--lora-type, --lora-factor and --lora-decompose-both describe adapters: give "
+                               "--lora-rank too")
     if request["fit"]:  # memory.fit picks stage, offload, micro batch, checkpointing; what was given stays pinned
         plan = apply_fit(request, preset, given, hostfile, nodes, gpus_per_node, world_size)
         given.update(plan.overrides)

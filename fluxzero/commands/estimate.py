@@ -12,6 +12,7 @@ from click.core import ParameterSource
 from fluxzero.config import ds_view, memory, optim_modes
 from fluxzero.commands.model_spec import MODEL_SPEC
 from fluxzero.config import get_model_config, reshaped
+from fluxzero.config.lora import ADAPTER_TYPES
 from fluxzero.config.memory import GiB, GPU_MEMORY_GIB
 
 _POS = click.IntRange(min=1)
@@ -83,6 +84,25 @@ def topology_from(hostfile, nodes, gpus_per_node) -> tuple[int, int]:
     return nodes or 1, gpus_per_node or 1
 
 
+# The adapter beside --lora-rank, named as the run file's lora section names it; gen-config takes the same ones
+ADAPTER_OPTIONS = [
+    click.option("--lora-type", type=click.Choice(list(ADAPTER_TYPES)), default="lora", show_default=True,
+                 help="With --lora-rank: the run file's lora.type (dora adds a magnitude per output row, lokr trains "
+                      "Kronecker factors: each counted as PEFT builds it)."),
+    click.option("--lora-factor", type=click.IntRange(min=-1), default=-1, show_default=True,
+                 help="With --lora-type lokr: the run file's lora.factor (-1: the divisors nearest the square root)."),
+    click.option("--lora-decompose-both", is_flag=True, default=False,
+                 help="With --lora-type lokr: the run file's lora.decompose_both (w1 low-rank too)."),
+]
+ADAPTER_KEYS = ("lora_type", "lora_factor", "lora_decompose_both")
+
+
+def adapter_fields(values: dict) -> dict:
+    """RunSpec's adapter fields from the ADAPTER_OPTIONS values (their defaults where absent)."""
+    return {"lora_type": values.get("lora_type", "lora"), "lora_factor": values.get("lora_factor", -1),
+            "lora_decompose_both": values.get("lora_decompose_both", False)}
+
+
 OPTIONS = [
     click.option("--model", type=MODEL_SPEC, default="flux-dev", show_default=True,
                  help="Model: a preset, PRESET:field=value,... (e.g. flux-dev:depth=5,depth_single_blocks=10) "
@@ -136,6 +156,7 @@ OPTIONS = [
                       "module-name patterns."),
     click.option("--lora-dropout", type=_Finite(0, 1, max_open=True, example="a fraction such as 0.1"), default=0.0,
                  show_default=True, help="LoRA dropout (> 0 saves a dropped-out copy of each adapted input)."),
+    *ADAPTER_OPTIONS,
     click.option("--base-quant", type=click.Choice(["none", *memory.BASE_QUANT_BYTES]), default="none",
                  show_default=True, help="LoRA: the frozen base quantized weight-only (int8: torchao, the run "
                                          "file's lora.base_quant), the adapters in bf16 with fp32 masters."),
@@ -177,6 +198,7 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
             "lora_targets": targets if targets in ("attention", "attention+mlp", "all-linear")
             else tuple(t.strip() for t in targets.split(",") if t.strip()),
             "lora_dropout": values.get("lora_dropout", 0.0),
+            **adapter_fields(values),
             "base_quant": None if values.get("base_quant", "none") == "none" else values["base_quant"],
             "ema": None if values.get("ema", "none") == "none" else values["ema"],
             "ema_device": values.get("ema_device", "gpu")}
@@ -241,7 +263,8 @@ def describe(spec: memory.RunSpec) -> str:
     if spec.offload_blocks:
         opt += f", the last {spec.offload_blocks} blocks streamed from host memory"
     if spec.lora_rank:
-        opt += f", LoRA rank {spec.lora_rank} on {spec.lora_targets} ({memory.trained_params(spec) / 1e6:.1f}M trained)"
+        kind = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr"}[spec.lora_type]
+        opt += f", {kind} rank {spec.lora_rank} on {spec.lora_targets} ({memory.trained_params(spec) / 1e6:.1f}M trained)"
     if spec.ema:
         opt += f", EMA {spec.ema} on the {spec.ema_device}"
     size = f"{inv.total / 1e9:.2f}B" if inv.total >= 1e8 else f"{inv.total / 1e6:.2f}M"
@@ -308,7 +331,7 @@ def as_dict(est: memory.Estimate, hw: memory.Hardware | None, margin: float, zer
         "model": s.model.name, "world_size": s.world_size, "nodes": s.nodes, "gpus_per_node": s.gpus_per_node,
         "height": s.height, "width": s.width, "txt_len": s.txt_len, "micro_batch": s.micro_batch,
         "precision": s.precision, "stage": s.stage, "offload_optimizer": s.offload_optimizer,
-        "optimizer_mode": s.optimizer_mode, "lora_rank": s.lora_rank, "ema": s.ema,
+        "optimizer_mode": s.optimizer_mode, "lora_rank": s.lora_rank, "lora_type": s.lora_type, "ema": s.ema,
         "trained_params": memory.trained_params(s), "fragmentation": est.fragmentation,
         "offload_param": s.offload_param, "checkpoint_every": s.checkpoint_every,
         "offload_blocks": s.offload_blocks, "stream_traffic": dict(memory.stream_traffic(s)),
@@ -420,6 +443,12 @@ def _shape_flags(s: memory.RunSpec, world: dict, resolution: tuple[int, int], tx
         if s.lora_targets != "attention+mlp":
             targets = s.lora_targets if isinstance(s.lora_targets, str) else ",".join(s.lora_targets)
             flags.append(f"--lora-targets {targets}")
+        if s.lora_type != "lora":
+            flags.append(f"--lora-type {s.lora_type}")
+        if s.lora_factor != -1:
+            flags.append(f"--lora-factor {s.lora_factor}")
+        if s.lora_decompose_both:
+            flags.append("--lora-decompose-both")
         if s.base_quant:
             flags.append(f"--base-quant {s.base_quant}")
     return flags

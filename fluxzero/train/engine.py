@@ -335,6 +335,7 @@ def born_model(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.device
             raise TrainingError(f"lora.base_quant {quant} cannot be combined with ZeRO-3, which partitions the base "
                                 f"weights it would quantize; use ZeRO-2 (`fluxzero gen-config --zero-stage 2`) or "
                                 f"set lora.base_quant: none")
+        _meta_outlives_zero_init()
         with deepspeed.zero.Init(config_dict_or_path=ds):
             model = build_model(model_cfg, attention=attention)
         if weights:
@@ -342,6 +343,19 @@ def born_model(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.device
         return model
     finish = _finisher(weights, model_cfg, quant, place)
     return build_model(model_cfg, device=device, dtype=model_dtype(v), attention=attention, finish=finish)
+
+
+def _meta_outlives_zero_init() -> None:
+    """Keep `with torch.device("meta")` working after zero.Init. torch's device context places the factory
+    functions (torch.empty, ...) it remembers from its first use in the process; used first inside zero.Init, it
+    remembers DeepSpeed's wrappers of them, which zero.Init removes on exit, and from then on every meta build in
+    the process lands on the CPU: the weights file's shape check (weights.iter_weights) builds and randomly
+    initialises the whole model in float32 on rank 0, drawing rank 0's generator, from which the adapters are drawn
+    next and broadcast (a ZeRO-3 run on several ranks then started other adapters than the same run at ZeRO-0 to 2
+    or on one rank), and a later build below stage 3 in the same process skips its pretrained weights. One use
+    before zero.Init is enough."""
+    with torch.device("meta"):
+        torch.empty(0)
 
 
 def _finisher(weights: str | None, model_cfg: ModelConfig, quant: str, place=None):
@@ -433,11 +447,6 @@ def apply_adapters(model: torch.nn.Module, lora, v: DSView) -> list[str]:
         raise TrainingError("compiled blocks (fluxzero.compile.blocks) with LoRA under ZeRO-3 fail in DeepSpeed "
                             "0.19.8's backward pass (an adapter-shaped tensor is an empty ZeRO-3 placeholder there); "
                             "turn fluxzero.compile.blocks off, or train the LoRA under ZeRO-2, where compile works")
-    if v.stage == 3 and lora.type != "lora" and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:  # tests/train/test_train_adapters.py measures it
-        raise TrainingError(f"a {'DoRA' if lora.type == 'dora' else 'LoKr'} under ZeRO-3 on more than one "
-                            f"rank trains away from the same run in plain PEFT (its losses drift by 1e-5 to 3e-4 in 3 "
-                            f"steps, where a LoRA's agree to 1e-7); train it under ZeRO-0, 1 or 2, or on one rank")
     # a DoRA's magnitude starts from its base weight's row norms, which ZeRO-3 holds partitioned (apply_lora)
     gather = deepspeed.zero.GatheredParameters if v.stage == 3 else None
     try:

@@ -226,3 +226,36 @@ def test_the_compile_caveat_is_the_plan_s_own_kind():
     assert "LoRA" not in r.stderr and "a full fine-tune of flux-dev-lite: 11.5 -> 15.3 samples/s" in r.stderr
     r, _ = gen("--fit", "--gpu", "rtx4090", "--lora-rank", "16")
     assert "a rank-16 FLUX.1-dev LoRA: 3.48 -> 4.65 samples/s" in r.stderr, r.output
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DoRA and LoKr (--lora-type): their own parameters, the run file's keys, the trainer's refusals
+# ---------------------------------------------------------------------------------------------------------
+def test_adapter_types_count_their_own_parameters():
+    lora, dora, lokr = (RunSpec(DEV, stage=2, lora_rank=16, lora_type=t) for t in ("lora", "dora", "lokr"))
+    rows = sum(o for n, (_, o) in memory.spec.linear_shapes(DEV).items()
+               if any(__import__("fnmatch").fnmatchcase(n, p) for p in memory.lora_config(lora).patterns))
+    assert memory.trained_params(dora) == memory.trained_params(lora) + rows  # one magnitude per output row
+    assert memory.trained_params(lokr) < memory.trained_params(lora) / 10
+    assert estimate(dora).gpu_total > estimate(lora).gpu_total > estimate(lokr).gpu_total
+    r = CliRunner().invoke(main, ["estimate", "--lora-rank", "16", "--lora-type", "lokr", "--lora-factor", "16",
+                                  "--json"])
+    d = json.loads(r.stdout)
+    want = memory.trained_params(RunSpec(DEV, stage=2, lora_rank=16, lora_type="lokr", lora_factor=16))
+    assert d["lora_type"] == "lokr" and d["trained_params"] == want != memory.trained_params(lokr)
+
+
+def test_gen_config_names_the_adapter_type_and_refuses_what_the_trainer_refuses():
+    r, _ = gen("--lora-rank", "16", "--lora-type", "lokr", "--lora-factor", "16", "--lora-decompose-both")
+    assert r.exit_code == 0 and ("lora: {rank: 16, targets: attention+mlp, type: lokr, factor: 16, "
+                                 "decompose_both: true}") in r.stderr
+    for args, word in ((("--lora-type", "dora"), "give --lora-rank too"),
+                       (("--lora-rank", "4", "--lora-type", "dora", "--base-quant", "int8"), "--base-quant"),
+                       (("--lora-rank", "4", "--lora-factor", "4"), "--lora-factor")):
+        r, _ = gen(*args)
+        assert r.exit_code == 2 and word in r.output and "Traceback" not in r.output, r.output
+    r = CliRunner().invoke(main, ["estimate", "--lora-type", "dora"])
+    assert r.exit_code == 2 and "needs adapters" in r.output
+    # --fit never tries the int8 base for a DoRA (the trainer refuses one) and counts its magnitudes
+    r, _ = gen("--lora-rank", "16", "--lora-type", "dora", "--fit", "--gpu", "rtx4090")
+    assert "int8" not in r.stderr.split("next:")[-1] and "type: dora" in r.stderr

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from fluxzero.cli import main as cli
-from fluxzero.config import get_model_config
+from fluxzero.config import get_model_config, memory
 from fluxzero.config.lora import LoraConfig, lora_param_count
 from fluxzero.model import adapters as AD
 from fluxzero.model import build_model
@@ -84,6 +84,9 @@ def test_param_count_is_what_peft_makes(name):
     L.apply_lora(model, lcfg)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert trained == lora_param_count(get_model_config("flux-tiny"), lcfg)
+    spec = memory.RunSpec(get_model_config("flux-tiny"), lora_rank=lcfg.rank, lora_targets=lcfg.targets,
+                          lora_type=lcfg.type, lora_factor=lcfg.factor, lora_decompose_both=lcfg.decompose_both)
+    assert memory.trained_params(spec) == trained  # what estimate and gen-config --fit count
     sd_keys = {k for k, p in model.named_parameters() if p.requires_grad}
     assert all("lokr_" in k for k in sd_keys) == name.startswith("lokr")
 

@@ -1,7 +1,7 @@
 """DoRA and LoKr (lora.type) in the trainer: ZeRO-0 against plain PyTorch + PEFT, ZeRO-3 (adapters and base
 partitioned) against ZeRO-0, exact resume and the adapters' EMA at ZeRO-3, the LyCORIS export, and `fluxzero
 export --as-lora-rank` on the checkpoint: one rank in one child process (DeepSpeed never runs in pytest's); and
-on two spawned ranks ZeRO-2 against plain PyTorch, ZeRO-3 refused.
+on two spawned ranks ZeRO-3 and ZeRO-2 against plain PyTorch.
 """
 import json
 import os
@@ -66,7 +66,9 @@ def runs(tmp_path_factory):
             return [f"{kind}_{name}", {**cfg, **kw}]
 
         ema = {"ema": {"decay": 0.5}, "export": {"format": "comfyui", "dtype": "fp32", "weights": "ema"}}
-        jobs += [job("z0", "z0"), job("z3", "z3", **ema), job("stop3", "z3", stop_after=2, **ema),
+        # ZeRO-3 first: a ZeRO-3 build as the process's first model is what drew other adapters once
+        # (engine._meta_outlives_zero_init)
+        jobs += [job("z3", "z3", **ema), job("z0", "z0"), job("stop3", "z3", stop_after=2, **ema),
                  job("resumed3", "z3", output_dir=str(tmp / f"{kind}_stop3"), **ema)]
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     subprocess.run([sys.executable, "-c", _CHILD, str(tmp / "jobs.json"), str(tmp / "out.json")], cwd=ROOT,
@@ -131,16 +133,14 @@ def test_export_as_a_plain_lora_from_the_checkpoint(runs):
 def _worker(rank, world, port, jobs, out_file):
     enter_training_rank(rank, world, port)
     from fluxzero.config import TrainConfig
-    from fluxzero.train.distributed import TrainingError
+    from fluxzero.model import build_model
     from fluxzero.train.loop import train
 
     results, done = {}, False
     try:
         for name, cfg in jobs:
-            try:
-                results[name] = train(TrainConfig.from_dict(cfg))["losses"]
-            except TrainingError as e:
-                results[name] = str(e)
+            results[name] = train(TrainConfig.from_dict(cfg))["losses"]
+        results["meta"] = str(next(build_model("flux-tiny", device="meta").parameters()).device)
         done = True
     finally:
         close_group(done)
@@ -149,18 +149,20 @@ def _worker(rank, world, port, jobs, out_file):
 
 @pytest.mark.slow
 def test_adapters_on_two_ranks(runs, tmp_path):
-    # ZeRO-2 on 2 ranks x micro batch 2 = the reference's 4 samples a step: the same losses as plain PEFT.
-    # ZeRO-3 on 2 ranks drifts from it (DoRA 3e-4, LoKr 1e-5 relative at step 3, where a LoRA agrees to 1e-7, with
-    # the adapters whole or partitioned alike; one rank agrees exactly): refused in one sentence until explained
-    for stage in (2, 3):
-        ds = tiny_ds(stage, clipping=0.0, lr=LR, weight_decay=0.0)
+    # 2 ranks x micro batch 2 = the reference's 4 samples a step: the same losses as plain PEFT at ZeRO-3 (the base
+    # and the adapters partitioned) and ZeRO-2. ZeRO-3 runs first in each fresh rank, where a meta device context
+    # broken by zero.Init made rank 0 draw other adapters (engine._meta_outlives_zero_init); `meta` checks that
+    # context after all the runs
+    z3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    for stage, zero in ((3, z3), (2, {"stage": 2})):
+        ds = tiny_ds(stage, clipping=0.0, lr=LR, weight_decay=0.0, zero_optimization=zero)
         (tmp_path / f"z{stage}.json").write_text(json.dumps(ds))
     jobs = [[f"{kind}{stage}", {"deepspeed": str(tmp_path / f"z{stage}.json"), "data": DATA4, "weights": str(runs["weights"]),
                                 "output_dir": str(tmp_path / f"{kind}{stage}"), "steps": STEPS, "seed": 3, "lora": lora,
-                                "export": {"format": None}}] for kind, lora in KINDS.items() for stage in (2, 3)]
+                                "export": {"format": None}}] for stage in (3, 2) for kind, lora in KINDS.items()]
     spawn_ranks(_worker, 2, jobs, str(tmp_path / "out.json"))
     got = json.loads((tmp_path / "out.json").read_text())
+    assert got["meta"] == "meta"
     for kind in KINDS:
-        assert got[f"{kind}2"] == pytest.approx(runs["reference"][kind], rel=LOSS_RTOL), (kind, got[f"{kind}2"])
-        assert "under ZeRO-3 on more than one rank trains away from the same run in plain PEFT" in got[f"{kind}3"]
-        assert not (tmp_path / f"{kind}3" / "checkpoints").exists()
+        for stage in (3, 2):
+            assert got[f"{kind}{stage}"] == pytest.approx(runs["reference"][kind], rel=LOSS_RTOL), (kind, stage, got)

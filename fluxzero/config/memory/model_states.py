@@ -12,6 +12,7 @@ import math
 
 from fluxzero.config import optim_modes
 from fluxzero.config.architecture import linear_shapes
+from fluxzero.config.lora import adapter_param_count
 from fluxzero.config.memory.spec import (GiB, OPTIMIZER_STATE_BYTES, PRECISION_BYTES, Item, ParamInventory, RunSpec,
                                           base_bytes, lora_config, optim_mode, streamed_blocks, trained_params)
 
@@ -292,13 +293,13 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
 
 
 def _largest_trained_layer(s: RunSpec, inv: ParamInventory) -> int:
-    """Elements of the largest gradient one layer makes at once (a LoRA adapter's A and B under LoRA)."""
+    """Elements of the largest gradient one layer makes at once (one adapter's tensors under LoRA, DoRA or LoKr)."""
     lc = lora_config(s)
     if lc is None:
         return inv.largest_layer
     shapes = linear_shapes(s.model)
-    chosen = [sum(shapes[n]) for n in shapes if any(fnmatch.fnmatchcase(n, p) for p in lc.patterns)]
-    return lc.rank * max(chosen, default=0)
+    chosen = [adapter_param_count(shapes[n], lc) for n in shapes if any(fnmatch.fnmatchcase(n, p) for p in lc.patterns)]
+    return max(chosen, default=0)
 
 
 def _adapted_linears(s: RunSpec) -> int:

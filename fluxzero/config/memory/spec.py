@@ -205,6 +205,9 @@ class RunSpec:
     lora_rank: int = 0  # 0: full fine-tune; r: LoRA adapters of rank r on lora_targets, the base frozen
     lora_targets: str | tuple[str, ...] = "attention+mlp"  # a fluxzero.config.lora TARGET_PRESETS name or patterns
     lora_dropout: float = 0.0
+    lora_type: str = "lora"  # what the adapters are (lora.type: lora, dora, lokr); their parameters differ per type
+    lora_factor: int = -1  # lokr: lora.factor
+    lora_decompose_both: bool = False  # lokr: lora.decompose_both
     ema: str | None = None  # None: no EMA; "fp32" | "bf16": EMA of the trained weights (fluxzero.config.ema)
     ema_device: str = "gpu"  # "gpu" | "cpu" (ema.device)
     base_quant: str | None = None  # None: the frozen LoRA base in the training dtype; "int8": BASE_QUANT_BYTES
@@ -258,6 +261,8 @@ class RunSpec:
             raise ValueError(f"offload_blocks must be within 0-{blocks}, got {self.offload_blocks}")
         if self.offload_blocks and not (self.optimizer_mode and optim_modes.get_mode(self.optimizer_mode).fused):
             raise ValueError("offload_blocks streams blocks from host memory: it needs a fused optimizer mode")
+        if not self.lora_rank and self.lora_type != "lora":
+            raise ValueError(f"lora_type {self.lora_type} needs adapters: set lora_rank above 0")
         if self.lora_rank:
             if isinstance(self.lora_targets, list):
                 object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
@@ -326,7 +331,8 @@ def lora_config(s: RunSpec) -> LoraConfig | None:
     if not s.lora_rank:
         return None
     targets = s.lora_targets if isinstance(s.lora_targets, str) else list(s.lora_targets)
-    return LoraConfig(rank=s.lora_rank, targets=targets, dropout=s.lora_dropout)
+    return LoraConfig(rank=s.lora_rank, targets=targets, dropout=s.lora_dropout, type=s.lora_type,
+                      factor=s.lora_factor, decompose_both=s.lora_decompose_both, base_quant=s.base_quant or "none")
 
 
 def base_bytes(s: RunSpec, inv: ParamInventory | None = None) -> int:
@@ -343,7 +349,7 @@ def base_bytes(s: RunSpec, inv: ParamInventory | None = None) -> int:
 
 
 def trained_params(s: RunSpec, inv: ParamInventory | None = None) -> int:
-    """Parameters the optimizer steps: all of them, or the LoRA adapters' (fluxzero.config.lora_param_count)."""
+    """Parameters the optimizer steps: all of them, or the adapters' of lora_type (fluxzero.config.lora_param_count)."""
     lc = lora_config(s)
     if lc is None:
         return (inv or param_inventory(s.model)).total
