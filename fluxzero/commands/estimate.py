@@ -12,7 +12,7 @@ from click.core import ParameterSource
 from fluxzero.config import ds_view, memory, optim_modes
 from fluxzero.commands.model_spec import MODEL_SPEC
 from fluxzero.config import get_model_config, reshaped
-from fluxzero.config.lora import ADAPTER_TYPES
+from fluxzero.config.lora import ADAPTER_NAMES, ADAPTER_TYPES
 from fluxzero.config.memory import GiB, GPU_MEMORY_GIB
 
 _POS = click.IntRange(min=1)
@@ -263,7 +263,7 @@ def describe(spec: memory.RunSpec) -> str:
     if spec.offload_blocks:
         opt += f", the last {spec.offload_blocks} blocks streamed from host memory"
     if spec.lora_rank:
-        kind = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr"}[spec.lora_type]
+        kind = ADAPTER_NAMES[spec.lora_type]
         opt += f", {kind} rank {spec.lora_rank} on {spec.lora_targets} ({memory.trained_params(spec) / 1e6:.1f}M trained)"
     if spec.ema:
         opt += f", EMA {spec.ema} on the {spec.ema_device}"

@@ -43,6 +43,7 @@ BASE_QUANTS = ("none", "int8", "fp8")
 # per output row, m (W + s B A) / ||W + s B A||; "lokr" = a Kronecker product w1 (x) w2, w2 (and with
 # decompose_both w1) itself low-rank when the rank is small against its shape (PEFT's and LyCORIS' rule).
 ADAPTER_TYPES = ("lora", "dora", "lokr")
+ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr"}  # as messages write them
 _LOKR_KEYS = ("factor", "decompose_both")
 
 

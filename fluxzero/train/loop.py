@@ -299,7 +299,9 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
 def _summary(run: Run, cfg: TrainConfig, world: int) -> str:
     """One line before the progress bar: what is trained, on what data, how it is split."""
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in run.engine.module.parameters() if p.requires_grad)
-    what = f"{cfg.model} LoRA rank {cfg.lora.rank}" if cfg.lora is not None else cfg.model
+    from fluxzero.config.lora import ADAPTER_NAMES
+
+    what = f"{cfg.model} {ADAPTER_NAMES[cfg.lora.type]} rank {cfg.lora.rank}" if cfg.lora is not None else cfg.model
     micro, accum, global_batch = run.view.batch_for(world)
     steps = f"steps {run.done + 1}-{run.stop} of {run.total}" if run.done < run.stop else f"all {run.total} steps done"
     return (f"training {what}: {trainable:,} trainable parameters; {run.loader.num_samples} samples in "
