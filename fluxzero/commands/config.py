@@ -100,6 +100,9 @@ _OPTIONS = [
     _opt("checkpoint_every", _NONNEG, "Activation checkpointing: recompute every k-th block (0 off, 1 all)."),
     _opt("checkpoint_impl", click.Choice(ds_check.CHECKPOINT_IMPLS), "Checkpointing implementation: "
          "torch.utils.checkpoint or deepspeed.checkpointing."),
+    _opt("checkpoint_policy", click.Choice(ds_check.CHECKPOINT_POLICIES), "What a checkpointed block keeps: its "
+         "inputs (full) or also its matmul and attention outputs, recomputing only pointwise ops (selective; "
+         "--checkpoint-impl torch)."),
     _opt("partition_activations", None, "deepspeed checkpointing: partition saved activations across "
                                         "model-parallel ranks.", flag_pair=True),
     _opt("cpu_checkpointing", None, "deepspeed checkpointing: keep saved activations in CPU memory.",
@@ -462,8 +465,9 @@ def summary(v: ds_view.DSView, world: int | None) -> str:
     parts.append(f"{v.scheduler} schedule" if v.scheduler else "constant lr")
     parts.append(f"gradient clipping {v.gradient_clipping}" if v.gradient_clipping else "no gradient clipping")
     k = v.checkpoint_every
-    parts.append("no activation checkpointing" if k == 0 else "checkpointing every block" if k == 1
-                 else f"checkpointing 1 block in {k}")
+    parts.append(("no activation checkpointing" if k == 0 else "checkpointing every block" if k == 1
+                  else f"checkpointing 1 block in {k}") + (" (selective)" if k and v.checkpoint_policy == "selective"
+                                                           else ""))
     if v.compile:
         parts.append(f"compiled blocks ({v.compile_mode})")
     elif v.compile is None:

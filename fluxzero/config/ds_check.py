@@ -22,6 +22,10 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 ADAM_IMPLS = ("torch", "fused", "cpu")
 CHECKPOINT_IMPLS = ("torch", "deepspeed")
+# What a checkpointed block keeps for backward: only its inputs ("full": everything else is recomputed), or also
+# its matmul and attention outputs ("selective": torch.utils.checkpoint with a policy, only the cheap pointwise
+# ops are recomputed; fluxzero.train.engine.selective_policy)
+CHECKPOINT_POLICIES = ("full", "selective")
 # torch.compile modes without CUDA graphs ("reduce-overhead" and "max-autotune" capture them): a captured graph
 # replays fixed memory addresses, while ZeRO-3 gathers parameters into fresh buffers every step and
 # DeepSpeed's hooks and checkpointing run eagerly between the blocks' graphs; not supported, not measured.
@@ -266,7 +270,7 @@ ZERO_STAGE3_ONLY = frozenset(k for k in ZERO_KEYS if k.startswith("stage3_")) | 
 ZERO_STAGE12_ONLY = frozenset({"allgather_bucket_size", "allgather_partitions", "round_robin_gradients"})
 FLUXZERO_KEYS = frozenset({"activation_checkpointing", "compile", "optimizer_mode", "fp8", "offload_blocks"})
 FLUXZERO_FP8_KEYS = frozenset({"recipe"})
-FLUXZERO_CHECKPOINTING_KEYS = frozenset({"every_k_blocks", "implementation"})
+FLUXZERO_CHECKPOINTING_KEYS = frozenset({"every_k_blocks", "implementation", "policy"})
 FLUXZERO_COMPILE_KEYS = frozenset({"blocks", "mode", "backend", "dynamic"})
 # Constructor keywords of what deepspeed 0.19.8 builds for type Adam/AdamW, plus the keys the engine pops.
 _ADAM_ENGINE_KEYS = {"torch_adam", "adam_w_mode", "fp32_optimizer_states"}
@@ -601,6 +605,15 @@ def _check_checkpointing(cfg: dict, p: list[str]) -> None:
     impl = fac.get("implementation", "torch")
     if impl not in CHECKPOINT_IMPLS:
         p.append(f"fluxzero.activation_checkpointing.implementation must be torch or deepspeed, got {json.dumps(impl)}")
+    policy = fac.get("policy", "full")
+    if policy not in CHECKPOINT_POLICIES:
+        p.append(f"fluxzero.activation_checkpointing.policy must be full or selective, got {json.dumps(policy)}")
+    elif policy == "selective" and impl == "deepspeed":  # deepspeed.checkpointing has no per-op policy
+        p.append("fluxzero.activation_checkpointing.policy selective needs implementation torch "
+                 "(deepspeed.checkpointing recomputes whole blocks): set implementation torch or policy full")
+    elif policy == "selective" and k == 0:
+        p.append("fluxzero.activation_checkpointing.policy selective takes effect only with every_k_blocks >= 1: "
+                 "set every_k_blocks or remove the policy")
     ds_options_on = [key for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
                      if ac.get(key) is True]
     if ds_options_on and (impl != "deepspeed" or k == 0):

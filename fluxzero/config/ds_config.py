@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 from fluxzero.config import ds_view, optim_modes
 from fluxzero.config.ds_check import (
-    ADAM_IMPLS, CHECKPOINT_IMPLS, OFFLOAD_DEVICES, PRECISIONS, SCHEDULERS, WARMUP_TYPES, ZERO_STAGE3_ONLY_KNOBS,
+    ADAM_IMPLS, CHECKPOINT_IMPLS, CHECKPOINT_POLICIES, OFFLOAD_DEVICES, PRECISIONS, SCHEDULERS, WARMUP_TYPES, ZERO_STAGE3_ONLY_KNOBS,
     ZERO_TESTED_MODES, combination_problems,
 )
 from fluxzero.config.ds_view import FLUXZERO_SECTION, DSView, checkpointed_blocks
@@ -109,6 +109,7 @@ class DSOptions:
     # activation checkpointing
     checkpoint_every: int = 1
     checkpoint_impl: str = "torch"
+    checkpoint_policy: str = "full"  # ds_check.CHECKPOINT_POLICIES; written only when "selective"
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
@@ -228,7 +229,7 @@ def options_view(o: DSOptions) -> DSView:
     return DSView(stage=o.zero_stage, precision=precision,
                   offload_optimizer=o.offload_optimizer,
                   offload_param=o.offload_param, checkpoint_every=o.checkpoint_every,
-                  checkpoint_impl=o.checkpoint_impl, compile=o.compile, fp8=o.fp8, optimizer="adamw",
+                  checkpoint_impl=o.checkpoint_impl, checkpoint_policy=o.checkpoint_policy, compile=o.compile, fp8=o.fp8, optimizer="adamw",
                   optimizer_impl=impl,
                   lr=o.lr, scheduler=None if o.scheduler == "none" else o.scheduler,
                   gradient_clipping=o.gradient_clipping, optimizer_mode=o.optimizer_mode,
@@ -300,6 +301,7 @@ def check_options(o: DSOptions) -> list[str]:
     choice("offload_param", OFFLOAD_DEVICES)
     choice("adam_impl", ADAM_IMPLS)
     choice("checkpoint_impl", CHECKPOINT_IMPLS)
+    choice("checkpoint_policy", CHECKPOINT_POLICIES)
     choice("scheduler", SCHEDULERS)
     choice("warmup_type", WARMUP_TYPES)
     if o.zero_stage not in (0, 1, 2, 3):
@@ -403,6 +405,11 @@ def _check_checkpoint_options(o: DSOptions, p: list[str]) -> None:
         verb = "takes" if len(on) == 1 else "take"
         p.append(f"{', '.join(map(flag, on))} {verb} effect only with {flag('checkpoint_impl')} deepspeed and "
                  f"{flag('checkpoint_every')} >= 1")
+    if o.checkpoint_policy == "selective" and o.checkpoint_impl == "deepspeed":
+        p.append(f"{flag('checkpoint_policy')} selective needs {flag('checkpoint_impl')} torch (deepspeed.checkpointing "
+                 f"recomputes whole blocks)")
+    elif o.checkpoint_policy == "selective" and o.checkpoint_every == 0:
+        p.append(f"{flag('checkpoint_policy')} selective takes effect only with {flag('checkpoint_every')} >= 1")
     # deepspeed.checkpointing asserts this at configure time
     if o.contiguous_memory_optimization and not o.partition_activations:
         p.append(f"{flag('contiguous_memory_optimization')} needs {flag('partition_activations')}")
@@ -513,6 +520,8 @@ def build(o: DSOptions) -> dict:
     cfg[FLUXZERO_SECTION] = {
         "activation_checkpointing": {"every_k_blocks": o.checkpoint_every, "implementation": o.checkpoint_impl},
     }
+    if o.checkpoint_policy != "full":
+        cfg[FLUXZERO_SECTION]["activation_checkpointing"]["policy"] = o.checkpoint_policy
     if o.compile is not None:
         cfg[FLUXZERO_SECTION]["compile"] = {"blocks": True, "mode": "default"} if o.compile else {"blocks": False}
     if o.optimizer_mode is not None:

@@ -41,6 +41,7 @@ class DSView:
     gradient_clipping: float | None = None  # None: not set (deepspeed 0.19.8 then clips at 1.0)
     checkpoint_every: int = 0  # fluxzero.activation_checkpointing.every_k_blocks; 0 = none
     checkpoint_impl: str = "torch"  # "torch" | "deepspeed"
+    checkpoint_policy: str = "full"  # fluxzero.activation_checkpointing.policy: "full" | "selective" (ds_check)
     partition_activations: bool = False  # DeepSpeed's activation_checkpointing (implementation deepspeed)
     cpu_checkpointing: bool = False
     compile: bool | None = None  # fluxzero.compile.blocks; None: not set, the trainer decides (compiles_blocks)
@@ -190,6 +191,7 @@ def view(ds: dict) -> DSView:
         gradient_clipping=None if clip is None else clip,
         checkpoint_every=fac.get("every_k_blocks", 0),
         checkpoint_impl=fac.get("implementation", "torch"),
+        checkpoint_policy=fac.get("policy", "full"),
         partition_activations=ac.get("partition_activations") is True,
         cpu_checkpointing=ac.get("cpu_checkpointing") is True,
         compile=comp["blocks"] if isinstance(comp.get("blocks"), bool) else None,

@@ -28,7 +28,7 @@ def compile_cache_dir() -> str | None:
 
 
 def apply_compile(model, mode: str = "default", backend: str = "inductor", dynamic_tokens: bool | None = None,
-                  token_counts: int = 1) -> int:
+                  token_counts: int = 1, checkpoint=None) -> int:
     """torch.compile every transformer block (double and single); returns how many. The trainer calls it
     before fluxzero.train.engine.apply_activation_checkpointing; `fluxzero sample --compile` on the loaded model.
 
@@ -50,27 +50,41 @@ def apply_compile(model, mode: str = "default", backend: str = "inductor", dynam
     Order with checkpointing: checkpoint(compiled block). torch.utils.checkpoint (non-reentrant) and
     deepspeed.checkpointing then recompute through the compiled code, at every ZeRO stage. Under ZeRO-3 call
     fluxzero.train.engine.zero3_leaf_blocks too, or DeepSpeed's per-submodule hooks split every block's graph.
+    `checkpoint` (fn, indices) puts it the other way round for the blocks at those indices (double, then single):
+    compiled(fn(block forward)), as selective checkpointing needs (its policy decides, inside the graph, which
+    outputs the compiled forward keeps for backward; wrapped around compiled code it sees one opaque op).
     """
     kwargs = {"backend": backend}
     if backend == "inductor":
         kwargs["mode"] = mode
         compile_cache_dir()
+    fn, inside = checkpoint if checkpoint is not None else (None, frozenset())
     if dynamic_tokens is False:
         kwargs["dynamic"] = False
         # the limit counts graphs per compiled function: each token count needs its own, and each may come in a
-        # few guard variants (grad mode for validation, a checkpoint's recompute)
+        # few guard variants (grad mode for validation, a checkpoint's recompute); the checkpointed forward's code
+        # serves both block classes
         limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, 4 * token_counts + 4)
+        torch._dynamo.config.recompile_limit = max(limit, (4 * token_counts + 4) * (2 if inside else 1))
     blocks = list(model.double_blocks) + list(model.single_blocks)
     compiled = {}
-    for block in blocks:
-        cls = type(block)
-        if cls not in compiled:
-            compiled[cls] = torch.compile(cls.forward, **kwargs)
-        block.forward = functools.partial(compiled[cls], block)
+    for i, block in enumerate(blocks):
+        key = (type(block), i in inside)
+        if key not in compiled:
+            forward = _checkpointed_forward(fn, type(block).forward) if i in inside else type(block).forward
+            compiled[key] = torch.compile(forward, **kwargs)
+        block.forward = functools.partial(compiled[key], block)
         if dynamic_tokens:
             block.forward = functools.partial(_tokens_dynamic, block.forward)
     return len(blocks)
+
+
+def _checkpointed_forward(checkpoint_fn, forward):
+    """forward(block, *args) run under checkpoint_fn (fn(function, *args), as torch.utils.checkpoint)."""
+    def checkpointed(block, *args):
+        return checkpoint_fn(forward, block, *args)
+
+    return checkpointed
 
 
 def _tokens_dynamic(forward, *args):

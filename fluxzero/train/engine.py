@@ -67,13 +67,20 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
         apply_fp8(model, v.fp8)  # not at ZeRO-3: ds_check.combination_problems refuses that config
     if lora is not None:  # after the weights: the base's names gain `.base_layer` once adapters wrap it
         apply_adapters(model, lora, v)
-    if v.compiles_blocks(device.type, lora is not None):  # first: checkpointing then wraps the compiled block
+    skip_last = len(streamer.blocks) if streamer is not None else 0
+    compiled = v.compiles_blocks(device.type, lora is not None)
+    inside = None  # selective checkpointing goes inside the compiled graph, where its policy steers the partitioner
+    if compiled and v.checkpoint_policy == "selective":
+        inside = (checkpoint_function(v.checkpoint_impl, v.checkpoint_policy, v),
+                  checkpointed_indices(model, v.checkpoint_every, skip_last))
+    if compiled:  # first: full checkpointing then wraps the compiled block
         counts = len({h * w for h, w in latent_sizes})
-        apply_compile(model, v.compile_mode, v.compile_backend, v.dynamic_tokens(counts), counts)
+        apply_compile(model, v.compile_mode, v.compile_backend, v.dynamic_tokens(counts), counts, checkpoint=inside)
         if v.stage == 3:
             zero3_leaf_blocks(model)
-    apply_activation_checkpointing(model, v.checkpoint_every, v.checkpoint_impl, v,
-                                   skip_last=len(streamer.blocks) if streamer is not None else 0)
+    if inside is None:
+        apply_activation_checkpointing(model, v.checkpoint_every, v.checkpoint_impl, v, skip_last=skip_last,
+                                       policy=v.checkpoint_policy)
     if streamer is not None:  # after compile: the streamed blocks' checkpointing wraps the compiled forward
         streamer.attach(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -499,30 +506,75 @@ def _checkpointed(checkpoint_fn, forward, *args):
     return checkpoint_fn(forward, *args)
 
 
+def _selective_ops() -> frozenset:
+    """The ops whose outputs selective checkpointing keeps: the matmuls (the linears' addmm / mm, bmm, FP8's
+    _scaled_mm) and attention's kernels (SDPA dispatches to one of these), where a block's FLOPs are. Everything
+    else in a block is pointwise or a reduction over one row (norms, modulation, RoPE, GELU, gates): cheap to
+    recompute and, kept, most of the block's saved bytes. Names this torch build lacks are left out."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu")
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+def selective_policy(ctx, op, *args, **kwargs):
+    """torch.utils.checkpoint's policy for fluxzero.activation_checkpointing.policy selective: keep what
+    _selective_ops lists, recompute the rest (the memory model counts the same: memory.double_block_kept)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SELECTIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SELECTIVE_OPS = _selective_ops()
+
+
+def _selective_contexts():
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(selective_policy)
+
+
+def checkpoint_function(implementation: str = "torch", policy: str = "full", v: DSView | None = None):
+    """fn(forward, *args) that runs a block checkpointed by `implementation` with `policy` (ds_check's names;
+    deepspeed.checkpointing's options from `v`). The DeepSpeed config check refuses the selective policy with
+    implementation deepspeed."""
+    if implementation == "deepspeed":
+        if policy != "full":
+            raise TrainingError("fluxzero.activation_checkpointing.policy selective needs implementation torch: "
+                                "deepspeed.checkpointing recomputes whole blocks")
+        deepspeed.checkpointing.configure(
+            None, partition_activations=bool(v and v.partition_activations),
+            checkpoint_in_cpu=bool(v and v.cpu_checkpointing), synchronize=False, profile=False)
+        return deepspeed.checkpointing.checkpoint
+    if policy == "selective":
+        return functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False,
+                                 context_fn=_selective_contexts)
+    return functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+
+
+def checkpointed_indices(model, every_k: int, skip_last: int = 0) -> frozenset[int]:
+    """Indices (double blocks, then single ones) of the blocks checkpointing every k-th block recomputes: block i
+    iff i % every_k == 0, the last `skip_last` (streamed: the BlockStreamer checkpoints them) left out."""
+    n = len(model.double_blocks) + len(model.single_blocks)
+    return frozenset(i for i in range(n - skip_last) if every_k > 0 and i % every_k == 0)
+
+
 def apply_activation_checkpointing(model, every_k: int, implementation: str, v: DSView | None = None,
-                                   skip_last: int = 0) -> int:
+                                   skip_last: int = 0, policy: str = "full") -> int:
     """Recompute every k-th transformer block (double then single) in backward; returns how many.
 
     Applied from outside: the block's bound forward is wrapped, so parameter names (and checkpoints)
     do not change. Blocks take only positional tensors, which both implementations require. The last `skip_last`
-    blocks are left alone: they are streamed, and the BlockStreamer checkpoints them itself.
+    blocks are left alone: they are streamed, and the BlockStreamer checkpoints them itself. `policy`:
+    "full" recomputes the whole block, "selective" keeps its matmul and attention outputs (selective_policy).
     """
-    if every_k <= 0:
+    chosen = checkpointed_indices(model, every_k, skip_last)
+    if not chosen:
         return 0
-    if implementation == "deepspeed":
-        deepspeed.checkpointing.configure(
-            None, partition_activations=bool(v and v.partition_activations),
-            checkpoint_in_cpu=bool(v and v.cpu_checkpointing), synchronize=False, profile=False)
-        fn = deepspeed.checkpointing.checkpoint
-    else:
-        fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    fn = checkpoint_function(implementation, policy, v)
     blocks = list(model.double_blocks) + list(model.single_blocks)
-    count = 0
-    for i, block in enumerate(blocks[:len(blocks) - skip_last]):
-        if i % every_k == 0:
-            block.forward = functools.partial(_checkpointed, fn, block.forward)
-            count += 1
-    return count
+    for i in chosen:
+        blocks[i].forward = functools.partial(_checkpointed, fn, blocks[i].forward)
+    return len(chosen)
 
 
 def fp8_layer(module: torch.nn.Module, name: str) -> bool:

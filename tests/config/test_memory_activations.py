@@ -192,3 +192,68 @@ def test_whole_model_training_peak_matches(every):
     want = a["stored"] + a["recompute"] + a["workspace"] + 2 * (C + M + 1) * C
     print(f"k={every} measured {live.peak} predicted {want} ({(want - live.peak) / live.peak:+.2%})")
     assert abs(live.peak - want) / live.peak < 0.03, (live.peak, want)
+
+
+@pytest.mark.parametrize("dtype,attention", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
+                                             (torch.bfloat16, "math")])
+def test_selective_kept_bytes_match_measurement(dtype, attention):
+    """What a block checkpointed with the selective policy keeps from its forward to its backward, measured as the
+    live storages its forward leaves behind (less its output), against memory's per-block selective bytes."""
+    from fluxzero.train.engine import apply_activation_checkpointing
+
+    att = "math" if attention == "math" else "flash"
+    I, T, B = 48, 24, 2
+    cfg = get_model_config("flux-tiny").replace(depth=1, depth_single_blocks=1)
+    model = build_model(cfg, dtype=dtype, attention=attention)
+    assert apply_activation_checkpointing(model, 1, "torch", policy="selective") == 2
+    img, txt, vec, ids = block_inputs(cfg, I, T, dtype, batch=B)
+    pe = model.pe_embedder(ids)
+    x = torch.cat((txt, img), dim=1).detach().requires_grad_()
+    spec = memory.RunSpec(cfg, height=16 * 8, width=16 * 6, txt_len=T, precision="fp32" if dtype == torch.float32
+                          else "bf16", checkpoint_policy="selective", attention=att, device="cpu")
+    assert spec.img_tokens == I
+    a = memory.activation_bytes(spec)
+    for block, args, want in ((model.double_blocks[0], (img, txt, vec, pe), a["selective_double"]),
+                              (model.single_blocks[0], (x, vec, pe), a["selective_single"])):
+        live = LiveBytes(list(model.parameters()) + [img, txt, vec, pe, x])
+        with live.mode:
+            out = block(*args)
+        outputs = out if isinstance(out, tuple) else (out,)
+        got = live.cur - sum(o.untyped_storage().nbytes() for o in outputs)
+        assert got == B * want, (type(block).__name__, got, B * want)
+        sum(o.float().sum() for o in outputs).backward()  # the kept tensors serve the backward, then go
+        del out, outputs
+        assert live.cur == 0, live.cur
+
+
+def test_whole_model_training_peak_matches_selective():
+    """The whole-model peak of test_whole_model_training_peak_matches with every block checkpointed selectively."""
+    from fluxzero.train.engine import apply_activation_checkpointing
+
+    cfg = get_model_config("flux-dev").replace(depth=2, depth_single_blocks=4, hidden_size=384, num_heads=3,
+                                               context_in_dim=128, vec_in_dim=32)
+    B, px, T = 2, 256, 64
+    model = build_model(cfg, device="meta", dtype=torch.bfloat16).to_empty(device="cpu")
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    apply_activation_checkpointing(model, 1, "torch", policy="selective")
+    spec = memory.RunSpec(cfg, height=px, width=px, txt_len=T, micro_batch=B, checkpoint_every=1, stage=2,
+                          checkpoint_policy="selective", device="cpu")
+    I = spec.img_tokens
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(B, I, cfg.in_channels, generator=g), torch.zeros(B, I, 3),
+              torch.randn(B, T, cfg.context_in_dim, generator=g), torch.zeros(B, T, 3), torch.rand(B, generator=g),
+              torch.randn(B, cfg.vec_in_dim, generator=g), torch.ones(B)]
+    live = LiveBytes(list(model.parameters()) + inputs)
+    with live.mode:
+        loss = (model(*inputs).float() - 1).pow(2).mean()
+        loss.backward()
+        del loss
+    a = memory.activation_bytes(spec)
+    C, M = cfg.hidden_size, cfg.mlp_hidden_dim
+    want = a["stored"] + a["recompute"] + a["workspace"] + 2 * (C + M + 1) * C
+    full = memory.activation_bytes(spec.replace(checkpoint_policy="full"))
+    assert a["stored"] > full["stored"] and a["recompute"] < full["recompute"]
+    print(f"selective: measured {live.peak} predicted {want} ({(want - live.peak) / live.peak:+.2%})")
+    assert abs(live.peak - want) / live.peak < 0.03, (live.peak, want)

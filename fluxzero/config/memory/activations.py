@@ -99,6 +99,65 @@ def single_block_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: in
     return out
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Selective checkpointing (fluxzero.activation_checkpointing.policy selective): a checkpointed block keeps the
+# output of every matmul and of attention (fluxzero.train.engine.selective_policy), and recomputes the pointwise
+# ops (norms, modulation, RoPE, GELU, gates) in backward. Each item: (bytes per sample, also in the block's
+# saved set of double_block_saved / single_block_saved, so that recompute does not make it again).
+# ---------------------------------------------------------------------------------------------------------
+def _attention_kept(L: int, cfg: ModelConfig, b: int, attention: str, device: str) -> dict[str, tuple[int, bool]]:
+    """SDPA's outputs under the policy: flash / efficient return the output and the fp32 logsumexp, both of
+    which its backward saves; math is composite, so its two bmm outputs (scores (H, L, L) and the weighted values)
+    are kept, in fp32 on CPU (it upcasts first), neither of them a tensor its backward saves."""
+    C, H = cfg.hidden_size, cfg.num_heads
+    if attention != "math":
+        return {"attention output": (L * C * b, True), "logsumexp": (L * H * 4, True)}
+    mb = 4 if device == "cpu" else b
+    return {"attention scores (math bmm)": (H * L * L * mb, False), "attention output (math bmm)": (L * C * mb, False)}
+
+
+def double_block_kept(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, *, device: str = "cuda",
+                      attention: str = "flash") -> dict[str, tuple[int, bool]]:
+    """What the selective policy keeps inside one DoubleStreamBlock for one sample, beyond its inputs: the outputs
+    of its linears (architecture.double_block: modulation, qkv, proj, mlp.0, mlp.2 per stream) and of attention."""
+    out: dict[str, tuple[int, bool]] = {}
+    for lay in architecture.double_block(cfg):
+        if lay.kind != "linear":
+            continue
+        tokens = {"img": img_tokens, "txt": txt_tokens, "sample": 1}[lay.tokens]
+        # the qkv output is also saved without the policy where q/k's RMSNorm keeps a view of it (_rms_saved)
+        saved = not lay.name.endswith("qkv") or device == "cuda" or b == 4
+        out[lay.name] = (tokens * lay.n_out * b, saved)
+    out.update(_attention_kept(img_tokens + txt_tokens, cfg, b, attention, device))
+    return out
+
+
+def single_block_kept(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, *, device: str = "cuda",
+                      attention: str = "flash") -> dict[str, tuple[int, bool]]:
+    """What the selective policy keeps inside one SingleStreamBlock for one sample, beyond its input: the outputs of
+    linear1, linear2 and the modulation (architecture.single_block) and of attention; all saved without it too."""
+    L = img_tokens + txt_tokens
+    out = {lay.name: ((L if lay.tokens == "all" else 1) * lay.n_out * b, True)
+           for lay in architecture.single_block(cfg) if lay.kind == "linear"}
+    out.update(_attention_kept(L, cfg, b, attention, device))
+    return out
+
+
+def lora_block_kept(s: RunSpec) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((double, single) bytes, (double, single) of them saved without the policy) per sample that LoRA adapters
+    add to what the selective policy keeps: each adapter's A x (rank values per token, which B's gradient saves)
+    and B A x (the adapted layer's output width per token)."""
+    lc = lora_config(s)
+    if lc is None:
+        return (0, 0), (0, 0)
+    b = PRECISION_BYTES[s.precision]
+    kept, saved = [0, 0], [0, 0]
+    for single, name, tokens, n_out in _adapted_block_linears(s, lc):
+        kept[single] += tokens * (lc.rank + n_out) * b
+        saved[single] += tokens * lc.rank * b
+    return (kept[0], kept[1]), (saved[0], saved[1])
+
+
 def block_backward_workspace(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2,
                              attention: str = "flash") -> int:
     """Activation gradients alive at once inside one block's backward, beyond its saved tensors (one sample).
@@ -163,15 +222,22 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     # a checkpointed block's input, on the host with cpu_checkpointing (deepspeed's), except a streamed block's:
     # the streamer checkpoints those itself (torch's, non-reentrant), inputs kept on the accelerator
     on_gpu = [not s.cpu_checkpointing or st for st in streamed]
-    kept = [(L * C * b if g else 0) if c else L * C * b + saved
-            for saved, c, g in zip(kinds, ckpt, on_gpu)]  # per block, one sample
+    # selective: a checkpointed block (streamed ones aside: the BlockStreamer recomputes them whole) also keeps its
+    # matmul and attention outputs, and its recompute makes only the rest of its saved set
+    sel_d, sel_s, redo_d, redo_s = selective_split(s)
+    selective = [s.checkpoint_policy == "selective" and c and not st for c, st in zip(ckpt, streamed)]
+    sel = [(sel_d if j < cfg.depth else sel_s) if on else 0 for j, on in enumerate(selective)]
+    redo = [((redo_d if j < cfg.depth else redo_s) if on else saved) if c else 0
+            for j, (saved, c, on) in enumerate(zip(kinds, ckpt, selective))]
+    kept = [(L * C * b if g else 0) + kept_sel if c else L * C * b + saved
+            for saved, c, g, kept_sel in zip(kinds, ckpt, on_gpu, sel)]  # per block, one sample
     embed, head = outside_blocks_saved(cfg, I, T, b)
     # A quantized base dequantizes each weight for its matmul, and autograd saves that bf16 copy for the input's
     # gradient (mm saves the other operand): per block, whatever the micro batch; a checkpointed block's only
     # while it is recomputed. Counted in sample units of B so the walk below stays one sum.
     wq = [n * b / B for n in _block_linear_weights(cfg)] if s.base_quant else [0.0] * len(kinds)
     kept = [k_ + (0 if c else w) for k_, w, c in zip(kept, wq, ckpt)]
-    kinds = [k_ + w for k_, w in zip(kinds, wq)]
+    redo = [r + (w if c else 0) for r, w, c in zip(redo, wq, ckpt)]
     stored = embed + sum(kept)  # alive when backward reaches the blocks (the head's tensors are freed by then)
     # At stage 0 every parameter's full gradient stays from the moment backward makes it until the step:
     # they grow block by block (the head's first) while the activations shrink, and the peak may come later
@@ -185,7 +251,7 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     peak, alive = stored, stored
     both = B * stored + grads  # activations and gradients together
     for j in reversed(range(len(kinds))):
-        moment = alive + (kinds[j] if ckpt[j] else 0)
+        moment = alive + redo[j]
         peak = max(peak, moment)
         both = max(both, B * moment + grads)
         alive -= kept[j]
@@ -195,7 +261,27 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     on_host = B * sum(L * C * b for c, g in zip(ckpt, on_gpu) if c and not g)
     return {"stored": B * stored, "recompute": B * (peak - stored), "workspace": B * workspace, "on_host": on_host,
             "grads_net": both - B * peak, "per_block_double": d, "per_block_single": si,
-            "checkpointed": sum(ckpt)}
+            "checkpointed": sum(ckpt), "selective_double": sel_d, "selective_single": sel_s}
+
+
+def selective_split(s: RunSpec) -> tuple[int, int, int, int]:
+    """(double kept, single kept, double recomputed, single recomputed): bytes per sample a checkpointed block keeps
+    from forward to backward under the selective policy beyond its inputs (LoRA's adapters included), and what its
+    recompute in backward makes again (its saved set less what the policy kept)."""
+    cfg, b = s.model, PRECISION_BYTES[s.precision]
+    I, T = s.img_tokens, s.txt_len
+    att = "math" if s.attention == "math" else "flash"
+    (lk_d, lk_s), (ls_d, ls_s) = lora_block_kept(s)
+    lora_d, lora_s = lora_block_saved(s)
+    out = []
+    for kept_fn, saved_fn, lk, ls, lsaved in ((double_block_kept, double_block_saved, lk_d, ls_d, lora_d),
+                                              (single_block_kept, single_block_saved, lk_s, ls_s, lora_s)):
+        kept = kept_fn(cfg, I, T, b, device=s.device, attention=att)
+        saved = sum(saved_fn(cfg, I, T, b, device=s.device, attention=att).values()) + lsaved
+        both = sum(n for n, in_saved in kept.values() if in_saved) + ls
+        out.append((sum(n for n, _ in kept.values()) + lk, saved - both))
+    (kd, rd), (ks, rs) = out
+    return kd, ks, rd, rs
 
 
 def lora_block_saved(s: RunSpec) -> tuple[int, int]:
@@ -208,10 +294,20 @@ def lora_block_saved(s: RunSpec) -> tuple[int, int]:
     lc = lora_config(s)
     if lc is None:
         return 0, 0
-    b, I, T = PRECISION_BYTES[s.precision], s.img_tokens, s.txt_len
+    b = PRECISION_BYTES[s.precision]
     shapes = linear_shapes(s.model)
     out = [0, 0]
-    for name, (n_in, _) in shapes.items():
+    for single, name, tokens, _ in _adapted_block_linears(s, lc):
+        out[single] += tokens * (lc.rank + (shapes[name][0] if lc.dropout else 0)) * b
+    return out[0], out[1]
+
+
+def _adapted_block_linears(s: RunSpec, lc) -> list[tuple[bool, str, int, int]]:
+    """(single block?, name, tokens per sample, out features) of each linear the LoRA adapts in the first double
+    and the first single block (every block of a kind is adapted alike)."""
+    I, T = s.img_tokens, s.txt_len
+    out = []
+    for name, (_, n_out) in linear_shapes(s.model).items():
         if not (name.startswith("double_blocks.0.") or name.startswith("single_blocks.0.")):
             continue
         if not any(fnmatch.fnmatchcase(name, p) for p in lc.patterns):
@@ -220,8 +316,8 @@ def lora_block_saved(s: RunSpec) -> tuple[int, int]:
         tokens = I + T if single else (T if ".txt_" in name else I)
         if name.endswith("_mod.lin") or name.endswith("modulation.lin"):
             tokens = 1  # the modulation reads one vector per sample
-        out[single] += tokens * (lc.rank + (n_in if lc.dropout else 0)) * b
-    return out[0], out[1]
+        out.append((single, name, tokens, n_out))
+    return out
 
 
 def _block_linear_weights(cfg: ModelConfig) -> list[int]:

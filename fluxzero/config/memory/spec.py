@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from fluxzero.config import architecture, ds_view, optim_modes
+from fluxzero.config.ds_check import CHECKPOINT_POLICIES
 from fluxzero.config.architecture import linear_shapes
 from fluxzero.config.lora import LoraConfig, lora_param_count
 from fluxzero.config.models import ModelConfig, get_model_config
@@ -153,6 +154,8 @@ def run_options_from_ds_config(ds: dict, world_size: int | None = None, v: ds_vi
         out["optimizer"] = v.optimizer if v.optimizer in OPTIMIZER_STATE_BYTES else "adamw"
         out["optimizer_impl"] = v.optimizer_impl
     out["checkpoint_every"] = v.checkpoint_every  # the trainer checkpoints nothing without it
+    if v.checkpoint_policy in CHECKPOINT_POLICIES:
+        out["checkpoint_policy"] = v.checkpoint_policy
     if v.optimizer_mode is not None:
         out["optimizer_mode"] = v.optimizer_mode
         if v.trainer_casts_to_bf16:
@@ -186,6 +189,8 @@ class RunSpec:
     offload_optimizer: str = "none"
     offload_param: str = "none"
     checkpoint_every: int = 1  # 0 = off, 1 = every block, k = every k-th block (one index over both lists)
+    # "full": a checkpointed block keeps its inputs; "selective": also its matmul and attention outputs
+    checkpoint_policy: str = "full"
     cpu_checkpointing: bool = False  # deepspeed.checkpointing keeps checkpointed blocks' inputs in host memory
     optimizer: str = "adamw"
     optimizer_impl: str = "fused"  # "fused" (DeepSpeed FusedAdam / CPUAdam) | "torch" (torch AdamW, foreach: a
@@ -241,6 +246,9 @@ class RunSpec:
             raise ValueError(f"attention must be flash, efficient, cudnn, auto or math, got {self.attention!r}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be 0 (off) or more, got {self.checkpoint_every}")
+        if self.checkpoint_policy not in CHECKPOINT_POLICIES:
+            raise ValueError(f"checkpoint_policy must be one of {', '.join(CHECKPOINT_POLICIES)}, got "
+                             f"{self.checkpoint_policy!r}")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be cuda or cpu, got {self.device!r}")
         if self.optimizer_mode is not None:
