@@ -139,6 +139,9 @@ OPTIONS = [
                  help="Parameter offload (stage 3)."),
     click.option("--checkpoint-every", type=click.IntRange(min=0), default=1, show_default=True,
                  help="Activation checkpointing: every k-th block (0 off, 1 all)."),
+    click.option("--checkpoint-policy", type=click.Choice(memory.CHECKPOINT_POLICIES), default="full",
+                 show_default=True, help="What a checkpointed block keeps: its inputs (full), or also its matmul and "
+                                         "attention outputs (selective)."),
     click.option("--optimizer", type=click.Choice(list(memory.OPTIMIZER_STATE_BYTES)), default="adamw",
                  show_default=True, help="Optimizer (fp32 states: 8 B/param for Adam(W), 4 for SGD/Lion)."),
     click.option("--adam-impl", type=click.Choice(["torch", "fused", "cpu"]), default="torch", show_default=True,
@@ -184,7 +187,8 @@ def _with_options(fn):
 
 _SPEC_OPTIONS = {"micro_batch": "micro_batch", "precision": "precision", "zero_stage": "stage",
                  "offload_optimizer": "offload_optimizer", "offload_param": "offload_param",
-                 "checkpoint_every": "checkpoint_every", "optimizer": "optimizer", "optimizer_mode": "optimizer_mode",
+                 "checkpoint_every": "checkpoint_every", "checkpoint_policy": "checkpoint_policy",
+                 "optimizer": "optimizer", "optimizer_mode": "optimizer_mode",
                  "offload_blocks": "offload_blocks"}
 
 
@@ -273,7 +277,7 @@ def describe(spec: memory.RunSpec) -> str:
             f"{'(target + Kontext reference) ' if spec.reference_tokens else ''}+ {spec.txt_len} text tokens, micro batch {spec.micro_batch}, {spec.precision}, {opt}, "
             f"{spec.attention} attention\n"
             f"{memory._label(spec.stage, spec.offload_optimizer, spec.offload_param)}, "
-            f"{memory._ckpt_text(spec.checkpoint_every)}")
+            f"{memory._ckpt_text(spec.checkpoint_every, spec.checkpoint_policy)}")
 
 
 def report(est: memory.Estimate, hw: memory.Hardware | None, margin: float, zero_by_stage=None) -> str:
@@ -334,6 +338,7 @@ def as_dict(est: memory.Estimate, hw: memory.Hardware | None, margin: float, zer
         "optimizer_mode": s.optimizer_mode, "lora_rank": s.lora_rank, "lora_type": s.lora_type, "ema": s.ema,
         "trained_params": memory.trained_params(s), "fragmentation": est.fragmentation,
         "offload_param": s.offload_param, "checkpoint_every": s.checkpoint_every,
+        "checkpoint_policy": s.checkpoint_policy,
         "offload_blocks": s.offload_blocks, "stream_traffic": dict(memory.stream_traffic(s)),
         "gpu_allocated_gib": est.gpu_allocated / GiB, "gpu_reserved_gib": est.gpu_reserved / GiB,
         "gpu_needed_gib": est.gpu_total / GiB, "peak_phase": est.peak_phase,
@@ -395,6 +400,8 @@ def advise(est: memory.Estimate, hw: memory.Hardware, margin: float, zero_by_sta
     shape = _shape_flags(s, world, resolution, txt_len)
     if memory.verdict(est, hw, margin)[0]:
         flags = [f"--zero-stage {s.stage}", f"--micro-batch {s.micro_batch}", f"--checkpoint-every {s.checkpoint_every}"]
+        flags += [f"--checkpoint-policy {s.checkpoint_policy}"] if s.checkpoint_every and s.checkpoint_policy != "full" \
+            else []
         flags += [f"--offload-optimizer {s.offload_optimizer}"] if s.offload_optimizer != "none" else []
         flags += [f"--offload-param {s.offload_param}"] if s.offload_param != "none" else []
         flags += [f"--optimizer-mode {s.optimizer_mode}"] if s.optimizer_mode else []
@@ -411,7 +418,7 @@ def advise(est: memory.Estimate, hw: memory.Hardware, margin: float, zero_by_sta
     extra = [f"optimizer mode {o['optimizer_mode']}"] if o["optimizer_mode"] else []
     extra += [f"{o['base_quant']} base"] if o.get("base_quant") else []
     text = (f"What fits instead: {chosen}{''.join(', ' + e for e in extra)}, micro batch {o['micro_batch']}, "
-            f"{memory._ckpt_text(o['checkpoint_every'])}: predicted {r.estimate.gpu_allocated / GiB:.1f} GiB "
+            f"{memory._ckpt_text(o['checkpoint_every'], o['checkpoint_policy'])}: predicted {r.estimate.gpu_allocated / GiB:.1f} GiB "
             f"allocated, {r.estimate.gpu_total / GiB:.1f} GiB needed, {r.estimate.host_per_node / GiB:.1f} GiB "
             f"host per node")
     return f"{text}\nnext: {cmd}" + _host_note(r.estimate, hw), o, cmd

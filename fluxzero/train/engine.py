@@ -71,7 +71,7 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     compiled = v.compiles_blocks(device.type, lora is not None)
     inside = None  # selective checkpointing goes inside the compiled graph, where its policy steers the partitioner
     if compiled and v.checkpoint_policy == "selective":
-        inside = (checkpoint_function(v.checkpoint_impl, v.checkpoint_policy, v),
+        inside = (checkpoint_function(v.checkpoint_impl, v.checkpoint_policy, v, compiled=True),
                   checkpointed_indices(model, v.checkpoint_every, skip_last))
     if compiled:  # first: full checkpointing then wraps the compiled block
         counts = len({h * w for h, w in latent_sizes})
@@ -533,10 +533,35 @@ def _selective_contexts():
     return torch.utils.checkpoint.create_selective_checkpoint_contexts(selective_policy)
 
 
-def checkpoint_function(implementation: str = "torch", policy: str = "full", v: DSView | None = None):
+def _torch_linear(forward, *args):
+    """forward(*args) with torch.nn.functional.linear torch's own for its length.
+
+    ZeRO-3's zero.Init replaces it for the whole process with DeepSpeed's LinearFunctionForZeroStage3, which adds the
+    bias in place onto the matmul's output: the very tensor the selective policy keeps, so the recompute would add
+    it a second time (measured: ZeRO-3 losses off by 1e-3 after one step). torch's own linear adds it out of place
+    (addmm). What DeepSpeed's version saves instead of torch's (the weight, not a view of its gathered storage) does
+    not matter here: inside a checkpointed block torch's saved tensors live only from the recompute to the block's
+    backward, while the parameters are gathered anyway. Under torch.compile the graph is functional and the in-place
+    add harmless: the compiled path does not need this.
+    """
+    patched = torch.nn.functional.linear
+    torch.nn.functional.linear = torch._C._nn.linear
+    try:
+        return forward(*args)
+    finally:
+        torch.nn.functional.linear = patched
+
+
+def _selective_checkpoint(forward, *args, compiled: bool = False):
+    return torch.utils.checkpoint.checkpoint(forward if compiled else functools.partial(_torch_linear, forward),
+                                             *args, use_reentrant=False, context_fn=_selective_contexts)
+
+
+def checkpoint_function(implementation: str = "torch", policy: str = "full", v: DSView | None = None,
+                        compiled: bool = False):
     """fn(forward, *args) that runs a block checkpointed by `implementation` with `policy` (ds_check's names;
-    deepspeed.checkpointing's options from `v`). The DeepSpeed config check refuses the selective policy with
-    implementation deepspeed."""
+    deepspeed.checkpointing's options from `v`); `compiled`: fn runs inside the compiled graph. The DeepSpeed config
+    check refuses the selective policy with implementation deepspeed."""
     if implementation == "deepspeed":
         if policy != "full":
             raise TrainingError("fluxzero.activation_checkpointing.policy selective needs implementation torch: "
@@ -546,8 +571,7 @@ def checkpoint_function(implementation: str = "torch", policy: str = "full", v: 
             checkpoint_in_cpu=bool(v and v.cpu_checkpointing), synchronize=False, profile=False)
         return deepspeed.checkpointing.checkpoint
     if policy == "selective":
-        return functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False,
-                                 context_fn=_selective_contexts)
+        return functools.partial(_selective_checkpoint, compiled=compiled)
     return functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
 
 

@@ -103,13 +103,15 @@ CHILD = textwrap.dedent("""
 
 def _jobs(tmp_path, cases, data=DATA):
     jobs = []
-    for name, (stage, every, impl, compiled) in cases.items():
+    for name, (stage, every, impl, compiled, *policy) in cases.items():
         ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
               "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
               "fluxzero": {"activation_checkpointing": {"every_k_blocks": every, "implementation": impl}}}
         if compiled:
             ds["fluxzero"]["compile"] = {"blocks": True, "backend": "aot_eager"}
+        if policy:
+            ds["fluxzero"]["activation_checkpointing"]["policy"] = policy[0]
         assert ds_check.check(ds) == []
         (tmp_path / f"{name}.json").write_text(json.dumps(ds))
         jobs.append([name, {"deepspeed": str(tmp_path / f"{name}.json"), "data": data,
@@ -177,3 +179,27 @@ def test_compiled_blocks_train_like_eager_on_aspect_buckets(tmp_path):
     r = json.loads((tmp_path / "out.json").read_text())
     _check(r, list(cases))
     assert (r["z2_ck1_compiled"]["graphs"], r["z2_ck1_compiled"]["graph_breaks"]) == (2, 0)
+
+
+@pytest.mark.slow
+def test_selective_checkpointing_trains_like_no_checkpointing(tmp_path):
+    """fluxzero.activation_checkpointing.policy selective through the trainer, 3 steps of flux-tiny: eager at
+    ZeRO-0 and ZeRO-3 (DeepSpeed's hooks gather the parameters again in the recompute), compiled at ZeRO-2 and ZeRO-3
+    (the checkpoint inside the compiled graph: still one graph per block class, no break); the reference is eager
+    ZeRO-0 without checkpointing."""
+    cases = {
+        "z0": (0, 0, "torch", False),
+        "z0_sel": (0, 1, "torch", False, "selective"),
+        "z3_sel": (3, 1, "torch", False, "selective"),
+        "z2_sel_compiled": (2, 1, "torch", True, "selective"),
+        "z3_sel2_compiled": (3, 2, "torch", True, "selective"),
+    }
+    child = _jobs(tmp_path, cases)
+    subprocess.run([sys.executable, *child], check=True, cwd=tmp_path, timeout=600,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = json.loads((tmp_path / "out.json").read_text())
+    print({name: round(v["s"], 1) for name, v in r.items()})
+    _check(r, list(cases))
+    assert (r["z2_sel_compiled"]["graphs"], r["z2_sel_compiled"]["graph_breaks"]) == (2, 0)
+    # every 2nd block: the checkpointed and the plain forward of each block class, one graph each
+    assert (r["z3_sel2_compiled"]["graphs"], r["z3_sel2_compiled"]["graph_breaks"]) == (4, 0)

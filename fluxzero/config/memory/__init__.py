@@ -11,7 +11,8 @@ allocates (file and function named next to each formula):
                   parameters under the persistence threshold                                  (model_states)
   activations     tensors autograd saves for backward, counted tensor by tensor from fluxzero.model's
                   blocks (tests check the count against saved_tensors_hooks on the real model), block
-                  inputs only for checkpointed blocks, plus one block's recompute and backward working set
+                  inputs only for checkpointed blocks (and their matmul and attention outputs under the
+                  selective policy), plus one block's recompute and backward working set
                                                                                               (activations)
   allocator       the caching allocator's fragmentation (reserved - allocated) and the CUDA context (breakdown)
 
@@ -20,10 +21,11 @@ verdict and the `--fit` search are `fit`. A step has two memory peaks and the la
 forward / start of backward (activations) and the optimizer step (fp32 gradient copies). Sizes are bytes;
 GiB = 2**30 bytes. This package re-exports what callers use: `from fluxzero.config import memory; memory.X`.
 """
+from fluxzero.config.ds_check import CHECKPOINT_POLICIES  # noqa: F401
 from fluxzero.config.ds_view import checkpointed_blocks  # noqa: F401  (one definition; memory.checkpointed_blocks)
 from fluxzero.config.memory.activations import (  # noqa: F401
-    activation_bytes, activation_items, block_backward_workspace, checkpointed_split, double_block_saved,
-    lora_block_saved, outside_blocks_saved, single_block_saved,
+    activation_bytes, activation_items, block_backward_workspace, checkpointed_split, double_block_kept,
+    double_block_saved, lora_block_saved, outside_blocks_saved, selective_split, single_block_kept, single_block_saved,
 )
 from fluxzero.config.memory.breakdown import Estimate, estimate  # noqa: F401
 from fluxzero.config.memory.fit import (  # noqa: F401

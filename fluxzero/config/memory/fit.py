@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from fluxzero.config import ds_config, optim_modes
+from fluxzero.config.ds_check import CHECKPOINT_POLICIES
 from fluxzero.config.ds_view import DSConfigError
 from fluxzero.config.memory.activations import checkpointed_split
 from fluxzero.config.memory.breakdown import Estimate, estimate
@@ -95,6 +96,11 @@ PCIE_BYTES_PER_S = 44e9
 
 STREAM_TOLERANCE = 0.9
 
+# The share of a block's forward time that selective checkpointing recomputes: the pointwise ops and row reductions
+# (norms, modulation, RoPE, GELU, gates), memory-bound next to the matmuls and attention it keeps. Assumed, for the
+# throughput proxy's ranking; benchmarks/checkpoint_policy.py measures the three policies' step times.
+SELECTIVE_RECOMPUTE_SHARE = 0.1
+
 
 def offload_choices(spec: RunSpec) -> tuple[int, ...]:
     """Streamed block counts --fit tries: 0 and every 4th up to all blocks for a fused mode, else the spec's."""
@@ -109,7 +115,7 @@ def throughput_proxy(spec: RunSpec) -> float:
     offload and optimizer mode.
 
     Recompute costs the forward of each checkpointed block again: a step is 3 forwards' worth of FLOPs,
-    so time grows by (checkpointed fraction) / 3. Small micro batches underfill the GEMMs and amortise
+    so time grows by (checkpointed fraction) / 3; selective checkpointing recomputes SELECTIVE_RECOMPUTE_SHARE of it. Small micro batches underfill the GEMMs and amortise
     per-micro-step overheads (ZeRO-3 gathers, launches) badly: efficiency tokens / (tokens + 2048). The optimizer
     step is paid once per micro batch here (no accumulation): a mode whose step is measured adds its time
     (OptimMode.step_s_per_billion over this rank's partition), so a small micro batch no longer looks free.
@@ -119,6 +125,9 @@ def throughput_proxy(spec: RunSpec) -> float:
     cfg = spec.model
     blocks = cfg.depth + cfg.depth_single_blocks
     frac = sum(checkpointed_split(cfg, spec.checkpoint_every, spec.offload_blocks)) / max(1, blocks)
+    if spec.checkpoint_policy == "selective":  # streamed blocks are recomputed whole all the same
+        streamed = min(spec.offload_blocks, blocks)
+        frac = (frac * blocks - streamed) / max(1, blocks) * SELECTIVE_RECOMPUTE_SHARE + streamed / max(1, blocks)
     tokens = spec.micro_batch * (spec.img_tokens + spec.txt_len)
     per_sample = 3 * cfg.flops_per_sample(spec.img_tokens, spec.txt_len) / _FWD_BWD_FLOPS_PER_S
     compute = spec.micro_batch * per_sample * (1 + frac / 3) * (tokens + 2048) / tokens
@@ -242,7 +251,7 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     fixed = dict(fixed or {})
     unknown = set(fixed) - {"stage", "offload_optimizer", "offload_param", "micro_batch", "checkpoint_every",
-                            "optimizer_mode", "base_quant", "offload_blocks"}
+                            "checkpoint_policy", "optimizer_mode", "base_quant", "offload_blocks"}
     if unknown:
         raise ValueError(f"fit cannot pin {sorted(unknown)}")
     if "optimizer_mode" in fixed:
@@ -256,6 +265,9 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
     if not micros:
         raise ValueError("no micro batch to try: raise the largest micro batch allowed")
     ckpts = (fixed["checkpoint_every"],) if "checkpoint_every" in fixed else CHECKPOINT_CHOICES
+    policies = (fixed["checkpoint_policy"],) if "checkpoint_policy" in fixed else CHECKPOINT_POLICIES
+    if policies == ("selective",):  # a pinned selective policy needs blocks to checkpoint
+        ckpts = tuple(k for k in ckpts if k) or (1,)
     if base.lora_rank:  # a LoRA steps a few hundred MB of adapters: DeepSpeed's AdamW unless a mode is pinned
         mode = modes[0] if len(modes) == 1 else None
         grid = [(st, oo, op, mode, q) for st, oo, op, q in lora_grid(fixed, allow_nvme, quants)]
@@ -289,9 +301,10 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
             continue
         for k in streams:  # fewest streamed blocks first: each one streamed costs transfers
             every = True
-            for ck in ckpts:
+            for ck, policy in ((ck, p) for ck in ckpts for p in (policies if ck else ("full",))):
                 for mb in micros:
-                    cand = stage_base.replace(micro_batch=mb, checkpoint_every=ck, offload_blocks=k)
+                    cand = stage_base.replace(micro_batch=mb, checkpoint_every=ck, checkpoint_policy=policy,
+                                              offload_blocks=k)
                     est = estimate(cand)
                     if not verdict(est, hw, margin)[0]:
                         every = False
@@ -301,11 +314,13 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
                 break  # all fit with fewer streamed blocks: streaming more is only slower
         if not fitting:
             smallest = stage_base.replace(micro_batch=micros[0], checkpoint_every=max(ckpts, key=_ckpt_rank),
+                                          checkpoint_policy=policies[-1] if "full" not in policies else "full",
                                           offload_blocks=streams[-1])
             _, why = verdict(estimate(smallest), hw, margin)
             closest = (label, smallest)
             rejected.append((st, oo, op, mode, quant, f"even micro batch {micros[0]} with "
-                             f"{_ckpt_text(smallest.checkpoint_every)} does not fit ({why})"))
+                             f"{_ckpt_text(smallest.checkpoint_every, smallest.checkpoint_policy)} does not fit "
+                             f"({why})"))
             continue
         # the fewest streamed blocks within STREAM_TOLERANCE of the fastest: what streaming costs is PCIE_BYTES_PER_S's
         # assumption, so more blocks on the host must buy a clear gain; then speed, micro batch, least recompute
@@ -314,7 +329,8 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
                                      key=lambda t: (t[3], *t[:3]))
         reason = _rejections(rejected) + [f"chose {label}: " + _why_choice(spec, est, hw, margin, micros, ckpts)]
         options = {"stage": st, "offload_optimizer": oo, "offload_param": op, "micro_batch": mb,
-                   "checkpoint_every": spec.checkpoint_every, "optimizer_mode": mode,
+                   "checkpoint_every": spec.checkpoint_every, "checkpoint_policy": spec.checkpoint_policy,
+                   "optimizer_mode": mode,
                    "offload_blocks": spec.offload_blocks}
         if base.lora_rank:
             options["base_quant"] = quant
@@ -386,11 +402,12 @@ def _label(stage: int, oo: str, op: str) -> str:
     return f"ZeRO-{stage}" + (f" with {', '.join(off)}" if off else " without offload")
 
 
-def _ckpt_text(k: int) -> str:
+def _ckpt_text(k: int, policy: str = "full") -> str:
+    sel = " selectively (matmul and attention outputs kept)" if policy == "selective" else ""
     if k in (0, 1):
-        return {0: "no activation checkpointing", 1: "every block checkpointed"}[k]
+        return {0: "no activation checkpointing", 1: f"every block checkpointed{sel}"}[k]
     suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
-    return f"every {k}{suffix} block checkpointed"
+    return f"every {k}{suffix} block checkpointed{sel}"
 
 
 def _best_micro(spec: RunSpec, hw: Hardware, margin: float, micros: tuple[int, ...]) -> RunSpec | None:
@@ -405,7 +422,7 @@ def _best_micro(spec: RunSpec, hw: Hardware, margin: float, micros: tuple[int, .
 
 def _why_choice(spec: RunSpec, est: Estimate, hw: Hardware, margin: float, micros: tuple[int, ...],
                 ckpts: tuple[int, ...] = CHECKPOINT_CHOICES) -> str:
-    text = (f"micro batch {spec.micro_batch}, {_ckpt_text(spec.checkpoint_every)}; predicted "
+    text = (f"micro batch {spec.micro_batch}, {_ckpt_text(spec.checkpoint_every, spec.checkpoint_policy)}; predicted "
             f"{est.gpu_allocated / GiB:.1f} GiB allocated, {est.gpu_total / GiB:.1f} GiB with allocator slack "
             f"and CUDA context, of {hw.gpu_memory_gib * (1 - margin):.1f} GiB budget "
             f"({hw.gpu_memory_gib:g} GiB - {margin:.0%} margin)")
@@ -415,6 +432,11 @@ def _why_choice(spec: RunSpec, est: Estimate, hw: Hardware, margin: float, micro
         text += f". Micro batch {bigger[0]} " + ("fits but is not faster" if fits else f"does not fit: {why}")
     else:
         text += f". Micro batch {spec.micro_batch} is the largest allowed"
+    if spec.checkpoint_every and spec.checkpoint_policy == "full":  # keeping the matmul outputs: why not
+        alt = _best_micro(spec.replace(checkpoint_policy="selective"), hw, margin, micros)
+        text += (f". Selectively: not even micro batch {micros[0]} fits" if alt is None else
+                 f". Selectively: micro batch {alt.micro_batch} fits, estimated "
+                 f"{throughput_proxy(alt) / throughput_proxy(spec):.0%} of this speed")
     # checkpointing fewer blocks: the best micro batch it allows, and why that is not better
     for k in sorted((k for k in ckpts if _ckpt_rank(k) < _ckpt_rank(spec.checkpoint_every)),
                     key=_ckpt_rank, reverse=True):
@@ -542,7 +564,7 @@ def _more_memory(closest: tuple[str, RunSpec] | None, hw: Hardware, margin: floa
     if not needs:
         return "It would fit a larger GPU."
     return (f"It would fit with {' and '.join(needs)}: {label}, micro batch {spec.micro_batch}, "
-            f"{_ckpt_text(spec.checkpoint_every)}.")
+            f"{_ckpt_text(spec.checkpoint_every, spec.checkpoint_policy)}.")
 
 
 def _try(base: RunSpec, **changes) -> RunSpec | None:
@@ -559,6 +581,7 @@ def _try(base: RunSpec, **changes) -> RunSpec | None:
 # gen-config option -> fit pin: what the user set himself is kept, --fit chooses the rest
 GEN_CONFIG_PINS = {"zero_stage": "stage", "offload_optimizer": "offload_optimizer", "offload_param": "offload_param",
                    "micro_batch": "micro_batch", "checkpoint_every": "checkpoint_every",
+                   "checkpoint_policy": "checkpoint_policy",
                    "optimizer_mode": "optimizer_mode", "offload_blocks": "offload_blocks"}
 # Host memory that common machines have per GPU: a 24 GB desktop card usually sits in a 64 GB machine, cloud
 # GPU instances give 60-250 GB per GPU. Without --host-memory a choice that needs more says so on its last line.
@@ -633,7 +656,8 @@ def fit_gen_config(opts, given: dict, req: FitRequest) -> GenConfigFit:
         except DSConfigError as e:  # a row the combination rules refuse (fp8 at ZeRO-3): not written
             raise ValueError("; ".join(e.problems)) from None
         fields = run_options_from_ds_config(cfg, world)
-        return {k: v for k, v in fields.items() if k not in ("micro_batch", "checkpoint_every", "offload_blocks")}
+        return {k: v for k, v in fields.items()
+                if k not in ("micro_batch", "checkpoint_every", "checkpoint_policy", "offload_blocks")}
 
     micros = None
     if opts.global_batch is not None:
@@ -643,6 +667,8 @@ def fit_gen_config(opts, given: dict, req: FitRequest) -> GenConfigFit:
             raise ValueError(f"no micro batch up to {req.max_micro_batch} divides global batch "
                              f"{opts.global_batch} over {world} GPUs")
     pins = {GEN_CONFIG_PINS[k]: v for k, v in given.items() if k in GEN_CONFIG_PINS}
+    if opts.checkpoint_impl == "deepspeed":  # deepspeed.checkpointing recomputes whole blocks only
+        pins.setdefault("checkpoint_policy", "full")
     if req.base_quant != "auto":
         if req.base_quant != "none" and not req.lora_rank:
             raise ValueError(f"--base-quant {req.base_quant} quantizes the frozen base of a LoRA: add --lora-rank")
