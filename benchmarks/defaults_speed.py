@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/defaults_speed.py --cases lite --out $OUT/defaults.jsonl
     PYTHONPATH=. python3 benchmarks/defaults_speed.py --cases cpu-smoke --out /tmp/smoke.jsonl   # CPU, flux-tiny
+    PYTHONPATH=. python3 benchmarks/defaults_speed.py --cases policy --out $OUT/policy.jsonl   # checkpointing policies
 
 Each case: `fluxzero gen-config ARGS -o ds.json`, a run file with only the keys the case names (everything else
 is the trainer's default: that is the point), synthetic FLUX-shaped latents and text embeddings of the case's
@@ -37,6 +38,7 @@ import runner  # noqa: E402
 DEV_LORA = {"rank": 16, "targets": "all-linear"}
 # a case whose gen-config args hold --fit gets only --model and --world-size 1 besides them: --fit chooses the rest
 FIT_H200 = ["--fit", "--gpu-memory", "141", "--host-memory", "128"]
+SEL = ["--checkpoint-policy", "selective"]
 FULL_SR_CK1 = ["--zero-stage", "0", "--optimizer-mode", "bf16-sr", "--micro-batch", "16", "--checkpoint-every", "1"]
 CASES = {
     # flux-dev-lite (5 + 10 full-width blocks), ZeRO-2 bf16, micro batch 16: the issue's rows
@@ -59,6 +61,14 @@ CASES = {
     "dora-mb4": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "4"], {}, {**DEV_LORA, "type": "dora"}),
     "lokr-mb4": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "4"], {}, {**DEV_LORA, "type": "lokr"}),
     "cpu-smoke": ("flux-tiny", 128, ["--checkpoint-every", "1", "--micro-batch", "2"], {}, None),
+    "cpu-smoke-sel": ("flux-tiny", 128, ["--checkpoint-every", "1", "--micro-batch", "2", *SEL], {}, None),
+    # the selective checkpointing policy (keep matmul and attention outputs, recompute the pointwise ops) against
+    # full and no checkpointing at the same micro batch: its step time and its peak memory
+    "lite-ckpt1-sel": ("flux-dev-lite", 512, ["--checkpoint-every", "1", *SEL], {}, None),
+    "lora-mb4-ckpt0": ("flux-dev", 512, ["--checkpoint-every", "0", "--micro-batch", "4"], {}, DEV_LORA),
+    "lora-mb4-sel": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "4", *SEL], {}, DEV_LORA),
+    "lora-1024-mb1-ckpt0": ("flux-dev", 1024, ["--checkpoint-every", "0", "--micro-batch", "1"], {}, DEV_LORA),
+    "lora-1024-mb1-sel": ("flux-dev", 1024, ["--checkpoint-every", "1", "--micro-batch", "1", *SEL], {}, DEV_LORA),
     # full FLUX.1-dev fine-tune on one H200 (issue 22 target 5): what `gen-config --fit` writes, and the levers
     # beside it (FP8 matmuls, bf16-sr with every block checkpointed at micro batch 16, an EMA of the weights)
     "full-fit": ("flux-dev", 512, FIT_H200, {}, None),
@@ -81,6 +91,10 @@ SETS = {
     "lite": ["lite-ckpt1-old", "lite-ckpt1", "lite-ckpt1-fp8", "lite-ckpt0", "lite-ckpt0-fp8", "peer:lite-ckpt0"],
     "lora": ["lora-mb4", "lora-mb4-fp8", "lora-mb1", "lora-mb1-fp8"],
     "adapters": ["lora-mb4", "dora-mb4", "lokr-mb4"],
+    # selective checkpointing against full and none: flux-dev-lite at micro batch 16, the LoRA at 512 px mb 4 and
+    # 1024 px mb 1 (compiled blocks, as gen-config writes them below ZeRO-3)
+    "policy": ["lite-ckpt0", "lite-ckpt1", "lite-ckpt1-sel", "lora-mb4-ckpt0", "lora-mb4", "lora-mb4-sel",
+               "lora-1024-mb1-ckpt0", "lora-1024-mb1", "lora-1024-mb1-sel"],
 }
 
 SITECUSTOMIZE = '''import os

@@ -257,3 +257,37 @@ def test_whole_model_training_peak_matches_selective():
     assert a["stored"] > full["stored"] and a["recompute"] < full["recompute"]
     print(f"selective: measured {live.peak} predicted {want} ({(want - live.peak) / live.peak:+.2%})")
     assert abs(live.peak - want) / live.peak < 0.03, (live.peak, want)
+
+
+def _lora_block_saved(adapters):
+    """(double, single) bytes autograd saves in a bf16 block with rank-4 all-linear PEFT adapters of dtype
+    `adapters`, and the memory model's LoRA terms for the stage that gives them that dtype."""
+    from fluxzero.config.lora import LoraConfig
+    from fluxzero.model.lora import apply_lora
+
+    I, T, B = 48, 24, 2
+    cfg = get_model_config("flux-tiny").replace(depth=1, depth_single_blocks=1)
+    model = build_model(cfg, dtype=torch.bfloat16)
+    apply_lora(model, LoraConfig(rank=4, targets="all-linear"))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.to(adapters)
+    img, txt, vec, ids = block_inputs(cfg, I, T, torch.bfloat16, batch=B)
+    pe = model.pe_embedder(ids)
+    x = torch.cat((txt, img), dim=1).detach().requires_grad_()
+    spec = memory.RunSpec(cfg, height=16 * 8, width=16 * 6, txt_len=T, lora_rank=4, lora_targets="all-linear",
+                          stage=3 if adapters == torch.float32 else 2, device="cpu")
+    params = list(model.parameters())
+    got = (saved_bytes(model.double_blocks[0], (img, txt, vec, pe), params + [img, txt, vec, pe]),
+           saved_bytes(model.single_blocks[0], (x, vec, pe), params + [x, vec, pe]))
+    return got, tuple(B * n for n in memory.lora_block_saved(spec))
+
+
+def test_fp32_adapters_under_zero3_save_what_the_model_adds():
+    """ZeRO-3 leaves the adapters fp32 on a bf16 base (engine.apply_adapters) and PEFT casts each adapted layer's
+    input to fp32 for A: the bytes that adds to a block's saved set, measured against memory.lora_block_saved at
+    stage 3 less stage 2 (bf16 adapters, as the engine casts them with the model below ZeRO-3)."""
+    (bf_d, bf_s), (model_bf_d, model_bf_s) = _lora_block_saved(torch.bfloat16)
+    (f_d, f_s), (model_f_d, model_f_s) = _lora_block_saved(torch.float32)
+    assert f_d - bf_d == model_f_d - model_bf_d > 0
+    assert f_s - bf_s == model_f_s - model_bf_s > 0

@@ -150,11 +150,11 @@ def lora_block_kept(s: RunSpec) -> tuple[tuple[int, int], tuple[int, int]]:
     lc = lora_config(s)
     if lc is None:
         return (0, 0), (0, 0)
-    b = PRECISION_BYTES[s.precision]
+    ab = adapter_bytes(s)
     kept, saved = [0, 0], [0, 0]
     for single, name, tokens, n_out in _adapted_block_linears(s, lc):
-        kept[single] += tokens * (lc.rank + n_out) * b
-        saved[single] += tokens * lc.rank * b
+        kept[single] += tokens * (lc.rank + n_out) * ab
+        saved[single] += tokens * lc.rank * ab
     return (kept[0], kept[1]), (saved[0], saved[1])
 
 
@@ -294,12 +294,23 @@ def lora_block_saved(s: RunSpec) -> tuple[int, int]:
     lc = lora_config(s)
     if lc is None:
         return 0, 0
-    b = PRECISION_BYTES[s.precision]
+    b, ab = PRECISION_BYTES[s.precision], adapter_bytes(s)
     shapes = linear_shapes(s.model)
     out = [0, 0]
     for single, name, tokens, _ in _adapted_block_linears(s, lc):
-        out[single] += tokens * (lc.rank + (shapes[name][0] if lc.dropout else 0)) * b
+        # A's input: the layer's input, counted in the block's saved set already, unless PEFT makes a copy: with
+        # dropout, and in the adapters' dtype when that is wider (then the input itself is no longer saved: the
+        # frozen base layer needs it for no weight gradient, so the copy adds the difference)
+        copy = shapes[name][0] * (ab if lc.dropout else ab - b)
+        out[single] += tokens * (lc.rank * ab + copy)
     return out[0], out[1]
+
+
+def adapter_bytes(s: RunSpec) -> int:
+    """Bytes per value of LoRA adapters and of what they compute: the training dtype, but fp32 under ZeRO-3, where
+    deepspeed.initialize converts the adapters made after zero.Init without casting them (fluxzero.train.engine.
+    apply_adapters); PEFT then casts each adapted layer's input to fp32 before A (LoraLayer._cast_input_dtype)."""
+    return 4 if s.stage == 3 else PRECISION_BYTES[s.precision]
 
 
 def _adapted_block_linears(s: RunSpec, lc) -> list[tuple[bool, str, int, int]]:

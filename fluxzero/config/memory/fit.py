@@ -98,7 +98,8 @@ STREAM_TOLERANCE = 0.9
 
 # The share of a block's forward time that selective checkpointing recomputes: the pointwise ops and row reductions
 # (norms, modulation, RoPE, GELU, gates), memory-bound next to the matmuls and attention it keeps. Assumed, for the
-# throughput proxy's ranking; benchmarks/checkpoint_policy.py measures the three policies' step times.
+# throughput proxy's ranking; benchmarks/defaults_speed.py --cases policy measures the
+# three policies' step times.
 SELECTIVE_RECOMPUTE_SHARE = 0.1
 
 

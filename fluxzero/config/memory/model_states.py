@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 import math
 
-from fluxzero.config import optim_modes
+from fluxzero.config import architecture, optim_modes
 from fluxzero.config.architecture import linear_shapes
 from fluxzero.config.lora import adapter_param_count
 from fluxzero.config.memory.spec import (GiB, OPTIMIZER_STATE_BYTES, PRECISION_BYTES, Item, ParamInventory, RunSpec,
@@ -339,14 +339,65 @@ def communication_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         if s.checkpoint_every and z.max_reuse_distance >= block:
             unit = block  # recompute then backward reuses the whole block's params: not released in between
         prefetch = min(z.prefetch_bucket_size, max(0, z.max_live_parameters - unit))
-        items.append(Item("live (gathered) parameters", b * (unit + prefetch), "gpu", "train",
-                          "largest gather unit + prefetch bucket (capped by max_live_parameters)", ds=True))
+        live = max(unit + prefetch, gathered_at_turn(s, inv))
+        items.append(Item("live (gathered) parameters", b * live, "gpu", "train",
+                          "largest gather unit + prefetch bucket, or what forward leaves gathered for backward "
+                          "(max_reuse_distance, the prefetcher's lead up to max_live_parameters)", ds=True))
         items.append(Item("gradient being produced", b * _largest_trained_layer(s, inv), "gpu", "train",
                           "one layer's full gradient before it enters the bucket", ds=True))
         persistent = inv.persistent(z.param_persistence_threshold)
         items.append(Item("persistent parameters", b * persistent, "gpu", "resident",
                           f"tensors under param_persistence_threshold={z.param_persistence_threshold}"))
     return items
+
+
+def gathered_at_turn(s: RunSpec, inv: ParamInventory) -> int:
+    """Parameters (elements) ZeRO-3 still holds gathered when forward ends and backward begins, once DeepSpeed has
+    recorded the step's module trace (from the second step on). deepspeed 0.19.8, partitioned_param_coordinator.py:
+
+    - Reuse window (__params_to_release): a module's parameters are not released after its forward when they are
+      used again within stage3_max_reuse_distance elements of the trace. Block j's next use is its recompute (with
+      checkpointing; else its backward), after the rest of forward and the recompute and backward of every later
+      block: about 3x (2x) the later blocks' parameters away. The last blocks within that distance stay gathered.
+    - The prefetcher's lead (_fetch_sub_module_impl): each fetch prefetches the next stage3_prefetch_bucket_size
+      elements of the trace that are not gathered, however small the module being fetched; a module smaller than
+      the bucket (LoRA's A, B, wrapper and dropout, the q/k norms, parameter-less containers) lets the prefetcher
+      run further ahead of the forward. Once it is ahead by more than the rest of forward it gathers the first
+      backward blocks' parameters, marked for their backward use (not released), until the gathered elements
+      reach stage3_max_live_parameters; the modules fetched meanwhile come on top (one block).
+    The two overlap (both are the last blocks): the larger counts, at most every parameter not kept persistent.
+    Measured on CPU with a reduced-width FLUX and LoRA (tests/config/test_memory_deepspeed.py): a full fine-tune of
+    FLUX.1-dev has no lead (its modules outweigh the buckets), an all-linear LoRA's four small modules per adapted
+    layer give it one.
+    """
+    z, cfg = s.zero, s.model
+    total = inv.total - inv.persistent(z.param_persistence_threshold)
+    blocks = [inv.double_block] * cfg.depth + [inv.single_block] * cfg.depth_single_blocks
+    away = 3 if s.checkpoint_every else 2
+    kept, later = 0, 0
+    for n in reversed(blocks):  # the last blocks first
+        if away * later >= z.max_reuse_distance:
+            break
+        kept, later = kept + n, later + n
+    lead = sum(z.prefetch_bucket_size - n for n in _forward_modules(s))
+    ahead = min(lead, z.max_live_parameters) + max(inv.double_block, inv.single_block) if lead > 0 else 0
+    return min(total, max(kept, ahead))
+
+
+def _forward_modules(s: RunSpec) -> list[int]:
+    """Parameter elements of each module DeepSpeed fetches in one forward (a step of its trace each): every layer of
+    config/architecture's table; per LoRA-adapted layer PEFT's wrapper and dropout (none) and its A and B; the
+    parameter-less containers fluxzero.model calls (per double block the block, two Modulations, two QKNorms, two
+    MLP Sequentials and their GELUs; per single block the block, its Modulation and QKNorm; around the blocks the
+    model, RoPE, three MLPEmbedders and the final layer's containers)."""
+    cfg = s.model
+    lc = lora_config(s)
+    out = []
+    for name, lay in architecture.layers(cfg):
+        out.append(lay.params)
+        if lc is not None and lay.kind == "linear" and any(fnmatch.fnmatchcase(name, p) for p in lc.patterns):
+            out += [0, 0, lc.rank * lay.n_in, lc.rank * lay.n_out]
+    return out + [0] * (9 * cfg.depth + 3 * cfg.depth_single_blocks + 8)
 
 
 def stream_traffic(s: RunSpec) -> list[tuple[str, int]]:
