@@ -121,6 +121,16 @@ def _jobs(tmp_path, cases, data=DATA):
     return [str(tmp_path / "child.py"), str(tmp_path / "jobs.json"), str(tmp_path / "out.json")]
 
 
+def _run(tmp_path, cases) -> dict:
+    """The cases in one child process; their results by name (timings printed)."""
+    child = _jobs(tmp_path, cases)
+    subprocess.run([sys.executable, *child], check=True, cwd=tmp_path, timeout=600,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = json.loads((tmp_path / "out.json").read_text())
+    print({name: round(v["s"], 1) for name, v in r.items()})
+    return r
+
+
 def _check(r, names):
     ref = r[names[0]]["losses"]
     assert len(ref) == STEPS and r[names[0]]["graphs"] == 0
@@ -142,11 +152,7 @@ def test_compiled_blocks_train_like_eager(tmp_path):
         "z3_ck1": (3, 1, "torch", False),
         "z3_ck1_compiled": (3, 1, "torch", True),
     }
-    child = _jobs(tmp_path, cases)
-    subprocess.run([sys.executable, *child], check=True, cwd=tmp_path, timeout=600,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
-    r = json.loads((tmp_path / "out.json").read_text())
-    print({name: round(v["s"], 1) for name, v in r.items()})
+    r = _run(tmp_path, cases)
     _check(r, list(cases))
     # one graph per block class (the 2 double and the 2 single blocks share them) and nothing eager inside a
     # block, at every stage: ZeRO-3 gathers each block whole from a hook outside the compiled forward
@@ -194,11 +200,7 @@ def test_selective_checkpointing_trains_like_no_checkpointing(tmp_path):
         "z2_sel_compiled": (2, 1, "torch", True, "selective"),
         "z3_sel2_compiled": (3, 2, "torch", True, "selective"),
     }
-    child = _jobs(tmp_path, cases)
-    subprocess.run([sys.executable, *child], check=True, cwd=tmp_path, timeout=600,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
-    r = json.loads((tmp_path / "out.json").read_text())
-    print({name: round(v["s"], 1) for name, v in r.items()})
+    r = _run(tmp_path, cases)
     _check(r, list(cases))
     assert (r["z2_sel_compiled"]["graphs"], r["z2_sel_compiled"]["graph_breaks"]) == (2, 0)
     # every 2nd block: the checkpointed and the plain forward of each block class, one graph each

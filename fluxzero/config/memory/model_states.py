@@ -364,7 +364,7 @@ def gathered_at_turn(s: RunSpec, inv: ParamInventory) -> int:
       the bucket (LoRA's A, B, wrapper and dropout, the q/k norms, parameter-less containers) lets the prefetcher
       run further ahead of the forward. Once it is ahead by more than the rest of forward it gathers the first
       backward blocks' parameters, marked for their backward use (not released), until the gathered elements
-      reach stage3_max_live_parameters; the modules fetched meanwhile come on top (one block).
+      reach stage3_max_live_parameters; the last block's own, fetched meanwhile, come on top.
     The two overlap (both are the last blocks): the larger counts, at most every parameter not kept persistent.
     Measured on CPU with a reduced-width FLUX and LoRA (tests/config/test_memory_deepspeed.py): a full fine-tune of
     FLUX.1-dev has no lead (its modules outweigh the buckets), an all-linear LoRA's four small modules per adapted
@@ -380,7 +380,8 @@ def gathered_at_turn(s: RunSpec, inv: ParamInventory) -> int:
             break
         kept, later = kept + n, later + n
     lead = sum(z.prefetch_bucket_size - n for n in _forward_modules(s))
-    ahead = min(lead, z.max_live_parameters) + max(inv.double_block, inv.single_block) if lead > 0 else 0
+    last = inv.single_block if cfg.depth_single_blocks else inv.double_block
+    ahead = min(lead, z.max_live_parameters) + last if lead > 0 else 0
     return min(total, max(kept, ahead))
 
 
