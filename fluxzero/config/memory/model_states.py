@@ -339,10 +339,11 @@ def communication_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         if s.checkpoint_every and z.max_reuse_distance >= block:
             unit = block  # recompute then backward reuses the whole block's params: not released in between
         prefetch = min(z.prefetch_bucket_size, max(0, z.max_live_parameters - unit))
-        live = max(unit + prefetch, gathered_at_turn(s, inv))
-        items.append(Item("live (gathered) parameters", b * live, "gpu", "train",
-                          "largest gather unit + prefetch bucket, or what forward leaves gathered for backward "
-                          "(max_reuse_distance, the prefetcher's lead up to max_live_parameters)", ds=True))
+        items.append(Item("live (gathered) parameters", b * (unit + prefetch), "gpu", "train",
+                          "largest gather unit + prefetch bucket (capped by max_live_parameters)", ds=True))
+        items.append(Item("parameters left gathered for backward", b * max(0, gathered_at_turn(s, inv) - unit - prefetch),
+                          "gpu", "train", "beyond the above, when forward ends: the last blocks within "
+                          "max_reuse_distance, the prefetcher's lead up to max_live_parameters"))
         items.append(Item("gradient being produced", b * _largest_trained_layer(s, inv), "gpu", "train",
                           "one layer's full gradient before it enters the bucket", ds=True))
         persistent = inv.persistent(z.param_persistence_threshold)
