@@ -115,8 +115,9 @@ def make_plan(opts: CacheOptions) -> dict:
     if not images:
         raise DataError(f"image folder {root} holds no .png, .jpg, .jpeg or .webp files.")
     references = kontext.references_for(root, images, opts.caption_file)
-    if references is not None:  # Kontext pairs: the references are not targets of their own
-        images = [im for im in images if im not in set(references.values())]
+    if references is not None:  # Kontext pairs: a reference is a target only where its own row names a reference
+        only_references = set(references.values()) - set(references)
+        images = [im for im in images if im not in only_references]
     captions, caption_source, unmatched = captions_for(root, images, opts.caption_file)
     if caption_source != "txt" and all(c is None for c in captions.values()):
         table = opts.caption_file or root / caption_source

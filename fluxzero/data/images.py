@@ -15,8 +15,8 @@ IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp")
 MASK_SUFFIX = ".mask.png"
 MASK_PATCH = 16  # pixels per side of one image token: the VAE's 8x, then FLUX's 2x2 latent packing
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
-_FILE_KEYS = ("file_name", "file", "image", "path")
-_TEXT_KEYS = ("text", "caption", "prompt")
+FILE_KEYS = ("file_name", "file", "image", "path")
+TEXT_KEYS = ("text", "caption", "prompt")
 # The images are the user's own, so PIL's decompression-bomb limit (89 MP warns, 179 MP fails: a 15000x12000
 # photo) is raised to this; memory stays bounded because larger images are refused by probe_size and images
 # above _BIG_PIXELS decode one at a time (a 268 MP RGB decode is ~0.8 GB)
@@ -103,13 +103,13 @@ def read_caption_table(path) -> dict[str, str]:
     path = Path(path)
     out = {}
     for row in read_table_rows(path):
-        out[table_file_name(row, path)] = str(_pick(row, _TEXT_KEYS, "caption", path) or "").strip()
+        out[table_file_name(row, path)] = str(_pick(row, TEXT_KEYS, "caption", path) or "").strip()
     return out
 
 
 def table_file_name(row: dict, path) -> str:
     """The image a row of a metadata table names, '/'-separated."""
-    return Path(str(_pick(row, _FILE_KEYS, "file name", path))).as_posix()
+    return Path(str(_pick(row, FILE_KEYS, "file name", path))).as_posix()
 
 
 def read_table_rows(path) -> list[dict]:

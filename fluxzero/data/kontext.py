@@ -3,7 +3,8 @@
 A folder of pairs holds a metadata.jsonl (or .csv, or the --captions table) whose rows name the target in
 `file_name`, its reference in `control_file_name` (diffusers' and ai-toolkit's convention; `control_image` and
 `reference` are read too) and the instruction in `text`. Every image the table names as a reference is a
-reference, never a target of its own; every other image of the folder is a target and needs a reference. A
+reference, not a target of its own unless its own row names a reference too (a chain of edits); every other image
+of the folder is a target and needs a reference. A
 reference must have its target's aspect (the same bucket): it is resized and cropped to its target's bucket, so
 both latents have one size and their tokens line up as FLUX.1 Kontext's were trained.
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from fluxzero.data.buckets import nearest_bucket
 from fluxzero.data.errors import InputFileError
-from fluxzero.data.images import caption_table_path, probe_size, read_table_rows, table_file_name
+from fluxzero.data.images import FILE_KEYS, TEXT_KEYS, caption_table_path, probe_size, read_table_rows, table_file_name
 
 CONTROL_KEYS = ("control_file_name", "control_image", "reference")
 
@@ -35,10 +36,14 @@ def references_for(root, images: list[str], caption_file=None) -> dict[str, str]
         if key is not None:
             pairs[table_file_name(row, table)] = Path(str(row[key])).as_posix()
     if not pairs:
+        _refuse_unread_reference_column(rows, table, images)
         return None
     by_name = {Path(im).name: im for im in images}
     out = {}
     for target, ref in pairs.items():
+        if ref == target:
+            raise InputFileError(f"{table} names {target} as its own reference (control_file_name); give it the image "
+                                 f"before the edit instead.")
         ref_rel = ref if (root / ref).is_file() else None
         if ref_rel is None:
             raise InputFileError(f"reference image {root / ref} (the control_file_name of {target} in {table}) does "
@@ -51,6 +56,19 @@ def references_for(root, images: list[str], caption_file=None) -> dict[str, str]
                                  f"(control_file_name) for other images, so every target needs one; add a "
                                  f"control_file_name to its row, or move it out of {root}.")
     return out
+
+
+def _refuse_unread_reference_column(rows: list[dict], table: Path, images: list[str]) -> None:
+    """InputFileError when a column other than the file name and caption names images of the folder: a reference
+    column under another name (`control`, `control_file`, ...), which would otherwise cache every reference as a
+    target of its own."""
+    known, listed = {*FILE_KEYS, *TEXT_KEYS}, set(images)
+    for row in rows:
+        for key, value in row.items():
+            if key not in known and isinstance(value, str) and Path(value).as_posix() in listed:
+                raise InputFileError(f"{table}: column {key!r} names the image {value!r}, but a FLUX.1 Kontext reference "
+                                     f"is read from {CONTROL_KEYS[0]} ({', '.join(CONTROL_KEYS[1:])} too); rename the "
+                                     f"column to {CONTROL_KEYS[0]}, or remove it to cache every image as a target.")
 
 
 def check_reference(root, target: str, reference: str, size: tuple[int, int], buckets) -> None:

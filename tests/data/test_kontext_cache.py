@@ -70,10 +70,23 @@ def test_pairs_are_cached_with_their_reference_latents(flux, tmp_path):
         check_model_fit(src.dims, get_model_config("flux-tiny"))
 
 
-@pytest.mark.parametrize("case", ["missing", "aspect", "no_reference"])
+ROWS = [("sq.png", "control/sq.png"), ("sq2.png", "control/sq2.png"), ("wide.png", "control/wide.png")]
+
+
+@pytest.mark.parametrize("case", ["missing", "aspect", "no_reference", "misnamed_column", "own_reference"])
 def test_bad_pairs_are_one_sentence_exit_2_and_write_nothing(flux, tmp_path, case):
-    images = make_pairs(tmp_path / "pairs")
-    if case == "missing":
+    rows = None
+    if case == "misnamed_column":  # the references would be cached as targets of their own
+        rows = [{"file_name": t, "control_file": r, "text": "x"} for t, r in ROWS]
+    elif case == "own_reference":
+        rows = [{"file_name": t, "control_file_name": t if t == "sq.png" else r, "text": "x"} for t, r in ROWS]
+    images = make_pairs(tmp_path / "pairs", rows)
+    if case == "misnamed_column":
+        want = "metadata.jsonl: column 'control_file' names the image 'control/sq.png', but a FLUX.1 Kontext " \
+               "reference is read from control_file_name .*; rename the column to control_file_name"
+    elif case == "own_reference":
+        want = "metadata.jsonl names sq.png as its own reference"
+    elif case == "missing":
         (images / "control" / "sq2.png").unlink()
         want = "reference image .*control/sq2.png .* does not exist"
     elif case == "aspect":
@@ -88,6 +101,22 @@ def test_bad_pairs_are_one_sentence_exit_2_and_write_nothing(flux, tmp_path, cas
     msg = r.output.strip().splitlines()[-1]
     assert __import__("re").search(want, msg), msg
     assert "Traceback" not in r.output and not out.exists()
+
+
+def test_a_chain_of_edits_caches_every_pair(flux, tmp_path):
+    """sq.png is sq2.png's reference and a target with its own reference: both pairs are cached."""
+    from fluxzero.data.shards import ShardSource
+
+    rows = [{"file_name": "sq.png", "control_file_name": "control/sq.png", "text": "a"},
+            {"file_name": "sq2.png", "control_file_name": "sq.png", "text": "b"},
+            {"file_name": "wide.png", "control_file_name": "control/wide.png", "text": "c"}]
+    images = make_pairs(tmp_path / "pairs", rows)
+    (images / "control" / "sq2.png").unlink()
+    r = _cache(images, tmp_path / "shards", flux)
+    assert r.exit_code == 0, r.output
+    src = ShardSource(tmp_path / "shards")
+    assert sorted((src.sample_meta(i)["file"], src.sample_meta(i)["reference"]) for i in range(len(src))) == [
+        ("sq.png", "control/sq.png"), ("sq2.png", "sq.png"), ("wide.png", "control/wide.png")]
 
 
 def test_check_model_fit_asks_a_kontext_model_for_pairs():
