@@ -18,6 +18,9 @@ import json
 from fluxzero.data.errors import DataError
 
 
+MAX_EPOCH_SAMPLES = 100_000_000  # an epoch's sample list and shuffle are held in memory (~16 bytes a sample)
+
+
 def _unit(*parts) -> float:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") / 2**64
 
@@ -44,6 +47,9 @@ class MultiSource:
         for d, s in zip(self.datasets, self.sources):
             self._starts.append(total)
             total += len(s) * d.repeats
+        if total > MAX_EPOCH_SAMPLES:
+            raise DataError(f"data: an epoch of {total:,} samples (each dataset's samples x its repeats) is more than "
+                            f"the {MAX_EPOCH_SAMPLES:,} the loader lists; lower the repeats")
         self.num_samples = total
         # read now, so that a dataset without its empty caption stops the run before the first step
         self._empty = {k: s.empty_caption() for k, (d, s) in enumerate(zip(self.datasets, self.sources))

@@ -73,6 +73,11 @@ def test_other_repeats_or_weights_are_other_data_on_resume():
 
 @pytest.mark.parametrize("data, words", [
     ([{"path": SYN_A, "repeats": 0}], "repeats 0; set repeats to 1 or more"),
+    ([{"path": SYN_A, "repeats": 10**12}], "set repeats from 1 to 1000000"),
+    ([{"path": SYN_A, "loss_weight": 0}, {"path": SYN_B, "loss_weight": 0}], "every dataset of data: has loss_weight 0"),
+    ([{"path": SYN_A, "trigger_word": "ohwx"}], "cache that dataset with --caption-prefix 'ohwx ' and remove "
+                                                  "trigger_word"),
+    ([{"path": SYN_A, "caption_prefix": "ohwx "}], "data[0].caption_prefix: captions are encoded into the shards"),
     ([{"path": SYN_A, "loss_weight": -1}], "loss_weight -1"),
     ([{"path": SYN_A, "caption_dropout": 1.0}], "caption_dropout 1.0"),
     ([{"path": SYN_A, "repeat": 2}], "did you mean 'repeats'"),
@@ -101,6 +106,13 @@ def test_an_empty_or_mismatched_dataset_among_several_is_named(tmp_path):
     # caption dropout at train time needs the empty caption `fluxzero cache` keeps: ShardWriter folders have none
     with pytest.raises(DataError, match="caption dropout needs .*empty_caption.safetensors.*or set caption_dropout"):
         _loader([{"path": str(tmp_path / "good"), "caption_dropout": 0.1}])
+
+
+def test_an_epoch_too_long_to_list_is_refused_before_it_is_listed():
+    big = "synthetic:n=200,hw=8x8,txt=4,ctx=64,vec=32"
+    with pytest.raises(DataError, match="an epoch of 200,000,000 samples .* is more than the 100,000,000 the loader "
+                                        "lists; lower the repeats"):
+        _loader([{"path": big, "repeats": 10**6}])
 
 
 # ------------------------------------------------------------------------------------------ masks in the cache
