@@ -219,6 +219,11 @@ def inputs(tmp_path_factory) -> Path:
     from fluxzero.data.tiny_encoders import write_tiny_encoders
 
     write_tiny_encoders(d / "tiny_enc")
+    # LoKr files (qkv 192 x 64 = kron of 8 x 8 and 24 x 8): one of integer tensors, one good
+    lokr = {"lora_unet_double_blocks_0_img_attn_qkv.lokr_w1": torch.ones(8, 8),
+            "lora_unet_double_blocks_0_img_attn_qkv.lokr_w2": torch.randn(24, 8)}
+    save_file(lokr, str(d / "lokr.safetensors"))
+    save_file({k: v.to(torch.int32) for k, v in lokr.items()}, str(d / "lokr_int.safetensors"))
     return d
 
 
@@ -424,6 +429,14 @@ def _cli_cases():
         ("sample_prompts_fifo", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", "--prompts",
                                  f"{I}/fifo_prompts.txt"], "not a regular file"),
         ("train_fifo_run_file", ["train", "--config", f"{I}/fifo_run.yaml"], "not a regular file"),
+        # adapters as a plain LoRA, the fused optimizer mode
+        ("convert_lokr_integer_tensors", ["convert", f"{I}/lokr_int.safetensors", "{out}.safetensors", "--to", "kohya",
+                                          "--as-lora-rank", "4"], "holds int32 values, but adapter weights are"),
+        ("convert_max_error_nan", ["convert", f"{I}/lokr.safetensors", "{out}.safetensors", "--to", "kohya",
+                                   "--as-lora-rank", "1", "--max-error", "nan"], "'nan' is not a finite number"),
+        ("gen_fused_mode_lora", ["gen-config", "--model", "flux-tiny", "--optimizer-mode", "fused-adafactor-sr",
+                                 "--zero-stage", "0", "--gradient-clipping", "0", "--lora-rank", "4", "-o",
+                                 "{out}.json"], "is for full fine-tunes"),
     ]
 
 

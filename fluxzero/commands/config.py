@@ -340,6 +340,10 @@ def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, 
             hint = next((h for k, h in {**hints, "base_quant": "--base-quant"}.items()
                          if str(e).startswith(f"lora.{k}")), "--lora-type")
             raise click.BadParameter(str(e), param_hint=hint) from None
+        mode = optim_modes.MODES.get(fields.get("optimizer_mode") or "")
+        if mode is not None and mode.fused:  # the trainer's rule (train.engine.plan_streaming)
+            raise click.UsageError(f"--optimizer-mode {mode.name} is for full fine-tunes; a LoRA trains few tensors "
+                                   f"and needs no fused step: choose another --optimizer-mode or drop --lora-rank")
     elif request["lora_type"] != "lora" or request["lora_factor"] != -1 or request["lora_decompose_both"]:
         raise click.UsageError("--lora-type, --lora-factor and --lora-decompose-both describe adapters: give "
                                "--lora-rank too")

@@ -8,13 +8,14 @@ from pathlib import Path
 import click
 
 from . import refuse_existing
+from .estimate import _Finite
 
 DTYPES = ("keep", "fp32", "bf16", "fp16")
 
 
 def as_lora_options(f):
     """--as-lora-rank and --max-error, which `convert` and `export` share (fluxzero.model.adapters)."""
-    f = click.option("--max-error", type=click.FloatRange(min=0), default=None,
+    f = click.option("--max-error", type=_Finite(min=0, example="a relative error such as 0.05"), default=None,
                      help="With --as-lora-rank: refuse (writing nothing) when a layer's relative error is above "
                           "this.")(f)
     return click.option("--as-lora-rank", type=click.IntRange(min=1), default=None,

@@ -209,7 +209,7 @@ def as_plain_lora(deltas: dict[str, Tensor], rank: int, dtype: torch.dtype = tor
     sd, errors, lost, total = {}, {}, 0.0, 0.0
     device = "cuda" if torch.cuda.is_available() else "cpu"  # FLUX.1-dev's linear1 is 21504 x 3072
     for module, d in deltas.items():
-        d = d.to(device, torch.float32)
+        d = d.detach().to(device, torch.float32)  # a checkpoint's tensors may still require grad
         U, S, Vh = _truncated_svd(d, rank)
         root = S.sqrt()
         B, A = (U * root).to(dtype), (root[:, None] * Vh).to(dtype)
@@ -363,6 +363,9 @@ def read_adapters(path: str | os.PathLike) -> tuple[list[Part], dict[str, str]]:
             raise LoraError(f"{path}: tensor {key} is not a LoKr, DoRA or LoRA tensor (lokr_w1, lokr_w2, lokr_w1_a/_b, "
                             "lokr_w2_a/_b, lora_down/lora_up, dora_scale, alpha); this file is not an adapter this "
                             "tool reads: convert it with the trainer that made it")
+        if not (t.is_floating_point() or m.group(2) == "alpha"):  # an alpha's own checks are below
+            raise LoraError(f"{path}: {key} holds {str(t.dtype).removeprefix('torch.')} values, but adapter weights "
+                            "are floating point; this file is damaged, write or download it again")
         if t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
             raise LoraError(f"{path}: {key} holds NaN or infinite values; this file is damaged, write or download it "
                             "again")
