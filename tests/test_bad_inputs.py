@@ -429,6 +429,10 @@ def _cli_cases():
         ("sample_prompts_fifo", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", "--prompts",
                                  f"{I}/fifo_prompts.txt"], "not a regular file"),
         ("train_fifo_run_file", ["train", "--config", f"{I}/fifo_run.yaml"], "not a regular file"),
+        ("cache_caption_dropout_nan", ["cache", f"{I}/empty_data", "{out}", "--caption-dropout", "nan"],
+         "'nan' is not a finite number"),
+        ("cache_max_aspect_nan", ["cache", f"{I}/empty_data", "{out}", "--max-aspect", "nan"],
+         "'nan' is not a finite number"),
         # adapters as a plain LoRA, the fused optimizer mode
         ("convert_lokr_integer_tensors", ["convert", f"{I}/lokr_int.safetensors", "{out}.safetensors", "--to", "kohya",
                                           "--as-lora-rank", "4"], "holds int32 values, but adapter weights are"),

@@ -192,7 +192,18 @@ def _check_mask(root: Path, image: str, size: tuple[int, int]) -> str | None:
     if (mw, mh) != size:
         raise InputFileError(f"mask {root / mask} is {mw}x{mh} px but its image {root / image} is {size[0]}x{size[1]} px; "
                         f"save the mask at its image's size (white where the loss applies, black where not).")
+    if _all_black(root / mask):
+        raise InputFileError(f"mask {root / mask} is black everywhere, so {root / image} would train nothing; paint "
+                             f"white where the loss applies (black where not), or delete the mask to train on the "
+                             f"whole image.")
     return mask
+
+
+def _all_black(path: Path) -> bool:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.convert("L").getextrema()[1] == 0
 
 
 # ------------------------------------------------------------------------------------------ resume state

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fluxzero.config.user_files import check_regular, parse_json
 from fluxzero.data.buckets import cover_and_crop
-from fluxzero.data.errors import DataError
+from fluxzero.data.errors import DataError, InputFileError
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp")
 # an image's loss mask: NAME.mask.png beside NAME.jpg (or .png, .webp), white where the loss applies
@@ -34,16 +34,25 @@ def _open(path):
 
 
 def list_images(root) -> list[str]:
-    """Image paths relative to `root` (recursive, sorted, '/' separators); masks (NAME.mask.png) are not images."""
+    """Image paths relative to `root` (recursive, sorted, '/' separators); masks (NAME.mask.png, and NAME.mask.jpg
+    and the like, which mask_for refuses) are not images."""
     root = Path(root)
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTS
-                  and not p.name.lower().endswith(MASK_SUFFIX) and p.is_file())
+                  and not Path(p.stem).suffix.lower() == ".mask" and p.is_file())
 
 
 def mask_for(root, image: str) -> str | None:
-    """The mask file of `image` (relative to `root`), NAME.mask.png beside it, or None when it has none."""
+    """The mask file of `image` (relative to `root`), NAME.mask.png beside it, or None when it has none.
+    InputFileError for a mask saved in another format (NAME.mask.jpg, ...)."""
     rel = Path(image).with_suffix(MASK_SUFFIX).as_posix()
-    return rel if (Path(root) / rel).is_file() else None
+    if (Path(root) / rel).is_file():
+        return rel
+    for ext in IMAGE_EXTS:
+        other = Path(root) / Path(image).with_suffix(".mask" + ext)
+        if other.is_file() or other.with_suffix(ext.upper()).is_file():
+            raise InputFileError(f"mask {other} is not a PNG; save it as {Path(root) / rel} (lossy formats blur a "
+                                 f"mask's edges), or delete it to train on the whole image.")
+    return None
 
 
 def has_alpha(path) -> bool:

@@ -227,6 +227,16 @@ def test_a_bad_mask_stops_the_cache_before_anything_is_written(masked_images, tm
     (bad / "a.mask.png").write_bytes(b"not a png")
     r = _cache(bad, out, "--flux-dir", flux, *CACHE_ARGS)
     assert r.exit_code == 2 and "mask " in r.output and "cannot be read" in r.output and not out.exists(), r.output
+    Image.new("L", (64, 64), 0).save(bad / "a.mask.png")  # an inverted or empty mask: the image would train nothing
+    r = _cache(bad, out, "--flux-dir", flux, *CACHE_ARGS)
+    assert r.exit_code == 2 and f"mask {bad / 'a.mask.png'} is black everywhere" in r.output, r.output
+    assert not out.exists()
+    (bad / "a.mask.png").unlink()  # a mask saved as JPEG was cached as an image of its own
+    Image.new("L", (64, 64), 255).save(bad / "a.mask.jpg")
+    r = _cache(bad, out, "--flux-dir", flux, *CACHE_ARGS)
+    assert r.exit_code == 2 and f"mask {bad / 'a.mask.jpg'} is not a PNG; save it as {bad / 'a.mask.png'}" in r.output, \
+        r.output
+    assert not out.exists()
 
 
 def test_masks_are_checked_with_the_shard():
