@@ -39,6 +39,11 @@ class MultiSource:
             self.sources.append(open_one(d.path))
         first = self.sources[0].dims
         for d, s in zip(self.datasets, self.sources):
+            if ("reference" in s.dims) != ("reference" in first):
+                pairs, plain = (d.path, self.datasets[0].path) if "reference" in s.dims else (self.datasets[0].path, d.path)
+                raise DataError(f"dataset {pairs} holds FLUX.1 Kontext pairs but {plain} holds no reference latents; "
+                                f"every dataset of a run must be pairs or none (cache {plain} from a folder whose "
+                                f"metadata.jsonl gives each image a control_file_name, docs/kontext.md)")
             if s.dims != first:
                 raise DataError(f"dataset {d.path} has dims {s.dims} but {self.datasets[0].path} has {first}; "
                                 f"cache every dataset of a run with the same encoders and --t5-max-length")

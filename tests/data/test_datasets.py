@@ -103,6 +103,10 @@ def test_an_empty_or_mismatched_dataset_among_several_is_named(tmp_path):
         _loader([{"path": str(tmp_path / "good")}, {"path": str(tmp_path / "empty")}])
     with pytest.raises(DataError, match="has dims .* cache every dataset of a run with the same encoders"):
         _loader([{"path": str(tmp_path / "good")}, {"path": "synthetic:n=4,hw=8x8,txt=5,ctx=64,vec=32"}])
+    pairs = "synthetic:n=4,hw=8x8,txt=4,ctx=64,vec=32,ref=1"  # a Kontext run's regularization set of plain images
+    with pytest.raises(DataError, match=f"dataset {pairs} holds FLUX.1 Kontext pairs but {tmp_path / 'good'} holds no "
+                                        "reference latents; every dataset of a run must be pairs or none"):
+        _loader([{"path": pairs}, {"path": str(tmp_path / "good")}])
     # caption dropout at train time needs the empty caption `fluxzero cache` keeps: ShardWriter folders have none
     with pytest.raises(DataError, match="caption dropout needs .*empty_caption.safetensors.*or set caption_dropout"):
         _loader([{"path": str(tmp_path / "good"), "caption_dropout": 0.1}])
