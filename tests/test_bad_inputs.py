@@ -1023,6 +1023,7 @@ def test_run_file_refuses_unbounded_numbers(override, words):
     ["--model", "flux-tiny", "--zero-stage", "2", "--fp8", "tensorwise", "--precision", "bf16"],
     ["--model", "flux-tiny", "--lora-rank", "8", "--fit", "--gpu-memory", "24", "--world-size", "1"],
     ["--model", "flux-tiny", "--fit", "--gpu-memory", "80", "--world-size", "2", "--ema", "bf16"],
+    ["--model", "flux-tiny", "--optimizer-mode", "fused-adafactor-sr", "--offload-blocks", "2"],  # stage 0 chosen
 ], ids=lambda a: " ".join(a[2:]) or "plain")
 def test_what_gen_config_writes_passes_the_trainers_checks(tmp_path, argv):
     from fluxzero.cli import main

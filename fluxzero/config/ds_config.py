@@ -184,6 +184,8 @@ def options_from(preset: str | None = None, lora: bool = False, **overrides) -> 
         base.update(mode.defaults)
     if mode is not None and mode.fused and "gradient_clipping" not in given:
         base["gradient_clipping"] = 0.0  # a fused mode steps before any global norm exists (ds_check says so)
+    if mode is not None and len(mode.zero_stages) == 1 and "zero_stage" not in given and "zero_stage" not in base:
+        base["zero_stage"] = mode.zero_stages[0]  # the one stage the mode runs at (a fused mode: 0)
     base.update(given)
     return DSOptions(**base)
 
