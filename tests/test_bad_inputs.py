@@ -387,6 +387,9 @@ def _cli_cases():
                                            f"{I}/emb_wide.safetensors"], "128"),
         ("sample_other_model", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", *TINY_SAMPLE, "--embeddings",
                                 f"{I}/emb.safetensors", "--model", "flux-dev"], "do not match"),
+        ("sample_reference_not_an_image", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", *TINY_SAMPLE,
+                                           "--embeddings", f"{I}/emb.safetensors", "--reference", f"{I}/prompts.txt"],
+         "cannot be read"),
         ("doctor_hosts_ipv6", ["doctor", "--hostfile", f"{I}/hosts_ipv6", "--min-free-gb", "0"], "IPv6"),
         # train (the command)
         ("train_missing_config", ["train", "--config", f"{I}/nope.yaml"], "nope.yaml"),
@@ -474,6 +477,7 @@ def test_command_refuses_bad_input(inputs, tmp_path, monkeypatch, name, argv, wo
     problem = _meets_bar(r.exit_code, text, tree_hash(inputs) == before, kind)
     assert problem is None, problem
     assert words in text, text
+    assert not list(tmp_path.glob("out*")), f"a refused command left {list(tmp_path.glob('out*'))}"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -263,11 +263,17 @@ def _embeddings_file(embeddings: Path | None, prompts: list[str], negative_promp
 
 
 def _make_folder(out_dir: Path) -> None:
+    """--out made now, so an unwritable place stops the command before minutes of loading; a folder made here
+    and still empty when the command ends (a later refusal) is removed again."""
+    made = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise click.BadParameter(f"cannot create {out_dir} ({e.strerror or e}); choose a writable place",
                                  param_hint="--out") from None
+    if made:
+        click.get_current_context().call_on_close(
+            lambda: out_dir.is_dir() and not any(out_dir.iterdir()) and out_dir.rmdir())
 
 
 def _load_vae(vae_dir, dev, dt):
