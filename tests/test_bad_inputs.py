@@ -224,6 +224,10 @@ def inputs(tmp_path_factory) -> Path:
             "lora_unet_double_blocks_0_img_attn_qkv.lokr_w2": torch.randn(24, 8)}
     save_file(lokr, str(d / "lokr.safetensors"))
     save_file({k: v.to(torch.int32) for k, v in lokr.items()}, str(d / "lokr_int.safetensors"))
+    save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.randn(4, 64),  # a DoRA of ranks 4, 3
+               "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.randn(192, 3),
+               "lora_unet_double_blocks_0_img_attn_qkv.dora_scale": torch.ones(192, 1)},
+              str(d / "dora_ranks_differ.safetensors"))
     return d
 
 
@@ -439,6 +443,9 @@ def _cli_cases():
         # adapters as a plain LoRA, the fused optimizer mode
         ("convert_lokr_integer_tensors", ["convert", f"{I}/lokr_int.safetensors", "{out}.safetensors", "--to", "kohya",
                                           "--as-lora-rank", "4"], "holds int32 values, but adapter weights are"),
+        ("convert_dora_ranks_differ", ["convert", f"{I}/dora_ranks_differ.safetensors", "{out}.safetensors", "--to",
+                                       "kohya", "--as-lora-rank", "2", "--base", f"{I}/tiny.safetensors"],
+         "(192, 3) and lora_A.weight (4, 64) do not multiply"),
         ("convert_max_error_nan", ["convert", f"{I}/lokr.safetensors", "{out}.safetensors", "--to", "kohya",
                                    "--as-lora-rank", "1", "--max-error", "nan"], "'nan' is not a finite number"),
         ("gen_fused_mode_lora", ["gen-config", "--model", "flux-tiny", "--optimizer-mode", "fused-adafactor-sr",

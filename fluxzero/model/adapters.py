@@ -391,10 +391,23 @@ def read_adapters(path: str | os.PathLike) -> tuple[list[Part], dict[str, str]]:
                                 "tool reads")
         if missing:
             raise LoraError(f"{path}: the adapter {base} has no {missing[0]}; the file is incomplete")
+        _check_factors(path, base, t)
         parts.append(Part(where[0], kind, t, _file_scale(kind, t, alpha), where[1], where[2], where[3]))
     if not parts:
         raise LoraError(f"{path} holds no FLUX.1 transformer adapter")
     return parts, meta
+
+
+def _check_factors(path, base: str, t: dict[str, Tensor]) -> None:
+    """LoraError naming the file when an adapter's matrices are not 2-D or a low-rank pair does not multiply."""
+    for role, x in t.items():
+        if role != "lora_magnitude_vector" and x.ndim != 2:
+            raise LoraError(f"{path}: {base}'s {role} has shape {tuple(x.shape)}, not a matrix; this file is damaged, "
+                            "write or download it again")
+    for up, down in (("lora_B.weight", "lora_A.weight"), ("lokr_w1_a", "lokr_w1_b"), ("lokr_w2_a", "lokr_w2_b")):
+        if up in t and down in t and t[up].shape[1] != t[down].shape[0]:
+            raise LoraError(f"{path}: {base}'s {up} {tuple(t[up].shape)} and {down} {tuple(t[down].shape)} do not "
+                            "multiply (their ranks differ); this file is damaged, write or download it again")
 
 
 def _file_scale(kind: str, t: dict, alpha: Tensor | None) -> float:
