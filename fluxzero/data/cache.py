@@ -156,7 +156,7 @@ def make_plan(opts: CacheOptions) -> dict:
             mask, alpha = im, True  # the image's own bytes are hashed above
         reference = None if references is None else references[im]
         if reference is not None:
-            kontext.check_reference(root, im, reference, (w, h), buckets)
+            kontext.check_reference(root, im, reference, (w, h), buckets, min_image)
             rst = (root / reference).stat()
             fp.update(json.dumps(["reference", reference, rst.st_size, rst.st_mtime_ns]).encode())
         flips = {"none": [False], "both": [False, True], "random": [_unit(opts.seed, "flip", im) < 0.5]}[opts.flip]

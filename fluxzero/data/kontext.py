@@ -71,9 +71,10 @@ def _refuse_unread_reference_column(rows: list[dict], table: Path, images: list[
                                      f"column to {CONTROL_KEYS[0]}, or remove it to cache every image as a target.")
 
 
-def check_reference(root, target: str, reference: str, size: tuple[int, int], buckets) -> None:
-    """InputFileError naming the reference when it cannot be read or has another aspect than its target
-    (another bucket of `buckets`); `size` is the target's (width, height)."""
+def check_reference(root, target: str, reference: str, size: tuple[int, int], buckets, min_side: int = 0) -> None:
+    """InputFileError naming the reference when it cannot be read, has another aspect than its target (another
+    bucket of `buckets`) or a shorter side below `min_side` (what skips a target as too small); `size` is the
+    target's (width, height)."""
     root = Path(root)
     try:
         rw, rh = probe_size(root / reference)
@@ -85,3 +86,7 @@ def check_reference(root, target: str, reference: str, size: tuple[int, int], bu
     if nearest_bucket(rw, rh, buckets) != nearest_bucket(w, h, buckets):
         raise InputFileError(f"reference image {root / reference} is {rw}x{rh} px, another aspect ratio than its "
                              f"target {root / target} ({w}x{h} px); crop the reference to its target's aspect ratio.")
+    if min(rw, rh) < min_side:
+        raise InputFileError(f"reference image {root / reference} is {rw}x{rh} px, its shorter side below {min_side} px "
+                             f"(--min-image-side), so it would be upscaled into its target's bucket; give the "
+                             f"full-size image before the edit, or lower --min-image-side.")

@@ -73,7 +73,8 @@ def test_pairs_are_cached_with_their_reference_latents(flux, tmp_path):
 ROWS = [("sq.png", "control/sq.png"), ("sq2.png", "control/sq2.png"), ("wide.png", "control/wide.png")]
 
 
-@pytest.mark.parametrize("case", ["missing", "aspect", "no_reference", "misnamed_column", "own_reference"])
+@pytest.mark.parametrize("case", ["missing", "aspect", "no_reference", "misnamed_column", "own_reference",
+                                  "thumbnail"])
 def test_bad_pairs_are_one_sentence_exit_2_and_write_nothing(flux, tmp_path, case):
     rows = None
     if case == "misnamed_column":  # the references would be cached as targets of their own
@@ -86,6 +87,9 @@ def test_bad_pairs_are_one_sentence_exit_2_and_write_nothing(flux, tmp_path, cas
                "reference is read from control_file_name .*; rename the column to control_file_name"
     elif case == "own_reference":
         want = "metadata.jsonl names sq.png as its own reference"
+    elif case == "thumbnail":  # 8 px: a 64 px target of the 32 px smallest bucket side is skipped below 16
+        _image(images / "control" / "sq.png", 8, 8, 3)
+        want = "reference image .*control/sq.png is 8x8 px, its shorter side below 16 px .*--min-image-side"
     elif case == "missing":
         (images / "control" / "sq2.png").unlink()
         want = "reference image .*control/sq2.png .* does not exist"
