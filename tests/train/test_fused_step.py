@@ -129,7 +129,8 @@ def test_fused_step_equals_adafactor_sr_stepped_after_backward(tmp_path):
 
 
 def test_streamed_weights_beyond_the_host_are_refused_in_one_sentence():
-    from fluxzero.train.block_stream import host_available, host_shortfall
+    from fluxzero.train.block_stream import host_shortfall
+    from fluxzero.train.host_memory import host_available
 
     assert host_shortfall(10 * 2**30, 20 * 2**30, 44) is None and host_shortfall(1, None, 1) is None
     assert host_shortfall(20 * 2**30, 16 * 2**30, 44) == (
