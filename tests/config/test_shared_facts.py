@@ -79,7 +79,8 @@ def _params(cmd) -> dict:
 def test_estimate_and_gen_config_share_names_choices_and_defaults():
     est, gen = _params(estimate_cmd.estimate), _params(config_cmd.gen_config)
     for name in ("hostfile", "nodes", "gpus_per_node", "gpu", "gpu_memory", "host_memory", "resolution", "txt_len",
-                 "margin", "lora_targets", "adam_impl", "precision", "offload_optimizer", "offload_param"):
+                 "margin", "lora_targets", "lora_type", "lora_factor", "adam_impl", "precision", "offload_optimizer",
+                 "offload_param"):
         assert est[name].opts == gen[name].opts, name
         assert getattr(est[name].type, "choices", None) == getattr(gen[name].type, "choices", None), name
         assert est[name].default == gen[name].default or name in ("precision", "adam_impl"), name
