@@ -7,7 +7,7 @@ step. Tensors this large are mmap-allocated and returned to the system when free
 over the steady state is the step's transient working set. Where the reset is refused, the peak since the
 process started (ru_maxrss) is read instead, an upper bound that includes the first step (and torch.compile).
 Reported in bytes per partition element; the memory model's "optimizer working set at step" item
-(fluxzero/config/memory/model_states.py, MODE_STEP_TEMP) takes these figures per element of what is stepped at
+(each mode's step_temp in fluxzero/config/optim_modes.py) takes these figures per element of what is stepped at
 once: a whole tensor, or for modes with a step_chunk (fluxzero.config.optim_modes) one chunk of it.
 `--step-chunks 0 default` steps each such mode twice: whole (0, as before chunking) and in its chunks.
 

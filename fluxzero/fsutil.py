@@ -12,18 +12,25 @@ import stat
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
-    """Write `data` to a temp file beside `path`, fsync, then rename over it: readers never see a partial file.
+    """Write `data` to a temp file beside `path`, fsync, then rename over it: readers never see a partial file."""
+    with atomic_file(path) as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike):
+    """Yield a binary file open on a temp file beside `path`; when the block ends without an error it is
+    fsynced and renamed over `path`, otherwise removed (`path` stays as it was). For files written piece by
+    piece (a safetensors file one tensor at a time); `atomic_write` for data in hand.
 
     The new file gets the usual permissions (0666 minus the umask), or those of the file it replaces; a
     symlink is followed, so the file it points at is replaced and the link stays.
     """
     path = os.path.realpath(os.fspath(path))
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    if isinstance(data, str):
-        data = data.encode("utf-8")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         if os.path.exists(path):

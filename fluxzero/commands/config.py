@@ -11,14 +11,17 @@ import sys
 import click
 from click.core import ParameterSource
 
-from fluxzero.config import ds_check, ds_config, ds_view, memory, optim_modes
-from fluxzero.commands.estimate import (_FRACTION, _GIB, ADAPTER_KEYS, ADAPTER_OPTIONS, _resolution, adapter_fields,
-                                        gpu_memory_from, topology_from)
+from fluxzero.commands import options
 from fluxzero.commands.model_spec import MODEL_SPEC
+from fluxzero.commands.options import NONNEG as _NONNEG
+from fluxzero.commands.options import POS as _POS
+from fluxzero.commands.options import (ADAPTER_KEYS, ADAPTER_OPTIONS, adapter_fields, gpu_memory_from,
+                                       parse_lora_targets, topology_from)
+from fluxzero.config import ds_check, ds_config, ds_view, memory, optim_modes
+from fluxzero.config.adam_impl import ADAM_IMPLS
 from fluxzero.config.ds_check import FP8_RECIPES
 from fluxzero.config.ds_config import DSOptions
 from fluxzero.config.ds_view import DSConfigError
-from fluxzero.config.lora import TARGET_PRESETS
 from fluxzero.fsutil import atomic_write
 
 _D = DSOptions()
@@ -35,8 +38,6 @@ def _opt(field: str, type_=None, help_: str = "", flag_pair: bool = False):
     return click.option(*decls, field, type=type_, default=default, help=help_, show_default=default is not None)
 
 
-_POS = click.IntRange(min=1)
-_NONNEG = click.IntRange(min=0)
 _OPTIONS = [
     # preset, model, output
     click.option("--preset", type=click.Choice(list(ds_config.PRESETS)), default=None,
@@ -51,10 +52,7 @@ _OPTIONS = [
     _opt("grad_accum", _POS, "Gradient accumulation steps."),
     _opt("global_batch", _POS, "Target train_batch_size; accumulation steps are derived from it (needs the "
                                "world size)."),
-    click.option("--hostfile", type=click.Path(exists=True, dir_okay=False), default=None,
-                 help="DeepSpeed hostfile ('host slots=N' lines); world size = sum of slots."),
-    click.option("--nodes", type=_POS, default=None, help="Number of nodes (world size = nodes x GPUs per node)."),
-    click.option("--gpus-per-node", type=_POS, default=None, help="GPUs per node."),
+    options.topology,
     click.option("--world-size", type=_POS, default=None, help="Total number of GPUs (ranks)."),
     # ZeRO and offload
     _opt("zero_stage", click.IntRange(0, 3), "ZeRO stage: 0 data parallel, 1 optimizer states, 2 + gradients, "
@@ -115,9 +113,9 @@ _OPTIONS = [
                                             "training, pip install -e '.[lowmem]'; GPU with FP8, e.g. H100/H200, "
                                             "4090): one scale per tensor or per row."),
     # optimizer
-    _opt("adam_impl", click.Choice(ds_check.ADAM_IMPLS), "AdamW implementation: torch (torch.optim.AdamW(fused=True), no build), fused "
+    _opt("adam_impl", click.Choice(ADAM_IMPLS), "AdamW implementation: torch (torch.optim.AdamW(fused=True), no build), fused "
          "(DeepSpeed FusedAdam, GPU), cpu (DeepSpeedCPUAdam, with optimizer offload)."),
-    _opt("optimizer_mode", click.Choice(list(ds_check.trainable_modes())), "Memory-saving optimizer mode the "
+    _opt("optimizer_mode", click.Choice(optim_modes.trainable_modes()), "Memory-saving optimizer mode the "
          "trainer builds instead of DeepSpeed's AdamW on fp32 masters (docs/optimizer-modes.md); writes the bf16 "
          "and ZeRO keys it needs."),
     _opt("offload_blocks", _NONNEG, "Fused optimizer modes: the last K transformer blocks keep their bf16 weights "
@@ -161,12 +159,10 @@ FIT_OPTIONS = [
                  help="The config is for a LoRA of this rank (0: full fine-tune): LoRA lr and warm-up defaults "
                       "(1e-4, 10 steps) and, with --fit, the LoRA's memory. The run file's lora section says "
                       "the same rank."),
-    click.option("--lora-targets", default="attention+mlp", show_default=True,
-                 help="With --lora-rank: the run file's lora.targets, a preset (" + ", ".join(TARGET_PRESETS)
-                      + ") or comma-separated module-name patterns."),
+    options.lora_targets("With --lora-rank: "),
     *ADAPTER_OPTIONS,
-    click.option("--base-quant", type=click.Choice(memory.BASE_QUANTS), default="auto", show_default=True,
-                 help="With --lora-rank: the frozen base quantized (int8, torchao weight-only; the run file's "
+    click.option("--base-quant", type=click.Choice(memory.BASE_QUANT_CHOICES), default="auto", show_default=True,
+                 help="With --lora-rank: the frozen base quantized (int8 or fp8, torchao weight-only; the run file's "
                       "lora.base_quant, which the printed next step names); auto lets --fit choose int8 when the "
                       "bf16 base does not fit (without --fit: none)."),
     click.option("--fit", is_flag=True, default=False,
@@ -174,27 +170,18 @@ FIT_OPTIONS = [
                       "for a LoRA, the base's quantization): the fastest that fits the hardware (needs "
                       "--gpu/--gpu-memory; the world size is 1 unless given); prints why, the predicted peak and "
                       "each choice's caveat."),
-    click.option("--gpu", type=click.Choice(list(memory.GPU_MEMORY_GIB)), default=None,
-                 help="--fit: GPU model, for its memory."),
-    click.option("--gpu-memory", type=_GIB, default=None,
-                 help="--fit: GPU memory in GiB (instead of --gpu)."),
-    click.option("--host-memory", type=_GIB, default=None,
-                 help="--fit: host memory per node in GiB (offload must fit it); without it the host is not "
-                      "checked, the need is printed, and a need beyond common machines' is the last line."),
-    click.option("--resolution", default="512", show_default=True, callback=_resolution,
-                 help="--fit: training image size in pixels, 512 or HEIGHTxWIDTH."),
-    click.option("--txt-len", type=_POS, default=512, show_default=True, help="--fit: T5 text tokens per sample."),
-    click.option("--fit-margin", type=_FRACTION, default=0.10, show_default=True,
-                 help="--fit: keep this fraction of GPU and host memory free."),
+    options.gpu("--fit: "),
+    options.gpu_memory("--fit: "),
+    options.host_memory("--fit: "),
+    options.resolution("--fit: "),
+    options.txt_len("--fit: "),
+    options.margin("--fit: "),
     click.option("--max-micro-batch", type=_POS, default=16, show_default=True,
                  help="--fit: largest micro batch to consider."),
-    click.option("--ema", "fit_ema", type=click.Choice(["none", "fp32", "bf16"]), default="none", show_default=True,
-                 help="--fit: the run keeps an EMA of the trained weights in this dtype (the run file's ema: "
-                      "section), so its memory is part of the fit."),
-    click.option("--ema-device", "fit_ema_device", type=click.Choice(["gpu", "cpu"]), default="gpu",
-                 show_default=True, help="--fit: where that EMA lives (ema.device)."),
+    options.ema("fit_ema", "--fit: "),
+    options.ema_device("fit_ema_device", "--fit: "),
 ]
-_FIT_KEYS = ("fit", "gpu", "gpu_memory", "host_memory", "resolution", "txt_len", "fit_margin", "max_micro_batch",
+_FIT_KEYS = ("fit", "gpu", "gpu_memory", "host_memory", "resolution", "txt_len", "margin", "max_micro_batch",
              "lora_rank", "lora_targets", *ADAPTER_KEYS, "base_quant", "fit_ema", "fit_ema_device")
 
 
@@ -209,14 +196,7 @@ def fit_options(fn):
 
     for decorator in reversed(FIT_OPTIONS):
         wrapper = decorator(wrapper)
-    return wrapper
-
-
-def _lora_targets(value: str):
-    """A preset name (a word: a misspelt one is refused as such) or comma-separated module-name patterns."""
-    if value in TARGET_PRESETS or not any(c in value for c in ".*?[,"):
-        return value
-    return tuple(t.strip() for t in value.split(",") if t.strip())
+    return options.renamed("--fit-margin", "--margin", "margin", options.FRACTION)(wrapper)
 
 
 def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node,
@@ -241,12 +221,12 @@ def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node
     h, w = request["resolution"]
     try:
         run = {"height": h, "width": w, "txt_len": request["txt_len"], "lora_rank": request["lora_rank"],
-               "lora_targets": _lora_targets(request["lora_targets"]),
+               "lora_targets": parse_lora_targets(request["lora_targets"]),
                **(adapter_fields(request) if request["lora_rank"] else {}),
                "ema": None if request["fit_ema"] == "none" else request["fit_ema"],
                "ema_device": request["fit_ema_device"]}
         req = memory.FitRequest(memory.Hardware(capacity, request["host_memory"], nodes, gpus_per_node), run,
-                                margin=request["fit_margin"], max_micro_batch=request["max_micro_batch"],
+                                margin=request["margin"], max_micro_batch=request["max_micro_batch"],
                                 base_quant=request["base_quant"])
         plan = memory.fit_gen_config(opts, given, req)
     except ValueError as e:
@@ -270,7 +250,7 @@ def next_command(output: str | None, world: int | None, hostfile, request: dict,
     ds = output or "ds.json"
     keys = [f"deepspeed: {ds}"]
     if request["lora_rank"]:
-        targets = _lora_targets(request["lora_targets"])  # patterns as a YAML list of quoted names: `*` and `,`
+        targets = parse_lora_targets(request["lora_targets"])  # patterns as a YAML list of quoted names: `*` and `,`
         targets = targets if isinstance(targets, str) else json.dumps(list(targets))  # mean something in YAML
         lora = f"lora: {{rank: {request['lora_rank']}, targets: {targets}" + _adapter_keys(request)
         keys.append(lora + (f", base_quant: {base_quant}}}" if base_quant else "}"))
@@ -330,7 +310,7 @@ def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, 
         from fluxzero.config.models import resolve_model
 
         try:  # the trainer's checks of the run file's lora section, so the printed `lora:` line trains
-            LoraConfig(rank=request["lora_rank"], targets=_lora_targets(request["lora_targets"]),
+            LoraConfig(rank=request["lora_rank"], targets=parse_lora_targets(request["lora_targets"]),
                        type=request["lora_type"], factor=request["lora_factor"],
                        decompose_both=request["lora_decompose_both"],
                        base_quant="none" if request["base_quant"] == "auto" else request["base_quant"],

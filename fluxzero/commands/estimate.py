@@ -9,98 +9,16 @@ import json
 import click
 from click.core import ParameterSource
 
-from fluxzero.config import ds_view, memory, optim_modes
+from fluxzero.commands import options
 from fluxzero.commands.model_spec import MODEL_SPEC
-from fluxzero.config import get_model_config, reshaped
-from fluxzero.config.lora import ADAPTER_NAMES, ADAPTER_TYPES
-from fluxzero.config.memory import GiB, GPU_MEMORY_GIB
+from fluxzero.commands.options import (ADAPTER_OPTIONS, POS, Finite, adapter_fields, gpu_memory_from,
+                                       parse_lora_targets, topology_from)
+from fluxzero.config import ds_check, ds_view, get_model_config, memory, optim_modes, reshaped
+from fluxzero.config.adam_impl import ADAM_IMPLS, optimizer_impl
+from fluxzero.config.lora import ADAPTER_NAMES, BASE_QUANTS, DEFAULT_TARGETS
+from fluxzero.config.memory import GiB
 
-_POS = click.IntRange(min=1)
-
-
-class _Finite(click.FloatRange):
-    """A FloatRange that refuses nan and inf: click's bounds let nan through (every comparison with nan is
-    false), and `--margin nan` or `--gpu-memory inf` then printed FITS."""
-
-    def __init__(self, *args, example: str, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.example = example
-
-    def convert(self, value, param, ctx):
-        v = super().convert(value, param, ctx)
-        if v != v or v in (float("inf"), float("-inf")):
-            self.fail(f"{value!r} is not a finite number; give {self.example}.", param, ctx)
-        return v
-
-
-_GIB = _Finite(min=0, min_open=True, example="a size in GiB such as 80")
-_FRACTION = _Finite(0, 1, max_open=True, example="a fraction in [0, 1) such as 0.1")
 PHASE_NAMES = {"train": "fwd/bwd", "step": "step", "init": "init"}
-
-
-def parse_resolution(value: str) -> tuple[int, int]:
-    """'512' -> (512, 512); '1024x768' -> (1024, 768) as (height, width). Raises ValueError."""
-    parts = value.lower().replace("*", "x").split("x")
-    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"resolution must look like 512 or 1024x768, got {value!r}")
-    h, w = (int(parts[0]), int(parts[-1]))
-    memory.image_tokens(h, w)
-    return h, w
-
-
-def _resolution(ctx, param, value):
-    try:
-        return parse_resolution(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-
-
-def gpu_memory_from(gpu: str | None, gpu_memory: float | None) -> float | None:
-    if gpu is not None and gpu_memory is not None:
-        raise click.UsageError("give the GPU memory one way only: --gpu NAME or --gpu-memory GIB")
-    return GPU_MEMORY_GIB[gpu] if gpu is not None else gpu_memory
-
-
-def topology_from(hostfile, nodes, gpus_per_node) -> tuple[int, int]:
-    """(nodes, GPUs per node) from a hostfile (largest slot count per node) or the two options."""
-    if hostfile is not None:
-        if nodes is not None or gpus_per_node is not None:
-            raise click.UsageError("give the topology one way only: --hostfile or --nodes/--gpus-per-node")
-        from fluxzero.cluster.hostfile import HostfileError, parse_hostfile
-
-        try:
-            hosts = parse_hostfile(hostfile)
-        except HostfileError as e:
-            raise click.BadParameter(str(e), param_hint="--hostfile") from None
-        if len(set(hosts.values())) > 1:
-            # ZeRO partitions over every rank: modelling max slots x hosts would over-count the world (and
-            # under-count per-GPU memory); one node of all the ranks keeps the partitions right and bounds the
-            # host memory per node from above
-            total = sum(hosts.values())
-            click.echo(f"warning: {hostfile} has uneven slots {dict(hosts)}: modelled as one node of {total} "
-                       f"ranks (per-GPU figures exact, host memory per node an upper bound)", err=True)
-            return 1, total
-        return len(hosts), max(hosts.values())
-    return nodes or 1, gpus_per_node or 1
-
-
-# The adapter beside --lora-rank, named as the run file's lora section names it; gen-config takes the same ones
-ADAPTER_OPTIONS = [
-    click.option("--lora-type", type=click.Choice(list(ADAPTER_TYPES)), default="lora", show_default=True,
-                 help="With --lora-rank: the run file's lora.type (dora adds a magnitude per output row, lokr trains "
-                      "Kronecker factors: each counted as PEFT builds it)."),
-    click.option("--lora-factor", type=click.IntRange(min=-1), default=-1, show_default=True,
-                 help="With --lora-type lokr: the run file's lora.factor (-1: the divisors nearest the square root)."),
-    click.option("--lora-decompose-both", is_flag=True, default=False,
-                 help="With --lora-type lokr: the run file's lora.decompose_both (w1 low-rank too)."),
-]
-ADAPTER_KEYS = ("lora_type", "lora_factor", "lora_decompose_both")
-
-
-def adapter_fields(values: dict) -> dict:
-    """RunSpec's adapter fields from the ADAPTER_OPTIONS values (their defaults where absent)."""
-    return {"lora_type": values.get("lora_type", "lora"), "lora_factor": values.get("lora_factor", -1),
-            "lora_decompose_both": values.get("lora_decompose_both", False)}
 
 
 OPTIONS = [
@@ -111,31 +29,24 @@ OPTIONS = [
                  help="What-if: this many double-stream blocks instead of the preset's."),
     click.option("--single-depth", type=click.IntRange(min=0), default=None,
                  help="What-if: this many single-stream blocks instead of the preset's."),
-    click.option("--hidden-size", type=_POS, default=None, help="What-if: this model width instead of the preset's."),
-    click.option("--heads", type=_POS, default=None, help="What-if: this many attention heads (with --hidden-size)."),
-    click.option("--config", "ds_path", type=click.Path(exists=True, dir_okay=False), default=None,
+    click.option("--hidden-size", type=POS, default=None, help="What-if: this model width instead of the preset's."),
+    click.option("--heads", type=POS, default=None, help="What-if: this many attention heads (with --hidden-size)."),
+    click.option("--ds-config", "ds_path", type=click.Path(exists=True, dir_okay=False), default=None,
                  help="Read stage, offload, precision, micro batch, optimizer, buckets and checkpointing from "
                       "this DeepSpeed config (e.g. gen-config's); options given here override it."),
-    click.option("--hostfile", type=click.Path(exists=True, dir_okay=False), default=None,
-                 help="DeepSpeed hostfile: nodes = hosts, GPUs per node = largest slot count."),
-    click.option("--nodes", type=_POS, default=None, help="Number of nodes [default: 1]."),
-    click.option("--gpus-per-node", type=_POS, default=None, help="GPUs per node [default: 1]."),
-    click.option("--gpu", type=click.Choice(list(GPU_MEMORY_GIB)), default=None,
-                 help="GPU model, for its memory (h200 = 139.8 GiB as torch reports it)."),
-    click.option("--gpu-memory", type=_GIB, default=None,
-                 help="GPU memory in GiB (instead of --gpu); without either, no fit verdict."),
-    click.option("--host-memory", type=_GIB, default=None,
-                 help="Host memory per node in GiB; checked when given."),
-    click.option("--resolution", default="512", show_default=True, callback=_resolution,
-                 help="Image size in pixels: 512 or HEIGHTxWIDTH (tokens = H/16 x W/16)."),
-    click.option("--txt-len", type=_POS, default=512, show_default=True, help="T5 text tokens per sample."),
-    click.option("--micro-batch", type=_POS, default=1, show_default=True, help="Samples per GPU per step."),
-    click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
+    options.topology,
+    options.gpu(),
+    options.gpu_memory(then="; without either, no fit verdict."),
+    options.host_memory(),
+    options.resolution(),
+    options.txt_len(),
+    click.option("--micro-batch", type=POS, default=1, show_default=True, help="Samples per GPU per step."),
+    click.option("--precision", type=click.Choice(ds_check.PRECISIONS), default="bf16", show_default=True,
                  help="Training precision."),
     click.option("--zero-stage", type=click.IntRange(0, 3), default=2, show_default=True, help="ZeRO stage."),
-    click.option("--offload-optimizer", type=click.Choice(memory.OFFLOAD_DEVICES), default="none",
+    click.option("--offload-optimizer", type=click.Choice(ds_check.OFFLOAD_DEVICES), default="none",
                  show_default=True, help="Optimizer state offload (stage 1-3; nvme: stage 3)."),
-    click.option("--offload-param", type=click.Choice(memory.OFFLOAD_DEVICES), default="none", show_default=True,
+    click.option("--offload-param", type=click.Choice(ds_check.OFFLOAD_DEVICES), default="none", show_default=True,
                  help="Parameter offload (stage 3)."),
     click.option("--checkpoint-every", type=click.IntRange(min=0), default=1, show_default=True,
                  help="Activation checkpointing: every k-th block (0 off, 1 all)."),
@@ -144,37 +55,33 @@ OPTIONS = [
                                          "attention outputs (selective)."),
     click.option("--optimizer", type=click.Choice(list(memory.OPTIMIZER_STATE_BYTES)), default="adamw",
                  show_default=True, help="Optimizer (fp32 states: 8 B/param for Adam(W), 4 for SGD/Lion)."),
-    click.option("--adam-impl", type=click.Choice(["torch", "fused", "cpu"]), default="torch", show_default=True,
+    click.option("--adam-impl", type=click.Choice(ADAM_IMPLS), default="torch", show_default=True,
                  help="torch: torch.optim.AdamW(fused=True), as gen-config writes it; fused: DeepSpeed FusedAdam; cpu: DeepSpeedCPUAdam."),
     click.option("--optimizer-mode", type=click.Choice(list(optim_modes.MODES)), default=None,
-                 help="Memory-saving optimizer mode (fluxzero.config.optim_modes; --config reads fluxzero."
+                 help="Memory-saving optimizer mode (fluxzero.config.optim_modes; --ds-config reads fluxzero."
                       "optimizer_mode) [default: none, DeepSpeed's AdamW on fp32 masters]."),
     click.option("--offload-blocks", type=click.IntRange(min=0), default=0, show_default=True,
                  help="Fused optimizer modes: the last K blocks' bf16 weights in pinned host memory, streamed to the "
-                      "GPU (--config reads fluxzero.offload_blocks)."),
+                      "GPU (--ds-config reads fluxzero.offload_blocks)."),
     click.option("--lora-rank", type=click.IntRange(min=0), default=0, show_default=True,
                  help="LoRA adapters of this rank, the base frozen in bf16 (0: full fine-tune)."),
-    click.option("--lora-targets", default="attention+mlp", show_default=True,
-                 help="LoRA targets: a preset (attention, attention+mlp, all-linear) or comma-separated "
-                      "module-name patterns."),
-    click.option("--lora-dropout", type=_Finite(0, 1, max_open=True, example="a fraction such as 0.1"), default=0.0,
+    options.lora_targets(),
+    click.option("--lora-dropout", type=Finite(0, 1, max_open=True, example="a fraction such as 0.1"), default=0.0,
                  show_default=True, help="LoRA dropout (> 0 saves a dropped-out copy of each adapted input)."),
     *ADAPTER_OPTIONS,
-    click.option("--base-quant", type=click.Choice(["none", *memory.BASE_QUANT_BYTES]), default="none",
-                 show_default=True, help="LoRA: the frozen base quantized weight-only (int8: torchao, the run "
-                                         "file's lora.base_quant), the adapters in bf16 with fp32 masters."),
-    click.option("--ema", type=click.Choice(["none", "fp32", "bf16"]), default="none", show_default=True,
-                 help="EMA of the trained weights, partitioned like the optimizer states under ZeRO 1-3."),
-    click.option("--ema-device", type=click.Choice(["gpu", "cpu"]), default="gpu", show_default=True,
-                 help="Where the EMA lives (ema.device)."),
-    click.option("--attention", type=click.Choice(["flash", "efficient", "math"]), default="flash",
+    click.option("--base-quant", type=click.Choice(BASE_QUANTS), default="none",
+                 show_default=True, help="LoRA: the frozen base quantized weight-only (int8 or fp8 through "
+                                         "torchao, the run file's lora.base_quant), the adapters in bf16 with "
+                                         "fp32 masters."),
+    options.ema(),
+    options.ema_device(),
+    click.option("--attention", type=click.Choice(memory.ATTENTION_KERNELS), default="flash",
                  show_default=True, help="Attention kernel: flash/efficient keep O(L), math O(L^2)."),
     click.option("--expandable-segments/--no-expandable-segments", default=False, show_default=True,
                  help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)."),
     click.option("--weights/--no-weights", default=True, show_default=True,
                  help="Pretrained weights are loaded (each rank reads the file one tensor at a time: one layer on the host)."),
-    click.option("--margin", type=_FRACTION, default=0.10, show_default=True,
-                 help="Safety margin: fits when the need is at most (1 - margin) x the memory."),
+    options.margin(),
     click.option("--json", "as_json", is_flag=True, default=False, help="Print one JSON object instead of tables."),
 ]
 
@@ -194,13 +101,11 @@ _SPEC_OPTIONS = {"micro_batch": "micro_batch", "precision": "precision", "zero_s
 
 def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, attention, expandable_segments,
                adam_impl, weights=True, **values) -> memory.RunSpec:
-    """RunSpec from defaults < DeepSpeed config (--config) < options given on the command line."""
+    """RunSpec from defaults < DeepSpeed config (--ds-config) < options given on the command line."""
     fields = {ours: values[opt] for opt, ours in _SPEC_OPTIONS.items()}
-    fields["optimizer_impl"] = "torch-fused" if adam_impl == "torch" else "fused"  # gen-config writes fused=True
-    targets = values.get("lora_targets", "attention+mlp")
+    fields["optimizer_impl"] = optimizer_impl(adam_impl)
     lora = {"lora_rank": values.get("lora_rank", 0),
-            "lora_targets": targets if targets in ("attention", "attention+mlp", "all-linear")
-            else tuple(t.strip() for t in targets.split(",") if t.strip()),
+            "lora_targets": parse_lora_targets(values.get("lora_targets", DEFAULT_TARGETS)),
             "lora_dropout": values.get("lora_dropout", 0.0),
             **adapter_fields(values),
             "base_quant": None if values.get("base_quant", "none") == "none" else values["base_quant"],
@@ -213,22 +118,22 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
         try:
             ds = ds_file.read_json(ds_path)
         except ds_view.DSConfigError as e:
-            raise click.BadParameter(str(e), param_hint="--config") from None
+            raise click.BadParameter(str(e), param_hint="--ds-config") from None
 
         for problem in ds_check.check(ds):  # DeepSpeed would ignore a misspelled key; the trainer refuses the file
             if problem.startswith("unknown key"):
                 raise click.BadParameter(f"{ds_path}: {problem}, which DeepSpeed ignores and the trainer refuses: "
                                          f"fix it (`fluxzero check-config {ds_path}` checks the whole file)",
-                                         param_hint="--config")
+                                         param_hint="--ds-config")
             if problem.startswith(tuple(f"{k} must be" for k in ds_view.BATCH_KEYS)):  # NaN would read as unset
-                raise click.BadParameter(f"{ds_path}: {problem}", param_hint="--config")
+                raise click.BadParameter(f"{ds_path}: {problem}", param_hint="--ds-config")
         try:  # read through ds_view.view, as the trainer reads it
             from_file = memory.run_options_from_ds_config(ds, nodes * gpus_per_node)
         except ds_view.DSConfigError as e:
-            raise click.BadParameter(f"{ds_path}: {e}", param_hint="--config") from None
+            raise click.BadParameter(f"{ds_path}: {e}", param_hint="--ds-config") from None
         except (ValueError, TypeError, AttributeError) as e:
             raise click.BadParameter(f"{ds_path} has a value of the wrong kind ({e}); `fluxzero check-config "
-                                     f"{ds_path}` names it", param_hint="--config") from None
+                                     f"{ds_path}` names it", param_hint="--ds-config") from None
         if "micro_batch" not in from_file and ctx.get_parameter_source("micro_batch") != ParameterSource.COMMANDLINE:
             click.echo(f"warning: {ds_path} does not set the micro batch (train_micro_batch_size_per_gpu); "
                        f"estimated with micro batch "
@@ -357,6 +262,8 @@ def as_dict(est: memory.Estimate, hw: memory.Hardware | None, margin: float, zer
 
 
 @click.command("estimate")
+@options.renamed("--config", "--ds-config", "ds_path", click.Path(exists=True, dir_okay=False),
+                 note=" (--config is the run file in `fluxzero train`)")
 @_with_options
 @click.pass_context
 def estimate(ctx, model, ds_path, hostfile, nodes, gpus_per_node, gpu, gpu_memory, host_memory, resolution,
@@ -447,7 +354,7 @@ def _shape_flags(s: memory.RunSpec, world: dict, resolution: tuple[int, int], tx
     flags += [] if txt_len == 512 else [f"--txt-len {txt_len}"]
     if s.lora_rank:
         flags.append(f"--lora-rank {s.lora_rank}")
-        if s.lora_targets != "attention+mlp":
+        if s.lora_targets != DEFAULT_TARGETS:
             targets = s.lora_targets if isinstance(s.lora_targets, str) else ",".join(s.lora_targets)
             flags.append(f"--lora-targets {targets}")
         if s.lora_type != "lora":

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import click
 
+from fluxzero.dtypes import TORCH_NAMES, torch_dtype
+
 from . import refuse_existing
 from .estimate import _Finite
 
-DTYPES = ("keep", "fp32", "bf16", "fp16")
+DTYPES = ("keep", *TORCH_NAMES)
 
 
 def as_lora_options(f):
@@ -55,7 +57,6 @@ def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, m
     .safetensors file in the layout --to names, with the same rank, alpha and delta. A LoKr or DoRA file
     (LyCORIS, SimpleTuner, ai-toolkit, OneTrainer layouts) is written as a plain LoRA with --as-lora-rank.
     """
-    import torch
 
     from ..config import resolve_model
     from ..model.layouts import WeightsError
@@ -87,7 +88,7 @@ def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, m
         cfg = resolve_model(preset) if preset else None
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--model") from None
-    torch_dtype = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    out_dtype = None if dtype == "keep" else torch_dtype(dtype)
     from safetensors import SafetensorError
 
     try:
@@ -97,7 +98,7 @@ def convert(src: Path, dst: Path, layout: str, dtype: str, preset: str | None, m
                                      "or diffusers", param_hint="--to")
         if cfg is None:  # keeps the RoPE axes the weights declare, for the file or config.json written
             cfg = source_config(src)
-        state = load_weights(src, cfg=cfg, dtype=None if dtype == "fp16" else torch_dtype)
+        state = load_weights(src, cfg=cfg, dtype=None if dtype == "fp16" else out_dtype)
     except WeightsError as e:
         raise click.BadParameter(str(e), param_hint="IN") from None
     if dtype == "fp16":
@@ -137,7 +138,6 @@ def _to_fp16(state: dict, src: Path) -> None:
 
 def _convert_lora(src: Path, dst: Path, layout: str, dtype: str) -> None:
     """A LoRA file rewritten in another LoRA layout (fluxzero.model.lora_formats reads any, writes two)."""
-    import torch
 
     from ..config.lora import LoraConfig
     from ..model.lora_keys import LoraError
@@ -153,10 +153,10 @@ def _convert_lora(src: Path, dst: Path, layout: str, dtype: str) -> None:
             lcfg = LoraConfig(rank=info.rank, alpha=info.alpha, targets=info.targets or list(info.modules))
         except ValueError:
             lcfg = LoraConfig(rank=info.rank, alpha=info.alpha, targets=list(info.modules))
-        torch_dtype = {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": None}[dtype]
+        out_dtype = None if dtype in ("keep", "fp16") else torch_dtype(dtype)
         if dtype == "fp16":
             _to_fp16(sd, src)
-        save_lora(dst, sd, lcfg, layout=out_layout, base_model=info.base_model, dtype=torch_dtype)
+        save_lora(dst, sd, lcfg, layout=out_layout, base_model=info.base_model, dtype=out_dtype)
     except LoraError as e:
         raise click.BadParameter(str(e), param_hint="IN") from None
     except OSError as e:
@@ -190,12 +190,12 @@ def _convert_to_plain(src: Path, dst: Path, layout: str, dtype: str, rank: int, 
             sd, info = read_lora(src)
             parts = adapters.trained_parts(sd, LoraConfig(rank=info.rank, alpha=info.alpha, targets=list(info.modules)))
         first = next(t for p in parts for t in p.tensors.values() if t.is_floating_point())
-        torch_dtype = {"keep": first.dtype, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        out_dtype = first.dtype if dtype == "keep" else torch_dtype(dtype)
         try:
             weights = load_weights(base, dtype=torch.float32) if base else None
         except WeightsError as e:
             raise click.BadParameter(str(e), param_hint="--base") from None
-        plain = adapters.as_plain_lora(adapters.module_deltas(parts, weights), rank, torch_dtype)
+        plain = adapters.as_plain_lora(adapters.module_deltas(parts, weights), rank, out_dtype)
         for line in adapters.error_report(plain):
             click.echo(line)
         adapters.check_error(plain, max_error, str(src))

@@ -14,13 +14,12 @@ import difflib
 import json
 import math
 
-from fluxzero.config import ds_view, optim_modes
+from fluxzero.config import adam_impl, ds_view, optim_modes
 from fluxzero.config.ds_view import BATCH_KEYS, FLUXZERO_SECTION, DSView, view
 
 # Values the builder writes and the checker accepts
 PRECISIONS = ("bf16", "fp16", "fp32")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-ADAM_IMPLS = ("torch", "fused", "cpu")
 CHECKPOINT_IMPLS = ("torch", "deepspeed")
 # What a checkpointed block keeps for backward: only its inputs ("full": everything else is recomputed), or also
 # its matmul and attention outputs ("selective": torch.utils.checkpoint with a policy, only the cheap pointwise
@@ -109,15 +108,6 @@ def combination_problems(v: DSView, name=config_name, zero_keys=()) -> list[str]
     return p
 
 
-# Modes whose client optimizer is torch.optim.AdamW (fluxzero.train.optim.build_optimizer), a class in deepspeed
-# 0.19.8's ZERO_SUPPORTED_OPTIMIZERS; the others' classes (torchao's, ours) need zero_allow_untested_optimizer.
-ZERO_TESTED_MODES = ("fp32", "bf16-rtn")
-
-
-def trainable_modes() -> tuple[str, ...]:
-    return tuple(n for n, m in optim_modes.MODES.items() if m.trainable)
-
-
 def _mode_problems(v: DSView, name) -> list[str]:
     """The optimizer mode's own rules (deepspeed 0.19.8: runtime/config.py, base_optimizer._configure_master_weights,
     engine._configure_optimizer / _do_optimizer_sanity_check), one sentence each."""
@@ -125,9 +115,9 @@ def _mode_problems(v: DSView, name) -> list[str]:
     mode = optim_modes.MODES.get(v.optimizer_mode) if isinstance(v.optimizer_mode, str) else None
     if mode is None:
         return [f"{M} {json.dumps(v.optimizer_mode)} is not an optimizer mode: choose one of "
-                f"{', '.join(trainable_modes())}"]
+                f"{', '.join(optim_modes.trainable_modes())}"]
     if not mode.trainable:
-        return [f"{M} {mode.name} is for comparison only ({mode.caveat}): choose one of {', '.join(trainable_modes())}"]
+        return [f"{M} {mode.name} is for comparison only ({mode.caveat}): choose one of {', '.join(optim_modes.trainable_modes())}"]
     p: list[str] = []
     if stage not in mode.zero_stages:
         p.append(f"{M} {mode.name} does not run at ZeRO stage {stage}: set {S} to "
@@ -171,7 +161,7 @@ def _mode_problems(v: DSView, name) -> list[str]:
     elif v.bf16_master_weights_and_grads or v.bf16_optimizer_states:
         p.append(f"{M} {mode.name} steps fp32 master weights: set {name('bf16_master_weights_and_grads')} and "
                  f"{name('bf16_optimizer_states')} false (or choose a bf16 mode)")
-    if stage >= 1 and mode.name not in ZERO_TESTED_MODES and not v.allow_untested_optimizer:
+    if stage >= 1 and not mode.zero_tested and not v.allow_untested_optimizer:
         p.append(f"{M} {mode.name} hands ZeRO a client optimizer it has not tested (DeepSpeed stops at engine "
                  f"start): set {name('allow_untested_optimizer')} true")
     if v.offload_optimizer != "none" and mode.offload_ok and v.force_ds_cpu_optimizer:
@@ -538,7 +528,7 @@ def _check_optimizer(cfg: dict, offload: str, p: list[str]) -> None:
     if "max_grad_norm" in params:
         p.append("optimizer.params.max_grad_norm is refused by the DeepSpeed engine: use top-level gradient_clipping")
     if typ.lower() in ("adam", "adamw"):
-        impl = "torch" if params.get("torch_adam") is True else ("cpu" if offload != "none" else "fused")
+        impl = adam_impl.impl_of_params(params, offload)
         _unknown("optimizer.params", {k: v for k, v in params.items() if k != "max_grad_norm"},
                  ADAM_PARAM_KEYS[impl], p)
         if "lr" in params and not (_is_num(params["lr"]) and params["lr"] > 0):

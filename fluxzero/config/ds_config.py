@@ -48,10 +48,10 @@ import json
 import math
 from dataclasses import dataclass
 
-from fluxzero.config import ds_view, optim_modes
+from fluxzero.config import adam_impl, ds_view, optim_modes
 from fluxzero.config.ds_check import (
-    ADAM_IMPLS, CHECKPOINT_IMPLS, CHECKPOINT_POLICIES, OFFLOAD_DEVICES, PRECISIONS, SCHEDULERS, WARMUP_TYPES, ZERO_STAGE3_ONLY_KNOBS,
-    ZERO_TESTED_MODES, combination_problems,
+    CHECKPOINT_IMPLS, CHECKPOINT_POLICIES, OFFLOAD_DEVICES, PRECISIONS, SCHEDULERS, WARMUP_TYPES,
+    ZERO_STAGE3_ONLY_KNOBS, combination_problems,
 )
 from fluxzero.config.ds_view import FLUXZERO_SECTION, DSView, checkpointed_blocks
 
@@ -224,7 +224,7 @@ def option_name(what: str) -> str:
 
 def options_view(o: DSOptions) -> DSView:
     """The DSView of the config build(o) writes, as far as the combination rules read it (no build needed)."""
-    impl = {"torch": "torch-fused", "fused": "fused", "cpu": "fused"}.get(o.adam_impl, "fused")
+    impl = adam_impl.optimizer_impl(o.adam_impl)
     mode_keys = _mode_keys(o)
     bf16 = mode_keys.get("bf16", {"enabled": o.precision == "bf16"})
     precision = "fp32" if "bf16" in mode_keys and not bf16.get("enabled") else o.precision  # bf16 modes, ZeRO 0
@@ -262,7 +262,7 @@ def _mode_keys(o: DSOptions) -> dict:
     if o.precision == "bf16":  # any other precision with a mode is one of combination_problems' sentences
         section = mode.ds_bf16_section(o.zero_stage)
         out["bf16"] = section if section else {"enabled": False}
-    if o.zero_stage >= 1 and mode.name not in ZERO_TESTED_MODES:
+    if o.zero_stage >= 1 and not mode.zero_tested:
         out["zero_allow_untested_optimizer"] = True
     if o.offload_optimizer != "none" and mode.offload_ok:
         out["zero_force_ds_cpu_optimizer"] = False
@@ -301,7 +301,7 @@ def check_options(o: DSOptions) -> list[str]:
     choice("precision", PRECISIONS)
     choice("offload_optimizer", OFFLOAD_DEVICES)
     choice("offload_param", OFFLOAD_DEVICES)
-    choice("adam_impl", ADAM_IMPLS)
+    choice("adam_impl", adam_impl.ADAM_IMPLS)
     choice("checkpoint_impl", CHECKPOINT_IMPLS)
     choice("checkpoint_policy", CHECKPOINT_POLICIES)
     choice("scheduler", SCHEDULERS)
@@ -424,10 +424,8 @@ def _check_checkpoint_options(o: DSOptions, p: list[str]) -> None:
 
 
 def _check_optimizer_options(o: DSOptions, p: list[str]) -> None:
-    # What deepspeed 0.19.8 builds for {"type": "AdamW"} (engine.get_optimizer_configuration):
-    # torch_adam true -> torch.optim.AdamW, whatever the offload; else offload cpu/nvme -> DeepSpeedCPUAdam;
-    # else FusedAdam. So "fused" with offload would silently become DeepSpeedCPUAdam, and "cpu" without
-    # offload would silently become FusedAdam.
+    # What DeepSpeed builds (fluxzero.config.adam_impl): "fused" with offload would silently become
+    # DeepSpeedCPUAdam, and "cpu" without offload would silently become FusedAdam.
     if o.adam_impl == "fused" and o.offload_optimizer != "none":
         p.append(f"{flag('adam_impl')} fused cannot run with {flag('offload_optimizer')} {o.offload_optimizer} "
                  f"(DeepSpeed then builds DeepSpeedCPUAdam): use {flag('adam_impl')} cpu or torch")
@@ -496,14 +494,9 @@ def build(o: DSOptions) -> dict:
             "betas": [o.beta1, o.beta2],
             "eps": o.eps,
             "weight_decay": o.weight_decay,
-            "torch_adam": o.adam_impl == "torch",
+            **adam_impl.adam_params(o.adam_impl),  # torch: fused=True, what every GPU benchmark row ran
         },
     }
-    if o.adam_impl == "torch":
-        # DeepSpeed hands the remaining params to torch.optim.AdamW: fused=True picks torch's single fused
-        # kernel (CPU and CUDA, torch >= 2.4) instead of the foreach path and its fp32 temporary per step;
-        # it is what every GPU benchmark row ran (benchmarks/RESULTS.md).
-        cfg["optimizer"]["params"]["fused"] = True
     if o.scheduler != "none":
         cfg["scheduler"] = {"type": o.scheduler, "params": _scheduler_params(o)}
     if o.checkpoint_impl == "deepspeed" and o.checkpoint_every > 0:

@@ -13,6 +13,9 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from fluxzero.config import adam_impl
+from fluxzero.dtypes import TORCH_NAMES
+
 FLUXZERO_SECTION = "fluxzero"
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -73,7 +76,7 @@ class DSView:
     @property
     def dtype_name(self) -> str:
         """The dtype DeepSpeed gives the module's parameters ("float32", "bfloat16", "float16")."""
-        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.precision]
+        return TORCH_NAMES[self.precision]
 
     @property
     def trainer_casts_to_bf16(self) -> bool:
@@ -170,7 +173,7 @@ def view(ds: dict) -> DSView:
     opt = section(ds, "optimizer")
     params = section(opt, "params", "optimizer.params")
     typ = opt.get("type")
-    impl = ("torch-fused" if params.get("fused") is True else "torch") if params.get("torch_adam") is True else "fused"
+    impl = adam_impl.optimizer_impl_of_params(params)
     sch = section(ds, "scheduler")
     sch_params = section(sch, "params", "scheduler.params")
     fz = section(ds, FLUXZERO_SECTION)

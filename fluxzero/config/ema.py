@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 from fluxzero.config.keys import did_you_mean
 from fluxzero.config.user_files import excerpt
+from fluxzero.dtypes import BYTES
 
 EMA_DEVICES = ("gpu", "cpu")
 EMA_DTYPES = ("fp32", "bf16")
-_BYTES = {"fp32": 4, "bf16": 2}
 
 
 @dataclass
@@ -84,4 +84,4 @@ class EmaConfig:
         """
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
-        return _BYTES[self.dtype] / (world_size if partitioned else 1)
+        return BYTES[self.dtype] / (world_size if partitioned else 1)

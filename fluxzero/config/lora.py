@@ -31,6 +31,7 @@ TARGET_PRESETS: dict[str, tuple[str, ...]] = {
     # as in PEFT's own "all-linear"; name them as patterns to adapt them too.
     "all-linear": _ATTN + _MLP + _MOD,
 }
+DEFAULT_TARGETS = "attention+mlp"  # lora.targets when the run file leaves it out, and the CLI's --lora-targets
 # PEFT's initialisations that leave the frozen base weights untouched and start at the base model's output
 # (B = 0): "default" = Kaiming-uniform A, "gaussian" = normal A (std 1/rank). PiSSA / OLoRA / CorDA rewrite the
 # base weights (W <- W - BA), which a ZeRO-3 placeholder cannot hold and which would make every saved LoRA
@@ -56,7 +57,7 @@ class LoraConfig:
     alpha: float | None = None  # None = rank (scale 1)
     dropout: float = 0.0  # on the adapter's input, training only
     init: str = "default"  # one of LORA_INITS
-    targets: str | list[str] = "attention+mlp"  # a TARGET_PRESETS name or a list of fnmatch module-name patterns
+    targets: str | list[str] = DEFAULT_TARGETS  # a TARGET_PRESETS name or a list of fnmatch module-name patterns
     weights: str | None = None  # a LoRA .safetensors file (diffusers or kohya layout) to continue from
     base_quant: str = "none"  # one of BASE_QUANTS: the frozen base's block linears stored quantized (QLoRA-style)
     type: str = "lora"  # one of ADAPTER_TYPES

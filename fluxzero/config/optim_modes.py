@@ -1,8 +1,12 @@
-"""Optimizer modes for a full fine-tune: what each keeps per parameter, where, and what DeepSpeed needs (pure).
+"""Optimizer modes for a full fine-tune: each one object (OptimMode) that says what it keeps per parameter and
+where, what DeepSpeed needs, which ZeRO stages and offload it runs with, its caveat, where --fit tries it and which
+builder makes it (pure).
 
-No torch import: the memory model and gen-config read this registry. `fluxzero.train.optim.build_optimizer`
-builds the optimizer of each mode; the DeepSpeed behaviour behind the fields below was measured with real
-engines (see the DEEPSPEED_FINDINGS table in that module's docstring).
+No torch import: gen-config (fluxzero.config.ds_config), the checker (ds_check), the memory model
+(memory/model_states.py, memory/fit.py) read this registry; `fluxzero.train.optim.build_optimizer` builds each
+mode through `BUILDERS[mode.builder]`. Adding a mode is an entry in MODES (and a builder there when no existing
+one fits). The DeepSpeed behaviour behind the fields below was measured with real engines (see the
+DEEPSPEED_FINDINGS table in fluxzero.train.optim's docstring).
 
 Bytes are per trained parameter, steady state, for one data-parallel rank before ZeRO partitioning divides
 `grads` (stage 2-3), `master` and `states` (stage 1-3) and `weights` (stage 3) by the world size.
@@ -68,6 +72,17 @@ class OptimMode:
     # gen-config's defaults for a full fine-tune in this mode where DSOptions' (AdamW's) would not train: lr,
     # weight_decay; an option given on the command line, and a LoRA's defaults, win
     defaults: dict = field(default_factory=dict)
+    # the key of fluxzero.train.optim.BUILDERS that builds its optimizer
+    builder: str = ""
+    # True: its optimizer class is torch.optim.AdamW, one deepspeed 0.19.8's ZeRO supports (ZERO_SUPPORTED_OPTIMIZERS);
+    # the others' classes need zero_allow_untested_optimizer at ZeRO 1-3
+    zero_tested: bool = False
+    # transient bytes per stepped element of one optimizer step beyond its states (STEP_TEMP_NOTE); None: a host
+    # mode, whose chunked step the memory model counts itself
+    step_temp: float | None = None
+    # place in --fit's order after DeepSpeed's AdamW on fp32 masters (FIT_ORDER_NOTE): lower is tried first;
+    # None: --fit never chooses it
+    fit_rank: int | None = None
 
     @property
     def offload_ok(self) -> bool:
@@ -88,6 +103,10 @@ class OptimMode:
             raise ValueError(f"optimizer mode {self.name!r}: a fused mode runs at ZeRO stage 0 only")
         if self.optimizer_offload not in ("none", "cpu"):
             raise ValueError(f"optimizer mode {self.name!r}: optimizer_offload must be 'none' or 'cpu'")
+        if not self.builder:
+            raise ValueError(f"optimizer mode {self.name!r}: name its builder (fluxzero.train.optim.BUILDERS)")
+        if (self.step_temp is None) != self.needs_offload:
+            raise ValueError(f"optimizer mode {self.name!r}: step_temp is given for every mode but the host ones")
 
     @property
     def total(self) -> float:
@@ -116,6 +135,23 @@ class OptimMode:
 # per-tensor step with 8-bit states, taken at bf16-sr's figure.
 _H200_STEP_S = {m: s / 11.90 for m, s in (("bf16-kahan", 0.131), ("bf16-sr", 0.467), ("adamw8bit-sr", 0.467))}
 
+# STEP_TEMP_NOTE: transient bytes per stepped element of one optimizer step beyond its states, on one flat 1-D
+# tensor as ZeRO 1-3 hand it: measured on CPU by benchmarks/optim_step_memory.py (peak RSS over the steady state,
+# 5e7 elements). fp32: torch.optim.AdamW(foreach=False), sqrt then divide (two fp32 temporaries at once); the
+# torchao modes (bf16-sr, adamw8bit-sr) run one torch.compile'd kernel per tensor (upper bound: the first step's
+# peak, compile included; the second step's is under 0.1 B); ours do their math in eager fp32, a mode's
+# `step_chunk` elements of a flat tensor at a time, so these bytes are per element of one chunk: the larger of two
+# runs (a 5e7 tensor in 2^24 chunks, the peak 385 / 478 MiB for bf16-kahan, 523 / 459 MiB for adafactor-sr:
+# glibc's reuse of freed chunks moves it); 27 B per element for a whole 5e7 tensor, as shaped tensors are stepped
+# at ZeRO 0. On CUDA bf16-kahan's update is one compiled kernel per tensor and holds none of these: an upper bound.
+_ADAMW_TEMP, _TORCHAO_TEMP, _KAHAN_TEMP, _ADAFACTOR_TEMP = 8.0, 0.7, 30.0, 33.0
+
+# FIT_ORDER_NOTE: --fit tries the bf16 modes by training quality first: docs/optimizer-modes.md's measured distance
+# from fp32 masters (weight change off by 0.05% bf16-kahan, 3.0% adamw8bit-sr, 4.4% bf16-sr); the Adafactor
+# modes after them (not AdamW's trajectory), fused-adafactor-sr before adafactor-sr so that it wins wherever it
+# fits a larger micro batch (no gradient buffer, blocks streamed from the host when the GPU is short); the host
+# modes last (the step runs on the CPU).
+
 # 8-bit AdamW: two uint8 states plus one fp32 scale per 256-value block each (torchao's default block)
 _ADAMW8BIT_STATES = 2 * (1 + 4 / QUANT_BLOCK)
 
@@ -136,34 +172,39 @@ MODES: dict[str, OptimMode] = {m.name: m for m in (
               master_dtype="fp32", zero_stages=(0, 1, 2, 3),
               stage0="bf16 on: DeepSpeed's bf16 wrapper keeps per-tensor fp32 masters",
               where="accelerator; DeepSpeed's optimizer offload (its CPU Adam) can put master and states on CPU",
-              caveat="the reference: every update is kept"),
+              caveat="the reference: every update is kept", builder="AdamW", zero_tested=True, step_temp=_ADAMW_TEMP),
     OptimMode("bf16-rtn", "torch.optim.AdamW on bf16 tensors, round-to-nearest", weights=2, grads=2, master=2,
               states=4, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
               master_stage0=0,
-              caveat="loses updates below half a bf16 ulp: at lr 1e-5 the weights barely move", trainable=False),
+              caveat="loses updates below half a bf16 ulp: at lr 1e-5 the weights barely move", trainable=False,
+              builder="AdamW", zero_tested=True, step_temp=_ADAMW_TEMP),
     OptimMode("bf16-sr", "torchao _AdamW(bf16_stochastic_round=True), bf16 m and v", weights=2, grads=2, master=2,
               states=4, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
               master_stage0=0, step_s_per_billion=_H200_STEP_S["bf16-sr"],
               extra="lowmem", caveat="unbiased weight updates, but torchao rounds bf16 m and v to nearest: v's "
                                       "EMA stalls and steps come out a few % larger (+4.4% weight change "
-                                      "measured at 400 steps)"),
+                                      "measured at 400 steps)",
+              builder="torchao._AdamW", step_temp=_TORCHAO_TEMP, fit_rank=3),
     OptimMode("bf16-kahan", "KahanAdamW (ours): bf16 m, v and Kahan carry", weights=2, grads=2, master=2,
               states=6, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
               master_stage0=0, step_chunk=STEP_CHUNK, step_s_per_billion=_H200_STEP_S["bf16-kahan"],
               caveat="the carry keeps every weight update and m, v are stochastically rounded: closest to fp32 "
-                     "masters (0.05% at 400 steps), at 2 bytes more than bf16-sr"),
+                     "masters (0.05% at 400 steps), at 2 bytes more than bf16-sr",
+              builder="KahanAdamW", step_temp=_KAHAN_TEMP, fit_rank=1),
     OptimMode("adamw8bit-sr", "torchao AdamW8bit(bf16_stochastic_round=True)", weights=2, grads=2, master=2,
               states=_ADAMW8BIT_STATES, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS,
               stage0=_STAGE0_BF16, master_stage0=0, extra="lowmem", step_s_per_billion=_H200_STEP_S["adamw8bit-sr"],
               universal_checkpoint=False,  # 8-bit blocks slice only at 256 values (train.engine.keep_block_states_whole)
               caveat="8-bit blockwise m and v; a tensor (ZeRO: a flat partition) under 4096 values or not a "
-                     "multiple of 256 keeps bf16 states instead"),
+                     "multiple of 256 keeps bf16 states instead",
+              builder="torchao.AdamW8bit", step_temp=_TORCHAO_TEMP, fit_rank=2),
     OptimMode("adafactor-sr", "AdafactorSR (ours): torch.optim.Adafactor's algorithm, stochastic rounding",
               weights=2, grads=2, master=2, states=0.0, states_flat=2, master_dtype="bf16",
               zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16, master_stage0=0,
               step_chunk=STEP_CHUNK, trajectory="Adafactor", defaults=_ADAFACTOR_DEFAULTS,
               caveat="no momentum and relative step sizes: not AdamW's trajectory; factored only at ZeRO 0 "
-                     "(ZeRO 1-3 flatten tensors, so its variance becomes full-size)"),
+                     "(ZeRO 1-3 flatten tensors, so its variance becomes full-size)",
+              builder="AdafactorSR", step_temp=_ADAFACTOR_TEMP, fit_rank=5),
     # Fused into backward: AdafactorSR's step per tensor in a post-accumulate-grad hook, no gradient buffer
     OptimMode("fused-adafactor-sr", "FusedAdafactorSR (ours): AdafactorSR stepped per tensor during backward",
               weights=2, grads=0, master=2, states=0.0, master_dtype="bf16", zero_stages=(0,),
@@ -174,20 +215,32 @@ MODES: dict[str, OptimMode] = {m.name: m for m in (
               where="accelerator; with fluxzero.offload_blocks K the bf16 weights of the last K blocks in pinned "
                     "host memory, streamed to the accelerator one block ahead",
               caveat="Adafactor's trajectory (adafactor-sr's, stepped per tensor with keyed rounding noise); no "
-                     "gradient accumulation and no global-norm clipping (Adafactor clips each update's RMS)"),
+                     "gradient accumulation and no global-norm clipping (Adafactor clips each update's RMS)",
+              builder="FusedAdafactorSR", step_temp=_ADAFACTOR_TEMP, fit_rank=4),  # AdafactorSR's code, per tensor
     # On the host: DeepSpeed's optimizer offload with bf16 master partitions and gradients, stepped by HostAdamW
     OptimMode("cpu-bf16-sr", "HostAdamW (ours) on the host: bf16 m and v, stochastic rounding", weights=2, grads=2,
               master=2, states=4, master_dtype="bf16", zero_stages=(1, 2, 3), ds_bf16=BF16_MASTER_KEYS,
               optimizer_offload="cpu", where="master, gradients and states in host memory (optimizer offload cpu)",
               caveat="m, v and weights stochastically rounded: within 1% of fp32 masters at 400 steps; the step "
-                     "runs on the CPU"),
+                     "runs on the CPU", builder="HostAdamW", fit_rank=6),
     OptimMode("cpu-adamw8bit-sr", "HostAdamW (ours) on the host: 8-bit m and v (torchao's format), stochastic "
               "rounding", weights=2, grads=2, master=2, states=_ADAMW8BIT_STATES, master_dtype="bf16",
               zero_stages=(1, 2, 3), ds_bf16=BF16_MASTER_KEYS, optimizer_offload="cpu", extra="lowmem",
               where="master, gradients and 8-bit states in host memory (optimizer offload cpu)",
               caveat="8-bit blockwise m and v: a few % from fp32 masters, 2 B/param less host memory than "
-                     "cpu-bf16-sr; the step runs on the CPU"),
+                     "cpu-bf16-sr; the step runs on the CPU", builder="HostAdamW8bit", fit_rank=7),
 )}
+
+
+def trainable_modes() -> tuple[str, ...]:
+    """The modes a run may use (not the comparison-only ones)."""
+    return tuple(n for n, m in MODES.items() if m.trainable)
+
+
+def fit_modes() -> tuple[str, ...]:
+    """The modes --fit tries, in its order (FIT_ORDER_NOTE)."""
+    return tuple(m.name for m in sorted((m for m in MODES.values() if m.fit_rank is not None),
+                                        key=lambda m: m.fit_rank))
 
 
 def trainer_casts_to_bf16(mode_name: str | None, stage: int) -> bool:

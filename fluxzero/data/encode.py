@@ -7,6 +7,7 @@ from pathlib import Path
 
 from fluxzero.config.user_files import parse_json
 from fluxzero.data.errors import DataError
+from fluxzero.dtypes import torch_dtype
 
 # FLUX.1's autoencoder: latents are (z - shift) * scale; used when the VAE config does not carry them.
 FLUX_VAE_SCALE = 0.3611
@@ -138,7 +139,7 @@ def pick_device_dtype(device: str = "auto", dtype: str = "auto"):
                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
     if dtype == "auto":
         dtype = "bf16" if dev.type == "cuda" else "fp32"
-    return dev, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    return dev, torch_dtype(dtype)
 
 
 def _check_loaded(model, info: dict, path: str):

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from fluxzero.config.user_files import parse_json
 from fluxzero.data.errors import DataError
+from fluxzero.dtypes import SAFETENSORS_CODES
 from fluxzero.fsutil import atomic_write
 
 FORMAT = "fluxzero-shards"
@@ -52,7 +53,6 @@ SHARD_TENSORS = ("latents", "t5", "clip", "t5_len")
 EMPTY_CAPTION_FILE = "empty_caption.safetensors"  # `fluxzero cache` keeps the embedding of "" here
 META_KEY = "fluxzero"
 MAX_OPEN_SHARDS = 64  # per process (each DataLoader worker has its own)
-_DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _RECREATE = "re-create the shards with `fluxzero cache`"
 
 
@@ -181,8 +181,8 @@ class ShardWriter:
     def __init__(self, out_dir, *, samples_per_shard: int = 256, dtype: str = "float32", extra: dict | None = None):
         if samples_per_shard < 1:
             raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
-        if dtype not in _DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPE_NAMES)}, got {dtype!r}")
+        if dtype not in SAFETENSORS_CODES:
+            raise ValueError(f"dtype must be one of {sorted(SAFETENSORS_CODES)}, got {dtype!r}")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if (self.out_dir / MANIFEST).exists() or any(self.out_dir.glob("shard-*.safetensors")):

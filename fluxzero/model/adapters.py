@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ..config.lora import LoraConfig
+from .layouts import swap_halves
 from .lora_keys import _ADAPTER_KEY, LoraError
 
 _LOKR = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
@@ -134,9 +135,9 @@ def module_deltas(parts: list[Part], base: dict[str, Tensor] | None = None) -> d
                             "weights do not have; pass the base weights of the model it was trained on")
         if ps[0].count == 1:
             p = ps[0]
-            rows = None if w is None else (_halves(w) if p.swap else w)
+            rows = None if w is None else (swap_halves(w) if p.swap else w)
             d = part_delta(p, rows)
-            out[module] = _halves(d) if p.swap else d
+            out[module] = swap_halves(d) if p.swap else d
             continue
         deltas = {}
         hidden = None
@@ -156,10 +157,6 @@ def module_deltas(parts: list[Part], base: dict[str, Tensor] | None = None) -> d
             full[starts[i]:starts[i] + sizes[i]] = d
         out[module] = full
     return out
-
-
-def _halves(t: Tensor) -> Tensor:
-    return torch.cat(t.chunk(2, dim=0)[::-1], dim=0)
 
 
 def _shape(p: Part) -> tuple[int, int]:

@@ -95,12 +95,16 @@ def diffusers_names(bfl_key: str) -> tuple[list[str], str]:
     return [f"{_TOP[module]}.{dparam}"], "swap" if module == "final_layer.adaLN_modulation.1" else "copy"
 
 
-def _swap_halves(t: Tensor) -> Tensor:
+def swap_halves(t: Tensor) -> Tensor:
+    """The two halves of dim 0 exchanged: final_layer.adaLN_modulation is (shift, scale) in BFL's layout and
+    (scale, shift) in diffusers'. Its own inverse."""
     return torch.cat(t.chunk(2, dim=0)[::-1], dim=0)
 
 
-def _split_sizes(bfl_key: str, rows: int, hidden: int) -> list[int]:
-    if ".linear1." in bfl_key:  # [q | k | v | mlp]
+def split_sizes(name: str, rows: int, hidden: int) -> list[int]:
+    """Row counts of the diffusers parts of a fused linear `name` (a module or its parameter): a qkv's 3 x C,
+    a single block's linear1 [q | k | v | mlp]."""
+    if "linear1" in name.split("."):
         return [hidden, hidden, hidden, rows - 3 * hidden]
     return [rows // 3] * 3
 
@@ -110,7 +114,7 @@ def _diffusers_parts(bfl_key: str, rows: int, hidden: int) -> list[tuple[str, st
     names, how = diffusers_names(bfl_key)
     if how != "cat":
         return [(names[0], how, None)]
-    sizes = _split_sizes(bfl_key, rows, hidden)
+    sizes = split_sizes(bfl_key, rows, hidden)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [(name, "copy", (start, size)) for name, start, size in zip(names, starts, sizes)]
 
@@ -121,7 +125,7 @@ def _part(t: Tensor, how: str, rows: tuple[int, int] | None, dtype=None, device=
     if rows is not None:  # narrow before converting, so only this part is ever copied
         t = t.narrow(0, *rows)
     t = t.to(device=device or t.device, dtype=dtype or t.dtype)
-    return (_swap_halves(t) if how == "swap" else t).contiguous()
+    return (swap_halves(t) if how == "swap" else t).contiguous()
 
 
 def bfl_to_diffusers(state_dict: dict[str, Tensor], hidden_size: int | None = None) -> dict[str, Tensor]:
@@ -146,7 +150,7 @@ def _combine(parts: list[Tensor], how: str) -> Tensor:
     if how == "copy":
         return parts[0]
     if how == "swap":
-        return _swap_halves(parts[0])
+        return swap_halves(parts[0])
     if len({p.shape[1:] for p in parts}) > 1 or any(p.dim() == 0 for p in parts):
         raise WeightsError(f"parts of shapes {', '.join(str(tuple(p.shape)) for p in parts)} cannot be fused into one "
                            f"tensor (their widths differ); pass weights of one FLUX.1 model")

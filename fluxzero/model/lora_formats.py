@@ -42,7 +42,7 @@ from torch import Tensor
 
 from ..config.lora import LoraConfig
 from ..config.user_files import parse_json
-from .layouts import diffusers_names
+from .layouts import diffusers_names, split_sizes, swap_halves
 from .lora_keys import _LORA_KEY, LoraError, _looks_full
 
 LAYOUTS = ("diffusers", "kohya")
@@ -107,17 +107,6 @@ def _from_diffusers_table() -> dict[tuple[str, str], tuple[str, int, int]]:
     return table
 
 
-def _part_rows(module: str, B_rows: int, hidden: int) -> list[int]:
-    """Row counts of the diffusers parts of a fused linear (qkv: 3 x C; linear1: 3 x C + MLP)."""
-    if module.endswith(".linear1"):
-        return [hidden, hidden, hidden, B_rows - 3 * hidden]
-    return [B_rows // 3] * 3
-
-
-def _swap_halves(t: Tensor) -> Tensor:
-    return torch.cat(t.chunk(2, dim=0)[::-1], dim=0)
-
-
 # ------------------------------------------------------------------------------------------------------
 # Writing
 # ------------------------------------------------------------------------------------------------------
@@ -162,10 +151,10 @@ def to_diffusers(sd: dict[str, Tensor], cfg: LoraConfig) -> tuple[dict[str, Tens
         B = _scale_b(B.detach(), cfg.scale)
         names, how = _diffusers_modules(module)
         if how == "cat":
-            rows = _part_rows(module, B.shape[0], A.shape[1])
+            rows = split_sizes(module, B.shape[0], A.shape[1])
             parts = B.split(rows, dim=0)
         else:
-            parts = [_swap_halves(B) if how == "swap" else B]
+            parts = [swap_halves(B) if how == "swap" else B]
         for name, b in zip(names, parts):
             out[f"{DIFFUSERS_PREFIX}{name}.lora_A.weight"] = A.detach().clone()
             out[f"{DIFFUSERS_PREFIX}{name}.lora_B.weight"] = b.detach().contiguous().clone()
@@ -370,7 +359,7 @@ def _from_diffusers(raw: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor, f
         if n == 1:
             A, B, alpha = parts[0]
             _, how = _diffusers_modules(module)
-            out[module] = (A, _swap_halves(B) if how == "swap" else B, alpha)
+            out[module] = (A, swap_halves(B) if how == "swap" else B, alpha)
             continue
         alphas = {a for _, _, a in parts.values()}
         if len(alphas) > 1:

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import re
-import stat
 import struct
 from functools import partial
 from pathlib import Path
@@ -24,7 +23,7 @@ from torch import Tensor
 from ..config import MODEL_PRESETS, ModelConfig
 from ..config.models import KONTEXT_MODEL_INDEX, is_kontext_pipeline
 from ..config.user_files import parse_json
-from ..fsutil import atomic_folder
+from ..fsutil import atomic_file, atomic_folder
 from .layouts import (
     _SHOW, COMFY_PREFIX, DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS, LAYOUTS, MODEL_METADATA, WeightsError, _combine,
     _diffusers_parts, _expected_shapes, _part, _plan_from_diffusers, _raise_if, _wrong_shapes, infer_config,
@@ -443,25 +442,15 @@ def _write_safetensors(path: Path, outs: list[_Out], metadata: dict[str, str]) -
     header = {"__metadata__": dict(sorted(metadata.items())), **tensors} if metadata else tensors
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * (-len(raw) % 8)
-    path = Path(os.path.realpath(path))  # a symlink stays and the file it points at is replaced
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:  # open() creates with 0666 minus the umask
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            for o in outs:
-                t = o.make()
-                if (t.dtype, tuple(t.shape), t.device.type) != (o.dtype, o.shape, "cpu") or not t.is_contiguous():
-                    raise RuntimeError(f"{o.name}: made {t.dtype} {tuple(t.shape)} on {t.device}, "
-                                       f"planned {o.dtype} {o.shape} contiguous on the CPU")
-                f.write(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes: no copy
-                del t  # before the next one is made
-            f.flush()
-            os.fsync(f.fileno())
-        if path.exists():
-            os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_file(path) as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for o in outs:
+            t = o.make()
+            if (t.dtype, tuple(t.shape), t.device.type) != (o.dtype, o.shape, "cpu") or not t.is_contiguous():
+                raise RuntimeError(f"{o.name}: made {t.dtype} {tuple(t.shape)} on {t.device}, "
+                                   f"planned {o.dtype} {o.shape} contiguous on the CPU")
+            f.write(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes: no copy
+            del t  # before the next one is made
 
 
 def save_tensors(path: str | os.PathLike, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from fluxzero.config.user_files import parse_json
+from fluxzero.dtypes import safetensors_code
 from fluxzero.train import locks
 from fluxzero.train.checkpoint import load_trainer_state, step_folders
 from fluxzero.train.distributed import TrainingError, write_line
@@ -225,7 +226,7 @@ def export_is_current(out: Path, latest: Path, layout: str, dtype: str) -> bool:
         comfy = any(k.startswith(COMFY_PREFIX) for k in tensors)
     except (OSError, ValueError, TypeError, KeyError, AttributeError):  # missing, a folder, not safetensors
         return False
-    want = {"bf16": "BF16", "fp32": "F32"}[dtype]
+    want = safetensors_code(dtype)
     return dtypes == {want} and comfy == (layout == "comfyui")
 
 
@@ -238,4 +239,4 @@ def lora_is_current(out: Path, latest: Path, layout: str, dtype: str) -> bool:
         dtypes = {d for k, d in tensors.items() if not k.endswith(".alpha")}
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return False
-    return meta.get("fluxzero.format") == layout and dtypes == {{"bf16": "BF16", "fp32": "F32"}[dtype]}
+    return meta.get("fluxzero.format") == layout and dtypes == {safetensors_code(dtype)}

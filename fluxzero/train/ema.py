@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from fluxzero.config.ema import EmaConfig
 from fluxzero.config.user_files import parse_json
+from fluxzero.dtypes import torch_dtype
 from fluxzero.train.distributed import all_reduce, reduce
 # the project's one bf16 stochastic rounding (fp32 bits + uniform 16-bit noise, truncated): an EMA with decay
 # 0.9999 moves by 1e-4 of the gap per update, far below half a bf16 ulp, which round-to-nearest would drop
@@ -111,7 +112,7 @@ class ShardedEMA:
         for pc in self._pieces:
             self._by_name.setdefault(pc.name, []).append(pc)
         device = torch.device("cpu") if config.device == "cpu" else self._comm_device
-        dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
+        dtype = torch_dtype(config.dtype)
         with torch.no_grad():  # the EMA starts at the current weights (step 0)
             self._ema = [m.detach().reshape(-1).to(device=device, dtype=dtype, copy=True) for m in self._masters()]
         self._check_coverage()

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 
 from fluxzero.config.sections import ExportConfig
+from fluxzero.dtypes import torch_dtype
 from fluxzero.train.consolidate import consolidated_checkpoint, export_is_current
 from fluxzero.train.distributed import TrainingError
 
@@ -42,7 +42,7 @@ def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dt
 
     remove_stale_temps(out)  # what a killed earlier export left (its process is gone)
     try:
-        save_weights(sd, str(out), layout=layout, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
+        save_weights(sd, str(out), layout=layout, dtype=torch_dtype(dtype),
                      cfg=cfg)
     except WeightsError as e:  # the weights do not fit the model run.yaml names, or the layout cannot hold them
         raise TrainingError(f"cannot export {tag_dir}: {e}") from None

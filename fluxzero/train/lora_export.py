@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from fluxzero.config.sections import ExportConfig
+from fluxzero.dtypes import torch_dtype
 from fluxzero.train.consolidate import consolidated_checkpoint, export_is_current, lora_is_current
 from fluxzero.train.distributed import TrainingError
 
@@ -21,7 +22,6 @@ from fluxzero.train.distributed import TrainingError
 LORA_LAYOUTS = {"bfl": "kohya", "comfyui": "kohya", "diffusers": "diffusers", "kohya": "kohya"}
 LORA_FILE = "lora.safetensors"
 LORA_EMA_FILE = "lora_ema.safetensors"  # export.weights: ema
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def is_lora_state_dict(sd: dict) -> bool:
@@ -93,7 +93,7 @@ def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "b
         if as_lora_rank is not None:
             parts = adapters.trained_parts(lora_sd, lcfg)
             weights = _base_weights(tag_dir, base, run_weights, cfg) if lcfg.type == "dora" else None
-            plain = adapters.as_plain_lora(adapters.module_deltas(parts, weights), as_lora_rank, _DTYPES[dtype])
+            plain = adapters.as_plain_lora(adapters.module_deltas(parts, weights), as_lora_rank, torch_dtype(dtype))
             for line in adapters.error_report(plain) if report else ():
                 report(line)
             adapters.check_error(plain, max_error)
@@ -101,9 +101,9 @@ def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "b
             return str(out)
         if not merge:
             if lcfg.type == "lora":
-                save_lora(out, lora_sd, lcfg, layout=LORA_LAYOUTS[layout], base_model=name, dtype=_DTYPES[dtype])
+                save_lora(out, lora_sd, lcfg, layout=LORA_LAYOUTS[layout], base_model=name, dtype=torch_dtype(dtype))
             else:
-                adapters.save_lycoris(out, lora_sd, lcfg, base_model=name, dtype=_DTYPES[dtype])
+                adapters.save_lycoris(out, lora_sd, lcfg, base_model=name, dtype=torch_dtype(dtype))
             return str(out)
         weights = _base_weights(tag_dir, base, run_weights, cfg)
         if lcfg.type == "lora":
@@ -111,7 +111,7 @@ def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "b
         else:
             merged = adapters.merge_deltas(weights, adapters.module_deltas(adapters.trained_parts(lora_sd, lcfg),
                                                                            weights))
-        save_weights(merged, str(out), layout=layout, dtype=_DTYPES[dtype], cfg=cfg)
+        save_weights(merged, str(out), layout=layout, dtype=torch_dtype(dtype), cfg=cfg)
     except (WeightsError, LoraError) as e:
         raise TrainingError(f"cannot export {tag_dir}: {e}") from None
     except (OSError, SafetensorError) as e:  # safetensors reports a failed write as SafetensorError

@@ -89,7 +89,7 @@ from collections.abc import Iterable
 
 import torch
 
-from fluxzero.config.optim_modes import MODES, STEP_CHUNK, get_mode
+from fluxzero.config.optim_modes import MODES, STEP_CHUNK, get_mode, trainable_modes
 from fluxzero.train.fused_step import FusedStep
 from fluxzero.train.optim_state import ExactStateMixin
 from fluxzero.train.rounding import mix32, noise_key, round_keyed, round_with_noise
@@ -527,40 +527,65 @@ def build_optimizer(params: Iterable, mode: str, lr: float, betas: tuple[float, 
     spec = get_mode(mode)
     if not spec.trainable and not allow_comparison_only:
         raise OptimModeError(f"optimizer mode {mode!r} is for comparison only ({spec.caveat}); "
-                             f"choose one of: {', '.join(n for n, m in MODES.items() if m.trainable)}")
-    params = list(params)
-    ao = None if mode not in ("bf16-sr", "adamw8bit-sr") else _torchao_optim(mode)
-    if mode in ("fp32", "bf16-rtn"):
-        opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    elif mode == "bf16-sr":
-        opt = _exact(ao._AdamW)(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                bf16_stochastic_round=True)
-    elif mode == "adamw8bit-sr":
-        opt = _exact(ao.AdamW8bit)(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                   bf16_stochastic_round=True)
-    elif mode == "bf16-kahan":
-        opt = KahanAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         step_chunk=spec.step_chunk)
-    elif mode == "adafactor-sr":
-        opt = AdafactorSR(params, lr=lr, weight_decay=weight_decay, step_chunk=spec.step_chunk)
-    elif mode == "fused-adafactor-sr":
-        opt = FusedAdafactorSR(params, lr=lr, weight_decay=weight_decay, step_chunk=spec.step_chunk,
-                               noise_seed=noise_seed)
-    elif spec.needs_offload:
-        from fluxzero.train.host_optim import HostAdamW
-
-        if "8bit" in mode:
-            _torchao_optim(mode)
-        opt = HostAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        states="8bit" if "8bit" in mode else "bf16", mode=mode)
-    else:  # a registry entry without a builder is a bug here, not a user error
-        raise AssertionError(f"no optimizer for registered mode {mode!r}")
+                             f"choose one of: {', '.join(trainable_modes())}")
+    builder = BUILDERS.get(spec.builder)
+    if builder is None:  # a registry entry without a builder is a bug here, not a user error
+        raise AssertionError(f"no optimizer for registered mode {mode!r} (builder {spec.builder!r})")
+    opt = builder(list(params), spec, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, noise_seed=noise_seed)
     if spec.master_dtype == "bf16":
         opt.register_step_pre_hook(_check_bf16_once(mode, host=spec.needs_offload))
-    if mode == "adamw8bit-sr":
-        opt.register_step_post_hook(_warn_unquantized_once())
     opt.fluxzero_mode = mode
     return opt
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one builder per OptimMode.builder: (params, mode, lr, betas, eps, weight_decay, noise_seed) -> the optimizer.
+# Adafactor has no first moment: betas and eps are unused (see AdafactorSR.step for its epsilons).
+# ---------------------------------------------------------------------------------------------------------
+def _adamw(params, spec, lr, betas, eps, weight_decay, noise_seed):
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def _torchao_adamw(params, spec, lr, betas, eps, weight_decay, noise_seed):
+    return _exact(_torchao_optim(spec.name)._AdamW)(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                                    bf16_stochastic_round=True)
+
+
+def _torchao_adamw8bit(params, spec, lr, betas, eps, weight_decay, noise_seed):
+    opt = _exact(_torchao_optim(spec.name).AdamW8bit)(params, lr=lr, betas=betas, eps=eps,
+                                                      weight_decay=weight_decay, bf16_stochastic_round=True)
+    opt.register_step_post_hook(_warn_unquantized_once())
+    return opt
+
+
+def _kahan_adamw(params, spec, lr, betas, eps, weight_decay, noise_seed):
+    return KahanAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, step_chunk=spec.step_chunk)
+
+
+def _adafactor_sr(params, spec, lr, betas, eps, weight_decay, noise_seed):
+    return AdafactorSR(params, lr=lr, weight_decay=weight_decay, step_chunk=spec.step_chunk)
+
+
+def _fused_adafactor_sr(params, spec, lr, betas, eps, weight_decay, noise_seed):
+    return FusedAdafactorSR(params, lr=lr, weight_decay=weight_decay, step_chunk=spec.step_chunk,
+                            noise_seed=noise_seed)
+
+
+def _host_adamw(states: str):
+    def build(params, spec, lr, betas, eps, weight_decay, noise_seed):
+        from fluxzero.train.host_optim import HostAdamW
+
+        if states == "8bit":
+            _torchao_optim(spec.name)  # the 8-bit format is torchao's
+        return HostAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, states=states,
+                         mode=spec.name)
+
+    return build
+
+
+BUILDERS = {"AdamW": _adamw, "torchao._AdamW": _torchao_adamw, "torchao.AdamW8bit": _torchao_adamw8bit,
+            "KahanAdamW": _kahan_adamw, "AdafactorSR": _adafactor_sr, "FusedAdafactorSR": _fused_adafactor_sr,
+            "HostAdamW": _host_adamw("bf16"), "HostAdamW8bit": _host_adamw("8bit")}
 
 
 _EXACT: dict[type, type] = {}

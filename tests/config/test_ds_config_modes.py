@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from fluxzero.cli import main
-from fluxzero.config import ds_check, optim_modes
+from fluxzero.config import optim_modes
 from fluxzero.config.ds_check import check
 from fluxzero.config.ds_config import build, options_from
 from fluxzero.config.ds_view import view
@@ -20,7 +20,7 @@ def gen(*args) -> dict:
     return json.loads(r.output)
 
 
-@pytest.mark.parametrize("mode,stage", [(m, st) for m in ds_check.trainable_modes()
+@pytest.mark.parametrize("mode,stage", [(m, st) for m in optim_modes.trainable_modes()
                                         for st in optim_modes.get_mode(m).zero_stages])
 def test_every_mode_writes_what_it_needs_and_checks_clean(mode, stage):
     m = optim_modes.get_mode(mode)
@@ -30,7 +30,7 @@ def test_every_mode_writes_what_it_needs_and_checks_clean(mode, stage):
     assert cfg["fluxzero"]["optimizer_mode"] == mode
     want = m.ds_bf16_section(stage)  # from the registry, not copied here
     assert cfg.get("bf16", {}) == want
-    tested = mode in ds_check.ZERO_TESTED_MODES  # build_optimizer returns torch.optim.AdamW for these
+    tested = optim_modes.get_mode(mode).zero_tested  # build_optimizer returns torch.optim.AdamW for these
     assert cfg.get("zero_allow_untested_optimizer") is (True if stage >= 1 and not tested else None)
     assert check(cfg, 1) == []
     v = view(cfg)

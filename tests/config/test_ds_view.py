@@ -1,5 +1,5 @@
 """fluxzero.config.ds_view: the one parsed view of a DeepSpeed config, and the readers that go through it
-(the run file's moved keys, the memory model, `estimate --config`, `check-config`'s summary). Pure Python."""
+(the run file's moved keys, the memory model, `estimate --ds-config`, `check-config`'s summary). Pure Python."""
 from __future__ import annotations
 
 import dataclasses
@@ -175,21 +175,21 @@ def test_memory_takes_the_micro_batch_from_train_batch_size():
 def test_estimate_config_with_a_section_of_the_wrong_type_is_one_sentence(tmp_path):
     cfg = tmp_path / "bad.json"
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": 2}))
-    r = CliRunner().invoke(main, ["estimate", "--config", str(cfg)])
+    r = CliRunner().invoke(main, ["estimate", "--ds-config", str(cfg)])
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert "zero_optimization must be a JSON object, got 2" in r.output
     cfg.write_text("[1, 2]")
-    r = CliRunner().invoke(main, ["estimate", "--config", str(cfg)])
+    r = CliRunner().invoke(main, ["estimate", "--ds-config", str(cfg)])
     assert r.exit_code == 2 and "must be a JSON object" in r.output and "gen-config" in r.output
 
 
 def test_estimate_config_follows_the_view(tmp_path):
-    """estimate --config models the stage, precision, micro batch and checkpointing the view reads."""
+    """estimate --ds-config models the stage, precision, micro batch and checkpointing the view reads."""
     cfg = tmp_path / "ds.json"
     ds = ds_config.build(ds_config.options_from("zero3", model="flux-tiny", micro_batch=3, checkpoint_every=2,
                                                 precision="fp32"))
     cfg.write_text(json.dumps(ds))
-    r = CliRunner().invoke(main, ["estimate", "--model", "flux-tiny", "--config", str(cfg), "--json"])
+    r = CliRunner().invoke(main, ["estimate", "--model", "flux-tiny", "--ds-config", str(cfg), "--json"])
     assert r.exit_code == 0, r.output
     d, v = json.loads(r.stdout), view(ds)
     assert (d["stage"], d["precision"], d["micro_batch"], d["checkpoint_every"]) == \

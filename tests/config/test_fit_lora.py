@@ -118,9 +118,9 @@ def test_fit_lora_on_one_gpu(tmp_path, gpu, res):
     last = r.stderr.strip().splitlines()[-1]
     assert last == f"next: in run.yaml set deepspeed: {out}; {lora_line}; then deepspeed --num_gpus 1 " \
                    "launch/train.py --config run.yaml"
-    # the printed peak is the estimate of the file written, as `estimate --config` reads it
+    # the printed peak is the estimate of the file written, as `estimate --ds-config` reads it
     alloc, need = predicted(r.stderr)
-    e = CliRunner().invoke(main, ["estimate", "--config", str(out), "--lora-rank", "16", "--resolution", res,
+    e = CliRunner().invoke(main, ["estimate", "--ds-config", str(out), "--lora-rank", "16", "--resolution", res,
                                   "--base-quant", want["quant"] or "none", "--gpu", gpu, "--json"])
     d = json.loads(e.stdout)
     assert d["fits"] and (round(d["gpu_allocated_gib"], 1), round(d["gpu_needed_gib"], 1)) == (alloc, need)

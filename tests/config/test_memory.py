@@ -283,20 +283,20 @@ def test_estimate_json_reads_a_deepspeed_config(tmp_path):
     r = CliRunner().invoke(main, ["gen-config", "--preset", "zero3", "--world-size", "2", "--micro-batch", "8",
                                   "-o", str(tmp_path / "ds.json")])
     assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(main, ["estimate", "--config", str(tmp_path / "ds.json"), "--gpus-per-node", "2",
+    r = CliRunner().invoke(main, ["estimate", "--ds-config", str(tmp_path / "ds.json"), "--gpus-per-node", "2",
                                   "--gpu-memory", "80", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert (d["stage"], d["micro_batch"]) == (3, 8)
     assert d["fits"] is (d["gpu_needed_gib"] <= 72)
     # an option on the command line overrides the file
-    r = CliRunner().invoke(main, ["estimate", "--config", str(tmp_path / "ds.json"), "--micro-batch", "2", "--json"])
+    r = CliRunner().invoke(main, ["estimate", "--ds-config", str(tmp_path / "ds.json"), "--micro-batch", "2", "--json"])
     assert json.loads(r.output)["micro_batch"] == 2
     # a misspelled key: DeepSpeed would ignore it, but the trainer refuses the file, so the estimate does too
     ds = json.loads((tmp_path / "ds.json").read_text())
     ds["zero_optimization"]["stage3_prefetch_bucket_sise"] = ds["zero_optimization"].pop("stage3_prefetch_bucket_size")
     (tmp_path / "typo.json").write_text(json.dumps(ds))
-    r = CliRunner().invoke(main, ["estimate", "--config", str(tmp_path / "typo.json"), "--json"])
+    r = CliRunner().invoke(main, ["estimate", "--ds-config", str(tmp_path / "typo.json"), "--json"])
     assert r.exit_code == 2 and "unknown key 'zero_optimization.stage3_prefetch_bucket_sise'" in r.output, r.output
     assert "the trainer refuses" in r.output
 
@@ -308,15 +308,15 @@ def test_estimate_config_reads_absent_keys_as_deepspeed_and_the_trainer_do(tmp_p
     cfg = tmp_path / "hand.json"
     cfg.write_text(json.dumps({"train_batch_size": 64, "gradient_accumulation_steps": 2,
                                "bf16": {"enabled": True}, "gradient_clipping": 1.0}))
-    r = CliRunner().invoke(main, ["estimate", "--config", str(cfg), "--gpus-per-node", "2", "--json"])
+    r = CliRunner().invoke(main, ["estimate", "--ds-config", str(cfg), "--gpus-per-node", "2", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert (d["stage"], d["micro_batch"], d["checkpoint_every"]) == (0, 16, 0)
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 3}}))
-    r = CliRunner().invoke(main, ["estimate", "--config", str(cfg), "--json"])
+    r = CliRunner().invoke(main, ["estimate", "--ds-config", str(cfg), "--json"])
     assert r.exit_code == 0 and "does not set the micro batch (train_micro_batch_size_per_gpu)" in r.stderr
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": "5e8"}}))
-    r = CliRunner().invoke(main, ["estimate", "--config", str(cfg)])
+    r = CliRunner().invoke(main, ["estimate", "--ds-config", str(cfg)])
     assert r.exit_code == 2 and "check-config" in r.output and "Traceback" not in r.output
 
 
@@ -435,7 +435,7 @@ def test_gen_config_fit_runs_without_torch_or_deepspeed():
                                         .glob("*.json")), ids=lambda p: p.stem)
 def test_estimate_reads_every_committed_config(path):
     ds = json.loads(path.read_text())
-    r = CliRunner().invoke(main, ["estimate", "--config", str(path), "--gpus-per-node", "8", "--json"])
+    r = CliRunner().invoke(main, ["estimate", "--ds-config", str(path), "--gpus-per-node", "8", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     z = ds.get("zero_optimization", {})

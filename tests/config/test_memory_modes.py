@@ -222,7 +222,7 @@ def test_fit_models_exactly_the_file_it_writes(tmp_path):
     cfg = json.loads(out.read_text())
     assert cfg["zero_optimization"]["reduce_bucket_size"] == 200_000_000
     predicted = float(re.search(r"chose .*?, ([\d.]+) GiB with allocator slack", r.stderr).group(1))
-    e = CliRunner().invoke(main, ["estimate", "--config", str(out), "--gpu", "h100", "--host-memory", "512", "--json"])
+    e = CliRunner().invoke(main, ["estimate", "--ds-config", str(out), "--gpu", "h100", "--host-memory", "512", "--json"])
     d = json.loads(e.output)
     assert d["micro_batch"] == cfg["train_micro_batch_size_per_gpu"] == 16
     assert d["fits"] and round(d["gpu_needed_gib"], 1) == predicted
@@ -254,7 +254,7 @@ def test_estimate_options_and_config_read_the_mode(tmp_path):
     path = tmp_path / "ds.json"
     assert CliRunner().invoke(main, ["gen-config", "--optimizer-mode", "adamw8bit-sr", "--zero-stage", "0", "-o",
                                      str(path)]).exit_code == 0
-    d = json.loads(CliRunner().invoke(main, ["estimate", "--config", str(path), "--json"]).output)
+    d = json.loads(CliRunner().invoke(main, ["estimate", "--ds-config", str(path), "--json"]).output)
     assert d["precision"] == "bf16" and any(i["name"] == "optimizer states (adamw8bit-sr)" for i in d["items"])
     d = json.loads(CliRunner().invoke(main, ["estimate", "--lora-rank", "32", "--ema", "bf16", "--json"]).output)
     names = {i["name"] for i in d["items"]}

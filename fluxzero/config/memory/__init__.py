@@ -29,7 +29,7 @@ from fluxzero.config.memory.activations import (  # noqa: F401
 )
 from fluxzero.config.memory.breakdown import Estimate, estimate  # noqa: F401
 from fluxzero.config.memory.fit import (  # noqa: F401
-    BASE_QUANTS, CHECKPOINT_CHOICES, COMMON_HOST_GIB_PER_GPU, FIT_MODES, GEN_CONFIG_PINS, GPU_MEMORY_GIB,
+    BASE_QUANT_CHOICES, CHECKPOINT_CHOICES, COMMON_HOST_GIB_PER_GPU, FIT_MODES, GEN_CONFIG_PINS, GPU_MEMORY_GIB,
     STAGE_OFFLOAD_GRID, FitRequest, FitResult, GenConfigFit, Hardware, _ckpt_text, _label, fit, fit_gen_config,
     fit_grid, gen_config_zero, lora_grid, table, throughput_proxy, verdict,
 )
@@ -37,7 +37,7 @@ from fluxzero.config.memory.model_states import (  # noqa: F401
     MODE_STEP_TEMP, communication_items, model_state_items, stream_traffic,
 )
 from fluxzero.config.memory.spec import (  # noqa: F401
-    BASE_QUANT_BYTES, FRAGMENTATION, OFFLOAD_DEVICES, OPTIMIZER_IMPLS, OPTIMIZER_STATE_BYTES, PHASES, PRECISION_BYTES, GiB, Item,
+    ATTENTION_KERNELS, BASE_QUANT_BYTES, FRAGMENTATION, OPTIMIZER_STATE_BYTES, PHASES, PRECISION_BYTES, GiB, Item,
     ParamInventory, RunSpec, ZeroSettings, base_bytes, image_tokens, lora_config, optim_mode, param_inventory,
     run_options_from_ds_config, streamed_blocks, trained_params,
 )

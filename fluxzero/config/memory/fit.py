@@ -9,9 +9,10 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from fluxzero.config import ds_config, optim_modes
+from fluxzero.config import adam_impl, ds_config, optim_modes
 from fluxzero.config.ds_check import CHECKPOINT_POLICIES
 from fluxzero.config.ds_view import DSConfigError
+from fluxzero.config.lora import BASE_QUANTS, DEFAULT_TARGETS
 from fluxzero.config.memory.activations import checkpointed_split
 from fluxzero.config.memory.breakdown import Estimate, estimate
 from fluxzero.config.memory.model_states import stream_traffic
@@ -152,13 +153,9 @@ class FitResult:
 
 
 CHECKPOINT_CHOICES = (0, 8, 4, 2, 1)  # every k-th block: none, 1/8, 1/4, 1/2, all
-# Optimizer modes --fit tries, best training quality first; None = DeepSpeed's own optimizer on fp32 masters
-# (the reference). The order of the bf16 modes is docs/optimizer-modes.md's measured distance from fp32 masters (weight
-# change off by 0.05% bf16-kahan, 3.0% adamw8bit-sr, 4.4% bf16-sr); adafactor-sr last: not AdamW's trajectory.
-# fused-adafactor-sr follows adafactor-sr's trajectory with less memory (no gradient buffer; blocks streamed from
-# the host when the GPU is short): before it, so that it wins wherever it fits a larger micro batch.
-FIT_MODES: tuple[str | None, ...] = (None, "bf16-kahan", "adamw8bit-sr", "bf16-sr", "fused-adafactor-sr",
-                                     "adafactor-sr", "cpu-bf16-sr", "cpu-adamw8bit-sr")
+# Optimizer modes --fit tries, best training quality first: None = DeepSpeed's own optimizer on fp32 masters (the
+# reference), then the modes by their fit_rank (fluxzero.config.optim_modes, FIT_ORDER_NOTE says why that order)
+FIT_MODES: tuple[str | None, ...] = (None, *optim_modes.fit_modes())
 
 
 def fit_grid(modes: tuple[str | None, ...] = (None,), fixed: dict | None = None,
@@ -348,7 +345,7 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
             reason.append(f"compiled blocks (fluxzero.compile.blocks): the trainer's default below ZeRO-3 ({measured} "
                           f"samples/s measured)")
         if quant is not None:
-            reason.append(f"{quant} base: set lora.base_quant: {quant} in the run file (torchao weight-only int8, "
+            reason.append(f"{quant} base: set lora.base_quant: {quant} in the run file (torchao weight-only {quant}, "
                           f"pip install -e '.[lowmem]'); the bf16 base does not fit without parameter "
                           f"offload, which is slower; the exported LoRA applies to the bf16 base")
         if mode is not None:
@@ -536,7 +533,7 @@ def _what_would_fit(base: RunSpec, hw: Hardware, margin: float, micro: int, fixe
                         f" (--resolution {px})")
             break
     if not base.lora_rank:
-        lora = fit(base.replace(lora_rank=16, lora_targets="attention+mlp"), hw, margin, micro_batches=(micro,),
+        lora = fit(base.replace(lora_rank=16, lora_targets=DEFAULT_TARGETS), hw, margin, micro_batches=(micro,),
                    allow_nvme=allow_nvme)
         if lora.spec is not None:
             o = lora.options
@@ -587,7 +584,9 @@ GEN_CONFIG_PINS = {"zero_stage": "stage", "offload_optimizer": "offload_optimize
 # Host memory that common machines have per GPU: a 24 GB desktop card usually sits in a 64 GB machine, cloud
 # GPU instances give 60-250 GB per GPU. Without --host-memory a choice that needs more says so on its last line.
 COMMON_HOST_GIB_PER_GPU = 64
-BASE_QUANTS = ("auto", "none", "int8")  # --base-quant: auto lets --fit choose int8 for a LoRA when bf16 does not fit
+# --base-quant: the run file's lora.base_quant kinds, or auto: --fit chooses int8 for a LoRA when bf16 does not fit
+# (fp8 is the same size with fewer mantissa bits, so --fit never prefers it; pinned, it is modelled as asked)
+BASE_QUANT_CHOICES = ("auto", *BASE_QUANTS)
 
 
 @dataclass(frozen=True)
@@ -599,7 +598,7 @@ class FitRequest:
     run: dict = field(default_factory=dict)
     margin: float = 0.10
     max_micro_batch: int = 16
-    base_quant: str = "auto"  # one of BASE_QUANTS
+    base_quant: str = "auto"  # one of BASE_QUANT_CHOICES
 
     @property
     def lora_rank(self) -> int:
@@ -637,10 +636,7 @@ def fit_gen_config(opts, given: dict, req: FitRequest) -> GenConfigFit:
         """The gen-config options of one fit row: what --fit writes if it chooses that row."""
         impl = given.get("adam_impl", opts.adam_impl)
         if "adam_impl" not in given:  # DeepSpeed's CPU Adam only with optimizer offload, never without
-            if oo != "none" and impl == "fused":
-                impl = "cpu"
-            elif oo == "none" and impl == "cpu":
-                impl = "torch"
+            impl = adam_impl.impl_for_offload(impl, oo)
         if mode is not None:
             impl = "torch"  # the mode's client optimizer replaces DeepSpeed's AdamW
         nvme = "nvme" in (oo, op)
@@ -651,7 +647,7 @@ def fit_gen_config(opts, given: dict, req: FitRequest) -> GenConfigFit:
                             offload_blocks=opts.offload_blocks if fused else 0, **extra)
 
     def settings_for(stage, oo, op, mode) -> dict:
-        """RunSpec fields of the very config that row writes, read back as `estimate --config` reads it."""
+        """RunSpec fields of the very config that row writes, read back as `estimate --ds-config` reads it."""
         try:
             cfg = ds_config.build(row_options(stage, oo, op, mode))
         except DSConfigError as e:  # a row the combination rules refuse (fp8 at ZeRO-3): not written
@@ -684,7 +680,7 @@ def fit_gen_config(opts, given: dict, req: FitRequest) -> GenConfigFit:
     elif given.get("adam_impl") == "cpu" and "offload_optimizer" not in pins:
         pins["offload_optimizer"] = "nvme" if opts.nvme_path and pins.get("stage") == 3 else "cpu"
     base = RunSpec(get_model_config(opts.model), precision=opts.precision,
-                   optimizer_impl="torch-fused" if opts.adam_impl == "torch" else "fused", **req.run)
+                   optimizer_impl=adam_impl.optimizer_impl(opts.adam_impl), **req.run)
     result = fit(base, hw, margin=req.margin, max_micro_batch=req.max_micro_batch, micro_batches=micros,
                  fixed=pins, allow_nvme=opts.nvme_path is not None, modes=modes, settings_for=settings_for)
     # gen-config often runs off the training nodes, so this machine's memory is no default: without

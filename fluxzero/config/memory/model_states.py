@@ -19,19 +19,9 @@ from fluxzero.config.memory.spec import (GiB, OPTIMIZER_STATE_BYTES, PRECISION_B
 PROCESS_ITEM = "process (CUDA runtime, libraries)"  # the host allowance of a running rank itself
 
 
-# Transient bytes per stepped element of one optimizer step beyond its states, by optimizer mode, on one flat
-# 1-D tensor as ZeRO 1-3 hand it: measured on CPU by benchmarks/optim_step_memory.py (peak RSS over the steady
-# state, 5e7 elements, 2026-12). fp32: torch.optim.AdamW(foreach=False), sqrt then divide (two fp32
-# temporaries at once); the torchao modes (bf16-sr, adamw8bit-sr) run one torch.compile'd kernel per tensor
-# (upper bound: the first step's peak, compile included; the second step's is under 0.1 B); ours do their math
-# in eager fp32, a mode's `step_chunk` elements of a flat tensor at a time (fluxzero.config.optim_modes), so these
-# bytes are per element of one chunk: the larger of two runs on 2026-12-04 (a 5e7 tensor in 2^24 chunks, the
-# peak 385 / 478 MiB for bf16-kahan, 523 / 459 MiB for adafactor-sr: glibc's reuse of freed chunks moves it);
-# 27 B per element for a whole 5e7 tensor, as shaped tensors are stepped at ZeRO 0.
-MODE_STEP_TEMP = {"fp32": 8.0, "bf16-rtn": 8.0, "bf16-sr": 0.7, "bf16-kahan": 30.0, "adamw8bit-sr": 0.7,
-                  "adafactor-sr": 33.0}
-MODE_STEP_TEMP["fused-adafactor-sr"] = MODE_STEP_TEMP["adafactor-sr"]  # AdafactorSR's code, one tensor at a time
-# (on CUDA bf16-kahan's update is one compiled kernel per tensor and holds none of these: an upper bound there)
+# Transient bytes per stepped element of one optimizer step beyond its states, by optimizer mode (each mode's
+# step_temp, fluxzero.config.optim_modes)
+MODE_STEP_TEMP = {n: m.step_temp for n, m in optim_modes.MODES.items() if m.step_temp is not None}
 # The host modes (cpu-*) step HOST_STEP_CHUNK elements at a time: bytes per element of one chunk, counted from
 # their ops (g, m, v and the weight in fp32, stochastic rounding's int32 noise and bit arithmetic; the 8-bit
 # states' int64 bucket indices instead); benchmarks/optim_step_memory.py measured 130 MB (cpu-bf16-sr, 2e7
@@ -83,7 +73,7 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     if s.stage < 3:
         if lora:
             add("frozen base parameters (%s)" % base_dtype, base, note="LoRA: no gradients, no optimizer states"
-                + ("; linear weights int8 (torchao weight-only) + per-channel scales" if s.base_quant else ""),
+                + (f"; linear weights {s.base_quant} (torchao weight-only) + per-channel scales" if s.base_quant else ""),
                 ds=True)
         streamed = sum(streamed_blocks(s, inv))
         if streamed:  # fluxzero.train.block_stream: one host buffer per block, pinned in place (no rounding)

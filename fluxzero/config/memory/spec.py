@@ -9,27 +9,31 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from fluxzero.config import architecture, ds_view, optim_modes
-from fluxzero.config.ds_check import CHECKPOINT_POLICIES
+from fluxzero.config.adam_impl import OPTIMIZER_IMPLS
+from fluxzero.config.ds_check import CHECKPOINT_POLICIES, OFFLOAD_DEVICES
 from fluxzero.config.architecture import linear_shapes
-from fluxzero.config.lora import LoraConfig, lora_param_count
+from fluxzero.config.lora import DEFAULT_TARGETS, LoraConfig, lora_param_count
 from fluxzero.config.models import ModelConfig, get_model_config
+from fluxzero.dtypes import BYTES
 
 GiB = 1024**3
 PHASES = ("train", "step", "init")
 
-PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+PRECISION_BYTES = BYTES  # bytes per value of each training precision (fluxzero.dtypes)
 # The caching allocator's reserve beyond the allocated peak, as a fraction of the per-step transients, by ZeRO
 # stage (1 and 2 share one): refitted by benchmarks/fragmentation_fit.py (Estimate.fragmentation says on which runs)
 FRAGMENTATION = {0: 0.19, 1: 0.33, 2: 0.33, 3: 0.8}
 # fp32 optimizer states per parameter (Adam/AdamW: exp_avg + exp_avg_sq; SGD with momentum, Lion: one buffer)
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4}
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-OPTIMIZER_IMPLS = ("fused", "torch", "torch-fused")
-# A quantized frozen LoRA base (the run file's lora.base_quant, weight-only through torchao): bytes per weight
-# element of every nn.Linear of the base, and per output channel its scale (bf16, 2 B) and zero point (torchao's
-# Int8WeightOnlyConfig keeps an int64 one, 8 B: an upper bound for symmetric quantization). Biases, norm scales
-# and the adapters stay in the training dtype.
-BASE_QUANT_BYTES = {"int8": 1}
+# estimate's --attention: what the model tells apart (flash / efficient: O(L) softmax statistics; math: O(L^2));
+# a run file's auto and cudnn are read as flash
+ATTENTION_KERNELS = ("flash", "efficient", "math")
+# A quantized frozen LoRA base (the run file's lora.base_quant, one of config.lora.BASE_QUANTS, weight-only through
+# torchao): bytes per weight element of every nn.Linear of the base (int8, and fp8 e4m3), and per output channel
+# its scale and zero point (an upper bound: int8 keeps an fp32 scale and an int8 zero point, fp8 an fp32 scale).
+# Biases, norm scales and the adapters stay in the training dtype. Every quantized kind the run file accepts has
+# a row here (tests/config/test_memory.py).
+BASE_QUANT_BYTES = {"int8": 1, "fp8": 1}
 BASE_QUANT_CHANNEL_BYTES = 10
 
 
@@ -208,14 +212,14 @@ class RunSpec:
     device: str = "cuda"  # "cpu" only to compare with CPU measurements (rms_norm saves more there)
     optimizer_mode: str | None = None  # fluxzero.config.optim_modes name; None: DeepSpeed's optimizer, fp32 masters
     lora_rank: int = 0  # 0: full fine-tune; r: LoRA adapters of rank r on lora_targets, the base frozen
-    lora_targets: str | tuple[str, ...] = "attention+mlp"  # a fluxzero.config.lora TARGET_PRESETS name or patterns
+    lora_targets: str | tuple[str, ...] = DEFAULT_TARGETS  # a fluxzero.config.lora TARGET_PRESETS name or patterns
     lora_dropout: float = 0.0
     lora_type: str = "lora"  # what the adapters are (lora.type: lora, dora, lokr); their parameters differ per type
     lora_factor: int = -1  # lokr: lora.factor
     lora_decompose_both: bool = False  # lokr: lora.decompose_both
     ema: str | None = None  # None: no EMA; "fp32" | "bf16": EMA of the trained weights (fluxzero.config.ema)
     ema_device: str = "gpu"  # "gpu" | "cpu" (ema.device)
-    base_quant: str | None = None  # None: the frozen LoRA base in the training dtype; "int8": BASE_QUANT_BYTES
+    base_quant: str | None = None  # None: the frozen LoRA base in the training dtype; "int8" / "fp8": BASE_QUANT_BYTES
     offload_blocks: int = 0  # fluxzero.offload_blocks: the last K blocks' weights in host memory (fused modes)
 
     def __post_init__(self):
@@ -242,7 +246,7 @@ class RunSpec:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {self.optimizer!r}")
         if self.optimizer_impl not in OPTIMIZER_IMPLS:
             raise ValueError(f"optimizer_impl must be one of {', '.join(OPTIMIZER_IMPLS)}, got {self.optimizer_impl!r}")
-        if self.attention not in ("flash", "efficient", "math", "auto", "cudnn"):
+        if self.attention not in (*ATTENTION_KERNELS, "auto", "cudnn"):
             raise ValueError(f"attention must be flash, efficient, cudnn, auto or math, got {self.attention!r}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be 0 (off) or more, got {self.checkpoint_every}")
