@@ -5,7 +5,7 @@ import json
 
 import click
 
-from fluxzero.commands.estimate import _Finite
+from fluxzero.commands.options import Finite
 from fluxzero.config.run import MAX_SEED
 from fluxzero.data.encode import T5_MAX_TOKENS
 
@@ -44,7 +44,7 @@ def check_dependencies(command: str = "fluxzero cache", without: tuple[str, ...]
               help="Bucket pixel area is at most RESOLUTION squared; a multiple of 16.")
 @click.option("--min-side", type=click.IntRange(min=16), default=None,
               help="Smallest bucket side in pixels, a multiple of 16  [default: resolution/4].")
-@click.option("--max-aspect", type=_Finite(min=1.0, example="a ratio such as 4"), default=4.0, show_default=True,
+@click.option("--max-aspect", type=Finite(min=1.0, example="a ratio such as 4"), default=4.0, show_default=True,
               help="Largest bucket aspect ratio (long side / short side).")
 @click.option("--bucket-step", type=click.IntRange(min=16), default=16, show_default=True,
               help="Bucket sides are multiples of this many pixels (a multiple of 16); larger means fewer buckets (64: 33 at 1024 px, not 129).")
@@ -52,7 +52,7 @@ def check_dependencies(command: str = "fluxzero cache", without: tuple[str, ...]
               help="Skip (and report) images whose shorter side is below this many pixels; 0 keeps all  [default: half the smallest bucket side].")
 @click.option("--flip", type=click.Choice(["none", "random", "both"]), default="none", show_default=True,
               help="Horizontal flip: none, a seeded coin per image, or both copies (doubles the samples).")
-@click.option("--caption-dropout", type=_Finite(0.0, 1.0, max_open=True, example="a share such as 0.1"), default=0.0, show_default=True,
+@click.option("--caption-dropout", type=Finite(0.0, 1.0, max_open=True, example="a share such as 0.1"), default=0.0, show_default=True,
               help="Share of samples stored with the empty caption (its embedding is encoded once).")
 @click.option("--captions", "caption_file", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
               help="metadata .jsonl/.csv mapping file names to captions  [default: IMAGES_DIR/metadata.jsonl or .csv, else same-name .txt].")

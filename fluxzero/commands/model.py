@@ -10,14 +10,14 @@ import click
 from fluxzero.dtypes import TORCH_NAMES, torch_dtype
 
 from . import refuse_existing
-from .estimate import _Finite
+from .options import Finite
 
 DTYPES = ("keep", *TORCH_NAMES)
 
 
 def as_lora_options(f):
     """--as-lora-rank and --max-error, which `convert` and `export` share (fluxzero.model.adapters)."""
-    f = click.option("--max-error", type=_Finite(min=0, example="a relative error such as 0.05"), default=None,
+    f = click.option("--max-error", type=Finite(min=0, example="a relative error such as 0.05"), default=None,
                      help="With --as-lora-rank: refuse (writing nothing) when a layer's relative error is above "
                           "this.")(f)
     return click.option("--as-lora-rank", type=click.IntRange(min=1), default=None,
