@@ -54,7 +54,7 @@ class OptimMode:
     trainable: bool = True  # False: comparison only, refused for training
     step_chunk: int | None = None  # a flat (1-D) tensor is stepped this many elements at a time; None: whole
     # seconds one optimizer step takes per 1e9 stepped elements on the accelerator, measured on one H200
-    # (benchmarks/optim_step_speed.py, benchmarks/RESULTS.md 2026-12-04); None: not measured. --fit's speed proxy
+    # (benchmarks/optim_step_speed.py, benchmarks/RESULTS.md); None: not measured. --fit's speed proxy
     # pays it once per micro batch.
     step_s_per_billion: float | None = None
     where: str = "all on the accelerator"
@@ -130,9 +130,9 @@ class OptimMode:
         return dict(self.ds_bf16) if stage > 0 else {}
 
 
-# One optimizer step over FLUX.1-dev's 11.90e9 bf16 weights on one H200 (2026-12-04): bf16-kahan 0.131 s (one
-# compiled kernel per tensor), bf16-sr 0.467 s (torchao). adamw8bit-sr is not measured: torchao's same compiled
-# per-tensor step with 8-bit states, taken at bf16-sr's figure.
+# One optimizer step over FLUX.1-dev's 11.90e9 bf16 weights on one H200, seconds (benchmarks/RESULTS.md,
+# optim_step_speed.py): bf16-kahan is one compiled kernel per tensor, bf16-sr torchao's. adamw8bit-sr is not
+# measured: torchao's same compiled per-tensor step with 8-bit states, taken at bf16-sr's figure.
 _H200_STEP_S = {m: s / 11.90 for m, s in (("bf16-kahan", 0.131), ("bf16-sr", 0.467), ("adamw8bit-sr", 0.467))}
 
 # STEP_TEMP_NOTE: transient bytes per stepped element of one optimizer step beyond its states, on one flat 1-D

@@ -196,9 +196,8 @@ def batch_grad_checks(optimizer) -> list[str]:
     call each, on this optimizer object only; returns the names of the methods replaced.
 
     The loops cost per tensor, not per value: a LoRA's many small adapters (FLUX.1-dev all-linear: 608 tensors)
-    spend most of the update in them.
-    H200, FLUX.1-dev rank-16 all-linear LoRA, ZeRO-2 bf16: a 147 ms update for 76.6M values whose AdamW is ~2 ms
-    of kernels. What is replaced, and why the result is the same:
+    spend most of the update in them (a FLUX.1-dev all-linear LoRA's update took far longer than its AdamW
+    kernels: benchmarks/RESULTS.md). What is replaced, and why the result is the same:
     - ZeRO-1/2 (DeepSpeedZeroOptimizer, no CPU offload): has_overflow_partitioned_grads_serial ran amin, amax,
       two isfinite, logical_and and an add per gradient (~6 kernels each); now the max |g| of every gradient
       in one torch._foreach_norm(inf) (NaN and inf propagate through a max, no sum can overflow) and one isfinite:
