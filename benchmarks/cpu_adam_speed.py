@@ -1,6 +1,6 @@
 """One optimizer-offload step on this machine's CPU: torch.optim.AdamW (what gen-config writes with
 `"torch_adam": true`, fused and foreach) against DeepSpeedCPUAdam (`--adam-impl cpu`), and the host optimizer modes
-(cpu-bf16-sr, cpu-adamw8bit-sr: fluxzero.train.host_optim.HostAdamW on a bf16 copy of the partition), each with
+(cpu-bf16-sr, cpu-adamw8bit-sr: fluxzero.train.optim.host.HostAdamW on a bf16 copy of the partition), each with
 its compiled chunk kernel and with its eager fallback (two rows; the compile happens in the untimed first step,
 reported as first_step_s).
 
@@ -63,7 +63,7 @@ def main() -> None:
         rows[name] = {"median_s": statistics.median(times), "times_s": times}
         print(f"{name:<44} {statistics.median(times):7.3f} s / step", flush=True)
         del opt
-    from fluxzero.train.optim import OptimModeError, build_optimizer
+    from fluxzero.train.optim.optimizers import OptimModeError, build_optimizer
 
     pb = torch.nn.Parameter(p.detach().bfloat16())  # the host modes step bf16 masters and gradients
     pb.grad = p.grad.bfloat16()

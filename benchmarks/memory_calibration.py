@@ -131,7 +131,8 @@ def worker(case: Case, ds_path: str, result_path: str) -> None:
     import torch.distributed as dist
 
     from fluxzero.config import TrainConfig
-    from fluxzero.train import distributed, locks, loop
+    from fluxzero.train import distributed, loop
+    from fluxzero.train.checkpoint import locks
 
     out = tempfile.mkdtemp(prefix="memcal-")
     world = case.gpus

@@ -33,7 +33,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdi
 import torch
 sys.path.insert(0, sys.argv[3])
 from fluxzero.config.optim_modes import get_mode
-from fluxzero.train.optim import build_optimizer
+from fluxzero.train.optim.optimizers import build_optimizer
 mode, n, chunk = sys.argv[1], int(float(sys.argv[2])), sys.argv[4]
 dtype = torch.bfloat16 if get_mode(mode).master_dtype == "bf16" else torch.float32
 p = torch.nn.Parameter((torch.randn(n) * 0.05).to(dtype))

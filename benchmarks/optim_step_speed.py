@@ -5,7 +5,7 @@
 
 The weights are the model's own parameter shapes (built on the meta device, then real bf16 tensors of those
 shapes, as at ZeRO 0 where shapes are kept), with random bf16 gradients. Each mode is built by the trainer's
-`fluxzero.train.optim.build_optimizer` (bf16-kahan also with `fused=False`: the eager path the CPU runs),
+`fluxzero.train.optim.optimizers.build_optimizer` (bf16-kahan also with `fused=False`: the eager path the CPU runs),
 stepped twice to warm up (the first step allocates states and compiles), then timed: median of --steps steps,
 the device synchronised around each. Bytes moved per element, the floor: bf16-kahan reads weight, grad, m, v,
 carry and writes weight, m, v, carry (18 B); bf16-sr the same without the carry (14 B). One JSON line per mode.
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from fluxzero.model.flux import build_model
-from fluxzero.train.optim import KahanAdamW, build_optimizer
+from fluxzero.train.optim.optimizers import KahanAdamW, build_optimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner, also when this file is loaded by path
 import runner  # noqa: E402

@@ -704,7 +704,7 @@ def _versions(case: Case, device) -> dict:
 def _release() -> None:
     """The case ends: give up rank 0's lock on its output_dir (loop.setup took it), as train() does."""
     try:
-        from fluxzero.train import locks
+        from fluxzero.train.checkpoint import locks
 
         locks.release_output_dir()
     except Exception:  # noqa: BLE001 - the process exits next; the kernel drops the lock then anyway

@@ -888,7 +888,7 @@ def _reader_cases():
         return read_json(tmp / "ds.json")
 
     def ckpt_ds_config(tmp):
-        from fluxzero.train.resume import saved_view
+        from fluxzero.train.checkpoint.resume import saved_view
 
         (tmp / "ds_config.json").write_text(DEEP_JSON)
         return saved_view(tmp / "ds_config.json")

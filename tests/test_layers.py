@@ -8,6 +8,8 @@ Layers, lowest first (a module may import its own layer and lower ones):
   3  sampling, train
   4  commands
   5  cli
+Inside a layer, a package's subsystem folders are ordered too (ROOMS): in train, the optimizers know nothing of
+checkpoints, checkpoints nothing of export, and nothing imports the loop; train's other modules sit between.
 Function-level imports count like module-level ones: the house imports heavy dependencies (torch, deepspeed,
 diffusers) inside command bodies, never its own modules to dodge a cycle, so an import inside a function is a
 dependency all the same.
@@ -20,6 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fluxzero"
 LAYERS = {"config": 1, "cluster": 1, "model": 2, "data": 2, "sampling": 3, "train": 3, "commands": 4, "cli": 5}
+# package -> {room (its first name below the package): rank}; a room not named has DEFAULT_ROOM
+ROOMS = {"train": {"optim": 0, "checkpoint": 1, "export": 2, "loop": 3}}
+DEFAULT_ROOM = 1
 OTHER_SOURCES = ("tests", "benchmarks", "launch")  # they import the package too: no names through re-exports
 
 
@@ -37,6 +42,14 @@ MODULES = _modules()
 def _layer(module: str) -> int:
     parts = module.split(".")
     return LAYERS.get(parts[1], 0) if len(parts) > 1 else 0
+
+
+def _room(module: str) -> tuple[str, int] | None:
+    """(package, rank) of a module inside a package with ordered rooms, else None."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] not in ROOMS:
+        return None
+    return parts[1], ROOMS[parts[1]].get(parts[2], DEFAULT_ROOM)
 
 
 def _is_package(module: str) -> bool:
@@ -122,6 +135,21 @@ def test_no_import_against_the_layer_order():
     assert not upward, "lower layers must not import higher ones: " + "; ".join(upward)
 
 
+def _against_the_rooms(edges: dict[str, dict[str, int]]) -> list[str]:
+    out = []
+    for a, targets in edges.items():
+        for b, line in targets.items():
+            ra, rb = _room(a), _room(b)
+            if ra and rb and ra[0] == rb[0] and rb[1] > ra[1]:
+                out.append(f"{a}:{line} imports {b} (room rank {rb[1]} > {ra[1]})")
+    return out
+
+
+def test_no_import_against_the_room_order():
+    wrong = _against_the_rooms(_edges())
+    assert not wrong, "a subsystem must not import a later one of its package (ROOMS): " + "; ".join(wrong)
+
+
 def _borrowed(module: str) -> set[str]:
     """Names a module binds at top level by importing them from another fluxzero module: what others could
     import through it. Empty for a package: its __init__ is its public face and may gather its submodules' names."""
@@ -187,3 +215,10 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     assert _layer("fluxzero.cli") > _layer("fluxzero.commands.train") > _layer("fluxzero.train.loop") \
         > _layer("fluxzero.model.flux") > _layer("fluxzero.config.run") > _layer("fluxzero.fsutil")
     assert _layer("fluxzero.sampling.sampler") == _layer("fluxzero.train.flow")
+    for room in ROOMS["train"]:  # each named room exists: a renamed folder must not leave its rank behind
+        assert f"fluxzero.train.{room}" in MODULES, room
+    assert _against_the_rooms({"fluxzero.train.optim.optimizers": {"fluxzero.train.checkpoint.store": 1},
+                               "fluxzero.train.export.full": {"fluxzero.train.loop": 2},
+                               "fluxzero.train.loop": {"fluxzero.train.export.full": 3}}) == [
+        "fluxzero.train.optim.optimizers:1 imports fluxzero.train.checkpoint.store (room rank 1 > 0)",
+        "fluxzero.train.export.full:2 imports fluxzero.train.loop (room rank 3 > 2)"]

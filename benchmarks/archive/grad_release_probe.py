@@ -5,7 +5,7 @@ Each parameter gets its own optimizer, stepped by a post-accumulate-grad hook th
 (p.grad = None). The engine is built with the same parameters and gradient_clipping 0. Prints, per rank:
 how many grads exist, and how many are non-zero, after each engine.backward (DeepSpeed's allreduce re-creates them), the number of hook
 steps, and how far the weights are from the ordinary path (engine.backward + engine.step with one optimizer)
-and from rank 0. Findings are written up in fluxzero/train/optim.py (GRADIENT RELEASE).
+and from rank 0. Findings are written up in fluxzero/train/optim/optimizers.py (GRADIENT RELEASE).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def engine(fused: bool, gas: int, clip: float):
     import deepspeed
     import torch
 
-    from fluxzero.train.optim import build_optimizer
+    from fluxzero.train.optim.optimizers import build_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))

@@ -1,9 +1,9 @@
-"""What DeepSpeed's engine and ZeRO wrappers do with each client optimizer of fluxzero.train.optim.
+"""What DeepSpeed's engine and ZeRO wrappers do with each client optimizer of fluxzero.train.optim.optimizers.
 
 python benchmarks/archive/optim_modes_probe.py [mode ...] [--stages 0,1,2,3]   (one rank, CPU is fine)
 Prints one JSON line per (mode, stage): accepted or the error, the wrapper, dtype and shape of the tensors
 the client optimizer steps, whether they alias the model's weights, state types, and whether a checkpoint
-save -> load into a fresh engine gives a bit-identical next step. The findings table in optim.py came from it.
+save -> load into a fresh engine gives a bit-identical next step. The findings table in fluxzero/train/optim/optimizers.py came from it.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def make_engine(mode: str, stage: int, lr: float, allow_untested: bool = True, s
     import torch
 
     from fluxzero.config.optim_modes import get_mode
-    from fluxzero.train.optim import build_optimizer
+    from fluxzero.train.optim.optimizers import build_optimizer
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))

@@ -67,8 +67,8 @@ def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, weights: str, mer
     if layout != "diffusers" and out.suffix != ".safetensors":
         raise click.BadParameter(f"--format {layout} writes one file: give OUT a .safetensors name", param_hint="OUT")
     from fluxzero.train.distributed import TrainingError
-    from fluxzero.train.consolidate import resolve_checkpoint
-    from fluxzero.train.export import export_checkpoint
+    from fluxzero.train.export.consolidate import resolve_checkpoint
+    from fluxzero.train.export.full import export_checkpoint
 
     try:
         ckpt, tag = resolve_checkpoint(ckpt_dir)
@@ -76,7 +76,7 @@ def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, weights: str, mer
         raise click.BadParameter(str(e), param_hint="CKPT_DIR") from None
     try:
         if as_lora_rank or merge or base:
-            from fluxzero.train.lora_export import export_lora
+            from fluxzero.train.export.lora import export_lora
 
             export_lora(ckpt / tag, out, layout, dtype, merge=not as_lora_rank, base=str(base) if base else None,
                         weights=weights, as_lora_rank=as_lora_rank, max_error=max_error, report=click.echo)
@@ -86,7 +86,7 @@ def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, weights: str, mer
         raise click.UsageError(str(e)) from None
     from fluxzero.model.adapters import has_adapter_keys
     from fluxzero.model.lora_keys import is_lora_file
-    from fluxzero.train.lora_export import LORA_LAYOUTS
+    from fluxzero.train.export.lora import LORA_LAYOUTS
 
     if as_lora_rank:
         what = f"plain LoRA of rank {as_lora_rank}, {LORA_LAYOUTS[layout]} layout"

@@ -171,7 +171,7 @@ def _mode_problems(v: DSView, name) -> list[str]:
 
 
 def _fused_problems(v: DSView, name, mode: str) -> list[str]:
-    """A fused mode applies each parameter's update during backward (fluxzero.train.fused_step), before the
+    """A fused mode applies each parameter's update during backward (fluxzero.train.optim.fused_step), before the
     engine's step: what needs the whole step's gradients first cannot run with it."""
     M, p = name("optimizer_mode"), []
     if v.grad_accum is not None and v.grad_accum > 1:

@@ -36,7 +36,7 @@ for every fused mode, 0 included):
 
     "fluxzero": {"optimizer_mode": "fused-adafactor-sr", "offload_blocks": K}
 
-The trainer then builds that mode's client optimizer (fluxzero.train.optim.build_optimizer) with the
+The trainer then builds that mode's client optimizer (fluxzero.train.optim.optimizers.build_optimizer) with the
 "optimizer" section's lr, betas, eps and weight decay; the modes, their bytes per parameter and the DeepSpeed
 "bf16" keys each needs are in fluxzero.config.optim_modes. gen-config writes those keys, and
 zero_allow_untested_optimizer / zero_force_ds_cpu_optimizer where DeepSpeed needs them for a client optimizer.

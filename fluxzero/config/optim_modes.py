@@ -3,10 +3,10 @@ where, what DeepSpeed needs, which ZeRO stages and offload it runs with, its cav
 builder makes it (pure).
 
 No torch import: gen-config (fluxzero.config.ds_config), the checker (ds_check), the memory model
-(memory/model_states.py, memory/fit.py) read this registry; `fluxzero.train.optim.build_optimizer` builds each
+(memory/model_states.py, memory/fit.py) read this registry; `fluxzero.train.optim.optimizers.build_optimizer` builds each
 mode through `BUILDERS[mode.builder]`. Adding a mode is an entry in MODES (and a builder there when no existing
 one fits). The DeepSpeed behaviour behind the fields below was measured with real engines (see the
-DEEPSPEED_FINDINGS table in fluxzero.train.optim's docstring).
+DEEPSPEED_FINDINGS table in fluxzero.train.optim.optimizers's docstring).
 
 Bytes are per trained parameter, steady state, for one data-parallel rank before ZeRO partitioning divides
 `grads` (stage 2-3), `master` and `states` (stage 1-3) and `weights` (stage 3) by the world size.
@@ -29,7 +29,7 @@ STEP_CHUNK = 1 << 24
 
 # DeepSpeed "bf16" section keys that make ZeRO 1-3 hand the client optimizer bf16 partitions (0.19.8)
 BF16_MASTER_KEYS = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
-# The host modes (optimizer_offload "cpu", fluxzero.train.host_optim) step a partition this many elements at a
+# The host modes (optimizer_offload "cpu", fluxzero.train.optim.host) step a partition this many elements at a
 # time, so their fp32 temporaries are bounded whatever the partition; a multiple of QUANT_BLOCK
 HOST_STEP_CHUNK = 1 << 22
 QUANT_BLOCK = 256  # values per fp32 scale of the 8-bit states (torchao's AdamW8bit default block)
@@ -59,7 +59,7 @@ class OptimMode:
     step_s_per_billion: float | None = None
     where: str = "all on the accelerator"
     # "cpu": steps DeepSpeed's offloaded bf16 partitions in host memory, so it needs optimizer offload to cpu
-    # (fluxzero.train.host_optim); "none": runs where ZeRO keeps the partitions, offload refused for bf16 masters
+    # (fluxzero.train.optim.host); "none": runs where ZeRO keeps the partitions, offload refused for bf16 masters
     optimizer_offload: str = "none"
     # True: each parameter is stepped during backward as soon as its gradient is complete (fluxzero.train.
     # fused_step), so no whole-model gradient buffer exists (`grads` 0: one tensor's gradient at a time) and the
@@ -72,7 +72,7 @@ class OptimMode:
     # gen-config's defaults for a full fine-tune in this mode where DSOptions' (AdamW's) would not train: lr,
     # weight_decay; an option given on the command line, and a LoRA's defaults, win
     defaults: dict = field(default_factory=dict)
-    # the key of fluxzero.train.optim.BUILDERS that builds its optimizer
+    # the key of fluxzero.train.optim.optimizers.BUILDERS that builds its optimizer
     builder: str = ""
     # True: its optimizer class is torch.optim.AdamW, one deepspeed 0.19.8's ZeRO supports (ZERO_SUPPORTED_OPTIMIZERS);
     # the others' classes need zero_allow_untested_optimizer at ZeRO 1-3
@@ -104,7 +104,7 @@ class OptimMode:
         if self.optimizer_offload not in ("none", "cpu"):
             raise ValueError(f"optimizer mode {self.name!r}: optimizer_offload must be 'none' or 'cpu'")
         if not self.builder:
-            raise ValueError(f"optimizer mode {self.name!r}: name its builder (fluxzero.train.optim.BUILDERS)")
+            raise ValueError(f"optimizer mode {self.name!r}: name its builder (fluxzero.train.optim.optimizers.BUILDERS)")
         if (self.step_temp is None) != self.needs_offload:
             raise ValueError(f"optimizer mode {self.name!r}: step_temp is given for every mode but the host ones")
 

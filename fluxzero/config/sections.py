@@ -173,7 +173,7 @@ EXPORT_FORMATS = ("bfl", "diffusers", "comfyui")
 
 @dataclass(frozen=True)
 class ExportConfig:
-    """The export written at the end of the run (fluxzero.train.export.final_export)."""
+    """The export written at the end of the run (fluxzero.train.export.full.final_export)."""
 
     format: str | None = "bfl"
     dtype: str = "bf16"

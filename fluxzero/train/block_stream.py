@@ -12,7 +12,7 @@ Applied from outside the model, like compile and checkpointing (fluxzero.train.e
   CUDA stream, ordered by events) and starts the next streamed block's copy; leaving it points the parameters
   back at the host (the last streamed block stays: backward needs it first).
 - Backward: the recompute of block j fetches it again (and starts block j-1's copy: reverse order). Once every
-  trained tensor of the block has been stepped (fluxzero.train.fused_step calls `stepped`), the updated bytes
+  trained tensor of the block has been stepped (fluxzero.train.optim.fused_step calls `stepped`), the updated bytes
   are copied back to the host on a second side stream and the device copy is released to the allocator.
 - `finish()` (the optimizer's step and state_dict) writes back and releases anything still on the device and
   waits for the write-backs, so the host copies are what a checkpoint saves.

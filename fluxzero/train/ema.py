@@ -51,7 +51,7 @@ from fluxzero.dtypes import torch_dtype
 from fluxzero.train.distributed import all_reduce, reduce
 # the project's one bf16 stochastic rounding (fp32 bits + uniform 16-bit noise, truncated): an EMA with decay
 # 0.9999 moves by 1e-4 of the gap per update, far below half a bf16 ulp, which round-to-nearest would drop
-from fluxzero.train.rounding import mix32, round_keyed
+from fluxzero.train.optim.rounding import mix32, round_keyed
 
 LAYOUT_VERSION = 1
 _CHUNK = 1 << 24  # elements per slice of a bf16 or cross-device update: bounds the temporaries (64 MB fp32)
@@ -60,7 +60,7 @@ _BUCKET = 1 << 26  # elements per collective bucket when full tensors are assemb
 
 def _ema_bf16_(e, m, weight, key) -> None:
     """e (a bf16 slice of the EMA) <- lerp(e, m, weight) rounded stochastically, in place; `weight` a 0-d fp32
-    tensor, `key` a 0-d int32 tensor (fluxzero.train.rounding.round_keyed: a resume draws the same noise).
+    tensor, `key` a 0-d int32 tensor (fluxzero.train.optim.rounding.round_keyed: a resume draws the same noise).
 
     Eagerly (CPU) a pass over the slice per line; on CUDA compiled into one kernel (`_fused_ema_bf16`): the eager
     bf16 update was several times the fp32 one (a plain lerp_) on FLUX.1-dev (benchmarks/RESULTS.md)."""

@@ -86,7 +86,7 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, ds = client_optimizer(params, ds, v, seed=seed)
     if v.fused_step:
-        from fluxzero.train.fused_step import grad_buckets
+        from fluxzero.train.optim.fused_step import grad_buckets
 
         optimizer.attach(device, streamer, buckets=grad_buckets(model))
     with accept_host_optimizer(optimizer), keep_on_host(streamer):
@@ -305,7 +305,7 @@ def accept_host_optimizer(optimizer):
     optimizer's class while the engine is built; the other uses of that name there are a comment, the hybrid
     (partial_offload < 1) branch that fluxzero never writes, and an unused deepspeed_adam_offload flag.
     """
-    from fluxzero.train.host_optim import HostAdamW
+    from fluxzero.train.optim.host import HostAdamW
 
     if not isinstance(optimizer, HostAdamW):
         yield
@@ -415,13 +415,13 @@ def model_dtype(v: DSView) -> torch.dtype:
 
 
 def client_optimizer(params: list, ds: dict, v: DSView, seed: int = 0):
-    """(optimizer, ds): the optimizer of the config's fluxzero.optimizer_mode (fluxzero.train.optim), handed to
+    """(optimizer, ds): the optimizer of the config's fluxzero.optimizer_mode (fluxzero.train.optim.optimizers), handed to
     DeepSpeed in place of the optimizer section it would build itself (dropped from ds), with the section's
     lr, betas, eps and weight decay; (None, ds) without a mode, or for fp32 (DeepSpeed's own AdamW). `seed` keys
     the rounding noise of the modes that key it (the fused ones)."""
     if v.optimizer_mode in (None, "fp32"):
         return None, ds
-    from fluxzero.train.optim import OptimModeError, build_optimizer
+    from fluxzero.train.optim.optimizers import OptimModeError, build_optimizer
 
     try:
         optimizer = build_optimizer(params, v.optimizer_mode, lr=v.lr if v.lr is not None else 1e-3,

@@ -17,7 +17,7 @@ from fluxzero.config.run import FlowConfig
 from fluxzero.config.sections import SampleConfig, ValidationConfig
 from fluxzero.data import DataError
 from fluxzero.train import flow
-from fluxzero.train.checkpoint import rng_state, set_rng_state
+from fluxzero.train.checkpoint.store import rng_state, set_rng_state
 from fluxzero.train.distributed import TrainingError, all_ranks_ok, all_reduce
 
 VALIDATION_SEED = 1_234_567  # fixed: the same noise for every sample in every run and after every resume

@@ -54,7 +54,8 @@ class Run:
 def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: bool = False) -> Run:
     """Everything the loop needs, built as the trainer builds it (benchmarks call this too, then time run.step)."""
     from fluxzero.data import build_dataloader
-    from fluxzero.train import checkpoint, engine as ds_engine, resume
+    from fluxzero.train.checkpoint import store as checkpoint, resume
+    from fluxzero.train import engine as ds_engine
     from fluxzero.train.step import TrainStep, batches
 
     try:
@@ -160,7 +161,7 @@ def _setup_extras(run: Run, cfg: TrainConfig, model_cfg, tag: str | None, rank: 
 def _resume_ema(run: Run, tag: str, rank: int, world: int) -> None:
     """Restore this rank's EMA shard, checked (step, rank, world size, checksum) on every rank before any is
     loaded; a checkpoint of a run that had an EMA never resumes with another one without a word."""
-    from fluxzero.train import resume
+    from fluxzero.train.checkpoint import resume
     from fluxzero.train.ema import ShardError, read_shard, shard_name
 
     tag_dir = run.ckpt_dir / tag
@@ -237,7 +238,8 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     allow_config_change: resume a checkpoint although data, grad_accum or flow options changed (see
     resume.decide_resume); the new values are saved with the next checkpoint.
     """
-    from fluxzero.train import export, locks
+    from fluxzero.train.export import full as export
+    from fluxzero.train.checkpoint import locks
     from fluxzero.train.metrics import LogWriteError, Metrics
 
     rank, world, device = distributed.init_distributed()
@@ -318,7 +320,7 @@ def _done(run: Run, result: dict) -> str:
 def _save(run: Run, cfg: TrainConfig, rank: int) -> int:
     """Checkpoint step run.done (never non-finite weights: a diverged update must not replace or prune a good
     checkpoint); returns the step saved."""
-    from fluxzero.train import checkpoint
+    from fluxzero.train.checkpoint import store as checkpoint
 
     step = run.done
     if not checkpoint.weights_finite(run.engine):

@@ -196,7 +196,7 @@ class TrainStep:
         lr = float(engine.get_lr()[0])  # before engine.step (a scheduler moves on inside it); torchao keeps a tensor
         loss_sum = torch.zeros((), device=self.device)
         self._micro = []  # (loss, sample indices) of each micro batch: which samples a non-finite loss came from
-        # a fused optimizer mode (fluxzero.train.fused_step) applies the update during backward: the loss is
+        # a fused optimizer mode (fluxzero.train.optim.fused_step) applies the update during backward: the loss is
         # reduced and checked before it (no accumulation there), so a non-finite one never reaches the weights
         in_backward = getattr(engine.optimizer, "steps_in_backward", False)
         for micro in range(self.grad_accum):

@@ -381,7 +381,7 @@ def test_warmup_lr_of_real_engines():
 
 _MODE_ENGINES = ('import warnings\nwarnings.filterwarnings("ignore")\n' + ONE_RANK + r"""
 import json, os, sys
-from fluxzero.train.optim import build_optimizer
+from fluxzero.train.optim.optimizers import build_optimizer
 for arg in sys.argv[1:]:
     cfg = json.loads(arg)
     mode = cfg.pop("fluxzero")["optimizer_mode"]

@@ -178,7 +178,7 @@ def test_host_modes_need_cpu_optimizer_offload():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the fused mode: each update applied in backward (fluxzero.train.fused_step), blocks streamed from the host
+# the fused mode: each update applied in backward (fluxzero.train.optim.fused_step), blocks streamed from the host
 FUSED = ["--optimizer-mode", "fused-adafactor-sr", "--zero-stage", "0"]
 
 

@@ -38,7 +38,7 @@ def _write(tmp_path, name: str) -> str:
 
 
 def test_the_registry_is_what_the_readers_read():
-    from fluxzero.train.optim import BUILDERS
+    from fluxzero.train.optim.optimizers import BUILDERS
 
     assert {m.builder for m in optim_modes.MODES.values()} <= set(BUILDERS)
     assert FIT_MODES == (None, *optim_modes.fit_modes())

@@ -175,7 +175,7 @@ def _tag_dir(tmp_path):
 
 
 def test_a_killed_lora_exports_temp_file_is_removed_by_the_next(tmp_path):
-    from fluxzero.train.lora_export import write_lora_export
+    from fluxzero.train.export.lora import write_lora_export
 
     tag, pid = _tag_dir(tmp_path), _dead_pid()
     out, merged = tmp_path / "out" / "lora.safetensors", tmp_path / "out" / "merged.safetensors"

@@ -59,7 +59,7 @@ def trained(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_a_clean_save_writes_exactly_the_names_the_check_expects(trained):
-    from fluxzero.train.integrity import clean_save_files
+    from fluxzero.train.checkpoint.integrity import clean_save_files
 
     for name, (stage, extra) in RUNS.items():
         for tag in (EARLIER, TAG):
@@ -171,7 +171,7 @@ def test_an_ema_shard_whose_layout_points_past_its_buffer_is_one_sentence(tmp_pa
     import torch
     from safetensors.torch import save_file
 
-    from fluxzero.train.consolidate import ema_state_dict
+    from fluxzero.train.export.consolidate import ema_state_dict
     from fluxzero.train.distributed import TrainingError
 
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({"ema": {"decay": 0.5}}))
@@ -191,8 +191,8 @@ def test_a_lora_export_reads_the_settings_of_the_checkpoint_it_holds_before_prun
     training) must find the export done with it: the LoRA's settings (run.yaml) are read under the lock too."""
     import contextlib
 
-    from fluxzero.train import checkpoint, locks
-    from fluxzero.train.lora_export import export_lora
+    from fluxzero.train.checkpoint import store as checkpoint, locks
+    from fluxzero.train.export.lora import export_lora
     from tests.helpers import train_ok
 
     pytest.importorskip("peft")
@@ -216,7 +216,7 @@ def test_a_lora_export_reads_the_settings_of_the_checkpoint_it_holds_before_prun
 # An export beside a running training: pruning skips the checkpoint it reads
 # ---------------------------------------------------------------------------------------------------------
 def test_pruning_skips_a_checkpoint_an_export_is_reading_and_takes_it_next_time(tmp_path):
-    from fluxzero.train import checkpoint, locks
+    from fluxzero.train.checkpoint import store as checkpoint, locks
     from fluxzero.train.distributed import TrainingError
 
     for tag in ("step_00000001", "step_00000002"):
@@ -235,7 +235,7 @@ def test_pruning_skips_a_checkpoint_an_export_is_reading_and_takes_it_next_time(
 
 def test_an_export_of_a_pruned_step_folder_says_so(tmp_path):
     from fluxzero.train.distributed import TrainingError
-    from fluxzero.train.consolidate import resolve_checkpoint
+    from fluxzero.train.export.consolidate import resolve_checkpoint
 
     (tmp_path / "step_00000002").mkdir()
     (tmp_path / "latest").write_text("step_00000002")
@@ -246,7 +246,7 @@ def test_an_export_of_a_pruned_step_folder_says_so(tmp_path):
 def test_a_reader_waiting_on_a_pruning_learns_the_folder_is_gone(tmp_path):
     """Pruning holds the lock while it renames the folder away; a reader that opened the lock file before gets it
     afterwards and must see that the folder went (a child process holds the exclusive lock, as the trainer does)."""
-    from fluxzero.train import locks
+    from fluxzero.train.checkpoint import locks
     from fluxzero.train.distributed import TrainingError
 
     (tmp_path / "step_00000001").mkdir()
@@ -271,7 +271,7 @@ def test_a_universal_checkpoint_has_every_torch_file_in_its_tree_scanned(tmp_pat
     every file torch.load could be handed, at any depth and under any name, must pass the pickle scan."""
     import torch
 
-    from fluxzero.train.integrity import stray_files_problem
+    from fluxzero.train.checkpoint.integrity import stray_files_problem
 
     (tmp_path / "zero" / "w").mkdir(parents=True)
     torch.save({"fp32": torch.zeros(2)}, tmp_path / "zero" / "w" / "fp32.pt")

@@ -55,14 +55,14 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 # every collective path of the trainer's own, as the helpers record it (module.function op)
 EXPECTED = {
-    "fluxzero.train.resume.decide_resume broadcast_object_list",  # the resume decision
-    "fluxzero.train.resume.decide_resume all_gather_object",  # all_ranks_ok: every rank's own problem
+    "fluxzero.train.checkpoint.resume.decide_resume broadcast_object_list",  # the resume decision
+    "fluxzero.train.checkpoint.resume.decide_resume all_gather_object",  # all_ranks_ok: every rank's own problem
     "fluxzero.train.engine.load_pretrained broadcast_object_list",  # ZeRO-3: rank 0 reads the weights
     "fluxzero.train.ema.ShardedEMA._check_coverage all_reduce",
     "fluxzero.train.step.TrainStep._reduce_and_check all_reduce",  # loss and stop flag, one reduction
     "fluxzero.train.metrics.Metrics.log all_gather",
     "fluxzero.train.evaluate.Validation.__call__ all_reduce",
-    "fluxzero.train.checkpoint.weights_finite all_reduce",  # the crash of a ZeRO-3 parameter-offload save
+    "fluxzero.train.checkpoint.store.weights_finite all_reduce",  # the crash of a ZeRO-3 parameter-offload save
     "fluxzero.train.loop._check_finite all_gather_object",  # a non-finite loss names its samples
 }
 

@@ -390,7 +390,7 @@ def test_fp32_ema_of_bf16_weights_at_zero0():
 
 # ----- single process ---------------------------------------------------------------------------------
 def test_stochastic_rounding_keeps_increments_that_round_to_nearest_loses():
-    from fluxzero.train.optim import stochastic_round_bf16
+    from fluxzero.train.optim.optimizers import stochastic_round_bf16
 
     target = torch.full((20000,), 1.0 + 2**-7)  # one bf16 ulp above 1
     sr = torch.ones(20000, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The bf16 EMA update: counter-hash noise (fluxzero.train.optim.counter_noise) and its compiled kernel.
+"""The bf16 EMA update: counter-hash noise (fluxzero.train.optim.optimizers.counter_noise) and its compiled kernel.
 
 On a GPU the update is one compiled kernel (`ema._fused_ema_bf16`); here it is compiled for the CPU, the same graph.
 """
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fluxzero.train import ema as ema_mod
-from fluxzero.train.rounding import counter_noise, mix32
+from fluxzero.train.optim.rounding import counter_noise, mix32
 
 M = 0xFFFFFFFF
 

@@ -12,8 +12,8 @@ from fluxzero.config import ds_check
 from fluxzero.config.ds_file import load_for_training
 from fluxzero.config.ds_view import DSConfigError
 from fluxzero.train.distributed import TrainingError
-from fluxzero.train.integrity import file_problem
-from fluxzero.train.consolidate import _stage0_master_weights, consolidated_state_dict, resolve_checkpoint
+from fluxzero.train.checkpoint.integrity import file_problem
+from fluxzero.train.export.consolidate import _stage0_master_weights, consolidated_state_dict, resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
@@ -170,7 +170,7 @@ def test_export_refuses_a_broken_latest(tmp_path):
 
 
 def test_prune_keeps_the_newest_and_never_touches_newer_or_foreign_folders(tmp_path):
-    from fluxzero.train.checkpoint import prune_checkpoints
+    from fluxzero.train.checkpoint.store import prune_checkpoints
 
     for name in ("step_00000010", "step_00000020", "step_00000030", "step_00000040", "step_00000050",
                  "step_backup", "other"):

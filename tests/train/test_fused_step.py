@@ -1,4 +1,4 @@
-"""The fused optimizer mode (fluxzero.train.fused_step) and streamed blocks (fluxzero.train.block_stream) through the
+"""The fused optimizer mode (fluxzero.train.optim.fused_step) and streamed blocks (fluxzero.train.block_stream) through the
 trainer's build path (loop.setup: the DeepSpeed engine at ZeRO 0, the real TrainStep), flux-tiny on the CPU.
 
 The reference is adafactor-sr stepped normally after backward by DeepSpeed's engine.step(), with the same keyed

@@ -1,4 +1,4 @@
-"""The host modes (cpu-bf16-sr, cpu-adamw8bit-sr: fluxzero.train.host_optim.HostAdamW) without DeepSpeed: they
+"""The host modes (cpu-bf16-sr, cpu-adamw8bit-sr: fluxzero.train.optim.host.HostAdamW) without DeepSpeed: they
 train like fp32 masters on test_optim_quality.py's problem and its 5% bar, round-to-nearest in the same optimizer
 does not, chunking does not change the 8-bit states, and state_dict round-trips exactly (dtypes, generator)."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fluxzero.config.optim_modes import get_mode  # noqa: E402
-from fluxzero.train import host_optim  # noqa: E402
-from fluxzero.train.rounding import counter_noise, lowbias32, mix32, noise_key, round_keyed  # noqa: E402
-from fluxzero.train.host_optim import HostAdamW  # noqa: E402
-from fluxzero.train.optim import OptimModeError, build_optimizer  # noqa: E402
+from fluxzero.train.optim import host as host_optim  # noqa: E402
+from fluxzero.train.optim.rounding import counter_noise, lowbias32, mix32, noise_key, round_keyed  # noqa: E402
+from fluxzero.train.optim.host import HostAdamW  # noqa: E402
+from fluxzero.train.optim.optimizers import OptimModeError, build_optimizer  # noqa: E402
 
 from tests.train.test_optim_quality import BOUND, LR, LeastSquares, _within  # noqa: E402
 

@@ -33,7 +33,7 @@ init_distributed()
 join_deepspeed_comm()
 torch.set_num_threads(1)
 from fluxzero.config.optim_modes import BF16_MASTER_KEYS
-from fluxzero.train.optim import build_optimizer
+from fluxzero.train.optim.optimizers import build_optimizer
 from tests.train.test_optim_quality import LR, STEPS, LeastSquares, LeastSquaresLayer
 
 P = LeastSquares()

@@ -5,7 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fluxzero.config.optim_modes import MODES, STEP_CHUNK
-from fluxzero.train.optim import AdafactorSR, KahanAdamW, _pieces, build_optimizer
+from fluxzero.train.optim.optimizers import AdafactorSR, KahanAdamW, _pieces, build_optimizer
 
 BLOCK = 1 << 14  # AdafactorSR's chunks are whole blocks of its norm sums
 N = 3 * BLOCK + 1234  # a partition that no chunk size divides

@@ -36,7 +36,7 @@ init_distributed()  # the trainer's own (a one-rank group when the 2-rank test s
 join_deepspeed_comm()
 torch.set_num_threads(1)
 from fluxzero.config.optim_modes import get_mode
-from fluxzero.train.optim import build_optimizer
+from fluxzero.train.optim.optimizers import build_optimizer
 from tests.train.test_optim_quality import LR, LR_ADAFACTOR, STEPS, LeastSquares, LeastSquaresLayer
 
 P = LeastSquares()

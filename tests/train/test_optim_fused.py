@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from fluxzero.train.optim import KahanAdamW
+from fluxzero.train.optim.optimizers import KahanAdamW
 
 
 def _state(n=4099, seed=0):

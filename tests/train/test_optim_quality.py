@@ -24,7 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fluxzero.config.optim_modes import MODES, get_mode  # noqa: E402
-from fluxzero.train.optim import (AdafactorSR, OptimModeError, build_optimizer,  # noqa: E402
+from fluxzero.train.optim.optimizers import (AdafactorSR, OptimModeError, build_optimizer,  # noqa: E402
                                   stochastic_round_bf16)
 
 from tests.pure_python import ROOT, run_without_torch  # noqa: E402
@@ -115,10 +115,10 @@ def test_adafactor_sr_matches_fp32_adafactor_and_rtn_does_not(problem):
 
 
 def test_fused_adafactor_sr_matches_fp32_adafactor(problem):
-    """The fused mode's step happens in the gradient hook during backward (fluxzero.train.fused_step): the same
+    """The fused mode's step happens in the gradient hook during backward (fluxzero.train.optim.fused_step): the same
     problem through autograd, each step's update applied by loss.backward() itself, held to the same reference
     (round-to-nearest misses it: the test above)."""
-    from fluxzero.train.optim import FusedAdafactorSR
+    from fluxzero.train.optim.optimizers import FusedAdafactorSR
 
     ref = problem.train(lambda p: torch.optim.Adafactor(p, lr=LR_ADAFACTOR, foreach=False), torch.float32)
     layer = LeastSquaresLayer(problem).to(torch.bfloat16)
@@ -202,7 +202,7 @@ def test_missing_torchao_is_one_sentence_naming_the_extra():
                     raise ImportError("blocked")
         sys.meta_path.insert(0, _Block())
         import torch
-        from fluxzero.train.optim import build_optimizer, OptimModeError
+        from fluxzero.train.optim.optimizers import build_optimizer, OptimModeError
         try:
             build_optimizer([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))], "bf16-sr", lr=1e-3)
         except OptimModeError as e:

@@ -1,4 +1,4 @@
-"""fluxzero.train.safe_files: a torch.save file that would import code is refused before anything unpickles
+"""fluxzero.train.checkpoint.safe_files: a torch.save file that would import code is refused before anything unpickles
 it, and every file of a real DeepSpeed checkpoint (ZeRO 0-3, fp32 and bf16) and fluxzero's trainer state
 passes."""
 import io
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from fluxzero.train.safe_files import (ALLOWED_GLOBALS, FP16_GLOBALS, MEASURED_GLOBALS, _pickle_globals,
+from fluxzero.train.checkpoint.safe_files import (ALLOWED_GLOBALS, FP16_GLOBALS, MEASURED_GLOBALS, _pickle_globals,
                                        check_checkpoint_file, load_trainer_state, unsafe_globals)
 from tests.helpers import ONE_RANK
 
@@ -193,8 +193,8 @@ def test_every_file_of_real_deepspeed_checkpoints_passes(tmp_path):
     runs = [d for d in runs if d["precision"] != "fp16"]
     assert sorted((d["stage"], d["bf16"]) for d in runs) == sorted(
         [(s, b) for s in (0, 1, 2, 3) for b in (False, True)] + [(s, b) for s in (2, 3) for b in (False, True)])
-    from fluxzero.train.integrity import FLUXZERO_FILES, clean_save_files
-    from fluxzero.train.locks import READ_LOCK
+    from fluxzero.train.checkpoint.integrity import FLUXZERO_FILES, clean_save_files
+    from fluxzero.train.checkpoint.locks import READ_LOCK
 
     seen = set()
     for run in runs:

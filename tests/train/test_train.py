@@ -118,7 +118,7 @@ def test_export_is_current_only_in_the_same_layout_and_dtype(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from fluxzero.train.consolidate import export_is_current
+    from fluxzero.train.export.consolidate import export_is_current
 
     latest = tmp_path / "latest"
     latest.write_text("step_00000004")
@@ -440,7 +440,7 @@ def test_export_command(cases, tmp_path):
 
 def test_truncated_checkpoint_is_one_sentence(cases, tmp_path):
     from fluxzero.cli import main
-    from fluxzero.train.integrity import unreadable_files
+    from fluxzero.train.checkpoint.integrity import unreadable_files
 
     tmp, _ = cases
     shutil.copytree(tmp / "disk", tmp_path / "run")
@@ -605,7 +605,7 @@ def test_quick_start_torchrun_two_ranks(tmp_path):
 def test_an_incomplete_diffusers_export_is_not_up_to_date(tmp_path):
     """The index is written last: shards without it are an export that stopped midway and must be redone."""
     from fluxzero.model.layouts import DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS
-    from fluxzero.train.consolidate import _diffusers_files
+    from fluxzero.train.export.consolidate import _diffusers_files
 
     shards = [f"diffusion_pytorch_model-0000{i}-of-00002.safetensors" for i in (1, 2)]
     (tmp_path / shards[0]).write_bytes(b"x")

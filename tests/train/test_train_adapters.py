@@ -92,8 +92,8 @@ def test_exports_hold_the_trained_adapters_and_their_ema(runs, kind):
     from fluxzero.config import LoraConfig
     from fluxzero.model import adapters as AD
     from fluxzero.model.weights import load_weights
-    from fluxzero.train.consolidate import consolidated_state_dict, ema_state_dict
-    from fluxzero.train.lora_export import canonical_lora
+    from fluxzero.train.export.consolidate import consolidated_state_dict, ema_state_dict
+    from fluxzero.train.export.lora import canonical_lora
 
     tmp, lcfg = runs["tmp"], LoraConfig(**KINDS[kind])
     base = load_weights(runs["weights"], dtype=torch.float32)

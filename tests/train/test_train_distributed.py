@@ -135,7 +135,8 @@ def _checkpoint_checks_probe(cfg):
 
     from fluxzero.config import get_model_config
     from fluxzero.config.ds_file import load_for_training
-    from fluxzero.train import checkpoint, engine as ds_engine, resume
+    from fluxzero.train.checkpoint import store as checkpoint, resume
+    from fluxzero.train import engine as ds_engine
 
     rank = dist.get_rank()
     ckpt = Path(cfg.output_dir) / "checkpoints"
@@ -276,7 +277,7 @@ def test_resume_reproduces_uninterrupted_run_bit_exactly(matrix, stage):
 def test_export_round_trip_from_zero3_shards(matrix, tmp_path):
     from diffusers import FluxTransformer2DModel
 
-    from fluxzero.train.export import export_checkpoint
+    from fluxzero.train.export.full import export_checkpoint
     from fluxzero.model.weights import load_weights
 
     ckpt = matrix["tmp"] / "z3" / "checkpoints"
@@ -359,7 +360,7 @@ def test_output_dir_is_judged_by_rank_0_for_every_rank(matrix):
 
 
 def test_checkpoint_file_names_match_deepspeed(matrix):
-    from fluxzero.train.integrity import checkpoint_files
+    from fluxzero.train.checkpoint.integrity import checkpoint_files
 
     for name, stage, bf16 in [("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z3", 3, False),
                               ("z0_bf16", 0, True), ("full_bf16", 2, True)]:
@@ -372,7 +373,7 @@ def test_checkpoint_file_names_match_deepspeed(matrix):
 
 
 def test_fp32_export_of_bf16_runs_is_the_fp32_master_weights(matrix, tmp_path):
-    from fluxzero.train.export import export_checkpoint
+    from fluxzero.train.export.full import export_checkpoint
     from fluxzero.model.weights import load_weights
 
     # ZeRO-0: the masters are the optimizer wrapper's fp32_groups, in module parameter order

@@ -390,7 +390,7 @@ def test_lora_resume_is_exact(trained, stage):
 
 @pytest.mark.slow
 def test_lora_checkpoints_hold_the_adapters_only(trained):
-    from fluxzero.train.integrity import checkpoint_files
+    from fluxzero.train.checkpoint.integrity import checkpoint_files
 
     tmp = trained["tmp"]
     full_bytes = trained["weights"].stat().st_size  # the fp32 base: 2.0 MB for flux-tiny
@@ -427,8 +427,8 @@ def _trained_model(trained, name):
     from fluxzero.model import build_model
     from fluxzero.model.lora import apply_lora, load_lora_state_dict
     from fluxzero.model.weights import load_weights
-    from fluxzero.train.consolidate import consolidated_state_dict
-    from fluxzero.train.lora_export import canonical_lora
+    from fluxzero.train.export.consolidate import consolidated_state_dict
+    from fluxzero.train.export.lora import canonical_lora
 
     model = build_model("flux-tiny")
     model.load_state_dict(load_weights(trained["weights"], dtype=torch.float32))
@@ -485,8 +485,8 @@ def test_kohya_export_holds_the_trained_adapters(trained):
     # diffusers' kohya converter hard-codes FLUX.1's widths for single_blocks.N.linear1 (test_lora.py checks the
     # layout against it at full width); here: the run's kohya file holds exactly the consolidated fp32 adapters
     from fluxzero.model.lora_formats import read_lora
-    from fluxzero.train.consolidate import consolidated_state_dict
-    from fluxzero.train.lora_export import canonical_lora
+    from fluxzero.train.export.consolidate import consolidated_state_dict
+    from fluxzero.train.export.lora import canonical_lora
 
     got, info = read_lora(trained["tmp"] / "z3" / "lora.safetensors")  # export.format comfyui, fp32
     want = canonical_lora(consolidated_state_dict(trained["tmp"] / "z3")[0])
@@ -589,8 +589,8 @@ def test_lora_at_zero_0_with_offload_and_ema(tmp_path):
     assert r["z0_bf16"][0] == pytest.approx(r["z0"][0], rel=5e-3)  # measured 1.3e-3 at step 3
     # export.weights: ema writes the adapters' EMA (the EMA shards hold the trainable parameters only)
     from fluxzero.model.lora_formats import read_lora
-    from fluxzero.train.consolidate import consolidated_state_dict, ema_state_dict
-    from fluxzero.train.lora_export import canonical_lora
+    from fluxzero.train.export.consolidate import consolidated_state_dict, ema_state_dict
+    from fluxzero.train.export.lora import canonical_lora
 
     got, _ = read_lora(tmp_path / "z2_ema" / "lora_ema.safetensors")
     tag_dir = consolidated_state_dict(tmp_path / "z2_ema")[1]

@@ -70,7 +70,7 @@ def test_mode_resumes_exactly_and_exports_the_trained_weights(tmp_path, monkeypa
     # (the bf16 masters and the module weights are the same values in these modes)
     tag = tmp_path / "whole" / "checkpoints" / "step_00000004"
     if stage == 3:  # ZeRO-3 keeps module weights partitioned: compare with the step-2 export instead
-        from fluxzero.train.consolidate import consolidated_state_dict
+        from fluxzero.train.export.consolidate import consolidated_state_dict
 
         first, _ = consolidated_state_dict(tmp_path / "whole" / "checkpoints" / "step_00000002")
         assert any(not torch.equal(first[k], whole[k]) for k in whole)  # the weights moved after step 2

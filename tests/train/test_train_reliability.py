@@ -107,7 +107,7 @@ def test_a_diverged_update_is_never_saved_and_the_good_checkpoint_stays(tmp_path
 
 
 def test_refusals_in_one_sentence(tmp_path):
-    from fluxzero.train import locks
+    from fluxzero.train.checkpoint import locks
 
     run = _files(tmp_path, steps=1, checkpoint={"every": 1})
     assert _train(run).returncode == 0

@@ -93,7 +93,7 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         add(f"{what} partition ({s.precision})", b * part, where, note="1/N of the parameters", ds=True)
     overlap = s.zero.overlap_comm if s.zero.overlap_comm is not None else s.stage == 3
     fused = mode is not None and mode.fused
-    if fused and N > 1:  # fluxzero.train.fused_step: a block's gradients averaged in one all_reduce, then stepped
+    if fused and N > 1:  # fluxzero.train.optim.fused_step: a block's gradients averaged in one all_reduce, then stepped
         block = max(inv.double_block if s.model.depth else 0, inv.single_block if s.model.depth_single_blocks else 0)
         add("gradients of one block, and their flat copy (%s)" % s.precision, 2 * b * block, phase="train",
             note="no gradient buffer: a block's gradients wait for its last, one all_reduce averages them, each "
@@ -137,7 +137,7 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     host_mode = mode is not None and mode.needs_offload
     if host_mode:
         impl_temp = HOST_STEP_TEMP
-        tnote = f"fluxzero.train.host_optim: {optim_modes.HOST_STEP_CHUNK} elements at a time"
+        tnote = f"fluxzero.train.optim.host: {optim_modes.HOST_STEP_CHUNK} elements at a time"
     elif mode is not None:
         impl_temp = MODE_STEP_TEMP[mode.name]
         tnote = "benchmarks/optim_step_memory.py (CPU, flat partition)"

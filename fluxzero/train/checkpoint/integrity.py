@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 from fluxzero.config.ds_view import DSView
-from fluxzero.train.locks import READ_LOCK
+from fluxzero.train.checkpoint.locks import READ_LOCK
 
 
 def checkpoint_files(stage: int, bf16: bool, rank: int) -> tuple[list[str], list[str]]:
@@ -150,7 +150,7 @@ def file_problem(path: Path, crc: bool = True) -> str | None:
         return f"{path.name} is not a complete torch file"
     if bad:
         return f"{path.name} fails its CRC-32 check in {bad}"
-    from fluxzero.train import safe_files
+    from fluxzero.train.checkpoint import safe_files
 
     # before anything unpickles it: torch.load and DeepSpeed's loads would run code that a crafted file names
     try:

@@ -15,11 +15,11 @@ from fluxzero.config.models import model_name, same_model
 from fluxzero.config.runfile import read_saved_run
 from fluxzero.config.ds_view import DSView, view
 from fluxzero.config.user_files import parse_json
-from fluxzero.train.checkpoint import load_trainer_state, step_folders
+from fluxzero.train.checkpoint.store import load_trainer_state, step_folders
 from fluxzero.train.distributed import TrainingError, all_ranks_ok, broadcast_objects, write_line
-from fluxzero.train.integrity import (clean_save_files, file_problem, latest_problem, rank_checkpoint_problem,
+from fluxzero.train.checkpoint.integrity import (clean_save_files, file_problem, latest_problem, rank_checkpoint_problem,
                                       stray_files_problem)
-from fluxzero.train.locks import READ_LOCK, lock_output_dir
+from fluxzero.train.checkpoint.locks import READ_LOCK, lock_output_dir
 
 
 # Settings a resume must keep, because they change what the next steps compute. Others (steps, epochs,

@@ -56,7 +56,7 @@ FP16_GLOBALS = frozenset({
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler", "torch.HalfStorage", "torch.float16",
 })
 # fluxzero's optimizer modes: adamw8bit-sr saves each 8-bit state as its plain parts and its dtype
-# (optim_state._pack), so its files name the bf16 dtype (tests/train/test_train_optim_modes.py resumes and exports
+# (optim.state._pack), so its files name the bf16 dtype (tests/train/test_train_optim_modes.py resumes and exports
 # them). A dtype is a constant, not code.
 OPTIMIZER_MODE_GLOBALS = frozenset({"torch.bfloat16"})
 # Not measurable here: numpy < 2 (setup.cfg pins no numpy) names the same ndarray constructor

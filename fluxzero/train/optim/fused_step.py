@@ -25,7 +25,7 @@ What an earlier per-parameter attempt under DeepSpeed got wrong, and how this an
   states; only its step count moves, since the check stays on the device), the others are stepped. The trainer checks the loss before backward in these modes (train/step.py), so
   a non-finite loss never reaches any weight.
 
-Rounding noise is keyed on (seed, the parameter's place, its step) (fluxzero.train.rounding), so backward's order
+Rounding noise is keyed on (seed, the parameter's place, its step) (fluxzero.train.optim.rounding), so backward's order
 and a resume leave it unchanged: a resumed run is bit-identical to an uninterrupted one.
 """
 from __future__ import annotations
@@ -39,9 +39,9 @@ import torch.distributed as dist
 
 
 class FusedStep:
-    """Mixin before an optimizer with `step_param(group, p, finite=)` (fluxzero.train.optim.FusedAdafactorSR is
+    """Mixin before an optimizer with `step_param(group, p, finite=)` (fluxzero.train.optim.optimizers.FusedAdafactorSR is
     AdafactorSR's): stepped per parameter in backward; `attach()` registers the hooks (the engine builder calls
-    it). It imports no optimizer, so fluxzero.train.optim can build on it."""
+    it). It imports no optimizer, so fluxzero.train.optim.optimizers can build on it."""
 
     steps_in_backward = True  # train/step.py reads it: the loss is checked before backward
     bucket_grads = True  # on more than one rank, average a bucket's gradients in one all_reduce (attach's buckets)

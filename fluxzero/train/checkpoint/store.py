@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from fluxzero.fsutil import atomic_write
 from fluxzero.train.distributed import TrainingError, all_reduce, barrier, peer_stopped
-from fluxzero.train.locks import READ_LOCK, folder_lock
+from fluxzero.train.checkpoint.locks import READ_LOCK, folder_lock
 
 
 def rng_state() -> dict:
@@ -162,7 +162,7 @@ def load(engine, ckpt_dir: Path, tag: str) -> dict:
 def load_trainer_state(path: Path) -> dict:
     """fluxzero's own per-rank state (step, loader position, RNG states, world size), loaded without running
     code (torch.load weights_only=True; safe_files says why that suffices)."""
-    from fluxzero.train import safe_files
+    from fluxzero.train.checkpoint import safe_files
 
     return safe_files.load_trainer_state(path)
 

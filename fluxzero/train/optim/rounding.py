@@ -4,7 +4,7 @@ torch's CPU generator fills a tensor serially (17-22 ns a value on one thread ho
 from the global CUDA generator inside a compiled kernel would move the stream the trainer's own draws come from.
 A hash of (key, index) is torch's parallel integer kernels (6 ns a value on one thread), the same on every device
 and inside a compiled kernel, and needs no generator state in a checkpoint: the host optimizer modes
-(fluxzero.train.host_optim) and the bf16 EMA (fluxzero.train.ema) draw their rounding noise here.
+(fluxzero.train.optim.host) and the bf16 EMA (fluxzero.train.ema) draw their rounding noise here.
 """
 from __future__ import annotations
 

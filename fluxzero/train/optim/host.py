@@ -18,7 +18,7 @@ seconds from Inductor's disk cache, longer on a cold one).
 
 Per chunk, in fp32: m and v updated as in torch's AdamW, the weight decayed and moved by the bias-corrected step,
 then written back to bf16 by stochastic rounding (an AdamW step at fine-tuning lr is under half a bf16 ulp of
-most weights: round-to-nearest loses it, see fluxzero.train.optim). m and v are kept either
+most weights: round-to-nearest loses it, see fluxzero.train.optim.optimizers). m and v are kept either
   "bf16"  in bf16, stochastically rounded too (v's EMA moves 0.1% a step at beta2 0.999, under half an ulp), or
   "8bit"  blockwise 8-bit with one fp32 scale per 256 values, signed / unsigned dynamic maps (torchao's AdamW8bit
           format and its create_dynamic_map, scale_tensor and dequant_with_qmap, compiled with the rest; a
@@ -26,7 +26,7 @@ most weights: round-to-nearest loses it, see fluxzero.train.optim). m and v are 
           table on the value's top 16 bits (nearest_codes, faster than torchao's eager quantizer on the CPU).
 The update itself uses the unquantized fp32 m and v of this step, as torchao's does.
 
-Libraries: torchao for the 8-bit format (above). Stochastic rounding is torchao's and fluxzero.train.optim's bit
+Libraries: torchao for the 8-bit format (above). Stochastic rounding is torchao's and fluxzero.train.optim.optimizers's bit
 trick (add 16 random low bits, truncate) with the random bits from a counter-based hash of (state, step, element)
 rather than from a generator, which on the CPU fills tensors serially; the noise is then a function of the
 step alone, so resume is exact whatever else draws random numbers. Not DeepSpeedCPUAdam: it rounds bf16 masters to
@@ -34,7 +34,7 @@ nearest (most of a fine-tuning update is lost: tests/train/test_optim_quality.py
 
 DeepSpeed 0.19.8 accepts this optimizer with offload only through fluxzero.train.engine.accept_host_optimizer
 (its bf16-master offload check asks for exactly DeepSpeedCPUAdam); `fp32_optimizer_states = False` answers the
-other half of that check (base_optimizer._configure_master_weights). Build it with fluxzero.train.optim.
+other half of that check (base_optimizer._configure_master_weights). Build it with fluxzero.train.optim.optimizers.
 build_optimizer, which checks torchao and, at the first step, that the tensors really are bf16 host partitions.
 """
 from __future__ import annotations
@@ -47,8 +47,8 @@ import os
 import torch
 
 from fluxzero.config.optim_modes import HOST_STEP_CHUNK, QUANT_BLOCK
-from fluxzero.train.optim_state import ExactStateMixin
-from fluxzero.train.rounding import mix32, noise_key, round_keyed
+from fluxzero.train.optim.state import ExactStateMixin
+from fluxzero.train.optim.rounding import mix32, noise_key, round_keyed
 
 log = logging.getLogger(__name__)
 

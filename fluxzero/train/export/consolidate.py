@@ -1,6 +1,6 @@
 """What an export is made from, and whether it is already written: a checkpoint of any ZeRO stage as one fp32
 state dict (live weights or the EMA), and the freshness check of a full or LoRA export (written after the
-checkpoint, in the layout and dtype asked). export.py (full weights) and lora_export.py (adapters) share it."""
+checkpoint, in the layout and dtype asked). full.py (full weights) and lora.py (adapters) share it."""
 from __future__ import annotations
 
 import glob
@@ -11,11 +11,11 @@ import torch
 
 from fluxzero.config.user_files import parse_json
 from fluxzero.dtypes import safetensors_code
-from fluxzero.train import locks
-from fluxzero.train.checkpoint import load_trainer_state, step_folders
+from fluxzero.train.checkpoint import locks
+from fluxzero.train.checkpoint.store import load_trainer_state, step_folders
 from fluxzero.train.distributed import TrainingError, write_line
-from fluxzero.train.integrity import clean_save_files, file_problem, latest_problem, stray_files_problem
-from fluxzero.train.resume import newest_complete, saved_run, saved_view
+from fluxzero.train.checkpoint.integrity import clean_save_files, file_problem, latest_problem, stray_files_problem
+from fluxzero.train.checkpoint.resume import newest_complete, saved_run, saved_view
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:

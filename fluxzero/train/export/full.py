@@ -1,6 +1,6 @@
 """Export: a checkpoint of any ZeRO stage, consolidated (consolidate.py), as FLUX.1 safetensors (BFL, diffusers,
 ComfyUI), and the end-of-run export (a rerun of a finished run writes nothing again); LoRA checkpoints go to
-lora_export.py."""
+lora.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fluxzero.config.sections import ExportConfig
 from fluxzero.dtypes import torch_dtype
-from fluxzero.train.consolidate import consolidated_checkpoint, export_is_current
+from fluxzero.train.export.consolidate import consolidated_checkpoint, export_is_current
 from fluxzero.train.distributed import TrainingError
 
 
@@ -26,7 +26,7 @@ def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dt
     from fluxzero.model.weights import save_weights
 
     sd, tag_dir, saved = consolidated_checkpoint(path, weights)  # run.yaml read with the weights
-    from fluxzero.train import lora_export
+    from fluxzero.train.export import lora as lora_export
 
     if lora_export.is_lora_state_dict(sd):  # adapters only: a LoRA file in the layout's LoRA counterpart
         return lora_export.write_lora_export(sd, tag_dir, out, layout, dtype, saved=saved)
@@ -64,7 +64,7 @@ def final_export(cfg: ExportConfig, output_dir: str, ckpt_dir: Path, rank: int, 
     was written): an export newer than the checkpoint, in the same layout and dtype, is left as it is (a rerun
     of a finished run does nothing). lora: the run trains a LoRA (base: its base weights, for export.merged)."""
     if lora:  # lora.safetensors (and the merged weights with export.merged)
-        from fluxzero.train.lora_export import final_lora_export
+        from fluxzero.train.export.lora import final_lora_export
 
         return final_lora_export(cfg, output_dir, ckpt_dir, rank, base)
     name = "export_ema" if cfg.weights == "ema" else "export"

@@ -39,7 +39,7 @@ bf16_optimizer_states it demands CPU offload with DeepSpeedCPUAdam).
   bf16 keys DeepSpeed asserts "Master weights feature requires ZeRO-2 Offload with DeepSpeedCPUAdam", and
   with bf16.enabled alone it hands over fp32 partitions (our check stops it). The bf16 modes and DeepSpeed's
   optimizer offload do not combine: offload means DeepSpeedCPUAdam. (The cpu-* modes' HostAdamW, fluxzero.train.
-  host_optim, is let through by fluxzero.train.engine.accept_host_optimizer.)
+  optim.host, is let through by fluxzero.train.engine.accept_host_optimizer.)
 - bf16 modes with bf16 on at ZeRO 0, or bf16.enabled alone at ZeRO 1-3, step fp32 masters: rounding does
   nothing and nothing is saved. The step pre-hook of build_optimizer raises OptimModeError then.
 - Adafactor: at ZeRO 1-3 it sees one flat vector, so it is unfactored (a full variance: 2 B/param in bf16);
@@ -60,7 +60,7 @@ bf16_optimizer_states it demands CPU offload with DeepSpeedCPUAdam).
   -> next step is bit-identical for every mode at every stage (probe and tests).
 
 GRADIENT RELEASE (optimizer step fused into backward): the first attempt, below, failed under DeepSpeed's engine;
-fluxzero.train.fused_step (mode fused-adafactor-sr) answers each failure at ZeRO 0 (its docstring says how). Tried at ZeRO 0
+fluxzero.train.optim.fused_step (mode fused-adafactor-sr) answers each failure at ZeRO 0 (its docstring says how). Tried at ZeRO 0
 (benchmarks/archive/grad_release_probe.py): one optimizer per parameter, stepped by a post-accumulate-grad hook that
 then sets p.grad = None. Observed:
 - The engine refuses backward without an optimizer ("must provide optimizer during init in order to use
@@ -90,9 +90,9 @@ from collections.abc import Iterable
 import torch
 
 from fluxzero.config.optim_modes import MODES, STEP_CHUNK, get_mode, trainable_modes
-from fluxzero.train.fused_step import FusedStep
-from fluxzero.train.optim_state import ExactStateMixin
-from fluxzero.train.rounding import mix32, noise_key, round_keyed, round_with_noise
+from fluxzero.train.optim.fused_step import FusedStep
+from fluxzero.train.optim.state import ExactStateMixin
+from fluxzero.train.optim.rounding import mix32, noise_key, round_keyed, round_with_noise
 
 __all__ = ["build_optimizer", "KahanAdamW", "AdafactorSR", "FusedAdafactorSR", "stochastic_round_bf16", "OptimModeError"]
 
@@ -328,7 +328,7 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
         self.step_chunk = _check_chunk(step_chunk, _SUMSQ_BLOCK)
         # None: rounding noise from torch's generator (its state is in the trainer's checkpoint); an int: noise
         # keyed on (seed, the parameter's place in param_groups, its step), the same whatever order the tensors
-        # are stepped in (fluxzero.train.fused_step steps them in backward's order)
+        # are stepped in (fluxzero.train.optim.fused_step steps them in backward's order)
         self.noise_seed = noise_seed
         self._place = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
 
@@ -345,7 +345,7 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
 
         finite: None, or a 0-d bool tensor on p's device; where it is False the weight and its second moments stay
         as they are (only the step count moves). The decision stays on the device: no host sync, so a step in
-        backward (fluxzero.train.fused_step) never stalls the queue of kernels behind it."""
+        backward (fluxzero.train.optim.fused_step) never stalls the queue of kernels behind it."""
         st = self.state[p]
         if not st:
             st["step"] = torch.tensor(0.0)
@@ -493,7 +493,7 @@ def _compile_failed(e: Exception) -> None:
 
 
 class FusedAdafactorSR(FusedStep, AdafactorSR):
-    """AdafactorSR stepped per parameter in backward (fluxzero.train.fused_step): mode fused-adafactor-sr."""
+    """AdafactorSR stepped per parameter in backward (fluxzero.train.optim.fused_step): mode fused-adafactor-sr."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -519,7 +519,7 @@ def build_optimizer(params: Iterable, mode: str, lr: float, betas: tuple[float, 
     Modes whose master weights are bf16 check, at their first step, that the tensors they step really are
     bf16; otherwise DeepSpeed kept fp32 masters and the mode saves nothing (OptimModeError says which keys).
     `allow_comparison_only` admits "bf16-rtn", which loses most fine-tuning updates (tests compare with it).
-    `noise_seed` keys the rounding noise of the fused modes (fluxzero.train.fused_step), which step the tensors in
+    `noise_seed` keys the rounding noise of the fused modes (fluxzero.train.optim.fused_step), which step the tensors in
     backward's order; the others draw theirs from torch's generator.
     For Adafactor `betas` and `eps` are unused: it has no first moment; its epsilons are torch's defaults
     except eps1, which is fp32's (see AdafactorSR.step).
@@ -573,7 +573,7 @@ def _fused_adafactor_sr(params, spec, lr, betas, eps, weight_decay, noise_seed):
 
 def _host_adamw(states: str):
     def build(params, spec, lr, betas, eps, weight_decay, noise_seed):
-        from fluxzero.train.host_optim import HostAdamW
+        from fluxzero.train.optim.host import HostAdamW
 
         if states == "8bit":
             _torchao_optim(spec.name)  # the 8-bit format is torchao's

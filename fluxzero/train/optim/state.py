@@ -1,5 +1,5 @@
-"""Optimizer checkpoints that round-trip exactly: ExactStateMixin, shared by fluxzero.train.optim's optimizers and
-fluxzero.train.host_optim's (a module of its own so that both can build on it without importing each other)."""
+"""Optimizer checkpoints that round-trip exactly: ExactStateMixin, shared by fluxzero.train.optim.optimizers's optimizers and
+fluxzero.train.optim.host's (a module of its own so that both can build on it without importing each other)."""
 from __future__ import annotations
 
 from itertools import chain

@@ -1,5 +1,5 @@
 """Export of a LoRA run: its checkpoint's adapters as a LoRA file (diffusers/PEFT or kohya/ComfyUI layout),
-or merged into the base weights in any full layout. export.py consolidates the checkpoint and hands LoRA
+or merged into the base weights in any full layout. full.py consolidates the checkpoint and hands LoRA
 checkpoints here.
 
 A LoRA checkpoint holds the adapters only (checkpoint.save leaves the frozen base out), so consolidation
@@ -14,7 +14,7 @@ import torch
 
 from fluxzero.config.sections import ExportConfig
 from fluxzero.dtypes import torch_dtype
-from fluxzero.train.consolidate import consolidated_checkpoint, export_is_current, lora_is_current
+from fluxzero.train.export.consolidate import consolidated_checkpoint, export_is_current, lora_is_current
 from fluxzero.train.distributed import TrainingError
 
 # export.format -> the layout of the adapter file: ComfyUI (and tools on BFL's names) read kohya's layout,
