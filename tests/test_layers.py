@@ -207,6 +207,13 @@ def test_names_are_imported_from_the_module_that_defines_them():
     assert not wrong, "import each name from where it lives: " + "; ".join(sorted(set(wrong)))
 
 
+def test_every_import_names_a_module_that_exists():
+    """A moved module leaves no import of its old path behind (relative and function-level imports too)."""
+    missing = [f"{path.relative_to(ROOT)}:{line} imports {target}, which is not a module of the package"
+               for path, module in _sources() for line, target, _ in _imports(path, module) if target not in MODULES]
+    assert not missing, "; ".join(missing)
+
+
 def test_the_checks_see_a_cycle_and_an_upward_import():
     """The graph reader finds what it must (a test that cannot fail is a defect)."""
     assert _cycles({"fluxzero.a": {"fluxzero.b": 1}, "fluxzero.b": {"fluxzero.c": 1}, "fluxzero.c": {"fluxzero.a": 1},

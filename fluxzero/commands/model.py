@@ -142,7 +142,7 @@ def _convert_lora(src: Path, dst: Path, layout: str, dtype: str) -> None:
     from ..config.lora import LoraConfig
     from ..model.lora_keys import LoraError
     from ..model.lora_formats import read_lora, save_lora
-    from ..train.lora_export import LORA_LAYOUTS
+    from ..train.export.lora import LORA_LAYOUTS
 
     if dst.suffix != ".safetensors":
         raise click.BadParameter("a LoRA is written as one file: give OUT a .safetensors name", param_hint="OUT")
@@ -178,7 +178,7 @@ def _convert_to_plain(src: Path, dst: Path, layout: str, dtype: str, rank: int, 
     from ..model.lora_formats import read_lora, save_lora
     from ..model.lora_keys import LoraError
     from ..model.weights import load_weights
-    from ..train.lora_export import LORA_LAYOUTS
+    from ..train.export.lora import LORA_LAYOUTS
 
     if dst.suffix != ".safetensors":
         raise click.BadParameter("a LoRA is written as one file: give OUT a .safetensors name", param_hint="OUT")

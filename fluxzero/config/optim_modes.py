@@ -62,7 +62,7 @@ class OptimMode:
     # (fluxzero.train.optim.host); "none": runs where ZeRO keeps the partitions, offload refused for bf16 masters
     optimizer_offload: str = "none"
     # True: each parameter is stepped during backward as soon as its gradient is complete (fluxzero.train.
-    # fused_step), so no whole-model gradient buffer exists (`grads` 0: one tensor's gradient at a time) and the
+    # optim.fused_step), so no whole-model gradient buffer exists (`grads` 0: one tensor's gradient at a time) and the
     # weights of the last fluxzero.offload_blocks blocks may live in host memory (fluxzero.train.block_stream)
     fused: bool = False
     trajectory: str = "AdamW"  # the update rule it follows, as --fit names it: "AdamW" or "Adafactor"

@@ -295,7 +295,7 @@ def _zero_grad_norm(self, gradients, params, norm_type=2, *, plain):
 @contextlib.contextmanager
 def accept_host_optimizer(optimizer):
     """Let ZeRO offload bf16 master weights for a client optimizer that steps them on the host (fluxzero.train.
-    host_optim.HostAdamW), for the length of deepspeed.initialize; any other optimizer: nothing changes.
+    optim.host.HostAdamW), for the length of deepspeed.initialize; any other optimizer: nothing changes.
 
     deepspeed 0.19.8 offloads bf16 masters (bf16_master_weights_and_grads) only after asserting that the optimizer's
     class is exactly DeepSpeedCPUAdam: `type(self.optimizer) in [DeepSpeedCPUAdam]` (runtime/zero/stage_1_and_2.py
