@@ -45,7 +45,7 @@ def build_engine(model_cfg, ds: dict, ckpt_every: int, device: torch.device, see
 
     if ckpt_every not in (0, 1):
         raise ValueError("diffusers' enable_gradient_checkpointing checkpoints every block: use ckpt 0 or 1")
-    from fluxzero.config.ds_view import view
+    from fluxzero.config.deepspeed.view import view
 
     stage = view(ds).stage  # the one parsed view of a DeepSpeed config, as the trainer reads it
     torch.manual_seed(seed)

@@ -59,7 +59,7 @@ DATA = ("bucketed", "one-shape")
 # token axis left to Dynamo's default, as the trainer compiled before fluxzero.compile.dynamic (a sitecustomize
 # module on the child's path replaces DSView.dynamic_tokens; the trainer's files are untouched)
 IMPLS = ("fluxzero", "peer", "fluxzero-static", "fluxzero-dynamo")
-SITECUSTOMIZE_DYNAMO = """from fluxzero.config.ds_view import DSView
+SITECUSTOMIZE_DYNAMO = """from fluxzero.config.deepspeed.view import DSView
 DSView.dynamic_tokens = lambda self, token_counts: None
 """
 

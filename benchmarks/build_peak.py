@@ -44,7 +44,7 @@ import torch, deepspeed
 importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 from fluxzero.config.models import resolve_model
-from fluxzero.config.ds_view import view
+from fluxzero.config.deepspeed.view import view
 from fluxzero.config.lora import LoraConfig
 from fluxzero.model import build_model
 from fluxzero.train import engine as E

@@ -37,7 +37,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # runner, also when this file is l
 
 import runner  # noqa: E402
 
-from fluxzero.config import ds_config, memory  # noqa: E402  (pure modules: the parent never imports torch)
+from fluxzero.config.deepspeed import build as ds_config  # noqa: E402  (pure modules: the parent never imports torch)
+
+from fluxzero.config import memory  # noqa: E402
 from fluxzero.config import get_model_config  # noqa: E402
 
 GiB = memory.GiB

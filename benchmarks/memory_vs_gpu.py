@@ -9,7 +9,7 @@ the same configuration. No GPU, no torch.
 
 Each prediction reads the DeepSpeed config the row recorded (the one that ran: stage, buckets, prefetch,
 persistence, sub-group size, torch AdamW with fused=True) through memory.run_options_from_ds_config; a row
-without one (a case that ran out of memory) gets the config the sweep builds for it (fluxzero.config.ds_config,
+without one (a case that ran out of memory) gets the config the sweep builds for it (fluxzero.config.deepspeed.build,
 as benchmarks/sweep.py does). The model is trained from random init (no weights file: load_bytes=0).
 Measured = the largest value over ranks. fluxzero rows are compared; the diffusers baseline rows (another
 model implementation, not what fluxzero.config.memory describes) are listed for reference only.
@@ -23,7 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fluxzero.config import ds_config, memory  # noqa: E402  (pure modules)
+from fluxzero.config.deepspeed import build as ds_config  # noqa: E402  (pure modules)
+
+from fluxzero.config import memory  # noqa: E402
 from fluxzero.config import get_model_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner, also when this file is loaded by path

@@ -12,7 +12,7 @@ data. benchmarks/report.py turns the JSON lines into a markdown table and a plot
 A fluxzero step IS the trainer's: `fluxzero.train.loop.setup(cfg, rank, world, device)` builds what
 `train()` runs (the DeepSpeed config view, the trainer's data loader, the engine with checkpointing / compile
 applied by fluxzero.train.engine, and `run.step`, the public TrainStep), from a run file (TrainConfig, see
-run_file) and the case's DeepSpeed JSON written by fluxzero.config.ds_config.build; the sweep times
+run_file) and the case's DeepSpeed JSON written by fluxzero.config.deepspeed.build.build; the sweep times
 `run.step()`. Data comes through the trainer's loader: a synthetic source of the case's sizes, or a shard
 folder (--data, Case.data). The one difference from train(): a non-finite loss is recorded (the row becomes
 INVALID) instead of stopping the case. Rows say engine_api = "fluxzero.train.loop.setup + TrainStep" (rows of
@@ -81,7 +81,7 @@ class Case:
     txt: int = 512  # T5 tokens
     attn: str = "flash"
     optim: str = "torch-fused"
-    zero_opts: dict = field(default_factory=dict)  # extra fluxzero.config.ds_config options, e.g. stage-3 buckets
+    zero_opts: dict = field(default_factory=dict)  # extra fluxzero.config.deepspeed.build options, e.g. stage-3 buckets
     env: dict = field(default_factory=dict)  # extra environment, e.g. PYTORCH_CUDA_ALLOC_CONF
     warmup: int = 2
     steps: int = 5
@@ -315,7 +315,7 @@ def _is_oom(e: BaseException) -> bool:
 
 
 Z3_LEAF_CLASSES = ["fluxzero.model.layers.DoubleStreamBlock", "fluxzero.model.layers.SingleStreamBlock"]
-DS_CONFIG_SOURCE = "fluxzero.config.ds_config"
+DS_CONFIG_SOURCE = "fluxzero.config.deepspeed.build"
 ENGINE_API = "fluxzero.train.loop.setup + TrainStep"
 BASELINE_API = "deepspeed.initialize (diffusers FluxTransformer2DModel, as users wrap it)"
 
@@ -330,7 +330,7 @@ def deepspeed_config(case: Case, world: int) -> dict:
             raise ValueError(f"{case.ds_json} has micro batch {got[0]}, ZeRO-{got[1]}; the case says {case.mb}, "
                              f"ZeRO-{case.zero}")
         return ds
-    from fluxzero.config import ds_config as gen
+    from fluxzero.config.deepspeed import build as gen
 
     adam = {"torch-fused": "torch", "torch": "torch", "deepspeed-fused": "fused"}[case.optim]
     opts = gen.options_from(model=case.model, micro_batch=case.mb, grad_accum=1, world_size=world,
@@ -456,7 +456,7 @@ def baseline_runner(case: Case, cfg, rank: int, world: int, device, hook):
 
     import baseline_diffusers
     from fluxzero.config import get_model_config
-    from fluxzero.config.ds_file import load_for_training
+    from fluxzero.config.deepspeed.file import load_for_training
     from fluxzero.data import build_dataloader
     from fluxzero.model.math import ATTENTION_BACKENDS
     from fluxzero.train import flow

@@ -882,7 +882,7 @@ def _read_saved_run(tmp: Path, text: str):
 def _reader_cases():
     """(name, reader(tmp) that raises, words its one sentence holds)."""
     def ds_json(tmp):
-        from fluxzero.config.ds_file import read_json
+        from fluxzero.config.deepspeed.file import read_json
 
         (tmp / "ds.json").write_text('{"optimizer": ' + DEEP_JSON + "}")
         return read_json(tmp / "ds.json")
@@ -1038,7 +1038,7 @@ def test_run_file_refuses_unbounded_numbers(override, words):
 ], ids=lambda a: " ".join(a[2:]) or "plain")
 def test_what_gen_config_writes_passes_the_trainers_checks(tmp_path, argv):
     from fluxzero.cli import main
-    from fluxzero.config.ds_file import load_for_training
+    from fluxzero.config.deepspeed.file import load_for_training
     from fluxzero.config.runfile import load_config
 
     out = tmp_path / "ds.json"
@@ -1081,7 +1081,7 @@ def test_gen_config_fit_never_writes_fp8_at_zero3(tmp_path):
     """--fit with --fp8 pinned on a GPU too small for ZeRO-2: the ZeRO-3 rows are not written (the trainer refuses
     fp8 at ZeRO-3), so gen-config writes a config the trainer accepts or nothing at all."""
     from fluxzero.cli import main
-    from fluxzero.config.ds_file import load_for_training
+    from fluxzero.config.deepspeed.file import load_for_training
 
     out = tmp_path / "ds.json"
     r = CliRunner().invoke(main, ["gen-config", "--fit", "--fp8", "tensorwise", "--precision", "bf16", "--model",

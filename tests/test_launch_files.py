@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fluxzero.config.ds_file import load_for_training
+from fluxzero.config.deepspeed.file import load_for_training
 from fluxzero.config.runfile import load_config
 from tests.pure_python import BLOCKER
 

@@ -9,7 +9,9 @@ Layers, lowest first (a module may import its own layer and lower ones):
   4  commands
   5  cli
 Inside a layer, a package's subsystem folders are ordered too (ROOMS): in train, the optimizers know nothing of
-checkpoints, checkpoints nothing of export, and nothing imports the loop; train's other modules sit between.
+checkpoints, checkpoints nothing of export, and nothing imports the loop; train's other modules sit between. In
+config, the run file's modules know nothing of the DeepSpeed config (deepspeed/), which knows nothing of the memory
+planner (memory/).
 Function-level imports count like module-level ones: the house imports heavy dependencies (torch, deepspeed,
 diffusers) inside command bodies, never its own modules to dodge a cycle, so an import inside a function is a
 dependency all the same.
@@ -23,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fluxzero"
 LAYERS = {"config": 1, "cluster": 1, "model": 2, "data": 2, "sampling": 3, "train": 3, "commands": 4, "cli": 5}
 # package -> {room (its first name below the package): rank}; a room not named has DEFAULT_ROOM
-ROOMS = {"train": {"optim": 0, "checkpoint": 1, "export": 2, "loop": 3}}
+ROOMS = {"train": {"optim": 0, "checkpoint": 1, "export": 2, "loop": 3},
+         "config": {"deepspeed": 2, "memory": 3}}
 DEFAULT_ROOM = 1
 OTHER_SOURCES = ("tests", "benchmarks", "launch")  # they import the package too: no names through re-exports
 
@@ -180,7 +183,7 @@ def _sources():
 
 
 def test_names_are_imported_from_the_module_that_defines_them():
-    """No re-export shims: `from fluxzero.config.ds_config import check` where `check` lives in ds_check, or
+    """No re-export shims: `from fluxzero.config.deepspeed.build import check` where `check` lives in ds_check, or
     `ds_config.check`, would keep two spellings of one name alive."""
     borrowed = {m: _borrowed(m) for m in MODULES}
     wrong = []
@@ -222,8 +225,9 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     assert _layer("fluxzero.cli") > _layer("fluxzero.commands.train") > _layer("fluxzero.train.loop") \
         > _layer("fluxzero.model.flux") > _layer("fluxzero.config.run") > _layer("fluxzero.fsutil")
     assert _layer("fluxzero.sampling.sampler") == _layer("fluxzero.train.flow")
-    for room in ROOMS["train"]:  # each named room exists: a renamed folder must not leave its rank behind
-        assert f"fluxzero.train.{room}" in MODULES, room
+    for package, rooms in ROOMS.items():  # each named room exists: a renamed folder must not leave its rank behind
+        for room in rooms:
+            assert f"fluxzero.{package}.{room}" in MODULES, room
     assert _against_the_rooms({"fluxzero.train.optim.optimizers": {"fluxzero.train.checkpoint.store": 1},
                                "fluxzero.train.export.full": {"fluxzero.train.loop": 2},
                                "fluxzero.train.loop": {"fluxzero.train.export.full": 3}}) == [

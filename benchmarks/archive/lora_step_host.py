@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fluxzero.config import get_model_config
-from fluxzero.config.ds_view import view
+from fluxzero.config.deepspeed.view import view
 from fluxzero.config.lora import LoraConfig
 from fluxzero.train.distributed import init_distributed
 

@@ -6,7 +6,7 @@
         --attn auto --mb 2 --warmup 1 --steps 3                                           # CPU smoke test
 
 1. The trainer: `launch/train.py --config <run file>` under `torch.distributed.run`, with the run file
-   (sweep.run_file) and DeepSpeed JSON (sweep.deepspeed_config, i.e. fluxzero.config.ds_config.build) of the case,
+   (sweep.run_file) and DeepSpeed JSON (sweep.deepspeed_config, i.e. fluxzero.config.deepspeed.build.build) of the case,
    for warmup + steps optimizer steps, log_every 1. Its samples/s per step come from its own metrics.jsonl
    (fluxzero.train.metrics: global batch / the slowest rank's step time). Once the last step's row is there
    the trainer's process group (which this script started) is killed (SIGKILL: SIGTERM would make it save):

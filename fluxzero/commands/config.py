@@ -17,11 +17,12 @@ from fluxzero.commands.options import NONNEG as _NONNEG
 from fluxzero.commands.options import POS as _POS
 from fluxzero.commands.options import (ADAPTER_KEYS, ADAPTER_OPTIONS, adapter_fields, gpu_memory_from,
                                        parse_lora_targets, topology_from)
-from fluxzero.config import ds_check, ds_config, ds_view, memory, optim_modes
-from fluxzero.config.adam_impl import ADAM_IMPLS
-from fluxzero.config.ds_check import FP8_RECIPES
-from fluxzero.config.ds_config import DSOptions
-from fluxzero.config.ds_view import DSConfigError
+from fluxzero.config.deepspeed import check as ds_check, build as ds_config, view as ds_view
+from fluxzero.config import memory, optim_modes
+from fluxzero.config.deepspeed.adam_impl import ADAM_IMPLS
+from fluxzero.config.deepspeed.check import FP8_RECIPES
+from fluxzero.config.deepspeed.build import DSOptions
+from fluxzero.config.deepspeed.view import DSConfigError
 from fluxzero.fsutil import atomic_write
 
 _D = DSOptions()
@@ -403,7 +404,7 @@ def check_config(file, hostfile, world_size, run_deepspeed):
         except ImportError as e:
             raise click.UsageError(f"DeepSpeed's parser cannot run here ({e}); pip install -e '.[train]', or "
                                    "pass --no-deepspeed for fluxzero's checks alone.") from None
-        from fluxzero.config.ds_validate import deepspeed_problems
+        from fluxzero.config.deepspeed.validate import deepspeed_problems
 
         cfg = ds_check.without_auto(cfg)
         problems += deepspeed_problems(cfg, world or ds_check.implied_world_size(cfg) or 1)

@@ -13,8 +13,9 @@ from fluxzero.commands import options
 from fluxzero.commands.model_spec import MODEL_SPEC
 from fluxzero.commands.options import (ADAPTER_OPTIONS, POS, Finite, adapter_fields, gpu_memory_from,
                                        parse_lora_targets, topology_from)
-from fluxzero.config import ds_check, ds_view, get_model_config, memory, optim_modes, reshaped
-from fluxzero.config.adam_impl import ADAM_IMPLS, optimizer_impl
+from fluxzero.config.deepspeed import check as ds_check, view as ds_view
+from fluxzero.config import get_model_config, memory, optim_modes, reshaped
+from fluxzero.config.deepspeed.adam_impl import ADAM_IMPLS, optimizer_impl
 from fluxzero.config.lora import ADAPTER_NAMES, BASE_QUANTS, DEFAULT_TARGETS
 from fluxzero.config.memory import GiB
 
@@ -113,7 +114,7 @@ def build_spec(ctx, model, ds_path, nodes, gpus_per_node, resolution, txt_len, a
             "ema_device": values.get("ema_device", "gpu")}
     fields["zero"] = memory.gen_config_zero(model, fields["stage"])
     if ds_path is not None:
-        from fluxzero.config import ds_check, ds_file
+        from fluxzero.config.deepspeed import check as ds_check, file as ds_file
 
         try:
             ds = ds_file.read_json(ds_path)

@@ -2,7 +2,7 @@
 where, what DeepSpeed needs, which ZeRO stages and offload it runs with, its caveat, where --fit tries it and which
 builder makes it (pure).
 
-No torch import: gen-config (fluxzero.config.ds_config), the checker (ds_check), the memory model
+No torch import: gen-config (fluxzero.config.deepspeed.build), the checker (ds_check), the memory model
 (memory/model_states.py, memory/fit.py) read this registry; `fluxzero.train.optim.optimizers.build_optimizer` builds each
 mode through `BUILDERS[mode.builder]`. Adding a mode is an entry in MODES (and a builder there when no existing
 one fits). The DeepSpeed behaviour behind the fields below was measured with real engines (see the

@@ -21,7 +21,7 @@ from fluxzero.config.user_files import excerpt
 # ---------------------------------------------------------------------------------------------------------
 # Training run file (YAML -> TrainConfig). Loading YAML happens in fluxzero.config.runfile.load_config; this stays stdlib only.
 # ---------------------------------------------------------------------------------------------------------
-# Keys an older run file carried that the DeepSpeed JSON owns now (ds_view's rule: what DeepSpeed's engine does is
+# Keys an older run file carried that the DeepSpeed JSON owns now (config/deepspeed/view.py's rule: what DeepSpeed's engine does is
 # set in its config, nowhere else), with where each lives there.
 MOVED_TO_DEEPSPEED = {
     "micro_batch": "train_micro_batch_size_per_gpu",
@@ -105,7 +105,7 @@ class TrainConfig:
     """One training run, as written in the YAML run file (command-line `key=value` overrides on top).
 
     Batch sizes, precision, optimizer, lr schedule and gradient clipping are the DeepSpeed config's
-    (`fluxzero.config.ds_view` reads them); this holds what the trainer does around the engine.
+    (`fluxzero.config.deepspeed.view` reads them); this holds what the trainer does around the engine.
     """
 
     deepspeed: str  # DeepSpeed JSON config (from `fluxzero gen-config`)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from fluxzero.config import ModelConfig
-from fluxzero.config.ds_view import DSView
+from fluxzero.config.deepspeed.view import DSView
 from fluxzero.model.compile import apply_compile
 from fluxzero.train.distributed import TrainingError, broadcast_objects
 
@@ -558,7 +558,7 @@ def _selective_checkpoint(forward, *args, compiled: bool = False):
 
 def checkpoint_function(implementation: str = "torch", policy: str = "full", v: DSView | None = None,
                         compiled: bool = False):
-    """fn(forward, *args) that runs a block checkpointed by `implementation` with `policy` (ds_check's names;
+    """fn(forward, *args) that runs a block checkpointed by `implementation` with `policy` (fluxzero.config.deepspeed.check's names;
     deepspeed.checkpointing's options from `v`); `compiled`: fn runs inside the compiled graph. The DeepSpeed config
     check refuses the selective policy with implementation deepspeed."""
     if implementation == "deepspeed":

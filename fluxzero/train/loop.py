@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from fluxzero.config import TrainConfig, resolve_model
-from fluxzero.config.ds_file import load_for_training
-from fluxzero.config.ds_view import DSConfigError, DSView
+from fluxzero.config.deepspeed.file import load_for_training
+from fluxzero.config.deepspeed.view import DSConfigError, DSView
 from fluxzero.config.runfile import ConfigError, config_text, load_config, override_key, split_allow
 from fluxzero.train import distributed
 from fluxzero.train.distributed import Interrupted, TrainingError, write_line

@@ -50,7 +50,7 @@ def test_named_sets_are_well_formed():
 
 def test_every_gpu_case_gets_a_config_deepspeed_accepts():
     # configs are refused here, in seconds, not on the GPU machine after its start-up
-    from fluxzero.config import ds_check, ds_validate, ds_view
+    from fluxzero.config.deepspeed import check as ds_check, validate as ds_validate, view as ds_view
 
     seen = set()
     for name, (fn, _, _) in sweep.SETS.items():
@@ -177,7 +177,7 @@ def test_cpu_sweep_end_to_end(tmp_path):
     # the fluxzero rows ran the trainer's own setup and TrainStep on its loader; the baseline its own step
     assert rows[0]["impl"] == "fluxzero" and rows[0]["engine_api"] == "fluxzero.train.loop.setup + TrainStep"
     assert rows[2]["engine_api"] == rows[0]["engine_api"] and rows[1]["engine_api"] == sweep.BASELINE_API
-    assert rows[0]["ds_config_source"] == "fluxzero.config.ds_config"
+    assert rows[0]["ds_config_source"] == "fluxzero.config.deepspeed.build"
     assert rows[0]["data_source"].startswith("synthetic:n=12,hw=8x8,txt=16,")  # 2 ranks x mb 2 x 3 steps
     assert rows[0]["ds_config"]["fluxzero"]["activation_checkpointing"]["every_k_blocks"] == 1
     assert all(r["data_s"] > 0 for r in rows[:3])  # next(loader) + prepare_batch, timed by on_phase marks

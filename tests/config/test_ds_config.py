@@ -10,12 +10,12 @@ from tests.pure_python import run_without_torch
 from click.testing import CliRunner
 
 from fluxzero import fsutil
-from fluxzero.config import ds_check, ds_config
+from fluxzero.config.deepspeed import check as ds_check, build as ds_config
 from fluxzero.cli import main
 from fluxzero.commands import config as config_cmd
-from fluxzero.config.ds_check import check
-from fluxzero.config.ds_config import build, options_from
-from fluxzero.config.ds_view import DSConfigError
+from fluxzero.config.deepspeed.check import check
+from fluxzero.config.deepspeed.build import build, options_from
+from fluxzero.config.deepspeed.view import DSConfigError
 
 
 def run(*args):

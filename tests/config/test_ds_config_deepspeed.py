@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fluxzero.config import ds_check, ds_config
+from fluxzero.config.deepspeed import check as ds_check, build as ds_config
 from fluxzero.cli import main
-from fluxzero.config.ds_check import check
-from fluxzero.config.ds_config import build, options_from
-from fluxzero.config.ds_view import DSConfigError
-from fluxzero.config.ds_validate import deepspeed_problems, parse
+from fluxzero.config.deepspeed.check import check
+from fluxzero.config.deepspeed.build import build, options_from
+from fluxzero.config.deepspeed.view import DSConfigError
+from fluxzero.config.deepspeed.validate import deepspeed_problems, parse
 from tests.helpers import ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[2]

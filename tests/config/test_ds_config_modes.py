@@ -9,9 +9,9 @@ from click.testing import CliRunner
 
 from fluxzero.cli import main
 from fluxzero.config import optim_modes
-from fluxzero.config.ds_check import check
-from fluxzero.config.ds_config import build, options_from
-from fluxzero.config.ds_view import view
+from fluxzero.config.deepspeed.check import check
+from fluxzero.config.deepspeed.build import build, options_from
+from fluxzero.config.deepspeed.view import view
 
 
 def gen(*args) -> dict:
@@ -240,8 +240,8 @@ def test_offload_blocks_needs_a_fused_mode():
                                                                     "memory, which only a fused optimizer mode supports"),
 ])
 def test_check_config_and_the_trainer_refuse_what_the_fused_mode_cannot_run(tmp_path, edit, sentence):
-    from fluxzero.config.ds_file import load_for_training
-    from fluxzero.config.ds_view import DSConfigError
+    from fluxzero.config.deepspeed.file import load_for_training
+    from fluxzero.config.deepspeed.view import DSConfigError
 
     cfg = gen(*FUSED, "--offload-blocks", "2")
     edit(cfg)
@@ -253,8 +253,8 @@ def test_check_config_and_the_trainer_refuse_what_the_fused_mode_cannot_run(tmp_
 
 
 def test_adamw8bit_sr_with_a_universal_checkpoint_load_is_refused_up_front(tmp_path):
-    from fluxzero.config.ds_file import load_for_training
-    from fluxzero.config.ds_view import DSConfigError
+    from fluxzero.config.deepspeed.file import load_for_training
+    from fluxzero.config.deepspeed.view import DSConfigError
 
     sentence = ("fluxzero.optimizer_mode adamw8bit-sr keeps optimizer states that DeepSpeed's universal checkpoint "
                 "cannot split per parameter: remove checkpoint.load_universal and resume at the world size the "

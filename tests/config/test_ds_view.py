@@ -1,4 +1,4 @@
-"""fluxzero.config.ds_view: the one parsed view of a DeepSpeed config, and the readers that go through it
+"""fluxzero.config.deepspeed.view: the one parsed view of a DeepSpeed config, and the readers that go through it
 (the run file's moved keys, the memory model, `estimate --ds-config`, `check-config`'s summary). Pure Python."""
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 from fluxzero.cli import main
-from fluxzero.config import ds_config, ds_file, ds_view, memory
-from fluxzero.config.ds_view import DSConfigError, DSView, view
+from fluxzero.config.deepspeed import build as ds_config, file as ds_file, view as ds_view
+from fluxzero.config import memory
+from fluxzero.config.deepspeed.view import DSConfigError, DSView, view
 from fluxzero.config.run import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]

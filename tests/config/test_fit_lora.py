@@ -8,7 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from fluxzero.cli import main
-from fluxzero.config import ds_config, get_model_config, memory
+from fluxzero.config.deepspeed import build as ds_config
+from fluxzero.config import get_model_config, memory
 from fluxzero.config.memory import GiB, RunSpec, estimate
 from tests.pure_python import run_without_torch
 

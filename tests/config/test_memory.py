@@ -194,7 +194,7 @@ def test_monotone_in_the_obvious_directions():
 
 
 def test_cpu_checkpointing_moves_checkpointed_inputs_to_the_host():
-    from fluxzero.config import ds_config
+    from fluxzero.config.deepspeed import build as ds_config
 
     ds = ds_config.build(ds_config.options_from(None, world_size=8, micro_batch=4, checkpoint_impl="deepspeed",
                                                 cpu_checkpointing=True))
@@ -229,7 +229,7 @@ def test_bad_specs_name_the_field():
 
 
 def test_run_options_from_gen_config_output():
-    from fluxzero.config import ds_config
+    from fluxzero.config.deepspeed import build as ds_config
 
     cfg = ds_config.build(ds_config.options_from("zero3-offload", world_size=2, micro_batch=4, checkpoint_every=2))
     got = memory.run_options_from_ds_config(cfg)
@@ -467,7 +467,7 @@ def test_fit_respects_what_was_given_and_advises_within_it(tmp_path):
 def test_pinned_offload_buffers_are_counted_as_torch_allocates_them():
     """torch's pinned-memory allocator rounds each block up to a power of two: the 48 GB full fine-tune's host
     (ZeRO-3, optimizer offload, cpu-adamw8bit-sr) measured 103.1 GiB on one H200, 91.1 predicted before this."""
-    from fluxzero.config import ds_config
+    from fluxzero.config.deepspeed import build as ds_config
     from fluxzero.config.memory.model_states import pinned_block
 
     assert [pinned_block(n) for n in (1, 3, 4, 5, 2**30 + 1)] == [1, 4, 4, 8, 2**31]

@@ -50,10 +50,11 @@ def _storage_bytes(engine) -> int:
 
 def _worker(rank, world, port, out_dir):
     enter_rank(rank, world, port)
-    from fluxzero.config import ds_config, memory
+    from fluxzero.config.deepspeed import build as ds_config
+    from fluxzero.config import memory
     from fluxzero.train import flow
     from fluxzero.config import FlowConfig, get_model_config
-    from fluxzero.config.ds_file import load_for_training
+    from fluxzero.config.deepspeed.file import load_for_training
     from fluxzero.data import build_dataloader
     from fluxzero.train import engine as ds_engine
     from fluxzero.train.distributed import init_distributed
@@ -162,8 +163,10 @@ def _gather_worker(rank, world, port, out_file):
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fluxzero.config import ds_config, get_model_config, memory
-    from fluxzero.config.ds_view import view
+    from fluxzero.config.deepspeed import build as ds_config
+
+    from fluxzero.config import get_model_config, memory
+    from fluxzero.config.deepspeed.view import view
     from fluxzero.config.lora import LoraConfig
     from fluxzero.train.distributed import init_distributed
     from fluxzero.train.engine import build_engine

@@ -65,7 +65,7 @@ def test_each_mode_writes_checks_and_estimates(tmp_path, name):
 _ENGINES = ('import warnings\nwarnings.filterwarnings("ignore")\n' + ONE_RANK + r"""
 import json, sys
 from fluxzero.config import FlowConfig, get_model_config
-from fluxzero.config.ds_file import load_for_training
+from fluxzero.config.deepspeed.file import load_for_training
 from fluxzero.data import build_dataloader
 from fluxzero.train import engine as ds_engine, flow
 for arg in sys.argv[1:]:

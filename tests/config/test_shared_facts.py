@@ -10,7 +10,8 @@ from click.testing import CliRunner
 from fluxzero.cli import main
 from fluxzero.commands import config as config_cmd
 from fluxzero.commands import estimate as estimate_cmd
-from fluxzero.config import adam_impl, ds_check, ds_config, ds_view, memory
+from fluxzero.config.deepspeed import adam_impl, check as ds_check, build as ds_config, view as ds_view
+from fluxzero.config import memory
 from fluxzero.config.ema import EMA_DEVICES, EMA_DTYPES
 from fluxzero.config.lora import BASE_QUANTS, DEFAULT_TARGETS, LoraConfig
 from fluxzero.config.memory import RunSpec

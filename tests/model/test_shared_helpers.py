@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fluxzero.config import ds_view
+from fluxzero.config.deepspeed import view as ds_view
 from fluxzero.dtypes import SAFETENSORS_CODES, TORCH_NAMES, safetensors_code, torch_dtype, torch_name
 from fluxzero.fsutil import atomic_file
 from fluxzero.model.layouts import split_sizes, swap_halves

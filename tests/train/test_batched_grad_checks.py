@@ -36,7 +36,7 @@ def _run(stage: int, batched: bool, nan: bool) -> dict:
     import torch.distributed as dist
 
     from fluxzero.config import get_model_config
-    from fluxzero.config.ds_view import view
+    from fluxzero.config.deepspeed.view import view
     from fluxzero.config.lora import LoraConfig
     from fluxzero.train import engine as E
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fluxzero.config import ds_check
-from fluxzero.config.ds_file import load_for_training
-from fluxzero.config.ds_view import DSConfigError
+from fluxzero.config.deepspeed import check as ds_check
+from fluxzero.config.deepspeed.file import load_for_training
+from fluxzero.config.deepspeed.view import DSConfigError
 from fluxzero.train.distributed import TrainingError
 from fluxzero.train.checkpoint.integrity import file_problem
 from fluxzero.train.export.consolidate import _stage0_master_weights, consolidated_state_dict, resolve_checkpoint

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from fluxzero.cli import main
-from fluxzero.config import ds_check
+from fluxzero.config.deepspeed import check as ds_check
 from tests.helpers import ROOT, plain_losses, tiny_ds, train_ok
 
 torchao = pytest.importorskip("torchao")

@@ -201,7 +201,7 @@ def test_a_blocks_gradients_averaged_in_one_all_reduce_equal_one_all_reduce_per_
 
 def test_a_lora_and_too_many_streamed_blocks_are_refused_before_the_model_is_built():
     from fluxzero.config import get_model_config
-    from fluxzero.config.ds_view import view
+    from fluxzero.config.deepspeed.view import view
     from fluxzero.train.distributed import TrainingError
     from fluxzero.train.engine import plan_streaming
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from fluxzero.config import ds_check
+from fluxzero.config.deepspeed import check as ds_check
 from fluxzero.model import build_model
 from fluxzero.model.compile import apply_compile
 from fluxzero.train.distributed import TrainingError

@@ -142,7 +142,7 @@ def test_tiny_default_files():
     run = yaml.safe_load((ROOT / "launch/tiny.yaml").read_text())
     cfg = TrainConfig.from_dict(run)
     ds = json.loads((ROOT / cfg.deepspeed).read_text())
-    from fluxzero.config.ds_file import load_for_training
+    from fluxzero.config.deepspeed.file import load_for_training
 
     _, v = load_for_training(ROOT / cfg.deepspeed, 2)  # the 2 ranks tiny.yaml's comment launches
     assert (v.micro_batch, v.grad_accum, v.precision) == (2, 1, "fp32")

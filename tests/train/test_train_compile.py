@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fluxzero.config import ds_check
+from fluxzero.config.deepspeed import check as ds_check
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = "synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32"
@@ -67,8 +67,8 @@ def test_check_refuses_deepcompile_the_trainer_never_runs():
 ])
 def test_trainer_refuses_bad_compile_sections(tmp_path, section, match):
     # one rule set: the trainer refuses with check-config's own sentence
-    from fluxzero.config.ds_file import load_for_training
-    from fluxzero.config.ds_view import DSConfigError
+    from fluxzero.config.deepspeed.file import load_for_training
+    from fluxzero.config.deepspeed.view import DSConfigError
 
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},

@@ -83,7 +83,7 @@ def _partition_probe(cfg):
     import torch.distributed as dist
 
     from fluxzero.config import get_model_config
-    from fluxzero.config.ds_file import load_for_training
+    from fluxzero.config.deepspeed.file import load_for_training
     from fluxzero.train import engine as ds_engine
 
     ds, v = load_for_training(cfg.deepspeed, dist.get_world_size())
@@ -134,7 +134,7 @@ def _checkpoint_checks_probe(cfg):
     import torch.distributed as dist
 
     from fluxzero.config import get_model_config
-    from fluxzero.config.ds_file import load_for_training
+    from fluxzero.config.deepspeed.file import load_for_training
     from fluxzero.train.checkpoint import store as checkpoint, resume
     from fluxzero.train import engine as ds_engine
 

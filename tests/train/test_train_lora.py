@@ -286,7 +286,7 @@ def _continue_probe(cfg):
     import deepspeed
     import torch.distributed as dist
 
-    from fluxzero.config.ds_file import load_for_training
+    from fluxzero.config.deepspeed.file import load_for_training
     from fluxzero.model import lora as L
     from fluxzero.model.lora_formats import read_lora
     from fluxzero.train import engine as ds_engine

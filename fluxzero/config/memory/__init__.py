@@ -21,8 +21,8 @@ verdict and the `--fit` search are `fit`. A step has two memory peaks and the la
 forward / start of backward (activations) and the optimizer step (fp32 gradient copies). Sizes are bytes;
 GiB = 2**30 bytes. This package re-exports what callers use: `from fluxzero.config import memory; memory.X`.
 """
-from fluxzero.config.ds_check import CHECKPOINT_POLICIES  # noqa: F401
-from fluxzero.config.ds_view import checkpointed_blocks  # noqa: F401  (one definition; memory.checkpointed_blocks)
+from fluxzero.config.deepspeed.check import CHECKPOINT_POLICIES  # noqa: F401
+from fluxzero.config.deepspeed.view import checkpointed_blocks  # noqa: F401  (one definition; memory.checkpointed_blocks)
 from fluxzero.config.memory.activations import (  # noqa: F401
     activation_bytes, activation_items, block_backward_workspace, checkpointed_split, double_block_kept,
     double_block_saved, lora_block_saved, outside_blocks_saved, selective_split, single_block_kept, single_block_saved,

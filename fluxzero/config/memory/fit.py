@@ -9,9 +9,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from fluxzero.config import adam_impl, ds_config, optim_modes
-from fluxzero.config.ds_check import CHECKPOINT_POLICIES
-from fluxzero.config.ds_view import DSConfigError
+from fluxzero.config.deepspeed import adam_impl, build as ds_config
+
+from fluxzero.config import optim_modes
+from fluxzero.config.deepspeed.check import CHECKPOINT_POLICIES
+from fluxzero.config.deepspeed.view import DSConfigError
 from fluxzero.config.lora import BASE_QUANTS, DEFAULT_TARGETS
 from fluxzero.config.memory.activations import checkpointed_split
 from fluxzero.config.memory.breakdown import Estimate, estimate

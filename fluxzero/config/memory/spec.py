@@ -8,9 +8,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from fluxzero.config import architecture, ds_view, optim_modes
-from fluxzero.config.adam_impl import OPTIMIZER_IMPLS
-from fluxzero.config.ds_check import CHECKPOINT_POLICIES, OFFLOAD_DEVICES
+from fluxzero.config import architecture, optim_modes
+
+from fluxzero.config.deepspeed import view as ds_view
+from fluxzero.config.deepspeed.adam_impl import OPTIMIZER_IMPLS
+from fluxzero.config.deepspeed.check import CHECKPOINT_POLICIES, OFFLOAD_DEVICES
 from fluxzero.config.architecture import linear_shapes
 from fluxzero.config.lora import DEFAULT_TARGETS, LoraConfig, lora_param_count
 from fluxzero.config.models import ModelConfig, get_model_config

@@ -10,7 +10,7 @@ import socket
 import zipfile
 from pathlib import Path
 
-from fluxzero.config.ds_view import DSView
+from fluxzero.config.deepspeed.view import DSView
 from fluxzero.train.checkpoint.locks import READ_LOCK
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from fluxzero.config import LoraConfig, TrainConfig
 from fluxzero.config.models import model_name, same_model
 from fluxzero.config.runfile import read_saved_run
-from fluxzero.config.ds_view import DSView, view
+from fluxzero.config.deepspeed.view import DSView, view
 from fluxzero.config.user_files import parse_json
 from fluxzero.train.checkpoint.store import load_trainer_state, step_folders
 from fluxzero.train.distributed import TrainingError, all_ranks_ok, broadcast_objects, write_line

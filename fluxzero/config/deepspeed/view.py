@@ -13,7 +13,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from fluxzero.config import adam_impl
+from fluxzero.config.deepspeed import adam_impl
 from fluxzero.dtypes import TORCH_NAMES
 
 FLUXZERO_SECTION = "fluxzero"
@@ -44,7 +44,7 @@ class DSView:
     gradient_clipping: float | None = None  # None: not set (deepspeed 0.19.8 then clips at 1.0)
     checkpoint_every: int = 0  # fluxzero.activation_checkpointing.every_k_blocks; 0 = none
     checkpoint_impl: str = "torch"  # "torch" | "deepspeed"
-    checkpoint_policy: str = "full"  # fluxzero.activation_checkpointing.policy: "full" | "selective" (ds_check)
+    checkpoint_policy: str = "full"  # fluxzero.activation_checkpointing.policy: "full" | "selective" (check.py)
     partition_activations: bool = False  # DeepSpeed's activation_checkpointing (implementation deepspeed)
     cpu_checkpointing: bool = False
     compile: bool | None = None  # fluxzero.compile.blocks; None: not set, the trainer decides (compiles_blocks)

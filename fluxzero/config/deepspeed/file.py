@@ -1,13 +1,13 @@
 """A DeepSpeed JSON file on disk: read it (one sentence for each way it can be unreadable), and what the trainer
-starts from (the checked config and its view). Pure Python; `ds_view` reads dicts, this module reads files.
+starts from (the checked config and its view). Pure Python; `view` reads dicts, this module reads files.
 """
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
-from fluxzero.config.ds_check import check
-from fluxzero.config.ds_view import FLUXZERO_SECTION, DSConfigError, DSView, view
+from fluxzero.config.deepspeed.check import check
+from fluxzero.config.deepspeed.view import FLUXZERO_SECTION, DSConfigError, DSView, view
 from fluxzero.config.user_files import ParseError, parse_json, read_text
 
 

@@ -48,12 +48,14 @@ import json
 import math
 from dataclasses import dataclass
 
-from fluxzero.config import adam_impl, ds_view, optim_modes
-from fluxzero.config.ds_check import (
+from fluxzero.config.deepspeed import adam_impl, view as ds_view
+
+from fluxzero.config import optim_modes
+from fluxzero.config.deepspeed.check import (
     CHECKPOINT_IMPLS, CHECKPOINT_POLICIES, OFFLOAD_DEVICES, PRECISIONS, SCHEDULERS, WARMUP_TYPES,
     ZERO_STAGE3_ONLY_KNOBS, combination_problems,
 )
-from fluxzero.config.ds_view import FLUXZERO_SECTION, DSView, checkpointed_blocks
+from fluxzero.config.deepspeed.view import FLUXZERO_SECTION, DSView, checkpointed_blocks
 
 # Stage 1/2 buckets (elements). DeepSpeed's 5e8 default costs ~1 GB per bf16 bucket and, with overlap_comm,
 # about 4.5 buckets live at once; 2e8 keeps that under 2 GB while staying far above the per-message latency
@@ -424,7 +426,7 @@ def _check_checkpoint_options(o: DSOptions, p: list[str]) -> None:
 
 
 def _check_optimizer_options(o: DSOptions, p: list[str]) -> None:
-    # What DeepSpeed builds (fluxzero.config.adam_impl): "fused" with offload would silently become
+    # What DeepSpeed builds (fluxzero.config.deepspeed.adam_impl): "fused" with offload would silently become
     # DeepSpeedCPUAdam, and "cpu" without offload would silently become FusedAdam.
     if o.adam_impl == "fused" and o.offload_optimizer != "none":
         p.append(f"{flag('adam_impl')} fused cannot run with {flag('offload_optimizer')} {o.offload_optimizer} "

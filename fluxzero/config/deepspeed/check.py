@@ -3,7 +3,7 @@
 `check(cfg, world_size)` returns one sentence per problem, field named first: the keys deepspeed 0.19.8 reads
 (unknown ones get a did-you-mean), value types and ranges, batch arithmetic for a world size, and the ZeRO /
 offload / optimizer / optimizer-mode combination rules (`combination_problems`, shared with gen-config's
-option checks in fluxzero.config.ds_config). Each rule was read from the deepspeed 0.19.8 source; where
+option checks in fluxzero.config.deepspeed.build). Each rule was read from the deepspeed 0.19.8 source; where
 DeepSpeed accepts a setting silently and then ignores or misuses it, it is refused here. No torch or
 deepspeed import: check-config --no-deepspeed stays instant.
 """
@@ -14,8 +14,10 @@ import difflib
 import json
 import math
 
-from fluxzero.config import adam_impl, ds_view, optim_modes
-from fluxzero.config.ds_view import BATCH_KEYS, FLUXZERO_SECTION, DSView, view
+from fluxzero.config.deepspeed import adam_impl, view as ds_view
+
+from fluxzero.config import optim_modes
+from fluxzero.config.deepspeed.view import BATCH_KEYS, FLUXZERO_SECTION, DSView, view
 
 # Values the builder writes and the checker accepts
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -392,7 +394,7 @@ def implied_world_size(cfg: dict) -> int | None:
 def without_auto(cfg: dict) -> dict:
     """A copy DeepSpeed's parser accepts: batch keys set to "auto" dropped (micro batch 1 if none is left).
 
-    "auto" is not a DeepSpeed value: ds_view reads it as not set and derives what the other batch keys give.
+    "auto" is not a DeepSpeed value: the view reads it as not set and derives what the other batch keys give.
     """
     out = {k: v for k, v in cfg.items() if not (k in BATCH_KEYS and v == "auto")}
     if "train_batch_size" not in out and "train_micro_batch_size_per_gpu" not in out:
