@@ -1,4 +1,4 @@
-"""Refit the memory model's fragmentation fractions (fluxzero/config/memory/breakdown.py, Estimate.fragmentation) on the
+"""Refit the memory model's fragmentation fractions (fluxzero/plan/breakdown.py, Estimate.fragmentation) on the
 committed H200 runs, each regime fitted on some runs and checked on runs held out.
 
     PYTHONPATH=. python benchmarks/fragmentation_fit.py
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("mvg", ROOT / "benchmarks" / "memory_vs_gpu.py")
 mvg = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mvg)
-from fluxzero.config import memory  # noqa: E402
+from fluxzero import plan as memory  # noqa: E402
 
 DEC = ROOT / "benchmarks" / "results" / "2026-12-h200"
 # regime -> (fit runs, held-out runs) as (set, index)

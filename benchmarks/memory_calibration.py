@@ -1,4 +1,4 @@
-"""Predicted (fluxzero.config.memory) vs measured peak GPU memory of real fluxzero training steps.
+"""Predicted (fluxzero.plan) vs measured peak GPU memory of real fluxzero training steps.
 
 Each case runs in its own process group (`python -m torch.distributed.run --standalone`, one process per GPU,
 killed at its timeout) through the trainer itself: `fluxzero.train.loop.setup` builds what train() runs (the
@@ -39,7 +39,7 @@ import runner  # noqa: E402
 
 from fluxzero.config.deepspeed import build as ds_config  # noqa: E402  (pure modules: the parent never imports torch)
 
-from fluxzero.config import memory  # noqa: E402
+from fluxzero import plan as memory  # noqa: E402
 from fluxzero.config import get_model_config  # noqa: E402
 
 GiB = memory.GiB

@@ -4,14 +4,14 @@ the layer order, and every name imported from the module that defines it.
 Layers, lowest first (a module may import its own layer and lower ones):
   0  top-level utilities (fluxzero/fsutil.py, ...)
   1  config, cluster      pure Python
-  2  model, data          torch
-  3  sampling, train
-  4  commands
-  5  cli
+  2  plan                 pure Python: the memory planner, which reads the run and DeepSpeed configs
+  3  model, data          torch
+  4  sampling, train
+  5  commands
+  6  cli
 Inside a layer, a package's subsystem folders are ordered too (ROOMS): in train, the optimizers know nothing of
 checkpoints, checkpoints nothing of export, and nothing imports the loop; train's other modules sit between. In
-config, the run file's modules know nothing of the DeepSpeed config (deepspeed/), which knows nothing of the memory
-planner (memory/).
+config, the run file's modules know nothing of the DeepSpeed config (deepspeed/).
 Function-level imports count like module-level ones: the house imports heavy dependencies (torch, deepspeed,
 diffusers) inside command bodies, never its own modules to dodge a cycle, so an import inside a function is a
 dependency all the same.
@@ -23,10 +23,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fluxzero"
-LAYERS = {"config": 1, "cluster": 1, "model": 2, "data": 2, "sampling": 3, "train": 3, "commands": 4, "cli": 5}
+LAYERS = {"config": 1, "cluster": 1, "plan": 2, "model": 3, "data": 3, "sampling": 4, "train": 4, "commands": 5,
+          "cli": 6}
 # package -> {room (its first name below the package): rank}; a room not named has DEFAULT_ROOM
 ROOMS = {"train": {"optim": 0, "checkpoint": 1, "export": 2, "loop": 3},
-         "config": {"deepspeed": 2, "memory": 3}}
+         "config": {"deepspeed": 2}}
 DEFAULT_ROOM = 1
 OTHER_SOURCES = ("tests", "benchmarks", "launch")  # they import the package too: no names through re-exports
 
@@ -223,7 +224,7 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
                     "fluxzero.d": {"fluxzero.a": 1}}) == [["fluxzero.a", "fluxzero.b", "fluxzero.c"]]
     assert _cycles({"fluxzero.a": {"fluxzero.b": 1}}) == []
     assert _layer("fluxzero.cli") > _layer("fluxzero.commands.train") > _layer("fluxzero.train.loop") \
-        > _layer("fluxzero.model.flux") > _layer("fluxzero.config.run") > _layer("fluxzero.fsutil")
+        > _layer("fluxzero.model.flux") > _layer("fluxzero.plan.fit") > _layer("fluxzero.config.run") > _layer("fluxzero.fsutil")
     assert _layer("fluxzero.sampling.sampler") == _layer("fluxzero.train.flow")
     for package, rooms in ROOMS.items():  # each named room exists: a renamed folder must not leave its rank behind
         for room in rooms:

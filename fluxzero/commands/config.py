@@ -18,7 +18,8 @@ from fluxzero.commands.options import POS as _POS
 from fluxzero.commands.options import (ADAPTER_KEYS, ADAPTER_OPTIONS, adapter_fields, gpu_memory_from,
                                        parse_lora_targets, topology_from)
 from fluxzero.config.deepspeed import check as ds_check, build as ds_config, view as ds_view
-from fluxzero.config import memory, optim_modes
+from fluxzero import plan as memory
+from fluxzero.config import optim_modes
 from fluxzero.config.deepspeed.adam_impl import ADAM_IMPLS
 from fluxzero.config.deepspeed.check import FP8_RECIPES
 from fluxzero.config.deepspeed.build import DSOptions

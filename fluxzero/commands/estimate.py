@@ -14,10 +14,11 @@ from fluxzero.commands.model_spec import MODEL_SPEC
 from fluxzero.commands.options import (ADAPTER_OPTIONS, POS, Finite, adapter_fields, gpu_memory_from,
                                        parse_lora_targets, topology_from)
 from fluxzero.config.deepspeed import check as ds_check, view as ds_view
-from fluxzero.config import get_model_config, memory, optim_modes, reshaped
+from fluxzero.config import get_model_config, optim_modes, reshaped
+from fluxzero import plan as memory
 from fluxzero.config.deepspeed.adam_impl import ADAM_IMPLS, optimizer_impl
 from fluxzero.config.lora import ADAPTER_NAMES, BASE_QUANTS, DEFAULT_TARGETS
-from fluxzero.config.memory import GiB
+from fluxzero.plan import GiB
 
 PHASE_NAMES = {"train": "fwd/bwd", "step": "step", "init": "init"}
 

@@ -8,7 +8,7 @@ import functools
 import click
 from click.core import ParameterSource
 
-from fluxzero.config import memory
+from fluxzero import plan as memory
 from fluxzero.config.ema import EMA_DEVICES, EMA_DTYPES
 from fluxzero.config.lora import ADAPTER_TYPES, DEFAULT_TARGETS, TARGET_PRESETS
 

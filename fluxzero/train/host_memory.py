@@ -1,7 +1,7 @@
 """Host memory: what this machine can give a run, and the refusal of a run that needs more, before the engine
 starts (a host short of memory would swap, or meet the OOM killer mid-run or mid-save, instead).
 
-The need is the memory model's (fluxzero.config.memory: what `fluxzero estimate` and `gen-config --fit` print),
+The need is the memory model's (fluxzero.plan: what `fluxzero estimate` and `gen-config --fit` print),
 for the run as the trainer is about to build it: streamed block weights, offloaded optimizer state and
 parameters with their pinned buffers, an EMA on the CPU, checkpointed activations on the CPU, and the model load,
 for every rank on this machine. The processes themselves are already running, so the model's allowance for their
@@ -80,9 +80,9 @@ def run_host_need(model_cfg, ds: dict, v, *, world: int, local_world: int, laten
                   ema=None, lora=None, weights: bool = False):
     """(bytes of host memory the run needs on this machine, [(item, bytes)] of it, largest first) from the memory
     model, for the DeepSpeed config `ds` with its view `v` and the run's data, EMA and LoRA (a LoraConfig)."""
-    from fluxzero.config import memory
-    from fluxzero.config.memory.spec import PHASES
-    from fluxzero.config.memory.model_states import PROCESS_ITEM
+    from fluxzero import plan as memory
+    from fluxzero.plan.spec import PHASES
+    from fluxzero.plan.model_states import PROCESS_ITEM
 
     fields = memory.run_options_from_ds_config(ds, world, v)
     height = width = 512

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from fluxzero.cli import main
 from fluxzero.config.deepspeed import build as ds_config, file as ds_file, view as ds_view
-from fluxzero.config import memory
+from fluxzero import plan as memory
 from fluxzero.config.deepspeed.view import DSConfigError, DSView, view
 from fluxzero.config.run import TrainConfig
 

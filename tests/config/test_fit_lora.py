@@ -9,8 +9,9 @@ from click.testing import CliRunner
 
 from fluxzero.cli import main
 from fluxzero.config.deepspeed import build as ds_config
-from fluxzero.config import get_model_config, memory
-from fluxzero.config.memory import GiB, RunSpec, estimate
+from fluxzero.config import get_model_config
+from fluxzero import plan as memory
+from fluxzero.plan import GiB, RunSpec, estimate
 from tests.pure_python import run_without_torch
 
 DEV = get_model_config("flux-dev")

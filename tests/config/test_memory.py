@@ -1,4 +1,4 @@
-"""fluxzero.config.memory: parameter counts, parity with DeepSpeed's own estimators, the measured GPU facts it must
+"""fluxzero.plan: parameter counts, parity with DeepSpeed's own estimators, the measured GPU facts it must
 reproduce, fit search, and the `fluxzero estimate` command (which must run without torch)."""
 import json
 
@@ -7,10 +7,10 @@ from tests.pure_python import run_without_torch
 from click.testing import CliRunner
 
 from fluxzero import config
-from fluxzero.config import memory
+from fluxzero import plan as memory
 from fluxzero.cli import main
 from fluxzero.config import get_model_config
-from fluxzero.config.memory import GiB, Hardware, RunSpec, ZeroSettings, estimate
+from fluxzero.plan import GiB, Hardware, RunSpec, ZeroSettings, estimate
 
 H200 = memory.GPU_MEMORY_GIB["h200"]
 
@@ -468,7 +468,7 @@ def test_pinned_offload_buffers_are_counted_as_torch_allocates_them():
     """torch's pinned-memory allocator rounds each block up to a power of two: the 48 GB full fine-tune's host
     (ZeRO-3, optimizer offload, cpu-adamw8bit-sr) measured 103.1 GiB on one H200, 91.1 predicted before this."""
     from fluxzero.config.deepspeed import build as ds_config
-    from fluxzero.config.memory.model_states import pinned_block
+    from fluxzero.plan.model_states import pinned_block
 
     assert [pinned_block(n) for n in (1, 3, 4, 5, 2**30 + 1)] == [1, 4, 4, 8, 2**31]
     ds = ds_config.build(ds_config.options_from(None, world_size=1, zero_stage=3, offload_optimizer="cpu",

@@ -1,4 +1,4 @@
-"""Activation bytes of fluxzero.config.memory against what autograd really saves in fluxzero.model's blocks.
+"""Activation bytes of fluxzero.plan against what autograd really saves in fluxzero.model's blocks.
 
 Counted with torch.autograd.graph.saved_tensors_hooks on CPU: every tensor saved for backward, deduplicated
 by storage (a view keeps its whole storage alive), minus parameters and the block's own inputs. CPU's
@@ -8,7 +8,7 @@ CUDA difference (the fused kernel saves only rstd besides its input) is one docu
 import pytest
 import torch
 
-from fluxzero.config import memory
+from fluxzero import plan as memory
 from fluxzero.config import get_model_config
 from fluxzero.model import build_model
 

@@ -1,4 +1,4 @@
-"""Model states of fluxzero.config.memory against what a real DeepSpeed engine holds (2 ranks, CPU, bf16).
+"""Model states of fluxzero.plan against what a real DeepSpeed engine holds (2 ranks, CPU, bf16).
 
 After one full step (so AdamW's states exist) and the second step's backward, every distinct tensor storage
 reachable from the model's parameters (data, ZeRO-3 ds_tensor, grad) and from DeepSpeed's optimizer object
@@ -51,7 +51,7 @@ def _storage_bytes(engine) -> int:
 def _worker(rank, world, port, out_dir):
     enter_rank(rank, world, port)
     from fluxzero.config.deepspeed import build as ds_config
-    from fluxzero.config import memory
+    from fluxzero import plan as memory
     from fluxzero.train import flow
     from fluxzero.config import FlowConfig, get_model_config
     from fluxzero.config.deepspeed.file import load_for_training
@@ -120,7 +120,7 @@ def test_stage1_gradients_are_what_the_memory_model_counts():
     import sys
     from pathlib import Path
 
-    from fluxzero.config import memory
+    from fluxzero import plan as memory
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "archive"))  # spawned ranks import it by name
     import zero1_grad_probe as probe
@@ -165,7 +165,9 @@ def _gather_worker(rank, world, port, out_file):
 
     from fluxzero.config.deepspeed import build as ds_config
 
-    from fluxzero.config import get_model_config, memory
+    from fluxzero.config import get_model_config
+
+    from fluxzero import plan as memory
     from fluxzero.config.deepspeed.view import view
     from fluxzero.config.lora import LoraConfig
     from fluxzero.train.distributed import init_distributed

@@ -1,4 +1,4 @@
-"""fluxzero.config.memory against the committed H200 measurements (benchmarks/results/2026-11-h200/*.jsonl).
+"""fluxzero.plan against the committed H200 measurements (benchmarks/results/2026-11-h200/*.jsonl).
 
 Every fluxzero training run of the sweep is predicted from the DeepSpeed config it recorded
 (benchmarks/memory_vs_gpu.py builds the specs) and compared with torch.cuda.max_memory_allocated /
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fluxzero.config import memory
+from fluxzero import plan as memory
 from fluxzero.config import get_model_config
 from fluxzero.model import build_model
 

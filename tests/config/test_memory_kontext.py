@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from fluxzero.config import get_model_config, memory
+from fluxzero.config import get_model_config
+
+from fluxzero import plan as memory
 from fluxzero.model import build_model
 from fluxzero.model.packing import img_ids, with_reference
 from tests.config.test_memory_activations import saved_bytes

@@ -9,8 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from fluxzero.cli import main
-from fluxzero.config import LoraConfig, get_model_config, lora_param_count, memory, optim_modes
-from fluxzero.config.memory import RunSpec, estimate
+from fluxzero.config import LoraConfig, get_model_config, lora_param_count, optim_modes
+from fluxzero import plan as memory
+from fluxzero.plan import RunSpec, estimate
 
 DEV = get_model_config("flux-dev")
 P = memory.param_inventory(DEV).total

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from fluxzero.cli import main
 from fluxzero.config import optim_modes
-from fluxzero.config.memory import FIT_MODES, MODE_STEP_TEMP, param_inventory
+from fluxzero.plan import FIT_MODES, MODE_STEP_TEMP, param_inventory
 from fluxzero.config.models import get_model_config
 from tests.helpers import ONE_RANK
 

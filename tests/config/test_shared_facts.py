@@ -11,10 +11,10 @@ from fluxzero.cli import main
 from fluxzero.commands import config as config_cmd
 from fluxzero.commands import estimate as estimate_cmd
 from fluxzero.config.deepspeed import adam_impl, check as ds_check, build as ds_config, view as ds_view
-from fluxzero.config import memory
+from fluxzero import plan as memory
 from fluxzero.config.ema import EMA_DEVICES, EMA_DTYPES
 from fluxzero.config.lora import BASE_QUANTS, DEFAULT_TARGETS, LoraConfig
-from fluxzero.config.memory import RunSpec
+from fluxzero.plan import RunSpec
 
 
 # ---------------------------------------------------------------------------------------------------------

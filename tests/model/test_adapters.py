@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from fluxzero.cli import main as cli
-from fluxzero.config import get_model_config, memory
+from fluxzero.config import get_model_config
+from fluxzero import plan as memory
 from fluxzero.config.lora import LoraConfig, lora_param_count
 from fluxzero.model import adapters as AD
 from fluxzero.model import build_model

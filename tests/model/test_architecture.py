@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from fluxzero.config import MODEL_PRESETS, architecture, get_model_config
-from fluxzero.config.memory import param_inventory
+from fluxzero.plan import param_inventory
 from fluxzero.model import build_model
 from fluxzero.model.packing import with_reference
 from tests.model.test_model import make_inputs

@@ -115,7 +115,8 @@ def test_a_run_beyond_the_host_is_refused_before_the_engine_starts(tmp_path):
 def test_the_host_need_is_the_memory_models(monkeypatch):
     """flux-dev with 44 of 57 blocks streamed and a bf16 EMA on the CPU: what `estimate` counts on the host (less
     its allowance for the running process), per rank on the machine; 20 GiB of it refuses, 64 fits."""
-    from fluxzero.config import get_model_config, memory
+    from fluxzero.config import get_model_config
+    from fluxzero import plan as memory
     from fluxzero.config.deepspeed.build import build, options_from
     from fluxzero.config.deepspeed.view import view
     from fluxzero.config.ema import EmaConfig

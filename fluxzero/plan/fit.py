@@ -15,10 +15,10 @@ from fluxzero.config import optim_modes
 from fluxzero.config.deepspeed.check import CHECKPOINT_POLICIES
 from fluxzero.config.deepspeed.view import DSConfigError
 from fluxzero.config.lora import BASE_QUANTS, DEFAULT_TARGETS
-from fluxzero.config.memory.activations import checkpointed_split
-from fluxzero.config.memory.breakdown import Estimate, estimate
-from fluxzero.config.memory.model_states import stream_traffic
-from fluxzero.config.memory.spec import (PRECISION_BYTES, GiB, RunSpec, ZeroSettings, run_options_from_ds_config,
+from fluxzero.plan.activations import checkpointed_split
+from fluxzero.plan.breakdown import Estimate, estimate
+from fluxzero.plan.model_states import stream_traffic
+from fluxzero.plan.spec import (PRECISION_BYTES, GiB, RunSpec, ZeroSettings, run_options_from_ds_config,
                                          streamed_blocks)
 from fluxzero.config.models import get_model_config
 

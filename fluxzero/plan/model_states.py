@@ -13,7 +13,7 @@ import math
 from fluxzero.config import architecture, optim_modes
 from fluxzero.config.architecture import linear_shapes
 from fluxzero.config.lora import adapter_param_count
-from fluxzero.config.memory.spec import (GiB, OPTIMIZER_STATE_BYTES, PRECISION_BYTES, Item, ParamInventory, RunSpec,
+from fluxzero.plan.spec import (GiB, OPTIMIZER_STATE_BYTES, PRECISION_BYTES, Item, ParamInventory, RunSpec,
                                           base_bytes, lora_config, optim_mode, streamed_blocks, trained_params)
 
 PROCESS_ITEM = "process (CUDA runtime, libraries)"  # the host allowance of a running rank itself

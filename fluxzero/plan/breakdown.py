@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fluxzero.config.memory.activations import activation_items
-from fluxzero.config.memory.model_states import communication_items, model_state_items
-from fluxzero.config.memory.spec import FRAGMENTATION, PHASES, GiB, Item, RunSpec, param_inventory
+from fluxzero.plan.activations import activation_items
+from fluxzero.plan.model_states import communication_items, model_state_items
+from fluxzero.plan.spec import FRAGMENTATION, PHASES, GiB, Item, RunSpec, param_inventory
 
 
 @dataclass

@@ -9,7 +9,7 @@ import fnmatch
 
 from fluxzero.config import architecture, optim_modes
 from fluxzero.config.architecture import linear_shapes
-from fluxzero.config.memory.spec import PRECISION_BYTES, Item, RunSpec, lora_config, param_inventory, trained_params
+from fluxzero.plan.spec import PRECISION_BYTES, Item, RunSpec, lora_config, param_inventory, trained_params
 from fluxzero.config.models import ModelConfig
 
 
