@@ -101,7 +101,7 @@ BIG_PREFETCH = {"stage3_prefetch_bucket_size": 500_000_000, "stage3_param_persis
 
 # Most informative first: a time budget cuts the tail.
 GRIDS: dict[str, list[Case]] = {
-    # CPU smoke test of the code path (tests/config/test_memory.py); no memory numbers on CPU
+    # CPU smoke test of the code path (tests/plan/test_memory.py); no memory numbers on CPU
     "tiny": [Case("tiny-z2-ck1-mb2-64", "flux-tiny", 1, 2, 2, 64, txt_len=16, steps=2, timeout_s=150),
              Case("tiny2-z3-ck2-mb1-64", "flux-tiny", 2, 3, 1, 64, checkpoint_every=2, txt_len=16, steps=2,
                   timeout_s=150)],

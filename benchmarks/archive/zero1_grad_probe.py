@@ -12,7 +12,7 @@ whole gradient copy, 1/N a partition.
     python benchmarks/archive/zero1_grad_probe.py [--out DIR]
 
 The memory model (fluxzero/plan/model_states.py, stage-1 gradient items) and docs/memory.md's stage table state
-what this measures; tests/config/test_memory_deepspeed.py runs it.
+what this measures; tests/plan/test_memory_deepspeed.py runs it.
 """
 from __future__ import annotations
 

@@ -357,7 +357,7 @@ def gathered_at_turn(s: RunSpec, inv: ParamInventory) -> int:
       backward blocks' parameters, marked for their backward use (not released), until the gathered elements
       reach stage3_max_live_parameters; the last block's own, fetched meanwhile, come on top.
     The two overlap (both are the last blocks): the larger counts, at most every parameter not kept persistent.
-    Measured on CPU with a reduced-width FLUX and LoRA (tests/config/test_memory_deepspeed.py): a full fine-tune of
+    Measured on CPU with a reduced-width FLUX and LoRA (tests/plan/test_memory_deepspeed.py): a full fine-tune of
     FLUX.1-dev has no lead (its modules outweigh the buckets), an all-linear LoRA's four small modules per adapted
     layer give it one.
     """

@@ -34,7 +34,7 @@ ATTENTION_KERNELS = ("flash", "efficient", "math")
 # torchao): bytes per weight element of every nn.Linear of the base (int8, and fp8 e4m3), and per output channel
 # its scale and zero point (an upper bound: int8 keeps an fp32 scale and an int8 zero point, fp8 an fp32 scale).
 # Biases, norm scales and the adapters stay in the training dtype. Every quantized kind the run file accepts has
-# a row here (tests/config/test_memory.py).
+# a row here (tests/plan/test_memory.py).
 BASE_QUANT_BYTES = {"int8": 1, "fp8": 1}
 BASE_QUANT_CHANNEL_BYTES = 10
 

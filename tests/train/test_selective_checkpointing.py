@@ -1,6 +1,6 @@
 """Selective activation checkpointing (fluxzero.activation_checkpointing.policy selective): the same gradients as
 no checkpointing, eager and compiled, and the combinations it cannot run refused in one sentence. The memory it
-keeps is measured against the memory model in tests/config/test_memory_activations.py; through the trainer in
+keeps is measured against the memory model in tests/plan/test_memory_activations.py; through the trainer in
 tests/train/test_train_compile.py."""
 import json
 

@@ -177,7 +177,7 @@ def test_an_unchecked_host_beyond_common_machines_is_the_last_line(tmp_path):
 
 
 def test_fit_full_fine_tune_on_80_and_48_gb():
-    # the modes without a fused step (the fused one is chosen first: tests/config/test_memory_modes.py)
+    # the modes without a fused step (the fused one is chosen first: tests/plan/test_memory_modes.py)
     r, cfg = gen("--fit", "--world-size", "1", "--gpu", "h100", "--host-memory", "120", "--optimizer-mode",
                  "adafactor-sr")
     assert r.exit_code == 0, r.output

@@ -10,7 +10,7 @@ from fluxzero.config import get_model_config
 from fluxzero import plan as memory
 from fluxzero.model import build_model
 from fluxzero.model.packing import img_ids, with_reference
-from tests.config.test_memory_activations import saved_bytes
+from tests.plan.test_memory_activations import saved_bytes
 
 
 def test_reference_tokens_are_image_tokens_of_the_estimate():
