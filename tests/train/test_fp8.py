@@ -28,7 +28,7 @@ def test_gen_config_writes_the_fp8_recipe_and_check_refuses_a_bad_one():
     assert any("unknown key 'fluxzero.fp8.recpie'" in p for p in ds_check.check(typo))
 
 
-def _losses(fp8: bool, steps: int = 40) -> list[float]:
+def _losses(fp8: bool, steps: int = 20) -> list[float]:
     from fluxzero.model import build_model
     from fluxzero.train.engine import apply_fp8
 
@@ -86,7 +86,7 @@ def test_fp8_trains_like_bf16():
     # measured on CPU (torch 2.13, torchao 0.18): the smoothed curves differ by under 2% of the loss; the bound
     # leaves room for other hardware's accumulation order
     assert _gap(fp8, bf16) < 0.05, (fp8, bf16)
-    assert fp8[-1] < 0.9 * fp8[0]  # it learns (2.31 -> 1.95 in 40 steps, measured)
+    assert fp8[-1] < 0.9 * fp8[0]  # it learns (to 0.86 of the first loss in 20 steps on CPU)
 
 
 def test_fp8_layers_match_bf16_and_a_broken_scale_does_not():
