@@ -7,6 +7,7 @@ block. Used by benchmarks/sweep.py with `--impl diffusers`, which keeps the base
 baseline: no fluxzero TrainStep); its inputs are the fluxzero trainer's loader and `flow.prepare_batch` output,
 renamed to diffusers' argument names.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,16 +18,23 @@ def diffusers_config(model_cfg) -> dict:
     if model_cfg.in_channels != model_cfg.out_channels:
         raise ValueError(f"model {model_cfg.name!r}: diffusers' Flux needs in_channels == out_channels")
     return dict(
-        patch_size=1, in_channels=model_cfg.in_channels, out_channels=model_cfg.out_channels,
-        num_layers=model_cfg.depth, num_single_layers=model_cfg.depth_single_blocks,
-        attention_head_dim=model_cfg.head_dim, num_attention_heads=model_cfg.num_heads,
-        joint_attention_dim=model_cfg.context_in_dim, pooled_projection_dim=model_cfg.vec_in_dim,
-        guidance_embeds=model_cfg.guidance_embed, axes_dims_rope=tuple(model_cfg.axes_dim),
+        patch_size=1,
+        in_channels=model_cfg.in_channels,
+        out_channels=model_cfg.out_channels,
+        num_layers=model_cfg.depth,
+        num_single_layers=model_cfg.depth_single_blocks,
+        attention_head_dim=model_cfg.head_dim,
+        num_attention_heads=model_cfg.num_heads,
+        joint_attention_dim=model_cfg.context_in_dim,
+        pooled_projection_dim=model_cfg.vec_in_dim,
+        guidance_embeds=model_cfg.guidance_embed,
+        axes_dims_rope=tuple(model_cfg.axes_dim),
     )
 
 
-def build_engine(model_cfg, ds: dict, ckpt_every: int, device: torch.device, seed: int = 0, compile: bool = False,
-                 lora_rank: int = 0):
+def build_engine(
+    model_cfg, ds: dict, ckpt_every: int, device: torch.device, seed: int = 0, compile: bool = False, lora_rank: int = 0
+):
     """diffusers model (partitioned at construction under ZeRO-3) -> DeepSpeed engine, as a user would write it.
 
     compile: `block.compile()` on every transformer block (nn.Module.compile, inductor defaults), the way a
@@ -58,10 +66,14 @@ def build_engine(model_cfg, ds: dict, ckpt_every: int, device: torch.device, see
         from peft import LoraConfig
 
         model.requires_grad_(False)
-        targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-                   and n.startswith(("transformer_blocks.", "single_transformer_blocks."))]
-        model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, init_lora_weights="gaussian",
-                                     target_modules=targets))
+        targets = [
+            n
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n.startswith(("transformer_blocks.", "single_transformer_blocks."))
+        ]
+        model.add_adapter(
+            LoraConfig(r=lora_rank, lora_alpha=lora_rank, init_lora_weights="gaussian", target_modules=targets)
+        )
     if ckpt_every:
         model.enable_gradient_checkpointing()
     if compile:
@@ -80,7 +92,12 @@ def forward(engine, inputs: dict) -> torch.Tensor:
     diffusers takes 2-D ids (shared by the batch) and multiplies timestep and guidance by 1000 itself.
     """
     return engine(
-        hidden_states=inputs["img"], encoder_hidden_states=inputs["txt"], pooled_projections=inputs["y"],
-        timestep=inputs["timesteps"], img_ids=inputs["img_ids"][0], txt_ids=inputs["txt_ids"][0],
-        guidance=inputs["guidance"], return_dict=False,
+        hidden_states=inputs["img"],
+        encoder_hidden_states=inputs["txt"],
+        pooled_projections=inputs["y"],
+        timestep=inputs["timesteps"],
+        img_ids=inputs["img_ids"][0],
+        txt_ids=inputs["txt_ids"][0],
+        guidance=inputs["guidance"],
+        return_dict=False,
     )[0]

@@ -16,6 +16,7 @@ FLOPs (forward, per block, C hidden, M = 4C, L = tokens; derivation as in ModelC
   double: 2 L (4 C^2 + 2 C M) + 4 L^2 C      single: 2 L (C (3C + M) + (C + M) C) + 4 L^2 C
 Training step = forward + backward ~ 3x forward; TFLOP/s below use that.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,7 +63,7 @@ def make_pair(cfg, kind, device, dtype, attention="auto"):
         for p in ours.parameters():
             p.add_(0.02 * torch.randn_like(p))
     mapped = bfl_to_diffusers({prefix + k: v for k, v in ours.state_dict().items()}, hidden_size=C)
-    theirs.load_state_dict({k[len(dprefix):]: v for k, v in mapped.items()}, strict=True)
+    theirs.load_state_dict({k[len(dprefix) :]: v for k, v in mapped.items()}, strict=True)
     return ours.to(dtype), theirs.to(dtype)
 
 
@@ -77,7 +78,9 @@ def make_inputs(cfg, batch, img_tokens, txt_tokens, device, dtype):
     C = cfg.hidden_size
     rand = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
     return dict(
-        img=rand(batch, img_tokens, C), txt=rand(batch, txt_tokens, C), vec=rand(batch, C),
+        img=rand(batch, img_tokens, C),
+        txt=rand(batch, txt_tokens, C),
+        vec=rand(batch, C),
         pe=fmath.rope(ids[None], cfg.axes_dim, cfg.theta),  # (2, 1, 1, L, D), ours
         rotary=FluxPosEmbed(theta=cfg.theta, axes_dim=list(cfg.axes_dim))(ids),  # (cos, sin) (L, D), diffusers'
     )
@@ -85,10 +88,12 @@ def make_inputs(cfg, batch, img_tokens, txt_tokens, device, dtype):
 
 def runners(kind, ours, theirs, x):
     """Two closures: forward of ours / theirs from fresh leaf inputs, returning (txt_out, img_out)."""
+
     def leaf(t):
         return t.detach().requires_grad_(True)
 
     if kind == "double":
+
         def run_ours():
             img, txt = ours(leaf(x["img"]), leaf(x["txt"]), x["vec"], x["pe"])
             return txt, img
@@ -105,6 +110,7 @@ def runners(kind, ours, theirs, x):
 
         def run_theirs():
             return theirs(leaf(x["img"]), leaf(x["txt"]), x["vec"], image_rotary_emb=x["rotary"])
+
     return run_ours, run_theirs
 
 
@@ -145,8 +151,12 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=None, help="timed iterations (default 20; 2 with --tiny)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5; 1 with --tiny)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    ap.add_argument("--attention", default="auto", choices=sorted(fmath.ATTENTION_BACKENDS),
-                    help="SDPA backends both implementations may use (our blocks' attention setting)")
+    ap.add_argument(
+        "--attention",
+        default="auto",
+        choices=sorted(fmath.ATTENTION_BACKENDS),
+        help="SDPA backends both implementations may use (our blocks' attention setting)",
+    )
     args = ap.parse_args(argv)
     started = provenance.stamp()
     device = torch.device(args.device)
@@ -165,8 +175,10 @@ def main(argv=None):
             x = make_inputs(cfg, batch, img_tokens, txt_tokens, device, dtype)
             run_ours, run_theirs = runners(kind, ours, theirs, x)
             g = torch.Generator(device="cpu").manual_seed(2)
-            grads = (torch.randn(x["txt"].shape, generator=g).to(device, dtype),
-                     torch.randn(x["img"].shape, generator=g).to(device, dtype))
+            grads = (
+                torch.randn(x["txt"].shape, generator=g).to(device, dtype),
+                torch.randn(x["img"].shape, generator=g).to(device, dtype),
+            )
             with torch.no_grad():
                 a, b = run_ours(), run_theirs()
             diff = max((p.float() - q.float()).abs().max().item() for p, q in zip(a, b))
@@ -174,19 +186,35 @@ def main(argv=None):
             ms_ours = time_it(run_ours, grads, iters, warmup, device)
             ms_theirs = time_it(run_theirs, grads, iters, warmup, device)
             flops = 3 * batch * block_flops(cfg, img_tokens, txt_tokens, kind)
-            rows.append(dict(
-                block=kind, batch=batch, img_tokens=img_tokens, txt_tokens=txt_tokens,
-                ours_ms=round(ms_ours, 3), diffusers_ms=round(ms_theirs, 3),
-                speedup=round(ms_theirs / ms_ours, 3), ours_tflops=round(flops / ms_ours / 1e9, 1),
-                diffusers_tflops=round(flops / ms_theirs / 1e9, 1), max_abs_diff=diff, max_abs_output=scale,
-            ))
+            rows.append(
+                dict(
+                    block=kind,
+                    batch=batch,
+                    img_tokens=img_tokens,
+                    txt_tokens=txt_tokens,
+                    ours_ms=round(ms_ours, 3),
+                    diffusers_ms=round(ms_theirs, 3),
+                    speedup=round(ms_theirs / ms_ours, 3),
+                    ours_tflops=round(flops / ms_ours / 1e9, 1),
+                    diffusers_tflops=round(flops / ms_theirs / 1e9, 1),
+                    max_abs_diff=diff,
+                    max_abs_output=scale,
+                )
+            )
         del ours, theirs
     result = dict(
-        benchmark="bench_blocks", model=cfg.name, dtype=args.dtype, device=str(device),
+        benchmark="bench_blocks",
+        model=cfg.name,
+        dtype=args.dtype,
+        device=str(device),
         gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        torch=torch.__version__, diffusers=__import__("diffusers").__version__, iters=iters, warmup=warmup,
+        torch=torch.__version__,
+        diffusers=__import__("diffusers").__version__,
+        iters=iters,
+        warmup=warmup,
         attention=f"sdpa {'>'.join(b.name.lower() for b in fmath.ATTENTION_BACKENDS[args.attention])} for both "
-                  f"(process flags set once: {args.attention})", date=started,
+        f"(process flags set once: {args.attention})",
+        date=started,
         versions={**provenance.versions("torch", "deepspeed", "diffusers"), "cuda": torch.version.cuda},
         rows=rows,
     )
@@ -194,15 +222,21 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "bench_blocks.json", "w") as f:
         json.dump(result, f, indent=2)
-    print(f"{result['gpu']} torch {result['torch']} diffusers {result['diffusers']} {cfg.name} {args.dtype}, "
-          f"fwd+bwd median of {iters}")
-    print("| block | batch | tokens (img+txt) | ours ms | diffusers ms | speedup | ours TFLOP/s "
-          "| diffusers TFLOP/s | max abs diff |")
+    print(
+        f"{result['gpu']} torch {result['torch']} diffusers {result['diffusers']} {cfg.name} {args.dtype}, "
+        f"fwd+bwd median of {iters}"
+    )
+    print(
+        "| block | batch | tokens (img+txt) | ours ms | diffusers ms | speedup | ours TFLOP/s "
+        "| diffusers TFLOP/s | max abs diff |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['block']} | {r['batch']} | {r['img_tokens']}+{r['txt_tokens']} | {r['ours_ms']:.2f} | "
-              f"{r['diffusers_ms']:.2f} | {r['speedup']:.2f}x | {r['ours_tflops']} | {r['diffusers_tflops']} | "
-              f"{r['max_abs_diff']:.3g} (of {r['max_abs_output']:.3g}) |")
+        print(
+            f"| {r['block']} | {r['batch']} | {r['img_tokens']}+{r['txt_tokens']} | {r['ours_ms']:.2f} | "
+            f"{r['diffusers_ms']:.2f} | {r['speedup']:.2f}x | {r['ours_tflops']} | {r['diffusers_tflops']} | "
+            f"{r['max_abs_diff']:.3g} (of {r['max_abs_output']:.3g}) |"
+        )
     return result
 
 

@@ -28,6 +28,7 @@ samples over the sum of their step times, so every bucket counts by its share) a
 steps too), each step's image token count (the bucket sequence, the same for both sides), the recompiles Dynamo
 logged (TORCH_LOGS=recompiles), peak memory, and provenance. A table is printed last; `--budget` records the runs that would start after it as not run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,16 +82,25 @@ def data_spec(model: str, res: int, data: str, n: int) -> str:
 
 def _child_env(cache: Path, site: Path | None = None) -> dict:
     """site: a folder with a sitecustomize module, first on the path (it would shadow the installation's own)."""
-    path = os.pathsep.join([*([str(site)] if site else []), str(ROOT), str(HERE),
-                            *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**os.environ, "PYTHONPATH": path, "FLUXZERO_NO_PROGRESS": "1", "PYTHONUNBUFFERED": "1",
-           "TORCHINDUCTOR_CACHE_DIR": str(cache), "TORCH_LOGS": "recompiles"}  # the log names each recompile
+    path = os.pathsep.join(
+        [*([str(site)] if site else []), str(ROOT), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": path,
+        "FLUXZERO_NO_PROGRESS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TORCHINDUCTOR_CACHE_DIR": str(cache),
+        "TORCH_LOGS": "recompiles",
+    }  # the log names each recompile
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "TRITON_CACHE_DIR"):
         env.pop(key, None)  # each child is its own one-process group; Triton's kernels go in the Inductor folder
     return env
 
 
-def _follow(cmd: list, log: Path, env: dict, steps_file: Path, steps: int, timeout: float) -> tuple[dict, float, int | None]:
+def _follow(
+    cmd: list, log: Path, env: dict, steps_file: Path, steps: int, timeout: float
+) -> tuple[dict, float, int | None]:
     """Run `cmd` until `steps_file` (JSON lines, one per step, "step" 1-based) holds step `steps`, it exits, or
     `timeout`; then kill its process group. Returns ({step: seconds from the start when first seen}, wall, rc)."""
     seen: dict[int, float] = {}
@@ -128,13 +138,42 @@ def _rows(path: Path) -> list[dict]:
     return rows
 
 
-def run_fluxzero(work: Path, model: str, lora, mb: int, ckpt: int, spec: str, steps: int, timeout: float,
-                 cache: Path, impl: str = "fluxzero") -> tuple[dict, list, str]:
+def run_fluxzero(
+    work: Path,
+    model: str,
+    lora,
+    mb: int,
+    ckpt: int,
+    spec: str,
+    steps: int,
+    timeout: float,
+    cache: Path,
+    impl: str = "fluxzero",
+) -> tuple[dict, list, str]:
     ds = work / "ds.json"
-    gen = subprocess.run([sys.executable, "-m", "fluxzero.cli", "gen-config", "--preset", "zero2", "--model", model,
-                          "--micro-batch", str(mb), "--checkpoint-every", str(ckpt),
-                          *(["--lora-rank", str(lora["rank"]), "--lora-targets", lora["targets"]] if lora else []),
-                          "-o", str(ds)], capture_output=True, text=True, cwd=ROOT, env=_child_env(cache))
+    gen = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fluxzero.cli",
+            "gen-config",
+            "--preset",
+            "zero2",
+            "--model",
+            model,
+            "--micro-batch",
+            str(mb),
+            "--checkpoint-every",
+            str(ckpt),
+            *(["--lora-rank", str(lora["rank"]), "--lora-targets", lora["targets"]] if lora else []),
+            "-o",
+            str(ds),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_child_env(cache),
+    )
     if gen.returncode:
         return {}, [], f"gen-config failed: {gen.stderr.strip().splitlines()[-1:]}"
     site = None
@@ -146,50 +185,88 @@ def run_fluxzero(work: Path, model: str, lora, mb: int, ckpt: int, spec: str, st
         site = work / "site"
         site.mkdir()
         (site / "sitecustomize.py").write_text(SITECUSTOMIZE_DYNAMO)
-    run = {"deepspeed": str(ds), "data": spec, "output_dir": str(work / "out"), "model": model, "steps": 10**6,
-           "log_every": 1, "export": {"format": None}, **({"lora": lora} if lora else {})}
+    run = {
+        "deepspeed": str(ds),
+        "data": spec,
+        "output_dir": str(work / "out"),
+        "model": model,
+        "steps": 10**6,
+        "log_every": 1,
+        "export": {"format": None},
+        **({"lora": lora} if lora else {}),
+    }
     (work / "run.yaml").write_text(json.dumps(run))  # JSON is YAML
     metrics = work / "out" / "metrics.jsonl"
-    seen, _, rc = _follow([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(work / "run.yaml")],
-                          work / "train.log", _child_env(cache, site), metrics, steps, timeout)
+    seen, _, rc = _follow(
+        [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(work / "run.yaml")],
+        work / "train.log",
+        _child_env(cache, site),
+        metrics,
+        steps,
+        timeout,
+    )
     txt = text_tokens(model)
-    steps_rows = [{"step": r["step"], "step_time_s": r["step_time_s"], "loss": r["loss"],
-                   "samples": round(r["samples_per_s"] * r["step_time_s"]),
-                   "img_tokens": round(r["tokens_per_s"] / r["samples_per_s"]) - txt,  # the metrics count both
-                   "peak_memory_gb": r["peak_memory_gb"]} for r in _rows(metrics)]
+    steps_rows = [
+        {
+            "step": r["step"],
+            "step_time_s": r["step_time_s"],
+            "loss": r["loss"],
+            "samples": round(r["samples_per_s"] * r["step_time_s"]),
+            "img_tokens": round(r["tokens_per_s"] / r["samples_per_s"]) - txt,  # the metrics count both
+            "peak_memory_gb": r["peak_memory_gb"],
+        }
+        for r in _rows(metrics)
+    ]
     return seen, steps_rows, _why(seen, steps, rc)
 
 
-def run_peer(work: Path, model: str, lora, mb: int, ckpt: int, spec: str, steps: int, timeout: float,
-             cache: Path) -> tuple[dict, list, str]:
-    args = {"model": model, "lora": lora or {}, "mb": mb, "ckpt": ckpt, "data": spec, "steps": steps,
-            "work": str(work)}
+def run_peer(
+    work: Path, model: str, lora, mb: int, ckpt: int, spec: str, steps: int, timeout: float, cache: Path
+) -> tuple[dict, list, str]:
+    args = {"model": model, "lora": lora or {}, "mb": mb, "ckpt": ckpt, "data": spec, "steps": steps, "work": str(work)}
     out = work / "peer_steps.jsonl"
-    seen, _, rc = _follow([sys.executable, str(Path(__file__).resolve()), "--peer-child", json.dumps(args)],
-                          work / "peer.log", _child_env(cache), out, steps, timeout)
+    seen, _, rc = _follow(
+        [sys.executable, str(Path(__file__).resolve()), "--peer-child", json.dumps(args)],
+        work / "peer.log",
+        _child_env(cache),
+        out,
+        steps,
+        timeout,
+    )
     return seen, _rows(out), _why(seen, steps, rc)
 
 
 def peer_child(args: dict) -> int:
     """The compiled diffusers + DeepSpeed peer (benchmarks/sweep.py's baseline runner) for `steps` steps, one
     JSON line per step. Compiled on a GPU; eager on the CPU (the test's path), as the trainer decides there."""
+    import sweep
     import torch
 
-    import sweep
     from fluxzero.config import TrainConfig
     from fluxzero.train import distributed
 
     rank, world, device = distributed.init_distributed()
     work = Path(args["work"])
-    case = sweep.Case(impl="diffusers", model=args["model"], zero=2, ckpt=args["ckpt"], mb=args["mb"],
-                      attn="flash" if device.type == "cuda" else "auto", compile=device.type == "cuda",
-                      data=args["data"], lora=args["lora"], warmup=0, steps=args["steps"])
+    case = sweep.Case(
+        impl="diffusers",
+        model=args["model"],
+        zero=2,
+        ckpt=args["ckpt"],
+        mb=args["mb"],
+        attn="flash" if device.type == "cuda" else "auto",
+        compile=device.type == "cuda",
+        data=args["data"],
+        lora=args["lora"],
+        warmup=0,
+        steps=args["steps"],
+    )
     ds_path = work / "peer_ds.json"
     ds_path.write_text(json.dumps(sweep.deepspeed_config(case, world)))
     keys = sweep.run_file(case, world, str(ds_path), str(work / "peer_out"))
     # the loader workers the trainer takes on this machine (fluxzero.config.run.TrainConfig.loader_workers)
-    workers = TrainConfig(**keys).loader_workers(device.type, len(os.sched_getaffinity(0)),
-                                                 distributed.local_world_size())
+    workers = TrainConfig(**keys).loader_workers(
+        device.type, len(os.sched_getaffinity(0)), distributed.local_world_size()
+    )
     cfg = TrainConfig(**{**keys, "num_workers": workers})
     engine, step = sweep.baseline_runner(case, cfg, rank, world, device, hook=lambda name: None)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -200,8 +277,19 @@ def peer_child(args: dict) -> int:
             r = step()
             sync()
             peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
-            out.write(json.dumps({"step": i + 1, "step_time_s": time.perf_counter() - t, "samples": args["mb"] * world,
-                                  "loss": r.loss, "img_tokens": r.img_tokens, "peak_memory_gb": peak}) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "step": i + 1,
+                        "step_time_s": time.perf_counter() - t,
+                        "samples": args["mb"] * world,
+                        "loss": r.loss,
+                        "img_tokens": r.img_tokens,
+                        "peak_memory_gb": peak,
+                    }
+                )
+                + "\n"
+            )
             out.flush()
     return 0
 
@@ -215,14 +303,20 @@ def summarize(row: dict, seen: dict, rows: list, steps: int, last: int) -> dict:
     last = min(last, done - 1) if done < steps else last
     tail = rows[done - last : done]
     samples = sum(r["samples"] for r in tail)
-    return {**row, "status": "ok" if done == steps else f"stopped at step {done}", "steps_done": done,
-            "wall_s": round(seen[done], 2), "first_step_s": round(seen[min(seen)], 2),
-            "steady_samples_per_s": round(samples / sum(r["step_time_s"] for r in tail), 3),
-            # the same steps by the clock of the files' growth: also what the process does between steps
-            "steady_wall_samples_per_s": round(samples / max(1e-9, seen[done] - seen[done - last]), 3),
-            "steady_steps": last, "img_tokens_per_step": [r["img_tokens"] for r in rows[:done]],
-            "peak_memory_gb": max(r["peak_memory_gb"] for r in rows[:done]),
-            "losses_first": [round(r["loss"], 4) for r in rows[:3]]}
+    return {
+        **row,
+        "status": "ok" if done == steps else f"stopped at step {done}",
+        "steps_done": done,
+        "wall_s": round(seen[done], 2),
+        "first_step_s": round(seen[min(seen)], 2),
+        "steady_samples_per_s": round(samples / sum(r["step_time_s"] for r in tail), 3),
+        # the same steps by the clock of the files' growth: also what the process does between steps
+        "steady_wall_samples_per_s": round(samples / max(1e-9, seen[done] - seen[done - last]), 3),
+        "steady_steps": last,
+        "img_tokens_per_step": [r["img_tokens"] for r in rows[:done]],
+        "peak_memory_gb": max(r["peak_memory_gb"] for r in rows[:done]),
+        "losses_first": [round(r["loss"], 4) for r in rows[:3]],
+    }
 
 
 def _runs(a) -> list[tuple]:
@@ -242,6 +336,7 @@ def _csv(choices):
         if bad or not items:
             raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)} (comma-separated), got {s!r}")
         return items
+
     return parse
 
 
@@ -252,8 +347,12 @@ def main(argv=None) -> int:
     ap.add_argument("--res", type=int, default=512, help="pixels: the bucket mix's resolution")
     ap.add_argument("--data", type=_csv(DATA), default=["bucketed"])
     ap.add_argument("--impls", type=_csv(IMPLS), default=list(IMPLS[:2]))
-    ap.add_argument("--cache", type=_csv(("cold", "warm")), default=["cold"],
-                    help="cold: a fresh Inductor cache folder; warm: again on the folder the cold run filled")
+    ap.add_argument(
+        "--cache",
+        type=_csv(("cold", "warm")),
+        default=["cold"],
+        help="cold: a fresh Inductor cache folder; warm: again on the folder the cold run filled",
+    )
     ap.add_argument("--steps", type=int, default=200, help="the step the wall time runs to")
     ap.add_argument("--last", type=int, default=50, help="steps at the end that the steady speed is taken over")
     runner.add_timeout(ap, 900, "seconds per run")
@@ -267,8 +366,10 @@ def main(argv=None) -> int:
         ap.error("--out is required: the JSON lines file the rows are appended to")
     bad = [w for w in a.workloads if a.res not in WORKLOADS[w][2]]
     if bad:
-        ap.error(f"--res {a.res} has no row for {', '.join(bad)}; resolutions: "
-                 f"{', '.join(f'{w} {sorted(WORKLOADS[w][2])}' for w in bad)}")
+        ap.error(
+            f"--res {a.res} has no row for {', '.join(bad)}; resolutions: "
+            f"{', '.join(f'{w} {sorted(WORKLOADS[w][2])}' for w in bad)}"
+        )
     if a.steps < 2 or not 1 <= a.last < a.steps:
         ap.error("--steps must be >= 2 and --last between 1 and steps - 1 (the first step compiles)")
     if "warm" in a.cache and "cold" not in a.cache:
@@ -283,9 +384,23 @@ def main(argv=None) -> int:
             mb, ckpt = per_res[a.res]
             spec = data_spec(model, a.res, data, n=mb * a.steps)  # one epoch: every sample seen once
             name = f"{impl} {w} {a.res}px {data} {cache}"
-            row = {"run": name, "impl": impl, "workload": w, "model": model, "lora": lora, "res": a.res, "data": data,
-                   "cache": cache, "micro_batch": mb, "checkpoint_every": ckpt, "steps": a.steps, "data_spec": spec,
-                   "shards": a.shards, "date": provenance.stamp(), "versions": versions}
+            row = {
+                "run": name,
+                "impl": impl,
+                "workload": w,
+                "model": model,
+                "lora": lora,
+                "res": a.res,
+                "data": data,
+                "cache": cache,
+                "micro_batch": mb,
+                "checkpoint_every": ckpt,
+                "steps": a.steps,
+                "data_spec": spec,
+                "shards": a.shards,
+                "date": provenance.stamp(),
+                "versions": versions,
+            }
             if a.budget is not None and time.monotonic() - t_start > a.budget:
                 row["status"] = "not run (budget)"
             else:
@@ -311,14 +426,19 @@ def main(argv=None) -> int:
                     row.update(why=why, log_tail=log.read_text(errors="replace").strip().splitlines()[-5:])
             results.append(row)
             runner.append_row(out, row)
-            print(f"{name}: {row['status']} wall {row.get('wall_s', '')} s, steady "
-                  f"{row.get('steady_samples_per_s', '')} samples/s {row.get('log_tail', '')}", flush=True)
+            print(
+                f"{name}: {row['status']} wall {row.get('wall_s', '')} s, steady "
+                f"{row.get('steady_samples_per_s', '')} samples/s {row.get('log_tail', '')}",
+                flush=True,
+            )
     print("| run | wall to step N (s) | first step (s) | steady samples/s | by the clock | recompiles | peak GB |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['run']} | {r.get('wall_s', r['status'])} | {r.get('first_step_s', '')} | "
-              f"{r.get('steady_samples_per_s', '')} | {r.get('steady_wall_samples_per_s', '')} | "
-              f"{r.get('recompiles', '')} | {r.get('peak_memory_gb', '')} |")
+        print(
+            f"| {r['run']} | {r.get('wall_s', r['status'])} | {r.get('first_step_s', '')} | "
+            f"{r.get('steady_samples_per_s', '')} | {r.get('steady_wall_samples_per_s', '')} | "
+            f"{r.get('recompiles', '')} | {r.get('peak_memory_gb', '')} |"
+        )
     return 0
 
 

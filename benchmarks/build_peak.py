@@ -17,6 +17,7 @@ millisecond by a thread): what loading holds beyond the model.
     python benchmarks/build_peak.py [--model 'flux-dev:depth=1,depth_single_blocks=2'] [--cases lora,full]
         [--weights bfl|diffusers] [--root CHECKOUT]   # another checkout's fluxzero, e.g. the code before a change, measured the same way
 """
+
 from __future__ import annotations
 
 import json
@@ -101,8 +102,9 @@ print(json.dumps({"case": case, "params": n, "weights": layout, "peak_bytes": pe
 """
 
 
-def measure(case: str, spec: str, precision: str = "bf16", stage: int = 2, root: Path = ROOT,
-            weights: str | None = None) -> dict:
+def measure(
+    case: str, spec: str, precision: str = "bf16", stage: int = 2, root: Path = ROOT, weights: str | None = None
+) -> dict:
     """One case in a fresh process: {"case", "params", "weights", "peak_bytes", "peak_bytes_per_param",
     "held_bytes_per_param", "peak_anon_bytes", "peak_anon_bytes_per_param"} (held: the resident set after the
     build, over the one before; anon: the anonymous resident set, without the weights file's mapped pages).
@@ -111,8 +113,13 @@ def measure(case: str, spec: str, precision: str = "bf16", stage: int = 2, root:
     # as blocks are freed and keeps freed temporaries of varying sizes in its heap (measured: an int8 base then
     # read 3.0 bytes a parameter for 2.2 live), which says more about glibc than about what a GPU would hold
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MALLOC_MMAP_THRESHOLD_": "131072"}
-    out = subprocess.run([sys.executable, "-c", CHILD, str(root), spec, case, precision, str(stage), weights or ""],
-                         capture_output=True, text=True, env=env, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(root), spec, case, precision, str(stage), weights or ""],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     if out.returncode:
         raise RuntimeError(f"case {case} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -130,8 +137,13 @@ def main(argv=None) -> int:
     for case in a.cases.split(","):
         if case not in CASES:
             ap.error(f"unknown case {case!r}; choose from {', '.join(CASES)}")
-        row = {**measure(case, a.model, a.precision, a.zero_stage, a.root, a.weights), "model": a.model,
-               "precision": a.precision, "zero_stage": a.zero_stage, "root": str(a.root)}
+        row = {
+            **measure(case, a.model, a.precision, a.zero_stage, a.root, a.weights),
+            "model": a.model,
+            "precision": a.precision,
+            "zero_stage": a.zero_stage,
+            "root": str(a.root),
+        }
         print(json.dumps(row), flush=True)
     return 0
 

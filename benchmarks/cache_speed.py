@@ -10,6 +10,7 @@ $OUT/cache_speed_<device>_<yyyy-mm>.json and prints a markdown table.
 
 FLOPs are not the point here (the VAE encoder dominates and is convolution-bound); images/s is.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,44 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner, also when this file is loaded by path
 import runner  # noqa: E402
 
-WORDS = ("a photo of the cat dog red blue green house tree sky on in with small big person car street city "
-         "night day light dark water mountain river sunset portrait close up old new wooden table").split()
+WORDS = [
+    "a",
+    "photo",
+    "of",
+    "the",
+    "cat",
+    "dog",
+    "red",
+    "blue",
+    "green",
+    "house",
+    "tree",
+    "sky",
+    "on",
+    "in",
+    "with",
+    "small",
+    "big",
+    "person",
+    "car",
+    "street",
+    "city",
+    "night",
+    "day",
+    "light",
+    "dark",
+    "water",
+    "mountain",
+    "river",
+    "sunset",
+    "portrait",
+    "close",
+    "up",
+    "old",
+    "new",
+    "wooden",
+    "table",
+]
 
 
 def scratch_tokenizer(kind: str, vocab_size: int):
@@ -41,8 +78,12 @@ def scratch_tokenizer(kind: str, vocab_size: int):
     if kind == "t5":
         tok.post_processor = processors.TemplateProcessing(single=f"$A {eos}", special_tokens=[(eos, vocab[eos])])
         return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=bos, unk_token=unk, eos_token=eos), vocab[eos]
-    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A {eos}", special_tokens=[(bos, 0), (eos, vocab[eos])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=eos, unk_token=unk, bos_token=bos, eos_token=eos), vocab[eos]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}", special_tokens=[(bos, 0), (eos, vocab[eos])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=eos, unk_token=unk, bos_token=bos, eos_token=eos
+    ), vocab[eos]
 
 
 def build_vae(tiny: bool, device, dtype):
@@ -53,18 +94,27 @@ def build_vae(tiny: bool, device, dtype):
     else:  # FLUX.1's autoencoder shapes
         kw = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32)
     with torch.device(device):
-        vae = AutoencoderKL(latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 4,
-                            up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=0.3611, shift_factor=0.1159,
-                            use_quant_conv=False, use_post_quant_conv=False, **kw)
+        vae = AutoencoderKL(
+            latent_channels=16,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            **kw,
+        )
     return (vae if dtype == torch.float32 else vae.to(dtype)).eval()
 
 
 def vae_only_encode(vae, dtype):
     """Same computation as Encoders.encode_images, for machines without transformers."""
+
     def encode(px):
         with torch.inference_mode():
             z = vae.encode(px.to(dtype)).latent_dist.mode()
             return ((z.float() - 0.1159) * 0.3611).cpu()
+
     return encode
 
 
@@ -78,14 +128,35 @@ def build_encoders(tiny: bool, device, dtype):
     vae = build_vae(tiny, device, dtype)
     if tiny:
         t5_cfg = T5Config(vocab_size=32128, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4)
-        clip_cfg = CLIPTextConfig(vocab_size=49408, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                  num_attention_heads=2, max_position_embeddings=77, projection_dim=32)
+        clip_cfg = CLIPTextConfig(
+            vocab_size=49408,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            projection_dim=32,
+        )
     else:  # google/t5-v1_1-xxl, openai/clip-vit-large-patch14 (text) shapes
-        t5_cfg = T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-                          feed_forward_proj="gated-gelu")
-        clip_cfg = CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                                  num_attention_heads=12, max_position_embeddings=77, projection_dim=768,
-                                  hidden_act="quick_gelu")
+        t5_cfg = T5Config(
+            vocab_size=32128,
+            d_model=4096,
+            d_kv=64,
+            d_ff=10240,
+            num_layers=24,
+            num_heads=64,
+            feed_forward_proj="gated-gelu",
+        )
+        clip_cfg = CLIPTextConfig(
+            vocab_size=49408,
+            hidden_size=768,
+            intermediate_size=3072,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            max_position_embeddings=77,
+            projection_dim=768,
+            hidden_act="quick_gelu",
+        )
     t5_cfg.eos_token_id, t5_cfg.pad_token_id = eos5, 0
     clip_cfg.eos_token_id, clip_cfg.bos_token_id, clip_cfg.pad_token_id = eosc, 0, eosc
     prev = torch.get_default_dtype()
@@ -139,7 +210,14 @@ def main():
     res = 64 if args.tiny else 1024
     n_images = min(args.images, 16) if args.tiny else args.images
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
-    result = {"device": name, "dtype": str(dtype), "torch": torch.__version__, "tiny": args.tiny, "stages": [], "pipeline": {}}
+    result = {
+        "device": name,
+        "dtype": str(dtype),
+        "torch": torch.__version__,
+        "tiny": args.tiny,
+        "stages": [],
+        "pipeline": {},
+    }
 
     try:
         import transformers  # noqa: F401
@@ -147,8 +225,11 @@ def main():
         have_text = True
     except ImportError:
         have_text = False
-        print("transformers is not installed here: measuring the VAE only (install transformers and "
-              "tokenizers, as in the development venv, for T5/CLIP and the whole pipeline)", file=sys.stderr)
+        print(
+            "transformers is not installed here: measuring the VAE only (install transformers and "
+            "tokenizers, as in the development venv, for T5/CLIP and the whole pipeline)",
+            file=sys.stderr,
+        )
     t0 = time.perf_counter()
     enc = build_encoders(args.tiny, device, dtype) if have_text else None
     encode_images = enc.encode_images if enc else vae_only_encode(build_vae(args.tiny, device, dtype), dtype)
@@ -160,7 +241,9 @@ def main():
     for bs in (1, 4, 8, 16):
         px = torch.randn(bs, 3, res, res, device=device, dtype=dtype).clamp(-1, 1)
         s = timed(lambda: encode_images(px), sync)
-        result["stages"].append({"stage": f"VAE encode {res}x{res}", "batch": bs, "ms_per_item": round(1000 * s / bs, 2)})
+        result["stages"].append(
+            {"stage": f"VAE encode {res}x{res}", "batch": bs, "ms_per_item": round(1000 * s / bs, 2)}
+        )
     if cuda:
         result["vae_peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if not have_text:
@@ -168,7 +251,9 @@ def main():
     caps = [" ".join(WORDS[i % len(WORDS)] for i in range(k, k + 20)) for k in range(32)]
     for bs in (8, 32):
         s = timed(lambda: enc.encode_text(caps[:bs]), sync)
-        result["stages"].append({"stage": "T5 (512 tok) + CLIP (77 tok)", "batch": bs, "ms_per_item": round(1000 * s / bs, 2)})
+        result["stages"].append(
+            {"stage": "T5 (512 tok) + CLIP (77 tok)", "batch": bs, "ms_per_item": round(1000 * s / bs, 2)}
+        )
 
     # ---- whole pipeline on JPEG files
     from fluxzero.data.cache import CacheOptions, run_cache
@@ -179,18 +264,29 @@ def main():
         t = time.perf_counter()
         make_images(imgs, n_images, res / 1024)
         result["pipeline"]["make_images_s"] = round(time.perf_counter() - t, 1)
-        opts = CacheOptions(str(imgs), str(shards), resolution=res, min_side=res // 4 // 16 * 16 or 16,
-                            batch_size=args.batch_size, shard_size=64)
+        opts = CacheOptions(
+            str(imgs),
+            str(shards),
+            resolution=res,
+            min_side=res // 4 // 16 * 16 or 16,
+            batch_size=args.batch_size,
+            shard_size=64,
+        )
         t = time.perf_counter()
         r = run_cache(opts, lambda: enc, log=lambda m: None)
         wall = time.perf_counter() - t
         m = r["manifest"]
         nbytes = sum(s["bytes"] for s in m["shards"])
-        result["pipeline"].update({
-            "images": n_images, "batch_size": args.batch_size, "wall_s": round(wall, 2),
-            "images_per_s": round(n_images / wall, 2), "bytes_per_sample": nbytes // m["num_samples"],
-            "buckets": {k: v["num_samples"] for k, v in m["cache"]["pixel_buckets"].items()},
-        })
+        result["pipeline"].update(
+            {
+                "images": n_images,
+                "batch_size": args.batch_size,
+                "wall_s": round(wall, 2),
+                "images_per_s": round(n_images / wall, 2),
+                "bytes_per_sample": nbytes // m["num_samples"],
+                "buckets": {k: v["num_samples"] for k, v in m["cache"]["pixel_buckets"].items()},
+            }
+        )
     if cuda:
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     finish(result, out_dir, args, name, dtype, cuda)
@@ -206,8 +302,10 @@ def finish(result, out_dir, args, name, dtype, cuda):
         print(f"| {s['stage']} | {s['batch']} | {s['ms_per_item']} |")
     p = result["pipeline"]
     if p:
-        print(f"\npipeline: {p['images']} JPEGs ({p['buckets']}), batch {p['batch_size']}: {p['wall_s']} s, "
-              f"{p['images_per_s']} images/s, {p['bytes_per_sample'] / 2**20:.2f} MiB per sample on disk")
+        print(
+            f"\npipeline: {p['images']} JPEGs ({p['buckets']}), batch {p['batch_size']}: {p['wall_s']} s, "
+            f"{p['images_per_s']} images/s, {p['bytes_per_sample'] / 2**20:.2f} MiB per sample on disk"
+        )
     if cuda:
         print(f"peak GPU memory {result.get('peak_memory_gib', result['vae_peak_memory_gib'])} GiB")
     print(f"wrote {path}")

@@ -24,6 +24,7 @@ lora: section) and records --fit's predicted peak beside the measured one. A sho
     # CPU smoke test of the same code path on flux-tiny (no cap: there is no CUDA allocator to cap)
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set cpu-smoke --out /tmp/capped.jsonl
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -80,37 +81,64 @@ SETS = {
         Case("z2-int8-base", ["--zero-stage", "2"], {**_LORA16, "base_quant": "int8"}),
         Case("z3-param-offload", ["--zero-stage", "3", "--offload-param", "cpu"], {**_LORA16, "base_quant": "none"}),
         # the parameter fetch is paid once per micro batch: a larger one spreads it
-        Case("z3-param-offload-mb4", ["--zero-stage", "3", "--offload-param", "cpu"],
-             {**_LORA16, "base_quant": "none"}, micro_batch=4),
-        Case("z3-param-offload-mb16", ["--zero-stage", "3", "--offload-param", "cpu"],
-             {**_LORA16, "base_quant": "none"}, micro_batch=16),
+        Case(
+            "z3-param-offload-mb4",
+            ["--zero-stage", "3", "--offload-param", "cpu"],
+            {**_LORA16, "base_quant": "none"},
+            micro_batch=4,
+        ),
+        Case(
+            "z3-param-offload-mb16",
+            ["--zero-stage", "3", "--offload-param", "cpu"],
+            {**_LORA16, "base_quant": "none"},
+            micro_batch=16,
+        ),
         # prefetch one whole block ahead instead of gen-config's 0.9 x hidden^2 elements (8.5M for FLUX.1-dev,
         # less than the next block's first weight): DeepSpeed's prefetch then copies block i+1 from pinned host
         # memory on its own stream while block i computes. 339.8M = a FLUX.1-dev double block (ParamInventory);
         # live parameters stay under gen-config's 1e9 (one block in use + one prefetched: 0.68e9).
-        Case("z3-param-offload-pf", ["--zero-stage", "3", "--offload-param", "cpu",
-                                     "--stage3-prefetch-bucket-size", "339831296"], {**_LORA16, "base_quant": "none"}),
-        Case("z3-param-offload-mb4-pf", ["--zero-stage", "3", "--offload-param", "cpu",
-                                         "--stage3-prefetch-bucket-size", "339831296"],
-             {**_LORA16, "base_quant": "none"}, micro_batch=4),
+        Case(
+            "z3-param-offload-pf",
+            ["--zero-stage", "3", "--offload-param", "cpu", "--stage3-prefetch-bucket-size", "339831296"],
+            {**_LORA16, "base_quant": "none"},
+        ),
+        Case(
+            "z3-param-offload-mb4-pf",
+            ["--zero-stage", "3", "--offload-param", "cpu", "--stage3-prefetch-bucket-size", "339831296"],
+            {**_LORA16, "base_quant": "none"},
+            micro_batch=4,
+        ),
     ],
     # what `gen-config --fit` chooses for each card of the issue (the configs users run); host 128 GiB
     "fit": [
         Case("fit-lora16-512px-24gb", [], fit=["--gpu-memory", "24", "--host-memory", "128", "--lora-rank", "16"]),
-        Case("fit-lora16-1024px-24gb", [], data=_DATA_1024,
-             fit=["--gpu-memory", "24", "--host-memory", "128", "--lora-rank", "16", "--resolution", "1024"]),
+        Case(
+            "fit-lora16-1024px-24gb",
+            [],
+            data=_DATA_1024,
+            fit=["--gpu-memory", "24", "--host-memory", "128", "--lora-rank", "16", "--resolution", "1024"],
+        ),
         Case("fit-lora16-512px-16gb", [], fit=["--gpu-memory", "16", "--host-memory", "128", "--lora-rank", "16"]),
         # full fine-tunes: --fit chooses fused-adafactor-sr on these cards (blocks streamed from the host at 24/16 GB)
         Case("fit-full-512px-80gb", [], fit=["--gpu-memory", "80", "--host-memory", "120"]),
         Case("fit-full-512px-48gb", [], fit=["--gpu-memory", "48", "--host-memory", "96"]),
         Case("fit-full-512px-24gb", [], fit=["--gpu-memory", "24", "--host-memory", "64"]),
         Case("fit-full-512px-16gb", [], fit=["--gpu-memory", "16", "--host-memory", "64"]),
-        Case("fit-full-1024px-24gb", [], data=_DATA_1024,
-             fit=["--gpu-memory", "24", "--host-memory", "64", "--resolution", "1024"]),
+        Case(
+            "fit-full-1024px-24gb",
+            [],
+            data=_DATA_1024,
+            fit=["--gpu-memory", "24", "--host-memory", "64", "--resolution", "1024"],
+        ),
         # the optimizer step on the host (cpu-* modes, what --fit chose at 48 GB before the fused mode): a step
         # takes tens of seconds, so fewer are timed
-        Case("fit-full-512px-48gb-host-step", [], fit=["--gpu-memory", "48", "--host-memory", "120",
-                                                       "--offload-optimizer", "cpu"], steps=4, warmup=2),
+        Case(
+            "fit-full-512px-48gb-host-step",
+            [],
+            fit=["--gpu-memory", "48", "--host-memory", "120", "--offload-optimizer", "cpu"],
+            steps=4,
+            warmup=2,
+        ),
     ],
     # full fine-tunes in the fused mode (each tensor stepped in backward, no gradient buffer), the last K blocks
     # streamed from pinned host memory (gen-config --offload-blocks K); run each with its card's cap
@@ -122,24 +150,55 @@ SETS = {
         Case("fused-1024px-24gb", _fused(38), data=_DATA_1024),  # --memory-cap-gib 23.6, host <= 64 GiB
     ],
     "cpu-fused-smoke": [
-        Case("tiny-fused-k2", _fused(2), model="flux-tiny", data="synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32",
-             steps=3, warmup=1, timeout=600),
+        Case(
+            "tiny-fused-k2",
+            _fused(2),
+            model="flux-tiny",
+            data="synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32",
+            steps=3,
+            warmup=1,
+            timeout=600,
+        ),
     ],
     "cpu-fit-smoke": [
-        Case("tiny-fit-lora", [], model="flux-tiny", data="synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32", steps=3,
-             warmup=1, timeout=600, fit=["--gpu-memory", "24", "--host-memory", "64", "--lora-rank", "4",
-                                         "--resolution", "128"]),
+        Case(
+            "tiny-fit-lora",
+            [],
+            model="flux-tiny",
+            data="synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32",
+            steps=3,
+            warmup=1,
+            timeout=600,
+            fit=["--gpu-memory", "24", "--host-memory", "64", "--lora-rank", "4", "--resolution", "128"],
+        ),
         # the fused mode pinned with two blocks streamed: what --fit writes for it, run on the CPU
-        Case("tiny-fit-fused", ["--optimizer-mode", "fused-adafactor-sr", "--offload-blocks", "2"],
-             model="flux-tiny", data="synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32", steps=3, warmup=1, timeout=600,
-             fit=["--gpu-memory", "24", "--host-memory", "64", "--resolution", "128"]),
+        Case(
+            "tiny-fit-fused",
+            ["--optimizer-mode", "fused-adafactor-sr", "--offload-blocks", "2"],
+            model="flux-tiny",
+            data="synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32",
+            steps=3,
+            warmup=1,
+            timeout=600,
+            fit=["--gpu-memory", "24", "--host-memory", "64", "--resolution", "128"],
+        ),
     ],
     "cpu-smoke": [
-        Case(f"tiny-{n}", opts, {"rank": 4, "targets": "all-linear", "base_quant": q}, model="flux-tiny",
-             data="synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32", steps=3, warmup=1, timeout=600)
-        for n, opts, q in [("z2-bf16-base", ["--zero-stage", "2"], "none"),
-                           ("z2-int8-base", ["--zero-stage", "2"], "int8"),
-                           ("z3-param-offload", ["--zero-stage", "3", "--offload-param", "cpu"], "none")]
+        Case(
+            f"tiny-{n}",
+            opts,
+            {"rank": 4, "targets": "all-linear", "base_quant": q},
+            model="flux-tiny",
+            data="synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32",
+            steps=3,
+            warmup=1,
+            timeout=600,
+        )
+        for n, opts, q in [
+            ("z2-bf16-base", ["--zero-stage", "2"], "none"),
+            ("z2-int8-base", ["--zero-stage", "2"], "int8"),
+            ("z3-param-offload", ["--zero-stage", "3", "--offload-param", "cpu"], "none"),
+        ]
     ],
 }
 
@@ -246,22 +305,58 @@ finally:
 def _gen_config(case: Case, path: Path) -> dict:
     """Writes the case's DeepSpeed JSON; for a --fit case, what --fit chose: micro batch, lora:, predicted peak."""
     if case.fit is not None:
-        cmd = [sys.executable, "-m", "fluxzero.cli", "gen-config", "--fit", "--world-size", "1", "--model",
-               case.model, *case.fit, *case.gen_config, "-o", str(path)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fluxzero.cli",
+            "gen-config",
+            "--fit",
+            "--world-size",
+            "1",
+            "--model",
+            case.model,
+            *case.fit,
+            *case.gen_config,
+            "-o",
+            str(path),
+        ]
         done = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)
         out = done.stdout + done.stderr
-        chose = {"micro_batch": json.loads(path.read_text())["train_micro_batch_size_per_gpu"],
-                 "fit_chose": next((ln.strip() for ln in out.splitlines() if ln.strip().startswith("chose")), None)}
+        chose = {
+            "micro_batch": json.loads(path.read_text())["train_micro_batch_size_per_gpu"],
+            "fit_chose": next((ln.strip() for ln in out.splitlines() if ln.strip().startswith("chose")), None),
+        }
         m = re.search(r"predicted ([0-9.]+) GiB allocated", out)
         chose["fit_predicted_gib"] = float(m.group(1)) if m else None
         m = re.search(r"lora: (\{[^}]*\})", out)
         if m:
             chose["lora"] = yaml.safe_load(m.group(1))
         return chose
-    cmd = [sys.executable, "-m", "fluxzero.cli", "gen-config", "--model", case.model,
-           "--micro-batch", str(case.micro_batch), "--precision", case.precision, "--checkpoint-every", "1",
-           "--adam-impl", "torch", "--lr", "1e-4", "--scheduler", "none", "--steps-per-print", "1000000000",
-           *case.gen_config, "-o", str(path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fluxzero.cli",
+        "gen-config",
+        "--model",
+        case.model,
+        "--micro-batch",
+        str(case.micro_batch),
+        "--precision",
+        case.precision,
+        "--checkpoint-every",
+        "1",
+        "--adam-impl",
+        "torch",
+        "--lr",
+        "1e-4",
+        "--scheduler",
+        "none",
+        "--steps-per-print",
+        "1000000000",
+        *case.gen_config,
+        "-o",
+        str(path),
+    ]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)
     return {}
 
@@ -269,17 +364,33 @@ def _gen_config(case: Case, path: Path) -> dict:
 def run_case(case: Case, cap: float, work: Path, profile_step: int | None = None) -> dict:
     """One case in its own process; the row of what it measured (or how it failed)."""
     work.mkdir(parents=True, exist_ok=True)
-    row = {"case": case.name, "model": case.model, "data": case.data, "micro_batch": case.micro_batch,
-           "precision": case.precision, "gen_config": case.gen_config, "lora": case.lora,
-           "memory_cap_gib": cap or None}
+    row = {
+        "case": case.name,
+        "model": case.model,
+        "data": case.data,
+        "micro_batch": case.micro_batch,
+        "precision": case.precision,
+        "gen_config": case.gen_config,
+        "lora": case.lora,
+        "memory_cap_gib": cap or None,
+    }
     try:
         row.update(_gen_config(case, work / "ds.json"))
     except subprocess.CalledProcessError as e:
         lines = (e.stderr or e.stdout).strip().splitlines()
         return {**row, "ok": False, "error": " ".join(lines[-6:]) if case.fit is not None else lines[-1]}
-    run = {"deepspeed": str(work / "ds.json"), "data": case.data, "output_dir": str(work / "run"),
-           "model": case.model, "steps": case.steps, "seed": 0, "log_every": 1,
-           "checkpoint": {"every": 0, "resume": False}, "export": {"format": None}, "lora": row["lora"] or None}
+    run = {
+        "deepspeed": str(work / "ds.json"),
+        "data": case.data,
+        "output_dir": str(work / "run"),
+        "model": case.model,
+        "steps": case.steps,
+        "seed": 0,
+        "log_every": 1,
+        "checkpoint": {"every": 0, "resume": False},
+        "export": {"format": None},
+        "lora": row["lora"] or None,
+    }
     (work / "run.json").write_text(json.dumps(run))  # YAML is a superset of JSON: the run file as it is
     # this checkout first, then whatever path the caller had (the device's wheels live there)
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -292,9 +403,22 @@ def run_case(case: Case, cap: float, work: Path, profile_step: int | None = None
     stats_file = work / "stats.json"
     t0 = time.perf_counter()
     log = work / "train.log"  # the trainer's whole output, kept beside the run (a timeout leaves it too)
-    res = runner.run([sys.executable, "-c", CHILD, str(ROOT), str(cap or 0), str(work / "run.json"),
-                      str(stats_file), str(work / "run" / "metrics.jsonl"), str(case.steps)],
-                     timeout=case.timeout, log=log, env=env)
+    res = runner.run(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            str(ROOT),
+            str(cap or 0),
+            str(work / "run.json"),
+            str(stats_file),
+            str(work / "run" / "metrics.jsonl"),
+            str(case.steps),
+        ],
+        timeout=case.timeout,
+        log=log,
+        env=env,
+    )
     if res.timed_out:
         code, tail = None, [f"timed out after {case.timeout} s"]
     else:
@@ -319,14 +443,19 @@ def _table(rows: list[dict]) -> str:
     def f(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
 
-    lines = ["| case | ok | micro batch | samples/s | peak alloc GiB | --fit predicted GiB | peak reserved GiB "
-             "| host RSS GiB | cap GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | ok | micro batch | samples/s | peak alloc GiB | --fit predicted GiB | peak reserved GiB "
+        "| host RSS GiB | cap GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['case']} | {'yes' if r['ok'] else 'no: ' + r.get('error', '')[:80]} | "
-                     f"{r.get('micro_batch')} | {f(r.get('samples_per_s'))} | {f(r.get('peak_allocated_gib'))} | "
-                     f"{f(r.get('fit_predicted_gib'))} | "
-                     f"{f(r.get('peak_reserved_gib'))} | {f(r.get('host_peak_rss_gib'))} | "
-                     f"{f(r.get('memory_cap_gib'), '{:.1f}')} |")
+        lines.append(
+            f"| {r['case']} | {'yes' if r['ok'] else 'no: ' + r.get('error', '')[:80]} | "
+            f"{r.get('micro_batch')} | {f(r.get('samples_per_s'))} | {f(r.get('peak_allocated_gib'))} | "
+            f"{f(r.get('fit_predicted_gib'))} | "
+            f"{f(r.get('peak_reserved_gib'))} | {f(r.get('host_peak_rss_gib'))} | "
+            f"{f(r.get('memory_cap_gib'), '{:.1f}')} |"
+        )
     return "\n".join(lines)
 
 
@@ -334,15 +463,23 @@ def main(argv=None) -> int:
     ap = runner.parser(__doc__)
     ap.add_argument("--set", choices=sorted(SETS), default="lora24")
     ap.add_argument("--cases", help="comma-separated case names of the set (default: all)")
-    ap.add_argument("--memory-cap-gib", type=float, default=0.0,
-                    help="cap PyTorch's CUDA allocator at this many GiB in each trainer process (0: no cap)")
+    ap.add_argument(
+        "--memory-cap-gib",
+        type=float,
+        default=0.0,
+        help="cap PyTorch's CUDA allocator at this many GiB in each trainer process (0: no cap)",
+    )
     runner.add_timeout(ap, None, "seconds per case (default: each case's own)", type=int)
     ap.add_argument("--steps", type=int, help="optimizer steps per case (default: each case's own)")
     ap.add_argument("--warmup", type=int, help="steps left out of the median (default: each case's own)")
     runner.add_out(ap, "capped_runs.jsonl", "JSON lines file (appended)")
     ap.add_argument("--workdir", type=Path, help="where the runs write (default: a temporary folder)")
-    ap.add_argument("--profile-step", type=int, help="run this optimizer step under torch.profiler: the row gets its "
-                    "GPU busy time in host-to-device and device-to-host copies and in compute kernels (profile_*_ms)")
+    ap.add_argument(
+        "--profile-step",
+        type=int,
+        help="run this optimizer step under torch.profiler: the row gets its "
+        "GPU busy time in host-to-device and device-to-host copies and in compute kernels (profile_*_ms)",
+    )
     a = ap.parse_args(argv)
     cases = SETS[a.set]
     if a.cases:
@@ -360,8 +497,11 @@ def main(argv=None) -> int:
         row = run_case(case, a.memory_cap_gib, work / case.name, a.profile_step)
         rows.append(row)
         runner.append_row(a.out, row)
-        print(f"{case.name}: {'ok' if row['ok'] else 'FAILED'} samples/s={row.get('samples_per_s')} "
-              f"peak_alloc={row.get('peak_allocated_gib')} rss={row.get('host_peak_rss_gib')}", flush=True)
+        print(
+            f"{case.name}: {'ok' if row['ok'] else 'FAILED'} samples/s={row.get('samples_per_s')} "
+            f"peak_alloc={row.get('peak_allocated_gib')} rss={row.get('host_peak_rss_gib')}",
+            flush=True,
+        )
     print(_table(rows))
     return 0 if all(r["ok"] for r in rows) else 1
 

@@ -12,6 +12,7 @@ Each figure is the median of --repeats timed copies after a warm-up, in GB/s (1e
 
     PYTHONPATH=. python3 benchmarks/copy_bandwidth.py --out $OUT/copy_bandwidth.json
 """
+
 from __future__ import annotations
 
 import json
@@ -99,8 +100,13 @@ def main() -> None:
     rows["matmul_alone_s"] = t_mm
     rows["h2d_alone_s"] = t_copy
     rows["overlap_efficiency"] = (t_mm + t_copy) / t_both - 1.0  # 1.0: the copy hid entirely behind the matmuls
-    result = {"mbytes": args.mbytes, "repeats": args.repeats, "gbps": rows, "gpu": torch.cuda.get_device_name(),
-              **runner.provenance_fields("torch")}
+    result = {
+        "mbytes": args.mbytes,
+        "repeats": args.repeats,
+        "gbps": rows,
+        "gpu": torch.cuda.get_device_name(),
+        **runner.provenance_fields("torch"),
+    }
     for k, v in rows.items():
         print(f"{k:24s} {v:10.3f}")
     if args.out:

@@ -15,6 +15,7 @@ Writes cpu_adam_<host CPU count>cpu.json under --out. The ratio holds for the ma
 development machine says little about a GPU host's many-core CPUs (DeepSpeedCPUAdam's AVX kernel and
 torch's fused kernel both scale with cores and memory bandwidth, not necessarily alike).
 """
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,10 @@ def main() -> None:
     p.grad = torch.randn(n) * 1e-3
     kw = dict(lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     rows = {}
-    for name, make in (("torch AdamW(fused=True)", lambda: torch.optim.AdamW([p], fused=True, **kw)),
-                       ("torch AdamW(foreach=True)", lambda: torch.optim.AdamW([p], foreach=True, **kw))):
+    for name, make in (
+        ("torch AdamW(fused=True)", lambda: torch.optim.AdamW([p], fused=True, **kw)),
+        ("torch AdamW(foreach=True)", lambda: torch.optim.AdamW([p], foreach=True, **kw)),
+    ):
         opt = make()
         times = step_times(opt, [p], a.steps)
         rows[name] = {"median_s": statistics.median(times), "times_s": times}
@@ -81,8 +84,12 @@ def main() -> None:
             times = step_times(opt, [pb], a.steps)
             first = time.perf_counter() - t - sum(times)  # the untimed step: state allocation, and the compile
             name = f"HostAdamW ({mode}, {'compiled' if compiled else 'eager'})"
-            rows[name] = {"median_s": statistics.median(times), "times_s": times, "first_step_s": first,
-                          "chunk": opt.chunk}
+            rows[name] = {
+                "median_s": statistics.median(times),
+                "times_s": times,
+                "first_step_s": first,
+                "chunk": opt.chunk,
+            }
             print(f"{name:<44} {statistics.median(times):7.3f} s / step (first step {first:.1f} s)", flush=True)
             del opt
     if not a.no_deepspeed:
@@ -93,11 +100,21 @@ def main() -> None:
         build = time.perf_counter() - t0
         times = step_times(opt, [p], a.steps)
         rows["DeepSpeedCPUAdam"] = {"median_s": statistics.median(times), "times_s": times, "build_s": build}
-        print(f"{'DeepSpeedCPUAdam':<44} {statistics.median(times):7.3f} s / step (construction incl. JIT build "
-              f"{build:.0f} s)", flush=True)
-    result = {"params": n, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-              "processor": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "chunk_arg": a.chunk, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
+        print(
+            f"{'DeepSpeedCPUAdam':<44} {statistics.median(times):7.3f} s / step (construction incl. JIT build "
+            f"{build:.0f} s)",
+            flush=True,
+        )
+    result = {
+        "params": n,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "processor": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "chunk_arg": a.chunk,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rows": rows,
+    }
     try:
         import deepspeed
 

@@ -17,6 +17,7 @@ is untouched), as a card of that size would.
 A case "peer:..." runs the diffusers + DeepSpeed baseline of benchmarks/sweep.py in the same call instead.
 One JSON line per case is appended to --out as soon as it is measured; a table is printed last.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,13 @@ SEL = ["--checkpoint-policy", "selective"]
 FULL_SR_CK1 = ["--zero-stage", "0", "--optimizer-mode", "bf16-sr", "--micro-batch", "16", "--checkpoint-every", "1"]
 CASES = {
     # flux-dev-lite (5 + 10 full-width blocks), ZeRO-2 bf16, micro batch 16: the issue's rows
-    "lite-ckpt1-old": ("flux-dev-lite", 512, ["--checkpoint-every", "1", "--no-compile"],
-                       {"num_workers": 0, "prefetch_batches": 0}, None),
+    "lite-ckpt1-old": (
+        "flux-dev-lite",
+        512,
+        ["--checkpoint-every", "1", "--no-compile"],
+        {"num_workers": 0, "prefetch_batches": 0},
+        None,
+    ),
     "lite-ckpt1": ("flux-dev-lite", 512, ["--checkpoint-every", "1"], {}, None),
     "lite-ckpt1-fp8": ("flux-dev-lite", 512, ["--checkpoint-every", "1", "--fp8", "tensorwise"], {}, None),
     "lite-ckpt0": ("flux-dev-lite", 512, ["--checkpoint-every", "0"], {}, None),
@@ -51,11 +57,21 @@ CASES = {
     "lite-ckpt1-mb8": ("flux-dev-lite", 512, ["--checkpoint-every", "1", "--micro-batch", "8"], {}, None),
     # rank-16 LoRA on FLUX.1-dev, ZeRO-2 bf16, every block checkpointed
     "lora-mb4": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "4"], {}, DEV_LORA),
-    "lora-mb4-fp8": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "4", "--fp8", "tensorwise"],
-                     {}, DEV_LORA),
+    "lora-mb4-fp8": (
+        "flux-dev",
+        512,
+        ["--checkpoint-every", "1", "--micro-batch", "4", "--fp8", "tensorwise"],
+        {},
+        DEV_LORA,
+    ),
     "lora-mb1": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "1"], {}, DEV_LORA),
-    "lora-mb1-fp8": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "1", "--fp8", "tensorwise"],
-                     {}, DEV_LORA),
+    "lora-mb1-fp8": (
+        "flux-dev",
+        512,
+        ["--checkpoint-every", "1", "--micro-batch", "1", "--fp8", "tensorwise"],
+        {},
+        DEV_LORA,
+    ),
     "lora-1024-mb1": ("flux-dev", 1024, ["--checkpoint-every", "1", "--micro-batch", "1"], {}, DEV_LORA),
     # the same with a DoRA (its forward makes each W + s B A whole to take row norms) and a LoKr (lora.type)
     "dora-mb4": ("flux-dev", 512, ["--checkpoint-every", "1", "--micro-batch", "4"], {}, {**DEV_LORA, "type": "dora"}),
@@ -84,8 +100,7 @@ PEERS = {  # benchmarks/sweep.py arguments of the diffusers + DeepSpeed baseline
     "peer:lite-ckpt1": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "1", "--mb", "16", "--compile", "1"],
     "peer:lite-ckpt1-mb8": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "1", "--mb", "8", "--compile", "1"],
     # issue 22 target 2's other bar: 1.3x the eager peer
-    "peer:lite-ckpt1-eager": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "1", "--mb", "16",
-                              "--compile", "0"],
+    "peer:lite-ckpt1-eager": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "1", "--mb", "16", "--compile", "0"],
 }
 SETS = {
     "lite": ["lite-ckpt1-old", "lite-ckpt1", "lite-ckpt1-fp8", "lite-ckpt0", "lite-ckpt0-fp8", "peer:lite-ckpt0"],
@@ -93,18 +108,27 @@ SETS = {
     "adapters": ["lora-mb4", "dora-mb4", "lokr-mb4"],
     # selective checkpointing against full and none: flux-dev-lite at micro batch 16, the LoRA at 512 px mb 4 and
     # 1024 px mb 1 (compiled blocks, as gen-config writes them below ZeRO-3)
-    "policy": ["lite-ckpt0", "lite-ckpt1", "lite-ckpt1-sel", "lora-mb4-ckpt0", "lora-mb4", "lora-mb4-sel",
-               "lora-1024-mb1-ckpt0", "lora-1024-mb1", "lora-1024-mb1-sel"],
+    "policy": [
+        "lite-ckpt0",
+        "lite-ckpt1",
+        "lite-ckpt1-sel",
+        "lora-mb4-ckpt0",
+        "lora-mb4",
+        "lora-mb4-sel",
+        "lora-1024-mb1-ckpt0",
+        "lora-1024-mb1",
+        "lora-1024-mb1-sel",
+    ],
 }
 
-SITECUSTOMIZE = '''import os
+SITECUSTOMIZE = """import os
 cap = os.environ.get("FLUXZERO_BENCH_MEMORY_CAP_GIB")
 if cap:
     import torch
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap) * 1024**3 / total))
-'''
+"""
 
 
 def measured_peak_tflops() -> float | None:
@@ -143,19 +167,36 @@ def run_case(name: str, work: Path, rows: int, timeout: float, cap: float | None
     if "--fit" in gen_args:
         base = ["--model", model, "--world-size", "1"]
     else:
-        base = ["--preset", "zero2", "--model", model, *([] if "--micro-batch" in gen_args else ["--micro-batch", "16"])]
-    gen = subprocess.run([sys.executable, "-m", "fluxzero.cli", "gen-config", *base, *gen_args, "-o", str(ds)],
-                         capture_output=True, text=True, cwd=ROOT)
+        base = [
+            "--preset",
+            "zero2",
+            "--model",
+            model,
+            *([] if "--micro-batch" in gen_args else ["--micro-batch", "16"]),
+        ]
+    gen = subprocess.run(
+        [sys.executable, "-m", "fluxzero.cli", "gen-config", *base, *gen_args, "-o", str(ds)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     if gen.returncode:
         return {"case": name, "status": "gen-config failed", "error": gen.stderr.strip().splitlines()[-1:]}
     lat, txt, ctx, vec = res // 8, 512, 4096, 768
     if model == "flux-tiny":
         txt, ctx, vec = 16, 64, 32
     mb = json.loads(ds.read_text())["train_micro_batch_size_per_gpu"]
-    run = {"deepspeed": str(ds), "data": f"synthetic:n={max(64, mb * (rows + 4))},hw={lat}x{lat},txt={txt},"
-                                          f"ctx={ctx},vec={vec}",
-           "output_dir": str(work / "out"), "model": model, "steps": 100000, "log_every": 1,
-           "export": {"format": None}, "attention": "flash" if _cuda() else "auto", **keys}
+    run = {
+        "deepspeed": str(ds),
+        "data": f"synthetic:n={max(64, mb * (rows + 4))},hw={lat}x{lat},txt={txt},ctx={ctx},vec={vec}",
+        "output_dir": str(work / "out"),
+        "model": model,
+        "steps": 100000,
+        "log_every": 1,
+        "export": {"format": None},
+        "attention": "flash" if _cuda() else "auto",
+        **keys,
+    }
     if lora:
         run["lora"] = lora
     (work / "run.yaml").write_text(json.dumps(run))  # JSON is YAML
@@ -169,8 +210,9 @@ def run_case(name: str, work: Path, rows: int, timeout: float, cap: float | None
         env["FLUXZERO_BENCH_MEMORY_CAP_GIB"] = str(cap)
     log = open(work / "train.log", "w")
     t0 = time.monotonic()
-    p = runner.start([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(work / "run.yaml")],
-                     log=log, env=env)
+    p = runner.start(
+        [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(work / "run.yaml")], log=log, env=env
+    )
     metrics, got, rss = work / "out" / "metrics.jsonl", [], None
     while time.monotonic() - t0 < timeout and p.poll() is None:
         time.sleep(1)
@@ -185,21 +227,38 @@ def run_case(name: str, work: Path, rows: int, timeout: float, cap: float | None
     log.close()
     wall = time.monotonic() - t0
     tail = (work / "train.log").read_text(errors="replace").strip().splitlines()[-3:]
-    row = {"case": name, "model": model, "res": res, "micro_batch": mb, "gen_config": gen_args, "run_keys": keys,
-           "lora": lora, "memory_cap_gib": cap, "wall_s": round(wall, 1), "steps_logged": len(got),
-           "host_rss_gib": rss}
+    row = {
+        "case": name,
+        "model": model,
+        "res": res,
+        "micro_batch": mb,
+        "gen_config": gen_args,
+        "run_keys": keys,
+        "lora": lora,
+        "memory_cap_gib": cap,
+        "wall_s": round(wall, 1),
+        "steps_logged": len(got),
+        "host_rss_gib": rss,
+    }
     if len(got) <= 3:
         return {**row, "status": "failed" if p.returncode not in (None, -9) else "too few steps", "log_tail": tail}
     after = got[3:]
     sps = statistics.median(r["samples_per_s"] for r in after)
     flops = statistics.median(r.get("mfu") or 0 for r in after)
-    row.update(status="ok", samples_per_s=round(sps, 3), step_s=round(statistics.median(r["step_time_s"] for r in after), 4),
-               peak_allocated_gb=max(r["peak_memory_gb"] for r in got), mfu_datasheet=flops,
-               losses=[round(r["loss"], 4) for r in got], skipped_steps=got[-1]["skipped_steps"],
-               grad_norm_last=got[-1].get("grad_norm"))
+    row.update(
+        status="ok",
+        samples_per_s=round(sps, 3),
+        step_s=round(statistics.median(r["step_time_s"] for r in after), 4),
+        peak_allocated_gb=max(r["peak_memory_gb"] for r in got),
+        mfu_datasheet=flops,
+        losses=[round(r["loss"], 4) for r in got],
+        skipped_steps=got[-1]["skipped_steps"],
+        grad_norm_last=got[-1].get("grad_norm"),
+    )
     if peak and flops:
-        from fluxzero.train.metrics import peak_flops  # the datasheet figure the trainer's mfu used
         import torch
+
+        from fluxzero.train.metrics import peak_flops  # the datasheet figure the trainer's mfu used
 
         sheet = peak_flops(torch.device("cuda"), torch.bfloat16)
         row["mfu_measured_peak"] = round(flops * sheet / (peak * 1e12), 4) if sheet else None
@@ -209,17 +268,44 @@ def run_case(name: str, work: Path, rows: int, timeout: float, cap: float | None
 def run_peer(name: str, work: Path, timeout: float) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     out = work / "peer.jsonl"
-    cmd = [sys.executable, str(HERE / "sweep.py"), "--impl", "diffusers", *PEERS[name], "--res", "512",
-           "--warmup", "3", "--steps", "5", "--timeout", str(int(timeout)), "--name", "peer", "--out", str(work)]
+    cmd = [
+        sys.executable,
+        str(HERE / "sweep.py"),
+        "--impl",
+        "diffusers",
+        *PEERS[name],
+        "--res",
+        "512",
+        "--warmup",
+        "3",
+        "--steps",
+        "5",
+        "--timeout",
+        str(int(timeout)),
+        "--name",
+        "peer",
+        "--out",
+        str(work),
+    ]
     t0 = time.monotonic()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    p = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout + 60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
     rows = [json.loads(line) for f in work.glob("*.jsonl") for line in f.read_text().splitlines() if line.strip()]
     row = {"case": name, "wall_s": round(time.monotonic() - t0, 1), "sweep_args": PEERS[name]}
     if rows and "samples_per_s" in rows[-1]:
         r = rows[-1]
-        row.update(status=r.get("status", "ok"), samples_per_s=round(r["samples_per_s"], 3), mfu_measured_peak=r.get("mfu"),
-                   peak_allocated_gb=r.get("peak_allocated_gb") or r.get("peak_mem_gb"))
+        row.update(
+            status=r.get("status", "ok"),
+            samples_per_s=round(r["samples_per_s"], 3),
+            mfu_measured_peak=r.get("mfu"),
+            peak_allocated_gb=r.get("peak_allocated_gb") or r.get("peak_mem_gb"),
+        )
     else:
         row.update(status="failed", log_tail=(p.stdout + p.stderr).strip().splitlines()[-3:])
     del out
@@ -234,8 +320,11 @@ def _cuda() -> bool:
 
 def main(argv=None) -> int:
     ap = runner.parser(__doc__)
-    ap.add_argument("--cases", required=True, help=f"comma-separated case names or sets ({', '.join(SETS)}); "
-                                                   f"cases: {', '.join([*CASES, *PEERS])}")
+    ap.add_argument(
+        "--cases",
+        required=True,
+        help=f"comma-separated case names or sets ({', '.join(SETS)}); cases: {', '.join([*CASES, *PEERS])}",
+    )
     runner.add_out(ap, None, "JSON lines file (appended)", required=True)
     ap.add_argument("--rows", type=int, default=8, help="metrics rows (steps) to wait for per case")
     runner.add_timeout(ap, 150)
@@ -252,21 +341,29 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for n in names:
             work = Path(tmp) / n.replace(":", "-")
-            row = run_peer(n, work, a.timeout) if n in PEERS else run_case(n, work, a.rows, a.timeout,
-                                                                            a.memory_cap_gib, peak)
+            row = (
+                run_peer(n, work, a.timeout)
+                if n in PEERS
+                else run_case(n, work, a.rows, a.timeout, a.memory_cap_gib, peak)
+            )
             row.update(measured_peak_tflops=peak, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
             results.append(row)
             runner.append_row(out, row)
-            print(f"{n}: {row.get('status')} {row.get('samples_per_s', '')} samples/s "
-                  f"peak {row.get('peak_allocated_gb', '')} GB {row.get('log_tail', '')}", flush=True)
+            print(
+                f"{n}: {row.get('status')} {row.get('samples_per_s', '')} samples/s "
+                f"peak {row.get('peak_allocated_gb', '')} GB {row.get('log_tail', '')}",
+                flush=True,
+            )
     print(f"\nmeasured bf16 matmul peak: {peak and round(peak)} TFLOP/s")
     print("| case | samples/s | MFU (measured peak) | peak alloc GB | host RSS GiB | wall s |")
     print("|---|---|---|---|---|---|")
     for r in results:
         mfu = r.get("mfu_measured_peak")
-        print(f"| {r['case']} | {r.get('samples_per_s', r.get('status'))} | "
-              f"{'' if mfu is None else f'{100 * mfu:.1f}%'} | {r.get('peak_allocated_gb', '')} | "
-              f"{'' if r.get('host_rss_gib') is None else round(r['host_rss_gib'], 1)} | {r['wall_s']} |")
+        print(
+            f"| {r['case']} | {r.get('samples_per_s', r.get('status'))} | "
+            f"{'' if mfu is None else f'{100 * mfu:.1f}%'} | {r.get('peak_allocated_gb', '')} | "
+            f"{'' if r.get('host_rss_gib') is None else round(r['host_rss_gib'], 1)} | {r['wall_s']} |"
+        )
     return 0
 
 

@@ -7,6 +7,7 @@ Reserved = resident + (allocated peak - resident) x (1 + f). For each regime f i
 largest relative error of the predicted reserved memory over the fit runs (predicted allocations as the model
 gives them, measured reserved from torch.cuda.max_memory_reserved); the held-out runs are then only checked.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,10 @@ REGIMES = {
     # the two ends (every block checkpointed at micro batch 1, none at 16) fit, the four between are held out
     "stage 1-2": ([("lite_z2", 1), ("lite_z2", 6)], [("lite_z2", i) for i in (2, 3, 4, 5)]),
     # flux-dev-lite on one GPU fits; two GPUs and flux-dev are held out
-    "stage 3": ([("lite1", i) for i in (11, 12, 13, 14)],
-                [("scale", 1), ("scale", 2), ("dev2", 1), ("dev2", 2), ("dev2", 4), ("dev2b", 1), ("dev2c", 1)]),
+    "stage 3": (
+        [("lite1", i) for i in (11, 12, 13, 14)],
+        [("scale", 1), ("scale", 2), ("dev2", 1), ("dev2", 2), ("dev2", 4), ("dev2b", 1), ("dev2c", 1)],
+    ),
 }
 
 
@@ -58,11 +61,17 @@ def main() -> None:
     for regime, (fit_keys, held_keys) in REGIMES.items():
         f = fit([rows[k] for k in fit_keys])
         errs = {f"{s}#{i}": round(error(rows[(s, i)], f), 4) for s, i in fit_keys + held_keys}
-        out[regime] = {"f": f, "fit": [f"{s}#{i}" for s, i in fit_keys], "held_out": [f"{s}#{i}" for s, i in held_keys],
-                       "errors": errs}
+        out[regime] = {
+            "f": f,
+            "fit": [f"{s}#{i}" for s, i in fit_keys],
+            "held_out": [f"{s}#{i}" for s, i in held_keys],
+            "errors": errs,
+        }
         held = [errs[f"{s}#{i}"] for s, i in held_keys]
-        print(f"{regime}: f = {f:.2f} (fit on {', '.join(out[regime]['fit'])}); held-out errors "
-              f"{min(held):+.1%} .. {max(held):+.1%}")
+        print(
+            f"{regime}: f = {f:.2f} (fit on {', '.join(out[regime]['fit'])}); held-out errors "
+            f"{min(held):+.1%} .. {max(held):+.1%}"
+        )
     print(json.dumps(out, indent=1))
 
 

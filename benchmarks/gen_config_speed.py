@@ -7,6 +7,7 @@ would start it, so the figure includes Python start-up and every import gen-conf
 
 Prints a markdown table; writes JSON to $OUT/gen_config_speed.json when OUT is set.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,13 +49,32 @@ def main() -> None:
     tmp = tempfile.mkdtemp()
     out_json = os.path.join(tmp, "ds.json")
     exe = shutil.which("fluxzero") or os.path.join(os.path.dirname(sys.executable), "fluxzero")
-    gen_args = ["gen-config", "--preset", "zero3-offload", "--world-size", "8", "--micro-batch", "2",
-                "--global-batch", "64", "-o", out_json]
+    gen_args = [
+        "gen-config",
+        "--preset",
+        "zero3-offload",
+        "--world-size",
+        "8",
+        "--micro-batch",
+        "2",
+        "--global-batch",
+        "64",
+        "-o",
+        out_json,
+    ]
     cases = {
         "python -c pass (interpreter floor)": [sys.executable, "-c", "pass"],
         "python -m fluxzero.cli gen-config": [sys.executable, "-m", "fluxzero.cli", *gen_args],
-        "check-config --no-deepspeed": [sys.executable, "-m", "fluxzero.cli", "check-config", out_json,
-                                        "--world-size", "8", "--no-deepspeed"],
+        "check-config --no-deepspeed": [
+            sys.executable,
+            "-m",
+            "fluxzero.cli",
+            "check-config",
+            out_json,
+            "--world-size",
+            "8",
+            "--no-deepspeed",
+        ],
     }
     if os.path.exists(exe):
         cases["fluxzero gen-config (console script)"] = [exe, *gen_args]
@@ -63,16 +83,24 @@ def main() -> None:
         if "check-config" in name and not os.path.exists(out_json):
             subprocess.run(cases["python -m fluxzero.cli gen-config"], check=True, capture_output=True)
         t, c = timed(cmd, args.runs)
-        results[name] = {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t),
-                         "median_cpu_s": statistics.median(c), "runs": len(t)}
+        results[name] = {
+            "median_s": statistics.median(t),
+            "min_s": min(t),
+            "max_s": max(t),
+            "median_cpu_s": statistics.median(c),
+            "runs": len(t),
+        }
 
-    info = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "python": platform.python_version(),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "results": results,
-            # other work on the machine inflates every row alike; compare with the interpreter floor
-            "load_average_1m": os.getloadavg()[0]}
+    info = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "results": results,
+        # other work on the machine inflates every row alike; compare with the interpreter floor
+        "load_average_1m": os.getloadavg()[0],
+    }
     print(f"load average (1 min) {info['load_average_1m']:.2f}")
-    print(f"| command ({args.runs} runs, {info['machine']}) | median wall s | min wall s | max wall s "
-          f"| median CPU s |")
+    print(f"| command ({args.runs} runs, {info['machine']}) | median wall s | min wall s | max wall s | median CPU s |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['max_s']:.3f} | {r['median_cpu_s']:.3f} |")

@@ -32,6 +32,7 @@ The trial kinds, cycled in this order:
 - lost-latest: kill -9 of a random rank after a random step, then checkpoints/latest deleted before the resume
            (the resume must take the newest complete step folder, never start over)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -58,16 +59,24 @@ STEPS, EVERY = 12, 3
 DATA = "synthetic:n=64,hw=8x8,txt=4,ctx=64,vec=32"
 
 
-def write_run(folder: Path, stage: int, lora_ema: bool = False, mode: str | None = None,
-              precision: str = "fp32") -> Path:
+def write_run(
+    folder: Path, stage: int, lora_ema: bool = False, mode: str | None = None, precision: str = "fp32"
+) -> Path:
     """The run file (and its DeepSpeed config) every run of a stage uses; output_dir is folder/out. mode: a
     fluxzero optimizer mode (with the bf16 keys it needs); precision: fp32 or fp16 (DeepSpeed's fp16 section)."""
     folder.mkdir(parents=True, exist_ok=True)
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-          "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
-                                                       "warmup_num_steps": 4, "warmup_type": "linear"}},
-          "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 4, "warmup_type": "linear"},
+        },
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
     if mode:
         from fluxzero.config.optim_modes import get_mode
 
@@ -80,12 +89,23 @@ def write_run(folder: Path, stage: int, lora_ema: bool = False, mode: str | None
     if precision == "fp16":
         ds["fp16"] = {"enabled": True}
     (folder / "ds.json").write_text(json.dumps(ds))
-    run = {"deepspeed": str(folder / "ds.json"), "data": DATA, "output_dir": str(folder / "out"), "model": "flux-tiny",
-           "steps": STEPS, "checkpoint": {"every": EVERY}, "log_every": 1, "seed": 0,
-           "export": {"format": "bfl", "dtype": "bf16"}}
+    run = {
+        "deepspeed": str(folder / "ds.json"),
+        "data": DATA,
+        "output_dir": str(folder / "out"),
+        "model": "flux-tiny",
+        "steps": STEPS,
+        "checkpoint": {"every": EVERY},
+        "log_every": 1,
+        "seed": 0,
+        "export": {"format": "bfl", "dtype": "bf16"},
+    }
     if lora_ema:
-        run.update(lora={"rank": 4, "alpha": 4, "targets": "all-linear"}, ema={"decay": 0.9},
-                   export={"format": "bfl", "dtype": "bf16", "weights": "ema"})
+        run.update(
+            lora={"rank": 4, "alpha": 4, "targets": "all-linear"},
+            ema={"decay": 0.9},
+            export={"format": "bfl", "dtype": "bf16", "weights": "ema"},
+        )
     (folder / "run.yaml").write_text(yaml.safe_dump(run))
     return folder / "run.yaml"
 
@@ -105,12 +125,27 @@ class Ranks:
         self.started = time.monotonic()
         self.procs = []
         for r in range(2):
-            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FLUXZERO_NO_PROGRESS": "1",
-                   "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            env = {
+                **os.environ,
+                "PYTHONPATH": str(ROOT),
+                "OMP_NUM_THREADS": "1",
+                "FLUXZERO_NO_PROGRESS": "1",
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
             with open(self.logs[r], "w") as log:
-                self.procs.append(subprocess.Popen([sys.executable, str(ROOT / "launch" / "train.py"), "--config",
-                                                    str(run_file)], stdout=log, stderr=subprocess.STDOUT, env=env))
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(run_file)],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                    )
+                )
 
     def alive(self) -> bool:
         return any(p.poll() is None for p in self.procs)
@@ -166,6 +201,7 @@ EXPORTS = ("export.safetensors", "lora.safetensors", "lora_ema.safetensors")
 def final_files(out: Path) -> dict[str, str]:
     """sha256 of the run's final files: its export and every file of the checkpoint `latest` names (run.yaml
     and ds_config.json with the run's own folder written as <run>: each trial runs in another folder)."""
+
     def digest(f: Path) -> str:
         data = f.read_bytes()
         if f.name in ("run.yaml", "ds_config.json"):
@@ -201,9 +237,13 @@ def compare_files(out: Path, ref_out: Path, ref_files: dict[str, str]) -> dict:
     got = final_files(out)
     differ = sorted(k for k in set(got) | set(ref_files) if got.get(k) != ref_files.get(k))
     order = {k: _same_but_header_order(out / k, ref_out / k) for k in differ}
-    return {"files_equal": not differ, "files_compared": len(ref_files), "files_differ": order,
-            # a LoRA file whose header keys came in a random order (issue 26 item 7, fixed) had the same content
-            "files_equal_but_header_order": bool(differ) and all(order.values())}
+    return {
+        "files_equal": not differ,
+        "files_compared": len(ref_files),
+        "files_differ": order,
+        # a LoRA file whose header keys came in a random order (issue 26 item 7, fixed) had the same content
+        "files_equal_but_header_order": bool(differ) and all(order.values()),
+    }
 
 
 def _poll(cond, ranks: Ranks, timeout: float = 300, interval: float = 0.0005) -> bool:
@@ -229,9 +269,12 @@ def _after_kill(ranks: Ranks, victim: int) -> dict:
     code = ranks.procs[other].poll()
     ranks.kill_all()
     text = ranks.text(other)
-    return {"survivor_exit": code, "survivor_s": round(time.monotonic() - t, 2),
-            "survivor_traceback": text[text.index("Traceback"):][-1500:] if "Traceback" in text else False,
-            "survivor_error": next((l for l in text.splitlines() if "error:" in l), None)}
+    return {
+        "survivor_exit": code,
+        "survivor_s": round(time.monotonic() - t, 2),
+        "survivor_traceback": text[text.index("Traceback") :][-1500:] if "Traceback" in text else False,
+        "survivor_error": next((l for l in text.splitlines() if "error:" in l), None),
+    }
 
 
 def _finish(run_file: Path, folder: Path, name: str) -> dict:
@@ -242,8 +285,9 @@ def _finish(run_file: Path, folder: Path, name: str) -> dict:
     return {"resume_exit": codes, "resume_traceback": any("Traceback" in ranks.text(r) for r in range(2))}
 
 
-def reference(folder: Path, stage: int, lora_ema: bool = False, mode: str | None = None,
-              precision: str = "fp32") -> dict:
+def reference(
+    folder: Path, stage: int, lora_ema: bool = False, mode: str | None = None, precision: str = "fp32"
+) -> dict:
     """An uninterrupted run; also measures the moments the trials aim at (first step, save length)."""
     run = write_run(folder, stage, lora_ema, mode, precision)
     out = folder / "out"
@@ -258,18 +302,32 @@ def reference(folder: Path, stage: int, lora_ema: bool = False, mode: str | None
     codes = ranks.wait(600)
     assert codes == [0, 0], ranks.text(0)[-3000:]
     export = "lora_ema.safetensors" if lora_ema else "export.safetensors"
-    return {"losses": losses(out), "export": export, "export_sha256": sha256(out / export), "out": str(out),
-            "files": final_files(out), "lora_ema": lora_ema, "mode": mode, "precision": precision,
-            "first_step_s": round(first_step, 2), "save_ms": round(save_ms, 1),
-            "wall_s": round(time.monotonic() - ranks.started, 1)}
+    return {
+        "losses": losses(out),
+        "export": export,
+        "export_sha256": sha256(out / export),
+        "out": str(out),
+        "files": final_files(out),
+        "lora_ema": lora_ema,
+        "mode": mode,
+        "precision": precision,
+        "first_step_s": round(first_step, 2),
+        "save_ms": round(save_ms, 1),
+        "wall_s": round(time.monotonic() - ranks.started, 1),
+    }
 
 
 def trial(kind: str, stage: int, folder: Path, rng: random.Random, ref: dict) -> dict:
     """One trial of `kind`; returns what happened and whether the resumed run equals the reference bit for bit."""
     run = write_run(folder, stage, ref["lora_ema"], ref.get("mode"), ref.get("precision", "fp32"))
     out = folder / "out"
-    rec: dict = {"kind": kind, "stage": stage, "lora_ema": ref["lora_ema"], "mode": ref.get("mode"),
-                 "precision": ref.get("precision", "fp32")}
+    rec: dict = {
+        "kind": kind,
+        "stage": stage,
+        "lora_ema": ref["lora_ema"],
+        "mode": ref.get("mode"),
+        "precision": ref.get("precision", "fp32"),
+    }
     ranks = Ranks(run, folder / "cut")
     victim = 0 if kind == "export" else rng.randrange(2)
     rec["victim"] = victim
@@ -283,8 +341,10 @@ def trial(kind: str, stage: int, folder: Path, rng: random.Random, ref: dict) ->
         _poll((out / "checkpoints" / f"step_{c:08d}").is_dir, ranks)
         time.sleep(delay)
         latest = out / "checkpoints" / "latest"
-        rec["at"] = (f"{delay * 1e3:.1f} ms after step_{c:08d}/ appeared; latest was "
-                     f"{latest.read_text() if latest.is_file() else None}")
+        rec["at"] = (
+            f"{delay * 1e3:.1f} ms after step_{c:08d}/ appeared; latest was "
+            f"{latest.read_text() if latest.is_file() else None}"
+        )
     elif kind == "startup":
         delay = rng.uniform(0.3, ref["first_step_s"])
         _poll(lambda: time.monotonic() - ranks.started >= delay or bool(logged_steps(out)), ranks, interval=0.005)
@@ -299,18 +359,29 @@ def trial(kind: str, stage: int, folder: Path, rng: random.Random, ref: dict) ->
     elif kind == "export":
         delay = rng.uniform(0, 1) / 1e3  # a flux-tiny export lasts 1-3 ms: later kills found it done
         # the LoRA writer's temp files are .NAME.tmp-PID or NAME.tmpXXXX (safetensors' own)
-        _poll(lambda: any(out.glob(f".{ref['export']}.tmp*")) or any(out.glob(f"{ref['export']}.tmp*"))
-              or any(out.glob("*.tmp*")), ranks)
+        _poll(
+            lambda: (
+                any(out.glob(f".{ref['export']}.tmp*"))
+                or any(out.glob(f"{ref['export']}.tmp*"))
+                or any(out.glob("*.tmp*"))
+            ),
+            ranks,
+        )
         time.sleep(delay)
-        rec["at"] = f"{delay * 1e3:.1f} ms after the export's temp file appeared; export done: " \
-                    f"{(out / ref['export']).is_file()}"
+        rec["at"] = (
+            f"{delay * 1e3:.1f} ms after the export's temp file appeared; export done: "
+            f"{(out / ref['export']).is_file()}"
+        )
     if kind == "sigterm":
         ranks.kill(victim, signal.SIGTERM)
         codes = ranks.wait(120)
         ranks.kill_all()
         text = ranks.text(0)
-        rec.update(stop_exit=codes, stop_line=next((l for l in text.splitlines() if l.startswith("stopped:")), None),
-                   stop_traceback=any("Traceback" in ranks.text(r) for r in range(2)))
+        rec.update(
+            stop_exit=codes,
+            stop_line=next((l for l in text.splitlines() if l.startswith("stopped:")), None),
+            stop_traceback=any("Traceback" in ranks.text(r) for r in range(2)),
+        )
     else:
         ranks.kill(victim)
         rec.update(_after_kill(ranks, victim))
@@ -324,8 +395,9 @@ def trial(kind: str, stage: int, folder: Path, rng: random.Random, ref: dict) ->
         time.sleep(delay)
         second = rng.randrange(2)
         ranks.kill(second)
-        rec["second_kill"] = f"rank {second} {delay:.2f} s into the resume, " \
-                             f"{max(logged_steps(out), default=0)} steps logged"
+        rec["second_kill"] = (
+            f"rank {second} {delay:.2f} s into the resume, {max(logged_steps(out), default=0)} steps logged"
+        )
         rec["second"] = _after_kill(ranks, second)
     rec.update(_finish(run, folder, "resume"))
     got = losses(out) if (out / "metrics.jsonl").is_file() else []
@@ -333,8 +405,12 @@ def trial(kind: str, stage: int, folder: Path, rng: random.Random, ref: dict) ->
     rec["export_equal"] = sha256(out / ref["export"]) == ref["export_sha256"]
     rec.update(compare_files(out, Path(ref["out"]), ref["files"]))
     same = rec["files_equal"] or rec["files_equal_but_header_order"]
-    rec["ok"] = rec["losses_equal"] and same and rec["resume_exit"] == [0, 0] and (
-        kind != "sigterm" or (rec["stop_exit"] == [143, 143] and not rec["stop_traceback"]))
+    rec["ok"] = (
+        rec["losses_equal"]
+        and same
+        and rec["resume_exit"] == [0, 0]
+        and (kind != "sigterm" or (rec["stop_exit"] == [143, 143] and not rec["stop_traceback"]))
+    )
     return rec
 
 
@@ -343,8 +419,12 @@ def main(argv=None) -> int:
     p.add_argument("--stage", type=int, choices=(0, 2, 3), default=2, help="0: with --optimizer-mode of a ZeRO-0 mode")
     p.add_argument("--lora-ema", action="store_true", help="a LoRA with an EMA, exporting the EMA")
     p.add_argument("--optimizer-mode", default=None, help="a fluxzero optimizer mode (default: DeepSpeed's AdamW)")
-    p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
-                   help="fp16: DeepSpeed's fp16 (a GPU, or a CPU whose DeepSpeed accelerator supports it)")
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "fp16"),
+        default="fp32",
+        help="fp16: DeepSpeed's fp16 (a GPU, or a CPU whose DeepSpeed accelerator supports it)",
+    )
     p.add_argument("--trials", type=int, default=12)
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, cycled")
     p.add_argument("--seed", type=int, default=0)
@@ -368,16 +448,27 @@ def main(argv=None) -> int:
             shutil.rmtree(folder, ignore_errors=True)
     ok = sum(r["ok"] for r in records)
     byte_exact = sum(r["ok"] and r["files_equal"] for r in records)
-    summary = {"stage": args.stage, "lora_ema": args.lora_ema, "optimizer_mode": args.optimizer_mode,
-               "precision": args.precision, "trials": len(records), "bit_exact": ok,
-               "every_file_byte_identical": byte_exact,
-               "seed": args.seed, "reference": {k: v for k, v in ref.items() if k not in ("losses", "files")},
-               "files_compared": len(ref["files"]), "wall_s": round(time.monotonic() - t0),
-               "records": records}
+    summary = {
+        "stage": args.stage,
+        "lora_ema": args.lora_ema,
+        "optimizer_mode": args.optimizer_mode,
+        "precision": args.precision,
+        "trials": len(records),
+        "bit_exact": ok,
+        "every_file_byte_identical": byte_exact,
+        "seed": args.seed,
+        "reference": {k: v for k, v in ref.items() if k not in ("losses", "files")},
+        "files_compared": len(ref["files"]),
+        "wall_s": round(time.monotonic() - t0),
+        "records": records,
+    }
     what = "".join(f", {x}" for x in (args.optimizer_mode, args.precision if args.precision != "fp32" else None) if x)
-    print(f"ZeRO-{args.stage}{' LoRA + EMA' if args.lora_ema else ''}{what}: {ok} of {len(records)} trials resumed "
-          f"bit-exact, {byte_exact} with all {len(ref['files'])} final files of the same sha256 "
-          f"({summary['wall_s']} s)", flush=True)
+    print(
+        f"ZeRO-{args.stage}{' LoRA + EMA' if args.lora_ema else ''}{what}: {ok} of {len(records)} trials resumed "
+        f"bit-exact, {byte_exact} with all {len(ref['files'])} final files of the same sha256 "
+        f"({summary['wall_s']} s)",
+        flush=True,
+    )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(summary, indent=1))

@@ -21,6 +21,7 @@ diffusers + PEFT on the same configuration, in one call.
 
 Writes $OUT/<name>.json with both sides and fluxzero / baseline; exit 0 when both measured, 2 otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,18 +44,47 @@ import sweep  # noqa: E402
 
 # diffusers' module names of fluxzero's `attention+mlp` targets (fluxzero.config.lora), as one regular expression
 # PEFT matches against whole module names (a list would also take the final layer's proj_out)
-_SUFFIXES = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-             "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-             "ff_context.net.2", "proj_mlp"]
-DIFFUSERS_TARGETS = (r".*\.(" + "|".join(x.replace(".", r"\.") for x in _SUFFIXES) + r")"
-                     r"|single_transformer_blocks\.\d+\.proj_out")
+_SUFFIXES = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+    "proj_mlp",
+]
+DIFFUSERS_TARGETS = (
+    r".*\.(" + "|".join(x.replace(".", r"\.") for x in _SUFFIXES) + r")"
+    r"|single_transformer_blocks\.\d+\.proj_out"
+)
 
 
 def fit_config(a, path: Path) -> None:
     """gen-config --fit's JSON for the run, written to `path` (SystemExit with its message when nothing fits)."""
-    cmd = [sys.executable, "-m", "fluxzero.cli", "gen-config", "--fit", "--model", a.model, "--resolution", str(a.res),
-           "--lora-rank", str(a.rank), "--world-size", "1", "-o", str(path),
-           *(["--gpu", a.gpu] if a.gpu else ["--gpu-memory", str(a.gpu_memory)])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fluxzero.cli",
+        "gen-config",
+        "--fit",
+        "--model",
+        a.model,
+        "--resolution",
+        str(a.res),
+        "--lora-rank",
+        str(a.rank),
+        "--world-size",
+        "1",
+        "-o",
+        str(path),
+        *(["--gpu", a.gpu] if a.gpu else ["--gpu-memory", str(a.gpu_memory)]),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), env=_env(a.device))
     if p.returncode:
         raise SystemExit(f"gen-config --fit failed: {(p.stderr or p.stdout).strip()[-500:]}")
@@ -62,8 +92,12 @@ def fit_config(a, path: Path) -> None:
 
 
 def _env(device: str) -> dict:
-    env = {**os.environ, "FLUXZERO_NO_PROGRESS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "FLUXZERO_NO_PROGRESS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     if device == "cpu":
         env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     return env
@@ -86,8 +120,9 @@ def run_trainer(case: sweep.Case, device: str, work: Path, timeout: float) -> di
     run_path.write_text(json.dumps(sweep.run_file(case, 1, ds_path, out), indent=1))  # JSON is YAML
     total, t0 = case.warmup + case.steps, time.monotonic()
     with open(work / "trainer.log", "w") as log:
-        p = runner.start([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(run_path)], log=log,
-                         env=_env(device))
+        p = runner.start(
+            [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(run_path)], log=log, env=_env(device)
+        )
         while p.poll() is None and time.monotonic() - t0 < timeout and len(_rows(out / "metrics.jsonl")) < total:
             time.sleep(0.5)
         if p.poll() is None:
@@ -97,19 +132,28 @@ def run_trainer(case: sweep.Case, device: str, work: Path, timeout: float) -> di
     rec = {"run_file": json.loads(run_path.read_text()), "wall_s": time.monotonic() - t0, "steps_logged": len(rows)}
     timed = [r["samples_per_s"] for r in rows if r["step"] > case.warmup]
     if len(rows) < total or not timed:
-        return {**rec, "status": f"{len(rows)} of {total} steps logged",
-                "log_tail": runner.log_tail(work / "trainer.log", 1500)}
-    return {**rec, "status": "ok", "samples_per_s": statistics.median(timed), "samples_per_s_all": timed,
-            "peak_memory_gb": max(r["peak_memory_gb"] for r in rows), "losses": [r["loss"] for r in rows]}
+        return {
+            **rec,
+            "status": f"{len(rows)} of {total} steps logged",
+            "log_tail": runner.log_tail(work / "trainer.log", 1500),
+        }
+    return {
+        **rec,
+        "status": "ok",
+        "samples_per_s": statistics.median(timed),
+        "samples_per_s_all": timed,
+        "peak_memory_gb": max(r["peak_memory_gb"] for r in rows),
+        "losses": [r["loss"] for r in rows],
+    }
 
 
 def baseline(case: sweep.Case, device: str) -> dict:
     """diffusers + PEFT on the case (see the module docstring); {"samples_per_s", "peak_memory_gb", ...}."""
     import torch
+    from baseline_diffusers import diffusers_config
     from diffusers import FluxTransformer2DModel
     from peft import LoraConfig
 
-    from baseline_diffusers import diffusers_config
     from fluxzero.config import FlowConfig, get_model_config
     from fluxzero.data import build_dataloader
     from fluxzero.train import flow
@@ -125,8 +169,14 @@ def baseline(case: sweep.Case, device: str) -> dict:
     if case.ckpt:
         model.enable_gradient_checkpointing()
     rank = case.lora["rank"]
-    model.add_adapter(LoraConfig(r=rank, lora_alpha=case.lora.get("alpha", rank), init_lora_weights="gaussian",
-                                 target_modules=DIFFUSERS_TARGETS))
+    model.add_adapter(
+        LoraConfig(
+            r=rank,
+            lora_alpha=case.lora.get("alpha", rank),
+            init_lora_weights="gaussian",
+            target_modules=DIFFUSERS_TARGETS,
+        )
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:  # diffusers' examples: cast_training_params(..., torch.float32)
         p.data = p.data.float()
@@ -147,13 +197,26 @@ def baseline(case: sweep.Case, device: str) -> dict:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
-            inputs, target = flow.prepare_batch(batch, FlowConfig(), 0, epoch, guidance_embed=m.guidance_embed,
-                                                device=dev, dtype=torch.bfloat16 if bf16 else torch.float32)
+            inputs, target = flow.prepare_batch(
+                batch,
+                FlowConfig(),
+                0,
+                epoch,
+                guidance_embed=m.guidance_embed,
+                device=dev,
+                dtype=torch.bfloat16 if bf16 else torch.float32,
+            )
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-                pred = model(hidden_states=inputs["img"], encoder_hidden_states=inputs["txt"],
-                             pooled_projections=inputs["y"], timestep=inputs["timesteps"],
-                             img_ids=inputs["img_ids"][0], txt_ids=inputs["txt_ids"][0], guidance=inputs["guidance"],
-                             return_dict=False)[0]
+                pred = model(
+                    hidden_states=inputs["img"],
+                    encoder_hidden_states=inputs["txt"],
+                    pooled_projections=inputs["y"],
+                    timestep=inputs["timesteps"],
+                    img_ids=inputs["img_ids"][0],
+                    txt_ids=inputs["txt_ids"][0],
+                    guidance=inputs["guidance"],
+                    return_dict=False,
+                )[0]
             loss = flow.loss(pred, target)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -168,14 +231,21 @@ def baseline(case: sweep.Case, device: str) -> dict:
             continue
         break
     peak = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
-    return {"status": "ok", "samples_per_s": case.mb / statistics.median(times), "step_s_all": times,
-            "peak_memory_gb": peak, "trained_params": sum(p.numel() for p in trainable), "final_loss": loss.item(),
-            "api": "diffusers FluxTransformer2DModel + PEFT add_adapter, torch AdamW, bf16 autocast"}
+    return {
+        "status": "ok",
+        "samples_per_s": case.mb / statistics.median(times),
+        "step_s_all": times,
+        "peak_memory_gb": peak,
+        "trained_params": sum(p.numel() for p in trainable),
+        "final_loss": loss.item(),
+        "api": "diffusers FluxTransformer2DModel + PEFT add_adapter, torch AdamW, bf16 autocast",
+    }
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench_out", help="folder for <name>.json")
     p.add_argument("--name", default="kontext_lora", help="file stem of the results")
@@ -205,31 +275,56 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     ds_path = out_dir / f"{a.name}_fit.json"
     fit_config(a, ds_path)
-    case = sweep.Case(model=a.model, res=a.res, txt=a.txt, attn=a.attn, warmup=a.warmup, steps=a.steps,
-                      timeout=a.timeout, min_s=0, lora={"rank": a.rank, "alpha": a.rank, "targets": "attention+mlp"})
+    case = sweep.Case(
+        model=a.model,
+        res=a.res,
+        txt=a.txt,
+        attn=a.attn,
+        warmup=a.warmup,
+        steps=a.steps,
+        timeout=a.timeout,
+        min_s=0,
+        lora={"rank": a.rank, "alpha": a.rank, "targets": "attention+mlp"},
+    )
     case = sweep.with_ds_json(case, str(ds_path), a.device)
     with tempfile.TemporaryDirectory(prefix="fz-kontext-lora-") as tmp:
         print(f"fluxzero: launch/train.py, {case.name}, {case.warmup} + {case.steps} steps", flush=True)
         ours = run_trainer(case, a.device, Path(tmp), a.timeout)
     print(f"fluxzero: {ours['status']} [{ours['wall_s']:.0f} s]", flush=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--device", a.device, "--baseline-case",
-           json.dumps(dataclasses.asdict(case))]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=a.timeout,
-                       env=_env(a.device))
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--device",
+        a.device,
+        "--baseline-case",
+        json.dumps(dataclasses.asdict(case)),
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=a.timeout, env=_env(a.device))
     line = next((x for x in p.stdout.splitlines() if x.startswith("BASELINE ")), None)
-    theirs = json.loads(line[9:]) if line else {"status": f"failed (exit {p.returncode})",
-                                                 "log_tail": p.stderr.strip().splitlines()[-8:]}
+    theirs = (
+        json.loads(line[9:])
+        if line
+        else {"status": f"failed (exit {p.returncode})", "log_tail": p.stderr.strip().splitlines()[-8:]}
+    )
     print(f"diffusers + PEFT: {theirs['status']}", flush=True)
-    result = {"case": dataclasses.asdict(case), "name": case.name, **runner.provenance_fields("torch", "deepspeed", "diffusers", "peft"),
-              "fit_json": json.loads(ds_path.read_text()), "fluxzero": ours, "baseline": theirs}
+    result = {
+        "case": dataclasses.asdict(case),
+        "name": case.name,
+        **runner.provenance_fields("torch", "deepspeed", "diffusers", "peft"),
+        "fit_json": json.loads(ds_path.read_text()),
+        "fluxzero": ours,
+        "baseline": theirs,
+    }
     code = 2
     if ours["status"] == "ok" and theirs["status"] == "ok":
         result["speedup"] = ours["samples_per_s"] / theirs["samples_per_s"]
         code = 0
         mem = lambda r: "n/a" if r.get("peak_memory_gb") is None else f"{r['peak_memory_gb']:.1f} GB"  # noqa: E731
-        print(f"{case.name}: fluxzero {ours['samples_per_s']:.3f} samples/s, peak {mem(ours)}; diffusers + PEFT "
-              f"{theirs['samples_per_s']:.3f} samples/s, peak {mem(theirs)}; fluxzero / baseline = "
-              f"{result['speedup']:.2f}x")
+        print(
+            f"{case.name}: fluxzero {ours['samples_per_s']:.3f} samples/s, peak {mem(ours)}; diffusers + PEFT "
+            f"{theirs['samples_per_s']:.3f} samples/s, peak {mem(theirs)}; fluxzero / baseline = "
+            f"{result['speedup']:.2f}x"
+        )
     path = out_dir / f"{a.name}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")

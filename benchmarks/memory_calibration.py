@@ -20,6 +20,7 @@ exactly `fluxzero gen-config`'s (its bucket sizes, torch AdamW), and the predict
 Results: one JSON line per case in $OUT/memory_calibration.jsonl (or ./memory_calibration.jsonl), a markdown
 table on stdout. A case that runs out of memory is a result (status "oom", with the phase), not a failure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # runner, also when this file is l
 
 import runner  # noqa: E402
 
-from fluxzero.config.deepspeed import build as ds_config  # noqa: E402  (pure modules: the parent never imports torch)
-
 from fluxzero import plan as memory  # noqa: E402
 from fluxzero.config import get_model_config  # noqa: E402
+from fluxzero.config.deepspeed import build as ds_config  # noqa: E402  (pure modules: the parent never imports torch)
 
 GiB = memory.GiB
 
@@ -65,27 +65,51 @@ class Case:
 
     def ds(self) -> dict:
         opts = ds_config.options_from(
-            None, model=self.model, world_size=self.gpus, micro_batch=self.micro_batch, zero_stage=self.stage,
-            offload_optimizer=self.offload_optimizer, offload_param=self.offload_param,
-            checkpoint_every=self.checkpoint_every, adam_impl=self.adam_impl, precision="bf16",
-            steps_per_print=10**6, **self.extra)
+            None,
+            model=self.model,
+            world_size=self.gpus,
+            micro_batch=self.micro_batch,
+            zero_stage=self.stage,
+            offload_optimizer=self.offload_optimizer,
+            offload_param=self.offload_param,
+            checkpoint_every=self.checkpoint_every,
+            adam_impl=self.adam_impl,
+            precision="bf16",
+            steps_per_print=10**6,
+            **self.extra,
+        )
         return ds_config.build(opts)
 
     def spec(self) -> memory.RunSpec:
         # load_bytes=0: the benchmark trains from random init, no weights file is read on the host
-        return memory.RunSpec(get_model_config(self.model), gpus_per_node=self.gpus, height=self.px, width=self.px,
-                              txt_len=self.txt_len, expandable_segments=self.expandable, load_bytes=0,
-                              **memory.run_options_from_ds_config(self.ds()))
+        return memory.RunSpec(
+            get_model_config(self.model),
+            gpus_per_node=self.gpus,
+            height=self.px,
+            width=self.px,
+            txt_len=self.txt_len,
+            expandable_segments=self.expandable,
+            load_bytes=0,
+            **memory.run_options_from_ds_config(self.ds()),
+        )
 
 
 def _case(prefix, model, gpus, stage, mb, px=512, ck=1, timeout_s=240, **kw):
-    tags = "".join(t for t, on in (("-offload", kw.get("offload_optimizer", "none") != "none"),
-                                   ("-fused", kw.get("adam_impl") == "fused"), ("-bigprefetch", "extra" in kw),
-                                   ("-expandable", kw.get("expandable"))) if on)
+    tags = "".join(
+        t
+        for t, on in (
+            ("-offload", kw.get("offload_optimizer", "none") != "none"),
+            ("-fused", kw.get("adam_impl") == "fused"),
+            ("-bigprefetch", "extra" in kw),
+            ("-expandable", kw.get("expandable")),
+        )
+        if on
+    )
     if kw.get("adam_impl") == "fused":
         timeout_s += 90  # FusedAdam's JIT build (~62 s) the first time on a machine
-    return Case(f"{prefix}-z{stage}-ck{ck}-mb{mb}-{px}{tags}", model, gpus, stage, mb, px, ck,
-                timeout_s=timeout_s, **kw)
+    return Case(
+        f"{prefix}-z{stage}-ck{ck}-mb{mb}-{px}{tags}", model, gpus, stage, mb, px, ck, timeout_s=timeout_s, **kw
+    )
 
 
 def _lite(stage, mb, px=512, ck=1, **kw):
@@ -102,21 +126,47 @@ BIG_PREFETCH = {"stage3_prefetch_bucket_size": 500_000_000, "stage3_param_persis
 # Most informative first: a time budget cuts the tail.
 GRIDS: dict[str, list[Case]] = {
     # CPU smoke test of the code path (tests/plan/test_memory.py); no memory numbers on CPU
-    "tiny": [Case("tiny-z2-ck1-mb2-64", "flux-tiny", 1, 2, 2, 64, txt_len=16, steps=2, timeout_s=150),
-             Case("tiny2-z3-ck2-mb1-64", "flux-tiny", 2, 3, 1, 64, checkpoint_every=2, txt_len=16, steps=2,
-                  timeout_s=150)],
+    "tiny": [
+        Case("tiny-z2-ck1-mb2-64", "flux-tiny", 1, 2, 2, 64, txt_len=16, steps=2, timeout_s=150),
+        Case("tiny2-z3-ck2-mb1-64", "flux-tiny", 2, 3, 1, 64, checkpoint_every=2, txt_len=16, steps=2, timeout_s=150),
+    ],
     "lite": [
-        _lite(2, 1), _lite(2, 4), _lite(2, 1, ck=0), _lite(2, 4, ck=0),
-        _lite(0, 1), _lite(0, 2, ck=0), _lite(3, 1), _lite(3, 2, ck=0),
-        _lite(2, 2), _lite(2, 8), _lite(2, 1, 1024), _lite(2, 2, 1024), _lite(2, 1, 1024, ck=0),
-        _lite(3, 4, 1024), _lite(1, 1), _lite(2, 2, ck=2), _lite(2, 1, offload_optimizer="cpu"),
+        _lite(2, 1),
+        _lite(2, 4),
+        _lite(2, 1, ck=0),
+        _lite(2, 4, ck=0),
+        _lite(0, 1),
+        _lite(0, 2, ck=0),
+        _lite(3, 1),
+        _lite(3, 2, ck=0),
+        _lite(2, 2),
+        _lite(2, 8),
+        _lite(2, 1, 1024),
+        _lite(2, 2, 1024),
+        _lite(2, 1, 1024, ck=0),
+        _lite(3, 4, 1024),
+        _lite(1, 1),
+        _lite(2, 2, ck=2),
+        _lite(2, 1, offload_optimizer="cpu"),
         _lite(2, 1, adam_impl="fused"),
     ],
     "dev2": [
-        _dev2(3, 1), _dev2(2, 1, adam_impl="fused"), _dev2(2, 1, adam_impl="fused", expandable=True),
-        _dev2(3, 1, adam_impl="fused"), _dev2(3, 16), _dev2(3, 4, 1024, extra=BIG_PREFETCH),
-        _dev2(3, 8, 1024, extra=BIG_PREFETCH), _dev2(3, 32), _dev2(3, 1, ck=0), _dev2(3, 2), _dev2(3, 4),
-        _dev2(3, 8), _dev2(3, 2, ck=0), _dev2(3, 1, 1024), _dev2(3, 2, 1024), _dev2(2, 1),
+        _dev2(3, 1),
+        _dev2(2, 1, adam_impl="fused"),
+        _dev2(2, 1, adam_impl="fused", expandable=True),
+        _dev2(3, 1, adam_impl="fused"),
+        _dev2(3, 16),
+        _dev2(3, 4, 1024, extra=BIG_PREFETCH),
+        _dev2(3, 8, 1024, extra=BIG_PREFETCH),
+        _dev2(3, 32),
+        _dev2(3, 1, ck=0),
+        _dev2(3, 2),
+        _dev2(3, 4),
+        _dev2(3, 8),
+        _dev2(3, 2, ck=0),
+        _dev2(3, 1, 1024),
+        _dev2(3, 2, 1024),
+        _dev2(2, 1),
     ],
 }
 
@@ -140,10 +190,19 @@ def worker(case: Case, ds_path: str, result_path: str) -> None:
     world = case.gpus
     hw = case.px // 8
     mc = get_model_config(case.model)
-    data = (f"synthetic:n={max(64, 2 * case.micro_batch * world)},hw={hw}x{hw},txt={case.txt_len},"
-            f"ctx={mc.context_in_dim},vec={mc.vec_in_dim}")
-    cfg = TrainConfig(deepspeed=ds_path, data=data, output_dir=out, model=case.model,
-                      checkpoint={"resume": False}, steps=case.steps, export={"format": None})  # micro batch and bf16: in the DeepSpeed config
+    data = (
+        f"synthetic:n={max(64, 2 * case.micro_batch * world)},hw={hw}x{hw},txt={case.txt_len},"
+        f"ctx={mc.context_in_dim},vec={mc.vec_in_dim}"
+    )
+    cfg = TrainConfig(
+        deepspeed=ds_path,
+        data=data,
+        output_dir=out,
+        model=case.model,
+        checkpoint={"resume": False},
+        steps=case.steps,
+        export={"format": None},
+    )  # micro batch and bf16: in the DeepSpeed config
     rank, world, device = distributed.init_distributed()
     cuda = torch.cuda.is_available()
     rec: dict = {"rank": rank, "steps": [], "status": "ok"}
@@ -153,8 +212,11 @@ def worker(case: Case, ds_path: str, result_path: str) -> None:
         if not cuda:  # CPU smoke runs (tests): the code path only
             return {"phase": phase, "allocated": 0.0, "reserved": 0.0}
         torch.cuda.synchronize()
-        return {"phase": phase, "allocated": gib(torch.cuda.max_memory_allocated()),
-                "reserved": gib(torch.cuda.max_memory_reserved())}
+        return {
+            "phase": phase,
+            "allocated": gib(torch.cuda.max_memory_allocated()),
+            "reserved": gib(torch.cuda.max_memory_reserved()),
+        }
 
     def reset():
         if cuda:
@@ -183,8 +245,13 @@ def worker(case: Case, ds_path: str, result_path: str) -> None:
             r = run.step()
             rec["steps"].append({"train": marks["train"], "step": marks["step"], "loss": r.loss})
     except torch.OutOfMemoryError as e:
-        rec.update(status="oom", oom_phase=phase, oom_step=len(rec["steps"]), error=str(e).splitlines()[0][:300],
-                   at_oom=mark(phase))
+        rec.update(
+            status="oom",
+            oom_phase=phase,
+            oom_step=len(rec["steps"]),
+            error=str(e).splitlines()[0][:300],
+            at_oom=mark(phase),
+        )
     finally:
         locks.release_output_dir()
     rec["rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
@@ -230,8 +297,9 @@ def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path) -> lis
             pe = net.pe_embedder(ids)
             x = torch.cat((txt, img), 1).detach().requires_grad_()
             for kind, block, args, predict_fn in (
-                    ("double", net.double_blocks[0], (img, txt, vec, pe), memory.double_block_saved),
-                    ("single", net.single_blocks[0], (x, vec, pe), memory.single_block_saved)):
+                ("double", net.double_blocks[0], (img, txt, vec, pe), memory.double_block_saved),
+                ("single", net.single_blocks[0], (x, vec, pe), memory.single_block_saved),
+            ):
                 seen: dict[int, int] = {}
 
                 def pack(t):
@@ -254,17 +322,29 @@ def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path) -> lis
                 for p_ in params + list(args):
                     p_.grad = None
                 pred_saved = sum(predict_fn(cfg, I, T, 2, device=dev, attention=att).values())
-                in_flight = 2 * max(sum(q.numel() for q in m.parameters()) for m in block.modules()
-                                    if isinstance(m, torch.nn.Linear))  # one weight gradient, bf16
+                in_flight = 2 * max(
+                    sum(q.numel() for q in m.parameters()) for m in block.modules() if isinstance(m, torch.nn.Linear)
+                )  # one weight gradient, bf16
                 pred_peak = (pred_saved + memory.block_backward_workspace(cfg, I, T, 2, att) + in_flight) / GiB
-                rec = {"model": model, "kind": kind, "px": px, "txt_len": T, "attention": backend, "device": dev,
-                       "saved_gib": saved / GiB, "saved_pred_gib": pred_saved / GiB,
-                       "bwd_peak_gib": peak, "bwd_peak_pred_gib": pred_peak}
+                rec = {
+                    "model": model,
+                    "kind": kind,
+                    "px": px,
+                    "txt_len": T,
+                    "attention": backend,
+                    "device": dev,
+                    "saved_gib": saved / GiB,
+                    "saved_pred_gib": pred_saved / GiB,
+                    "bwd_peak_gib": peak,
+                    "bwd_peak_pred_gib": pred_peak,
+                }
                 runner.append_row(out_dir / "memory_blocks.jsonl", rec)
                 err = (pred_saved - saved) / saved
                 mib = GiB / 1024
-                rows.append(f"| {kind} | {px} | {backend} | {pred_saved / mib:.1f} / {saved / mib:.1f} ({err:+.1%}) | "
-                            f"{pred_peak * 1024:.1f} / {peak * 1024:.1f} |")
+                rows.append(
+                    f"| {kind} | {px} | {backend} | {pred_saved / mib:.1f} / {saved / mib:.1f} ({err:+.1%}) | "
+                    f"{pred_peak * 1024:.1f} / {peak * 1024:.1f} |"
+                )
                 print(rows[-1], file=sys.stderr, flush=True)
     return rows
 
@@ -274,10 +354,16 @@ def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path) -> lis
 # ---------------------------------------------------------------------------------------------------------
 def predict(case: Case) -> dict:
     e = memory.estimate(case.spec())
-    return {"init": e.gpu_phase("init") / GiB, "train": e.gpu_phase("train") / GiB, "step": e.gpu_phase("step") / GiB,
-            "allocated": e.gpu_allocated / GiB, "reserved": e.gpu_reserved / GiB, "peak_phase": e.peak_phase,
-            "host_per_node": e.host_per_node / GiB,
-            "fits_h200": memory.verdict(e, memory.Hardware(memory.GPU_MEMORY_GIB["h200"], None, 1, case.gpus), 0.0)[0]}
+    return {
+        "init": e.gpu_phase("init") / GiB,
+        "train": e.gpu_phase("train") / GiB,
+        "step": e.gpu_phase("step") / GiB,
+        "allocated": e.gpu_allocated / GiB,
+        "reserved": e.gpu_reserved / GiB,
+        "peak_phase": e.peak_phase,
+        "host_per_node": e.host_per_node / GiB,
+        "fits_h200": memory.verdict(e, memory.Hardware(memory.GPU_MEMORY_GIB["h200"], None, 1, case.gpus), 0.0)[0],
+    }
 
 
 def summarise(ranks: list[dict]) -> dict:
@@ -293,8 +379,12 @@ def summarise(ranks: list[dict]) -> dict:
             m[ph + "_reserved"] = max(v["reserved"] for v in vals)
     oom = [r for r in ranks if r["status"] == "oom"]
     if oom:
-        m.update(oom_phase=oom[0]["oom_phase"], oom_step=oom[0]["oom_step"], error=oom[0]["error"],
-                 at_oom=max(r["at_oom"]["allocated"] for r in oom))
+        m.update(
+            oom_phase=oom[0]["oom_phase"],
+            oom_step=oom[0]["oom_step"],
+            error=oom[0]["error"],
+            at_oom=max(r["at_oom"]["allocated"] for r in oom),
+        )
     peaks = [m[p] for p in ("init", "train", "step") if p in m]
     if peaks and m["status"] == "ok":
         m["allocated"] = max(peaks)
@@ -313,8 +403,18 @@ def run_case(case: Case, workdir: Path) -> dict:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     else:
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}",
-           str(Path(__file__).resolve()), "--worker", json.dumps(asdict(case)), str(ds_path), str(result)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={case.gpus}",
+        str(Path(__file__).resolve()),
+        "--worker",
+        json.dumps(asdict(case)),
+        str(ds_path),
+        str(result),
+    ]
     log = workdir / f"{case.name}.log"
     res = runner.run(cmd, timeout=case.timeout_s, log=log, env=env, cwd=Path.cwd())
     out = {"wall_s": round(res.wall_s, 1)}
@@ -332,7 +432,7 @@ def parse_cases(text: str | None, grid: list[Case]) -> list[Case]:
     for part in text.split(","):
         if "-" in part and part.replace("-", "").isdigit():
             a, b = map(int, part.split("-"))
-            chosen += grid[a - 1:b]
+            chosen += grid[a - 1 : b]
         elif part.isdigit():
             chosen.append(grid[int(part) - 1])
         else:
@@ -347,13 +447,16 @@ def row(case: Case, pred: dict, meas: dict) -> str:
         if m <= 0:
             return f"{p:.1f} / {m:.1f}"
         return f"{p:.1f} / {m:.1f} ({(p - m) / m:+.0%})"
+
     status = meas.get("status")
     if status == "oom":
         status = f"OOM at {meas['oom_phase']} of step {meas['oom_step'] + 1} ({meas.get('at_oom', 0):.1f} GiB)"
-    return (f"| {case.name} | {cell(pred['init'], meas.get('init'))} | {cell(pred['train'], meas.get('train'))} | "
-            f"{cell(pred['step'], meas.get('step'))} | {cell(pred['allocated'], meas.get('allocated'))} | "
-            f"{cell(pred['reserved'], meas.get('reserved'))} | {pred['host_per_node']:.0f} / "
-            f"{meas.get('host_per_node_rss', 0):.0f} | {'yes' if pred['fits_h200'] else 'no'} | {status} |")
+    return (
+        f"| {case.name} | {cell(pred['init'], meas.get('init'))} | {cell(pred['train'], meas.get('train'))} | "
+        f"{cell(pred['step'], meas.get('step'))} | {cell(pred['allocated'], meas.get('allocated'))} | "
+        f"{cell(pred['reserved'], meas.get('reserved'))} | {pred['host_per_node']:.0f} / "
+        f"{meas.get('host_per_node_rss', 0):.0f} | {'yes' if pred['fits_h200'] else 'no'} | {status} |"
+    )
 
 
 def main(argv=None) -> int:
@@ -362,8 +465,11 @@ def main(argv=None) -> int:
     p.add_argument("--cases", help="1-based indices, ranges (1-3) or names, comma-separated (default: all)")
     p.add_argument("--list", action="store_true", help="list the grid's cases with predictions and exit")
     p.add_argument("--budget-s", type=float, default=540, help="start no case after this many seconds")
-    p.add_argument("--blocks", action="store_true",
-                   help="instead of training: saved bytes and backward peak of one block of each kind")
+    p.add_argument(
+        "--blocks",
+        action="store_true",
+        help="instead of training: saved bytes and backward peak of one block of each kind",
+    )
     p.add_argument("--blocks-model", default="flux-dev")
     p.add_argument("--blocks-px", default="512,1024", help="resolutions for --blocks, comma-separated")
     p.add_argument("--blocks-txt", type=int, default=512)
@@ -373,16 +479,20 @@ def main(argv=None) -> int:
         out_dir = runner.out_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
         rows = blocks_check(a.blocks_model, [int(v) for v in a.blocks_px.split(",")], a.blocks_txt, out_dir)
-        print("| block | px | attention | saved MiB pred / meas | fwd+bwd peak above inputs MiB pred / meas |\n"
-              "|---|---|---|---|---|\n" + "\n".join(rows))
+        print(
+            "| block | px | attention | saved MiB pred / meas | fwd+bwd peak above inputs MiB pred / meas |\n"
+            "|---|---|---|---|---|\n" + "\n".join(rows)
+        )
         return 0
     if a.worker:
         c = json.loads(a.worker[0])
         worker(Case(**c), a.worker[1], a.worker[2])
         return 0
     cases = parse_cases(a.cases, GRIDS[a.grid])
-    header = ("| case | init GiB pred / meas | fwd+bwd | step | max allocated | max reserved | host/node pred / RSS "
-              "| H200 fits (pred) | status |\n|---|---|---|---|---|---|---|---|---|")
+    header = (
+        "| case | init GiB pred / meas | fwd+bwd | step | max allocated | max reserved | host/node pred / RSS "
+        "| H200 fits (pred) | status |\n|---|---|---|---|---|---|---|---|---|"
+    )
     if a.list:
         print(header)
         for i, c in enumerate(GRIDS[a.grid], 1):

@@ -14,6 +14,7 @@ as benchmarks/sweep.py does). The model is trained from random init (no weights 
 Measured = the largest value over ranks. fluxzero rows are compared; the diffusers baseline rows (another
 model implementation, not what fluxzero.plan describes) are listed for reference only.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,10 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fluxzero.config.deepspeed import build as ds_config  # noqa: E402  (pure modules)
-
 from fluxzero import plan as memory  # noqa: E402
 from fluxzero.config import get_model_config  # noqa: E402
+from fluxzero.config.deepspeed import build as ds_config  # noqa: E402  (pure modules)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner, also when this file is loaded by path
 import runner  # noqa: E402
@@ -49,10 +49,21 @@ def rows(results: Path = RESULTS, sets=SETS) -> list[dict]:
 def sweep_ds_config(row: dict) -> dict:
     """The DeepSpeed config benchmarks/sweep.py builds for a row (for rows that did not record one)."""
     adam = {"torch-fused": "torch", "torch": "torch", "deepspeed-fused": "fused"}[row["optim"]]
-    opts = ds_config.options_from(model=row["model"], micro_batch=row["mb"], grad_accum=1, world_size=row["gpus"],
-                                  zero_stage=row["zero"], precision=row["precision"], checkpoint_every=row["ckpt"],
-                                  checkpoint_impl="torch", adam_impl=adam, gradient_clipping=1.0, scheduler="none",
-                                  steps_per_print=10**9, **row.get("zero_opts", {}))
+    opts = ds_config.options_from(
+        model=row["model"],
+        micro_batch=row["mb"],
+        grad_accum=1,
+        world_size=row["gpus"],
+        zero_stage=row["zero"],
+        precision=row["precision"],
+        checkpoint_every=row["ckpt"],
+        checkpoint_impl="torch",
+        adam_impl=adam,
+        gradient_clipping=1.0,
+        scheduler="none",
+        steps_per_print=10**9,
+        **row.get("zero_opts", {}),
+    )
     ds = ds_config.build(opts)
     if row["optim"] == "torch-fused":
         ds["optimizer"]["params"]["fused"] = True  # as the sweep does: torch.optim.AdamW(fused=True)
@@ -63,9 +74,17 @@ def spec_for(row: dict) -> memory.RunSpec:
     ds = row.get("ds_config") or sweep_ds_config(row)
     opts = memory.run_options_from_ds_config(ds)
     opts.pop("checkpoint_every", None)  # the row's own field decides (the sweep pops the fluxzero section)
-    return memory.RunSpec(get_model_config(row["model"]), gpus_per_node=row["gpus"], height=row["res"],
-                          width=row["res"], txt_len=row["txt"], checkpoint_every=row["ckpt"], attention=row["attn"],
-                          load_bytes=0, **opts)
+    return memory.RunSpec(
+        get_model_config(row["model"]),
+        gpus_per_node=row["gpus"],
+        height=row["res"],
+        width=row["res"],
+        txt_len=row["txt"],
+        checkpoint_every=row["ckpt"],
+        attention=row["attn"],
+        load_bytes=0,
+        **opts,
+    )
 
 
 def compare(row: dict) -> dict:
@@ -74,16 +93,30 @@ def compare(row: dict) -> dict:
     est = memory.estimate(spec)
     hw = memory.Hardware(memory.GPU_MEMORY_GIB["h200"], None, 1, row["gpus"])
     fits, why = memory.verdict(est, hw, margin=0.0)
-    out = {"set": row["set"], "index": row["index"], "name": row["name"], "impl": row["impl"], "stage": spec.stage,
-           "status": row["status"], "pred_alloc": est.gpu_allocated / GiB, "pred_reserved": est.gpu_reserved / GiB,
-           "pred_phase": est.peak_phase, "pred_fits": fits, "pred_why": why,
-           "pred_by_phase": {p: est.gpu_phase(p) / GiB for p in memory.PHASES}}
+    out = {
+        "set": row["set"],
+        "index": row["index"],
+        "name": row["name"],
+        "impl": row["impl"],
+        "stage": spec.stage,
+        "status": row["status"],
+        "pred_alloc": est.gpu_allocated / GiB,
+        "pred_reserved": est.gpu_reserved / GiB,
+        "pred_phase": est.peak_phase,
+        "pred_fits": fits,
+        "pred_why": why,
+        "pred_by_phase": {p: est.gpu_phase(p) / GiB for p in memory.PHASES},
+    }
     if row["status"] == "ok":
         m_a, m_r = max(row["peak_alloc_gib"]), max(row["peak_reserved_gib"])
         resident = est.gpu_resident / GiB
-        out.update(meas_alloc=m_a, meas_reserved=m_r, err_alloc=out["pred_alloc"] / m_a - 1,
-                   err_reserved=out["pred_reserved"] / m_r - 1,
-                   meas_fragmentation=(m_r - resident) / (m_a - resident) - 1 if m_a > resident else None)
+        out.update(
+            meas_alloc=m_a,
+            meas_reserved=m_r,
+            err_alloc=out["pred_alloc"] / m_a - 1,
+            err_reserved=out["pred_reserved"] / m_r - 1,
+            meas_fragmentation=(m_r - resident) / (m_a - resident) - 1 if m_a > resident else None,
+        )
     return out
 
 
@@ -97,21 +130,27 @@ def _pct(x: float) -> str:
 
 
 def table(cmp: list[dict]) -> str:
-    lines = ["| case | predicted allocated GiB | measured allocated GiB | error | predicted reserved GiB | "
-             "measured reserved GiB | error | predicted peak at |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | predicted allocated GiB | measured allocated GiB | error | predicted reserved GiB | "
+        "measured reserved GiB | error | predicted peak at |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for c in cmp:
         case = f"{c['set']} #{c['index']} {c['name']}"
         if c["impl"] != "fluxzero":
             case += " (diffusers baseline: reference only)"
         if "meas_alloc" in c:
-            lines.append(f"| {case} | {c['pred_alloc']:.1f} | {c['meas_alloc']:.1f} | {_pct(c['err_alloc'])} | "
-                         f"{c['pred_reserved']:.1f} | {c['meas_reserved']:.1f} | {_pct(c['err_reserved'])} | "
-                         f"{c['pred_phase']} |")
+            lines.append(
+                f"| {case} | {c['pred_alloc']:.1f} | {c['meas_alloc']:.1f} | {_pct(c['err_alloc'])} | "
+                f"{c['pred_reserved']:.1f} | {c['meas_reserved']:.1f} | {_pct(c['err_reserved'])} | "
+                f"{c['pred_phase']} |"
+            )
         else:
             verdict = "fits" if c["pred_fits"] else "**OOM predicted**"
-            lines.append(f"| {case} | {c['pred_alloc']:.1f} | {c['status']} | {verdict} | {c['pred_reserved']:.1f} "
-                         f"| {c['status']} | {verdict} | {c['pred_phase']} |")
+            lines.append(
+                f"| {case} | {c['pred_alloc']:.1f} | {c['status']} | {verdict} | {c['pred_reserved']:.1f} "
+                f"| {c['status']} | {verdict} | {c['pred_phase']} |"
+            )
     return "\n".join(lines)
 
 
@@ -121,19 +160,25 @@ def summary(cmp: list[dict]) -> str:
     within = [p for p in points if abs(p[0][f"err_{p[1]}"]) <= TOLERANCE]
     worst = {k: max(fz, key=lambda c: abs(c[f"err_{k}"])) for k in ("alloc", "reserved")}
     ooms = [c for c in cmp if c["impl"] == "fluxzero" and "meas_alloc" not in c]
-    text = (f"{len(within)} of {len(points)} points ({len(fz)} fluxzero runs x allocated and reserved) are within "
-            f"{TOLERANCE:.0%}. Worst allocated: {_pct(worst['alloc']['err_alloc'])} ({worst['alloc']['name']}); "
-            f"worst reserved: {_pct(worst['reserved']['err_reserved'])} ({worst['reserved']['name']}).")
+    text = (
+        f"{len(within)} of {len(points)} points ({len(fz)} fluxzero runs x allocated and reserved) are within "
+        f"{TOLERANCE:.0%}. Worst allocated: {_pct(worst['alloc']['err_alloc'])} ({worst['alloc']['name']}); "
+        f"worst reserved: {_pct(worst['reserved']['err_reserved'])} ({worst['reserved']['name']})."
+    )
     for label, stage0 in (("stage 0", True), ("ZeRO-3", False)):
         g = [c["meas_fragmentation"] for c in fz if (c["stage"] == 0) == stage0 and c["meas_fragmentation"] is not None]
         if g:
-            text += (f" Measured fragmentation ((reserved - resident) / (allocated - resident) - 1) at {label}: "
-                     f"{min(g):.2f} to {max(g):.2f}.")
+            text += (
+                f" Measured fragmentation ((reserved - resident) / (allocated - resident) - 1) at {label}: "
+                f"{min(g):.2f} to {max(g):.2f}."
+            )
     for c in ooms:
-        text += (f" Measured {c['status']!r} for {c['name']}: the model "
-                 + ("also predicts it does not fit" if not c["pred_fits"] else "predicts it FITS (a miss)")
-                 + f", peak at the {c['pred_phase']} phase: {c['pred_alloc']:.1f} GiB allocated, "
-                 f"{c['pred_reserved']:.1f} GiB reserved ({c['pred_why']}).")
+        text += (
+            f" Measured {c['status']!r} for {c['name']}: the model "
+            + ("also predicts it does not fit" if not c["pred_fits"] else "predicts it FITS (a miss)")
+            + f", peak at the {c['pred_phase']} phase: {c['pred_alloc']:.1f} GiB allocated, "
+            f"{c['pred_reserved']:.1f} GiB reserved ({c['pred_why']})."
+        )
     return text
 
 
@@ -170,14 +215,23 @@ prediction (memory_blocks.jsonl).
 
 
 def markdown(cmp: list[dict]) -> str:
-    return "\n".join([
-        "# fluxzero.plan vs measured GPU memory (H200, 2026-11)", "",
-        "Generated by `PYTHONPATH=. python benchmarks/memory_vs_gpu.py` from the sweep rows in this directory "
-        "(lite1, lite_after, scale, dev2, dev2b, dev2c .jsonl): NVIDIA H200, torch 2.11.0+cu130, deepspeed "
-        "0.19.8, bf16, torch AdamW (fused) via DeepSpeed `torch_adam`, flash attention, 512 text tokens. "
-        "Measured: torch.cuda.max_memory_allocated / max_memory_reserved, largest rank. Error = predicted / "
-        "measured - 1.", "",
-        table(cmp), "", summary(cmp), "", NOTES])
+    return "\n".join(
+        [
+            "# fluxzero.plan vs measured GPU memory (H200, 2026-11)",
+            "",
+            "Generated by `PYTHONPATH=. python benchmarks/memory_vs_gpu.py` from the sweep rows in this directory "
+            "(lite1, lite_after, scale, dev2, dev2b, dev2c .jsonl): NVIDIA H200, torch 2.11.0+cu130, deepspeed "
+            "0.19.8, bf16, torch AdamW (fused) via DeepSpeed `torch_adam`, flash attention, 512 text tokens. "
+            "Measured: torch.cuda.max_memory_allocated / max_memory_reserved, largest rank. Error = predicted / "
+            "measured - 1.",
+            "",
+            table(cmp),
+            "",
+            summary(cmp),
+            "",
+            NOTES,
+        ]
+    )
 
 
 def main(argv=None) -> int:

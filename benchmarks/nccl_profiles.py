@@ -27,6 +27,7 @@ Configurations:
 The two tcp-* runs move data through the kernel's loopback, not a NIC: they show what the socket
 threading settings change in NCCL's socket transport, not a cluster's Ethernet bandwidth.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -100,10 +101,14 @@ def worker(out_path: str, sizes_mb: list[float], cpu: bool, time_per_point: floa
         calls = {
             # default arguments bind this size's buffers (the names are deleted at the end of the iteration)
             "all_reduce": (lambda full=full: dist.all_reduce(full), 2 * (world - 1) / world),
-            "reduce_scatter": (lambda full=full, shard=shard: dist.reduce_scatter_tensor(shard, full),
-                               (world - 1) / world),
-            "all_gather": (lambda full=full, shard=shard: dist.all_gather_into_tensor(full, shard),
-                           (world - 1) / world),
+            "reduce_scatter": (
+                lambda full=full, shard=shard: dist.reduce_scatter_tensor(shard, full),
+                (world - 1) / world,
+            ),
+            "all_gather": (
+                lambda full=full, shard=shard: dist.all_gather_into_tensor(full, shard),
+                (world - 1) / world,
+            ),
         }
         for op in OPS:
             fn, factor = calls[op]
@@ -114,9 +119,16 @@ def worker(out_path: str, sizes_mb: list[float], cpu: bool, time_per_point: floa
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             sec = timed(fn, int(t.item()))
             nbytes = n * elem
-            results.append({"op": op, "size_mb": nbytes / 1e6, "time_us": sec * 1e6,
-                            "algbw_gbs": nbytes / sec / 1e9, "busbw_gbs": nbytes / sec / 1e9 * factor,
-                            "iters": int(t.item())})
+            results.append(
+                {
+                    "op": op,
+                    "size_mb": nbytes / 1e6,
+                    "time_us": sec * 1e6,
+                    "algbw_gbs": nbytes / sec / 1e9,
+                    "busbw_gbs": nbytes / sec / 1e9 * factor,
+                    "iters": int(t.item()),
+                }
+            )
         del full, shard
     meta = {"world_size": world, "torch": torch.__version__}
     if not cpu:
@@ -130,16 +142,36 @@ def worker(out_path: str, sizes_mb: list[float], cpu: bool, time_per_point: floa
 # ------------------------------------------------------------------------------------------------ driver
 
 
-def run_config(name: str, env_vars: dict, nproc: int, sizes: list[float], cpu: bool, tmp: Path,
-               time_per_point: float, timeout: float) -> dict:
+def run_config(
+    name: str,
+    env_vars: dict,
+    nproc: int,
+    sizes: list[float],
+    cpu: bool,
+    tmp: Path,
+    time_per_point: float,
+    timeout: float,
+) -> dict:
     assert env_vars.get("NCCL_NVLS_ENABLE") == "0"
     env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_")}
     env.update(env_vars)
     env["OMP_NUM_THREADS"] = "1"
     out = tmp / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
-           "--sizes-mb", ",".join(map(str, sizes)), "--time-per-point", str(time_per_point)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--worker-out",
+        str(out),
+        "--sizes-mb",
+        ",".join(map(str, sizes)),
+        "--time-per-point",
+        str(time_per_point),
+    ]
     if cpu:
         cmd.append("--cpu-smoke")
     t0 = time.monotonic()
@@ -171,8 +203,10 @@ def table(records: list[dict]) -> str:
         for r in rec["results"]:
             ref = base.get((r["op"], round(r["size_mb"], 3)))
             rel = f"{100 * (r['busbw_gbs'] / ref - 1):+.0f}%" if ref else "-"
-            lines.append(f"{rec['name']:<14} {r['op']:<15} {r['size_mb']:>8.3g} {r['busbw_gbs']:>11.1f} "
-                         f"{rel:>11} {r['time_us']:>10.0f}")
+            lines.append(
+                f"{rec['name']:<14} {r['op']:<15} {r['size_mb']:>8.3g} {r['busbw_gbs']:>11.1f} "
+                f"{rel:>11} {r['time_us']:>10.0f}"
+            )
     return "\n".join(lines)
 
 
@@ -212,13 +246,27 @@ def main() -> int:
             if elapsed > BUDGET_S:
                 records.append({"name": name, "env": CONFIGS[name], "error": f"skipped: {elapsed:.0f} s budget used"})
                 continue
-            rec = run_config(name, CONFIGS[name], a.nproc, sizes, a.cpu_smoke, Path(tmp), a.time_per_point,
-                             timeout=min(90.0, BUDGET_S + 5 - elapsed))
+            rec = run_config(
+                name,
+                CONFIGS[name],
+                a.nproc,
+                sizes,
+                a.cpu_smoke,
+                Path(tmp),
+                a.time_per_point,
+                timeout=min(90.0, BUDGET_S + 5 - elapsed),
+            )
             records.append(rec)
             status = rec.get("error") or f"{rec['wall_s']:.0f} s"
             print(f"[{time.monotonic() - t_start:5.0f} s] {name}: {status}", flush=True)
-    report = {"benchmark": "nccl_profiles", "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "sizes_mb": sizes, "total_s": time.monotonic() - t_start, "runs": records}
+    report = {
+        "benchmark": "nccl_profiles",
+        "host": platform.node(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "sizes_mb": sizes,
+        "total_s": time.monotonic() - t_start,
+        "runs": records,
+    }
     gpu = next((r["meta"].get("gpu", "cpu") for r in records if "meta" in r), "none")
     fname = out_dir / f"nccl_profiles_{gpu.replace(' ', '-')}_x{a.nproc}_{time.strftime('%Y-%m')}.json"
     fname.write_text(json.dumps(report, indent=1))

@@ -20,6 +20,7 @@ host RSS peak of the trainer processes (wait4's ru_maxrss), wall time of each ph
 
 A base with random weights is used when --weights is not given (speed and memory do not depend on the values).
 """
+
 from __future__ import annotations
 
 import json
@@ -68,14 +69,17 @@ def run(cmd: list[str], timeout: float, env: dict, log: Path) -> dict:
     r = runner.run(cmd, timeout=timeout, log=log, env=env)
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     error = next((line for line in reversed(lines) if "error" in line.lower()), lines[-1] if lines else "")
-    return {"rc": r.rc, "wall_s": round(r.wall_s, 1), "rss_gb": r.rss_gb,
-            "error": None if r.rc == 0 else ("timed out" if r.timed_out else error[-300:])}
+    return {
+        "rc": r.rc,
+        "wall_s": round(r.wall_s, 1),
+        "rss_gb": r.rss_gb,
+        "error": None if r.rc == 0 else ("timed out" if r.timed_out else error[-300:]),
+    }
 
 
 def data_spec(model_cfg, res: int, txt: int) -> str:
     latent = res // 8  # the VAE's 8x downsampling; the model packs 2x2 latent patches into one token
-    return (f"synthetic:n=16,hw={latent}x{latent},txt={txt},ctx={model_cfg.context_in_dim},"
-            f"vec={model_cfg.vec_in_dim}")
+    return f"synthetic:n=16,hw={latent}x{latent},txt={txt},ctx={model_cfg.context_in_dim},vec={model_cfg.vec_in_dim}"
 
 
 def one_preset(name: str, args, folder: Path) -> dict:
@@ -83,13 +87,41 @@ def one_preset(name: str, args, folder: Path) -> dict:
 
     folder.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "FLUXZERO_NO_PROGRESS": "1", "OP_CAP_GIB": str(args.memory_cap_gib or 0)}
-    record = {"preset": name, "model": args.model, "lora_rank": args.lora_rank, "res": args.res,
-              "steps": args.steps, "memory_cap_gib": args.memory_cap_gib, "ok": False}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "FLUXZERO_NO_PROGRESS": "1",
+        "OP_CAP_GIB": str(args.memory_cap_gib or 0),
+    }
+    record = {
+        "preset": name,
+        "model": args.model,
+        "lora_rank": args.lora_rank,
+        "res": args.res,
+        "steps": args.steps,
+        "memory_cap_gib": args.memory_cap_gib,
+        "ok": False,
+    }
     ds = folder / "ds.json"
-    gen = [py, "-m", "fluxzero.cli", "gen-config", *PRESETS[name], "--model", args.model, "--micro-batch", "1",
-           "--lr", str(args.lr), "--scheduler", "none", "--steps-per-print", "1000000", "-o", str(ds)]
+    gen = [
+        py,
+        "-m",
+        "fluxzero.cli",
+        "gen-config",
+        *PRESETS[name],
+        "--model",
+        args.model,
+        "--micro-batch",
+        "1",
+        "--lr",
+        str(args.lr),
+        "--scheduler",
+        "none",
+        "--steps-per-print",
+        "1000000",
+        "-o",
+        str(ds),
+    ]
     if args.adam_impl:
         gen += ["--adam-impl", args.adam_impl]
     if args.precision:
@@ -97,19 +129,40 @@ def one_preset(name: str, args, folder: Path) -> dict:
     r = run(gen, 120, env, folder / "gen-config.log")
     if r["rc"]:
         return {**record, "phase": "gen-config", "error": r["error"]}
-    run_file = {"deepspeed": str(ds), "data": data_spec(get_model_config(args.model), args.res, args.txt),
-                "output_dir": str(folder / "run"), "model": args.model, "steps": args.steps + 2,
-                "stop_after": args.steps, "checkpoint": {"every": args.steps}, "log_every": 1, "export": {"format": None},
-                "seed": 0}
+    run_file = {
+        "deepspeed": str(ds),
+        "data": data_spec(get_model_config(args.model), args.res, args.txt),
+        "output_dir": str(folder / "run"),
+        "model": args.model,
+        "steps": args.steps + 2,
+        "stop_after": args.steps,
+        "checkpoint": {"every": args.steps},
+        "log_every": 1,
+        "export": {"format": None},
+        "seed": 0,
+    }
     if args.weights:
         run_file["weights"] = args.weights
     if args.lora_rank:
         run_file["lora"] = {"rank": args.lora_rank, "targets": args.lora_targets}
     (folder / "run.yaml").write_text(json.dumps(run_file, indent=1))
     train = [py, "-c", PRELUDE, str(ROOT / "launch" / "train.py"), "--config", str(folder / "run.yaml")]
-    phases = [("train", train), ("resume", train + ["stop_after=0"]),
-              ("export", [py, "-m", "fluxzero.cli", "export", str(folder / "run"), str(folder / "export.safetensors"),
-                          "--overwrite"])]
+    phases = [
+        ("train", train),
+        ("resume", train + ["stop_after=0"]),
+        (
+            "export",
+            [
+                py,
+                "-m",
+                "fluxzero.cli",
+                "export",
+                str(folder / "run"),
+                str(folder / "export.safetensors"),
+                "--overwrite",
+            ],
+        ),
+    ]
     for phase, cmd in phases:
         r = run(cmd, args.timeout, {**env, "OP_REPORT": str(folder / f"{phase}_memory.json")}, folder / f"{phase}.log")
         record[f"{phase}_wall_s"] = r["wall_s"]
@@ -148,10 +201,18 @@ def main(argv=None) -> int:
     p.add_argument("--txt", type=int, default=16, help="T5 tokens per sample (512 for FLUX.1-dev)")
     p.add_argument("--steps", type=int, default=4, help="steps before the save; the resume adds 2")
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--memory-cap-gib", type=float, default=None,
-                   help="cap the trainer's GPU memory (torch.cuda.set_per_process_memory_fraction)")
-    p.add_argument("--adam-impl", choices=["torch", "fused", "cpu"], default=None,
-                   help="override the presets' AdamW (torch: no DeepSpeedCPUAdam build, for a CPU smoke test)")
+    p.add_argument(
+        "--memory-cap-gib",
+        type=float,
+        default=None,
+        help="cap the trainer's GPU memory (torch.cuda.set_per_process_memory_fraction)",
+    )
+    p.add_argument(
+        "--adam-impl",
+        choices=["torch", "fused", "cpu"],
+        default=None,
+        help="override the presets' AdamW (torch: no DeepSpeedCPUAdam build, for a CPU smoke test)",
+    )
     p.add_argument("--precision", choices=["bf16", "fp32"], default=None)
     p.add_argument("--presets", default=",".join(PRESETS), help="comma-separated subset of " + ", ".join(PRESETS))
     runner.add_timeout(p, 1800, "seconds per subprocess")
@@ -167,10 +228,12 @@ def main(argv=None) -> int:
     print(f"\n{'preset':<22}{'ok':<5}{'samples/s':>10}{'alloc GB':>10}{'resv GB':>9}{'RSS GB':>8}{'wall s':>8}  error")
     for r in records:
         wall = sum(r.get(f"{ph}_wall_s", 0) for ph in ("train", "resume", "export"))
-        print(f"{r['preset']:<22}{'yes' if r['ok'] else 'NO':<5}{r.get('samples_per_s', float('nan')):>10.3f}"
-              f"{r.get('peak_allocated_gb', float('nan')):>10.2f}{r.get('peak_reserved_gb', float('nan')):>9.2f}"
-              f"{r.get('host_rss_peak_gb', float('nan')):>8.2f}{wall:>8.0f}  "
-              f"{'' if r['ok'] else r.get('phase', '') + ': ' + str(r.get('error'))}")
+        print(
+            f"{r['preset']:<22}{'yes' if r['ok'] else 'NO':<5}{r.get('samples_per_s', float('nan')):>10.3f}"
+            f"{r.get('peak_allocated_gb', float('nan')):>10.2f}{r.get('peak_reserved_gb', float('nan')):>9.2f}"
+            f"{r.get('host_rss_peak_gb', float('nan')):>8.2f}{wall:>8.0f}  "
+            f"{'' if r['ok'] else r.get('phase', '') + ': ' + str(r.get('error'))}"
+        )
     print(f"records: {jsonl}")
     return 0 if all(r["ok"] for r in records) else 1
 

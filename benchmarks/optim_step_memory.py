@@ -13,6 +13,7 @@ once: a whole tensor, or for modes with a step_chunk (fluxzero.config.optim_mode
 
     python benchmarks/optim_step_memory.py [--numel 5e7] [--modes ...] [--step-chunks default] [--out DIR]
 """
+
 from __future__ import annotations
 
 import json
@@ -27,6 +28,7 @@ from fluxzero.config.optim_modes import get_mode  # noqa: E402  (pure: no torch 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # runner, also when this file is loaded by path
 import runner  # noqa: E402
+
 CHILD = r"""
 import gc, json, os, resource, sys, tempfile
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fluxzero-inductor"))
@@ -70,16 +72,24 @@ def main() -> None:
     ap = runner.parser(__doc__)
     ap.add_argument("--numel", type=float, default=5e7)
     ap.add_argument("--modes", nargs="*", default=["fp32", "bf16-sr", "bf16-kahan", "adamw8bit-sr", "adafactor-sr"])
-    ap.add_argument("--step-chunks", nargs="*", default=["default"],
-                    help="for modes with a step_chunk: 'default' (the registry's), 0 (whole tensor) or elements")
+    ap.add_argument(
+        "--step-chunks",
+        nargs="*",
+        default=["default"],
+        help="for modes with a step_chunk: 'default' (the registry's), 0 (whole tensor) or elements",
+    )
     runner.add_out(ap, None, "folder for --file (default: print only)")
     ap.add_argument("--file", default="optim_step_memory.json", help="file name under --out")
     a = ap.parse_args()
     rows = []
     for mode in a.modes:
         for chunk in a.step_chunks if get_mode(mode).step_chunk else ["default"]:
-            r = subprocess.run([sys.executable, "-c", CHILD, mode, str(a.numel), str(ROOT), chunk],
-                               capture_output=True, text=True, timeout=900)
+            r = subprocess.run(
+                [sys.executable, "-c", CHILD, mode, str(a.numel), str(ROOT), chunk],
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
             if r.returncode or not line:
                 rows.append({"mode": mode, "error": r.stderr[-500:]})
@@ -87,9 +97,11 @@ def main() -> None:
                 continue
             row = json.loads(line[-1])
             rows.append(row)
-            print(f"{mode:<14} chunk {str(row['step_chunk']):<9} step transient {row['transient_bytes'] / 2**20:8.1f} "
-                  f"MiB = {row['transient_B_per_elem']:5.1f} B per element"
-                  + ("" if row["peak_reset"] else " (peak since start: an upper bound)"))
+            print(
+                f"{mode:<14} chunk {str(row['step_chunk']):<9} step transient {row['transient_bytes'] / 2**20:8.1f} "
+                f"MiB = {row['transient_B_per_elem']:5.1f} B per element"
+                + ("" if row["peak_reset"] else " (peak since start: an upper bound)")
+            )
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         Path(a.out, a.file).write_text(json.dumps(rows, indent=1) + "\n")

@@ -10,6 +10,7 @@ stepped twice to warm up (the first step allocates states and compiles), then ti
 the device synchronised around each. Bytes moved per element, the floor: bf16-kahan reads weight, grad, m, v,
 carry and writes weight, m, v, carry (18 B); bf16-sr the same without the carry (14 B). One JSON line per mode.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,9 @@ FLOOR_BYTES = {"bf16-kahan": 18, "bf16-kahan-eager": 18, "bf16-sr": 14, "adamw8b
 
 def weights(model: str, device: torch.device) -> list[torch.nn.Parameter]:
     meta = build_model(model, device="meta", dtype=torch.bfloat16)
-    return [torch.nn.Parameter(torch.randn(p.shape, device=device, dtype=torch.bfloat16) * 0.02)
-            for p in meta.parameters()]
+    return [
+        torch.nn.Parameter(torch.randn(p.shape, device=device, dtype=torch.bfloat16) * 0.02) for p in meta.parameters()
+    ]
 
 
 def time_mode(mode: str, params: list, steps: int, device: torch.device) -> dict:
@@ -53,9 +55,14 @@ def time_mode(mode: str, params: list, steps: int, device: torch.device) -> dict
             times.append(time.perf_counter() - t0)
     n = sum(p.numel() for p in params)
     step = statistics.median(times)
-    row = {"mode": mode, "elements": n, "tensors": len(params), "step_s": round(step, 4),
-           "times_s": [round(t, 4) for t in times],
-           "floor_gb_per_s": round(FLOOR_BYTES.get(mode, 0) * n / step / 1e9, 1)}
+    row = {
+        "mode": mode,
+        "elements": n,
+        "tensors": len(params),
+        "step_s": round(step, 4),
+        "times_s": [round(t, 4) for t in times],
+        "floor_gb_per_s": round(FLOOR_BYTES.get(mode, 0) * n / step / 1e9, 1),
+    }
     if device.type == "cuda":
         row["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     del opt
@@ -85,8 +92,12 @@ def main(argv=None) -> int:
             row = time_mode(mode, params, a.steps, device)
         except Exception as e:  # noqa: BLE001 - one mode that fails (OOM, missing package) must not cost the others
             row = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:300]}
-        row.update(model=a.model, device=str(device), torch=torch.__version__,
-                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+        row.update(
+            model=a.model,
+            device=str(device),
+            torch=torch.__version__,
+            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        )
         rows.append(row)
         runner.append_row(out, row)
         print(json.dumps(row), flush=True)

@@ -4,6 +4,7 @@ every result, so a figure can be traced to the code that produced it.
 
 Stdlib only: sweep.py's parent process imports it without torch.
 """
+
 from __future__ import annotations
 
 import platform
@@ -26,6 +27,7 @@ def code_version(root: Path = ROOT) -> dict:
     "unknown" for both where git is missing, or `root` is not the top of a git work tree: the GPU machines get a
     copy of the working tree that may lack .git, and a git repository above that copy must not be named.
     """
+
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
 

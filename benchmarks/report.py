@@ -12,6 +12,7 @@ of the same sweep (set and start time) first, and say when the two rows come fro
 never ran is shown only when no row of its configuration was measured. Configurations with several rows are
 listed together at the end.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,10 @@ def _f(x, fmt="{:.2f}"):
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| set | # | configuration | status | samples/s | img tokens/s | TFLOP/s/GPU | MFU | step s | "
-            "data / fwd / bwd / opt s | peak alloc GiB | peak reserved GiB | init s |")
+    head = (
+        "| set | # | configuration | status | samples/s | img tokens/s | TFLOP/s/GPU | MFU | step s | "
+        "data / fwd / bwd / opt s | peak alloc GiB | peak reserved GiB | init s |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if measured(r):
@@ -63,13 +66,22 @@ def table(rows: list[dict]) -> str:
             status = r["status"] if r.get("valid") else f"**INVALID: {r['status']}** ({r.get('skipped_steps')} skipped)"
             steps = [x for x in r.get("step_s_all") or [] if x is not None]
             step = _f(r["step_s"], "{:.3f}") + (f" ({min(steps):.2f}-{max(steps):.2f})" if len(steps) > 1 else "")
-            cells = [_f(r["samples_per_s"]), _f(r["img_tokens_per_s"], "{:,.0f}"), _f(r["tflops_per_gpu"], "{:.1f}"),
-                     _f(r.get("mfu") and 100 * r["mfu"], "{:.1f}%"), step, split,
-                     _f(_max(r.get("peak_alloc_gib")), "{:.1f}"), _f(_max(r.get("peak_reserved_gib")), "{:.1f}"),
-                     _f(r.get("init_s"), "{:.0f}")]
+            cells = [
+                _f(r["samples_per_s"]),
+                _f(r["img_tokens_per_s"], "{:,.0f}"),
+                _f(r["tflops_per_gpu"], "{:.1f}"),
+                _f(r.get("mfu") and 100 * r["mfu"], "{:.1f}%"),
+                step,
+                split,
+                _f(_max(r.get("peak_alloc_gib")), "{:.1f}"),
+                _f(_max(r.get("peak_reserved_gib")), "{:.1f}"),
+                _f(r.get("init_s"), "{:.0f}"),
+            ]
         else:
             status, cells = f"**{r.get('status')}**", ["-"] * 9
-        lines.append(f"| {r.get('set', '')} | {r.get('index', '')} | {r['name']} | {status} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {r.get('set', '')} | {r.get('index', '')} | {r['name']} | {status} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -144,18 +156,22 @@ def comparison(rows: list[dict]) -> str:
             if measured(f) and measured(b):
                 speed = f["samples_per_s"] / b["samples_per_s"]
                 invalid = "" if f.get("valid") and b.get("valid") else " (a row is INVALID)"
-                lines.append(f"| {name} | {refs} | {f['samples_per_s']:.2f} | {b['samples_per_s']:.2f} | "
-                             f"{speed:.2f}x{invalid}{_apart(f, b)} | "
-                             f"{_gib_pair(_max(f.get('peak_alloc_gib')), _max(b.get('peak_alloc_gib')))} | "
-                             f"{_gib_pair(_max(f.get('peak_reserved_gib')), _max(b.get('peak_reserved_gib')))} | "
-                             f"{'-' if invalid else _target(speed, f, b)} |")
+                lines.append(
+                    f"| {name} | {refs} | {f['samples_per_s']:.2f} | {b['samples_per_s']:.2f} | "
+                    f"{speed:.2f}x{invalid}{_apart(f, b)} | "
+                    f"{_gib_pair(_max(f.get('peak_alloc_gib')), _max(b.get('peak_alloc_gib')))} | "
+                    f"{_gib_pair(_max(f.get('peak_reserved_gib')), _max(b.get('peak_reserved_gib')))} | "
+                    f"{'-' if invalid else _target(speed, f, b)} |"
+                )
             else:
                 lines.append(f"| {name} | {refs} | {_status(f)} | {_status(b)} | - | - | - | - |")
     if not lines:
         return ""
-    return ("| matched configuration | rows (fluxzero / diffusers) | fluxzero samples/s | diffusers samples/s | "
-            "speed-up | peak alloc GiB fluxzero / diffusers | peak reserved GiB fluxzero / diffusers | "
-            f"target (>= {TARGET_SPEEDUP}x, memory no higher) |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(lines))
+    return (
+        "| matched configuration | rows (fluxzero / diffusers) | fluxzero samples/s | diffusers samples/s | "
+        "speed-up | peak alloc GiB fluxzero / diffusers | peak reserved GiB fluxzero / diffusers | "
+        f"target (>= {TARGET_SPEEDUP}x, memory no higher) |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(lines)
+    )
 
 
 def scaling(rows: list[dict]) -> str:
@@ -170,13 +186,17 @@ def scaling(rows: list[dict]) -> str:
         for one in _partners(r, [s for s in single if _key(s, keys) == _key(r, keys)]):
             ratio = r["samples_per_s"] / one["samples_per_s"]
             invalid = "" if r.get("valid") and one.get("valid") else " (a row is INVALID)"
-            lines.append(f"| {r['name']} | {_ref(one)} / {_ref(r)} | {one['samples_per_s']:.2f} | "
-                         f"{r['samples_per_s']:.2f} | {ratio:.2f}x ({100 * ratio / r['gpus']:.0f}% efficiency)"
-                         f"{invalid}{_apart(one, r)} |")
+            lines.append(
+                f"| {r['name']} | {_ref(one)} / {_ref(r)} | {one['samples_per_s']:.2f} | "
+                f"{r['samples_per_s']:.2f} | {ratio:.2f}x ({100 * ratio / r['gpus']:.0f}% efficiency)"
+                f"{invalid}{_apart(one, r)} |"
+            )
     if not lines:
         return ""
-    return ("| scaling | rows (1 GPU / N GPUs) | 1 GPU samples/s | N GPUs samples/s | speed-up |\n"
-            "|---|---|---|---|---|\n" + "\n".join(lines))
+    return (
+        "| scaling | rows (1 GPU / N GPUs) | 1 GPU samples/s | N GPUs samples/s | speed-up |\n"
+        "|---|---|---|---|---|\n" + "\n".join(lines)
+    )
 
 
 def repeats(rows: list[dict]) -> str:
@@ -193,17 +213,28 @@ def repeats(rows: list[dict]) -> str:
         for r in group:
             steps = [x for x in r.get("step_s_all") or [] if x is not None]
             spread = f", timed steps {min(steps):.2f}-{max(steps):.2f} s (n={len(steps)})" if steps else ""
-            cells.append(f"{_ref(r)} {r.get('date', '')}: {_status(r)}" + (" samples/s" if measured(r) else "")
-                         + spread)
+            cells.append(
+                f"{_ref(r)} {r.get('date', '')}: {_status(r)}" + (" samples/s" if measured(r) else "") + spread
+            )
         lines.append(f"| {group[0]['name']} | " + "; ".join(cells) + " |")
     if not lines:
         return ""
-    return ("| configuration with more than one row | rows (set#index, sweep start: samples/s or status) |\n"
-            "|---|---|\n" + "\n".join(lines))
+    return (
+        "| configuration with more than one row | rows (set#index, sweep start: samples/s or status) |\n"
+        "|---|---|\n" + "\n".join(lines)
+    )
 
 
-PROFILE_CATS = ("attention", "gemm", "nccl all-gather", "nccl reduce-scatter", "nccl all-reduce",
-                 "optimizer / foreach", "memcpy / memset", "other")
+PROFILE_CATS = (
+    "attention",
+    "gemm",
+    "nccl all-gather",
+    "nccl reduce-scatter",
+    "nccl all-reduce",
+    "optimizer / foreach",
+    "memcpy / memset",
+    "other",
+)
 
 
 def profiles(rows: list[dict]) -> str:
@@ -220,8 +251,14 @@ def profiles(rows: list[dict]) -> str:
         lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     if not lines:
         return ""
-    head = ["configuration (profiled step, rank 0, seconds)", "step", "GPU busy", "GPU idle", "exposed comm",
-            *PROFILE_CATS]
+    head = [
+        "configuration (profiled step, rank 0, seconds)",
+        "step",
+        "GPU busy",
+        "GPU idle",
+        "exposed comm",
+        *PROFILE_CATS,
+    ]
     return "| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|\n" + "\n".join(lines)
 
 
@@ -247,30 +284,51 @@ def header(rows: list[dict]) -> str:
     sweeps: dict[tuple, list[dict]] = {}
     for r in rows:
         sweeps.setdefault(_sweep(r), []).append(r)
-    lines = ["| set | sweep start | rows (measured) | parallel | device | bf16 matmul peak TFLOP/s | torch | CUDA | "
-             "deepspeed | diffusers | code (git) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| set | sweep start | rows (measured) | parallel | device | bf16 matmul peak TFLOP/s | torch | CUDA | "
+        "deepspeed | diffusers | code (git) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for (name, date), group in sweeps.items():
         got = [r for r in group if measured(r)]
         vs = [r.get("versions") or {} for r in got]
         peaks = [r.get("peak_tflops") or (r.get("peak") or {}).get("peak_tflops") for r in got or group]
-        lines.append(" | ".join([
-            f"| {name}", str(date), f"{len(group)} ({len(got)})", _joined(r.get("parallel") or 1 for r in group),
-            _joined(v.get("device") for v in vs), _joined(f"{p:.1f}" for p in peaks if p),
-            _joined(v.get("torch") for v in vs), _joined(v.get("cuda") for v in vs),
-            _joined(v.get("deepspeed") for v in vs), _joined(v.get("diffusers") for v in vs),
-            _joined(_code(v) for v in vs)]) + " |")
-    sizes = _joined(f"{(r.get('peak') or {}).get('n', '?')}^3, median of {(r.get('peak') or {}).get('reps', '?')}"
-                    for r in ok if r.get("peak"))
+        lines.append(
+            " | ".join(
+                [
+                    f"| {name}",
+                    str(date),
+                    f"{len(group)} ({len(got)})",
+                    _joined(r.get("parallel") or 1 for r in group),
+                    _joined(v.get("device") for v in vs),
+                    _joined(f"{p:.1f}" for p in peaks if p),
+                    _joined(v.get("torch") for v in vs),
+                    _joined(v.get("cuda") for v in vs),
+                    _joined(v.get("deepspeed") for v in vs),
+                    _joined(v.get("diffusers") for v in vs),
+                    _joined(_code(v) for v in vs),
+                ]
+            )
+            + " |"
+        )
+    sizes = _joined(
+        f"{(r.get('peak') or {}).get('n', '?')}^3, median of {(r.get('peak') or {}).get('reps', '?')}"
+        for r in ok
+        if r.get("peak")
+    )
     apis = sorted({x.get("engine_api", "") for x in ok if x.get("impl") == "fluxzero"})
     srcs = sorted({x.get("ds_config_source", "") for x in ok})
-    return "\n".join(lines + [
-        "",
-        f"MFU over the bf16 matmul peak ({sizes}) measured at the start of each row's own sweep (column above); "
-        "model FLOPs = 3 x ModelConfig.flops_per_sample, recompute excluded.",
-        f"fluxzero engine: {'; '.join(apis) or '-'}. DeepSpeed config: {'; '.join(srcs)}.",
-        "Step time = median of the timed steps (synchronised), their range in brackets; memory = max over ranks. "
-        "Rows of a sweep with parallel > 1 may have run beside another case (one GPU each, shared host).",
-    ])
+    return "\n".join(
+        lines
+        + [
+            "",
+            f"MFU over the bf16 matmul peak ({sizes}) measured at the start of each row's own sweep (column above); "
+            "model FLOPs = 3 x ModelConfig.flops_per_sample, recompute excluded.",
+            f"fluxzero engine: {'; '.join(apis) or '-'}. DeepSpeed config: {'; '.join(srcs)}.",
+            "Step time = median of the timed steps (synchronised), their range in brackets; memory = max over ranks. "
+            "Rows of a sweep with parallel > 1 may have run beside another case (one GPU each, shared host).",
+        ]
+    )
 
 
 def plot(rows: list[dict], path: str) -> bool:
@@ -288,8 +346,12 @@ def plot(rows: list[dict], path: str) -> bool:
     colors = {"fluxzero": "tab:blue", "diffusers": "tab:orange"}
     labels = [f"{r.get('set', '')}#{r.get('index', '')} {r['name']}" for r in rows]
     xmax_s = max([r["samples_per_s"] for r in rows if measured(r)] or [1])
-    xmax_m = max([_max(r.get("peak_reserved_gib")) or _max(r.get("peak_alloc_gib")) or 0 for r in rows if measured(r)]
-                 or [1]) or 1
+    xmax_m = (
+        max(
+            [_max(r.get("peak_reserved_gib")) or _max(r.get("peak_alloc_gib")) or 0 for r in rows if measured(r)] or [1]
+        )
+        or 1
+    )
     for y, r in zip(ys, rows):
         c = colors.get(r.get("impl"), "gray")
         if not measured(r):
@@ -328,9 +390,19 @@ def compile_effect(rows: list[dict]) -> str:
     not the one with leaf blocks: the trainer makes compiled blocks leaves itself."""
     keys = ("impl",) + MATCH_KEYS
     eager = [r for r in rows if not _compiled(r)]
-    pairs = [(c, e) for c in rows if _compiled(c)
-             for e in _partners(c, [r for r in eager if _key(r, keys, False) == _key(c, keys, False)
-                                    and bool(r.get("z3_leaf")) == bool(c.get("z3_leaf"))])]
+    pairs = [
+        (c, e)
+        for c in rows
+        if _compiled(c)
+        for e in _partners(
+            c,
+            [
+                r
+                for r in eager
+                if _key(r, keys, False) == _key(c, keys, False) and bool(r.get("z3_leaf")) == bool(c.get("z3_leaf"))
+            ],
+        )
+    ]
     lines = []
     for c, e in pairs:
         name = c["name"].replace(" compiled", "") + ("" if _sweep(c) == _sweep(e) else f" ({_ref(e)} / {_ref(c)})")
@@ -345,16 +417,22 @@ def compile_effect(rows: list[dict]) -> str:
             diff = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(lc, le)), default=None)
             diff = f"{diff:.1e}" if diff is not None else "-"
             valid = "" if c.get("valid") and e.get("valid") else " (a row is INVALID)"
-            lines.append(f"| {name} | {e['samples_per_s']:.2f} | {c['samples_per_s']:.2f} | {speed:.2f}x{valid} | "
-                         f"{mem} | {diff} | {graphs} | {warm} |")
+            lines.append(
+                f"| {name} | {e['samples_per_s']:.2f} | {c['samples_per_s']:.2f} | {speed:.2f}x{valid} | "
+                f"{mem} | {diff} | {graphs} | {warm} |"
+            )
         else:
-            lines.append(f"| {name} | {e.get('samples_per_s', e.get('status'))} | "
-                         f"{c.get('samples_per_s', c.get('status'))} | - | - | - | {graphs} | {warm} |")
+            lines.append(
+                f"| {name} | {e.get('samples_per_s', e.get('status'))} | "
+                f"{c.get('samples_per_s', c.get('status'))} | - | - | - | {graphs} | {warm} |"
+            )
     if not lines:
         return ""
-    return ("| configuration | eager samples/s | compiled samples/s | speed-up | peak alloc compiled vs eager | "
-            "max rel. loss diff | graphs / breaks | longest warm-up step s |\n|---|---|---|---|---|---|---|---|\n"
-            + "\n".join(lines))
+    return (
+        "| configuration | eager samples/s | compiled samples/s | speed-up | peak alloc compiled vs eager | "
+        "max rel. loss diff | graphs / breaks | longest warm-up step s |\n|---|---|---|---|---|---|---|---|\n"
+        + "\n".join(lines)
+    )
 
 
 def render(rows: list[dict]) -> str:

@@ -11,6 +11,7 @@ JSON-lines rows; provenance; the command-line flags every tool spells the same w
 
 Stdlib only: sweep.py's parent process imports it without torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,7 @@ def _wait_gone(pids: list[int], seconds: float) -> None:
 def start(cmd: list[str], *, log, env: dict | None = None, cwd: Path | str = ROOT) -> subprocess.Popen:
     """Start `cmd` in a session (and process group) of its own, its output to the open file `log`, so that
     kill_group ends it and whatever it started without touching anything else."""
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(cwd),
-                            start_new_session=True)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(cwd), start_new_session=True)
 
 
 def kill_group(proc: subprocess.Popen, term_s: float = 0.0) -> None:
@@ -114,8 +114,12 @@ def run(cmd: list[str], *, timeout: float, log: Path, env: dict | None = None, c
         finally:
             timer.cancel()
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return Result(rc=proc.returncode, timed_out=fired.is_set(), wall_s=time.perf_counter() - t0,
-                  rss_gb=usage.ru_maxrss * 1024 / 1e9)
+    return Result(
+        rc=proc.returncode,
+        timed_out=fired.is_set(),
+        wall_s=time.perf_counter() - t0,
+        rss_gb=usage.ru_maxrss * 1024 / 1e9,
+    )
 
 
 def log_tail(path: Path, chars: int) -> str:
@@ -157,8 +161,9 @@ def parser(doc: str, raw: bool = False) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=doc.split("\n\n")[0])
 
 
-def add_out(p: argparse.ArgumentParser, default: Path | str | None, help: str = "result file",
-            required: bool = False) -> None:
+def add_out(
+    p: argparse.ArgumentParser, default: Path | str | None, help: str = "result file", required: bool = False
+) -> None:
     """--out. `default`: a name under out_dir() (an absolute path stays itself), or None: no default (with
     required, the flag must be given; without, --out unset means the tool writes no file)."""
     if default is None:

@@ -72,12 +72,13 @@ inside: --run-timeout-s per call (a watchdog writes a timeout row and ends the p
 whole script (a row whose estimated time does not fit is written as "not run (budget)"; the estimate: the slowest
 row so far times the calls, plus COMPILE_ALLOWANCE_S for a compiling row and the profiled call with --profile).
 """
+
 from __future__ import annotations
 
 import contextlib
 import json
-import re
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -114,16 +115,22 @@ def scheduler():
     """FLUX.1-dev's released scheduler_config.json."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
-                                           base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
-                                           max_image_seq_len=4096)
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
 
 
 def build(model_name: str, device: torch.device, dtype: torch.dtype, tiny_vae: bool = False):
     """(fluxzero model, diffusers transformer with the same weights, VAE), eval mode, on `device` in `dtype`."""
+    from cache_speed import build_vae
     from diffusers import FluxTransformer2DModel
 
-    from cache_speed import build_vae
     from fluxzero.model import build_model
     from fluxzero.model.layouts import bfl_to_diffusers
     from fluxzero.model.weights import _diffusers_config
@@ -143,9 +150,11 @@ def embeddings(images: int, cfg, t5_tokens: int):
     from fluxzero.sampling.embeddings import PromptEmbeddings
 
     g = torch.Generator().manual_seed(SEED + 1)
-    return PromptEmbeddings([f"prompt {i}" for i in range(images)],
-                            torch.randn(images, t5_tokens, cfg.context_in_dim, generator=g),
-                            torch.randn(images, cfg.vec_in_dim, generator=g))
+    return PromptEmbeddings(
+        [f"prompt {i}" for i in range(images)],
+        torch.randn(images, t5_tokens, cfg.context_in_dim, generator=g),
+        torch.randn(images, cfg.vec_in_dim, generator=g),
+    )
 
 
 class StepClock:
@@ -179,21 +188,35 @@ def sync(device: torch.device) -> None:
 
 
 # ----- the two sides: one call each, returning the paths of the PNGs it wrote ----------------------------------
-def fluxzero_call(model, vae, emb, out_dir: Path, *, size: int, steps: int, batch_size: int, clock: StepClock,
-                  grid: bool = True):
+def fluxzero_call(
+    model, vae, emb, out_dir: Path, *, size: int, steps: int, batch_size: int, clock: StepClock, grid: bool = True
+):
     """The command's loop (commands/sample.py -> sampling.pipeline.sample_images), PNGs included."""
     from fluxzero.sampling.pipeline import sample_images
 
     def run():
-        return sample_images(model, vae, emb, out_dir, width=size, height=size, steps=steps, seeds=[SEED],
-                             guidance=GUIDANCE, batch_size=batch_size, weights="random init", on_step=clock.mark,
-                             write_grid=grid)
+        return sample_images(
+            model,
+            vae,
+            emb,
+            out_dir,
+            width=size,
+            height=size,
+            steps=steps,
+            seeds=[SEED],
+            guidance=GUIDANCE,
+            batch_size=batch_size,
+            weights="random init",
+            on_step=clock.mark,
+            write_grid=grid,
+        )
 
     return run
 
 
-def diffusers_call(pipe, emb, out_dir: Path, *, size: int, steps: int, device, dtype, clock: StepClock,
-                   cudnn: bool = False):
+def diffusers_call(
+    pipe, emb, out_dir: Path, *, size: int, steps: int, device, dtype, clock: StepClock, cudnn: bool = False
+):
     """FluxPipeline as a diffusers user calls it with precomputed embeddings, then each image saved as a PNG;
     `cudnn`: inside sdpa_kernel with cuDNN attention first (the others after it, for what cuDNN cannot run)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -209,10 +232,17 @@ def diffusers_call(pipe, emb, out_dir: Path, *, size: int, steps: int, device, d
 
     def run():
         with sdpa_kernel(order, set_priority=True) if cudnn else contextlib.nullcontext():
-            images = pipe(prompt_embeds=txt, pooled_prompt_embeds=y, height=size, width=size,
-                          num_inference_steps=steps, guidance_scale=GUIDANCE,
-                          generator=[torch.Generator().manual_seed(SEED) for _ in range(n)], output_type="pil",
-                          callback_on_step_end=on_step).images
+            images = pipe(
+                prompt_embeds=txt,
+                pooled_prompt_embeds=y,
+                height=size,
+                width=size,
+                num_inference_steps=steps,
+                guidance_scale=GUIDANCE,
+                generator=[torch.Generator().manual_seed(SEED) for _ in range(n)],
+                output_type="pil",
+                callback_on_step_end=on_step,
+            ).images
         paths = []
         for i, im in enumerate(images):
             paths.append(out_dir / f"{i:04d}.png")
@@ -311,14 +341,36 @@ def _measure(name: str, args, ctx: dict, watchdog: Watchdog, opts: dict) -> dict
     clock = StepClock(device)
     batch = opts["batch_size"]
     if name in FLUXZERO_ROWS:
+
         def make(steps, clock=clock):
-            return fluxzero_call(ctx["ours"], ctx["vae"], ctx["emb"], out_dir, size=args.size, steps=steps,
-                                 batch_size=batch, clock=clock, grid=opts["grid"])
+            return fluxzero_call(
+                ctx["ours"],
+                ctx["vae"],
+                ctx["emb"],
+                out_dir,
+                size=args.size,
+                steps=steps,
+                batch_size=batch,
+                clock=clock,
+                grid=opts["grid"],
+            )
+
         calls = -(-args.images // batch)
     else:
+
         def make(steps, clock=clock):
-            return diffusers_call(ctx["pipe"], ctx["emb"], out_dir, size=args.size, steps=steps, device=device,
-                                  dtype=dtype, clock=clock, cudnn=opts["cudnn"])
+            return diffusers_call(
+                ctx["pipe"],
+                ctx["emb"],
+                out_dir,
+                size=args.size,
+                steps=steps,
+                device=device,
+                dtype=dtype,
+                clock=clock,
+                cudnn=opts["cudnn"],
+            )
+
         calls = 1
     resident = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     if device.type == "cuda":
@@ -326,8 +378,13 @@ def _measure(name: str, args, ctx: dict, watchdog: Watchdog, opts: dict) -> dict
     warm = []
     for w in range(args.warmup):
         run = make(args.warmup_steps)
-        s, _ = timed(run, device, watchdog, args.run_timeout_s + (COMPILE_ALLOWANCE_S if name in COMPILING_ROWS else 0),
-                     f"{name}: warm-up {w + 1}")
+        s, _ = timed(
+            run,
+            device,
+            watchdog,
+            args.run_timeout_s + (COMPILE_ALLOWANCE_S if name in COMPILING_ROWS else 0),
+            f"{name}: warm-up {w + 1}",
+        )
         warm.append(round(s, 3))
         print(f"[sample_speed] {name}: warm-up {w + 1} ({args.warmup_steps} steps) {s:.2f} s", flush=True)
     clock.marks.clear()
@@ -343,15 +400,27 @@ def _measure(name: str, args, ctx: dict, watchdog: Watchdog, opts: dict) -> dict
     median = statistics.median(times)
     loop = step * args.steps * calls
     flops = cfg.flops_per_sample((args.size // 16) ** 2, args.t5_tokens) * args.images * args.steps
-    row = {"row": name, "status": "ok", "batch_size": batch, "calls": calls, "run_s": [round(t, 3) for t in times],
-           "median_s": round(median, 3), "s_per_image": round(median / args.images, 3), "step_s": round(step, 4),
-           "loop_s": round(loop, 3), "other_s": round(median - loop, 3), "warmup_s": warm,
-           "loop_tflops": round(flops / loop / 1e12, 1) if loop > 0 else None}
+    row = {
+        "row": name,
+        "status": "ok",
+        "batch_size": batch,
+        "calls": calls,
+        "run_s": [round(t, 3) for t in times],
+        "median_s": round(median, 3),
+        "s_per_image": round(median / args.images, 3),
+        "step_s": round(step, 4),
+        "loop_s": round(loop, 3),
+        "other_s": round(median - loop, 3),
+        "warmup_s": warm,
+        "loop_tflops": round(flops / loop / 1e12, 1) if loop > 0 else None,
+    }
     if device.type == "cuda":
-        row.update(resident_gib=round(resident / GIB, 2),
-                   peak_allocated_gib=round(torch.cuda.max_memory_allocated() / GIB, 2),
-                   peak_above_resident_gib=round((torch.cuda.max_memory_allocated() - resident) / GIB, 2),
-                   peak_reserved_gib=round(torch.cuda.max_memory_reserved() / GIB, 2))
+        row.update(
+            resident_gib=round(resident / GIB, 2),
+            peak_allocated_gib=round(torch.cuda.max_memory_allocated() / GIB, 2),
+            peak_above_resident_gib=round((torch.cuda.max_memory_allocated() - resident) / GIB, 2),
+            peak_reserved_gib=round(torch.cuda.max_memory_reserved() / GIB, 2),
+        )
     row.update(compare_images(name, images, ctx))
     if args.profile:
         watchdog.arm(args.run_timeout_s, f"{name}: profile")
@@ -370,8 +439,7 @@ KINDS = (
 
 
 # record_function ranges (compiled regions) that appear on the GPU timeline; older torch does not flag them all
-ANNOTATIONS = ("## Call CompiledFxGraph", "Torch-Compiled Region", "TorchDynamo Cache Lookup",
-               "CompiledFunction")
+ANNOTATIONS = ("## Call CompiledFxGraph", "Torch-Compiled Region", "TorchDynamo Cache Lookup", "CompiledFunction")
 
 
 def kind_of(name: str) -> str:
@@ -400,16 +468,20 @@ def profile_step(make, device: torch.device, batch: int) -> dict:
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     trace = {}
-    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=1, repeat=1),
-                 on_trace_ready=lambda p: trace.setdefault("events", p.events())) as prof:
+    with profile(
+        activities=activities,
+        schedule=schedule(wait=0, warmup=1, active=1, repeat=1),
+        on_trace_ready=lambda p: trace.setdefault("events", p.events()),
+    ) as prof:
         clock = ProfileClock(device, prof)
         make(PROFILE_STEPS, clock)()
     sync(device)
     wall_us = (clock.marks[1] - clock.marks[0]) * 1e6
     spent, count, names = {"attention": 0.0, "matmul": 0.0, "other": 0.0}, 0, {}
     for e in trace.get("events", []):
-        if e.name.startswith("ProfilerStep") or (cuda and (getattr(e, "is_user_annotation", False)
-                                                          or e.name.startswith(ANNOTATIONS))):
+        if e.name.startswith("ProfilerStep") or (
+            cuda and (getattr(e, "is_user_annotation", False) or e.name.startswith(ANNOTATIONS))
+        ):
             continue  # ranges, not work: on the GPU timeline they span the kernels inside them
         if cuda:  # kernels (and copies): their span on the device
             if e.device_type != DeviceType.CUDA:
@@ -428,29 +500,41 @@ def profile_step(make, device: torch.device, batch: int) -> dict:
     ms = {k: round(v / 1e3, 3) for k, v in spent.items()}
     ms["host_gaps"] = round(max(wall_us - busy, 0.0) / 1e3, 3)
     top = sorted(names.items(), key=lambda kv: -kv[1][0])[:12]
-    return {"window": f"denoising step 2 of a {PROFILE_STEPS}-step call, device synchronized at both ends",
-            "timing": "CUDA kernel time" if cuda else "CPU operator self time", "images_per_step": batch,
-            "wall_ms": round(wall_us / 1e3, 3), "ms": ms,
-            "share": {k: round(v * 1e3 / wall_us, 4) for k, v in ms.items()} if wall_us > 0 else {},
-            "events": count,
-            "top": [{"name": n[:120], "kind": kind_of(n), "ms": round(v[0] / 1e3, 3), "calls": v[1]} for n, v in top]}
+    return {
+        "window": f"denoising step 2 of a {PROFILE_STEPS}-step call, device synchronized at both ends",
+        "timing": "CUDA kernel time" if cuda else "CPU operator self time",
+        "images_per_step": batch,
+        "wall_ms": round(wall_us / 1e3, 3),
+        "ms": ms,
+        "share": {k: round(v * 1e3 / wall_us, 4) for k, v in ms.items()} if wall_us > 0 else {},
+        "events": count,
+        "top": [{"name": n[:120], "kind": kind_of(n), "ms": round(v[0] / 1e3, 3), "calls": v[1]} for n, v in top],
+    }
 
 
 def profile_table(rows: list[dict]) -> str:
-    lines = ["| row | images / step | step wall ms | attention ms | matmul ms | other ms | host gaps ms | timing |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| row | images / step | step wall ms | attention ms | matmul ms | other ms | host gaps ms | timing |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         p = r.get("profile")
         if not p:
             continue
         m, sh = p["ms"], p["share"]
         cells = [f"{m[k]:.1f} ({100 * sh.get(k, 0):.0f}%)" for k in ("attention", "matmul", "other", "host_gaps")]
-        lines.append(f"| {r['row']} | {p['images_per_step']} | {p['wall_ms']:.1f} | {' | '.join(cells)} | {p['timing']} |")
+        lines.append(
+            f"| {r['row']} | {p['images_per_step']} | {p['wall_ms']:.1f} | {' | '.join(cells)} | {p['timing']} |"
+        )
     out = ["\n".join(lines)]
     for r in rows:
         if r.get("profile"):
-            out.append(f"\n{r['row']}: top kernels\n" + "\n".join(
-                f"  {t['ms']:9.3f} ms {t['calls']:5d}x  {t['kind']:9s} {t['name']}" for t in r["profile"]["top"]))
+            out.append(
+                f"\n{r['row']}: top kernels\n"
+                + "\n".join(
+                    f"  {t['ms']:9.3f} ms {t['calls']:5d}x  {t['kind']:9s} {t['name']}" for t in r["profile"]["top"]
+                )
+            )
     return "\n".join(out)
 
 
@@ -458,8 +542,12 @@ def compare_images(name: str, images: torch.Tensor, ctx: dict) -> dict:
     """This row's images against the first measured row's (the reference is kept in ctx)."""
     ref_name, ref = ctx.setdefault("ref_images", (name, images))
     diff = (images.int() - ref.int()).abs()
-    out = {"images_vs": ref_name, "image_rel_diff": round(rel_diff(images, ref), 5),
-           "image_mean_abs_levels": round(diff.float().mean().item(), 3), "image_max_abs_levels": int(diff.max())}
+    out = {
+        "images_vs": ref_name,
+        "image_rel_diff": round(rel_diff(images, ref), 5),
+        "image_mean_abs_levels": round(diff.float().mean().item(), 3),
+        "image_max_abs_levels": int(diff.max()),
+    }
     if len(images) > 1:  # same noise, another prompt: the size of a real difference
         out["other_prompt_rel_diff"] = round(rel_diff(images[1], images[0]), 5)
     out["images_match"] = images_match(out, ctx["dtype"])
@@ -492,11 +580,26 @@ def sample_rows(args, base: dict, watchdog: Watchdog, t0: float) -> list[dict]:
     print(f"[sample_speed] building {args.model} ({dtype}) and diffusers' copy on {device}", flush=True)
     tb = time.perf_counter()
     ours, theirs, vae = build(args.model, device, dtype, args.tiny_vae)
-    pipe = FluxPipeline(scheduler=scheduler(), vae=vae, transformer=theirs, text_encoder=None, tokenizer=None,
-                        text_encoder_2=None, tokenizer_2=None)
+    pipe = FluxPipeline(
+        scheduler=scheduler(),
+        vae=vae,
+        transformer=theirs,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+    )
     pipe.set_progress_bar_config(disable=True)
     print(f"[sample_speed] built in {time.perf_counter() - tb:.1f} s", flush=True)
-    ctx = dict(device=device, dtype=dtype, cfg=cfg, ours=ours, vae=vae, pipe=pipe, emb=embeddings(args.images, cfg, args.t5_tokens))
+    ctx = dict(
+        device=device,
+        dtype=dtype,
+        cfg=cfg,
+        ours=ours,
+        vae=vae,
+        pipe=pipe,
+        emb=embeddings(args.images, cfg, args.t5_tokens),
+    )
     rows, last = [], None
     for name in args.rows:
         row = dict(base, row=name)
@@ -536,28 +639,63 @@ def ema_rows(args, base: dict, watchdog: Watchdog) -> list[dict]:
     rank, world, device = distributed.init_distributed()
     work = Path(tempfile.mkdtemp(prefix="sample_speed_ema_"))
     ds_path = work / "ds.json"
-    fit = ["gen-config", "--fit", "--world-size", "1", "--gpu", args.gpu, "--model", args.model,
-           "--resolution", str(args.ema_resolution), *shlex.split(args.gen_config_extra), "-o", str(ds_path)]
+    fit = [
+        "gen-config",
+        "--fit",
+        "--world-size",
+        "1",
+        "--gpu",
+        args.gpu,
+        "--model",
+        args.model,
+        "--resolution",
+        str(args.ema_resolution),
+        *shlex.split(args.gen_config_extra),
+        "-o",
+        str(ds_path),
+    ]
     cli(fit, standalone_mode=False)
     m = get_model_config(args.model)
     latent = args.ema_resolution // 8
-    run_file = {"deepspeed": str(ds_path), "model": args.model, "output_dir": str(work / "run"), "steps": 10,
-                "seed": 0, "log_every": 1, "checkpoint": {"resume": False}, "export": {"format": None}, "ema": json.loads(args.ema_section),
-                "data": f"synthetic:n=1024,hw={latent}x{latent},txt=16,ctx={m.context_in_dim},vec={m.vec_in_dim},"
-                        f"ch={m.latent_channels}"}
+    run_file = {
+        "deepspeed": str(ds_path),
+        "model": args.model,
+        "output_dir": str(work / "run"),
+        "steps": 10,
+        "seed": 0,
+        "log_every": 1,
+        "checkpoint": {"resume": False},
+        "export": {"format": None},
+        "ema": json.loads(args.ema_section),
+        "data": f"synthetic:n=1024,hw={latent}x{latent},txt=16,ctx={m.context_in_dim},vec={m.vec_in_dim},"
+        f"ch={m.latent_channels}",
+    }
     print(f"[sample_speed] EMA: building the trainer's run ({args.model}, `fluxzero {' '.join(fit[:-2])}`)", flush=True)
     tb = time.perf_counter()
     watchdog.arm(args.run_timeout_s * 3, "ema: setup")
     run = loop.setup(TrainConfig.from_dict(run_file), rank, world, device)
     watchdog.disarm()
     ema = run.ema
-    print(f"[sample_speed] EMA: built in {time.perf_counter() - tb:.1f} s: {ema.kind}, {ema.numel:,} elements, "
-          f"{ema.nbytes / GIB:.2f} GiB", flush=True)
-    row = dict(base, row="ema-update", status="ok", ds_config=json.loads(ds_path.read_text()),
-               ema_config=ema.config.to_dict(), ema_kind=ema.kind, ema_numel=ema.numel, ema_bytes=ema.nbytes,
-               ema_gib=round(ema.nbytes / GIB, 2), ema_buffers=len(ema._ema),
-               ema_device=str(ema._ema[0].device), ema_dtype=str(ema._ema[0].dtype).replace("torch.", ""),
-               master_dtype=str(next(iter(ema._masters())).dtype).replace("torch.", ""))
+    print(
+        f"[sample_speed] EMA: built in {time.perf_counter() - tb:.1f} s: {ema.kind}, {ema.numel:,} elements, "
+        f"{ema.nbytes / GIB:.2f} GiB",
+        flush=True,
+    )
+    row = dict(
+        base,
+        row="ema-update",
+        status="ok",
+        ds_config=json.loads(ds_path.read_text()),
+        ema_config=ema.config.to_dict(),
+        ema_kind=ema.kind,
+        ema_numel=ema.numel,
+        ema_bytes=ema.nbytes,
+        ema_gib=round(ema.nbytes / GIB, 2),
+        ema_buffers=len(ema._ema),
+        ema_device=str(ema._ema[0].device),
+        ema_dtype=str(ema._ema[0].dtype).replace("torch.", ""),
+        master_dtype=str(next(iter(ema._masters())).dtype).replace("torch.", ""),
+    )
     times, eager_times = [], []
     try:
         for step in range(1, args.ema_updates + 3):
@@ -571,8 +709,11 @@ def ema_rows(args, base: dict, watchdog: Watchdog) -> list[dict]:
         if device.type == "cuda":  # before: the kernels launched one by one (no CUDA graph), same call
             ema.use_graphs = False
             for step in range(step + 1, step + 1 + args.ema_updates // 2):
-                eager_times.append(timed(lambda: ema.update(step), device, watchdog, args.run_timeout_s,
-                                         f"ema-update (no graph): {step}")[0])
+                eager_times.append(
+                    timed(
+                        lambda: ema.update(step), device, watchdog, args.run_timeout_s, f"ema-update (no graph): {step}"
+                    )[0]
+                )
     except (RuntimeError, TypeError) as e:  # a failing update is the row's result
         watchdog.disarm()
         row["status"] = f"update failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -580,10 +721,14 @@ def ema_rows(args, base: dict, watchdog: Watchdog) -> list[dict]:
         row["median_update_s_no_graph"] = round(statistics.median(eager_times), 5)
     if times:
         med = statistics.median(times)
-        row.update(updates=len(times), update_s=[round(t, 5) for t in times], median_update_s=round(med, 5),
-                   step_s_given=args.step_s,
-                   share_of_step=[round(med / s, 4) for s in args.step_s],
-                   update_gb_per_s=round(ema.numel * (2 * ema._ema[0].element_size() + 2) / med / 1e9, 1))
+        row.update(
+            updates=len(times),
+            update_s=[round(t, 5) for t in times],
+            median_update_s=round(med, 5),
+            step_s_given=args.step_s,
+            share_of_step=[round(med / s, 4) for s in args.step_s],
+            update_gb_per_s=round(ema.numel * (2 * ema._ema[0].element_size() + 2) / med / 1e9, 1),
+        )
         print(f"[sample_speed] EMA update: median {med * 1e3:.1f} ms over {len(times)}", flush=True)
     if device.type == "cuda":
         row["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
@@ -618,8 +763,13 @@ def check_update(ema, step: int) -> str:
             err = float(((got - want).abs() / (want.abs() + 1e-30)).max())
             out.append((err <= 1e-6, f"buffer {i}: max relative error {err:.1e}"))
     if expected:
-        out.append((abs(moved / expected - 1) <= 0.05, f"buffers {picks}: moved {moved / expected:.3f} of the "
-                                                         f"expected ({sum(before[i].numel() for i in picks):,} values)"))
+        out.append(
+            (
+                abs(moved / expected - 1) <= 0.05,
+                f"buffers {picks}: moved {moved / expected:.3f} of the "
+                f"expected ({sum(before[i].numel() for i in picks):,} values)",
+            )
+        )
     return ("ok: " if all(ok for ok, _ in out) else "FAILED: ") + "; ".join(text for _, text in out)
 
 
@@ -627,8 +777,12 @@ def sdpa_state() -> dict:
     """torch's process-wide SDPA flags and backend priority: what diffusers' attention calls may pick (fluxzero's
     blocks choose theirs with their `attention` setting, "auto" = flash, efficient, math)."""
     b = torch.backends.cuda
-    state = {"flash": b.flash_sdp_enabled(), "efficient": b.mem_efficient_sdp_enabled(), "math": b.math_sdp_enabled(),
-             "cudnn": b.cudnn_sdp_enabled()}
+    state = {
+        "flash": b.flash_sdp_enabled(),
+        "efficient": b.mem_efficient_sdp_enabled(),
+        "math": b.math_sdp_enabled(),
+        "cudnn": b.cudnn_sdp_enabled(),
+    }
     order = getattr(torch._C, "_get_sdp_priority_order", None)
     if order is not None:
         names = {int(v): k.lower() for k, v in torch.nn.attention.SDPBackend.__members__.items()}
@@ -648,24 +802,31 @@ def table(rows: list[dict]) -> str:
         if r["status"] != "ok":
             return f"EMA update: {r['status']}"
         shares = ", ".join(f"{100 * x:.2f}% of a {s} s step" for x, s in zip(r["share_of_step"], r["step_s_given"]))
-        return (f"| EMA update | median | EMA | where | share |\n|---|---|---|---|---|\n"
-                f"| {r['ema_kind']}, every {r['ema_config']['every']} | {r['median_update_s'] * 1e3:.1f} ms | "
-                f"{r['ema_gib']} GiB {r['ema_dtype']} | {r['ema_device']} | {shares} |")
-    lines = ["| row | s / batch (median) | runs | s / step | loop s | rest s | loop TFLOP/s | peak GiB (above "
-             "models) | vs diffusers / cudnn / compiled | image diff (rel, mean levels) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+        return (
+            f"| EMA update | median | EMA | where | share |\n|---|---|---|---|---|\n"
+            f"| {r['ema_kind']}, every {r['ema_config']['every']} | {r['median_update_s'] * 1e3:.1f} ms | "
+            f"{r['ema_gib']} GiB {r['ema_dtype']} | {r['ema_device']} | {shares} |"
+        )
+    lines = [
+        "| row | s / batch (median) | runs | s / step | loop s | rest s | loop TFLOP/s | peak GiB (above "
+        "models) | vs diffusers / cudnn / compiled | image diff (rel, mean levels) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r["status"] != "ok":
             lines.append(f"| {r['row']} | {r['status']} |  |  |  |  |  |  |  |  |")
             continue
         peak = f"{r['peak_allocated_gib']} (+{r['peak_above_resident_gib']})" if "peak_allocated_gib" in r else "-"
-        speed = " / ".join(f"{r[k]:.3f}x" if k in r else "-"
-                           for k in ("speedup_vs_diffusers", "speedup_vs_diffusers_cudnn",
-                                     "speedup_vs_diffusers_compiled"))
+        speed = " / ".join(
+            f"{r[k]:.3f}x" if k in r else "-"
+            for k in ("speedup_vs_diffusers", "speedup_vs_diffusers_cudnn", "speedup_vs_diffusers_compiled")
+        )
         ok = "" if r["images_match"] else " MISMATCH"
-        lines.append(f"| {r['row']} | {r['median_s']:.3f} | {', '.join(f'{t:.2f}' for t in r['run_s'])} | "
-                     f"{r['step_s']:.4f} | {r['loop_s']:.2f} | {r['other_s']:.2f} | {r['loop_tflops']} | {peak} | "
-                     f"{speed} | {r['image_rel_diff']}, {r['image_mean_abs_levels']} vs {r['images_vs']}{ok} |")
+        lines.append(
+            f"| {r['row']} | {r['median_s']:.3f} | {', '.join(f'{t:.2f}' for t in r['run_s'])} | "
+            f"{r['step_s']:.4f} | {r['loop_s']:.2f} | {r['other_s']:.2f} | {r['loop_tflops']} | {peak} | "
+            f"{speed} | {r['image_rel_diff']}, {r['image_mean_abs_levels']} vs {r['images_vs']}{ok} |"
+        )
     return "\n".join(lines)
 
 
@@ -685,21 +846,36 @@ def parse_args(argv=None):
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
     p.add_argument("--run-timeout-s", type=float, default=120.0, help="limit for one call")
     p.add_argument("--budget-s", type=float, default=270.0, help="rows that would end past this are not run")
-    p.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
-                   help="Dynamo backend of the fluxzero compile rows (the command's: inductor; eager: CPU smoke test)")
-    p.add_argument("--profile", action="store_true",
-                   help="after each row's timed calls, profile one denoising step: time by kind, into the row and "
-                        "<--out stem>_profile.txt")
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        choices=["inductor", "aot_eager", "eager"],
+        help="Dynamo backend of the fluxzero compile rows (the command's: inductor; eager: CPU smoke test)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each row's timed calls, profile one denoising step: time by kind, into the row and "
+        "<--out stem>_profile.txt",
+    )
     runner.add_out(p, "sample_speed.jsonl", "JSON lines file (appended)")
     p.add_argument("--ema", action="store_true", help="measure the trainer's EMA update instead of sampling")
     p.add_argument("--ema-updates", type=int, default=20, help="timed EMA updates")
     p.add_argument("--ema-section", default="{}", help="the run file's ema: section as JSON ({} = the defaults)")
     p.add_argument("--ema-resolution", type=int, default=512, help="the full fine-tune's resolution for --fit")
     p.add_argument("--gpu", default="h200", help="--fit's GPU for the full fine-tune config")
-    p.add_argument("--gen-config-extra", default="", help="more gen-config options for --ema, e.g. "
-                   "'--optimizer-mode bf16-kahan' (what --fit picks for flux-dev on one H200) on a small model")
-    p.add_argument("--step-s", type=lambda s: [float(x) for x in s.split(",")], default=[3.5, 4.5],
-                   help="full fine-tune step times (s) to compare the EMA update with")
+    p.add_argument(
+        "--gen-config-extra",
+        default="",
+        help="more gen-config options for --ema, e.g. "
+        "'--optimizer-mode bf16-kahan' (what --fit picks for flux-dev on one H200) on a small model",
+    )
+    p.add_argument(
+        "--step-s",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[3.5, 4.5],
+        help="full fine-tune step times (s) to compare the EMA update with",
+    )
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
     args.model = args.model or ("flux-dev" if cuda else "flux-tiny")
@@ -716,11 +892,20 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
-    base = {"date": provenance.stamp(), "command": " ".join(["benchmarks/sample_speed.py", *(argv or sys.argv[1:])]),
-            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-            "versions": provenance.versions("torch", "diffusers", "deepspeed"), "model": args.model,
-            "dtype": args.dtype, "size": args.size, "steps": args.steps, "images": args.images,
-            "t5_tokens": args.t5_tokens, "vae": "tiny" if args.tiny_vae else "FLUX.1 shapes", "sdpa": sdpa_state()}
+    base = {
+        "date": provenance.stamp(),
+        "command": " ".join(["benchmarks/sample_speed.py", *(argv or sys.argv[1:])]),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "versions": provenance.versions("torch", "diffusers", "deepspeed"),
+        "model": args.model,
+        "dtype": args.dtype,
+        "size": args.size,
+        "steps": args.steps,
+        "images": args.images,
+        "t5_tokens": args.t5_tokens,
+        "vae": "tiny" if args.tiny_vae else "FLUX.1 shapes",
+        "sdpa": sdpa_state(),
+    }
     watchdog = Watchdog(args.out, base)
     rows = ema_rows(args, base, watchdog) if args.ema else sample_rows(args, base, watchdog, t0)
     print(f"[sample_speed] done in {time.monotonic() - t0:.0f} s; rows in {args.out}", flush=True)

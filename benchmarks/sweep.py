@@ -32,6 +32,7 @@ A row whose engine skipped steps (overflow / non-finite gradients) or whose loss
 non-finite is marked invalid: its speed is not a training speed.
 --profile adds one step under torch.profiler per case (row "profile": GPU time by kernel category).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,6 +58,7 @@ sys.path.insert(0, str(HERE))  # runner, provenance, baseline_diffusers; also wh
 
 import provenance  # noqa: E402 - needs the line above
 import runner  # noqa: E402
+
 GIB = 1024**3
 OPTIMS = ("torch-fused", "torch", "deepspeed-fused")
 IMPLS = ("fluxzero", "diffusers")
@@ -121,8 +123,11 @@ class Case:
             problems.append("z3_leaf needs zero 3")
         if min(self.gpus, self.mb, self.txt, self.steps) < 1 or min(self.ckpt, self.warmup, self.workers) < 0:
             problems.append("gpus, mb, txt, steps must be >= 1 and ckpt, warmup, workers >= 0")
-        if self.lora and self.impl == "diffusers" and (set(self.lora) - {"rank", "targets"}
-                                                       or self.lora.get("targets", "all-linear") != "all-linear"):
+        if (
+            self.lora
+            and self.impl == "diffusers"
+            and (set(self.lora) - {"rank", "targets"} or self.lora.get("targets", "all-linear") != "all-linear")
+        ):
             problems.append("lora: the baseline's PEFT adapters take a rank on all-linear targets only")
         if self.inject_oom and self.inject_oom not in PHASE_NAMES.values():
             problems.append(f"inject_oom must be one of {sorted(PHASE_NAMES.values())}, got {self.inject_oom!r}")
@@ -146,8 +151,17 @@ class Case:
     def name(self) -> str:
         short = {"fluxzero": "fz", "diffusers": "diffusers"}[self.impl]
         model = self.model.replace("flux-", "")
-        parts = [short, model, f"z{self.zero}", self.precision, f"ck{self.ckpt}", f"mb{self.mb}", f"{self.res}px",
-                 self.attn, f"{self.gpus}g"]
+        parts = [
+            short,
+            model,
+            f"z{self.zero}",
+            self.precision,
+            f"ck{self.ckpt}",
+            f"mb{self.mb}",
+            f"{self.res}px",
+            self.attn,
+            f"{self.gpus}g",
+        ]
         if self.optim != "torch-fused":
             parts.append(self.optim)
         parts += [f"{_SHORT.get(k, k)}={_num(v)}" for k, v in sorted(self.zero_opts.items())]
@@ -173,9 +187,14 @@ class Case:
         return " ".join(parts)
 
 
-_SHORT = {"stage3_prefetch_bucket_size": "prefetch", "stage3_param_persistence_threshold": "persist",
-          "reduce_bucket_size": "reduce", "allgather_bucket_size": "allgather",
-          "stage3_max_live_parameters": "live", "stage3_max_reuse_distance": "reuse"}
+_SHORT = {
+    "stage3_prefetch_bucket_size": "prefetch",
+    "stage3_param_persistence_threshold": "persist",
+    "reduce_bucket_size": "reduce",
+    "allgather_bucket_size": "allgather",
+    "stage3_max_live_parameters": "live",
+    "stage3_max_reuse_distance": "reuse",
+}
 
 
 def _num(v) -> str:
@@ -192,8 +211,13 @@ def _lite1() -> list[Case]:
     sizes = [dict(mb=1, res=512), dict(mb=4, res=512), dict(mb=8, res=512), dict(mb=2, res=1024)]
     return (
         _cases({**b, "zero": 0, "ckpt": 1}, sizes)
-        + _cases(b, [dict(impl="diffusers", zero=0, ckpt=1, mb=8, res=512),
-                     dict(impl="diffusers", zero=3, ckpt=1, mb=4, res=512)])
+        + _cases(
+            b,
+            [
+                dict(impl="diffusers", zero=0, ckpt=1, mb=8, res=512),
+                dict(impl="diffusers", zero=3, ckpt=1, mb=4, res=512),
+            ],
+        )
         + _cases({**b, "zero": 0, "ckpt": 0}, sizes)
         + _cases({**b, "zero": 3, "ckpt": 1}, sizes)
         + _cases(b, [dict(zero=0, ckpt=1, mb=8, res=512, attn="cudnn")])
@@ -202,45 +226,101 @@ def _lite1() -> list[Case]:
 
 def _dev2() -> list[Case]:
     # two H200s, flux-dev (11.9B) under ZeRO-3: ~45-75 s a case (12B init + 5 steps of 2-7 s)
-    b = dict(model="flux-dev", gpus=2, zero=3, precision="bf16", ckpt=1, attn="flash", warmup=2, steps=3,
-             timeout=150, min_s=60)
-    return _cases(b, [
-        dict(mb=16, res=512), dict(mb=8, res=1024), dict(impl="diffusers", mb=16, res=512),
-        dict(mb=4, res=512), dict(impl="diffusers", mb=4, res=512), dict(mb=4, res=1024), dict(mb=1, res=512),
-        # expected to run out of memory (12B bf16 weights + grads replicated): shows why ZeRO-3
-        dict(zero=2, mb=1, res=512, timeout=120),
-    ])
+    b = dict(
+        model="flux-dev",
+        gpus=2,
+        zero=3,
+        precision="bf16",
+        ckpt=1,
+        attn="flash",
+        warmup=2,
+        steps=3,
+        timeout=150,
+        min_s=60,
+    )
+    return _cases(
+        b,
+        [
+            dict(mb=16, res=512),
+            dict(mb=8, res=1024),
+            dict(impl="diffusers", mb=16, res=512),
+            dict(mb=4, res=512),
+            dict(impl="diffusers", mb=4, res=512),
+            dict(mb=4, res=1024),
+            dict(mb=1, res=512),
+            # expected to run out of memory (12B bf16 weights + grads replicated): shows why ZeRO-3
+            dict(zero=2, mb=1, res=512, timeout=120),
+        ],
+    )
 
 
 def _dev2_extra() -> list[Case]:
     # two H200s, flux-dev ZeRO-3 levers past dev2: larger micro batch, larger ZeRO-3 buckets / persistence
     # (what the baseline needed at 1024 px), cuDNN attention
-    b = dict(model="flux-dev", gpus=2, zero=3, precision="bf16", ckpt=1, attn="flash", warmup=2, steps=3,
-             timeout=170, min_s=60)
-    big = dict(stage3_prefetch_bucket_size=200_000_000, stage3_param_persistence_threshold=1_000_000,
-               reduce_bucket_size=200_000_000)
-    return _cases(b, [
-        dict(mb=32, res=512), dict(mb=16, res=512, zero_opts=big), dict(mb=8, res=1024, zero_opts=big),
-        dict(mb=16, res=512, attn="cudnn"),
-    ])
+    b = dict(
+        model="flux-dev",
+        gpus=2,
+        zero=3,
+        precision="bf16",
+        ckpt=1,
+        attn="flash",
+        warmup=2,
+        steps=3,
+        timeout=170,
+        min_s=60,
+    )
+    big = dict(
+        stage3_prefetch_bucket_size=200_000_000,
+        stage3_param_persistence_threshold=1_000_000,
+        reduce_bucket_size=200_000_000,
+    )
+    return _cases(
+        b,
+        [
+            dict(mb=32, res=512),
+            dict(mb=16, res=512, zero_opts=big),
+            dict(mb=8, res=1024, zero_opts=big),
+            dict(mb=16, res=512, attn="cudnn"),
+        ],
+    )
 
 
 def _scale() -> list[Case]:
     # flux-dev-lite, 1 vs 2 GPUs at the same per-GPU micro batch
-    b = dict(model="flux-dev-lite", precision="bf16", attn="flash", ckpt=1, mb=8, res=512, warmup=2, steps=5,
-             timeout=90)
+    b = dict(
+        model="flux-dev-lite", precision="bf16", attn="flash", ckpt=1, mb=8, res=512, warmup=2, steps=5, timeout=90
+    )
     return _cases(b, [dict(zero=z, gpus=g) for z in (0, 2, 3) for g in (1, 2)])
 
 
 def _levers() -> list[Case]:
     # one H200, flux-dev-lite ZeRO-0 mb 8 512 px: one lever changed per row against the first row
-    b = dict(model="flux-dev-lite", gpus=1, zero=0, precision="bf16", ckpt=1, mb=8, res=512, attn="flash",
-             warmup=2, steps=5, timeout=90)
-    return _cases(b, [
-        {}, dict(attn="cudnn"), dict(attn="auto"), dict(optim="torch"), dict(ckpt=2), dict(ckpt=3),
-        dict(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
-        dict(optim="deepspeed-fused", timeout=180),  # JIT build of FusedAdam (~62 s) the first time
-    ])
+    b = dict(
+        model="flux-dev-lite",
+        gpus=1,
+        zero=0,
+        precision="bf16",
+        ckpt=1,
+        mb=8,
+        res=512,
+        attn="flash",
+        warmup=2,
+        steps=5,
+        timeout=90,
+    )
+    return _cases(
+        b,
+        [
+            {},
+            dict(attn="cudnn"),
+            dict(attn="auto"),
+            dict(optim="torch"),
+            dict(ckpt=2),
+            dict(ckpt=3),
+            dict(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+            dict(optim="deepspeed-fused", timeout=180),  # JIT build of FusedAdam (~62 s) the first time
+        ],
+    )
 
 
 def _levers2() -> list[Case]:
@@ -248,23 +328,36 @@ def _levers2() -> list[Case]:
     # batches: losses_rank0 of the two should agree to bf16 noise). Warm-up 3: the first step compiles
     # (inductor, ~1 min on the host CPU), a recompile in step 2 would still land before the timed steps;
     # warmup_s_all holds those step times and compile_graphs / compile_graph_breaks what Dynamo made.
-    b = dict(model="flux-dev-lite", gpus=1, precision="bf16", mb=8, res=512, attn="flash", warmup=3, steps=5,
-             timeout=90)
+    b = dict(
+        model="flux-dev-lite", gpus=1, precision="bf16", mb=8, res=512, attn="flash", warmup=3, steps=5, timeout=90
+    )
     c = dict(compile=True, timeout=200, min_s=90)
-    return _cases(b, [
-        dict(zero=0, ckpt=1), dict(zero=0, ckpt=1, **c),
-        dict(zero=0, ckpt=0), dict(zero=0, ckpt=0, **c),
-        # ZeRO-3: compiled blocks are also made ZeRO-3 leaf modules (gathered whole); the middle row separates that
-        # change from the compilation
-        dict(zero=3, ckpt=1), dict(zero=3, ckpt=1, z3_leaf=True), dict(zero=3, ckpt=1, **c),
-        # the baseline eager and with block.compile() on every diffusers block, against the ZeRO-0 ck1 pair
-        dict(impl="diffusers", zero=0, ckpt=1), dict(impl="diffusers", zero=0, ckpt=1, **c),
-    ])
+    return _cases(
+        b,
+        [
+            dict(zero=0, ckpt=1),
+            dict(zero=0, ckpt=1, **c),
+            dict(zero=0, ckpt=0),
+            dict(zero=0, ckpt=0, **c),
+            # ZeRO-3: compiled blocks are also made ZeRO-3 leaf modules (gathered whole); the middle row separates that
+            # change from the compilation
+            dict(zero=3, ckpt=1),
+            dict(zero=3, ckpt=1, z3_leaf=True),
+            dict(zero=3, ckpt=1, **c),
+            # the baseline eager and with block.compile() on every diffusers block, against the ZeRO-0 ck1 pair
+            dict(impl="diffusers", zero=0, ckpt=1),
+            dict(impl="diffusers", zero=0, ckpt=1, **c),
+        ],
+    )
 
 
 def _cpu(gpus=1, **kw) -> dict:
-    return {**dict(model="flux-tiny", gpus=gpus, precision="bf16", res=64, txt=16, attn="auto", warmup=1, steps=2,
-                   timeout=120), **kw}
+    return {
+        **dict(
+            model="flux-tiny", gpus=gpus, precision="bf16", res=64, txt=16, attn="auto", warmup=1, steps=2, timeout=120
+        ),
+        **kw,
+    }
 
 
 def _cpu_test() -> list[Case]:
@@ -287,8 +380,12 @@ SETS = {
     "dev2-extra": (_dev2_extra, 520, "2 GPUs, flux-dev ZeRO-3: mb 32, larger stage-3 buckets, cuDNN attention"),
     "scale": (_scale, 240, "1 vs 2 GPUs, flux-dev-lite mb 8 @512, ZeRO-0/2/3"),
     "levers": (_levers, 330, "1 GPU, flux-dev-lite ZeRO-0 mb 8: attention, optimizer, ckpt every k, allocator"),
-    "levers2": (_levers2, 480, "1 GPU, flux-dev-lite mb 8 @512: eager vs torch.compile'd blocks, ZeRO-0 ck1/ck0, "
-                               "ZeRO-3 ck1 (and leaf blocks eager), the baseline eager vs block.compile()"),
+    "levers2": (
+        _levers2,
+        480,
+        "1 GPU, flux-dev-lite mb 8 @512: eager vs torch.compile'd blocks, ZeRO-0 ck1/ck0, "
+        "ZeRO-3 ck1 (and leaf blocks eager), the baseline eager vs block.compile()",
+    ),
     "cpu-test": (_cpu_test, 400, "--device cpu, flux-tiny: the same code path, for tests"),
 }
 
@@ -327,16 +424,29 @@ def deepspeed_config(case: Case, world: int) -> dict:
         ds = json.loads(Path(case.ds_json).read_text())
         got = (ds["train_micro_batch_size_per_gpu"], ds.get("zero_optimization", {}).get("stage", 0))
         if got != (case.mb, case.zero):
-            raise ValueError(f"{case.ds_json} has micro batch {got[0]}, ZeRO-{got[1]}; the case says {case.mb}, "
-                             f"ZeRO-{case.zero}")
+            raise ValueError(
+                f"{case.ds_json} has micro batch {got[0]}, ZeRO-{got[1]}; the case says {case.mb}, ZeRO-{case.zero}"
+            )
         return ds
     from fluxzero.config.deepspeed import build as gen
 
     adam = {"torch-fused": "torch", "torch": "torch", "deepspeed-fused": "fused"}[case.optim]
-    opts = gen.options_from(model=case.model, micro_batch=case.mb, grad_accum=1, world_size=world,
-                            zero_stage=case.zero, precision=case.precision, checkpoint_every=case.ckpt,
-                            checkpoint_impl="torch", adam_impl=adam, gradient_clipping=1.0, scheduler="none",
-                            steps_per_print=10**9, compile=case.compile, **case.zero_opts)
+    opts = gen.options_from(
+        model=case.model,
+        micro_batch=case.mb,
+        grad_accum=1,
+        world_size=world,
+        zero_stage=case.zero,
+        precision=case.precision,
+        checkpoint_every=case.ckpt,
+        checkpoint_impl="torch",
+        adam_impl=adam,
+        gradient_clipping=1.0,
+        scheduler="none",
+        steps_per_print=10**9,
+        compile=case.compile,
+        **case.zero_opts,
+    )
     ds = gen.build(opts)
     if case.z3_leaf:
         ds["zero_optimization"]["leaf_module"] = {"classes": Z3_LEAF_CLASSES}
@@ -354,10 +464,15 @@ def with_ds_json(case: Case, path: str, device: str) -> Case:
     checkpointing and compile replace the case's."""
     ds = json.loads(Path(path).read_text())
     fz, stage = ds.get("fluxzero", {}), ds.get("zero_optimization", {}).get("stage", 0)
-    return dataclasses.replace(case, ds_json=str(Path(path).resolve()), mb=ds["train_micro_batch_size_per_gpu"],
-                               zero=stage, ckpt=fz.get("activation_checkpointing", {}).get("every_k_blocks", 0),
-                               # absent: the trainer compiles the blocks on a GPU below ZeRO-3
-                               compile=fz.get("compile", {}).get("blocks", device == "cuda" and stage < 3))
+    return dataclasses.replace(
+        case,
+        ds_json=str(Path(path).resolve()),
+        mb=ds["train_micro_batch_size_per_gpu"],
+        zero=stage,
+        ckpt=fz.get("activation_checkpointing", {}).get("every_k_blocks", 0),
+        # absent: the trainer compiles the blocks on a GPU below ZeRO-3
+        compile=fz.get("compile", {}).get("blocks", device == "cuda" and stage < 3),
+    )
 
 
 def data_source(case: Case, world: int) -> str:
@@ -369,18 +484,29 @@ def data_source(case: Case, world: int) -> str:
 
     m = get_model_config(case.model)
     n = case.mb * world * case.total_steps
-    return (f"synthetic:n={n},hw={case.latent}x{case.latent},txt={case.txt},ctx={m.context_in_dim},"
-            f"vec={m.vec_in_dim},ch={m.latent_channels}" + (",ref=1" if m.kontext else ""))  # Kontext: pairs
+    return (
+        f"synthetic:n={n},hw={case.latent}x{case.latent},txt={case.txt},ctx={m.context_in_dim},"
+        f"vec={m.vec_in_dim},ch={m.latent_channels}" + (",ref=1" if m.kontext else "")
+    )  # Kontext: pairs
 
 
 def run_file(case: Case, world: int, ds_path: str, output_dir: str) -> dict:
     """The run-file keys (TrainConfig) of the case: what `launch/train.py --config` would get for it.
     Batch sizes, precision, ZeRO, checkpointing and compile are the DeepSpeed JSON's."""
-    return {"deepspeed": str(ds_path), "data": data_source(case, world), "output_dir": str(output_dir),
-            "model": case.model, "steps": case.total_steps, "seed": 0, "attention": case.attn,
-            "num_workers": case.workers, "log_every": 1, "checkpoint": {"resume": False},
-            **({"lora": case.lora} if case.lora else {}),
-            "export": {"format": None}}
+    return {
+        "deepspeed": str(ds_path),
+        "data": data_source(case, world),
+        "output_dir": str(output_dir),
+        "model": case.model,
+        "steps": case.total_steps,
+        "seed": 0,
+        "attention": case.attn,
+        "num_workers": case.workers,
+        "log_every": 1,
+        "checkpoint": {"resume": False},
+        **({"lora": case.lora} if case.lora else {}),
+        "export": {"format": None},
+    }
 
 
 class _Clock:
@@ -415,13 +541,22 @@ class _Clock:
     def spans(self) -> dict:
         """data: next(loader) + prepare_batch (noise, packing, host-to-device copy); fwd: forward + loss;
         bwd: backward, the loss reduction over ranks (one host sync) and the finite check; opt: engine.step."""
-        return dict(data=self.span("data", "forward"), fwd=self.span("forward", "backward"),
-                    bwd=self.span("backward", "update"), opt=self.span("update", "end"))
+        return dict(
+            data=self.span("data", "forward"),
+            fwd=self.span("forward", "backward"),
+            bwd=self.span("backward", "update"),
+            opt=self.span("update", "end"),
+        )
 
 
 # on_phase names -> the names rows and timeouts use ("OOM at backward", "timeout ... at optimizer step")
-PHASE_NAMES = {"data": "data", "forward": "forward", "backward": "backward", "update": "optimizer step",
-               "end": "step end"}
+PHASE_NAMES = {
+    "data": "data",
+    "forward": "forward",
+    "backward": "backward",
+    "update": "optimizer step",
+    "end": "step end",
+}
 
 
 def _with_nan(source, at: int):
@@ -451,10 +586,10 @@ def _fluxzero_runner(case: Case, cfg, rank: int, world: int, device, hook):
 def baseline_runner(case: Case, cfg, rank: int, world: int, device, hook):
     """The baseline keeps a step of its own (diffusers + DeepSpeed as users write it), fed by the trainer's
     loader and flow.prepare_batch, with the same phase marks."""
+    import baseline_diffusers
     import torch
     from torch.nn.attention import sdpa_kernel
 
-    import baseline_diffusers
     from fluxzero.config import get_model_config
     from fluxzero.config.deepspeed.file import load_for_training
     from fluxzero.data import build_dataloader
@@ -464,11 +599,19 @@ def baseline_runner(case: Case, cfg, rank: int, world: int, device, hook):
 
     model_cfg = get_model_config(cfg.model)
     ds, v = load_for_training(cfg.deepspeed, world)
-    loader = build_dataloader(cfg.data, micro_batch=v.micro_batch, rank=rank, world_size=world, seed=cfg.seed,
-                              num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
-                              multiprocessing_context="spawn" if cfg.num_workers else None)
-    engine = baseline_diffusers.build_engine(model_cfg, ds, v.checkpoint_every, device, seed=cfg.seed,
-                                             compile=v.compile, lora_rank=case.lora.get("rank", 0))
+    loader = build_dataloader(
+        cfg.data,
+        micro_batch=v.micro_batch,
+        rank=rank,
+        world_size=world,
+        seed=cfg.seed,
+        num_workers=cfg.num_workers,
+        pin_memory=device.type == "cuda",
+        multiprocessing_context="spawn" if cfg.num_workers else None,
+    )
+    engine = baseline_diffusers.build_engine(
+        model_cfg, ds, v.checkpoint_every, device, seed=cfg.seed, compile=v.compile, lora_rank=case.lora.get("rank", 0)
+    )
     dtype = getattr(torch, v.dtype_name)
     source = batches(loader)
     if case.inject_nan:
@@ -479,8 +622,9 @@ def baseline_runner(case: Case, cfg, rank: int, world: int, device, hook):
         lr = engine.get_lr()[0]
         hook("data")
         epoch, batch = next(source)
-        inputs, target = flow.prepare_batch(batch, cfg.flow, cfg.seed, epoch, guidance_embed=model_cfg.guidance_embed,
-                                            device=device, dtype=dtype)
+        inputs, target = flow.prepare_batch(
+            batch, cfg.flow, cfg.seed, epoch, guidance_embed=model_cfg.guidance_embed, device=device, dtype=dtype
+        )
         hook("forward")
         with sdpa_kernel(allowed):
             loss = flow.loss(baseline_diffusers.forward(engine, inputs), target)
@@ -490,9 +634,14 @@ def baseline_runner(case: Case, cfg, rank: int, world: int, device, hook):
         engine.step()
         hook("end")
         norm = engine.get_global_grad_norm()
-        return StepResult(loss=float(loss.detach()), lr=lr, grad_norm=None if norm is None else float(norm),
-                          skipped_steps=int(engine.skipped_steps), img_tokens=inputs["img"].shape[1],
-                          txt_tokens=inputs["txt"].shape[1])
+        return StepResult(
+            loss=float(loss.detach()),
+            lr=lr,
+            grad_norm=None if norm is None else float(norm),
+            skipped_steps=int(engine.skipped_steps),
+            img_tokens=inputs["img"].shape[1],
+            txt_tokens=inputs["txt"].shape[1],
+        )
 
     return engine, step
 
@@ -541,8 +690,15 @@ def run_case(case: Case, phase: _Phase) -> dict:
         r = train_step()
         clock.sync()
         wall = time.perf_counter() - w0
-        return dict(wall=wall, **clock.spans(), loss=r.loss, norm=r.grad_norm, timed=timed,
-                    img_tokens=r.img_tokens, txt_tokens=r.txt_tokens)
+        return dict(
+            wall=wall,
+            **clock.spans(),
+            loss=r.loss,
+            norm=r.grad_norm,
+            timed=timed,
+            img_tokens=r.img_tokens,
+            txt_tokens=r.txt_tokens,
+        )
 
     rows = []
     for i in range(case.warmup + case.steps):
@@ -578,8 +734,7 @@ def run_case(case: Case, phase: _Phase) -> dict:
     if case.compile:
         from torch._dynamo.utils import counters
 
-        compiled = {"graphs": counters["stats"]["unique_graphs"],
-                    "graph_breaks": sum(counters["graph_break"].values())}
+        compiled = {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
     mine = {
         "rank": rank,
         "peak_alloc_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
@@ -607,35 +762,54 @@ def run_case(case: Case, phase: _Phase) -> dict:
     peak = float(os.environ.get("FLUXZERO_BENCH_PEAK_TFLOPS", "0")) or None
     tflops = 3 * flops * case.mb / step_s / 1e12
     return {
-        "rank": 0, "ok": True,
-        "status": "ok" if finite and not skipped_all else ("skipped steps" if skipped_all else "non-finite loss or grad norm"),
+        "rank": 0,
+        "ok": True,
+        "status": "ok"
+        if finite and not skipped_all
+        else ("skipped steps" if skipped_all else "non-finite loss or grad norm"),
         "valid": bool(finite and not skipped_all),
-        "step_s": step_s, "step_s_all": [r["wall"] for r in timed],
-        "data_s": med["data"], "fwd_s": med["fwd"], "bwd_s": med["bwd"], "opt_s": med["opt"],
+        "step_s": step_s,
+        "step_s_all": [r["wall"] for r in timed],
+        "data_s": med["data"],
+        "fwd_s": med["fwd"],
+        "bwd_s": med["bwd"],
+        "opt_s": med["opt"],
         "samples_per_s": case.mb * world / step_s,
-        "img_tokens": img_tokens, "txt_tokens": txt_tokens,
+        "img_tokens": img_tokens,
+        "txt_tokens": txt_tokens,
         "img_tokens_per_s": case.mb * world * img_tokens / step_s,
-        "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None, "peak_tflops": peak,
+        "tflops_per_gpu": tflops,
+        "mfu": tflops / peak if peak else None,
+        "peak_tflops": peak,
         "flops_per_sample_fwd": flops,
-        "skipped_steps": skipped_all, "losses_rank0": everyone[0]["losses"],
+        "skipped_steps": skipped_all,
+        "losses_rank0": everyone[0]["losses"],
         "grad_norms_rank0": everyone[0]["grad_norms"],
         "peak_alloc_gib": [m["peak_alloc_gib"] for m in everyone],
         "peak_reserved_gib": [m["peak_reserved_gib"] for m in everyone],
         "alloc_after_init_gib": [m["alloc_after_init_gib"] for m in everyone],
-        "init_s": init_s, "case_s": time.perf_counter() - t_start,
-        "engine_api": engine_api, "ds_config_source": DS_CONFIG_SOURCE, "ds_config": json.loads(ds_path.read_text()),
-        "run_file": {k: v for k, v in cfg.to_dict().items() if k != "flow"}, "data_source": cfg.data,
-        "optimizer": optimizer, "profile": profile,
+        "init_s": init_s,
+        "case_s": time.perf_counter() - t_start,
+        "engine_api": engine_api,
+        "ds_config_source": DS_CONFIG_SOURCE,
+        "ds_config": json.loads(ds_path.read_text()),
+        "run_file": {k: v for k, v in cfg.to_dict().items() if k != "flow"},
+        "data_source": cfg.data,
+        "optimizer": optimizer,
+        "profile": profile,
         "warmup_s_all": [r["wall"] for r in rows if not r["timed"]],
-        "compile_graphs": compiled and compiled["graphs"], "compile_graph_breaks": compiled and compiled["graph_breaks"],
+        "compile_graphs": compiled and compiled["graphs"],
+        "compile_graph_breaks": compiled and compiled["graph_breaks"],
         "versions": _versions(case, device),
     }
 
 
 # kernel name fragments -> category (first match wins; matched lower-case)
 _KERNEL_CATEGORIES = (
-    ("nccl all-gather", ("allgather", "all_gather")), ("nccl reduce-scatter", ("reducescatter", "reduce_scatter")),
-    ("nccl all-reduce", ("allreduce", "all_reduce")), ("nccl other", ("nccl",)),
+    ("nccl all-gather", ("allgather", "all_gather")),
+    ("nccl reduce-scatter", ("reducescatter", "reduce_scatter")),
+    ("nccl all-reduce", ("allreduce", "all_reduce")),
+    ("nccl other", ("nccl",)),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm100_")),
     ("optimizer / foreach", ("adam", "multi_tensor")),
@@ -674,9 +848,16 @@ def _profile_summary(prof, wall: float) -> dict:
             compute.append((start, end))
     busy, compute_busy = _union(spans), _union(compute)
     top = sorted(kernels.items(), key=lambda kv: kv[1], reverse=True)[:12]
-    return {"wall_s": wall, "gpu_busy_s": busy, "compute_busy_s": compute_busy, "gpu_idle_s": max(0.0, wall - busy),
-            "exposed_comm_s": busy - compute_busy, "kernel_s": cats, "kernels": len(events),
-            "top": [[k[:90], v] for k, v in top]}
+    return {
+        "wall_s": wall,
+        "gpu_busy_s": busy,
+        "compute_busy_s": compute_busy,
+        "gpu_idle_s": max(0.0, wall - busy),
+        "exposed_comm_s": busy - compute_busy,
+        "kernel_s": cats,
+        "kernels": len(events),
+        "top": [[k[:90], v] for k, v in top],
+    }
 
 
 def _describe_optimizer(engine) -> str:
@@ -685,15 +866,21 @@ def _describe_optimizer(engine) -> str:
     inner = getattr(outer, "optimizer", outer)
     defaults = getattr(inner, "defaults", {}) or {}
     flags = ", ".join(f"{k}={defaults[k]}" for k in ("fused", "foreach") if k in defaults)
-    return f"{type(outer).__name__} > {type(inner).__module__}.{type(inner).__name__}" + (f" ({flags})" if flags else "")
+    return f"{type(outer).__name__} > {type(inner).__module__}.{type(inner).__name__}" + (
+        f" ({flags})" if flags else ""
+    )
 
 
 def _versions(case: Case, device) -> dict:
     import deepspeed
     import torch
 
-    v = {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "cuda": torch.version.cuda,
-         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    v = {
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
     if case.impl == "diffusers":
         import diffusers
 
@@ -762,9 +949,17 @@ def peak_main(device: str) -> int:
             dt = time.perf_counter() - t0
         if i >= 5:
             times.append(dt)
-    print(json.dumps({"peak_tflops": 2 * n**3 / statistics.median(times) / 1e12, "n": n, "reps": reps,
-                      "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-                      "gpus": torch.cuda.device_count() if device == "cuda" else 0}))
+    print(
+        json.dumps(
+            {
+                "peak_tflops": 2 * n**3 / statistics.median(times) / 1e12,
+                "n": n,
+                "reps": reps,
+                "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                "gpus": torch.cuda.device_count() if device == "cuda" else 0,
+            }
+        )
+    )
     return 0
 
 
@@ -779,8 +974,18 @@ def run_one(case: Case, device: str, timeout: float, log_path: Path, env: dict, 
     except ValueError as e:  # gen-config refuses the options (DSConfigError): a row, not a crash of the sweep
         shutil.rmtree(rowdir, ignore_errors=True)
         return {"status": f"DeepSpeed config refused: {e}"[:400], "valid": False, "wall_s": 0.0}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}",
-           str(Path(__file__).resolve()), "--worker", json.dumps(dataclasses.asdict(case)), "--rowdir", str(rowdir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={case.gpus}",
+        str(Path(__file__).resolve()),
+        "--worker",
+        json.dumps(dataclasses.asdict(case)),
+        "--rowdir",
+        str(rowdir),
+    ]
     t0 = time.time()
     outcome = "exit"
     with open(log_path, "w") as log:
@@ -851,22 +1056,38 @@ def summary(i: int, n: int, case: Case, row: dict) -> str:
     mfu = f"MFU {100 * row['mfu']:.1f}%" if row.get("mfu") else f"{row['tflops_per_gpu']:.1f} TFLOP/s"
     mem = max(x or 0 for x in row["peak_alloc_gib"])
     res = max(x or 0 for x in row["peak_reserved_gib"])
-    return (f"{head} {row['samples_per_s']:.2f} samples/s, {mfu}, step {row['step_s']:.3f} s "
-            f"(data {row['data_s']:.3f} fwd {row['fwd_s']:.3f} bwd {row['bwd_s']:.3f} opt {row['opt_s']:.3f}), "
-            f"peak {mem:.1f}/{res:.1f} GiB alloc/reserved [{row['wall_s']:.0f} s]")
+    return (
+        f"{head} {row['samples_per_s']:.2f} samples/s, {mfu}, step {row['step_s']:.3f} s "
+        f"(data {row['data_s']:.3f} fwd {row['fwd_s']:.3f} bwd {row['bwd_s']:.3f} opt {row['opt_s']:.3f}), "
+        f"peak {mem:.1f}/{res:.1f} GiB alloc/reserved [{row['wall_s']:.0f} s]"
+    )
 
 
 def _measure_peak(device: str, env: dict) -> dict:
     try:
-        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--peak", "--device", device],
-                           capture_output=True, text=True, timeout=120, env=env, cwd=str(ROOT))
+        p = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--peak", "--device", device],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=str(ROOT),
+        )
         return json.loads(p.stdout.strip().splitlines()[-1])
     except Exception as e:  # noqa: BLE001 - a missing peak only leaves MFU empty
         return {"peak_tflops": None, "error": f"{type(e).__name__}: {e}"[:300]}
 
 
-def sweep(name: str, cases: list[Case], out_dir: Path, device: str, budget: float, grace: float,
-          peak_tflops: float | None = None, parallel: int = 1) -> list[dict]:
+def sweep(
+    name: str,
+    cases: list[Case],
+    out_dir: Path,
+    device: str,
+    budget: float,
+    grace: float,
+    peak_tflops: float | None = None,
+    parallel: int = 1,
+) -> list[dict]:
     """Run `cases` one after another (or `parallel` 1-GPU cases side by side, one GPU each)."""
     if parallel > 1 and any(c.gpus > 1 for c in cases):
         raise ValueError("--parallel runs 1-GPU cases side by side; this selection has multi-GPU cases")
@@ -910,9 +1131,19 @@ def sweep(name: str, cases: list[Case], out_dir: Path, device: str, budget: floa
             else:
                 log = logs / f"{i:02d}-{case.name.replace(' ', '_').replace('/', '-')}.log"
                 row = run_one(case, device, min(case.timeout, left), log, {**env, **lane_env}, grace)
-            row = {"set": name, "index": i, "name": case.name, **dataclasses.asdict(case),
-                   "img_tokens": case.img_tokens, "device_kind": device, "date": stamp, "peak": peak,
-                   "parallel": len(lanes), "lane_env": lane_env, **row}
+            row = {
+                "set": name,
+                "index": i,
+                "name": case.name,
+                **dataclasses.asdict(case),
+                "img_tokens": case.img_tokens,
+                "device_kind": device,
+                "date": stamp,
+                "peak": peak,
+                "parallel": len(lanes),
+                "lane_env": lane_env,
+                **row,
+            }
             row["versions"] = {**row.get("versions", {}), **code}
             with lock:
                 if log is not None:
@@ -922,7 +1153,9 @@ def sweep(name: str, cases: list[Case], out_dir: Path, device: str, budget: floa
                 rows.append(row)
 
     if device == "cuda" and parallel > 1 and peak.get("gpus") and peak["gpus"] < parallel:
-        print(f"--parallel {parallel}: only {peak['gpus']} GPU(s) visible, running {peak['gpus']} at a time", flush=True)
+        print(
+            f"--parallel {parallel}: only {peak['gpus']} GPU(s) visible, running {peak['gpus']} at a time", flush=True
+        )
         parallel = peak["gpus"]
     lanes = _lanes(parallel, device, env)
     threads = [threading.Thread(target=lane, args=(e,)) for e in lanes]
@@ -953,8 +1186,9 @@ def _csv(kind):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--set", choices=sorted(SETS), help="a named sweep (see --list)")
     p.add_argument("--list", action="store_true", help="print the named sets and their cases, then exit")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -963,19 +1197,36 @@ def parse_args(argv):
     p.add_argument("--budget", type=float, help="seconds for the whole sweep; later cases are recorded as not run")
     p.add_argument("--grace", type=float, default=15.0, help="seconds the other ranks get after one rank failed")
     p.add_argument("--peak-tflops", type=float, help="skip the matmul measurement and use this peak")
-    p.add_argument("--parallel", type=int, default=1,
-                   help="run this many 1-GPU cases side by side, one GPU each (e.g. 2 on a 2-GPU machine)")
-    p.add_argument("--profile", action="store_true",
-                   help="add one torch.profiler step to every case (row 'profile': kernel time by category)")
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="run this many 1-GPU cases side by side, one GPU each (e.g. 2 on a 2-GPU machine)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="add one torch.profiler step to every case (row 'profile': kernel time by category)",
+    )
     p.add_argument("--only", help="run only cases whose name contains each of these comma-separated words")
-    p.add_argument("--data", help="train every selected case on this shard folder (made by `fluxzero cache`) "
-                                  "or synthetic spec, through the trainer's loader (default: synthetic latents "
-                                  "of each case's res and txt)")
+    p.add_argument(
+        "--data",
+        help="train every selected case on this shard folder (made by `fluxzero cache`) "
+        "or synthetic spec, through the trainer's loader (default: synthetic latents "
+        "of each case's res and txt)",
+    )
     p.add_argument("--workers", type=int, default=0, help="loader worker processes (run-file num_workers)")
-    p.add_argument("--lora-rank", type=int, default=0, help="train a LoRA of this rank (targets all-linear) instead "
-                                                            "of the whole model (fluxzero rows)")
-    p.add_argument("--ds-json", help="time the DeepSpeed JSON gen-config (or --fit) wrote, as it is: its micro "
-                                     "batch, stage, checkpointing and compile replace --mb/--zero/--ckpt/--compile")
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train a LoRA of this rank (targets all-linear) instead of the whole model (fluxzero rows)",
+    )
+    p.add_argument(
+        "--ds-json",
+        help="time the DeepSpeed JSON gen-config (or --fit) wrote, as it is: its micro "
+        "batch, stage, checkpointing and compile replace --mb/--zero/--ckpt/--compile",
+    )
     g = p.add_argument_group("a custom sweep: the cartesian product of these comma-separated lists")
     g.add_argument("--impl", type=_csv(str), default=["fluxzero"])
     g.add_argument("--model", type=_csv(str), default=["flux-dev-lite"])
@@ -1000,7 +1251,7 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> int:  # noqa: C901
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.worker:
         return worker_main(args.worker, args.rowdir)
@@ -1018,11 +1269,38 @@ def main(argv=None) -> int:
         cases, name = fn(), args.name or args.set
     else:
         budget, name = 1e9, args.name or "custom"
-        cases = [Case(impl=i, model=m, gpus=g, zero=z, precision=p, ckpt=k, mb=b, res=r, txt=args.txt, attn=a,
-                      optim=o, compile=bool(c), warmup=args.warmup, steps=args.steps, timeout=args.timeout)
-                 for i, m, g, z, p, k, b, r, a, o, c in itertools.product(
-                     args.impl, args.model, args.gpus, args.zero, args.precision, args.ckpt, args.mb, args.res,
-                     args.attn, args.optim, args.compile)]
+        cases = [
+            Case(
+                impl=i,
+                model=m,
+                gpus=g,
+                zero=z,
+                precision=p,
+                ckpt=k,
+                mb=b,
+                res=r,
+                txt=args.txt,
+                attn=a,
+                optim=o,
+                compile=bool(c),
+                warmup=args.warmup,
+                steps=args.steps,
+                timeout=args.timeout,
+            )
+            for i, m, g, z, p, k, b, r, a, o, c in itertools.product(
+                args.impl,
+                args.model,
+                args.gpus,
+                args.zero,
+                args.precision,
+                args.ckpt,
+                args.mb,
+                args.res,
+                args.attn,
+                args.optim,
+                args.compile,
+            )
+        ]
     if args.only:
         words = args.only.split(",")
         cases = [c for c in cases if all(w in c.name for w in words)]
@@ -1030,11 +1308,16 @@ def main(argv=None) -> int:
         cases = [dataclasses.replace(c, profile=True, timeout=c.timeout + 60) for c in cases]
     if args.data:
         if not args.data.startswith("synthetic:") and not (Path(args.data) / "manifest.json").is_file():
-            print(f"--data {args.data}: no manifest.json there; pass a folder made by `fluxzero cache`",
-                  file=sys.stderr)
+            print(
+                f"--data {args.data}: no manifest.json there; pass a folder made by `fluxzero cache`", file=sys.stderr
+            )
             return 2
-        cases = [dataclasses.replace(c, data=str(Path(args.data).resolve()) if not args.data.startswith(
-            "synthetic:") else args.data) for c in cases]
+        cases = [
+            dataclasses.replace(
+                c, data=str(Path(args.data).resolve()) if not args.data.startswith("synthetic:") else args.data
+            )
+            for c in cases
+        ]
     if args.workers:
         cases = [dataclasses.replace(c, workers=args.workers) for c in cases]
     if args.lora_rank:
@@ -1047,8 +1330,7 @@ def main(argv=None) -> int:
     if args.parallel > 1 and any(c.gpus > 1 for c in cases):
         print(f"--parallel runs 1-GPU cases side by side; {name} has multi-GPU cases: drop --parallel", file=sys.stderr)
         return 2
-    sweep(name, cases, Path(args.out), args.device, args.budget or budget, args.grace, args.peak_tflops,
-          args.parallel)
+    sweep(name, cases, Path(args.out), args.device, args.budget or budget, args.grace, args.peak_tflops, args.parallel)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 Commands are loaded lazily by name, so `fluxzero gen-config` imports only what gen-config needs.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -3,6 +3,7 @@ attribute names (float32, bfloat16, float16) and safetensors' header codes (F32,
 
 Pure standard library: the config modules read the names without torch; `torch_dtype` imports torch when called.
 """
+
 from __future__ import annotations
 
 TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -3,6 +3,7 @@ folders (a diffusers export): readers see the old one or the new one, never part
 
 Pure standard library: the config generator imports it without torch.
 """
+
 from __future__ import annotations
 
 import contextlib

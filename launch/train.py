@@ -1,7 +1,8 @@
 """Thin entry for the `deepspeed` launcher, torchrun or plain python; see fluxzero/train/loop.py.
 
-    torchrun --nproc_per_node 2 launch/train.py --config launch/tiny.yaml
+torchrun --nproc_per_node 2 launch/train.py --config launch/tiny.yaml
 """
+
 import os
 import sys
 from pathlib import Path

@@ -6,6 +6,7 @@ A JIT build costs 55-110 s of CPU (the shared-memory comm op at every DeepSpeed 
 tests/helpers.py's ONE_RANK and fluxzero.train.engine.join_deepspeed_comm skip the first, tests/helpers.tiny_ds sets
 "torch_adam". A test (or a child process: they inherit the variable) that builds one anyway fails the run here.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,7 +51,9 @@ def pytest_sessionfinish(session, exitstatus):
         writer.line(
             f"error: DeepSpeed JIT-built {', '.join(ops)} during the tests (55-110 s of CPU each); skip the shm op "
             f"as tests/helpers.py's ONE_RANK does and set \"torch_adam\": true in the test's optimizer params",
-            red=True, bold=True)
+            red=True,
+            bold=True,
+        )
         session.exitstatus = 1
 
 

@@ -3,6 +3,7 @@
 Imported as `from tests.helpers import ...` (tests/ and its sub-folders are packages, so a test file anywhere
 under tests/ finds it). No torch import at module level: pure tests import this too.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN_PY = ROOT / "launch" / "train.py"
 
 
-def tiny_ds(stage: int = 2, *, clipping: float = 1.0, lr: float = 1e-3, weight_decay: float | None = None,
-            **top_level) -> dict:
+def tiny_ds(
+    stage: int = 2, *, clipping: float = 1.0, lr: float = 1e-3, weight_decay: float | None = None, **top_level
+) -> dict:
     """The DeepSpeed dict of a flux-tiny run on CPU: micro batch 2, no accumulation, ZeRO `stage`.
 
     torch's AdamW ("torch_adam": no ~95 s FusedAdam JIT build on CPU) and gradient_clipping set explicitly
@@ -26,9 +28,14 @@ def tiny_ds(stage: int = 2, *, clipping: float = 1.0, lr: float = 1e-3, weight_d
     params = {"lr": lr, "torch_adam": True}
     if weight_decay is not None:
         params["weight_decay"] = weight_decay
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": clipping,
-          "optimizer": {"type": "AdamW", "params": params}, "zero_optimization": {"stage": stage},
-          "steps_per_print": 10**9}
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": clipping,
+        "optimizer": {"type": "AdamW", "params": params},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
     ds.update(top_level)
     return ds
 
@@ -42,8 +49,14 @@ def free_port() -> int:
 
 def rank_vars(rank: int, world: int, port: int | str) -> dict[str, str]:
     """The variables one rank started without a launcher needs (with none, DeepSpeed tries MPI discovery)."""
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 def rank_env(rank: int = 0, world: int = 1, port: int | None = None) -> dict[str, str]:
@@ -61,15 +74,20 @@ def train_cmd(run_file, *overrides) -> list[str]:
 
 def train(run_file, *overrides, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """launch/train.py on `run_file` with `key=value` overrides, in one process; returns it finished."""
-    return subprocess.run(train_cmd(run_file, *overrides), capture_output=True, text=True, env=env or rank_env(),
-                          timeout=timeout)
+    return subprocess.run(
+        train_cmd(run_file, *overrides), capture_output=True, text=True, env=env or rank_env(), timeout=timeout
+    )
 
 
 def popen_ranks(cmd: list[str], world: int = 2, **popen) -> list[subprocess.Popen]:
     """`world` processes of `cmd` on one free port, each with its rank's rank_env (no launcher), output piped."""
     port = free_port()
-    return [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=rank_env(r, world, port), **popen) for r in range(world)]
+    return [
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=rank_env(r, world, port), **popen
+        )
+        for r in range(world)
+    ]
 
 
 def start_ranks(run_file, *overrides, world: int = 2) -> list[subprocess.Popen]:
@@ -108,8 +126,13 @@ def train_all_ok(*runs, timeout: float = 600) -> None:
     a new process in real use, so it gets one here too (train_ok)."""
     script = TRAINER_CHILD + "codes = [main(argv) for argv in json.loads(sys.argv[1])]\nsys.exit(max(codes))\n"
     argv = [["--config", str(run_file), *overrides] for run_file, *overrides in runs]
-    r = subprocess.run([sys.executable, "-c", script, json.dumps(argv)], capture_output=True, text=True,
-                       env=rank_env(), timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(argv)],
+        capture_output=True,
+        text=True,
+        env=rank_env(),
+        timeout=timeout,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
 
 

@@ -3,6 +3,7 @@
 The pure commands (gen-config, check-config --no-deepspeed, estimate, gen-config --fit) and pure modules
 (hostfile, ds_config, memory) must work there: that is what keeps them instant.
 """
+
 import os
 import subprocess
 import sys
@@ -24,5 +25,11 @@ BLOCKER = textwrap.dedent("""
 
 def run_without_torch(code: str, *args: str) -> subprocess.CompletedProcess:
     """`python -c BLOCKER + code args...` from the repository root; returns the finished process."""
-    return subprocess.run([sys.executable, "-c", BLOCKER + textwrap.dedent(code), *args], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-c", BLOCKER + textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )

@@ -6,6 +6,7 @@ usage errors), no "Traceback", and no file of the inputs changed, added or remov
 before and after each case). `fluxzero check-config` is the one exception to "one line": listing every finding
 is its job, so its bar is one line per finding, each naming the file.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,9 +29,14 @@ DATA = "synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32"
 DEEP_JSON = "[" * 5000 + "]" * 5000
 DEEP_YAML = "steps: " + "[" * 5000 + "]" * 5000 + "\n"
 # 600 bytes that expand to 9^6 strings when a value is printed or copied
-ALIAS_BOMB = "steps: [" + ", ".join(
-    [f'&a0 ["{"lol"}"' + ', "lol"' * 8 + "]"]
-    + [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 7)]) + "]\n"
+ALIAS_BOMB = (
+    "steps: ["
+    + ", ".join(
+        [f'&a0 ["{"lol"}"' + ', "lol"' * 8 + "]"]
+        + [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 7)]
+    )
+    + "]\n"
+)
 TAB_YAML = "steps: 2\ndata: x\n\tdeepspeed: y\n"
 
 
@@ -49,9 +55,14 @@ def tree_hash(*paths) -> str:
 
 
 def _ds(**kw):
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-          "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 10**9,
+    }
     ds.update(kw)
     return ds
 
@@ -83,8 +94,10 @@ def inputs(tmp_path_factory) -> Path:
     del no_clip["gradient_clipping"]
     w("ds_noclip.json", json.dumps(no_clip))
     w("ds_fp16_bf16.json", json.dumps(_ds(fp16={"enabled": True}, bf16={"enabled": True})))
-    w("ds_dup.json", json.dumps(_ds()).replace('"gradient_clipping": 1.0',
-                                               '"gradient_clipping": 1.0, "gradient_clipping": 0.0'))
+    w(
+        "ds_dup.json",
+        json.dumps(_ds()).replace('"gradient_clipping": 1.0', '"gradient_clipping": 1.0, "gradient_clipping": 0.0'),
+    )
     w("ds_nan.json", json.dumps(_ds()).replace('"gradient_clipping": 1.0', '"gradient_clipping": NaN'))
     w("ds_stage9.json", json.dumps(_ds(zero_optimization={"stage": 9})))
     w("ds3.json", json.dumps(_ds(zero_optimization={"stage": 3})))
@@ -132,35 +145,61 @@ def inputs(tmp_path_factory) -> Path:
     # weights
     save_weights(build_model("flux-tiny-schnell").state_dict(), d / "schnell.safetensors")
     save_weights(build_model("flux-tiny").state_dict(), d / "tiny.safetensors")
-    save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(4, 64),
-               "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(192, 4),
-               "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(4.0)}, str(d / "lora.safetensors"))
-    lora = {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(4, 64),
-            "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(192, 4)}
-    save_file({**lora, "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(4.0)},
-              str(d / "lora_rank_text.safetensors"), {"fluxzero.rank": "four", "fluxzero.alpha": "4.0"})
-    save_file({**lora, "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor([4.0, 4.0])},
-              str(d / "lora_alpha2.safetensors"))
-    save_file({**lora, "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.full((192, 4), float("nan")),
-               "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(4.0)}, str(d / "lora_nan.safetensors"))
+    save_file(
+        {
+            "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(4, 64),
+            "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(192, 4),
+            "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(4.0),
+        },
+        str(d / "lora.safetensors"),
+    )
+    lora = {
+        "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(4, 64),
+        "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(192, 4),
+    }
+    save_file(
+        {**lora, "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(4.0)},
+        str(d / "lora_rank_text.safetensors"),
+        {"fluxzero.rank": "four", "fluxzero.alpha": "4.0"},
+    )
+    save_file(
+        {**lora, "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor([4.0, 4.0])},
+        str(d / "lora_alpha2.safetensors"),
+    )
+    save_file(
+        {
+            **lora,
+            "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.full((192, 4), float("nan")),
+            "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(4.0),
+        },
+        str(d / "lora_nan.safetensors"),
+    )
     (d / "a_file").write_text("")
     w("ds_micro0.json", json.dumps(_ds(train_micro_batch_size_per_gpu=0)))
     w("ds_bogus_optimizer.json", json.dumps(_ds(optimizer={"type": "Bogus", "params": {"lr": 1e-3}})))
     w("ds_stage_text.json", json.dumps(_ds(zero_optimization={"stage": "2"})))
     w("ds_bogus_scheduler.json", json.dumps(_ds(scheduler={"type": "Bogus", "params": {}})))
     w("ds_ckpt_negative.json", json.dumps(_ds(fluxzero={"activation_checkpointing": {"every_k_blocks": -1}})))
-    w("ds_fluxzero_unknown.json", json.dumps(_ds(fluxzero={"activation_checkpointing": {"every_k_blocks": 1},
-                                                           "complie": True})))
+    w(
+        "ds_fluxzero_unknown.json",
+        json.dumps(_ds(fluxzero={"activation_checkpointing": {"every_k_blocks": 1}, "complie": True})),
+    )
     w("ds_nvme_no_path.json", json.dumps(_ds(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}})))
-    w("ds_lr_nan.json", json.dumps(_ds(optimizer={"type": "AdamW", "params": {"lr": float("nan"),
-                                                                               "torch_adam": True}})))
+    w(
+        "ds_lr_nan.json",
+        json.dumps(_ds(optimizer={"type": "AdamW", "params": {"lr": float("nan"), "torch_adam": True}})),
+    )
     w("ds_accum0.json", json.dumps(_ds(gradient_accumulation_steps=0)))
     w("ds_empty.json", "")
     w("ds_clip_negative.json", json.dumps(_ds(gradient_clipping=-1.0)))
     w("ds_offload_opt_z0.json", json.dumps(_ds(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}})))
     w("ds_micro_nan.json", json.dumps(_ds(train_micro_batch_size_per_gpu=float("nan"))))
-    w("ds_fp8_z3.json", json.dumps(_ds(zero_optimization={"stage": 3}, bf16={"enabled": True},
-                                       fluxzero={"fp8": {"recipe": "tensorwise"}})))
+    w(
+        "ds_fp8_z3.json",
+        json.dumps(
+            _ds(zero_optimization={"stage": 3}, bf16={"enabled": True}, fluxzero={"fp8": {"recipe": "tensorwise"}})
+        ),
+    )
     w("run_empty.yaml", "")
     (d / "run_binary.yaml").write_bytes(b"\x00\xff\xfe binary")
     w("run_model_mapping.yaml", yaml.safe_dump({**base, "model": {"preset": "flux-tiny", "depth": -1}}))
@@ -169,20 +208,30 @@ def inputs(tmp_path_factory) -> Path:
     w("hosts_ipv6", "fe80::1 slots=2\n")
     w("hosts_trailing", "worker-0 slots=2 gpus=8\n")
     w("hosts_good", "worker-0 slots=2\nworker-1 slots=2\n")
-    from fluxzero.sampling.embeddings import PromptEmbeddings, save_embeddings
-
     from diffusers import AutoencoderKL
 
-    AutoencoderKL(latent_channels=16, block_out_channels=(8,), norm_num_groups=8, layers_per_block=1,
-                  down_block_types=("DownEncoderBlock2D",),
-                  up_block_types=("UpDecoderBlock2D",)).save_pretrained(d / "vae")  # a VAE of seconds, for sample
+    from fluxzero.sampling.embeddings import PromptEmbeddings, save_embeddings
+
+    AutoencoderKL(
+        latent_channels=16,
+        block_out_channels=(8,),
+        norm_num_groups=8,
+        layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+    ).save_pretrained(d / "vae")  # a VAE of seconds, for sample
     save_embeddings(d / "emb.safetensors", PromptEmbeddings(["a cat"], torch.randn(1, 4, 64), torch.randn(1, 32)))
-    save_embeddings(d / "emb_wide.safetensors",  # T5 width 128: not flux-tiny's 64
-                    PromptEmbeddings(["a cat"], torch.randn(1, 4, 128), torch.randn(1, 32)))
+    save_embeddings(
+        d / "emb_wide.safetensors",  # T5 width 128: not flux-tiny's 64
+        PromptEmbeddings(["a cat"], torch.randn(1, 4, 128), torch.randn(1, 32)),
+    )
     from fluxzero.sampling.embeddings import FORMAT, VERSION
 
-    save_file({"t5": torch.full((1, 4, 64), float("nan")), "clip_pooled": torch.randn(1, 32)},  # written raw
-              str(d / "emb_nan.safetensors"), {"format": FORMAT, "version": VERSION, "prompts": '["a cat"]'})
+    save_file(
+        {"t5": torch.full((1, 4, 64), float("nan")), "clip_pooled": torch.randn(1, 32)},  # written raw
+        str(d / "emb_nan.safetensors"),
+        {"format": FORMAT, "version": VERSION, "prompts": '["a cat"]'},
+    )
     # data: a listed shard deleted, one of another size, a file given as the folder
     for name in ("shard_gone", "shard_resized"):
         shutil.copytree(d / "shards", d / name)
@@ -220,14 +269,20 @@ def inputs(tmp_path_factory) -> Path:
 
     write_tiny_encoders(d / "tiny_enc")
     # LoKr files (qkv 192 x 64 = kron of 8 x 8 and 24 x 8): one of integer tensors, one good
-    lokr = {"lora_unet_double_blocks_0_img_attn_qkv.lokr_w1": torch.ones(8, 8),
-            "lora_unet_double_blocks_0_img_attn_qkv.lokr_w2": torch.randn(24, 8)}
+    lokr = {
+        "lora_unet_double_blocks_0_img_attn_qkv.lokr_w1": torch.ones(8, 8),
+        "lora_unet_double_blocks_0_img_attn_qkv.lokr_w2": torch.randn(24, 8),
+    }
     save_file(lokr, str(d / "lokr.safetensors"))
     save_file({k: v.to(torch.int32) for k, v in lokr.items()}, str(d / "lokr_int.safetensors"))
-    save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.randn(4, 64),  # a DoRA of ranks 4, 3
-               "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.randn(192, 3),
-               "lora_unet_double_blocks_0_img_attn_qkv.dora_scale": torch.ones(192, 1)},
-              str(d / "dora_ranks_differ.safetensors"))
+    save_file(
+        {
+            "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.randn(4, 64),  # a DoRA of ranks 4, 3
+            "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.randn(192, 3),
+            "lora_unet_double_blocks_0_img_attn_qkv.dora_scale": torch.ones(192, 1),
+        },
+        str(d / "dora_ranks_differ.safetensors"),
+    )
     return d
 
 
@@ -271,8 +326,11 @@ def _cli_cases():
         ("gen_bad_hostfile", ["gen-config", "--hostfile", f"{I}/hosts_syntax"], "slots=N"),
         ("gen_unwritable", ["gen-config", "-o", f"{I}/a_file/ds.json"], "cannot write"),
         ("gen_unknown_model", ["gen-config", "--model", "flux-huge"], "flux-huge"),
-        ("gen_fit_nothing_fits_a_lora", ["gen-config", "--fit", "--gpu-memory", "1", "--host-memory", "8",
-                                         "--lora-rank", "16", "-o", "{out}.json"], "--host-memory 37"),
+        (
+            "gen_fit_nothing_fits_a_lora",
+            ["gen-config", "--fit", "--gpu-memory", "1", "--host-memory", "8", "--lora-rank", "16", "-o", "{out}.json"],
+            "--host-memory 37",
+        ),
         ("gen_two_world_sizes", ["gen-config", "--world-size", "2", "--hostfile", f"{I}/hosts_good"], "one way only"),
         # check-config (one line per finding)
         ("check_syntax", ["check-config", "--no-deepspeed", f"{I}/ds_syntax.json"], "JSON"),
@@ -282,8 +340,11 @@ def _cli_cases():
         ("check_duplicate_key", ["check-config", "--no-deepspeed", f"{I}/ds_dup.json"], "gradient_clipping"),
         ("check_missing_file", ["check-config", f"{I}/nope.json"], "nope.json"),
         ("check_hostfile_slots0", ["check-config", "--hostfile", f"{I}/hosts_slots0", f"{I}/ds.json"], "slots"),
-        ("check_offload_param_z2", ["check-config", "--no-deepspeed", f"{I}/ds_offload_param_z2.json"],
-         "offload_param"),
+        (
+            "check_offload_param_z2",
+            ["check-config", "--no-deepspeed", f"{I}/ds_offload_param_z2.json"],
+            "offload_param",
+        ),
         ("check_nan", ["check-config", "--no-deepspeed", f"{I}/ds_nan.json"], "gradient_clipping"),
         ("check_stage9", ["check-config", "--no-deepspeed", f"{I}/ds_stage9.json"], "stage"),
         # estimate
@@ -294,17 +355,32 @@ def _cli_cases():
         ("estimate_bad_hostfile", ["estimate", "--hostfile", f"{I}/hosts_slots_text"], "slots"),
         # convert
         ("convert_missing", ["convert", f"{I}/nope.safetensors", "{out}.safetensors", "--to", "bfl"], "nope"),
-        ("convert_not_safetensors", ["convert", f"{I}/not_weights.safetensors", "{out}.safetensors", "--to", "bfl"],
-         "not_weights.safetensors"),
+        (
+            "convert_not_safetensors",
+            ["convert", f"{I}/not_weights.safetensors", "{out}.safetensors", "--to", "bfl"],
+            "not_weights.safetensors",
+        ),
         ("convert_lora_to_a_folder", ["convert", f"{I}/lora.safetensors", "{out}", "--to", "diffusers"], "LoRA"),
-        ("convert_lora_alpha_two_values", ["convert", f"{I}/lora_alpha2.safetensors", "{out}.safetensors", "--to",
-                                           "diffusers"], "an alpha is one number"),
-        ("convert_full_to_kohya", ["convert", f"{I}/tiny.safetensors", "{out}.safetensors", "--to", "kohya"],
-         "kohya is a LoRA layout"),
-        ("convert_out_exists", ["convert", f"{I}/tiny.safetensors", f"{I}/schnell.safetensors", "--to", "bfl"],
-         "--overwrite"),
-        ("convert_other_model", ["convert", f"{I}/tiny.safetensors", "{out}.safetensors", "--to", "bfl", "--model",
-                                 "flux-dev"], "do not match the model"),
+        (
+            "convert_lora_alpha_two_values",
+            ["convert", f"{I}/lora_alpha2.safetensors", "{out}.safetensors", "--to", "diffusers"],
+            "an alpha is one number",
+        ),
+        (
+            "convert_full_to_kohya",
+            ["convert", f"{I}/tiny.safetensors", "{out}.safetensors", "--to", "kohya"],
+            "kohya is a LoRA layout",
+        ),
+        (
+            "convert_out_exists",
+            ["convert", f"{I}/tiny.safetensors", f"{I}/schnell.safetensors", "--to", "bfl"],
+            "--overwrite",
+        ),
+        (
+            "convert_other_model",
+            ["convert", f"{I}/tiny.safetensors", "{out}.safetensors", "--to", "bfl", "--model", "flux-dev"],
+            "do not match the model",
+        ),
         # export
         ("export_not_checkpoint", ["export", f"{I}/empty_data", "{out}.safetensors"], "not a fluxzero checkpoint"),
         ("export_out_exists", ["export", f"{I}/empty_data", f"{I}/tiny.safetensors"], "--overwrite"),
@@ -315,29 +391,47 @@ def _cli_cases():
         ("cache_no_models", ["cache", f"{I}/empty_data", "{out}"], "--vae"),
         # sample
         ("sample_missing_weights", ["sample", f"{I}/nope.safetensors", "--out", "{out}", "--prompt", "a"], "nope"),
-        ("sample_width", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", "--prompt", "a", "--width", "1000"],
-         "16"),
+        (
+            "sample_width",
+            ["sample", f"{I}/tiny.safetensors", "--out", "{out}", "--prompt", "a", "--width", "1000"],
+            "16",
+        ),
         ("sample_no_prompt", ["sample", f"{I}/tiny.safetensors", "--out", "{out}"], "prompt"),
-        ("sample_not_safetensors", ["sample", f"{I}/not_weights.safetensors", "--out", "{out}", "--embeddings",
-                                    f"{I}/prompts.txt"], "not a readable safetensors file"),
+        (
+            "sample_not_safetensors",
+            ["sample", f"{I}/not_weights.safetensors", "--out", "{out}", "--embeddings", f"{I}/prompts.txt"],
+            "not a readable safetensors file",
+        ),
         # launch and doctor
         ("launch_hostfile_syntax", ["launch", "--hostfile", f"{I}/hosts_syntax", "--dry-run"], "slots=N"),
         ("launch_host_name", ["launch", "--hostfile", f"{I}/hosts_badname", "--dry-run"], "host name"),
         ("launch_hostfile_empty", ["launch", "--hostfile", f"{I}/hosts_empty", "--dry-run"], "no hosts"),
         ("launch_nccl", ["launch", "--nccl", "warp-drive", "--dry-run"], "warp-drive"),
-        ("launch_include_exclude", ["launch", "--hostfile", f"{I}/hosts_good", "--include", "worker-0",
-                                    "--exclude", "worker-1", "--dry-run"], "--exclude"),
+        (
+            "launch_include_exclude",
+            ["launch", "--hostfile", f"{I}/hosts_good", "--include", "worker-0", "--exclude", "worker-1", "--dry-run"],
+            "--exclude",
+        ),
         ("launch_dup_host", ["launch", "--hostfile", f"{I}/hosts_dup", "--dry-run"], "listed twice"),
         ("launch_env", ["launch", "--env", "NOEQUALS", "--dry-run"], "NOEQUALS"),
-        ("launch_unknown_host", ["launch", "--hostfile", f"{I}/hosts_unknown", "--", "--config", f"{I}/run.yaml"],
-         "pdsh"),
+        (
+            "launch_unknown_host",
+            ["launch", "--hostfile", f"{I}/hosts_unknown", "--", "--config", f"{I}/run.yaml"],
+            "pdsh",
+        ),
         ("doctor_slots_text", ["doctor", "--hostfile", f"{I}/hosts_slots_text"], "slots"),
         ("doctor_ssh_timeout", ["doctor", "--ssh-timeout", "0"], "1<=x<=120"),
-        ("doctor_unknown_host", ["doctor", "--hostfile", f"{I}/hosts_unknown", "--ssh-timeout", "1",
-                                 "--min-free-gb", "0"], "no-such-host"),
+        (
+            "doctor_unknown_host",
+            ["doctor", "--hostfile", f"{I}/hosts_unknown", "--ssh-timeout", "1", "--min-free-gb", "0"],
+            "no-such-host",
+        ),
         ("gen_nvme_no_path", ["gen-config", "--zero-stage", "3", "--offload-param", "nvme"], "--nvme-path"),
-        ("gen_nvme_optimizer_z2", ["gen-config", "--zero-stage", "2", "--offload-optimizer", "nvme",
-                                   "--nvme-path", f"{I}"], "stage 3"),
+        (
+            "gen_nvme_optimizer_z2",
+            ["gen-config", "--zero-stage", "2", "--offload-optimizer", "nvme", "--nvme-path", f"{I}"],
+            "stage 3",
+        ),
         ("gen_micro_zero", ["gen-config", "--micro-batch", "0"], "x>=1"),
         ("check_binary", ["check-config", "--no-deepspeed", f"{I}/run_binary.yaml"], "run_binary.yaml"),
         ("check_folder", ["check-config", f"{I}/empty_data"], "empty_data"),
@@ -352,48 +446,154 @@ def _cli_cases():
         ("check_hosts_trailing", ["check-config", "--hostfile", f"{I}/hosts_trailing", f"{I}/ds.json"], "gpus=8"),
         ("estimate_unknown_key", ["estimate", "--ds-config", f"{I}/ds_unknown.json"], "zero_optimization"),
         ("estimate_heads", ["estimate", "--hidden-size", "100", "--heads", "7"], "heads"),
-        ("convert_diffusers_onto_file", ["convert", f"{I}/tiny.safetensors", f"{I}/a_file", "--to", "diffusers",
-                                         "--overwrite"], "a_file"),
-        ("convert_shard_zero", ["convert", f"{I}/tiny.safetensors", "{out}", "--to", "diffusers", "--max-shard-gb",
-                                "0"], "x>0"),
-        ("convert_truncated", ["convert", f"{I}/tiny_truncated.safetensors", "{out}.safetensors", "--to", "bfl"],
-         "tiny_truncated"),
-        ("convert_empty_folder", ["convert", f"{I}/no_weights_dir", "{out}.safetensors", "--to", "bfl"],
-         "no_weights_dir"),
-        ("sample_bad_embeddings", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", "--embeddings",
-                                   f"{I}/prompts.txt"], "prompts.txt"),
-        ("sample_bad_lora", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", *TINY_SAMPLE,
-                             "--embeddings", f"{I}/emb.safetensors",
-                             "--lora", f"{I}/not_weights.safetensors"], "not_weights"),
-        ("sample_lora_rank_text", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", *TINY_SAMPLE,
-                                   "--embeddings", f"{I}/emb.safetensors", "--lora", f"{I}/lora_rank_text.safetensors"],
-         "header entry fluxzero.rank is 'four'"),
-        ("sample_lora_nan", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", *TINY_SAMPLE,
-                             "--embeddings", f"{I}/emb.safetensors", "--lora", f"{I}/lora_nan.safetensors"],
-         "holds NaN or infinite values"),
-        ("sample_embeddings_nan", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", *TINY_SAMPLE,
-                                   "--embeddings", f"{I}/emb_nan.safetensors"], "t5 holds NaN or infinite values"),
+        (
+            "convert_diffusers_onto_file",
+            ["convert", f"{I}/tiny.safetensors", f"{I}/a_file", "--to", "diffusers", "--overwrite"],
+            "a_file",
+        ),
+        (
+            "convert_shard_zero",
+            ["convert", f"{I}/tiny.safetensors", "{out}", "--to", "diffusers", "--max-shard-gb", "0"],
+            "x>0",
+        ),
+        (
+            "convert_truncated",
+            ["convert", f"{I}/tiny_truncated.safetensors", "{out}.safetensors", "--to", "bfl"],
+            "tiny_truncated",
+        ),
+        (
+            "convert_empty_folder",
+            ["convert", f"{I}/no_weights_dir", "{out}.safetensors", "--to", "bfl"],
+            "no_weights_dir",
+        ),
+        (
+            "sample_bad_embeddings",
+            ["sample", f"{I}/tiny.safetensors", "--out", "{out}", "--embeddings", f"{I}/prompts.txt"],
+            "prompts.txt",
+        ),
+        (
+            "sample_bad_lora",
+            [
+                "sample",
+                f"{I}/tiny.safetensors",
+                "--out",
+                "{out}",
+                *TINY_SAMPLE,
+                "--embeddings",
+                f"{I}/emb.safetensors",
+                "--lora",
+                f"{I}/not_weights.safetensors",
+            ],
+            "not_weights",
+        ),
+        (
+            "sample_lora_rank_text",
+            [
+                "sample",
+                f"{I}/tiny.safetensors",
+                "--out",
+                "{out}",
+                *TINY_SAMPLE,
+                "--embeddings",
+                f"{I}/emb.safetensors",
+                "--lora",
+                f"{I}/lora_rank_text.safetensors",
+            ],
+            "header entry fluxzero.rank is 'four'",
+        ),
+        (
+            "sample_lora_nan",
+            [
+                "sample",
+                f"{I}/tiny.safetensors",
+                "--out",
+                "{out}",
+                *TINY_SAMPLE,
+                "--embeddings",
+                f"{I}/emb.safetensors",
+                "--lora",
+                f"{I}/lora_nan.safetensors",
+            ],
+            "holds NaN or infinite values",
+        ),
+        (
+            "sample_embeddings_nan",
+            [
+                "sample",
+                f"{I}/tiny.safetensors",
+                "--out",
+                "{out}",
+                *TINY_SAMPLE,
+                "--embeddings",
+                f"{I}/emb_nan.safetensors",
+            ],
+            "t5 holds NaN or infinite values",
+        ),
         ("launch_master_port", ["launch", "--master-port", "0", "--dry-run"], "1<=x<=65535"),
         ("launch_num_nodes", ["launch", "--hostfile", f"{I}/hosts_good", "--num-nodes", "5", "--dry-run"], "5"),
-        ("launch_include_unknown", ["launch", "--hostfile", f"{I}/hosts_unknown", "--include", "other-host",
-                                    "--dry-run"], "other-host"),
+        (
+            "launch_include_unknown",
+            ["launch", "--hostfile", f"{I}/hosts_unknown", "--include", "other-host", "--dry-run"],
+            "other-host",
+        ),
         ("launch_missing_hostfile", ["launch", "--hostfile", f"{I}/nope", "--dry-run"], "nope"),
         ("cache_bad_captions", ["cache", f"{I}/empty_data", "{out}", "--captions", f"{I}/nope.jsonl"], "nope.jsonl"),
         ("cache_min_side", ["cache", f"{I}/empty_data", "{out}", "--min-side", "24"], "16"),
         ("encode_prompts_no_t5", ["encode-prompts", "--prompt", "a", "{out}.safetensors"], "T5"),
         ("encode_prompts_none", ["encode-prompts", "{out}.safetensors"], "prompt"),
-        ("encode_prompts_over_a_file", ["encode-prompts", "--prompt", "a", f"{I}/tiny.safetensors"],
-         "tiny.safetensors exists; pass --overwrite"),
-        ("convert_diffusers_over_a_folder_of_other_files", ["convert", f"{I}/tiny.safetensors", I, "--to", "diffusers",
-                                                            "--overwrite"], "not part of a diffusers transformer folder"),
-        ("sample_embeddings_other_model", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", *TINY_SAMPLE,
-                                           "--embeddings",
-                                           f"{I}/emb_wide.safetensors"], "128"),
-        ("sample_other_model", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", *TINY_SAMPLE, "--embeddings",
-                                f"{I}/emb.safetensors", "--model", "flux-dev"], "do not match"),
-        ("sample_reference_not_an_image", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", *TINY_SAMPLE,
-                                           "--embeddings", f"{I}/emb.safetensors", "--reference", f"{I}/prompts.txt"],
-         "cannot be read"),
+        (
+            "encode_prompts_over_a_file",
+            ["encode-prompts", "--prompt", "a", f"{I}/tiny.safetensors"],
+            "tiny.safetensors exists; pass --overwrite",
+        ),
+        (
+            "convert_diffusers_over_a_folder_of_other_files",
+            ["convert", f"{I}/tiny.safetensors", I, "--to", "diffusers", "--overwrite"],
+            "not part of a diffusers transformer folder",
+        ),
+        (
+            "sample_embeddings_other_model",
+            [
+                "sample",
+                f"{I}/tiny.safetensors",
+                "--out",
+                "{out}",
+                *TINY_SAMPLE,
+                "--embeddings",
+                f"{I}/emb_wide.safetensors",
+            ],
+            "128",
+        ),
+        (
+            "sample_other_model",
+            [
+                "sample",
+                f"{I}/tiny.safetensors",
+                "--out",
+                "{out}",
+                *TINY_SAMPLE,
+                "--embeddings",
+                f"{I}/emb.safetensors",
+                "--model",
+                "flux-dev",
+            ],
+            "do not match",
+        ),
+        (
+            "sample_reference_not_an_image",
+            [
+                "sample",
+                f"{I}/tiny.safetensors",
+                "--out",
+                "{out}",
+                *TINY_SAMPLE,
+                "--embeddings",
+                f"{I}/emb.safetensors",
+                "--reference",
+                f"{I}/prompts.txt",
+            ],
+            "cannot be read",
+        ),
         ("doctor_hosts_ipv6", ["doctor", "--hostfile", f"{I}/hosts_ipv6", "--min-free-gb", "0"], "IPv6"),
         # train (the command)
         ("train_missing_config", ["train", "--config", f"{I}/nope.yaml"], "nope.yaml"),
@@ -401,56 +601,145 @@ def _cli_cases():
         # numbers without a bound, each refused naming the setting and its range
         ("estimate_hidden_size_huge", ["estimate", "--hidden-size", "10000000000", "--heads", "1"], "1 to 65536"),
         ("estimate_depth_huge", ["estimate", "--depth", "10000000000"], "0 to 1024"),
-        ("estimate_lora_rank_huge", ["estimate", "--model", "flux-tiny", "--lora-rank", "100000000000"],
-         "lora.rank must be from 1 to"),
+        (
+            "estimate_lora_rank_huge",
+            ["estimate", "--model", "flux-tiny", "--lora-rank", "100000000000"],
+            "lora.rank must be from 1 to",
+        ),
         ("estimate_theta_zero", ["estimate", "--model", "flux-tiny:theta=0"], "theta"),
         ("estimate_mlp_width_zero", ["estimate", "--model", "flux-tiny:mlp_ratio=0.001"], "mlp_ratio"),
-        ("estimate_micro_batch_nan", ["estimate", "--ds-config", f"{I}/ds_micro_nan.json"],
-         "train_micro_batch_size_per_gpu"),
+        (
+            "estimate_micro_batch_nan",
+            ["estimate", "--ds-config", f"{I}/ds_micro_nan.json"],
+            "train_micro_batch_size_per_gpu",
+        ),
         ("gen_lora_rank_huge", ["gen-config", "--model", "flux-tiny", "--lora-rank", "100000"], "lora.rank"),
-        ("gen_lora_matches_nothing", ["gen-config", "--model", "flux-tiny", "--lora-rank", "4", "--lora-targets",
-                                      "nope.*"], "matches no linear layer"),
+        (
+            "gen_lora_matches_nothing",
+            ["gen-config", "--model", "flux-tiny", "--lora-rank", "4", "--lora-targets", "nope.*"],
+            "matches no linear layer",
+        ),
         ("gen_fp8_zero3", ["gen-config", "--zero-stage", "3", "--fp8", "tensorwise"], "ZeRO-3"),
         ("check_fp8_zero3", ["check-config", "--no-deepspeed", f"{I}/ds_fp8_z3.json"], "fluxzero.fp8"),
-        ("encode_prompts_t5_length", ["encode-prompts", "--prompt", "a", "--t5-max-length", "1000000000",
-                                      "{out}.safetensors"], "1<=x<=4096"),
+        (
+            "encode_prompts_t5_length",
+            ["encode-prompts", "--prompt", "a", "--t5-max-length", "1000000000", "{out}.safetensors"],
+            "1<=x<=4096",
+        ),
         ("cache_seed_huge", ["cache", f"{I}/empty_data", "{out}", "--seed", str(2**70)], "--seed"),
-        ("sample_seed_huge", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", "--prompt", "a", "--seed",
-                              str(2**70)], "--seed"),
+        (
+            "sample_seed_huge",
+            ["sample", f"{I}/tiny.safetensors", "--out", "{out}", "--prompt", "a", "--seed", str(2**70)],
+            "--seed",
+        ),
         # convert: what IN is, fp16's range, parts that cannot be fused
-        ("convert_pickled_to_kohya", ["convert", f"{I}/pickled.safetensors", "{out}.safetensors", "--to", "kohya"],
-         "not a readable safetensors file"),
-        ("convert_fp16_overflow", ["convert", f"{I}/beyond_fp16.safetensors", "{out}.safetensors", "--to", "bfl",
-                                   "--dtype", "fp16"], "68 of 84 tensors"),
-        ("convert_diffusers_scalar_part", ["convert", f"{I}/diffusers_scalar_part", "{out}.safetensors", "--to",
-                                           "bfl"], "wrong shape"),
+        (
+            "convert_pickled_to_kohya",
+            ["convert", f"{I}/pickled.safetensors", "{out}.safetensors", "--to", "kohya"],
+            "not a readable safetensors file",
+        ),
+        (
+            "convert_fp16_overflow",
+            ["convert", f"{I}/beyond_fp16.safetensors", "{out}.safetensors", "--to", "bfl", "--dtype", "fp16"],
+            "68 of 84 tensors",
+        ),
+        (
+            "convert_diffusers_scalar_part",
+            ["convert", f"{I}/diffusers_scalar_part", "{out}.safetensors", "--to", "bfl"],
+            "wrong shape",
+        ),
         # a pipe or a folder where a file is read
-        ("cache_fifo_captions", ["cache", f"{I}/fifo_caption", "{out}", "--captions", f"{I}/fifo.jsonl",
-                                 "--flux-dir", f"{I}/tiny_enc"], "not a regular file"),
-        ("cache_fifo_txt_caption", ["cache", f"{I}/fifo_caption", "{out}", "--flux-dir", f"{I}/tiny_enc"],
-         "not a regular file"),
-        ("cache_folder_txt_caption", ["cache", f"{I}/folder_caption", "{out}", "--flux-dir", f"{I}/tiny_enc"],
-         "is a folder"),
-        ("encode_prompts_fifo", ["encode-prompts", "--prompts", f"{I}/fifo_prompts.txt", "{out}.safetensors"],
-         "not a regular file"),
-        ("sample_prompts_fifo", ["sample", f"{I}/tiny.safetensors", "--out", "{out}", "--prompts",
-                                 f"{I}/fifo_prompts.txt"], "not a regular file"),
+        (
+            "cache_fifo_captions",
+            ["cache", f"{I}/fifo_caption", "{out}", "--captions", f"{I}/fifo.jsonl", "--flux-dir", f"{I}/tiny_enc"],
+            "not a regular file",
+        ),
+        (
+            "cache_fifo_txt_caption",
+            ["cache", f"{I}/fifo_caption", "{out}", "--flux-dir", f"{I}/tiny_enc"],
+            "not a regular file",
+        ),
+        (
+            "cache_folder_txt_caption",
+            ["cache", f"{I}/folder_caption", "{out}", "--flux-dir", f"{I}/tiny_enc"],
+            "is a folder",
+        ),
+        (
+            "encode_prompts_fifo",
+            ["encode-prompts", "--prompts", f"{I}/fifo_prompts.txt", "{out}.safetensors"],
+            "not a regular file",
+        ),
+        (
+            "sample_prompts_fifo",
+            ["sample", f"{I}/tiny.safetensors", "--out", "{out}", "--prompts", f"{I}/fifo_prompts.txt"],
+            "not a regular file",
+        ),
         ("train_fifo_run_file", ["train", "--config", f"{I}/fifo_run.yaml"], "not a regular file"),
-        ("cache_caption_dropout_nan", ["cache", f"{I}/empty_data", "{out}", "--caption-dropout", "nan"],
-         "'nan' is not a finite number"),
-        ("cache_max_aspect_nan", ["cache", f"{I}/empty_data", "{out}", "--max-aspect", "nan"],
-         "'nan' is not a finite number"),
+        (
+            "cache_caption_dropout_nan",
+            ["cache", f"{I}/empty_data", "{out}", "--caption-dropout", "nan"],
+            "'nan' is not a finite number",
+        ),
+        (
+            "cache_max_aspect_nan",
+            ["cache", f"{I}/empty_data", "{out}", "--max-aspect", "nan"],
+            "'nan' is not a finite number",
+        ),
         # adapters as a plain LoRA, the fused optimizer mode
-        ("convert_lokr_integer_tensors", ["convert", f"{I}/lokr_int.safetensors", "{out}.safetensors", "--to", "kohya",
-                                          "--as-lora-rank", "4"], "holds int32 values, but adapter weights are"),
-        ("convert_dora_ranks_differ", ["convert", f"{I}/dora_ranks_differ.safetensors", "{out}.safetensors", "--to",
-                                       "kohya", "--as-lora-rank", "2", "--base", f"{I}/tiny.safetensors"],
-         "(192, 3) and lora_A.weight (4, 64) do not multiply"),
-        ("convert_max_error_nan", ["convert", f"{I}/lokr.safetensors", "{out}.safetensors", "--to", "kohya",
-                                   "--as-lora-rank", "1", "--max-error", "nan"], "'nan' is not a finite number"),
-        ("gen_fused_mode_lora", ["gen-config", "--model", "flux-tiny", "--optimizer-mode", "fused-adafactor-sr",
-                                 "--zero-stage", "0", "--gradient-clipping", "0", "--lora-rank", "4", "-o",
-                                 "{out}.json"], "is for full fine-tunes"),
+        (
+            "convert_lokr_integer_tensors",
+            ["convert", f"{I}/lokr_int.safetensors", "{out}.safetensors", "--to", "kohya", "--as-lora-rank", "4"],
+            "holds int32 values, but adapter weights are",
+        ),
+        (
+            "convert_dora_ranks_differ",
+            [
+                "convert",
+                f"{I}/dora_ranks_differ.safetensors",
+                "{out}.safetensors",
+                "--to",
+                "kohya",
+                "--as-lora-rank",
+                "2",
+                "--base",
+                f"{I}/tiny.safetensors",
+            ],
+            "(192, 3) and lora_A.weight (4, 64) do not multiply",
+        ),
+        (
+            "convert_max_error_nan",
+            [
+                "convert",
+                f"{I}/lokr.safetensors",
+                "{out}.safetensors",
+                "--to",
+                "kohya",
+                "--as-lora-rank",
+                "1",
+                "--max-error",
+                "nan",
+            ],
+            "'nan' is not a finite number",
+        ),
+        (
+            "gen_fused_mode_lora",
+            [
+                "gen-config",
+                "--model",
+                "flux-tiny",
+                "--optimizer-mode",
+                "fused-adafactor-sr",
+                "--zero-stage",
+                "0",
+                "--gradient-clipping",
+                "0",
+                "--lora-rank",
+                "4",
+                "-o",
+                "{out}.json",
+            ],
+            "is for full fine-tunes",
+        ),
     ]
 
 
@@ -461,9 +750,13 @@ def _waited_too_long(*_):
 CLI_XFAIL: dict[str, str] = {}  # none left; a case that cannot pass yet goes here with its reason
 
 
-@pytest.mark.parametrize("name, argv, words", [
-    pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason=CLI_XFAIL[c[0]])) if c[0] in CLI_XFAIL else c
-    for c in _cli_cases()])
+@pytest.mark.parametrize(
+    "name, argv, words",
+    [
+        pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason=CLI_XFAIL[c[0]])) if c[0] in CLI_XFAIL else c
+        for c in _cli_cases()
+    ],
+)
 def test_command_refuses_bad_input(inputs, tmp_path, monkeypatch, name, argv, words):
     from fluxzero.cli import main
 
@@ -478,8 +771,9 @@ def test_command_refuses_bad_input(inputs, tmp_path, monkeypatch, name, argv, wo
         r = CliRunner().invoke(main, argv, catch_exceptions=True)
     finally:
         signal.alarm(0)
-    text = r.output + (f"\nTraceback (raised): {r.exc_info[1]!r}" if r.exception and not isinstance(
-        r.exception, SystemExit) else "")
+    text = r.output + (
+        f"\nTraceback (raised): {r.exc_info[1]!r}" if r.exception and not isinstance(r.exception, SystemExit) else ""
+    )
     kind = {"check-config": "findings", "doctor": "report"}.get(argv[0], "one")
     problem = _meets_bar(r.exit_code, text, tree_hash(inputs) == before, kind)
     assert problem is None, problem
@@ -531,7 +825,7 @@ def damage(op: str, path: str, arg=None) -> None:
     elif op == "flip":  # the same size, other bytes in the middle: what an overwrite in place leaves
         raw = bytearray(p.read_bytes())
         mid = len(raw) // 2
-        raw[mid:mid + 64] = bytes(b ^ 0x5A for b in raw[mid:mid + 64])
+        raw[mid : mid + 64] = bytes(b ^ 0x5A for b in raw[mid : mid + 64])
         p.write_bytes(bytes(raw))
     elif op == "pickle":  # a checkpoint file replaced by one whose unpickling would create file `arg`
         import torch
@@ -605,24 +899,58 @@ def _train_cases(d: Path, outs: Path):
         case("run_sample_size", run_file=d / "run_sample_size.yaml", words="sample.size"),
         case("run_synthetic_spec", "data=synthetic:n=abc", words="synthetic"),
         case("run_lora_targets", "lora.targets=[nope_*]", words="nope_"),
-        case("lora_weights_rank_text", "lora.rank=4", f"lora.weights={d / 'lora_rank_text.safetensors'}",
-             words="header entry fluxzero.rank is 'four'"),
-        case("lora_weights_alpha_two_values", "lora.rank=4", f"lora.weights={d / 'lora_alpha2.safetensors'}",
-             words="an alpha is one number"),
+        case(
+            "lora_weights_rank_text",
+            "lora.rank=4",
+            f"lora.weights={d / 'lora_rank_text.safetensors'}",
+            words="header entry fluxzero.rank is 'four'",
+        ),
+        case(
+            "lora_weights_alpha_two_values",
+            "lora.rank=4",
+            f"lora.weights={d / 'lora_alpha2.safetensors'}",
+            words="an alpha is one number",
+        ),
         case("lora_weights_nan", "lora.rank=4", f"lora.weights={d / 'lora_nan.safetensors'}", words="NaN"),
-        case("sample_prompts_nan", "sample.every=1", f"sample.prompts={d / 'emb_nan.safetensors'}",
-             f"sample.vae={d / 'vae'}", "sample.size=16x16", words="t5 holds NaN"),
-        case("sample_prompts_other_width", "sample.every=1", f"sample.prompts={d / 'emb_wide.safetensors'}",
-             f"sample.vae={d / 'vae'}", "sample.size=16x16", words="T5 128"),
+        case(
+            "sample_prompts_nan",
+            "sample.every=1",
+            f"sample.prompts={d / 'emb_nan.safetensors'}",
+            f"sample.vae={d / 'vae'}",
+            "sample.size=16x16",
+            words="t5 holds NaN",
+        ),
+        case(
+            "sample_prompts_other_width",
+            "sample.every=1",
+            f"sample.prompts={d / 'emb_wide.safetensors'}",
+            f"sample.vae={d / 'vae'}",
+            "sample.size=16x16",
+            words="T5 128",
+        ),
         # FLUX.1 Kontext previews: a reference for a model that takes none, none for one that needs it, a missing file
-        case("run_sample_reference_not_kontext", f"sample.reference={d / 'nope.png'}",
-             words="is not one; remove sample.reference"),
-        case("run_kontext_previews_without_reference", "model=flux-tiny-kontext", "sample.every=1",
-             f"sample.prompts={d / 'emb_nan.safetensors'}", f"sample.vae={d / 'vae'}",
-             words="so its previews edit a reference image; set sample.reference"),
-        case("sample_reference_missing", "model=flux-tiny-kontext", "sample.every=1",
-             f"sample.prompts={d / 'emb_nan.safetensors'}", f"sample.vae={d / 'vae'}",
-             f"sample.reference={d / 'nope.png'}", words=f"sample.reference {d / 'nope.png'} does not exist"),
+        case(
+            "run_sample_reference_not_kontext",
+            f"sample.reference={d / 'nope.png'}",
+            words="is not one; remove sample.reference",
+        ),
+        case(
+            "run_kontext_previews_without_reference",
+            "model=flux-tiny-kontext",
+            "sample.every=1",
+            f"sample.prompts={d / 'emb_nan.safetensors'}",
+            f"sample.vae={d / 'vae'}",
+            words="so its previews edit a reference image; set sample.reference",
+        ),
+        case(
+            "sample_reference_missing",
+            "model=flux-tiny-kontext",
+            "sample.every=1",
+            f"sample.prompts={d / 'emb_nan.safetensors'}",
+            f"sample.vae={d / 'vae'}",
+            f"sample.reference={d / 'nope.png'}",
+            words=f"sample.reference {d / 'nope.png'} does not exist",
+        ),
         case("run_output_dir_file", f"output_dir={d / 'a_file'}", words="a_file"),
         case("run_override_no_value", "steps", words="steps"),
         # the DeepSpeed config
@@ -659,14 +987,20 @@ def _train_cases(d: Path, outs: Path):
         case("data_t5_width", "data=synthetic:n=8,hw=8x8,txt=4,ctx=4096,vec=32", words="4096"),
         case("data_odd_latent", "data=synthetic:n=8,hw=7x8,txt=4,ctx=64,vec=32", words="7x8"),
         case("data_kontext_without_pairs", "model=flux-tiny-kontext", words="holds no reference latents"),
-        case("data_pairs_without_kontext", "data=synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32,ref=1",
-             words="not a Kontext model"),
+        case(
+            "data_pairs_without_kontext",
+            "data=synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32,ref=1",
+            words="not a Kontext model",
+        ),
         case("data_shard_gone", f"data={d / 'shard_gone'}", words="shard"),
         case("data_shard_resized", f"data={d / 'shard_resized'}", words="shard"),
         case("data_is_a_file", f"data={d / 'a_file'}", words="a_file"),
         # several datasets: an empty one among them, repeats of 0
-        case("datasets_one_empty", f"data=[{{path: {d / 'shards'}}}, {{path: {d / 'empty_data'}}}]",
-             words=f"{d / 'empty_data'} is empty"),
+        case(
+            "datasets_one_empty",
+            f"data=[{{path: {d / 'shards'}}}, {{path: {d / 'empty_data'}}}]",
+            words=f"{d / 'empty_data'} is empty",
+        ),
         case("datasets_repeats_zero", f"data=[{{path: {d / 'shards'}, repeats: 0}}]", words="set repeats to 1 or more"),
         case("data_synthetic_none", "data=synthetic:n=0,hw=8x8,txt=4,ctx=64,vec=32", words="n="),
         # weights
@@ -676,18 +1010,25 @@ def _train_cases(d: Path, outs: Path):
         case("weights_lora_as_full", f"weights={d / 'lora.safetensors'}", words="LoRA"),
         case("weights_truncated", f"weights={d / 'tiny_truncated.safetensors'}", words="tiny_truncated"),
         case("weights_empty_folder", f"weights={d / 'no_weights_dir'}", words="no_weights_dir"),
-        case("weights_zero3_lora_file", f"deepspeed={d / 'ds3.json'}", f"weights={d / 'lora.safetensors'}",
-             words="LoRA"),
+        case(
+            "weights_zero3_lora_file", f"deepspeed={d / 'ds3.json'}", f"weights={d / 'lora.safetensors'}", words="LoRA"
+        ),
         # checkpoints (copies of base's, damaged)
         ck_case("ck_empty_latest", [["write", "latest", ""]], "latest"),
         ck_case("ck_dangling_latest", [["write", "latest", "step_00000099"]], "step_00000099"),
         ck_case("ck_truncated", [["truncate", f"{tag}/mp_rank_00_model_states.pt", 1000]], "incomplete or corrupt"),
-        ck_case("ck_overwritten", [["flip", f"{tag}/zero_pp_rank_0_mp_rank_00_optim_states.pt", None]],
-                "incomplete or corrupt"),
+        ck_case(
+            "ck_overwritten",
+            [["flip", f"{tag}/zero_pp_rank_0_mp_rank_00_optim_states.pt", None]],
+            "incomplete or corrupt",
+        ),
         ck_case("ck_missing_file", [["unlink", f"{tag}/trainer_state_rank0.pt", None]], "trainer_state_rank0.pt"),
         ck_case("ck_pickle_payload", [["pickle", f"{tag}/trainer_state_rank0.pt", str(d / "PWNED")]], "posix.system"),
-        ck_case("ck_pickle_model_states", [["pickle", f"{tag}/mp_rank_00_model_states.pt", str(d / "PWNED")]],
-                "posix.system"),
+        ck_case(
+            "ck_pickle_model_states",
+            [["pickle", f"{tag}/mp_rank_00_model_states.pt", str(d / "PWNED")]],
+            "posix.system",
+        ),
         ck_case("ck_bad_run_yaml", [["write", f"{tag}/run.yaml", "model: [unclosed\n"]], "run.yaml"),
         ck_case("ck_other_stage", [], "ZeRO stage 2", f"deepspeed={d / 'ds3.json'}"),
         ck_case("ck_other_precision", [], "fp32", f"deepspeed={d / 'ds_bf16.json'}"),
@@ -697,14 +1038,20 @@ def _train_cases(d: Path, outs: Path):
         ck_case("ck_latest_file", [["write", "latest", "step_00000001/run.yaml"]], "latest"),
         ck_case("ck_trainer_state_truncated", [["truncate", f"{tag}/trainer_state_rank0.pt", 200]], "trainer_state"),
         ck_case("ck_ds_config_garbage", [["write", f"{tag}/ds_config.json", "{not json"]], "ds_config.json"),
-        ck_case("ck_optim_truncated", [["truncate", f"{tag}/zero_pp_rank_0_mp_rank_00_optim_states.pt", 5000]],
-                "incomplete or corrupt"),
+        ck_case(
+            "ck_optim_truncated",
+            [["truncate", f"{tag}/zero_pp_rank_0_mp_rank_00_optim_states.pt", 5000]],
+            "incomplete or corrupt",
+        ),
         ck_case("ck_other_seed", [], "seed", "seed=7"),
         ck_case("ck_run_yaml_alias_bomb", [["write", f"{tag}/run.yaml", ALIAS_BOMB]], "aliases (*name) expand"),
         ck_case("ck_ds_config_deep", [["write", f"{tag}/ds_config.json", DEEP_JSON]], "nested more than 64"),
         # beside the intact files, a name DeepSpeed's glob (mp_rank_*_model_states.pt) picks first
-        ck_case("ck_planted_model_states", [["pickle", f"{tag}/mp_rank_00-a_model_states.pt", str(d / "PWNED")]],
-                "mp_rank_00-a_model_states.pt, which no fluxzero save of this run writes"),
+        ck_case(
+            "ck_planted_model_states",
+            [["pickle", f"{tag}/mp_rank_00-a_model_states.pt", str(d / "PWNED")]],
+            "mp_rank_00-a_model_states.pt, which no fluxzero save of this run writes",
+        ),
         ck_case("ck_stray_file", [["write", f"{tag}/notes.txt", "mine"]], "notes.txt"),
     ]
     return cases
@@ -720,9 +1067,14 @@ def trained(inputs):
     todo = _train_cases(inputs, outs)
     (inputs.parent / "cases.json").write_text(json.dumps([c[:4] for c in todo]))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AUDIT_TESTS": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-c", CHILD, str(inputs.parent / "cases.json"),
-                        str(inputs.parent / "results.json")], env=env, cwd=inputs.parent, timeout=900,
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, str(inputs.parent / "cases.json"), str(inputs.parent / "results.json")],
+        env=env,
+        cwd=inputs.parent,
+        timeout=900,
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads((inputs.parent / "results.json").read_text()), {c[0]: c[4] for c in todo}
 
@@ -731,8 +1083,10 @@ def _train_names():
     from tempfile import gettempdir
 
     names = [c[0] for c in _train_cases(Path(gettempdir()), Path(gettempdir()))][1:]
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=TRAIN_XFAIL[n])) if n in TRAIN_XFAIL else n
-            for n in names]
+    return [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=TRAIN_XFAIL[n])) if n in TRAIN_XFAIL else n
+        for n in names
+    ]
 
 
 @pytest.mark.slow
@@ -756,15 +1110,31 @@ def test_training_refuses_bad_input(inputs, trained, name):
 EXPORT_CASES = [  # (name, damage ops relative to the copied output_dir, extra flags, words)
     ("export_empty_latest", [["write", "checkpoints/latest", ""]], [], "latest"),
     ("export_dangling_latest", [["write", "checkpoints/latest", "step_00000099"]], [], "step_00000099"),
-    ("export_truncated", [["truncate", "checkpoints/step_00000002/mp_rank_00_model_states.pt", 1000]], [],
-     "incomplete or corrupt"),
-    ("export_overwritten", [["flip", "checkpoints/step_00000002/zero_pp_rank_0_mp_rank_00_optim_states.pt", None]],
-     [], "incomplete or corrupt"),
-    ("export_pickle_payload", [["pickle", "checkpoints/step_00000002/mp_rank_00_model_states.pt", "PWNED"]], [],
-     "posix.system"),
+    (
+        "export_truncated",
+        [["truncate", "checkpoints/step_00000002/mp_rank_00_model_states.pt", 1000]],
+        [],
+        "incomplete or corrupt",
+    ),
+    (
+        "export_overwritten",
+        [["flip", "checkpoints/step_00000002/zero_pp_rank_0_mp_rank_00_optim_states.pt", None]],
+        [],
+        "incomplete or corrupt",
+    ),
+    (
+        "export_pickle_payload",
+        [["pickle", "checkpoints/step_00000002/mp_rank_00_model_states.pt", "PWNED"]],
+        [],
+        "posix.system",
+    ),
     ("export_ema_without_ema", [], ["--weights", "ema"], "EMA"),
-    ("export_planted_model_states", [["pickle", "checkpoints/step_00000002/mp_rank_00-a_model_states.pt", "PWNED"]],
-     [], "mp_rank_00-a_model_states.pt, which no fluxzero save of this run writes"),
+    (
+        "export_planted_model_states",
+        [["pickle", "checkpoints/step_00000002/mp_rank_00-a_model_states.pt", "PWNED"]],
+        [],
+        "mp_rank_00-a_model_states.pt, which no fluxzero save of this run writes",
+    ),
     ("export_merge_full_run", [], ["--merge"], "LoRA"),
 ]
 
@@ -787,8 +1157,9 @@ def export_refused(run: Path, out: Path, flags: list, words: str, marker: Path) 
 
     before = tree_hash(run)
     r = CliRunner().invoke(main, ["export", str(run), str(out), *flags])
-    text = r.output + (f"\nTraceback (raised): {r.exc_info[1]!r}" if r.exception and not isinstance(
-        r.exception, SystemExit) else "")
+    text = r.output + (
+        f"\nTraceback (raised): {r.exc_info[1]!r}" if r.exception and not isinstance(r.exception, SystemExit) else ""
+    )
     assert not marker.exists(), "a checkpoint's pickle ran code"
     problem = _meets_bar(r.exit_code, text, tree_hash(run) == before)
     assert problem is None, problem
@@ -839,8 +1210,10 @@ def test_two_ranks_refuse_batch_arithmetic_and_another_world_size(inputs, traine
     assert results["base"][0] == 0
     shutil.copytree(inputs.parent / "outs" / "base" / "checkpoints", tmp_path / "world" / "checkpoints")
     run = ["--config", str(inputs / "run.yaml")]
-    todo = [["batch6", [*run, f"output_dir={tmp_path / 'b6'}", f"deepspeed={inputs / 'ds_batch6.json'}"]],
-            ["other_world", [*run, f"output_dir={tmp_path / 'world'}"]]]
+    todo = [
+        ["batch6", [*run, f"output_dir={tmp_path / 'b6'}", f"deepspeed={inputs / 'ds_batch6.json'}"]],
+        ["other_world", [*run, f"output_dir={tmp_path / 'world'}"]],
+    ]
     before = tree_hash(inputs, tmp_path / "world" / "checkpoints")
     by_case, err1 = two_rank_cases(todo, tmp_path)
     assert tree_hash(inputs, tmp_path / "world" / "checkpoints") == before
@@ -881,6 +1254,7 @@ def _read_saved_run(tmp: Path, text: str):
 
 def _reader_cases():
     """(name, reader(tmp) that raises, words its one sentence holds)."""
+
     def ds_json(tmp):
         from fluxzero.config.deepspeed.file import read_json
 
@@ -898,8 +1272,10 @@ def _reader_cases():
 
         from fluxzero.model.lora_formats import read_lora
 
-        t = {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(4, 64),
-             "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(192, 4)}
+        t = {
+            "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(4, 64),
+            "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(192, 4),
+        }
         return read_lora(_safetensors_with(tmp / "lora.safetensors", {"fluxzero.targets": DEEP_JSON}, t))
 
     def weights_header(tmp):
@@ -939,17 +1315,27 @@ def _reader_cases():
 
         from fluxzero.sampling.embeddings import FORMAT, VERSION, load_embeddings
 
-        return load_embeddings(_safetensors_with(
-            tmp / "emb.safetensors", {"format": FORMAT, "version": VERSION, "prompts": DEEP_JSON},
-            {"t5": torch.zeros(1, 4, 64), "clip_pooled": torch.zeros(1, 32)}))
+        return load_embeddings(
+            _safetensors_with(
+                tmp / "emb.safetensors",
+                {"format": FORMAT, "version": VERSION, "prompts": DEEP_JSON},
+                {"t5": torch.zeros(1, 4, 64), "clip_pooled": torch.zeros(1, 32)},
+            )
+        )
 
     return [
         ("run_file_deep", lambda tmp: _read_run_file(tmp, DEEP_YAML), "nested more than"),
         ("run_file_alias_bomb", lambda tmp: _read_run_file(tmp, ALIAS_BOMB), "aliases"),
-        ("run_file_tab", lambda tmp: _read_run_file(tmp, TAB_YAML), "found character '\\t' that cannot start any "
-                                                                    "token at line 3, column 1"),
-        ("run_override_deep", lambda tmp: __import__("fluxzero.config.runfile").config.runfile.load_config(
-            None, ["steps=" + "[" * 5000]), "steps="),
+        (
+            "run_file_tab",
+            lambda tmp: _read_run_file(tmp, TAB_YAML),
+            "found character '\\t' that cannot start any token at line 3, column 1",
+        ),
+        (
+            "run_override_deep",
+            lambda tmp: __import__("fluxzero.config.runfile").config.runfile.load_config(None, ["steps=" + "[" * 5000]),
+            "steps=",
+        ),
         ("saved_run_yaml_deep", lambda tmp: _read_saved_run(tmp, DEEP_YAML), "nested more than"),
         ("saved_run_yaml_bomb", lambda tmp: _read_saved_run(tmp, ALIAS_BOMB), "aliases"),
         ("deepspeed_json", ds_json, "nested more than"),
@@ -989,9 +1375,12 @@ def test_an_excerpt_bounds_any_value_quoted_in_an_error():
     from fluxzero.config.runfile import ConfigError, load_config
     from fluxzero.config.user_files import excerpt, parse_yaml
 
-    shared = parse_yaml("a: &a [" + ", ".join(['"lol"'] * 9) + "]\n"
-                        + "".join(f"a{i}: &a{i} [{', '.join(['*a' + (str(i - 1) if i > 1 else '')] * 9)}]\n"
-                                  for i in range(1, 5)))
+    shared = parse_yaml(
+        "a: &a ["
+        + ", ".join(['"lol"'] * 9)
+        + "]\n"
+        + "".join(f"a{i}: &a{i} [{', '.join(['*a' + (str(i - 1) if i > 1 else '')] * 9)}]\n" for i in range(1, 5))
+    )
     assert len(excerpt(shared["a4"])) < 120 and len(excerpt("x" * 10**6)) < 120
     with pytest.raises(ConfigError) as e:  # a large value within the bounds: quoted short
         load_config(None, ["deepspeed=a", "data=b", "output_dir=c", f"steps={list(range(3000))}"])
@@ -1001,19 +1390,26 @@ def test_an_excerpt_bounds_any_value_quoted_in_an_error():
 # ---------------------------------------------------------------------------------------------------------
 # Numbers without a bound in a run file: refused where they enter (the dataclasses), naming the setting and range
 # ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("override, words", [
-    (f"seed={2**70}", "seed must be a whole number from 0 to 2**63 - 1"),
-    ("seed=-1", "seed must be a whole number from 0 to 2**63 - 1"),
-    ("lora={rank: 100000000}", "lora.rank must be from 1 to the model's width 64"),
-    ("lora={rank: 4, alpha: .inf}", "lora.alpha must be a positive number (finite)"),
-    ("lora={rank: 4, targets: [nope.*]}", "matches no linear layer of flux-tiny"),
-    ("model={preset: flux-tiny, theta: 0}", "theta (RoPE base) must be from 1 to"),
-    ("model={preset: flux-tiny, theta: -3}", "theta (RoPE base) must be from 1 to"),
-    ("model={preset: flux-tiny, mlp_ratio: 0.001}", "mlp_ratio 0.001 gives an MLP width of hidden_size x mlp_ratio = 0"),
-    ("model={preset: flux-tiny, mlp_ratio: .inf}", "mlp_ratio"),
-    ("model={preset: flux-tiny, depth: 10000000000}", "depth must be from 0 to 1024"),
-    ("model={preset: flux-tiny, hidden_size: 100000000, num_heads: 1}", "hidden_size"),
-], ids=lambda v: v if len(v) < 40 else v[:40])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        (f"seed={2**70}", "seed must be a whole number from 0 to 2**63 - 1"),
+        ("seed=-1", "seed must be a whole number from 0 to 2**63 - 1"),
+        ("lora={rank: 100000000}", "lora.rank must be from 1 to the model's width 64"),
+        ("lora={rank: 4, alpha: .inf}", "lora.alpha must be a positive number (finite)"),
+        ("lora={rank: 4, targets: [nope.*]}", "matches no linear layer of flux-tiny"),
+        ("model={preset: flux-tiny, theta: 0}", "theta (RoPE base) must be from 1 to"),
+        ("model={preset: flux-tiny, theta: -3}", "theta (RoPE base) must be from 1 to"),
+        (
+            "model={preset: flux-tiny, mlp_ratio: 0.001}",
+            "mlp_ratio 0.001 gives an MLP width of hidden_size x mlp_ratio = 0",
+        ),
+        ("model={preset: flux-tiny, mlp_ratio: .inf}", "mlp_ratio"),
+        ("model={preset: flux-tiny, depth: 10000000000}", "depth must be from 0 to 1024"),
+        ("model={preset: flux-tiny, hidden_size: 100000000, num_heads: 1}", "hidden_size"),
+    ],
+    ids=lambda v: v if len(v) < 40 else v[:40],
+)
 def test_run_file_refuses_unbounded_numbers(override, words):
     from fluxzero.config.runfile import ConfigError, load_config
 
@@ -1026,16 +1422,20 @@ def test_run_file_refuses_unbounded_numbers(override, words):
 # What gen-config writes and prints, the trainer accepts: its JSON passes the trainer's DeepSpeed checks and the
 # run-file keys of its `next:` line load as the trainer loads a run file
 # ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("argv", [
-    ["--model", "flux-tiny"],
-    ["--model", "flux-tiny", "--lora-rank", "8"],
-    ["--model", "flux-tiny", "--lora-rank", "8", "--lora-targets", "double_blocks.*.img_attn.qkv,single_blocks.*"],
-    ["--model", "flux-tiny", "--lora-rank", "4", "--lora-targets", "*.linear1"],
-    ["--model", "flux-tiny", "--zero-stage", "2", "--fp8", "tensorwise", "--precision", "bf16"],
-    ["--model", "flux-tiny", "--lora-rank", "8", "--fit", "--gpu-memory", "24", "--world-size", "1"],
-    ["--model", "flux-tiny", "--fit", "--gpu-memory", "80", "--world-size", "2", "--ema", "bf16"],
-    ["--model", "flux-tiny", "--optimizer-mode", "fused-adafactor-sr", "--offload-blocks", "2"],  # stage 0 chosen
-], ids=lambda a: " ".join(a[2:]) or "plain")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--model", "flux-tiny"],
+        ["--model", "flux-tiny", "--lora-rank", "8"],
+        ["--model", "flux-tiny", "--lora-rank", "8", "--lora-targets", "double_blocks.*.img_attn.qkv,single_blocks.*"],
+        ["--model", "flux-tiny", "--lora-rank", "4", "--lora-targets", "*.linear1"],
+        ["--model", "flux-tiny", "--zero-stage", "2", "--fp8", "tensorwise", "--precision", "bf16"],
+        ["--model", "flux-tiny", "--lora-rank", "8", "--fit", "--gpu-memory", "24", "--world-size", "1"],
+        ["--model", "flux-tiny", "--fit", "--gpu-memory", "80", "--world-size", "2", "--ema", "bf16"],
+        ["--model", "flux-tiny", "--optimizer-mode", "fused-adafactor-sr", "--offload-blocks", "2"],  # stage 0 chosen
+    ],
+    ids=lambda a: " ".join(a[2:]) or "plain",
+)
 def test_what_gen_config_writes_passes_the_trainers_checks(tmp_path, argv):
     from fluxzero.cli import main
     from fluxzero.config.deepspeed.file import load_for_training
@@ -1066,14 +1466,23 @@ def test_convert_names_the_tensors_it_leaves_out(tmp_path):
     from fluxzero.model.weights import load_weights
 
     sd = build_model("flux-tiny").state_dict()
-    save_file({**{COMFY_PREFIX + k: v.contiguous() for k, v in sd.items()}, "first_stage_model.w": torch.zeros(2),
-               "cond_stage_model.a.w": torch.zeros(3), "cond_stage_model.b.w": torch.zeros(3)},
-              str(tmp_path / "aio.safetensors"))
-    r = CliRunner().invoke(main, ["convert", str(tmp_path / "aio.safetensors"), str(tmp_path / "out.safetensors"),
-                                  "--to", "bfl"])
+    save_file(
+        {
+            **{COMFY_PREFIX + k: v.contiguous() for k, v in sd.items()},
+            "first_stage_model.w": torch.zeros(2),
+            "cond_stage_model.a.w": torch.zeros(3),
+            "cond_stage_model.b.w": torch.zeros(3),
+        },
+        str(tmp_path / "aio.safetensors"),
+    )
+    r = CliRunner().invoke(
+        main, ["convert", str(tmp_path / "aio.safetensors"), str(tmp_path / "out.safetensors"), "--to", "bfl"]
+    )
     assert r.exit_code == 0, r.output
-    assert "left out 3 tensors of IN that are not the transformer's: cond_stage_model.* (2), first_stage_model.* (1)" \
-        in r.output, r.output
+    assert (
+        "left out 3 tensors of IN that are not the transformer's: cond_stage_model.* (2), first_stage_model.* (1)"
+        in r.output
+    ), r.output
     assert set(load_weights(tmp_path / "out.safetensors")) == set(sd)
 
 
@@ -1084,9 +1493,25 @@ def test_gen_config_fit_never_writes_fp8_at_zero3(tmp_path):
     from fluxzero.config.deepspeed.file import load_for_training
 
     out = tmp_path / "ds.json"
-    r = CliRunner().invoke(main, ["gen-config", "--fit", "--fp8", "tensorwise", "--precision", "bf16", "--model",
-                                  "flux-dev", "--gpu-memory", "40", "--world-size", "1",
-                                  "-o", str(out)])
+    r = CliRunner().invoke(
+        main,
+        [
+            "gen-config",
+            "--fit",
+            "--fp8",
+            "tensorwise",
+            "--precision",
+            "bf16",
+            "--model",
+            "flux-dev",
+            "--gpu-memory",
+            "40",
+            "--world-size",
+            "1",
+            "-o",
+            str(out),
+        ],
+    )
     if r.exit_code == 0:
         load_for_training(out, 1)
         ds = json.loads(out.read_text())  # the engine's rule, which older checks left to the trainer's start

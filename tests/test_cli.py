@@ -2,6 +2,7 @@
 
 New commands are covered as soon as they are added to fluxzero.cli.COMMANDS.
 """
+
 from __future__ import annotations
 
 import re
@@ -68,7 +69,7 @@ def test_every_option_is_in_the_cli_doc(path):
     sections = _reference_sections()
     words = path.split()
     # options of `cache build` may be documented under '## fluxzero cache build' or '## fluxzero cache'
-    text = "\n".join(t for head, t in sections.items() if head.split() == words[:len(head.split())])
+    text = "\n".join(t for head, t in sections.items() if head.split() == words[: len(head.split())])
     assert text, f"docs/cli.md has no '## fluxzero {path}' section"
     missing = []
     for param in cmd.params:
@@ -98,12 +99,16 @@ def test_sampling_without_the_cache_extra_names_it(command, tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "diffusers", None)  # find_spec and import then fail as if not installed
     monkeypatch.setitem(sys.modules, "transformers", None)
     (tmp_path / "w.safetensors").write_bytes(b"")
-    args = {"sample": ["sample", str(tmp_path / "w.safetensors"), "--out", str(tmp_path / "o")],
-            "encode-prompts": ["encode-prompts", str(tmp_path / "p.safetensors")]}[command]
+    args = {
+        "sample": ["sample", str(tmp_path / "w.safetensors"), "--out", str(tmp_path / "o")],
+        "encode-prompts": ["encode-prompts", str(tmp_path / "p.safetensors")],
+    }[command]
     r = CliRunner().invoke(main, [*args, "--prompt", "a dog", "--flux-dir", str(tmp_path)])
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
-    assert f"fluxzero {command} needs transformers, diffusers, which are not installed; install them with pip " \
-           "install -e '.[cache]'." in r.output, r.output
+    assert (
+        f"fluxzero {command} needs transformers, diffusers, which are not installed; install them with pip "
+        "install -e '.[cache]'." in r.output
+    ), r.output
     assert not (tmp_path / "o").exists()
 
 
@@ -113,7 +118,12 @@ def test_commands_that_only_import_deepspeed_do_not_print_its_accelerator_note()
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-m", "fluxzero.cli", "check-config", "launch/tiny-zero2.json"], cwd=root,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "fluxzero.cli", "check-config", "launch/tiny-zero2.json"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and ": OK" in r.stdout, r.stderr
     assert "Setting accelerator" not in r.stderr, r.stderr

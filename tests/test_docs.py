@@ -1,4 +1,5 @@
 """README.md and docs/*.md: every relative link names a file of the repository, and every #anchor a heading of it."""
+
 from __future__ import annotations
 
 import re
@@ -35,12 +36,25 @@ def _broken(doc: Path) -> list[str]:
 
 
 def test_the_reference_docs_exist():
-    assert {p.name for p in DOCS} >= {"README.md", "cli.md", "memory.md", "multi-node.md", "lora.md", "training.md",
-                                      "optimizer-modes.md", "troubleshooting.md", "data.md", "benchmarks.md"}
+    assert {p.name for p in DOCS} >= {
+        "README.md",
+        "cli.md",
+        "memory.md",
+        "multi-node.md",
+        "lora.md",
+        "training.md",
+        "optimizer-modes.md",
+        "troubleshooting.md",
+        "data.md",
+        "benchmarks.md",
+    }
 
 
-BENCHMARK_DOCS = [ROOT / "benchmarks" / "README.md", ROOT / "benchmarks" / "RESULTS.md",
-                  ROOT / "benchmarks" / "archive" / "README.md"]
+BENCHMARK_DOCS = [
+    ROOT / "benchmarks" / "README.md",
+    ROOT / "benchmarks" / "RESULTS.md",
+    ROOT / "benchmarks" / "archive" / "README.md",
+]
 
 
 @pytest.mark.parametrize("doc", DOCS + BENCHMARK_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -60,8 +74,9 @@ def test_the_readme_is_a_first_screen():
 def _undocumented(cls, text: str, prefix: str = "") -> list[str]:
     import dataclasses
 
-    return [f.name for f in dataclasses.fields(cls)
-            if not re.search(rf"`{re.escape(prefix + f.name)}[`.]", text)]  # `flow.shift` documents `flow`
+    return [
+        f.name for f in dataclasses.fields(cls) if not re.search(rf"`{re.escape(prefix + f.name)}[`.]", text)
+    ]  # `flow.shift` documents `flow`
 
 
 def test_every_run_file_key_is_documented():
@@ -95,11 +110,20 @@ def test_the_readme_s_skipped_image_size_is_the_cache_s_rule():
 
 def test_install_hints_name_the_extras_one_way():
     """`pip install -e '.[X]'` works from a clone; fluxzero is not on PyPI, so `fluxzero[X]` would not."""
-    texts = {p: p.read_text() for p in [*DOCS, *(ROOT / "fluxzero").rglob("*.py"), *(ROOT / "launch").glob("*")]
-             if p.is_file()}
+    texts = {
+        p: p.read_text()
+        for p in [*DOCS, *(ROOT / "fluxzero").rglob("*.py"), *(ROOT / "launch").glob("*")]
+        if p.is_file()
+    }
     extras = re.compile(r"pip install (?:-U )?(?:-e )?['\"]?([\w.]*)\[")
-    wrong = sorted({f"{p.relative_to(ROOT)}: {m.group(0)}" for p, t in texts.items() for m in extras.finditer(t)
-                    if m.group(1) != "." or "-e" not in m.group(0)})
+    wrong = sorted(
+        {
+            f"{p.relative_to(ROOT)}: {m.group(0)}"
+            for p, t in texts.items()
+            for m in extras.finditer(t)
+            if m.group(1) != "." or "-e" not in m.group(0)
+        }
+    )
     assert not wrong, wrong
 
 
@@ -107,7 +131,7 @@ def test_the_tiny_paths_say_what_they_need():
     """The quick start's LoRA names its extra; the no-weights walkthrough names the run file for its shards and the
     sample flags that suit flux-tiny on a CPU (sample's defaults are FLUX.1's)."""
     text = " ".join((ROOT / "README.md").read_text().split())
-    lora = text[text.index("`launch/tiny-lora.yaml` does the same for a LoRA"):][:200]
+    lora = text[text.index("`launch/tiny-lora.yaml` does the same for a LoRA") :][:200]
     assert "pip install -e '.[lora]'" in lora, lora
-    tiny = text[text.index("`fluxzero tiny-encoders tiny/`"):][:900]
+    tiny = text[text.index("`fluxzero tiny-encoders tiny/`") :][:900]
     assert "launch/tiny-lora.yaml data=shards/" in tiny and "--width 256 --height 256 --steps 4" in tiny, tiny

@@ -1,5 +1,6 @@
 """The run files a user copies (launch/*.yaml): each loads with the trainer's own run-file reader, the FLUX.1-dev
 ones name the gen-config command that writes the DeepSpeed JSON they point to, and tiny-lora.yaml trains."""
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,14 @@ def test_flux_dev_run_files_gen_config_line_writes_their_json_without_torch(path
     assert argv[argv.index("-o") + 1] == cfg.deepspeed, f"{path.name}'s gen-config line must write its deepspeed: file"
     (tmp_path / Path(cfg.deepspeed).parent).mkdir(parents=True, exist_ok=True)
     code = BLOCKER + "import sys\nfrom fluxzero.cli import main\nmain(sys.argv[1:])\n"
-    p = subprocess.run([sys.executable, "-c", code, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     world = int(argv[argv.index("--world-size") + 1]) if "--world-size" in argv else 1
     _, view = load_for_training(tmp_path / cfg.deepspeed, world)  # the trainer's own checks of the JSON
@@ -73,15 +80,33 @@ def test_tiny_lora_trains_on_two_ranks_and_exports_a_lora(tmp_path):
     from fluxzero.model.lora_formats import read_lora
 
     out = tmp_path / "tiny-lora"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "launch/train.py",
-           "--config", "launch/tiny-lora.yaml", "steps=2", "checkpoint.every=0", "log_every=1", f"output_dir={out}"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "launch/train.py",
+        "--config",
+        "launch/tiny-lora.yaml",
+        "steps=2",
+        "checkpoint.every=0",
+        "log_every=1",
+        f"output_dir={out}",
+    ]
+    p = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "done: step 2/2" in p.stderr
     _, info = read_lora(out / "lora.safetensors")
-    assert (info.layout, info.rank, info.alpha, info.targets, info.base_model) == \
-        ("kohya", 4, 4.0, "attention+mlp", "flux-tiny")  # export.format comfyui writes the kohya layout
+    assert (info.layout, info.rank, info.alpha, info.targets, info.base_model) == (
+        "kohya",
+        4,
+        4.0,
+        "attention+mlp",
+        "flux-tiny",
+    )  # export.format comfyui writes the kohya layout
     assert not (out / "export.safetensors").exists()  # a LoRA run exports the LoRA, not the whole model
 
     # docs/training.md's check of the tiny LoRA in diffusers, run as written (a flux-tiny base stands in for
@@ -89,15 +114,18 @@ def test_tiny_lora_trains_on_two_ranks_and_exports_a_lora(tmp_path):
     from tests.helpers import tiny_weights
 
     text = (ROOT / "docs" / "training.md").read_text()
-    block = text[text.index("to check the tiny LoRA in"):].split("```bash\n")[1].split("```")[0]
+    block = text[text.index("to check the tiny LoRA in") :].split("```bash\n")[1].split("```")[0]
     tiny_weights(tmp_path / "base.safetensors")
-    block = block.replace("runs/tiny-lora/", f"{out}/").replace("runs/tiny/export.safetensors",
-                                                                str(tmp_path / "base.safetensors"))
+    block = block.replace("runs/tiny-lora/", f"{out}/").replace(
+        "runs/tiny/export.safetensors", str(tmp_path / "base.safetensors")
+    )
     for line in block.replace("\\\n", "").strip().splitlines():
         argv = shlex.split(line)
-        argv = [sys.executable, "-m", "fluxzero.cli", *argv[1:]] if argv[0] == "fluxzero" else [sys.executable,
-                                                                                                 *argv[1:]]
-        p = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        argv = (
+            [sys.executable, "-m", "fluxzero.cli", *argv[1:]] if argv[0] == "fluxzero" else [sys.executable, *argv[1:]]
+        )
+        p = subprocess.run(
+            argv, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        )
         assert p.returncode == 0, f"{line}: {p.stderr[-3000:]}"
     assert "default_0" in p.stdout  # the adapter diffusers loaded

@@ -16,6 +16,7 @@ Function-level imports count like module-level ones: the house imports heavy dep
 diffusers) inside command bodies, never its own modules to dodge a cycle, so an import inside a function is a
 dependency all the same.
 """
+
 from __future__ import annotations
 
 import ast
@@ -23,11 +24,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fluxzero"
-LAYERS = {"config": 1, "cluster": 1, "plan": 2, "model": 3, "data": 3, "sampling": 4, "train": 4, "commands": 5,
-          "cli": 6}
+LAYERS = {
+    "config": 1,
+    "cluster": 1,
+    "plan": 2,
+    "model": 3,
+    "data": 3,
+    "sampling": 4,
+    "train": 4,
+    "commands": 5,
+    "cli": 6,
+}
 # package -> {room (its first name below the package): rank}; a room not named has DEFAULT_ROOM
-ROOMS = {"train": {"optim": 0, "checkpoint": 1, "export": 2, "loop": 3},
-         "config": {"deepspeed": 2}}
+ROOMS = {"train": {"optim": 0, "checkpoint": 1, "export": 2, "loop": 3}, "config": {"deepspeed": 2}}
 DEFAULT_ROOM = 1
 OTHER_SOURCES = ("tests", "benchmarks", "launch")  # they import the package too: no names through re-exports
 
@@ -64,7 +73,7 @@ def _absolute(node: ast.ImportFrom, module: str, path: Path) -> str:
     if not node.level:
         return node.module
     base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    base = base[:len(base) - node.level + 1]
+    base = base[: len(base) - node.level + 1]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -134,8 +143,12 @@ def test_no_import_cycles():
 
 
 def test_no_import_against_the_layer_order():
-    upward = [f"{a}:{line} imports {b} (layer {_layer(b)} > {_layer(a)})"
-              for a, targets in _edges().items() for b, line in targets.items() if _layer(b) > _layer(a)]
+    upward = [
+        f"{a}:{line} imports {b} (layer {_layer(b)} > {_layer(a)})"
+        for a, targets in _edges().items()
+        for b, line in targets.items()
+        if _layer(b) > _layer(a)
+    ]
     assert not upward, "lower layers must not import higher ones: " + "; ".join(upward)
 
 
@@ -200,37 +213,64 @@ def test_names_are_imported_from_the_module_that_defines_them():
                 aliases.update((a.asname, a.name) for a in node.names if a.asname and a.name in MODULES)
             elif isinstance(node, ast.ImportFrom):  # `from fluxzero.x import mod`, `from . import mod as M`
                 base = _absolute(node, module, path) if module else node.module
-                aliases.update((a.asname or a.name, f"{base}.{a.name}") for a in node.names
-                               if base and f"{base}.{a.name}" in MODULES)
+                aliases.update(
+                    (a.asname or a.name, f"{base}.{a.name}")
+                    for a in node.names
+                    if base and f"{base}.{a.name}" in MODULES
+                )
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
                 target = aliases[node.value.id]
                 if node.attr in borrowed[target] and f"{target}.{node.attr}" not in MODULES:
-                    wrong.append(f"{where}:{node.lineno} reads {node.value.id}.{node.attr}, which {target} imports "
-                                 f"from elsewhere")
+                    wrong.append(
+                        f"{where}:{node.lineno} reads {node.value.id}.{node.attr}, which {target} imports "
+                        f"from elsewhere"
+                    )
     assert not wrong, "import each name from where it lives: " + "; ".join(sorted(set(wrong)))
 
 
 def test_every_import_names_a_module_that_exists():
     """A moved module leaves no import of its old path behind (relative and function-level imports too)."""
-    missing = [f"{path.relative_to(ROOT)}:{line} imports {target}, which is not a module of the package"
-               for path, module in _sources() for line, target, _ in _imports(path, module) if target not in MODULES]
+    missing = [
+        f"{path.relative_to(ROOT)}:{line} imports {target}, which is not a module of the package"
+        for path, module in _sources()
+        for line, target, _ in _imports(path, module)
+        if target not in MODULES
+    ]
     assert not missing, "; ".join(missing)
 
 
 def test_the_checks_see_a_cycle_and_an_upward_import():
     """The graph reader finds what it must (a test that cannot fail is a defect)."""
-    assert _cycles({"fluxzero.a": {"fluxzero.b": 1}, "fluxzero.b": {"fluxzero.c": 1}, "fluxzero.c": {"fluxzero.a": 1},
-                    "fluxzero.d": {"fluxzero.a": 1}}) == [["fluxzero.a", "fluxzero.b", "fluxzero.c"]]
+    assert _cycles(
+        {
+            "fluxzero.a": {"fluxzero.b": 1},
+            "fluxzero.b": {"fluxzero.c": 1},
+            "fluxzero.c": {"fluxzero.a": 1},
+            "fluxzero.d": {"fluxzero.a": 1},
+        }
+    ) == [["fluxzero.a", "fluxzero.b", "fluxzero.c"]]
     assert _cycles({"fluxzero.a": {"fluxzero.b": 1}}) == []
-    assert _layer("fluxzero.cli") > _layer("fluxzero.commands.train") > _layer("fluxzero.train.loop") \
-        > _layer("fluxzero.model.flux") > _layer("fluxzero.plan.fit") > _layer("fluxzero.config.run") > _layer("fluxzero.fsutil")
+    assert (
+        _layer("fluxzero.cli")
+        > _layer("fluxzero.commands.train")
+        > _layer("fluxzero.train.loop")
+        > _layer("fluxzero.model.flux")
+        > _layer("fluxzero.plan.fit")
+        > _layer("fluxzero.config.run")
+        > _layer("fluxzero.fsutil")
+    )
     assert _layer("fluxzero.sampling.sampler") == _layer("fluxzero.train.flow")
     for package, rooms in ROOMS.items():  # each named room exists: a renamed folder must not leave its rank behind
         for room in rooms:
             assert f"fluxzero.{package}.{room}" in MODULES, room
-    assert _against_the_rooms({"fluxzero.train.optim.optimizers": {"fluxzero.train.checkpoint.store": 1},
-                               "fluxzero.train.export.full": {"fluxzero.train.loop": 2},
-                               "fluxzero.train.loop": {"fluxzero.train.export.full": 3}}) == [
+    assert _against_the_rooms(
+        {
+            "fluxzero.train.optim.optimizers": {"fluxzero.train.checkpoint.store": 1},
+            "fluxzero.train.export.full": {"fluxzero.train.loop": 2},
+            "fluxzero.train.loop": {"fluxzero.train.export.full": 3},
+        }
+    ) == [
         "fluxzero.train.optim.optimizers:1 imports fluxzero.train.checkpoint.store (room rank 1 > 0)",
-        "fluxzero.train.export.full:2 imports fluxzero.train.loop (room rank 3 > 2)"]
+        "fluxzero.train.export.full:2 imports fluxzero.train.loop (room rank 3 > 2)",
+    ]

@@ -7,6 +7,7 @@ how many grads exist, and how many are non-zero, after each engine.backward (Dee
 steps, and how far the weights are from the ordinary path (engine.backward + engine.step with one optimizer)
 and from rank 0. Findings are written up in fluxzero/train/optim/optimizers.py (GRADIENT RELEASE).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,13 @@ def engine(fused: bool, gas: int, clip: float):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
-           "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 10**9,
+    }
     hook_steps = [0]
     if fused:
         per_param = {p: build_optimizer([p], "fp32", lr=1e-2) for p in model.parameters()}
@@ -57,8 +63,9 @@ def engine(fused: bool, gas: int, clip: float):
 
 
 def run(rank: int, world: int, port: int, gas: int, clip: float, q):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
@@ -79,13 +86,20 @@ def run(rank: int, world: int, port: int, gas: int, clip: float, q):
             x, y = torch.randn(2, 32, generator=g), torch.randn(2, 8, generator=g)
             loss = (eng(x) - y).pow(2).mean()
             eng.backward(loss)
-            grads_after_backward.append([sum(p.grad is not None for p in eng.module.parameters()),
-                                         sum(p.grad is not None and bool(p.grad.any()) for p in eng.module.parameters())])
+            grads_after_backward.append(
+                [
+                    sum(p.grad is not None for p in eng.module.parameters()),
+                    sum(p.grad is not None and bool(p.grad.any()) for p in eng.module.parameters()),
+                ]
+            )
             eng.step()
         weights[fused] = torch.cat([p.detach().flatten() for p in eng.module.parameters()])
-        out["fused" if fused else "plain"] = {"grads_after_backward": grads_after_backward,
-                                              "hook_steps": hook_steps[0], "engine_steps": eng.global_steps,
-                                              "optimizer": type(eng.optimizer).__name__}
+        out["fused" if fused else "plain"] = {
+            "grads_after_backward": grads_after_backward,
+            "hook_steps": hook_steps[0],
+            "engine_steps": eng.global_steps,
+            "optimizer": type(eng.optimizer).__name__,
+        }
     out["fused_vs_plain_max_diff"] = (weights[True] - weights[False]).abs().max().item()
     w0 = weights[True].clone()
     dist.broadcast(w0, 0)
@@ -104,6 +118,7 @@ def main():
     ap.add_argument("--clip", type=float, default=0.0)
     a = ap.parse_args()
     import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")  # fork hangs once the parent has run DeepSpeed
     q = ctx.Queue()
     port = _free_port()

@@ -9,6 +9,7 @@ the rest is Python and launch overhead that scales with the number of tensors, n
 shows it on a CPU: each timed step runs forward + backward on a 16-token input, then times TrainStep's update
 part (fluxzero's own norm/reduction, then engine.step()). Median of --steps. Figures: benchmarks/README.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ from fluxzero.config.lora import LoraConfig
 from fluxzero.train.distributed import init_distributed
 
 # FLUX.1-dev's block structure and linears, widths divided so that compute disappears
-SHAPE = get_model_config("flux-dev").replace(name="flux-dev-structure", hidden_size=64, num_heads=4,
-                                             axes_dim=(4, 6, 6), context_in_dim=64, vec_in_dim=32)
+SHAPE = get_model_config("flux-dev").replace(
+    name="flux-dev-structure", hidden_size=64, num_heads=4, axes_dim=(4, 6, 6), context_in_dim=64, vec_in_dim=32
+)
 
 
 class OpCounter(TorchDispatchMode):
@@ -46,9 +48,14 @@ class OpCounter(TorchDispatchMode):
 
 
 def ds_config(stage: int, bf16: bool) -> dict:
-    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-          "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    ds = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
     if bf16:
         ds["bf16"] = {"enabled": True}
     return ds
@@ -58,9 +65,15 @@ def inputs(cfg, dtype):
     g = torch.Generator().manual_seed(0)
     img = torch.randn(1, 16, cfg.in_channels, generator=g, dtype=dtype)
     txt = torch.randn(1, 8, cfg.context_in_dim, generator=g, dtype=dtype)
-    return dict(img=img, img_ids=torch.zeros(1, 16, 3), txt=txt, txt_ids=torch.zeros(1, 8, 3),
-                timesteps=torch.full((1,), 0.5, dtype=dtype), y=torch.randn(1, cfg.vec_in_dim, generator=g, dtype=dtype),
-                guidance=torch.full((1,), 3.5, dtype=dtype))
+    return dict(
+        img=img,
+        img_ids=torch.zeros(1, 16, 3),
+        txt=txt,
+        txt_ids=torch.zeros(1, 8, 3),
+        timesteps=torch.full((1,), 0.5, dtype=dtype),
+        y=torch.randn(1, cfg.vec_in_dim, generator=g, dtype=dtype),
+        guidance=torch.full((1,), 3.5, dtype=dtype),
+    )
 
 
 def main():
@@ -70,11 +83,17 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--profile")
-    ap.add_argument("--count-ops", action="store_true",
-                    help="also count the aten ops one update dispatches (one more update, under a TorchDispatchMode): "
-                         "a proxy for the kernels it launches on a GPU")
-    ap.add_argument("--deepspeed-loops", action="store_true",
-                    help="leave DeepSpeed's per-tensor checks as they are (engine.batch_grad_checks off): the before")
+    ap.add_argument(
+        "--count-ops",
+        action="store_true",
+        help="also count the aten ops one update dispatches (one more update, under a TorchDispatchMode): "
+        "a proxy for the kernels it launches on a GPU",
+    )
+    ap.add_argument(
+        "--deepspeed-loops",
+        action="store_true",
+        help="leave DeepSpeed's per-tensor checks as they are (engine.batch_grad_checks off): the before",
+    )
     args = ap.parse_args()
     from fluxzero.train import engine as E
     from fluxzero.train.step import TrainStep
@@ -121,10 +140,23 @@ def main():
         with OpCounter() as counter:
             update()
         ops = {"total": counter.count, "most": dict(counter.names.most_common(8))}
-    print(json.dumps({"zero": args.zero, "bf16": not args.fp32, "batched_checks": not args.deepspeed_loops, "lora_tensors": len(params),
-                      "lora_values": sum(p.numel() for p in params), "step_ms": round(1e3 * statistics.median(times), 2),
-                      "min_ms": round(1e3 * min(times), 2), "aten_ops": ops, "losses": losses[-3:], "grad_norm": float(engine.get_global_grad_norm() or 0),
-                      "threads": torch.get_num_threads()}))
+    print(
+        json.dumps(
+            {
+                "zero": args.zero,
+                "bf16": not args.fp32,
+                "batched_checks": not args.deepspeed_loops,
+                "lora_tensors": len(params),
+                "lora_values": sum(p.numel() for p in params),
+                "step_ms": round(1e3 * statistics.median(times), 2),
+                "min_ms": round(1e3 * min(times), 2),
+                "aten_ops": ops,
+                "losses": losses[-3:],
+                "grad_norm": float(engine.get_global_grad_norm() or 0),
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Prints one JSON line per (mode, stage): accepted or the error, the wrapper, dtyp
 the client optimizer steps, whether they alias the model's weights, state types, and whether a checkpoint
 save -> load into a fresh engine gives a bit-identical next step. The findings table in fluxzero/train/optim/optimizers.py came from it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,13 +26,14 @@ def _setup():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "fluxzero-inductor"))
     warnings.filterwarnings("ignore")
     import deepspeed
+
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # unused C++ op, ~60 s build
     import logging
+
     for name in ("deepspeed", "DeepSpeed"):
         logging.getLogger(name).setLevel(logging.ERROR)
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
@@ -39,8 +41,15 @@ def _setup():
 
 def ds_config(mode: str, stage: int, allow_untested: bool) -> dict:
     from fluxzero.config.optim_modes import get_mode
-    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
     bf16 = get_mode(mode).ds_bf16_section(stage)
     if bf16:
         cfg["bf16"] = bf16
@@ -68,6 +77,7 @@ def make_engine(mode: str, stage: int, lr: float, allow_untested: bool = True, s
 
 def batch(step: int):
     import torch
+
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g)
 
@@ -85,6 +95,7 @@ def train_step(eng, step: int) -> float:
 def flat_weights(eng):
     import torch
     from deepspeed.utils import safe_get_full_fp32_param
+
     if eng.zero_optimization_stage() == 3:
         return torch.cat([safe_get_full_fp32_param(p).flatten() for p in eng.module.parameters()])
     return torch.cat([p.detach().float().flatten() for p in eng.module.parameters()])
@@ -92,6 +103,7 @@ def flat_weights(eng):
 
 def probe(mode: str, stage: int) -> dict:
     import torch
+
     row = {"mode": mode, "stage": stage}
     try:
         make_engine(mode, stage, 1e-3, allow_untested=False)
@@ -109,9 +121,15 @@ def probe(mode: str, stage: int) -> dict:
     row["same_client_object"] = eng.basic_optimizer is opt
     model_ptrs = {p.data_ptr() for p in eng.module.parameters() if p.numel()}
     seen = []  # what the optimizer steps, seen at step time (ZeRO-3 swaps its param_groups in only then)
-    hook = opt.register_step_pre_hook(lambda o, a, k: seen.append(
-        [[str(p.dtype).replace("torch.", ""), list(p.shape), p.data_ptr() in model_ptrs]
-         for g in o.param_groups for p in g["params"]]))
+    hook = opt.register_step_pre_hook(
+        lambda o, a, k: seen.append(
+            [
+                [str(p.dtype).replace("torch.", ""), list(p.shape), p.data_ptr() in model_ptrs]
+                for g in o.param_groups
+                for p in g["params"]
+            ]
+        )
+    )
     try:
         for s in range(3):
             train_step(eng, s)
@@ -120,8 +138,13 @@ def probe(mode: str, stage: int) -> dict:
     except BaseException as e:
         row["step_error"] = f"{type(e).__name__}: {e}"[:400]
         return row
-    row["states"] = sorted({f"{k}:{type(v).__name__}:{str(getattr(v, 'dtype', '')).replace('torch.', '')}"
-                            for st in opt.state.values() for k, v in st.items()})
+    row["states"] = sorted(
+        {
+            f"{k}:{type(v).__name__}:{str(getattr(v, 'dtype', '')).replace('torch.', '')}"
+            for st in opt.state.values()
+            for k, v in st.items()
+        }
+    )
     # exact resume: save after step 3, step 4 here; fresh engine loads, same RNG, step 4 there
     with tempfile.TemporaryDirectory() as ck:
         try:
@@ -149,6 +172,7 @@ def probe(mode: str, stage: int) -> dict:
 
 def main():
     from fluxzero.config.optim_modes import MODES
+
     ap = argparse.ArgumentParser()
     ap.add_argument("modes", nargs="*", default=list(MODES))
     ap.add_argument("--stages", default="0,1,2,3")
@@ -158,6 +182,7 @@ def main():
         for stage in map(int, a.stages.split(",")):
             print(json.dumps(probe(mode, stage)), flush=True)
     import torch.distributed as dist
+
     dist.destroy_process_group()
 
 

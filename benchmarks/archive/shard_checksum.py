@@ -8,6 +8,7 @@ alternate, so the drift of a shared machine hits both; the ratio of medians is t
 
     python benchmarks/archive/shard_checksum.py --samples 64 --per-shard 16 --repeats 3 --dir /tmp/shard-bench
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,12 @@ def write(d: Path, n: int, per_shard: int) -> None:
     g = torch.Generator().manual_seed(0)
     with ShardWriter(d, samples_per_shard=per_shard, dtype="bfloat16") as w:
         for i in range(n):
-            w.add(torch.randn(16, 128, 128, generator=g), torch.randn(512, 4096, generator=g),
-                  torch.randn(768, generator=g), caption=f"sample {i}")
+            w.add(
+                torch.randn(16, 128, 128, generator=g),
+                torch.randn(512, 4096, generator=g),
+                torch.randn(768, generator=g),
+                caption=f"sample {i}",
+            )
 
 
 def read_all(src: ShardSource) -> float:
@@ -59,17 +64,25 @@ def main() -> None:
         times["unchecked"].append(read_all(off))
     mib = a.samples * (16 * 128 * 128 + 512 * 4096 + 768) * 2 / 2**20
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(json.dumps({
-        "samples": a.samples, "sample_mib": round(mib / a.samples, 3), "threads": a.threads,
-        "write_s": round(write_s, 2),
-        "checked_s": [round(x, 3) for x in times["checked"]], "unchecked_s": [round(x, 3) for x in times["unchecked"]],
-        "checked_mib_s_median": round(mib / med["checked"], 1), "unchecked_mib_s_median": round(mib / med["unchecked"], 1),
-        "ms_per_sample_checked_median": round(1e3 * med["checked"] / a.samples, 2),
-        "ms_per_sample_unchecked_median": round(1e3 * med["unchecked"] / a.samples, 2),
-        "ratio_of_medians": round(med["checked"] / med["unchecked"], 3),
-        "ratio_of_minima": round(min(times["checked"]) / min(times["unchecked"]), 3),
-        "ratios_per_pair": [round(c / u, 3) for c, u in zip(times["checked"], times["unchecked"])],
-    }))
+    print(
+        json.dumps(
+            {
+                "samples": a.samples,
+                "sample_mib": round(mib / a.samples, 3),
+                "threads": a.threads,
+                "write_s": round(write_s, 2),
+                "checked_s": [round(x, 3) for x in times["checked"]],
+                "unchecked_s": [round(x, 3) for x in times["unchecked"]],
+                "checked_mib_s_median": round(mib / med["checked"], 1),
+                "unchecked_mib_s_median": round(mib / med["unchecked"], 1),
+                "ms_per_sample_checked_median": round(1e3 * med["checked"] / a.samples, 2),
+                "ms_per_sample_unchecked_median": round(1e3 * med["unchecked"] / a.samples, 2),
+                "ratio_of_medians": round(med["checked"] / med["unchecked"], 3),
+                "ratio_of_minima": round(min(times["checked"]) / min(times["unchecked"]), 3),
+                "ratios_per_pair": [round(c / u, 3) for c, u in zip(times["checked"], times["unchecked"])],
+            }
+        )
+    )
     shutil.rmtree(d, ignore_errors=True)
 
 

@@ -20,6 +20,7 @@ the device before and after each step, the trainer does not (its per-step times 
 same in a steady state). Writes $OUT/<name>.json (and the sweep's <name>.jsonl / .log); exit 0 when they agree,
 1 when they do not, 2 when either side failed to measure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,14 +76,23 @@ def run_trainer(case: sweep.Case, device: str, work: Path, timeout: float) -> di
     ds_path.write_text(json.dumps(sweep.deepspeed_config(case, case.gpus), indent=1))
     run_path.write_text(json.dumps(sweep.run_file(case, case.gpus, ds_path, out), indent=1))  # JSON is YAML
     metrics = out / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.gpus}",
-           str(ROOT / "launch" / "train.py"), "--config", str(run_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={case.gpus}",
+        str(ROOT / "launch" / "train.py"),
+        "--config",
+        str(run_path),
+    ]
     total = case.warmup + case.steps
     t0 = time.time()
     outcome = "exit"
     with open(work / "trainer.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(device, case), cwd=str(ROOT),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(device, case), cwd=str(ROOT), start_new_session=True
+        )
         while proc.poll() is None:
             time.sleep(0.25)
             if len(_rows(metrics)) >= total:
@@ -94,13 +104,23 @@ def run_trainer(case: sweep.Case, device: str, work: Path, timeout: float) -> di
         if proc.poll() is None:
             runner.kill_group(proc)  # torchrun and its ranks, found by id
     rows = _rows(metrics)
-    rec = {"command": " ".join(cmd), "run_file": json.loads(run_path.read_text()),
-           "ds_config": json.loads(ds_path.read_text()), "outcome": outcome,
-           "returncode": proc.returncode, "wall_s": time.time() - t0, "metrics_rows": rows}
+    rec = {
+        "command": " ".join(cmd),
+        "run_file": json.loads(run_path.read_text()),
+        "ds_config": json.loads(ds_path.read_text()),
+        "outcome": outcome,
+        "returncode": proc.returncode,
+        "wall_s": time.time() - t0,
+        "metrics_rows": rows,
+    }
     timed = [r["samples_per_s"] for r in rows if r["step"] > case.warmup]
     if len(rows) >= total and timed:
-        rec.update(status="ok", samples_per_s=statistics.median(timed), samples_per_s_all=timed,
-                   step_s_all=[r["step_time_s"] for r in rows if r["step"] > case.warmup])
+        rec.update(
+            status="ok",
+            samples_per_s=statistics.median(timed),
+            samples_per_s_all=timed,
+            step_s_all=[r["step_time_s"] for r in rows if r["step"] > case.warmup],
+        )
     else:
         tail = (work / "trainer.log").read_text(errors="replace").strip().splitlines()[-5:]
         rec.update(status=f"{outcome}: {len(rows)} of {total} steps logged", log_tail=tail)
@@ -108,8 +128,9 @@ def run_trainer(case: sweep.Case, device: str, work: Path, timeout: float) -> di
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench_out", help="folder for <name>.json")
     p.add_argument("--name", default="trainer_vs_sweep", help="file stem of the results")
@@ -137,10 +158,25 @@ def parse_args(argv):
 def main(argv=None) -> int:
     a = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        case = sweep.Case(model=a.model, gpus=a.gpus, zero=a.zero, precision=a.precision, ckpt=a.ckpt, mb=a.mb,
-                          res=a.res, txt=a.txt, attn=a.attn, optim=a.optim, compile=bool(a.compile),
-                          data=str(Path(a.data).resolve()) if a.data and not a.data.startswith("synthetic:")
-                          else a.data, workers=a.workers, warmup=a.warmup, steps=a.steps, timeout=a.timeout, min_s=0)
+        case = sweep.Case(
+            model=a.model,
+            gpus=a.gpus,
+            zero=a.zero,
+            precision=a.precision,
+            ckpt=a.ckpt,
+            mb=a.mb,
+            res=a.res,
+            txt=a.txt,
+            attn=a.attn,
+            optim=a.optim,
+            compile=bool(a.compile),
+            data=str(Path(a.data).resolve()) if a.data and not a.data.startswith("synthetic:") else a.data,
+            workers=a.workers,
+            warmup=a.warmup,
+            steps=a.steps,
+            timeout=a.timeout,
+            min_s=0,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -153,22 +189,44 @@ def main(argv=None) -> int:
     print(f"trainer: {trainer['status']} [{trainer['wall_s']:.0f} s]", flush=True)
     print(f"sweep: {case.name}", flush=True)
     (row,) = sweep.sweep(a.name, [case], out_dir, a.device, budget=a.timeout + 60, grace=15.0, peak_tflops=0.0)
-    result = {"case": dataclasses.asdict(case), "name": case.name, "date": started,
-              "versions": {**provenance.versions("torch", "deepspeed"), **provenance.code_version(ROOT)},
-              "tolerance": a.tolerance, "trainer": trainer,
-              "sweep": {k: row.get(k) for k in ("status", "valid", "samples_per_s", "step_s", "step_s_all", "data_s",
-                                                "fwd_s", "bwd_s", "opt_s", "engine_api", "run_file", "ds_config",
-                                                "wall_s")}}
+    result = {
+        "case": dataclasses.asdict(case),
+        "name": case.name,
+        "date": started,
+        "versions": {**provenance.versions("torch", "deepspeed"), **provenance.code_version(ROOT)},
+        "tolerance": a.tolerance,
+        "trainer": trainer,
+        "sweep": {
+            k: row.get(k)
+            for k in (
+                "status",
+                "valid",
+                "samples_per_s",
+                "step_s",
+                "step_s_all",
+                "data_s",
+                "fwd_s",
+                "bwd_s",
+                "opt_s",
+                "engine_api",
+                "run_file",
+                "ds_config",
+                "wall_s",
+            )
+        },
+    }
     code = 2
     if trainer["status"] == "ok" and row.get("status") == "ok":
         ratio = row["samples_per_s"] / trainer["samples_per_s"]
         agree = abs(ratio - 1) <= a.tolerance
         result.update(ratio=ratio, agree=agree)
         code = 0 if agree else 1
-        print(f"{case.name}: trainer {trainer['samples_per_s']:.3f} samples/s (launch/train.py metrics.jsonl, median "
-              f"of steps {case.warmup + 1}-{case.warmup + case.steps}), sweep {row['samples_per_s']:.3f} samples/s "
-              f"(median of {case.steps}): sweep / trainer = {ratio:.3f}, "
-              + (f"agree within {a.tolerance:.0%}" if agree else f"DISAGREE by more than {a.tolerance:.0%}"))
+        print(
+            f"{case.name}: trainer {trainer['samples_per_s']:.3f} samples/s (launch/train.py metrics.jsonl, median "
+            f"of steps {case.warmup + 1}-{case.warmup + case.steps}), sweep {row['samples_per_s']:.3f} samples/s "
+            f"(median of {case.steps}): sweep / trainer = {ratio:.3f}, "
+            + (f"agree within {a.tolerance:.0%}" if agree else f"DISAGREE by more than {a.tolerance:.0%}")
+        )
     else:
         print(f"{case.name}: not compared: trainer {trainer['status']}; sweep {row.get('status')}")
     path = out_dir / f"{a.name}.json"

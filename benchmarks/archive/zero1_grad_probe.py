@@ -14,6 +14,7 @@ whole gradient copy, 1/N a partition.
 The memory model (fluxzero/plan/model_states.py, stage-1 gradient items) and docs/memory.md's stage table state
 what this measures; tests/plan/test_memory_deepspeed.py runs it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,9 @@ def live_bytes(torch) -> int:
 def worker(rank: int, world: int, port: int, overlap: bool, q) -> None:
     import warnings
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     warnings.filterwarnings("ignore")
     import deepspeed
     import torch
@@ -64,12 +66,22 @@ def worker(rank: int, world: int, port: int, overlap: bool, q) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
     P = sum(p.numel() for p in model.parameters())
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-           "steps_per_print": 10**9, "bf16": {"enabled": True},
-           "zero_optimization": {"stage": 1, "overlap_comm": overlap, "contiguous_gradients": True,
-                                 "reduce_scatter": True, "reduce_bucket_size": BUCKET,
-                                 "allgather_bucket_size": BUCKET},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 1,
+            "overlap_comm": overlap,
+            "contiguous_gradients": True,
+            "reduce_scatter": True,
+            "reduce_bucket_size": BUCKET,
+            "allgather_bucket_size": BUCKET,
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+    }
     eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     x = torch.randn(4, WIDTH, dtype=torch.bfloat16)
 
@@ -104,9 +116,18 @@ def worker(rank: int, world: int, port: int, overlap: bool, q) -> None:
     base = live_bytes(torch)
     samples, after = step(True)
     unit = 2 * P
-    q.put({"rank": rank, "overlap_comm": overlap, "params": P, "bucket": BUCKET,
-           "in_backward_max_bP": (max(samples) - base) / unit, "after_backward_bP": (after - base) / unit,
-           "bucket_bP": 2 * BUCKET / unit, "in_backward_bP": [round((v - base) / unit, 3) for v in samples]})
+    q.put(
+        {
+            "rank": rank,
+            "overlap_comm": overlap,
+            "params": P,
+            "bucket": BUCKET,
+            "in_backward_max_bP": (max(samples) - base) / unit,
+            "after_backward_bP": (after - base) / unit,
+            "bucket_bP": 2 * BUCKET / unit,
+            "in_backward_bP": [round((v - base) / unit, 3) for v in samples],
+        }
+    )
 
 
 def run(overlap: bool, world: int = 2) -> list[dict]:
@@ -132,9 +153,11 @@ def main() -> None:
     a = ap.parse_args()
     rows = run(True) + run(False)
     for r in rows:
-        print(f"overlap_comm={r['overlap_comm']!s:<5} rank {r['rank']}: in backward (largest) "
-              f"{r['in_backward_max_bP']:.3f} b P, after backward {r['after_backward_bP']:.3f} b P "
-              f"(one bucket = {r['bucket_bP']:.3f} b P)")
+        print(
+            f"overlap_comm={r['overlap_comm']!s:<5} rank {r['rank']}: in backward (largest) "
+            f"{r['in_backward_max_bP']:.3f} b P, after backward {r['after_backward_bP']:.3f} b P "
+            f"(one bucket = {r['bucket_bP']:.3f} b P)"
+        )
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "zero1_grad_probe.json"), "w") as f:

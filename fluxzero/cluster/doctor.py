@@ -6,6 +6,7 @@ traceback. Remote hosts are checked over ssh (non-interactive, with timeouts) by
 there: `python -m fluxzero.cluster.doctor --json --local-only` with the same interpreter path and directory that
 DeepSpeed's pdsh launcher will use.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,7 +71,9 @@ def _check_torch(checks: list[Check]) -> dict:
     try:
         import torch
     except Exception as e:  # a broken install is a row, not a traceback
-        checks.append(Check("torch", "fail", f"cannot import torch: {e}", "pip install torch (the CUDA build on GPU nodes)"))
+        checks.append(
+            Check("torch", "fail", f"cannot import torch: {e}", "pip install torch (the CUDA build on GPU nodes)")
+        )
         return facts
     facts["torch"] = torch.__version__
     facts["cuda"] = torch.version.cuda
@@ -110,7 +113,14 @@ def _check_torch(checks: list[Check]) -> dict:
         facts["nccl"] = nccl
         checks.append(Check("nccl", "pass", f"NCCL {nccl} (bundled with torch)"))
     except Exception as e:
-        checks.append(Check("nccl", "fail", f"torch reports no NCCL: {e}", "install a torch build with NCCL (the default CUDA wheels)"))
+        checks.append(
+            Check(
+                "nccl",
+                "fail",
+                f"torch reports no NCCL: {e}",
+                "install a torch build with NCCL (the default CUDA wheels)",
+            )
+        )
     n = torch.cuda.device_count()
     facts["gpus"] = n
     for i in range(n):
@@ -119,11 +129,17 @@ def _check_torch(checks: list[Check]) -> dict:
         detail = f"{props.name}, sm_{props.major}{props.minor}, {free / GiB:.1f} of {total / GiB:.1f} GiB free"
         if free < 0.9 * total:
             checks.append(
-                Check(f"gpu{i}", "warn", detail + f"; {(total - free) / GiB:.1f} GiB already in use",
-                      "stop the other processes on this GPU (see `nvidia-smi`)")
+                Check(
+                    f"gpu{i}",
+                    "warn",
+                    detail + f"; {(total - free) / GiB:.1f} GiB already in use",
+                    "stop the other processes on this GPU (see `nvidia-smi`)",
+                )
             )
         elif props.major < 8:
-            checks.append(Check(f"gpu{i}", "warn", detail + "; no bf16 tensor cores", "use an Ampere or newer GPU for bf16"))
+            checks.append(
+                Check(f"gpu{i}", "warn", detail + "; no bf16 tensor cores", "use an Ampere or newer GPU for bf16")
+            )
         else:
             checks.append(Check(f"gpu{i}", "pass", detail))
     return facts
@@ -157,8 +173,12 @@ def _check_deepspeed(checks: list[Check], facts: dict) -> None:
     facts["deepspeed"] = deepspeed.__version__
     ok = deepspeed.__version__ == "0.19.8"
     checks.append(
-        Check("deepspeed", "pass" if ok else "warn", deepspeed.__version__,
-              "" if ok else "fluxzero is tested with deepspeed==0.19.8; pip install deepspeed==0.19.8")
+        Check(
+            "deepspeed",
+            "pass" if ok else "warn",
+            deepspeed.__version__,
+            "" if ok else "fluxzero is tested with deepspeed==0.19.8; pip install deepspeed==0.19.8",
+        )
     )
     try:
         from torch.utils.cpp_extension import is_ninja_available
@@ -194,7 +214,9 @@ def _check_shm() -> Check:
     detail = f"{size / GiB:.1f} GiB"
     if size < MIN_SHM_GIB * GiB:
         return Check(
-            "/dev/shm", "fail", detail + f" (< {MIN_SHM_GIB:g} GiB: NCCL's shared-memory transport and DataLoader workers fail)",
+            "/dev/shm",
+            "fail",
+            detail + f" (< {MIN_SHM_GIB:g} GiB: NCCL's shared-memory transport and DataLoader workers fail)",
             "in Docker run with --ipc=host or --shm-size=16g",
         )
     return Check("/dev/shm", "pass", detail)
@@ -209,17 +231,25 @@ def _check_disk(checkpoint_dir: str | None, min_free_gb: float) -> Check:
     free = shutil.disk_usage(probe).free
     detail = f"{free / 1e9:.0f} GB free at {probe}"
     if checkpoint_dir is None:
-        return Check("disk", "pass", detail + " (not checked against a need: pass --checkpoint-dir with the run's "
-                     f"output_dir to check it has {min_free_gb:g} GB free; one flux-dev ZeRO checkpoint is ~167 GB)")
+        return Check(
+            "disk",
+            "pass",
+            detail + " (not checked against a need: pass --checkpoint-dir with the run's "
+            f"output_dir to check it has {min_free_gb:g} GB free; one flux-dev ZeRO checkpoint is ~167 GB)",
+        )
     if free < min_free_gb * 1e9:
         return Check(
-            "checkpoint disk", "fail", detail + f" (< {min_free_gb:g} GB; one flux-dev ZeRO checkpoint is ~167 GB)",
+            "checkpoint disk",
+            "fail",
+            detail + f" (< {min_free_gb:g} GB; one flux-dev ZeRO checkpoint is ~167 GB)",
             "free space, pass another --checkpoint-dir, or lower --min-free-gb for smaller models",
         )
     return Check("checkpoint disk", "pass", detail)
 
 
-def local_checks(checkpoint_dir: str | None = None, min_free_gb: float = DEFAULT_MIN_FREE_GB) -> tuple[list[Check], dict]:
+def local_checks(
+    checkpoint_dir: str | None = None, min_free_gb: float = DEFAULT_MIN_FREE_GB
+) -> tuple[list[Check], dict]:
     checks = [_check_python()]
     facts = _check_torch(checks)
     _check_deepspeed(checks, facts)
@@ -234,8 +264,17 @@ def local_checks(checkpoint_dir: str | None = None, min_free_gb: float = DEFAULT
 
 def ssh_argv(host: str, remote_command: str, ssh_port: int | None = None, connect_timeout: int = 5) -> list[str]:
     """ssh that never prompts (BatchMode) and gives up connecting after `connect_timeout` seconds."""
-    argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={connect_timeout}",
-            "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=2"]
+    argv = [
+        "ssh",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"ConnectTimeout={connect_timeout}",
+        "-o",
+        "ServerAliveInterval=5",
+        "-o",
+        "ServerAliveCountMax=2",
+    ]
     if ssh_port is not None:
         argv += ["-p", str(ssh_port)]
     return argv + ["--", host, remote_command]
@@ -243,14 +282,29 @@ def ssh_argv(host: str, remote_command: str, ssh_port: int | None = None, connec
 
 def _remote_command(checkpoint_dir: str | None, min_free_gb: float) -> str:
     # The remote shell reads this line, so every piece is quoted.
-    parts = [sys.executable, "-m", "fluxzero.cluster.doctor", "--json", "--local-only", "--min-free-gb", str(min_free_gb)]
+    parts = [
+        sys.executable,
+        "-m",
+        "fluxzero.cluster.doctor",
+        "--json",
+        "--local-only",
+        "--min-free-gb",
+        str(min_free_gb),
+    ]
     parts += ["--checkpoint-dir", checkpoint_dir] if checkpoint_dir is not None else []
     return f"cd {shlex.quote(os.getcwd())} && " + " ".join(shlex.quote(p) for p in parts)
 
 
 def check_host(
-    host: str, local_facts: dict, *, checkpoint_dir: str | None, min_free_gb: float,
-    ssh_port: int | None = None, connect_timeout: int = 5, timeout: float = 120.0, slots: int | None = None,
+    host: str,
+    local_facts: dict,
+    *,
+    checkpoint_dir: str | None,
+    min_free_gb: float,
+    ssh_port: int | None = None,
+    connect_timeout: int = 5,
+    timeout: float = 120.0,
+    slots: int | None = None,
 ) -> list[Check]:
     argv = ssh_argv(host, _remote_command(checkpoint_dir, min_free_gb), ssh_port, connect_timeout)
     try:
@@ -258,20 +312,41 @@ def check_host(
     except FileNotFoundError:
         return [Check("ssh", "fail", "no ssh client on this machine", "install openssh-client", host)]
     except subprocess.TimeoutExpired:
-        return [Check("ssh", "fail", f"no answer within {timeout:g} s",
-                      "check the host is up and not overloaded; test with `ssh -o BatchMode=yes HOST true`", host)]
+        return [
+            Check(
+                "ssh",
+                "fail",
+                f"no answer within {timeout:g} s",
+                "check the host is up and not overloaded; test with `ssh -o BatchMode=yes HOST true`",
+                host,
+            )
+        ]
     err = (proc.stderr.strip().splitlines() or [""])[-1]
     if proc.returncode == 255:
-        return [Check("ssh", "fail", f"not reachable non-interactively: {err or 'ssh exit 255'}",
-                      "make the name resolve, set up key-based ssh (no password prompt) and accept the host key "
-                      "once; test with `ssh -o BatchMode=yes HOST true`", host)]
+        return [
+            Check(
+                "ssh",
+                "fail",
+                f"not reachable non-interactively: {err or 'ssh exit 255'}",
+                "make the name resolve, set up key-based ssh (no password prompt) and accept the host key "
+                "once; test with `ssh -o BatchMode=yes HOST true`",
+                host,
+            )
+        ]
     rows = [Check("ssh", "pass", "reachable (BatchMode)", host=host)]
     try:
         report = json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
-        rows.append(Check("remote doctor", "fail", f"exit {proc.returncode}: {err or 'no output'}",
-                          f"DeepSpeed runs {sys.executable} in {os.getcwd()} on every node: install the same "
-                          "environment at the same path there", host))
+        rows.append(
+            Check(
+                "remote doctor",
+                "fail",
+                f"exit {proc.returncode}: {err or 'no output'}",
+                f"DeepSpeed runs {sys.executable} in {os.getcwd()} on every node: install the same "
+                "environment at the same path there",
+                host,
+            )
+        )
         return rows
     for c in report["checks"]:
         rows.append(Check(c["name"], c["status"], c["detail"], c["fix"], host))
@@ -279,8 +354,15 @@ def check_host(
     rows += slot_checks(slots, remote, host)
     for key in ("python", "torch", "deepspeed", "nccl"):
         if remote.get(key) != local_facts.get(key):
-            rows.append(Check(f"{key} matches", "fail", f"{remote.get(key)} here, {local_facts.get(key)} on the launching node",
-                              f"install the same {key} version on every node", host))
+            rows.append(
+                Check(
+                    f"{key} matches",
+                    "fail",
+                    f"{remote.get(key)} here, {local_facts.get(key)} on the launching node",
+                    f"install the same {key} version on every node",
+                    host,
+                )
+            )
     return rows
 
 
@@ -290,17 +372,36 @@ def slot_checks(slots: int | None, facts: dict, host: str = "") -> list[Check]:
         return []
     gpus = facts.get("gpus", 0)
     if slots > gpus:
-        return [Check("slots", "fail", f"hostfile gives slots={slots} but the host has {gpus} GPU(s)",
-                      f"set slots={gpus} for this host in the hostfile", host)]
+        return [
+            Check(
+                "slots",
+                "fail",
+                f"hostfile gives slots={slots} but the host has {gpus} GPU(s)",
+                f"set slots={gpus} for this host in the hostfile",
+                host,
+            )
+        ]
     if slots < gpus:
-        return [Check("slots", "warn", f"slots={slots} uses {slots} of the host's {gpus} GPUs",
-                      f"set slots={gpus} to use them all", host)]
+        return [
+            Check(
+                "slots",
+                "warn",
+                f"slots={slots} uses {slots} of the host's {gpus} GPUs",
+                f"set slots={gpus} to use them all",
+                host,
+            )
+        ]
     return [Check("slots", "pass", f"slots={slots} = GPUs", host=host)]
 
 
 def run_doctor(
-    hostfile: str | None = None, *, checkpoint_dir: str | None = None, min_free_gb: float = DEFAULT_MIN_FREE_GB,
-    ssh_port: int | None = None, connect_timeout: int = 5, host_timeout: float = 120.0,
+    hostfile: str | None = None,
+    *,
+    checkpoint_dir: str | None = None,
+    min_free_gb: float = DEFAULT_MIN_FREE_GB,
+    ssh_port: int | None = None,
+    connect_timeout: int = 5,
+    host_timeout: float = 120.0,
 ) -> dict:
     """All checks as a JSON-ready report: {"ok", "cpu_only", "facts", "checks": [Check as dict]}."""
     checks, facts = local_checks(checkpoint_dir, min_free_gb)
@@ -321,13 +422,26 @@ def run_doctor(
             checks += slot_checks(hosts[host], facts, host)
         elif hosts:
             if len(hosts) > 1 and not shutil.which("pdsh"):
-                checks.append(Check("pdsh", "warn", "pdsh not found (DeepSpeed's default multi-node launcher)",
-                                    "apt-get install pdsh, or use fluxzero launch --launcher openmpi|slurm|no-ssh"))
+                checks.append(
+                    Check(
+                        "pdsh",
+                        "warn",
+                        "pdsh not found (DeepSpeed's default multi-node launcher)",
+                        "apt-get install pdsh, or use fluxzero launch --launcher openmpi|slurm|no-ssh",
+                    )
+                )
             with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
                 results = pool.map(
-                    lambda h: check_host(h, facts, checkpoint_dir=checkpoint_dir, min_free_gb=min_free_gb,
-                                         ssh_port=ssh_port, connect_timeout=connect_timeout, timeout=host_timeout,
-                                         slots=hosts[h]),
+                    lambda h: check_host(
+                        h,
+                        facts,
+                        checkpoint_dir=checkpoint_dir,
+                        min_free_gb=min_free_gb,
+                        ssh_port=ssh_port,
+                        connect_timeout=connect_timeout,
+                        timeout=host_timeout,
+                        slots=hosts[h],
+                    ),
                     hosts,
                 )
                 for rows in results:
@@ -351,8 +465,10 @@ def format_table(report: dict) -> str:
     n_fail = sum(c["status"] == "fail" for c in report["checks"])
     n_warn = sum(c["status"] == "warn" for c in report["checks"])
     lines.append("")
-    lines.append(("CPU-only machine. " if report["cpu_only"] else "")
-                 + (f"{n_fail} check(s) failed, {n_warn} warning(s)." if n_fail else f"All checks passed ({n_warn} warning(s))."))
+    lines.append(
+        ("CPU-only machine. " if report["cpu_only"] else "")
+        + (f"{n_fail} check(s) failed, {n_warn} warning(s)." if n_fail else f"All checks passed ({n_warn} warning(s)).")
+    )
     return "\n".join(lines)
 
 

@@ -12,11 +12,12 @@ Filters use DeepSpeed's syntax, `NODE_SPEC[@NODE_SPEC ...]` with `NODE_SPEC = NA
 and follow deepspeed 0.19.8's `parse_inclusion_exclusion` / `parse_resource_filter` exactly (a test
 compares them), except that a filter which leaves nothing to run on is an error here.
 """
+
 from __future__ import annotations
 
 import os
 import re
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = [
     "HostfileError",
@@ -87,11 +88,12 @@ def parse_hostfile_text(text: str, source: str = "<text>") -> dict[str, int]:
                 f"{where}: slots must be a whole number, got {m.group(1)!r} for host {host!r}."
             ) from None
         if slots < 1:
-            raise HostfileError(f"{where}: host {host!r} has slots={slots}; give it at least 1 slot or remove the line.")
+            raise HostfileError(
+                f"{where}: host {host!r} has slots={slots}; give it at least 1 slot or remove the line."
+            )
         if host in hosts:
             raise HostfileError(
-                f"{where}: host {host!r} is listed twice (first on line {first_seen[host]}); "
-                "keep one line per host."
+                f"{where}: host {host!r} is listed twice (first on line {first_seen[host]}); keep one line per host."
             )
         hosts[host] = slots
         first_seen[host] = lineno
@@ -105,8 +107,13 @@ def parse_hostfile(path: str | os.PathLike) -> dict[str, int]:
     from fluxzero.config.user_files import read_text
 
     path = os.fspath(path)
-    text = read_text(path, "hostfile", "pass the hostfile itself (UTF-8 text, one `host slots=N` line per node)",
-                     HostfileError, missing="check the --hostfile path")
+    text = read_text(
+        path,
+        "hostfile",
+        "pass the hostfile itself (UTF-8 text, one `host slots=N` line per node)",
+        HostfileError,
+        missing="check the --hostfile path",
+    )
     return parse_hostfile_text(text, source=path)
 
 
@@ -157,9 +164,7 @@ def filter_hosts(
             raise HostfileError(f"{flag} {spec!r}: host {host!r} is not in the hostfile (hosts: {known}).")
         for slot in slots:
             if slot not in pool[host]:
-                raise HostfileError(
-                    f"{flag} {spec!r}: host {host!r} has no slot {slot} (its slots: {pool[host]})."
-                )
+                raise HostfileError(f"{flag} {spec!r}: host {host!r} has no slot {slot} (its slots: {pool[host]}).")
         if include:
             chosen[host] = slots if slots else list(pool[host])
         elif slots:
@@ -172,9 +177,7 @@ def filter_hosts(
     return result
 
 
-def limit_hosts(
-    filtered: Mapping[str, Sequence[int]], num_nodes: int = -1, num_gpus: int = -1
-) -> dict[str, list[int]]:
+def limit_hosts(filtered: Mapping[str, Sequence[int]], num_nodes: int = -1, num_gpus: int = -1) -> dict[str, list[int]]:
     """Keep the first `num_nodes` hosts and slots [0, num_gpus) on each (DeepSpeed's --num_nodes/--num_gpus).
 
     Unlike DeepSpeed, asking for more nodes or GPUs than the hostfile offers is an error.

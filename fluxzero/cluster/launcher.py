@@ -22,13 +22,14 @@ mpich, impi, slurm); single-node and `--no_ssh` launches pass the launcher's own
 instead. `write_deepspeed_env` therefore writes a fluxzero-owned file (merging the user's existing ones)
 and the launcher is pointed at it through `DS_ENV_FILE` with an absolute path.
 """
+
 from __future__ import annotations
 
 import os
 import re
 import shlex
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from fluxzero.cluster.hostfile import HostfileError, check_host_name, filter_hosts, limit_hosts, parse_hostfile
 
@@ -109,7 +110,9 @@ def _check_launcher_limits(spec: LaunchSpec, hosts: Mapping[str, int], world: Ma
     name = spec.launcher
     if name in ("openmpi", "mpich", "impi"):
         if spec.include or spec.exclude:
-            raise LaunchError(f"--launcher {name} cannot filter hosts; remove --include/--exclude or edit the hostfile.")
+            raise LaunchError(
+                f"--launcher {name} cannot filter hosts; remove --include/--exclude or edit the hostfile."
+            )
         if spec.num_nodes > 0 or spec.num_gpus > 0:
             raise LaunchError(f"--launcher {name} cannot limit nodes or GPUs; remove --num-nodes/--num-gpus.")
     if name in ("mpich", "impi") and len(set(hosts.values())) > 1:
@@ -154,7 +157,7 @@ def _check_pdsh_shell(spec: LaunchSpec) -> None:
             )
 
 
-def build_command(spec: LaunchSpec, hosts: Mapping[str, int] | None = None) -> list[str]:
+def build_command(spec: LaunchSpec, hosts: Mapping[str, int] | None = None) -> list[str]:  # noqa: C901
     """The `deepspeed` launcher argv for `spec` (an argument list: run it with no shell).
 
     `hosts` is the parsed hostfile; it is read from `spec.hostfile` when not given.
@@ -280,9 +283,7 @@ def read_deepspeed_env(path: str | os.PathLike) -> dict[str, str]:
     return out
 
 
-def merged_deepspeed_env(
-    ours: Mapping[str, str], home: str | None = None, cwd: str | None = None
-) -> dict[str, str]:
+def merged_deepspeed_env(ours: Mapping[str, str], home: str | None = None, cwd: str | None = None) -> dict[str, str]:
     """The user's `~/.deepspeed_env` and `./.deepspeed_env` (DeepSpeed's order), then ours on top."""
     merged: dict[str, str] = {}
     for base in (home if home is not None else os.path.expanduser("~"), cwd if cwd is not None else os.getcwd()):

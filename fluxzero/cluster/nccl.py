@@ -12,6 +12,7 @@ low-latency LL/LL128 protocols for small and medium messages (ZeRO-3's per-layer
 log-depth latency across many nodes. `benchmarks/nccl_profiles.py` measures this; results are recorded in
 benchmarks/RESULTS.md.
 """
+
 from __future__ import annotations
 
 import re
@@ -166,8 +167,10 @@ def profile_env(spec: str = "default") -> dict[str, str]:
             )
         for key, value in PROFILES[name].env().items():
             if key in env and env[key] != value:
-                raise NcclError(f"NCCL profiles {source[key]!r} and {name!r} contradict each other ({key}="
-                                f"{env[key]} vs {value}); pick one of them.")
+                raise NcclError(
+                    f"NCCL profiles {source[key]!r} and {name!r} contradict each other ({key}="
+                    f"{env[key]} vs {value}); pick one of them."
+                )
             env[key], source[key] = value, name
     env.update(ALWAYS)
     return env

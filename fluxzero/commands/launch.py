@@ -1,4 +1,5 @@
 """`fluxzero launch`, `fluxzero doctor` and `fluxzero monitor`: start runs across hosts and see that they work."""
+
 from __future__ import annotations
 
 import json
@@ -34,45 +35,110 @@ def _deepspeed_exe() -> str:
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
-@click.option("--hostfile", type=click.Path(dir_okay=False), default=None,
-              help="DeepSpeed hostfile ('host slots=N' lines). Without it: this machine's GPUs.")
-@click.option("--launcher", type=click.Choice(LAUNCHERS), default="pdsh", show_default=True,
-              help="How ranks start on the hosts; no-ssh: run the same command on every node with --node-rank.")
+@click.option(
+    "--hostfile",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="DeepSpeed hostfile ('host slots=N' lines). Without it: this machine's GPUs.",
+)
+@click.option(
+    "--launcher",
+    type=click.Choice(LAUNCHERS),
+    default="pdsh",
+    show_default=True,
+    help="How ranks start on the hosts; no-ssh: run the same command on every node with --node-rank.",
+)
 @click.option("--include", default="", help="Hosts/GPUs to use, DeepSpeed syntax: 'host1:0,1@host2'.")
 @click.option("--exclude", default="", help="Hosts/GPUs to leave out, same syntax (not with --include).")
 @click.option("--num-nodes", type=click.IntRange(min=1), default=None, help="Use the first N hosts of the hostfile.")
 @click.option("--num-gpus", type=click.IntRange(min=1), default=None, help="Use GPUs 0..N-1 on each host.")
 @click.option("--master-addr", default="", help="Address of the rank-0 node (default: DeepSpeed asks the first host).")
-@click.option("--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True,
-              help="TCP port of the rendezvous on the rank-0 node.")
+@click.option(
+    "--master-port",
+    type=click.IntRange(1, 65535),
+    default=29500,
+    show_default=True,
+    help="TCP port of the rendezvous on the rank-0 node.",
+)
 @click.option("--ssh-port", type=click.IntRange(1, 65535), default=None, help="ssh port of the hosts (pdsh).")
-@click.option("--node-rank", type=click.IntRange(min=0), default=None, help="This node's index in the hostfile (no-ssh).")
-@click.option("--nccl", "nccl_profile", default="default", show_default=True,
-              help="NCCL profile: default, nvlink-single-node, infiniband, ethernet, debug, ring-simple; "
-                   "join with '+', e.g. ethernet+debug.")
-@click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE",
-              help="Extra environment for every rank (repeatable), e.g. --env NCCL_SOCKET_IFNAME==eth0.")
-@click.option("--env-file", default=".fluxzero/deepspeed_env", show_default=True, type=click.Path(dir_okay=False),
-              help="Where to write the environment remote ranks get (DeepSpeed's .deepspeed_env via DS_ENV_FILE).")
+@click.option(
+    "--node-rank", type=click.IntRange(min=0), default=None, help="This node's index in the hostfile (no-ssh)."
+)
+@click.option(
+    "--nccl",
+    "nccl_profile",
+    default="default",
+    show_default=True,
+    help="NCCL profile: default, nvlink-single-node, infiniband, ethernet, debug, ring-simple; "
+    "join with '+', e.g. ethernet+debug.",
+)
+@click.option(
+    "--env",
+    "env_pairs",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Extra environment for every rank (repeatable), e.g. --env NCCL_SOCKET_IFNAME==eth0.",
+)
+@click.option(
+    "--env-file",
+    default=".fluxzero/deepspeed_env",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="Where to write the environment remote ranks get (DeepSpeed's .deepspeed_env via DS_ENV_FILE).",
+)
 @click.option("--launcher-args", default="", help="Extra arguments for the backend (pdsh/mpirun/srun), one string.")
 @click.option("--script", default="launch/train.py", show_default=True, help="Training entry point to launch.")
 @click.option("--dry-run", is_flag=True, help="Print the command and environment; start nothing.")
 @click.argument("train_args", nargs=-1, type=click.UNPROCESSED)
-def launch(hostfile, launcher, include, exclude, num_nodes, num_gpus, master_addr, master_port, ssh_port, node_rank,
-           nccl_profile, env_pairs, env_file, launcher_args, script, dry_run, train_args):
+def launch(  # noqa: C901
+    hostfile,
+    launcher,
+    include,
+    exclude,
+    num_nodes,
+    num_gpus,
+    master_addr,
+    master_port,
+    ssh_port,
+    node_rank,
+    nccl_profile,
+    env_pairs,
+    env_file,
+    launcher_args,
+    script,
+    dry_run,
+    train_args,
+):
     """Start training through the `deepspeed` launcher on one node or a hostfile's nodes.
 
     Arguments after `--` go to the training script, e.g.
     `fluxzero launch --hostfile hosts --nccl infiniband -- --config run.yaml`.
     """
-    from fluxzero.cluster.launcher import (LOCAL_HOSTS, LaunchError, LaunchSpec, build_command, merged_deepspeed_env,
-                                   resolve_world, write_deepspeed_env)
+    from fluxzero.cluster.launcher import (
+        LOCAL_HOSTS,
+        LaunchError,
+        LaunchSpec,
+        build_command,
+        merged_deepspeed_env,
+        resolve_world,
+        write_deepspeed_env,
+    )
     from fluxzero.cluster.nccl import NcclError, check_user_env, profile_env
 
     spec = LaunchSpec(
-        script=script, script_args=tuple(train_args), hostfile=hostfile, launcher=launcher, include=include,
-        exclude=exclude, num_nodes=num_nodes or -1, num_gpus=num_gpus or -1, master_addr=master_addr,
-        master_port=master_port, ssh_port=ssh_port, node_rank=node_rank, launcher_args=launcher_args,
+        script=script,
+        script_args=tuple(train_args),
+        hostfile=hostfile,
+        launcher=launcher,
+        include=include,
+        exclude=exclude,
+        num_nodes=num_nodes or -1,
+        num_gpus=num_gpus or -1,
+        master_addr=master_addr,
+        master_port=master_port,
+        ssh_port=ssh_port,
+        node_rank=node_rank,
+        launcher_args=launcher_args,
         deepspeed=_deepspeed_exe(),
     )
     user_env = _parse_env_pairs(env_pairs)
@@ -131,8 +197,10 @@ def launch(hostfile, launcher, include, exclude, num_nodes, num_gpus, master_add
         try:
             env.update(write_deepspeed_env(env_file, file_env, launcher))
         except OSError as e:
-            raise click.UsageError(f"cannot write the launcher's environment file {env_file} ({e.strerror}); "
-                                   "pass --env-file with a writable path.") from None
+            raise click.UsageError(
+                f"cannot write the launcher's environment file {env_file} ({e.strerror}); "
+                "pass --env-file with a writable path."
+            ) from None
     click.echo(shlex.join(argv), err=True)
     proc = subprocess.Popen(argv, env=env)
     try:
@@ -143,29 +211,53 @@ def launch(hostfile, launcher, include, exclude, num_nodes, num_gpus, master_add
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             pass
-        click.echo("interrupted: training stopped; `latest` in the run's checkpoints folder names the last "
-                   "complete checkpoint, and the same command resumes from it", err=True)
+        click.echo(
+            "interrupted: training stopped; `latest` in the run's checkpoints folder names the last "
+            "complete checkpoint, and the same command resumes from it",
+            err=True,
+        )
         sys.exit(130)
 
 
 @click.command()
-@click.option("--hostfile", type=click.Path(dir_okay=False), default=None,
-              help="Also check every host of this hostfile over ssh.")
-@click.option("--checkpoint-dir", default=None, type=click.Path(file_okay=False),
-              help="Where checkpoints will go (a run's output_dir): free disk is checked there. Without it the free "
-                   "disk here is shown, not checked.")
-@click.option("--min-free-gb", type=click.FloatRange(min=0), default=170.0, show_default=True,
-              help="Free disk needed at --checkpoint-dir (one flux-dev ZeRO checkpoint is ~167 GB).")
+@click.option(
+    "--hostfile", type=click.Path(dir_okay=False), default=None, help="Also check every host of this hostfile over ssh."
+)
+@click.option(
+    "--checkpoint-dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Where checkpoints will go (a run's output_dir): free disk is checked there. Without it the free "
+    "disk here is shown, not checked.",
+)
+@click.option(
+    "--min-free-gb",
+    type=click.FloatRange(min=0),
+    default=170.0,
+    show_default=True,
+    help="Free disk needed at --checkpoint-dir (one flux-dev ZeRO checkpoint is ~167 GB).",
+)
 @click.option("--ssh-port", type=click.IntRange(1, 65535), default=None, help="ssh port of the hosts.")
-@click.option("--ssh-timeout", type=click.IntRange(1, 120), default=5, show_default=True,
-              help="Seconds to wait for each ssh connection.")
+@click.option(
+    "--ssh-timeout",
+    type=click.IntRange(1, 120),
+    default=5,
+    show_default=True,
+    help="Seconds to wait for each ssh connection.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def doctor(hostfile, checkpoint_dir, min_free_gb, ssh_port, ssh_timeout, as_json):
     """Check this machine (and a hostfile's hosts) for everything a run needs; a fix for every failure."""
     from fluxzero.cluster.doctor import format_table, run_doctor
 
-    report = run_doctor(hostfile, checkpoint_dir=checkpoint_dir, min_free_gb=min_free_gb, ssh_port=ssh_port,
-                        connect_timeout=ssh_timeout, host_timeout=ssh_timeout + 90)
+    report = run_doctor(
+        hostfile,
+        checkpoint_dir=checkpoint_dir,
+        min_free_gb=min_free_gb,
+        ssh_port=ssh_port,
+        connect_timeout=ssh_timeout,
+        host_timeout=ssh_timeout + 90,
+    )
     click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
     sys.exit(0 if report["ok"] else 1)
 
@@ -191,8 +283,12 @@ def format_gpu_table(samples: list[dict], mean_util: dict[int, float] | None = N
 
 
 @click.command()
-@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True, help="Seconds between samples.")
-@click.option("--count", type=click.IntRange(min=0), default=0, show_default=True, help="Samples to take (0: until Ctrl-C).")
+@click.option(
+    "--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True, help="Seconds between samples."
+)
+@click.option(
+    "--count", type=click.IntRange(min=0), default=0, show_default=True, help="Samples to take (0: until Ctrl-C)."
+)
 def monitor(interval, count):
     """Show live per-GPU utilisation and memory of this node (NVML), flagging uneven GPUs."""
     try:
@@ -216,15 +312,17 @@ def monitor(interval, count):
             for i, h in enumerate(handles):
                 mem = pynvml.nvmlDeviceGetMemoryInfo(h)
                 name = pynvml.nvmlDeviceGetName(h)
-                samples.append({
-                    "index": i,
-                    "name": name.decode() if isinstance(name, bytes) else name,
-                    "util": pynvml.nvmlDeviceGetUtilizationRates(h).gpu,
-                    "mem_used": mem.used,
-                    "mem_total": mem.total,
-                    "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000,
-                    "temp_c": pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
-                })
+                samples.append(
+                    {
+                        "index": i,
+                        "name": name.decode() if isinstance(name, bytes) else name,
+                        "util": pynvml.nvmlDeviceGetUtilizationRates(h).gpu,
+                        "mem_used": mem.used,
+                        "mem_total": mem.total,
+                        "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000,
+                        "temp_c": pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
+                    }
+                )
                 totals[i] = totals.get(i, 0.0) + samples[-1]["util"]
             n += 1
             click.echo(time.strftime("%H:%M:%S"))

@@ -1,4 +1,5 @@
 """`--model` for every command: a model spec (preset, PRESET:field=value,..., diffusers config.json) as a Click type."""
+
 from __future__ import annotations
 
 import click

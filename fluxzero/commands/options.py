@@ -1,6 +1,7 @@
 """The options `estimate` and `gen-config` share: one name, one meaning, one list of choices (from the config
 modules), one default. Pure: no torch import.
 """
+
 from __future__ import annotations
 
 import functools
@@ -81,8 +82,11 @@ def topology_from(hostfile, nodes, gpus_per_node) -> tuple[int, int]:
             # under-count per-GPU memory); one node of all the ranks keeps the partitions right and bounds the
             # host memory per node from above
             total = sum(hosts.values())
-            click.echo(f"warning: {hostfile} has uneven slots {dict(hosts)}: modelled as one node of {total} "
-                       f"ranks (per-GPU figures exact, host memory per node an upper bound)", err=True)
+            click.echo(
+                f"warning: {hostfile} has uneven slots {dict(hosts)}: modelled as one node of {total} "
+                f"ranks (per-GPU figures exact, host memory per node an upper bound)",
+                err=True,
+            )
             return 1, total
         return len(hosts), max(hosts.values())
     return nodes or 1, gpus_per_node or 1
@@ -93,35 +97,58 @@ def topology_from(hostfile, nodes, gpus_per_node) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------------------
 def topology(fn):
     """--hostfile, --nodes, --gpus-per-node: where the run's GPUs are (topology_from reads them)."""
-    for decorator in reversed([
-        click.option("--hostfile", type=click.Path(exists=True, dir_okay=False), default=None,
-                     help="DeepSpeed hostfile ('host slots=N' lines): nodes = hosts, GPUs per node = largest slot "
-                          "count (world size = sum of slots)."),
-        click.option("--nodes", type=POS, default=None, help="Number of nodes (world size = nodes x GPUs per node)."),
-        click.option("--gpus-per-node", type=POS, default=None, help="GPUs per node."),
-    ]):
+    for decorator in reversed(
+        [
+            click.option(
+                "--hostfile",
+                type=click.Path(exists=True, dir_okay=False),
+                default=None,
+                help="DeepSpeed hostfile ('host slots=N' lines): nodes = hosts, GPUs per node = largest slot "
+                "count (world size = sum of slots).",
+            ),
+            click.option(
+                "--nodes", type=POS, default=None, help="Number of nodes (world size = nodes x GPUs per node)."
+            ),
+            click.option("--gpus-per-node", type=POS, default=None, help="GPUs per node."),
+        ]
+    ):
         fn = decorator(fn)
     return fn
 
 
 def host_memory(when: str = ""):
-    return click.option("--host-memory", type=GIB, default=None,
-                        help=f"{when}Host memory per node in GiB (offload must fit it); without it the host is not "
-                             f"checked, the need is printed, and a need beyond common machines' is the last line.")
+    return click.option(
+        "--host-memory",
+        type=GIB,
+        default=None,
+        help=f"{when}Host memory per node in GiB (offload must fit it); without it the host is not "
+        f"checked, the need is printed, and a need beyond common machines' is the last line.",
+    )
 
 
 def gpu(when: str = ""):
-    return click.option("--gpu", type=click.Choice(list(memory.GPU_MEMORY_GIB)), default=None,
-                        help=f"{when}GPU model, for its memory (h200 = 139.8 GiB as torch reports it).")
+    return click.option(
+        "--gpu",
+        type=click.Choice(list(memory.GPU_MEMORY_GIB)),
+        default=None,
+        help=f"{when}GPU model, for its memory (h200 = 139.8 GiB as torch reports it).",
+    )
 
 
 def gpu_memory(when: str = "", then: str = "."):
-    return click.option("--gpu-memory", type=GIB, default=None, help=f"{when}GPU memory in GiB (instead of --gpu){then}")
+    return click.option(
+        "--gpu-memory", type=GIB, default=None, help=f"{when}GPU memory in GiB (instead of --gpu){then}"
+    )
 
 
 def resolution(when: str = ""):
-    return click.option("--resolution", default="512", show_default=True, callback=_resolution,
-                        help=f"{when}Image size in pixels: 512 or HEIGHTxWIDTH (tokens = H/16 x W/16).")
+    return click.option(
+        "--resolution",
+        default="512",
+        show_default=True,
+        callback=_resolution,
+        help=f"{when}Image size in pixels: 512 or HEIGHTxWIDTH (tokens = H/16 x W/16).",
+    )
 
 
 def txt_len(when: str = ""):
@@ -129,45 +156,83 @@ def txt_len(when: str = ""):
 
 
 def margin(when: str = ""):
-    return click.option("--margin", type=FRACTION, default=0.10, show_default=True,
-                        help=f"{when}Safety margin: fits when the need is at most (1 - margin) x the GPU and host "
-                             f"memory.")
+    return click.option(
+        "--margin",
+        type=FRACTION,
+        default=0.10,
+        show_default=True,
+        help=f"{when}Safety margin: fits when the need is at most (1 - margin) x the GPU and host memory.",
+    )
 
 
 def lora_targets(when: str = ""):
-    return click.option("--lora-targets", default=DEFAULT_TARGETS, show_default=True,
-                        help=f"{when}LoRA targets (the run file's lora.targets): a preset ("
-                             + ", ".join(TARGET_PRESETS) + ") or comma-separated module-name patterns.")
+    return click.option(
+        "--lora-targets",
+        default=DEFAULT_TARGETS,
+        show_default=True,
+        help=f"{when}LoRA targets (the run file's lora.targets): a preset ("
+        + ", ".join(TARGET_PRESETS)
+        + ") or comma-separated module-name patterns.",
+    )
 
 
 # The adapter beside --lora-rank, named as the run file's lora section names it
 ADAPTER_OPTIONS = [
-    click.option("--lora-type", type=click.Choice(list(ADAPTER_TYPES)), default="lora", show_default=True,
-                 help="With --lora-rank: the run file's lora.type (dora adds a magnitude per output row, lokr trains "
-                      "Kronecker factors: each counted as PEFT builds it)."),
-    click.option("--lora-factor", type=click.IntRange(min=-1), default=-1, show_default=True,
-                 help="With --lora-type lokr: the run file's lora.factor (-1: the divisors nearest the square root)."),
-    click.option("--lora-decompose-both", is_flag=True, default=False,
-                 help="With --lora-type lokr: the run file's lora.decompose_both (w1 low-rank too)."),
+    click.option(
+        "--lora-type",
+        type=click.Choice(list(ADAPTER_TYPES)),
+        default="lora",
+        show_default=True,
+        help="With --lora-rank: the run file's lora.type (dora adds a magnitude per output row, lokr trains "
+        "Kronecker factors: each counted as PEFT builds it).",
+    ),
+    click.option(
+        "--lora-factor",
+        type=click.IntRange(min=-1),
+        default=-1,
+        show_default=True,
+        help="With --lora-type lokr: the run file's lora.factor (-1: the divisors nearest the square root).",
+    ),
+    click.option(
+        "--lora-decompose-both",
+        is_flag=True,
+        default=False,
+        help="With --lora-type lokr: the run file's lora.decompose_both (w1 low-rank too).",
+    ),
 ]
 ADAPTER_KEYS = ("lora_type", "lora_factor", "lora_decompose_both")
 
 
 def adapter_fields(values: dict) -> dict:
     """RunSpec's adapter fields from the ADAPTER_OPTIONS values (their defaults where absent)."""
-    return {"lora_type": values.get("lora_type", "lora"), "lora_factor": values.get("lora_factor", -1),
-            "lora_decompose_both": values.get("lora_decompose_both", False)}
+    return {
+        "lora_type": values.get("lora_type", "lora"),
+        "lora_factor": values.get("lora_factor", -1),
+        "lora_decompose_both": values.get("lora_decompose_both", False),
+    }
 
 
 def ema(dest: str = "ema", when: str = ""):
-    return click.option("--ema", dest, type=click.Choice(["none", *EMA_DTYPES]), default="none", show_default=True,
-                        help=f"{when}EMA of the trained weights in this dtype (the run file's ema: section), "
-                             f"partitioned like the optimizer states under ZeRO 1-3.")
+    return click.option(
+        "--ema",
+        dest,
+        type=click.Choice(["none", *EMA_DTYPES]),
+        default="none",
+        show_default=True,
+        help=f"{when}EMA of the trained weights in this dtype (the run file's ema: section), "
+        f"partitioned like the optimizer states under ZeRO 1-3.",
+    )
 
 
 def ema_device(dest: str = "ema_device", when: str = ""):
-    return click.option("--ema-device", dest, type=click.Choice(EMA_DEVICES), default="gpu", show_default=True,
-                        help=f"{when}Where the EMA lives (ema.device).")
+    return click.option(
+        "--ema-device",
+        dest,
+        type=click.Choice(EMA_DEVICES),
+        default="gpu",
+        show_default=True,
+        help=f"{when}Where the EMA lives (ema.device).",
+    )
 
 
 def renamed(old: str, new: str, dest: str, type_=None, note: str = ""):

@@ -1,4 +1,5 @@
 """`fluxzero train` (one process, or under torchrun / the deepspeed launcher) and `fluxzero export`."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,8 +11,13 @@ from .model import as_lora_options
 
 
 @click.command("train", context_settings={"ignore_unknown_options": True})
-@click.option("--config", "config", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="YAML run file (e.g. launch/tiny.yaml).")
+@click.option(
+    "--config",
+    "config",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="YAML run file (e.g. launch/tiny.yaml).",
+)
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 def train(config: Path, overrides: tuple[str, ...]):
     """Train FLUX.1 as the run file says (same as `python launch/train.py`).
@@ -33,22 +39,55 @@ def train(config: Path, overrides: tuple[str, ...]):
 @click.command("export")
 @click.argument("ckpt_dir", metavar="CKPT_DIR", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("out", metavar="OUT", type=click.Path(path_type=Path))
-@click.option("--format", "layout", type=click.Choice(["bfl", "diffusers", "comfyui"]), default="bfl",
-              show_default=True, help="Layout to write: a BFL or ComfyUI .safetensors file, or a diffusers folder.")
-@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
-              help="Tensor dtype of the export (the checkpoint's fp32 master weights are the source).")
-@click.option("--weights", type=click.Choice(["live", "ema"]), default="live", show_default=True,
-              help="The trained weights, or the EMA the run kept (its ema: section).")
-@click.option("--merge", is_flag=True,
-              help="LoRA checkpoints: write the base weights with the LoRA merged in (full weights in --format) "
-                   "instead of the LoRA file.")
-@click.option("--base", type=click.Path(exists=True, path_type=Path), default=None,
-              help="With --merge: the base weights to merge into; with --as-lora-rank, a DoRA's base weights  "
-                   "[default: the run's weights:].")
+@click.option(
+    "--format",
+    "layout",
+    type=click.Choice(["bfl", "diffusers", "comfyui"]),
+    default="bfl",
+    show_default=True,
+    help="Layout to write: a BFL or ComfyUI .safetensors file, or a diffusers folder.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["bf16", "fp32"]),
+    default="bf16",
+    show_default=True,
+    help="Tensor dtype of the export (the checkpoint's fp32 master weights are the source).",
+)
+@click.option(
+    "--weights",
+    type=click.Choice(["live", "ema"]),
+    default="live",
+    show_default=True,
+    help="The trained weights, or the EMA the run kept (its ema: section).",
+)
+@click.option(
+    "--merge",
+    is_flag=True,
+    help="LoRA checkpoints: write the base weights with the LoRA merged in (full weights in --format) "
+    "instead of the LoRA file.",
+)
+@click.option(
+    "--base",
+    type=click.Path(exists=True, path_type=Path),
+    default=None,
+    help="With --merge: the base weights to merge into; with --as-lora-rank, a DoRA's base weights  "
+    "[default: the run's weights:].",
+)
 @as_lora_options
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
-def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, weights: str, merge: bool, base: Path | None,
-           as_lora_rank: int | None, max_error: float | None, overwrite: bool):
+def export(
+    ckpt_dir: Path,
+    out: Path,
+    layout: str,
+    dtype: str,
+    weights: str,
+    merge: bool,
+    base: Path | None,
+    as_lora_rank: int | None,
+    max_error: float | None,
+    overwrite: bool,
+):
     """Consolidate a training checkpoint (any ZeRO stage) into FLUX.1 safetensors.
 
     CKPT_DIR is a run's output_dir, its checkpoints/ folder (the `latest` checkpoint is used) or one
@@ -78,8 +117,18 @@ def export(ckpt_dir: Path, out: Path, layout: str, dtype: str, weights: str, mer
         if as_lora_rank or merge or base:
             from fluxzero.train.export.lora import export_lora
 
-            export_lora(ckpt / tag, out, layout, dtype, merge=not as_lora_rank, base=str(base) if base else None,
-                        weights=weights, as_lora_rank=as_lora_rank, max_error=max_error, report=click.echo)
+            export_lora(
+                ckpt / tag,
+                out,
+                layout,
+                dtype,
+                merge=not as_lora_rank,
+                base=str(base) if base else None,
+                weights=weights,
+                as_lora_rank=as_lora_rank,
+                max_error=max_error,
+                report=click.echo,
+            )
         else:  # a LoRA checkpoint writes its LoRA file (kohya layout for bfl / comfyui)
             export_checkpoint(ckpt / tag, out, layout, dtype, weights)
     except TrainingError as e:  # a corrupt checkpoint or an unwritable OUT: the message names which

@@ -6,6 +6,7 @@ Parameter counts, FLOPs, the memory model's parameter inventory and the LoRA tar
 variant is a line in PRESETS (and, if its shape differs, a field of ModelConfig read here) plus that test.
 The functions take any object with ModelConfig's fields (fluxzero.config.models.ModelConfig).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,8 +24,18 @@ PRESETS: dict[str, tuple[str | None, dict]] = {
     # with plain data parallelism and AdamW, for benchmarks.
     "flux-dev-lite": ("flux-dev", {"depth": 5, "depth_single_blocks": 10}),
     # Tiny presets for tests and the CPU quick start: every code path of the real model, in milliseconds.
-    "flux-tiny": ("flux-dev", {"hidden_size": 64, "num_heads": 4, "axes_dim": (4, 6, 6), "depth": 2,
-                               "depth_single_blocks": 2, "context_in_dim": 64, "vec_in_dim": 32}),
+    "flux-tiny": (
+        "flux-dev",
+        {
+            "hidden_size": 64,
+            "num_heads": 4,
+            "axes_dim": (4, 6, 6),
+            "depth": 2,
+            "depth_single_blocks": 2,
+            "context_in_dim": 64,
+            "vec_in_dim": 32,
+        },
+    ),
     "flux-tiny-schnell": ("flux-tiny", {"guidance_embed": False}),
     "flux-kontext-dev": ("flux-dev", {"kontext": True}),
     "flux-tiny-kontext": ("flux-tiny", {"kontext": True}),
@@ -71,17 +82,23 @@ def _linear(name: str, n_in: int, n_out: int, tokens: str = "sample", bias: bool
 
 
 def _qk_norm(prefix: str, head_dim: int) -> list[Layer]:
-    return [Layer(f"{prefix}.query_norm", "norm", head_dim, head_dim, "all"),
-            Layer(f"{prefix}.key_norm", "norm", head_dim, head_dim, "all")]
+    return [
+        Layer(f"{prefix}.query_norm", "norm", head_dim, head_dim, "all"),
+        Layer(f"{prefix}.key_norm", "norm", head_dim, head_dim, "all"),
+    ]
 
 
 def embedders(cfg) -> list[Layer]:
     """The input embedders, in registration order: img_in, time_in, vector_in, guidance_in (guidance-distilled
     models), txt_in."""
     C, E = cfg.hidden_size, TIME_EMBED_DIM
-    out = [_linear("img_in", cfg.in_channels, C, "img"), _linear("time_in.in_layer", E, C),
-           _linear("time_in.out_layer", C, C), _linear("vector_in.in_layer", cfg.vec_in_dim, C),
-           _linear("vector_in.out_layer", C, C)]
+    out = [
+        _linear("img_in", cfg.in_channels, C, "img"),
+        _linear("time_in.in_layer", E, C),
+        _linear("time_in.out_layer", C, C),
+        _linear("vector_in.in_layer", cfg.vec_in_dim, C),
+        _linear("vector_in.out_layer", C, C),
+    ]
     if cfg.guidance_embed:
         out += [_linear("guidance_in.in_layer", E, C), _linear("guidance_in.out_layer", C, C)]
     return out + [_linear("txt_in", cfg.context_in_dim, C, "txt")]
@@ -93,9 +110,14 @@ def double_block(cfg) -> list[Layer]:
     C, M, D = cfg.hidden_size, cfg.mlp_hidden_dim, cfg.head_dim
     out = []
     for s in ("img", "txt"):
-        out += [_linear(f"{s}_mod.lin", C, 6 * C), _linear(f"{s}_attn.qkv", C, 3 * C, s, cfg.qkv_bias),
-                *_qk_norm(f"{s}_attn.norm", D), _linear(f"{s}_attn.proj", C, C, s),
-                _linear(f"{s}_mlp.0", C, M, s), _linear(f"{s}_mlp.2", M, C, s)]
+        out += [
+            _linear(f"{s}_mod.lin", C, 6 * C),
+            _linear(f"{s}_attn.qkv", C, 3 * C, s, cfg.qkv_bias),
+            *_qk_norm(f"{s}_attn.norm", D),
+            _linear(f"{s}_attn.proj", C, C, s),
+            _linear(f"{s}_mlp.0", C, M, s),
+            _linear(f"{s}_mlp.2", M, C, s),
+        ]
     return out
 
 
@@ -103,22 +125,27 @@ def single_block(cfg) -> list[Layer]:
     """One single-stream block: linear1 (q, k, v and MLP-in fused), linear2 (attention-out and MLP-out fused),
     q/k RMSNorm, modulation (shift, scale, gate)."""
     C, M, D = cfg.hidden_size, cfg.mlp_hidden_dim, cfg.head_dim
-    return [_linear("linear1", C, 3 * C + M, "all"), _linear("linear2", C + M, C, "all"), *_qk_norm("norm", D),
-            _linear("modulation.lin", C, 3 * C)]
+    return [
+        _linear("linear1", C, 3 * C + M, "all"),
+        _linear("linear2", C + M, C, "all"),
+        *_qk_norm("norm", D),
+        _linear("modulation.lin", C, 3 * C),
+    ]
 
 
 def final_layer(cfg) -> list[Layer]:
     C = cfg.hidden_size
-    return [_linear("final_layer.linear", C, cfg.out_channels, "img"),
-            _linear("final_layer.adaLN_modulation.1", C, 2 * C)]
+    return [
+        _linear("final_layer.linear", C, cfg.out_channels, "img"),
+        _linear("final_layer.adaLN_modulation.1", C, 2 * C),
+    ]
 
 
 def layers(cfg) -> list[tuple[str, Layer]]:
     """(module name, Layer) for every module with parameters, in the model's parameters() order."""
     out = [(lay.name, lay) for lay in embedders(cfg)]
     out += [(f"double_blocks.{i}.{lay.name}", lay) for i in range(cfg.depth) for lay in double_block(cfg)]
-    out += [(f"single_blocks.{i}.{lay.name}", lay) for i in range(cfg.depth_single_blocks)
-            for lay in single_block(cfg)]
+    out += [(f"single_blocks.{i}.{lay.name}", lay) for i in range(cfg.depth_single_blocks) for lay in single_block(cfg)]
     return out + [(lay.name, lay) for lay in final_layer(cfg)]
 
 
@@ -133,8 +160,11 @@ def block_params(block: list[Layer]) -> int:
 
 def num_params(cfg) -> int:
     """Parameter count of the transformer (flux-dev: 11,901,408,320)."""
-    return (block_params(outside_blocks(cfg)) + cfg.depth * block_params(double_block(cfg))
-            + cfg.depth_single_blocks * block_params(single_block(cfg)))
+    return (
+        block_params(outside_blocks(cfg))
+        + cfg.depth * block_params(double_block(cfg))
+        + cfg.depth_single_blocks * block_params(single_block(cfg))
+    )
 
 
 def linear_shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -161,8 +191,7 @@ def flops_per_sample(cfg, img_tokens: int, txt_tokens: int) -> float:
         return sum(lay.flops(I, T) for lay in b) + attn
 
     outside = sum(lay.flops(I, T) for lay in outside_blocks(cfg))
-    return float(cfg.depth * block(double_block(cfg)) + cfg.depth_single_blocks * block(single_block(cfg))
-                 + outside)
+    return float(cfg.depth * block(double_block(cfg)) + cfg.depth_single_blocks * block(single_block(cfg)) + outside)
 
 
 def reference_tokens(cfg, target_tokens: int) -> int:

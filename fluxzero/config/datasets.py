@@ -13,6 +13,7 @@ of datasets, each a mapping:
 
 Trigger words and caption prefixes are `fluxzero cache --caption-prefix` (captions are encoded there).
 """
+
 from __future__ import annotations
 
 import math
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 
 from fluxzero.config.keys import check_types, section_from_dict
 from fluxzero.config.user_files import excerpt
-
 
 MAX_REPEATS = 1_000_000
 # keys users of other trainers give a dataset for what `fluxzero cache --caption-prefix` does
@@ -43,11 +43,15 @@ class DatasetConfig:
             raise ValueError("data[].path is empty; set it to a shard folder made by `fluxzero cache`")
         object.__setattr__(self, "path", os.path.expanduser(self.path))
         if self.repeats < 1:
-            raise ValueError(f"data: {self.path} has repeats {self.repeats}; set repeats to 1 or more, or remove "
-                             f"that dataset from data:")
+            raise ValueError(
+                f"data: {self.path} has repeats {self.repeats}; set repeats to 1 or more, or remove "
+                f"that dataset from data:"
+            )
         if self.repeats > MAX_REPEATS:
-            raise ValueError(f"data: {self.path} has repeats {self.repeats}; set repeats from 1 to {MAX_REPEATS} (an "
-                             f"epoch lists every repeated sample)")
+            raise ValueError(
+                f"data: {self.path} has repeats {self.repeats}; set repeats from 1 to {MAX_REPEATS} (an "
+                f"epoch lists every repeated sample)"
+            )
         if not (math.isfinite(self.loss_weight) and self.loss_weight >= 0):
             raise ValueError(f"data: {self.path} has loss_weight {self.loss_weight}; set a finite number >= 0")
         if not 0.0 <= self.caption_dropout < 1.0:
@@ -74,16 +78,22 @@ def parse_data(value):
                     raise ValueError(f"data[{i}] has no path; give each dataset a path: to its shard folder")
                 cached = next((k for k in CAPTION_KEYS if k in d), None)
                 if cached is not None:
-                    raise ValueError(f"data[{i}].{cached}: captions are encoded into the shards by `fluxzero cache`, so a "
-                                     f"trigger word or caption prefix is given there: cache that dataset with "
-                                     f"--caption-prefix 'ohwx ' and remove {cached}")
+                    raise ValueError(
+                        f"data[{i}].{cached}: captions are encoded into the shards by `fluxzero cache`, so a "
+                        f"trigger word or caption prefix is given there: cache that dataset with "
+                        f"--caption-prefix 'ohwx ' and remove {cached}"
+                    )
                 out.append(section_from_dict(DatasetConfig, f"data[{i}]", d))
             else:
-                raise ValueError(f"data[{i}] must be a mapping with path: (and repeats:, loss_weight:, "
-                                 f"caption_dropout:), got {excerpt(d)}")
+                raise ValueError(
+                    f"data[{i}] must be a mapping with path: (and repeats:, loss_weight:, "
+                    f"caption_dropout:), got {excerpt(d)}"
+                )
         if all(d.loss_weight == 0 for d in out):
-            raise ValueError("every dataset of data: has loss_weight 0, so nothing would train; give at least one a "
-                             "loss_weight above 0")
+            raise ValueError(
+                "every dataset of data: has loss_weight 0, so nothing would train; give at least one a "
+                "loss_weight above 0"
+            )
         paths = [d.path for d in out]
         dup = next((p for p in paths if paths.count(p) > 1), None)
         if dup is not None:

@@ -10,6 +10,7 @@ fluxzero.train.ema (ShardedEMA), which keeps on each rank only the EMA of that r
       device: gpu        # gpu: beside the fp32 master partition; cpu: in host memory (a copy per update)
       dtype: fp32        # fp32 | bf16 (bf16 updates are stochastically rounded, so tiny increments survive)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,29 +37,36 @@ class EmaConfig:
     def __post_init__(self):
         d = self.decay
         if isinstance(d, bool) or not isinstance(d, (int, float)):
-            raise ValueError(f"ema.decay must be a number between 0 and 1 (exclusive), for example 0.9999, got {excerpt(d)}")
+            raise ValueError(
+                f"ema.decay must be a number between 0 and 1 (exclusive), for example 0.9999, got {excerpt(d)}"
+            )
         if not 0.0 < d < 1.0:  # 1 would never move, 0 would be the weights themselves
             raise ValueError(f"ema.decay must be between 0 and 1 (exclusive), for example 0.9999, got {d}")
         self.decay = float(d)
         if not isinstance(self.warmup, bool):
             raise ValueError(f"ema.warmup must be true or false, got {excerpt(self.warmup)}")
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"ema.every must be a whole number of optimizer steps, at least 1, got {excerpt(self.every)}")
+            raise ValueError(
+                f"ema.every must be a whole number of optimizer steps, at least 1, got {excerpt(self.every)}"
+            )
         if self.device not in EMA_DEVICES:
             raise ValueError(f"ema.device must be 'gpu' or 'cpu', got {excerpt(self.device)}")
         if self.dtype not in EMA_DTYPES:
             raise ValueError(f"ema.dtype must be 'fp32' or 'bf16', got {excerpt(self.dtype)}")
 
     @classmethod
-    def from_dict(cls, d) -> "EmaConfig":
+    def from_dict(cls, d) -> EmaConfig:
         """The `ema:` mapping of a run file; unknown keys are refused with a did-you-mean."""
         if not isinstance(d, dict):
-            raise ValueError(f"ema must be a mapping of EMA options (decay, warmup, every, device, dtype), got {excerpt(d)}")
+            raise ValueError(
+                f"ema must be a mapping of EMA options (decay, warmup, every, device, dtype), got {excerpt(d)}"
+            )
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(map(str, d)) - set(names))
         if unknown:
-            raise ValueError(f"unknown ema keys {unknown}{did_you_mean(unknown, names)}; valid keys: "
-                             f"{', '.join(names)}")
+            raise ValueError(
+                f"unknown ema keys {unknown}{did_you_mean(unknown, names)}; valid keys: {', '.join(names)}"
+            )
         return cls(**d)
 
     def to_dict(self) -> dict:

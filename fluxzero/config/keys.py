@@ -1,5 +1,6 @@
 """What every run-file section shares (stdlib only): the did-you-mean of a refused unknown key, the field type
 check, the mapping a section is read from."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +13,11 @@ def did_you_mean(unknown, names) -> str:
     """' (did you mean 'rank' for 'rnak'?)' for the unknown keys with a close valid name, else ''."""
     import difflib
 
-    hints = [f"{excerpt(m[0])} for {excerpt(k)}" for k in unknown
-             if (m := difflib.get_close_matches(str(k), sorted(map(str, names)), n=1, cutoff=0.6))]
+    hints = [
+        f"{excerpt(m[0])} for {excerpt(k)}"
+        for k in unknown
+        if (m := difflib.get_close_matches(str(k), sorted(map(str, names)), n=1, cutoff=0.6))
+    ]
     return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 
@@ -59,6 +63,5 @@ def section_from_dict(cls, name: str, d):
         raise ValueError(f"{name} must be a mapping of {name} options ({', '.join(names)}), got {excerpt(d)}")
     unknown = sorted(set(map(str, d)) - set(names))
     if unknown:
-        raise ValueError(f"unknown {name} keys {unknown}{did_you_mean(unknown, names)}; valid keys: "
-                         f"{', '.join(names)}")
+        raise ValueError(f"unknown {name} keys {unknown}{did_you_mean(unknown, names)}; valid keys: {', '.join(names)}")
     return cls(**d)

@@ -4,6 +4,7 @@ Targets are fnmatch patterns (shell globs: `*`, `?`, `[...]`; `*` also matches d
 which follow BFL's reference (`double_blocks.3.img_attn.qkv`, `single_blocks.10.linear1`). Globs rather than
 regexes because they read naturally in YAML and need no escaping of the dots in every name.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,11 +19,20 @@ from fluxzero.config.user_files import excerpt
 # What each stream of a double block and each single block holds, by preset. A single block's attention
 # and MLP share fused linears (linear1 = q, k, v and MLP-in; linear2 = attn-out and MLP-out), so even the
 # "attention" preset adapts the single blocks' MLP rows: a LoRA cannot cover part of one linear's rows.
-_ATTN = ("double_blocks.*.img_attn.qkv", "double_blocks.*.img_attn.proj",
-         "double_blocks.*.txt_attn.qkv", "double_blocks.*.txt_attn.proj",
-         "single_blocks.*.linear1", "single_blocks.*.linear2")
-_MLP = ("double_blocks.*.img_mlp.0", "double_blocks.*.img_mlp.2",
-        "double_blocks.*.txt_mlp.0", "double_blocks.*.txt_mlp.2")
+_ATTN = (
+    "double_blocks.*.img_attn.qkv",
+    "double_blocks.*.img_attn.proj",
+    "double_blocks.*.txt_attn.qkv",
+    "double_blocks.*.txt_attn.proj",
+    "single_blocks.*.linear1",
+    "single_blocks.*.linear2",
+)
+_MLP = (
+    "double_blocks.*.img_mlp.0",
+    "double_blocks.*.img_mlp.2",
+    "double_blocks.*.txt_mlp.0",
+    "double_blocks.*.txt_mlp.2",
+)
 _MOD = ("double_blocks.*.img_mod.lin", "double_blocks.*.txt_mod.lin", "single_blocks.*.modulation.lin")
 TARGET_PRESETS: dict[str, tuple[str, ...]] = {
     "attention": _ATTN,
@@ -66,21 +76,34 @@ class LoraConfig:
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
-            raise ValueError(f"lora.rank must be a whole number of at least 1, got {excerpt(self.rank)}; set e.g. rank: 16")
+            raise ValueError(
+                f"lora.rank must be a whole number of at least 1, got {excerpt(self.rank)}; set e.g. rank: 16"
+            )
         if self.alpha is None:
             self.alpha = float(self.rank)
-        if (not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not self.alpha > 0
-                or not math.isfinite(self.alpha)):
-            raise ValueError(f"lora.alpha must be a positive number (finite), got {excerpt(self.alpha)}; set it to the "
-                             "rank (scale 1) or leave it out")
+        if (
+            not isinstance(self.alpha, (int, float))
+            or isinstance(self.alpha, bool)
+            or not self.alpha > 0
+            or not math.isfinite(self.alpha)
+        ):
+            raise ValueError(
+                f"lora.alpha must be a positive number (finite), got {excerpt(self.alpha)}; set it to the "
+                "rank (scale 1) or leave it out"
+            )
         self.alpha = float(self.alpha)
         if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
-            raise ValueError(f"lora.dropout must be a number in [0, 1), got {excerpt(self.dropout)}; use 0 to turn it off")
+            raise ValueError(
+                f"lora.dropout must be a number in [0, 1), got {excerpt(self.dropout)}; use 0 to turn it off"
+            )
         self.dropout = float(self.dropout)
         if self.init not in LORA_INITS:
-            why = (" (it rewrites the frozen base weights, which ZeRO-3 placeholders cannot hold and saved LoRA "
-                   "files would then depend on)" if str(self.init).lower().startswith(("pissa", "olora", "corda"))
-                   else "")
+            why = (
+                " (it rewrites the frozen base weights, which ZeRO-3 placeholders cannot hold and saved LoRA "
+                "files would then depend on)"
+                if str(self.init).lower().startswith(("pissa", "olora", "corda"))
+                else ""
+            )
             raise ValueError(f"lora.init must be one of {', '.join(LORA_INITS)}, got {excerpt(self.init)}{why}")
         if self.base_quant not in BASE_QUANTS:
             raise ValueError(f"lora.base_quant must be one of {', '.join(BASE_QUANTS)}, got {excerpt(self.base_quant)}")
@@ -90,42 +113,63 @@ class LoraConfig:
             self.weights = os.fspath(self.weights)
         if self.weights is not None:
             if not isinstance(self.weights, str) or not self.weights.strip():
-                raise ValueError(f"lora.weights must be a path to a LoRA .safetensors file or null, got {excerpt(self.weights)}")
+                raise ValueError(
+                    f"lora.weights must be a path to a LoRA .safetensors file or null, got {excerpt(self.weights)}"
+                )
             self.weights = os.path.expanduser(self.weights)
             if self.type != "lora":
-                raise ValueError(f"lora.weights continues a plain LoRA file, and lora.type is {self.type}; remove "
-                                 "lora.weights (resuming the run's own checkpoint needs none) or set lora.type: lora")
+                raise ValueError(
+                    f"lora.weights continues a plain LoRA file, and lora.type is {self.type}; remove "
+                    "lora.weights (resuming the run's own checkpoint needs none) or set lora.type: lora"
+                )
 
     def _check_type(self) -> None:
         if self.type not in ADAPTER_TYPES:
             raise ValueError(f"lora.type must be one of {', '.join(ADAPTER_TYPES)}, got {self.type!r}")
-        if not isinstance(self.factor, int) or isinstance(self.factor, bool) or not (self.factor == -1 or self.factor >= 1):
+        if (
+            not isinstance(self.factor, int)
+            or isinstance(self.factor, bool)
+            or not (self.factor == -1 or self.factor >= 1)
+        ):
             raise ValueError(f"lora.factor must be -1 (automatic) or a whole number of at least 1, got {self.factor!r}")
         if not isinstance(self.decompose_both, bool):
             raise ValueError(f"lora.decompose_both must be true or false, got {self.decompose_both!r}")
         if self.type != "lokr" and (self.factor != -1 or self.decompose_both):
-            raise ValueError(f"lora.factor and lora.decompose_both shape a LoKr; set lora.type: lokr or remove them "
-                             f"(lora.type is {self.type})")
+            raise ValueError(
+                f"lora.factor and lora.decompose_both shape a LoKr; set lora.type: lokr or remove them "
+                f"(lora.type is {self.type})"
+            )
         if self.type == "lokr" and (self.dropout or self.init != "default"):
-            raise ValueError("a LoKr (lora.type: lokr) has no lora.dropout or lora.init (PEFT draws w2 as LyCORIS does "
-                             "and starts w1 at 0); remove them")
+            raise ValueError(
+                "a LoKr (lora.type: lokr) has no lora.dropout or lora.init (PEFT draws w2 as LyCORIS does "
+                "and starts w1 at 0); remove them"
+            )
         if self.type != "lora" and self.base_quant != "none":
-            raise ValueError(f"lora.base_quant {self.base_quant} quantizes the base under a plain LoRA only ({self.type} "
-                             "reads the base weight in its own forward); set lora.base_quant: none or lora.type: lora")
+            raise ValueError(
+                f"lora.base_quant {self.base_quant} quantizes the base under a plain LoRA only ({self.type} "
+                "reads the base weight in its own forward); set lora.base_quant: none or lora.type: lora"
+            )
 
     def _check_targets(self) -> None:
         presets = ", ".join(TARGET_PRESETS)
         if isinstance(self.targets, str):
             if self.targets not in TARGET_PRESETS:
-                raise ValueError(f"lora.targets {excerpt(self.targets)} is not a preset; use one of {presets}, or a list "
-                                 "of module-name patterns such as ['double_blocks.*.img_attn.qkv']")
+                raise ValueError(
+                    f"lora.targets {excerpt(self.targets)} is not a preset; use one of {presets}, or a list "
+                    "of module-name patterns such as ['double_blocks.*.img_attn.qkv']"
+                )
             return
         if isinstance(self.targets, tuple):
             self.targets = list(self.targets)
-        if (not isinstance(self.targets, list) or not self.targets
-                or not all(isinstance(p, str) and p.strip() for p in self.targets)):
-            raise ValueError(f"lora.targets must be a preset ({presets}) or a non-empty list of module-name patterns, "
-                             f"got {excerpt(self.targets)}")
+        if (
+            not isinstance(self.targets, list)
+            or not self.targets
+            or not all(isinstance(p, str) and p.strip() for p in self.targets)
+        ):
+            raise ValueError(
+                f"lora.targets must be a preset ({presets}) or a non-empty list of module-name patterns, "
+                f"got {excerpt(self.targets)}"
+            )
 
     @property
     def scale(self) -> float:
@@ -138,18 +182,21 @@ class LoraConfig:
         return TARGET_PRESETS[self.targets] if isinstance(self.targets, str) else tuple(self.targets)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LoraConfig":
+    def from_dict(cls, d: dict) -> LoraConfig:
         """From the run file's `lora:` mapping; unknown keys are refused with the valid ones listed."""
         if not isinstance(d, dict):
             raise ValueError(f"lora must be a mapping of LoRA options (rank, alpha, ...), got {excerpt(d)}")
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(names))
         if set(unknown) & {"lr", "learning_rate"}:  # a LoRA's lr is the optimizer's, as for a full fine-tune
-            raise ValueError("the lr is not a lora key: it lives in the DeepSpeed config (optimizer.params.lr in "
-                             "the file deepspeed: names), for a LoRA as for a full fine-tune")
+            raise ValueError(
+                "the lr is not a lora key: it lives in the DeepSpeed config (optimizer.params.lr in "
+                "the file deepspeed: names), for a LoRA as for a full fine-tune"
+            )
         if unknown:
-            raise ValueError(f"unknown lora keys {unknown}{did_you_mean(unknown, names)}; valid keys: "
-                             f"{', '.join(names)}")
+            raise ValueError(
+                f"unknown lora keys {unknown}{did_you_mean(unknown, names)}; valid keys: {', '.join(names)}"
+            )
         return cls(**d)
 
     def to_dict(self) -> dict:
@@ -165,20 +212,26 @@ class LoraConfig:
 
         width = model_cfg.hidden_size
         if self.rank > width:
-            raise ValueError(f"lora.rank must be from 1 to the model's width {width} ({model_cfg.name}), got "
-                             f"{self.rank}; set e.g. rank: 16")
+            raise ValueError(
+                f"lora.rank must be from 1 to the model's width {width} ({model_cfg.name}), got "
+                f"{self.rank}; set e.g. rank: 16"
+            )
         names = list(linear_shapes(model_cfg))
         hits = {p: [n for n in names if fnmatch.fnmatchcase(n, p)] for p in self.patterns}
         if isinstance(self.targets, str):
             if not any(hits.values()):
-                raise ValueError(f"lora.targets {self.targets!r} selects no linear layer of {model_cfg.name}; name "
-                                 f"module patterns instead (e.g. img_in, final_layer.linear)")
+                raise ValueError(
+                    f"lora.targets {self.targets!r} selects no linear layer of {model_cfg.name}; name "
+                    f"module patterns instead (e.g. img_in, final_layer.linear)"
+                )
             return
         missed = [p for p, hit in hits.items() if not hit]
         if missed:
-            raise ValueError(f"lora.targets pattern {excerpt(missed[0])} matches no linear layer of {model_cfg.name}; "
-                             f"patterns are fnmatch globs over whole module names such as "
-                             f"double_blocks.*.img_attn.qkv or single_blocks.*.linear1")
+            raise ValueError(
+                f"lora.targets pattern {excerpt(missed[0])} matches no linear layer of {model_cfg.name}; "
+                f"patterns are fnmatch globs over whole module names such as "
+                f"double_blocks.*.img_attn.qkv or single_blocks.*.linear1"
+            )
 
 
 def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:

@@ -3,6 +3,7 @@
 
 No torch import here: `fluxzero gen-config`, `fluxzero estimate` and friends must stay instant.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,6 @@ from dataclasses import dataclass
 
 from fluxzero.config import architecture
 from fluxzero.config.user_files import excerpt, parse_json
-
 
 # What a ModelConfig may say: far beyond any FLUX.1-shaped model (FLUX.1-dev: width 3072, 19 + 38 blocks), and
 # small enough that the memory model and parameter counts stay exact and a typo (depth=10000000000) is refused
@@ -47,19 +47,25 @@ class ModelConfig:
 
         for f in ("in_channels", "out_channels", "vec_in_dim", "context_in_dim", "hidden_size", "num_heads"):
             if not 1 <= getattr(self, f) <= MAX_WIDTH:
-                raise ValueError(f"model {excerpt(self.name)}: {f} must be from 1 to {MAX_WIDTH}, got "
-                                 f"{excerpt(getattr(self, f))}")
+                raise ValueError(
+                    f"model {excerpt(self.name)}: {f} must be from 1 to {MAX_WIDTH}, got {excerpt(getattr(self, f))}"
+                )
         for f in ("depth", "depth_single_blocks"):
             if not 0 <= getattr(self, f) <= MAX_BLOCKS:
-                raise ValueError(f"model {excerpt(self.name)}: {f} must be from 0 to {MAX_BLOCKS}, got "
-                                 f"{excerpt(getattr(self, f))}")
+                raise ValueError(
+                    f"model {excerpt(self.name)}: {f} must be from 0 to {MAX_BLOCKS}, got {excerpt(getattr(self, f))}"
+                )
         if not (math.isfinite(self.mlp_ratio) and 1 <= self.mlp_hidden_dim <= MAX_WIDTH * 16):
-            raise ValueError(f"model {excerpt(self.name)}: mlp_ratio {self.mlp_ratio} gives an MLP width of "
-                             f"hidden_size x mlp_ratio = {self.mlp_hidden_dim if math.isfinite(self.mlp_ratio) else 'inf'}"
-                             f"; choose mlp_ratio so that the width is from 1 to {MAX_WIDTH * 16} (FLUX.1: 4.0)")
+            raise ValueError(
+                f"model {excerpt(self.name)}: mlp_ratio {self.mlp_ratio} gives an MLP width of "
+                f"hidden_size x mlp_ratio = {self.mlp_hidden_dim if math.isfinite(self.mlp_ratio) else 'inf'}"
+                f"; choose mlp_ratio so that the width is from 1 to {MAX_WIDTH * 16} (FLUX.1: 4.0)"
+            )
         if not 1 <= self.theta <= MAX_THETA:
-            raise ValueError(f"model {excerpt(self.name)}: theta (RoPE base) must be from 1 to {MAX_THETA}, got "
-                             f"{excerpt(self.theta)} (FLUX.1: 10000)")
+            raise ValueError(
+                f"model {excerpt(self.name)}: theta (RoPE base) must be from 1 to {MAX_THETA}, got "
+                f"{excerpt(self.theta)} (FLUX.1: 10000)"
+            )
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model {excerpt(self.name)}: hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}"
@@ -69,8 +75,10 @@ class ModelConfig:
                 f"model {excerpt(self.name)}: axes_dim {self.axes_dim} must sum to the head dim {self.head_dim}"
             )
         if any(d % 2 or d <= 0 for d in self.axes_dim):
-            raise ValueError(f"model {excerpt(self.name)}: every entry of axes_dim {self.axes_dim} must be positive "
-                             f"and even (RoPE pairs)")
+            raise ValueError(
+                f"model {excerpt(self.name)}: every entry of axes_dim {self.axes_dim} must be positive "
+                f"and even (RoPE pairs)"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -94,7 +102,7 @@ class ModelConfig:
         fluxzero.config.architecture.flops_per_sample says what is counted."""
         return architecture.flops_per_sample(self, img_tokens, txt_tokens)
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
@@ -102,14 +110,14 @@ class ModelConfig:
         return {**dataclasses.asdict(self), "axes_dim": list(self.axes_dim)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
+    def from_dict(cls, d: dict) -> ModelConfig:
         """A ModelConfig from `to_dict()`'s mapping (missing fields take flux-dev's values); ValueError naming
         a bad field."""
         if not isinstance(d, dict):
             raise ValueError(f"model must be a mapping of ModelConfig fields, got {excerpt(d)}")
         return _from_mapping({"name": "custom", **d}, "model")
 
-    def same_shape(self, other: "ModelConfig") -> bool:
+    def same_shape(self, other: ModelConfig) -> bool:
         """Equal in every field but the name: the same tensors and the same forward."""
         return dataclasses.replace(self, name="") == dataclasses.replace(other, name="")
 
@@ -131,14 +139,25 @@ def get_model_config(name) -> ModelConfig:
     return resolve_model(name)
 
 
-def reshaped(base: ModelConfig, *, depth: int | None = None, depth_single_blocks: int | None = None,
-             hidden_size: int | None = None, num_heads: int | None = None) -> ModelConfig:
+def reshaped(
+    base: ModelConfig,
+    *,
+    depth: int | None = None,
+    depth_single_blocks: int | None = None,
+    hidden_size: int | None = None,
+    num_heads: int | None = None,
+) -> ModelConfig:
     """`base` with another block count or width (what-if sizing); RoPE axes follow the new head dim.
 
     Raises ValueError with one sentence when the shape cannot exist.
     """
-    changes = {k: v for k, v in dict(depth=depth, depth_single_blocks=depth_single_blocks,
-                                     hidden_size=hidden_size, num_heads=num_heads).items() if v is not None}
+    changes = {
+        k: v
+        for k, v in dict(
+            depth=depth, depth_single_blocks=depth_single_blocks, hidden_size=hidden_size, num_heads=num_heads
+        ).items()
+        if v is not None
+    }
     if not changes:
         return base
     hidden, heads = changes.get("hidden_size", base.hidden_size), changes.get("num_heads", base.num_heads)
@@ -151,25 +170,40 @@ def reshaped(base: ModelConfig, *, depth: int | None = None, depth_single_blocks
     return dataclasses.replace(base, name=f"{base.name} ({desc})", **changes)
 
 
-
-
 # ------------------------------------------------------------------------------------------------------
 # Model specs: a preset name, a mapping of field overrides, "PRESET:field=value,...", or a diffusers config.json
 # ------------------------------------------------------------------------------------------------------
-_INT_FIELDS = ("in_channels", "out_channels", "vec_in_dim", "context_in_dim", "hidden_size", "num_heads", "depth",
-               "depth_single_blocks", "theta", "head_dim")
+_INT_FIELDS = (
+    "in_channels",
+    "out_channels",
+    "vec_in_dim",
+    "context_in_dim",
+    "hidden_size",
+    "num_heads",
+    "depth",
+    "depth_single_blocks",
+    "theta",
+    "head_dim",
+)
 _BOOL_FIELDS = ("qkv_bias", "guidance_embed", "kontext")
 # What a mapping may set: every ModelConfig field, `head_dim` (hidden_size = head_dim x num_heads) and `preset`.
 SPEC_KEYS = ("preset", *(f.name for f in dataclasses.fields(ModelConfig)), "head_dim")
-_SPEC_FORMS = ("a preset name, a mapping {preset: NAME, field: value, ...}, 'PRESET:field=value,...' or the path "
-               "of a diffusers config.json (or the folder holding it)")
+_SPEC_FORMS = (
+    "a preset name, a mapping {preset: NAME, field: value, ...}, 'PRESET:field=value,...' or the path "
+    "of a diffusers config.json (or the folder holding it)"
+)
 # diffusers' FluxTransformer2DModel argument -> our field, with diffusers' own default when config.json omits it
 # (what from_pretrained would build). hidden_size is attention_head_dim x num_attention_heads.
 _DIFFUSERS = {
-    "in_channels": ("in_channels", 64), "out_channels": ("out_channels", None), "num_layers": ("depth", 19),
-    "num_single_layers": ("depth_single_blocks", 38), "attention_head_dim": ("head_dim", 128),
-    "num_attention_heads": ("num_heads", 24), "joint_attention_dim": ("context_in_dim", 4096),
-    "pooled_projection_dim": ("vec_in_dim", 768), "guidance_embeds": ("guidance_embed", False),
+    "in_channels": ("in_channels", 64),
+    "out_channels": ("out_channels", None),
+    "num_layers": ("depth", 19),
+    "num_single_layers": ("depth_single_blocks", 38),
+    "attention_head_dim": ("head_dim", 128),
+    "num_attention_heads": ("num_heads", 24),
+    "joint_attention_dim": ("context_in_dim", 4096),
+    "pooled_projection_dim": ("vec_in_dim", 768),
+    "guidance_embeds": ("guidance_embed", False),
     "axes_dims_rope": ("axes_dim", [16, 56, 56]),
 }
 
@@ -195,15 +229,19 @@ def _checked(where: str, key: str, value, label: str | None = None):
         if not isinstance(value, bool):
             raise ValueError(f"{where}: {label} must be true or false, got {excerpt(value)}")
     elif key == "axes_dim":
-        ok = isinstance(value, (list, tuple)) and len(value) == 3 and all(
-            isinstance(a, int) and not isinstance(a, bool) and a > 0 for a in value)
+        ok = (
+            isinstance(value, (list, tuple))
+            and len(value) == 3
+            and all(isinstance(a, int) and not isinstance(a, bool) and a > 0 for a in value)
+        )
         if not ok:  # RoPE rotates three position axes (frame, row, column): the ids have three columns
-            raise ValueError(f"{where}: {label} must be three positive even whole numbers summing to the head dim, "
-                             f"such as [16, 56, 56], got {excerpt(value)}")
+            raise ValueError(
+                f"{where}: {label} must be three positive even whole numbers summing to the head dim, "
+                f"such as [16, 56, 56], got {excerpt(value)}"
+            )
         value = tuple(value)
-    elif key in ("name", "preset"):
-        if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"{where}: {label} must be text, got {excerpt(value)}")
+    elif key in ("name", "preset") and (not isinstance(value, str) or not value.strip()):
+        raise ValueError(f"{where}: {label} must be text, got {excerpt(value)}")
     return value
 
 
@@ -222,8 +260,10 @@ def _matching_preset(cfg: ModelConfig) -> ModelConfig | None:
 def _from_mapping(spec: dict, where: str) -> ModelConfig:
     unknown = [k for k in spec if k not in SPEC_KEYS]
     if unknown:
-        raise ValueError(f"{where}: unknown field {excerpt(unknown[0])}{_did_you_mean(unknown[0], SPEC_KEYS)}; "
-                         f"valid fields: {', '.join(SPEC_KEYS)}")
+        raise ValueError(
+            f"{where}: unknown field {excerpt(unknown[0])}{_did_you_mean(unknown[0], SPEC_KEYS)}; "
+            f"valid fields: {', '.join(SPEC_KEYS)}"
+        )
     values = {k: _checked(where, k, v) for k, v in spec.items()}
     preset = values.pop("preset", None)
     if preset is None:
@@ -231,15 +271,19 @@ def _from_mapping(spec: dict, where: str) -> ModelConfig:
     elif preset in MODEL_PRESETS:
         base = MODEL_PRESETS[preset]
     else:
-        raise ValueError(f"{where}: unknown preset {excerpt(preset)}{_did_you_mean(preset, MODEL_PRESETS)}; choose one "
-                         f"of: {', '.join(MODEL_PRESETS)}")
+        raise ValueError(
+            f"{where}: unknown preset {excerpt(preset)}{_did_you_mean(preset, MODEL_PRESETS)}; choose one "
+            f"of: {', '.join(MODEL_PRESETS)}"
+        )
     name = values.pop("name", None)
     heads = values.get("num_heads", base.num_heads)
     head_dim = values.pop("head_dim", None)
     if head_dim is not None:
         if "hidden_size" in values and values["hidden_size"] != head_dim * heads:
-            raise ValueError(f"{where}: hidden_size {values['hidden_size']} is not head_dim {head_dim} x num_heads "
-                             f"{heads}; give one of hidden_size and head_dim")
+            raise ValueError(
+                f"{where}: hidden_size {values['hidden_size']} is not head_dim {head_dim} x num_heads "
+                f"{heads}; give one of hidden_size and head_dim"
+            )
         values["hidden_size"] = head_dim * heads
     if "in_channels" in values:  # the model predicts a velocity in its input's space
         values.setdefault("out_channels", values["in_channels"])
@@ -288,8 +332,10 @@ def _parse_inline(spec: str) -> dict:
             prev = out[key]
             out[key] = [*(prev if isinstance(prev, list) else [prev]), _parse_scalar(item)]
         elif item.strip():
-            raise ValueError(f"model {excerpt(spec)}: {excerpt(item.strip())} must look like field=value, as in "
-                             f"'flux-dev:depth=5,depth_single_blocks=10'")
+            raise ValueError(
+                f"model {excerpt(spec)}: {excerpt(item.strip())} must look like field=value, as in "
+                f"'flux-dev:depth=5,depth_single_blocks=10'"
+            )
     return out
 
 
@@ -300,8 +346,10 @@ def _diffusers_json(path: str) -> str:
         for candidate in (op.join(path, "transformer", "config.json"), op.join(path, "config.json")):
             if op.isfile(candidate):
                 return candidate
-        raise ValueError(f"model {path}: the folder holds no config.json (nor transformer/config.json); pass a "
-                         f"diffusers FluxTransformer2DModel folder or its config.json")
+        raise ValueError(
+            f"model {path}: the folder holds no config.json (nor transformer/config.json); pass a "
+            f"diffusers FluxTransformer2DModel folder or its config.json"
+        )
     return path
 
 
@@ -312,16 +360,20 @@ def from_diffusers_config(path: str | os.PathLike) -> ModelConfig:
         with open(file, encoding="utf-8") as f:
             d = parse_json(f.read())
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"model {file}: not a readable JSON file ({str(e).splitlines()[0][:200]}); pass a diffusers "
-                         f"config.json") from None
+        raise ValueError(
+            f"model {file}: not a readable JSON file ({str(e).splitlines()[0][:200]}); pass a diffusers config.json"
+        ) from None
     if not isinstance(d, dict):
         raise ValueError(f"model {file}: a diffusers config.json holds a JSON object; pass one")
     if d.get("_class_name", "FluxTransformer2DModel") != "FluxTransformer2DModel":
-        raise ValueError(f"model {file}: describes a {d['_class_name']}, not a FluxTransformer2DModel; pass the "
-                         f"transformer's config.json (a pipeline's transformer/ folder)")
+        raise ValueError(
+            f"model {file}: describes a {d['_class_name']}, not a FluxTransformer2DModel; pass the "
+            f"transformer's config.json (a pipeline's transformer/ folder)"
+        )
     if d.get("patch_size", 1) != 1:
-        raise ValueError(f"model {file}: patch_size {excerpt(d['patch_size'])} is not FLUX.1's 1; only patch_size 1 "
-                         f"models load")
+        raise ValueError(
+            f"model {file}: patch_size {excerpt(d['patch_size'])} is not FLUX.1's 1; only patch_size 1 models load"
+        )
     values = {}
     for key, (ours, default) in _DIFFUSERS.items():
         value = d.get(key, default)
@@ -329,7 +381,9 @@ def from_diffusers_config(path: str | os.PathLike) -> ModelConfig:
             values[ours] = _checked(f"model {file}", ours, value, label=key)
     values["hidden_size"] = values["head_dim"] * values["num_heads"]
     base = os.path.dirname(os.path.abspath(file))
-    name = os.path.basename(os.path.dirname(base)) if os.path.basename(base) == "transformer" else os.path.basename(base)
+    name = (
+        os.path.basename(os.path.dirname(base)) if os.path.basename(base) == "transformer" else os.path.basename(base)
+    )
     values.setdefault("out_channels", values["in_channels"])
     if os.path.basename(base) == "transformer" and is_kontext_pipeline(os.path.dirname(base)):
         values["kontext"] = True
@@ -345,11 +399,15 @@ def from_diffusers_config(path: str | os.PathLike) -> ModelConfig:
 # component's folder is. A diffusers export of a Kontext model writes it above its transformer/ folder.
 KONTEXT_MODEL_INDEX = {
     "_class_name": "FluxKontextPipeline",
-    "feature_extractor": [None, None], "image_encoder": [None, None],
+    "feature_extractor": [None, None],
+    "image_encoder": [None, None],
     "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
-    "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "T5TokenizerFast"],
-    "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
+    "text_encoder": ["transformers", "CLIPTextModel"],
+    "text_encoder_2": ["transformers", "T5EncoderModel"],
+    "tokenizer": ["transformers", "CLIPTokenizer"],
+    "tokenizer_2": ["transformers", "T5TokenizerFast"],
+    "transformer": ["diffusers", "FluxTransformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
 }
 
 
@@ -388,10 +446,14 @@ def resolve_model(spec) -> ModelConfig:
     if ":" in spec and spec.partition(":")[0].strip() in MODEL_PRESETS:
         return _from_mapping(_parse_inline(spec), f"model {excerpt(spec)}")
     if "/" in spec or spec.endswith(".json"):
-        raise ValueError(f"model {spec}: no such file or folder; pass a diffusers config.json (or its folder) "
-                         f"that exists, or a preset name")
-    raise ValueError(f"unknown model preset {excerpt(spec)}{_did_you_mean(spec, MODEL_PRESETS)}; choose one of: "
-                     f"{', '.join(MODEL_PRESETS)} (or give {_SPEC_FORMS.partition(', ')[2]})")
+        raise ValueError(
+            f"model {spec}: no such file or folder; pass a diffusers config.json (or its folder) "
+            f"that exists, or a preset name"
+        )
+    raise ValueError(
+        f"unknown model preset {excerpt(spec)}{_did_you_mean(spec, MODEL_PRESETS)}; choose one of: "
+        f"{', '.join(MODEL_PRESETS)} (or give {_SPEC_FORMS.partition(', ')[2]})"
+    )
 
 
 def model_spec(cfg: ModelConfig) -> str | dict:

@@ -18,6 +18,7 @@ Bytes are per trained parameter, steady state, for one data-parallel rank before
            ZeRO 0 with bf16 off the bf16 modes step the weights themselves (master 0)
   states   optimizer states (AdamW m and v, Kahan carry, 8-bit blocks with their fp32 scales, Adafactor rows)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -104,7 +105,9 @@ class OptimMode:
         if self.optimizer_offload not in ("none", "cpu"):
             raise ValueError(f"optimizer mode {self.name!r}: optimizer_offload must be 'none' or 'cpu'")
         if not self.builder:
-            raise ValueError(f"optimizer mode {self.name!r}: name its builder (fluxzero.train.optim.optimizers.BUILDERS)")
+            raise ValueError(
+                f"optimizer mode {self.name!r}: name its builder (fluxzero.train.optim.optimizers.BUILDERS)"
+            )
         if (self.step_temp is None) != self.needs_offload:
             raise ValueError(f"optimizer mode {self.name!r}: step_temp is given for every mode but the host ones")
 
@@ -123,8 +126,10 @@ class OptimMode:
     def ds_bf16_section(self, stage: int) -> dict:
         """The DeepSpeed "bf16" section for this mode at `stage` ({} = bf16 off: the model is cast by us)."""
         if stage not in self.zero_stages:
-            raise ValueError(f"optimizer mode {self.name!r} does not run at ZeRO stage {stage}; "
-                             f"use stage {' or '.join(map(str, self.zero_stages))}")
+            raise ValueError(
+                f"optimizer mode {self.name!r} does not run at ZeRO stage {stage}; "
+                f"use stage {' or '.join(map(str, self.zero_stages))}"
+            )
         if self.master_dtype == "fp32":
             return {"enabled": True}
         return dict(self.ds_bf16) if stage > 0 else {}
@@ -164,72 +169,195 @@ _ADAMW8BIT_STATES = 2 * (1 + 4 / QUANT_BLOCK)
 # 1 - lr x wd a step, 100-fold AdamW's at this lr, so it is off (sd-scripts' Adafactor runs without it too).
 _ADAFACTOR_DEFAULTS = {"lr": 1e-3, "weight_decay": 0.0}
 
-_STAGE0_BF16 = ("bf16 off in the DeepSpeed config and the model cast to bf16 by us: the engine steps the "
-                "client optimizer on the model's own bf16 parameters (no master copy, shapes kept)")
+_STAGE0_BF16 = (
+    "bf16 off in the DeepSpeed config and the model cast to bf16 by us: the engine steps the "
+    "client optimizer on the model's own bf16 parameters (no master copy, shapes kept)"
+)
 
-MODES: dict[str, OptimMode] = {m.name: m for m in (
-    OptimMode("fp32", "torch.optim.AdamW on DeepSpeed's fp32 masters", weights=2, grads=2, master=4, states=8,
-              master_dtype="fp32", zero_stages=(0, 1, 2, 3),
-              stage0="bf16 on: DeepSpeed's bf16 wrapper keeps per-tensor fp32 masters",
-              where="accelerator; DeepSpeed's optimizer offload (its CPU Adam) can put master and states on CPU",
-              caveat="the reference: every update is kept", builder="AdamW", zero_tested=True, step_temp=_ADAMW_TEMP),
-    OptimMode("bf16-rtn", "torch.optim.AdamW on bf16 tensors, round-to-nearest", weights=2, grads=2, master=2,
-              states=4, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
-              master_stage0=0,
-              caveat="loses updates below half a bf16 ulp: at lr 1e-5 the weights barely move", trainable=False,
-              builder="AdamW", zero_tested=True, step_temp=_ADAMW_TEMP),
-    OptimMode("bf16-sr", "torchao _AdamW(bf16_stochastic_round=True), bf16 m and v", weights=2, grads=2, master=2,
-              states=4, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
-              master_stage0=0, step_s_per_billion=_H200_STEP_S["bf16-sr"],
-              extra="lowmem", caveat="unbiased weight updates, but torchao rounds bf16 m and v to nearest: v's "
-                                      "EMA stalls and steps come out a few % larger (+4.4% weight change "
-                                      "measured at 400 steps)",
-              builder="torchao._AdamW", step_temp=_TORCHAO_TEMP, fit_rank=3),
-    OptimMode("bf16-kahan", "KahanAdamW (ours): bf16 m, v and Kahan carry", weights=2, grads=2, master=2,
-              states=6, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16,
-              master_stage0=0, step_chunk=STEP_CHUNK, step_s_per_billion=_H200_STEP_S["bf16-kahan"],
-              caveat="the carry keeps every weight update and m, v are stochastically rounded: closest to fp32 "
-                     "masters (0.05% at 400 steps), at 2 bytes more than bf16-sr",
-              builder="KahanAdamW", step_temp=_KAHAN_TEMP, fit_rank=1),
-    OptimMode("adamw8bit-sr", "torchao AdamW8bit(bf16_stochastic_round=True)", weights=2, grads=2, master=2,
-              states=_ADAMW8BIT_STATES, master_dtype="bf16", zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS,
-              stage0=_STAGE0_BF16, master_stage0=0, extra="lowmem", step_s_per_billion=_H200_STEP_S["adamw8bit-sr"],
-              universal_checkpoint=False,  # 8-bit blocks slice only at 256 values (train.engine.keep_block_states_whole)
-              caveat="8-bit blockwise m and v; a tensor (ZeRO: a flat partition) under 4096 values or not a "
-                     "multiple of 256 keeps bf16 states instead",
-              builder="torchao.AdamW8bit", step_temp=_TORCHAO_TEMP, fit_rank=2),
-    OptimMode("adafactor-sr", "AdafactorSR (ours): torch.optim.Adafactor's algorithm, stochastic rounding",
-              weights=2, grads=2, master=2, states=0.0, states_flat=2, master_dtype="bf16",
-              zero_stages=(0, 1, 2, 3), ds_bf16=BF16_MASTER_KEYS, stage0=_STAGE0_BF16, master_stage0=0,
-              step_chunk=STEP_CHUNK, trajectory="Adafactor", defaults=_ADAFACTOR_DEFAULTS,
-              caveat="no momentum and relative step sizes: not AdamW's trajectory; factored only at ZeRO 0 "
-                     "(ZeRO 1-3 flatten tensors, so its variance becomes full-size)",
-              builder="AdafactorSR", step_temp=_ADAFACTOR_TEMP, fit_rank=5),
-    # Fused into backward: AdafactorSR's step per tensor in a post-accumulate-grad hook, no gradient buffer
-    OptimMode("fused-adafactor-sr", "FusedAdafactorSR (ours): AdafactorSR stepped per tensor during backward",
-              weights=2, grads=0, master=2, states=0.0, master_dtype="bf16", zero_stages=(0,),
-              stage0=_STAGE0_BF16 + "; each tensor stepped in backward (no gradient buffer), the last "
-                     "fluxzero.offload_blocks blocks streamed from host memory",
-              master_stage0=0, fused=True, trajectory="Adafactor", step_chunk=STEP_CHUNK,
-              defaults=_ADAFACTOR_DEFAULTS,
-              where="accelerator; with fluxzero.offload_blocks K the bf16 weights of the last K blocks in pinned "
-                    "host memory, streamed to the accelerator one block ahead",
-              caveat="Adafactor's trajectory (adafactor-sr's, stepped per tensor with keyed rounding noise); no "
-                     "gradient accumulation and no global-norm clipping (Adafactor clips each update's RMS)",
-              builder="FusedAdafactorSR", step_temp=_ADAFACTOR_TEMP, fit_rank=4),  # AdafactorSR's code, per tensor
-    # On the host: DeepSpeed's optimizer offload with bf16 master partitions and gradients, stepped by HostAdamW
-    OptimMode("cpu-bf16-sr", "HostAdamW (ours) on the host: bf16 m and v, stochastic rounding", weights=2, grads=2,
-              master=2, states=4, master_dtype="bf16", zero_stages=(1, 2, 3), ds_bf16=BF16_MASTER_KEYS,
-              optimizer_offload="cpu", where="master, gradients and states in host memory (optimizer offload cpu)",
-              caveat="m, v and weights stochastically rounded: within 1% of fp32 masters at 400 steps; the step "
-                     "runs on the CPU", builder="HostAdamW", fit_rank=6),
-    OptimMode("cpu-adamw8bit-sr", "HostAdamW (ours) on the host: 8-bit m and v (torchao's format), stochastic "
-              "rounding", weights=2, grads=2, master=2, states=_ADAMW8BIT_STATES, master_dtype="bf16",
-              zero_stages=(1, 2, 3), ds_bf16=BF16_MASTER_KEYS, optimizer_offload="cpu", extra="lowmem",
-              where="master, gradients and 8-bit states in host memory (optimizer offload cpu)",
-              caveat="8-bit blockwise m and v: a few % from fp32 masters, 2 B/param less host memory than "
-                     "cpu-bf16-sr; the step runs on the CPU", builder="HostAdamW8bit", fit_rank=7),
-)}
+MODES: dict[str, OptimMode] = {
+    m.name: m
+    for m in (
+        OptimMode(
+            "fp32",
+            "torch.optim.AdamW on DeepSpeed's fp32 masters",
+            weights=2,
+            grads=2,
+            master=4,
+            states=8,
+            master_dtype="fp32",
+            zero_stages=(0, 1, 2, 3),
+            stage0="bf16 on: DeepSpeed's bf16 wrapper keeps per-tensor fp32 masters",
+            where="accelerator; DeepSpeed's optimizer offload (its CPU Adam) can put master and states on CPU",
+            caveat="the reference: every update is kept",
+            builder="AdamW",
+            zero_tested=True,
+            step_temp=_ADAMW_TEMP,
+        ),
+        OptimMode(
+            "bf16-rtn",
+            "torch.optim.AdamW on bf16 tensors, round-to-nearest",
+            weights=2,
+            grads=2,
+            master=2,
+            states=4,
+            master_dtype="bf16",
+            zero_stages=(0, 1, 2, 3),
+            ds_bf16=BF16_MASTER_KEYS,
+            stage0=_STAGE0_BF16,
+            master_stage0=0,
+            caveat="loses updates below half a bf16 ulp: at lr 1e-5 the weights barely move",
+            trainable=False,
+            builder="AdamW",
+            zero_tested=True,
+            step_temp=_ADAMW_TEMP,
+        ),
+        OptimMode(
+            "bf16-sr",
+            "torchao _AdamW(bf16_stochastic_round=True), bf16 m and v",
+            weights=2,
+            grads=2,
+            master=2,
+            states=4,
+            master_dtype="bf16",
+            zero_stages=(0, 1, 2, 3),
+            ds_bf16=BF16_MASTER_KEYS,
+            stage0=_STAGE0_BF16,
+            master_stage0=0,
+            step_s_per_billion=_H200_STEP_S["bf16-sr"],
+            extra="lowmem",
+            caveat="unbiased weight updates, but torchao rounds bf16 m and v to nearest: v's "
+            "EMA stalls and steps come out a few % larger (+4.4% weight change "
+            "measured at 400 steps)",
+            builder="torchao._AdamW",
+            step_temp=_TORCHAO_TEMP,
+            fit_rank=3,
+        ),
+        OptimMode(
+            "bf16-kahan",
+            "KahanAdamW (ours): bf16 m, v and Kahan carry",
+            weights=2,
+            grads=2,
+            master=2,
+            states=6,
+            master_dtype="bf16",
+            zero_stages=(0, 1, 2, 3),
+            ds_bf16=BF16_MASTER_KEYS,
+            stage0=_STAGE0_BF16,
+            master_stage0=0,
+            step_chunk=STEP_CHUNK,
+            step_s_per_billion=_H200_STEP_S["bf16-kahan"],
+            caveat="the carry keeps every weight update and m, v are stochastically rounded: closest to fp32 "
+            "masters (0.05% at 400 steps), at 2 bytes more than bf16-sr",
+            builder="KahanAdamW",
+            step_temp=_KAHAN_TEMP,
+            fit_rank=1,
+        ),
+        OptimMode(
+            "adamw8bit-sr",
+            "torchao AdamW8bit(bf16_stochastic_round=True)",
+            weights=2,
+            grads=2,
+            master=2,
+            states=_ADAMW8BIT_STATES,
+            master_dtype="bf16",
+            zero_stages=(0, 1, 2, 3),
+            ds_bf16=BF16_MASTER_KEYS,
+            stage0=_STAGE0_BF16,
+            master_stage0=0,
+            extra="lowmem",
+            step_s_per_billion=_H200_STEP_S["adamw8bit-sr"],
+            universal_checkpoint=False,  # 8-bit blocks slice only at 256 values (train.engine.keep_block_states_whole)
+            caveat="8-bit blockwise m and v; a tensor (ZeRO: a flat partition) under 4096 values or not a "
+            "multiple of 256 keeps bf16 states instead",
+            builder="torchao.AdamW8bit",
+            step_temp=_TORCHAO_TEMP,
+            fit_rank=2,
+        ),
+        OptimMode(
+            "adafactor-sr",
+            "AdafactorSR (ours): torch.optim.Adafactor's algorithm, stochastic rounding",
+            weights=2,
+            grads=2,
+            master=2,
+            states=0.0,
+            states_flat=2,
+            master_dtype="bf16",
+            zero_stages=(0, 1, 2, 3),
+            ds_bf16=BF16_MASTER_KEYS,
+            stage0=_STAGE0_BF16,
+            master_stage0=0,
+            step_chunk=STEP_CHUNK,
+            trajectory="Adafactor",
+            defaults=_ADAFACTOR_DEFAULTS,
+            caveat="no momentum and relative step sizes: not AdamW's trajectory; factored only at ZeRO 0 "
+            "(ZeRO 1-3 flatten tensors, so its variance becomes full-size)",
+            builder="AdafactorSR",
+            step_temp=_ADAFACTOR_TEMP,
+            fit_rank=5,
+        ),
+        # Fused into backward: AdafactorSR's step per tensor in a post-accumulate-grad hook, no gradient buffer
+        OptimMode(
+            "fused-adafactor-sr",
+            "FusedAdafactorSR (ours): AdafactorSR stepped per tensor during backward",
+            weights=2,
+            grads=0,
+            master=2,
+            states=0.0,
+            master_dtype="bf16",
+            zero_stages=(0,),
+            stage0=_STAGE0_BF16 + "; each tensor stepped in backward (no gradient buffer), the last "
+            "fluxzero.offload_blocks blocks streamed from host memory",
+            master_stage0=0,
+            fused=True,
+            trajectory="Adafactor",
+            step_chunk=STEP_CHUNK,
+            defaults=_ADAFACTOR_DEFAULTS,
+            where="accelerator; with fluxzero.offload_blocks K the bf16 weights of the last K blocks in pinned "
+            "host memory, streamed to the accelerator one block ahead",
+            caveat="Adafactor's trajectory (adafactor-sr's, stepped per tensor with keyed rounding noise); no "
+            "gradient accumulation and no global-norm clipping (Adafactor clips each update's RMS)",
+            builder="FusedAdafactorSR",
+            step_temp=_ADAFACTOR_TEMP,
+            fit_rank=4,
+        ),  # AdafactorSR's code, per tensor
+        # On the host: DeepSpeed's optimizer offload with bf16 master partitions and gradients, stepped by HostAdamW
+        OptimMode(
+            "cpu-bf16-sr",
+            "HostAdamW (ours) on the host: bf16 m and v, stochastic rounding",
+            weights=2,
+            grads=2,
+            master=2,
+            states=4,
+            master_dtype="bf16",
+            zero_stages=(1, 2, 3),
+            ds_bf16=BF16_MASTER_KEYS,
+            optimizer_offload="cpu",
+            where="master, gradients and states in host memory (optimizer offload cpu)",
+            caveat="m, v and weights stochastically rounded: within 1% of fp32 masters at 400 steps; the step "
+            "runs on the CPU",
+            builder="HostAdamW",
+            fit_rank=6,
+        ),
+        OptimMode(
+            "cpu-adamw8bit-sr",
+            "HostAdamW (ours) on the host: 8-bit m and v (torchao's format), stochastic rounding",
+            weights=2,
+            grads=2,
+            master=2,
+            states=_ADAMW8BIT_STATES,
+            master_dtype="bf16",
+            zero_stages=(1, 2, 3),
+            ds_bf16=BF16_MASTER_KEYS,
+            optimizer_offload="cpu",
+            extra="lowmem",
+            where="master, gradients and 8-bit states in host memory (optimizer offload cpu)",
+            caveat="8-bit blockwise m and v: a few % from fp32 masters, 2 B/param less host memory than "
+            "cpu-bf16-sr; the step runs on the CPU",
+            builder="HostAdamW8bit",
+            fit_rank=7,
+        ),
+    )
+}
 
 
 def trainable_modes() -> tuple[str, ...]:
@@ -239,8 +367,9 @@ def trainable_modes() -> tuple[str, ...]:
 
 def fit_modes() -> tuple[str, ...]:
     """The modes --fit tries, in its order (FIT_ORDER_NOTE)."""
-    return tuple(m.name for m in sorted((m for m in MODES.values() if m.fit_rank is not None),
-                                        key=lambda m: m.fit_rank))
+    return tuple(
+        m.name for m in sorted((m for m in MODES.values() if m.fit_rank is not None), key=lambda m: m.fit_rank)
+    )
 
 
 def trainer_casts_to_bf16(mode_name: str | None, stage: int) -> bool:

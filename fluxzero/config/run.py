@@ -1,5 +1,6 @@
 """The training run file as validated dataclasses (TrainConfig, FlowConfig; the checkpoint:, sample:, validation:
 and export: sections are fluxzero.config.sections'); pure Python, no torch."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,10 +14,16 @@ from fluxzero.config.keys import check_types as _check_types
 from fluxzero.config.keys import did_you_mean as _did_you_mean
 from fluxzero.config.lora import LoraConfig
 from fluxzero.config.models import model_name, model_spec, resolve_model
-from fluxzero.config.sections import (MOVED_TO_SECTIONS, SECTIONS, CheckpointConfig, ExportConfig, SampleConfig,
-                                      ValidationConfig, moved_to_sections_message)
+from fluxzero.config.sections import (
+    MOVED_TO_SECTIONS,
+    SECTIONS,
+    CheckpointConfig,
+    ExportConfig,
+    SampleConfig,
+    ValidationConfig,
+    moved_to_sections_message,
+)
 from fluxzero.config.user_files import excerpt
-
 
 # ---------------------------------------------------------------------------------------------------------
 # Training run file (YAML -> TrainConfig). Loading YAML happens in fluxzero.config.runfile.load_config; this stays stdlib only.
@@ -47,13 +54,17 @@ def moved_keys_message(keys, deepspeed: str | None) -> str:
     parts = []
     if engine:
         verb = "is" if len(engine) == 1 else "are"
-        parts.append(f"{_and(engine)} {verb} set in the DeepSpeed config now "
-                     f"({_and([MOVED_TO_DEEPSPEED[k] for k in engine])} in {where})")
+        parts.append(
+            f"{_and(engine)} {verb} set in the DeepSpeed config now "
+            f"({_and([MOVED_TO_DEEPSPEED[k] for k in engine])} in {where})"
+        )
     if sched:
         verb = "is" if len(sched) == 1 else "are"
-        parts.append(f"{_and(sched)} {verb} the DeepSpeed scheduler's now "
-                     f"({_and([MOVED_TO_SCHEDULER[k] for k in sched])} in {where}; "
-                     f"`fluxzero gen-config --scheduler WarmupCosineLR --warmup-steps N --total-steps M` writes it)")
+        parts.append(
+            f"{_and(sched)} {verb} the DeepSpeed scheduler's now "
+            f"({_and([MOVED_TO_SCHEDULER[k] for k in sched])} in {where}; "
+            f"`fluxzero gen-config --scheduler WarmupCosineLR --warmup-steps N --total-steps M` writes it)"
+        )
     them = "it" if len(engine) + len(sched) == 1 else "them"
     return f"{' and '.join(parts)}: remove {them} from the run file"
 
@@ -82,7 +93,9 @@ class FlowConfig:
     def __post_init__(self):
         _check_types(self, "flow.")
         if self.timestep_sampling not in ("uniform", "logit_normal"):
-            raise ValueError(f"flow.timestep_sampling must be 'uniform' or 'logit_normal', got {excerpt(self.timestep_sampling)}")
+            raise ValueError(
+                f"flow.timestep_sampling must be 'uniform' or 'logit_normal', got {excerpt(self.timestep_sampling)}"
+            )
         if self.shift not in ("none", "fixed", "resolution"):
             raise ValueError(f"flow.shift must be 'none', 'fixed' or 'resolution', got {excerpt(self.shift)}")
         import math
@@ -90,8 +103,10 @@ class FlowConfig:
         # nan and inf pass every comparison below (logit_mean inf trained with every t = 1)
         for name in ("logit_mean", "logit_std", "shift_value", "guidance"):
             if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"flow.{name} must be a finite number, got {getattr(self, name)}; "
-                                 f"remove it to use the default {getattr(type(self), name)}")
+                raise ValueError(
+                    f"flow.{name} must be a finite number, got {getattr(self, name)}; "
+                    f"remove it to use the default {getattr(type(self), name)}"
+                )
         if self.logit_std <= 0:
             raise ValueError(f"flow.logit_std must be positive, got {self.logit_std}")
         if self.shift_value <= 0:
@@ -138,7 +153,7 @@ class TrainConfig:
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
     export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
 
-    def __post_init__(self):
+    def __post_init__(self):  # noqa: C901
         if isinstance(self.flow, dict):
             self.flow = FlowConfig(**self.flow)
         if isinstance(self.ema, dict):
@@ -146,8 +161,9 @@ class TrainConfig:
         if isinstance(self.lora, dict):
             self.lora = LoraConfig.from_dict(self.lora)
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
-            raise ValueError(f"lora must be a mapping of LoRA options (rank, alpha, targets, ...) or null, got "
-                             f"{excerpt(self.lora)}")
+            raise ValueError(
+                f"lora must be a mapping of LoRA options (rank, alpha, targets, ...) or null, got {excerpt(self.lora)}"
+            )
         for name, cls in SECTIONS.items():  # a mapping (YAML, Python callers) becomes its frozen section
             if not isinstance(getattr(self, name), cls):
                 setattr(self, name, cls.from_dict(getattr(self, name)))
@@ -179,26 +195,36 @@ class TrainConfig:
             self.lora.check_model(resolve_model(self.model))
         for name in ("sample", "export"):
             if getattr(self, name).weights == "ema" and self.ema is None:
-                raise ValueError(f"{name}.weights is ema but the run keeps no EMA; add an ema: section (e.g. ema: "
-                                 f"{{decay: 0.9999}}) or set {name}.weights to live")
+                raise ValueError(
+                    f"{name}.weights is ema but the run keeps no EMA; add an ema: section (e.g. ema: "
+                    f"{{decay: 0.9999}}) or set {name}.weights to live"
+                )
         kontext = resolve_model(self.model).kontext
         if self.sample.reference and not kontext:
-            raise ValueError(f"sample.reference is an image for a FLUX.1 Kontext model to edit, and model "
-                             f"{model_name(self.model)} is not one; remove sample.reference, or train a Kontext model "
-                             f"(flux-kontext-dev, or a model spec with kontext: true)")
+            raise ValueError(
+                f"sample.reference is an image for a FLUX.1 Kontext model to edit, and model "
+                f"{model_name(self.model)} is not one; remove sample.reference, or train a Kontext model "
+                f"(flux-kontext-dev, or a model spec with kontext: true)"
+            )
         if self.sample.every and kontext and not (self.sample.reference or self.validation.data):
-            raise ValueError(f"model {model_name(self.model)} is FLUX.1 Kontext, so its previews edit a reference image; "
-                             f"set sample.reference (an image, or a .safetensors file of its latents), or "
-                             f"validation.data (the previews then edit its first pair's reference)")
+            raise ValueError(
+                f"model {model_name(self.model)} is FLUX.1 Kontext, so its previews edit a reference image; "
+                f"set sample.reference (an image, or a .safetensors file of its latents), or "
+                f"validation.data (the previews then edit its first pair's reference)"
+            )
         if self.export.merged and self.lora is None:
-            raise ValueError("export.merged merges a LoRA into its base weights, but this run has no lora section; "
-                             "remove export.merged (a full fine-tune exports the whole model anyway)")
+            raise ValueError(
+                "export.merged merges a LoRA into its base weights, but this run has no lora section; "
+                "remove export.merged (a full fine-tune exports the whole model anyway)"
+            )
         if self.export.merged and not self.weights:
-            raise ValueError("export.merged needs the base weights to merge the LoRA into; set weights: to the "
-                             "pretrained file the LoRA is trained on, or remove export.merged")
+            raise ValueError(
+                "export.merged needs the base weights to merge the LoRA into; set weights: to the "
+                "pretrained file the LoRA is trained on, or remove export.merged"
+            )
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
+    def from_dict(cls, d: dict) -> TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         moved = set(d) & (set(MOVED_TO_DEEPSPEED) | set(MOVED_TO_SCHEDULER))
         if moved:
@@ -207,11 +233,15 @@ class TrainConfig:
             raise ValueError(moved_to_sections_message(set(d)))
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ValueError(f"unknown run-file keys {unknown}{_did_you_mean(unknown, names)}; valid keys: "
-                             f"{', '.join(sorted(names))}")
-        missing = sorted(f.name for f in dataclasses.fields(cls)
-                         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-                         and f.name not in d)
+            raise ValueError(
+                f"unknown run-file keys {unknown}{_did_you_mean(unknown, names)}; valid keys: "
+                f"{', '.join(sorted(names))}"
+            )
+        missing = sorted(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in d
+        )
         if missing:
             raise ValueError(f"the run file must set {', '.join(missing)}")
         flow = d.get("flow") or {}
@@ -220,8 +250,9 @@ class TrainConfig:
         fnames = {f.name for f in dataclasses.fields(FlowConfig)}
         if set(flow) - fnames:
             unknown = sorted(set(flow) - fnames)
-            raise ValueError(f"unknown flow keys {unknown}{_did_you_mean(unknown, fnames)}; valid keys: "
-                             f"{', '.join(sorted(fnames))}")
+            raise ValueError(
+                f"unknown flow keys {unknown}{_did_you_mean(unknown, fnames)}; valid keys: {', '.join(sorted(fnames))}"
+            )
         return cls(**{**d, "flow": FlowConfig(**flow)})
 
     def to_dict(self) -> dict:

@@ -2,6 +2,7 @@
 
 Pure Python (pyyaml imported inside the calls): the config package stays import-light.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,7 +34,6 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
         raise ConfigError(str(e)) from None
 
 
-
 def _load_config(path, overrides) -> TrainConfig:
     data = {}
     if path:
@@ -53,8 +53,10 @@ def _load_config(path, overrides) -> TrainConfig:
         for i, p in enumerate(parents):
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {'.'.join(parents[:i + 1])} is a value, not a section; "
-                                  f"write {'.'.join(parents[:i + 1])}=VALUE")
+                raise ConfigError(
+                    f"override {item!r}: {'.'.join(parents[: i + 1])} is a value, not a section; "
+                    f"write {'.'.join(parents[: i + 1])}=VALUE"
+                )
         node[leaf] = _parse_value(item, value)
     return TrainConfig.from_dict(data)
 
@@ -106,4 +108,3 @@ def split_allow(overrides: list[str]) -> tuple[list[str], bool]:
         if not isinstance(allow, bool):
             raise ConfigError(f"allow_config_change must be true or false, got {excerpt(value)}")
     return rest, allow
-

@@ -33,6 +33,7 @@ Run files before these sections had the keys flat (checkpoint_every, sample_vae,
 says where each went. A run file or override that still has one is refused in one sentence naming the new place;
 a run.yaml saved beside an older checkpoint is read with them moved into place (nest_moved_keys).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,8 +50,10 @@ MOVED_TO_SECTIONS = {
     "checkpoint_every": "checkpoint.every",
     "keep_checkpoints": "checkpoint.keep",
     "resume": "checkpoint.resume",
-    **{f"sample_{k}": f"sample.{k}" for k in ("every", "prompts", "vae", "size", "steps", "guidance", "seeds",
-                                               "weights")},
+    **{
+        f"sample_{k}": f"sample.{k}"
+        for k in ("every", "prompts", "vae", "size", "steps", "guidance", "seeds", "weights")
+    },
     **{f"validation_{k}": f"validation.{k}" for k in ("data", "every", "timesteps")},
     **{f"export_{k}": f"export.{k}" for k in ("format", "dtype", "merged", "weights")},
 }
@@ -64,8 +67,9 @@ def _set(obj, name: str, value) -> None:
 def _at_least(obj, prefix: str, names, low: int) -> None:
     for f in names:
         if getattr(obj, f) < low:
-            raise ValueError(f"{prefix}.{f} must be {'0 or more' if low == 0 else f'at least {low}'}, got "
-                             f"{getattr(obj, f)}")
+            raise ValueError(
+                f"{prefix}.{f} must be {'0 or more' if low == 0 else f'at least {low}'}, got {getattr(obj, f)}"
+            )
 
 
 def _weights(obj, prefix: str) -> None:
@@ -86,7 +90,7 @@ class CheckpointConfig:
         _at_least(self, "checkpoint", ("every", "keep"), 0)
 
     @classmethod
-    def from_dict(cls, d) -> "CheckpointConfig":
+    def from_dict(cls, d) -> CheckpointConfig:
         return section_from_dict(cls, "checkpoint", d)
 
 
@@ -111,19 +115,25 @@ class SampleConfig:
                 _set(self, f, os.path.expanduser(getattr(self, f)))
         _at_least(self, "sample", ("every",), 0)
         if self.every and not (self.prompts and self.vae):
-            raise ValueError("sample.every needs sample.prompts (a file from `fluxzero encode-prompts`) and "
-                             "sample.vae (a diffusers VAE folder); set both, or set sample.every to 0")
+            raise ValueError(
+                "sample.every needs sample.prompts (a file from `fluxzero encode-prompts`) and "
+                "sample.vae (a diffusers VAE folder); set both, or set sample.every to 0"
+            )
         m = re.fullmatch(r"(\d+)x(\d+)", str(self.size))
         if not m or int(m[1]) % 16 or int(m[2]) % 16 or not int(m[1]) or not int(m[2]):
-            raise ValueError(f"sample.size must be WIDTHxHEIGHT in pixels, multiples of 16 (e.g. 512x512), got "
-                             f"{excerpt(self.size)}")
+            raise ValueError(
+                f"sample.size must be WIDTHxHEIGHT in pixels, multiples of 16 (e.g. 512x512), got {excerpt(self.size)}"
+            )
         _at_least(self, "sample", ("steps",), 1)
         if not math.isfinite(self.guidance) or self.guidance < 0:
             raise ValueError(f"sample.guidance must be a finite number >= 0, got {self.guidance}")
         if isinstance(self.seeds, tuple):
             _set(self, "seeds", list(self.seeds))
-        if not (isinstance(self.seeds, list) and self.seeds
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in self.seeds)):
+        if not (
+            isinstance(self.seeds, list)
+            and self.seeds
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in self.seeds)
+        ):
             raise ValueError(f"sample.seeds must be a list of whole numbers such as [0, 1], got {excerpt(self.seeds)}")
         _weights(self, "sample")
 
@@ -134,7 +144,7 @@ class SampleConfig:
         return width, height
 
     @classmethod
-    def from_dict(cls, d) -> "SampleConfig":
+    def from_dict(cls, d) -> SampleConfig:
         return section_from_dict(cls, "sample", d)
 
 
@@ -152,19 +162,24 @@ class ValidationConfig:
             _set(self, "data", os.path.expanduser(self.data))
         _at_least(self, "validation", ("every",), 0)
         if self.every and not self.data:
-            raise ValueError("validation.every needs validation.data (a held-out shard folder); set it, or set "
-                             "validation.every to 0")
+            raise ValueError(
+                "validation.every needs validation.data (a held-out shard folder); set it, or set validation.every to 0"
+            )
         ts = self.timesteps
         if isinstance(ts, tuple):
             ts = list(ts)
             _set(self, "timesteps", ts)
-        if not (isinstance(ts, list) and ts and all(isinstance(t, (int, float)) and not isinstance(t, bool)
-                                                    and 0 < t <= 1 for t in ts)):
-            raise ValueError(f"validation.timesteps must be a list of numbers in (0, 1] such as [0.25, 0.5, 0.75], "
-                             f"got {excerpt(ts)}")
+        if not (
+            isinstance(ts, list)
+            and ts
+            and all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t <= 1 for t in ts)
+        ):
+            raise ValueError(
+                f"validation.timesteps must be a list of numbers in (0, 1] such as [0.25, 0.5, 0.75], got {excerpt(ts)}"
+            )
 
     @classmethod
-    def from_dict(cls, d) -> "ValidationConfig":
+    def from_dict(cls, d) -> ValidationConfig:
         return section_from_dict(cls, "validation", d)
 
 
@@ -189,15 +204,21 @@ class ExportConfig:
         _weights(self, "export")
 
     @classmethod
-    def from_dict(cls, d) -> "ExportConfig":
+    def from_dict(cls, d) -> ExportConfig:
         if d is None:  # the defaults export; a user writing `export: null` means no export
-            raise ValueError("export: null would still export with the defaults; write export.format: null (in "
-                             "YAML `export: {format: null}`) to skip the export at the end")
+            raise ValueError(
+                "export: null would still export with the defaults; write export.format: null (in "
+                "YAML `export: {format: null}`) to skip the export at the end"
+            )
         return section_from_dict(cls, "export", d)
 
 
-SECTIONS = {"checkpoint": CheckpointConfig, "sample": SampleConfig, "validation": ValidationConfig,
-            "export": ExportConfig}
+SECTIONS = {
+    "checkpoint": CheckpointConfig,
+    "sample": SampleConfig,
+    "validation": ValidationConfig,
+    "export": ExportConfig,
+}
 
 
 def moved_to_sections_message(keys) -> str:
@@ -207,9 +228,11 @@ def moved_to_sections_message(keys) -> str:
     sections = list(dict.fromkeys(n.split(".")[0] for n in new))
     section, leaf = new[0].split(".")
     one = len(keys) == 1
-    return (f"{and_list(keys)} {'is' if one else 'are'} {and_list(new)} now: write {'it' if one else 'them'} in the "
-            f"run file's {and_list([s + ':' for s in sections])} section{'' if len(sections) == 1 else 's'} "
-            f"(`{section}:` with `{leaf}:` indented under it), or as {new[0]}=VALUE on the command line")
+    return (
+        f"{and_list(keys)} {'is' if one else 'are'} {and_list(new)} now: write {'it' if one else 'them'} in the "
+        f"run file's {and_list([s + ':' for s in sections])} section{'' if len(sections) == 1 else 's'} "
+        f"(`{section}:` with `{leaf}:` indented under it), or as {new[0]}=VALUE on the command line"
+    )
 
 
 def nest_moved_keys(d: dict) -> dict:

@@ -3,6 +3,7 @@ sentence that names the file and says what to pass instead. Also the one JSON re
 reader (parse_yaml) of every file fluxzero is given, bounded in nesting and YAML alias expansion, and `excerpt`,
 the bounded quote of a value in an error message. Pure Python (json, yaml and reprlib imported inside the calls).
 """
+
 from __future__ import annotations
 
 import os
@@ -112,8 +113,9 @@ def _yaml_loader(unique_keys: bool):
             self._depth = getattr(self, "_depth", 0) + 1
             try:
                 if self._depth > MAX_DEPTH:
-                    raise ComposerError(None, None, f"nested more than {MAX_DEPTH} levels deep",
-                                        self.peek_event().start_mark)
+                    raise ComposerError(
+                        None, None, f"nested more than {MAX_DEPTH} levels deep", self.peek_event().start_mark
+                    )
                 return super().compose_node(parent, index)
             finally:
                 self._depth -= 1
@@ -121,18 +123,21 @@ def _yaml_loader(unique_keys: bool):
         def compose_document(self):
             node = super().compose_document()
             if _expanded_nodes(node) > MAX_YAML_NODES:
-                raise ComposerError(None, None, f"its aliases (*name) expand to more than {MAX_YAML_NODES} values",
-                                    node.start_mark)
+                raise ComposerError(
+                    None, None, f"its aliases (*name) expand to more than {MAX_YAML_NODES} values", node.start_mark
+                )
             return node
 
     if unique_keys:
+
         def mapping(loader, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
                 key = loader.construct_object(key_node, deep=deep)
                 if key in seen:
-                    raise yaml.constructor.ConstructorError(None, None, f"key {excerpt(key)} appears twice (keep one), the second time",
-                                                            key_node.start_mark)
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {excerpt(key)} appears twice (keep one), the second time", key_node.start_mark
+                    )
                 seen.add(key)
             return loader.construct_mapping(node, deep)
 

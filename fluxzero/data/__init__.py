@@ -3,6 +3,7 @@
 `from fluxzero.data import build_dataloader, DataError`. Attributes are imported lazily so that the pure
 helpers (`fluxzero.data.errors`, `fluxzero.data.buckets`) stay usable without importing torch.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -5,6 +5,7 @@ packs 2x2 latent patches) and at most `resolution**2` pixels. An image goes to t
 ratio is nearest in log space (so 2:1 and 1:2 are equally far from 1:1); ties go to the larger area.
 It is then resized to cover the bucket and center-cropped, so at most a thin strip is cut.
 """
+
 from __future__ import annotations
 
 import math
@@ -12,7 +13,9 @@ import math
 STEP = 16  # pixels: VAE factor 8 x FLUX 2x2 patch
 
 
-def make_buckets(resolution: int = 1024, min_side: int | None = None, max_aspect: float = 4.0, step: int = STEP) -> list[tuple[int, int]]:
+def make_buckets(
+    resolution: int = 1024, min_side: int | None = None, max_aspect: float = 4.0, step: int = STEP
+) -> list[tuple[int, int]]:
     """All (height, width) buckets with sides in [min_side, ...] multiples of `step`, area <= resolution**2,
     aspect ratio <= max_aspect; for each width the tallest height that fits. Sorted by aspect ratio (h/w).
 
@@ -23,7 +26,9 @@ def make_buckets(resolution: int = 1024, min_side: int | None = None, max_aspect
     if min_side is None:
         min_side = max(step, resolution // 4 // step * step)
     if min_side < step or min_side % step or min_side > resolution:
-        raise ValueError(f"min_side must be a multiple of {step} between {step} and the resolution {resolution}, got {min_side}")
+        raise ValueError(
+            f"min_side must be a multiple of {step} between {step} and the resolution {resolution}, got {min_side}"
+        )
     if max_aspect < 1:
         raise ValueError(f"max_aspect must be >= 1, got {max_aspect}")
     area = resolution * resolution
@@ -45,7 +50,9 @@ def nearest_bucket(width: int, height: int, buckets: list[tuple[int, int]]) -> t
     return min(buckets, key=lambda hw: (round(abs(math.log(hw[0] / hw[1]) - ar), 12), -hw[0] * hw[1]))
 
 
-def cover_and_crop(width: int, height: int, bucket: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int, int, int]]:
+def cover_and_crop(
+    width: int, height: int, bucket: tuple[int, int]
+) -> tuple[tuple[int, int], tuple[int, int, int, int]]:
     """Resize size (w, h) that covers `bucket` (h, w) keeping the aspect ratio, and the centered crop box
     (left, top, right, bottom) in the resized image."""
     bh, bw = bucket

@@ -7,6 +7,7 @@ planned shards whose id % world_size == rank. Each finished shard gets a small "
 size/header check. Whichever process finds every part present writes the manifest (deterministic content,
 atomic rename, so two writers at once are harmless) and `cache_report.json`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,8 +23,8 @@ from fluxzero.data import kontext
 from fluxzero.data import shards as fmt
 from fluxzero.data.buckets import STEP, make_buckets, nearest_bucket
 from fluxzero.data.errors import DataError, InputFileError
-from fluxzero.fsutil import atomic_write
 from fluxzero.data.images import captions_for, has_alpha, list_images, load_bucketed, load_mask, mask_for, probe_size
+from fluxzero.fsutil import atomic_write
 
 PLAN_FILE = "cache_plan.json"
 REPORT_FILE = "cache_report.json"
@@ -102,7 +103,7 @@ def default_min_image_side(buckets: list[tuple[int, int]]) -> int:
     return min(min(b) for b in buckets) // 2
 
 
-def make_plan(opts: CacheOptions) -> dict:
+def make_plan(opts: CacheOptions) -> dict:  # noqa: C901
     """Shards to write: [{"id", "bucket": (h, w) px, "items": [{"file", "flip", "caption", "dropped", "mask",
     "reference"}]}]; "pairs": whether the folder holds FLUX.1 Kontext pairs (fluxzero.data.kontext).
 
@@ -122,8 +123,10 @@ def make_plan(opts: CacheOptions) -> dict:
     if caption_source != "txt" and all(c is None for c in captions.values()):
         table = opts.caption_file or root / caption_source
         example = f" (e.g. {unmatched[0]!r})" if unmatched else ""
-        raise DataError(f"no row of the caption file {table}{example} names one of the {len(images)} images in {root} "
-                        f"(e.g. {images[0]!r}); file names must be relative to the image folder or bare file names.")
+        raise DataError(
+            f"no row of the caption file {table}{example} names one of the {len(images)} images in {root} "
+            f"(e.g. {images[0]!r}); file names must be relative to the image folder or bare file names."
+        )
     buckets = make_buckets(opts.resolution, opts.min_side, opts.max_aspect, step=opts.bucket_step)
     min_image = default_min_image_side(buckets) if opts.min_image_side is None else opts.min_image_side
     skipped, no_caption, by_bucket = [], [], {}
@@ -135,10 +138,14 @@ def make_plan(opts: CacheOptions) -> dict:
         try:
             w, h = probe_size(root / im)
         except Exception as e:  # noqa: BLE001 - any unreadable file is skipped and reported, never fatal
-            skipped.append({"file": im, "reason": f"unreadable image: {str(e).splitlines()[0] if str(e) else type(e).__name__}"})
+            skipped.append(
+                {"file": im, "reason": f"unreadable image: {str(e).splitlines()[0] if str(e) else type(e).__name__}"}
+            )
             continue
         if min(w, h) < min_image:  # would be upscaled more than 2x into even the smallest bucket
-            skipped.append({"file": im, "reason": f"too small: {w}x{h} px, shorter side below {min_image} px (--min-image-side)"})
+            skipped.append(
+                {"file": im, "reason": f"too small: {w}x{h} px, shorter side below {min_image} px (--min-image-side)"}
+            )
             fp.update(json.dumps([im, "too small"]).encode())
             continue
         caption = captions[im]
@@ -164,8 +171,17 @@ def make_plan(opts: CacheOptions) -> dict:
         for flip in flips:
             dropped = opts.caption_dropout > 0 and _unit(opts.seed, "drop", im, flip) < opts.caption_dropout
             by_bucket.setdefault(bucket, []).append(
-                {"file": im, "flip": flip, "caption": caption or "", "dropped": dropped, "size": [w, h], "mask": mask,
-                 "mask_alpha": alpha, "reference": reference})
+                {
+                    "file": im,
+                    "flip": flip,
+                    "caption": caption or "",
+                    "dropped": dropped,
+                    "size": [w, h],
+                    "mask": mask,
+                    "mask_alpha": alpha,
+                    "reference": reference,
+                }
+            )
     shards = []
     for bucket in sorted(by_bucket):
         items = by_bucket[bucket]
@@ -173,9 +189,18 @@ def make_plan(opts: CacheOptions) -> dict:
             shards.append({"id": len(shards), "bucket": bucket, "items": items[k : k + opts.shard_size]})
     # a caption table wins over same-name .txt files: count those it hides, so the console can say so
     ignored_txt = 0 if caption_source == "txt" else sum((root / im).with_suffix(".txt").is_file() for im in images)
-    return {"fingerprint": fp.hexdigest(), "shards": shards, "skipped": skipped, "no_caption": no_caption,
-            "caption_source": caption_source, "unmatched_captions": unmatched, "num_images": len(images),
-            "min_image_side": min_image, "ignored_txt": ignored_txt, "pairs": references is not None}
+    return {
+        "fingerprint": fp.hexdigest(),
+        "shards": shards,
+        "skipped": skipped,
+        "no_caption": no_caption,
+        "caption_source": caption_source,
+        "unmatched_captions": unmatched,
+        "num_images": len(images),
+        "min_image_side": min_image,
+        "ignored_txt": ignored_txt,
+        "pairs": references is not None,
+    }
 
 
 def _check_mask(root: Path, image: str, size: tuple[int, int]) -> str | None:
@@ -187,15 +212,21 @@ def _check_mask(root: Path, image: str, size: tuple[int, int]) -> str | None:
         mw, mh = probe_size(root / mask)
     except Exception as e:  # noqa: BLE001 - any unreadable mask: one sentence, nothing written yet
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise InputFileError(f"mask {root / mask} cannot be read ({why}); save it as a PNG of its image's size, or "
-                        f"delete it to train on the whole image.") from None
+        raise InputFileError(
+            f"mask {root / mask} cannot be read ({why}); save it as a PNG of its image's size, or "
+            f"delete it to train on the whole image."
+        ) from None
     if (mw, mh) != size:
-        raise InputFileError(f"mask {root / mask} is {mw}x{mh} px but its image {root / image} is {size[0]}x{size[1]} px; "
-                        f"save the mask at its image's size (white where the loss applies, black where not).")
+        raise InputFileError(
+            f"mask {root / mask} is {mw}x{mh} px but its image {root / image} is {size[0]}x{size[1]} px; "
+            f"save the mask at its image's size (white where the loss applies, black where not)."
+        )
     if _all_black(root / mask):
-        raise InputFileError(f"mask {root / mask} is black everywhere, so {root / image} would train nothing; paint "
-                             f"white where the loss applies (black where not), or delete the mask to train on the "
-                             f"whole image.")
+        raise InputFileError(
+            f"mask {root / mask} is black everywhere, so {root / image} would train nothing; paint "
+            f"white where the loss applies (black where not), or delete the mask to train on the "
+            f"whole image."
+        )
     return mask
 
 
@@ -285,25 +316,36 @@ def _claim_dir(out: Path, plan: dict, opts: CacheOptions) -> None:
                 atomic_write(plan_file, _plan_doc(plan, opts))
             return
         if started and old.get("fingerprint") == "damaged":
-            raise DataError(f"{plan_file} is damaged, so the shards in {out} cannot be matched to this run; delete {out} to start over.")
+            raise DataError(
+                f"{plan_file} is damaged, so the shards in {out} cannot be matched to this run; delete {out} to start over."
+            )
         if started:
-            raise DataError(f"{out} was cached from other images, captions or options ({_what_changed(old, opts)}); "
-                            f"choose a new output folder, or delete it to start over.")
+            raise DataError(
+                f"{out} was cached from other images, captions or options ({_what_changed(old, opts)}); "
+                f"choose a new output folder, or delete it to start over."
+            )
         age = time.time() - plan_file.stat().st_mtime
         if not (old.get("failed") or old.get("fingerprint") == "damaged" or age > STALE_PLAN_S):
-            raise DataError(f"{out} is being cached by another process with other images, captions or options "
-                            f"({_what_changed(old, opts)}; its {PLAN_FILE} is {age:.0f} s old); wait for it, choose "
-                            f"another output folder, or delete {out} to start over.")
+            raise DataError(
+                f"{out} is being cached by another process with other images, captions or options "
+                f"({_what_changed(old, opts)}; its {PLAN_FILE} is {age:.0f} s old); wait for it, choose "
+                f"another output folder, or delete {out} to start over."
+            )
         # nothing encoded under the old plan and nobody working on it: start afresh; its empty-caption
         # embedding may come from other encoders
         plan_file.unlink(missing_ok=True)
         (out / EMPTY_FILE).unlink(missing_ok=True)
-    raise DataError(f"other processes keep replacing {plan_file}; run one cache command per output folder, or delete {out} to start over.")
+    raise DataError(
+        f"other processes keep replacing {plan_file}; run one cache command per output folder, or delete {out} to start over."
+    )
 
 
 # CacheOptions.output_options key -> the `fluxzero cache` option that sets it
-_FLAGS = {"caption_file": "--captions", "encoder_key": "the encoders (--flux-dir, --vae, --t5, --clip, --dtype)",
-          "t5_max_length": "--t5-max-length (or --variant)"}
+_FLAGS = {
+    "caption_file": "--captions",
+    "encoder_key": "the encoders (--flux-dir, --vae, --t5, --clip, --dtype)",
+    "t5_max_length": "--t5-max-length (or --variant)",
+}
 
 
 def _what_changed(old: dict, opts: CacheOptions) -> str:
@@ -312,15 +354,19 @@ def _what_changed(old: dict, opts: CacheOptions) -> str:
     changed = [k for k in now if was.get(k) != now[k]]
     if not changed:
         return "the options are the same, so the images or their captions changed"
-    return "changed: " + "; ".join(_FLAGS.get(k, "--" + k.replace("_", "-")) + (
-        "" if k == "encoder_key" else f" was {was.get(k)}, now {now[k]}") for k in changed)
+    return "changed: " + "; ".join(
+        _FLAGS.get(k, "--" + k.replace("_", "-")) + ("" if k == "encoder_key" else f" was {was.get(k)}, now {now[k]}")
+        for k in changed
+    )
 
 
 def _check_plan_unchanged(out: Path, plan: dict) -> None:
     """Refuse to record a shard once another plan has taken the folder (a race _claim_dir cannot close alone)."""
     if _read_plan(out / PLAN_FILE).get("fingerprint") != plan["fingerprint"]:
-        raise DataError(f"another cache run with other images, captions or options took over {out}; "
-                        f"delete {out} and run one cache command (or one set of ranks) to start over.")
+        raise DataError(
+            f"another cache run with other images, captions or options took over {out}; "
+            f"delete {out} and run one cache command (or one set of ranks) to start over."
+        )
 
 
 def _mark_failed(out: Path, plan: dict, opts: CacheOptions) -> None:
@@ -359,13 +405,18 @@ def _load(path: Path, bucket, flip: bool, mask: Path | None = None, alpha: bool 
     """((pixels, mask or None, reference pixels or None), None) or (None, reason): a bad file is skipped and
     reported, never fatal. A Kontext reference is cropped and flipped to its target's bucket as the target is."""
     try:
-        return (load_bucketed(path, bucket, flip), None if mask is None else load_mask(mask, bucket, flip, alpha),
-                None if reference is None else load_bucketed(reference, bucket, flip)), None
+        return (
+            load_bucketed(path, bucket, flip),
+            None if mask is None else load_mask(mask, bucket, flip, alpha),
+            None if reference is None else load_bucketed(reference, bucket, flip),
+        ), None
     except Exception as e:  # noqa: BLE001
         return None, f"could not decode: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
 
 
-def _encode_shard(shard: dict, opts: CacheOptions, enc, empty: dict, storage_dtype: str, bar, pool) -> tuple[dict | None, list]:
+def _encode_shard(
+    shard: dict, opts: CacheOptions, enc, empty: dict, storage_dtype: str, bar, pool
+) -> tuple[dict | None, list]:
     import torch
 
     root, samples, skipped = Path(opts.images_dir), [], []
@@ -373,8 +424,18 @@ def _encode_shard(shard: dict, opts: CacheOptions, enc, empty: dict, storage_dty
     batches = [shard["items"][k : k + opts.batch_size] for k in range(0, len(shard["items"]), opts.batch_size)]
 
     def submit(batch):  # decode in threads while the encoders work on the previous batch
-        return [pool.submit(_load, root / it["file"], bucket, it["flip"], it["mask"] and root / it["mask"],
-                            it["mask_alpha"], it.get("reference") and root / it["reference"]) for it in batch]
+        return [
+            pool.submit(
+                _load,
+                root / it["file"],
+                bucket,
+                it["flip"],
+                it["mask"] and root / it["mask"],
+                it["mask_alpha"],
+                it.get("reference") and root / it["reference"],
+            )
+            for it in batch
+        ]
 
     pending = submit(batches[0])
     for bi, batch in enumerate(batches):
@@ -410,9 +471,18 @@ def _encode_shard(shard: dict, opts: CacheOptions, enc, empty: dict, storage_dty
                 meta["mask"] = "alpha" if it["mask_alpha"] else it["mask"]
             if it.get("reference"):
                 meta["reference"] = it["reference"]
-            samples.append({"latents": latents[j], "t5": e5, "clip": ec, "t5_len": elen, "mask": masks[j],
-                            "reference": None if ref_latents is None else ref_latents[j],
-                            "caption": "" if it["dropped"] else it["caption"], "meta": meta})
+            samples.append(
+                {
+                    "latents": latents[j],
+                    "t5": e5,
+                    "clip": ec,
+                    "t5_len": elen,
+                    "mask": masks[j],
+                    "reference": None if ref_latents is None else ref_latents[j],
+                    "caption": "" if it["dropped"] else it["caption"],
+                    "meta": meta,
+                }
+            )
     if not samples:
         return None, skipped
     return fmt.write_shard(Path(opts.out_dir) / fmt.shard_name(shard["id"]), samples, storage_dtype), skipped
@@ -448,7 +518,9 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
     try:
         _claim_dir(out, plan, opts)
     except OSError as e:
-        raise DataError(f"cannot write to the output folder {out} ({_why(e)}); choose a folder you can write to.") from None
+        raise DataError(
+            f"cannot write to the output folder {out} ({_why(e)}); choose a folder you can write to."
+        ) from None
     mine = [s for s in plan["shards"] if s["id"] % opts.world_size == opts.rank]
     todo = [s for s in mine if _read_part(out, s["id"], plan["fingerprint"]) is None]
     if len(todo) < len(mine):
@@ -462,15 +534,25 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
             storage = "bfloat16" if str(enc.dtype) == "torch.bfloat16" else "float32"
             total = sum(len(s["items"]) for s in todo)
             t0, bad = time.perf_counter(), set()
-            with tqdm(total=total, unit="img", desc=f"cache {opts.rank}/{opts.world_size}", dynamic_ncols=True) as bar, \
-                    ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            with (
+                tqdm(total=total, unit="img", desc=f"cache {opts.rank}/{opts.world_size}", dynamic_ncols=True) as bar,
+                ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool,
+            ):
                 for s in todo:
                     record, skipped = _encode_shard(s, opts, enc, empty, storage, bar, pool)
                     for sk in {sk["file"]: sk for sk in skipped}.values():
                         bar.write(f"skipped {sk['file']}: {sk['reason']}")
                     _check_plan_unchanged(out, plan)
-                    part = {"fingerprint": plan["fingerprint"], "record": record, "skipped": skipped, "dims": _shard_dims(enc, plan), "dtype": storage,
-                            "vae_scale": enc.scale, "vae_shift": enc.shift, "encoders": vars(enc.paths)}
+                    part = {
+                        "fingerprint": plan["fingerprint"],
+                        "record": record,
+                        "skipped": skipped,
+                        "dims": _shard_dims(enc, plan),
+                        "dtype": storage,
+                        "vae_scale": enc.scale,
+                        "vae_shift": enc.shift,
+                        "encoders": vars(enc.paths),
+                    }
                     atomic_write(_part_path(out, s["id"]), (json.dumps(part) + "\n").encode())
                     finished += 1
                     written += record["num_samples"] if record else 0
@@ -485,15 +567,19 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
         if not isinstance(e, OSError):
             raise
         # image reads and encoder loads catch their own: this is a write into OUT_DIR
-        raise DataError(f"writing to {out} failed ({_why(e)}); the shards finished so far ({finished} by this process) "
-                        f"are kept, and running the same command again (after freeing space, if the disk is full) "
-                        f"encodes only the rest.") from None
+        raise DataError(
+            f"writing to {out} failed ({_why(e)}); the shards finished so far ({finished} by this process) "
+            f"are kept, and running the same command again (after freeing space, if the disk is full) "
+            f"encodes only the rest."
+        ) from None
     if manifest is None:
         missing = [s["id"] for s in plan["shards"] if _read_part(out, s["id"], plan["fingerprint"]) is None]
         ranks = sorted({sid % opts.world_size for sid in missing})
-        log(f"rank {opts.rank}: done; {len(missing)} of {len(plan['shards'])} shards still missing (those of rank(s) "
+        log(
+            f"rank {opts.rank}: done; {len(missing)} of {len(plan['shards'])} shards still missing (those of rank(s) "
             f"{', '.join(map(str, ranks))} of {opts.world_size}); the manifest is written when all are done, by the last "
-            f"process to finish or by rerunning with the missing --rank values")
+            f"process to finish or by rerunning with the missing --rank values"
+        )
     return {"encoded": written, "skipped_shards": len(mine) - len(todo), "manifest": manifest, "report": report}
 
 
@@ -502,17 +588,26 @@ def _log_captions(plan: dict, opts: CacheOptions, log) -> None:
     n, images = len(plan["no_caption"]), plan["num_images"] - len(plan["skipped"])
     if n:
         src = "no same-name .txt file" if plan["caption_source"] == "txt" else f"no row in {plan['caption_source']}"
-        log(f"{n} of {images} image(s) have {src} and are encoded with the empty caption (first: {plan['no_caption'][0]}; "
-            f"all listed in {REPORT_FILE})")
+        log(
+            f"{n} of {images} image(s) have {src} and are encoded with the empty caption (first: {plan['no_caption'][0]}; "
+            f"all listed in {REPORT_FILE})"
+        )
     if plan["ignored_txt"]:
         table = opts.caption_file or Path(opts.images_dir) / plan["caption_source"]
-        log(f"{plan['ignored_txt']} same-name .txt caption file(s) are ignored: the captions come from {table} "
-            + ("(leave out --captions, with no metadata file in the image folder, to use them)" if opts.caption_file
-               else "(move it out of the image folder to use them)"))
+        log(
+            f"{plan['ignored_txt']} same-name .txt caption file(s) are ignored: the captions come from {table} "
+            + (
+                "(leave out --captions, with no metadata file in the image folder, to use them)"
+                if opts.caption_file
+                else "(move it out of the image folder to use them)"
+            )
+        )
     if plan["unmatched_captions"]:
         u = plan["unmatched_captions"]
-        log(f"{len(u)} row(s) of {plan['caption_source']} name no image in {opts.images_dir} (first: {u[0]}; "
-            f"all listed in {REPORT_FILE})")
+        log(
+            f"{len(u)} row(s) of {plan['caption_source']} name no image in {opts.images_dir} (first: {u[0]}; "
+            f"all listed in {REPORT_FILE})"
+        )
 
 
 def small_buckets(manifest: dict, below: int = SMALL_BUCKET) -> tuple[int, int, int]:
@@ -531,8 +626,10 @@ def _nothing_usable(skipped: list[dict], plan: dict, opts: CacheOptions, report:
         return why + f"each file and its reason is in {report}."
     side = plan["min_image_side"]
     if opts.min_image_side is None:
-        fix = ("half the smallest bucket side; a lower --resolution or --min-side, or --min-image-side 0 to "
-               "upscale them, keeps them")
+        fix = (
+            "half the smallest bucket side; a lower --resolution or --min-side, or --min-image-side 0 to "
+            "upscale them, keeps them"
+        )
     else:
         fix = "--min-image-side; a lower value keeps them, 0 keeps all"
     return why + f"too small means a shorter side below {side} px ({fix}); each file is listed in {report}."
@@ -548,14 +645,24 @@ def _finalize(out: Path, plan: dict, opts: CacheOptions):
     records = [p["record"] for p in parts if p["record"] is not None]
     skipped = list({sk["file"]: sk for sk in plan["skipped"] + [sk for p in parts for sk in p["skipped"]]}.values())
     bad = {sk["file"] for sk in skipped}
-    report = {"num_images": plan["num_images"], "num_samples": sum(r["num_samples"] for r in records),
-              "skipped": skipped, "no_caption": [im for im in plan["no_caption"] if im not in bad],
-              "captions_matching_no_image": plan["unmatched_captions"]}
+    report = {
+        "num_images": plan["num_images"],
+        "num_samples": sum(r["num_samples"] for r in records),
+        "skipped": skipped,
+        "no_caption": [im for im in plan["no_caption"] if im not in bad],
+        "captions_matching_no_image": plan["unmatched_captions"],
+    }
     _write_if_changed(out / REPORT_FILE, report)
     if not records:
         raise DataError(_nothing_usable(skipped, plan, opts, out / REPORT_FILE))
     first = next(p for p in parts if p["record"] is not None)
-    kept = [it for s, p in zip(plan["shards"], parts) if p["record"] is not None for it in s["items"] if it["file"] not in bad]
+    kept = [
+        it
+        for s, p in zip(plan["shards"], parts)
+        if p["record"] is not None
+        for it in s["items"]
+        if it["file"] not in bad
+    ]
     total = sum(r["num_samples"] for r in records)
     stats = {}
     for s, part in zip(plan["shards"], parts):
@@ -616,6 +723,8 @@ def env_rank_world() -> tuple[int, int]:
             value = None
         if value is None or value < low:
             opt = "--rank" if low == 0 else "--world-size"
-            raise DataError(f"environment variable {name}={text!r} is not a whole number >= {low}; fix or unset it, or pass {opt}.")
+            raise DataError(
+                f"environment variable {name}={text!r} is not a whole number >= {low}; fix or unset it, or pass {opt}."
+            )
         values.append(value)
     return values[0], values[1]

@@ -9,6 +9,7 @@ is exact because the plan is a function of (seed, epoch) only.
 Caption dropout here is drawn per combined index from the run's seed: a repeat of a sample may keep its
 caption while another drops it; each is the same in every epoch (as `fluxzero cache --caption-dropout`).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -16,7 +17,6 @@ import hashlib
 import json
 
 from fluxzero.data.errors import DataError
-
 
 MAX_EPOCH_SAMPLES = 100_000_000  # an epoch's sample list and shuffle are held in memory (~16 bytes a sample)
 
@@ -40,25 +40,34 @@ class MultiSource:
         first = self.sources[0].dims
         for d, s in zip(self.datasets, self.sources):
             if ("reference" in s.dims) != ("reference" in first):
-                pairs, plain = (d.path, self.datasets[0].path) if "reference" in s.dims else (self.datasets[0].path, d.path)
-                raise DataError(f"dataset {pairs} holds FLUX.1 Kontext pairs but {plain} holds no reference latents; "
-                                f"every dataset of a run must be pairs or none (cache {plain} from a folder whose "
-                                f"metadata.jsonl gives each image a control_file_name, docs/kontext.md)")
+                pairs, plain = (
+                    (d.path, self.datasets[0].path) if "reference" in s.dims else (self.datasets[0].path, d.path)
+                )
+                raise DataError(
+                    f"dataset {pairs} holds FLUX.1 Kontext pairs but {plain} holds no reference latents; "
+                    f"every dataset of a run must be pairs or none (cache {plain} from a folder whose "
+                    f"metadata.jsonl gives each image a control_file_name, docs/kontext.md)"
+                )
             if s.dims != first:
-                raise DataError(f"dataset {d.path} has dims {s.dims} but {self.datasets[0].path} has {first}; "
-                                f"cache every dataset of a run with the same encoders and --t5-max-length")
+                raise DataError(
+                    f"dataset {d.path} has dims {s.dims} but {self.datasets[0].path} has {first}; "
+                    f"cache every dataset of a run with the same encoders and --t5-max-length"
+                )
         self.dims = dict(first)
         self._starts, total = [], 0
         for d, s in zip(self.datasets, self.sources):
             self._starts.append(total)
             total += len(s) * d.repeats
         if total > MAX_EPOCH_SAMPLES:
-            raise DataError(f"data: an epoch of {total:,} samples (each dataset's samples x its repeats) is more than "
-                            f"the {MAX_EPOCH_SAMPLES:,} the loader lists; lower the repeats")
+            raise DataError(
+                f"data: an epoch of {total:,} samples (each dataset's samples x its repeats) is more than "
+                f"the {MAX_EPOCH_SAMPLES:,} the loader lists; lower the repeats"
+            )
         self.num_samples = total
         # read now, so that a dataset without its empty caption stops the run before the first step
-        self._empty = {k: s.empty_caption() for k, (d, s) in enumerate(zip(self.datasets, self.sources))
-                       if d.caption_dropout}
+        self._empty = {
+            k: s.empty_caption() for k, (d, s) in enumerate(zip(self.datasets, self.sources)) if d.caption_dropout
+        }
 
     def __len__(self) -> int:
         return self.num_samples
@@ -77,8 +86,10 @@ class MultiSource:
         return out
 
     def fingerprint(self) -> str:
-        rows = [[s.fingerprint() if hasattr(s, "fingerprint") else d.path, d.repeats, d.loss_weight,
-                 d.caption_dropout] for d, s in zip(self.datasets, self.sources)]
+        rows = [
+            [s.fingerprint() if hasattr(s, "fingerprint") else d.path, d.repeats, d.loss_weight, d.caption_dropout]
+            for d, s in zip(self.datasets, self.sources)
+        ]
         return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
 
     def describe(self, v: int) -> str:
@@ -91,9 +102,12 @@ class MultiSource:
 
     def summary(self) -> str:
         """One line for the start of training: each dataset's samples, repeats and weight."""
-        parts = [f"{d.path}: {len(s)} samples x {d.repeats}" + (f", loss weight {d.loss_weight:g}" if d.loss_weight != 1 else "")
-                 + (f", caption dropout {d.caption_dropout:g}" if d.caption_dropout else "")
-                 for d, s in zip(self.datasets, self.sources)]
+        parts = [
+            f"{d.path}: {len(s)} samples x {d.repeats}"
+            + (f", loss weight {d.loss_weight:g}" if d.loss_weight != 1 else "")
+            + (f", caption dropout {d.caption_dropout:g}" if d.caption_dropout else "")
+            for d, s in zip(self.datasets, self.sources)
+        ]
         many = f"{len(parts)} datasets" if len(parts) > 1 else "1 dataset"
         return f"data: {self.num_samples} samples an epoch from {many} ({'; '.join(parts)})"
 

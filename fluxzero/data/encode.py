@@ -1,4 +1,5 @@
 """FLUX.1's frozen encoders, loaded from local files only: VAE (latents), T5 (sequence), CLIP-L (pooled)."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,10 @@ T5_MAX_LENGTH = {"dev": 512, "schnell": 256}
 T5_MAX_TOKENS = 4096
 CLIP_MAX_LENGTH = 77
 
-LAYOUT = ("a FLUX.1 diffusers folder holds vae/ (AutoencoderKL), text_encoder/ (CLIP-L), text_encoder_2/ (T5), "
-          "tokenizer/ (CLIP) and tokenizer_2/ (T5)")
+LAYOUT = (
+    "a FLUX.1 diffusers folder holds vae/ (AutoencoderKL), text_encoder/ (CLIP-L), text_encoder_2/ (T5), "
+    "tokenizer/ (CLIP) and tokenizer_2/ (T5)"
+)
 # role -> (subfolder in a FLUX.1 diffusers folder, option name, what it is, file that must exist in it)
 ROLES = {
     "vae": ("vae", "--vae", "diffusers AutoencoderKL folder", "config.json"),
@@ -53,7 +56,9 @@ def _read_json(path: Path) -> dict:
     try:
         doc = parse_json(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise DataError(f"{path} is not readable JSON ({str(e).splitlines()[0]}); restore it from the model's files.") from None
+        raise DataError(
+            f"{path} is not readable JSON ({str(e).splitlines()[0]}); restore it from the model's files."
+        ) from None
     if not isinstance(doc, dict):
         raise DataError(f"{path} is not a JSON object; restore it from the model's files.")
     return doc
@@ -65,12 +70,16 @@ def _check_model_folder(role: str, path: Path, what: str, where: str) -> None:
     cfg = _read_json(path / "config.json")
     if cfg.get(key) not in accepted:
         found = cfg.get("_class_name") or cfg.get("model_type") or "model of unknown type"
-        raise DataError(f"{path} is a {found!r} model folder, not a {what} (whose config.json says {key} {accepted[0]!r}), "
-                        f"given by {where}; {LAYOUT}.")
+        raise DataError(
+            f"{path} is a {found!r} model folder, not a {what} (whose config.json says {key} {accepted[0]!r}), "
+            f"given by {where}; {LAYOUT}."
+        )
     if not any(path.glob("*.safetensors")):
         if any(path.glob("*.bin")):
-            raise DataError(f"{path} holds only pickled .bin weights and fluxzero cache loads .safetensors only; "
-                            f"re-save the model with save_pretrained(), which writes .safetensors.")
+            raise DataError(
+                f"{path} holds only pickled .bin weights and fluxzero cache loads .safetensors only; "
+                f"re-save the model with save_pretrained(), which writes .safetensors."
+            )
         raise DataError(f"{path} has no .safetensors weights, given by {where}; {LAYOUT}.")
 
 
@@ -102,8 +111,12 @@ def resolve_paths(flux_dir=None, **explicit) -> EncoderPaths:
             raise DataError(f"{what} not found at {where}; {LAYOUT}.")
         if must and not (path / must).exists():
             raise DataError(f"{path} is not a {what} (no {must}) given by {where}; {LAYOUT}.")
-        if not must and not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")):
-            raise DataError(f"{path} is not a {what} (no tokenizer.json, tokenizer_config.json, vocab.json or spiece.model) given by {where}; {LAYOUT}.")
+        if not must and not any(
+            (path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")
+        ):
+            raise DataError(
+                f"{path} is not a {what} (no tokenizer.json, tokenizer_config.json, vocab.json or spiece.model) given by {where}; {LAYOUT}."
+            )
         if role in KINDS:
             _check_model_folder(role, path, what, where)
         else:
@@ -118,7 +131,9 @@ def local_rank() -> int:
     try:
         return max(0, int(text))
     except ValueError:
-        raise DataError(f"LOCAL_RANK / SLURM_LOCALID={text!r} is not a whole number; fix or unset it, or pass --device.") from None
+        raise DataError(
+            f"LOCAL_RANK / SLURM_LOCALID={text!r} is not a whole number; fix or unset it, or pass --device."
+        ) from None
 
 
 def pick_device_dtype(device: str = "auto", dtype: str = "auto"):
@@ -135,8 +150,10 @@ def pick_device_dtype(device: str = "auto", dtype: str = "auto"):
         if not torch.cuda.is_available():
             raise DataError(f"{device!r} asks for a GPU but PyTorch sees none here; use --device cpu (or auto).")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise DataError(f"{device!r} does not exist: PyTorch sees {torch.cuda.device_count()} GPU(s), "
-                            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
+            raise DataError(
+                f"{device!r} does not exist: PyTorch sees {torch.cuda.device_count()} GPU(s), "
+                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}."
+            )
     if dtype == "auto":
         dtype = "bf16" if dev.type == "cuda" else "fp32"
     return dev, torch_dtype(dtype)
@@ -146,16 +163,30 @@ def _check_loaded(model, info: dict, path: str):
     """The model, unless some of its weights were missing from the files (they would be random numbers)."""
     missing = sorted(info.get("missing_keys") or [])
     if missing:
-        raise DataError(f"{path} lacks {len(missing)} weight(s) its config.json needs (e.g. {missing[0]}), so they "
-                        f"would be random numbers; point the option at a complete {type(model).__name__} folder.")
+        raise DataError(
+            f"{path} lacks {len(missing)} weight(s) its config.json needs (e.g. {missing[0]}), so they "
+            f"would be random numbers; point the option at a complete {type(model).__name__} folder."
+        )
     return model
 
 
 class Encoders:
     """VAE + T5 + CLIP in eval mode on one device. `Encoders.load(paths, ...)` reads local folders only."""
 
-    def __init__(self, vae, t5, clip, t5_tokenizer, clip_tokenizer, *, device, dtype, t5_max_length: int = 512,
-                 latent: str = "mode", paths: EncoderPaths | None = None):
+    def __init__(
+        self,
+        vae,
+        t5,
+        clip,
+        t5_tokenizer,
+        clip_tokenizer,
+        *,
+        device,
+        dtype,
+        t5_max_length: int = 512,
+        latent: str = "mode",
+        paths: EncoderPaths | None = None,
+    ):
         import torch
 
         def place(m):  # cast only when needed: diffusers warns on every dtype cast of a model
@@ -167,7 +198,9 @@ class Encoders:
         self.device, self.dtype, self.t5_max_length, self.latent = device, dtype, t5_max_length, latent
         cfg = self.vae.config
         if getattr(cfg, "latent_channels", 16) != 16:
-            raise DataError(f"the VAE has {cfg.latent_channels} latent channels but FLUX.1 needs 16; use FLUX's vae/ folder.")
+            raise DataError(
+                f"the VAE has {cfg.latent_channels} latent channels but FLUX.1 needs 16; use FLUX's vae/ folder."
+            )
         # FLUX's VAE config carries shift_factor 0.1159 and scaling_factor 0.3611; a config without a
         # shift is not FLUX's own, and its scaling_factor default (0.18215, SD's) would be wrong: use FLUX's.
         if getattr(cfg, "shift_factor", None) is not None:
@@ -178,7 +211,7 @@ class Encoders:
         self._gen = torch.Generator(device=device)
 
     @classmethod
-    def load(cls, paths: EncoderPaths, *, device, dtype, t5_max_length: int = 512, latent: str = "mode") -> "Encoders":
+    def load(cls, paths: EncoderPaths, *, device, dtype, t5_max_length: int = 512, latent: str = "mode") -> Encoders:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub is imported: it reads this once
         import diffusers.utils.logging
         import transformers.utils.logging
@@ -194,7 +227,10 @@ class Encoders:
         transformers.utils.logging.set_verbosity_error()
         diffusers.utils.logging.set_verbosity_error()
         try:
-            vae = _check_loaded(*AutoencoderKL.from_pretrained(paths.vae, torch_dtype=dtype, low_cpu_mem_usage=False, **local), paths.vae)
+            vae = _check_loaded(
+                *AutoencoderKL.from_pretrained(paths.vae, torch_dtype=dtype, low_cpu_mem_usage=False, **local),
+                paths.vae,
+            )
             t5 = _check_loaded(*T5EncoderModel.from_pretrained(paths.t5, dtype=dtype, **local), paths.t5)
             clip = _check_loaded(*CLIPTextModel.from_pretrained(paths.clip, dtype=dtype, **local), paths.clip)
             t5_tok = AutoTokenizer.from_pretrained(paths.t5_tokenizer, local_files_only=True)
@@ -204,13 +240,27 @@ class Encoders:
         finally:
             transformers.utils.logging.set_verbosity(levels[0])
             diffusers.utils.logging.set_verbosity(levels[1])
-        return cls(vae, t5, clip, t5_tok, clip_tok, device=device, dtype=dtype, t5_max_length=t5_max_length,
-                   latent=latent, paths=paths)
+        return cls(
+            vae,
+            t5,
+            clip,
+            t5_tok,
+            clip_tok,
+            device=device,
+            dtype=dtype,
+            t5_max_length=t5_max_length,
+            latent=latent,
+            paths=paths,
+        )
 
     @property
     def dims(self) -> dict:
-        return {"latent_channels": 16, "t5_len": self.t5_max_length, "t5_dim": self.t5.config.d_model,
-                "clip_dim": self.clip.config.hidden_size}
+        return {
+            "latent_channels": 16,
+            "t5_len": self.t5_max_length,
+            "t5_dim": self.t5.config.d_model,
+            "clip_dim": self.clip.config.hidden_size,
+        }
 
     def encode_images(self, pixels, seeds=None):
         """Shape: pixels (B, 3, H, W) in [-1, 1] -> latents (B, 16, H/8, W/8) float32 on CPU.
@@ -227,7 +277,9 @@ class Encoders:
                 noise = []
                 for s in seeds:
                     self._gen.manual_seed(int(s))
-                    noise.append(torch.randn(dist.mean.shape[1:], generator=self._gen, device=self.device, dtype=dist.mean.dtype))
+                    noise.append(
+                        torch.randn(dist.mean.shape[1:], generator=self._gen, device=self.device, dtype=dist.mean.dtype)
+                    )
                 z = dist.mean + dist.std * torch.stack(noise)
             else:
                 z = dist.mode()
@@ -241,8 +293,12 @@ class Encoders:
         import torch
 
         with torch.inference_mode():
-            t = self.t5_tok(captions, padding="max_length", max_length=self.t5_max_length, truncation=True, return_tensors="pt")
+            t = self.t5_tok(
+                captions, padding="max_length", max_length=self.t5_max_length, truncation=True, return_tensors="pt"
+            )
             t5 = self.t5(input_ids=t.input_ids.to(self.device)).last_hidden_state
-            c = self.clip_tok(captions, padding="max_length", max_length=CLIP_MAX_LENGTH, truncation=True, return_tensors="pt")
+            c = self.clip_tok(
+                captions, padding="max_length", max_length=CLIP_MAX_LENGTH, truncation=True, return_tensors="pt"
+            )
             clip = self.clip(input_ids=c.input_ids.to(self.device)).pooler_output
             return t5.float().cpu(), t.attention_mask.sum(1).to(torch.int32), clip.float().cpu()

@@ -1,4 +1,5 @@
 """The exception the data package raises for problems a user can fix (pure: no torch)."""
+
 from __future__ import annotations
 
 

@@ -1,4 +1,5 @@
 """Image folder input for `fluxzero cache`: file listing, captions, size probing, bucket resize + crop."""
+
 from __future__ import annotations
 
 import csv
@@ -37,8 +38,11 @@ def list_images(root) -> list[str]:
     """Image paths relative to `root` (recursive, sorted, '/' separators); masks (NAME.mask.png, and NAME.mask.jpg
     and the like, which mask_for refuses) are not images."""
     root = Path(root)
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTS
-                  and not Path(p.stem).suffix.lower() == ".mask" and p.is_file())
+    return sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.suffix.lower() in IMAGE_EXTS and Path(p.stem).suffix.lower() != ".mask" and p.is_file()
+    )
 
 
 def mask_for(root, image: str) -> str | None:
@@ -50,8 +54,10 @@ def mask_for(root, image: str) -> str | None:
     for ext in IMAGE_EXTS:
         other = Path(root) / Path(image).with_suffix(".mask" + ext)
         if other.is_file() or other.with_suffix(ext.upper()).is_file():
-            raise InputFileError(f"mask {other} is not a PNG; save it as {Path(root) / rel} (lossy formats blur a "
-                                 f"mask's edges), or delete it to train on the whole image.")
+            raise InputFileError(
+                f"mask {other} is not a PNG; save it as {Path(root) / rel} (lossy formats blur a "
+                f"mask's edges), or delete it to train on the whole image."
+            )
     return None
 
 
@@ -140,13 +146,17 @@ def read_table_rows(path) -> list[dict]:
         else:
             raise DataError(f"caption file {path} must be a .jsonl or .csv file.")
     except UnicodeDecodeError as e:
-        raise DataError(f"caption file {path} is not UTF-8 text (byte {e.start} cannot be decoded); save it as UTF-8.") from None
+        raise DataError(
+            f"caption file {path} is not UTF-8 text (byte {e.start} cannot be decoded); save it as UTF-8."
+        ) from None
     except csv.Error as e:
-        raise DataError(f"caption file {path} is not a readable CSV file ({e}); save it as comma-separated UTF-8 text.") from None
+        raise DataError(
+            f"caption file {path} is not a readable CSV file ({e}); save it as comma-separated UTF-8 text."
+        ) from None
     except OSError as e:
         raise DataError(f"cannot read caption file {path} ({e.strerror or e}); make it readable.") from None
     if any(not isinstance(row, dict) for row in rows):
-        raise DataError(f"{path}: every line must be a JSON object such as {{\"file_name\": \"a.png\", \"text\": \"...\"}}.")
+        raise DataError(f'{path}: every line must be a JSON object such as {{"file_name": "a.png", "text": "..."}}.')
     return rows
 
 
@@ -174,9 +184,13 @@ def captions_for(root, images: list[str], caption_file=None) -> tuple[dict[str, 
         try:  # utf-8-sig: a BOM (Notepad) is dropped, not kept as U+FEFF; other encodings are refused, not mangled
             out[im] = txt.read_text(encoding="utf-8-sig").strip()
         except UnicodeDecodeError as e:
-            raise DataError(f"caption file {txt} is not UTF-8 text (byte {e.start} cannot be decoded); save it as UTF-8.") from None
+            raise DataError(
+                f"caption file {txt} is not UTF-8 text (byte {e.start} cannot be decoded); save it as UTF-8."
+            ) from None
         except OSError as e:
-            raise DataError(f"cannot read caption file {txt} ({e.strerror or e}); make it readable or remove it.") from None
+            raise DataError(
+                f"cannot read caption file {txt} ({e.strerror or e}); make it readable or remove it."
+            ) from None
     return out, "txt", []
 
 
@@ -193,7 +207,9 @@ def probe_size(path) -> tuple[int, int]:
         if im.format not in ("PNG", "JPEG", "WEBP", "MPO"):
             raise ValueError(f"unsupported image format {im.format}")
         if w * h > MAX_PIXELS:
-            raise ValueError(f"{w}x{h} px is more than the {MAX_PIXELS // 2**20} MP fluxzero cache decodes; downscale it first")
+            raise ValueError(
+                f"{w}x{h} px is more than the {MAX_PIXELS // 2**20} MP fluxzero cache decodes; downscale it first"
+            )
         orientation = im.getexif().get(0x0112, 1)
     return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
 

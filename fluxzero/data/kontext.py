@@ -8,6 +8,7 @@ of the folder is a target and needs a reference. A
 reference must have its target's aspect (the same bucket): it is resized and cropped to its target's bucket, so
 both latents have one size and their tokens line up as FLUX.1 Kontext's were trained.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -42,19 +43,25 @@ def references_for(root, images: list[str], caption_file=None) -> dict[str, str]
     out = {}
     for target, ref in pairs.items():
         if ref == target:
-            raise InputFileError(f"{table} names {target} as its own reference (control_file_name); give it the image "
-                                 f"before the edit instead.")
+            raise InputFileError(
+                f"{table} names {target} as its own reference (control_file_name); give it the image "
+                f"before the edit instead."
+            )
         ref_rel = ref if (root / ref).is_file() else None
         if ref_rel is None:
-            raise InputFileError(f"reference image {root / ref} (the control_file_name of {target} in {table}) does "
-                                 f"not exist; add it, or fix that row of {table.name}.")
+            raise InputFileError(
+                f"reference image {root / ref} (the control_file_name of {target} in {table}) does "
+                f"not exist; add it, or fix that row of {table.name}."
+            )
         out[target if target in images else by_name.get(target, target)] = ref_rel
     references = set(out.values())
     for im in images:
         if im not in references and im not in out:
-            raise InputFileError(f"image {root / im} has no reference image: {table} names references "
-                                 f"(control_file_name) for other images, so every target needs one; add a "
-                                 f"control_file_name to its row, or move it out of {root}.")
+            raise InputFileError(
+                f"image {root / im} has no reference image: {table} names references "
+                f"(control_file_name) for other images, so every target needs one; add a "
+                f"control_file_name to its row, or move it out of {root}."
+            )
     return out
 
 
@@ -66,9 +73,11 @@ def _refuse_unread_reference_column(rows: list[dict], table: Path, images: list[
     for row in rows:
         for key, value in row.items():
             if key not in known and isinstance(value, str) and Path(value).as_posix() in listed:
-                raise InputFileError(f"{table}: column {key!r} names the image {value!r}, but a FLUX.1 Kontext reference "
-                                     f"is read from {CONTROL_KEYS[0]} ({', '.join(CONTROL_KEYS[1:])} too); rename the "
-                                     f"column to {CONTROL_KEYS[0]}, or remove it to cache every image as a target.")
+                raise InputFileError(
+                    f"{table}: column {key!r} names the image {value!r}, but a FLUX.1 Kontext reference "
+                    f"is read from {CONTROL_KEYS[0]} ({', '.join(CONTROL_KEYS[1:])} too); rename the "
+                    f"column to {CONTROL_KEYS[0]}, or remove it to cache every image as a target."
+                )
 
 
 def check_reference(root, target: str, reference: str, size: tuple[int, int], buckets, min_side: int = 0) -> None:
@@ -80,13 +89,18 @@ def check_reference(root, target: str, reference: str, size: tuple[int, int], bu
         rw, rh = probe_size(root / reference)
     except Exception as e:  # noqa: BLE001 - any unreadable reference: one sentence, nothing written yet
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise InputFileError(f"reference image {root / reference} cannot be read ({why}); save it as a PNG, JPEG or "
-                             f"WebP image.") from None
+        raise InputFileError(
+            f"reference image {root / reference} cannot be read ({why}); save it as a PNG, JPEG or WebP image."
+        ) from None
     w, h = size
     if nearest_bucket(rw, rh, buckets) != nearest_bucket(w, h, buckets):
-        raise InputFileError(f"reference image {root / reference} is {rw}x{rh} px, another aspect ratio than its "
-                             f"target {root / target} ({w}x{h} px); crop the reference to its target's aspect ratio.")
+        raise InputFileError(
+            f"reference image {root / reference} is {rw}x{rh} px, another aspect ratio than its "
+            f"target {root / target} ({w}x{h} px); crop the reference to its target's aspect ratio."
+        )
     if min(rw, rh) < min_side:
-        raise InputFileError(f"reference image {root / reference} is {rw}x{rh} px, its shorter side below {min_side} px "
-                             f"(--min-image-side), so it would be upscaled into its target's bucket; give the "
-                             f"full-size image before the edit, or lower --min-image-side.")
+        raise InputFileError(
+            f"reference image {root / reference} is {rw}x{rh} px, its shorter side below {min_side} px "
+            f"(--min-image-side), so it would be upscaled into its target's bucket; give the "
+            f"full-size image before the edit, or lower --min-image-side."
+        )

@@ -14,6 +14,7 @@ Epoch plan (the same on every rank, computed from seed, epoch and the latent siz
 So every rank runs exactly len(loader) batches per epoch, all ranks work on the same latent size at each
 step, and within one epoch the ranks' samples are disjoint (apart from the stated wrap-around).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,7 +29,9 @@ def _seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:7], "little")
 
 
-def epoch_plan(sizes: list[tuple[int, int]], global_batch: int, seed: int, epoch: int, remainder: str = "wrap") -> list[list[int]]:
+def epoch_plan(
+    sizes: list[tuple[int, int]], global_batch: int, seed: int, epoch: int, remainder: str = "wrap"
+) -> list[list[int]]:
     """Global batches (lists of `global_batch` sample indices, one latent size each) for one epoch."""
     import torch
 
@@ -117,9 +120,20 @@ class ShardLoader:
     with the current epoch it keeps the position (so `set_epoch` after `load_state_dict` is safe).
     """
 
-    def __init__(self, source, *, micro_batch: int, rank: int, world_size: int, seed: int,
-                 num_workers: int = 0, pin_memory: bool = False, remainder: str = "wrap",
-                 multiprocessing_context=None, prefetch_factor: int = 2):
+    def __init__(
+        self,
+        source,
+        *,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        remainder: str = "wrap",
+        multiprocessing_context=None,
+        prefetch_factor: int = 2,
+    ):
         import torch
         from torch.utils.data import DataLoader
 
@@ -140,14 +154,23 @@ class ShardLoader:
         self._sampler = _PlanSampler()
         kwargs = {}
         if num_workers > 0:
-            kwargs = {"persistent_workers": True, "prefetch_factor": prefetch_factor,
-                      "multiprocessing_context": multiprocessing_context}
+            kwargs = {
+                "persistent_workers": True,
+                "prefetch_factor": prefetch_factor,
+                "multiprocessing_context": multiprocessing_context,
+            }
         # its own generator: each iterator draws a base seed, and from torch's global one that draw would move
         # the global stream (which stochastic rounding in the optimizer modes reads) whenever an iterator is
         # made, so a resumed run, which makes one mid-epoch, would round differently from the uninterrupted one
-        self._dl = DataLoader(_Dataset(source), batch_sampler=self._sampler, num_workers=num_workers,
-                              collate_fn=_collate, pin_memory=bool(pin_memory and torch.cuda.is_available()),
-                              generator=torch.Generator().manual_seed(_seed("loader", seed, rank)), **kwargs)
+        self._dl = DataLoader(
+            _Dataset(source),
+            batch_sampler=self._sampler,
+            num_workers=num_workers,
+            collate_fn=_collate,
+            pin_memory=bool(pin_memory and torch.cuda.is_available()),
+            generator=torch.Generator().manual_seed(_seed("loader", seed, rank)),
+            **kwargs,
+        )
 
     def _plan(self, epoch: int) -> list[list[int]]:
         if self._plan_cache is None or self._plan_cache[0] != epoch:
@@ -177,9 +200,15 @@ class ShardLoader:
             self.epoch, self.batches_done = int(epoch), 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches_done": self.batches_done, "micro_batch": self.micro_batch,
-                "world_size": self.world_size, "seed": self.seed, "data": self._fingerprint(),
-                "num_samples": len(self.source)}
+        return {
+            "epoch": self.epoch,
+            "batches_done": self.batches_done,
+            "micro_batch": self.micro_batch,
+            "world_size": self.world_size,
+            "seed": self.seed,
+            "data": self._fingerprint(),
+            "num_samples": len(self.source),
+        }
 
     def _fingerprint(self) -> str | None:
         fp = getattr(self.source, "fingerprint", None)
@@ -192,21 +221,27 @@ class ShardLoader:
         now = self._fingerprint()
         if sd.get("data") is not None and now is not None and sd["data"] != now:
             if not allow_data_change:
-                raise DataError(f"the training data changed since the checkpoint ({sd.get('num_samples', '?')} "
-                                f"samples then, {len(self.source)} now, or other shard contents); resume on the "
-                                f"same data, or add allow_config_change=true to continue on this data from the "
-                                f"start of an epoch")
+                raise DataError(
+                    f"the training data changed since the checkpoint ({sd.get('num_samples', '?')} "
+                    f"samples then, {len(self.source)} now, or other shard contents); resume on the "
+                    f"same data, or add allow_config_change=true to continue on this data from the "
+                    f"start of an epoch"
+                )
             sd = {**sd, "batches_done": 0}
         # The position counts batches of one epoch plan, which micro batch, world size and seed define:
         # under other values it would silently point at other samples (some repeated, some skipped).
         for key in ("micro_batch", "world_size", "seed"):
             if key in sd and sd[key] != getattr(self, key):
-                raise DataError(f"the checkpoint's data position was saved with {key}={sd[key]} but this run "
-                                f"uses {key}={getattr(self, key)}; resume with {key}={sd[key]}, or start a new "
-                                f"output_dir")
+                raise DataError(
+                    f"the checkpoint's data position was saved with {key}={sd[key]} but this run "
+                    f"uses {key}={getattr(self, key)}; resume with {key}={sd[key]}, or start a new "
+                    f"output_dir"
+                )
         epoch, done = int(sd["epoch"]), int(sd["batches_done"])
         if not 0 <= done <= self._len:
-            raise DataError(f"loader state batches_done={done} is outside [0, {self._len}]; the data or batch size changed since the checkpoint.")
+            raise DataError(
+                f"loader state batches_done={done} is outside [0, {self._len}]; the data or batch size changed since the checkpoint."
+            )
         self.epoch, self.batches_done = epoch, done
 
     def __iter__(self):
@@ -230,15 +265,26 @@ def open_source(source, seed: int = 0):
     if is_synthetic(source):
         return SyntheticSource(source)
     if isinstance(source, str) and not source.strip():
-        raise DataError("the data source is empty; pass a folder made by `fluxzero cache` or a synthetic spec such as 'synthetic:n=64,hw=32x32'.")
+        raise DataError(
+            "the data source is empty; pass a folder made by `fluxzero cache` or a synthetic spec such as 'synthetic:n=64,hw=32x32'."
+        )
     from fluxzero.data.shards import ShardSource
 
     return ShardSource(source)
 
 
-def build_dataloader(source, *, micro_batch: int, rank: int, world_size: int, seed: int,
-                     num_workers: int = 0, pin_memory: bool = False, remainder: str = "wrap",
-                     multiprocessing_context=None) -> ShardLoader:
+def build_dataloader(
+    source,
+    *,
+    micro_batch: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    remainder: str = "wrap",
+    multiprocessing_context=None,
+) -> ShardLoader:
     """Loader yielding {"latents": (B,16,h,w) f32, "t5": (B,L,D) f32, "clip": (B,V) f32, "index": (B,) long}.
 
     `source`: a shard directory (str or Path), "synthetic:n=64,hw=32x32,txt=16,ctx=64,vec=32", or a list of
@@ -253,26 +299,46 @@ def build_dataloader(source, *, micro_batch: int, rank: int, world_size: int, se
         raise ValueError(f"remainder must be one of {REMAINDER}, got {remainder!r}")
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-    return ShardLoader(open_source(source, seed), micro_batch=micro_batch, rank=rank, world_size=world_size, seed=seed,
-                       num_workers=num_workers, pin_memory=pin_memory, remainder=remainder,
-                       multiprocessing_context=multiprocessing_context)
+    return ShardLoader(
+        open_source(source, seed),
+        micro_batch=micro_batch,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        remainder=remainder,
+        multiprocessing_context=multiprocessing_context,
+    )
 
 
 def check_model_fit(dims: dict, model_cfg) -> None:
     """DataError when the data's dims do not fit a ModelConfig (channels, T5/CLIP widths, even latent sides)."""
     if dims["latent_channels"] != model_cfg.latent_channels:
-        raise DataError(f"the data has {dims['latent_channels']} latent channels but model {model_cfg.name!r} needs {model_cfg.latent_channels}; re-cache with a matching VAE.")
+        raise DataError(
+            f"the data has {dims['latent_channels']} latent channels but model {model_cfg.name!r} needs {model_cfg.latent_channels}; re-cache with a matching VAE."
+        )
     if dims["t5_dim"] != model_cfg.context_in_dim:
-        raise DataError(f"the data's T5 width is {dims['t5_dim']} but model {model_cfg.name!r} has context_in_dim {model_cfg.context_in_dim}; re-cache with a matching T5 or pick a matching model.")
+        raise DataError(
+            f"the data's T5 width is {dims['t5_dim']} but model {model_cfg.name!r} has context_in_dim {model_cfg.context_in_dim}; re-cache with a matching T5 or pick a matching model."
+        )
     if dims["clip_dim"] != model_cfg.vec_in_dim:
-        raise DataError(f"the data's CLIP width is {dims['clip_dim']} but model {model_cfg.name!r} has vec_in_dim {model_cfg.vec_in_dim}; re-cache with a matching CLIP or pick a matching model.")
+        raise DataError(
+            f"the data's CLIP width is {dims['clip_dim']} but model {model_cfg.name!r} has vec_in_dim {model_cfg.vec_in_dim}; re-cache with a matching CLIP or pick a matching model."
+        )
     if bool(dims.get("reference")) != model_cfg.kontext:
         if model_cfg.kontext:
-            raise DataError(f"model {model_cfg.name!r} is FLUX.1 Kontext, which trains on (reference, target) pairs, but "
-                            f"the data holds no reference latents; cache a folder whose metadata.jsonl gives each image a "
-                            f"control_file_name (docs/kontext.md).")
-        raise DataError(f"the data holds FLUX.1 Kontext pairs (reference latents) but model {model_cfg.name!r} is not "
-                        f"a Kontext model; train flux-kontext-dev (or a model spec with kontext: true).")
+            raise DataError(
+                f"model {model_cfg.name!r} is FLUX.1 Kontext, which trains on (reference, target) pairs, but "
+                f"the data holds no reference latents; cache a folder whose metadata.jsonl gives each image a "
+                f"control_file_name (docs/kontext.md)."
+            )
+        raise DataError(
+            f"the data holds FLUX.1 Kontext pairs (reference latents) but model {model_cfg.name!r} is not "
+            f"a Kontext model; train flux-kontext-dev (or a model spec with kontext: true)."
+        )
     for h, w in dims.get("latent_sizes", []):
         if h % 2 or w % 2:
-            raise DataError(f"latent size {h}x{w} is odd but FLUX packs 2x2 latent patches; re-cache with image sides that are multiples of 16 pixels.")
+            raise DataError(
+                f"latent size {h}x{w} is odd but FLUX packs 2x2 latent patches; re-cache with image sides that are multiples of 16 pixels."
+            )

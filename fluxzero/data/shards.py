@@ -35,6 +35,7 @@ The manifest lists the shards in order (file, num_samples, latent_hw, bytes, sha
 dims, the per-bucket sample counts and, under "cache", how the shards were made. Global sample index =
 position in the concatenation of the shards in manifest order.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -75,8 +76,10 @@ def sample_checksum(latents, t5, clip, mask=None, reference=None) -> str:
     try:
         import xxhash
     except ImportError:
-        raise DataError("checking shard checksums needs the xxhash package; `pip install xxhash` "
-                        "(it is in fluxzero's train requirements).") from None
+        raise DataError(
+            "checking shard checksums needs the xxhash package; `pip install xxhash` "
+            "(it is in fluxzero's train requirements)."
+        ) from None
     h = xxhash.xxh3_64()
     for t in (t for t in (latents, t5, clip, mask, reference) if t is not None):  # as bytes: numpy has no bfloat16
         h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
@@ -101,7 +104,9 @@ def write_shard(path, samples: list[dict], dtype="float32") -> dict:
     hw = tuple(samples[0]["latents"].shape[-2:])
     for s in samples:
         if tuple(s["latents"].shape[-2:]) != hw:
-            raise ValueError(f"all samples of one shard must share one latent size, got {hw} and {tuple(s['latents'].shape[-2:])}")
+            raise ValueError(
+                f"all samples of one shard must share one latent size, got {hw} and {tuple(s['latents'].shape[-2:])}"
+            )
     L = samples[0]["t5"].shape[0]
     text_lens = [int(s.get("t5_len", L)) for s in samples]
     tensors = {
@@ -114,20 +119,35 @@ def write_shard(path, samples: list[dict], dtype="float32") -> dict:
         grid = (hw[0] // 2, hw[1] // 2)
         for s in samples:
             if s.get("mask") is not None and tuple(s["mask"].shape) != grid:
-                raise ValueError(f"a mask must have one value per packed latent patch, {grid}, got {tuple(s['mask'].shape)}")
-        tensors["mask"] = torch.stack([torch.ones(grid) if s.get("mask") is None else s["mask"].detach().float().cpu()
-                                       for s in samples]).contiguous()
+                raise ValueError(
+                    f"a mask must have one value per packed latent patch, {grid}, got {tuple(s['mask'].shape)}"
+                )
+        tensors["mask"] = torch.stack(
+            [torch.ones(grid) if s.get("mask") is None else s["mask"].detach().float().cpu() for s in samples]
+        ).contiguous()
     refs = [s.get("reference") is not None for s in samples]
     if any(refs):
         if not all(refs) or any(tuple(s["reference"].shape) != tuple(s["latents"].shape) for s in samples):
             raise ValueError("every sample of a shard of Kontext pairs needs a reference of its latents' shape")
         tensors["reference"] = torch.stack([s["reference"].detach().to("cpu", tdtype) for s in samples]).contiguous()
     mask, ref = tensors.get("mask"), tensors.get("reference")
-    sums = [sample_checksum(tensors["latents"][i], tensors["t5"][i], tensors["clip"][i], None if mask is None else mask[i],
-                            None if ref is None else ref[i])
-            for i in range(len(samples))]
-    info = {"format": FORMAT, "version": FORMAT_VERSION, "captions": [s.get("caption", "") for s in samples],
-            "samples": [s.get("meta") or {} for s in samples], CHECKSUM_KEY: sums}
+    sums = [
+        sample_checksum(
+            tensors["latents"][i],
+            tensors["t5"][i],
+            tensors["clip"][i],
+            None if mask is None else mask[i],
+            None if ref is None else ref[i],
+        )
+        for i in range(len(samples))
+    ]
+    info = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "captions": [s.get("caption", "") for s in samples],
+        "samples": [s.get("meta") or {} for s in samples],
+        CHECKSUM_KEY: sums,
+    }
     data = save(tensors, metadata={META_KEY: json.dumps(info, ensure_ascii=False)})
     path = Path(path)
     atomic_write(path, data)
@@ -144,7 +164,9 @@ def write_shard(path, samples: list[dict], dtype="float32") -> dict:
 def build_manifest(records: list[dict], dims: dict, dtype: str, extra: dict | None = None) -> dict:
     buckets: dict[str, dict] = {}
     for r in records:
-        b = buckets.setdefault(bucket_key(*r["latent_hw"]), {"latent_hw": r["latent_hw"], "num_samples": 0, "num_shards": 0})
+        b = buckets.setdefault(
+            bucket_key(*r["latent_hw"]), {"latent_hw": r["latent_hw"], "num_samples": 0, "num_shards": 0}
+        )
         b["num_samples"] += r["num_samples"]
         b["num_shards"] += 1
     manifest = {
@@ -195,21 +217,44 @@ class ShardWriter:
         self._pending: dict[tuple[int, int], list[dict]] = {}
         self._closed = False
 
-    def add(self, latents, t5, clip, caption: str = "", t5_len: int | None = None, meta: dict | None = None,
-            mask=None, reference=None) -> None:
+    def add(
+        self,
+        latents,
+        t5,
+        clip,
+        caption: str = "",
+        t5_len: int | None = None,
+        meta: dict | None = None,
+        mask=None,
+        reference=None,
+    ) -> None:
         """Shape: latents (C, h, w), t5 (L, D), clip (V,), mask (h/2, w/2) or None, reference (C, h, w) or None
         (FLUX.1 Kontext pairs: all samples of a writer have one, or none)."""
         if latents.dim() != 3 or t5.dim() != 2 or clip.dim() != 1:
-            raise ValueError(f"expected latents (C,h,w), t5 (L,D), clip (V,); got {tuple(latents.shape)}, {tuple(t5.shape)}, {tuple(clip.shape)}")
-        dims = {"latent_channels": latents.shape[0], "t5_len": t5.shape[0], "t5_dim": t5.shape[1], "clip_dim": clip.shape[0]}
+            raise ValueError(
+                f"expected latents (C,h,w), t5 (L,D), clip (V,); got {tuple(latents.shape)}, {tuple(t5.shape)}, {tuple(clip.shape)}"
+            )
+        dims = {
+            "latent_channels": latents.shape[0],
+            "t5_len": t5.shape[0],
+            "t5_dim": t5.shape[1],
+            "clip_dim": clip.shape[0],
+        }
         if reference is not None:
             dims["reference"] = 1
         if self.dims is None:
             self.dims = dims
         elif dims != self.dims:
             raise ValueError(f"sample dims {dims} differ from the first sample's {self.dims}")
-        sample = {"latents": latents, "t5": t5, "clip": clip, "caption": caption, "meta": meta, "mask": mask,
-                  "reference": reference}
+        sample = {
+            "latents": latents,
+            "t5": t5,
+            "clip": clip,
+            "caption": caption,
+            "meta": meta,
+            "mask": mask,
+            "reference": reference,
+        }
         if t5_len is not None:
             sample["t5_len"] = t5_len
         hw = tuple(latents.shape[-2:])
@@ -246,7 +291,9 @@ def read_manifest(data_dir) -> dict:
     """Load and check `manifest.json`; every problem is a one-sentence DataError."""
     d = Path(data_dir)
     if not d.exists():
-        raise DataError(f"data directory {d} does not exist; pass a folder made by `fluxzero cache` or a synthetic spec such as 'synthetic:n=64,hw=32x32'.")
+        raise DataError(
+            f"data directory {d} does not exist; pass a folder made by `fluxzero cache` or a synthetic spec such as 'synthetic:n=64,hw=32x32'."
+        )
     if not d.is_dir():
         raise DataError(f"data path {d} is not a directory; pass a folder made by `fluxzero cache`.")
     path = d / MANIFEST
@@ -289,7 +336,7 @@ def read_header(path) -> tuple[dict, dict]:
 
     try:
         with safe_open(str(path), framework="numpy") as f:
-            entries = {k: {"dtype": (s := f.get_slice(k)).get_dtype(), "shape": list(s.get_shape())} for k in f.keys()}
+            entries = {k: {"dtype": (s := f.get_slice(k)).get_dtype(), "shape": list(s.get_shape())} for k in f}
             return entries, f.metadata() or {}
     except SafetensorError as e:
         raise ValueError(str(e).removeprefix("Error while deserializing header: ")) from None
@@ -299,10 +346,14 @@ def check_shard(data_dir, record: dict, dims: dict) -> None:
     """Cheap open-time check of one shard against its manifest record (size, header, shapes)."""
     path = Path(data_dir) / record["file"]
     if not path.exists():
-        raise DataError(f"shard {path} listed in the manifest is missing; {_RECREATE} (a rerun rewrites missing shards).")
+        raise DataError(
+            f"shard {path} listed in the manifest is missing; {_RECREATE} (a rerun rewrites missing shards)."
+        )
     size = path.stat().st_size
     if size != record["bytes"]:
-        raise DataError(f"shard {path} has {size} bytes but the manifest says {record['bytes']} (truncated or overwritten); {_RECREATE}.")
+        raise DataError(
+            f"shard {path} has {size} bytes but the manifest says {record['bytes']} (truncated or overwritten); {_RECREATE}."
+        )
     try:
         header, meta = read_header(path)
     except (OSError, ValueError) as e:
@@ -343,7 +394,9 @@ def verify_shards(data_dir, checksum: bool = True) -> dict:
                 for chunk in iter(lambda: f.read(1 << 24), b""):
                     h.update(chunk)
             if h.hexdigest() != r["sha256"]:
-                raise DataError(f"shard {Path(data_dir) / r['file']} fails its sha256 check (corrupt bytes); {_RECREATE}.")
+                raise DataError(
+                    f"shard {Path(data_dir) / r['file']} fails its sha256 check (corrupt bytes); {_RECREATE}."
+                )
     return manifest
 
 
@@ -417,7 +470,7 @@ class ShardSource:
         return self._info(s)["samples"][row]
 
     def _has_mask(self, s: int) -> bool:
-        return "mask" in self._handle(s).keys()
+        return "mask" in self._handle(s)
 
     def empty_caption(self) -> dict:
         """The embedding of the empty caption `fluxzero cache` kept beside the shards (for caption dropout)."""
@@ -429,12 +482,18 @@ class ShardSource:
             d = load_file(str(path))
             t5, clip = d["t5"].to(torch.float32), d["clip"].to(torch.float32)
         except Exception:  # noqa: BLE001 - missing or unreadable: the same fix
-            raise DataError(f"caption dropout needs {path}, the empty caption's embedding `fluxzero cache` writes; "
-                            f"re-run the `fluxzero cache` command that made {self.data_dir}, or set caption_dropout "
-                            f"to 0 for it.") from None
-        if tuple(t5.shape) != (self.dims["t5_len"], self.dims["t5_dim"]) or tuple(clip.shape) != (self.dims["clip_dim"],):
-            raise DataError(f"{path} does not fit the shards beside it (other encoders); re-run the `fluxzero cache` "
-                            f"command that made {self.data_dir}, or set caption_dropout to 0 for it.")
+            raise DataError(
+                f"caption dropout needs {path}, the empty caption's embedding `fluxzero cache` writes; "
+                f"re-run the `fluxzero cache` command that made {self.data_dir}, or set caption_dropout "
+                f"to 0 for it."
+            ) from None
+        if tuple(t5.shape) != (self.dims["t5_len"], self.dims["t5_dim"]) or tuple(clip.shape) != (
+            self.dims["clip_dim"],
+        ):
+            raise DataError(
+                f"{path} does not fit the shards beside it (other encoders); re-run the `fluxzero cache` "
+                f"command that made {self.data_dir}, or set caption_dropout to 0 for it."
+            )
         return {"t5": t5, "clip": clip}
 
     def _handle(self, s: int):
@@ -457,18 +516,28 @@ class ShardSource:
         path = self.data_dir / self.manifest["shards"][s]["file"]
         try:
             f = self._handle(s)
-            keys = ("latents", "t5", "clip", *(("mask",) if self._has_mask(s) else ()),
-                    *(("reference",) if self.dims.get("reference") else ()))
+            keys = (
+                "latents",
+                "t5",
+                "clip",
+                *(("mask",) if self._has_mask(s) else ()),
+                *(("reference",) if self.dims.get("reference") else ()),
+            )
             raw = {k: f.get_slice(k)[row : row + 1][0] for k in keys}  # stored dtype
             sums = self._info(s).get(CHECKSUM_KEY) if self.checksums else None
         except Exception as e:  # any read failure mid-training: name the shard, keep it one sentence
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DataError(f"shard {path} could not be read at row {row} ({msg}); {_RECREATE}.") from None
-        if sums is not None and (row >= len(sums) or sample_checksum(raw["latents"], raw["t5"], raw["clip"], raw.get("mask"),
-                                                                               raw.get("reference")) != sums[row]):
-            raise DataError(f"shard {path} sample {row} (global index {i}) fails its checksum, so its bytes "
-                            f"changed after `fluxzero cache` wrote them; delete {path} and re-run the same "
-                            f"`fluxzero cache` command, which rewrites it.")
+        if sums is not None and (
+            row >= len(sums)
+            or sample_checksum(raw["latents"], raw["t5"], raw["clip"], raw.get("mask"), raw.get("reference"))
+            != sums[row]
+        ):
+            raise DataError(
+                f"shard {path} sample {row} (global index {i}) fails its checksum, so its bytes "
+                f"changed after `fluxzero cache` wrote them; delete {path} and re-run the same "
+                f"`fluxzero cache` command, which rewrites it."
+            )
         out = {k: v.to(torch.float32) for k, v in raw.items()}
         out["index"] = i
         return out

@@ -8,6 +8,7 @@ width, 64), vec (CLIP width, 32), ch (latent channels, 16), seed (data seed, 0),
 the reference latents of a FLUX.1 Kontext pair, at its target's size; 0). Sample i depends only on (seed, i),
 never on rank or order.
 """
+
 from __future__ import annotations
 
 from fluxzero.data.errors import DataError
@@ -39,12 +40,14 @@ def is_synthetic(source) -> bool:
 
 def parse_spec(spec: str) -> dict:
     opts, given = dict(_DEFAULTS), set()
-    body = spec[len(PREFIX):].strip()
+    body = spec[len(PREFIX) :].strip()
     for part in filter(None, (p.strip() for p in body.split(","))):
         key, sep, value = part.partition("=")
         key = key.strip()
         if not sep or key not in _DEFAULTS:
-            raise DataError(f"synthetic spec {spec!r}: unknown item {part!r}; use keys {', '.join(_DEFAULTS)} as in {_EXAMPLE}.")
+            raise DataError(
+                f"synthetic spec {spec!r}: unknown item {part!r}; use keys {', '.join(_DEFAULTS)} as in {_EXAMPLE}."
+            )
         opts[key] = value.strip()
         given.add(key)
     if "buckets" in given:
@@ -52,17 +55,23 @@ def parse_spec(spec: str) -> dict:
             raise DataError(f"synthetic spec {spec!r}: give hw or buckets, not both.")
         res = str(opts["buckets"])
         if not (res.isdigit() and int(res) >= 64 and int(res) % 16 == 0):
-            raise DataError(f"synthetic spec {spec!r}: buckets must be a pixel resolution, a multiple of 16 from 64 "
-                            f"on such as 512, got {res!r}.")
+            raise DataError(
+                f"synthetic spec {spec!r}: buckets must be a pixel resolution, a multiple of 16 from 64 "
+                f"on such as 512, got {res!r}."
+            )
         opts["hw"] = bucket_mix(int(res))
     sizes = []
     for s in str(opts["hw"]).split("+"):
         size, star, weight = s.strip().lower().partition("*")
         h, x, w = size.strip().partition("x")
         weight = weight.strip() if star else "1"
-        if not (x and h.isdigit() and w.isdigit() and int(h) > 0 and int(w) > 0 and weight.isdigit() and int(weight) > 0):
-            raise DataError(f"synthetic spec {spec!r}: hw must be latent sizes like 32x32, 32x32+32x48 or "
-                            f"32x32*2+32x48, got {opts['hw']!r}.")
+        if not (
+            x and h.isdigit() and w.isdigit() and int(h) > 0 and int(w) > 0 and weight.isdigit() and int(weight) > 0
+        ):
+            raise DataError(
+                f"synthetic spec {spec!r}: hw must be latent sizes like 32x32, 32x32+32x48 or "
+                f"32x32*2+32x48, got {opts['hw']!r}."
+            )
         sizes += [(int(h), int(w))] * int(weight)
     out = {"sizes": sizes}
     for key in ("n", "txt", "ctx", "vec", "ch", "seed", "ref"):

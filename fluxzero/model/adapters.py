@@ -22,6 +22,7 @@ far below the layer's size, which FLUX.1-dev's 21504 x 3072 linears need to take
 ||delta - B A|| / ||delta|| with B and A as written (rounded to the file's dtype), per module and over all
 modules (sqrt of the summed squares over the summed squares).
 """
+
 from __future__ import annotations
 
 import json
@@ -40,9 +41,16 @@ from .lora_keys import _ADAPTER_KEY, LoraError
 
 _LOKR = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
 # a file's tensor suffixes and the canonical role each stands for
-_FILE_ROLES = {**{r: r for r in _LOKR}, "lora_down.weight": "lora_A.weight", "lora_up.weight": "lora_B.weight",
-               "lora_A.weight": "lora_A.weight", "lora_B.weight": "lora_B.weight", "dora_scale": "lora_magnitude_vector",
-               "lora_magnitude_vector": "lora_magnitude_vector", "alpha": "alpha"}
+_FILE_ROLES = {
+    **{r: r for r in _LOKR},
+    "lora_down.weight": "lora_A.weight",
+    "lora_up.weight": "lora_B.weight",
+    "lora_A.weight": "lora_A.weight",
+    "lora_B.weight": "lora_B.weight",
+    "dora_scale": "lora_magnitude_vector",
+    "lora_magnitude_vector": "lora_magnitude_vector",
+    "alpha": "alpha",
+}
 _SUFFIX = re.compile(r"^(.+?)\.(" + "|".join(re.escape(s) for s in sorted(_FILE_ROLES, key=len, reverse=True)) + r")$")
 LYCORIS_PREFIX = "lora_unet_"
 _DIFFUSERS_FLAT = ("lycoris_", "lora_transformer_")  # SimpleTuner's LyCORIS, OneTrainer: diffusers names, underscored
@@ -96,12 +104,16 @@ def part_delta(p: Part, weight: Tensor | None) -> Tensor:
     if p.kind == "lora":
         return low
     if weight is None:
-        raise LoraError(f"the DoRA on {p.module} rescales the base weight, so its change needs the base weights; "
-                        "pass the base model's weights file (--base)")
+        raise LoraError(
+            f"the DoRA on {p.module} rescales the base weight, so its change needs the base weights; "
+            "pass the base model's weights file (--base)"
+        )
     w = weight.float()
     if tuple(w.shape) != tuple(low.shape):
-        raise LoraError(f"the DoRA on {p.module} makes a {tuple(low.shape)} change but the base weight is "
-                        f"{tuple(w.shape)}; pass the base weights of the model it was trained on")
+        raise LoraError(
+            f"the DoRA on {p.module} makes a {tuple(low.shape)} change but the base weight is "
+            f"{tuple(w.shape)}; pass the base weights of the model it was trained on"
+        )
     merged = w + low
     m = t["lora_magnitude_vector"].float()
     if m.numel() == merged.shape[0] and (m.ndim == 1 or m.shape[0] == merged.shape[0]):  # per output row
@@ -109,8 +121,10 @@ def part_delta(p: Part, weight: Tensor | None) -> Tensor:
     elif m.numel() == merged.shape[1]:  # LyCORIS without wd_on_out: per input column
         out = m.reshape(1, -1) * merged / merged.norm(dim=0, keepdim=True)
     else:
-        raise LoraError(f"the DoRA magnitude of {p.module} has shape {tuple(m.shape)}, which matches neither the "
-                        f"rows nor the columns of its {tuple(merged.shape)} weight; the file is damaged")
+        raise LoraError(
+            f"the DoRA magnitude of {p.module} has shape {tuple(m.shape)}, which matches neither the "
+            f"rows nor the columns of its {tuple(merged.shape)} weight; the file is damaged"
+        )
     return out - w
 
 
@@ -131,8 +145,10 @@ def module_deltas(parts: list[Part], base: dict[str, Tensor] | None = None) -> d
     for module, ps in grouped.items():
         w = None if base is None else base.get(f"{module}.weight")
         if base is not None and w is None and any(p.kind == "dora" for p in ps):
-            raise LoraError(f"the adapter on {module} needs the base weight {module}.weight, which the base "
-                            "weights do not have; pass the base weights of the model it was trained on")
+            raise LoraError(
+                f"the adapter on {module} needs the base weight {module}.weight, which the base "
+                "weights do not have; pass the base weights of the model it was trained on"
+            )
         if ps[0].count == 1:
             p = ps[0]
             rows = None if w is None else (swap_halves(w) if p.swap else w)
@@ -143,18 +159,23 @@ def module_deltas(parts: list[Part], base: dict[str, Tensor] | None = None) -> d
         hidden = None
         for p in ps:
             hidden = hidden or _shape(p)[1]
-        sizes = _part_rows(module, ps[0].count, {p.index: _shape(p)[0] for p in ps}, hidden) if w is None else \
-            _part_rows(module, ps[0].count, {3: w.shape[0] - 3 * w.shape[1]}, w.shape[1])
+        sizes = (
+            _part_rows(module, ps[0].count, {p.index: _shape(p)[0] for p in ps}, hidden)
+            if w is None
+            else _part_rows(module, ps[0].count, {3: w.shape[0] - 3 * w.shape[1]}, w.shape[1])
+        )
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         for p in ps:
-            rows = None if w is None else w[starts[p.index]:starts[p.index] + sizes[p.index]]
+            rows = None if w is None else w[starts[p.index] : starts[p.index] + sizes[p.index]]
             deltas[p.index] = part_delta(p, rows)
         full = torch.zeros(sum(sizes), hidden)
         for i, d in deltas.items():
             if d.shape != (sizes[i], hidden):
-                raise LoraError(f"the adapter on part {i} of {module} makes a {tuple(d.shape)} change where the "
-                                f"model has ({sizes[i]}, {hidden}); it was made for another model shape")
-            full[starts[i]:starts[i] + sizes[i]] = d
+                raise LoraError(
+                    f"the adapter on part {i} of {module} makes a {tuple(d.shape)} change where the "
+                    f"model has ({sizes[i]}, {hidden}); it was made for another model shape"
+                )
+            full[starts[i] : starts[i] + sizes[i]] = d
         out[module] = full
     return out
 
@@ -164,8 +185,8 @@ def _shape(p: Part) -> tuple[int, int]:
     t = p.tensors
     if p.kind != "lokr":
         return t["lora_B.weight"].shape[0], t["lora_A.weight"].shape[1]
-    w1 = (t["lokr_w1"].shape if "lokr_w1" in t else (t["lokr_w1_a"].shape[0], t["lokr_w1_b"].shape[1]))
-    w2 = (t["lokr_w2"].shape if "lokr_w2" in t else (t["lokr_w2_a"].shape[0], t["lokr_w2_b"].shape[1]))
+    w1 = t["lokr_w1"].shape if "lokr_w1" in t else (t["lokr_w1_a"].shape[0], t["lokr_w1_b"].shape[1])
+    w2 = t["lokr_w2"].shape if "lokr_w2" in t else (t["lokr_w2_a"].shape[0], t["lokr_w2_b"].shape[1])
     return w1[0] * w2[0], w1[1] * w2[1]
 
 
@@ -176,8 +197,10 @@ def merge_deltas(base: dict[str, Tensor], deltas: dict[str, Tensor]) -> dict[str
         key = f"{module}.weight"
         if key not in out or tuple(out[key].shape) != tuple(d.shape):
             have = tuple(out[key].shape) if key in out else "absent"
-            raise LoraError(f"the adapter on {module} makes a {tuple(d.shape)} change but {key} is {have} in the "
-                            "base weights; use the base weights of the model it was made for")
+            raise LoraError(
+                f"the adapter on {module} makes a {tuple(d.shape)} change but {key} is {have} in the "
+                "base weights; use the base weights of the model it was made for"
+            )
         out[key] = (out[key].float() + d).to(out[key].dtype)
     return out
 
@@ -200,9 +223,11 @@ def as_plain_lora(deltas: dict[str, Tensor], rank: int, dtype: torch.dtype = tor
     rows or columns, before any work."""
     for module, d in deltas.items():
         if rank > min(d.shape):
-            raise LoraError(f"rank {rank} is larger than layer {module} ({d.shape[0]} x {d.shape[1]}), whose change "
-                            f"has rank at most {min(d.shape)}; choose a rank of at most "
-                            f"{min(min(x.shape) for x in deltas.values())}")
+            raise LoraError(
+                f"rank {rank} is larger than layer {module} ({d.shape[0]} x {d.shape[1]}), whose change "
+                f"has rank at most {min(d.shape)}; choose a rank of at most "
+                f"{min(min(x.shape) for x in deltas.values())}"
+            )
     sd, errors, lost, total = {}, {}, 0.0, 0.0
     device = "cuda" if torch.cuda.is_available() else "cpu"  # FLUX.1-dev's linear1 is 21504 x 3072
     for module, d in deltas.items():
@@ -214,7 +239,7 @@ def as_plain_lora(deltas: dict[str, Tensor], rank: int, dtype: torch.dtype = tor
         norm = float(d.norm())
         miss = float((d - B.float() @ A.float()).norm())
         errors[module] = miss / norm if norm > 0 else 0.0
-        lost, total = lost + miss ** 2, total + norm ** 2
+        lost, total = lost + miss**2, total + norm**2
     cfg = LoraConfig(rank=rank, alpha=float(rank), targets=list(deltas))
     return PlainLora(sd, cfg, errors, math.sqrt(lost / total) if total > 0 else 0.0)
 
@@ -238,8 +263,11 @@ def _truncated_svd(d: Tensor, rank: int) -> tuple[Tensor, Tensor, Tensor]:
 def error_report(plain: PlainLora) -> list[str]:
     """One line per module, worst first, then the overall figure."""
     lines = [f"  {e:10.3e}  {m}" for m, e in sorted(plain.errors.items(), key=lambda kv: -kv[1])]
-    return ["relative error of the rank-%d LoRA per layer (||delta - B A|| / ||delta||):" % plain.config.rank,
-            *lines, f"  {plain.overall:10.3e}  overall"]
+    return [
+        f"relative error of the rank-{plain.config.rank} LoRA per layer (||delta - B A|| / ||delta||):",
+        *lines,
+        f"  {plain.overall:10.3e}  overall",
+    ]
 
 
 def check_error(plain: PlainLora, max_error: float | None, source: str | None = None) -> None:
@@ -248,9 +276,11 @@ def check_error(plain: PlainLora, max_error: float | None, source: str | None = 
         return
     module, worst = max(plain.errors.items(), key=lambda kv: kv[1])
     if worst > max_error:
-        raise LoraError(f"{source + ': ' if source else ''}the rank-{plain.config.rank} LoRA is off by {worst:.3g} "
-                        f"(relative) on {module}, above --max-error {max_error:g} (overall {plain.overall:.3g}); "
-                        f"raise --as-lora-rank or --max-error")
+        raise LoraError(
+            f"{source + ': ' if source else ''}the rank-{plain.config.rank} LoRA is off by {worst:.3g} "
+            f"(relative) on {module}, above --max-error {max_error:g} (overall {plain.overall:.3g}); "
+            f"raise --as-lora-rank or --max-error"
+        )
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -282,8 +312,13 @@ def to_lycoris(parts: list[Part], cfg: LoraConfig) -> dict[str, Tensor]:
     return out
 
 
-def save_lycoris(path: str | os.PathLike, sd: dict[str, Tensor], cfg: LoraConfig, base_model: str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+def save_lycoris(
+    path: str | os.PathLike,
+    sd: dict[str, Tensor],
+    cfg: LoraConfig,
+    base_model: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> None:
     """Write our trained DoRA / LoKr (a canonical state dict) in the LyCORIS layout; like lora_formats.save_lora."""
     from .weights import save_tensors
 
@@ -295,11 +330,20 @@ def save_lycoris(path: str | os.PathLike, sd: dict[str, Tensor], cfg: LoraConfig
         args["dora_wd"] = "True"
     elif cfg.factor != -1:
         args["factor"] = str(cfg.factor)
-    meta = {"format": "pt", "fluxzero.format": "lycoris", "fluxzero.type": cfg.type, "fluxzero.rank": str(cfg.rank),
-            "fluxzero.alpha": repr(cfg.alpha), "fluxzero.targets": json.dumps(cfg.targets),
-            "fluxzero.base_model": base_model or "", "ss_network_module": "lycoris.kohya",
-            "ss_network_dim": str(cfg.rank), "ss_network_alpha": repr(cfg.alpha),
-            "ss_network_args": json.dumps(args), "ss_base_model_version": "flux1"}
+    meta = {
+        "format": "pt",
+        "fluxzero.format": "lycoris",
+        "fluxzero.type": cfg.type,
+        "fluxzero.rank": str(cfg.rank),
+        "fluxzero.alpha": repr(cfg.alpha),
+        "fluxzero.targets": json.dumps(cfg.targets),
+        "fluxzero.base_model": base_model or "",
+        "ss_network_module": "lycoris.kohya",
+        "ss_network_dim": str(cfg.rank),
+        "ss_network_alpha": repr(cfg.alpha),
+        "ss_network_args": json.dumps(args),
+        "ss_base_model_version": "flux1",
+    }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_tensors(path, tensors, meta)
@@ -333,7 +377,7 @@ def _diffusers_flat_names() -> dict[str, str]:
     from .lora_formats import _from_diffusers_table
 
     out = {}
-    for (kind, inner) in _from_diffusers_table():
+    for kind, inner in _from_diffusers_table():
         if kind == "top":
             out[inner.replace(".", "_")] = inner
             continue
@@ -357,23 +401,30 @@ def read_adapters(path: str | os.PathLike) -> tuple[list[Part], dict[str, str]]:
             continue  # a text encoder's adapter: not the transformer's
         m = _SUFFIX.match(key)
         if m is None:
-            raise LoraError(f"{path}: tensor {key} is not a LoKr, DoRA or LoRA tensor (lokr_w1, lokr_w2, lokr_w1_a/_b, "
-                            "lokr_w2_a/_b, lora_down/lora_up, dora_scale, alpha); this file is not an adapter this "
-                            "tool reads: convert it with the trainer that made it")
+            raise LoraError(
+                f"{path}: tensor {key} is not a LoKr, DoRA or LoRA tensor (lokr_w1, lokr_w2, lokr_w1_a/_b, "
+                "lokr_w2_a/_b, lora_down/lora_up, dora_scale, alpha); this file is not an adapter this "
+                "tool reads: convert it with the trainer that made it"
+            )
         if not (t.is_floating_point() or m.group(2) == "alpha"):  # an alpha's own checks are below
-            raise LoraError(f"{path}: {key} holds {str(t.dtype).removeprefix('torch.')} values, but adapter weights "
-                            "are floating point; this file is damaged, write or download it again")
+            raise LoraError(
+                f"{path}: {key} holds {str(t.dtype).removeprefix('torch.')} values, but adapter weights "
+                "are floating point; this file is damaged, write or download it again"
+            )
         if t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
-            raise LoraError(f"{path}: {key} holds NaN or infinite values; this file is damaged, write or download it "
-                            "again")
+            raise LoraError(
+                f"{path}: {key} holds NaN or infinite values; this file is damaged, write or download it again"
+            )
         grouped.setdefault(m.group(1), {})[_FILE_ROLES[m.group(2)]] = t
     parts = []
     for base, t in grouped.items():
         where = _module_of(base)
         if where is None:
-            raise LoraError(f"{path}: {base} names no FLUX.1 transformer linear (expected e.g. "
-                            "lora_unet_double_blocks_0_img_attn_qkv or lycoris_transformer_blocks_0_attn_to_q); this "
-                            "is not a FLUX.1 transformer adapter")
+            raise LoraError(
+                f"{path}: {base} names no FLUX.1 transformer linear (expected e.g. "
+                "lora_unet_double_blocks_0_img_attn_qkv or lycoris_transformer_blocks_0_attn_to_q); this "
+                "is not a FLUX.1 transformer adapter"
+            )
         alpha = t.pop("alpha", None)
         if alpha is not None and (alpha.numel() != 1 or not float(alpha.float().reshape(())) > 0):
             raise LoraError(f"{path}: {base}.alpha is not one number above 0; this file is damaged")
@@ -384,8 +435,9 @@ def read_adapters(path: str | os.PathLike) -> tuple[list[Part], dict[str, str]]:
             missing = [f for f in ("lokr_w1", "lokr_w2") if f not in t and not (f"{f}_a" in t and f"{f}_b" in t)]
             stray = [r for r in t if r not in _LOKR]
             if stray:
-                raise LoraError(f"{path}: {base} mixes LoKr tensors with {stray[0]}; this file is not an adapter this "
-                                "tool reads")
+                raise LoraError(
+                    f"{path}: {base} mixes LoKr tensors with {stray[0]}; this file is not an adapter this tool reads"
+                )
         if missing:
             raise LoraError(f"{path}: the adapter {base} has no {missing[0]}; the file is incomplete")
         _check_factors(path, base, t)
@@ -399,12 +451,16 @@ def _check_factors(path, base: str, t: dict[str, Tensor]) -> None:
     """LoraError naming the file when an adapter's matrices are not 2-D or a low-rank pair does not multiply."""
     for role, x in t.items():
         if role != "lora_magnitude_vector" and x.ndim != 2:
-            raise LoraError(f"{path}: {base}'s {role} has shape {tuple(x.shape)}, not a matrix; this file is damaged, "
-                            "write or download it again")
+            raise LoraError(
+                f"{path}: {base}'s {role} has shape {tuple(x.shape)}, not a matrix; this file is damaged, "
+                "write or download it again"
+            )
     for up, down in (("lora_B.weight", "lora_A.weight"), ("lokr_w1_a", "lokr_w1_b"), ("lokr_w2_a", "lokr_w2_b")):
         if up in t and down in t and t[up].shape[1] != t[down].shape[0]:
-            raise LoraError(f"{path}: {base}'s {up} {tuple(t[up].shape)} and {down} {tuple(t[down].shape)} do not "
-                            "multiply (their ranks differ); this file is damaged, write or download it again")
+            raise LoraError(
+                f"{path}: {base}'s {up} {tuple(t[up].shape)} and {down} {tuple(t[down].shape)} do not "
+                "multiply (their ranks differ); this file is damaged, write or download it again"
+            )
 
 
 def _file_scale(kind: str, t: dict, alpha: Tensor | None) -> float:

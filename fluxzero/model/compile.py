@@ -1,5 +1,6 @@
 """Compiled transformer blocks, applied from outside the model: the one helper the trainer (fluxzero.train.engine)
 and `fluxzero sample --compile` share. Torch only, so sampling compiles without importing DeepSpeed."""
+
 from __future__ import annotations
 
 import functools
@@ -27,8 +28,14 @@ def compile_cache_dir() -> str | None:
     return os.environ[CACHE_ENV]
 
 
-def apply_compile(model, mode: str = "default", backend: str = "inductor", dynamic_tokens: bool | None = None,
-                  token_counts: int = 1, checkpoint=None) -> int:
+def apply_compile(
+    model,
+    mode: str = "default",
+    backend: str = "inductor",
+    dynamic_tokens: bool | None = None,
+    token_counts: int = 1,
+    checkpoint=None,
+) -> int:
     """torch.compile every transformer block (double and single); returns how many. The trainer calls it
     before fluxzero.train.engine.apply_activation_checkpointing; `fluxzero sample --compile` on the loaded model.
 
@@ -81,6 +88,7 @@ def apply_compile(model, mode: str = "default", backend: str = "inductor", dynam
 
 def _checkpointed_forward(checkpoint_fn, forward):
     """forward(block, *args) run under checkpoint_fn (fn(function, *args), as torch.utils.checkpoint)."""
+
     def checkpointed(block, *args):
         return checkpoint_fn(forward, block, *args)
 

@@ -1,7 +1,8 @@
 """The FLUX.1 transformer (BFL parameter names) and its constructor."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -44,7 +45,13 @@ class Flux(nn.Module):
             block.attention = name
 
     def forward(
-        self, img: Tensor, img_ids: Tensor, txt: Tensor, txt_ids: Tensor, timesteps: Tensor, y: Tensor,
+        self,
+        img: Tensor,
+        img_ids: Tensor,
+        txt: Tensor,
+        txt_ids: Tensor,
+        timesteps: Tensor,
+        y: Tensor,
         guidance: Tensor | None = None,
     ) -> Tensor:
         """Predict the flow velocity of packed image tokens.
@@ -75,11 +82,16 @@ class Flux(nn.Module):
         x = torch.cat((txt, img), dim=1)  # (B, L_txt+L_img, C)
         for block in self.single_blocks:
             x = block(x, vec, pe)  # (B, L_txt+L_img, C)
-        return self.final_layer(x[:, txt.shape[1]:], vec)  # (B, L_img, out_channels)
+        return self.final_layer(x[:, txt.shape[1] :], vec)  # (B, L_img, out_channels)
 
 
-def build_model(cfg: ModelConfig | str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                attention: str = "auto", finish: Callable[[str, nn.Module], None] | None = None) -> Flux:
+def build_model(
+    cfg: ModelConfig | str,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    attention: str = "auto",
+    finish: Callable[[str, nn.Module], None] | None = None,
+) -> Flux:
     """A randomly initialised Flux, born in `dtype` on `device` (device="meta": shapes only).
 
     Built on the meta device, then materialised one module at a time in construction order: each module's
@@ -122,7 +134,7 @@ def _materialize(module: nn.Module, device, dtype: torch.dtype, scratch: Tensor 
         return
     offset, params = 0, module._parameters
     for key, p in params.items():
-        params[key] = nn.Parameter(scratch[offset:offset + p.numel()].view(p.shape), requires_grad=p.requires_grad)
+        params[key] = nn.Parameter(scratch[offset : offset + p.numel()].view(p.shape), requires_grad=p.requires_grad)
         offset += p.numel()
     module.reset_parameters()
     for key, p in params.items():

@@ -3,6 +3,7 @@ so its checkpoints load without renaming; the code is written for this project.
 
 Shapes: B batch, L tokens (L_img image, L_txt text), C hidden size, H heads, D head dim.
 """
+
 from __future__ import annotations
 
 import torch
@@ -110,9 +111,13 @@ class DoubleStreamBlock(nn.Module):
         for s in ("img", "txt"):
             setattr(self, f"{s}_mod", Modulation(hidden_size, double=True))
             setattr(self, f"{s}_attn", SelfAttention(hidden_size, num_heads, qkv_bias))
-            setattr(self, f"{s}_mlp", nn.Sequential(
-                nn.Linear(hidden_size, mlp_hidden), nn.GELU(approximate="tanh"), nn.Linear(mlp_hidden, hidden_size)
-            ))
+            setattr(
+                self,
+                f"{s}_mlp",
+                nn.Sequential(
+                    nn.Linear(hidden_size, mlp_hidden), nn.GELU(approximate="tanh"), nn.Linear(mlp_hidden, hidden_size)
+                ),
+            )
 
     def forward(self, img: Tensor, txt: Tensor, vec: Tensor, pe: Tensor) -> tuple[Tensor, Tensor]:
         """Shape: img (B, L_img, C), txt (B, L_txt, C), vec (B, C), pe (2, B, 1, L_txt+L_img, D)."""
@@ -125,7 +130,7 @@ class DoubleStreamBlock(nn.Module):
         k = torch.cat((txt_k, img_k), dim=2)
         v = torch.cat((txt_v, img_v), dim=2)
         attn = attention(q, k, v, pe, self.attention)  # (B, L_txt+L_img, C)
-        txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1]:]
+        txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1] :]
 
         img = torch.addcmul(img, i_gate1, self.img_attn.proj(img_attn))  # (B, L_img, C)
         img = torch.addcmul(img, i_gate2, self.img_mlp(modulate(_layer_norm(img), i_shift2, i_scale2)))

@@ -8,6 +8,7 @@ prefix; diffusers renames everything and splits fused tensors:
   final layer   adaLN_modulation.1 rows [shift | scale] -> norm_out.linear rows [scale | shift]
 Reading and writing files is fluxzero.model.weights.
 """
+
 from __future__ import annotations
 
 import re
@@ -29,7 +30,6 @@ _SHOW = 5  # offenders listed in an error message
 
 class WeightsError(ValueError):
     """A weights file or folder that cannot be read as FLUX.1 transformer weights."""
-
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -134,8 +134,11 @@ def bfl_to_diffusers(state_dict: dict[str, Tensor], hidden_size: int | None = No
     `hidden_size` is read from img_in when not given (needed to split single-block linear1).
     """
     hidden = hidden_size or state_dict["img_in.weight"].shape[0]
-    return {name: _part(t, how, rows) for key, t in state_dict.items()
-            for name, how, rows in _diffusers_parts(key, t.shape[0], hidden)}
+    return {
+        name: _part(t, how, rows)
+        for key, t in state_dict.items()
+        for name, how, rows in _diffusers_parts(key, t.shape[0], hidden)
+    }
 
 
 def diffusers_to_bfl(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -152,8 +155,10 @@ def _combine(parts: list[Tensor], how: str) -> Tensor:
     if how == "swap":
         return swap_halves(parts[0])
     if len({p.shape[1:] for p in parts}) > 1 or any(p.dim() == 0 for p in parts):
-        raise WeightsError(f"parts of shapes {', '.join(str(tuple(p.shape)) for p in parts)} cannot be fused into one "
-                           f"tensor (their widths differ); pass weights of one FLUX.1 model")
+        raise WeightsError(
+            f"parts of shapes {', '.join(str(tuple(p.shape)) for p in parts)} cannot be fused into one "
+            f"tensor (their widths differ); pass weights of one FLUX.1 model"
+        )
     return torch.cat(parts, dim=0)
 
 
@@ -176,7 +181,8 @@ def _plan_from_diffusers(keys) -> tuple[dict[str, tuple[list[str], str]], list[s
         return max(idx) + 1 if idx else 0
 
     bfl = _bfl_keys(
-        count("transformer_blocks"), count("single_transformer_blocks"),
+        count("transformer_blocks"),
+        count("single_transformer_blocks"),
         any(k.startswith("time_text_embed.guidance_embedder.") for k in keys),
         "transformer_blocks.0.attn.to_q.bias" in keys or not count("transformer_blocks"),
     )
@@ -189,8 +195,12 @@ def _raise_if(missing, unexpected, wrong_shape, layout, path="", wrong_dtype=())
     if not (missing or unexpected or wrong_shape or wrong_dtype):
         return
     problems = []
-    for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape),
-                         ("not floating point", wrong_dtype)):
+    for label, items in (
+        ("missing", missing),
+        ("unexpected", unexpected),
+        ("wrong shape", wrong_shape),
+        ("not floating point", wrong_dtype),
+    ):
         if items:
             more = f" (+{len(items) - _SHOW} more)" if len(items) > _SHOW else ""
             problems.append(f"{len(items)} {label}: {', '.join(items[:_SHOW])}{more}")
@@ -201,30 +211,45 @@ def _raise_if(missing, unexpected, wrong_shape, layout, path="", wrong_dtype=())
     raise WeightsError(f"{where}weights in {layout} layout do not match the model: {'; '.join(problems)}; {fix}")
 
 
-def infer_config(shapes: dict[str, tuple[int, ...]], name: str = "custom", axes_dim=None,
-                 theta: int | None = None, kontext: bool = False) -> ModelConfig:
+def infer_config(
+    shapes: dict[str, tuple[int, ...]],
+    name: str = "custom",
+    axes_dim=None,
+    theta: int | None = None,
+    kontext: bool = False,
+) -> ModelConfig:
     """The ModelConfig a BFL-named set of tensor shapes describes (a preset when one matches exactly).
 
     The tensors do not show the RoPE axes and theta: `axes_dim` / `theta` given (declared by the weights or
     the user) win; without them a head dim of 128 gets FLUX.1's (16, 56, 56) and theta 10000. Nor do they show
     FLUX.1 Kontext (FLUX.1-dev's tensors): `kontext` says so where the weights declare it.
     """
-    fix = ("name the model the weights belong to (--model PRESET, PRESET:field=value,... such as "
-           "flux-dev:head_dim=16,num_heads=2,axes_dim=4,6,6, or a diffusers config.json)")
+    fix = (
+        "name the model the weights belong to (--model PRESET, PRESET:field=value,... such as "
+        "flux-dev:head_dim=16,num_heads=2,axes_dim=4,6,6, or a diffusers config.json)"
+    )
     try:
         hidden, in_channels = shapes["img_in.weight"]
         norm = next(k for k in shapes if k.endswith("query_norm.scale"))  # StopIteration: no blocks at all
         head_dim = shapes[norm][0]
-        mlp = (shapes["double_blocks.0.img_mlp.0.weight"][0] if "double_blocks.0.img_mlp.0.weight" in shapes
-               else shapes["single_blocks.0.linear1.weight"][0] - 3 * hidden)
+        mlp = (
+            shapes["double_blocks.0.img_mlp.0.weight"][0]
+            if "double_blocks.0.img_mlp.0.weight" in shapes
+            else shapes["single_blocks.0.linear1.weight"][0] - 3 * hidden
+        )
         fields = dict(
-            in_channels=in_channels, out_channels=shapes["final_layer.linear.weight"][0],
-            vec_in_dim=shapes["vector_in.in_layer.weight"][1], context_in_dim=shapes["txt_in.weight"][1],
-            hidden_size=hidden, mlp_ratio=mlp / hidden, num_heads=hidden // head_dim,
+            in_channels=in_channels,
+            out_channels=shapes["final_layer.linear.weight"][0],
+            vec_in_dim=shapes["vector_in.in_layer.weight"][1],
+            context_in_dim=shapes["txt_in.weight"][1],
+            hidden_size=hidden,
+            mlp_ratio=mlp / hidden,
+            num_heads=hidden // head_dim,
             depth=len({k.split(".")[1] for k in shapes if k.startswith("double_blocks.")}),
             depth_single_blocks=len({k.split(".")[1] for k in shapes if k.startswith("single_blocks.")}),
             qkv_bias="double_blocks.0.img_attn.qkv.bias" in shapes,
-            guidance_embed="guidance_in.in_layer.weight" in shapes, kontext=kontext,
+            guidance_embed="guidance_in.in_layer.weight" in shapes,
+            kontext=kontext,
         )
     except KeyError as e:
         raise WeightsError(f"cannot infer the model shape: tensor {e.args[0]} is missing; {fix}") from None
@@ -236,16 +261,21 @@ def infer_config(shapes: dict[str, tuple[int, ...]], name: str = "custom", axes_
             f"no FLUX.1 transformer has; {fix} to list every mismatch"
         ) from None
     for preset in MODEL_PRESETS.values():
-        if (all(getattr(preset, f) == v for f, v in fields.items()) and axes_dim in (None, preset.axes_dim)
-                and theta in (None, preset.theta)):
+        if (
+            all(getattr(preset, f) == v for f, v in fields.items())
+            and axes_dim in (None, preset.axes_dim)
+            and theta in (None, preset.theta)
+        ):
             return preset
     if axes_dim is None:
         if head_dim != 128:
             raise WeightsError(f"cannot infer RoPE axes for head dim {head_dim}; {fix}")
         axes_dim = (16, 56, 56)
     if sum(axes_dim) != head_dim:
-        raise WeightsError(f"RoPE axes {tuple(axes_dim)} do not sum to the head dim {head_dim} of the tensors; fix "
-                           f"axes_dims_rope in the diffusers config.json or {fix}")
+        raise WeightsError(
+            f"RoPE axes {tuple(axes_dim)} do not sum to the head dim {head_dim} of the tensors; fix "
+            f"axes_dims_rope in the diffusers config.json or {fix}"
+        )
     try:
         return ModelConfig(name=name, axes_dim=tuple(axes_dim), theta=theta or 10_000, **fields)
     except ValueError as e:  # e.g. a hidden size that the head count does not divide

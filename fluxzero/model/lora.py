@@ -17,13 +17,14 @@ Canonical adapter names are PEFT's saved names on our modules: `<module>.lora_A.
 or `.lokr_w1_a` / `.lokr_w1_b`, and `.lokr_w2` or `.lokr_w2_a` / `.lokr_w2_b` (fluxzero.model.adapters says what
 each computes).
 """
+
 from __future__ import annotations
 
 import difflib
 import fnmatch
 import re
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -48,8 +49,10 @@ def target_modules(model: nn.Module, targets: str | Sequence[str]) -> list[str]:
     """
     if isinstance(targets, str):
         if targets not in TARGET_PRESETS:
-            raise LoraError(f"lora.targets {targets!r} is not a preset; use one of {', '.join(TARGET_PRESETS)} or a "
-                            "list of module-name patterns")
+            raise LoraError(
+                f"lora.targets {targets!r} is not a preset; use one of {', '.join(TARGET_PRESETS)} or a "
+                "list of module-name patterns"
+            )
         patterns = TARGET_PRESETS[targets]
     else:
         patterns = tuple(targets)
@@ -60,8 +63,10 @@ def target_modules(model: nn.Module, targets: str | Sequence[str]) -> list[str]:
         if not hit and not (isinstance(targets, str) and pattern.startswith(("double_blocks", "single_blocks"))):
             generic = _generic(names)
             close = difflib.get_close_matches(pattern, generic, n=_SHOW, cutoff=0.0)
-            raise LoraError(f"lora.targets pattern {pattern!r} matches no linear layer of the model; patterns are "
-                            f"fnmatch globs over whole module names, e.g. {', '.join(close)}")
+            raise LoraError(
+                f"lora.targets pattern {pattern!r} matches no linear layer of the model; patterns are "
+                f"fnmatch globs over whole module names, e.g. {', '.join(close)}"
+            )
         chosen.update(hit)
     if not chosen:  # a preset on a model without blocks of that kind
         raise LoraError(f"lora.targets {targets!r} selects no linear layer of this model; name patterns instead")
@@ -80,11 +85,22 @@ def require_peft():
 def _peft_config(cfg: LoraConfig, names: list[str]):
     peft = require_peft()
     if cfg.type == "lokr":  # PEFT's default init: w1 = 0 (the base model's output at step 0), w2 as LyCORIS draws it
-        return peft.LoKrConfig(r=cfg.rank, alpha=cfg.alpha, target_modules=names, decompose_factor=cfg.factor,
-                               decompose_both=cfg.decompose_both, init_weights=True)
+        return peft.LoKrConfig(
+            r=cfg.rank,
+            alpha=cfg.alpha,
+            target_modules=names,
+            decompose_factor=cfg.factor,
+            decompose_both=cfg.decompose_both,
+            init_weights=True,
+        )
     return peft.LoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=names, bias="none",
-        init_lora_weights=True if cfg.init == "default" else cfg.init, use_dora=cfg.type == "dora",
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=names,
+        bias="none",
+        init_lora_weights=True if cfg.init == "default" else cfg.init,
+        use_dora=cfg.type == "dora",
     )
 
 
@@ -154,8 +170,10 @@ def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
         raise LoraError("the model has no LoRA adapters; call apply_lora first")
     empty = [k for k, p in params.items() if p.numel() == 0]
     if empty:
-        raise LoraError(f"LoRA tensor {empty[0]} is a ZeRO-3 placeholder (numel 0); gather the adapter parameters "
-                        "(deepspeed.zero.GatheredParameters) before reading them")
+        raise LoraError(
+            f"LoRA tensor {empty[0]} is a ZeRO-3 placeholder (numel 0); gather the adapter parameters "
+            "(deepspeed.zero.GatheredParameters) before reading them"
+        )
     return {k: p.detach() for k, p in params.items()}
 
 
@@ -166,36 +184,50 @@ def load_lora_state_dict(model: nn.Module, sd: dict[str, Tensor]) -> None:
         raise LoraError("the model has no LoRA adapters; call apply_lora before loading a LoRA")
     full = [k for k in _looks_full(sd) if not _ADAPTER_KEY.match(k)]
     if full and not any(_ADAPTER_KEY.match(k) for k in sd):
-        raise LoraError(f"this holds full model weights ({full[0]}, ...), not LoRA adapters; load it as the model's "
-                        "weights (run file `weights:`) and give LoRA files to lora.weights")
+        raise LoraError(
+            f"this holds full model weights ({full[0]}, ...), not LoRA adapters; load it as the model's "
+            "weights (run file `weights:`) and give LoRA files to lora.weights"
+        )
     other = [k for k in sd if not _ADAPTER_KEY.match(k)]
     if other:
-        raise LoraError(f"tensor {other[0]} is not a LoRA tensor (<module>.lora_A.weight / .lora_B.weight); pass an "
-                        "adapter-only state dict")
+        raise LoraError(
+            f"tensor {other[0]} is not a LoRA tensor (<module>.lora_A.weight / .lora_B.weight); pass an "
+            "adapter-only state dict"
+        )
     modules = lambda keys: sorted({_ADAPTER_KEY.match(k).group(1) for k in keys})  # noqa: E731
     unknown = sorted(set(sd) - set(params))
     if unknown:
         mods = modules(unknown)
         if set(mods) <= set(modules(params)):  # the modules are adapted, by another kind of adapter
-            raise LoraError(f"the file holds {unknown[0]}, which adapters of this lora.type / lora.rank do not have; "
-                            "set lora.type (lora, dora, lokr) and lora.rank to the file's")
-        raise LoraError(f"the LoRA has tensors for {len(mods)} module(s) the model has no adapter on "
-                        f"(e.g. {mods[0]}); add them to lora.targets or use a LoRA made for these targets")
+            raise LoraError(
+                f"the file holds {unknown[0]}, which adapters of this lora.type / lora.rank do not have; "
+                "set lora.type (lora, dora, lokr) and lora.rank to the file's"
+            )
+        raise LoraError(
+            f"the LoRA has tensors for {len(mods)} module(s) the model has no adapter on "
+            f"(e.g. {mods[0]}); add them to lora.targets or use a LoRA made for these targets"
+        )
     missing = sorted(set(params) - set(sd))
     if missing:
         mods = modules(missing)
         if set(mods) <= set(modules(sd)):
-            raise LoraError(f"the file has no {missing[0]}, which adapters of this lora.type / lora.rank have; set "
-                            "lora.type (lora, dora, lokr) and lora.rank to the file's")
-        raise LoraError(f"the LoRA has no tensors for {len(mods)} adapted module(s) (e.g. {mods[0]}); set "
-                        "lora.targets to the targets the file was made for")
+            raise LoraError(
+                f"the file has no {missing[0]}, which adapters of this lora.type / lora.rank have; set "
+                "lora.type (lora, dora, lokr) and lora.rank to the file's"
+            )
+        raise LoraError(
+            f"the LoRA has no tensors for {len(mods)} adapted module(s) (e.g. {mods[0]}); set "
+            "lora.targets to the targets the file was made for"
+        )
     for k, p in params.items():  # model order: the first mismatch named is the first layer's
         t = sd[k]
         shape = tuple(getattr(p, "ds_shape", p.shape))
         if tuple(t.shape) != shape:
-            raise LoraError(f"LoRA tensor {k} has shape {tuple(t.shape)} in the file but {shape} in the model; the "
-                            "file was made for another model shape or rank: set lora.rank to the file's or use a LoRA "
-                            "made for this model")
+            raise LoraError(
+                f"LoRA tensor {k} has shape {tuple(t.shape)} in the file but {shape} in the model; the "
+                "file was made for another model shape or rank: set lora.rank to the file's or use a LoRA "
+                "made for this model"
+            )
     with torch.no_grad():
         for k, t in sd.items():
             params[k].copy_(t)
@@ -203,5 +235,8 @@ def load_lora_state_dict(model: nn.Module, sd: dict[str, Tensor]) -> None:
 
 def base_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """The base model's state dict in our (BFL) names, adapters left out: what weights.save_weights takes."""
-    return {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items()
-            if not canonical_adapter_name(k, ADAPTER)}
+    return {
+        k.replace(".base_layer.", "."): v
+        for k, v in model.state_dict().items()
+        if not canonical_adapter_name(k, ADAPTER)
+    }

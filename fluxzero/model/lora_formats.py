@@ -26,6 +26,7 @@ fused linear have different A matrices (trained with diffusers' separate project
 rank sum(r_i) on the fused linear: A = [A_q; A_k; A_v], B block-diagonal (exact; missing parts get zero
 rows). Such a file merges exactly but loads into adapters only of that rank.
 """
+
 from __future__ import annotations
 
 import json
@@ -127,16 +128,22 @@ def _modules(sd: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
         if A is None or B is None:
             raise LoraError(f"module {module} has only one of lora_A / lora_B; a LoRA needs both")
         if A.ndim != 2 or B.ndim != 2 or A.shape[0] != B.shape[1]:
-            raise LoraError(f"module {module}: lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} do not form a "
-                            "LoRA (A is rank x in, B is out x rank)")
+            raise LoraError(
+                f"module {module}: lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} do not form a "
+                "LoRA (A is rank x in, B is out x rank)"
+            )
         out[module] = (A, B)
     return out
 
 
 def _metadata(cfg: LoraConfig, layout: str, base_model: str | None) -> dict[str, str]:
     return {
-        "format": "pt", "fluxzero.format": layout, "fluxzero.rank": str(cfg.rank), "fluxzero.alpha": repr(cfg.alpha),
-        "fluxzero.targets": json.dumps(cfg.targets), "fluxzero.base_model": base_model or "",
+        "format": "pt",
+        "fluxzero.format": layout,
+        "fluxzero.rank": str(cfg.rank),
+        "fluxzero.alpha": repr(cfg.alpha),
+        "fluxzero.targets": json.dumps(cfg.targets),
+        "fluxzero.base_model": base_model or "",
     }
 
 
@@ -179,8 +186,12 @@ def to_kohya(sd: dict[str, Tensor], cfg: LoraConfig) -> dict[str, Tensor]:
 
 
 def save_lora(
-    path: str | os.PathLike, sd: dict[str, Tensor], cfg: LoraConfig, layout: str = "diffusers",
-    base_model: str | None = None, dtype: torch.dtype | None = None,
+    path: str | os.PathLike,
+    sd: dict[str, Tensor],
+    cfg: LoraConfig,
+    layout: str = "diffusers",
+    base_model: str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Write a canonical LoRA state dict (lora_state_dict(model)) as a .safetensors file in `layout`.
 
@@ -197,8 +208,14 @@ def save_lora(
         meta[DIFFUSERS_METADATA_KEY] = json.dumps(adapter_meta, sort_keys=True)
     else:
         tensors = to_kohya(sd, cfg)
-        meta.update({"ss_network_module": "networks.lora_flux", "ss_network_dim": str(cfg.rank),
-                     "ss_network_alpha": repr(cfg.alpha), "ss_base_model_version": "flux1"})
+        meta.update(
+            {
+                "ss_network_module": "networks.lora_flux",
+                "ss_network_dim": str(cfg.rank),
+                "ss_network_alpha": repr(cfg.alpha),
+                "ss_base_model_version": "flux1",
+            }
+        )
     if dtype is not None:
         tensors = {k: v if k.endswith(".alpha") else v.to(dtype) for k, v in tensors.items()}
     path = Path(path)
@@ -220,7 +237,7 @@ def _open(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         raise LoraError(f"{path}: only .safetensors LoRA files are read (pickled files are refused)")
     try:
         with safe_open(str(path), framework="pt") as f:
-            raw, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+            raw, meta = {k: f.get_tensor(k) for k in f}, f.metadata() or {}
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a corrupt header
         raise LoraError(f"{path}: not a readable safetensors file ({e}); write or download it again") from None
     for key, t in raw.items():
@@ -249,8 +266,10 @@ def _value_problem(key: str, t: Tensor) -> str | None:
     if not key.endswith(_LORA_TENSOR):
         return None
     if not t.is_floating_point():
-        return (f"{key} holds {str(t.dtype).replace('torch.', '')} values, but LoRA tensors are floating point "
-                "(fp32, bf16 or fp16)")
+        return (
+            f"{key} holds {str(t.dtype).replace('torch.', '')} values, but LoRA tensors are floating point "
+            "(fp32, bf16 or fp16)"
+        )
     if not bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all()):  # fp8: isfinite needs a cast
         return f"{key} holds NaN or infinite values"
     return None
@@ -267,8 +286,9 @@ def kohya_module(base: str) -> str | None:
     lookup = {kind: {n.replace(".", "_"): n for n in names[kind]} for kind in names}
     flat = base.removeprefix(KOHYA_PREFIX)
     m = _KBLOCK.match(flat)
-    kind, index, inner = (("double" if m.group(1) == "double_blocks" else "single"), m.group(2), m.group(3)) \
-        if m else ("top", "", flat)
+    kind, index, inner = (
+        (("double" if m.group(1) == "double_blocks" else "single"), m.group(2), m.group(3)) if m else ("top", "", flat)
+    )
     if not base.startswith(KOHYA_PREFIX) or inner not in lookup[kind]:
         return None
     return f"{m.group(1)}.{index}.{lookup[kind][inner]}" if m else lookup[kind][inner]
@@ -278,8 +298,11 @@ def diffusers_module(name: str) -> tuple[str, int, int] | None:
     """(our module, part index, part count) of a diffusers FluxTransformer2DModel linear, by its dotted name
     (`transformer_blocks.0.attn.to_k` -> (`double_blocks.0.img_attn.qkv`, 1, 3)); None for another name."""
     m = _DBLOCK.match(name)
-    kind, index, inner = (("double" if m.group(1) == "transformer_blocks" else "single"), m.group(2), m.group(3)) \
-        if m else ("top", "", name)
+    kind, index, inner = (
+        (("double" if m.group(1) == "transformer_blocks" else "single"), m.group(2), m.group(3))
+        if m
+        else ("top", "", name)
+    )
     hit = _from_diffusers_table().get((kind, inner))
     if hit is None:
         return None
@@ -299,8 +322,10 @@ def _from_kohya(raw: dict[str, Tensor]) -> tuple[dict[str, tuple[Tensor, Tensor,
             continue
         module = kohya_module(base)
         if module is None:
-            raise LoraError(f"kohya key {base} names no FLUX.1 transformer linear (expected e.g. "
-                            "lora_unet_double_blocks_0_img_attn_qkv); this is not a FLUX.1 LoRA")
+            raise LoraError(
+                f"kohya key {base} names no FLUX.1 transformer linear (expected e.g. "
+                "lora_unet_double_blocks_0_img_attn_qkv); this is not a FLUX.1 LoRA"
+            )
         up = raw.get(f"{base}.lora_up.weight")
         if up is None:
             raise LoraError(f"kohya LoRA {base} has lora_down but no lora_up; the file is incomplete")
@@ -328,7 +353,7 @@ def _fuse(module: str, parts: dict[int, tuple[Tensor, Tensor]], n: int) -> tuple
     for i in sorted(parts):
         a, b = parts[i]
         start = sum(rows[:i])
-        B[start:start + rows[i], col:col + a.shape[0]] = b
+        B[start : start + rows[i], col : col + a.shape[0]] = b
         col += a.shape[0]
     return A, B
 
@@ -344,8 +369,10 @@ def _from_diffusers(raw: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor, f
             continue  # another pipeline component's LoRA
         hit = diffusers_module(base.removeprefix(DIFFUSERS_PREFIX))
         if hit is None:
-            raise LoraError(f"diffusers LoRA key {base} names no FluxTransformer2DModel linear (expected e.g. "
-                            "transformer.transformer_blocks.0.attn.to_q); this is not a FLUX.1 transformer LoRA")
+            raise LoraError(
+                f"diffusers LoRA key {base} names no FluxTransformer2DModel linear (expected e.g. "
+                "transformer.transformer_blocks.0.attn.to_q); this is not a FLUX.1 transformer LoRA"
+            )
         module, part, n = hit
         B = raw.get(f"{base}.lora_B.weight")
         if B is None:
@@ -363,8 +390,10 @@ def _from_diffusers(raw: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor, f
             continue
         alphas = {a for _, _, a in parts.values()}
         if len(alphas) > 1:
-            raise LoraError(f"diffusers LoRA parts of {module} have different alphas {sorted(map(str, alphas))}; "
-                            "this reader needs one alpha per fused linear")
+            raise LoraError(
+                f"diffusers LoRA parts of {module} have different alphas {sorted(map(str, alphas))}; "
+                "this reader needs one alpha per fused linear"
+            )
         A, B = _fuse(module, {i: (a, b) for i, (a, b, _) in parts.items()}, n)
         out[module] = (A, B, alphas.pop())
     return out
@@ -378,8 +407,10 @@ def _header_number(path: Path, name: str, text, whole: bool) -> float:
         value = math.nan
     if not math.isfinite(value) or value <= 0 or (whole and value != int(value)):
         kind = "a whole number of at least 1" if whole else "a finite number above 0"
-        raise LoraError(f"{path}: header entry {name} is {text!r}, not {kind}; this LoRA file is damaged, write "
-                        "or download it again")
+        raise LoraError(
+            f"{path}: header entry {name} is {text!r}, not {kind}; this LoRA file is damaged, write "
+            "or download it again"
+        )
     return int(value) if whole else value
 
 
@@ -393,8 +424,10 @@ def _adapter_metadata(path: Path, meta: dict[str, str]) -> dict | None:
     except ValueError:
         am = None
     if not isinstance(am, dict):
-        raise LoraError(f"{path}: header entry {DIFFUSERS_METADATA_KEY} is not a JSON mapping of PEFT settings; "
-                        "this LoRA file is damaged, write or download it again")
+        raise LoraError(
+            f"{path}: header entry {DIFFUSERS_METADATA_KEY} is not a JSON mapping of PEFT settings; "
+            "this LoRA file is damaged, write or download it again"
+        )
     return am
 
 
@@ -447,8 +480,10 @@ def _targets(path: Path, meta: dict[str, str]):
     except ValueError:
         targets = None
     if not (isinstance(targets, str) or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
-        raise LoraError(f"{path}: header entry fluxzero.targets is {text[:80]!r}, not JSON naming a target preset "
-                        "or a list of module patterns; this LoRA file is damaged, write or download it again")
+        raise LoraError(
+            f"{path}: header entry fluxzero.targets is {text[:80]!r}, not JSON naming a target preset "
+            "or a list of module patterns; this LoRA file is damaged, write or download it again"
+        )
     return targets
 
 
@@ -464,8 +499,10 @@ def read_lora(path: str | os.PathLike, scale: float | None = None) -> tuple[dict
     other = next((k for k in keys if ".lokr_" in k or k.endswith((".dora_scale", ".lora_magnitude_vector"))), None)
     if other:  # read as a LoRA, a DoRA would lose its magnitude (diffusers' reader drops it) and a LoKr everything
         kind = "LoKr" if ".lokr_" in other else "DoRA"
-        raise LoraError(f"{path} is a {kind} ({other}), not a plain LoRA; `fluxzero convert {path} OUT --to kohya "
-                        f"--as-lora-rank R` writes it as one")
+        raise LoraError(
+            f"{path} is a {kind} ({other}), not a plain LoRA; `fluxzero convert {path} OUT --to kohya "
+            f"--as-lora-rank R` writes it as one"
+        )
     if any(k.endswith(".lora_down.weight") for k in keys):
         layout = "kohya"
         found, _ = _from_kohya(raw)
@@ -479,8 +516,10 @@ def read_lora(path: str | os.PathLike, scale: float | None = None) -> tuple[dict
             found = _from_diffusers(raw)
     else:
         if any(k.endswith((".weight", ".scale")) for k in keys):
-            raise LoraError(f"{path} is a full model weights file, not a LoRA; give it to the run file's `weights:` "
-                            "and keep lora.weights for LoRA files")
+            raise LoraError(
+                f"{path} is a full model weights file, not a LoRA; give it to the run file's `weights:` "
+                "and keep lora.weights for LoRA files"
+            )
         raise LoraError(f"{path} holds no LoRA tensors (no lora_A / lora_B or lora_down / lora_up keys)")
     if not found:
         raise LoraError(f"{path} holds no FLUX.1 transformer LoRA (only text-encoder LoRAs); pass a transformer LoRA")
@@ -493,8 +532,14 @@ def read_lora(path: str | os.PathLike, scale: float | None = None) -> tuple[dict
         file_scale = tensor_scale if a is None else a / A.shape[0]
         sd[f"{module}.lora_A.weight"] = A
         sd[f"{module}.lora_B.weight"] = _scale_b(B, file_scale / target_scale)
-    info = LoraFileInfo(layout=meta.get("fluxzero.format", layout), rank=rank, alpha=alpha, modules=tuple(found),
-                        targets=targets, base_model=meta.get("fluxzero.base_model") or None)
+    info = LoraFileInfo(
+        layout=meta.get("fluxzero.format", layout),
+        rank=rank,
+        alpha=alpha,
+        modules=tuple(found),
+        targets=targets,
+        base_model=meta.get("fluxzero.base_model") or None,
+    )
     return sd, info
 
 
@@ -511,12 +556,16 @@ def merge_lora(base_state_dict: dict[str, Tensor], lora_sd: dict[str, Tensor], c
     for module, (A, B) in _modules(lora_sd).items():
         key = f"{module}.weight"
         if key not in out:
-            raise LoraError(f"the LoRA adapts {module} but the base weights have no {key}; use base weights of the "
-                            "model the LoRA was made for")
+            raise LoraError(
+                f"the LoRA adapts {module} but the base weights have no {key}; use base weights of the "
+                "model the LoRA was made for"
+            )
         Wt = out[key]
         if (B.shape[0], A.shape[1]) != tuple(Wt.shape):
-            raise LoraError(f"LoRA for {module} makes a ({B.shape[0]}, {A.shape[1]}) update but {key} is "
-                            f"{tuple(Wt.shape)}; the LoRA was made for another model shape")
+            raise LoraError(
+                f"LoRA for {module} makes a ({B.shape[0]}, {A.shape[1]}) update but {key} is "
+                f"{tuple(Wt.shape)}; the LoRA was made for another model shape"
+            )
         delta = cfg.scale * (B.to(Wt.device, torch.float32) @ A.to(Wt.device, torch.float32))
         out[key] = (Wt.float() + delta).to(Wt.dtype)
     return out

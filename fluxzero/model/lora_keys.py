@@ -1,5 +1,6 @@
 """The LoRA vocabulary the adapters (lora.py), the LoRA files (lora_formats.py) and the weights loader share: the
 error, the canonical key pattern, which names are linears, and whether a file holds LoRA tensors."""
+
 from __future__ import annotations
 
 import os
@@ -10,8 +11,17 @@ from torch import nn
 _LORA_KEY = re.compile(r"^(.+)\.(lora_A|lora_B)\.weight$")
 # Every adapter tensor under PEFT's saved names (its state dict without the adapter name): a LoRA's A and B, a
 # DoRA's magnitude, a LoKr's factors. Group 1 is the module, group 2 the tensor's role.
-ADAPTER_TENSORS = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector", "lokr_w1", "lokr_w1_a", "lokr_w1_b",
-                   "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+ADAPTER_TENSORS = (
+    "lora_A.weight",
+    "lora_B.weight",
+    "lora_magnitude_vector",
+    "lokr_w1",
+    "lokr_w1_a",
+    "lokr_w1_b",
+    "lokr_w2",
+    "lokr_w2_a",
+    "lokr_w2_b",
+)
 _ADAPTER_KEY = re.compile(r"^(.+)\.(" + "|".join(re.escape(t) for t in ADAPTER_TENSORS) + r")$")
 
 

@@ -2,6 +2,7 @@
 
 Shapes: B batch, H heads, L tokens, D head dim.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,11 @@ ATTENTION_BACKENDS: dict[str, list[SDPBackend]] = {
 }
 _FLAGS = (  # (backend, global getter, global setter) for the backends a name can allow
     (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.enable_flash_sdp),
-    (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled,
-     torch.backends.cuda.enable_mem_efficient_sdp),
+    (
+        SDPBackend.EFFICIENT_ATTENTION,
+        torch.backends.cuda.mem_efficient_sdp_enabled,
+        torch.backends.cuda.enable_mem_efficient_sdp,
+    ),
     (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled, torch.backends.cuda.enable_math_sdp),
     (SDPBackend.CUDNN_ATTENTION, torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.enable_cudnn_sdp),
 )

@@ -3,6 +3,7 @@
 One definition shared by training (fluxzero.train.flow.prepare_batch) and inference (fluxzero.sampling.sampler);
 tests check it against diffusers' FluxPipeline bit for bit.
 """
+
 from __future__ import annotations
 
 import torch

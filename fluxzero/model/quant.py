@@ -14,6 +14,7 @@ while buffers it neither broadcasts, partitions, hands to the optimizer nor save
 weights, so the ranks agree without a broadcast). Exports never see them: a LoRA file holds the adapters only
 and a merged export merges them into the base weights file, never into these quantized copies.
 """
+
 from __future__ import annotations
 
 from torch import nn

@@ -5,6 +5,7 @@ Reading goes tensor by tensor through `safe_open` (memory-mapped): `iter_weights
 one BFL tensor and its parts, so ZeRO-3 loaders can place each tensor as it arrives, and nothing is
 ever unpickled. Writing goes tensor by tensor too (`save_weights`): each is converted, written, dropped.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,9 +14,10 @@ import math
 import os
 import re
 import struct
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -25,9 +27,23 @@ from ..config.models import KONTEXT_MODEL_INDEX, is_kontext_pipeline
 from ..config.user_files import parse_json
 from ..fsutil import atomic_file, atomic_folder
 from .layouts import (
-    _SHOW, COMFY_PREFIX, DIFFUSERS_INDEX, DIFFUSERS_WEIGHTS, LAYOUTS, MODEL_METADATA, WeightsError, _combine,
-    _diffusers_parts, _expected_shapes, _part, _plan_from_diffusers, _raise_if, _wrong_shapes, infer_config,
+    _SHOW,
+    COMFY_PREFIX,
+    DIFFUSERS_INDEX,
+    DIFFUSERS_WEIGHTS,
+    LAYOUTS,
+    MODEL_METADATA,
+    WeightsError,
+    _combine,
+    _diffusers_parts,
+    _expected_shapes,
+    _part,
+    _plan_from_diffusers,
+    _raise_if,
+    _wrong_shapes,
+    infer_config,
 )
+
 
 # ------------------------------------------------------------------------------------------------------
 # Files
@@ -38,8 +54,9 @@ def _safe_open(path, device="cpu"):
     try:
         return safe_open(str(path), framework="pt", device=str(device))
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a corrupt header
-        raise WeightsError(f"{path}: not a readable safetensors file ({e}); it is truncated or corrupt: "
-                           "download or write it again") from None
+        raise WeightsError(
+            f"{path}: not a readable safetensors file ({e}); it is truncated or corrupt: download or write it again"
+        ) from None
 
 
 def _diffusers_dir(path: Path) -> Path | None:
@@ -51,10 +68,14 @@ def _diffusers_dir(path: Path) -> Path | None:
 
 def _no_weights_folder(path: Path) -> WeightsError:
     found = sorted(p.relative_to(path) for p in [*path.glob("*.safetensors"), *path.glob("transformer/*.safetensors")])
-    hint = (f"; it holds {', '.join(map(str, found[:_SHOW]))}: pass a file of those instead" if found
-            else "; pass a diffusers model folder or a .safetensors file")
-    return WeightsError(f"{path}: folder holds no {DIFFUSERS_INDEX} or {DIFFUSERS_WEIGHTS} (nor a transformer/ "
-                        f"folder with one){hint}")
+    hint = (
+        f"; it holds {', '.join(map(str, found[:_SHOW]))}: pass a file of those instead"
+        if found
+        else "; pass a diffusers model folder or a .safetensors file"
+    )
+    return WeightsError(
+        f"{path}: folder holds no {DIFFUSERS_INDEX} or {DIFFUSERS_WEIGHTS} (nor a transformer/ folder with one){hint}"
+    )
 
 
 def _index_files(index: Path) -> dict[str, Path]:
@@ -66,8 +87,9 @@ def _index_files(index: Path) -> dict[str, Path]:
         raise WeightsError(f"{index}: not a valid index file ({e}); {fix}") from None
     weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
     if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
-        raise WeightsError(f'{index}: not a valid index file (it needs "weight_map": {{tensor name: shard file '
-                           f"name}}); {fix}")
+        raise WeightsError(
+            f'{index}: not a valid index file (it needs "weight_map": {{tensor name: shard file name}}); {fix}'
+        )
     files = {k: index.parent / f for k, f in weight_map.items()}
     absent = sorted({str(f) for f in files.values() if not f.is_file()})
     if absent:
@@ -79,8 +101,9 @@ def _index_files(index: Path) -> dict[str, Path]:
     wrong = sorted(f"{k} -> {f.name}" for k, f in files.items() if k not in held[f])
     if wrong:
         more = f" (+{len(wrong) - _SHOW} more)" if len(wrong) > _SHOW else ""
-        raise WeightsError(f"{index}: weight_map names shards that do not hold these tensors: "
-                           f"{', '.join(wrong[:_SHOW])}{more}; {fix}")
+        raise WeightsError(
+            f"{index}: weight_map names shards that do not hold these tensors: {', '.join(wrong[:_SHOW])}{more}; {fix}"
+        )
     return files
 
 
@@ -97,15 +120,17 @@ def _raw_files(path: str | os.PathLike) -> tuple[str, dict[str, Path]]:
             files = _index_files(d / DIFFUSERS_INDEX)
         else:
             with _safe_open(d / DIFFUSERS_WEIGHTS) as f:
-                files = {k: d / DIFFUSERS_WEIGHTS for k in f.keys()}
+                files = {k: d / DIFFUSERS_WEIGHTS for k in f}
         return "diffusers", files
     if path.suffix != ".safetensors":
         raise WeightsError(f"{path}: only .safetensors weights are read (pickled .pt/.ckpt/.bin files are refused)")
     from .lora_keys import is_lora_file
 
     if is_lora_file(path):
-        raise WeightsError(f"{path} is a LoRA file (adapters only), not full model weights; give the base model's "
-                           "weights here and the LoRA to lora.weights in the run file (or `fluxzero sample --lora`)")
+        raise WeightsError(
+            f"{path} is a LoRA file (adapters only), not full model weights; give the base model's "
+            "weights here and the LoRA to lora.weights in the run file (or `fluxzero sample --lora`)"
+        )
     with _safe_open(path) as f:
         keys = list(f.keys())
     files = {k: path for k in keys}
@@ -136,7 +161,7 @@ class _Source:
             self.ignored = []
         else:
             prefix = COMFY_PREFIX if self.layout == "comfyui" else ""
-            self.plan = {k[len(prefix):]: ([k], "copy") for k in self.files if k.startswith(prefix)}
+            self.plan = {k[len(prefix) :]: ([k], "copy") for k in self.files if k.startswith(prefix)}
             # A ComfyUI all-in-one checkpoint also holds the VAE and text encoders under other prefixes:
             # those are not ours to check. Everything in a BFL file must be the transformer's.
             self.unexpected = [] if prefix else sorted(k for k in self.files if not k.startswith(prefix))
@@ -168,13 +193,15 @@ class _Source:
 
     def not_floating(self) -> list[str]:
         """Raw tensors feeding the plan whose dtype is not floating point (F32, BF16, F8_E4M3, ...), with it."""
-        dtypes = {p: self._handle(self.files[p]).get_slice(p).get_dtype() for parts, _ in self.plan.values()
-                  for p in parts}
+        dtypes = {
+            p: self._handle(self.files[p]).get_slice(p).get_dtype() for parts, _ in self.plan.values() for p in parts
+        }
         return sorted(f"{p} ({d})" for p, d in dtypes.items() if not d.startswith(("F", "BF")))
 
     def read(self, key: str, device="cpu") -> Tensor:
         parts, how = self.plan[key]
         return _combine([self._handle(self.files[p], device).get_tensor(p) for p in parts], how)
+
 
 def diffusers_axes(path) -> tuple[int, ...] | None:
     """RoPE axes declared by a diffusers folder's config.json, if any."""
@@ -186,8 +213,10 @@ def diffusers_axes(path) -> tuple[int, ...] | None:
     if axes is None:
         return None
     if not (isinstance(axes, list) and axes and all(isinstance(a, int) and a > 0 for a in axes)):
-        raise WeightsError(f"{d / 'config.json'}: axes_dims_rope must be a list of positive integers such as "
-                           f"[16, 56, 56], got {axes!r}; fix it or delete the key")
+        raise WeightsError(
+            f"{d / 'config.json'}: axes_dims_rope must be a list of positive integers such as "
+            f"[16, 56, 56], got {axes!r}; fix it or delete the key"
+        )
     return tuple(axes)
 
 
@@ -210,8 +239,10 @@ def declared(path) -> dict:
     try:
         cfg = ModelConfig.from_dict(parse_json(text))
     except ValueError as e:  # also invalid JSON
-        raise WeightsError(f"{path}: the model recorded in its metadata ({MODEL_METADATA}) is unreadable "
-                           f"({str(e).splitlines()[0][:200]}); pass --model naming the shape the weights have") from None
+        raise WeightsError(
+            f"{path}: the model recorded in its metadata ({MODEL_METADATA}) is unreadable "
+            f"({str(e).splitlines()[0][:200]}); pass --model naming the shape the weights have"
+        ) from None
     return {"name": cfg.name, "axes_dim": cfg.axes_dim, "theta": cfg.theta, "kontext": cfg.kontext}
 
 
@@ -222,6 +253,7 @@ def source_config(path) -> ModelConfig:
         shapes = {k: src.shape(k) for k in src.plan}
     return _infer_from(path, shapes)
 
+
 def _infer_from(path, shapes) -> ModelConfig:
     try:
         return infer_config(shapes, **declared(path))
@@ -230,8 +262,11 @@ def _infer_from(path, shapes) -> ModelConfig:
 
 
 def iter_weights(
-    path: str | os.PathLike, cfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
-    keys=None, device: str | torch.device = "cpu",
+    path: str | os.PathLike,
+    cfg: ModelConfig | None = None,
+    dtype: torch.dtype | None = None,
+    keys=None,
+    device: str | torch.device = "cpu",
 ) -> Iterator[tuple[str, Tensor]]:
     """Yield (BFL name, tensor) one tensor at a time, in the model's parameter order.
 
@@ -263,8 +298,11 @@ def ignored_tensors(path: str | os.PathLike) -> list[str]:
 
 
 def load_weights(
-    path: str | os.PathLike, cfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
-    keys=None, device: str | torch.device = "cpu",
+    path: str | os.PathLike,
+    cfg: ModelConfig | None = None,
+    dtype: torch.dtype | None = None,
+    keys=None,
+    device: str | torch.device = "cpu",
 ) -> dict[str, Tensor]:
     """BFL-named state dict from any layout (auto-detected); see `iter_weights` for the checks."""
     return dict(iter_weights(path, cfg=cfg, dtype=dtype, keys=keys, device=device))
@@ -284,21 +322,34 @@ def load_model(path, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.
 
 def _diffusers_config(cfg: ModelConfig, path: Path) -> dict:
     if cfg.mlp_ratio != 4.0 or not cfg.qkv_bias:
-        raise WeightsError(f"{path} not written: diffusers' FluxTransformer2DModel needs mlp_ratio 4 and qkv_bias, "
-                           f"model {cfg.name!r} has {cfg.mlp_ratio} and {cfg.qkv_bias}; write the bfl or comfyui "
-                           "layout instead")
+        raise WeightsError(
+            f"{path} not written: diffusers' FluxTransformer2DModel needs mlp_ratio 4 and qkv_bias, "
+            f"model {cfg.name!r} has {cfg.mlp_ratio} and {cfg.qkv_bias}; write the bfl or comfyui "
+            "layout instead"
+        )
     return {
-        "_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels": cfg.in_channels,
-        "out_channels": cfg.out_channels, "num_layers": cfg.depth, "num_single_layers": cfg.depth_single_blocks,
-        "attention_head_dim": cfg.head_dim, "num_attention_heads": cfg.num_heads,
-        "joint_attention_dim": cfg.context_in_dim, "pooled_projection_dim": cfg.vec_in_dim,
-        "guidance_embeds": cfg.guidance_embed, "axes_dims_rope": list(cfg.axes_dim),
+        "_class_name": "FluxTransformer2DModel",
+        "patch_size": 1,
+        "in_channels": cfg.in_channels,
+        "out_channels": cfg.out_channels,
+        "num_layers": cfg.depth,
+        "num_single_layers": cfg.depth_single_blocks,
+        "attention_head_dim": cfg.head_dim,
+        "num_attention_heads": cfg.num_heads,
+        "joint_attention_dim": cfg.context_in_dim,
+        "pooled_projection_dim": cfg.vec_in_dim,
+        "guidance_embeds": cfg.guidance_embed,
+        "axes_dims_rope": list(cfg.axes_dim),
     }
 
 
 def save_weights(
-    state_dict: dict[str, Tensor], path: str | os.PathLike, layout: str = "bfl", dtype: torch.dtype | None = None,
-    cfg: ModelConfig | None = None, max_shard_bytes: int = 10 * 2**30,
+    state_dict: dict[str, Tensor],
+    path: str | os.PathLike,
+    layout: str = "bfl",
+    dtype: torch.dtype | None = None,
+    cfg: ModelConfig | None = None,
+    max_shard_bytes: int = 10 * 2**30,
 ) -> None:
     """Write a BFL-named state dict as a BFL or ComfyUI .safetensors file, or a diffusers transformer folder.
 
@@ -324,14 +375,22 @@ def save_weights(
         _write_safetensors(path, [_Out.of(prefix + k, v, "copy", None, dtype) for k, v in state_dict.items()], meta)
         return
     config = _diffusers_config(cfg, path)  # before anything is written: a model diffusers cannot hold is refused
-    shards = _shards([_Out.of(name, state_dict[key], how, rows, dtype) for key in state_dict
-                      for name, how, rows in _diffusers_parts(key, state_dict[key].shape[0], cfg.hidden_size)],
-                     max_shard_bytes)
+    shards = _shards(
+        [
+            _Out.of(name, state_dict[key], how, rows, dtype)
+            for key in state_dict
+            for name, how, rows in _diffusers_parts(key, state_dict[key].shape[0], cfg.hidden_size)
+        ],
+        max_shard_bytes,
+    )
     _check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     n = len(shards)
-    files = [DIFFUSERS_WEIGHTS] if n == 1 else [f"diffusion_pytorch_model-{i:05d}-of-{n:05d}.safetensors"
-                                                for i in range(1, n + 1)]
+    files = (
+        [DIFFUSERS_WEIGHTS]
+        if n == 1
+        else [f"diffusion_pytorch_model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    )
     # written beside `path` and swapped in whole: a failure or a kill midway leaves an existing folder as it was
     with atomic_folder(path) as tmp:
         tmp = Path(tmp)
@@ -344,8 +403,10 @@ def save_weights(
             _write_safetensors(tmp / file, shard, meta)
         if n > 1:
             weight_map = {out.name: file for file, shard in zip(files, shards) for out in shard}
-            index = {"metadata": {"total_size": sum(out.nbytes for shard in shards for out in shard)},
-                     "weight_map": dict(sorted(weight_map.items()))}
+            index = {
+                "metadata": {"total_size": sum(out.nbytes for shard in shards for out in shard)},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
             (tmp / DIFFUSERS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
@@ -356,22 +417,29 @@ def _check_replaceable(path: Path) -> None:
     if not path.exists():
         return
     if not path.is_dir():
-        raise WeightsError(f"{path} not written: it is a file, and a diffusers export is a folder; choose another "
-                           f"path")
+        raise WeightsError(f"{path} not written: it is a file, and a diffusers export is a folder; choose another path")
     kontext = (path / "transformer").is_dir()
     other = _not_transformer_files(path, "model_index.json", *(["transformer"] if kontext else []))
     if kontext:
         other += [f"transformer/{n}" for n in _not_transformer_files(path / "transformer")]
     if other:
         more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
-        raise WeightsError(f"{path} not written: it holds {other[0]}{more}, which is not part of a diffusers "
-                           f"transformer folder, and the whole folder would be replaced; choose a new or empty folder")
+        raise WeightsError(
+            f"{path} not written: it holds {other[0]}{more}, which is not part of a diffusers "
+            f"transformer folder, and the whole folder would be replaced; choose a new or empty folder"
+        )
 
 
 def _not_transformer_files(folder: Path, *also: str) -> list[str]:
     """The names in `folder` that a diffusers transformer folder (or a killed write of one) does not hold."""
-    return sorted(n for n in os.listdir(folder) if not (n in ("config.json", DIFFUSERS_INDEX, *also)
-                  or re.fullmatch(r"diffusion_pytorch_model.*\.safetensors|\..+\.tmp-\d+", n)))
+    return sorted(
+        n
+        for n in os.listdir(folder)
+        if not (
+            n in ("config.json", DIFFUSERS_INDEX, *also)
+            or re.fullmatch(r"diffusion_pytorch_model.*\.safetensors|\..+\.tmp-\d+", n)
+        )
+    )
 
 
 class _Out(NamedTuple):
@@ -409,10 +477,23 @@ def _shards(outs: list[_Out], max_shard_bytes: int) -> list[list[_Out]]:
 # first (widest first, so every tensor is aligned to its element size), then by name. Following it makes our
 # files byte-identical to safetensors.torch.save_file's.
 _ST_DTYPES = {
-    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-    torch.int16: "I16", torch.uint16: "U16", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
-    torch.uint32: "U32", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64", torch.uint64: "U64",
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.int16: "I16",
+    torch.uint16: "U16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.uint32: "U32",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.uint64: "U64",
 }
 _ST_RANK = {d: i for i, d in enumerate(_ST_DTYPES)}
 
@@ -429,13 +510,18 @@ def _write_safetensors(path: Path, outs: list[_Out], metadata: dict[str, str]) -
     """
     odd = sorted({str(o.dtype) for o in outs if o.dtype not in _ST_DTYPES})
     if odd:
-        raise WeightsError(f"{path} not written: tensors of dtype {', '.join(odd)} cannot be written; "
-                           "convert them to bf16, fp16 or fp32 first")
+        raise WeightsError(
+            f"{path} not written: tensors of dtype {', '.join(odd)} cannot be written; "
+            "convert them to bf16, fp16 or fp32 first"
+        )
     outs = sorted(outs, key=lambda o: (-_ST_RANK[o.dtype], o.name))
     tensors, offset = {}, 0
     for o in outs:
-        tensors[o.name] = {"dtype": _ST_DTYPES[o.dtype], "shape": list(o.shape),
-                           "data_offsets": [offset, offset + o.nbytes]}
+        tensors[o.name] = {
+            "dtype": _ST_DTYPES[o.dtype],
+            "shape": list(o.shape),
+            "data_offsets": [offset, offset + o.nbytes],
+        }
         offset += o.nbytes
     if len(tensors) != len(outs):
         raise ValueError(f"{path}: duplicate tensor names")
@@ -447,8 +533,10 @@ def _write_safetensors(path: Path, outs: list[_Out], metadata: dict[str, str]) -
         for o in outs:
             t = o.make()
             if (t.dtype, tuple(t.shape), t.device.type) != (o.dtype, o.shape, "cpu") or not t.is_contiguous():
-                raise RuntimeError(f"{o.name}: made {t.dtype} {tuple(t.shape)} on {t.device}, "
-                                   f"planned {o.dtype} {o.shape} contiguous on the CPU")
+                raise RuntimeError(
+                    f"{o.name}: made {t.dtype} {tuple(t.shape)} on {t.device}, "
+                    f"planned {o.dtype} {o.shape} contiguous on the CPU"
+                )
             f.write(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes: no copy
             del t  # before the next one is made
 
@@ -468,7 +556,11 @@ def _check_state(state_dict, cfg: ModelConfig | None, path: Path) -> ModelConfig
         raise WeightsError(f"{path} not written: {e}") from None
     expected = _expected_shapes(cfg)
     _raise_if(
-        sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected)), _wrong_shapes(shapes, expected),
-        "bfl", f"{path} not written", [f"{k} ({v.dtype})" for k, v in state_dict.items() if not v.is_floating_point()],
+        sorted(set(expected) - set(shapes)),
+        sorted(set(shapes) - set(expected)),
+        _wrong_shapes(shapes, expected),
+        "bfl",
+        f"{path} not written",
+        [f"{k} ({v.dtype})" for k, v in state_dict.items() if not v.is_floating_point()],
     )
     return cfg

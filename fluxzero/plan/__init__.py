@@ -21,23 +21,70 @@ verdict and the `--fit` search are `fit`. A step has two memory peaks and the la
 forward / start of backward (activations) and the optimizer step (fp32 gradient copies). Sizes are bytes;
 GiB = 2**30 bytes. This package re-exports what callers use: `from fluxzero import plan as memory; memory.X`.
 """
+
 from fluxzero.config.deepspeed.check import CHECKPOINT_POLICIES  # noqa: F401
 from fluxzero.config.deepspeed.view import checkpointed_blocks  # noqa: F401  (one definition; memory.checkpointed_blocks)
 from fluxzero.plan.activations import (  # noqa: F401
-    activation_bytes, activation_items, block_backward_workspace, checkpointed_split, double_block_kept,
-    double_block_saved, lora_block_saved, outside_blocks_saved, selective_split, single_block_kept, single_block_saved,
+    activation_bytes,
+    activation_items,
+    block_backward_workspace,
+    checkpointed_split,
+    double_block_kept,
+    double_block_saved,
+    lora_block_saved,
+    outside_blocks_saved,
+    selective_split,
+    single_block_kept,
+    single_block_saved,
 )
 from fluxzero.plan.breakdown import Estimate, estimate  # noqa: F401
 from fluxzero.plan.fit import (  # noqa: F401
-    BASE_QUANT_CHOICES, CHECKPOINT_CHOICES, COMMON_HOST_GIB_PER_GPU, FIT_MODES, GEN_CONFIG_PINS, GPU_MEMORY_GIB,
-    STAGE_OFFLOAD_GRID, FitRequest, FitResult, GenConfigFit, Hardware, _ckpt_text, _label, fit, fit_gen_config,
-    fit_grid, gen_config_zero, lora_grid, table, throughput_proxy, verdict,
+    BASE_QUANT_CHOICES,
+    CHECKPOINT_CHOICES,
+    COMMON_HOST_GIB_PER_GPU,
+    FIT_MODES,
+    GEN_CONFIG_PINS,
+    GPU_MEMORY_GIB,
+    STAGE_OFFLOAD_GRID,
+    FitRequest,
+    FitResult,
+    GenConfigFit,
+    Hardware,
+    _ckpt_text,
+    _label,
+    fit,
+    fit_gen_config,
+    fit_grid,
+    gen_config_zero,
+    lora_grid,
+    table,
+    throughput_proxy,
+    verdict,
 )
 from fluxzero.plan.model_states import (  # noqa: F401
-    MODE_STEP_TEMP, communication_items, model_state_items, stream_traffic,
+    MODE_STEP_TEMP,
+    communication_items,
+    model_state_items,
+    stream_traffic,
 )
 from fluxzero.plan.spec import (  # noqa: F401
-    ATTENTION_KERNELS, BASE_QUANT_BYTES, FRAGMENTATION, OPTIMIZER_STATE_BYTES, PHASES, PRECISION_BYTES, GiB, Item,
-    ParamInventory, RunSpec, ZeroSettings, base_bytes, image_tokens, lora_config, optim_mode, param_inventory,
-    run_options_from_ds_config, streamed_blocks, trained_params,
+    ATTENTION_KERNELS,
+    BASE_QUANT_BYTES,
+    FRAGMENTATION,
+    OPTIMIZER_STATE_BYTES,
+    PHASES,
+    PRECISION_BYTES,
+    GiB,
+    Item,
+    ParamInventory,
+    RunSpec,
+    ZeroSettings,
+    base_bytes,
+    image_tokens,
+    lora_config,
+    optim_mode,
+    param_inventory,
+    run_options_from_ds_config,
+    streamed_blocks,
+    trained_params,
 )

@@ -3,15 +3,15 @@ block inputs of checkpointed blocks, one block's recompute and backward working 
 
 Pure Python (no torch). Sizes are bytes per sample unless a function says otherwise.
 """
+
 from __future__ import annotations
 
 import fnmatch
 
 from fluxzero.config import architecture, optim_modes
 from fluxzero.config.architecture import linear_shapes
-from fluxzero.plan.spec import PRECISION_BYTES, Item, RunSpec, lora_config, param_inventory, trained_params
 from fluxzero.config.models import ModelConfig
-
+from fluxzero.plan.spec import PRECISION_BYTES, Item, RunSpec, lora_config, param_inventory, trained_params
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -33,8 +33,7 @@ def _rms_saved(L: int, cfg: ModelConfig, b: int, device: str) -> dict[str, int]:
     return {"rstd": rstd, "fp32 upcast": upcast, "fp32 normalised": L * cfg.hidden_size * 4}
 
 
-def _attention_saved(L: int, cfg: ModelConfig, b: int, attention: str, device: str,
-                     v_separate: bool) -> dict[str, int]:
+def _attention_saved(L: int, cfg: ModelConfig, b: int, attention: str, device: str, v_separate: bool) -> dict[str, int]:
     """SDPA's saved tensors (v only when it is its own storage, as the double block's concatenation).
 
     flash / efficient: rotated q and k (new tensors), v, the output and logsumexp -- fp32 (H, L), O(L).
@@ -54,8 +53,9 @@ def _ln_stats(L: int, b: int, device: str) -> int:
     return 2 * L * (4 if device == "cuda" else b)  # mean, rstd (fp32 on CUDA, input dtype on CPU)
 
 
-def double_block_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, *,
-                       device: str = "cuda", attention: str = "flash") -> dict[str, int]:
+def double_block_saved(
+    cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, *, device: str = "cuda", attention: str = "flash"
+) -> dict[str, int]:
     """Bytes autograd saves inside one DoubleStreamBlock for one sample, not counting its inputs."""
     C, M = cfg.hidden_size, cfg.mlp_hidden_dim
     L = img_tokens + txt_tokens
@@ -80,8 +80,9 @@ def double_block_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: in
     return out
 
 
-def single_block_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, *,
-                       device: str = "cuda", attention: str = "flash") -> dict[str, int]:
+def single_block_saved(
+    cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, *, device: str = "cuda", attention: str = "flash"
+) -> dict[str, int]:
     """Bytes autograd saves inside one SingleStreamBlock for one sample, not counting its input."""
     C, M = cfg.hidden_size, cfg.mlp_hidden_dim
     L = img_tokens + txt_tokens
@@ -116,8 +117,9 @@ def _attention_kept(L: int, cfg: ModelConfig, b: int, attention: str, device: st
     return {"attention scores (math bmm)": (H * L * L * mb, False), "attention output (math bmm)": (L * C * mb, False)}
 
 
-def double_block_kept(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, *, device: str = "cuda",
-                      attention: str = "flash") -> dict[str, tuple[int, bool]]:
+def double_block_kept(
+    cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, *, device: str = "cuda", attention: str = "flash"
+) -> dict[str, tuple[int, bool]]:
     """What the selective policy keeps inside one DoubleStreamBlock for one sample, beyond its inputs: the outputs
     of its linears (architecture.double_block: modulation, qkv, proj, mlp.0, mlp.2 per stream) and of attention."""
     out: dict[str, tuple[int, bool]] = {}
@@ -132,13 +134,17 @@ def double_block_kept(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int
     return out
 
 
-def single_block_kept(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, *, device: str = "cuda",
-                      attention: str = "flash") -> dict[str, tuple[int, bool]]:
+def single_block_kept(
+    cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, *, device: str = "cuda", attention: str = "flash"
+) -> dict[str, tuple[int, bool]]:
     """What the selective policy keeps inside one SingleStreamBlock for one sample, beyond its input: the outputs of
     linear1, linear2 and the modulation (architecture.single_block) and of attention; all saved without it too."""
     L = img_tokens + txt_tokens
-    out = {lay.name: ((L if lay.tokens == "all" else 1) * lay.n_out * b, True)
-           for lay in architecture.single_block(cfg) if lay.kind == "linear"}
+    out = {
+        lay.name: ((L if lay.tokens == "all" else 1) * lay.n_out * b, True)
+        for lay in architecture.single_block(cfg)
+        if lay.kind == "linear"
+    }
     out.update(_attention_kept(L, cfg, b, attention, device))
     return out
 
@@ -152,14 +158,15 @@ def lora_block_kept(s: RunSpec) -> tuple[tuple[int, int], tuple[int, int]]:
         return (0, 0), (0, 0)
     ab = adapter_bytes(s)
     kept, saved = [0, 0], [0, 0]
-    for single, name, tokens, n_out in _adapted_block_linears(s, lc):
+    for single, _name, tokens, n_out in _adapted_block_linears(s, lc):
         kept[single] += tokens * (lc.rank + n_out) * ab
         saved[single] += tokens * lc.rank * ab
     return (kept[0], kept[1]), (saved[0], saved[1])
 
 
-def block_backward_workspace(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2,
-                             attention: str = "flash") -> int:
+def block_backward_workspace(
+    cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, attention: str = "flash"
+) -> int:
     """Activation gradients alive at once inside one block's backward, beyond its saved tensors (one sample).
 
     Backward starts at the last single block, where the stored activations are largest; its peak is
@@ -194,8 +201,7 @@ def checkpointed_split(cfg: ModelConfig, every: int, streamed: int = 0) -> tuple
     over double then single blocks, block i checkpointed iff i % k == 0, and the last `streamed` blocks always."""
     n = cfg.depth + cfg.depth_single_blocks
     flags = [every > 0 and i % every == 0 or i >= n - streamed for i in range(n)]
-    return sum(flags[:cfg.depth]), sum(flags[cfg.depth:])
-
+    return sum(flags[: cfg.depth]), sum(flags[cfg.depth :])
 
 
 def activation_bytes(s: RunSpec) -> dict[str, int]:
@@ -227,10 +233,14 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     sel_d, sel_s, redo_d, redo_s = selective_split(s)
     selective = [s.checkpoint_policy == "selective" and c and not st for c, st in zip(ckpt, streamed)]
     sel = [(sel_d if j < cfg.depth else sel_s) if on else 0 for j, on in enumerate(selective)]
-    redo = [((redo_d if j < cfg.depth else redo_s) if on else saved) if c else 0
-            for j, (saved, c, on) in enumerate(zip(kinds, ckpt, selective))]
-    kept = [(L * C * b if g else 0) + kept_sel if c else L * C * b + saved
-            for saved, c, g, kept_sel in zip(kinds, ckpt, on_gpu, sel)]  # per block, one sample
+    redo = [
+        ((redo_d if j < cfg.depth else redo_s) if on else saved) if c else 0
+        for j, (saved, c, on) in enumerate(zip(kinds, ckpt, selective))
+    ]
+    kept = [
+        (L * C * b if g else 0) + kept_sel if c else L * C * b + saved
+        for saved, c, g, kept_sel in zip(kinds, ckpt, on_gpu, sel)
+    ]  # per block, one sample
     embed, head = outside_blocks_saved(cfg, I, T, b)
     # A quantized base dequantizes each weight for its matmul, and autograd saves that bf16 copy for the input's
     # gradient (mm saves the other operand): per block, whatever the micro batch; a checkpointed block's only
@@ -259,9 +269,18 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     # the forward's end holds the head instead of a working set: count the larger of the two
     workspace = max(block_backward_workspace(cfg, I, T, b, att), head)
     on_host = B * sum(L * C * b for c, g in zip(ckpt, on_gpu) if c and not g)
-    return {"stored": B * stored, "recompute": B * (peak - stored), "workspace": B * workspace, "on_host": on_host,
-            "grads_net": both - B * peak, "per_block_double": d, "per_block_single": si,
-            "checkpointed": sum(ckpt), "selective_double": sel_d, "selective_single": sel_s}
+    return {
+        "stored": B * stored,
+        "recompute": B * (peak - stored),
+        "workspace": B * workspace,
+        "on_host": on_host,
+        "grads_net": both - B * peak,
+        "per_block_double": d,
+        "per_block_single": si,
+        "checkpointed": sum(ckpt),
+        "selective_double": sel_d,
+        "selective_single": sel_s,
+    }
 
 
 def selective_split(s: RunSpec) -> tuple[int, int, int, int]:
@@ -274,8 +293,10 @@ def selective_split(s: RunSpec) -> tuple[int, int, int, int]:
     (lk_d, lk_s), (ls_d, ls_s) = lora_block_kept(s)
     lora_d, lora_s = lora_block_saved(s)
     out = []
-    for kept_fn, saved_fn, lk, ls, lsaved in ((double_block_kept, double_block_saved, lk_d, ls_d, lora_d),
-                                              (single_block_kept, single_block_saved, lk_s, ls_s, lora_s)):
+    for kept_fn, saved_fn, lk, ls, lsaved in (
+        (double_block_kept, double_block_saved, lk_d, ls_d, lora_d),
+        (single_block_kept, single_block_saved, lk_s, ls_s, lora_s),
+    ):
         kept = kept_fn(cfg, I, T, b, device=s.device, attention=att)
         saved = sum(saved_fn(cfg, I, T, b, device=s.device, attention=att).values()) + lsaved
         both = sum(n for n, in_saved in kept.values() if in_saved) + ls
@@ -335,8 +356,10 @@ def _block_linear_weights(cfg: ModelConfig) -> list[int]:
     """Weight elements of the linears of each block, double blocks then single ones (the dequantized copies a
     quantized base saves for backward)."""
     shapes = linear_shapes(cfg)
-    per = {p: sum(i * o for n, (i, o) in shapes.items() if n.startswith(p))
-           for p in ("double_blocks.0.", "single_blocks.0.")}
+    per = {
+        p: sum(i * o for n, (i, o) in shapes.items() if n.startswith(p))
+        for p in ("double_blocks.0.", "single_blocks.0.")
+    }
     return [per["double_blocks.0."]] * cfg.depth + [per["single_blocks.0."]] * cfg.depth_single_blocks
 
 
@@ -349,15 +372,34 @@ def activation_items(s: RunSpec) -> list[Item]:
     a = activation_bytes(s)
     ck = f"{a['checkpointed']} of {s.model.depth + s.model.depth_single_blocks} blocks checkpointed"
     return [
-        Item("activations saved for backward", a["stored"], "gpu", "train",
-             f"micro batch {s.micro_batch}; {ck} (block inputs only for those)"
-             + ("; with the dequantized bf16 weights of the blocks not checkpointed" if s.base_quant else "")),
-        Item("gradients made in backward, net of activations freed", a["grads_net"], "gpu", "train",
-             "stage 0: full gradients made before the backward peak, beyond the activations backward freed"),
-        Item("one block's recompute", a["recompute"], "gpu", "train",
-             "checkpointed block re-run in backward, net of what backward freed before it"),
+        Item(
+            "activations saved for backward",
+            a["stored"],
+            "gpu",
+            "train",
+            f"micro batch {s.micro_batch}; {ck} (block inputs only for those)"
+            + ("; with the dequantized bf16 weights of the blocks not checkpointed" if s.base_quant else ""),
+        ),
+        Item(
+            "gradients made in backward, net of activations freed",
+            a["grads_net"],
+            "gpu",
+            "train",
+            "stage 0: full gradients made before the backward peak, beyond the activations backward freed",
+        ),
+        Item(
+            "one block's recompute",
+            a["recompute"],
+            "gpu",
+            "train",
+            "checkpointed block re-run in backward, net of what backward freed before it",
+        ),
         Item("backward working set", a["workspace"], "gpu", "train", "gradients alive inside one block"),
-        Item("checkpointed block inputs (cpu_checkpointing)", a["on_host"], "host", "train",
-             "deepspeed.checkpointing checkpoint_in_cpu"),
+        Item(
+            "checkpointed block inputs (cpu_checkpointing)",
+            a["on_host"],
+            "host",
+            "train",
+            "deepspeed.checkpointing checkpoint_in_cpu",
+        ),
     ]
-

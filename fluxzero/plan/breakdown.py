@@ -3,6 +3,7 @@ Estimate, which answers allocated / reserved / total GPU bytes per phase and hos
 
 Pure Python (no torch, no deepspeed).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -109,4 +110,3 @@ def estimate(spec: RunSpec) -> Estimate:
     inv = param_inventory(spec.model)
     items = model_state_items(spec, inv) + communication_items(spec, inv) + activation_items(spec)
     return Estimate(spec, items)
-

@@ -3,39 +3,53 @@ GPU (and host) with a margin, and `fit`, the fastest configuration that does, wi
 
 Pure Python (no torch, no deepspeed): `gen-config --fit` answers instantly.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from fluxzero.config.deepspeed import adam_impl, build as ds_config
-
 from fluxzero.config import optim_modes
+from fluxzero.config.deepspeed import adam_impl
+from fluxzero.config.deepspeed import build as ds_config
 from fluxzero.config.deepspeed.check import CHECKPOINT_POLICIES
 from fluxzero.config.deepspeed.view import DSConfigError
 from fluxzero.config.lora import BASE_QUANTS, DEFAULT_TARGETS
+from fluxzero.config.models import get_model_config
 from fluxzero.plan.activations import checkpointed_split
 from fluxzero.plan.breakdown import Estimate, estimate
 from fluxzero.plan.model_states import stream_traffic
-from fluxzero.plan.spec import (PRECISION_BYTES, GiB, RunSpec, ZeroSettings, run_options_from_ds_config,
-                                         streamed_blocks)
-from fluxzero.config.models import get_model_config
+from fluxzero.plan.spec import PRECISION_BYTES, GiB, RunSpec, ZeroSettings, run_options_from_ds_config, streamed_blocks
 
 # Usable GPU memory as torch reports it (total_memory), for `--gpu NAME`.
 GPU_MEMORY_GIB = {
-    "h200": 139.8, "h100": 79.1, "a100-80": 79.1, "a100-40": 39.4, "l40s": 44.4, "a6000": 47.5,
-    "rtx4090": 23.6, "rtx3090": 23.6, "rtx4080": 15.7, "mi300x": 191.5,
+    "h200": 139.8,
+    "h100": 79.1,
+    "a100-80": 79.1,
+    "a100-40": 39.4,
+    "l40s": 44.4,
+    "a6000": 47.5,
+    "rtx4090": 23.6,
+    "rtx3090": 23.6,
+    "rtx4080": 15.7,
+    "mi300x": 191.5,
 }
-
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Tables and fitting
 # ---------------------------------------------------------------------------------------------------------
 STAGE_OFFLOAD_GRID: tuple[tuple[int, str, str], ...] = (
-    (0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none"),
-    (1, "cpu", "none"), (2, "cpu", "none"), (3, "cpu", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme"),
+    (0, "none", "none"),
+    (1, "none", "none"),
+    (2, "none", "none"),
+    (3, "none", "none"),
+    (1, "cpu", "none"),
+    (2, "cpu", "none"),
+    (3, "cpu", "none"),
+    (3, "cpu", "cpu"),
+    (3, "nvme", "nvme"),
 )
 
 
@@ -45,8 +59,11 @@ def table(spec: RunSpec, zero_by_stage: dict[int, ZeroSettings] | None = None) -
     rows = []
     for st, oo, op in STAGE_OFFLOAD_GRID:
         try:  # a row the spec's optimizer mode cannot run (bf16 masters with offload) is left out
-            rows.append(spec.replace(stage=st, offload_optimizer=oo, offload_param=op,
-                                     zero=(zero_by_stage or {}).get(st, spec.zero)))
+            rows.append(
+                spec.replace(
+                    stage=st, offload_optimizer=oo, offload_param=op, zero=(zero_by_stage or {}).get(st, spec.zero)
+                )
+            )
         except ValueError:
             continue
     return [(r, estimate(r)) for r in rows]
@@ -74,8 +91,10 @@ def verdict(est: Estimate, hw: Hardware, margin: float) -> tuple[bool, str]:
         phases = (est.peak_phase,) if est.peak_phase == "init" else ("resident", est.peak_phase)
         top = max(est.group("gpu"), key=lambda i: i.bytes if i.phase in phases else 0)
         where = {"train": "forward/backward", "step": "the optimizer step", "init": "engine start"}[est.peak_phase]
-        return False, (f"GPU needs {need:.1f} GiB > {budget:.1f} GiB budget (peak at {where}; "
-                       f"largest item: {top.name} {top.bytes / GiB:.1f} GiB)")
+        return False, (
+            f"GPU needs {need:.1f} GiB > {budget:.1f} GiB budget (peak at {where}; "
+            f"largest item: {top.name} {top.bytes / GiB:.1f} GiB)"
+        )
     if hw.host_memory_gib is not None:
         hbudget = hw.host_memory_gib * (1 - margin)
         hneed = est.host_per_node / GiB
@@ -160,8 +179,9 @@ CHECKPOINT_CHOICES = (0, 8, 4, 2, 1)  # every k-th block: none, 1/8, 1/4, 1/2, a
 FIT_MODES: tuple[str | None, ...] = (None, *optim_modes.fit_modes())
 
 
-def fit_grid(modes: tuple[str | None, ...] = (None,), fixed: dict | None = None,
-             allow_nvme: bool = True) -> list[tuple[int, str, str, str | None]]:
+def fit_grid(
+    modes: tuple[str | None, ...] = (None,), fixed: dict | None = None, allow_nvme: bool = True
+) -> list[tuple[int, str, str, str | None]]:
     """(stage, optimizer offload, parameter offload, optimizer mode) in the order fit tries them.
 
     No offload with fp32 masters first; then the bf16-master modes without offload (same speed, less
@@ -182,14 +202,21 @@ def fit_grid(modes: tuple[str | None, ...] = (None,), fixed: dict | None = None,
             rows.append((st, oo, op, None if None in modes else "fp32"))
         rows += [(st, oo, op, m) for m in host if oo == "cpu"]
     plain = [(st, oo, op) for st, oo, op in STAGE_OFFLOAD_GRID if oo == op == "none"]
-    first = [(st, oo, op, m) for m in modes for st, oo, op in plain
-             if m is None or specs[m].master_dtype == "fp32"]
-    second = [(st, oo, op, m) for m in modes for st, oo, op in plain
-              if m is not None and specs[m].master_dtype == "bf16" and not specs[m].needs_offload]
+    first = [(st, oo, op, m) for m in modes for st, oo, op in plain if m is None or specs[m].master_dtype == "fp32"]
+    second = [
+        (st, oo, op, m)
+        for m in modes
+        for st, oo, op in plain
+        if m is not None and specs[m].master_dtype == "bf16" and not specs[m].needs_offload
+    ]
     out = []
     for st, oo, op, m in first + second + rows:
-        if fixed.get("stage", st) != st or fixed.get("offload_optimizer", oo) != oo \
-                or fixed.get("offload_param", op) != op or (not allow_nvme and "nvme" in (oo, op)):
+        if (
+            fixed.get("stage", st) != st
+            or fixed.get("offload_optimizer", oo) != oo
+            or fixed.get("offload_param", op) != op
+            or (not allow_nvme and "nvme" in (oo, op))
+        ):
             continue
         if m is not None and st not in specs[m].zero_stages:
             continue
@@ -198,8 +225,9 @@ def fit_grid(modes: tuple[str | None, ...] = (None,), fixed: dict | None = None,
     return out
 
 
-def lora_grid(fixed: dict | None = None, allow_nvme: bool = True,
-              quants: tuple[str | None, ...] = (None, "int8")) -> list[tuple[int, str, str, str | None]]:
+def lora_grid(
+    fixed: dict | None = None, allow_nvme: bool = True, quants: tuple[str | None, ...] = (None, "int8")
+) -> list[tuple[int, str, str, str | None]]:
     """(stage, optimizer offload, parameter offload, base quantization) in the order fit tries them for a LoRA.
 
     The base in the training dtype without offload first (lowest stage first; ZeRO-3 partitions the frozen base
@@ -213,21 +241,34 @@ def lora_grid(fixed: dict | None = None, allow_nvme: bool = True,
     rows = [(st, "none", "none", None) for st in (0, 1, 2, 3)]
     rows += [(st, "none", "none", q) for q in quants if q is not None for st in (0, 1, 2)]
     rows += [(3, "none", "cpu", None), (3, "cpu", "cpu", None), (3, "nvme", "nvme", None)]
-    return [(st, oo, op, q) for st, oo, op, q in rows
-            if (q in quants) and fixed.get("stage", st) == st and fixed.get("offload_optimizer", oo) == oo
-            and fixed.get("offload_param", op) == op and (allow_nvme or "nvme" not in (oo, op))]
+    return [
+        (st, oo, op, q)
+        for st, oo, op, q in rows
+        if (q in quants)
+        and fixed.get("stage", st) == st
+        and fixed.get("offload_optimizer", oo) == oo
+        and fixed.get("offload_param", op) == op
+        and (allow_nvme or "nvme" not in (oo, op))
+    ]
 
 
 def _row_label(st: int, oo: str, op: str, mode: str | None, quant: str | None) -> str:
-    return (_label(st, oo, op) + (f", optimizer mode {mode}" if mode else "")
-            + (f", {quant} base" if quant else ""))
+    return _label(st, oo, op) + (f", optimizer mode {mode}" if mode else "") + (f", {quant} base" if quant else "")
 
 
-def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int = 16,
-        micro_batches: tuple[int, ...] | None = None, fixed: dict | None = None,
-        zero_by_stage: dict[int, ZeroSettings] | None = None, allow_nvme: bool = True,
-        modes: tuple[str | None, ...] = (None,), settings_for=None,
-        quants: tuple[str | None, ...] = (None, "int8")) -> FitResult:
+def fit(  # noqa: C901
+    base: RunSpec,
+    hw: Hardware,
+    margin: float = 0.10,
+    max_micro_batch: int = 16,
+    micro_batches: tuple[int, ...] | None = None,
+    fixed: dict | None = None,
+    zero_by_stage: dict[int, ZeroSettings] | None = None,
+    allow_nvme: bool = True,
+    modes: tuple[str | None, ...] = (None,),
+    settings_for=None,
+    quants: tuple[str | None, ...] = (None, "int8"),
+) -> FitResult:
     """The fastest configuration of `base` that fits `hw` with `margin`, and why.
 
     Order (each level dominates the next; `fit_grid`, for a LoRA `lora_grid`): no offload with fp32 masters,
@@ -250,8 +291,17 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     fixed = dict(fixed or {})
-    unknown = set(fixed) - {"stage", "offload_optimizer", "offload_param", "micro_batch", "checkpoint_every",
-                            "checkpoint_policy", "optimizer_mode", "base_quant", "offload_blocks"}
+    unknown = set(fixed) - {
+        "stage",
+        "offload_optimizer",
+        "offload_param",
+        "micro_batch",
+        "checkpoint_every",
+        "checkpoint_policy",
+        "optimizer_mode",
+        "base_quant",
+        "offload_blocks",
+    }
     if unknown:
         raise ValueError(f"fit cannot pin {sorted(unknown)}")
     if "optimizer_mode" in fixed:
@@ -277,10 +327,16 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
     closest = None  # (label, spec) of the last row rejected by memory: the grid's leanest that was estimated
     for st, oo, op, mode, quant in grid:
         label = _row_label(st, oo, op, mode, quant)
-        precision = "bf16" if mode is not None and optim_modes.get_mode(mode).master_dtype == "bf16" \
-            else base.precision
-        row = {"stage": st, "offload_optimizer": oo, "offload_param": op, "optimizer_mode": mode,
-               "precision": precision, "zero": (zero_by_stage or {}).get(st, base.zero), "base_quant": quant}
+        precision = "bf16" if mode is not None and optim_modes.get_mode(mode).master_dtype == "bf16" else base.precision
+        row = {
+            "stage": st,
+            "offload_optimizer": oo,
+            "offload_param": op,
+            "optimizer_mode": mode,
+            "precision": precision,
+            "zero": (zero_by_stage or {}).get(st, base.zero),
+            "base_quant": quant,
+        }
         if settings_for is not None:
             try:
                 row.update(settings_for(st, oo, op, mode))
@@ -301,10 +357,11 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
             continue
         for k in streams:  # fewest streamed blocks first: each one streamed costs transfers
             every = True
-            for ck, policy in ((ck, p) for ck in ckpts for p in (policies if ck else ("full",))):
+            for ck, policy in ((c, p) for c in ckpts for p in (policies if c else ("full",))):
                 for mb in micros:
-                    cand = stage_base.replace(micro_batch=mb, checkpoint_every=ck, checkpoint_policy=policy,
-                                              offload_blocks=k)
+                    cand = stage_base.replace(
+                        micro_batch=mb, checkpoint_every=ck, checkpoint_policy=policy, offload_blocks=k
+                    )
                     est = estimate(cand)
                     if not verdict(est, hw, margin)[0]:
                         every = False
@@ -313,25 +370,44 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
             if every:
                 break  # all fit with fewer streamed blocks: streaming more is only slower
         if not fitting:
-            smallest = stage_base.replace(micro_batch=micros[0], checkpoint_every=max(ckpts, key=_ckpt_rank),
-                                          checkpoint_policy=policies[-1] if "full" not in policies else "full",
-                                          offload_blocks=streams[-1])
+            smallest = stage_base.replace(
+                micro_batch=micros[0],
+                checkpoint_every=max(ckpts, key=_ckpt_rank),
+                checkpoint_policy=policies[-1] if "full" not in policies else "full",
+                offload_blocks=streams[-1],
+            )
             _, why = verdict(estimate(smallest), hw, margin)
             closest = (label, smallest)
-            rejected.append((st, oo, op, mode, quant, f"even micro batch {micros[0]} with "
-                             f"{_ckpt_text(smallest.checkpoint_every, smallest.checkpoint_policy)} does not fit "
-                             f"({why})"))
+            rejected.append(
+                (
+                    st,
+                    oo,
+                    op,
+                    mode,
+                    quant,
+                    f"even micro batch {micros[0]} with "
+                    f"{_ckpt_text(smallest.checkpoint_every, smallest.checkpoint_policy)} does not fit "
+                    f"({why})",
+                )
+            )
             continue
         # the fewest streamed blocks within STREAM_TOLERANCE of the fastest: what streaming costs is PCIE_BYTES_PER_S's
         # assumption, so more blocks on the host must buy a clear gain; then speed, micro batch, least recompute
         fastest = max(t[0] for t in fitting)
-        _, mb, _, _, spec, est = max((t for t in fitting if t[0] >= STREAM_TOLERANCE * fastest),
-                                     key=lambda t: (t[3], *t[:3]))
+        _, mb, _, _, spec, est = max(
+            (t for t in fitting if t[0] >= STREAM_TOLERANCE * fastest), key=lambda t: (t[3], *t[:3])
+        )
         reason = _rejections(rejected) + [f"chose {label}: " + _why_choice(spec, est, hw, margin, micros, ckpts)]
-        options = {"stage": st, "offload_optimizer": oo, "offload_param": op, "micro_batch": mb,
-                   "checkpoint_every": spec.checkpoint_every, "checkpoint_policy": spec.checkpoint_policy,
-                   "optimizer_mode": mode,
-                   "offload_blocks": spec.offload_blocks}
+        options = {
+            "stage": st,
+            "offload_optimizer": oo,
+            "offload_param": op,
+            "micro_batch": mb,
+            "checkpoint_every": spec.checkpoint_every,
+            "checkpoint_policy": spec.checkpoint_policy,
+            "optimizer_mode": mode,
+            "offload_blocks": spec.offload_blocks,
+        }
         if base.lora_rank:
             options["base_quant"] = quant
         # Compiled blocks below ZeRO-3, written out so the JSON says what runs. Measured 2026-12-02 on one H200,
@@ -342,23 +418,34 @@ def fit(base: RunSpec, hw: Hardware, margin: float = 0.10, max_micro_batch: int 
         # so the estimate (eager) bounds them.
         options["compile"] = st < 3
         if options["compile"]:
-            measured = ("a rank-16 FLUX.1-dev LoRA: 3.48 -> 4.65" if base.lora_rank
-                        else "a full fine-tune of flux-dev-lite: 11.5 -> 15.3")
-            reason.append(f"compiled blocks (fluxzero.compile.blocks): the trainer's default below ZeRO-3 ({measured} "
-                          f"samples/s measured)")
+            measured = (
+                "a rank-16 FLUX.1-dev LoRA: 3.48 -> 4.65"
+                if base.lora_rank
+                else "a full fine-tune of flux-dev-lite: 11.5 -> 15.3"
+            )
+            reason.append(
+                f"compiled blocks (fluxzero.compile.blocks): the trainer's default below ZeRO-3 ({measured} "
+                f"samples/s measured)"
+            )
         if quant is not None:
-            reason.append(f"{quant} base: set lora.base_quant: {quant} in the run file (torchao weight-only {quant}, "
-                          f"pip install -e '.[lowmem]'); the bf16 base does not fit without parameter "
-                          f"offload, which is slower; the exported LoRA applies to the bf16 base")
+            reason.append(
+                f"{quant} base: set lora.base_quant: {quant} in the run file (torchao weight-only {quant}, "
+                f"pip install -e '.[lowmem]'); the bf16 base does not fit without parameter "
+                f"offload, which is slower; the exported LoRA applies to the bf16 base"
+            )
         if mode is not None:
             m = optim_modes.get_mode(mode)
-            reason.append(f"optimizer mode {mode} ({m.optimizer}; {m.trajectory}'s trajectory): {m.caveat}"
-                          + (f"; needs pip install -e '.[{m.extra}]'" if m.extra else ""))
+            reason.append(
+                f"optimizer mode {mode} ({m.optimizer}; {m.trajectory}'s trajectory): {m.caveat}"
+                + (f"; needs pip install -e '.[{m.extra}]'" if m.extra else "")
+            )
         if spec.offload_blocks:
             moved = stream_traffic(spec)
-            reason.append(f"the last {spec.offload_blocks} blocks streamed from host memory (fluxzero.offload_blocks"
-                          f" {spec.offload_blocks}, recomputed in backward): per micro batch "
-                          + ", ".join(f"{what} {n / 1e9:.1f} GB" for what, n in moved))
+            reason.append(
+                f"the last {spec.offload_blocks} blocks streamed from host memory (fluxzero.offload_blocks"
+                f" {spec.offload_blocks}, recomputed in backward): per micro batch "
+                + ", ".join(f"{what} {n / 1e9:.1f} GB" for what, n in moved)
+            )
         return FitResult(spec, est, "\n".join(reason), options)
     if not grid:
         return FitResult(None, None, "nothing to try: the pinned stage and offload choices contradict each other")
@@ -380,8 +467,9 @@ def _rejections(rows: list[tuple]) -> list[str]:
         head = label.replace(f"ZeRO-{items[0][0]}", "ZeRO-" + "/".join(str(st) for st, _ in items), 1)
         prefix = items[0][1].split(" (")[0] + " ("
         if all(why.startswith(prefix) for _, why in items):
-            out.append(f"{head}: {prefix[:-2]}: " + "; ".join(f"ZeRO-{st}: {why[len(prefix):-1]}"
-                                                            for st, why in items))
+            out.append(
+                f"{head}: {prefix[:-2]}: " + "; ".join(f"ZeRO-{st}: {why[len(prefix) : -1]}" for st, why in items)
+            )
         else:
             out.append(f"{head}: " + "; ".join(f"ZeRO-{st}: {why}" for st, why in items))
     return out
@@ -420,12 +508,20 @@ def _best_micro(spec: RunSpec, hw: Hardware, margin: float, micros: tuple[int, .
     return best
 
 
-def _why_choice(spec: RunSpec, est: Estimate, hw: Hardware, margin: float, micros: tuple[int, ...],
-                ckpts: tuple[int, ...] = CHECKPOINT_CHOICES) -> str:
-    text = (f"micro batch {spec.micro_batch}, {_ckpt_text(spec.checkpoint_every, spec.checkpoint_policy)}; predicted "
-            f"{est.gpu_allocated / GiB:.1f} GiB allocated, {est.gpu_total / GiB:.1f} GiB with allocator slack "
-            f"and CUDA context, of {hw.gpu_memory_gib * (1 - margin):.1f} GiB budget "
-            f"({hw.gpu_memory_gib:g} GiB - {margin:.0%} margin)")
+def _why_choice(
+    spec: RunSpec,
+    est: Estimate,
+    hw: Hardware,
+    margin: float,
+    micros: tuple[int, ...],
+    ckpts: tuple[int, ...] = CHECKPOINT_CHOICES,
+) -> str:
+    text = (
+        f"micro batch {spec.micro_batch}, {_ckpt_text(spec.checkpoint_every, spec.checkpoint_policy)}; predicted "
+        f"{est.gpu_allocated / GiB:.1f} GiB allocated, {est.gpu_total / GiB:.1f} GiB with allocator slack "
+        f"and CUDA context, of {hw.gpu_memory_gib * (1 - margin):.1f} GiB budget "
+        f"({hw.gpu_memory_gib:g} GiB - {margin:.0%} margin)"
+    )
     bigger = [m for m in micros if m > spec.micro_batch]
     if bigger:
         fits, why = verdict(estimate(spec.replace(micro_batch=bigger[0])), hw, margin)
@@ -434,24 +530,38 @@ def _why_choice(spec: RunSpec, est: Estimate, hw: Hardware, margin: float, micro
         text += f". Micro batch {spec.micro_batch} is the largest allowed"
     if spec.checkpoint_every and spec.checkpoint_policy == "full":  # keeping the matmul outputs: why not
         alt = _best_micro(spec.replace(checkpoint_policy="selective"), hw, margin, micros)
-        text += (f". Selectively: not even micro batch {micros[0]} fits" if alt is None else
-                 f". Selectively: micro batch {alt.micro_batch} fits, estimated "
-                 f"{throughput_proxy(alt) / throughput_proxy(spec):.0%} of this speed")
+        text += (
+            f". Selectively: not even micro batch {micros[0]} fits"
+            if alt is None
+            else f". Selectively: micro batch {alt.micro_batch} fits, estimated "
+            f"{throughput_proxy(alt) / throughput_proxy(spec):.0%} of this speed"
+        )
     # checkpointing fewer blocks: the best micro batch it allows, and why that is not better
-    for k in sorted((k for k in ckpts if _ckpt_rank(k) < _ckpt_rank(spec.checkpoint_every)),
-                    key=_ckpt_rank, reverse=True):
+    for k in sorted(
+        (k for k in ckpts if _ckpt_rank(k) < _ckpt_rank(spec.checkpoint_every)), key=_ckpt_rank, reverse=True
+    ):
         alt = _best_micro(spec.replace(checkpoint_every=k), hw, margin, micros)
         if alt is None:
             _, why = verdict(estimate(spec.replace(checkpoint_every=k, micro_batch=micros[0])), hw, margin)
             text += f". With {_ckpt_text(k)} not even micro batch {micros[0]} fits ({why})"
             break  # checkpointing still fewer blocks needs more memory still
-        text += (f". With {_ckpt_text(k)} micro batch {alt.micro_batch} fits, estimated "
-                 f"{throughput_proxy(alt) / throughput_proxy(spec):.0%} of this speed")
+        text += (
+            f". With {_ckpt_text(k)} micro batch {alt.micro_batch} fits, estimated "
+            f"{throughput_proxy(alt) / throughput_proxy(spec):.0%} of this speed"
+        )
     return text
 
 
-def _what_would_fit(base: RunSpec, hw: Hardware, margin: float, micro: int, fixed: dict | None = None,
-                    allow_nvme: bool = True, rejected: list[tuple] | None = None, closest=None) -> str:
+def _what_would_fit(  # noqa: C901
+    base: RunSpec,
+    hw: Hardware,
+    margin: float,
+    micro: int,
+    fixed: dict | None = None,
+    allow_nvme: bool = True,
+    rejected: list[tuple] | None = None,
+    closest=None,
+) -> str:
     """Nothing fits: a few lines, what was closest and what would fit -- the pinned choice alone standing in
     the way, more GPUs, more host memory, NVMe, a lower resolution, a LoRA instead of a full fine-tune. Each
     says the flag to change; suggestions keep the pins and never use NVMe unless it is allowed."""
@@ -459,8 +569,9 @@ def _what_would_fit(base: RunSpec, hw: Hardware, margin: float, micro: int, fixe
     budget = f"{hw.gpu_memory_gib * (1 - margin):.1f} GiB GPU budget"
     if hw.host_memory_gib is not None:
         budget += f" and {hw.host_memory_gib * (1 - margin):.1f} GiB host budget per node"
-    lines = [f"nothing fits {base.world_size} GPU(s) of {hw.gpu_memory_gib:g} GiB ({budget}, "
-             f"{base.height}x{base.width} px)."]
+    lines = [
+        f"nothing fits {base.world_size} GPU(s) of {hw.gpu_memory_gib:g} GiB ({budget}, {base.height}x{base.width} px)."
+    ]
     if rejected:  # the last row tried is the leanest (offload, or NVMe when allowed)
         st, oo, op, mode, quant, why = rejected[-1]
         lines.append(f"The leanest tried, {_row_label(st, oo, op, mode, quant)}: {why}.")
@@ -475,9 +586,11 @@ def _what_would_fit(base: RunSpec, hw: Hardware, margin: float, micro: int, fixe
     if pinned:  # the pins may be all that stands in the way
         for st, oo, op in allowed:
             if _try(base, stage=st, offload_optimizer=oo, offload_param=op, **lean) and fits(
-                    _try(base, stage=st, offload_optimizer=oo, offload_param=op, **lean)):
-                tips.append(f"{_label(st, oo, op)} instead of the pinned "
-                            f"{', '.join(f'{k} {fixed[k]}' for k in pinned)}")
+                _try(base, stage=st, offload_optimizer=oo, offload_param=op, **lean)
+            ):
+                tips.append(
+                    f"{_label(st, oo, op)} instead of the pinned {', '.join(f'{k} {fixed[k]}' for k in pinned)}"
+                )
                 break
     zero3 = _try(base, stage=3, offload_optimizer="none", offload_param="none", base_quant=None, **lean)
     for gpus in (2, 4, 8, 16, 32, 64, 128, 256):
@@ -486,62 +599,97 @@ def _what_would_fit(base: RunSpec, hw: Hardware, margin: float, micro: int, fixe
         gpn = min(gpus, max(base.gpus_per_node, 8))
         r = zero3.replace(nodes=math.ceil(gpus / gpn), gpus_per_node=gpn)
         if fits(r, dataclasses.replace(hw, nodes=r.nodes, gpus_per_node=gpn)):
-            tips.append(f"more GPUs: {r.world_size} ({r.nodes} node(s) x {gpn}) with ZeRO-3, micro batch {micro}, "
-                        f"every block checkpointed (--world-size {r.world_size}, or --nodes/--gpus-per-node)")
+            tips.append(
+                f"more GPUs: {r.world_size} ({r.nodes} node(s) x {gpn}) with ZeRO-3, micro batch {micro}, "
+                f"every block checkpointed (--world-size {r.world_size}, or --nodes/--gpus-per-node)"
+            )
             break
     # more host memory: the leanest host of the optimizer modes tried with both offloads (the host modes keep bf16
     # masters and small states there), so the --host-memory it names is one --fit then fits
     modes = list(dict.fromkeys(m for st, oo, op, m, _, _ in rejected or () if (st, oo, op) == (3, "cpu", "cpu")))
     leanest = None
     for mode in modes or [base.optimizer_mode]:
-        r = _try(base, stage=3, offload_optimizer="cpu", offload_param="cpu", base_quant=None, optimizer_mode=mode,
-                 **lean)
+        r = _try(
+            base, stage=3, offload_optimizer="cpu", offload_param="cpu", base_quant=None, optimizer_mode=mode, **lean
+        )
         e = estimate(r) if r is not None else None
-        if e is not None and e.gpu_total / GiB <= hw.gpu_memory_gib * (1 - margin) and (
-                leanest is None or e.host_per_node < leanest[1].host_per_node):
+        if (
+            e is not None
+            and e.gpu_total / GiB <= hw.gpu_memory_gib * (1 - margin)
+            and (leanest is None or e.host_per_node < leanest[1].host_per_node)
+        ):
             leanest = (mode, e)
     if leanest is not None:
         mode, e = leanest
-        leanest = (f"ZeRO-3 with CPU offload of parameters and optimizer{f', optimizer mode {mode}' if mode else ''}",
-                   e)
+        leanest = (
+            f"ZeRO-3 with CPU offload of parameters and optimizer{f', optimizer mode {mode}' if mode else ''}",
+            e,
+        )
     # a fused mode streaming blocks: the fewest streamed blocks that fit the GPU need the least host memory
     for mode in dict.fromkeys(m for _, _, _, m, _, _ in rejected or () if m and optim_modes.get_mode(m).fused):
-        r = _try(base, stage=0, offload_optimizer="none", offload_param="none", base_quant=None, optimizer_mode=mode,
-                 **lean)
+        r = _try(
+            base, stage=0, offload_optimizer="none", offload_param="none", base_quant=None, optimizer_mode=mode, **lean
+        )
         for k in offload_choices(r) if r is not None else ():
             e = estimate(r.replace(offload_blocks=k))
             if e.gpu_total / GiB <= hw.gpu_memory_gib * (1 - margin):
                 if leanest is None or e.host_per_node < leanest[1].host_per_node:
                     leanest = (f"ZeRO-0, optimizer mode {mode} with the last {k} blocks streamed from host memory", e)
                 break
-    if leanest is not None and hw.host_memory_gib is not None \
-            and leanest[1].host_per_node / GiB > hw.host_memory_gib * (1 - margin):
+    if (
+        leanest is not None
+        and hw.host_memory_gib is not None
+        and leanest[1].host_per_node / GiB > hw.host_memory_gib * (1 - margin)
+    ):
         label, e = leanest
         need = math.ceil(e.host_per_node / GiB / (1 - margin))
         tips.append(f"more host memory: {label}, given {need} GiB of host memory per node (--host-memory {need})")
     nvme = _try(base, stage=3, offload_optimizer="nvme", offload_param="nvme", base_quant=None, **lean)
     if not allow_nvme and nvme is not None and fits(nvme):
-        tips.append("NVMe: ZeRO-3 with NVMe offload of parameters and optimizer (give a local NVMe folder with "
-                    "--nvme-path)")
-    keep_pins = [(st, oo, op) for st, oo, op in allowed if fixed.get("stage", st) == st
-                 and fixed.get("offload_optimizer", oo) == oo and fixed.get("offload_param", op) == op]
+        tips.append(
+            "NVMe: ZeRO-3 with NVMe offload of parameters and optimizer (give a local NVMe folder with --nvme-path)"
+        )
+    keep_pins = [
+        (st, oo, op)
+        for st, oo, op in allowed
+        if fixed.get("stage", st) == st
+        and fixed.get("offload_optimizer", oo) == oo
+        and fixed.get("offload_param", op) == op
+    ]
     for px in (1024, 768, 512, 384, 256):
         if px * px >= base.height * base.width:
             continue
-        r = next((r for st, oo, op in keep_pins if (r := _try(base, height=px, width=px, stage=st,
-                  offload_optimizer=oo, offload_param=op, **lean)) is not None and fits(r)), None)
+        r = next(
+            (
+                r
+                for st, oo, op in keep_pins
+                if (r := _try(base, height=px, width=px, stage=st, offload_optimizer=oo, offload_param=op, **lean))
+                is not None
+                and fits(r)
+            ),
+            None,
+        )
         if r is not None:
-            tips.append(f"a lower resolution: {px}x{px} px with {_label(r.stage, r.offload_optimizer, r.offload_param)}"
-                        f" (--resolution {px})")
+            tips.append(
+                f"a lower resolution: {px}x{px} px with {_label(r.stage, r.offload_optimizer, r.offload_param)}"
+                f" (--resolution {px})"
+            )
             break
     if not base.lora_rank:
-        lora = fit(base.replace(lora_rank=16, lora_targets=DEFAULT_TARGETS), hw, margin, micro_batches=(micro,),
-                   allow_nvme=allow_nvme)
+        lora = fit(
+            base.replace(lora_rank=16, lora_targets=DEFAULT_TARGETS),
+            hw,
+            margin,
+            micro_batches=(micro,),
+            allow_nvme=allow_nvme,
+        )
         if lora.spec is not None:
             o = lora.options
-            tips.append(f"a LoRA instead of a full fine-tune: rank 16 fits with "
-                        f"{_row_label(o['stage'], o['offload_optimizer'], o['offload_param'], None, o['base_quant'])}"
-                        f", predicted {lora.estimate.gpu_total / GiB:.1f} GiB (--lora-rank 16)")
+            tips.append(
+                f"a LoRA instead of a full fine-tune: rank 16 fits with "
+                f"{_row_label(o['stage'], o['offload_optimizer'], o['offload_param'], None, o['base_quant'])}"
+                f", predicted {lora.estimate.gpu_total / GiB:.1f} GiB (--lora-rank 16)"
+            )
     if not tips:
         return "\n".join(lines + [_more_memory(closest, hw, margin)])
     return "\n".join(lines + ["It would fit with:"] + [f"  - {t}" for t in tips])
@@ -563,8 +711,10 @@ def _more_memory(closest: tuple[str, RunSpec] | None, hw: Hardware, margin: floa
         needs.append(f"{host} GiB of host memory per node (--host-memory {host})")
     if not needs:
         return "It would fit a larger GPU."
-    return (f"It would fit with {' and '.join(needs)}: {label}, micro batch {spec.micro_batch}, "
-            f"{_ckpt_text(spec.checkpoint_every, spec.checkpoint_policy)}.")
+    return (
+        f"It would fit with {' and '.join(needs)}: {label}, micro batch {spec.micro_batch}, "
+        f"{_ckpt_text(spec.checkpoint_every, spec.checkpoint_policy)}."
+    )
 
 
 def _try(base: RunSpec, **changes) -> RunSpec | None:
@@ -579,10 +729,16 @@ def _try(base: RunSpec, **changes) -> RunSpec | None:
 # gen-config --fit: the search over the configs gen-config can write, and what it says
 # ---------------------------------------------------------------------------------------------------------
 # gen-config option -> fit pin: what the user set himself is kept, --fit chooses the rest
-GEN_CONFIG_PINS = {"zero_stage": "stage", "offload_optimizer": "offload_optimizer", "offload_param": "offload_param",
-                   "micro_batch": "micro_batch", "checkpoint_every": "checkpoint_every",
-                   "checkpoint_policy": "checkpoint_policy",
-                   "optimizer_mode": "optimizer_mode", "offload_blocks": "offload_blocks"}
+GEN_CONFIG_PINS = {
+    "zero_stage": "stage",
+    "offload_optimizer": "offload_optimizer",
+    "offload_param": "offload_param",
+    "micro_batch": "micro_batch",
+    "checkpoint_every": "checkpoint_every",
+    "checkpoint_policy": "checkpoint_policy",
+    "optimizer_mode": "optimizer_mode",
+    "offload_blocks": "offload_blocks",
+}
 # Host memory that common machines have per GPU: a 24 GB desktop card usually sits in a 64 GB machine, cloud
 # GPU instances give 60-250 GB per GPU. Without --host-memory a choice that needs more says so on its last line.
 COMMON_HOST_GIB_PER_GPU = 64
@@ -621,13 +777,12 @@ class GenConfigFit:
 def gen_config_zero(model: str, stage: int) -> ZeroSettings:
     """The communication settings `fluxzero gen-config` writes by default for this model and stage."""
     try:
-        return ZeroSettings.from_ds_config(ds_config.build(ds_config.options_from(None, model=model,
-                                                                                  zero_stage=stage)))
+        return ZeroSettings.from_ds_config(ds_config.build(ds_config.options_from(None, model=model, zero_stage=stage)))
     except ds_config.DSConfigError:
         return ZeroSettings()
 
 
-def fit_gen_config(opts, given: dict, req: FitRequest) -> GenConfigFit:
+def fit_gen_config(opts, given: dict, req: FitRequest) -> GenConfigFit:  # noqa: C901
     """Run --fit over the configs gen-config can write from `opts` (a DSOptions with the user's options
     applied; `given`: the fields the user gave, pinned). Raises ValueError (one sentence) for a request that
     cannot be searched; result.spec is None when nothing fits (the lines then say what would)."""
@@ -644,9 +799,16 @@ def fit_gen_config(opts, given: dict, req: FitRequest) -> GenConfigFit:
         nvme = "nvme" in (oo, op)
         fused = mode is not None and optim_modes.get_mode(mode).fused
         extra = {"gradient_clipping": 0.0} if fused and "gradient_clipping" not in given else {}
-        return opts.replace(zero_stage=stage, offload_optimizer=oo, offload_param=op, optimizer_mode=mode,
-                            adam_impl=impl, nvme_path=opts.nvme_path if nvme else None,
-                            offload_blocks=opts.offload_blocks if fused else 0, **extra)
+        return opts.replace(
+            zero_stage=stage,
+            offload_optimizer=oo,
+            offload_param=op,
+            optimizer_mode=mode,
+            adam_impl=impl,
+            nvme_path=opts.nvme_path if nvme else None,
+            offload_blocks=opts.offload_blocks if fused else 0,
+            **extra,
+        )
 
     def settings_for(stage, oo, op, mode) -> dict:
         """RunSpec fields of the very config that row writes, read back as `estimate --ds-config` reads it."""
@@ -655,16 +817,23 @@ def fit_gen_config(opts, given: dict, req: FitRequest) -> GenConfigFit:
         except DSConfigError as e:  # a row the combination rules refuse (fp8 at ZeRO-3): not written
             raise ValueError("; ".join(e.problems)) from None
         fields = run_options_from_ds_config(cfg, world)
-        return {k: v for k, v in fields.items()
-                if k not in ("micro_batch", "checkpoint_every", "checkpoint_policy", "offload_blocks")}
+        return {
+            k: v
+            for k, v in fields.items()
+            if k not in ("micro_batch", "checkpoint_every", "checkpoint_policy", "offload_blocks")
+        }
 
     micros = None
     if opts.global_batch is not None:
-        micros = tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128)
-                       if m <= req.max_micro_batch and opts.global_batch % (m * world) == 0)
+        micros = tuple(
+            m
+            for m in (1, 2, 4, 8, 16, 32, 64, 128)
+            if m <= req.max_micro_batch and opts.global_batch % (m * world) == 0
+        )
         if not micros:
-            raise ValueError(f"no micro batch up to {req.max_micro_batch} divides global batch "
-                             f"{opts.global_batch} over {world} GPUs")
+            raise ValueError(
+                f"no micro batch up to {req.max_micro_batch} divides global batch {opts.global_batch} over {world} GPUs"
+            )
     pins = {GEN_CONFIG_PINS[k]: v for k, v in given.items() if k in GEN_CONFIG_PINS}
     if opts.checkpoint_impl == "deepspeed":  # deepspeed.checkpointing recomputes whole blocks only
         pins.setdefault("checkpoint_policy", "full")
@@ -681,26 +850,45 @@ def fit_gen_config(opts, given: dict, req: FitRequest) -> GenConfigFit:
         pins.setdefault("offload_optimizer", "none")
     elif given.get("adam_impl") == "cpu" and "offload_optimizer" not in pins:
         pins["offload_optimizer"] = "nvme" if opts.nvme_path and pins.get("stage") == 3 else "cpu"
-    base = RunSpec(get_model_config(opts.model), precision=opts.precision,
-                   optimizer_impl=adam_impl.optimizer_impl(opts.adam_impl), **req.run)
-    result = fit(base, hw, margin=req.margin, max_micro_batch=req.max_micro_batch, micro_batches=micros,
-                 fixed=pins, allow_nvme=opts.nvme_path is not None, modes=modes, settings_for=settings_for)
+    base = RunSpec(
+        get_model_config(opts.model),
+        precision=opts.precision,
+        optimizer_impl=adam_impl.optimizer_impl(opts.adam_impl),
+        **req.run,
+    )
+    result = fit(
+        base,
+        hw,
+        margin=req.margin,
+        max_micro_batch=req.max_micro_batch,
+        micro_batches=micros,
+        fixed=pins,
+        allow_nvme=opts.nvme_path is not None,
+        modes=modes,
+        settings_for=settings_for,
+    )
     # gen-config often runs off the training nodes, so this machine's memory is no default: without
     # --host-memory the host is not checked, and the host memory the choice needs is printed beside it
     host = hw.host_memory_gib
-    notes = [] if host is not None else ["host memory not given: not checked (pass --host-memory with the "
-                                         "training nodes' memory per node)"]
+    notes = (
+        []
+        if host is not None
+        else ["host memory not given: not checked (pass --host-memory with the training nodes' memory per node)"]
+    )
     if result.spec is None:
         return GenConfigFit(result, {}, notes + result.reason.split("\n"))
     need = result.estimate.host_per_node / GiB
     host_line = f"host memory: the choice needs {need:.1f} GiB per node" + (
-        f" of {host * (1 - req.margin):.1f} GiB budget" if host is not None else " (not checked: pass --host-memory)")
+        f" of {host * (1 - req.margin):.1f} GiB budget" if host is not None else " (not checked: pass --host-memory)"
+    )
     warning = None
     common = COMMON_HOST_GIB_PER_GPU * hw.gpus_per_node
     if host is None and need > common:
-        warning = (f"warning: this config needs {need:.0f} GiB of host memory per node, more than the {common} GiB "
-                   f"common machines have for {hw.gpus_per_node} GPU(s); pass --host-memory with yours to fit "
-                   f"within it")
+        warning = (
+            f"warning: this config needs {need:.0f} GiB of host memory per node, more than the {common} GiB "
+            f"common machines have for {hw.gpus_per_node} GPU(s); pass --host-memory with yours to fit "
+            f"within it"
+        )
     o = result.options
     chosen = row_options(o["stage"], o["offload_optimizer"], o["offload_param"], o["optimizer_mode"])
     out = {theirs: o[ours] for theirs, ours in GEN_CONFIG_PINS.items()}

@@ -5,6 +5,7 @@ follows.
 
 Pure Python (no torch, no deepspeed).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -13,8 +14,19 @@ import math
 from fluxzero.config import architecture, optim_modes
 from fluxzero.config.architecture import linear_shapes
 from fluxzero.config.lora import adapter_param_count
-from fluxzero.plan.spec import (GiB, OPTIMIZER_STATE_BYTES, PRECISION_BYTES, Item, ParamInventory, RunSpec,
-                                          base_bytes, lora_config, optim_mode, streamed_blocks, trained_params)
+from fluxzero.plan.spec import (
+    OPTIMIZER_STATE_BYTES,
+    PRECISION_BYTES,
+    GiB,
+    Item,
+    ParamInventory,
+    RunSpec,
+    base_bytes,
+    lora_config,
+    optim_mode,
+    streamed_blocks,
+    trained_params,
+)
 
 PROCESS_ITEM = "process (CUDA runtime, libraries)"  # the host allowance of a running rank itself
 
@@ -43,7 +55,7 @@ def stepped_at_once(mode, elements: int) -> int:
     return elements if chunk is None else min(elements, chunk)
 
 
-def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
+def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:  # noqa: C901
     N, b = s.world_size, PRECISION_BYTES[s.precision]
     total = inv.total
     lora = lora_config(s) is not None
@@ -72,53 +84,98 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     base_dtype = s.base_quant or s.precision
     if s.stage < 3:
         if lora:
-            add("frozen base parameters (%s)" % base_dtype, base, note="LoRA: no gradients, no optimizer states"
-                + (f"; linear weights {s.base_quant} (torchao weight-only) + per-channel scales" if s.base_quant else ""),
-                ds=True)
+            add(
+                f"frozen base parameters ({base_dtype})",
+                base,
+                note="LoRA: no gradients, no optimizer states"
+                + (
+                    f"; linear weights {s.base_quant} (torchao weight-only) + per-channel scales"
+                    if s.base_quant
+                    else ""
+                ),
+                ds=True,
+            )
         streamed = sum(streamed_blocks(s, inv))
         if streamed:  # fluxzero.train.block_stream: one host buffer per block, pinned in place (no rounding)
-            add(f"{what} (resident, {s.precision})", b * (P - streamed), note=f"all but the last "
-                f"{s.offload_blocks} blocks", ds=True)
-            add(f"streamed block weights ({s.precision}, pinned)", b * streamed, "host",
-                note=f"the last {s.offload_blocks} blocks, cudaHostRegister'd: exactly their bytes")
-            add("streamed block copies (3 blocks)", 3 * b * max(streamed_blocks(s, inv)), phase="train",
-                note="the block computing, the next one arriving, the last one being written back")
+            add(
+                f"{what} (resident, {s.precision})",
+                b * (P - streamed),
+                note=f"all but the last {s.offload_blocks} blocks",
+                ds=True,
+            )
+            add(
+                f"streamed block weights ({s.precision}, pinned)",
+                b * streamed,
+                "host",
+                note=f"the last {s.offload_blocks} blocks, cudaHostRegister'd: exactly their bytes",
+            )
+            add(
+                "streamed block copies (3 blocks)",
+                3 * b * max(streamed_blocks(s, inv)),
+                phase="train",
+                note="the block computing, the next one arriving, the last one being written back",
+            )
         else:
             add(f"{what} (full, {s.precision})", b * P, note="every rank holds all of them below stage 3", ds=True)
     else:
         where = {"none": "gpu", "cpu": "host", "nvme": "nvme"}[s.offload_param]
         if lora:
-            add("frozen base partition (%s)" % s.precision, b * math.ceil(frozen / N), where,
-                note="ZeRO-3 partitions the frozen base too", ds=True)
+            add(
+                f"frozen base partition ({s.precision})",
+                b * math.ceil(frozen / N),
+                where,
+                note="ZeRO-3 partitions the frozen base too",
+                ds=True,
+            )
         add(f"{what} partition ({s.precision})", b * part, where, note="1/N of the parameters", ds=True)
     overlap = s.zero.overlap_comm if s.zero.overlap_comm is not None else s.stage == 3
     fused = mode is not None and mode.fused
     if fused and N > 1:  # fluxzero.train.optim.fused_step: a block's gradients averaged in one all_reduce, then stepped
         block = max(inv.double_block if s.model.depth else 0, inv.single_block if s.model.depth_single_blocks else 0)
-        add("gradients of one block, and their flat copy (%s)" % s.precision, 2 * b * block, phase="train",
+        add(
+            f"gradients of one block, and their flat copy ({s.precision})",
+            2 * b * block,
+            phase="train",
             note="no gradient buffer: a block's gradients wait for its last, one all_reduce averages them, each "
-                 "is stepped")
+            "is stepped",
+        )
     elif fused:  # each gradient stepped and dropped as backward makes it
-        add("gradient being stepped (one tensor, %s)" % s.precision, b * largest_trained, phase="train",
-            note="no gradient buffer: each tensor is stepped in backward")
+        add(
+            f"gradient being stepped (one tensor, {s.precision})",
+            b * largest_trained,
+            phase="train",
+            note="no gradient buffer: each tensor is stepped in backward",
+        )
     elif s.stage == 0:
         # made tensor by tensor in backward (the train phase counts what exists at its peak: "gradients made
         # in backward ..."), all present at the step, freed by zero_grad(set_to_none=True) after it
-        add("gradients (full, %s)" % s.precision, b * P, phase="step", note="param.grad from backward to the step")
+        add(f"gradients (full, {s.precision})", b * P, phase="step", note="param.grad from backward to the step")
     elif not off_opt:
-        add("gradient partition (%s)" % s.precision, b * part, ds=True,
-            note="stage 1/2: grads_in_partition, then averaged_gradients; stage 3: grad_partitions_flat_buffer")
+        add(
+            f"gradient partition ({s.precision})",
+            b * part,
+            ds=True,
+            note="stage 1/2: grads_in_partition, then averaged_gradients; stage 3: grad_partitions_flat_buffer",
+        )
     if s.stage == 1:
         # Measured (benchmarks/archive/zero1_grad_probe.py, real deepspeed 0.19.8 engines, 2 ranks): stage 1 holds a whole
         # gradient's worth until backward ends. Without overlap_comm every param.grad stays whole until the
         # epilogue reduces them (stage_1_and_2.reduce_gradients); with it, this rank's own gradients are copied
         # into its partition as they come, but the other ranks' parameters keep their param.grad until then.
         if overlap:
-            add("gradients of the other ranks' partitions (%s)" % s.precision, b * (P - part), phase="train",
-                note="stage 1 with overlap_comm: kept until backward ends (measured)")
+            add(
+                f"gradients of the other ranks' partitions ({s.precision})",
+                b * (P - part),
+                phase="train",
+                note="stage 1 with overlap_comm: kept until backward ends (measured)",
+            )
         else:
-            add("gradients (full, %s) until backward ends" % s.precision, b * P, phase="train",
-                note="stage 1 without overlap_comm (measured)")
+            add(
+                f"gradients (full, {s.precision}) until backward ends",
+                b * P,
+                phase="train",
+                note="stage 1 without overlap_comm (measured)",
+            )
 
     # --- master copy and optimizer states
     mname = "bf16 master" if bf16_master else "fp32 master"
@@ -146,56 +203,108 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         tnote = "_foreach_sqrt(exp_avg_sq)"
     if s.stage == 0:
         if fused:
-            add("optimizer working set in backward (one tensor)", impl_temp * largest_trained, phase="train",
-                note=tnote)
+            add(
+                "optimizer working set in backward (one tensor)", impl_temp * largest_trained, phase="train", note=tnote
+            )
         elif bf16_master:
             # torch's optimizers loop over tensors: one tensor's working set at a time
             add("optimizer working set at step (one tensor)", impl_temp * largest_trained, phase="step", note=tnote)
         elif b < 4 and s.optimizer_impl == "fused" and mode is None:
-            add("fp32 gradient copies at step", 8 * P, phase="step",
-                note="FP16_Optimizer.step: list of p.grad.float() (4 B) flattened into one fp32 buffer (4 B)")
+            add(
+                "fp32 gradient copies at step",
+                8 * P,
+                phase="step",
+                note="FP16_Optimizer.step: list of p.grad.float() (4 B) flattened into one fp32 buffer (4 B)",
+            )
         elif b < 4:
-            add("fp32 gradient copies at step", 4 * P, phase="step",
+            add(
+                "fp32 gradient copies at step",
+                4 * P,
+                phase="step",
                 note="FP16_UnfusedOptimizer.step: fp32_param.grad = p.grad.to(fp32) for every tensor, then one "
-                     "optimizer step over all")
+                "optimizer step over all",
+            )
         if impl_temp and not bf16_master:
-            add("optimizer temporary at step" if mode else "optimizer temporary (torch foreach)",
-                impl_temp * (largest_trained if mode else P), phase="step", note=tnote)
+            add(
+                "optimizer temporary at step" if mode else "optimizer temporary (torch foreach)",
+                impl_temp * (largest_trained if mode else P),
+                phase="step",
+                note=tnote,
+            )
     elif not off_opt:
-        sg = part if s.stage < 3 else min(part, inv.largest_sub_group(N, s.zero.sub_group_size)) if not lora \
+        sg = (
+            part
+            if s.stage < 3
+            else min(part, inv.largest_sub_group(N, s.zero.sub_group_size))
+            if not lora
             else min(part, s.zero.sub_group_size)
-        note = "stage_1_and_2.step: flatten(averaged_gradients) then .float()" if s.stage < 3 else \
-            "stage3._prepare_fp32_grad_for_sub_group, one sub_group_size at a time"
+        )
+        note = (
+            "stage_1_and_2.step: flatten(averaged_gradients) then .float()"
+            if s.stage < 3
+            else "stage3._prepare_fp32_grad_for_sub_group, one sub_group_size at a time"
+        )
         if not bf16_master:  # with bf16 masters .to(master dtype) returns the flattened copy itself
             add("fp32 gradient partition at step", 4 * sg, phase="step", note=note, ds=True)
-        add("flattened %s gradient copy at step" % s.precision, b * sg, phase="step", note=note)
+        add(f"flattened {s.precision} gradient copy at step", b * sg, phase="step", note=note)
         if impl_temp:
-            add("optimizer temporary at step" if mode else "optimizer temporary (torch foreach)",
-                impl_temp * stepped_at_once(mode, sg), phase="step",
-                note=tnote + (f", {mode.step_chunk} elements at a time" if mode and mode.step_chunk else ""))
+            add(
+                "optimizer temporary at step" if mode else "optimizer temporary (torch foreach)",
+                impl_temp * stepped_at_once(mode, sg),
+                phase="step",
+                note=tnote + (f", {mode.step_chunk} elements at a time" if mode and mode.step_chunk else ""),
+            )
     else:
         # The optimizer runs on the host; gradients travel there in the master's dtype during backward.
-        add("%s gradient partition (offloaded)" % ("bf16 master" if bf16_master else "fp32"), master_b * part,
-            opt_dev, ds=True, note="pinned buffers that receive the reduced gradients")
+        add(
+            "%s gradient partition (offloaded)" % ("bf16 master" if bf16_master else "fp32"),
+            master_b * part,
+            opt_dev,
+            ds=True,
+            note="pinned buffers that receive the reduced gradients",
+        )
         if impl_temp:
             stepped = part if s.stage < 3 else min(part, s.zero.sub_group_size)
-            add("optimizer temporary at step (host)", impl_temp * (min(stepped, optim_modes.HOST_STEP_CHUNK)
-                                                                   if host_mode else stepped),
-                opt_dev, phase="step", note=tnote)
+            add(
+                "optimizer temporary at step (host)",
+                impl_temp * (min(stepped, optim_modes.HOST_STEP_CHUNK) if host_mode else stepped),
+                opt_dev,
+                phase="step",
+                note=tnote,
+            )
         if s.stage < 3:
-            add("%s partition staging buffer" % s.precision, b * part, "host",
-                note="param_buffer_of_bit16_for_cpu_offload_groups")
-            add("gradient offload staging (largest tensor)", b * largest_trained,
-                note="temp_grad_buffer_for_gpu_offload")
-            add("gradient offload staging (largest tensor, pinned)", b * largest_trained, "host",
-                note="temp_grad_buffer_for_cpu_offload")
+            add(
+                f"{s.precision} partition staging buffer",
+                b * part,
+                "host",
+                note="param_buffer_of_bit16_for_cpu_offload_groups",
+            )
+            add(
+                "gradient offload staging (largest tensor)",
+                b * largest_trained,
+                note="temp_grad_buffer_for_gpu_offload",
+            )
+            add(
+                "gradient offload staging (largest tensor, pinned)",
+                b * largest_trained,
+                "host",
+                note="temp_grad_buffer_for_cpu_offload",
+            )
     if off_opt and s.stage == 3 and b < 4:
-        add("%s gradient partition (offloaded)" % s.precision, b * part, "host",
-            note="grad_partitions_flat_buffer lives on the host with optimizer offload")
+        add(
+            f"{s.precision} gradient partition (offloaded)",
+            b * part,
+            "host",
+            note="grad_partitions_flat_buffer lives on the host with optimizer offload",
+        )
     if s.offload_optimizer == "nvme" or s.offload_param == "nvme":
         swap = min(part, s.zero.sub_group_size)
-        add("NVMe swap buffers (pinned)", (4 + opt) * swap + (5 * 100_000_000 * b if off_par else 0), "host",
-            note="one sub-group's fp32 master + states swapped in; parameters: buffer_count 5 x buffer_size 1e8")
+        add(
+            "NVMe swap buffers (pinned)",
+            (4 + opt) * swap + (5 * 100_000_000 * b if off_par else 0),
+            "host",
+            note="one sub-group's fp32 master + states swapped in; parameters: buffer_count 5 x buffer_size 1e8",
+        )
 
     # --- page-locked offload buffers. torch's pinned-memory allocator (at::CachingHostAllocator, which DeepSpeed's
     # pin_memory goes through) rounds every block up to a power of two and keeps freed blocks cached. Measured on
@@ -215,13 +324,21 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         # ones then move into one flat pinned buffer (param_groups_fp16_flat_cpu_memory) and their first blocks
         # stay in the allocator's cache
         pinned += [b * -(-n // N) for n in inv.tensor_sizes if n >= s.zero.param_persistence_threshold]
-        add("trained parameters' flat buffer (pinned)", b * part, "host",
-            note="param_groups_fp16_flat_cpu_memory; the partitions first pinned one by one stay cached")
+        add(
+            "trained parameters' flat buffer (pinned)",
+            b * part,
+            "host",
+            note="param_groups_fp16_flat_cpu_memory; the partitions first pinned one by one stay cached",
+        )
         pinned.append(b * part)
     rounding = sum(pinned_block(n) - n for n in pinned)
     if rounding:
-        add("pinned-memory rounding", rounding, "host",
-            note=f"{len(pinned)} page-locked buffers, each rounded up to a power of two by torch's allocator")
+        add(
+            "pinned-memory rounding",
+            rounding,
+            "host",
+            note=f"{len(pinned)} page-locked buffers, each rounded up to a power of two by torch's allocator",
+        )
 
     # --- EMA of the trained weights (fluxzero.train.ema.ShardedEMA): beside this rank's master partition
     if s.ema is not None:
@@ -232,8 +349,13 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         partitioned = s.stage >= 1
         per = EmaConfig(dtype=s.ema).bytes_per_param(N, partitioned)
         where = "host" if s.ema_device == "cpu" else "gpu"
-        add(f"EMA ({s.ema})", per * P, where, note=("1/N, like the master partition" if partitioned and N > 1
-                                                    else "whole on every rank") + f", ema.device {s.ema_device}")
+        add(
+            f"EMA ({s.ema})",
+            per * P,
+            where,
+            note=("1/N, like the master partition" if partitioned and N > 1 else "whole on every rank")
+            + f", ema.device {s.ema_device}",
+        )
 
     # --- building the model and the engine (fluxzero.train.engine.build_engine). The model is born in its
     # training dtype: under a bf16 config directly in bf16 on the GPU (or on the meta device, then loaded), so no
@@ -247,24 +369,44 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     model_bytes = base + b * P
     one_layer = b * inv.largest_layer if s.base_quant else 0
     if fused and s.offload_blocks:
-        add("building the engine", model_bytes - b * sum(streamed_blocks(s, inv)) + b * inv.largest_layer,
-            phase="init", note="resident bf16 weights; each streamed module is made here, then moved to the host")
+        add(
+            "building the engine",
+            model_bytes - b * sum(streamed_blocks(s, inv)) + b * inv.largest_layer,
+            phase="init",
+            note="resident bf16 weights; each streamed module is made here, then moved to the host",
+        )
     elif optim_modes.trainer_casts_to_bf16(s.optimizer_mode, s.stage):
-        add("building the engine", model_bytes + one_layer, phase="init",
-            note="bf16 model, stepped by the client optimizer itself (no master copy)")
+        add(
+            "building the engine",
+            model_bytes + one_layer,
+            phase="init",
+            note="bf16 model, stepped by the client optimizer itself (no master copy)",
+        )
     elif s.stage == 0 and b < 4 and s.optimizer_impl != "fused" or (s.stage == 0 and mode is not None):
         # torch AdamW is not a DeepSpeed FusedAdam: the engine wraps it in FP16_UnfusedOptimizer, whose
         # initialize_optimizer_states gives every tensor a zero bf16 and fp32 grad and runs one step (which
         # creates the states) before it frees the grads: the same 20 B/param as the steady-state step
         temp = 4 * P if s.optimizer_impl == "torch" and mode is None else 0
-        add("building the engine", (b + 4 + b + 4 + opt) * P + base + temp + one_layer, phase="init",
-            note="params, fp32 master clones, zero bf16 + fp32 grads, optimizer states (FP16_UnfusedOptimizer)")
+        add(
+            "building the engine",
+            (b + 4 + b + 4 + opt) * P + base + temp + one_layer,
+            phase="init",
+            note="params, fp32 master clones, zero bf16 + fp32 grads, optimizer states (FP16_UnfusedOptimizer)",
+        )
     elif s.stage == 0:
-        add("building the engine", model_bytes + (b + 4 if b < 4 else 0) * P + one_layer, phase="init",
-            note=f"{s.precision} model" + (", flat copy and fp32 master (FP16_Optimizer)" if b < 4 else ""))
+        add(
+            "building the engine",
+            model_bytes + (b + 4 if b < 4 else 0) * P + one_layer,
+            phase="init",
+            note=f"{s.precision} model" + (", flat copy and fp32 master (FP16_Optimizer)" if b < 4 else ""),
+        )
     elif s.stage < 3:
-        add("building the engine", model_bytes + b * P + one_layer, phase="init",
-            note=f"{s.precision} model, trained parameters flattened (stage_1_and_2 __init__)")
+        add(
+            "building the engine",
+            model_bytes + b * P + one_layer,
+            phase="init",
+            note=f"{s.precision} model, trained parameters flattened (stage_1_and_2 __init__)",
+        )
 
     # --- host memory while the weights load (each local rank, before deepspeed.initialize). The trainer never holds
     # the model on the host: below stage 3 engine.born_model materialises it on its device module by module and
@@ -275,9 +417,14 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     # zero_init False at stage 3 (a model built whole, then partitioned: DeepSpeed's estimator's other case).
     streamed = s.stage < 3 or s.zero_init
     loaded = inv.largest_layer if streamed else total
-    add("model load (%d B/param)" % s.load_bytes, s.load_bytes * loaded, "host", "load",
+    add(
+        f"model load ({s.load_bytes} B/param)",
+        s.load_bytes * loaded,
+        "host",
+        "load",
         note="one layer at a time (the file memory-mapped)" if streamed else "whole model on every local rank",
-        ds=True)
+        ds=True,
+    )
     add(PROCESS_ITEM, 2 * GiB, "host", note="per rank; assumed typical RSS")
     return items
 
@@ -309,36 +456,100 @@ def communication_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
     fused = s.optimizer_mode is not None and optim_modes.get_mode(s.optimizer_mode).fused
     if s.stage == 0:
         if not fused:  # the fused step all-reduces each gradient in place
-            items.append(Item("allreduce bucket", b * min(z.reduce_bucket_size, trained_params(s, inv)), "gpu",
-                              "train", "engine.buffered_allreduce_fallback flattens one bucket"))
+            items.append(
+                Item(
+                    "allreduce bucket",
+                    b * min(z.reduce_bucket_size, trained_params(s, inv)),
+                    "gpu",
+                    "train",
+                    "engine.buffered_allreduce_fallback flattens one bucket",
+                )
+            )
     elif s.stage in (1, 2):
         n = 2 if overlap else 1
-        items.append(Item("gradient reduction buckets", n * b * z.reduce_bucket_size, "gpu", "train",
-                          f"ipg buffers: reduce_bucket_size x {n} (overlap_comm={overlap}), freed when "
-                          f"backward ends"))
-        items.append(Item("gradient being produced", b * _largest_trained_layer(s, inv), "gpu", "train",
-                          "one layer's full gradient before it is copied into a bucket"))
+        items.append(
+            Item(
+                "gradient reduction buckets",
+                n * b * z.reduce_bucket_size,
+                "gpu",
+                "train",
+                f"ipg buffers: reduce_bucket_size x {n} (overlap_comm={overlap}), freed when backward ends",
+            )
+        )
+        items.append(
+            Item(
+                "gradient being produced",
+                b * _largest_trained_layer(s, inv),
+                "gpu",
+                "train",
+                "one layer's full gradient before it is copied into a bucket",
+            )
+        )
         # allgather_bucket_size costs nothing with NCCL: all_gather_into_tensor writes into the flat buffer.
     else:
-        items.append(Item("gradient reduction bucket", b * z.reduce_bucket_size, "gpu", "resident",
-                          "ipg bucket (reduce_bucket_size)"))
-        items.append(Item("reduce-scatter staging", b * z.reduce_bucket_size // 2, "gpu", "train",
-                          "half a bucket on average in flight"))
+        items.append(
+            Item(
+                "gradient reduction bucket",
+                b * z.reduce_bucket_size,
+                "gpu",
+                "resident",
+                "ipg bucket (reduce_bucket_size)",
+            )
+        )
+        items.append(
+            Item(
+                "reduce-scatter staging",
+                b * z.reduce_bucket_size // 2,
+                "gpu",
+                "train",
+                "half a bucket on average in flight",
+            )
+        )
         unit = inv.largest_layer
         block = max(inv.double_block, inv.single_block)
         if s.checkpoint_every and z.max_reuse_distance >= block:
             unit = block  # recompute then backward reuses the whole block's params: not released in between
         prefetch = min(z.prefetch_bucket_size, max(0, z.max_live_parameters - unit))
-        items.append(Item("live (gathered) parameters", b * (unit + prefetch), "gpu", "train",
-                          "largest gather unit + prefetch bucket (capped by max_live_parameters)", ds=True))
-        items.append(Item("parameters left gathered for backward", b * max(0, gathered_at_turn(s, inv) - unit - prefetch),
-                          "gpu", "train", "beyond the above, when forward ends: the last blocks within "
-                          "max_reuse_distance, the prefetcher's lead up to max_live_parameters"))
-        items.append(Item("gradient being produced", b * _largest_trained_layer(s, inv), "gpu", "train",
-                          "one layer's full gradient before it enters the bucket", ds=True))
+        items.append(
+            Item(
+                "live (gathered) parameters",
+                b * (unit + prefetch),
+                "gpu",
+                "train",
+                "largest gather unit + prefetch bucket (capped by max_live_parameters)",
+                ds=True,
+            )
+        )
+        items.append(
+            Item(
+                "parameters left gathered for backward",
+                b * max(0, gathered_at_turn(s, inv) - unit - prefetch),
+                "gpu",
+                "train",
+                "beyond the above, when forward ends: the last blocks within "
+                "max_reuse_distance, the prefetcher's lead up to max_live_parameters",
+            )
+        )
+        items.append(
+            Item(
+                "gradient being produced",
+                b * _largest_trained_layer(s, inv),
+                "gpu",
+                "train",
+                "one layer's full gradient before it enters the bucket",
+                ds=True,
+            )
+        )
         persistent = inv.persistent(z.param_persistence_threshold)
-        items.append(Item("persistent parameters", b * persistent, "gpu", "resident",
-                          f"tensors under param_persistence_threshold={z.param_persistence_threshold}"))
+        items.append(
+            Item(
+                "persistent parameters",
+                b * persistent,
+                "gpu",
+                "resident",
+                f"tensors under param_persistence_threshold={z.param_persistence_threshold}",
+            )
+        )
     return items
 
 
@@ -398,5 +609,8 @@ def stream_traffic(s: RunSpec) -> list[tuple[str, int]]:
     moved = PRECISION_BYTES[s.precision] * sum(streamed_blocks(s))
     if not moved:
         return []
-    return [("host -> GPU, forward", moved), ("host -> GPU, recompute in backward", moved),
-            ("GPU -> host, updated weights", moved)]
+    return [
+        ("host -> GPU, forward", moved),
+        ("host -> GPU, recompute in backward", moved),
+        ("GPU -> host, updated weights", moved),
+    ]

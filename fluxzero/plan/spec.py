@@ -3,17 +3,17 @@ step's memory depends on), what a DeepSpeed config decides of it, and one line o
 
 Pure Python (no torch, no deepspeed).
 """
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
 from fluxzero.config import architecture, optim_modes
-
+from fluxzero.config.architecture import linear_shapes
 from fluxzero.config.deepspeed import view as ds_view
 from fluxzero.config.deepspeed.adam_impl import OPTIMIZER_IMPLS
 from fluxzero.config.deepspeed.check import CHECKPOINT_POLICIES, OFFLOAD_DEVICES
-from fluxzero.config.architecture import linear_shapes
 from fluxzero.config.lora import DEFAULT_TARGETS, LoraConfig, lora_param_count
 from fluxzero.config.models import ModelConfig, get_model_config
 from fluxzero.dtypes import BYTES
@@ -83,9 +83,12 @@ def param_inventory(cfg: ModelConfig) -> ParamInventory:
     outside = architecture.outside_blocks(cfg)
     modules = [lay for _, lay in architecture.layers(cfg)]  # ZeRO-3 cuts its optimizer sub-groups along this order
     return ParamInventory(
-        total=architecture.num_params(cfg), double_block=architecture.block_params(double),
-        single_block=architecture.block_params(single), outside_blocks=architecture.block_params(outside),
-        largest_layer=max(lay.params for lay in modules), tensor_sizes=tuple(n for lay in modules for n in lay.tensors),
+        total=architecture.num_params(cfg),
+        double_block=architecture.block_params(double),
+        single_block=architecture.block_params(single),
+        outside_blocks=architecture.block_params(outside),
+        largest_layer=max(lay.params for lay in modules),
+        tensor_sizes=tuple(n for lay in modules for n in lay.tensors),
     )
 
 
@@ -115,18 +118,23 @@ class ZeroSettings:
     sub_group_size: int = 1_000_000_000
 
     @classmethod
-    def from_ds_config(cls, ds: dict) -> "ZeroSettings":
+    def from_ds_config(cls, ds: dict) -> ZeroSettings:
         return cls.from_view(ds_view.view(ds))
 
     @classmethod
-    def from_view(cls, v: ds_view.DSView) -> "ZeroSettings":
+    def from_view(cls, v: ds_view.DSView) -> ZeroSettings:
         z = dict(v.zero_settings)
-        keys = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
-                "overlap_comm": "overlap_comm", "contiguous_gradients": "contiguous_gradients",
-                "prefetch_bucket_size": "stage3_prefetch_bucket_size",
-                "param_persistence_threshold": "stage3_param_persistence_threshold",
-                "max_live_parameters": "stage3_max_live_parameters",
-                "max_reuse_distance": "stage3_max_reuse_distance", "sub_group_size": "sub_group_size"}
+        keys = {
+            "reduce_bucket_size": "reduce_bucket_size",
+            "allgather_bucket_size": "allgather_bucket_size",
+            "overlap_comm": "overlap_comm",
+            "contiguous_gradients": "contiguous_gradients",
+            "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+            "param_persistence_threshold": "stage3_param_persistence_threshold",
+            "max_live_parameters": "stage3_max_live_parameters",
+            "max_reuse_distance": "stage3_max_reuse_distance",
+            "sub_group_size": "sub_group_size",
+        }
         values = {ours: z[theirs] for ours, theirs in keys.items() if theirs in z and z[theirs] != "auto"}
         return cls(**{k: (v if isinstance(v, bool) else int(v)) for k, v in values.items()})
 
@@ -143,8 +151,12 @@ def run_options_from_ds_config(ds: dict, world_size: int | None = None, v: ds_vi
     section to DeepSpeed).
     """
     v = v if v is not None else ds_view.view(ds)
-    out: dict = {"stage": v.stage, "precision": v.precision, "offload_optimizer": v.offload_optimizer,
-                 "offload_param": v.offload_param}
+    out: dict = {
+        "stage": v.stage,
+        "precision": v.precision,
+        "offload_optimizer": v.offload_optimizer,
+        "offload_param": v.offload_param,
+    }
     for ours in ("stage", "checkpoint_every"):
         if not (isinstance(getattr(v, ours), int) and not isinstance(getattr(v, ours), bool)):
             key = "zero_optimization.stage" if ours == "stage" else "fluxzero.activation_checkpointing.every_k_blocks"
@@ -224,7 +236,7 @@ class RunSpec:
     base_quant: str | None = None  # None: the frozen LoRA base in the training dtype; "int8" / "fp8": BASE_QUANT_BYTES
     offload_blocks: int = 0  # fluxzero.offload_blocks: the last K blocks' weights in host memory (fused modes)
 
-    def __post_init__(self):
+    def __post_init__(self):  # noqa: C901
         if isinstance(self.model, str):
             object.__setattr__(self, "model", get_model_config(self.model))
         for f in ("nodes", "gpus_per_node", "micro_batch", "txt_len"):
@@ -253,8 +265,9 @@ class RunSpec:
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be 0 (off) or more, got {self.checkpoint_every}")
         if self.checkpoint_policy not in CHECKPOINT_POLICIES:
-            raise ValueError(f"checkpoint_policy must be one of {', '.join(CHECKPOINT_POLICIES)}, got "
-                             f"{self.checkpoint_policy!r}")
+            raise ValueError(
+                f"checkpoint_policy must be one of {', '.join(CHECKPOINT_POLICIES)}, got {self.checkpoint_policy!r}"
+            )
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be cuda or cpu, got {self.device!r}")
         if self.optimizer_mode is not None:
@@ -262,8 +275,10 @@ class RunSpec:
             if self.stage not in mode.zero_stages:
                 raise ValueError(f"optimizer mode {mode.name} does not run at ZeRO stage {self.stage}")
             if not mode.offload_ok and self.offload_optimizer != "none":
-                raise ValueError(f"optimizer mode {mode.name} keeps bf16 masters on the accelerator, which deepspeed "
-                                 f"0.19.8 does not offload for it: use offload_optimizer none, a cpu-* mode or fp32")
+                raise ValueError(
+                    f"optimizer mode {mode.name} keeps bf16 masters on the accelerator, which deepspeed "
+                    f"0.19.8 does not offload for it: use offload_optimizer none, a cpu-* mode or fp32"
+                )
             if mode.needs_offload and self.offload_optimizer != "cpu":
                 raise ValueError(f"optimizer mode {mode.name} steps in host memory: it needs offload_optimizer cpu")
             if mode.master_dtype == "bf16" and self.precision != "bf16":
@@ -283,13 +298,16 @@ class RunSpec:
             lora_config(self).check_model(self.model)  # validates rank and targets (ValueError naming the field)
         if self.base_quant is not None:
             if self.base_quant not in BASE_QUANT_BYTES:
-                raise ValueError(f"base_quant must be one of {', '.join(BASE_QUANT_BYTES)} or None, got "
-                                 f"{self.base_quant!r}")
+                raise ValueError(
+                    f"base_quant must be one of {', '.join(BASE_QUANT_BYTES)} or None, got {self.base_quant!r}"
+                )
             if not self.lora_rank:
                 raise ValueError("a quantized base (base_quant) is frozen: it needs a LoRA (lora_rank > 0)")
             if self.stage == 3:  # ZeRO-3 would partition and gather torchao's tensor subclasses: not supported
-                raise ValueError("a quantized base (base_quant) needs ZeRO stage 0, 1 or 2 (stage 3 partitions "
-                                 "the base in the training dtype)")
+                raise ValueError(
+                    "a quantized base (base_quant) needs ZeRO stage 0, 1 or 2 (stage 3 partitions "
+                    "the base in the training dtype)"
+                )
         if self.ema not in (None, "fp32", "bf16"):
             raise ValueError(f"ema must be fp32, bf16 or None, got {self.ema!r}")
         if self.ema_device not in ("gpu", "cpu"):
@@ -309,9 +327,8 @@ class RunSpec:
         """Image tokens through the blocks: the target's, then a Kontext model's reference tokens."""
         return image_tokens(self.height, self.width) + self.reference_tokens
 
-    def replace(self, **changes) -> "RunSpec":
+    def replace(self, **changes) -> RunSpec:
         return dataclasses.replace(self, **changes)
-
 
 
 @dataclass(frozen=True)
@@ -328,7 +345,6 @@ class Item:
     ds: bool = False
 
 
-
 def optim_mode(s: RunSpec):
     """The spec's OptimMode (fluxzero.config.optim_modes), or None for DeepSpeed's own optimizer."""
     return None if s.optimizer_mode is None else optim_modes.get_mode(s.optimizer_mode)
@@ -338,15 +354,22 @@ def streamed_blocks(s: RunSpec, inv: ParamInventory | None = None) -> list[int]:
     """Parameters of each streamed block (fluxzero.offload_blocks: the last K, double blocks then single ones)."""
     inv = inv or param_inventory(s.model)
     sizes = [inv.double_block] * s.model.depth + [inv.single_block] * s.model.depth_single_blocks
-    return sizes[len(sizes) - s.offload_blocks:] if s.offload_blocks else []
+    return sizes[len(sizes) - s.offload_blocks :] if s.offload_blocks else []
 
 
 def lora_config(s: RunSpec) -> LoraConfig | None:
     if not s.lora_rank:
         return None
     targets = s.lora_targets if isinstance(s.lora_targets, str) else list(s.lora_targets)
-    return LoraConfig(rank=s.lora_rank, targets=targets, dropout=s.lora_dropout, type=s.lora_type,
-                      factor=s.lora_factor, decompose_both=s.lora_decompose_both, base_quant=s.base_quant or "none")
+    return LoraConfig(
+        rank=s.lora_rank,
+        targets=targets,
+        dropout=s.lora_dropout,
+        type=s.lora_type,
+        factor=s.lora_factor,
+        decompose_both=s.lora_decompose_both,
+        base_quant=s.base_quant or "none",
+    )
 
 
 def base_bytes(s: RunSpec, inv: ParamInventory | None = None) -> int:
@@ -368,4 +391,3 @@ def trained_params(s: RunSpec, inv: ParamInventory | None = None) -> int:
     if lc is None:
         return (inv or param_inventory(s.model)).total
     return lora_param_count(s.model, lc)
-

@@ -9,6 +9,7 @@ Format (version 1):
 `fluxzero encode-prompts` writes one on a machine that has the encoders; `fluxzero sample --embeddings`
 and the trainer read it with `load_embeddings`.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,29 +41,41 @@ class PromptEmbeddings:
     def __post_init__(self):
         n = len(self.prompts)
         if self.t5.ndim != 3 or self.clip_pooled.ndim != 2 or self.t5.shape[0] != n or self.clip_pooled.shape[0] != n:
-            raise EmbeddingsError(f"prompt embeddings need t5 (N, L, D) and clip_pooled (N, V) for N={n} prompts, got "
-                                  f"{tuple(self.t5.shape)} and {tuple(self.clip_pooled.shape)}; encode them again")
+            raise EmbeddingsError(
+                f"prompt embeddings need t5 (N, L, D) and clip_pooled (N, V) for N={n} prompts, got "
+                f"{tuple(self.t5.shape)} and {tuple(self.clip_pooled.shape)}; encode them again"
+            )
         if (self.neg_t5 is None) != (self.neg_clip_pooled is None):
             raise EmbeddingsError("a negative prompt needs both neg_t5 and neg_clip_pooled; encode it again")
-        if self.neg_t5 is not None and (tuple(self.neg_t5.shape) != (1, *self.t5.shape[1:])
-                                        or tuple(self.neg_clip_pooled.shape) != (1, self.clip_pooled.shape[1])):
-            raise EmbeddingsError(f"the negative prompt's embeddings {tuple(self.neg_t5.shape)}, "
-                                  f"{tuple(self.neg_clip_pooled.shape)} do not match one row of the prompts' "
-                                  f"{tuple(self.t5.shape[1:])}, {self.clip_pooled.shape[1]}; encode them again together")
+        if self.neg_t5 is not None and (
+            tuple(self.neg_t5.shape) != (1, *self.t5.shape[1:])
+            or tuple(self.neg_clip_pooled.shape) != (1, self.clip_pooled.shape[1])
+        ):
+            raise EmbeddingsError(
+                f"the negative prompt's embeddings {tuple(self.neg_t5.shape)}, "
+                f"{tuple(self.neg_clip_pooled.shape)} do not match one row of the prompts' "
+                f"{tuple(self.t5.shape[1:])}, {self.clip_pooled.shape[1]}; encode them again together"
+            )
         if self.t5.shape[1] == 0 or self.t5.shape[2] == 0 or self.clip_pooled.shape[1] == 0:
-            raise EmbeddingsError(f"the prompt embeddings are empty (t5 {tuple(self.t5.shape)}, clip_pooled "
-                                  f"{tuple(self.clip_pooled.shape)}): FLUX.1 needs T5 tokens and a CLIP vector; "
-                                  "encode them again")
+            raise EmbeddingsError(
+                f"the prompt embeddings are empty (t5 {tuple(self.t5.shape)}, clip_pooled "
+                f"{tuple(self.clip_pooled.shape)}): FLUX.1 needs T5 tokens and a CLIP vector; "
+                "encode them again"
+            )
         for name in ("t5", "clip_pooled", "neg_t5", "neg_clip_pooled"):
             t = getattr(self, name)
             if t is None:
                 continue
             if not t.is_floating_point():  # an integer file would be cast and sampled as if it were embeddings
-                raise EmbeddingsError(f"{name} holds {str(t.dtype).replace('torch.', '')} values, but prompt "
-                                      "embeddings are floating point (the encoders' outputs); encode them again")
+                raise EmbeddingsError(
+                    f"{name} holds {str(t.dtype).replace('torch.', '')} values, but prompt "
+                    "embeddings are floating point (the encoders' outputs); encode them again"
+                )
             if not bool(torch.isfinite(t).all()):  # NaN samples black images without a word
-                raise EmbeddingsError(f"{name} holds NaN or infinite values (an encoder that overflowed, e.g. T5 in "
-                                      "fp16); encode them again in bf16 or fp32")
+                raise EmbeddingsError(
+                    f"{name} holds NaN or infinite values (an encoder that overflowed, e.g. T5 in "
+                    "fp16); encode them again in bf16 or fp32"
+                )
 
     def check_model(self, cfg) -> None:
         """EmbeddingsError unless these embeddings fit a model of this shape (a ModelConfig): its T5 and CLIP widths."""
@@ -70,7 +83,8 @@ class PromptEmbeddings:
             raise EmbeddingsError(
                 f"the prompt embeddings are T5 {self.t5.shape[-1]} / CLIP {self.clip_pooled.shape[-1]} wide but "
                 f"model {cfg.name!r} takes {cfg.context_in_dim} / {cfg.vec_in_dim}; encode the prompts with this "
-                "model's T5 and CLIP encoders.")
+                "model's T5 and CLIP encoders."
+            )
 
     @property
     def has_negative(self) -> bool:
@@ -104,12 +118,15 @@ def load_embeddings(path: str | os.PathLike) -> PromptEmbeddings:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             if meta.get("format") != FORMAT:
-                raise EmbeddingsError(f"{path} is not a fluxzero prompt-embeddings file (no format "
-                                      f"{FORMAT!r} in its metadata); {fix}")
+                raise EmbeddingsError(
+                    f"{path} is not a fluxzero prompt-embeddings file (no format {FORMAT!r} in its metadata); {fix}"
+                )
             if meta.get("version") != VERSION:
-                raise EmbeddingsError(f"{path} is prompt-embeddings version {meta.get('version')!r}, this fluxzero "
-                                      f"reads version {VERSION}; {fix}")
-            t = {k: f.get_tensor(k) for k in f.keys()}
+                raise EmbeddingsError(
+                    f"{path} is prompt-embeddings version {meta.get('version')!r}, this fluxzero "
+                    f"reads version {VERSION}; {fix}"
+                )
+            t = {k: f.get_tensor(k) for k in f}
     except EmbeddingsError:
         raise
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
@@ -118,14 +135,21 @@ def load_embeddings(path: str | os.PathLike) -> PromptEmbeddings:
         prompts = parse_json(meta.get("prompts", ""))
     except ValueError:
         prompts = None
-    if not (isinstance(prompts, list) and all(isinstance(p, str) for p in prompts)) or not {"t5", "clip_pooled"} <= set(t):
+    if not (isinstance(prompts, list) and all(isinstance(p, str) for p in prompts)) or not {"t5", "clip_pooled"} <= set(
+        t
+    ):
         raise EmbeddingsError(f"{path} lacks the t5 / clip_pooled tensors or the prompts list; {fix}")
     if not prompts:
         raise EmbeddingsError(f"{path} holds no prompts; {fix} and at least one --prompt")
     try:
-        return PromptEmbeddings(prompts=prompts, t5=t["t5"], clip_pooled=t["clip_pooled"],
-                                negative_prompt=meta.get("negative_prompt"), neg_t5=t.get("neg_t5"),
-                                neg_clip_pooled=t.get("neg_clip_pooled"))
+        return PromptEmbeddings(
+            prompts=prompts,
+            t5=t["t5"],
+            clip_pooled=t["clip_pooled"],
+            negative_prompt=meta.get("negative_prompt"),
+            neg_t5=t.get("neg_t5"),
+            neg_clip_pooled=t.get("neg_clip_pooled"),
+        )
     except EmbeddingsError as e:
         raise EmbeddingsError(f"{path}: {e}") from None
 

@@ -1,4 +1,5 @@
 """Sampled images on disk: PNGs that carry their sampling parameters as PNG text chunks, and a grid."""
+
 from __future__ import annotations
 
 import json

@@ -1,10 +1,11 @@
 """Prompts x seeds -> PNG files: the loop `fluxzero sample` runs, public so training previews write the same files."""
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
@@ -18,11 +19,26 @@ from .vae import decode
 PNG_THREADS = min(4, os.cpu_count() or 1)  # a batch's PNGs and the grid at once; more buys nothing at 4 images
 
 
-def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None, *, width: int, height: int, steps: int,
-                  seeds: Sequence[int], guidance: float = 3.5, true_cfg: float = 1.0, batch_size: int = 1,
-                  weights: str | None = None, lora: dict | None = None,
-                  on_step: Callable[[], None] | None = None, write_grid: bool = True,
-                  reference: torch.Tensor | None = None, reference_path: str | None = None) -> list[Path]:
+def sample_images(
+    model,
+    vae,
+    emb: PromptEmbeddings,
+    out_dir: str | Path | None,
+    *,
+    width: int,
+    height: int,
+    steps: int,
+    seeds: Sequence[int],
+    guidance: float = 3.5,
+    true_cfg: float = 1.0,
+    batch_size: int = 1,
+    weights: str | None = None,
+    lora: dict | None = None,
+    on_step: Callable[[], None] | None = None,
+    write_grid: bool = True,
+    reference: torch.Tensor | None = None,
+    reference_path: str | None = None,
+) -> list[Path]:
     """Sample every prompt once per seed, write NNNN-pP-sS.png files (parameters in their text chunks) and
     grid.png (a row per prompt, a column per seed; not with write_grid=False) into out_dir; return the PNG
     paths in order. `lora` (the LoRA merged into `model`: its path, layout, scale, ...) goes into the
@@ -54,22 +70,39 @@ def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None,
     images, pending = [], []
     with ThreadPoolExecutor(max_workers=PNG_THREADS) as pool:
         for start in range(0, len(jobs), batch_size):
-            batch = jobs[start:start + batch_size]
+            batch = jobs[start : start + batch_size]
             rows = torch.tensor([p for p, _ in batch])
             latents = sample(
-                model, emb.t5[rows], emb.clip_pooled[rows], height=height, width=width, steps=steps,
-                guidance=guidance, seed=[s for _, s in batch], true_cfg=true_cfg,
-                neg_txt=emb.neg_t5 if cfg_on else None, neg_y=emb.neg_clip_pooled if cfg_on else None,
-                callback=(lambda *_: on_step()) if on_step else None, reference=reference,
+                model,
+                emb.t5[rows],
+                emb.clip_pooled[rows],
+                height=height,
+                width=width,
+                steps=steps,
+                guidance=guidance,
+                seed=[s for _, s in batch],
+                true_cfg=true_cfg,
+                neg_txt=emb.neg_t5 if cfg_on else None,
+                neg_y=emb.neg_clip_pooled if cfg_on else None,
+                callback=(lambda *_: on_step()) if on_step else None,
+                reference=reference,
             )
             if out_dir is None:  # a ZeRO-3 peer: its part was the forward passes
                 continue
             for (p, s), image in zip(batch, decode(vae, latents)):
                 params = {
-                    "prompt": emb.prompts[p], "negative_prompt": emb.negative_prompt if cfg_on else None, "seed": s,
-                    "steps": steps, "guidance": guidance if cfg.guidance_embed else None,
-                    "true_cfg": true_cfg if cfg_on else None, "width": width, "height": height, "model": cfg.name,
-                    "weights": weights, "sampler": "euler", "dtype": dtype,
+                    "prompt": emb.prompts[p],
+                    "negative_prompt": emb.negative_prompt if cfg_on else None,
+                    "seed": s,
+                    "steps": steps,
+                    "guidance": guidance if cfg.guidance_embed else None,
+                    "true_cfg": true_cfg if cfg_on else None,
+                    "width": width,
+                    "height": height,
+                    "model": cfg.name,
+                    "weights": weights,
+                    "sampler": "euler",
+                    "dtype": dtype,
                 }
                 if lora is not None:
                     params["lora"] = lora
@@ -79,7 +112,9 @@ def sample_images(model, vae, emb: PromptEmbeddings, out_dir: str | Path | None,
                 if write_grid:
                     images.append(image)
         if out_dir is not None and write_grid:
-            pool.submit(lambda: grid(images, cols=len(seeds)).save(out_dir / "grid.png")).result()  # beside the last PNGs
+            pool.submit(
+                lambda: grid(images, cols=len(seeds)).save(out_dir / "grid.png")
+            ).result()  # beside the last PNGs
         return [f.result() for f in pending]  # in order; a failed write raises here
 
 
@@ -91,8 +126,9 @@ COMPILE_PAYS_OFF_IMAGE_STEPS = 256
 AUTO_BATCH = 4  # images per model call at --batch-size auto on a GPU (a forward pass keeps no activations)
 
 
-def auto_speed(device_type: str, images: int, steps: int, height: int, width: int, batch_size: int | None,
-               compile: bool | None) -> tuple[int, bool]:
+def auto_speed(
+    device_type: str, images: int, steps: int, height: int, width: int, batch_size: int | None, compile: bool | None
+) -> tuple[int, bool]:
     """`fluxzero sample`'s --batch-size auto (None) and --compile auto (None) -> (batch_size, compile).
 
     On a GPU: compile when the image-steps, weighted by image tokens, reach COMPILE_PAYS_OFF_IMAGE_STEPS; batch up
@@ -122,4 +158,3 @@ def prepare_model(model, *, attention: str | None = None, compile: bool = False,
         model.set_attention(check_attention_backend(attention))
     if compile:
         block_compile.apply_compile(model, backend=backend)
-

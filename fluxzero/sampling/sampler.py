@@ -6,10 +6,11 @@ no_grad for the call and restores its mode afterwards. The numbers follow diffus
 for step (tests/sampling/test_sampling.py compares them): the same noise for the same seed, the same time grid,
 the same Euler update and true-CFG combination.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -18,7 +19,8 @@ from torch.nn.attention import sdpa_kernel
 from ..model.math import ATTENTION_BACKENDS
 from ..model.packing import img_ids as make_img_ids
 from ..model.packing import pack, reference_ids, unpack
-from .schedule import image_tokens, sigmas as make_sigmas
+from .schedule import image_tokens
+from .schedule import sigmas as make_sigmas
 
 LATENT_CHANNELS = 16
 # callback(step, steps, sigma, latents): after each Euler step; step counts from 1, sigma is the new time,
@@ -39,9 +41,16 @@ def size_hint(v: int) -> str:
     return "16" if lo == 0 else f"{lo} or {lo + 16}"
 
 
-def initial_noise(batch: int, height: int, width: int, *, seed: int | Sequence[int] | None = None,
-                  generator: torch.Generator | Sequence[torch.Generator] | None = None,
-                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Tensor:
+def initial_noise(
+    batch: int,
+    height: int,
+    width: int,
+    *,
+    seed: int | Sequence[int] | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> Tensor:
     """The starting noise FluxPipeline.prepare_latents draws for the same generator(s).
 
     A list of seeds (or generators) gives each image its own stream, so an image's noise depends only on
@@ -55,8 +64,11 @@ def initial_noise(batch: int, height: int, width: int, *, seed: int | Sequence[i
     if (seed is None) == (generator is None):
         raise ValueError("pass exactly one of seed and generator (or give the noise itself)")
     if seed is not None:
-        generator = ([torch.Generator().manual_seed(int(s)) for s in seed] if isinstance(seed, Sequence)
-                     else torch.Generator().manual_seed(int(seed)))
+        generator = (
+            [torch.Generator().manual_seed(int(s)) for s in seed]
+            if isinstance(seed, Sequence)
+            else torch.Generator().manual_seed(int(seed))
+        )
     shape = (batch, LATENT_CHANNELS, height // 8, width // 8)
     if isinstance(generator, Sequence):
         if len(generator) != batch:
@@ -64,8 +76,9 @@ def initial_noise(batch: int, height: int, width: int, *, seed: int | Sequence[i
         if len(generator) == 1:  # diffusers treats a list of one as a single generator
             generator = generator[0]
         else:
-            return torch.cat([torch.randn((1, *shape[1:]), generator=g, device=g.device, dtype=dtype)
-                              for g in generator]).to(device)
+            return torch.cat(
+                [torch.randn((1, *shape[1:]), generator=g, device=g.device, dtype=dtype) for g in generator]
+            ).to(device)
     return torch.randn(shape, generator=generator, device=generator.device, dtype=dtype).to(device)
 
 
@@ -89,12 +102,26 @@ def _model_sdpa_flags(model):
 
 
 @torch.no_grad()
-def sample(model: torch.nn.Module, txt: Tensor, y: Tensor, *, height: int, width: int, steps: int,
-           guidance: float = 3.5, seed: int | Sequence[int] | None = None,
-           generator: torch.Generator | Sequence[torch.Generator] | None = None, txt_ids: Tensor | None = None,
-           true_cfg: float = 1.0, neg_txt: Tensor | None = None, neg_y: Tensor | None = None,
-           noise: Tensor | None = None, shift: bool | None = None, callback: StepCallback | None = None,
-           reference: Tensor | None = None) -> Tensor:
+def sample(
+    model: torch.nn.Module,
+    txt: Tensor,
+    y: Tensor,
+    *,
+    height: int,
+    width: int,
+    steps: int,
+    guidance: float = 3.5,
+    seed: int | Sequence[int] | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    txt_ids: Tensor | None = None,
+    true_cfg: float = 1.0,
+    neg_txt: Tensor | None = None,
+    neg_y: Tensor | None = None,
+    noise: Tensor | None = None,
+    shift: bool | None = None,
+    callback: StepCallback | None = None,
+    reference: Tensor | None = None,
+) -> Tensor:
     """Sample B images' latents from text embeddings with `steps` Euler steps.
 
     txt: T5 embeddings (B, L, context_in_dim); y: CLIP pooled (B, vec_in_dim); txt_ids (B, L, 3), default
@@ -117,7 +144,9 @@ def sample(model: torch.nn.Module, txt: Tensor, y: Tensor, *, height: int, width
     cfg = model.config
     b = txt.shape[0]
     if txt.ndim != 3 or y.ndim != 2 or y.shape[0] != b:
-        raise ValueError(f"txt must be (B, L, D) and y (B, V) with the same B; got {tuple(txt.shape)} and {tuple(y.shape)}")
+        raise ValueError(
+            f"txt must be (B, L, D) and y (B, V) with the same B; got {tuple(txt.shape)} and {tuple(y.shape)}"
+        )
     h, w = height // 8, width // 8
     if noise is None:
         noise = initial_noise(b, height, width, seed=seed, generator=generator, dtype=dtype, device=device)
@@ -132,8 +161,10 @@ def sample(model: torch.nn.Module, txt: Tensor, y: Tensor, *, height: int, width
             raise ValueError("true_cfg > 1 needs a negative prompt: pass neg_txt and neg_y (or set true_cfg to 1)")
         neg_txt, neg_y = _batch_rows(neg_txt, b, "neg_txt"), _batch_rows(neg_y, b, "neg_y")
         if neg_txt.shape[1:] != txt.shape[1:]:
-            raise ValueError(f"neg_txt {tuple(neg_txt.shape[1:])} and txt {tuple(txt.shape[1:])} must have the same "
-                             f"length and width; pad both prompts to the same T5 length")
+            raise ValueError(
+                f"neg_txt {tuple(neg_txt.shape[1:])} and txt {tuple(txt.shape[1:])} must have the same "
+                f"length and width; pad both prompts to the same T5 length"
+            )
         # conditional and negative halves go through the model as one batch of 2B
         txt, y, txt_ids = torch.cat([txt, neg_txt]), torch.cat([y, neg_y]), torch.cat([txt_ids, txt_ids])
     rows = txt.shape[0]
@@ -141,9 +172,16 @@ def sample(model: torch.nn.Module, txt: Tensor, y: Tensor, *, height: int, width
     ref_tokens = None
     if reference is not None:
         if not cfg.kontext:
-            raise ValueError(f"model {cfg.name!r} is not FLUX.1 Kontext, so it takes no reference image; sample a "
-                             f"Kontext model (flux-kontext-dev) or leave the reference out")
-        if reference.ndim != 4 or reference.shape[1] != LATENT_CHANNELS or reference.shape[2] % 2 or reference.shape[3] % 2:
+            raise ValueError(
+                f"model {cfg.name!r} is not FLUX.1 Kontext, so it takes no reference image; sample a "
+                f"Kontext model (flux-kontext-dev) or leave the reference out"
+            )
+        if (
+            reference.ndim != 4
+            or reference.shape[1] != LATENT_CHANNELS
+            or reference.shape[2] % 2
+            or reference.shape[3] % 2
+        ):
             raise ValueError(f"reference must be latents (B, 16, h, w) with even h and w, got {tuple(reference.shape)}")
         reference = _batch_rows(reference, b, "reference")
         reference = torch.cat([reference, reference]) if do_cfg else reference
@@ -172,7 +210,7 @@ def sample(model: torch.nn.Module, txt: Tensor, y: Tensor, *, height: int, width
                 img = torch.cat([x, x]) if do_cfg else x
                 if ref_tokens is not None:  # Kontext: reference tokens after the target's; keep the target's output
                     img = torch.cat([img, ref_tokens], dim=1)
-                v = model(img=img, timesteps=t, **inputs)[:, :x.shape[1]]  # (rows, HW/256, 64)
+                v = model(img=img, timesteps=t, **inputs)[:, : x.shape[1]]  # (rows, HW/256, 64)
                 if do_cfg:
                     v_pos, v_neg = v.chunk(2)
                     v = v_neg + true_cfg * (v_pos - v_neg)

@@ -6,6 +6,7 @@ float32, shifted by sigma' = e^mu / (e^mu + 1/sigma - 1) with mu from the packed
 final 0 appended. Every operation is the float32 one diffusers performs, so the grids are bit-identical
 (tests/sampling/test_sampling.py checks it for several step counts and sizes).
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,13 @@ def image_tokens(height: int, width: int) -> int:
     return (height // 16) * (width // 16)
 
 
-def shift_mu(tokens: int, base_tokens: int = BASE_TOKENS, max_tokens: int = MAX_TOKENS,
-             base_shift: float = BASE_SHIFT, max_shift: float = MAX_SHIFT) -> float:
+def shift_mu(
+    tokens: int,
+    base_tokens: int = BASE_TOKENS,
+    max_tokens: int = MAX_TOKENS,
+    base_shift: float = BASE_SHIFT,
+    max_shift: float = MAX_SHIFT,
+) -> float:
     """mu linear in the image token count, written as diffusers' calculate_shift (slope, intercept) so the
     float64 value is the same to the last bit."""
     m = (max_shift - base_shift) / (max_tokens - base_tokens)

@@ -1,4 +1,5 @@
 """Latents -> pixels with FLUX.1's autoencoder (a local diffusers AutoencoderKL folder)."""
+
 from __future__ import annotations
 
 import os
@@ -34,12 +35,17 @@ def load_vae(path: str | os.PathLike, *, device="cpu", dtype: torch.dtype = torc
     from diffusers import AutoencoderKL
 
     try:
-        vae = AutoencoderKL.from_pretrained(path, torch_dtype=dtype, local_files_only=True, use_safetensors=True,
-                                            low_cpu_mem_usage=False)
+        vae = AutoencoderKL.from_pretrained(
+            path, torch_dtype=dtype, local_files_only=True, use_safetensors=True, low_cpu_mem_usage=False
+        )
     except (OSError, ValueError) as e:
-        raise DataError(f"could not load the VAE from {path} ({str(e).splitlines()[0]}); pass --vae {VAE_LAYOUT}.") from None
+        raise DataError(
+            f"could not load the VAE from {path} ({str(e).splitlines()[0]}); pass --vae {VAE_LAYOUT}."
+        ) from None
     if vae.config.latent_channels != 16:
-        raise DataError(f"{path} has {vae.config.latent_channels} latent channels but FLUX.1 needs 16; use FLUX's vae/ folder.")
+        raise DataError(
+            f"{path} has {vae.config.latent_channels} latent channels but FLUX.1 needs 16; use FLUX's vae/ folder."
+        )
     return vae.to(device).eval()
 
 
@@ -80,12 +86,16 @@ def encode_reference(vae, path: str | os.PathLike, *, height: int, width: int) -
             z = load_file(str(path))["latents"].float()
         except Exception as e:  # noqa: BLE001 - unreadable file or no such key: the same fix
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DataError(f"reference {path} holds no readable latents tensor ({why}); save the scaled VAE latents "
-                            f"(16, h, w) under the key 'latents', or pass an image.") from None
+            raise DataError(
+                f"reference {path} holds no readable latents tensor ({why}); save the scaled VAE latents "
+                f"(16, h, w) under the key 'latents', or pass an image."
+            ) from None
         z = z[None] if z.ndim == 3 else z
         if z.ndim != 4 or z.shape[:2] != (1, 16) or z.shape[2] % 2 or z.shape[3] % 2:
-            raise DataError(f"reference {path} holds latents of shape {tuple(z.shape)}; save one (16, h, w) tensor "
-                            f"with even h and w.")
+            raise DataError(
+                f"reference {path} holds latents of shape {tuple(z.shape)}; save one (16, h, w) tensor "
+                f"with even h and w."
+            )
         return z
     try:
         pixels = load_bucketed(path, (height, width), flip=False)  # (3, H, W) in [-1, 1]

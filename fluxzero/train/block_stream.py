@@ -19,6 +19,7 @@ Applied from outside the model, like compile and checkpointing (fluxzero.train.e
 On the CPU the "host" and "device" copies are both CPU memory (no pinning, no streams); the same fetch, write-back
 and release happen, so the logic is tested there.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,15 +44,17 @@ def host_shortfall(need: int, available: int | None, k: int) -> str | None:
     (host_memory.check_run); this check holds for any other caller of plan()."""
     if within(need, available):
         return None
-    return (f"fluxzero.offload_blocks {k} keeps {need / 2**30:.1f} GiB of block weights in host memory, but "
-            f"{available / 2**30:.1f} GiB is available on this machine: lower offload_blocks, or let `fluxzero "
-            f"gen-config --fit --host-memory GIB` choose it for the memory this machine has")
+    return (
+        f"fluxzero.offload_blocks {k} keeps {need / 2**30:.1f} GiB of block weights in host memory, but "
+        f"{available / 2**30:.1f} GiB is available on this machine: lower offload_blocks, or let `fluxzero "
+        f"gen-config --fit --host-memory GIB` choose it for the memory this machine has"
+    )
 
 
 def streamed_names(n_double: int, n_single: int, k: int) -> list[str]:
     """Module names of the last `k` blocks in forward order (double blocks first, single blocks after)."""
     names = [f"double_blocks.{i}" for i in range(n_double)] + [f"single_blocks.{i}" for i in range(n_single)]
-    return names[len(names) - k:] if k > 0 else []
+    return names[len(names) - k :] if k > 0 else []
 
 
 @dataclass
@@ -91,7 +94,7 @@ class BlockStreamer:
 
     # ---- building -------------------------------------------------------------------------------------------
     @classmethod
-    def plan(cls, meta_model: nn.Module, k: int, device: torch.device) -> "BlockStreamer":
+    def plan(cls, meta_model: nn.Module, k: int, device: torch.device) -> BlockStreamer:
         """Host buffers for the last `k` blocks of `meta_model` (a model on the meta device, in its training
         dtype: only shapes and dtypes are read), pinned when `device` is CUDA."""
         names = streamed_names(len(meta_model.double_blocks), len(meta_model.single_blocks), k)
@@ -114,8 +117,11 @@ class BlockStreamer:
                 unpinned += host.numel()
             blocks.append(_Block(name, host, slots))
         if unpinned:
-            warnings.warn(f"cudaHostRegister refused {unpinned / 2**30:.1f} GiB of streamed block weights: their "
-                          f"copies run from pageable memory, synchronously and slower", stacklevel=2)
+            warnings.warn(
+                f"cudaHostRegister refused {unpinned / 2**30:.1f} GiB of streamed block weights: their "
+                f"copies run from pageable memory, synchronously and slower",
+                stacklevel=2,
+            )
         return cls(blocks, device)
 
     @property
@@ -129,7 +135,7 @@ class BlockStreamer:
     def _view(self, block: _Block, pname: str) -> torch.Tensor:
         offset, shape, dtype = block.slots[pname]
         n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        return block.host[offset:offset + n].view(dtype).view(shape)
+        return block.host[offset : offset + n].view(dtype).view(shape)
 
     @torch.no_grad()
     def place(self, name: str, module: nn.Module) -> None:
@@ -138,7 +144,7 @@ class BlockStreamer:
         block = next((b for b in self.blocks if name.startswith(b.name + ".")), None)
         if block is None:
             return
-        inner = name[len(block.name) + 1:]
+        inner = name[len(block.name) + 1 :]
         for pname, p in module.named_parameters(recurse=False):
             view = self._view(block, f"{inner}.{pname}")
             view.copy_(p.detach())
@@ -181,9 +187,14 @@ class BlockStreamer:
             with self._entered(j, ahead=1, keep=False):
                 return forward(*args)
         return torch.utils.checkpoint.checkpoint(
-            forward, *args, use_reentrant=False,
-            context_fn=lambda: (self._entered(j, ahead=1, keep=j == len(self.blocks) - 1),
-                                self._entered(j, ahead=-1, keep=True, recompute=True)))
+            forward,
+            *args,
+            use_reentrant=False,
+            context_fn=lambda: (
+                self._entered(j, ahead=1, keep=j == len(self.blocks) - 1),
+                self._entered(j, ahead=-1, keep=True, recompute=True),
+            ),
+        )
 
     def _entered(self, j: int, ahead: int, keep: bool, recompute: bool = False):
         streamer = self
@@ -220,8 +231,10 @@ class BlockStreamer:
                 block.ready = torch.cuda.Event()
                 block.ready.record(self._h2d)
         buf, base = block.device_buf, block.host.data_ptr()
-        block.device_views = [buf[v.data_ptr() - base:v.data_ptr() - base + v.numel() * v.element_size()]
-                              .view(v.dtype).view(v.shape) for _, v in block.params]
+        block.device_views = [
+            buf[v.data_ptr() - base : v.data_ptr() - base + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
+            for _, v in block.params
+        ]
 
     def _acquire(self, block: _Block) -> None:
         """Point the block's parameters at its device copy, once the copy is done (on the current stream)."""

@@ -3,6 +3,7 @@
 torch only: DeepSpeed joins the group this module creates (deepspeed.initialize wraps an initialised
 torch.distributed), so the one training module that imports deepspeed stays fluxzero.train.engine.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -46,8 +47,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-
-
 def init_distributed() -> tuple[int, int, torch.device]:
     """Join (or create) the process group; returns (rank, world_size, device).
 
@@ -74,8 +73,9 @@ def init_distributed() -> tuple[int, int, torch.device]:
         if "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores: do not oversubscribe them
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size()))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
+        )
         atexit.register(_destroy_group_at_exit)
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -109,14 +109,16 @@ def peer_stopped(e: RuntimeError) -> bool:
     """A collective failed because another rank left (gloo), or its backend says so (NCCL's DistBackendError).
     Not DistNetworkError / DistStoreError: those come from a rendezvous that never formed."""
     backend_error = getattr(dist, "DistBackendError", ())
-    return (dist.is_initialized() and dist.get_world_size() > 1
-            and ((backend_error and isinstance(e, backend_error)) or any(m in str(e) for m in PEER_GONE)))
+    return (
+        dist.is_initialized()
+        and dist.get_world_size() > 1
+        and ((backend_error and isinstance(e, backend_error)) or any(m in str(e) for m in PEER_GONE))
+    )
 
 
 def barrier():
     if dist.is_initialized():
         dist.barrier()
-
 
 
 def sum_across_ranks(values: torch.Tensor) -> list[float]:
@@ -205,8 +207,10 @@ def _object_device(group, op: str) -> torch.device:
     rank's GPU (init_distributed sets it), or two ranks of a node would share one GPU's buffers."""
     device = _to_comm(torch.empty(0), group, op).device
     if device.type == "cuda" and torch.cuda.current_device() != device.index:
-        raise RuntimeError(f"torch.cuda.current_device() is {torch.cuda.current_device()} on the rank of LOCAL_RANK "
-                           f"{device.index} ({_caller()}, {op}): call torch.cuda.set_device(LOCAL_RANK) first")
+        raise RuntimeError(
+            f"torch.cuda.current_device() is {torch.cuda.current_device()} on the rank of LOCAL_RANK "
+            f"{device.index} ({_caller()}, {op}): call torch.cuda.set_device(LOCAL_RANK) first"
+        )
     return device
 
 
@@ -312,7 +316,6 @@ def ignore_stop_signals() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-
 # ---------------------------------------------------------------------------------------------------------
 # Errors: one line each, once
 # ---------------------------------------------------------------------------------------------------------
@@ -403,4 +406,3 @@ def _posted(store, keys: list[str]) -> bool:
             return False
         time.sleep(0.05)
     return True
-

@@ -32,6 +32,7 @@ Trainer integration (after the trainer split), on every rank:
     full = ema.full_state_dict()                              # rank 0: name -> CPU tensor, for any export layout
     with ema.swap(): sample(...)                              # sample from the EMA
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,8 +40,8 @@ import functools
 import json
 import math
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,7 @@ from fluxzero.config.ema import EmaConfig
 from fluxzero.config.user_files import parse_json
 from fluxzero.dtypes import torch_dtype
 from fluxzero.train.distributed import all_reduce, reduce
+
 # the project's one bf16 stochastic rounding (fp32 bits + uniform 16-bit noise, truncated): an EMA with decay
 # 0.9999 moves by 1e-4 of the gap per update, far below half a bf16 ulp, which round-to-nearest would drop
 from fluxzero.train.optim.rounding import mix32, round_keyed
@@ -131,11 +133,17 @@ class ShardedEMA:
 
     def layout(self) -> dict:
         """JSON-able description of this rank's shard: which elements of which parameter each buffer holds."""
-        return {"version": LAYOUT_VERSION, "kind": self.kind, "rank": self._rank, "world": self._world,
-                "replicated": self._replicated, "dtype": self.config.dtype,
-                "buffers": [e.numel() for e in self._ema],
-                "shapes": {n: list(s) for n, s in self._shapes.items()},
-                "pieces": [[pc.name, pc.buffer, pc.offset, pc.start, pc.numel] for pc in self._pieces]}
+        return {
+            "version": LAYOUT_VERSION,
+            "kind": self.kind,
+            "rank": self._rank,
+            "world": self._world,
+            "replicated": self._replicated,
+            "dtype": self.config.dtype,
+            "buffers": [e.numel() for e in self._ema],
+            "shapes": {n: list(s) for n, s in self._shapes.items()},
+            "pieces": [[pc.name, pc.buffer, pc.offset, pc.start, pc.numel] for pc in self._pieces],
+        }
 
     # ----- update -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -150,8 +158,11 @@ class ShardedEMA:
         if self.use_graphs and dev.type == "cuda" and all(m.device == dev for m in masters):
             self._replay(masters, weight, keys)
         else:
-            self._apply(masters, torch.tensor(weight, dtype=torch.float32).to(dev),
-                        None if keys is None else torch.tensor(keys, dtype=torch.int32).to(dev))
+            self._apply(
+                masters,
+                torch.tensor(weight, dtype=torch.float32).to(dev),
+                None if keys is None else torch.tensor(keys, dtype=torch.int32).to(dev),
+            )
         self.step = step
         return True
 
@@ -161,8 +172,11 @@ class ShardedEMA:
         save. None for an fp32 EMA."""
         if not self._ema or self._ema[0].dtype != torch.bfloat16:
             return None
-        return [mix32(self.seed, step, self._rank, i, lo) for i, e in enumerate(self._ema)
-                for lo in range(0, e.numel(), _CHUNK)]
+        return [
+            mix32(self.seed, step, self._rank, i, lo)
+            for i, e in enumerate(self._ema)
+            for lo in range(0, e.numel(), _CHUNK)
+        ]
 
     def _apply(self, masters: list[torch.Tensor], w: torch.Tensor, keys: torch.Tensor | None) -> None:
         """The update's kernels: `w` the 0-d fp32 weight and `keys` the slices' int32 keys (bf16), both on the
@@ -177,12 +191,12 @@ class ShardedEMA:
             # else slice by slice: an fp32 EMA of bf16 masters (the bf16 optimizer modes at ZeRO-0 step the bf16
             # weights themselves, and lerp_ takes no mixed dtypes), a bf16 EMA, or an EMA on another device
             for lo in range(0, ema.numel(), _CHUNK):
-                e = ema[lo:lo + _CHUNK]
+                e = ema[lo : lo + _CHUNK]
                 if bf16:
-                    update(e, master[lo:lo + _CHUNK].to(ema.device), w, keys[k])
+                    update(e, master[lo : lo + _CHUNK].to(ema.device), w, keys[k])
                     k += 1
                 else:
-                    e.lerp_(master[lo:lo + _CHUNK].to(ema.device, torch.float32), w)
+                    e.lerp_(master[lo : lo + _CHUNK].to(ema.device, torch.float32), w)
 
     def _replay(self, masters: list[torch.Tensor], weight: float, keys: list[int] | None) -> None:
         """_apply on CUDA as one CUDA graph: FLUX.1-dev's EMA is ~780 tensors in ~1,500 slices, and launching
@@ -230,7 +244,8 @@ class ShardedEMA:
                 f"this EMA shard was saved by rank {theirs.get('rank')} of {theirs.get('world')} with another "
                 f"partitioning than rank {ours['rank']} of {ours['world']} now ({theirs.get('kind')} vs "
                 f"{ours['kind']}); consolidate the saved shards with fluxzero.train.ema.consolidate() and load "
-                f"the result with load_full_state_dict()")
+                f"the result with load_full_state_dict()"
+            )
         for i, e in enumerate(self._ema):
             e.copy_(sd[f"ema.{i}"].reshape(-1))
         self.step = int(sd["step"])
@@ -240,15 +255,19 @@ class ShardedEMA:
         """Take this rank's pieces from a consolidated EMA (any world size or ZeRO stage saved it)."""
         missing = sorted(set(self._shapes) - set(full))
         if missing:
-            raise ValueError(f"the consolidated EMA lacks {len(missing)} trained parameters (e.g. {missing[0]!r}); "
-                             f"load one saved from this model")
+            raise ValueError(
+                f"the consolidated EMA lacks {len(missing)} trained parameters (e.g. {missing[0]!r}); "
+                f"load one saved from this model"
+            )
         for name, shape in self._shapes.items():
             if tuple(full[name].shape) != shape:
-                raise ValueError(f"the consolidated EMA has {name} of shape {tuple(full[name].shape)} but the "
-                                 f"model's is {shape}; load one saved from this model")
+                raise ValueError(
+                    f"the consolidated EMA has {name} of shape {tuple(full[name].shape)} but the "
+                    f"model's is {shape}; load one saved from this model"
+                )
         for pc in self._pieces:
-            src = full[pc.name].reshape(-1)[pc.start:pc.start + pc.numel]
-            self._ema[pc.buffer][pc.offset:pc.offset + pc.numel].copy_(src)
+            src = full[pc.name].reshape(-1)[pc.start : pc.start + pc.numel]
+            self._ema[pc.buffer][pc.offset : pc.offset + pc.numel].copy_(src)
         self.step = int(step)
 
     # ----- full tensors (collectives) ---------------------------------------------------------------
@@ -296,8 +315,10 @@ class ShardedEMA:
             all_reduce(local, group=self._group)
         total = sum(math.prod(s) for s in self._shapes.values())
         if int(local.item()) != total:
-            raise RuntimeError(f"EMA layout of {self.kind} covers {int(local.item())} of {total} parameter elements; "
-                               f"this DeepSpeed version partitions differently than fluxzero.train.ema expects")
+            raise RuntimeError(
+                f"EMA layout of {self.kind} covers {int(local.item())} of {total} parameter elements; "
+                f"this DeepSpeed version partitions differently than fluxzero.train.ema expects"
+            )
 
     def _full_tensors(self, sources, names: list[str], to_all: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full fp32 tensor on the comm device) from `sources` (buffers laid out like the masters).
@@ -317,8 +338,8 @@ class ShardedEMA:
             for name in bucket:
                 bases[name] = base
                 for pc in self._by_name.get(name, ()):
-                    src = sources[pc.buffer].reshape(-1)[pc.offset:pc.offset + pc.numel]
-                    flat[base + pc.start:base + pc.start + pc.numel].copy_(src)
+                    src = sources[pc.buffer].reshape(-1)[pc.offset : pc.offset + pc.numel]
+                    flat[base + pc.start : base + pc.start + pc.numel].copy_(src)
                 base += math.prod(self._shapes[name])
             if self._world > 1 and not self._replicated:
                 if to_all:
@@ -328,20 +349,26 @@ class ShardedEMA:
             if to_all or self._rank == 0:
                 for name in bucket:
                     n = math.prod(self._shapes[name])
-                    yield name, flat[bases[name]:bases[name] + n].view(self._shapes[name])
+                    yield name, flat[bases[name] : bases[name] + n].view(self._shapes[name])
 
     def _write_model(self, sources) -> None:
         for pc in self._pieces:  # ZeRO-3: the local partition the next forward gathers from
             if pc.local >= 0:
                 p = self._params[pc.name]
                 if getattr(p, "ds_secondary_tensor", None) is not None:
-                    raise ValueError("swap() cannot update ZeRO++ hpZ secondary partitions; set "
-                                     "zero_hpz_partition_size to 1 to sample from the EMA")
+                    raise ValueError(
+                        "swap() cannot update ZeRO++ hpZ secondary partitions; set "
+                        "zero_hpz_partition_size to 1 to sample from the EMA"
+                    )
                 dst = p.ds_tensor.data.view(-1)
                 if dst.numel() < pc.local + pc.numel:
-                    raise ValueError("swap() needs the ZeRO-3 partitions in memory, but they are offloaded to NVMe; "
-                                     "use offload_param device cpu or none to sample from the EMA")
-                dst[pc.local:pc.local + pc.numel].copy_(sources[pc.buffer].reshape(-1)[pc.offset:pc.offset + pc.numel])
+                    raise ValueError(
+                        "swap() needs the ZeRO-3 partitions in memory, but they are offloaded to NVMe; "
+                        "use offload_param device cpu or none to sample from the EMA"
+                    )
+                dst[pc.local : pc.local + pc.numel].copy_(
+                    sources[pc.buffer].reshape(-1)[pc.offset : pc.offset + pc.numel]
+                )
         # Full weights wherever a rank holds them: ZeRO-0/1/2 always, ZeRO-3 for its persistent params (the
         # same set on every rank, so every rank joins the same collectives).
         held = [n for n, p in self._params.items() if p.numel() == math.prod(self._shapes[n])]
@@ -357,7 +384,7 @@ class ShardedEMA:
         return False
 
 
-def _layout(opt, module):
+def _layout(opt, module):  # noqa: C901
     """(kind, masters() -> list of tensors, pieces, replicated) for a DeepSpeed optimizer wrapper."""
     names = {id(p): n for n, p in module.named_parameters()}
     pieces = []
@@ -365,31 +392,44 @@ def _layout(opt, module):
         masters = lambda: opt.fp32_partitioned_groups_flat  # noqa: E731 (re-read: DeepSpeed may rebind them)
         for i, group in enumerate(opt.fp16_groups):
             if opt.fp32_partitioned_groups_flat[i].numel() == 0 and sum(p.ds_tensor.ds_numel for p in group):
-                raise ValueError("the EMA needs the fp32 master partitions in memory, but this ZeRO-3 run swaps them "
-                                 "to NVMe; use offload_optimizer device cpu or none with an EMA")
+                raise ValueError(
+                    "the EMA needs the fp32 master partitions in memory, but this ZeRO-3 run swaps them "
+                    "to NVMe; use offload_optimizer device cpu or none with an EMA"
+                )
             offset = 0
             for p in group:
                 pn = p.ds_tensor.ds_numel  # partition_numel: ceil(ds_numel / world), the last rank padded
                 position = getattr(opt, "grad_position", {}).get(getattr(p, "ds_id", None))
                 if position is not None and list(position) != [i, offset, pn]:
-                    raise RuntimeError(f"ZeRO-3 places {names[id(p)]} at {position}, not [{i}, {offset}, {pn}]; "
-                                       f"this DeepSpeed version lays out partitions differently")
+                    raise RuntimeError(
+                        f"ZeRO-3 places {names[id(p)]} at {position}, not [{i}, {offset}, {pn}]; "
+                        f"this DeepSpeed version lays out partitions differently"
+                    )
                 start = p.ds_zero_partition_rank * pn
                 n = max(0, min(pn, p.ds_numel - start))
                 if n:
                     pieces.append(Piece(names[id(p)], i, offset, start, n, local=0))
                 offset += pn
         return "zero3", masters, pieces, False
-    for kind, attr, groups in (("zero1_2", "single_partition_of_fp32_groups", "bit16_groups"),
-                               ("bf16_optimizer", "fp32_groups_flat_partition", "bf16_groups")):
+    for kind, attr, groups in (
+        ("zero1_2", "single_partition_of_fp32_groups", "bit16_groups"),
+        ("bf16_optimizer", "fp32_groups_flat_partition", "bf16_groups"),
+    ):
         if hasattr(opt, attr):
             masters = lambda attr=attr: getattr(opt, attr)  # noqa: E731
             for i, group in enumerate(getattr(opt, groups)):
                 for p in group:
                     m = getattr(p, "_hp_mapping", None)  # None: no element of p in this rank's partition
                     if m is not None:
-                        pieces.append(Piece(names[id(p)], i, m.hp_fragment_address.start,
-                                            m.lp_fragment_address.start, m.hp_fragment_address.numel))
+                        pieces.append(
+                            Piece(
+                                names[id(p)],
+                                i,
+                                m.hp_fragment_address.start,
+                                m.lp_fragment_address.start,
+                                m.hp_fragment_address.numel,
+                            )
+                        )
             return kind, masters, pieces, False
     if hasattr(opt, "fp32_groups_flat"):  # FP16_Optimizer (fused) in bf16 at ZeRO-0: unaligned flat copies
         for i, group in enumerate(opt.fp16_groups):
@@ -406,8 +446,10 @@ def _layout(opt, module):
         params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
         pieces = [Piece(names[id(p)], j, 0, 0, p.numel()) for j, p in enumerate(params)]
         return "params", lambda: params, pieces, True
-    raise ValueError(f"the EMA does not know the optimizer wrapper {type(opt).__name__}; it supports DeepSpeed's "
-                     f"ZeRO-0/1/2/3, BF16_Optimizer and FP16 optimizers")
+    raise ValueError(
+        f"the EMA does not know the optimizer wrapper {type(opt).__name__}; it supports DeepSpeed's "
+        f"ZeRO-0/1/2/3, BF16_Optimizer and FP16 optimizers"
+    )
 
 
 def shard_name(rank: int) -> str:
@@ -417,8 +459,9 @@ def shard_name(rank: int) -> str:
 
 def _read_layout(sd: dict) -> dict:
     if "layout" not in sd:
-        raise ValueError("this is not an EMA shard (no 'layout' entry); pass files written from "
-                         "ShardedEMA.state_dict()")
+        raise ValueError(
+            "this is not an EMA shard (no 'layout' entry); pass files written from ShardedEMA.state_dict()"
+        )
     return parse_json(bytes(sd["layout"].tolist()).decode())
 
 
@@ -456,13 +499,19 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def shard_file(ema: "ShardedEMA", step: int) -> bytes:
+def shard_file(ema: ShardedEMA, step: int) -> bytes:
     """This rank's EMA shard as the bytes of its file in the checkpoint of step `step` (safetensors)."""
     from safetensors.torch import save
 
     tensors = {k: v.detach().contiguous().cpu() for k, v in ema.state_dict().items()}
-    header = {"format": SHARD_FORMAT, "version": SHARD_VERSION, "step": int(step), "rank": ema._rank,
-              "world": ema._world, "xxh3_64": _digest(tensors)}
+    header = {
+        "format": SHARD_FORMAT,
+        "version": SHARD_VERSION,
+        "step": int(step),
+        "rank": ema._rank,
+        "world": ema._world,
+        "xxh3_64": _digest(tensors),
+    }
     return save(tensors, metadata={SHARD_META_KEY: json.dumps(header, sort_keys=True)})
 
 
@@ -483,11 +532,13 @@ def read_shard(path, *, rank: int, world: int, step: int, advice: str) -> tuple[
     try:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
-            sd = {k: f.get_tensor(k) for k in f.keys()}
+            sd = {k: f.get_tensor(k) for k in f}
         layout = _read_layout(sd)
     except Exception:  # safetensors and json raise several kinds for a truncated or foreign file
-        raise ShardError(f"EMA shard {path} is not a readable EMA shard (truncated, overwritten or not written by "
-                         f"fluxzero); {advice}") from None
+        raise ShardError(
+            f"EMA shard {path} is not a readable EMA shard (truncated, overwritten or not written by "
+            f"fluxzero); {advice}"
+        ) from None
     note = None
     if SHARD_META_KEY in meta:
         try:
@@ -505,8 +556,11 @@ def read_shard(path, *, rank: int, world: int, step: int, advice: str) -> tuple[
         note = f"note: EMA shard {path} predates EMA shard checksums and is loaded unchecked"
     for key, want in (("rank", rank), ("world", world), ("step", step)):
         if saved[key] != want:
-            what = {"rank": f"rank {saved['rank']}'s EMA", "world": f"the EMA of a {saved['world']}-rank run",
-                    "step": f"the EMA of step {saved['step']}"}[key]
+            what = {
+                "rank": f"rank {saved['rank']}'s EMA",
+                "world": f"the EMA of a {saved['world']}-rank run",
+                "step": f"the EMA of step {saved['step']}",
+            }[key]
             mine = {"rank": f"rank {rank}'s", "world": f"this {world}-rank checkpoint's", "step": f"step {step}'s"}[key]
             raise ShardError(f"EMA shard {path} holds {what}, not {mine} (copied from elsewhere); {advice}")
     return sd, note
@@ -524,8 +578,9 @@ def consolidate(shards: Iterable, dtype: torch.dtype = torch.float32) -> dict[st
             sd = load_shard(sd)
         lay = _read_layout(sd)
         if world is not None and lay["world"] != world:
-            raise ValueError(f"the EMA shards come from runs of {world} and {lay['world']} ranks; pass the shards "
-                             f"of one checkpoint")
+            raise ValueError(
+                f"the EMA shards come from runs of {world} and {lay['world']} ranks; pass the shards of one checkpoint"
+            )
         world, replicated = lay["world"], replicated or lay["replicated"]
         seen.add(lay["rank"])
         for name, shape in lay["shapes"].items():
@@ -533,11 +588,18 @@ def consolidate(shards: Iterable, dtype: torch.dtype = torch.float32) -> dict[st
                 out[name] = torch.zeros(math.prod(shape), dtype=dtype)
         for name, buf, offset, start, n in lay["pieces"]:
             src = sd.get(f"ema.{buf}")
-            if (name not in out or src is None or min(offset, start, n) < 0 or offset + n > src.numel()
-                    or start + n > out[name].numel()):  # a layout that does not fit its buffers: say so, not crash
-                raise ValueError(f"rank {lay['rank']}'s EMA shard places {n} values of {name} at {offset} of its "
-                                 f"buffer {buf}, which it does not hold")
-            out[name][start:start + n] = src.reshape(-1)[offset:offset + n]
+            if (
+                name not in out
+                or src is None
+                or min(offset, start, n) < 0
+                or offset + n > src.numel()
+                or start + n > out[name].numel()
+            ):  # a layout that does not fit its buffers: say so, not crash
+                raise ValueError(
+                    f"rank {lay['rank']}'s EMA shard places {n} values of {name} at {offset} of its "
+                    f"buffer {buf}, which it does not hold"
+                )
+            out[name][start : start + n] = src.reshape(-1)[offset : offset + n]
         del sd
         if replicated:  # ZeRO-0: any one rank holds the whole EMA
             break

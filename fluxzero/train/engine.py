@@ -5,6 +5,7 @@ Like torchtitan's parallelize, it applies what the DeepSpeed config asks for fro
 born partitioned under ZeRO-3 (zero.Init), pretrained weights are copied into the partitions, blocks are
 compiled and checkpointed by wrapping their forwards, then deepspeed.initialize builds the engine.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,16 +38,28 @@ def check_supported(v: DSView, path: str) -> None:
     """Refuse, in one sentence, what this machine's DeepSpeed accelerator cannot train."""
     accel = get_accelerator()
     if v.precision == "fp16" and not accel.is_fp16_supported():
-        raise TrainingError(f"DeepSpeed config {path} trains in fp16, which DeepSpeed's {accel.device_name()} "
-                            f"accelerator does not support; use bf16 or fp32 here (`fluxzero gen-config "
-                            f"--precision`)")
+        raise TrainingError(
+            f"DeepSpeed config {path} trains in fp16, which DeepSpeed's {accel.device_name()} "
+            f"accelerator does not support; use bf16 or fp32 here (`fluxzero gen-config "
+            f"--precision`)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Model under ZeRO
 # ---------------------------------------------------------------------------------------------------------
-def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.device, *, seed: int,
-                 weights: str | None = None, attention: str = "auto", lora=None, latent_sizes=()):
+def build_engine(
+    model_cfg: ModelConfig,
+    ds: dict,
+    v: DSView,
+    device: torch.device,
+    *,
+    seed: int,
+    weights: str | None = None,
+    attention: str = "auto",
+    lora=None,
+    latent_sizes=(),
+):
     """Model (partitioned at construction under ZeRO-3), weights, LoRA, compile, checkpointing -> DeepSpeed engine.
 
     ds: the DeepSpeed dict (no "fluxzero" section); v: its view, which says what to apply from outside.
@@ -58,11 +71,21 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     torch.manual_seed(seed)  # identical random init on every rank (ZeRO-3 then keeps each rank's slice)
     quant = lora.base_quant if lora is not None else "none"
     if v.fp8 and quant != "none":
-        raise TrainingError(f"fluxzero.fp8 and lora.base_quant {quant} both change the base's linear layers; keep "
-                            f"one (FP8 for speed, the quantized base for memory)")
+        raise TrainingError(
+            f"fluxzero.fp8 and lora.base_quant {quant} both change the base's linear layers; keep "
+            f"one (FP8 for speed, the quantized base for memory)"
+        )
     streamer = plan_streaming(model_cfg, v, device, lora is not None)
-    model = born_model(model_cfg, ds, v, device, weights=weights, attention=attention, quant=quant,
-                       place=streamer.place if streamer is not None else None)
+    model = born_model(
+        model_cfg,
+        ds,
+        v,
+        device,
+        weights=weights,
+        attention=attention,
+        quant=quant,
+        place=streamer.place if streamer is not None else None,
+    )
     if v.fp8:  # before the adapters: PEFT then wraps the FP8 layers, its own small ones stay bf16
         apply_fp8(model, v.fp8)  # not at ZeRO-3: ds_check.combination_problems refuses that config
     if lora is not None:  # after the weights: the base's names gain `.base_layer` once adapters wrap it
@@ -71,16 +94,19 @@ def build_engine(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.devi
     compiled = v.compiles_blocks(device.type, lora is not None)
     inside = None  # selective checkpointing goes inside the compiled graph, where its policy steers the partitioner
     if compiled and v.checkpoint_policy == "selective":
-        inside = (checkpoint_function(v.checkpoint_impl, v.checkpoint_policy, v, compiled=True),
-                  checkpointed_indices(model, v.checkpoint_every, skip_last))
+        inside = (
+            checkpoint_function(v.checkpoint_impl, v.checkpoint_policy, v, compiled=True),
+            checkpointed_indices(model, v.checkpoint_every, skip_last),
+        )
     if compiled:  # first: full checkpointing then wraps the compiled block
         counts = len({h * w for h, w in latent_sizes})
         apply_compile(model, v.compile_mode, v.compile_backend, v.dynamic_tokens(counts), counts, checkpoint=inside)
         if v.stage == 3:
             zero3_leaf_blocks(model)
     if inside is None:
-        apply_activation_checkpointing(model, v.checkpoint_every, v.checkpoint_impl, v, skip_last=skip_last,
-                                       policy=v.checkpoint_policy)
+        apply_activation_checkpointing(
+            model, v.checkpoint_every, v.checkpoint_impl, v, skip_last=skip_last, policy=v.checkpoint_policy
+        )
     if streamer is not None:  # after compile: the streamed blocks' checkpointing wraps the compiled forward
         streamer.attach(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -110,7 +136,9 @@ def keep_block_states_whole(optimizer) -> bool:
     whole partition's states as before, so the link is marked done without being made.
     """
     client = getattr(optimizer, "optimizer", None)
-    if getattr(client, "fluxzero_mode", None) != "adamw8bit-sr" or not hasattr(optimizer, "_hp_optimizer_states_linked"):
+    if getattr(client, "fluxzero_mode", None) != "adamw8bit-sr" or not hasattr(
+        optimizer, "_hp_optimizer_states_linked"
+    ):
         return False
     optimizer._hp_optimizer_states_linked = True
     return True
@@ -123,9 +151,11 @@ def plan_streaming(model_cfg: ModelConfig, v: DSView, device: torch.device, lora
     """The BlockStreamer of fluxzero.offload_blocks (None when it is 0), its host buffers allocated (and pinned on
     CUDA) before the model is built, so the pretrained weights are copied straight into them."""
     if v.fused_step and lora:
-        raise TrainingError(f"fluxzero.optimizer_mode {v.optimizer_mode} is for full fine-tunes; a LoRA trains few "
-                            f"tensors and needs no fused step: choose another optimizer mode or remove the lora: "
-                            f"section")
+        raise TrainingError(
+            f"fluxzero.optimizer_mode {v.optimizer_mode} is for full fine-tunes; a LoRA trains few "
+            f"tensors and needs no fused step: choose another optimizer mode or remove the lora: "
+            f"section"
+        )
     k = int(v.offload_blocks or 0)
     if k == 0:
         return None
@@ -134,8 +164,9 @@ def plan_streaming(model_cfg: ModelConfig, v: DSView, device: torch.device, lora
 
     n = model_cfg.depth + model_cfg.depth_single_blocks
     if k > n:
-        raise TrainingError(f"fluxzero.offload_blocks {k} exceeds the {n} transformer blocks of {model_cfg.name}: "
-                            f"set it to at most {n}")
+        raise TrainingError(
+            f"fluxzero.offload_blocks {k} exceeds the {n} transformer blocks of {model_cfg.name}: set it to at most {n}"
+        )
     try:
         return BlockStreamer.plan(build_model(model_cfg, device="meta", dtype=model_dtype(v)), k, device)
     except (MemoryError, ValueError) as e:  # the host cannot hold the streamed weights (block_stream.host_shortfall)
@@ -224,8 +255,11 @@ def batch_grad_checks(optimizer) -> list[str]:
 
     done = []
     # the exact classes whose loops were read (a subclass may step differently), and only while the methods exist
-    if (type(optimizer) is DeepSpeedZeroOptimizer and not optimizer.cpu_offload
-            and hasattr(optimizer, "has_overflow_partitioned_grads_serial")):
+    if (
+        type(optimizer) is DeepSpeedZeroOptimizer
+        and not optimizer.cpu_offload
+        and hasattr(optimizer, "has_overflow_partitioned_grads_serial")
+    ):
         optimizer.has_overflow_partitioned_grads_serial = types.MethodType(_zero_grads_overflow, optimizer)
         plain = optimizer.get_grad_norm_direct
         optimizer.get_grad_norm_direct = types.MethodType(functools.partial(_zero_grad_norm, plain=plain), optimizer)
@@ -236,8 +270,9 @@ def batch_grad_checks(optimizer) -> list[str]:
             done.append("_update_model_bit16_weights")
     elif type(optimizer) is FP16_UnfusedOptimizer and hasattr(optimizer.overflow_checker, "has_overflow_serial"):
         checker = optimizer.overflow_checker
-        checker.has_overflow_serial = lambda params: bool(_any_nonfinite([p.grad for p in params
-                                                                           if p.grad is not None]))
+        checker.has_overflow_serial = lambda params: bool(
+            _any_nonfinite([p.grad for p in params if p.grad is not None])
+        )
         done = ["overflow_checker.has_overflow_serial"]
     return done
 
@@ -245,6 +280,7 @@ def batch_grad_checks(optimizer) -> list[str]:
 def _repoint_when_moved(self, repoint, seen: dict, group_index: int) -> None:
     """DeepSpeedZeroOptimizer._update_model_bit16_weights(group_index), skipped while the group's flat buffer and
     every parameter's data are where the last re-pointing left them (`seen`: group -> their data_ptr()s)."""
+
     def where():
         return (self.bit16_groups_flat[group_index].data_ptr(), *(p.data_ptr() for p in self.bit16_groups[group_index]))
 
@@ -265,8 +301,9 @@ def _any_nonfinite(grads: list) -> torch.Tensor:
 
 def _zero_grads_overflow(self) -> torch.Tensor:
     # as DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial: every partitioned gradient of every group
-    return _any_nonfinite([g for i in range(len(self.bit16_groups)) for g in self.averaged_gradients[i]
-                           if g is not None])
+    return _any_nonfinite(
+        [g for i in range(len(self.bit16_groups)) for g in self.averaged_gradients[i] if g is not None]
+    )
 
 
 def _zero_grad_norm(self, gradients, params, norm_type=2, *, plain):
@@ -277,9 +314,12 @@ def _zero_grad_norm(self, gradients, params, norm_type=2, *, plain):
 
     if float(norm_type) != 2.0:
         return plain(gradients, params, norm_type)
-    grads = [g for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params)
-             if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
-             and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)]
+    grads = [
+        g
+        for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params)
+        if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
+        and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)
+    ]
     if grads:
         norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=get_norm_dtype()))
         total_norm = norms.to(get_accelerator().current_device_name()).pow(2.0).sum().float()
@@ -321,8 +361,17 @@ def accept_host_optimizer(optimizer):
             m.DeepSpeedCPUAdam = cls
 
 
-def born_model(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.device, *, weights: str | None = None,
-               attention: str = "auto", quant: str = "none", place=None) -> torch.nn.Module:
+def born_model(
+    model_cfg: ModelConfig,
+    ds: dict,
+    v: DSView,
+    device: torch.device,
+    *,
+    weights: str | None = None,
+    attention: str = "auto",
+    quant: str = "none",
+    place=None,
+) -> torch.nn.Module:
     """The model in its training dtype (model_dtype), on its device, with the pretrained weights when given and
     the blocks' linears quantized when `quant` (lora.base_quant) asks: no configuration ever holds a float32 copy
     of the weights it does not train.
@@ -338,9 +387,11 @@ def born_model(model_cfg: ModelConfig, ds: dict, v: DSView, device: torch.device
 
     if v.stage == 3:
         if quant != "none":
-            raise TrainingError(f"lora.base_quant {quant} cannot be combined with ZeRO-3, which partitions the base "
-                                f"weights it would quantize; use ZeRO-2 (`fluxzero gen-config --zero-stage 2`) or "
-                                f"set lora.base_quant: none")
+            raise TrainingError(
+                f"lora.base_quant {quant} cannot be combined with ZeRO-3, which partitions the base "
+                f"weights it would quantize; use ZeRO-2 (`fluxzero gen-config --zero-stage 2`) or "
+                f"set lora.base_quant: none"
+            )
         _meta_outlives_zero_init()
         with deepspeed.zero.Init(config_dict_or_path=ds):
             model = build_model(model_cfg, attention=attention)
@@ -424,11 +475,19 @@ def client_optimizer(params: list, ds: dict, v: DSView, seed: int = 0):
     from fluxzero.train.optim.optimizers import OptimModeError, build_optimizer
 
     try:
-        optimizer = build_optimizer(params, v.optimizer_mode, lr=v.lr if v.lr is not None else 1e-3,
-                                    betas=tuple(v.betas), eps=v.eps, weight_decay=v.weight_decay, noise_seed=seed)
+        optimizer = build_optimizer(
+            params,
+            v.optimizer_mode,
+            lr=v.lr if v.lr is not None else 1e-3,
+            betas=tuple(v.betas),
+            eps=v.eps,
+            weight_decay=v.weight_decay,
+            noise_seed=seed,
+        )
     except OptimModeError as e:
         raise TrainingError(str(e)) from None
     return optimizer, {k: val for k, val in ds.items() if k != "optimizer"}
+
 
 def apply_adapters(model: torch.nn.Module, lora, v: DSView) -> list[str]:
     """LoRA adapters on `model` (base frozen, adapters trainable), before deepspeed.initialize; returns the
@@ -450,9 +509,11 @@ def apply_adapters(model: torch.nn.Module, lora, v: DSView) -> list[str]:
     from fluxzero.model.lora_keys import LoraError
 
     if v.compile is True and v.stage == 3:  # measured on CPU with Dynamo's eager and aot_eager backends
-        raise TrainingError("compiled blocks (fluxzero.compile.blocks) with LoRA under ZeRO-3 fail in DeepSpeed "
-                            "0.19.8's backward pass (an adapter-shaped tensor is an empty ZeRO-3 placeholder there); "
-                            "turn fluxzero.compile.blocks off, or train the LoRA under ZeRO-2, where compile works")
+        raise TrainingError(
+            "compiled blocks (fluxzero.compile.blocks) with LoRA under ZeRO-3 fail in DeepSpeed "
+            "0.19.8's backward pass (an adapter-shaped tensor is an empty ZeRO-3 placeholder there); "
+            "turn fluxzero.compile.blocks off, or train the LoRA under ZeRO-2, where compile works"
+        )
     # a DoRA's magnitude starts from its base weight's row norms, which ZeRO-3 holds partitioned (apply_lora)
     gather = deepspeed.zero.GatheredParameters if v.stage == 3 else None
     try:
@@ -511,9 +572,16 @@ def _selective_ops() -> frozenset:
     else in a block is pointwise or a reduction over one row (norms, modulation, RoPE, GELU, gates): cheap to
     recompute and, kept, most of the block's saved bytes. Names this torch build lacks are left out."""
     aten = torch.ops.aten
-    names = ("mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_scaled_dot_product_flash_attention_for_cpu")
+    names = (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_mm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
     return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
 
 
@@ -552,22 +620,33 @@ def _torch_linear(forward, *args):
 
 
 def _selective_checkpoint(forward, *args, compiled: bool = False):
-    return torch.utils.checkpoint.checkpoint(forward if compiled else functools.partial(_torch_linear, forward),
-                                             *args, use_reentrant=False, context_fn=_selective_contexts)
+    return torch.utils.checkpoint.checkpoint(
+        forward if compiled else functools.partial(_torch_linear, forward),
+        *args,
+        use_reentrant=False,
+        context_fn=_selective_contexts,
+    )
 
 
-def checkpoint_function(implementation: str = "torch", policy: str = "full", v: DSView | None = None,
-                        compiled: bool = False):
+def checkpoint_function(
+    implementation: str = "torch", policy: str = "full", v: DSView | None = None, compiled: bool = False
+):
     """fn(forward, *args) that runs a block checkpointed by `implementation` with `policy` (fluxzero.config.deepspeed.check's names;
     deepspeed.checkpointing's options from `v`); `compiled`: fn runs inside the compiled graph. The DeepSpeed config
     check refuses the selective policy with implementation deepspeed."""
     if implementation == "deepspeed":
         if policy != "full":
-            raise TrainingError("fluxzero.activation_checkpointing.policy selective needs implementation torch: "
-                                "deepspeed.checkpointing recomputes whole blocks")
+            raise TrainingError(
+                "fluxzero.activation_checkpointing.policy selective needs implementation torch: "
+                "deepspeed.checkpointing recomputes whole blocks"
+            )
         deepspeed.checkpointing.configure(
-            None, partition_activations=bool(v and v.partition_activations),
-            checkpoint_in_cpu=bool(v and v.cpu_checkpointing), synchronize=False, profile=False)
+            None,
+            partition_activations=bool(v and v.partition_activations),
+            checkpoint_in_cpu=bool(v and v.cpu_checkpointing),
+            synchronize=False,
+            profile=False,
+        )
         return deepspeed.checkpointing.checkpoint
     if policy == "selective":
         return functools.partial(_selective_checkpoint, compiled=compiled)
@@ -581,8 +660,9 @@ def checkpointed_indices(model, every_k: int, skip_last: int = 0) -> frozenset[i
     return frozenset(i for i in range(n - skip_last) if every_k > 0 and i % every_k == 0)
 
 
-def apply_activation_checkpointing(model, every_k: int, implementation: str, v: DSView | None = None,
-                                   skip_last: int = 0, policy: str = "full") -> int:
+def apply_activation_checkpointing(
+    model, every_k: int, implementation: str, v: DSView | None = None, skip_last: int = 0, policy: str = "full"
+) -> int:
     """Recompute every k-th transformer block (double then single) in backward; returns how many.
 
     Applied from outside: the block's bound forward is wrapped, so parameter names (and checkpoints)
@@ -605,9 +685,13 @@ def fp8_layer(module: torch.nn.Module, name: str) -> bool:
     the FLOPs are) whose sides are multiples of 16 (FP8 matmul kernels need that). The modulation layers (one
     row per sample: nothing to gain from FP8, only the cast), the embedders and the final layer stay in bf16,
     as torchtitan keeps its input and output layers."""
-    return (isinstance(module, torch.nn.Linear) and name.startswith(("double_blocks.", "single_blocks."))
-            and "mod" not in name.rsplit(".", 2)[-2] and module.in_features % 16 == 0
-            and module.out_features % 16 == 0)
+    return (
+        isinstance(module, torch.nn.Linear)
+        and name.startswith(("double_blocks.", "single_blocks."))
+        and "mod" not in name.rsplit(".", 2)[-2]
+        and module.in_features % 16 == 0
+        and module.out_features % 16 == 0
+    )
 
 
 def apply_fp8(model: torch.nn.Module, recipe: str) -> int:
@@ -620,8 +704,7 @@ def apply_fp8(model: torch.nn.Module, recipe: str) -> int:
     except ImportError:
         raise TrainingError("fluxzero.fp8 needs torchao: pip install -e '.[lowmem]'") from None
     names = [n for n, m in model.named_modules() if fp8_layer(m, n)]
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
-                               module_filter_fn=fp8_layer)
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=fp8_layer)
     return len(names)
 
 
@@ -654,7 +737,6 @@ def set_lr(engine, lr: float) -> float | None:
         else:
             group["lr"] = lr
     return before
-
 
 
 # ---------------------------------------------------------------------------------------------------------

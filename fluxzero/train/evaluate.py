@@ -5,6 +5,7 @@ training's random streams as they found them, so a run with them has the losses 
 No deepspeed import: the engine's module is called like the plain model (ZeRO-3 gathers its parameters in the
 forward hooks, so under ZeRO-3 every rank takes part in every forward pass).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,12 +44,28 @@ class Validation:
     twice) whatever the world size.
     """
 
-    def __init__(self, cfg: ValidationConfig, flow_cfg: FlowConfig, model_cfg, *, micro_batch: int, rank: int,
-                 world: int, device, dtype: torch.dtype):
+    def __init__(
+        self,
+        cfg: ValidationConfig,
+        flow_cfg: FlowConfig,
+        model_cfg,
+        *,
+        micro_batch: int,
+        rank: int,
+        world: int,
+        device,
+        dtype: torch.dtype,
+    ):
         from fluxzero.data import build_dataloader
 
-        self.loader = build_dataloader(cfg.data, micro_batch=micro_batch, rank=rank, world_size=world,
-                                       seed=VALIDATION_SEED, pin_memory=device.type == "cuda")
+        self.loader = build_dataloader(
+            cfg.data,
+            micro_batch=micro_batch,
+            rank=rank,
+            world_size=world,
+            seed=VALIDATION_SEED,
+            pin_memory=device.type == "cuda",
+        )
         self.loader.check_model(model_cfg)
         self.flow_cfg, self.timesteps = flow_cfg, [float(t) for t in cfg.timesteps]
         self.guidance_embed, self.device, self.dtype = model_cfg.guidance_embed, device, dtype
@@ -67,8 +84,10 @@ class Validation:
                 return f"validation.data: {e}"
             bad = [k for k in ("latents", "t5", "clip") if not torch.isfinite(sample[k]).all()]
             if bad:
-                return (f"validation.data: {source.describe(i)} holds non-finite {bad[0]} values (NaN or inf), which "
-                        f"make val_loss NaN; re-create it with `fluxzero cache`, or choose another validation.data")
+                return (
+                    f"validation.data: {source.describe(i)} holds non-finite {bad[0]} values (NaN or inf), which "
+                    f"make val_loss NaN; re-create it with `fluxzero cache`, or choose another validation.data"
+                )
         return None
 
     @torch.no_grad()
@@ -89,8 +108,15 @@ class Validation:
                     index = batch["index"].to(self.device)
                     for t in self.timesteps:
                         inputs, target = flow.prepare_batch(
-                            batch, self.flow_cfg, VALIDATION_SEED, 0, guidance_embed=self.guidance_embed,
-                            device=self.device, dtype=self.dtype, timesteps=torch.tensor([t]))
+                            batch,
+                            self.flow_cfg,
+                            VALIDATION_SEED,
+                            0,
+                            guidance_embed=self.guidance_embed,
+                            device=self.device,
+                            dtype=self.dtype,
+                            timesteps=torch.tensor([t]),
+                        )
                         losses = flow.sample_losses(module(**inputs), target).double()  # (B,)
                         sums.index_add_(0, index, losses)
                         counts.index_add_(0, index, torch.ones_like(losses))
@@ -103,8 +129,10 @@ class Validation:
         if not torch.isfinite(per_sample).all():  # every rank holds the same sums: all raise together
             bad = seen.nonzero().flatten()[~torch.isfinite(per_sample)].tolist()
             where = ", ".join(self.loader.source.describe(i) for i in bad[:3]) + (", ..." if len(bad) > 3 else "")
-            raise ValidationFailed(f"val_loss is not finite: the loss of {where} is NaN or inf; check that "
-                                   f"validation sample, or choose another validation.data")
+            raise ValidationFailed(
+                f"val_loss is not finite: the loss of {where} is NaN or inf; check that "
+                f"validation sample, or choose another validation.data"
+            )
         return float(per_sample.mean())
 
     def _next(self, batches):
@@ -138,11 +166,21 @@ class Previews:
     others wait at the next collective. A FLUX.1 Kontext model edits one reference in every preview, as
     `fluxzero sample --reference` does: sample.reference, else the first pair of `validation`'s set."""
 
-    def __init__(self, cfg: SampleConfig, model_cfg, output_dir: str, *, rank: int, stage: int, device,
-                 dtype: torch.dtype, validation: Validation | None = None):
+    def __init__(
+        self,
+        cfg: SampleConfig,
+        model_cfg,
+        output_dir: str,
+        *,
+        rank: int,
+        stage: int,
+        device,
+        dtype: torch.dtype,
+        validation: Validation | None = None,
+    ):
         from fluxzero.sampling.embeddings import EmbeddingsError, load_embeddings
-        from fluxzero.train.distributed import TrainingError
         from fluxzero.sampling.vae import load_vae
+        from fluxzero.train.distributed import TrainingError
 
         self.cfg, self.output_dir, self.rank, self.stage = cfg, output_dir, rank, stage
         self.takes_part = stage == 3 or rank == 0
@@ -159,8 +197,7 @@ class Previews:
         self.emb = emb if self.takes_part else None
         # the VAE decodes on rank 0 only; in float32 (a few hundred MB for FLUX's), as `fluxzero sample` does
         self.vae = load_vae(cfg.vae, device=device, dtype=torch.float32) if rank == 0 else None
-        self.reference, self.reference_path = (self._reference(validation) if model_cfg.kontext
-                                               else (None, None))
+        self.reference, self.reference_path = self._reference(validation) if model_cfg.kontext else (None, None)
 
     def _reference(self, validation: Validation | None) -> tuple[torch.Tensor, str]:
         """(scaled reference latents (1, 16, h, w), where they came from) on every rank: sample.reference encoded
@@ -208,15 +245,27 @@ class Previews:
             width, height = self.cfg.wh
             try:
                 with _same_random_streams():
-                    paths = sample_images(engine.module, self.vae, self.emb, out, width=width, height=height,
-                                          steps=self.cfg.steps, seeds=self.cfg.seeds, guidance=self.cfg.guidance,
-                                          weights=f"step {step} ({self.cfg.weights} weights)",
-                                          reference=self.reference, reference_path=self.reference_path)
+                    paths = sample_images(
+                        engine.module,
+                        self.vae,
+                        self.emb,
+                        out,
+                        width=width,
+                        height=height,
+                        steps=self.cfg.steps,
+                        seeds=self.cfg.seeds,
+                        guidance=self.cfg.guidance,
+                        weights=f"step {step} ({self.cfg.weights} weights)",
+                        reference=self.reference,
+                        reference_path=self.reference_path,
+                    )
             except OSError as e:  # a PNG write: the sampling itself is done
                 problem, paths = e, []
             if problem is not None:
                 where = Path(self.output_dir) / "samples" / f"step_{step:08d}"
-                write_line(f"warning: the preview images of step {step} were not written to {where} "
-                           f"({problem.strerror or problem}); training goes on: make that folder writable for the "
-                           f"next previews")
+                write_line(
+                    f"warning: the preview images of step {step} were not written to {where} "
+                    f"({problem.strerror or problem}); training goes on: make that folder writable for the "
+                    f"next previews"
+                )
         return paths, time.perf_counter() - t0

@@ -5,6 +5,7 @@ fluxzero.model.packing: 2x2 packing and position ids) for the training loop.
 Convention (BFL / SD3): t = 0 is data, t = 1 is noise, x_t = (1 - t) x0 + t noise, and the model
 predicts the velocity dx_t/dt = noise - x0.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,7 +56,7 @@ def target_tokens(pred: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
 
     Shape: pred (B, L + R, C), tgt (B, L, C) -> (B, L, C)
     """
-    return pred if pred.shape[1] == tgt.shape[1] else pred[:, :tgt.shape[1]]
+    return pred if pred.shape[1] == tgt.shape[1] else pred[:, : tgt.shape[1]]
 
 
 def loss_weights(batch: dict, mask_floor: float = 0.0) -> torch.Tensor | None:
@@ -82,8 +83,9 @@ def sample_losses(pred: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
     return (pred.float() - tgt.float()).square().flatten(1).mean(1)
 
 
-def sample_timesteps(n: int, sampling: str = "uniform", mean: float = 0.0, std: float = 1.0,
-                     generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_timesteps(
+    n: int, sampling: str = "uniform", mean: float = 0.0, std: float = 1.0, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Draw n timesteps in (0, 1): uniform, or logit-normal (sigmoid of N(mean, std), SD3 section 3.1)."""
     if sampling == "uniform":
         return torch.rand(n, generator=generator)
@@ -98,8 +100,9 @@ def time_shift(t: torch.Tensor, mu: float) -> torch.Tensor:
     return em / (em + 1 / t - 1)
 
 
-def resolution_mu(image_tokens: int, base_tokens: int = 256, max_tokens: int = 4096,
-                  base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+def resolution_mu(
+    image_tokens: int, base_tokens: int = 256, max_tokens: int = 4096, base_shift: float = 0.5, max_shift: float = 1.15
+) -> float:
     """mu linear in the number of packed image tokens: 256 -> 0.5, 4096 -> 1.15 (BFL's schedule)."""
     slope = (max_shift - base_shift) / (max_tokens - base_tokens)
     return base_shift + slope * (image_tokens - base_tokens)
@@ -127,7 +130,9 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return (z ^ (z >> 31)) & (2**63 - 1)
 
 
-def draw_noise(latents: torch.Tensor, index: torch.Tensor, seed: int, epoch: int, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_noise(
+    latents: torch.Tensor, index: torch.Tensor, seed: int, epoch: int, cfg
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Noise (B, C, H, W) and timesteps (B,) on CPU, drawn per sample from (seed, epoch, sample index).
 
     Why per sample: each data-parallel rank must draw different noise and timesteps (same-seeded ranks
@@ -147,9 +152,17 @@ def draw_noise(latents: torch.Tensor, index: torch.Tensor, seed: int, epoch: int
     return noise, t
 
 
-def prepare_batch(batch: dict, cfg, seed: int, epoch: int, *, guidance_embed: bool,
-                  device=None, dtype: torch.dtype = torch.float32,
-                  timesteps: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
+def prepare_batch(
+    batch: dict,
+    cfg,
+    seed: int,
+    epoch: int,
+    *,
+    guidance_embed: bool,
+    device=None,
+    dtype: torch.dtype = torch.float32,
+    timesteps: torch.Tensor | None = None,
+) -> tuple[dict, torch.Tensor]:
     """Turn a data batch into Flux.forward keyword arguments and the velocity target.
 
     timesteps (B,), when given, replace the drawn (and shifted) ones: validation evaluates fixed t values.
@@ -167,6 +180,7 @@ def prepare_batch(batch: dict, cfg, seed: int, epoch: int, *, guidance_embed: bo
         t = timesteps.float().expand(b).clone()
     x_t = pack(noisy(x0, noise, t))  # (B, HW/4, 64)
     tgt = pack(target(x0, noise))  # (B, HW/4, 64)
+
     def dev(x: torch.Tensor, to_dtype: torch.dtype | None = dtype) -> torch.Tensor:
         # Copy first (asynchronous from pinned memory), cast on the device: casting the T5 embeddings on the
         # host is a single-threaded pass over ~8 MB per sample, a large part of a GPU step (benchmarks/RESULTS.md).

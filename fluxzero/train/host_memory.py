@@ -8,6 +8,7 @@ for every rank on this machine. The processes themselves are already running, so
 own footprint is not counted again. On a CPU-only run the accelerator's share is host memory too; it is not
 counted here.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,10 @@ def host_available() -> int | None:
         except ValueError:
             gib = math.nan
         if not gib > 0 or math.isinf(gib):
-            raise ValueError(f"environment variable {HOST_MEMORY_ENV}={text!r} must be a positive number of GiB (the "
-                             f"host memory this run may use); fix or unset it")
+            raise ValueError(
+                f"environment variable {HOST_MEMORY_ENV}={text!r} must be a positive number of GiB (the "
+                f"host memory this run may use); fix or unset it"
+            )
         return int(gib * 2**30)
     available = _meminfo_available()
     room = _cgroup_room()
@@ -73,16 +76,29 @@ def within(need: int, available: int | None) -> bool:
 
 def _source(available: int) -> str:
     gib = f"{available / 2**30:.1f} GiB"
-    return f"{HOST_MEMORY_ENV} gives {gib}" if os.environ.get(HOST_MEMORY_ENV) else f"{gib} is available on this machine"
+    return (
+        f"{HOST_MEMORY_ENV} gives {gib}" if os.environ.get(HOST_MEMORY_ENV) else f"{gib} is available on this machine"
+    )
 
 
-def run_host_need(model_cfg, ds: dict, v, *, world: int, local_world: int, latent_sizes=(), txt_len: int = 512,
-                  ema=None, lora=None, weights: bool = False):
+def run_host_need(
+    model_cfg,
+    ds: dict,
+    v,
+    *,
+    world: int,
+    local_world: int,
+    latent_sizes=(),
+    txt_len: int = 512,
+    ema=None,
+    lora=None,
+    weights: bool = False,
+):
     """(bytes of host memory the run needs on this machine, [(item, bytes)] of it, largest first) from the memory
     model, for the DeepSpeed config `ds` with its view `v` and the run's data, EMA and LoRA (a LoraConfig)."""
     from fluxzero import plan as memory
-    from fluxzero.plan.spec import PHASES
     from fluxzero.plan.model_states import PROCESS_ITEM
+    from fluxzero.plan.spec import PHASES
 
     fields = memory.run_options_from_ds_config(ds, world, v)
     height = width = 512
@@ -94,18 +110,31 @@ def run_host_need(model_cfg, ds: dict, v, *, world: int, local_world: int, laten
         fields.update(ema=ema.dtype, ema_device=ema.device)
     if lora is not None:
         targets = lora.targets if isinstance(lora.targets, str) else tuple(lora.targets)
-        fields.update(lora_rank=lora.rank, lora_targets=targets, lora_dropout=lora.dropout,
-                      base_quant=None if lora.base_quant == "none" else lora.base_quant)
+        fields.update(
+            lora_rank=lora.rank,
+            lora_targets=targets,
+            lora_dropout=lora.dropout,
+            base_quant=None if lora.base_quant == "none" else lora.base_quant,
+        )
     local = max(1, min(local_world, world))
-    spec = memory.RunSpec(model_cfg, nodes=max(1, world // local), gpus_per_node=local, height=height, width=width,
-                          txt_len=txt_len, load_bytes=4 if weights else 0, **fields)
+    spec = memory.RunSpec(
+        model_cfg,
+        nodes=max(1, world // local),
+        gpus_per_node=local,
+        height=height,
+        width=width,
+        txt_len=txt_len,
+        load_bytes=4 if weights else 0,
+        **fields,
+    )
     est = memory.estimate(spec)
     # Estimate.host_per_rank's rule (the larger of the model load and what training holds) without the allowance
     # for the running process itself
     host = [i for i in est.items if i.where == "host" and i.name != PROCESS_ITEM and i.bytes > 0]
     load = sum(i.bytes for i in host if i.phase == "load")
     running = sum(i.bytes for i in host if i.phase == "resident") + max(
-        sum(i.bytes for i in host if i.phase == p) for p in PHASES)
+        sum(i.bytes for i in host if i.phase == p) for p in PHASES
+    )
     loading = load > running
     items = sorted(((i.name, i.bytes * local) for i in host if (i.phase == "load") == loading), key=lambda x: -x[1])
     need = max(load, running) * local
@@ -120,8 +149,10 @@ def host_problem(need: int, items, available: int | None, fixes: list[str]) -> s
     what = ", ".join(f"{name} {n / 2**30:.1f} GiB" for name, n in items[:3])
     gib = max(1, math.floor(available / 2**30))
     fix = ", ".join(fixes + [f"or let `fluxzero gen-config --fit --host-memory {gib}` choose a config for it"])
-    return (f"this run needs {need / 2**30:.1f} GiB of host memory on this machine ({what}), but "
-            f"{_source(available)} and {KEEP_FREE:.0%} of it is kept free: {fix}")
+    return (
+        f"this run needs {need / 2**30:.1f} GiB of host memory on this machine ({what}), but "
+        f"{_source(available)} and {KEEP_FREE:.0%} of it is kept free: {fix}"
+    )
 
 
 def fixes_for(v, ema) -> list[str]:
@@ -138,8 +169,19 @@ def fixes_for(v, ema) -> list[str]:
     return out
 
 
-def check_run(model_cfg, ds: dict, v, *, world: int, local_world: int, latent_sizes=(), txt_len: int = 512,
-              ema=None, lora=None, weights: bool = False) -> str | None:
+def check_run(
+    model_cfg,
+    ds: dict,
+    v,
+    *,
+    world: int,
+    local_world: int,
+    latent_sizes=(),
+    txt_len: int = 512,
+    ema=None,
+    lora=None,
+    weights: bool = False,
+) -> str | None:
     """run_host_need against host_available(): the refusing sentence, or None (also where the memory model does
     not cover the run: the check must never stop a run it cannot estimate)."""
     try:
@@ -149,8 +191,18 @@ def check_run(model_cfg, ds: dict, v, *, world: int, local_world: int, latent_si
     if available is None:
         return None
     try:
-        need, items = run_host_need(model_cfg, ds, v, world=world, local_world=local_world, latent_sizes=latent_sizes,
-                                    txt_len=txt_len, ema=ema, lora=lora, weights=weights)
+        need, items = run_host_need(
+            model_cfg,
+            ds,
+            v,
+            world=world,
+            local_world=local_world,
+            latent_sizes=latent_sizes,
+            txt_len=txt_len,
+            ema=ema,
+            lora=lora,
+            weights=weights,
+        )
     except ValueError:
         return None
     return host_problem(need, items, available, fixes_for(v, ema))

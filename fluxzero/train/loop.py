@@ -6,6 +6,7 @@
 Setup reads, in this order and without going back: run file -> distributed -> DeepSpeed config -> data ->
 resume decision -> model/engine -> checkpoint -> loop.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,9 @@ class Run:
 def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: bool = False) -> Run:
     """Everything the loop needs, built as the trainer builds it (benchmarks call this too, then time run.step)."""
     from fluxzero.data import build_dataloader
-    from fluxzero.train.checkpoint import store as checkpoint, resume
     from fluxzero.train import engine as ds_engine
+    from fluxzero.train.checkpoint import resume
+    from fluxzero.train.checkpoint import store as checkpoint
     from fluxzero.train.step import TrainStep, batches
 
     try:
@@ -75,10 +77,17 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     np.random.seed((cfg.seed * 1_000_003 + rank) % 2**32)
     model_cfg = resolve_model(cfg.model)
     workers = cfg.loader_workers(device.type, len(os.sched_getaffinity(0)), distributed.local_world_size())
-    loader = build_dataloader(cfg.data, micro_batch=v.micro_batch, rank=rank, world_size=world, seed=cfg.seed,
-                              num_workers=workers, pin_memory=device.type == "cuda",
-                              # forked workers can hang once DeepSpeed's threads and process group exist
-                              multiprocessing_context="spawn" if workers else None)
+    loader = build_dataloader(
+        cfg.data,
+        micro_batch=v.micro_batch,
+        rank=rank,
+        world_size=world,
+        seed=cfg.seed,
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        # forked workers can hang once DeepSpeed's threads and process group exist
+        multiprocessing_context="spawn" if workers else None,
+    )
     loader.check_model(model_cfg)
     if rank == 0 and hasattr(loader.source, "summary"):  # several datasets: what an epoch draws from each
         write_line(loader.source.summary())
@@ -88,11 +97,31 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     from fluxzero.train.host_memory import check_run
 
     # before anything large is allocated: a host short of memory would swap or meet the OOM killer mid-run instead
-    distributed.all_ranks_ok(check_run(model_cfg, ds, v, world=world, local_world=distributed.local_world_size(),
-                                       latent_sizes=loader.dims["latent_sizes"], txt_len=loader.dims.get("t5_len", 512),
-                                       ema=cfg.ema, lora=cfg.lora, weights=bool(cfg.weights)))
-    engine = ds_engine.build_engine(model_cfg, ds, v, device, seed=cfg.seed, weights=cfg.weights,
-                                    attention=cfg.attention, lora=cfg.lora, latent_sizes=loader.dims["latent_sizes"])
+    distributed.all_ranks_ok(
+        check_run(
+            model_cfg,
+            ds,
+            v,
+            world=world,
+            local_world=distributed.local_world_size(),
+            latent_sizes=loader.dims["latent_sizes"],
+            txt_len=loader.dims.get("t5_len", 512),
+            ema=cfg.ema,
+            lora=cfg.lora,
+            weights=bool(cfg.weights),
+        )
+    )
+    engine = ds_engine.build_engine(
+        model_cfg,
+        ds,
+        v,
+        device,
+        seed=cfg.seed,
+        weights=cfg.weights,
+        attention=cfg.attention,
+        lora=cfg.lora,
+        latent_sizes=loader.dims["latent_sizes"],
+    )
     state = checkpoint.load(engine, ckpt_dir, tag) if tag else None
     if state:
         loader.load_state_dict(state["loader"], allow_data_change=allow_config_change)
@@ -101,14 +130,33 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
         _apply_config_lr(engine, v, rank)
     start = state["step"] if state else 0
     dtype = ds_engine.model_dtype(v)
-    run = Run(engine, loader, ds, v, ckpt_dir, total, min(total, cfg.stop_after) if cfg.stop_after else total,
-               start, str(ckpt_dir / tag) if tag else None, model_cfg.flops_per_sample, dtype)
-    run.step = TrainStep(engine, batches(loader), cfg.flow, seed=cfg.seed, grad_accum=v.grad_accum,
-                         guidance_embed=model_cfg.guidance_embed, device=device, dtype=dtype,
-                         before_update=lambda loss: _check_finite(loss, run),
-                         stop_flag=lambda: distributed.stop_requested() is not None,
-                         position=lambda: {"epoch": loader.epoch, "batches_done": loader.batches_done},
-                         prefetch=cfg.prefetch_batches)
+    run = Run(
+        engine,
+        loader,
+        ds,
+        v,
+        ckpt_dir,
+        total,
+        min(total, cfg.stop_after) if cfg.stop_after else total,
+        start,
+        str(ckpt_dir / tag) if tag else None,
+        model_cfg.flops_per_sample,
+        dtype,
+    )
+    run.step = TrainStep(
+        engine,
+        batches(loader),
+        cfg.flow,
+        seed=cfg.seed,
+        grad_accum=v.grad_accum,
+        guidance_embed=model_cfg.guidance_embed,
+        device=device,
+        dtype=dtype,
+        before_update=lambda loss: _check_finite(loss, run),
+        stop_flag=lambda: distributed.stop_requested() is not None,
+        position=lambda: {"epoch": loader.epoch, "batches_done": loader.batches_done},
+        prefetch=cfg.prefetch_batches,
+    )
     _setup_extras(run, cfg, model_cfg, tag, rank, world, device)
     return run
 
@@ -117,13 +165,17 @@ def _check_inputs(cfg: TrainConfig) -> None:
     """What the run file names must be there before anything is built: the weights, the previews' reference, peft
     for a LoRA."""
     if cfg.weights and not Path(cfg.weights).exists():
-        raise TrainingError(f"weights: {cfg.weights} (the run file's pretrained weights) does not exist; it is read "
-                            f"relative to the folder you launch from ({os.getcwd()}): set weights: to the FLUX.1 "
-                            f"safetensors file or diffusers folder, or remove it to train from random weights")
+        raise TrainingError(
+            f"weights: {cfg.weights} (the run file's pretrained weights) does not exist; it is read "
+            f"relative to the folder you launch from ({os.getcwd()}): set weights: to the FLUX.1 "
+            f"safetensors file or diffusers folder, or remove it to train from random weights"
+        )
     if cfg.sample.every and cfg.sample.reference and not Path(cfg.sample.reference).is_file():
-        raise TrainingError(f"sample.reference {cfg.sample.reference} does not exist; it is read relative to the folder "
-                            f"you launch from ({os.getcwd()}): set it to the image the previews edit (or a "
-                            f".safetensors file of its latents)")
+        raise TrainingError(
+            f"sample.reference {cfg.sample.reference} does not exist; it is read relative to the folder "
+            f"you launch from ({os.getcwd()}): set it to the image the previews edit (or a "
+            f".safetensors file of its latents)"
+        )
     if cfg.lora is not None:
         from fluxzero.model.lora import require_peft
         from fluxzero.model.lora_keys import LoraError
@@ -145,17 +197,34 @@ def _setup_extras(run: Run, cfg: TrainConfig, model_cfg, tag: str | None, rank: 
     if cfg.validation.data:
         from fluxzero.train.evaluate import Validation
 
-        run.validation = Validation(cfg.validation, cfg.flow, model_cfg, micro_batch=run.view.micro_batch, rank=rank,
-                                    world=world, device=device, dtype=run.dtype)
+        run.validation = Validation(
+            cfg.validation,
+            cfg.flow,
+            model_cfg,
+            micro_batch=run.view.micro_batch,
+            rank=rank,
+            world=world,
+            device=device,
+            dtype=run.dtype,
+        )
     if cfg.sample.every:
         try:
             from fluxzero.train.evaluate import Previews
 
-            run.previews = Previews(cfg.sample, model_cfg, cfg.output_dir, rank=rank, stage=run.view.stage,
-                                    device=device, dtype=run.dtype, validation=run.validation)
+            run.previews = Previews(
+                cfg.sample,
+                model_cfg,
+                cfg.output_dir,
+                rank=rank,
+                stage=run.view.stage,
+                device=device,
+                dtype=run.dtype,
+                validation=run.validation,
+            )
         except ImportError as e:
-            raise TrainingError(f"sample.every needs the sampling packages ({e.name} is missing): "
-                                f"pip install -e '.[cache]'") from None
+            raise TrainingError(
+                f"sample.every needs the sampling packages ({e.name} is missing): pip install -e '.[cache]'"
+            ) from None
 
 
 def _resume_ema(run: Run, tag: str, rank: int, world: int) -> None:
@@ -168,16 +237,20 @@ def _resume_ema(run: Run, tag: str, rank: int, world: int) -> None:
     had = resume.saved_run(tag_dir).get("ema") or any(tag_dir.glob("ema_rank_*.safetensors"))
     problem, note, sd = None, None, None
     if had:
-        advice = (f"restore it or remove the ema: section to continue without the EMA, otherwise "
-                  f"{resume.resume_advice(run.ckpt_dir, tag)}")
+        advice = (
+            f"restore it or remove the ema: section to continue without the EMA, otherwise "
+            f"{resume.resume_advice(run.ckpt_dir, tag)}"
+        )
         try:
             sd, note = read_shard(tag_dir / shard_name(rank), rank=rank, world=world, step=run.done, advice=advice)
             run.ema.load_state_dict(sd)
         except ShardError as e:
             problem = str(e)
         except ValueError:  # the layout: another partitioning (ZeRO stage, model or LoRA targets)
-            problem = (f"EMA shard {tag_dir / shard_name(rank)} was saved with another partitioning of the trained "
-                       f"parameters than this run's; {advice}")
+            problem = (
+                f"EMA shard {tag_dir / shard_name(rank)} was saved with another partitioning of the trained "
+                f"parameters than this run's; {advice}"
+            )
     distributed.all_ranks_ok(problem)
     if rank == 0 and (note or not had):
         write_line(note or f"note: {tag_dir} holds no EMA; the EMA starts from the resumed weights")
@@ -188,16 +261,19 @@ def _after_step(run: Run, cfg: TrainConfig, step: int, metrics) -> dict:
     extra = {}
     if run.ema is not None:
         run.ema.update(step)
-    if run.validation is not None and ((cfg.validation.every and step % cfg.validation.every == 0)
-                                       or step == run.total):
+    if run.validation is not None and (
+        (cfg.validation.every and step % cfg.validation.every == 0) or step == run.total
+    ):
         from fluxzero.train.evaluate import ValidationFailed
 
         try:
             extra["val_loss"] = run.validation(run.engine)
         except ValidationFailed as e:  # the training is sound: keep it before stopping
             _save(run, cfg, dist.get_rank())
-            raise TrainingError(f"{e} (training was saved first: {run.last_ckpt} holds step {step}, so the same "
-                                f"command resumes from it once the data is fixed)") from None
+            raise TrainingError(
+                f"{e} (training was saved first: {run.last_ckpt} holds step {step}, so the same "
+                f"command resumes from it once the data is fixed)"
+            ) from None
     if run.previews is not None and (step % cfg.sample.every == 0 or step == run.total):
         swap = run.ema.swap() if cfg.sample.weights == "ema" else contextlib.nullcontext()
         with swap:
@@ -227,9 +303,11 @@ def _check_finite(loss: float, run: Run) -> None:
     every = distributed.gather_objects(mine)
     where = [run.loader.source.describe(i) for i in dict.fromkeys(i for rank in every for i in rank)]
     batch = f" (in the micro batch holding {', '.join(where[:3])}{', ...' if len(where) > 3 else ''})" if where else ""
-    raise TrainingError(f"loss is {loss} at step {run.done + 1}{batch}; stopped before applying that update and "
-                        f"without saving (last checkpoint: {run.last_ckpt or 'none'}); lower the lr, raise "
-                        f"gradient clipping or check the data")
+    raise TrainingError(
+        f"loss is {loss} at step {run.done + 1}{batch}; stopped before applying that update and "
+        f"without saving (last checkpoint: {run.last_ckpt or 'none'}); lower the lr, raise "
+        f"gradient clipping or check the data"
+    )
 
 
 def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
@@ -238,8 +316,8 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     allow_config_change: resume a checkpoint although data, grad_accum or flow options changed (see
     resume.decide_resume); the new values are saved with the next checkpoint.
     """
-    from fluxzero.train.export import full as export
     from fluxzero.train.checkpoint import locks
+    from fluxzero.train.export import full as export
     from fluxzero.train.metrics import LogWriteError, Metrics
 
     rank, world, device = distributed.init_distributed()
@@ -252,8 +330,17 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     if rank == 0:
         write_line(_summary(run, cfg, world))
     try:
-        metrics = Metrics(cfg.output_dir, rank, world, device, run.total, run.done, run.view.train_batch,
-                          run.flops_per_sample, run.dtype)
+        metrics = Metrics(
+            cfg.output_dir,
+            rank,
+            world,
+            device,
+            run.total,
+            run.done,
+            run.view.train_batch,
+            run.flops_per_sample,
+            run.dtype,
+        )
         distributed.graceful_stops(True)  # SIGTERM / SIGUSR1 now mean: checkpoint at the next step boundary
         while run.done < run.stop:  # batch -> forward -> loss -> backward -> step -> log -> checkpoint
             metrics.step_started()
@@ -262,15 +349,25 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
             step = run.done = run.done + 1
             losses.append(r.loss)
             extra = _after_step(run, cfg, step, metrics)
-            metrics.log(step, r.loss, r.lr, r.grad_norm, r.skipped_steps, img_tokens=r.img_tokens,
-                        txt_tokens=r.txt_tokens, log=step % cfg.log_every == 0 or step == run.stop, extra=extra)
+            metrics.log(
+                step,
+                r.loss,
+                r.lr,
+                r.grad_norm,
+                r.skipped_steps,
+                img_tokens=r.img_tokens,
+                txt_tokens=r.txt_tokens,
+                log=step % cfg.log_every == 0 or step == run.stop,
+                extra=extra,
+            )
             if r.stop_requested or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < run.stop):
                 saved_step = _save(run, cfg, rank)
             if r.stop_requested:
                 raise distributed.Stopped(
                     f"stopped by {distributed.stop_requested() or 'a stop signal to another rank'} after step "
                     f"{step} of {run.total}; the checkpoint {run.last_ckpt} holds it: run the same command again "
-                    f"to resume")
+                    f"to resume"
+                )
         if saved_step != run.done:
             _save(run, cfg, rank)
         metrics.close()  # the last TensorBoard points reach the disk, or the error says they did not
@@ -279,8 +376,9 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
         # while another still has messages in flight, then only rank 0 exports (the others leave)
         distributed.barrier()
         if cfg.export.format and run.done >= run.total:
-            result["export"], result["exported"] = export.final_export(cfg.export, cfg.output_dir, run.ckpt_dir, rank,
-                                                                       lora=cfg.lora is not None, base=cfg.weights)
+            result["export"], result["exported"] = export.final_export(
+                cfg.export, cfg.output_dir, run.ckpt_dir, rank, lora=cfg.lora is not None, base=cfg.weights
+            )
     except KeyboardInterrupt:
         distributed.ignore_stop_signals()  # a second Ctrl-C, or the launcher's SIGTERM, must not cut the cleanup short
         raise Interrupted(_interrupted(run)) from None
@@ -306,15 +404,19 @@ def _summary(run: Run, cfg: TrainConfig, world: int) -> str:
     what = f"{cfg.model} {ADAPTER_NAMES[cfg.lora.type]} rank {cfg.lora.rank}" if cfg.lora is not None else cfg.model
     micro, accum, global_batch = run.view.batch_for(world)
     steps = f"steps {run.done + 1}-{run.stop} of {run.total}" if run.done < run.stop else f"all {run.total} steps done"
-    return (f"training {what}: {trainable:,} trainable parameters; {run.loader.num_samples} samples in "
-            f"{len(run.loader.dims['latent_sizes'])} bucket(s); {world} rank(s), ZeRO-{run.view.stage}, global batch "
-            f"{micro} x {accum} accumulation x {world} = {global_batch}; {steps}")
+    return (
+        f"training {what}: {trainable:,} trainable parameters; {run.loader.num_samples} samples in "
+        f"{len(run.loader.dims['latent_sizes'])} bucket(s); {world} rank(s), ZeRO-{run.view.stage}, global batch "
+        f"{micro} x {accum} accumulation x {world} = {global_batch}; {steps}"
+    )
 
 
 def _done(run: Run, result: dict) -> str:
-    return (f"done: step {run.done}/{run.total}, checkpoint {result['checkpoint']}"
-            + (f", export {result['export']}" if "export" in result else "")
-            + ("" if result.get("exported", True) else " (up to date: not written again)"))
+    return (
+        f"done: step {run.done}/{run.total}, checkpoint {result['checkpoint']}"
+        + (f", export {result['export']}" if "export" in result else "")
+        + ("" if result.get("exported", True) else " (up to date: not written again)")
+    )
 
 
 def _save(run: Run, cfg: TrainConfig, rank: int) -> int:
@@ -324,13 +426,22 @@ def _save(run: Run, cfg: TrainConfig, rank: int) -> int:
 
     step = run.done
     if not checkpoint.weights_finite(run.engine):
-        raise TrainingError(f"the weights after step {step} are not finite (the update diverged: lower the lr "
-                            f"or raise gradient clipping); not saved, the last complete checkpoint "
-                            f"{run.last_ckpt or '(none)'} is kept")
+        raise TrainingError(
+            f"the weights after step {step} are not finite (the update diverged: lower the lr "
+            f"or raise gradient clipping); not saved, the last complete checkpoint "
+            f"{run.last_ckpt or '(none)'} is kept"
+        )
     try:
-        run.last_ckpt = checkpoint.save(run.engine, run.ckpt_dir, step, {"step": step, "loader": _loader_state(run)},
-                                        config_text(cfg), run.ds, keep=cfg.checkpoint.keep,
-                                        rank_files=_ema_files(run, rank))
+        run.last_ckpt = checkpoint.save(
+            run.engine,
+            run.ckpt_dir,
+            step,
+            {"step": step, "loader": _loader_state(run)},
+            config_text(cfg),
+            run.ds,
+            keep=cfg.checkpoint.keep,
+            rank_files=_ema_files(run, rank),
+        )
     except KeyboardInterrupt:  # Ctrl-C after `latest` moved (in the last barrier or the pruning): say so
         if checkpoint.latest_tag(run.ckpt_dir) == f"step_{step:08d}":
             run.last_ckpt = str(run.ckpt_dir / f"step_{step:08d}")
@@ -346,14 +457,18 @@ def _loader_state(run: Run) -> dict:
 def _interrupted(run: Run) -> str:
     return f"interrupted at step {run.done} of {run.total}; " + (
         f"the last complete checkpoint is {run.last_ckpt}: run the same command again to resume from it"
-        if run.last_ckpt else "no checkpoint was saved: run the same command again to start over")
+        if run.last_ckpt
+        else "no checkpoint was saved: run the same command again to start over"
+    )
 
 
 def _disk_full(cfg: TrainConfig, run: Run, e: Exception) -> str:
-    return (f"{e}: the disk holding {cfg.output_dir} is probably full; training stopped at step {run.done} and " + (
+    return f"{e}: the disk holding {cfg.output_dir} is probably full; training stopped at step {run.done} and " + (
         f"the last complete checkpoint {run.last_ckpt} is intact: free disk space there and run the same command "
-        f"again to resume from it" if run.last_ckpt else
-        "no checkpoint was saved: free disk space there and run the same command again"))
+        f"again to resume from it"
+        if run.last_ckpt
+        else "no checkpoint was saved: free disk space there and run the same command again"
+    )
 
 
 def _ema_files(run: Run, rank: int) -> dict[str, bytes]:
@@ -368,9 +483,11 @@ def _ema_files(run: Run, rank: int) -> dict[str, bytes]:
 # ---------------------------------------------------------------------------------------------------------
 # Entry
 # ---------------------------------------------------------------------------------------------------------
-OOM_HINT = ("out of GPU memory; lower train_micro_batch_size_per_gpu (raise gradient_accumulation_steps to keep "
-            "the batch), checkpoint more blocks (fluxzero.activation_checkpointing.every_k_blocks: 1), use ZeRO-3 "
-            "or CPU offload, and check the plan with `fluxzero estimate`")
+OOM_HINT = (
+    "out of GPU memory; lower train_micro_batch_size_per_gpu (raise gradient_accumulation_steps to keep "
+    "the batch), checkpoint more blocks (fluxzero.activation_checkpointing.every_k_blocks: 1), use ZeRO-3 "
+    "or CPU offload, and check the plan with `fluxzero estimate`"
+)
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.OutOfMemoryError: 2.5+
 
 
@@ -384,9 +501,16 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv):
     p = _Parser(prog="launch/train.py", description="Fine-tune FLUX.1 with DeepSpeed.")
     p.add_argument("--config", required=True, help="YAML run file (see launch/tiny.yaml)")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                   help="set by the deepspeed launcher; ignored (LOCAL_RANK is read from the environment)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="run-file overrides, e.g. steps=50 flow.shift=none")
+    p.add_argument(
+        "--local_rank",
+        "--local-rank",
+        type=int,
+        default=None,
+        help="set by the deepspeed launcher; ignored (LOCAL_RANK is read from the environment)",
+    )
+    p.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="run-file overrides, e.g. steps=50 flow.shift=none"
+    )
     args, unknown = p.parse_known_args(argv)
     flags = [a for a in unknown if a.startswith("--")]
     if flags:  # `--steps 50`: say how run-file settings are overridden
@@ -399,7 +523,7 @@ def parse_args(argv):
 _calls = itertools.count()  # main() calls of this process, the same count on every rank
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> int:  # noqa: C901
     args = parse_args(sys.argv[1:] if argv is None else argv)
     distributed.quiet_other_ranks()  # before DeepSpeed's import, which already warns
     from fluxzero.data import DataError
@@ -443,8 +567,10 @@ def main(argv=None) -> int:
         if debug or not distributed.peer_stopped(e):
             raise
         if distributed.current_rank() == 0:  # the rank that stopped printed why (before it exited)
-            distributed.write_error("error: another rank stopped (its error is above; if there is none, it was killed: see the "
-                       "launcher's output and the system log for out-of-memory kills)")
+            distributed.write_error(
+                "error: another rank stopped (its error is above; if there is none, it was killed: see the "
+                "launcher's output and the system log for out-of-memory kills)"
+            )
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()

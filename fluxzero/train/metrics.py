@@ -7,6 +7,7 @@ counted, the usual convention) x samples/s / (peak FLOP/s x ranks).
 A resumed run starts its logs at the checkpoint's step: metrics.jsonl rows after it are dropped and
 TensorBoard purges its later events (purge_step), so steps repeated after a resume appear once.
 """
+
 from __future__ import annotations
 
 import json
@@ -108,8 +109,18 @@ def truncate_jsonl(path: Path, last_step: int) -> int:
 class Metrics:
     """Collects one record per logged step; writes only on rank 0."""
 
-    def __init__(self, output_dir: str, rank: int, world_size: int, device: torch.device, total_steps: int,
-                 start_step: int, global_batch: int, flops_per_sample, dtype: torch.dtype):
+    def __init__(
+        self,
+        output_dir: str,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        total_steps: int,
+        start_step: int,
+        global_batch: int,
+        flops_per_sample,
+        dtype: torch.dtype,
+    ):
         """flops_per_sample(img_tokens, txt_tokens) -> forward FLOPs of one sample (ModelConfig's method)."""
         self.rank, self.world_size, self.device = rank, world_size, device
         self.global_batch = global_batch
@@ -134,10 +145,16 @@ class Metrics:
                 _quiet_tensorboard_thread()
                 self.writer = _writing(self._what["writer"], SummaryWriter, str(tb), purge_step=start_step + 1)
             self.jsonl = _writing(self._what["jsonl"], open, jsonl, "a")
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                            file=sys.stderr,
-                            # nothing left to train (a finished run started again): no bar drawn twice at 100%
-                            disable=os.environ.get("FLUXZERO_NO_PROGRESS") == "1" or start_step >= total_steps)
+            self.bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+                # nothing left to train (a finished run started again): no bar drawn twice at 100%
+                disable=os.environ.get("FLUXZERO_NO_PROGRESS") == "1" or start_step >= total_steps,
+            )
 
     def step_started(self) -> None:
         self._t, self._dt = time.perf_counter(), None
@@ -156,8 +173,18 @@ class Metrics:
         images = np.stack([np.asarray(Image.open(p).convert("RGB")) for p in paths])
         _writing(self._what["writer"], self.writer.add_images, tag, images, step, dataformats="NHWC")
 
-    def log(self, step: int, loss: float, lr: float, grad_norm: float | None, skipped_steps: int,
-            img_tokens: int, txt_tokens: int, log: bool = True, extra: dict | None = None) -> dict | None:
+    def log(
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        grad_norm: float | None,
+        skipped_steps: int,
+        img_tokens: int,
+        txt_tokens: int,
+        log: bool = True,
+        extra: dict | None = None,
+    ) -> dict | None:
         """Record optimizer step `step` (1-based). Collective: every rank must call it at every step.
 
         extra: further values of this step (val_loss, sample_s, ...): the step is then logged whatever `log` says.
@@ -175,10 +202,17 @@ class Metrics:
         mems = [float(t[1]) for t in every]
         slowest = max(times)
         record = {
-            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped_steps": skipped_steps,
-            "step_time_s": slowest, "samples_per_s": self.global_batch / slowest,
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "skipped_steps": skipped_steps,
+            "step_time_s": slowest,
+            "samples_per_s": self.global_batch / slowest,
             "tokens_per_s": self.global_batch * (img_tokens + txt_tokens) / slowest,
-            "peak_memory_gb": max(mems), "step_time_s_per_rank": times, "peak_memory_gb_per_rank": mems,
+            "peak_memory_gb": max(mems),
+            "step_time_s_per_rank": times,
+            "peak_memory_gb_per_rank": mems,
             **(extra or {}),
         }
         if self.peak and self.flops_per_sample:  # the batch's bucket sets the tokens, hence the FLOPs

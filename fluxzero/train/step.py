@@ -11,12 +11,13 @@ while the current step computes; the step only waits on that copy's event. The n
 step (noise is keyed on the sample, never on the order of calls), and the loader position saved with a checkpoint
 is that of the batches the steps consumed, not of those read ahead.
 """
+
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -142,12 +143,23 @@ class TrainStep:
     the thread starts at the first call, so `source` may be replaced before it.
     """
 
-    def __init__(self, engine, source: Iterator[tuple[int, dict]], flow_cfg: FlowConfig, *, seed: int,
-                 grad_accum: int, guidance_embed: bool, device: torch.device, dtype: torch.dtype,
-                 before_update: Callable[[float], None] | None = None,
-                 on_phase: Callable[[str], None] | None = None,
-                 stop_flag: Callable[[], bool] | None = None,
-                 position: Callable[[], dict] | None = None, prefetch: int = 0):
+    def __init__(
+        self,
+        engine,
+        source: Iterator[tuple[int, dict]],
+        flow_cfg: FlowConfig,
+        *,
+        seed: int,
+        grad_accum: int,
+        guidance_embed: bool,
+        device: torch.device,
+        dtype: torch.dtype,
+        before_update: Callable[[float], None] | None = None,
+        on_phase: Callable[[str], None] | None = None,
+        stop_flag: Callable[[], bool] | None = None,
+        position: Callable[[], dict] | None = None,
+        prefetch: int = 0,
+    ):
         self.engine, self.source, self.flow_cfg = engine, source, flow_cfg
         self.seed, self.grad_accum, self.guidance_embed = seed, grad_accum, guidance_embed
         self.device, self.dtype = device, dtype
@@ -166,9 +178,15 @@ class TrainStep:
     def _prepare_all(self) -> Iterator[Prepared]:
         for epoch, batch in self.source:
             position = self._position_fn() if self._position_fn is not None else None
-            inputs, target = flow.prepare_batch(batch, self.flow_cfg, self.seed, epoch,
-                                                guidance_embed=self.guidance_embed, device=self.device,
-                                                dtype=self.dtype)
+            inputs, target = flow.prepare_batch(
+                batch,
+                self.flow_cfg,
+                self.seed,
+                epoch,
+                guidance_embed=self.guidance_embed,
+                device=self.device,
+                dtype=self.dtype,
+            )
             weight = flow.loss_weights(batch, self.flow_cfg.mask_floor)
             if weight is not None:
                 weight = weight.to(self.device, non_blocking=True)
@@ -176,8 +194,9 @@ class TrainStep:
 
     def _next_batch(self) -> Prepared:
         if self._prepared is None:
-            self._prepared = (Prefetcher(self._prepare_all, self.prefetch, self.device) if self.prefetch > 0
-                              else self._prepare_all())
+            self._prepared = (
+                Prefetcher(self._prepare_all, self.prefetch, self.device) if self.prefetch > 0 else self._prepare_all()
+            )
         item = next(self._prepared)
         self.position = item.position
         return item
@@ -220,9 +239,15 @@ class TrainStep:
         engine.step()
         phase("end")
         norm = math.sqrt(own_sq) if self._own_norm else engine.get_global_grad_norm()
-        return StepResult(loss=mean, lr=lr, grad_norm=None if norm is None else float(norm),
-                          skipped_steps=int(engine.skipped_steps), img_tokens=inputs["img"].shape[1],
-                          txt_tokens=inputs["txt"].shape[1], stop_requested=stops > 0)
+        return StepResult(
+            loss=mean,
+            lr=lr,
+            grad_norm=None if norm is None else float(norm),
+            skipped_steps=int(engine.skipped_steps),
+            img_tokens=inputs["img"].shape[1],
+            txt_tokens=inputs["txt"].shape[1],
+            stop_requested=stops > 0,
+        )
 
     def _reduce_and_check(self, loss_sum: torch.Tensor) -> tuple[float, float, float]:
         """(mean loss over micro batches and ranks, stop flags, own squared grad norm), then before_update."""

@@ -1,4 +1,5 @@
 """benchmarks/sweep.py and report.py: the GPU sweep's exact code path, end to end on CPU with flux-tiny."""
+
 import importlib.util
 import json
 import math
@@ -35,13 +36,19 @@ def test_named_sets_are_well_formed():
     # every baseline row has a fluxzero row with the same settings: the matched comparison exists
     for name in ("lite1", "dev2"):
         cases = sweep.SETS[name][0]()
-        ours = {tuple(getattr(c, k) if k not in ("zero_opts", "env") else json.dumps(getattr(c, k))
-                      for k in report.MATCH_KEYS) for c in cases if c.impl == "fluxzero"}
+        ours = {
+            tuple(
+                getattr(c, k) if k not in ("zero_opts", "env") else json.dumps(getattr(c, k)) for k in report.MATCH_KEYS
+            )
+            for c in cases
+            if c.impl == "fluxzero"
+        }
         base = [c for c in cases if c.impl == "diffusers"]
         assert len(base) == 2
         for c in base:
-            key = tuple(getattr(c, k) if k not in ("zero_opts", "env") else json.dumps(getattr(c, k))
-                        for k in report.MATCH_KEYS)
+            key = tuple(
+                getattr(c, k) if k not in ("zero_opts", "env") else json.dumps(getattr(c, k)) for k in report.MATCH_KEYS
+            )
             assert key in ours, c.name
     dev2 = sweep.SETS["dev2"][0]()
     assert {c.gpus for c in dev2} == {2} and {c.model for c in dev2} == {"flux-dev"}
@@ -50,7 +57,9 @@ def test_named_sets_are_well_formed():
 
 def test_every_gpu_case_gets_a_config_deepspeed_accepts():
     # configs are refused here, in seconds, not on the GPU machine after its start-up
-    from fluxzero.config.deepspeed import check as ds_check, validate as ds_validate, view as ds_view
+    from fluxzero.config.deepspeed import check as ds_check
+    from fluxzero.config.deepspeed import validate as ds_validate
+    from fluxzero.config.deepspeed import view as ds_view
 
     seen = set()
     for name, (fn, _, _) in sweep.SETS.items():
@@ -65,7 +74,8 @@ def test_every_gpu_case_gets_a_config_deepspeed_accepts():
             if key not in seen:
                 seen.add(key)
                 assert not ds_validate.deepspeed_problems(
-                    {k: v for k, v in ds.items() if k != ds_view.FLUXZERO_SECTION}, case.gpus), case.name
+                    {k: v for k, v in ds.items() if k != ds_view.FLUXZERO_SECTION}, case.gpus
+                ), case.name
 
 
 def test_run_file_is_one_the_trainer_accepts_and_its_data_covers_the_case(tmp_path):
@@ -74,8 +84,13 @@ def test_run_file_is_one_the_trainer_accepts_and_its_data_covers_the_case(tmp_pa
 
     case = sweep.Case(**sweep._cpu(zero=2, mb=2, gpus=2, warmup=2, steps=3))
     cfg = TrainConfig(**sweep.run_file(case, 2, tmp_path / "ds.json", tmp_path / "run"))
-    assert (cfg.steps, cfg.model, cfg.attention, cfg.checkpoint.resume, cfg.export.format) == \
-        (5, "flux-tiny", "auto", False, None)
+    assert (cfg.steps, cfg.model, cfg.attention, cfg.checkpoint.resume, cfg.export.format) == (
+        5,
+        "flux-tiny",
+        "auto",
+        False,
+        None,
+    )
     # one epoch holds every step of the case: no epoch boundary among the timed steps
     loader = build_dataloader(cfg.data, micro_batch=2, rank=1, world_size=2, seed=0)
     assert len(loader) == case.total_steps
@@ -88,8 +103,13 @@ def test_run_file_is_one_the_trainer_accepts_and_its_data_covers_the_case(tmp_pa
 
 
 def test_sweep_refuses_a_data_folder_without_shards_in_one_line(tmp_path):
-    p = subprocess.run([sys.executable, "benchmarks/sweep.py", "--device", "cpu", "--data", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "benchmarks/sweep.py", "--device", "cpu", "--data", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2 and "no manifest.json there" in p.stderr and len(p.stderr.splitlines()) == 1
 
 
@@ -117,8 +137,9 @@ def test_timeout_and_budget_rows(tmp_path):
 
 
 def _git(cwd, *args):
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True, capture_output=True
+    )
 
 
 @pytest.mark.skipif(not shutil.which("git"), reason="needs git")
@@ -146,9 +167,25 @@ def test_code_version_commit_dirty_and_unknown(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_cpu_sweep_end_to_end(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "benchmarks/sweep.py", "--set", "cpu-test", "--device", "cpu",
-                        "--out", str(tmp_path), "--grace", "5"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/sweep.py",
+            "--set",
+            "cpu-test",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+            "--grace",
+            "5",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "cpu-test.jsonl").read_text().splitlines()]
     assert [r["index"] for r in rows] == [1, 2, 3, 4]
@@ -195,15 +232,19 @@ def test_cpu_sweep_end_to_end(tmp_path):
 
 
 def _tiny_shards(path, latent_hw, n):
-    from fluxzero.data import ShardWriter
-
     import torch
+
+    from fluxzero.data import ShardWriter
 
     g = torch.Generator().manual_seed(0)
     with ShardWriter(path, samples_per_shard=4) as w:  # flux-tiny widths: T5 64, CLIP 32; 16 T5 tokens
         for i in range(n):
-            w.add(torch.randn(16, *latent_hw, generator=g), torch.randn(16, 64, generator=g),
-                  torch.randn(32, generator=g), caption=f"sample {i}")
+            w.add(
+                torch.randn(16, *latent_hw, generator=g),
+                torch.randn(16, 64, generator=g),
+                torch.randn(32, generator=g),
+                caption=f"sample {i}",
+            )
 
 
 @pytest.mark.slow
@@ -212,10 +253,43 @@ def test_cpu_sweep_on_real_shards(tmp_path):
     # and FLOPs must come from what the trainer's loader read
     _tiny_shards(tmp_path / "shards", (8, 12), 8)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "benchmarks/sweep.py", "--device", "cpu", "--model", "flux-tiny", "--zero", "2",
-                        "--mb", "2", "--res", "64", "--txt", "16", "--attn", "auto", "--warmup", "1", "--steps", "2",
-                        "--data", str(tmp_path / "shards"), "--peak-tflops", "1", "--out", str(tmp_path / "o"),
-                        "--name", "shards"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/sweep.py",
+            "--device",
+            "cpu",
+            "--model",
+            "flux-tiny",
+            "--zero",
+            "2",
+            "--mb",
+            "2",
+            "--res",
+            "64",
+            "--txt",
+            "16",
+            "--attn",
+            "auto",
+            "--warmup",
+            "1",
+            "--steps",
+            "2",
+            "--data",
+            str(tmp_path / "shards"),
+            "--peak-tflops",
+            "1",
+            "--out",
+            str(tmp_path / "o"),
+            "--name",
+            "shards",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     (row,) = [json.loads(line) for line in (tmp_path / "o" / "shards.jsonl").read_text().splitlines()]
     assert row["status"] == "ok", row["status"]
@@ -230,10 +304,26 @@ def test_cpu_sweep_on_real_shards(tmp_path):
 
 def _row(index, impl="fluxzero", gpus=1, sps=1.0, alloc=10.0, **kw):
     case = sweep.Case(impl=impl, gpus=gpus, mb=4, **{k: v for k, v in kw.items() if k in ("zero", "mb", "compile")})
-    row = {"set": "t", "index": index, "name": case.name, **sweep.dataclasses.asdict(case), "status": "ok",
-           "valid": True, "samples_per_s": sps, "img_tokens_per_s": sps * 1024, "tflops_per_gpu": 100.0,
-           "mfu": 0.25, "step_s": 4 * gpus / sps, "data_s": 0.01, "fwd_s": 0.1, "bwd_s": 0.2, "opt_s": 0.05,
-           "peak_alloc_gib": [alloc] * gpus, "peak_reserved_gib": [alloc + 2] * gpus, "init_s": 3.0}
+    row = {
+        "set": "t",
+        "index": index,
+        "name": case.name,
+        **sweep.dataclasses.asdict(case),
+        "status": "ok",
+        "valid": True,
+        "samples_per_s": sps,
+        "img_tokens_per_s": sps * 1024,
+        "tflops_per_gpu": 100.0,
+        "mfu": 0.25,
+        "step_s": 4 * gpus / sps,
+        "data_s": 0.01,
+        "fwd_s": 0.1,
+        "bwd_s": 0.2,
+        "opt_s": 0.05,
+        "peak_alloc_gib": [alloc] * gpus,
+        "peak_reserved_gib": [alloc + 2] * gpus,
+        "init_s": 3.0,
+    }
     row.update({k: v for k, v in kw.items() if k not in ("zero", "mb", "compile")})
     return row
 
@@ -245,15 +335,34 @@ def test_profile_busy_time_is_a_union_of_kernel_spans():
 
 def test_report_comparison_scaling_and_plot(tmp_path):
     rows = [
-        _row(1, sps=2.6, alloc=60.0, profile={"wall_s": 1.5, "gpu_busy_s": 1.2, "compute_busy_s": 1.0,
-                                              "gpu_idle_s": 0.3, "exposed_comm_s": 0.2,
-                                              "kernel_s": {"attention": 0.4, "gemm": 0.6}}),
+        _row(
+            1,
+            sps=2.6,
+            alloc=60.0,
+            profile={
+                "wall_s": 1.5,
+                "gpu_busy_s": 1.2,
+                "compute_busy_s": 1.0,
+                "gpu_idle_s": 0.3,
+                "exposed_comm_s": 0.2,
+                "kernel_s": {"attention": 0.4, "gemm": 0.6},
+            },
+        ),
         _row(2, impl="diffusers", sps=2.0, alloc=80.0),
-        _row(3, gpus=2, sps=4.94), _row(4, zero=3, status="OOM at backward", valid=False),
+        _row(3, gpus=2, sps=4.94),
+        _row(4, zero=3, status="OOM at backward", valid=False),
         _row(5, zero=2, status="skipped steps", valid=False, skipped_steps=2),
         # torch.compile'd blocks next to the eager row 1: compared with it, and not with the baseline
-        _row(6, compile=True, sps=3.25, alloc=58.0, losses_rank0=[1.0, 0.5], compile_graphs=2,
-             compile_graph_breaks=0, warmup_s_all=[61.2, 1.1, 1.0]),
+        _row(
+            6,
+            compile=True,
+            sps=3.25,
+            alloc=58.0,
+            losses_rank0=[1.0, 0.5],
+            compile_graphs=2,
+            compile_graph_breaks=0,
+            warmup_s_all=[61.2, 1.1, 1.0],
+        ),
     ]
     rows[0]["losses_rank0"] = [1.0, 0.501]
     for r in rows[3:4]:
@@ -281,8 +390,9 @@ def test_report_pairs_measured_rows_of_the_same_sweep_and_lists_repeats():
     a = dict(set="lite1", date="2026-11-30 12:38 UTC", parallel=2)
     fz = _row(3, sps=11.82, alloc=59.3, **a)
     base = _row(5, impl="diffusers", sps=11.81, alloc=59.0, **a)
-    later = _row(2, set="lite_after", date="2026-11-30 12:51 UTC", status="not run (sweep budget 55 s spent)",
-                 valid=False)
+    later = _row(
+        2, set="lite_after", date="2026-11-30 12:51 UTC", status="not run (sweep budget 55 s spent)", valid=False
+    )
     for k in ("samples_per_s", "step_s"):
         later.pop(k)
     md = report.render([fz, base, later])
@@ -307,18 +417,35 @@ def test_report_scaling_shows_every_one_gpu_row_same_sweep_first(tmp_path):
     md = report.render([early, one, two])
     lines = [ln for ln in md.splitlines() if "efficiency" in ln]
     assert lines[0].endswith("| scale#1 / scale#2 | 8.79 | 17.17 | 1.95x (98% efficiency) |")
-    assert lines[1].endswith("| lite1#13 (parallel 2) / scale#2 | 10.46 | 17.17 | 1.64x (82% efficiency); "
-                             "rows from different sweeps |")
+    assert lines[1].endswith(
+        "| lite1#13 (parallel 2) / scale#2 | 10.46 | 17.17 | 1.64x (82% efficiency); rows from different sweeps |"
+    )
     assert "| 0.911 (0.79-0.93) |" not in md and "(0.79-0.93)" in md  # the step range sits next to the median
     assert "scale#1 12:50: 8.79 samples/s, timed steps 0.79-0.93 s (n=3)" in md
 
 
 def test_report_header_has_each_sweeps_peak_date_and_code():
-    a = _row(1, set="lite1", date="2026-11-30 12:38 UTC", parallel=2, peak_tflops=774.8,
-             versions={"torch": "2.11.0", "deepspeed": "0.19.8", "device": "NVIDIA H200"})
-    b = _row(1, set="dev2", date="2026-11-30 12:44 UTC", peak_tflops=759.5,
-             versions={"torch": "2.11.0", "deepspeed": "0.19.8", "device": "NVIDIA H200",
-                       "git_commit": "0123456789abcdef0123456789abcdef01234567", "git_dirty": True})
+    a = _row(
+        1,
+        set="lite1",
+        date="2026-11-30 12:38 UTC",
+        parallel=2,
+        peak_tflops=774.8,
+        versions={"torch": "2.11.0", "deepspeed": "0.19.8", "device": "NVIDIA H200"},
+    )
+    b = _row(
+        1,
+        set="dev2",
+        date="2026-11-30 12:44 UTC",
+        peak_tflops=759.5,
+        versions={
+            "torch": "2.11.0",
+            "deepspeed": "0.19.8",
+            "device": "NVIDIA H200",
+            "git_commit": "0123456789abcdef0123456789abcdef01234567",
+            "git_dirty": True,
+        },
+    )
     md = report.header([a, b])
     assert "| lite1 | 2026-11-30 12:38 UTC | 1 (1) | 2 | NVIDIA H200 | 774.8 | 2.11.0 |" in md
     assert "| dev2 | 2026-11-30 12:44 UTC | 1 (1) | 1 | NVIDIA H200 | 759.5 |" in md
@@ -345,7 +472,7 @@ def test_bench_blocks_json_records_time_and_versions(tmp_path, monkeypatch):
     assert result["versions"]["diffusers"] == result["diffusers"]
 
 
-_FAKE_PIP = '''#!/bin/sh
+_FAKE_PIP = """#!/bin/sh
 # stands in for `python3 -m pip ...` in benchmarks/device_wheels.sh: download/wheel write files, install nothing
 shift 2; cmd=$1; shift; out=""; pkgs=""; sdist=""
 while [ $# -gt 0 ]; do
@@ -365,7 +492,7 @@ elif [ "$cmd" = download ]; then
 elif [ "$cmd" = wheel ]; then
   touch "$out/$(basename "$PWD")-py3-none-any.whl"
 fi
-'''
+"""
 
 
 @pytest.mark.skipif(not shutil.which("bash") or not shutil.which("tar"), reason="needs bash and tar")

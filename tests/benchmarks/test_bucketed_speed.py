@@ -1,5 +1,6 @@
 """benchmarks/bucketed_speed.py end to end on CPU with flux-tiny: the GPU command's code path produces its rows
 (launch/train.py and the diffusers peer, plain and with PEFT adapters, on bucketed data). No timing is checked."""
+
 import json
 import os
 import subprocess
@@ -12,9 +13,29 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench(out: Path, *args: str) -> list[dict]:
-    subprocess.run([sys.executable, "benchmarks/bucketed_speed.py", "--res", "128", "--steps", "3", "--last", "2",
-                    "--data", "bucketed", "--timeout", "300", "--out", str(out), *args], check=True, cwd=ROOT,
-                   timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bucketed_speed.py",
+            "--res",
+            "128",
+            "--steps",
+            "3",
+            "--last",
+            "2",
+            "--data",
+            "bucketed",
+            "--timeout",
+            "300",
+            "--out",
+            str(out),
+            *args,
+        ],
+        check=True,
+        cwd=ROOT,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
@@ -22,9 +43,11 @@ def _bench(out: Path, *args: str) -> list[dict]:
 def test_rows_for_the_trainer_and_the_peer_on_the_same_buckets(tmp_path):
     rows = _bench(tmp_path / "b.jsonl", "--workloads", "tiny")
     rows += _bench(tmp_path / "l.jsonl", "--workloads", "tiny-lora", "--impls", "peer")
-    assert [(r["impl"], r["workload"], r["status"]) for r in rows] == \
-        [("fluxzero", "tiny", "ok"), ("peer", "tiny", "ok"), ("peer", "tiny-lora", "ok")], \
-        [r.get("log_tail") for r in rows]
+    assert [(r["impl"], r["workload"], r["status"]) for r in rows] == [
+        ("fluxzero", "tiny", "ok"),
+        ("peer", "tiny", "ok"),
+        ("peer", "tiny-lora", "ok"),
+    ], [r.get("log_tail") for r in rows]
     for r in rows:
         assert r["wall_s"] >= r["first_step_s"] > 0 and r["steady_samples_per_s"] > 0
         assert r["steady_wall_samples_per_s"] > 0 and r["recompiles"] == 0  # eager on the CPU

@@ -4,6 +4,7 @@ and final files (the export and every file of the final checkpoint, by sha256) m
 A full fine-tune at ZeRO-2, a LoRA with an EMA (its shards in every checkpoint, its export at the end) at ZeRO-3,
 and a full fine-tune in the fused mode (stage 0: each update applied in backward, two blocks streamed from the
 host)."""
+
 import importlib.util
 import random
 from pathlib import Path

@@ -1,5 +1,6 @@
 """benchmarks/kontext_lora.py's pieces that need no GPU: a Kontext case's run file trains on pairs, the fit JSON
 decides the case, the diffusers + PEFT baseline's LoRA sits on the layers fluxzero's attention+mlp targets."""
+
 from __future__ import annotations
 
 import json
@@ -12,11 +13,25 @@ sweep = _load("sweep")
 
 
 def test_a_kontext_case_trains_on_pairs_and_takes_the_fit_json(tmp_path):
-    ds = {"train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": 2},
-          "fluxzero": {"activation_checkpointing": {"every_k_blocks": 2}, "compile": {"blocks": False}}}
+    ds = {
+        "train_micro_batch_size_per_gpu": 3,
+        "zero_optimization": {"stage": 2},
+        "fluxzero": {"activation_checkpointing": {"every_k_blocks": 2}, "compile": {"blocks": False}},
+    }
     (tmp_path / "fit.json").write_text(json.dumps(ds))
-    case = sweep.with_ds_json(sweep.Case(model="flux-tiny-kontext", res=64, txt=4, attn="auto", warmup=1, steps=1,
-                                         lora={"rank": 4, "targets": "attention+mlp"}), str(tmp_path / "fit.json"), "cpu")
+    case = sweep.with_ds_json(
+        sweep.Case(
+            model="flux-tiny-kontext",
+            res=64,
+            txt=4,
+            attn="auto",
+            warmup=1,
+            steps=1,
+            lora={"rank": 4, "targets": "attention+mlp"},
+        ),
+        str(tmp_path / "fit.json"),
+        "cpu",
+    )
     assert (case.mb, case.zero, case.ckpt, case.compile) == (3, 2, 2, False)
     cfg = TrainConfig(**sweep.run_file(case, 1, tmp_path / "fit.json", tmp_path / "run"))
     assert cfg.model == "flux-tiny-kontext" and cfg.data.endswith(",ref=1")
@@ -35,8 +50,8 @@ def test_the_baselines_lora_targets_are_fluxzeros_attention_mlp_layers():
     from fluxzero.config import get_model_config
     from fluxzero.config.lora import LoraConfig as FzLora
     from fluxzero.model import build_model
-    from fluxzero.model.lora import apply_lora
     from fluxzero.model.layouts import diffusers_names
+    from fluxzero.model.lora import apply_lora
 
     kontext, diffusers_config = _load("kontext_lora"), _load("baseline_diffusers").diffusers_config
     cfg = get_model_config("flux-tiny-kontext")

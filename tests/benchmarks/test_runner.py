@@ -1,4 +1,5 @@
 """benchmarks/runner.py: children in their own process group, killed whole on timeout; JSON-lines rows; flags."""
+
 import json
 import os
 import sys

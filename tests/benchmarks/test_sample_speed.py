@@ -1,6 +1,7 @@
 """benchmarks/sample_speed.py end to end on CPU: flux-tiny, a tiny VAE, 2 steps (the GPU run is the same code with
 flux-dev, FLUX.1's VAE shapes and 28 steps). CPU timings are noise here; what is checked is that every row runs
 the command's and the pipeline's own code, that both sides make the same images, and the JSON the lead reads."""
+
 import importlib.util
 import json
 import os
@@ -12,8 +13,23 @@ import pytest
 
 pytest.importorskip("diffusers")
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "sample_speed.py"
-SMOKE = ["--device", "cpu", "--size", "32", "--steps", "2", "--runs", "1", "--warmup-steps", "1", "--t5-tokens", "8", "--tiny-vae",
-         "--images", "2"]
+SMOKE = [
+    "--device",
+    "cpu",
+    "--size",
+    "32",
+    "--steps",
+    "2",
+    "--runs",
+    "1",
+    "--warmup-steps",
+    "1",
+    "--t5-tokens",
+    "8",
+    "--tiny-vae",
+    "--images",
+    "2",
+]
 
 
 def _bench():
@@ -51,7 +67,9 @@ def test_sample_speed_catches_other_work(tmp_path, monkeypatch):
     bench = _bench()
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    monkeypatch.setattr(bench, "scheduler", lambda: FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False))
+    monkeypatch.setattr(
+        bench, "scheduler", lambda: FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
+    )
     out = tmp_path / "rows.jsonl"
     assert bench.main([*SMOKE, "--rows", "fluxzero,diffusers", "--out", str(out)]) == 0
     assert not _rows(out)["diffusers"]["images_match"]
@@ -61,14 +79,36 @@ def test_ema_update_cpu_smoke(tmp_path):
     """--ema on the trainer's own run with the optimizer mode --fit picks for FLUX.1-dev on one H200 (bf16-kahan,
     ZeRO-0: the EMA averages the bf16 weights in fp32). In its own process: it starts a process group."""
     out = tmp_path / "ema.jsonl"
-    p = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--ema", "--ema-updates", "3",
-                        "--ema-resolution", "64", "--gen-config-extra", "--optimizer-mode bf16-kahan",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--device",
+            "cpu",
+            "--ema",
+            "--ema-updates",
+            "3",
+            "--ema-resolution",
+            "64",
+            "--gen-config-extra",
+            "--optimizer-mode bf16-kahan",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     r = _rows(out)["ema-update"]
     assert r["status"] == "ok" and r["ds_config"]["fluxzero"]["optimizer_mode"] == "bf16-kahan"
-    assert (r["ema_kind"], r["ema_dtype"], r["master_dtype"], r["ema_config"]["every"]) == ("params", "float32", "bfloat16", 1)
+    assert (r["ema_kind"], r["ema_dtype"], r["master_dtype"], r["ema_config"]["every"]) == (
+        "params",
+        "float32",
+        "bfloat16",
+        1,
+    )
     assert r["ema_bytes"] == 4 * r["ema_numel"] and r["updates"] == 3 and r["median_update_s"] > 0
     assert r["check"].startswith("ok: "), r["check"]  # one more update against a reference computed apart
     assert "| EMA update |" in p.stdout
@@ -82,8 +122,10 @@ def test_sample_speed_speed_option_rows_and_profile(tmp_path):
     bench = _bench()
     out = tmp_path / "rows.jsonl"
     rows_run = ["fluxzero", "fluxzero-compile", "fluxzero-cudnn", "fluxzero-fast", "diffusers-cudnn"]
-    assert bench.main([*SMOKE, "--rows", ",".join(rows_run), "--profile", "--compile-backend", "eager",
-                       "--out", str(out)]) == 0
+    assert (
+        bench.main([*SMOKE, "--rows", ",".join(rows_run), "--profile", "--compile-backend", "eager", "--out", str(out)])
+        == 0
+    )
     rows = _rows(out)
     assert list(rows) == [*rows_run, "summary"]
     for name in rows_run:

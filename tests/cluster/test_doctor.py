@@ -1,4 +1,5 @@
 """`fluxzero doctor` on this machine, against unreachable hosts, and through ssh to a "remote" host."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import time
 
 from click.testing import CliRunner
 
-from fluxzero.commands.launch import doctor
 from fluxzero.cluster.doctor import format_table, run_doctor
+from fluxzero.commands.launch import doctor
 
 
 def rows(report, host="local"):
@@ -48,8 +49,9 @@ def test_without_a_checkpoint_dir_the_disk_is_shown_not_checked(tmp_path, monkey
     (disk,) = [c for c in report["checks"] if c["name"] in ("disk", "checkpoint disk")]
     assert disk["name"] == "disk" and disk["status"] == "pass" and "not checked" in disk["detail"], disk
     assert str(tmp_path) in disk["detail"] and "--checkpoint-dir" in disk["detail"]
-    assert r.exit_code == (0 if report["ok"] else 1) and report["ok"] == all(c["status"] != "fail"
-                                                                            for c in report["checks"])
+    assert r.exit_code == (0 if report["ok"] else 1) and report["ok"] == all(
+        c["status"] != "fail" for c in report["checks"]
+    )
     assert not (tmp_path / "checkpoints").exists()
 
 
@@ -81,10 +83,7 @@ def test_remote_host_checked_through_ssh(tmp_path, monkeypatch):
     bin_dir.mkdir()
     fake = bin_dir / "ssh"
     fake.write_text(
-        "#!/bin/sh\n"
-        "while [ \"$1\" != \"--\" ]; do shift; done\n"
-        "shift; echo \"$1\" >> \"$SSH_LOG\"; shift\n"
-        "exec sh -c \"$1\"\n"
+        '#!/bin/sh\nwhile [ "$1" != "--" ]; do shift; done\nshift; echo "$1" >> "$SSH_LOG"; shift\nexec sh -c "$1"\n'
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")

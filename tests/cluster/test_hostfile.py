@@ -1,9 +1,8 @@
 """Hostfile parsing and DeepSpeed include/exclude filters (fluxzero.cluster.hostfile is pure Python)."""
+
 from __future__ import annotations
 
-
 import pytest
-from tests.pure_python import run_without_torch
 
 from fluxzero.cluster.hostfile import (
     HostfileError,
@@ -13,6 +12,7 @@ from fluxzero.cluster.hostfile import (
     parse_hostfile_text,
     world_size,
 )
+from tests.pure_python import run_without_torch
 
 GOOD = """\
 # two nodes

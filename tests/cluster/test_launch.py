@@ -1,4 +1,5 @@
 """`deepspeed` launcher command lines (fluxzero.cluster.launcher) checked against deepspeed 0.19.8's own parser."""
+
 from __future__ import annotations
 
 import shlex
@@ -17,7 +18,7 @@ from fluxzero.cluster.launcher import (
     read_deepspeed_env,
     write_deepspeed_env,
 )
-from fluxzero.cluster.nccl import NcclError, PROFILES, check_user_env, profile_env, profiles_markdown
+from fluxzero.cluster.nccl import PROFILES, NcclError, check_user_env, profile_env, profiles_markdown
 
 HOSTS = {"node-a": 2, "node-b": 2}
 HOSTILE_ARGS = ["$(touch pwned)", "`id`", "; rm -rf ~", "a b", "it's", '"q"', "*", "--x=${HOME}", "", "\n"]
@@ -40,11 +41,18 @@ def spec(**kw):
 
 @pytest.mark.parametrize("launcher", [name for name in LAUNCHERS if name != "no-ssh"])
 def test_each_backend_argv_is_what_deepspeed_parses(launcher):
-    argv = build_command(spec(launcher=launcher, master_addr="10.0.0.1", master_port=29600,
-                              script_args=("--config", "run.yaml")), HOSTS)
+    argv = build_command(
+        spec(launcher=launcher, master_addr="10.0.0.1", master_port=29600, script_args=("--config", "run.yaml")), HOSTS
+    )
     assert argv == [
-        "deepspeed", "--hostfile=hosts", f"--launcher={launcher}", "--master_addr=10.0.0.1",
-        "--master_port=29600", "launch/train.py", "--config", "run.yaml",
+        "deepspeed",
+        "--hostfile=hosts",
+        f"--launcher={launcher}",
+        "--master_addr=10.0.0.1",
+        "--master_port=29600",
+        "launch/train.py",
+        "--config",
+        "run.yaml",
     ]
     a = ds_args(argv)
     assert (a.hostfile, a.launcher, a.master_addr, a.master_port) == ("hosts", launcher, "10.0.0.1", 29600)
@@ -96,7 +104,12 @@ def test_backend_limits_match_deepspeed():
             build_command(spec(launcher=name), {"node-a": 2, "node-b": 1})
     build_command(spec(launcher="openmpi"), {"node-a": 2, "node-b": 1})  # uneven is fine for OpenMPI
     # slurm places tasks by count: what we refuse, DeepSpeed's own check refuses too, and vice versa.
-    for include, ok in [("node-a:1", False), ("node-a:0@node-b", False), ("node-a@node-b:0,1", True), ("node-b:0", True)]:
+    for include, ok in [
+        ("node-a:1", False),
+        ("node-a:0@node-b", False),
+        ("node-a@node-b:0,1", True),
+        ("node-b:0", True),
+    ]:
         try:
             build_command(spec(launcher="slurm", include=include), HOSTS)
             ours = True
@@ -154,9 +167,10 @@ def test_hostile_arguments_stay_single_list_elements(launcher):
     """Backends that exec the script directly get every argument, and odd paths, unchanged."""
     hostfile = "my hosts; rm -rf ~"
     kw = dict(node_rank=0, master_addr="node-a") if launcher == "no-ssh" else {}
-    argv = build_command(spec(launcher=launcher, hostfile=hostfile, script="train $(x).py",
-                              script_args=tuple(HOSTILE_ARGS), **kw), HOSTS)
-    assert argv[-len(HOSTILE_ARGS):] == HOSTILE_ARGS
+    argv = build_command(
+        spec(launcher=launcher, hostfile=hostfile, script="train $(x).py", script_args=tuple(HOSTILE_ARGS), **kw), HOSTS
+    )
+    assert argv[-len(HOSTILE_ARGS) :] == HOSTILE_ARGS
     a = ds_args(argv)
     assert (a.hostfile, a.user_script, a.user_args) == (hostfile, "train $(x).py", HOSTILE_ARGS)
 
@@ -180,7 +194,7 @@ def test_pdsh_remote_command_round_trips_through_a_shell():
     cmd, _, _ = runner.get_cmd({}, {"node-a": [0, 1], "node-b": [0, 1]})
     assert cmd[:6] == ["pdsh", "-S", "-f", "1024", "-w", "node-a,node-b"]
     words = shlex.split(" ".join(cmd[6:]))  # what the shell on each node splits the remote line into
-    assert words[-len(args):] == list(args)
+    assert words[-len(args) :] == list(args)
     exports = dict(w.rstrip(";").split("=", 1) for w in words if w.startswith("NCCL_"))
     assert exports == profile_env("ethernet+debug")
 
@@ -194,8 +208,10 @@ def test_pdsh_refuses_a_working_directory_the_remote_shell_would_split():
 def test_single_node_launches_take_any_path_and_argument(hosts):
     """No hostfile, or one local host: DeepSpeed starts the ranks from an argument list, no remote shell."""
     hostfile = None if hosts is None else "hosts"
-    argv = build_command(spec(hostfile=hostfile, cwd="/home/me/my dir (2)", script="train $(x).py",
-                              script_args=tuple(HOSTILE_ARGS)), hosts)
+    argv = build_command(
+        spec(hostfile=hostfile, cwd="/home/me/my dir (2)", script="train $(x).py", script_args=tuple(HOSTILE_ARGS)),
+        hosts,
+    )
     a = ds_args(argv)
     assert (a.user_script, a.user_args) == ("train $(x).py", HOSTILE_ARGS)
 
@@ -270,8 +286,13 @@ def test_nccl_benchmark_script_runs_on_cpu(tmp_path):
 
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(repo)}
-    out = subprocess.run([sys.executable, str(repo / "benchmarks" / "nccl_profiles.py"), "--cpu-smoke",
-                          "--configs", "default"], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "nccl_profiles.py"), "--cpu-smoke", "--configs", "default"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     (result,) = tmp_path.glob("nccl_profiles_*.json")
     run = json.loads(result.read_text())["runs"][0]

@@ -1,4 +1,5 @@
 """`fluxzero launch` and `fluxzero monitor` as users run them."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fluxzero.commands.launch import format_gpu_table, launch, monitor
 from fluxzero.cluster.nccl import profile_env
+from fluxzero.commands.launch import format_gpu_table, launch, monitor
 
 
 @pytest.fixture
@@ -24,15 +25,39 @@ def hosts(tmp_path):
 
 def test_dry_run_prints_env_file_and_command(hosts, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    r = CliRunner().invoke(launch, ["--hostfile", hosts, "--nccl", "infiniband", "--env", "NCCL_IB_HCA==mlx5_0",
-                                    "--exclude", "node-b:1", "--master-addr", "10.1.2.3", "--dry-run",
-                                    "--", "--config", "my run.yaml"])
+    r = CliRunner().invoke(
+        launch,
+        [
+            "--hostfile",
+            hosts,
+            "--nccl",
+            "infiniband",
+            "--env",
+            "NCCL_IB_HCA==mlx5_0",
+            "--exclude",
+            "node-b:1",
+            "--master-addr",
+            "10.1.2.3",
+            "--dry-run",
+            "--",
+            "--config",
+            "my run.yaml",
+        ],
+    )
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
     cmd = shlex.split(lines[-1])
     assert cmd[0].endswith("deepspeed")
-    assert cmd[1:] == ["--hostfile=" + hosts, "--exclude=node-b:1", "--launcher=pdsh", "--master_addr=10.1.2.3",
-                       "--master_port=29500", "launch/train.py", "--config", "my run.yaml"]
+    assert cmd[1:] == [
+        "--hostfile=" + hosts,
+        "--exclude=node-b:1",
+        "--launcher=pdsh",
+        "--master_addr=10.1.2.3",
+        "--master_port=29500",
+        "launch/train.py",
+        "--config",
+        "my run.yaml",
+    ]
     assert "NCCL_IB_DISABLE=0" in lines and "NCCL_NVLS_ENABLE=0" in lines and "NCCL_IB_HCA==mlx5_0" in lines
     assert "# .fluxzero/deepspeed_env" in r.output and "NCCL_IB_HCA==mlx5_0" in r.output.split("# command")[0]
     assert not (tmp_path / ".fluxzero").exists()  # a dry run writes nothing
@@ -49,8 +74,19 @@ def test_unwritable_env_file_is_one_sentence(hosts, tmp_path, monkeypatch):
         (tmp_path / tool).chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
     (tmp_path / "blocker").write_text("a file where a folder should be")
-    r = CliRunner().invoke(launch, ["--hostfile", hosts, "--master-addr", "node-a", "--script", "train.py",
-                                    "--env-file", str(tmp_path / "blocker" / "env")])
+    r = CliRunner().invoke(
+        launch,
+        [
+            "--hostfile",
+            hosts,
+            "--master-addr",
+            "node-a",
+            "--script",
+            "train.py",
+            "--env-file",
+            str(tmp_path / "blocker" / "env"),
+        ],
+    )
     assert r.exit_code == 2 and "--env-file with a writable path" in r.output and "Traceback" not in r.output
 
 
@@ -86,8 +122,9 @@ def test_missing_backend_is_named(hosts, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("")
     monkeypatch.setenv("PATH", str(tmp_path))  # no pdsh, ompi_info, srun here
-    r = CliRunner().invoke(launch, ["--hostfile", hosts, "--launcher", "slurm", "--master-addr", "node-a",
-                                    "--script", "train.py"])
+    r = CliRunner().invoke(
+        launch, ["--hostfile", hosts, "--launcher", "slurm", "--master-addr", "node-a", "--script", "train.py"]
+    )
     assert r.exit_code == 2 and "needs `srun` on PATH" in r.output
     assert not (tmp_path / ".fluxzero").exists()
 
@@ -102,9 +139,28 @@ def test_real_deepspeed_launcher_passes_hostile_arguments_unchanged(tmp_path):
     )
     (tmp_path / "hosts").write_text("localhost slots=1\n")
     hostile = ["$(touch pwned)", "`touch pwned2`", "; touch pwned3", "a b", "it's", '"q"', "*", ""]
-    cmd = [sys.executable, "-m", "fluxzero.cli", "launch", "--hostfile", "hosts", "--launcher", "no-ssh",
-           "--node-rank", "0", "--master-port", "29613", "--nccl", "debug", "--env", "FOO=a b $HOME",
-           "--script", "rec.py", "--", *hostile]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fluxzero.cli",
+        "launch",
+        "--hostfile",
+        "hosts",
+        "--launcher",
+        "no-ssh",
+        "--node-rank",
+        "0",
+        "--master-port",
+        "29613",
+        "--nccl",
+        "debug",
+        "--env",
+        "FOO=a b $HOME",
+        "--script",
+        "rec.py",
+        "--",
+        *hostile,
+    ]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     got = json.loads((tmp_path / "out.json").read_text())
@@ -130,10 +186,16 @@ def test_ctrl_c_waits_for_the_ranks_and_says_how_to_resume(tmp_path):
         "signal.signal(signal.SIGTERM, stop); signal.signal(signal.SIGINT, stop)\n"
         "try:\n    pathlib.Path('started').touch()\n    time.sleep(120)\n"  # SIGINT only after this point
         "except KeyboardInterrupt:\n"
-        "    time.sleep(1); pathlib.Path('stopped').touch(); raise SystemExit(130)\n")
-    p = subprocess.Popen([sys.executable, "-m", "fluxzero.cli", "launch", "--master-port", "29614", "--script", "rank.py"],
-                         cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        "    time.sleep(1); pathlib.Path('stopped').touch(); raise SystemExit(130)\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-m", "fluxzero.cli", "launch", "--master-port", "29614", "--script", "rank.py"],
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.time() + 60
     while not (tmp_path / "started").exists() and p.poll() is None and time.time() < deadline:
         time.sleep(0.1)
@@ -177,17 +239,30 @@ def test_slurm_script_starts_one_launcher_per_node(tmp_path):
     (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-node-7\\ngpu-node-9\\n'\n")
     (bin_dir / "srun").write_text(
         "#!/bin/sh\n"
-        "while [ \"${1#--}\" != \"$1\" ]; do shift; done\n"  # drop srun's own --options
-        "for id in 0 1; do SLURM_NODEID=$id \"$@\" || exit 1; done\n"
+        'while [ "${1#--}" != "$1" ]; do shift; done\n'  # drop srun's own --options
+        'for id in 0 1; do SLURM_NODEID=$id "$@" || exit 1; done\n'
     )
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu-node-[7,9]",
-           "SLURM_GPUS_ON_NODE": "4", "NCCL_PROFILE": "ethernet", "NCCL_ENV": "NCCL_SOCKET_IFNAME==eth0",
-           "FLUXZERO_DRY_RUN": "1"}
-    out = subprocess.run(["bash", str(repo / "launch" / "slurm.sbatch"), "--config", "run file.yaml", "steps=10"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "SLURM_SUBMIT_DIR": str(tmp_path),
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "gpu-node-[7,9]",
+        "SLURM_GPUS_ON_NODE": "4",
+        "NCCL_PROFILE": "ethernet",
+        "NCCL_ENV": "NCCL_SOCKET_IFNAME==eth0",
+        "FLUXZERO_DRY_RUN": "1",
+    }
+    out = subprocess.run(
+        ["bash", str(repo / "launch" / "slurm.sbatch"), "--config", "run file.yaml", "steps=10"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert (tmp_path / ".fluxzero" / "hostfile-42").read_text() == "gpu-node-7 slots=4\ngpu-node-9 slots=4\n"
     commands = [shlex.split(line) for line in out.stdout.splitlines() if "deepspeed" in line and "--hostfile" in line]

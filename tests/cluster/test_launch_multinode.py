@@ -4,6 +4,7 @@ launcher and the real trainer, rendezvous over loopback. Same losses as one node
 Both runs have 2 ranks (1 per node vs 2 on one node), the same run file and seed, so every rank sees the same
 data and noise and the gloo reductions add the same two numbers: the losses must be bit-identical.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,10 +28,14 @@ def free_port() -> int:
 
 def write_run(tmp: Path, name: str) -> Path:
     ds = {
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 4,
         "gradient_clipping": 0.0,  # explicit: DeepSpeed 0.19.8 would default it to 1.0
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
-        "zero_optimization": {"stage": 3}, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 3},
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
     }
     (tmp / "ds.json").write_text(json.dumps(ds))
     run = tmp / f"{name}.yaml"
@@ -44,8 +49,22 @@ def write_run(tmp: Path, name: str) -> Path:
 
 
 def launch_cmd(hostfile: Path, run: Path, port: int, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "fluxzero.cli", "launch", "--hostfile", str(hostfile), "--master-port", str(port),
-            *extra, "--script", str(REPO / "launch" / "train.py"), "--", "--config", str(run)]
+    return [
+        sys.executable,
+        "-m",
+        "fluxzero.cli",
+        "launch",
+        "--hostfile",
+        str(hostfile),
+        "--master-port",
+        str(port),
+        *extra,
+        "--script",
+        str(REPO / "launch" / "train.py"),
+        "--",
+        "--config",
+        str(run),
+    ]
 
 
 def losses(out_dir: Path) -> list[float]:
@@ -54,10 +73,15 @@ def losses(out_dir: Path) -> list[float]:
 
 
 def run_all(cmds: list[list[str]], cwd: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FLUXZERO_NO_PROGRESS": "1",
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    procs = [subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c in cmds]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "FLUXZERO_NO_PROGRESS": "1",
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    procs = [
+        subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds
+    ]
     try:
         outs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
@@ -76,8 +100,15 @@ def test_two_nodes_no_ssh_match_one_node(tmp_path):
 
     multi, single = write_run(tmp_path, "two_nodes"), write_run(tmp_path, "one_node")
     port = free_port()
-    run_all([launch_cmd(two_hosts, multi, port, ["--launcher", "no-ssh", "--node-rank", str(rank),
-                                                 "--master-addr", "127.0.0.1"]) for rank in (0, 1)], tmp_path)
+    run_all(
+        [
+            launch_cmd(
+                two_hosts, multi, port, ["--launcher", "no-ssh", "--node-rank", str(rank), "--master-addr", "127.0.0.1"]
+            )
+            for rank in (0, 1)
+        ],
+        tmp_path,
+    )
     run_all([launch_cmd(one_host, single, free_port(), [])], tmp_path)
 
     got, ref = losses(tmp_path / "two_nodes"), losses(tmp_path / "one_node")

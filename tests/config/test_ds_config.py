@@ -1,4 +1,5 @@
 """gen-config / check-config without deepspeed: option rules, config checks, CLI behaviour, import hygiene."""
+
 from __future__ import annotations
 
 import json
@@ -6,16 +7,17 @@ import os
 import stat
 
 import pytest
-from tests.pure_python import run_without_torch
 from click.testing import CliRunner
 
 from fluxzero import fsutil
-from fluxzero.config.deepspeed import check as ds_check, build as ds_config
 from fluxzero.cli import main
 from fluxzero.commands import config as config_cmd
-from fluxzero.config.deepspeed.check import check
+from fluxzero.config.deepspeed import build as ds_config
+from fluxzero.config.deepspeed import check as ds_check
 from fluxzero.config.deepspeed.build import build, options_from
+from fluxzero.config.deepspeed.check import check
 from fluxzero.config.deepspeed.view import DSConfigError
+from tests.pure_python import run_without_torch
 
 
 def run(*args):
@@ -44,11 +46,14 @@ def test_defaults_are_explicit_and_world_free():
     assert check(cfg) == []
 
 
-@pytest.mark.parametrize("how, world", [
-    (["--world-size", "6"], 6),
-    (["--nodes", "2", "--gpus-per-node", "4"], 8),
-    (["--gpus-per-node", "3"], 3),
-])
+@pytest.mark.parametrize(
+    "how, world",
+    [
+        (["--world-size", "6"], 6),
+        (["--nodes", "2", "--gpus-per-node", "4"], 8),
+        (["--gpus-per-node", "3"], 3),
+    ],
+)
 def test_batch_arithmetic(how, world):
     cfg = gen("--micro-batch", "2", "--grad-accum", "3", *how)
     assert cfg["train_batch_size"] == 2 * 3 * world
@@ -82,8 +87,7 @@ def test_presets_and_overrides():
     assert z["stage"] == 3 and z["offload_param"]["device"] == "cpu" and z["offload_optimizer"]["device"] == "cpu"
     h = 3072  # flux-dev hidden size
     assert (z["reduce_bucket_size"], z["stage3_param_persistence_threshold"]) == (h * h, 10 * h)
-    cfg = gen("--preset", "zero3-offload", "--offload-param", "none", "--model", "flux-tiny",
-              "--no-offload-pin-memory")
+    cfg = gen("--preset", "zero3-offload", "--offload-param", "none", "--model", "flux-tiny", "--no-offload-pin-memory")
     z = cfg["zero_optimization"]
     assert "offload_param" not in z and z["offload_optimizer"]["pin_memory"] is False
     assert z["reduce_bucket_size"] == 64 * 64
@@ -94,8 +98,17 @@ def test_presets_and_overrides():
 
 
 def test_deepspeed_checkpointing_section():
-    cfg = gen("--model", "flux-tiny", "--checkpoint-impl", "deepspeed", "--checkpoint-every", "3",
-              "--partition-activations", "--contiguous-memory-optimization", "--cpu-checkpointing")
+    cfg = gen(
+        "--model",
+        "flux-tiny",
+        "--checkpoint-impl",
+        "deepspeed",
+        "--checkpoint-every",
+        "3",
+        "--partition-activations",
+        "--contiguous-memory-optimization",
+        "--cpu-checkpointing",
+    )
     ac = cfg["activation_checkpointing"]
     assert ac["partition_activations"] and ac["cpu_checkpointing"] and ac["contiguous_memory_optimization"]
     assert ac["number_checkpoints"] == 2  # flux-tiny has 4 blocks; blocks 0 and 3 are checkpointed
@@ -108,11 +121,28 @@ def test_schedulers():
     # DeepSpeed runs optimizer step k at scheduler iteration k - 2 (steps 1 and 2 at warmup_min_lr): step 1 runs at
     # lr / N, the peak comes at step N (test_ds_config_deepspeed.py reads the lr of real engines)
     s = gen("--lr", "2e-5", "--warmup-steps", "7")["scheduler"]
-    assert s == {"type": "WarmupLR", "params": {"warmup_min_lr": pytest.approx(2e-5 / 7), "warmup_max_lr": 2e-5,
-                                                "warmup_num_steps": 5, "warmup_type": "linear"}}
+    assert s == {
+        "type": "WarmupLR",
+        "params": {
+            "warmup_min_lr": pytest.approx(2e-5 / 7),
+            "warmup_max_lr": 2e-5,
+            "warmup_num_steps": 5,
+            "warmup_type": "linear",
+        },
+    }
     assert gen("--warmup-steps", "7", "--warmup-type", "log")["scheduler"]["params"]["warmup_num_steps"] == 6
-    s = gen("--scheduler", "WarmupCosineLR", "--total-steps", "50", "--warmup-steps", "10", "--lr", "1e-4",
-              "--min-lr", "1e-5")["scheduler"]
+    s = gen(
+        "--scheduler",
+        "WarmupCosineLR",
+        "--total-steps",
+        "50",
+        "--warmup-steps",
+        "10",
+        "--lr",
+        "1e-4",
+        "--min-lr",
+        "1e-5",
+    )["scheduler"]
     # step 1 of a ramp from 1e-5 to 1e-4 over 10 steps: 1e-5 + 9e-5 / 10 = 1.9e-5 (ratio 0.19)
     assert s["params"]["total_num_steps"] == 49 and s["params"]["warmup_min_ratio"] == pytest.approx(0.19)
     assert gen("--scheduler", "WarmupDecayLR", "--total-steps", "500")["scheduler"]["params"]["total_num_steps"] == 499
@@ -126,39 +156,54 @@ def test_tensorboard_section():
     assert "tensorboard" not in gen()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--preset", "zero2", "--offload-param", "cpu"], "--offload-param cpu needs --zero-stage 3"),
-    (["--zero-stage", "0", "--offload-optimizer", "cpu"], "--offload-optimizer cpu needs --zero-stage 1, 2 or 3"),
-    (["--zero-stage", "2", "--offload-optimizer", "nvme", "--nvme-path", "/nvme"],
-     "--offload-optimizer nvme needs --zero-stage 3"),
-    (["--preset", "zero3-nvme"], "NVMe offload needs --nvme-path"),
-    (["--nvme-path", "/nvme"], "--nvme-path is only used with"),
-    (["--adam-impl", "fused", "--offload-optimizer", "cpu"], "--adam-impl fused cannot run with --offload-optimizer"),
-    (["--adam-impl", "cpu"], "--adam-impl cpu (DeepSpeedCPUAdam) needs --offload-optimizer"),
-    (["--zero-stage", "2", "--stage3-max-live-parameters", "5"], "--stage3-max-live-parameters applies only at"),
-    (["--zero-stage", "0", "--reduce-bucket-size", "5"], "--reduce-bucket-size applies only at"),
-    (["--zero-stage", "3", "--allgather-bucket-size", "5"], "--allgather-bucket-size applies only at stage 1 or 2"),
-    (["--fp16-initial-scale-power", "8"], "--fp16-initial-scale-power applies only with --precision fp16"),
-    (["--partition-activations"], "--partition-activations takes effect only with --checkpoint-impl deepspeed"),
-    (["--checkpoint-impl", "deepspeed", "--contiguous-memory-optimization"],
-     "--contiguous-memory-optimization needs --partition-activations"),
-    (["--model", "flux-tiny", "--checkpoint-every", "5"], "exceeds the 4 blocks of flux-tiny"),
-    (["--scheduler", "WarmupDecayLR"], "--scheduler WarmupDecayLR needs --total-steps"),
-    (["--scheduler", "WarmupCosineLR", "--total-steps", "10", "--warmup-steps", "20"], "smaller than --warmup-steps"),
-    (["--total-steps", "10"], "--total-steps is used only by"),
-    (["--warmup-steps", "3"], "--warmup-steps 3 is too short for DeepSpeed's linear warm-up"),
-    (["--optimizer-mode", "bf16-sr", "--offload-optimizer", "cpu", "--adam-impl", "torch"],
-     "--optimizer-mode bf16-sr keeps bf16 master weights, which deepspeed 0.19.8 offloads only for its own"),
-    (["--optimizer-mode", "bf16-sr", "--precision", "fp16"], "--optimizer-mode bf16-sr trains in bf16, not fp16"),
-    (["--optimizer-mode", "bf16-sr", "--adam-impl", "fused"], "--adam-impl fused chooses DeepSpeed's own AdamW"),
-    (["--min-lr", "1"], "--min-lr 1.0 must be below --lr"),
-    (["--job-name", "x"], "also pass --tensorboard-dir"),
-    (["--world-size", "2", "--nodes", "1", "--gpus-per-node", "2"], "give the world size one way only"),
-    (["--nodes", "2"], "--nodes needs --gpus-per-node"),
-    (["--micro-batch", "0"], "'--micro-batch': 0 is not in the range"),
-    (["--lr", "0"], "'--lr': 0.0 is not in the range"),
-    (["--reduce-bucket-size", "-5"], "'--reduce-bucket-size': -5 is not in the range"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset", "zero2", "--offload-param", "cpu"], "--offload-param cpu needs --zero-stage 3"),
+        (["--zero-stage", "0", "--offload-optimizer", "cpu"], "--offload-optimizer cpu needs --zero-stage 1, 2 or 3"),
+        (
+            ["--zero-stage", "2", "--offload-optimizer", "nvme", "--nvme-path", "/nvme"],
+            "--offload-optimizer nvme needs --zero-stage 3",
+        ),
+        (["--preset", "zero3-nvme"], "NVMe offload needs --nvme-path"),
+        (["--nvme-path", "/nvme"], "--nvme-path is only used with"),
+        (
+            ["--adam-impl", "fused", "--offload-optimizer", "cpu"],
+            "--adam-impl fused cannot run with --offload-optimizer",
+        ),
+        (["--adam-impl", "cpu"], "--adam-impl cpu (DeepSpeedCPUAdam) needs --offload-optimizer"),
+        (["--zero-stage", "2", "--stage3-max-live-parameters", "5"], "--stage3-max-live-parameters applies only at"),
+        (["--zero-stage", "0", "--reduce-bucket-size", "5"], "--reduce-bucket-size applies only at"),
+        (["--zero-stage", "3", "--allgather-bucket-size", "5"], "--allgather-bucket-size applies only at stage 1 or 2"),
+        (["--fp16-initial-scale-power", "8"], "--fp16-initial-scale-power applies only with --precision fp16"),
+        (["--partition-activations"], "--partition-activations takes effect only with --checkpoint-impl deepspeed"),
+        (
+            ["--checkpoint-impl", "deepspeed", "--contiguous-memory-optimization"],
+            "--contiguous-memory-optimization needs --partition-activations",
+        ),
+        (["--model", "flux-tiny", "--checkpoint-every", "5"], "exceeds the 4 blocks of flux-tiny"),
+        (["--scheduler", "WarmupDecayLR"], "--scheduler WarmupDecayLR needs --total-steps"),
+        (
+            ["--scheduler", "WarmupCosineLR", "--total-steps", "10", "--warmup-steps", "20"],
+            "smaller than --warmup-steps",
+        ),
+        (["--total-steps", "10"], "--total-steps is used only by"),
+        (["--warmup-steps", "3"], "--warmup-steps 3 is too short for DeepSpeed's linear warm-up"),
+        (
+            ["--optimizer-mode", "bf16-sr", "--offload-optimizer", "cpu", "--adam-impl", "torch"],
+            "--optimizer-mode bf16-sr keeps bf16 master weights, which deepspeed 0.19.8 offloads only for its own",
+        ),
+        (["--optimizer-mode", "bf16-sr", "--precision", "fp16"], "--optimizer-mode bf16-sr trains in bf16, not fp16"),
+        (["--optimizer-mode", "bf16-sr", "--adam-impl", "fused"], "--adam-impl fused chooses DeepSpeed's own AdamW"),
+        (["--min-lr", "1"], "--min-lr 1.0 must be below --lr"),
+        (["--job-name", "x"], "also pass --tensorboard-dir"),
+        (["--world-size", "2", "--nodes", "1", "--gpus-per-node", "2"], "give the world size one way only"),
+        (["--nodes", "2"], "--nodes needs --gpus-per-node"),
+        (["--micro-batch", "0"], "'--micro-batch': 0 is not in the range"),
+        (["--lr", "0"], "'--lr': 0.0 is not in the range"),
+        (["--reduce-bucket-size", "-5"], "'--reduce-bucket-size': -5 is not in the range"),
+    ],
+)
 def test_bad_flags_are_usage_errors(tmp_path, args, message):
     out = tmp_path / "ds.json"
     r = run("gen-config", *args, "-o", str(out))
@@ -172,8 +217,12 @@ def test_options_are_checked_for_python_callers_too():
     with pytest.raises(DSConfigError) as e:
         build(ds_config.DSOptions(micro_batch=0, lr=-1.0, zero_stage=5, precision="fp8"))
     text = str(e.value)
-    for part in ("--micro-batch must be a positive integer, got 0", "--lr must be a number > 0",
-                 "--zero-stage must be 0, 1, 2 or 3", "--precision must be one of bf16, fp16, fp32"):
+    for part in (
+        "--micro-batch must be a positive integer, got 0",
+        "--lr must be a number > 0",
+        "--zero-stage must be 0, 1, 2 or 3",
+        "--precision must be one of bf16, fp16, fp32",
+    ):
         assert part in text
     with pytest.raises(DSConfigError, match="unknown preset 'zero9'"):
         options_from("zero9")
@@ -205,7 +254,6 @@ def test_output_written_atomically(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert run("gen-config", "--zero-stage", "7", "-o", str(out)).exit_code == 2
     assert out.read_bytes() == before
-
 
 
 def test_output_permissions_and_symlinks(tmp_path):
@@ -244,8 +292,10 @@ def test_untested_zero_optimizer_is_reported():
     """DeepSpeed's engine asserts at start for an optimizer ZeRO is not tested with (zero/utils.py)."""
     cfg = _good()  # stage 2
     cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
-    assert check(cfg, 2) == ["optimizer.type SGD is not one ZeRO is tested with (DeepSpeed stops at engine "
-                             "start): use AdamW, or set zero_allow_untested_optimizer: true"]
+    assert check(cfg, 2) == [
+        "optimizer.type SGD is not one ZeRO is tested with (DeepSpeed stops at engine "
+        "start): use AdamW, or set zero_allow_untested_optimizer: true"
+    ]
     assert check({**cfg, "zero_allow_untested_optimizer": True}, 2) == []
     cfg["zero_optimization"] = {"stage": 0}
     assert check(cfg, 2) == []
@@ -265,21 +315,25 @@ def test_silently_ignored_settings_are_reported():
     cfg["bf16"]["enabled"] = "yes"
     cfg["steps_per_print"] = 0
     got = check(cfg, 2)
-    for want in ("unknown key 'flops_profiler.enable' (did you mean 'enabled'?)",
-                 "unknown key 'aio.block_sz' (did you mean 'block_size'?)",
-                 "aio.queue_depth must be a positive integer, got -1",
-                 "unknown key 'data_types.grad_acum_dtype' (did you mean 'grad_accum_dtype'?)",
-                 "unknown key 'checkpoint.load_universl' (did you mean 'load_universal'?)",
-                 "zero_optimization.stage3_max_live_parameters applies only at stage 3",
-                 "unknown key 'Bf16' (did you mean 'bf16'?)",
-                 'bf16.enabled must be true or false, got "yes"',
-                 "steps_per_print must be a positive integer, got 0"):
+    for want in (
+        "unknown key 'flops_profiler.enable' (did you mean 'enabled'?)",
+        "unknown key 'aio.block_sz' (did you mean 'block_size'?)",
+        "aio.queue_depth must be a positive integer, got -1",
+        "unknown key 'data_types.grad_acum_dtype' (did you mean 'grad_accum_dtype'?)",
+        "unknown key 'checkpoint.load_universl' (did you mean 'load_universal'?)",
+        "zero_optimization.stage3_max_live_parameters applies only at stage 3",
+        "unknown key 'Bf16' (did you mean 'bf16'?)",
+        'bf16.enabled must be true or false, got "yes"',
+        "steps_per_print must be a positive integer, got 0",
+    ):
         assert any(line.startswith(want) for line in got), (want, got)
     cfg = build(options_from("zero3", world_size=2))
     cfg["zero_optimization"]["allgather_bucket_size"] = 5 * 10**8
-    assert check(cfg, 2) == ["zero_optimization.allgather_bucket_size applies only at stage 1 or 2 "
-                             "(zero_optimization.stage is 3, which ignores it): remove it, or set "
-                             "zero_optimization.stage3_prefetch_bucket_size for stage 3's gathers"]
+    assert check(cfg, 2) == [
+        "zero_optimization.allgather_bucket_size applies only at stage 1 or 2 "
+        "(zero_optimization.stage is 3, which ignores it): remove it, or set "
+        "zero_optimization.stage3_prefetch_bucket_size for stage 3's gathers"
+    ]
 
 
 def test_unknown_keys_get_suggestions():
@@ -316,39 +370,51 @@ def test_optimizer_params_follow_the_adam_implementation():
     cfg["optimizer"]["params"].pop("fused")
     cfg["optimizer"]["params"].pop("foreach")
     cfg["optimizer"]["params"]["max_grad_norm"] = 1.0
-    assert check(cfg, 2) == ["optimizer.params.max_grad_norm is refused by the DeepSpeed engine: use top-level "
-                             "gradient_clipping"]
+    assert check(cfg, 2) == [
+        "optimizer.params.max_grad_norm is refused by the DeepSpeed engine: use top-level gradient_clipping"
+    ]
     cfg["scheduler"] = {"type": "WarmupCosine", "params": {}}
-    assert check(cfg, 2)[-1] == ('scheduler.type "WarmupCosine" is not a DeepSpeed or torch LR scheduler '
-                                 "(did you mean 'WarmupCosineLR'?)")
+    assert check(cfg, 2)[-1] == (
+        "scheduler.type \"WarmupCosine\" is not a DeepSpeed or torch LR scheduler (did you mean 'WarmupCosineLR'?)"
+    )
     cfg["scheduler"] = {"type": "CosineAnnealingLR", "params": {"T_max": 10}}  # torch's, by name
     assert len(check(cfg, 2)) == 1
     cfg["optimizer"] = {"type": "AdamWW"}
-    assert check(cfg, 2) == ['optimizer.type "AdamWW" is not an optimizer DeepSpeed can build (did you mean '
-                             "'AdamW'?)"]
+    assert check(cfg, 2) == [
+        "optimizer.type \"AdamWW\" is not an optimizer DeepSpeed can build (did you mean 'AdamW'?)"
+    ]
 
 
 def test_stage_offload_mismatch():
     cfg = _good()
     cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    assert check(cfg, 2) == ["zero_optimization.offload_param.device cpu needs zero_optimization.stage 3 "
-                             "(DeepSpeed offloads parameters only at stage 3; stage 2 ignores it)"]
+    assert check(cfg, 2) == [
+        "zero_optimization.offload_param.device cpu needs zero_optimization.stage 3 "
+        "(DeepSpeed offloads parameters only at stage 3; stage 2 ignores it)"
+    ]
     cfg["zero_optimization"] = {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}}
-    assert check(cfg, 2) == ["zero_optimization.offload_optimizer.device nvme needs zero_optimization.stage 3 "
-                             "(stage 1 silently keeps the optimizer states in CPU memory): use "
-                             "zero_optimization.offload_optimizer.device cpu"]
+    assert check(cfg, 2) == [
+        "zero_optimization.offload_optimizer.device nvme needs zero_optimization.stage 3 "
+        "(stage 1 silently keeps the optimizer states in CPU memory): use "
+        "zero_optimization.offload_optimizer.device cpu"
+    ]
     cfg["zero_optimization"] = {"stage": 0, "offload_optimizer": {"device": "cpu"}}
-    assert check(cfg, 2) == ["zero_optimization.offload_optimizer.device cpu needs zero_optimization.stage 1, 2 "
-                             "or 3 (stage 0 has no ZeRO optimizer to offload)"]
+    assert check(cfg, 2) == [
+        "zero_optimization.offload_optimizer.device cpu needs zero_optimization.stage 1, 2 "
+        "or 3 (stage 0 has no ZeRO optimizer to offload)"
+    ]
 
 
-@pytest.mark.parametrize("options,key", [
-    (dict(zero_stage=2, offload_param="cpu"), "offload_param"),
-    (dict(zero_stage=0, offload_optimizer="cpu", adam_impl="cpu"), "offload_optimizer"),
-    (dict(zero_stage=1, offload_optimizer="nvme", nvme_path="/n", adam_impl="cpu"), "offload_optimizer"),
-    (dict(zero_stage=2, stage3_max_live_parameters=5), "stage3_max_live_parameters"),
-    (dict(zero_stage=3, allgather_bucket_size=5), "allgather_bucket_size"),
-])
+@pytest.mark.parametrize(
+    "options,key",
+    [
+        (dict(zero_stage=2, offload_param="cpu"), "offload_param"),
+        (dict(zero_stage=0, offload_optimizer="cpu", adam_impl="cpu"), "offload_optimizer"),
+        (dict(zero_stage=1, offload_optimizer="nvme", nvme_path="/n", adam_impl="cpu"), "offload_optimizer"),
+        (dict(zero_stage=2, stage3_max_live_parameters=5), "stage3_max_live_parameters"),
+        (dict(zero_stage=3, allgather_bucket_size=5), "allgather_bucket_size"),
+    ],
+)
 def test_options_and_configs_share_one_combination_rule_set(options, key):
     """gen-config's option check and check() on a dict say the same sentence, each in its own names: the
     rule is written once (ds_check.combination_problems)."""
@@ -384,8 +450,11 @@ def test_nvme_param_buffer_must_hold_the_largest_partition():
 
 def test_nvme_without_path():
     cfg = _good()
-    cfg["zero_optimization"] = {"stage": 3, "offload_param": {"device": "nvme"},
-                                "offload_optimizer": {"device": "nvme", "nvme_path": ""}}
+    cfg["zero_optimization"] = {
+        "stage": 3,
+        "offload_param": {"device": "nvme"},
+        "offload_optimizer": {"device": "nvme", "nvme_path": ""},
+    }
     assert check(cfg, 2) == [
         "zero_optimization.offload_optimizer.device is nvme but offload_optimizer.nvme_path is not set: set it to "
         "a directory on a local NVMe drive",
@@ -395,20 +464,26 @@ def test_nvme_without_path():
 
 
 # what to change, named for a config of 2 ranks checked for 4
-WRITTEN_FOR_2 = (": the batch sizes are written for 2 ranks; launch 2 ranks (torchrun --nproc_per_node 2, or deepspeed "
-                 "--num_gpus 2), or set gradient_accumulation_steps to 1 for the same global batch on 4 ranks, or remove "
-                 "train_batch_size (it is derived from the other two)")
+WRITTEN_FOR_2 = (
+    ": the batch sizes are written for 2 ranks; launch 2 ranks (torchrun --nproc_per_node 2, or deepspeed "
+    "--num_gpus 2), or set gradient_accumulation_steps to 1 for the same global batch on 4 ranks, or remove "
+    "train_batch_size (it is derived from the other two)"
+)
 
 
 def test_batch_arithmetic_mismatch():
     cfg = _good()  # 8 = 4 x 2 x 1... written for world size 2: 16
     assert cfg["train_batch_size"] == 16
     assert check(cfg, 2) == [] and check(cfg, None) == []
-    assert check(cfg, 4) == ["train_batch_size 16 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps "
-                             "2 x world size 4 (= 32)" + WRITTEN_FOR_2]
+    assert check(cfg, 4) == [
+        "train_batch_size 16 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps "
+        "2 x world size 4 (= 32)" + WRITTEN_FOR_2
+    ]
     cfg["train_batch_size"] = 12
-    assert check(cfg, None) == ["train_batch_size 12 is not train_micro_batch_size_per_gpu 4 x "
-                                "gradient_accumulation_steps 2 x any whole world size"]
+    assert check(cfg, None) == [
+        "train_batch_size 12 is not train_micro_batch_size_per_gpu 4 x "
+        "gradient_accumulation_steps 2 x any whole world size"
+    ]
     del cfg["gradient_accumulation_steps"]
     assert "DeepSpeed would round gradient_accumulation_steps down" in check(cfg, 2)[0]
     assert ds_check.implied_world_size(_good()) == 2
@@ -479,8 +554,10 @@ def test_check_config_command(tmp_path):
     hosts.write_text("a slots=2\nb slots=2\n")
     r = run("check-config", str(good), "--hostfile", str(hosts), "--no-deepspeed")
     assert r.exit_code == 2
-    assert r.output.splitlines() == [f"{good}: train_batch_size 16 != train_micro_batch_size_per_gpu 4 x "
-                                     "gradient_accumulation_steps 2 x world size 4 (= 32)" + WRITTEN_FOR_2]
+    assert r.output.splitlines() == [
+        f"{good}: train_batch_size 16 != train_micro_batch_size_per_gpu 4 x "
+        "gradient_accumulation_steps 2 x world size 4 (= 32)" + WRITTEN_FOR_2
+    ]
     bad = tmp_path / "bad.json"
     cfg = _good()
     cfg["bf16"]["enabeld"] = True
@@ -494,8 +571,9 @@ def test_check_config_command(tmp_path):
     bad.write_text('{"train_micro_batch_size_per_gpu": 1, "train_micro_batch_size_per_gpu": 2,')
     r = run("check-config", str(bad), "--no-deepspeed")
     assert r.exit_code == 2 and r.output.startswith(f"{bad}: not valid JSON")
-    bad.write_text('{"train_micro_batch_size_per_gpu": 1, "train_micro_batch_size_per_gpu": 2, '
-                   '"gradient_clipping": 0.0}')
+    bad.write_text(
+        '{"train_micro_batch_size_per_gpu": 1, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0}'
+    )
     r = run("check-config", str(bad), "--no-deepspeed")
     assert r.exit_code == 2 and "duplicate key 'train_micro_batch_size_per_gpu'" in r.output
     r = run("check-config", str(good), "--world-size", "2", "--hostfile", str(hosts))
@@ -504,6 +582,7 @@ def test_check_config_command(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------------
 # gen-config must not import torch or deepspeed
+
 
 def test_blocker_blocks():
     r = run_without_torch("import torch")

@@ -2,6 +2,7 @@
 
 deepspeed is imported once for the whole module (a few seconds); each parse then takes milliseconds.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -13,12 +14,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fluxzero.config.deepspeed import check as ds_check, build as ds_config
 from fluxzero.cli import main
-from fluxzero.config.deepspeed.check import check
+from fluxzero.config.deepspeed import build as ds_config
+from fluxzero.config.deepspeed import check as ds_check
 from fluxzero.config.deepspeed.build import build, options_from
-from fluxzero.config.deepspeed.view import DSConfigError
+from fluxzero.config.deepspeed.check import check
 from fluxzero.config.deepspeed.validate import deepspeed_problems, parse
+from fluxzero.config.deepspeed.view import DSConfigError
 from tests.helpers import ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,8 +82,16 @@ CYCLED = [
     dict(scheduler="WarmupLR", world_size=None),
     dict(scheduler="WarmupCosineLR", total_steps=1000, world_size=8, global_batch=64, micro_batch=2),
     dict(scheduler="WarmupDecayLR", total_steps=500, warmup_steps=50, world_size=3, grad_accum=4),
-    dict(scheduler="none", checkpoint_impl="deepspeed", checkpoint_every=2, partition_activations=True,
-         contiguous_memory_optimization=True, cpu_checkpointing=True, world_size=2, micro_batch=3),
+    dict(
+        scheduler="none",
+        checkpoint_impl="deepspeed",
+        checkpoint_every=2,
+        partition_activations=True,
+        contiguous_memory_optimization=True,
+        cpu_checkpointing=True,
+        world_size=2,
+        micro_batch=3,
+    ),
     dict(checkpoint_every=0, tensorboard_dir="/tmp/tb", job_name="grid", overlap_comm=False, world_size=16),
 ]
 
@@ -121,7 +131,7 @@ def test_option_grid_passes_deepspeed_parser():
         assert ds.bfloat16_config.enabled == (options.precision == "bf16")
         assert ds.float16_config.enabled == (options.precision == "fp16")
         if options.precision == "fp16":
-            assert ds.float16_config.initial_dynamic_scale() == 2 ** 12 and ds.float16_config.loss_scale == 0
+            assert ds.float16_config.initial_dynamic_scale() == 2**12 and ds.float16_config.loss_scale == 0
         assert ds.optimizer_name == "adamw"
         assert ds.optimizer_params["torch_adam"] == (options.adam_impl == "torch")
         assert ds.scheduler_name == (None if options.scheduler == "none" else options.scheduler)
@@ -205,16 +215,18 @@ def test_section_key_lists_match_deepspeed_models():
     from deepspeed.runtime.activation_checkpointing.config import ACT_CHKPT_DEFAULT
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
-                                                       DeepSpeedZeroOffloadParamConfig)
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
 
-    assert ds_check.ZERO_KEYS == _fields(DeepSpeedZeroConfig)
-    assert ds_check.OFFLOAD_PARAM_KEYS == _fields(DeepSpeedZeroOffloadParamConfig)
-    assert ds_check.OFFLOAD_OPTIMIZER_KEYS == _fields(DeepSpeedZeroOffloadOptimizerConfig)
-    assert ds_check.BF16_KEYS == _fields(DeepSpeedBF16Config)
-    assert ds_check.FP16_KEYS == _fields(DeepSpeedFP16Config)
-    assert ds_check.TENSORBOARD_KEYS == _fields(TensorBoardConfig)
-    assert ds_check.ACTIVATION_CHECKPOINTING_KEYS == set(ACT_CHKPT_DEFAULT)
+    assert _fields(DeepSpeedZeroConfig) == ds_check.ZERO_KEYS
+    assert _fields(DeepSpeedZeroOffloadParamConfig) == ds_check.OFFLOAD_PARAM_KEYS
+    assert _fields(DeepSpeedZeroOffloadOptimizerConfig) == ds_check.OFFLOAD_OPTIMIZER_KEYS
+    assert _fields(DeepSpeedBF16Config) == ds_check.BF16_KEYS
+    assert _fields(DeepSpeedFP16Config) == ds_check.FP16_KEYS
+    assert _fields(TensorBoardConfig) == ds_check.TENSORBOARD_KEYS
+    assert set(ACT_CHKPT_DEFAULT) == ds_check.ACTIVATION_CHECKPOINTING_KEYS
 
 
 def test_minor_section_key_lists_match_deepspeed_constants():
@@ -224,15 +236,23 @@ def test_minor_section_key_lists_match_deepspeed_constants():
     from deepspeed.runtime.swap_tensor.aio_config import AIO_DEFAULT_DICT
 
     def names(module, prefix):
-        return {v for k, v in vars(module).items() if k.startswith(prefix) and isinstance(v, str)
-                and not k.endswith("_DEFAULT") and v.isidentifier()}  # not the FORMAT help text
+        return {
+            v
+            for k, v in vars(module).items()
+            if k.startswith(prefix) and isinstance(v, str) and not k.endswith("_DEFAULT") and v.isidentifier()
+        }  # not the FORMAT help text
 
-    assert ds_check.AIO_KEYS == set(AIO_DEFAULT_DICT)
-    assert ds_check.FLOPS_PROFILER_KEYS == names(prof, "FLOPS_PROFILER_") - {prof.FLOPS_PROFILER}
-    assert ds_check.DATA_TYPES_KEYS == {rc.GRAD_ACCUM_DTYPE}
-    assert ds_check.CHECKPOINT_KEYS == {rc.CHECKPOINT_TAG_VALIDATION, rc.LOAD_UNIVERSAL_CHECKPOINT,
-                                         rc.USE_NODE_LOCAL_STORAGE_CHECKPOINT, rc.CHECKPOINT_PARALLEL_WRITE,
-                                         mc.CHECKPOINT_SERIALIZATION, mc.CHECKPOINT_WRITER}
+    assert set(AIO_DEFAULT_DICT) == ds_check.AIO_KEYS
+    assert names(prof, "FLOPS_PROFILER_") - {prof.FLOPS_PROFILER} == ds_check.FLOPS_PROFILER_KEYS
+    assert {rc.GRAD_ACCUM_DTYPE} == ds_check.DATA_TYPES_KEYS
+    assert {
+        rc.CHECKPOINT_TAG_VALIDATION,
+        rc.LOAD_UNIVERSAL_CHECKPOINT,
+        rc.USE_NODE_LOCAL_STORAGE_CHECKPOINT,
+        rc.CHECKPOINT_PARALLEL_WRITE,
+        mc.CHECKPOINT_SERIALIZATION,
+        mc.CHECKPOINT_WRITER,
+    } == ds_check.CHECKPOINT_KEYS
 
 
 def test_top_level_keys_cover_what_deepspeed_reads():
@@ -284,7 +304,9 @@ def test_top_level_keys_cover_what_deepspeed_reads():
 # ---------------------------------------------------------------------------------------------------------
 # the CPU-safe presets really train (one rank, gloo, tiny MLP): parser acceptance is not engine acceptance
 
-_ENGINE_SMOKE = ONE_RANK + r"""
+_ENGINE_SMOKE = (
+    ONE_RANK
+    + r"""
 import json, os, sys
 for path in sys.argv[1:]:
     cfg = json.load(open(path))
@@ -302,6 +324,7 @@ for path in sys.argv[1:]:
                       "basic": type(eng.basic_optimizer).__name__, "steps": eng.global_steps, "losses": losses}))
 torch.distributed.destroy_process_group()  # a gloo group left to interpreter teardown can abort the process
 """
+)
 
 
 @pytest.mark.slow
@@ -310,12 +333,16 @@ def test_cpu_safe_presets_train_one_rank():
     import sys
 
     names = ["zero0.json", "zero1.json", "zero2.json", "zero2-offload.json", "zero3.json", "zero3-offload.json"]
-    r = subprocess.run([sys.executable, "-c", _ENGINE_SMOKE, *[str(PRESET_DIR / n) for n in names]],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _ENGINE_SMOKE, *[str(PRESET_DIR / n) for n in names]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     runs = {d["file"]: d for d in map(json.loads, (ln for ln in r.stdout.splitlines() if ln.startswith("{")))}
     assert sorted(runs) == sorted(names)
-    for name, run in runs.items():
+    for _name, run in runs.items():
         assert run["basic"] == "AdamW" and run["steps"] == 3, run  # torch_adam: torch.optim.AdamW, no JIT build
         assert all(l == l and l < 1e3 for l in run["losses"]), run
     assert runs["zero0.json"]["optimizer"] == "FP16_UnfusedOptimizer"  # DeepSpeed's bf16 wrapper at stage 0
@@ -335,7 +362,9 @@ def test_torch_names_exist():
 # ---------------------------------------------------------------------------------------------------------
 # the lr schedules gen-config writes, read from real engines: engine.get_lr() before each optimizer step
 
-_LR_PROBE = ONE_RANK + r"""
+_LR_PROBE = (
+    ONE_RANK
+    + r"""
 import json, os, sys
 for arg in sys.argv[1:]:
     cfg = json.loads(arg)
@@ -350,6 +379,7 @@ for arg in sys.argv[1:]:
     print("LRS", json.dumps(lrs))
 torch.distributed.destroy_process_group()
 """
+)
 
 
 @pytest.mark.slow
@@ -362,13 +392,25 @@ def test_warmup_lr_of_real_engines():
     import sys
 
     def cfg(*args):
-        c = build(options_from(None, precision="fp32", zero_stage=0, checkpoint_every=0, gradient_clipping=0.0,
-                               lr=1e-3, **dict(zip(args[::2], args[1::2]))))
+        c = build(
+            options_from(
+                None,
+                precision="fp32",
+                zero_stage=0,
+                checkpoint_every=0,
+                gradient_clipping=0.0,
+                lr=1e-3,
+                **dict(zip(args[::2], args[1::2])),
+            )
+        )
         return json.dumps(c)
 
-    argv = [cfg("warmup_steps", 5), cfg("warmup_steps", 5, "warmup_type", "log"),
-            cfg("scheduler", "WarmupDecayLR", "warmup_steps", 4, "total_steps", 8),
-            cfg("scheduler", "WarmupCosineLR", "warmup_steps", 4, "total_steps", 8, "cos_min_ratio", 0.1)]
+    argv = [
+        cfg("warmup_steps", 5),
+        cfg("warmup_steps", 5, "warmup_type", "log"),
+        cfg("scheduler", "WarmupDecayLR", "warmup_steps", 4, "total_steps", 8),
+        cfg("scheduler", "WarmupCosineLR", "warmup_steps", 4, "total_steps", 8, "cos_min_ratio", 0.1),
+    ]
     r = subprocess.run([sys.executable, "-c", _LR_PROBE, *argv], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     linear, log, decay, cosine = (json.loads(ln[4:]) for ln in r.stdout.splitlines() if ln.startswith("LRS "))
@@ -379,7 +421,10 @@ def test_warmup_lr_of_real_engines():
     assert cosine[0] == 0.0 and cosine[1] == pytest.approx(2.5e-4) and cosine[7] == pytest.approx(1e-4)
 
 
-_MODE_ENGINES = ('import warnings\nwarnings.filterwarnings("ignore")\n' + ONE_RANK + r"""
+_MODE_ENGINES = (
+    'import warnings\nwarnings.filterwarnings("ignore")\n'
+    + ONE_RANK
+    + r"""
 import json, os, sys
 from fluxzero.train.optim.optimizers import build_optimizer
 for arg in sys.argv[1:]:
@@ -402,7 +447,8 @@ for arg in sys.argv[1:]:
     except Exception as e:  # what DeepSpeed refused, in its words
         print(json.dumps({"mode": mode, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}))
 torch.distributed.destroy_process_group()
-""")
+"""
+)
 
 
 @pytest.mark.slow
@@ -415,16 +461,35 @@ def test_mode_configs_start_real_engines():
     import sys
 
     def cfg(mode, stage, **kw):
-        return build(options_from(None, model="flux-tiny", optimizer_mode=mode, zero_stage=stage, checkpoint_every=0,
-                                  gradient_clipping=0.0, scheduler="none", **kw))
+        return build(
+            options_from(
+                None,
+                model="flux-tiny",
+                optimizer_mode=mode,
+                zero_stage=stage,
+                checkpoint_every=0,
+                gradient_clipping=0.0,
+                scheduler="none",
+                **kw,
+            )
+        )
 
-    written = [cfg("bf16-kahan", 0), cfg("bf16-sr", 2), cfg("adamw8bit-sr", 3, offload_param="cpu"),
-               cfg("fp32", 2, offload_optimizer="cpu")]
+    written = [
+        cfg("bf16-kahan", 0),
+        cfg("bf16-sr", 2),
+        cfg("adamw8bit-sr", 3, offload_param="cpu"),
+        cfg("fp32", 2, offload_optimizer="cpu"),
+    ]
     refused = cfg("bf16-kahan", 2)
     refused["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     assert any("offloads only for its own DeepSpeedCPUAdam" in p for p in check(refused, 1))
-    r = subprocess.run([sys.executable, "-c", _MODE_ENGINES, *map(json.dumps, written + [refused])],
-                       capture_output=True, text=True, timeout=420, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", _MODE_ENGINES, *map(json.dumps, written + [refused])],
+        capture_output=True,
+        text=True,
+        timeout=420,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     runs = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert [run["ok"] for run in runs] == [True, True, True, True, False], runs

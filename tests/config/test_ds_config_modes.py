@@ -1,5 +1,6 @@
 """Optimizer modes in the DeepSpeed config (gen-config writes, check-config refuses, DSView reads), the warm-up
 arithmetic gen-config writes, and check-config's world-size sentence. Pure: no torch, no deepspeed."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,8 @@ from click.testing import CliRunner
 
 from fluxzero.cli import main
 from fluxzero.config import optim_modes
-from fluxzero.config.deepspeed.check import check
 from fluxzero.config.deepspeed.build import build, options_from
+from fluxzero.config.deepspeed.check import check
 from fluxzero.config.deepspeed.view import view
 
 
@@ -20,8 +21,9 @@ def gen(*args) -> dict:
     return json.loads(r.output)
 
 
-@pytest.mark.parametrize("mode,stage", [(m, st) for m in optim_modes.trainable_modes()
-                                        for st in optim_modes.get_mode(m).zero_stages])
+@pytest.mark.parametrize(
+    "mode,stage", [(m, st) for m in optim_modes.trainable_modes() for st in optim_modes.get_mode(m).zero_stages]
+)
 def test_every_mode_writes_what_it_needs_and_checks_clean(mode, stage):
     m = optim_modes.get_mode(mode)
     offload = ["--offload-optimizer", "cpu"] if m.needs_offload else []  # the host modes step offloaded partitions
@@ -42,9 +44,11 @@ def test_fp32_mode_with_offload_writes_force_ds_cpu_optimizer_false():
     cfg = gen("--optimizer-mode", "fp32", "--zero-stage", "3", "--offload-optimizer", "cpu")
     assert cfg["zero_force_ds_cpu_optimizer"] is False and check(cfg, 1) == []
     del cfg["zero_force_ds_cpu_optimizer"]
-    assert check(cfg, 1) == ["fluxzero.optimizer_mode fp32 with zero_optimization.offload_optimizer.device cpu "
-                             "runs a client optimizer on the CPU, which DeepSpeed refuses unless "
-                             "zero_force_ds_cpu_optimizer is false: set it false"]
+    assert check(cfg, 1) == [
+        "fluxzero.optimizer_mode fp32 with zero_optimization.offload_optimizer.device cpu "
+        "runs a client optimizer on the CPU, which DeepSpeed refuses unless "
+        "zero_force_ds_cpu_optimizer is false: set it false"
+    ]
 
 
 def test_no_mode_writes_what_it_always_did():
@@ -59,27 +63,44 @@ def _cfg(mode: str, stage: int = 2, **top) -> dict:
     return cfg
 
 
-@pytest.mark.parametrize("edit,sentence", [
-    (lambda c: c["fluxzero"].update(optimizer_mode="bf16-fast"),
-     'fluxzero.optimizer_mode "bf16-fast" is not an optimizer mode: choose one of fp32, bf16-sr, bf16-kahan, '
-     'adamw8bit-sr, adafactor-sr, fused-adafactor-sr, cpu-bf16-sr, cpu-adamw8bit-sr'),
-    (lambda c: c["fluxzero"].update(optimizer_mode="bf16-rtn"),
-     "fluxzero.optimizer_mode bf16-rtn is for comparison only"),
-    (lambda c: c["bf16"].pop("bf16_optimizer_states"),
-     "fluxzero.optimizer_mode bf16-sr at ZeRO stage 2 needs bf16.bf16_optimizer_states true (without them DeepSpeed "
-     "keeps fp32 masters and the mode saves nothing)"),
-    (lambda c: c.update(bf16={"enabled": True}),
-     "needs bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states true"),
-    (lambda c: c.pop("zero_allow_untested_optimizer"),
-     "fluxzero.optimizer_mode bf16-sr hands ZeRO a client optimizer it has not tested (DeepSpeed stops at engine "
-     "start): set zero_allow_untested_optimizer true"),
-    (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu"}),
-     "fluxzero.optimizer_mode bf16-sr keeps bf16 master weights, which deepspeed 0.19.8 offloads only for its own "
-     "DeepSpeedCPUAdam (it stops at engine start): drop zero_optimization.offload_optimizer.device cpu, or use "
-     "fluxzero.optimizer_mode cpu-bf16-sr, cpu-adamw8bit-sr (AdamW on the host) or fp32"),
-    (lambda c: (c.pop("bf16"), c.update(fp16={"enabled": True})),
-     "fluxzero.optimizer_mode bf16-sr trains in bf16, not fp16: set bf16.enabled true"),
-])
+@pytest.mark.parametrize(
+    "edit,sentence",
+    [
+        (
+            lambda c: c["fluxzero"].update(optimizer_mode="bf16-fast"),
+            'fluxzero.optimizer_mode "bf16-fast" is not an optimizer mode: choose one of fp32, bf16-sr, bf16-kahan, '
+            "adamw8bit-sr, adafactor-sr, fused-adafactor-sr, cpu-bf16-sr, cpu-adamw8bit-sr",
+        ),
+        (
+            lambda c: c["fluxzero"].update(optimizer_mode="bf16-rtn"),
+            "fluxzero.optimizer_mode bf16-rtn is for comparison only",
+        ),
+        (
+            lambda c: c["bf16"].pop("bf16_optimizer_states"),
+            "fluxzero.optimizer_mode bf16-sr at ZeRO stage 2 needs bf16.bf16_optimizer_states true (without them DeepSpeed "
+            "keeps fp32 masters and the mode saves nothing)",
+        ),
+        (
+            lambda c: c.update(bf16={"enabled": True}),
+            "needs bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states true",
+        ),
+        (
+            lambda c: c.pop("zero_allow_untested_optimizer"),
+            "fluxzero.optimizer_mode bf16-sr hands ZeRO a client optimizer it has not tested (DeepSpeed stops at engine "
+            "start): set zero_allow_untested_optimizer true",
+        ),
+        (
+            lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu"}),
+            "fluxzero.optimizer_mode bf16-sr keeps bf16 master weights, which deepspeed 0.19.8 offloads only for its own "
+            "DeepSpeedCPUAdam (it stops at engine start): drop zero_optimization.offload_optimizer.device cpu, or use "
+            "fluxzero.optimizer_mode cpu-bf16-sr, cpu-adamw8bit-sr (AdamW on the host) or fp32",
+        ),
+        (
+            lambda c: (c.pop("bf16"), c.update(fp16={"enabled": True})),
+            "fluxzero.optimizer_mode bf16-sr trains in bf16, not fp16: set bf16.enabled true",
+        ),
+    ],
+)
 def test_check_config_refuses_a_mode_it_cannot_run(edit, sentence):
     cfg = _cfg("bf16-sr")
     edit(cfg)
@@ -89,9 +110,11 @@ def test_check_config_refuses_a_mode_it_cannot_run(edit, sentence):
 
 def test_stage0_bf16_mode_needs_bf16_off_and_fp32_mode_refuses_bf16_masters():
     cfg = _cfg("bf16-kahan", stage=0, bf16={"enabled": True})
-    assert check(cfg, 1) == ["fluxzero.optimizer_mode bf16-kahan at ZeRO stage 0 needs bf16 off in the DeepSpeed "
-                             "config (the trainer casts the model to bf16; DeepSpeed's bf16 wrapper would step fp32 "
-                             "masters and stage 0 refuses bf16 master weights): remove the bf16 section"]
+    assert check(cfg, 1) == [
+        "fluxzero.optimizer_mode bf16-kahan at ZeRO stage 0 needs bf16 off in the DeepSpeed "
+        "config (the trainer casts the model to bf16; DeepSpeed's bf16 wrapper would step fp32 "
+        "masters and stage 0 refuses bf16 master weights): remove the bf16 section"
+    ]
     cfg = _cfg("fp32", bf16={"enabled": True, "bf16_master_weights_and_grads": True})
     assert any("fp32 steps fp32 master weights" in p for p in check(cfg, 1))
 
@@ -150,31 +173,64 @@ def test_view_says_when_the_trainer_casts_the_model():
 
 
 def test_fit_keeps_a_pinned_mode():
-    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "1", "--gpu", "h200", "--host-memory", "128",
-                                  "--optimizer-mode", "bf16-sr"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "gen-config",
+            "--fit",
+            "--world-size",
+            "1",
+            "--gpu",
+            "h200",
+            "--host-memory",
+            "128",
+            "--optimizer-mode",
+            "bf16-sr",
+        ],
+    )
     assert r.exit_code == 0, r.output
     cfg = json.loads(r.stdout)
     assert cfg["fluxzero"]["optimizer_mode"] == "bf16-sr" and cfg["zero_optimization"]["stage"] == 0
     assert "optimizer mode bf16-kahan" not in r.stderr  # only the pinned mode was tried
     assert optim_modes.get_mode("bf16-sr").caveat in r.stderr
-    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "1", "--gpu", "h200", "--optimizer-mode",
-                                  "bf16-sr", "--offload-optimizer", "cpu"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "gen-config",
+            "--fit",
+            "--world-size",
+            "1",
+            "--gpu",
+            "h200",
+            "--optimizer-mode",
+            "bf16-sr",
+            "--offload-optimizer",
+            "cpu",
+        ],
+    )
     assert r.exit_code == 2 and "contradict" in r.output
 
 
 def test_host_modes_need_cpu_optimizer_offload():
     for args in (["--zero-stage", "2"], ["--zero-stage", "3", "--offload-optimizer", "nvme", "--nvme-path", "/nvme"]):
         r = CliRunner().invoke(main, ["gen-config", "--optimizer-mode", "cpu-bf16-sr", *args])
-        assert r.exit_code == 2 and "--optimizer-mode cpu-bf16-sr steps the optimizer in host memory: set " \
-                                    "--offload-optimizer cpu" in r.output, r.output
+        assert (
+            r.exit_code == 2
+            and "--optimizer-mode cpu-bf16-sr steps the optimizer in host memory: set --offload-optimizer cpu"
+            in r.output
+        ), r.output
     cfg = gen("--optimizer-mode", "cpu-adamw8bit-sr", "--zero-stage", "3", "--offload-optimizer", "cpu")
     del cfg["zero_force_ds_cpu_optimizer"], cfg["zero_optimization"]["offload_optimizer"]
-    assert check(cfg, 1) == ["fluxzero.optimizer_mode cpu-adamw8bit-sr steps the optimizer in host memory: set "
-                             "zero_optimization.offload_optimizer.device cpu"]
+    assert check(cfg, 1) == [
+        "fluxzero.optimizer_mode cpu-adamw8bit-sr steps the optimizer in host memory: set "
+        "zero_optimization.offload_optimizer.device cpu"
+    ]
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    assert check(cfg, 1) == ["fluxzero.optimizer_mode cpu-adamw8bit-sr with zero_optimization.offload_optimizer.device "
-                             "cpu runs a client optimizer on the CPU, which DeepSpeed refuses unless "
-                             "zero_force_ds_cpu_optimizer is false: set it false"]
+    assert check(cfg, 1) == [
+        "fluxzero.optimizer_mode cpu-adamw8bit-sr with zero_optimization.offload_optimizer.device "
+        "cpu runs a client optimizer on the CPU, which DeepSpeed refuses unless "
+        "zero_force_ds_cpu_optimizer is false: set it false"
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -191,16 +247,28 @@ def test_fused_mode_writes_offload_blocks_and_no_clipping():
     assert view(gen("--offload-blocks", "0")).offload_blocks == 0
 
 
-@pytest.mark.parametrize("flags, sentence", [
-    (["--grad-accum", "2"], "--optimizer-mode fused-adafactor-sr applies each update during backward, so it cannot "
-                            "accumulate gradients over micro batches: set --grad-accum to 1 (raise the micro batch "
-                            "instead)"),
-    (["--gradient-clipping", "1"], "--optimizer-mode fused-adafactor-sr applies each update before a global gradient "
-                                   "norm exists, so it cannot clip by it: set --gradient-clipping to 0"),
-    (["--zero-stage", "2"], "--optimizer-mode fused-adafactor-sr does not run at ZeRO stage 2: set --zero-stage to 0"),
-    (["--precision", "fp16"], "--optimizer-mode fused-adafactor-sr trains in bf16, not fp16: set --precision bf16"),
-    (["--offload-blocks", "58"], "--offload-blocks 58 exceeds the 57 blocks of flux-dev"),
-])
+@pytest.mark.parametrize(
+    "flags, sentence",
+    [
+        (
+            ["--grad-accum", "2"],
+            "--optimizer-mode fused-adafactor-sr applies each update during backward, so it cannot "
+            "accumulate gradients over micro batches: set --grad-accum to 1 (raise the micro batch "
+            "instead)",
+        ),
+        (
+            ["--gradient-clipping", "1"],
+            "--optimizer-mode fused-adafactor-sr applies each update before a global gradient "
+            "norm exists, so it cannot clip by it: set --gradient-clipping to 0",
+        ),
+        (
+            ["--zero-stage", "2"],
+            "--optimizer-mode fused-adafactor-sr does not run at ZeRO stage 2: set --zero-stage to 0",
+        ),
+        (["--precision", "fp16"], "--optimizer-mode fused-adafactor-sr trains in bf16, not fp16: set --precision bf16"),
+        (["--offload-blocks", "58"], "--offload-blocks 58 exceeds the 57 blocks of flux-dev"),
+    ],
+)
 def test_gen_config_refuses_what_the_fused_mode_cannot_run(flags, sentence):
     r = CliRunner().invoke(main, ["gen-config", *FUSED, *flags])
     assert r.exit_code == 2 and sentence in r.output, r.output
@@ -219,26 +287,46 @@ def test_adafactor_modes_default_to_their_relative_lr_and_no_weight_decay():
 
 
 def test_offload_blocks_needs_a_fused_mode():
-    r = CliRunner().invoke(main, ["gen-config", "--optimizer-mode", "adafactor-sr", "--zero-stage", "0",
-                                  "--offload-blocks", "4"])
-    assert r.exit_code == 2 and "--offload-blocks 4 streams blocks from host memory, which only a fused optimizer " \
-                                "mode supports: set --optimizer-mode to fused-adafactor-sr" in r.output
+    r = CliRunner().invoke(
+        main, ["gen-config", "--optimizer-mode", "adafactor-sr", "--zero-stage", "0", "--offload-blocks", "4"]
+    )
+    assert (
+        r.exit_code == 2
+        and "--offload-blocks 4 streams blocks from host memory, which only a fused optimizer "
+        "mode supports: set --optimizer-mode to fused-adafactor-sr"
+        in r.output
+    )
 
 
-@pytest.mark.parametrize("edit, sentence", [
-    (lambda c: c.update(gradient_accumulation_steps=4), "set gradient_accumulation_steps to 1 (raise the micro batch "
-                                                        "instead)"),
-    (lambda c: c.update(gradient_clipping=1.0), "so it cannot clip by it: set gradient_clipping to 0"),
-    (lambda c: c.pop("gradient_clipping"), "so it cannot clip by it: set gradient_clipping to 0"),
-    (lambda c: c["zero_optimization"].update(stage=1), "does not run at ZeRO stage 1: set zero_optimization.stage to 0"),
-    (lambda c: c.update(fp16={"enabled": True}), "trains in bf16, not fp16: set fp16.enabled false (at ZeRO stage 0 "
-                                                 "the trainer casts the model to bf16)"),
-    (lambda c: c.update(bf16={"enabled": True}), "at ZeRO stage 0 needs bf16 off in the DeepSpeed config"),
-    (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu"}), "offload_optimizer.device cpu needs"),
-    (lambda c: c["fluxzero"].update(offload_blocks=-1), "fluxzero.offload_blocks must be an integer >= 0"),
-    (lambda c: c["fluxzero"].update(optimizer_mode="adafactor-sr"), "fluxzero.offload_blocks 2 streams blocks from host "
-                                                                    "memory, which only a fused optimizer mode supports"),
-])
+@pytest.mark.parametrize(
+    "edit, sentence",
+    [
+        (
+            lambda c: c.update(gradient_accumulation_steps=4),
+            "set gradient_accumulation_steps to 1 (raise the micro batch instead)",
+        ),
+        (lambda c: c.update(gradient_clipping=1.0), "so it cannot clip by it: set gradient_clipping to 0"),
+        (lambda c: c.pop("gradient_clipping"), "so it cannot clip by it: set gradient_clipping to 0"),
+        (
+            lambda c: c["zero_optimization"].update(stage=1),
+            "does not run at ZeRO stage 1: set zero_optimization.stage to 0",
+        ),
+        (
+            lambda c: c.update(fp16={"enabled": True}),
+            "trains in bf16, not fp16: set fp16.enabled false (at ZeRO stage 0 the trainer casts the model to bf16)",
+        ),
+        (lambda c: c.update(bf16={"enabled": True}), "at ZeRO stage 0 needs bf16 off in the DeepSpeed config"),
+        (
+            lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu"}),
+            "offload_optimizer.device cpu needs",
+        ),
+        (lambda c: c["fluxzero"].update(offload_blocks=-1), "fluxzero.offload_blocks must be an integer >= 0"),
+        (
+            lambda c: c["fluxzero"].update(optimizer_mode="adafactor-sr"),
+            "fluxzero.offload_blocks 2 streams blocks from host memory, which only a fused optimizer mode supports",
+        ),
+    ],
+)
 def test_check_config_and_the_trainer_refuse_what_the_fused_mode_cannot_run(tmp_path, edit, sentence):
     from fluxzero.config.deepspeed.file import load_for_training
     from fluxzero.config.deepspeed.view import DSConfigError
@@ -256,9 +344,11 @@ def test_adamw8bit_sr_with_a_universal_checkpoint_load_is_refused_up_front(tmp_p
     from fluxzero.config.deepspeed.file import load_for_training
     from fluxzero.config.deepspeed.view import DSConfigError
 
-    sentence = ("fluxzero.optimizer_mode adamw8bit-sr keeps optimizer states that DeepSpeed's universal checkpoint "
-                "cannot split per parameter: remove checkpoint.load_universal and resume at the world size the "
-                "checkpoint was saved with, or train with another optimizer mode")
+    sentence = (
+        "fluxzero.optimizer_mode adamw8bit-sr keeps optimizer states that DeepSpeed's universal checkpoint "
+        "cannot split per parameter: remove checkpoint.load_universal and resume at the world size the "
+        "checkpoint was saved with, or train with another optimizer mode"
+    )
     for stage in optim_modes.get_mode("adamw8bit-sr").zero_stages:
         cfg = _cfg("adamw8bit-sr", stage, checkpoint={"load_universal": True})
         assert check(cfg, 1) == [sentence]

@@ -1,5 +1,6 @@
 """nan and inf are refused where they entered silently: the run file's flow options, and `fluxzero estimate`'s
 (and `gen-config --fit`'s) memory sizes and margins, which printed FITS for nan."""
+
 import math
 
 import pytest
@@ -17,8 +18,9 @@ FLOW_FLOATS = {"logit_mean": 0.0, "logit_std": 1.0, "shift_value": 3.0, "guidanc
 def test_flow_options_must_be_finite(name, value):
     with pytest.raises(ValueError) as e:
         FlowConfig(**{name: value})
-    assert str(e.value) == (f"flow.{name} must be a finite number, got {value}; remove it to use the default "
-                            f"{FLOW_FLOATS[name]}")
+    assert str(e.value) == (
+        f"flow.{name} must be a finite number, got {value}; remove it to use the default {FLOW_FLOATS[name]}"
+    )
 
 
 def test_a_run_file_with_yaml_infinity_is_refused():
@@ -29,12 +31,15 @@ def test_a_run_file_with_yaml_infinity_is_refused():
     assert TrainConfig.from_dict({**d, "flow": {"logit_mean": -0.5}}).flow.logit_mean == -0.5  # finite still fine
 
 
-@pytest.mark.parametrize("args, option, example", [
-    (["--margin", "nan"], "--margin", "a fraction in [0, 1) such as 0.1"),
-    (["--gpu-memory", "nan"], "--gpu-memory", "a size in GiB such as 80"),
-    (["--gpu-memory", "inf"], "--gpu-memory", "a size in GiB such as 80"),
-    (["--gpu-memory", "80", "--host-memory", "inf"], "--host-memory", "a size in GiB such as 80"),
-])
+@pytest.mark.parametrize(
+    "args, option, example",
+    [
+        (["--margin", "nan"], "--margin", "a fraction in [0, 1) such as 0.1"),
+        (["--gpu-memory", "nan"], "--gpu-memory", "a size in GiB such as 80"),
+        (["--gpu-memory", "inf"], "--gpu-memory", "a size in GiB such as 80"),
+        (["--gpu-memory", "80", "--host-memory", "inf"], "--host-memory", "a size in GiB such as 80"),
+    ],
+)
 def test_estimate_refuses_non_finite_numbers(args, option, example):
     r = CliRunner().invoke(main, ["estimate", "--model", "flux-tiny", *args])
     assert r.exit_code == 2, r.output
@@ -49,8 +54,10 @@ def test_estimate_with_finite_numbers_still_answers():
     assert "FITS" in r.output, r.output
 
 
-@pytest.mark.parametrize("args, option", [(["--gpu-memory", "inf"], "--gpu-memory"),
-                                          (["--gpu-memory", "80", "--fit-margin", "nan"], "--fit-margin")])
+@pytest.mark.parametrize(
+    "args, option",
+    [(["--gpu-memory", "inf"], "--gpu-memory"), (["--gpu-memory", "80", "--fit-margin", "nan"], "--fit-margin")],
+)
 def test_gen_config_fit_refuses_non_finite_numbers(tmp_path, args, option):
     r = CliRunner().invoke(main, ["gen-config", "--fit", "--model", "flux-tiny", *args, "-o", str(tmp_path / "d.json")])
     assert r.exit_code == 2, r.output

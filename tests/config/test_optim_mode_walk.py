@@ -1,6 +1,7 @@
 """Every optimizer mode is one object (fluxzero.config.optim_modes.OptimMode) that gen-config, check-config, the memory
 model and the trainer read: each trainable mode walks gen-config -> check-config -> estimate -> a real DeepSpeed
 engine on flux-tiny that takes a step, with nothing but its registry entry (and its builder) naming it."""
+
 import json
 import subprocess
 import sys
@@ -10,8 +11,8 @@ from click.testing import CliRunner
 
 from fluxzero.cli import main
 from fluxzero.config import optim_modes
-from fluxzero.plan import FIT_MODES, MODE_STEP_TEMP, param_inventory
 from fluxzero.config.models import get_model_config
+from fluxzero.plan import FIT_MODES, MODE_STEP_TEMP, param_inventory
 from tests.helpers import ONE_RANK
 
 MODES = optim_modes.trainable_modes()
@@ -20,8 +21,22 @@ MODES = optim_modes.trainable_modes()
 def _gen_args(mode: optim_modes.OptimMode) -> list[str]:
     """gen-config flags for the mode at its first ZeRO stage, with what the mode itself requires."""
     stage = mode.zero_stages[0]
-    args = ["--model", "flux-tiny", "--optimizer-mode", mode.name, "--zero-stage", str(stage), "--micro-batch", "2",
-            "--checkpoint-every", "0", "--scheduler", "none", "--steps-per-print", "1000000"]
+    args = [
+        "--model",
+        "flux-tiny",
+        "--optimizer-mode",
+        mode.name,
+        "--zero-stage",
+        str(stage),
+        "--micro-batch",
+        "2",
+        "--checkpoint-every",
+        "0",
+        "--scheduler",
+        "none",
+        "--steps-per-print",
+        "1000000",
+    ]
     if mode.needs_offload:
         args += ["--offload-optimizer", "cpu"]
     if mode.fused:
@@ -41,7 +56,7 @@ def test_the_registry_is_what_the_readers_read():
     from fluxzero.train.optim.optimizers import BUILDERS
 
     assert {m.builder for m in optim_modes.MODES.values()} <= set(BUILDERS)
-    assert FIT_MODES == (None, *optim_modes.fit_modes())
+    assert (None, *optim_modes.fit_modes()) == FIT_MODES
     assert set(MODE_STEP_TEMP) == {n for n, m in optim_modes.MODES.items() if not m.needs_offload}
 
 
@@ -58,11 +73,13 @@ def test_each_mode_writes_checks_and_estimates(tmp_path, name):
     assert (d["optimizer_mode"], d["stage"]) == (name, stage)
     states = [i for i in d["items"] if i["name"].startswith("optimizer state") and name in i["name"]]
     total = param_inventory(get_model_config("flux-tiny")).total  # one GPU: the partition is the whole model
-    assert len(states) == 1 and states[0]["gib"] * 2**30 == pytest.approx(mode.bytes_at(stage)["states"] * total,
-                                                                           abs=1)
+    assert len(states) == 1 and states[0]["gib"] * 2**30 == pytest.approx(mode.bytes_at(stage)["states"] * total, abs=1)
 
 
-_ENGINES = ('import warnings\nwarnings.filterwarnings("ignore")\n' + ONE_RANK + r"""
+_ENGINES = (
+    'import warnings\nwarnings.filterwarnings("ignore")\n'
+    + ONE_RANK
+    + r"""
 import json, sys
 from fluxzero.config import FlowConfig, get_model_config
 from fluxzero.config.deepspeed.file import load_for_training
@@ -85,7 +102,8 @@ for arg in sys.argv[1:]:
     print("ROW " + json.dumps({"mode": v.optimizer_mode, "loss": float(loss), "moved": moved,
                                "client": type(engine.client_optimizer).__name__ if engine.client_optimizer else None}))
     engine.destroy()
-""")
+"""
+)
 
 
 @pytest.mark.slow

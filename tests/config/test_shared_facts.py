@@ -2,16 +2,20 @@
 the Adam(W) implementation table agrees with what gen-config writes and what the checker and the view read back,
 and `estimate` / `gen-config` share their options (names, choices, defaults; renamed ones keep their old name).
 Pure Python; CliRunner."""
+
 import json
 
 import pytest
 from click.testing import CliRunner
 
+from fluxzero import plan as memory
 from fluxzero.cli import main
 from fluxzero.commands import config as config_cmd
 from fluxzero.commands import estimate as estimate_cmd
-from fluxzero.config.deepspeed import adam_impl, check as ds_check, build as ds_config, view as ds_view
-from fluxzero import plan as memory
+from fluxzero.config.deepspeed import adam_impl
+from fluxzero.config.deepspeed import build as ds_config
+from fluxzero.config.deepspeed import check as ds_check
+from fluxzero.config.deepspeed import view as ds_view
 from fluxzero.config.ema import EMA_DEVICES, EMA_DTYPES
 from fluxzero.config.lora import BASE_QUANTS, DEFAULT_TARGETS, LoraConfig
 from fluxzero.plan import RunSpec
@@ -23,7 +27,7 @@ from fluxzero.plan import RunSpec
 def test_every_base_quant_the_run_file_accepts_is_modelled():
     quantized = [q for q in BASE_QUANTS if q != "none"]
     assert set(memory.BASE_QUANT_BYTES) == set(quantized)
-    assert memory.BASE_QUANT_CHOICES == ("auto", *BASE_QUANTS)
+    assert ("auto", *BASE_QUANTS) == memory.BASE_QUANT_CHOICES
     for q in BASE_QUANTS:
         LoraConfig(rank=4, base_quant=q)  # the run file takes it
     bf16 = memory.base_bytes(RunSpec("flux-dev", lora_rank=16))
@@ -39,8 +43,9 @@ def test_estimate_and_fit_take_every_quantized_base(tmp_path, quant):
     d = json.loads(r.stdout)
     assert any(i["name"] == f"frozen base parameters ({quant})" for i in d["items"])
     out = tmp_path / "ds.json"
-    r = CliRunner().invoke(main, ["gen-config", "--fit", "--gpu", "rtx4090", "--lora-rank", "16", "--base-quant",
-                                  quant, "-o", str(out)])
+    r = CliRunner().invoke(
+        main, ["gen-config", "--fit", "--gpu", "rtx4090", "--lora-rank", "16", "--base-quant", quant, "-o", str(out)]
+    )
     assert r.exit_code == 0, r.output
     assert f"base_quant: {quant}" in r.stderr and out.exists()
 
@@ -79,9 +84,24 @@ def _params(cmd) -> dict:
 
 def test_estimate_and_gen_config_share_names_choices_and_defaults():
     est, gen = _params(estimate_cmd.estimate), _params(config_cmd.gen_config)
-    for name in ("hostfile", "nodes", "gpus_per_node", "gpu", "gpu_memory", "host_memory", "resolution", "txt_len",
-                 "margin", "lora_targets", "lora_type", "lora_factor", "adam_impl", "precision", "offload_optimizer",
-                 "offload_param"):
+    for name in (
+        "hostfile",
+        "nodes",
+        "gpus_per_node",
+        "gpu",
+        "gpu_memory",
+        "host_memory",
+        "resolution",
+        "txt_len",
+        "margin",
+        "lora_targets",
+        "lora_type",
+        "lora_factor",
+        "adam_impl",
+        "precision",
+        "offload_optimizer",
+        "offload_param",
+    ):
         assert est[name].opts == gen[name].opts, name
         assert getattr(est[name].type, "choices", None) == getattr(gen[name].type, "choices", None), name
         assert est[name].default == gen[name].default or name in ("precision", "adam_impl"), name
@@ -106,8 +126,14 @@ def test_old_option_names_still_work_with_one_sentence(tmp_path):
     new = CliRunner().invoke(main, ["estimate", "--model", "flux-tiny", "--ds-config", str(ds), "--json"])
     old = CliRunner().invoke(main, ["estimate", "--model", "flux-tiny", "--config", str(ds), "--json"])
     assert new.exit_code == old.exit_code == 0 and json.loads(new.stdout) == json.loads(old.stdout)
-    assert old.stderr.strip() == ("note: --config is now --ds-config (--config is the run file in `fluxzero train`); "
-                                  "the old name still works.") and not new.stderr
+    assert (
+        old.stderr.strip()
+        == (
+            "note: --config is now --ds-config (--config is the run file in `fluxzero train`); "
+            "the old name still works."
+        )
+        and not new.stderr
+    )
     both = CliRunner().invoke(main, ["estimate", "--ds-config", str(ds), "--config", str(ds)])
     assert both.exit_code == 2 and "give --ds-config only" in both.output and "Traceback" not in both.output
 

@@ -1,4 +1,5 @@
 """`fluxzero cache`: buckets, captions, and the real command on tiny random encoders saved in FLUX's layout."""
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,18 @@ from fluxzero.data.tiny_encoders import CLIP_DIM, T5_DIM, WORDS
 from fluxzero.data.tiny_encoders import write_tiny_encoders as build_tiny_flux_dir
 
 T5_LEN = 16
-CACHE_ARGS = ["--resolution", "64", "--min-side", "32", "--t5-max-length", str(T5_LEN), "--shard-size", "2", "--batch-size", "2"]
+CACHE_ARGS = [
+    "--resolution",
+    "64",
+    "--min-side",
+    "32",
+    "--t5-max-length",
+    str(T5_LEN),
+    "--shard-size",
+    "2",
+    "--batch-size",
+    "2",
+]
 
 
 # ------------------------------------------------------------------------------------------ buckets
@@ -66,11 +78,15 @@ def test_caption_sources(tmp_path):
     assert images == ["a.png", "c.webp", "sub/b.jpg"]
     caps, src, unmatched = captions_for(tmp_path, images)
     assert src == "txt" and caps == {"a.png": "a cat", "c.webp": None, "sub/b.jpg": None} and unmatched == []
-    (tmp_path / "metadata.jsonl").write_text('{"file_name": "sub/b.jpg", "text": "a dog"}\n{"file_name": "c.webp", "caption": "sky"}\n')
+    (tmp_path / "metadata.jsonl").write_text(
+        '{"file_name": "sub/b.jpg", "text": "a dog"}\n{"file_name": "c.webp", "caption": "sky"}\n'
+    )
     caps, src, unmatched = captions_for(tmp_path, images)
     assert src == "metadata.jsonl" and caps == {"a.png": None, "c.webp": "sky", "sub/b.jpg": "a dog"}
     csv = tmp_path / "caps.csv"
-    csv.write_text("\ufefffile_name,text\na.png,\"red, blue\"\nb.jpg,tree\nzzz.png,gone\n", encoding="utf-8")  # with a BOM
+    csv.write_text(
+        '\ufefffile_name,text\na.png,"red, blue"\nb.jpg,tree\nzzz.png,gone\n', encoding="utf-8"
+    )  # with a BOM
     caps, src, unmatched = captions_for(tmp_path, images, csv)
     assert caps == {"a.png": "red, blue", "c.webp": None, "sub/b.jpg": "tree"}  # bare names match too
     assert unmatched == ["zzz.png"]
@@ -90,7 +106,13 @@ def make_images(root: Path) -> Path:
 
     rng = np.random.default_rng(0)
     (root / "sub").mkdir(parents=True)
-    sizes = {"square.png": (64, 64), "wide.jpg": (128, 64), "tall.webp": (48, 96), "sub/near.png": (80, 64), "alpha.png": (70, 70)}
+    sizes = {
+        "square.png": (64, 64),
+        "wide.jpg": (128, 64),
+        "tall.webp": (48, 96),
+        "sub/near.png": (80, 64),
+        "alpha.png": (70, 70),
+    }
     for i, (name, (w, h)) in enumerate(sizes.items()):
         im = Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
         (im.convert("RGBA") if name == "alpha.png" else im).save(root / name)
@@ -202,8 +224,16 @@ def test_two_processes_split_the_work(tiny, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     assert _cache(images, one, "--flux-dir", flux, *CACHE_ARGS).exit_code == 0
     cmd = [sys.executable, "-m", "fluxzero.cli", "cache", str(images), str(two), "--flux-dir", str(flux), *CACHE_ARGS]
-    procs = [subprocess.Popen(cmd, env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     # shards 0, 2 (truncated.jpg fails to decode) and shards 1, 3; the counts add up to the manifest's 5
@@ -252,10 +282,15 @@ def test_wrong_encoder_folders_are_refused(tiny, tmp_path, monkeypatch):
     """A folder of another model would load as random weights: refused by config.json, or by missing weights."""
     flux, images = tiny
     out = tmp_path / "o"
-    for opt, folder, found in [("--t5", "text_encoder", "clip_text_model"), ("--clip", "text_encoder_2", "t5"),
-                               ("--vae", "text_encoder", "clip_text_model")]:
+    for opt, folder, found in [
+        ("--t5", "text_encoder", "clip_text_model"),
+        ("--clip", "text_encoder_2", "t5"),
+        ("--vae", "text_encoder", "clip_text_model"),
+    ]:
         r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, opt, flux / folder)
-        assert r.exit_code == 2 and f"is a '{found}' model folder, not a" in r.output and str(flux / folder) in r.output, r.output
+        assert (
+            r.exit_code == 2 and f"is a '{found}' model folder, not a" in r.output and str(flux / folder) in r.output
+        ), r.output
     tok = tmp_path / "clip_tok"
     shutil.copytree(flux / "tokenizer", tok)
     cfg = json.loads((tok / "tokenizer_config.json").read_text())
@@ -323,7 +358,9 @@ def test_captions_small_images_and_bucket_step(tiny, tmp_path):
     assert "skipped 1 too small image(s)" in r.output
     report = json.loads((tmp_path / "out" / "cache_report.json").read_text())
     assert report["captions_matching_no_image"] == ["ghost.png"] and report["no_caption"] == ["tall.webp"]
-    assert report["skipped"] == [{"file": "dot.png", "reason": "too small: 1x1 px, shorter side below 16 px (--min-image-side)"}]
+    assert report["skipped"] == [
+        {"file": "dot.png", "reason": "too small: 1x1 px, shorter side below 16 px (--min-image-side)"}
+    ]
     c = json.loads((tmp_path / "out" / "manifest.json").read_text())["cache"]
     assert c["bucket_step"] == 32 and c["min_image_side"] == 16 and c["num_images"] == 4
     assert all(int(side) % 32 == 0 for k in c["pixel_buckets"] for side in k.split("x")), c["pixel_buckets"]
@@ -350,7 +387,9 @@ def test_user_errors_are_one_sentence(tiny, tmp_path, monkeypatch):
     (tmp_path / "file").write_text("x")
     r = _cache(images, tmp_path / "file" / "o", *args)
     assert r.exit_code == 1 and "cannot write to the output folder" in r.output, r.output
-    r = CliRunner(env={"RANK": "abc", "WORLD_SIZE": "2"}).invoke(main, ["cache", str(images), str(tmp_path / "o"), *map(str, args)])
+    r = CliRunner(env={"RANK": "abc", "WORLD_SIZE": "2"}).invoke(
+        main, ["cache", str(images), str(tmp_path / "o"), *map(str, args)]
+    )
     assert r.exit_code == 2 and "RANK='abc' is not a whole number" in r.output, r.output
     (tmp_path / "latin1.csv").write_bytes("file_name,text\nsquare.png,caf\xe9\n".encode("latin-1"))
     r = _cache(images, tmp_path / "o", *args, "--captions", tmp_path / "latin1.csv")
@@ -402,8 +441,10 @@ def test_txt_captions_hidden_by_a_metadata_file_are_counted(tiny, tmp_path):
     (images / "metadata.jsonl").write_text('{"file_name": "a.png", "text": "a dog"}\n')
     r = _cache(images, tmp_path / "o2", "--flux-dir", flux, *CACHE_ARGS)
     assert r.exit_code == 0, r.output
-    assert (f"3 same-name .txt caption file(s) are ignored: the captions come from {images / 'metadata.jsonl'} "
-            "(move it out of the image folder to use them)") in r.output, r.output
+    assert (
+        f"3 same-name .txt caption file(s) are ignored: the captions come from {images / 'metadata.jsonl'} "
+        "(move it out of the image folder to use them)"
+    ) in r.output, r.output
 
 
 def _tiny_tensors():
@@ -420,20 +461,38 @@ def test_trainer_learns_from_cached_shards(tiny, tmp_path):
     out = tmp_path / "shards"
     r = _cache(images, out, "--flux-dir", flux, *CACHE_ARGS, "--flip", "both")
     assert r.exit_code == 0, r.output
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 2,
-          "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "torch_adam": True}},
-          "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 10**9,
+    }
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    cfg = {"deepspeed": str(tmp_path / "ds.json"), "data": str(out), "output_dir": str(tmp_path / "run"),
-           "model": "flux-tiny", "steps": 40, "seed": 0, "export": {"format": None}, "log_every": 10}
-    code = ("import json, sys; from fluxzero.config import TrainConfig; from fluxzero.train.loop import train; "
-            "print('LOSSES', json.dumps(train(TrainConfig.from_dict(json.loads(sys.argv[1])))['losses']))")
+    cfg = {
+        "deepspeed": str(tmp_path / "ds.json"),
+        "data": str(out),
+        "output_dir": str(tmp_path / "run"),
+        "model": "flux-tiny",
+        "steps": 40,
+        "seed": 0,
+        "export": {"format": None},
+        "log_every": 10,
+    }
+    code = (
+        "import json, sys; from fluxzero.config import TrainConfig; from fluxzero.train.loop import train; "
+        "print('LOSSES', json.dumps(train(TrainConfig.from_dict(json.loads(sys.argv[1])))['losses']))"
+    )
     # one thread, as every trainer child of the suite: two OpenMP threads on a shared 2-core machine spin for
     # the CPU and flux-tiny gains nothing from them
     env = {**os.environ, "FLUXZERO_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(k, None)
-    p = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(cfg)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     losses = json.loads(p.stdout.split("LOSSES", 1)[1])
     assert len(losses) == 40 and all(math.isfinite(x) for x in losses)
@@ -444,8 +503,7 @@ def test_trainer_learns_from_cached_shards(tiny, tmp_path):
 def test_processes_with_different_plans_never_share_a_folder(tmp_path):
     """The plan file is created exclusively; a differing plan is refused while its run may still be working,
     replaced once that run recorded a failure, and parts of another plan are never taken as done."""
-    from fluxzero.data.cache import (PLAN_FILE, CacheOptions, _claim_dir, _mark_failed, _part_path, _read_part,
-                                     make_plan)
+    from fluxzero.data.cache import PLAN_FILE, CacheOptions, _claim_dir, _mark_failed, _part_path, _read_part, make_plan
 
     images = tmp_path / "img"
     images.mkdir()
@@ -457,8 +515,9 @@ def test_processes_with_different_plans_never_share_a_folder(tmp_path):
     plan_a, plan_b = make_plan(a), make_plan(b)
     _claim_dir(out, plan_a, a)
     _claim_dir(out, plan_a, a)  # a sibling rank of the same run joins
-    with pytest.raises(DataError, match=f"being cached by another process.*changed: --seed was 0, now 7.*delete {out} "
-                                        f"to start over"):
+    with pytest.raises(
+        DataError, match=f"being cached by another process.*changed: --seed was 0, now 7.*delete {out} to start over"
+    ):
         _claim_dir(out, plan_b, b)  # a run with another seed starting while the first has no shard yet
     _mark_failed(out, plan_a, a)
     _claim_dir(out, plan_b, b)  # the first run failed before encoding anything: the corrected one takes over
@@ -516,7 +575,10 @@ def test_caption_table_by_relative_or_absolute_path_is_one_plan(tmp_path, monkey
     Image.new("RGB", (64, 64)).save(tmp_path / "a.png")
     (tmp_path / "c.csv").write_text("file_name,text\na.png,a cat\n")
     monkeypatch.chdir(tmp_path)
-    plans = [make_plan(CacheOptions(str(tmp_path), "out", resolution=64, caption_file=f)) for f in ("c.csv", str(tmp_path / "c.csv"))]
+    plans = [
+        make_plan(CacheOptions(str(tmp_path), "out", resolution=64, caption_file=f))
+        for f in ("c.csv", str(tmp_path / "c.csv"))
+    ]
     assert plans[0]["fingerprint"] == plans[1]["fingerprint"]
 
 
@@ -578,7 +640,14 @@ def test_tiny_encoders_command_lets_cache_run_without_weights(tmp_path):
     r = CliRunner().invoke(main, ["tiny-encoders", str(enc)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "for trying the pipeline only" in r.output and f"--flux-dir {enc}" in r.output
-    assert {p.name for p in enc.iterdir()} == {"vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", NOTE_FILE}
+    assert {p.name for p in enc.iterdir()} == {
+        "vae",
+        "text_encoder",
+        "text_encoder_2",
+        "tokenizer",
+        "tokenizer_2",
+        NOTE_FILE,
+    }
     assert "useless for training a real model" in (enc / NOTE_FILE).read_text()
     r = CliRunner().invoke(main, ["tiny-encoders", str(enc)])
     assert r.exit_code == 2 and "is not empty" in r.output  # never writes over a folder

@@ -1,4 +1,5 @@
 """Shard format, writer/reader round trip, distributed bucketed partitioning, resume, bad input."""
+
 from __future__ import annotations
 
 import hashlib
@@ -69,10 +70,9 @@ def test_round_trip_every_sample_once(shard_dir):
 
 def test_writer_leaves_no_manifest_on_error(tmp_path):
     d = tmp_path / "s"
-    with pytest.raises(RuntimeError):
-        with ShardWriter(d, samples_per_shard=1) as w:
-            w.add(*_sample(0))
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), ShardWriter(d, samples_per_shard=1) as w:
+        w.add(*_sample(0))
+        raise RuntimeError("boom")
     assert not (d / MANIFEST).exists()
     with pytest.raises(DataError, match="no manifest.json"):
         build_dataloader(str(d), micro_batch=1, rank=0, world_size=1, seed=0)
@@ -80,12 +80,16 @@ def test_writer_leaves_no_manifest_on_error(tmp_path):
         ShardWriter(d)
 
 
-@pytest.mark.parametrize("world_size,micro_batch,remainder", [(1, 2, "wrap"), (2, 2, "wrap"), (3, 1, "wrap"), (2, 2, "drop"), (3, 2, "drop")])
+@pytest.mark.parametrize(
+    "world_size,micro_batch,remainder", [(1, 2, "wrap"), (2, 2, "wrap"), (3, 1, "wrap"), (2, 2, "drop"), (3, 2, "drop")]
+)
 def test_partition_across_ranks(world_size, micro_batch, remainder):
     n = 23
     spec = "synthetic:n=23,hw=4x4+4x6+6x6,txt=3,ctx=4,vec=2"
-    loaders = [build_dataloader(spec, micro_batch=micro_batch, rank=r, world_size=world_size, seed=3, remainder=remainder)
-               for r in range(world_size)]
+    loaders = [
+        build_dataloader(spec, micro_batch=micro_batch, rank=r, world_size=world_size, seed=3, remainder=remainder)
+        for r in range(world_size)
+    ]
     lengths = {len(l) for l in loaders}
     assert len(lengths) == 1  # every rank runs the same number of batches
     per_rank = [_all_batches(l) for l in loaders]
@@ -134,12 +138,15 @@ def test_synthetic_is_deterministic_per_index():
     assert not torch.equal(a[0]["latents"], a[2]["latents"])
 
 
-@pytest.mark.parametrize("spec,match", [
-    ("synthetic:n=4,bogus=1", "unknown item"),
-    ("synthetic:hw=32", "hw must be"),
-    ("synthetic:n=x", "n must be an integer"),
-    ("synthetic:n=0", "n must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("synthetic:n=4,bogus=1", "unknown item"),
+        ("synthetic:hw=32", "hw must be"),
+        ("synthetic:n=x", "n must be an integer"),
+        ("synthetic:n=0", "n must be >= 1"),
+    ],
+)
 def test_synthetic_spec_errors(spec, match):
     with pytest.raises(DataError, match=match):
         build_dataloader(spec, micro_batch=1, rank=0, world_size=1, seed=0)
@@ -185,8 +192,10 @@ def test_resume_mid_epoch_and_across_epochs(shard_dir, tmp_path):
         other.load_state_dict(sd)
     other.load_state_dict(sd, allow_data_change=True)
     assert (other.epoch, other.batches_done) == (0, 0)
-    assert build_dataloader(spec, **kw).state_dict()["data"] == \
-        build_dataloader(spec.replace("hw=16x16,", "") + ",hw=16x16", **kw).state_dict()["data"]
+    assert (
+        build_dataloader(spec, **kw).state_dict()["data"]
+        == build_dataloader(spec.replace("hw=16x16,", "") + ",hw=16x16", **kw).state_dict()["data"]
+    )
 
 
 def test_workers_match_in_process(shard_dir):
@@ -280,7 +289,10 @@ def test_bounded_open_shards(shard_dir, monkeypatch):
 
     monkeypatch.setattr(shards, "MAX_OPEN_SHARDS", 2)
     loader = build_dataloader(str(shard_dir), micro_batch=1, rank=0, world_size=1, seed=0)
-    ref = {int(b["index"][0]): b["latents"] for b in build_dataloader(str(shard_dir), micro_batch=1, rank=0, world_size=1, seed=0)}
+    ref = {
+        int(b["index"][0]): b["latents"]
+        for b in build_dataloader(str(shard_dir), micro_batch=1, rank=0, world_size=1, seed=0)
+    }
     for b in loader:
         assert len(loader.source._handles) <= 2
         assert torch.equal(b["latents"], ref[int(b["index"][0])])

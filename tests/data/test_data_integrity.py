@@ -1,5 +1,6 @@
 """Damaged shard content is caught when a sample is read: each sample's bytes carry an XXH3 hash written by
 the shard writer and checked by the reader. Shards written before the hash existed still load."""
+
 from __future__ import annotations
 
 import hashlib
@@ -37,7 +38,7 @@ def shard_dir(tmp_path):
 def _zero_row(path, key, row):
     """Overwrite sample `row` of tensor `key` with zeros in place: same size, same header."""
     (n,) = struct.unpack("<Q", path.read_bytes()[:8])
-    entry = json.loads(path.read_bytes()[8:8 + n])[key]  # the byte offsets, which read_header does not give
+    entry = json.loads(path.read_bytes()[8 : 8 + n])[key]  # the byte offsets, which read_header does not give
     row_bytes = math.prod(entry["shape"][1:]) * _DSIZE[entry["dtype"]]
     start = 8 + n + entry["data_offsets"][0] + row * row_bytes
     with open(path, "r+b") as f:
@@ -58,9 +59,11 @@ def test_a_sample_overwritten_in_place_stops_the_read_naming_shard_and_sample(tm
         src.get(i)  # the other samples, of the same shard too, still read
     with pytest.raises(DataError) as e:
         src.get(6)
-    assert str(e.value) == (f"shard {shard} sample 2 (global index 6) fails its checksum, so its bytes changed "
-                            f"after `fluxzero cache` wrote them; delete {shard} and re-run the same `fluxzero "
-                            f"cache` command, which rewrites it.")
+    assert str(e.value) == (
+        f"shard {shard} sample 2 (global index 6) fails its checksum, so its bytes changed "
+        f"after `fluxzero cache` wrote them; delete {shard} and re-run the same `fluxzero "
+        f"cache` command, which rewrites it."
+    )
     with pytest.raises(DataError, match=r"sample 2 \(global index 6\) fails its checksum"):
         list(loader)
     # unchecked, the zeroed sample reads as zeros without a word: what training did before
@@ -80,7 +83,7 @@ def test_the_sentence_survives_a_dataloader_worker(shard_dir):
 def test_an_undamaged_folder_reads_exactly_what_was_written(shard_dir):
     src = ShardSource(shard_dir)
     got = sorted((src.caption(i), src.get(i)) for i in range(len(src)))
-    for (caption, s), i in zip(got, range(8)):
+    for (caption, s), _i in zip(got, range(8)):
         lat, t5, clip = _sample(int(caption.split()[1]))
         assert torch.equal(s["latents"], lat) and torch.equal(s["t5"], t5) and torch.equal(s["clip"], clip)
 

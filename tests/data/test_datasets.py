@@ -1,5 +1,6 @@
 """Several datasets in one run (repeats, loss weight, caption dropout), loss masks cached by `fluxzero cache`
 (NAME.mask.png, reduced to the image-token grid), the caption prefix, and their refusals."""
+
 from __future__ import annotations
 
 import json
@@ -12,17 +13,33 @@ from click.testing import CliRunner
 from fluxzero.cli import main
 from fluxzero.config.datasets import parse_data
 from fluxzero.data import DataError, ShardWriter, build_dataloader
-from fluxzero.data.tiny_encoders import WORDS
-from fluxzero.data.tiny_encoders import write_tiny_encoders
+from fluxzero.data.tiny_encoders import WORDS, write_tiny_encoders
 
 SYN_A = "synthetic:n=6,hw=8x8+8x12,txt=4,ctx=64,vec=32"
 SYN_B = "synthetic:n=4,hw=8x8,txt=4,ctx=64,vec=32,seed=7"
-CACHE_ARGS = ["--resolution", "64", "--min-side", "32", "--t5-max-length", "8", "--shard-size", "4", "--batch-size", "4"]
+CACHE_ARGS = [
+    "--resolution",
+    "64",
+    "--min-side",
+    "32",
+    "--t5-max-length",
+    "8",
+    "--shard-size",
+    "4",
+    "--batch-size",
+    "4",
+]
 
 
 def _loader(data, **kw):
-    return build_dataloader(parse_data(data), micro_batch=kw.pop("micro_batch", 2), rank=kw.pop("rank", 0),
-                            world_size=kw.pop("world_size", 1), seed=kw.pop("seed", 0), **kw)
+    return build_dataloader(
+        parse_data(data),
+        micro_batch=kw.pop("micro_batch", 2),
+        rank=kw.pop("rank", 0),
+        world_size=kw.pop("world_size", 1),
+        seed=kw.pop("seed", 0),
+        **kw,
+    )
 
 
 # ------------------------------------------------------------------------------------------ several datasets
@@ -43,7 +60,9 @@ def test_repeats_weights_and_caption_dropout_per_dataset():
     # a repeat is a sample of its own: the same latents, its own index (so its own noise and timestep)
     src = loader.source
     assert torch.equal(src.get(0)["latents"], src.get(6)["latents"]) and src.get(6)["index"] == 6
-    assert src.describe(13) == "synthetic sample 1" and "6 samples x 3;" in src.summary() and "2 datasets" in src.summary()
+    assert (
+        src.describe(13) == "synthetic sample 1" and "6 samples x 3;" in src.summary() and "2 datasets" in src.summary()
+    )
     # the same plan on every call: and a loader resumed mid-epoch draws what the uninterrupted one drew
     first = [b["index"].tolist() for b in _loader(data)]
     again = _loader(data)
@@ -65,27 +84,37 @@ def test_a_single_source_batch_carries_no_weights():
 def test_other_repeats_or_weights_are_other_data_on_resume():
     a = _loader([{"path": SYN_A, "repeats": 2}, {"path": SYN_B}])
     state = a.state_dict()
-    for other in ([{"path": SYN_A, "repeats": 3}, {"path": SYN_B}], [{"path": SYN_A, "repeats": 2},
-                                                                      {"path": SYN_B, "loss_weight": 0.5}]):
+    for other in (
+        [{"path": SYN_A, "repeats": 3}, {"path": SYN_B}],
+        [{"path": SYN_A, "repeats": 2}, {"path": SYN_B, "loss_weight": 0.5}],
+    ):
         with pytest.raises(DataError, match="training data changed"):
             _loader(other).load_state_dict(state)
 
 
-@pytest.mark.parametrize("data, words", [
-    ([{"path": SYN_A, "repeats": 0}], "repeats 0; set repeats to 1 or more"),
-    ([{"path": SYN_A, "repeats": 10**12}], "set repeats from 1 to 1000000"),
-    ([{"path": SYN_A, "loss_weight": 0}, {"path": SYN_B, "loss_weight": 0}], "every dataset of data: has loss_weight 0"),
-    ([{"path": SYN_A, "trigger_word": "ohwx"}], "cache that dataset with --caption-prefix 'ohwx ' and remove "
-                                                  "trigger_word"),
-    ([{"path": SYN_A, "caption_prefix": "ohwx "}], "data[0].caption_prefix: captions are encoded into the shards"),
-    ([{"path": SYN_A, "loss_weight": -1}], "loss_weight -1"),
-    ([{"path": SYN_A, "caption_dropout": 1.0}], "caption_dropout 1.0"),
-    ([{"path": SYN_A, "repeat": 2}], "did you mean 'repeats'"),
-    ([{"repeats": 2}], "data[0] has no path"),
-    ([{"path": SYN_A}, {"path": SYN_A}], "twice"),
-    ([], "empty list"),
-    ([SYN_A], "data[0] must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        ([{"path": SYN_A, "repeats": 0}], "repeats 0; set repeats to 1 or more"),
+        ([{"path": SYN_A, "repeats": 10**12}], "set repeats from 1 to 1000000"),
+        (
+            [{"path": SYN_A, "loss_weight": 0}, {"path": SYN_B, "loss_weight": 0}],
+            "every dataset of data: has loss_weight 0",
+        ),
+        (
+            [{"path": SYN_A, "trigger_word": "ohwx"}],
+            "cache that dataset with --caption-prefix 'ohwx ' and remove trigger_word",
+        ),
+        ([{"path": SYN_A, "caption_prefix": "ohwx "}], "data[0].caption_prefix: captions are encoded into the shards"),
+        ([{"path": SYN_A, "loss_weight": -1}], "loss_weight -1"),
+        ([{"path": SYN_A, "caption_dropout": 1.0}], "caption_dropout 1.0"),
+        ([{"path": SYN_A, "repeat": 2}], "did you mean 'repeats'"),
+        ([{"repeats": 2}], "data[0] has no path"),
+        ([{"path": SYN_A}, {"path": SYN_A}], "twice"),
+        ([], "empty list"),
+        ([SYN_A], "data[0] must be a mapping"),
+    ],
+)
 def test_run_file_data_list_refusals_are_one_sentence(data, words):
     from fluxzero.config import TrainConfig
 
@@ -104,8 +133,11 @@ def test_an_empty_or_mismatched_dataset_among_several_is_named(tmp_path):
     with pytest.raises(DataError, match="has dims .* cache every dataset of a run with the same encoders"):
         _loader([{"path": str(tmp_path / "good")}, {"path": "synthetic:n=4,hw=8x8,txt=5,ctx=64,vec=32"}])
     pairs = "synthetic:n=4,hw=8x8,txt=4,ctx=64,vec=32,ref=1"  # a Kontext run's regularization set of plain images
-    with pytest.raises(DataError, match=f"dataset {pairs} holds FLUX.1 Kontext pairs but {tmp_path / 'good'} holds no "
-                                        "reference latents; every dataset of a run must be pairs or none"):
+    with pytest.raises(
+        DataError,
+        match=f"dataset {pairs} holds FLUX.1 Kontext pairs but {tmp_path / 'good'} holds no "
+        "reference latents; every dataset of a run must be pairs or none",
+    ):
         _loader([{"path": pairs}, {"path": str(tmp_path / "good")}])
     # caption dropout at train time needs the empty caption `fluxzero cache` keeps: ShardWriter folders have none
     with pytest.raises(DataError, match="caption dropout needs .*empty_caption.safetensors.*or set caption_dropout"):
@@ -114,8 +146,10 @@ def test_an_empty_or_mismatched_dataset_among_several_is_named(tmp_path):
 
 def test_an_epoch_too_long_to_list_is_refused_before_it_is_listed():
     big = "synthetic:n=200,hw=8x8,txt=4,ctx=64,vec=32"
-    with pytest.raises(DataError, match="an epoch of 200,000,000 samples .* is more than the 100,000,000 the loader "
-                                        "lists; lower the repeats"):
+    with pytest.raises(
+        DataError,
+        match="an epoch of 200,000,000 samples .* is more than the 100,000,000 the loader lists; lower the repeats",
+    ):
         _loader([{"path": big, "repeats": 10**6}])
 
 
@@ -203,7 +237,9 @@ def test_an_alpha_channel_is_the_mask_when_asked(masked_images, tmp_path):
     Image.fromarray(rgba, "RGBA").save(images / "cut.png")
     r = _cache(images, tmp_path / "plain", "--flux-dir", flux, *CACHE_ARGS)  # by default: over white, no mask
     assert r.exit_code == 0 and "with a mask" not in r.output, r.output
-    assert "mask" not in next(iter(build_dataloader(str(tmp_path / "plain"), micro_batch=1, rank=0, world_size=1, seed=0)))
+    assert "mask" not in next(
+        iter(build_dataloader(str(tmp_path / "plain"), micro_batch=1, rank=0, world_size=1, seed=0))
+    )
     r = _cache(images, tmp_path / "alpha", "--flux-dir", flux, *CACHE_ARGS, "--mask-from-alpha")
     assert r.exit_code == 0 and "1 with a mask" in r.output, r.output
     loader = build_dataloader(str(tmp_path / "alpha"), micro_batch=1, rank=0, world_size=1, seed=0)
@@ -225,8 +261,10 @@ def test_a_bad_mask_stops_the_cache_before_anything_is_written(masked_images, tm
     r = _cache(bad, out, "--flux-dir", flux, *CACHE_ARGS)
     assert r.exit_code == 2, r.output
     errors = [line for line in r.output.splitlines() if line.startswith("Error:")]
-    assert errors == [f"Error: mask {bad / 'a.mask.png'} is 32x64 px but its image {bad / 'a.png'} is 64x64 px; "
-                      f"save the mask at its image's size (white where the loss applies, black where not)."], r.output
+    assert errors == [
+        f"Error: mask {bad / 'a.mask.png'} is 32x64 px but its image {bad / 'a.png'} is 64x64 px; "
+        f"save the mask at its image's size (white where the loss applies, black where not)."
+    ], r.output
     assert not out.exists()
     (bad / "a.mask.png").write_bytes(b"not a png")
     r = _cache(bad, out, "--flux-dir", flux, *CACHE_ARGS)
@@ -238,8 +276,9 @@ def test_a_bad_mask_stops_the_cache_before_anything_is_written(masked_images, tm
     (bad / "a.mask.png").unlink()  # a mask saved as JPEG was cached as an image of its own
     Image.new("L", (64, 64), 255).save(bad / "a.mask.jpg")
     r = _cache(bad, out, "--flux-dir", flux, *CACHE_ARGS)
-    assert r.exit_code == 2 and f"mask {bad / 'a.mask.jpg'} is not a PNG; save it as {bad / 'a.mask.png'}" in r.output, \
-        r.output
+    assert (
+        r.exit_code == 2 and f"mask {bad / 'a.mask.jpg'} is not a PNG; save it as {bad / 'a.mask.png'}" in r.output
+    ), r.output
     assert not out.exists()
 
 

@@ -1,5 +1,6 @@
 """`fluxzero cache` on FLUX.1 Kontext pairs: metadata.jsonl with file_name, control_file_name, text; both latents
 in the shard, the reference at its target's bucket; bad pairs refused before anything is written."""
+
 from __future__ import annotations
 
 import json
@@ -27,9 +28,12 @@ def make_pairs(root: Path, rows=None) -> Path:
     sizes = {"sq.png": (64, 64), "sq2.png": (64, 64), "wide.png": (128, 64)}
     for i, (name, (w, h)) in enumerate(sizes.items()):
         _image(root / name, w, h, i)
-        _image(root / "control" / name, w * (2 if name == "wide.png" else 1), h * (2 if name == "wide.png" else 1), 10 + i)
-    rows = rows or [{"file_name": n, "control_file_name": f"control/{n}", "text": f"make it {i}"}
-                    for i, n in enumerate(sizes)]
+        _image(
+            root / "control" / name, w * (2 if name == "wide.png" else 1), h * (2 if name == "wide.png" else 1), 10 + i
+        )
+    rows = rows or [
+        {"file_name": n, "control_file_name": f"control/{n}", "text": f"make it {i}"} for i, n in enumerate(sizes)
+    ]
     (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
 
@@ -46,9 +50,9 @@ def _cache(images, out, flux):
 def test_pairs_are_cached_with_their_reference_latents(flux, tmp_path):
     import torch
 
+    from fluxzero.config import get_model_config
     from fluxzero.data.loader import check_model_fit
     from fluxzero.data.shards import ShardSource
-    from fluxzero.config import get_model_config
 
     images, out = make_pairs(tmp_path / "pairs"), tmp_path / "shards"
     r = _cache(images, out, flux)
@@ -73,8 +77,7 @@ def test_pairs_are_cached_with_their_reference_latents(flux, tmp_path):
 ROWS = [("sq.png", "control/sq.png"), ("sq2.png", "control/sq2.png"), ("wide.png", "control/wide.png")]
 
 
-@pytest.mark.parametrize("case", ["missing", "aspect", "no_reference", "misnamed_column", "own_reference",
-                                  "thumbnail"])
+@pytest.mark.parametrize("case", ["missing", "aspect", "no_reference", "misnamed_column", "own_reference", "thumbnail"])
 def test_bad_pairs_are_one_sentence_exit_2_and_write_nothing(flux, tmp_path, case):
     rows = None
     if case == "misnamed_column":  # the references would be cached as targets of their own
@@ -83,8 +86,10 @@ def test_bad_pairs_are_one_sentence_exit_2_and_write_nothing(flux, tmp_path, cas
         rows = [{"file_name": t, "control_file_name": t if t == "sq.png" else r, "text": "x"} for t, r in ROWS]
     images = make_pairs(tmp_path / "pairs", rows)
     if case == "misnamed_column":
-        want = "metadata.jsonl: column 'control_file' names the image 'control/sq.png', but a FLUX.1 Kontext " \
-               "reference is read from control_file_name .*; rename the column to control_file_name"
+        want = (
+            "metadata.jsonl: column 'control_file' names the image 'control/sq.png', but a FLUX.1 Kontext "
+            "reference is read from control_file_name .*; rename the column to control_file_name"
+        )
     elif case == "own_reference":
         want = "metadata.jsonl names sq.png as its own reference"
     elif case == "thumbnail":  # 8 px: a 64 px target of the 32 px smallest bucket side is skipped below 16
@@ -111,16 +116,21 @@ def test_a_chain_of_edits_caches_every_pair(flux, tmp_path):
     """sq.png is sq2.png's reference and a target with its own reference: both pairs are cached."""
     from fluxzero.data.shards import ShardSource
 
-    rows = [{"file_name": "sq.png", "control_file_name": "control/sq.png", "text": "a"},
-            {"file_name": "sq2.png", "control_file_name": "sq.png", "text": "b"},
-            {"file_name": "wide.png", "control_file_name": "control/wide.png", "text": "c"}]
+    rows = [
+        {"file_name": "sq.png", "control_file_name": "control/sq.png", "text": "a"},
+        {"file_name": "sq2.png", "control_file_name": "sq.png", "text": "b"},
+        {"file_name": "wide.png", "control_file_name": "control/wide.png", "text": "c"},
+    ]
     images = make_pairs(tmp_path / "pairs", rows)
     (images / "control" / "sq2.png").unlink()
     r = _cache(images, tmp_path / "shards", flux)
     assert r.exit_code == 0, r.output
     src = ShardSource(tmp_path / "shards")
     assert sorted((src.sample_meta(i)["file"], src.sample_meta(i)["reference"]) for i in range(len(src))) == [
-        ("sq.png", "control/sq.png"), ("sq2.png", "sq.png"), ("wide.png", "control/wide.png")]
+        ("sq.png", "control/sq.png"),
+        ("sq2.png", "sq.png"),
+        ("wide.png", "control/wide.png"),
+    ]
 
 
 def test_check_model_fit_asks_a_kontext_model_for_pairs():

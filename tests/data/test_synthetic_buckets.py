@@ -1,4 +1,5 @@
 """Synthetic aspect buckets: weighted sizes, the `buckets=RES` mix, and shard folders written from a spec."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -15,7 +16,9 @@ def test_weighted_sizes_repeat_in_proportion():
     assert s.latent_sizes()[:5] == [(4, 4), (4, 4), (4, 4), (4, 6), (6, 4)]
     assert Counter(s.latent_sizes()) == {(4, 4): 12, (4, 6): 4, (6, 4): 4}
     # an unweighted spec keeps its sizes and its fingerprint (a checkpoint's data check)
-    assert SyntheticSource("synthetic:hw=4x4+4x6").fingerprint() == SyntheticSource("synthetic:hw=4x4*1+4x6").fingerprint()
+    assert (
+        SyntheticSource("synthetic:hw=4x4+4x6").fingerprint() == SyntheticSource("synthetic:hw=4x4*1+4x6").fingerprint()
+    )
 
 
 def test_bucket_mix_is_what_cache_buckets_a_photo_collection_into():
@@ -26,12 +29,15 @@ def test_bucket_mix_is_what_cache_buckets_a_photo_collection_into():
     assert sizes == {(64, 64): 40, (74, 54): 20, (54, 74): 20, (78, 52): 10, (52, 78): 10}
 
 
-@pytest.mark.parametrize("spec, match", [
-    ("synthetic:buckets=500", "buckets must be a pixel resolution, a multiple of 16"),
-    ("synthetic:buckets=512,hw=8x8", "give hw or buckets, not both"),
-    ("synthetic:hw=8x8*0", "hw must be latent sizes like 32x32"),
-    ("synthetic:hw=8x8*two", "hw must be latent sizes like 32x32"),
-])
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("synthetic:buckets=500", "buckets must be a pixel resolution, a multiple of 16"),
+        ("synthetic:buckets=512,hw=8x8", "give hw or buckets, not both"),
+        ("synthetic:hw=8x8*0", "hw must be latent sizes like 32x32"),
+        ("synthetic:hw=8x8*two", "hw must be latent sizes like 32x32"),
+    ],
+)
 def test_bad_bucket_specs_name_the_fix(spec, match):
     with pytest.raises(DataError, match=match):
         SyntheticSource(spec)
@@ -41,8 +47,13 @@ def test_write_shards_is_read_by_the_trainer_loader_bucket_by_bucket(tmp_path):
     spec = "synthetic:n=30,buckets=128,txt=3,ctx=4,vec=2"
     manifest = write_shards(spec, tmp_path / "d", samples_per_shard=4, dtype="float32")
     assert read_manifest(tmp_path / "d") == manifest
-    assert {k: b["num_samples"] for k, b in manifest["buckets"].items()} == \
-        {"16x16": 12, "18x14": 6, "14x18": 6, "20x12": 3, "12x20": 3}
+    assert {k: b["num_samples"] for k, b in manifest["buckets"].items()} == {
+        "16x16": 12,
+        "18x14": 6,
+        "14x18": 6,
+        "20x12": 3,
+        "12x20": 3,
+    }
     loader = build_dataloader(str(tmp_path / "d"), micro_batch=2, rank=0, world_size=1, seed=0)
     shapes = [tuple(b["latents"].shape[-2:]) for b in loader]
     assert len(set(shapes)) == 5  # every micro batch is one bucket; the buckets interleave

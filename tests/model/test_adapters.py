@@ -5,6 +5,7 @@ on the tensors alone), `fluxzero convert` on other trainers' layouts, and the ba
 Tolerances: RTOL 1e-5 where the same fp32 math runs in another order (as tests/model/test_lora_conformance.py);
 a plain LoRA of a rank below the change's is held to the relative error its export reports.
 """
+
 import copy
 
 import pytest
@@ -12,9 +13,9 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from fluxzero import plan as memory
 from fluxzero.cli import main as cli
 from fluxzero.config import get_model_config
-from fluxzero import plan as memory
 from fluxzero.config.lora import LoraConfig, lora_param_count
 from fluxzero.model import adapters as AD
 from fluxzero.model import build_model
@@ -85,8 +86,14 @@ def test_param_count_is_what_peft_makes(name):
     L.apply_lora(model, lcfg)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert trained == lora_param_count(get_model_config("flux-tiny"), lcfg)
-    spec = memory.RunSpec(get_model_config("flux-tiny"), lora_rank=lcfg.rank, lora_targets=lcfg.targets,
-                          lora_type=lcfg.type, lora_factor=lcfg.factor, lora_decompose_both=lcfg.decompose_both)
+    spec = memory.RunSpec(
+        get_model_config("flux-tiny"),
+        lora_rank=lcfg.rank,
+        lora_targets=lcfg.targets,
+        lora_type=lcfg.type,
+        lora_factor=lcfg.factor,
+        lora_decompose_both=lcfg.decompose_both,
+    )
     assert memory.trained_params(spec) == trained  # what estimate and gen-config --fit count
     sd_keys = {k for k, p in model.named_parameters() if p.requires_grad}
     assert all("lokr_" in k for k in sd_keys) == name.startswith("lokr")
@@ -174,7 +181,7 @@ def test_plain_lora_through_nunchakus_read_path(tmp_path, name):
         if rank == 64:
             assert plain.overall < 1e-6 and rel_err(got, want) <= RTOL, (plain.overall, rel_err(got, want))
         else:
-            assert 1e-3 < plain.overall and rel_err(got, want) <= plain.overall, (plain.overall, rel_err(got, want))
+            assert plain.overall > 1e-3 and rel_err(got, want) <= plain.overall, (plain.overall, rel_err(got, want))
             worst = max(plain.errors.values())
             with pytest.raises(LoraError, match=f"above --max-error {worst / 2:g}"):
                 AD.check_error(plain, worst / 2)
@@ -184,8 +191,12 @@ def test_plain_lora_through_nunchakus_read_path(tmp_path, name):
 # ---------------------------------------------------------------------------------------------------- convert
 def _lokr_part(out_f, in_f, g, rank=2):
     """A LyCORIS LoKr on one (out_f, in_f) linear: whole w1 (4 x 4), w2 = w2_a @ w2_b of `rank`, alpha."""
-    return {"lokr_w1": torch.randn(4, 4, generator=g), "lokr_w2_a": torch.randn(out_f // 4, rank, generator=g) * 0.1,
-            "lokr_w2_b": torch.randn(rank, in_f // 4, generator=g) * 0.1, "alpha": torch.tensor(3.0)}
+    return {
+        "lokr_w1": torch.randn(4, 4, generator=g),
+        "lokr_w2_a": torch.randn(out_f // 4, rank, generator=g) * 0.1,
+        "lokr_w2_b": torch.randn(rank, in_f // 4, generator=g) * 0.1,
+        "alpha": torch.tensor(3.0),
+    }
 
 
 def _dora_part(w, g, rank=2, axis=0):
@@ -193,8 +204,12 @@ def _dora_part(w, g, rank=2, axis=0):
     down, up = torch.randn(rank, w.shape[1], generator=g) * 0.1, torch.randn(w.shape[0], rank, generator=g) * 0.1
     calc = w + up @ down * 2.0 / rank
     norm = calc.norm(dim=1 - axis, keepdim=True)
-    return {"lora_down.weight": down, "lora_up.weight": up, "alpha": torch.tensor(2.0),
-            "dora_scale": norm * (1 + 0.05 * torch.randn(norm.shape, generator=g))}
+    return {
+        "lora_down.weight": down,
+        "lora_up.weight": up,
+        "alpha": torch.tensor(2.0),
+        "dora_scale": norm * (1 + 0.05 * torch.randn(norm.shape, generator=g)),
+    }
 
 
 def _replay_diffusers(theirs, file_parts):
@@ -214,7 +229,11 @@ def _replay_diffusers(theirs, file_parts):
 
 
 # file layouts of other trainers: (prefix, diffusers names dotted or underscored)
-LAYOUTS = {"simpletuner": ("lycoris_", "_"), "onetrainer": ("lora_transformer_", "_"), "ai-toolkit": ("transformer.", ".")}
+LAYOUTS = {
+    "simpletuner": ("lycoris_", "_"),
+    "onetrainer": ("lora_transformer_", "_"),
+    "ai-toolkit": ("transformer.", "."),
+}
 
 
 def test_convert_other_trainers_files_to_a_plain_lora(tmp_path):
@@ -228,20 +247,30 @@ def test_convert_other_trainers_files_to_a_plain_lora(tmp_path):
     save_weights(ours.state_dict(), base)
     g = torch.Generator().manual_seed(5)
     weight = lambda n: theirs.get_submodule(n).weight.detach()  # noqa: E731
-    parts = {n: _lokr_part(*weight(n).shape, g) for n in ("transformer_blocks.0.attn.to_q",
-                                                          "transformer_blocks.0.attn.to_k",
-                                                          "single_transformer_blocks.0.proj_mlp")}
+    parts = {
+        n: _lokr_part(*weight(n).shape, g)
+        for n in (
+            "transformer_blocks.0.attn.to_q",
+            "transformer_blocks.0.attn.to_k",
+            "single_transformer_blocks.0.proj_mlp",
+        )
+    }
     parts["transformer_blocks.1.ff.net.0.proj"] = _dora_part(weight("transformer_blocks.1.ff.net.0.proj"), g)
-    parts["single_transformer_blocks.1.proj_out"] = _dora_part(weight("single_transformer_blocks.1.proj_out"), g, axis=1)
+    parts["single_transformer_blocks.1.proj_out"] = _dora_part(
+        weight("single_transformer_blocks.1.proj_out"), g, axis=1
+    )
     x = _x(cfg)
     with torch.no_grad():
         want = run_theirs(_replay_diffusers(theirs, parts), x)
     for trainer, (prefix, sep) in LAYOUTS.items():
         src, out = tmp_path / f"{trainer}.safetensors", tmp_path / f"{trainer}_plain.safetensors"
-        save_file({f"{prefix}{n.replace('.', sep)}.{k}": v.contiguous() for n, t in parts.items() for k, v in t.items()},
-                  str(src))
-        r = CliRunner().invoke(cli, ["convert", str(src), str(out), "--to", "diffusers", "--as-lora-rank", "64",
-                                     "--base", str(base)])
+        save_file(
+            {f"{prefix}{n.replace('.', sep)}.{k}": v.contiguous() for n, t in parts.items() for k, v in t.items()},
+            str(src),
+        )
+        r = CliRunner().invoke(
+            cli, ["convert", str(src), str(out), "--to", "diffusers", "--as-lora-rank", "64", "--base", str(base)]
+        )
         assert r.exit_code == 0, (trainer, r.output)
         assert "overall" in r.output and "plain LoRA of rank 64" in r.output
         with torch.no_grad():
@@ -253,8 +282,12 @@ def test_bad_adapter_input_through_convert(tmp_path):
     g = torch.Generator().manual_seed(0)
     lokr = {f"lora_unet_double_blocks_0_img_attn_qkv.{k}": v for k, v in _lokr_part(192, 64, g).items()}
     dora = {f"lora_unet_double_blocks_0_img_attn_proj.{k}": v for k, v in _dora_part(torch.randn(64, 64), g).items()}
-    files = {"lokr": lokr, "dora": dora, "odd": {**lokr, "lora_unet_double_blocks_0_img_attn_qkv.lokr_t9": torch.ones(2)},
-             "nan": {k: v * float("nan") if k.endswith("lokr_w1") else v for k, v in lokr.items()}}
+    files = {
+        "lokr": lokr,
+        "dora": dora,
+        "odd": {**lokr, "lora_unet_double_blocks_0_img_attn_qkv.lokr_t9": torch.ones(2)},
+        "nan": {k: v * float("nan") if k.endswith("lokr_w1") else v for k, v in lokr.items()},
+    }
     for name, t in files.items():
         save_file(t, str(tmp_path / f"{name}.safetensors"))
     runner = CliRunner()
@@ -266,14 +299,14 @@ def test_bad_adapter_input_through_convert(tmp_path):
 
     cases = {  # (file, args): the start of the one error sentence
         ("lokr", ()): "is a LoKr or DoRA, which plain-LoRA loaders (Nunchaku, diffusers) cannot apply; pass "
-                      "--as-lora-rank R",
+        "--as-lora-rank R",
         ("odd", ("--as-lora-rank", "4")): "tensor lora_unet_double_blocks_0_img_attn_qkv.lokr_t9 is not a LoKr, "
-                                          "DoRA or LoRA tensor",
+        "DoRA or LoRA tensor",
         ("nan", ("--as-lora-rank", "4")): "lora_unet_double_blocks_0_img_attn_qkv.lokr_w1 holds NaN or infinite",
         ("lokr", ("--as-lora-rank", "65")): "rank 65 is larger than layer double_blocks.0.img_attn.qkv (192 x 64)",
         ("lokr", ("--as-lora-rank", "1", "--max-error", "1e-6")): "the rank-1 LoRA is off by",
         ("dora", ("--as-lora-rank", "4")): "the DoRA on double_blocks.0.img_attn.proj rescales the base weight, so its "
-                                           "change needs the base weights; pass the base model's weights file (--base)",
+        "change needs the base weights; pass the base model's weights file (--base)",
         ("lokr", ("--max-error", "0.1")): "--max-error bounds the error of --as-lora-rank",
     }
     for (name, args), words in cases.items():
@@ -285,5 +318,7 @@ def test_bad_adapter_input_through_convert(tmp_path):
     assert r.exit_code == 0 and out.exists(), r.output
     assert "0.000e+00  double_blocks.0.img_attn.qkv" in r.output or "e-0" in r.output
     sd, info = F.read_lora(out)
-    assert info.rank == 16 and set(sd) == {"double_blocks.0.img_attn.qkv.lora_A.weight",
-                                           "double_blocks.0.img_attn.qkv.lora_B.weight"}
+    assert info.rank == 16 and set(sd) == {
+        "double_blocks.0.img_attn.qkv.lora_A.weight",
+        "double_blocks.0.img_attn.qkv.lora_B.weight",
+    }

@@ -1,14 +1,15 @@
 """fluxzero.config.architecture against the built model, for every preset: every module with parameters (name,
 tensors, order), the linears' shapes (the LoRA targets), the blocks, the parameter count and inventory, and the
 forward FLOPs with a Kontext model's reference tokens."""
+
 import pytest
 import torch
 from torch import nn
 
 from fluxzero.config import MODEL_PRESETS, architecture, get_model_config
-from fluxzero.plan import param_inventory
 from fluxzero.model import build_model
 from fluxzero.model.packing import with_reference
+from fluxzero.plan import param_inventory
 from tests.model.test_model import make_inputs
 from tests.model.test_model_flops import counted
 
@@ -38,8 +39,9 @@ def test_table_is_the_built_model(name):
     assert cfg.num_params() == architecture.num_params(cfg) == inv.total == total
     for blocks, block in ((model.double_blocks, inv.double_block), (model.single_blocks, inv.single_block)):
         assert all(sum(p.numel() for p in b.parameters()) == block for b in blocks)
-    assert inv.outside_blocks == total - sum(p.numel() for b in (*model.double_blocks, *model.single_blocks)
-                                             for p in b.parameters())
+    assert inv.outside_blocks == total - sum(
+        p.numel() for b in (*model.double_blocks, *model.single_blocks) for p in b.parameters()
+    )
     assert inv.largest_layer == max(sum(_own_params(m)) for m in model.modules())
 
     # FLOPs: the math backend's matmuls, on the target's tokens and a Kontext model's reference tokens

@@ -5,6 +5,7 @@ model on each bucket.
 Dynamo with the `aot_eager` backend (capture, AOTAutograd's joint graph, no Inductor code generation): the
 graph count and the wiring are Dynamo's; Inductor's dynamic-shape kernels are run by benchmarks/bucketed_speed.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,8 +25,15 @@ BUCKETS = [(8, 8), (6, 10), (4, 12)]
 
 def _step(model, h: int, w: int) -> tuple[float, list]:
     g = torch.Generator().manual_seed(h * 100 + w)
-    out = model(pack(torch.randn(2, 16, h, w, generator=g)), img_ids(2, h, w), torch.randn(2, 4, 64, generator=g),
-                txt_ids(2, 4), torch.rand(2, generator=g), torch.randn(2, 32, generator=g), torch.ones(2))
+    out = model(
+        pack(torch.randn(2, 16, h, w, generator=g)),
+        img_ids(2, h, w),
+        torch.randn(2, 4, 64, generator=g),
+        txt_ids(2, 4),
+        torch.rand(2, generator=g),
+        torch.randn(2, 32, generator=g),
+        torch.ones(2),
+    )
     loss = out.pow(2).mean()
     grads = torch.autograd.grad(loss, [p for p in model.parameters()])
     return loss.item(), [x.norm().item() for x in grads]

@@ -1,6 +1,7 @@
 """FLUX.1 Kontext's model input: reference tokens after the target's with FluxKontextPipeline's ids, the forward
 against diffusers' FluxTransformer2DModel fed the same tokens, the flow's loss over the target's tokens only, the
 presets and the Kontext checkpoints in every layout. Tolerances as tests/model/test_model_parity.py's."""
+
 from __future__ import annotations
 
 import json
@@ -20,12 +21,16 @@ from diffusers import FluxKontextPipeline  # noqa: E402
 
 def _pipeline_latents(noise, reference):
     """FluxKontextPipeline.prepare_latents on latents given as they are: (latents, image_latents, ids, image_ids)."""
-    fake = SimpleNamespace(vae_scale_factor=8, latent_channels=16,
-                           _prepare_latent_image_ids=FluxKontextPipeline._prepare_latent_image_ids,
-                           _pack_latents=FluxKontextPipeline._pack_latents)
+    fake = SimpleNamespace(
+        vae_scale_factor=8,
+        latent_channels=16,
+        _prepare_latent_image_ids=FluxKontextPipeline._prepare_latent_image_ids,
+        _pack_latents=FluxKontextPipeline._pack_latents,
+    )
     b, _, h, w = noise.shape
-    return FluxKontextPipeline.prepare_latents(fake, reference, b, 16, h * 8, w * 8, torch.float32,
-                                               torch.device("cpu"), None, pack(noise))
+    return FluxKontextPipeline.prepare_latents(
+        fake, reference, b, 16, h * 8, w * 8, torch.float32, torch.device("cpu"), None, pack(noise)
+    )
 
 
 @pytest.mark.parametrize("ref_hw", [(6, 10), (4, 8)])  # the reference at its target's size, or at another
@@ -45,9 +50,15 @@ def test_forward_with_reference_tokens_matches_diffusers():
     g = torch.Generator().manual_seed(4)
     x0, ref = torch.randn(2, 16, 4, 6, generator=g), torch.randn(2, 16, 4, 6, generator=g)
     img, ids = with_reference(pack(x0), img_ids(2, 4, 6), ref)
-    x = dict(img=img, img_ids=ids, txt=torch.randn(2, 5, cfg.context_in_dim, generator=g), txt_ids=torch.zeros(2, 5, 3),
-             timesteps=torch.rand(2, generator=g), y=torch.randn(2, cfg.vec_in_dim, generator=g),
-             guidance=torch.full((2,), 3.5))
+    x = dict(
+        img=img,
+        img_ids=ids,
+        txt=torch.randn(2, 5, cfg.context_in_dim, generator=g),
+        txt_ids=torch.zeros(2, 5, 3),
+        timesteps=torch.rand(2, generator=g),
+        y=torch.randn(2, cfg.vec_in_dim, generator=g),
+        guidance=torch.full((2,), 3.5),
+    )
     with torch.no_grad():
         a, b = ours(**x), run_theirs(theirs, x)
         plain = ours(**{**x, "img": x["img"][:, :6], "img_ids": x["img_ids"][:, :6]})
@@ -59,8 +70,12 @@ def test_forward_with_reference_tokens_matches_diffusers():
 def test_prepare_batch_appends_the_reference_and_the_loss_covers_the_target_only():
     cfg = FlowConfig()
     g = torch.Generator().manual_seed(5)
-    batch = {"latents": torch.randn(2, 16, 4, 6, generator=g), "t5": torch.randn(2, 5, 64, generator=g),
-             "clip": torch.randn(2, 32, generator=g), "index": torch.tensor([3, 7])}
+    batch = {
+        "latents": torch.randn(2, 16, 4, 6, generator=g),
+        "t5": torch.randn(2, 5, 64, generator=g),
+        "clip": torch.randn(2, 32, generator=g),
+        "index": torch.tensor([3, 7]),
+    }
     plain, tgt = flow.prepare_batch(batch, cfg, seed=0, epoch=0, guidance_embed=True)
     ref = torch.randn(2, 16, 4, 6, generator=g)
     inputs, tgt_k = flow.prepare_batch({**batch, "reference": ref}, cfg, seed=0, epoch=0, guidance_embed=True)

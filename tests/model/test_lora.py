@@ -7,6 +7,7 @@ layers vs the same sum over split parts); each op rounds at ~6e-8 relative and a
 stays below ~1e-6, while any wrong split, swap, scale or transpose moves outputs by > 1e-3 (the LoRA deltas
 are made large enough to move the output by several percent, asserted below).
 """
+
 import json
 
 import pytest
@@ -14,16 +15,15 @@ import torch
 
 from fluxzero.config import get_model_config
 from fluxzero.config.lora import LoraConfig
-from fluxzero.model import build_model
+from fluxzero.model import build_model, layouts
 from fluxzero.model import lora as L
 from fluxzero.model import lora_formats as F
-from fluxzero.model import layouts
 from fluxzero.model import weights as W
 from fluxzero.model.lora_keys import LoraError, is_lora_file
 from tests.helpers import ONE_RANK
-from tests.pure_python import run_without_torch
 from tests.model.test_model import make_inputs
 from tests.model.test_model_parity import pair, randomize, rel_err, run_theirs
+from tests.pure_python import run_without_torch
 
 diffusers = pytest.importorskip("diffusers")
 # FluxPipeline.lora_state_dict is this classmethod; the mixin spares importing the pipeline's text encoders.
@@ -60,21 +60,26 @@ def test_config_defaults_and_pure_python():
     c = LoraConfig(rank=8)
     assert c.alpha == 8.0 and c.scale == 1.0 and c.targets == "attention+mlp" and c.init == "default"
     assert LoraConfig(rank=4, alpha=16).scale == 4.0
-    assert LoraConfig.from_dict({"rank": 4, "targets": ["single_blocks.*.linear1"]}).patterns == ("single_blocks.*.linear1",)
+    assert LoraConfig.from_dict({"rank": 4, "targets": ["single_blocks.*.linear1"]}).patterns == (
+        "single_blocks.*.linear1",
+    )
     r = run_without_torch("from fluxzero.config.lora import LoraConfig; print(LoraConfig(rank=2).scale)")
     assert r.returncode == 0 and r.stdout.strip() == "1.0", r.stderr
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(rank=0), "lora.rank must be a whole number of at least 1"),
-    (dict(rank=4, alpha=0), "lora.alpha must be a positive number"),
-    (dict(rank=4, alpha=-1.0), "lora.alpha must be a positive number"),
-    (dict(dropout=1.0), "lora.dropout must be a number in [0, 1)"),
-    (dict(dropout=-0.1), "lora.dropout must be a number in [0, 1)"),
-    (dict(targets="attn"), "lora.targets 'attn' is not a preset; use one of attention, attention+mlp, all-linear"),
-    (dict(targets=[]), "non-empty list of module-name patterns"),
-    (dict(init="pissa"), "lora.init must be one of default, gaussian, got 'pissa' (it rewrites the frozen base"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(rank=0), "lora.rank must be a whole number of at least 1"),
+        (dict(rank=4, alpha=0), "lora.alpha must be a positive number"),
+        (dict(rank=4, alpha=-1.0), "lora.alpha must be a positive number"),
+        (dict(dropout=1.0), "lora.dropout must be a number in [0, 1)"),
+        (dict(dropout=-0.1), "lora.dropout must be a number in [0, 1)"),
+        (dict(targets="attn"), "lora.targets 'attn' is not a preset; use one of attention, attention+mlp, all-linear"),
+        (dict(targets=[]), "non-empty list of module-name patterns"),
+        (dict(init="pissa"), "lora.init must be one of default, gaussian, got 'pissa' (it rewrites the frozen base"),
+    ],
+)
 def test_config_errors(kwargs, words):
     with pytest.raises(ValueError) as e:
         LoraConfig(**kwargs)
@@ -91,8 +96,11 @@ def test_target_presets():
     assert len(L.target_modules(model, "attention+mlp")) == 2 * 8 + 2 * 2
     allin = L.target_modules(model, "all-linear")
     assert len(allin) == 2 * 10 + 2 * 3 and "single_blocks.1.modulation.lin" in allin and "img_in" not in allin
-    assert L.target_modules(model, ["final_layer.*", "img_in"]) == ["img_in", "final_layer.linear",
-                                                                    "final_layer.adaLN_modulation.1"]
+    assert L.target_modules(model, ["final_layer.*", "img_in"]) == [
+        "img_in",
+        "final_layer.linear",
+        "final_layer.adaLN_modulation.1",
+    ]
 
 
 def test_pattern_matching_nothing_is_one_sentence():
@@ -219,10 +227,12 @@ def test_kohya_layout_read_by_diffusers_matches(tmp_path):
 def test_kohya_linear1_at_flux_width_matches_diffusers_converter(tmp_path):
     C, M, r = 3072, 12288, 4
     g = torch.Generator().manual_seed(0)
-    lora = {"single_blocks.0.linear1.lora_A.weight": torch.randn(r, C, generator=g),
-            "single_blocks.0.linear1.lora_B.weight": torch.randn(3 * C + M, r, generator=g),
-            "double_blocks.0.txt_attn.qkv.lora_A.weight": torch.randn(r, C, generator=g),
-            "double_blocks.0.txt_attn.qkv.lora_B.weight": torch.randn(3 * C, r, generator=g)}
+    lora = {
+        "single_blocks.0.linear1.lora_A.weight": torch.randn(r, C, generator=g),
+        "single_blocks.0.linear1.lora_B.weight": torch.randn(3 * C + M, r, generator=g),
+        "double_blocks.0.txt_attn.qkv.lora_A.weight": torch.randn(r, C, generator=g),
+        "double_blocks.0.txt_attn.qkv.lora_B.weight": torch.randn(3 * C, r, generator=g),
+    }
     lcfg = LoraConfig(rank=r, alpha=8, targets=["single_blocks.0.linear1", "double_blocks.0.txt_attn.qkv"])
     F.save_lora(tmp_path / "k.safetensors", lora, lcfg, layout="kohya")
     converted = FluxLoraLoaderMixin.lora_state_dict(str(tmp_path / "k.safetensors"))
@@ -289,8 +299,14 @@ def test_foreign_diffusers_lora_with_separate_qkv_merges_exactly(tmp_path):
     raw = {f"transformer.{k}": v.contiguous() for k, v in peft.get_peft_model_state_dict(theirs).items()}
     from safetensors.torch import save_file
 
-    save_file(raw, str(tmp_path / "d.safetensors"), metadata={
-        "format": "pt", "lora_adapter_metadata": json.dumps({"transformer.r": 2, "transformer.lora_alpha": 4})})
+    save_file(
+        raw,
+        str(tmp_path / "d.safetensors"),
+        metadata={
+            "format": "pt",
+            "lora_adapter_metadata": json.dumps({"transformer.r": 2, "transformer.lora_alpha": 4}),
+        },
+    )
     sd, info = F.read_lora(tmp_path / "d.safetensors")
     assert info.layout == "diffusers" and (info.rank, info.alpha) == (2, 4.0)
     assert sd["double_blocks.0.img_attn.qkv.lora_A.weight"].shape == (6, 64)  # q, k, v: rank 2 each
@@ -331,8 +347,9 @@ def test_other_shape_file_is_one_sentence(tmp_path):
     with pytest.raises(LoraError) as e:
         L.apply_lora(wider, LoraConfig(rank=4, weights=str(tmp_path / "l.safetensors")))
     msg = str(e.value)
-    assert ("LoRA tensor double_blocks.0.img_attn.qkv.lora_A.weight has shape (4, 64) in the file but (4, 96) in "
-            "the model") in msg and "\n" not in msg
+    assert (
+        "LoRA tensor double_blocks.0.img_attn.qkv.lora_A.weight has shape (4, 64) in the file but (4, 96) in the model"
+    ) in msg and "\n" not in msg
     other_rank = build_model("flux-tiny")
     with pytest.raises(LoraError, match=r"has shape \(4, 64\) in the file but \(8, 64\) in the model; .*set lora.rank"):
         L.apply_lora(other_rank, LoraConfig(rank=8, weights=str(tmp_path / "l.safetensors")))
@@ -352,14 +369,18 @@ def test_full_weights_as_lora_and_lora_as_full_weights(tmp_path):
         L.load_lora_state_dict(model, build_model("flux-tiny").state_dict())
     F.save_lora(tmp_path / "lora.safetensors", L.lora_state_dict(model), LoraConfig(rank=2))
     assert is_lora_file(tmp_path / "lora.safetensors")
-    with pytest.raises(layouts.WeightsError):  # weights.py refuses it today; its loader can call is_lora_file for a hint
+    with pytest.raises(
+        layouts.WeightsError
+    ):  # weights.py refuses it today; its loader can call is_lora_file for a hint
         W.load_weights(tmp_path / "lora.safetensors")
 
 
 # ---------------------------------------------------------------------------------------------------- ZeRO-3
 # One real rank (gloo) in a fresh interpreter: the model built under zero.Init (base parameters are numel-0
 # placeholders when apply_lora runs), adapters partitioned too (persistence threshold 0), three AdamW steps.
-_ZERO3 = ONE_RANK + r"""
+_ZERO3 = (
+    ONE_RANK
+    + r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
 from fluxzero.config.lora import LoraConfig
@@ -407,6 +428,7 @@ print(json.dumps({"placeholders": placeholders, "n": len(names), "ours": ours, "
                   "max_rel_adapter_diff": diff}))
 torch.distributed.destroy_process_group()
 """
+)
 
 
 @pytest.mark.slow
@@ -416,8 +438,7 @@ def test_lora_under_zero3_matches_plain_torch():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]  # the child imports tests.model.test_model from the checkout
-    r = subprocess.run([sys.executable, "-c", _ZERO3, str(root)], capture_output=True, text=True, timeout=300,
-                       cwd=root)
+    r = subprocess.run([sys.executable, "-c", _ZERO3, str(root)], capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["placeholders"] and res["n"] == 26

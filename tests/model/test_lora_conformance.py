@@ -29,15 +29,15 @@ FluxKontextPipeline.load_lora_weights.
 Tolerance RTOL 1e-5, as in test_lora.py: the same fp32 math in another op order (~1e-6 at worst), while a wrong
 scale moves the output by far more (the LoRA moves it by > 3 %, asserted).
 """
+
 import copy
 
 import pytest
 import torch
 
 from fluxzero.config.lora import LoraConfig
-from fluxzero.model import build_model
+from fluxzero.model import build_model, lora_keys
 from fluxzero.model import lora as L
-from fluxzero.model import lora_keys
 from fluxzero.model import lora_formats as F
 from tests.model.test_lora import lora_model
 from tests.model.test_model import make_inputs
@@ -89,8 +89,15 @@ def diffusers_pipeline_read(path, transformer):
     needed to load a transformer LoRA)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None,
-                        text_encoder_2=None, tokenizer_2=None, transformer=transformer)
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=transformer,
+    )
     pipe.load_lora_weights(str(path))
     return pipe.transformer
 
@@ -123,7 +130,9 @@ def comfy_read(path, base_sd, cfg):
     from safetensors.torch import load_file
 
     lora, keys = load_file(str(path)), comfy_key_map(cfg)
-    bases = {k.removesuffix(s) for k in lora for s in (".lora_up.weight", ".lora_down.weight", ".alpha") if k.endswith(s)}
+    bases = {
+        k.removesuffix(s) for k in lora for s in (".lora_up.weight", ".lora_down.weight", ".alpha") if k.endswith(s)
+    }
     assert bases and len(lora) == 3 * len(bases)  # nothing but up, down and alpha of each module
     unmapped = sorted(bases - set(keys))
     assert not unmapped, f"keys ComfyUI does not map for FLUX: {unmapped}"
@@ -178,7 +187,7 @@ def test_every_reader_gets_the_trained_model(tmp_path, layout, targets, rank, al
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
-            assert not any(k.endswith(".alpha") for k in f.keys())  # with the header entry diffusers would refuse
+            assert not any(k.endswith(".alpha") for k in f)  # with the header entry diffusers would refuse
     for name, read in (("diffusers", diffusers_pipeline_read), ("tensors", nunchaku_read)):
         model = read(path, copy.deepcopy(theirs))
         with torch.no_grad():
@@ -201,8 +210,15 @@ def kontext_pipeline_read(path, transformer):
     holding only `transformer`."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
 
-    pipe = FluxKontextPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None,
-                               tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=transformer)
+    pipe = FluxKontextPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=transformer,
+    )
     pipe.load_lora_weights(str(path))
     return pipe.transformer
 

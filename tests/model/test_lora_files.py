@@ -3,6 +3,7 @@
 always the same bytes, with the usual permissions (a user's chmod kept); a killed export's temp file is removed by
 the next one; `fluxzero convert` moves a LoRA between layouts.
 """
+
 import hashlib
 import json
 import math
@@ -17,9 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fluxzero.config.lora import LoraConfig
-from fluxzero.model import build_model
+from fluxzero.model import build_model, lora_keys
 from fluxzero.model import lora as L
-from fluxzero.model import lora_keys
 from fluxzero.model import lora_formats as F
 from tests.helpers import umask_027 as _umask_027
 
@@ -42,7 +42,7 @@ def _lora_sd(lcfg=LCFG, seed=0):
 
 def _contents(path):
     with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        return {k: f.get_tensor(k) for k in f}, f.metadata()
 
 
 def _damaged(tmp_path, name, layout, tensors=None, meta=None):
@@ -66,6 +66,7 @@ def _set(suffix, value):
         k = _first(t, suffix)
         t[k] = t[k].clone()
         t[k].view(-1)[0] = value
+
     return edit
 
 
@@ -73,30 +74,66 @@ def _replace(suffix, make):
     def edit(t):
         k = _first(t, suffix)
         t[k] = make(t[k])
+
     return edit
 
 
 BAD = [  # (name, layout, tensor edit, header entries, words of the one sentence)
-    ("rank_text", "kohya", None, {"fluxzero.rank": "four"},
-     "header entry fluxzero.rank is 'four', not a whole number of at least 1"),
+    (
+        "rank_text",
+        "kohya",
+        None,
+        {"fluxzero.rank": "four"},
+        "header entry fluxzero.rank is 'four', not a whole number of at least 1",
+    ),
     ("rank_zero", "diffusers", None, {"fluxzero.rank": "0"}, "header entry fluxzero.rank is '0'"),
     ("alpha_text", "diffusers", None, {"fluxzero.alpha": "strong"}, "header entry fluxzero.alpha is 'strong'"),
     ("targets_not_json", "kohya", None, {"fluxzero.targets": "{attention"}, "header entry fluxzero.targets is"),
-    ("adapter_metadata_not_json", "diffusers", None, {F.DIFFUSERS_METADATA_KEY: "{r: 4,"},
-     "header entry lora_adapter_metadata is not a JSON mapping of PEFT settings"),
-    ("adapter_r_text", "diffusers", None, {F.DIFFUSERS_METADATA_KEY: json.dumps({"transformer.r": "x"})},
-     "header entry lora_adapter_metadata r is 'x'"),
-    ("alpha_two_values", "kohya", _replace(".alpha", lambda a: torch.stack([a, a])), None,
-     ".alpha holds 2 values, but an alpha is one number"),
-    ("alpha_nan", "kohya", _replace(".alpha", lambda a: torch.tensor(math.nan)), None,
-     ".alpha is nan, but an alpha is a finite number above 0"),
+    (
+        "adapter_metadata_not_json",
+        "diffusers",
+        None,
+        {F.DIFFUSERS_METADATA_KEY: "{r: 4,"},
+        "header entry lora_adapter_metadata is not a JSON mapping of PEFT settings",
+    ),
+    (
+        "adapter_r_text",
+        "diffusers",
+        None,
+        {F.DIFFUSERS_METADATA_KEY: json.dumps({"transformer.r": "x"})},
+        "header entry lora_adapter_metadata r is 'x'",
+    ),
+    (
+        "alpha_two_values",
+        "kohya",
+        _replace(".alpha", lambda a: torch.stack([a, a])),
+        None,
+        ".alpha holds 2 values, but an alpha is one number",
+    ),
+    (
+        "alpha_nan",
+        "kohya",
+        _replace(".alpha", lambda a: torch.tensor(math.nan)),
+        None,
+        ".alpha is nan, but an alpha is a finite number above 0",
+    ),
     ("up_nan", "kohya", _set(".lora_up.weight", math.nan), None, ".lora_up.weight holds NaN or infinite values"),
     ("down_inf", "kohya", _set(".lora_down.weight", math.inf), None, ".lora_down.weight holds NaN or infinite values"),
     ("B_nan", "diffusers", _set(".lora_B.weight", math.nan), None, ".lora_B.weight holds NaN or infinite values"),
-    ("up_int32", "kohya", _replace(".lora_up.weight", lambda t: (t * 10).to(torch.int32)), None,
-     ".lora_up.weight holds int32 values, but LoRA tensors are floating point"),
-    ("A_int8", "diffusers", _replace(".lora_A.weight", lambda t: t.to(torch.int8)), None,
-     ".lora_A.weight holds int8 values, but LoRA tensors are floating point"),
+    (
+        "up_int32",
+        "kohya",
+        _replace(".lora_up.weight", lambda t: (t * 10).to(torch.int32)),
+        None,
+        ".lora_up.weight holds int32 values, but LoRA tensors are floating point",
+    ),
+    (
+        "A_int8",
+        "diffusers",
+        _replace(".lora_A.weight", lambda t: t.to(torch.int8)),
+        None,
+        ".lora_A.weight holds int8 values, but LoRA tensors are floating point",
+    ),
 ]
 
 
@@ -129,8 +166,9 @@ def test_a_bad_lora_file_is_one_sentence_everywhere_it_is_read(tmp_path, name, l
 def test_integer_alpha_and_a_one_element_alpha_are_read(tmp_path):
     # what other trainers write and is unambiguous: an int alpha, an alpha of shape (1,)
     sd = _lora_sd()
-    path = _damaged(tmp_path, "int_alpha.safetensors", "kohya",
-                    _replace(".alpha", lambda a: a.to(torch.int64).reshape(1)))
+    path = _damaged(
+        tmp_path, "int_alpha.safetensors", "kohya", _replace(".alpha", lambda a: a.to(torch.int64).reshape(1))
+    )
     got, info = F.read_lora(path)
     assert info.alpha == 2.0 and all(torch.equal(got[k], sd[k]) for k in sd)
 
@@ -141,8 +179,9 @@ def test_the_same_lora_is_the_same_bytes(tmp_path, layout):
     sd = _lora_sd()
     digests = set()
     for i in range(3):
-        F.save_lora(tmp_path / f"{i}.safetensors", sd, LCFG, layout=layout, base_model="flux-tiny",
-                    dtype=torch.bfloat16)
+        F.save_lora(
+            tmp_path / f"{i}.safetensors", sd, LCFG, layout=layout, base_model="flux-tiny", dtype=torch.bfloat16
+        )
         digests.add(hashlib.sha256((tmp_path / f"{i}.safetensors").read_bytes()).hexdigest())
     assert len(digests) == 1
 
@@ -169,8 +208,9 @@ def _tag_dir(tmp_path):
     save_weights(build_model("flux-tiny").state_dict(), tmp_path / "base.safetensors")
     tag = tmp_path / "checkpoints" / "step_00000001"
     tag.mkdir(parents=True)
-    (tag / "run.yaml").write_text(yaml.safe_dump({"model": "flux-tiny", "weights": str(tmp_path / "base.safetensors"),
-                                                  "lora": LCFG.to_dict()}))
+    (tag / "run.yaml").write_text(
+        yaml.safe_dump({"model": "flux-tiny", "weights": str(tmp_path / "base.safetensors"), "lora": LCFG.to_dict()})
+    )
     return tag
 
 
@@ -187,8 +227,10 @@ def test_a_killed_lora_exports_temp_file_is_removed_by_the_next(tmp_path):
     assert sorted(p.name for p in out.parent.iterdir()) == ["lora.safetensors", "merged.safetensors"]
 
 
-@pytest.mark.parametrize("src_layout, to, want", [("diffusers", "kohya", "kohya"), ("kohya", "diffusers", "diffusers"),
-                                                  ("fluxzero", "comfyui", "kohya")])
+@pytest.mark.parametrize(
+    "src_layout, to, want",
+    [("diffusers", "kohya", "kohya"), ("kohya", "diffusers", "diffusers"), ("fluxzero", "comfyui", "kohya")],
+)
 def test_convert_moves_a_lora_between_layouts(tmp_path, src_layout, to, want):
     from click.testing import CliRunner
 
@@ -213,8 +255,9 @@ def test_convert_moves_a_lora_between_layouts(tmp_path, src_layout, to, want):
         from fluxzero.model.weights import save_weights
 
         save_weights(build_model("flux-tiny").state_dict(), tmp_path / "base.safetensors")
-        r = CliRunner().invoke(main, ["convert", str(tmp_path / "base.safetensors"), str(tmp_path / "k.safetensors"),
-                                      "--to", "kohya"])
+        r = CliRunner().invoke(
+            main, ["convert", str(tmp_path / "base.safetensors"), str(tmp_path / "k.safetensors"), "--to", "kohya"]
+        )
         assert r.exit_code != 0 and "kohya is a LoRA layout and IN holds full weights" in r.output, r.output
 
 
@@ -234,8 +277,14 @@ def sample_files(tmp_path_factory):
     save_weights(build_model("flux-tiny").state_dict(), d / "base.safetensors")
     F.save_lora(d / "lora.safetensors", {k: v * 3 for k, v in _lora_sd().items()}, LCFG, layout="kohya")
     save_embeddings(d / "emb.safetensors", PromptEmbeddings(["a cat"], torch.randn(1, 4, 64), torch.randn(1, 32)))
-    AutoencoderKL(latent_channels=16, block_out_channels=(8,), norm_num_groups=8, layers_per_block=1,
-                  down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",)).save_pretrained(d / "vae")
+    AutoencoderKL(
+        latent_channels=16,
+        block_out_channels=(8,),
+        norm_num_groups=8,
+        layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+    ).save_pretrained(d / "vae")
     return d
 
 
@@ -244,9 +293,28 @@ def _sample(d, out, *extra):
 
     from fluxzero.cli import main
 
-    return CliRunner().invoke(main, ["sample", str(d / "base.safetensors"), "--out", str(out), "--embeddings",
-                                     str(d / "emb.safetensors"), "--vae", str(d / "vae"), "--width", "32", "--height",
-                                     "32", "--steps", "2", "--device", "cpu", *extra])
+    return CliRunner().invoke(
+        main,
+        [
+            "sample",
+            str(d / "base.safetensors"),
+            "--out",
+            str(out),
+            "--embeddings",
+            str(d / "emb.safetensors"),
+            "--vae",
+            str(d / "vae"),
+            "--width",
+            "32",
+            "--height",
+            "32",
+            "--steps",
+            "2",
+            "--device",
+            "cpu",
+            *extra,
+        ],
+    )
 
 
 def test_sample_pngs_record_the_lora(sample_files, tmp_path):
@@ -255,9 +323,12 @@ def test_sample_pngs_record_the_lora(sample_files, tmp_path):
     from fluxzero.sampling.images import read_png_params
 
     d = sample_files
-    runs = {"plain": [], "lora": ["--lora", str(d / "lora.safetensors")],
-            "half": ["--lora", str(d / "lora.safetensors"), "--lora-scale", "0.5"],
-            "off": ["--lora", str(d / "lora.safetensors"), "--lora-scale", "0"]}
+    runs = {
+        "plain": [],
+        "lora": ["--lora", str(d / "lora.safetensors")],
+        "half": ["--lora", str(d / "lora.safetensors"), "--lora-scale", "0.5"],
+        "off": ["--lora", str(d / "lora.safetensors"), "--lora-scale", "0"],
+    }
     pixels = {}
     for name, extra in runs.items():
         r = _sample(d, tmp_path / name, *extra)
@@ -269,8 +340,13 @@ def test_sample_pngs_record_the_lora(sample_files, tmp_path):
             assert "lora" not in params
         else:
             scale = {"lora": 1.0, "half": 0.5, "off": 0.0}[name]
-            assert params["lora"] == {"path": str((d / "lora.safetensors").resolve()), "layout": "kohya",
-                                      "scale": scale, "rank": 4, "alpha": 2.0}
+            assert params["lora"] == {
+                "path": str((d / "lora.safetensors").resolve()),
+                "layout": "kohya",
+                "scale": scale,
+                "rank": 4,
+                "alpha": 2.0,
+            }
     assert pixels["off"] == pixels["plain"] and len({pixels["plain"], pixels["lora"], pixels["half"]}) == 3
     r = _sample(d, tmp_path / "bad", "--lora-scale", "2")
     assert r.exit_code == 2 and "--lora-scale sets the strength of a --lora" in r.output, r.output

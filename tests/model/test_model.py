@@ -1,4 +1,5 @@
 """The FLUX.1 module: shapes, parameter names and counts, guidance handling, RoPE, backends."""
+
 import pytest
 import torch
 
@@ -25,14 +26,27 @@ def make_inputs(cfg, batch=2, h=4, w=6, txt_len=5, seed=0):
 def test_bfl_parameter_names():
     names = set(build_model("flux-tiny", device="meta").state_dict())
     for key in [
-        "img_in.weight", "txt_in.bias", "time_in.in_layer.weight", "time_in.out_layer.bias",
-        "vector_in.in_layer.weight", "guidance_in.out_layer.weight",
-        "double_blocks.1.img_mod.lin.weight", "double_blocks.0.img_attn.qkv.bias",
-        "double_blocks.0.img_attn.norm.query_norm.scale", "double_blocks.0.txt_attn.norm.key_norm.scale",
-        "double_blocks.0.img_attn.proj.weight", "double_blocks.0.img_mlp.0.weight", "double_blocks.0.txt_mlp.2.bias",
-        "double_blocks.0.txt_mod.lin.bias", "single_blocks.1.linear1.weight", "single_blocks.0.linear2.bias",
-        "single_blocks.0.norm.query_norm.scale", "single_blocks.0.norm.key_norm.scale",
-        "single_blocks.0.modulation.lin.weight", "final_layer.linear.weight", "final_layer.adaLN_modulation.1.bias",
+        "img_in.weight",
+        "txt_in.bias",
+        "time_in.in_layer.weight",
+        "time_in.out_layer.bias",
+        "vector_in.in_layer.weight",
+        "guidance_in.out_layer.weight",
+        "double_blocks.1.img_mod.lin.weight",
+        "double_blocks.0.img_attn.qkv.bias",
+        "double_blocks.0.img_attn.norm.query_norm.scale",
+        "double_blocks.0.txt_attn.norm.key_norm.scale",
+        "double_blocks.0.img_attn.proj.weight",
+        "double_blocks.0.img_mlp.0.weight",
+        "double_blocks.0.txt_mlp.2.bias",
+        "double_blocks.0.txt_mod.lin.bias",
+        "single_blocks.1.linear1.weight",
+        "single_blocks.0.linear2.bias",
+        "single_blocks.0.norm.query_norm.scale",
+        "single_blocks.0.norm.key_norm.scale",
+        "single_blocks.0.modulation.lin.weight",
+        "final_layer.linear.weight",
+        "final_layer.adaLN_modulation.1.bias",
     ]:
         assert key in names, key
     schnell = set(build_model("flux-tiny-schnell", device="meta").state_dict())
@@ -88,8 +102,10 @@ def test_rope_is_a_rotation_with_relative_positions():
     # q.k after rotation depends only on the difference of positions
     pe_b = fmath.rope(torch.tensor([[[0.0, 1, 2]]]), axes, 10_000)
     dot1 = (fmath.apply_rope(q, pe_b) * fmath.apply_rope(k, pe_a)).sum(-1)  # offset (0, 2, 3)
-    dot_ref = (fmath.apply_rope(q, fmath.rope(torch.tensor([[[0.0, 0, 0]]]), axes, 10_000))
-               * fmath.apply_rope(k, fmath.rope(torch.tensor([[[0.0, 2, 3]]]), axes, 10_000))).sum(-1)
+    dot_ref = (
+        fmath.apply_rope(q, fmath.rope(torch.tensor([[[0.0, 0, 0]]]), axes, 10_000))
+        * fmath.apply_rope(k, fmath.rope(torch.tensor([[[0.0, 2, 3]]]), axes, 10_000))
+    ).sum(-1)
     torch.testing.assert_close(dot1, dot_ref, rtol=1e-5, atol=1e-5)
     dot_other = (fmath.apply_rope(q, pe_a) * fmath.apply_rope(k, pe_b)).sum(-1)  # offset (0, -2, -3)
     assert not torch.allclose(dot_other, dot_ref, rtol=1e-3, atol=1e-3)
@@ -154,8 +170,10 @@ def test_blocks_trace_without_graph_breaks():
     img, txt, vec = torch.randn(2, 6, 64), torch.randn(2, 4, 64), torch.randn(2, 64)
     torch._dynamo.reset()
     try:
-        for block, args in ((model.double_blocks[0], (img, txt, vec, pe)),
-                            (model.single_blocks[0], (torch.cat((txt, img), 1), vec, pe))):
+        for block, args in (
+            (model.double_blocks[0], (img, txt, vec, pe)),
+            (model.single_blocks[0], (torch.cat((txt, img), 1), vec, pe)),
+        ):
             explained = torch._dynamo.explain(block)(*args)
             assert explained.graph_break_count == 0, explained.break_reasons
     finally:
@@ -170,7 +188,9 @@ def test_rope_matches_complex_rotation_and_gradcheck():
     x = torch.randn(2, 3, 7, 16, dtype=torch.float64, requires_grad=True)
     omega = [theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d) for d in axes]
     angle = torch.cat([ids[..., i, None] * w for i, w in enumerate(omega)], -1)[:, None]  # (B, 1, L, D/2)
-    ref = torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * torch.polar(torch.ones_like(angle), angle))
+    ref = torch.view_as_real(
+        torch.view_as_complex(x.unflatten(-1, (-1, 2))) * torch.polar(torch.ones_like(angle), angle)
+    )
     pe = fmath.rope(ids, axes, theta)
     torch.testing.assert_close(fmath.apply_rope(x, pe), ref.flatten(-2), rtol=1e-6, atol=1e-6)  # pe is float32
     assert torch.autograd.gradcheck(lambda t: fmath.apply_rope(t, pe.double()), (x,))

@@ -1,4 +1,5 @@
 """`fluxzero convert` through Click: layouts chain losslessly, dtype conversion, user mistakes exit 2."""
+
 import json
 
 import pytest
@@ -8,8 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from fluxzero.cli import main
 from fluxzero.config import get_model_config
-from fluxzero.model import build_model
-from fluxzero.model import layouts
+from fluxzero.model import build_model, layouts
 from fluxzero.model import weights as W
 
 
@@ -27,7 +27,10 @@ def test_convert_chain_is_lossless(tmp_path):
     assert len(list((tmp_path / "d").glob("diffusion_pytorch_model-*.safetensors"))) > 1
     assert run(tmp_path / "d", tmp_path / "c.safetensors", "--to", "comfyui").exit_code == 0
     assert W._raw_files(tmp_path / "c.safetensors")[0] == "comfyui"
-    assert run(tmp_path / "c.safetensors", tmp_path / "b.safetensors", "--to", "bfl", "--model", "flux-tiny").exit_code == 0
+    assert (
+        run(tmp_path / "c.safetensors", tmp_path / "b.safetensors", "--to", "bfl", "--model", "flux-tiny").exit_code
+        == 0
+    )
     back = W.load_weights(tmp_path / "b.safetensors")
     assert all(torch.equal(back[k], sd[k]) for k in sd) and list(back) == list(sd)
 
@@ -43,16 +46,23 @@ def test_convert_user_mistakes_exit_2_without_traceback(tmp_path):
     cases = [
         ((tmp_path / "a.safetensors", tmp_path / "a.safetensors", "--to", "bfl"), "exists; pass --overwrite"),
         ((tmp_path / "a.safetensors", tmp_path / "out", "--to", "comfyui"), "give OUT a .safetensors name"),
-        ((tmp_path / "a.safetensors", tmp_path / "x.safetensors", "--to", "bfl", "--model", "flux-schnell"),
-         "missing"),
-        ((tmp_path / "a.safetensors", tmp_path / "x.safetensors", "--to", "bfl", "--model", "nope"), "unknown model preset"),
+        ((tmp_path / "a.safetensors", tmp_path / "x.safetensors", "--to", "bfl", "--model", "flux-schnell"), "missing"),
+        (
+            (tmp_path / "a.safetensors", tmp_path / "x.safetensors", "--to", "bfl", "--model", "nope"),
+            "unknown model preset",
+        ),
         ((tmp_path / "a.safetensors", tmp_path / "x", "--to", "onnx"), "Invalid value for '--to'"),
     ]
     (tmp_path / "w.ckpt").write_bytes(b"\x80\x04pickle")
     cases.append(((tmp_path / "w.ckpt", tmp_path / "x.safetensors", "--to", "bfl"), "only .safetensors"))
     (tmp_path / "t.safetensors").write_bytes((tmp_path / "a.safetensors").read_bytes()[:2000])  # truncated copy
-    cases.append(((tmp_path / "t.safetensors", tmp_path / "x.safetensors", "--to", "bfl"), "not a readable safetensors"))
-    for dst, layout in [(tmp_path / "a.safetensors" / "x.safetensors", "bfl"), (tmp_path / "a.safetensors" / "d", "diffusers")]:
+    cases.append(
+        ((tmp_path / "t.safetensors", tmp_path / "x.safetensors", "--to", "bfl"), "not a readable safetensors")
+    )
+    for dst, layout in [
+        (tmp_path / "a.safetensors" / "x.safetensors", "bfl"),
+        (tmp_path / "a.safetensors" / "d", "diffusers"),
+    ]:
         cases.append(((tmp_path / "a.safetensors", dst, "--to", layout), f"cannot write {dst}"))  # under a file
     for args, text in cases:
         r = run(*args)
@@ -73,6 +83,7 @@ def _edit_index(edit):
     def change(d):
         index = d / layouts.DIFFUSERS_INDEX
         index.write_text(json.dumps(edit(json.loads(index.read_text()))))
+
     return change
 
 
@@ -91,19 +102,37 @@ def _one_int_tensor(d):
     save_file(sd, str(shard))
 
 
-@pytest.mark.parametrize("change, text", [
-    (_edit_index(lambda i: {**i, "weight_map": list(i["weight_map"])}), "index.json: not a valid index file (it "
-                                                                         'needs "weight_map"'),
-    (_edit_index(lambda i: list(i["weight_map"])), "index.json: not a valid index file (it needs"),
-    (_edit_index(lambda i: {**i, "weight_map": {k: 1 for k in i["weight_map"]}}), "not a valid index file"),
-    (_edit_index(_move_to_other_shard), "index.json: weight_map names shards that do not hold these tensors: "
-                                        "x_embedder.weight -> diffusion_pytorch_model-000"),
-    (_one_int_tensor, "1 not floating point: "),
-    (lambda d: (d / "config.json").write_text('{"axes_dims_rope": 56}'), "config.json: axes_dims_rope must be"),
-    (lambda d: (d / "config.json").write_text('{"axes_dims_rope": [4, 4]}'),
-     "RoPE axes (4, 4) do not sum to the head dim 16 of the tensors; fix axes_dims_rope"),
-], ids=["weight_map-list", "index-list", "weight_map-numbers", "wrong-shard", "int-dtype", "axes-not-list",
-        "axes-wrong-sum"])
+@pytest.mark.parametrize(
+    "change, text",
+    [
+        (
+            _edit_index(lambda i: {**i, "weight_map": list(i["weight_map"])}),
+            'index.json: not a valid index file (it needs "weight_map"',
+        ),
+        (_edit_index(lambda i: list(i["weight_map"])), "index.json: not a valid index file (it needs"),
+        (_edit_index(lambda i: {**i, "weight_map": {k: 1 for k in i["weight_map"]}}), "not a valid index file"),
+        (
+            _edit_index(_move_to_other_shard),
+            "index.json: weight_map names shards that do not hold these tensors: "
+            "x_embedder.weight -> diffusion_pytorch_model-000",
+        ),
+        (_one_int_tensor, "1 not floating point: "),
+        (lambda d: (d / "config.json").write_text('{"axes_dims_rope": 56}'), "config.json: axes_dims_rope must be"),
+        (
+            lambda d: (d / "config.json").write_text('{"axes_dims_rope": [4, 4]}'),
+            "RoPE axes (4, 4) do not sum to the head dim 16 of the tensors; fix axes_dims_rope",
+        ),
+    ],
+    ids=[
+        "weight_map-list",
+        "index-list",
+        "weight_map-numbers",
+        "wrong-shard",
+        "int-dtype",
+        "axes-not-list",
+        "axes-wrong-sum",
+    ],
+)
 def test_convert_malformed_diffusers_folder_is_one_sentence(tmp_path, change, text):
     d = _diffusers_folder(tmp_path, "d", change)
     r = run(d, tmp_path / "x.safetensors", "--to", "bfl")
@@ -155,9 +184,25 @@ def test_a_diffusers_folder_is_replaced_whole_or_not_at_all(tmp_path):
     assert run(tmp_path / "a.safetensors", d, "--to", "diffusers", "--max-shard-gb", "0.0002").exit_code == 0
     before = tree_hash(d)
     # convert DIR DIR --overwrite whose writes fail midway (a full disk): the old folder stays, nothing beside it
-    r = subprocess.run([sys.executable, "-c", _FAILING_WRITES, "convert", str(d), str(d), "--to", "diffusers",
-                        "--dtype", "bf16", "--overwrite"], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(W.__file__).rsplit("/fluxzero/", 1)[0]})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _FAILING_WRITES,
+            "convert",
+            str(d),
+            str(d),
+            "--to",
+            "diffusers",
+            "--dtype",
+            "bf16",
+            "--overwrite",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(W.__file__).rsplit("/fluxzero/", 1)[0]},
+    )
     assert r.returncode == 2 and "cannot write" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert tree_hash(d) == before and sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "d"]
     # the same command with room: the new folder replaces the old one, its other shard count included

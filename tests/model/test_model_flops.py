@@ -1,4 +1,5 @@
 """ModelConfig.flops_per_sample against torch's FlopCounterMode (which counts matmul-like ops only)."""
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode

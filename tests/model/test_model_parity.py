@@ -4,12 +4,12 @@ qkv vs separate projections, addcmul vs mul+add, our RoPE formula vs theirs); ea
 relative, and a few dozen ops deep that accumulates to ~1e-6 at worst, so rel 1e-5 leaves margin while
 still catching any real mistake (a wrong split, swap, sign or eps moves outputs by > 1e-3).
 """
+
 import pytest
 import torch
 
 from fluxzero.config import get_model_config
-from fluxzero.model import build_model
-from fluxzero.model import layouts
+from fluxzero.model import build_model, layouts
 from tests.model.test_model import make_inputs
 
 diffusers = pytest.importorskip("diffusers")
@@ -19,10 +19,17 @@ RTOL = 1e-5
 
 def diffusers_model(cfg):
     return diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=cfg.in_channels, out_channels=cfg.out_channels, num_layers=cfg.depth,
-        num_single_layers=cfg.depth_single_blocks, attention_head_dim=cfg.head_dim, num_attention_heads=cfg.num_heads,
-        joint_attention_dim=cfg.context_in_dim, pooled_projection_dim=cfg.vec_in_dim,
-        guidance_embeds=cfg.guidance_embed, axes_dims_rope=cfg.axes_dim,
+        patch_size=1,
+        in_channels=cfg.in_channels,
+        out_channels=cfg.out_channels,
+        num_layers=cfg.depth,
+        num_single_layers=cfg.depth_single_blocks,
+        attention_head_dim=cfg.head_dim,
+        num_attention_heads=cfg.num_heads,
+        joint_attention_dim=cfg.context_in_dim,
+        pooled_projection_dim=cfg.vec_in_dim,
+        guidance_embeds=cfg.guidance_embed,
+        axes_dims_rope=cfg.axes_dim,
     ).eval()
 
 
@@ -46,8 +53,14 @@ def pair(name, seed=0):
 
 def run_theirs(model, x):
     return model(
-        hidden_states=x["img"], encoder_hidden_states=x["txt"], pooled_projections=x["y"], timestep=x["timesteps"],
-        img_ids=x["img_ids"][0], txt_ids=x["txt_ids"][0], guidance=x["guidance"], return_dict=False,
+        hidden_states=x["img"],
+        encoder_hidden_states=x["txt"],
+        pooled_projections=x["y"],
+        timestep=x["timesteps"],
+        img_ids=x["img_ids"][0],
+        txt_ids=x["txt_ids"][0],
+        guidance=x["guidance"],
+        return_dict=False,
     )[0]
 
 

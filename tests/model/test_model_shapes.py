@@ -1,6 +1,7 @@
 """Model specs: a preset name, a mapping of field overrides, 'PRESET:field=value,...' or a diffusers config.json,
 accepted by the run file, the trainer, `convert`, `estimate` and `gen-config`; custom shapes written to disk load
 back with that shape (the RoPE axes included, which no tensor shape shows)."""
+
 import json
 import os
 import re
@@ -18,8 +19,16 @@ from fluxzero.config.models import model_spec, same_model
 ROOT = Path(__file__).resolve().parents[2]
 LITE = MODEL_PRESETS["flux-dev-lite"]
 # The shape of the user's report: no preset has it, and its head dim 16 gives no RoPE axes by inference.
-USER_DIFFUSERS = dict(attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                      in_channels=16, axes_dims_rope=(4, 6, 6), num_layers=2, num_single_layers=1)
+USER_DIFFUSERS = dict(
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=32,
+    in_channels=16,
+    axes_dims_rope=(4, 6, 6),
+    num_layers=2,
+    num_single_layers=1,
+)
 
 
 def _config_json(folder: Path, **fields) -> Path:
@@ -32,9 +41,11 @@ def _config_json(folder: Path, **fields) -> Path:
 # Pure: resolve_model, to_dict / from_dict, the run file
 # ---------------------------------------------------------------------------------------------------------
 def test_dev_lite_written_as_flux_dev_overrides_is_the_preset(tmp_path):
-    for spec in ({"preset": "flux-dev", "depth": 5, "depth_single_blocks": 10},
-                 "flux-dev:depth=5,depth_single_blocks=10",
-                 _config_json(tmp_path / "lite", num_layers=5, num_single_layers=10, guidance_embeds=True)):
+    for spec in (
+        {"preset": "flux-dev", "depth": 5, "depth_single_blocks": 10},
+        "flux-dev:depth=5,depth_single_blocks=10",
+        _config_json(tmp_path / "lite", num_layers=5, num_single_layers=10, guidance_embeds=True),
+    ):
         cfg = resolve_model(spec)
         assert cfg == LITE, spec  # every field, the name included
     assert resolve_model("flux-dev-lite") is LITE
@@ -45,17 +56,29 @@ def test_dev_lite_written_as_flux_dev_overrides_is_the_preset(tmp_path):
 
 
 def test_mapping_fields_and_derivations():
-    cfg = resolve_model({"preset": "flux-tiny", "head_dim": 16, "num_heads": 2, "axes_dim": [4, 6, 6],
-                         "context_in_dim": 32, "vec_in_dim": 32, "in_channels": 16, "guidance_embed": False,
-                         "mlp_ratio": 3})
+    cfg = resolve_model(
+        {
+            "preset": "flux-tiny",
+            "head_dim": 16,
+            "num_heads": 2,
+            "axes_dim": [4, 6, 6],
+            "context_in_dim": 32,
+            "vec_in_dim": 32,
+            "in_channels": 16,
+            "guidance_embed": False,
+            "mlp_ratio": 3,
+        }
+    )
     assert (cfg.hidden_size, cfg.head_dim, cfg.axes_dim) == (32, 16, (4, 6, 6))
     assert (cfg.in_channels, cfg.out_channels, cfg.mlp_ratio, cfg.guidance_embed) == (16, 16, 3.0, False)
     assert cfg.name.startswith("flux-tiny (") and "head_dim=16" in cfg.name
     # a width change without axes keeps FLUX's proportions (as estimate --hidden-size does)
     assert resolve_model({"preset": "flux-dev", "hidden_size": 1536, "num_heads": 24}).axes_dim == (8, 28, 28)
     # the inline form continues a list with bare numbers
-    inline = resolve_model("flux-tiny:head_dim=16,num_heads=2,axes_dim=4,6,6,context_in_dim=32,vec_in_dim=32,"
-                           "in_channels=16,guidance_embed=false,mlp_ratio=3")
+    inline = resolve_model(
+        "flux-tiny:head_dim=16,num_heads=2,axes_dim=4,6,6,context_in_dim=32,vec_in_dim=32,"
+        "in_channels=16,guidance_embed=false,mlp_ratio=3"
+    )
     assert inline.same_shape(cfg)
     # no preset: flux-dev's values (ModelConfig's defaults) with the fields given
     assert resolve_model({"depth": 5, "depth_single_blocks": 10}).same_shape(LITE)
@@ -153,7 +176,13 @@ def test_diffusers_config_json_reads_diffusers_names_and_defaults(tmp_path):
     cfg = resolve_model(str(pipeline))  # a pipeline folder: its transformer/config.json
     assert cfg.name == "FLUX.1-user"
     assert (cfg.head_dim, cfg.num_heads, cfg.hidden_size, cfg.context_in_dim, cfg.vec_in_dim) == (16, 2, 32, 32, 32)
-    assert (cfg.in_channels, cfg.out_channels, cfg.axes_dim, cfg.depth, cfg.depth_single_blocks) == (16, 16, (4, 6, 6), 2, 1)
+    assert (cfg.in_channels, cfg.out_channels, cfg.axes_dim, cfg.depth, cfg.depth_single_blocks) == (
+        16,
+        16,
+        (4, 6, 6),
+        2,
+        1,
+    )
     assert cfg.guidance_embed is False  # diffusers' default when config.json leaves it out
     assert resolve_model(str(pipeline / "transformer" / "config.json")).same_shape(cfg)
     # every key left out takes FluxTransformer2DModel's default
@@ -162,9 +191,11 @@ def test_diffusers_config_json_reads_diffusers_names_and_defaults(tmp_path):
 
 def test_config_package_stays_pure():
     # resolve_model reads config.json with the standard library: gen-config / estimate stay instant
-    code = ("import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None\n"
-            "from fluxzero.config import resolve_model\n"
-            "print(resolve_model('flux-dev:depth=5,depth_single_blocks=10').name)")
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None\n"
+        "from fluxzero.config import resolve_model\n"
+        "print(resolve_model('flux-dev:depth=5,depth_single_blocks=10').name)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "flux-dev-lite"
 
@@ -195,8 +226,19 @@ def test_estimate_and_gen_config_take_model_specs(tmp_path):
         assert json.loads(out.output)["fluxzero"]["activation_checkpointing"]["every_k_blocks"] == 15
         out = r.invoke(main, ["gen-config", "--model", spec, "--checkpoint-every", "16"])
         assert out.exit_code != 0 and "exceeds the 15 blocks" in out.output, out.output
-    out = r.invoke(main, ["gen-config", "--fit", "--model", "flux-dev:depth=5,depth_single_blocks=10",
-                          "--gpu-memory", "80", "--world-size", "1"])
+    out = r.invoke(
+        main,
+        [
+            "gen-config",
+            "--fit",
+            "--model",
+            "flux-dev:depth=5,depth_single_blocks=10",
+            "--gpu-memory",
+            "80",
+            "--world-size",
+            "1",
+        ],
+    )
     assert out.exit_code == 0 and "chose ZeRO-" in out.output, out.output
     out = r.invoke(main, ["gen-config", "--model", "flux-huge"])
     assert out.exit_code == 2 and "unknown model preset 'flux-huge'" in out.output
@@ -211,16 +253,28 @@ def _inputs(cfg, batch=2, h=3, w=4, txt_len=5, seed=0):
     g = torch.Generator().manual_seed(seed)
     rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
     img_ids = torch.stack((torch.zeros_like(rows), rows, cols), -1).reshape(1, h * w, 3).float().repeat(batch, 1, 1)
-    return dict(img=torch.randn(batch, h * w, cfg.in_channels, generator=g), img_ids=img_ids,
-                txt=torch.randn(batch, txt_len, cfg.context_in_dim, generator=g), txt_ids=torch.zeros(batch, txt_len, 3),
-                timesteps=torch.rand(batch, generator=g), y=torch.randn(batch, cfg.vec_in_dim, generator=g),
-                guidance=torch.full((batch,), 3.5) if cfg.guidance_embed else None)
+    return dict(
+        img=torch.randn(batch, h * w, cfg.in_channels, generator=g),
+        img_ids=img_ids,
+        txt=torch.randn(batch, txt_len, cfg.context_in_dim, generator=g),
+        txt_ids=torch.zeros(batch, txt_len, 3),
+        timesteps=torch.rand(batch, generator=g),
+        y=torch.randn(batch, cfg.vec_in_dim, generator=g),
+        guidance=torch.full((batch,), 3.5) if cfg.guidance_embed else None,
+    )
 
 
 def _run_diffusers(model, x):
-    return model(hidden_states=x["img"], encoder_hidden_states=x["txt"], pooled_projections=x["y"],
-                 timestep=x["timesteps"], img_ids=x["img_ids"][0], txt_ids=x["txt_ids"][0], guidance=x["guidance"],
-                 return_dict=False)[0]
+    return model(
+        hidden_states=x["img"],
+        encoder_hidden_states=x["txt"],
+        pooled_projections=x["y"],
+        timestep=x["timesteps"],
+        img_ids=x["img_ids"][0],
+        txt_ids=x["txt_ids"][0],
+        guidance=x["guidance"],
+        return_dict=False,
+    )[0]
 
 
 @pytest.mark.parametrize("guidance", [False, True])
@@ -273,14 +327,19 @@ def test_plain_bfl_file_of_custom_shape_needs_the_model_named(tmp_path):
 
     cfg = resolve_model(str(_config_json(tmp_path / "user", **USER_DIFFUSERS)))
     torch.manual_seed(0)
-    save_file({k: v.contiguous() for k, v in build_model(cfg).state_dict().items()}, str(tmp_path / "plain.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in build_model(cfg).state_dict().items()}, str(tmp_path / "plain.safetensors")
+    )
     r = CliRunner()
     argv = ["convert", str(tmp_path / "plain.safetensors"), str(tmp_path / "out"), "--to", "diffusers"]
     out = r.invoke(main, argv)  # another tool's file: no metadata, and head dim 16 gives no axes
     assert out.exit_code == 2 and "Traceback" not in out.output
     assert "cannot infer RoPE axes for head dim 16; name the model the weights belong to (--model" in out.output
-    for spec in (str(tmp_path / "user"), "flux-tiny:head_dim=16,num_heads=2,axes_dim=4,6,6,context_in_dim=32,"
-                                          "vec_in_dim=32,in_channels=16,depth=2,depth_single_blocks=1,guidance_embed=false"):
+    for spec in (
+        str(tmp_path / "user"),
+        "flux-tiny:head_dim=16,num_heads=2,axes_dim=4,6,6,context_in_dim=32,"
+        "vec_in_dim=32,in_channels=16,depth=2,depth_single_blocks=1,guidance_embed=false",
+    ):
         out = r.invoke(main, [*argv, "--model", spec, "--overwrite"])
         assert out.exit_code == 0, out.output
         assert json.loads((tmp_path / "out" / "config.json").read_text())["axes_dims_rope"] == [4, 6, 6]
@@ -298,21 +357,44 @@ def test_mapping_model_trains_resumes_and_exports(tmp_path):
     from fluxzero.model import layouts
     from fluxzero.model import weights as W
 
-    model = {"preset": "flux-tiny", "context_in_dim": 32, "vec_in_dim": 16, "in_channels": 16, "depth": 1,
-             "depth_single_blocks": 1}
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-          "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
+    model = {
+        "preset": "flux-tiny",
+        "context_in_dim": 32,
+        "vec_in_dim": 16,
+        "in_channels": 16,
+        "depth": 1,
+        "depth_single_blocks": 1,
+    }
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 10**9,
+    }
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     out = tmp_path / "run"
-    run = {"deepspeed": str(tmp_path / "ds.json"), "output_dir": str(out), "steps": 2, "export": {"format": "bfl", "dtype": "fp32"},
-           "data": "synthetic:n=8,hw=8x8,txt=4,ctx=32,vec=16,ch=4", "model": model}
+    run = {
+        "deepspeed": str(tmp_path / "ds.json"),
+        "output_dir": str(out),
+        "steps": 2,
+        "export": {"format": "bfl", "dtype": "fp32"},
+        "data": "synthetic:n=8,hw=8x8,txt=4,ctx=32,vec=16,ch=4",
+        "model": model,
+    }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLUXZERO_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
 
     def train(*overrides):
-        return subprocess.run([sys.executable, "launch/train.py", "--config", str(tmp_path / "run.yaml"), *overrides],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+        return subprocess.run(
+            [sys.executable, "launch/train.py", "--config", str(tmp_path / "run.yaml"), *overrides],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
 
     p = train()
     assert p.returncode == 0, p.stderr[-3000:]

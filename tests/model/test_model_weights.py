@@ -1,4 +1,5 @@
 """Weights on disk: every layout round-trips bit-exactly, is detected, loads lazily and fails clearly."""
+
 import json
 import os
 import subprocess
@@ -9,8 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from fluxzero.config import get_model_config
-from fluxzero.model import build_model
-from fluxzero.model import layouts
+from fluxzero.model import build_model, layouts
 from fluxzero.model import weights as W
 from tests.model.test_model import make_inputs
 
@@ -62,16 +62,27 @@ def test_diffusers_folder_loads_in_diffusers(tmp_path, model):
     x = make_inputs(model.config, batch=2, h=3, w=2, txt_len=4)
     with torch.no_grad():
         a = model(**x)
-        b = theirs(hidden_states=x["img"], encoder_hidden_states=x["txt"], pooled_projections=x["y"],
-                   timestep=x["timesteps"], img_ids=x["img_ids"][0], txt_ids=x["txt_ids"][0], guidance=x["guidance"],
-                   return_dict=False)[0]
+        b = theirs(
+            hidden_states=x["img"],
+            encoder_hidden_states=x["txt"],
+            pooled_projections=x["y"],
+            timestep=x["timesteps"],
+            img_ids=x["img_ids"][0],
+            txt_ids=x["txt_ids"][0],
+            guidance=x["guidance"],
+            return_dict=False,
+        )[0]
     assert ((a - b).norm() / b.norm()) <= 1e-5
 
 
 def test_dtype_subset_iterator_and_assign_load(tmp_path, model):
     path = tmp_path / "w"
     W.save_weights(model.state_dict(), path, layout="diffusers", max_shard_bytes=100_000)
-    keys = ["double_blocks.1.img_attn.qkv.weight", "single_blocks.0.linear1.bias", "final_layer.adaLN_modulation.1.weight"]
+    keys = [
+        "double_blocks.1.img_attn.qkv.weight",
+        "single_blocks.0.linear1.bias",
+        "final_layer.adaLN_modulation.1.weight",
+    ]
     part = W.load_weights(path, dtype=torch.bfloat16, keys=keys)
     assert sorted(part) == sorted(keys)
     for k in keys:
@@ -106,7 +117,9 @@ def test_mismatch_is_one_clear_error(tmp_path, model):
 
     # wrong shapes: schnell-sized file against the dev-sized tiny preset (and the other way round)
     with pytest.raises(layouts.WeightsError, match="missing: guidance_in"):
-        W.load_weights(_save(tmp_path / "s.safetensors", build_model("flux-tiny-schnell").state_dict()), cfg=model.config)
+        W.load_weights(
+            _save(tmp_path / "s.safetensors", build_model("flux-tiny-schnell").state_dict()), cfg=model.config
+        )
     wide = build_model(get_model_config("flux-tiny").replace(context_in_dim=32)).state_dict()
     with pytest.raises(layouts.WeightsError, match=r"wrong shape: txt_in.weight \(64, 32\) != \(64, 64\)"):
         W.load_weights(_save(tmp_path / "w.safetensors", wide), cfg=model.config)
@@ -120,7 +133,9 @@ def test_diffusers_missing_parts_named_in_diffusers_terms(tmp_path, model):
     sd = load_file(str(f))
     del sd["transformer_blocks.1.attn.add_k_proj.weight"]
     save_file(sd, str(f))
-    with pytest.raises(layouts.WeightsError, match="diffusers layout.*missing: transformer_blocks.1.attn.add_k_proj.weight"):
+    with pytest.raises(
+        layouts.WeightsError, match="diffusers layout.*missing: transformer_blocks.1.attn.add_k_proj.weight"
+    ):
         W.load_weights(tmp_path / "d", cfg=model.config)
 
 
@@ -229,10 +244,14 @@ def save_peaks(tmp_path_factory):
     if not os.access("/proc/self/clear_refs", os.W_OK):
         pytest.skip("needs Linux /proc peak-RSS reset")
     out = tmp_path_factory.mktemp("peaks")
-    cases = [["bfl.safetensors", "bfl", "bfloat16", 2**40],  # first: the fresh heap is the worst case
-             ["diffusers-fp32", "diffusers", None, _SHARD], ["diffusers-bf16", "diffusers", "bfloat16", _SHARD]]
-    p = subprocess.run([sys.executable, "-c", _SAVE_PEAK, str(out), json.dumps(cases)], capture_output=True,
-                       text=True, timeout=120)
+    cases = [
+        ["bfl.safetensors", "bfl", "bfloat16", 2**40],  # first: the fresh heap is the worst case
+        ["diffusers-fp32", "diffusers", None, _SHARD],
+        ["diffusers-bf16", "diffusers", "bfloat16", _SHARD],
+    ]
+    p = subprocess.run(
+        [sys.executable, "-c", _SAVE_PEAK, str(out), json.dumps(cases)], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0, p.stderr
     return out, json.loads(p.stdout)
 
@@ -262,14 +281,25 @@ def test_single_file_bf16_save_holds_about_one_tensor(save_peaks):
 
 # Every dtype safetensors and torch share, in shapes that stress the header: 0-dim, empty, odd byte counts.
 _WRITER_CASES = {
-    "f64": torch.randn(3, dtype=torch.float64), "f32": torch.randn(4, 5), "scalar": torch.tensor(2.5),
-    "empty": torch.zeros(0, 3), "f16": torch.randn(7, dtype=torch.float16), "bf16": torch.randn(2, 3).bfloat16(),
-    "bf16.scalar": torch.tensor(1.0, dtype=torch.bfloat16), "bf16.empty": torch.zeros(0, dtype=torch.bfloat16),
-    "e4m3": torch.randn(5).to(torch.float8_e4m3fn), "e5m2": torch.randn(3).to(torch.float8_e5m2),
-    "i64": torch.arange(3), "i32": torch.arange(3, dtype=torch.int32), "i16": torch.arange(-2, 3, dtype=torch.int16),
-    "i8": torch.arange(-3, 2, dtype=torch.int8), "u8": torch.arange(5, dtype=torch.uint8),
-    "bool": torch.tensor([True, False, True]), "transposed": torch.randn(3, 2).t(),
-    "u16": torch.arange(3).to(torch.uint16), "e4m3fnuz": torch.randn(2).to(torch.float8_e4m3fnuz),
+    "f64": torch.randn(3, dtype=torch.float64),
+    "f32": torch.randn(4, 5),
+    "scalar": torch.tensor(2.5),
+    "empty": torch.zeros(0, 3),
+    "f16": torch.randn(7, dtype=torch.float16),
+    "bf16": torch.randn(2, 3).bfloat16(),
+    "bf16.scalar": torch.tensor(1.0, dtype=torch.bfloat16),
+    "bf16.empty": torch.zeros(0, dtype=torch.bfloat16),
+    "e4m3": torch.randn(5).to(torch.float8_e4m3fn),
+    "e5m2": torch.randn(3).to(torch.float8_e5m2),
+    "i64": torch.arange(3),
+    "i32": torch.arange(3, dtype=torch.int32),
+    "i16": torch.arange(-2, 3, dtype=torch.int16),
+    "i8": torch.arange(-3, 2, dtype=torch.int8),
+    "u8": torch.arange(5, dtype=torch.uint8),
+    "bool": torch.tensor([True, False, True]),
+    "transposed": torch.randn(3, 2).t(),
+    "u16": torch.arange(3).to(torch.uint16),
+    "e4m3fnuz": torch.randn(2).to(torch.float8_e4m3fnuz),
 }
 
 
@@ -279,8 +309,9 @@ def test_safetensors_writer_is_byte_identical_to_safetensors(tmp_path):
 
     outs = [W._Out.of(k, v, "copy", None, None) for k, v in _WRITER_CASES.items()]
     W._write_safetensors(tmp_path / "ours.safetensors", outs, {"format": "pt"})
-    save_file({k: v.contiguous() for k, v in _WRITER_CASES.items()}, str(tmp_path / "theirs.safetensors"),
-              {"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in _WRITER_CASES.items()}, str(tmp_path / "theirs.safetensors"), {"format": "pt"}
+    )
     ours = (tmp_path / "ours.safetensors").read_bytes()
     assert ours == (tmp_path / "theirs.safetensors").read_bytes()
     loaded = load_file(str(tmp_path / "ours.safetensors"))
@@ -291,13 +322,14 @@ def test_safetensors_writer_is_byte_identical_to_safetensors(tmp_path):
     with safe_open(str(tmp_path / "ours.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt"}
     n = int.from_bytes(ours[:8], "little")
-    header = json.loads(ours[8:8 + n])
-    assert (8 + n) % 8 == 0 and ours[8:8 + n].rstrip(b" ").endswith(b"}")  # space-padded to align the data
+    header = json.loads(ours[8 : 8 + n])
+    assert (8 + n) % 8 == 0 and ours[8 : 8 + n].rstrip(b" ").endswith(b"}")  # space-padded to align the data
     begin, end = header["bf16.scalar"]["data_offsets"]
-    assert ours[8 + n + begin:8 + n + end] == b"\x80\x3f"  # bf16 1.0 is 0x3F80, stored little-endian
+    assert ours[8 + n + begin : 8 + n + end] == b"\x80\x3f"  # bf16 1.0 is 0x3F80, stored little-endian
     with pytest.raises(layouts.WeightsError, match=r"c.safetensors not written: tensors of dtype torch.complex64"):
-        W._write_safetensors(tmp_path / "c.safetensors", [W._Out.of("c", torch.zeros(1, dtype=torch.cfloat),
-                                                                    "copy", None, None)], {})
+        W._write_safetensors(
+            tmp_path / "c.safetensors", [W._Out.of("c", torch.zeros(1, dtype=torch.cfloat), "copy", None, None)], {}
+        )
 
 
 def test_converting_save_is_byte_identical_to_converting_first(tmp_path, model):

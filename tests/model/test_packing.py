@@ -1,4 +1,5 @@
 """FLUX.1's input format (fluxzero.model.packing): 2x2 packing and position ids, by hand and against diffusers."""
+
 import pytest
 import torch
 
@@ -35,7 +36,6 @@ def test_packing_and_ids_match_diffusers_flux_pipeline():
     x = torch.randn(2, 16, 6, 10)
     assert torch.equal(packing.pack(x), FluxPipeline._pack_latents(x, 2, 16, 6, 10))
     # diffusers unpacks from pixel sizes with the VAE's factor 8
-    assert torch.equal(packing.unpack(packing.pack(x), 6, 10),
-                       FluxPipeline._unpack_latents(packing.pack(x), 48, 80, 8))
+    assert torch.equal(packing.unpack(packing.pack(x), 6, 10), FluxPipeline._unpack_latents(packing.pack(x), 48, 80, 8))
     ids = FluxPipeline._prepare_latent_image_ids(2, 3, 5, "cpu", torch.float32)  # (h/2 * w/2, 3)
     assert torch.equal(packing.img_ids(2, 6, 10)[0], ids)

@@ -1,6 +1,7 @@
 """Helpers written once: the dtype names (short, torch, safetensors), the all-or-nothing file write the safetensors
 writer shares with every other file, and the split of a fused linear into diffusers' parts that weights and LoRA
 files share."""
+
 import os
 
 import pytest
@@ -31,18 +32,20 @@ def test_atomic_file_leaves_the_old_file_on_an_error(tmp_path):
     path = tmp_path / "w.safetensors"
     save_tensors(path, {"a": torch.ones(3)})
     os.chmod(path, 0o640)
-    with pytest.raises(RuntimeError, match="half way"):
-        with atomic_file(path) as f:
-            f.write(b"partial")
-            raise RuntimeError("half way")
+    with pytest.raises(RuntimeError, match="half way"), atomic_file(path) as f:
+        f.write(b"partial")
+        raise RuntimeError("half way")
     assert torch.equal(load_file(path)["a"], torch.ones(3)) and os.listdir(tmp_path) == ["w.safetensors"]
     save_tensors(path, {"a": torch.zeros(3)})  # replaced whole, the user's mode kept
     assert torch.equal(load_file(path)["a"], torch.zeros(3)) and os.stat(path).st_mode & 0o777 == 0o640
 
 
 def test_fused_linear_split_and_swapped_halves():
-    assert split_sizes("single_blocks.0.linear1.weight", 40, 8) == split_sizes("single_blocks.0.linear1", 40, 8) \
+    assert (
+        split_sizes("single_blocks.0.linear1.weight", 40, 8)
+        == split_sizes("single_blocks.0.linear1", 40, 8)
         == [8, 8, 8, 16]
+    )
     assert split_sizes("double_blocks.0.img_attn.qkv.weight", 24, 8) == [8, 8, 8]
     t = torch.arange(6.0)
     assert swap_halves(t).tolist() == [3.0, 4.0, 5.0, 0.0, 1.0, 2.0] and torch.equal(swap_halves(swap_halves(t)), t)

@@ -1,16 +1,17 @@
 """`gen-config --fit` and `estimate` for a LoRA and for the GPUs users own (24 GB, 16 GB, 48 GB, 80 GB): the model
 born in its training dtype (no fp32 build peak), a quantized frozen base as an option, the LoRA's lr defaults, a
 short "nothing fits", the host memory said on the last line, the next command. Pure Python; CliRunner."""
+
 import json
 import re
 
 import pytest
 from click.testing import CliRunner
 
-from fluxzero.cli import main
-from fluxzero.config.deepspeed import build as ds_config
-from fluxzero.config import get_model_config
 from fluxzero import plan as memory
+from fluxzero.cli import main
+from fluxzero.config import get_model_config
+from fluxzero.config.deepspeed import build as ds_config
 from fluxzero.plan import GiB, RunSpec, estimate
 from tests.pure_python import run_without_torch
 
@@ -52,16 +53,21 @@ def test_int8_base_is_a_byte_per_weight_plus_scales():
     assert int8.gpu_total < bf16.gpu_total - 9 * GiB
     # each dequantized weight is saved for backward: without checkpointing every block's bf16 weights are alive
     plain = {i.name: i.bytes for i in estimate(RunSpec(DEV, stage=2, lora_rank=16, checkpoint_every=0)).items}
-    q = {i.name: i.bytes for i in estimate(RunSpec(DEV, stage=2, lora_rank=16, checkpoint_every=0,
-                                                   base_quant="int8")).items}
+    q = {
+        i.name: i.bytes
+        for i in estimate(RunSpec(DEV, stage=2, lora_rank=16, checkpoint_every=0, base_quant="int8")).items
+    }
     linear_weights = sum(i * o for n, (i, o) in memory.spec.linear_shapes(DEV).items() if "_blocks." in n)
     assert q["activations saved for backward"] - plain["activations saved for backward"] == 2 * linear_weights
 
 
-@pytest.mark.parametrize("args,word", [
-    (["--base-quant", "int8"], "needs a LoRA"),
-    (["--base-quant", "int8", "--lora-rank", "16", "--zero-stage", "3"], "stage 0, 1 or 2"),
-])
+@pytest.mark.parametrize(
+    "args,word",
+    [
+        (["--base-quant", "int8"], "needs a LoRA"),
+        (["--base-quant", "int8", "--lora-rank", "16", "--zero-stage", "3"], "stage 0, 1 or 2"),
+    ],
+)
 def test_estimate_base_quant_refusals(args, word):
     r = CliRunner().invoke(main, ["estimate", *args])
     assert r.exit_code == 2 and word in r.output and "Traceback" not in r.output
@@ -74,8 +80,11 @@ def test_estimate_says_what_fits_instead_and_the_next_command():
     assert "next: fluxzero gen-config --fit --gpu rtx4090 --world-size 1 --lora-rank 16 -o ds.json" in r.output
     r = CliRunner().invoke(main, ["estimate", "--gpu", "h100", "--lora-rank", "16", "--zero-stage", "2", "--json"])
     d = json.loads(r.stdout)
-    assert d["fits"] and d["instead"] is None and d["next"].startswith("fluxzero gen-config --world-size 1 "
-                                                                         "--lora-rank 16 --zero-stage 2")
+    assert (
+        d["fits"]
+        and d["instead"] is None
+        and d["next"].startswith("fluxzero gen-config --world-size 1 --lora-rank 16 --zero-stage 2")
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -106,8 +115,25 @@ LORA_CASES = {
 def test_fit_lora_on_one_gpu(tmp_path, gpu, res):
     want = LORA_CASES[gpu, res]
     out = tmp_path / "ds.json"
-    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "1", "--gpu", gpu, "--host-memory", "64",
-                                  "--lora-rank", "16", "--resolution", res, "-o", str(out)])
+    r = CliRunner().invoke(
+        main,
+        [
+            "gen-config",
+            "--fit",
+            "--world-size",
+            "1",
+            "--gpu",
+            gpu,
+            "--host-memory",
+            "64",
+            "--lora-rank",
+            "16",
+            "--resolution",
+            res,
+            "-o",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     cfg = json.loads(out.read_text())
     z = cfg["zero_optimization"]
@@ -118,12 +144,29 @@ def test_fit_lora_on_one_gpu(tmp_path, gpu, res):
     assert cfg["fluxzero"].get("compile", {}).get("blocks", False) is (want["stage"] < 3)
     lora_line = "lora: {rank: 16, targets: attention+mlp" + (", base_quant: int8}" if want["quant"] else "}")
     last = r.stderr.strip().splitlines()[-1]
-    assert last == f"next: in run.yaml set deepspeed: {out}; {lora_line}; then deepspeed --num_gpus 1 " \
-                   "launch/train.py --config run.yaml"
+    assert (
+        last == f"next: in run.yaml set deepspeed: {out}; {lora_line}; then deepspeed --num_gpus 1 "
+        "launch/train.py --config run.yaml"
+    )
     # the printed peak is the estimate of the file written, as `estimate --ds-config` reads it
     alloc, need = predicted(r.stderr)
-    e = CliRunner().invoke(main, ["estimate", "--ds-config", str(out), "--lora-rank", "16", "--resolution", res,
-                                  "--base-quant", want["quant"] or "none", "--gpu", gpu, "--json"])
+    e = CliRunner().invoke(
+        main,
+        [
+            "estimate",
+            "--ds-config",
+            str(out),
+            "--lora-rank",
+            "16",
+            "--resolution",
+            res,
+            "--base-quant",
+            want["quant"] or "none",
+            "--gpu",
+            gpu,
+            "--json",
+        ],
+    )
     d = json.loads(e.stdout)
     assert d["fits"] and (round(d["gpu_allocated_gib"], 1), round(d["gpu_needed_gib"], 1)) == (alloc, need)
 
@@ -132,8 +175,9 @@ def test_fit_lora_pins_and_refusals():
     r, cfg = gen("--fit", "--world-size", "1", "--gpu", "rtx4090", "--lora-rank", "16", "--base-quant", "none")
     assert r.exit_code == 0, r.output
     assert cfg["zero_optimization"]["offload_param"]["device"] == "cpu" and "int8" not in r.stderr
-    r, cfg = gen("--fit", "--world-size", "1", "--gpu", "h100", "--lora-rank", "16", "--base-quant", "int8",
-                 "--no-compile")
+    r, cfg = gen(
+        "--fit", "--world-size", "1", "--gpu", "h100", "--lora-rank", "16", "--base-quant", "int8", "--no-compile"
+    )
     assert r.exit_code == 0 and "base_quant: int8" in r.stderr and cfg["fluxzero"].get("compile") == {"blocks": False}
     r, _ = gen("--fit", "--world-size", "1", "--gpu", "h100", "--base-quant", "int8")
     assert r.exit_code == 2 and "add --lora-rank" in r.output
@@ -154,18 +198,26 @@ def test_nothing_fits_is_a_few_lines_of_what_would():
     # DeepSpeed's CPU Adam pinned (fp32 masters): the host modes would fit (test_fit_full_fine_tune_on_80_and_48_gb)
     r, _ = gen("--fit", "--world-size", "1", "--gpu", "rtx4090", "--host-memory", "128", "--adam-impl", "cpu")
     assert r.exit_code == 2
-    message = r.output[r.output.index("gen-config --fit:"):]
+    message = r.output[r.output.index("gen-config --fit:") :]
     assert len(message.splitlines()) <= 10 and len(message) < 1400, message
-    for tip in ("more GPUs: 16", "more host memory: ZeRO-3 with CPU offload of parameters and optimizer, given 308 "
-                "GiB", "--host-memory 308", "NVMe:", "--nvme-path", "a LoRA instead of a full fine-tune",
-                "--lora-rank 16"):
+    for tip in (
+        "more GPUs: 16",
+        "more host memory: ZeRO-3 with CPU offload of parameters and optimizer, given 308 GiB",
+        "--host-memory 308",
+        "NVMe:",
+        "--nvme-path",
+        "a LoRA instead of a full fine-tune",
+        "--lora-rank 16",
+    ):
         assert tip in message
     assert "host needs 276.9 GiB per node > 115.2 GiB budget" in message
 
 
 def test_an_unchecked_host_beyond_common_machines_is_the_last_line(tmp_path):
     # DeepSpeed's CPU Adam pinned: the fused mode (test_memory_modes) needs only 16 GiB of host here
-    r, cfg = gen("--fit", "--world-size", "1", "--gpu", "rtx4090", "--adam-impl", "cpu", "-o", str(tmp_path / "ds.json"))
+    r, cfg = gen(
+        "--fit", "--world-size", "1", "--gpu", "rtx4090", "--adam-impl", "cpu", "-o", str(tmp_path / "ds.json")
+    )
     assert r.exit_code == 0, r.output
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("warning: this config needs 277 GiB of host memory per node") and "--host-memory" in last
@@ -178,13 +230,17 @@ def test_an_unchecked_host_beyond_common_machines_is_the_last_line(tmp_path):
 
 def test_fit_full_fine_tune_on_80_and_48_gb():
     # the modes without a fused step (the fused one is chosen first: tests/plan/test_memory_modes.py)
-    r, cfg = gen("--fit", "--world-size", "1", "--gpu", "h100", "--host-memory", "120", "--optimizer-mode",
-                 "adafactor-sr")
+    r, cfg = gen(
+        "--fit", "--world-size", "1", "--gpu", "h100", "--host-memory", "120", "--optimizer-mode", "adafactor-sr"
+    )
     assert r.exit_code == 0, r.output
     assert (cfg["zero_optimization"]["stage"], cfg["fluxzero"]["optimizer_mode"]) == (0, "adafactor-sr")
     # every 8th block checkpointed, selectively: micro batch 4 either way, the recompute of the pointwise ops only
-    assert cfg["fluxzero"]["activation_checkpointing"] == {"every_k_blocks": 8, "implementation": "torch",
-                                                           "policy": "selective"}
+    assert cfg["fluxzero"]["activation_checkpointing"] == {
+        "every_k_blocks": 8,
+        "implementation": "torch",
+        "policy": "selective",
+    }
     assert predicted(r.stderr) == (62.3, 70.9)
     r, cfg = gen("--fit", "--world-size", "1", "--gpu", "a6000", "--host-memory", "120", "--offload-optimizer", "cpu")
     assert r.exit_code == 0, r.output  # bf16 masters and 8-bit states stepped on the host
@@ -216,12 +272,15 @@ def test_a_lone_gpu_is_one_gpu_as_estimate_assumes():
 def test_nothing_fits_a_lora_names_the_memory_short_and_ends_in_one_sentence():
     r, _ = gen("--fit", "--gpu-memory", "1", "--host-memory", "8", "--lora-rank", "16")
     assert r.exit_code == 2 and "Usage:" not in r.output and "larger GPU" not in r.output, r.output
-    assert ("It would fit with a GPU of 7 GiB or more (--gpu-memory 7, e.g. --gpu rtx4080) and 37 GiB of host memory "
-            "per node (--host-memory 37): ZeRO-3 with optimizer offload cpu, parameter offload cpu, micro batch 1, "
-            "every block checkpointed.") in r.output, r.output
+    assert (
+        "It would fit with a GPU of 7 GiB or more (--gpu-memory 7, e.g. --gpu rtx4080) and 37 GiB of host memory "
+        "per node (--host-memory 37): ZeRO-3 with optimizer offload cpu, parameter offload cpu, micro batch 1, "
+        "every block checkpointed."
+    ) in r.output, r.output
     last = r.output.strip().splitlines()[-1]
     assert last.startswith("Error: --fit: nothing fits 1 GPU(s) of 1 GiB") and last.endswith(
-        "nothing was written (what would fit is above).")
+        "nothing was written (what would fit is above)."
+    )
     assert gen("--fit", "--gpu-memory", "7", "--host-memory", "37", "--lora-rank", "16")[0].exit_code == 0
 
 
@@ -238,13 +297,17 @@ def test_the_compile_caveat_is_the_plan_s_own_kind():
 # ---------------------------------------------------------------------------------------------------------
 def test_adapter_types_count_their_own_parameters():
     lora, dora, lokr = (RunSpec(DEV, stage=2, lora_rank=16, lora_type=t) for t in ("lora", "dora", "lokr"))
-    rows = sum(o for n, (_, o) in memory.spec.linear_shapes(DEV).items()
-               if any(__import__("fnmatch").fnmatchcase(n, p) for p in memory.lora_config(lora).patterns))
+    rows = sum(
+        o
+        for n, (_, o) in memory.spec.linear_shapes(DEV).items()
+        if any(__import__("fnmatch").fnmatchcase(n, p) for p in memory.lora_config(lora).patterns)
+    )
     assert memory.trained_params(dora) == memory.trained_params(lora) + rows  # one magnitude per output row
     assert memory.trained_params(lokr) < memory.trained_params(lora) / 10
     assert estimate(dora).gpu_total > estimate(lora).gpu_total > estimate(lokr).gpu_total
-    r = CliRunner().invoke(main, ["estimate", "--lora-rank", "16", "--lora-type", "lokr", "--lora-factor", "16",
-                                  "--json"])
+    r = CliRunner().invoke(
+        main, ["estimate", "--lora-rank", "16", "--lora-type", "lokr", "--lora-factor", "16", "--json"]
+    )
     d = json.loads(r.stdout)
     want = memory.trained_params(RunSpec(DEV, stage=2, lora_rank=16, lora_type="lokr", lora_factor=16))
     assert d["lora_type"] == "lokr" and d["trained_params"] == want != memory.trained_params(lokr)
@@ -252,11 +315,15 @@ def test_adapter_types_count_their_own_parameters():
 
 def test_gen_config_names_the_adapter_type_and_refuses_what_the_trainer_refuses():
     r, _ = gen("--lora-rank", "16", "--lora-type", "lokr", "--lora-factor", "16", "--lora-decompose-both")
-    assert r.exit_code == 0 and ("lora: {rank: 16, targets: attention+mlp, type: lokr, factor: 16, "
-                                 "decompose_both: true}") in r.stderr
-    for args, word in ((("--lora-type", "dora"), "give --lora-rank too"),
-                       (("--lora-rank", "4", "--lora-type", "dora", "--base-quant", "int8"), "--base-quant"),
-                       (("--lora-rank", "4", "--lora-factor", "4"), "--lora-factor")):
+    assert (
+        r.exit_code == 0
+        and ("lora: {rank: 16, targets: attention+mlp, type: lokr, factor: 16, decompose_both: true}") in r.stderr
+    )
+    for args, word in (
+        (("--lora-type", "dora"), "give --lora-rank too"),
+        (("--lora-rank", "4", "--lora-type", "dora", "--base-quant", "int8"), "--base-quant"),
+        (("--lora-rank", "4", "--lora-factor", "4"), "--lora-factor"),
+    ):
         r, _ = gen(*args)
         assert r.exit_code == 2 and word in r.output and "Traceback" not in r.output, r.output
     r = CliRunner().invoke(main, ["estimate", "--lora-type", "dora"])

@@ -1,9 +1,9 @@
 """fluxzero.plan: parameter counts, parity with DeepSpeed's own estimators, the measured GPU facts it must
 reproduce, fit search, and the `fluxzero estimate` command (which must run without torch)."""
+
 import json
 
 import pytest
-from tests.pure_python import run_without_torch
 from click.testing import CliRunner
 
 from fluxzero import config
@@ -11,6 +11,7 @@ from fluxzero import plan as memory
 from fluxzero.cli import main
 from fluxzero.config import get_model_config
 from fluxzero.plan import GiB, Hardware, RunSpec, ZeroSettings, estimate
+from tests.pure_python import run_without_torch
 
 H200 = memory.GPU_MEMORY_GIB["h200"]
 
@@ -51,9 +52,20 @@ PARITY_MODELS = ["flux-dev", "flux-dev-lite", "flux-tiny"]
 
 
 def _parity_spec(preset, gpus, stage, oo="none", op="none", zero_init=True):
-    return RunSpec(get_model_config(preset), nodes=1, gpus_per_node=gpus, stage=stage, offload_optimizer=oo,
-                   offload_param=op, precision="fp16", optimizer="adamw", optimizer_impl="fused",
-                   checkpoint_every=0, zero=PARITY_ZERO, zero_init=zero_init)
+    return RunSpec(
+        get_model_config(preset),
+        nodes=1,
+        gpus_per_node=gpus,
+        stage=stage,
+        offload_optimizer=oo,
+        offload_param=op,
+        precision="fp16",
+        optimizer="adamw",
+        optimizer_impl="fused",
+        checkpoint_every=0,
+        zero=PARITY_ZERO,
+        zero_init=zero_init,
+    )
 
 
 @pytest.mark.parametrize("preset", PARITY_MODELS)
@@ -65,8 +77,9 @@ def test_zero2_model_states_equal_deepspeed_estimator(preset, gpus, offload):
 
     spec = _parity_spec(preset, gpus, 2, "cpu" if offload else "none")
     P = memory.param_inventory(spec.model).total
-    ds_cpu, ds_gpu = estimate_zero2_model_states_mem_needs(P, num_gpus_per_node=gpus, num_nodes=1,
-                                                            cpu_offload=offload, additional_buffer_factor=1.0)
+    ds_cpu, ds_gpu = estimate_zero2_model_states_mem_needs(
+        P, num_gpus_per_node=gpus, num_nodes=1, cpu_offload=offload, additional_buffer_factor=1.0
+    )
     gpu, host = estimate(spec).deepspeed_view()
     # Only rounding differs: DeepSpeed int(18 * P / N), we 18 * ceil(P / N).
     assert abs(gpu - ds_gpu) <= 18
@@ -89,8 +102,15 @@ def test_zero3_model_states_equal_deepspeed_estimator(preset, gpus, oo, op, zero
     spec = _parity_spec(preset, gpus, 3, oo, op, zero_init)
     inv = memory.param_inventory(spec.model)
     ds_cpu, ds_gpu, _ = estimate_zero3_model_states_mem_needs(
-        inv.total, inv.largest_layer, num_gpus_per_node=gpus, num_nodes=1, cpu_offload=oo != "none",
-        cpu_offload_params=op != "none", zero_init=zero_init, additional_buffer_factor=1.0)
+        inv.total,
+        inv.largest_layer,
+        num_gpus_per_node=gpus,
+        num_nodes=1,
+        cpu_offload=oo != "none",
+        cpu_offload_params=op != "none",
+        zero_init=zero_init,
+        additional_buffer_factor=1.0,
+    )
     gpu, host = estimate(spec).deepspeed_view()
     if oo == "none":
         # DeepSpeed's no-offload ZeRO-3 figure, largest_layer_memory + 18 P / N, leaves out the 16-bit
@@ -113,8 +133,14 @@ def test_documented_differences_from_deepspeed_estimators():
     assert e2.gpu_phase("step") == ds_gpu + 2 * part
     # ZeRO-3: fp32 gradients are made one sub-group (1e9 elements, overshooting by less than one tensor's
     # partition) at a time, not for the whole partition.
-    s3 = RunSpec(cfg, gpus_per_node=2, stage=3, optimizer_impl="fused", checkpoint_every=0,
-                 zero=ZeroSettings(prefetch_bucket_size=0))
+    s3 = RunSpec(
+        cfg,
+        gpus_per_node=2,
+        stage=3,
+        optimizer_impl="fused",
+        checkpoint_every=0,
+        zero=ZeroSettings(prefetch_bucket_size=0),
+    )
     fp32_grads = [i for i in estimate(s3).items if i.name == "fp32 gradient partition at step"]
     largest_part = -(-max(memory.param_inventory(cfg).tensor_sizes) // 2)
     assert 4 * 1_000_000_000 <= fp32_grads[0].bytes < 4 * (1_000_000_000 + largest_part) < 4 * part
@@ -142,8 +168,19 @@ MEASURED = [  # (stage, micro batch, resolution, zero settings, measured max_mem
 
 
 def _flux_dev_2xh200(stage, micro, px, zero, **kw):
-    return RunSpec(get_model_config("flux-dev"), gpus_per_node=2, height=px, width=px, txt_len=512,
-                   micro_batch=micro, stage=stage, checkpoint_every=1, optimizer_impl="fused", zero=zero, **kw)
+    return RunSpec(
+        get_model_config("flux-dev"),
+        gpus_per_node=2,
+        height=px,
+        width=px,
+        txt_len=512,
+        micro_batch=micro,
+        stage=stage,
+        checkpoint_every=1,
+        optimizer_impl="fused",
+        zero=zero,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("stage,micro,px,zero,measured", MEASURED)
@@ -186,20 +223,28 @@ def test_monotone_in_the_obvious_directions():
     assert t(checkpoint_every=1) < t(checkpoint_every=2) < t(checkpoint_every=0)
     assert a(offload_optimizer="cpu") < a()
     # math attention keeps (H, L, L) probabilities: quadratic in tokens, flash linear
-    flash = [memory.activation_bytes(base.replace(height=p, width=p, checkpoint_every=0))["stored"]
-             for p in (512, 1024)]
-    math_ = [memory.activation_bytes(base.replace(height=p, width=p, checkpoint_every=0, attention="math"))["stored"]
-             for p in (512, 1024)]
+    flash = [
+        memory.activation_bytes(base.replace(height=p, width=p, checkpoint_every=0))["stored"] for p in (512, 1024)
+    ]
+    math_ = [
+        memory.activation_bytes(base.replace(height=p, width=p, checkpoint_every=0, attention="math"))["stored"]
+        for p in (512, 1024)
+    ]
     assert math_[1] / math_[0] > flash[1] / flash[0] + 1
 
 
 def test_cpu_checkpointing_moves_checkpointed_inputs_to_the_host():
     from fluxzero.config.deepspeed import build as ds_config
 
-    ds = ds_config.build(ds_config.options_from(None, world_size=8, micro_batch=4, checkpoint_impl="deepspeed",
-                                                cpu_checkpointing=True))
-    spec = RunSpec(get_model_config("flux-dev"), gpus_per_node=8, load_bytes=0,  # no weights: host = running
-                   **memory.run_options_from_ds_config(ds))
+    ds = ds_config.build(
+        ds_config.options_from(None, world_size=8, micro_batch=4, checkpoint_impl="deepspeed", cpu_checkpointing=True)
+    )
+    spec = RunSpec(
+        get_model_config("flux-dev"),
+        gpus_per_node=8,
+        load_bytes=0,  # no weights: host = running
+        **memory.run_options_from_ds_config(ds),
+    )
     assert spec.cpu_checkpointing
     on, off = estimate(spec), estimate(spec.replace(cpu_checkpointing=False))
     moved = 4 * 57 * (1024 + 512) * 3072 * 2  # micro batch x blocks x tokens x hidden x bf16
@@ -221,9 +266,13 @@ def test_checkpointed_block_counts():
 
 def test_bad_specs_name_the_field():
     cfg = get_model_config("flux-tiny")
-    for kw, word in [({"height": 500}, "height"), ({"stage": 2, "offload_param": "cpu"}, "offload_param"),
-                     ({"stage": 0, "offload_optimizer": "cpu"}, "offload_optimizer"),
-                     ({"stage": 2, "offload_optimizer": "nvme"}, "NVMe"), ({"micro_batch": 0}, "micro_batch")]:
+    for kw, word in [
+        ({"height": 500}, "height"),
+        ({"stage": 2, "offload_param": "cpu"}, "offload_param"),
+        ({"stage": 0, "offload_optimizer": "cpu"}, "offload_optimizer"),
+        ({"stage": 2, "offload_optimizer": "nvme"}, "NVMe"),
+        ({"micro_batch": 0}, "micro_batch"),
+    ]:
         with pytest.raises(ValueError, match=word):
             RunSpec(cfg, **kw)
 
@@ -233,8 +282,14 @@ def test_run_options_from_gen_config_output():
 
     cfg = ds_config.build(ds_config.options_from("zero3-offload", world_size=2, micro_batch=4, checkpoint_every=2))
     got = memory.run_options_from_ds_config(cfg)
-    assert (got["stage"], got["offload_optimizer"], got["offload_param"], got["micro_batch"],
-            got["checkpoint_every"], got["precision"]) == (3, "cpu", "cpu", 4, 2, "bf16")
+    assert (
+        got["stage"],
+        got["offload_optimizer"],
+        got["offload_param"],
+        got["micro_batch"],
+        got["checkpoint_every"],
+        got["precision"],
+    ) == (3, "cpu", "cpu", 4, 2, "bf16")
     assert got["zero"].reduce_bucket_size == cfg["zero_optimization"]["reduce_bucket_size"]
     for precision in ("fp32", "fp16", "bf16"):  # gen-config's fp32 writes neither section
         cfg = ds_config.build(ds_config.options_from(None, precision=precision))
@@ -280,11 +335,15 @@ def test_estimate_command_table_and_verdict():
 
 
 def test_estimate_json_reads_a_deepspeed_config(tmp_path):
-    r = CliRunner().invoke(main, ["gen-config", "--preset", "zero3", "--world-size", "2", "--micro-batch", "8",
-                                  "-o", str(tmp_path / "ds.json")])
+    r = CliRunner().invoke(
+        main,
+        ["gen-config", "--preset", "zero3", "--world-size", "2", "--micro-batch", "8", "-o", str(tmp_path / "ds.json")],
+    )
     assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(main, ["estimate", "--ds-config", str(tmp_path / "ds.json"), "--gpus-per-node", "2",
-                                  "--gpu-memory", "80", "--json"])
+    r = CliRunner().invoke(
+        main,
+        ["estimate", "--ds-config", str(tmp_path / "ds.json"), "--gpus-per-node", "2", "--gpu-memory", "80", "--json"],
+    )
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert (d["stage"], d["micro_batch"]) == (3, 8)
@@ -306,8 +365,16 @@ def test_estimate_config_reads_absent_keys_as_deepspeed_and_the_trainer_do(tmp_p
     checkpointing: estimating it with the command's own defaults (ZeRO-2, every block) said FITS for a run
     that would run out of memory."""
     cfg = tmp_path / "hand.json"
-    cfg.write_text(json.dumps({"train_batch_size": 64, "gradient_accumulation_steps": 2,
-                               "bf16": {"enabled": True}, "gradient_clipping": 1.0}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 64,
+                "gradient_accumulation_steps": 2,
+                "bf16": {"enabled": True},
+                "gradient_clipping": 1.0,
+            }
+        )
+    )
     r = CliRunner().invoke(main, ["estimate", "--ds-config", str(cfg), "--gpus-per-node", "2", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
@@ -329,26 +396,31 @@ def test_uneven_hostfile_partitions_over_every_rank(tmp_path):
 
 def test_estimate_reshaped_model_equals_the_preset_of_that_shape():
     """--depth/--single-depth on flux-dev give flux-dev-lite's numbers; a width change follows the parameters."""
+
     def gib(*args):
         r = CliRunner().invoke(main, ["estimate", "--zero-stage", "0", "--json", *args])
         assert r.exit_code == 0, r.output
         return json.loads(r.output)["gpu_needed_gib"]
 
     assert gib("--depth", "5", "--single-depth", "10") == gib("--model", "flux-dev-lite")
-    narrow = memory.param_inventory(config.reshaped(config.get_model_config("flux-dev"), hidden_size=2048,
-                                                    num_heads=16))
+    narrow = memory.param_inventory(
+        config.reshaped(config.get_model_config("flux-dev"), hidden_size=2048, num_heads=16)
+    )
     assert 5.2e9 < narrow.total < 5.4e9  # 4/9 of the width-squared terms of 11.9B
     assert gib("--hidden-size", "2048", "--heads", "16") < gib()
     r = CliRunner().invoke(main, ["estimate", "--hidden-size", "2048", "--heads", "3"])
     assert r.exit_code == 2 and "even whole head dim" in r.output
 
 
-@pytest.mark.parametrize("args,word", [
-    (["--resolution", "500"], "multiple of 16"),
-    (["--resolution", "big"], "512 or 1024x768"),
-    (["--gpu", "h200", "--gpu-memory", "80"], "one way only"),
-    (["--zero-stage", "2", "--offload-param", "cpu"], "stage 3"),
-])
+@pytest.mark.parametrize(
+    "args,word",
+    [
+        (["--resolution", "500"], "multiple of 16"),
+        (["--resolution", "big"], "512 or 1024x768"),
+        (["--gpu", "h200", "--gpu-memory", "80"], "one way only"),
+        (["--zero-stage", "2", "--offload-param", "cpu"], "stage 3"),
+    ],
+)
 def test_estimate_user_errors_exit_2(args, word):
     r = CliRunner().invoke(main, ["estimate"] + args)
     assert r.exit_code == 2 and word in r.output and "Traceback" not in r.output
@@ -368,8 +440,9 @@ def test_estimate_runs_without_torch_or_deepspeed():
 # ---------------------------------------------------------------------------------------------------------
 def test_gen_config_fit_writes_the_choice_and_says_why(tmp_path):
     out = tmp_path / "ds.json"
-    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "2", "--gpu", "h200", "--host-memory",
-                                  "1024", "-o", str(out)])
+    r = CliRunner().invoke(
+        main, ["gen-config", "--fit", "--world-size", "2", "--gpu", "h200", "--host-memory", "1024", "-o", str(out)]
+    )
     assert r.exit_code == 0, r.output
     cfg = json.loads(out.read_text())
     assert cfg["zero_optimization"]["stage"] == 3 and "offload_optimizer" not in cfg["zero_optimization"]
@@ -384,8 +457,9 @@ def test_gen_config_fit_writes_the_choice_and_says_why(tmp_path):
 
 
 def test_gen_config_fit_keeps_what_the_user_chose():
-    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "8", "--gpu", "h100", "--zero-stage", "2",
-                                  "--micro-batch", "2"])
+    r = CliRunner().invoke(
+        main, ["gen-config", "--fit", "--world-size", "8", "--gpu", "h100", "--zero-stage", "2", "--micro-batch", "2"]
+    )
     assert r.exit_code == 0, r.output
     cfg = json.loads(r.stdout)
     assert cfg["zero_optimization"]["stage"] == 2 and cfg["train_micro_batch_size_per_gpu"] == 2
@@ -394,8 +468,21 @@ def test_gen_config_fit_keeps_what_the_user_chose():
 def test_gen_config_fit_offloads_on_one_small_gpu():
     # fp32 masters pinned (--optimizer-mode fp32): offload is the only way; the client torch AdamW on the CPU
     # needs zero_force_ds_cpu_optimizer false (without the pin a bf16 mode on the GPU comes first)
-    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "1", "--gpu", "a100-80", "--host-memory",
-                                  "512", "--optimizer-mode", "fp32"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "gen-config",
+            "--fit",
+            "--world-size",
+            "1",
+            "--gpu",
+            "a100-80",
+            "--host-memory",
+            "512",
+            "--optimizer-mode",
+            "fp32",
+        ],
+    )
     assert r.exit_code == 0, r.output
     cfg = json.loads(r.stdout)
     assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
@@ -404,19 +491,39 @@ def test_gen_config_fit_offloads_on_one_small_gpu():
 
 def test_gen_config_fit_refuses_when_nothing_fits(tmp_path):
     out = tmp_path / "ds.json"
-    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", "1", "--gpu", "rtx4090", "--host-memory",
-                                  "8", "--resolution", "1024", "-o", str(out)])
+    r = CliRunner().invoke(
+        main,
+        [
+            "gen-config",
+            "--fit",
+            "--world-size",
+            "1",
+            "--gpu",
+            "rtx4090",
+            "--host-memory",
+            "8",
+            "--resolution",
+            "1024",
+            "-o",
+            str(out),
+        ],
+    )
     assert r.exit_code == 2 and "nothing fits" in r.output
     # the leanest host that would: the fused mode streaming blocks (not ZeRO-3's 184 GiB of offload)
-    assert "fused-adafactor-sr with the last 32 blocks streamed from host memory, given 12 GiB of host memory per " \
-           "node (--host-memory 12)" in r.output
+    assert (
+        "fused-adafactor-sr with the last 32 blocks streamed from host memory, given 12 GiB of host memory per "
+        "node (--host-memory 12)" in r.output
+    )
     assert not out.exists()
 
 
-@pytest.mark.parametrize("args,word", [
-    (["--world-size", "2"], "--fit needs the GPU memory"),
-    (["--world-size", "2", "--gpu", "h200", "--global-batch", "3"], "divides global batch"),
-])
+@pytest.mark.parametrize(
+    "args,word",
+    [
+        (["--world-size", "2"], "--fit needs the GPU memory"),
+        (["--world-size", "2", "--gpu", "h200", "--global-batch", "3"], "divides global batch"),
+    ],
+)
 def test_gen_config_fit_user_errors(args, word):
     r = CliRunner().invoke(main, ["gen-config", "--fit"] + args)
     assert r.exit_code == 2 and word in r.output and "Traceback" not in r.output
@@ -431,8 +538,11 @@ def test_gen_config_fit_runs_without_torch_or_deepspeed():
     assert json.loads(r.stdout)["zero_optimization"]["stage"] == 3 and "chose ZeRO-3" in r.stderr
 
 
-@pytest.mark.parametrize("path", sorted((__import__("pathlib").Path(__file__).resolve().parents[2] / "ds_configs")
-                                        .glob("*.json")), ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path",
+    sorted((__import__("pathlib").Path(__file__).resolve().parents[2] / "ds_configs").glob("*.json")),
+    ids=lambda p: p.stem,
+)
 def test_estimate_reads_every_committed_config(path):
     ds = json.loads(path.read_text())
     r = CliRunner().invoke(main, ["estimate", "--ds-config", str(path), "--gpus-per-node", "8", "--json"])
@@ -448,6 +558,7 @@ def test_estimate_reads_every_committed_config(path):
 def test_fit_respects_what_was_given_and_advises_within_it(tmp_path):
     """--adam-impl decides the optimizer offload; an unused --nvme-path is left out rather than refused;
     advice never proposes NVMe without --nvme-path and names a pin that alone stands in the way."""
+
     def fit(*args):
         return CliRunner().invoke(main, ["gen-config", "--fit", *args])
 
@@ -463,7 +574,6 @@ def test_fit_respects_what_was_given_and_advises_within_it(tmp_path):
     assert "offload nvme" not in r.output  # no NVMe configuration proposed as if it were allowed
 
 
-
 def test_pinned_offload_buffers_are_counted_as_torch_allocates_them():
     """torch's pinned-memory allocator rounds each block up to a power of two: the 48 GB full fine-tune's host
     (ZeRO-3, optimizer offload, cpu-adamw8bit-sr) measured 103.1 GiB on one H200, 91.1 predicted before this."""
@@ -471,8 +581,17 @@ def test_pinned_offload_buffers_are_counted_as_torch_allocates_them():
     from fluxzero.plan.model_states import pinned_block
 
     assert [pinned_block(n) for n in (1, 3, 4, 5, 2**30 + 1)] == [1, 4, 4, 8, 2**31]
-    ds = ds_config.build(ds_config.options_from(None, world_size=1, zero_stage=3, offload_optimizer="cpu",
-                                                micro_batch=8, checkpoint_every=1, optimizer_mode="cpu-adamw8bit-sr"))
+    ds = ds_config.build(
+        ds_config.options_from(
+            None,
+            world_size=1,
+            zero_stage=3,
+            offload_optimizer="cpu",
+            micro_batch=8,
+            checkpoint_every=1,
+            optimizer_mode="cpu-adamw8bit-sr",
+        )
+    )
     spec = RunSpec(get_model_config("flux-dev"), load_bytes=0, **memory.run_options_from_ds_config(ds))
     assert spec.pin_offload_optimizer  # gen-config writes pin_memory: true
     host = estimate(spec).host_per_node / 2**30

@@ -5,6 +5,7 @@ by storage (a view keeps its whole storage alive), minus parameters and the bloc
 F.rms_norm is the composite kernel (it saves fp32 copies), so memory.py is asked for device="cpu" here; the
 CUDA difference (the fused kernel saves only rstd besides its input) is one documented term.
 """
+
 import pytest
 import torch
 
@@ -75,15 +76,23 @@ def test_whole_model_saved_bytes_within_5_percent():
     cfg = get_model_config("flux-tiny")
     model = build_model(cfg, dtype=torch.float32)
     B, h, w, T = 2, 128, 96, 24
-    spec = memory.RunSpec(cfg, height=h, width=w, txt_len=T, micro_batch=B, precision="fp32",
-                          checkpoint_every=0, stage=0, device="cpu")
+    spec = memory.RunSpec(
+        cfg, height=h, width=w, txt_len=T, micro_batch=B, precision="fp32", checkpoint_every=0, stage=0, device="cpu"
+    )
     I = spec.img_tokens
     g = torch.Generator().manual_seed(0)
     img = torch.randn(B, I, cfg.in_channels, generator=g)
     txt = torch.randn(B, T, cfg.context_in_dim, generator=g)
     img_ids, txt_ids = torch.zeros(B, I, 3), torch.zeros(B, T, 3)
-    args = (img, img_ids, txt, txt_ids, torch.rand(B, generator=g), torch.randn(B, cfg.vec_in_dim, generator=g),
-            torch.ones(B))
+    args = (
+        img,
+        img_ids,
+        txt,
+        txt_ids,
+        torch.rand(B, generator=g),
+        torch.randn(B, cfg.vec_in_dim, generator=g),
+        torch.ones(B),
+    )
     got = saved_bytes(model, args, list(model.parameters()))
     embed, head = memory.outside_blocks_saved(cfg, I, T, 4)
     want = memory.activation_bytes(spec)["stored"] + B * head  # forward's end: the head is still there
@@ -97,9 +106,10 @@ class LiveBytes:
     the storage itself is freed (PyTorch keeps one Python object per live storage)."""
 
     def __init__(self, ignore):
+        import weakref
+
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_flatten
-        import weakref
 
         tracker = self
         self.cur = self.peak = 0
@@ -167,22 +177,39 @@ def test_whole_model_training_peak_matches(every, policy):
     plus linear2's weight gradient in flight. Measured: within 0.2-0.8% for k = 0..3, micro batch 1, 3 and 4."""
     from fluxzero.train.engine import apply_activation_checkpointing
 
-    cfg = get_model_config("flux-dev").replace(depth=2, depth_single_blocks=4, hidden_size=384, num_heads=3,
-                                               context_in_dim=128, vec_in_dim=32)
+    cfg = get_model_config("flux-dev").replace(
+        depth=2, depth_single_blocks=4, hidden_size=384, num_heads=3, context_in_dim=128, vec_in_dim=32
+    )
     B, px, T = 2, 256, 64  # micro batch 2: batch-scaled items still differ from the per-model ones, at 2/3 of 3's CPU
     model = build_model(cfg, device="meta", dtype=torch.bfloat16).to_empty(device="cpu")
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     assert apply_activation_checkpointing(model, every, "torch", {}, policy=policy) == sum(
-        memory.checkpointed_split(cfg, every))
-    spec = memory.RunSpec(cfg, height=px, width=px, txt_len=T, micro_batch=B, checkpoint_every=every, stage=2,
-                          checkpoint_policy=policy, device="cpu")
+        memory.checkpointed_split(cfg, every)
+    )
+    spec = memory.RunSpec(
+        cfg,
+        height=px,
+        width=px,
+        txt_len=T,
+        micro_batch=B,
+        checkpoint_every=every,
+        stage=2,
+        checkpoint_policy=policy,
+        device="cpu",
+    )
     I = spec.img_tokens
     g = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(B, I, cfg.in_channels, generator=g), torch.zeros(B, I, 3),
-              torch.randn(B, T, cfg.context_in_dim, generator=g), torch.zeros(B, T, 3), torch.rand(B, generator=g),
-              torch.randn(B, cfg.vec_in_dim, generator=g), torch.ones(B)]
+    inputs = [
+        torch.randn(B, I, cfg.in_channels, generator=g),
+        torch.zeros(B, I, 3),
+        torch.randn(B, T, cfg.context_in_dim, generator=g),
+        torch.zeros(B, T, 3),
+        torch.rand(B, generator=g),
+        torch.randn(B, cfg.vec_in_dim, generator=g),
+        torch.ones(B),
+    ]
     live = LiveBytes(list(model.parameters()) + inputs)
     with live.mode:
         loss = (model(*inputs).float() - 1).pow(2).mean()
@@ -198,8 +225,9 @@ def test_whole_model_training_peak_matches(every, policy):
     assert abs(live.peak - want) / live.peak < 0.03, (live.peak, want)
 
 
-@pytest.mark.parametrize("dtype,attention", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
-                                             (torch.bfloat16, "math")])
+@pytest.mark.parametrize(
+    "dtype,attention", [(torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.bfloat16, "math")]
+)
 def test_selective_kept_bytes_match_measurement(dtype, attention):
     """What a block checkpointed with the selective policy keeps from its forward to its backward, measured as the
     live storages its forward leaves behind (less its output), against memory's per-block selective bytes."""
@@ -213,12 +241,22 @@ def test_selective_kept_bytes_match_measurement(dtype, attention):
     img, txt, vec, ids = block_inputs(cfg, I, T, dtype, batch=B)
     pe = model.pe_embedder(ids)
     x = torch.cat((txt, img), dim=1).detach().requires_grad_()
-    spec = memory.RunSpec(cfg, height=16 * 8, width=16 * 6, txt_len=T, precision="fp32" if dtype == torch.float32
-                          else "bf16", checkpoint_policy="selective", attention=att, device="cpu")
+    spec = memory.RunSpec(
+        cfg,
+        height=16 * 8,
+        width=16 * 6,
+        txt_len=T,
+        precision="fp32" if dtype == torch.float32 else "bf16",
+        checkpoint_policy="selective",
+        attention=att,
+        device="cpu",
+    )
     assert spec.img_tokens == I
     a = memory.activation_bytes(spec)
-    for block, args, want in ((model.double_blocks[0], (img, txt, vec, pe), a["selective_double"]),
-                              (model.single_blocks[0], (x, vec, pe), a["selective_single"])):
+    for block, args, want in (
+        (model.double_blocks[0], (img, txt, vec, pe), a["selective_double"]),
+        (model.single_blocks[0], (x, vec, pe), a["selective_single"]),
+    ):
         live = LiveBytes(list(model.parameters()) + [img, txt, vec, pe, x])
         with live.mode:
             out = block(*args)
@@ -246,11 +284,21 @@ def _lora_block_saved(adapters):
     img, txt, vec, ids = block_inputs(cfg, I, T, torch.bfloat16, batch=B)
     pe = model.pe_embedder(ids)
     x = torch.cat((txt, img), dim=1).detach().requires_grad_()
-    spec = memory.RunSpec(cfg, height=16 * 8, width=16 * 6, txt_len=T, lora_rank=4, lora_targets="all-linear",
-                          stage=3 if adapters == torch.float32 else 2, device="cpu")
+    spec = memory.RunSpec(
+        cfg,
+        height=16 * 8,
+        width=16 * 6,
+        txt_len=T,
+        lora_rank=4,
+        lora_targets="all-linear",
+        stage=3 if adapters == torch.float32 else 2,
+        device="cpu",
+    )
     params = list(model.parameters())
-    got = (saved_bytes(model.double_blocks[0], (img, txt, vec, pe), params + [img, txt, vec, pe]),
-           saved_bytes(model.single_blocks[0], (x, vec, pe), params + [x, vec, pe]))
+    got = (
+        saved_bytes(model.double_blocks[0], (img, txt, vec, pe), params + [img, txt, vec, pe]),
+        saved_bytes(model.single_blocks[0], (x, vec, pe), params + [x, vec, pe]),
+    )
     return got, tuple(B * n for n in memory.lora_block_saved(spec))
 
 

@@ -7,6 +7,7 @@ per rank and compared with the memory model's resident GPU items for the same ge
 these tensors are exactly the allocations of the model states; CPU cannot give allocator peaks (the GPU
 benchmark measures those), but it checks every per-stage formula on the real engine.
 """
+
 import json
 
 import pytest
@@ -15,8 +16,14 @@ import torch
 from tests.helpers import enter_rank, spawn_ranks
 
 # (ZeRO stage, optimizer offload, parameter offload); on CPU "offloaded" and "GPU" tensors are all counted
-CASES = ((0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none"), (2, "cpu", "none"),
-         (3, "cpu", "cpu"))
+CASES = (
+    (0, "none", "none"),
+    (1, "none", "none"),
+    (2, "none", "none"),
+    (3, "none", "none"),
+    (2, "cpu", "none"),
+    (3, "cpu", "cpu"),
+)
 
 
 def _storage_bytes(engine) -> int:
@@ -37,8 +44,11 @@ def _storage_bytes(engine) -> int:
         elif isinstance(obj, (list, tuple, set)):
             for v in obj:
                 walk(v, depth + 1)
-        elif not isinstance(obj, torch.nn.Module) and type(obj).__module__.startswith(("deepspeed", "torch.optim")) \
-                and hasattr(obj, "__dict__"):
+        elif (
+            not isinstance(obj, torch.nn.Module)
+            and type(obj).__module__.startswith(("deepspeed", "torch.optim"))
+            and hasattr(obj, "__dict__")
+        ):
             for v in vars(obj).values():
                 walk(v, depth + 1)
 
@@ -50,13 +60,13 @@ def _storage_bytes(engine) -> int:
 
 def _worker(rank, world, port, out_dir):
     enter_rank(rank, world, port)
-    from fluxzero.config.deepspeed import build as ds_config
     from fluxzero import plan as memory
-    from fluxzero.train import flow
     from fluxzero.config import FlowConfig, get_model_config
+    from fluxzero.config.deepspeed import build as ds_config
     from fluxzero.config.deepspeed.file import load_for_training
     from fluxzero.data import build_dataloader
     from fluxzero.train import engine as ds_engine
+    from fluxzero.train import flow
     from fluxzero.train.distributed import init_distributed
 
     init_distributed()
@@ -65,11 +75,20 @@ def _worker(rank, world, port, out_dir):
     for stage, oo, op in CASES:
         # small buckets: DeepSpeed allocates reduce_bucket_size elements whatever the model size
         opts = ds_config.options_from(
-            None, model="flux-tiny", world_size=world, zero_stage=stage, micro_batch=2, precision="bf16",
-            offload_optimizer=oo, offload_param=op,
-            checkpoint_every=1, steps_per_print=10**6, reduce_bucket_size=100_000 if stage else None,
+            None,
+            model="flux-tiny",
+            world_size=world,
+            zero_stage=stage,
+            micro_batch=2,
+            precision="bf16",
+            offload_optimizer=oo,
+            offload_param=op,
+            checkpoint_every=1,
+            steps_per_print=10**6,
+            reduce_bucket_size=100_000 if stage else None,
             allgather_bucket_size=100_000 if stage in (1, 2) else None,
-            stage3_prefetch_bucket_size=0 if stage == 3 else None)
+            stage3_prefetch_bucket_size=0 if stage == 3 else None,
+        )
         ds = ds_config.build(opts)
         name = f"{stage}-{oo}-{op}"
         path = f"{out_dir}/ds{name}-rank{rank}.json"  # one file per rank: a shared one can be read mid-rewrite
@@ -77,22 +96,36 @@ def _worker(rank, world, port, out_dir):
             json.dump(ds, f)
         ds_run, v = load_for_training(path, world)
         engine = ds_engine.build_engine(model_cfg, ds_run, v, torch.device("cpu"), seed=0)
-        batches = iter(build_dataloader("synthetic:n=16,hw=16x16,txt=16,ctx=64,vec=32", micro_batch=2, rank=rank,
-                                        world_size=world, seed=0))
+        batches = iter(
+            build_dataloader(
+                "synthetic:n=16,hw=16x16,txt=16,ctx=64,vec=32", micro_batch=2, rank=rank, world_size=world, seed=0
+            )
+        )
         for step in range(2):
-            inputs, target = flow.prepare_batch(next(batches), FlowConfig(), 0, 0, guidance_embed=True,
-                                                dtype=torch.bfloat16)
+            inputs, target = flow.prepare_batch(
+                next(batches), FlowConfig(), 0, 0, guidance_embed=True, dtype=torch.bfloat16
+            )
             engine.backward(flow.loss(engine(**inputs), target))
             if step == 1:
                 measured = _storage_bytes(engine)
             engine.step()
         # DeepSpeed's CPU accelerator pins nothing (its pin_memory is a no-op): no power-of-two pinned blocks
-        est = memory.estimate(memory.RunSpec(model_cfg, gpus_per_node=world, **{
-            **memory.run_options_from_ds_config(ds), "pin_offload_optimizer": False, "pin_offload_param": False}))
+        est = memory.estimate(
+            memory.RunSpec(
+                model_cfg,
+                gpus_per_node=world,
+                **{**memory.run_options_from_ds_config(ds), "pin_offload_optimizer": False, "pin_offload_param": False},
+            )
+        )
         # resident model states wherever they live, and stage 0's full gradients (made in backward, held to
         # the step: measured here, after backward); not the per-process runtime estimate
-        held = [i for i in est.items if (i.phase == "resident" or i.name.startswith("gradients (full"))
-                and i.where != "nvme" and not i.name.startswith("process")]
+        held = [
+            i
+            for i in est.items
+            if (i.phase == "resident" or i.name.startswith("gradients (full"))
+            and i.where != "nvme"
+            and not i.name.startswith("process")
+        ]
         results[name] = {"measured": measured, "predicted": sum(i.bytes for i in held)}
         engine.destroy()
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
@@ -122,8 +155,11 @@ def test_stage1_gradients_are_what_the_memory_model_counts():
 
     from fluxzero import plan as memory
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "archive"))  # spawned ranks import it by name
+    sys.path.insert(
+        0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "archive")
+    )  # spawned ranks import it by name
     import zero1_grad_probe as probe
+
     for overlap in (True, False):
         rows = probe.run(overlap)
         for r in rows:
@@ -140,8 +176,11 @@ def test_stage1_gradients_are_what_the_memory_model_counts():
         # loaded CPU it lagged one more layer behind backward (1.37 measured in a CI run), so one layer of slack
         # above. Without overlap the epilogue frees each reduced bucket's gradients as it fills the partition,
         # so the model, which keeps them all, is above by up to two layers (2/57 b P on flux-dev)
-        assert model - 0.01 <= peak + 2 * layer * (not overlap) and peak <= model + layer * overlap + 0.01, \
-            (overlap, peak, model)
+        assert model - 0.01 <= peak + 2 * layer * (not overlap) and peak <= model + layer * overlap + 0.01, (
+            overlap,
+            peak,
+            model,
+        )
     # and the model's items say the same for flux-dev at 8 ranks
     for overlap in (True, False):
         s = memory.RunSpec("flux-dev", stage=1, gpus_per_node=8, zero=memory.ZeroSettings(overlap_comm=overlap))
@@ -163,11 +202,9 @@ def _gather_worker(rank, world, port, out_file):
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fluxzero.config.deepspeed import build as ds_config
-
-    from fluxzero.config import get_model_config
-
     from fluxzero import plan as memory
+    from fluxzero.config import get_model_config
+    from fluxzero.config.deepspeed import build as ds_config
     from fluxzero.config.deepspeed.view import view
     from fluxzero.config.lora import LoraConfig
     from fluxzero.train.distributed import init_distributed
@@ -177,8 +214,11 @@ def _gather_worker(rank, world, port, out_file):
     cfg = get_model_config(GATHER_SPEC)
     results = {}
     for name, knobs in GATHER_CASES.items():
-        ds = ds_config.build(ds_config.options_from("zero3-offload", model=GATHER_SPEC, micro_batch=1,
-                                                    offload_optimizer="none", precision="bf16", **knobs))
+        ds = ds_config.build(
+            ds_config.options_from(
+                "zero3-offload", model=GATHER_SPEC, micro_batch=1, offload_optimizer="none", precision="bf16", **knobs
+            )
+        )
         v = view(ds)
         ds.pop("fluxzero")
         engine = build_engine(cfg, ds, v, torch.device("cpu"), seed=0, lora=LoraConfig(rank=4, targets="all-linear"))
@@ -187,27 +227,52 @@ def _gather_worker(rank, world, port, out_file):
 
         class Gathered(TorchDispatchMode):  # after every op: the elements gathered and not kept persistent
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                peak[0] = max(peak[0], sum(p.ds_numel for p in params if not p.ds_persist
-                                           and p.ds_status != ZeroParamStatus.NOT_AVAILABLE))
+                peak[0] = max(
+                    peak[0],
+                    sum(
+                        p.ds_numel for p in params if not p.ds_persist and p.ds_status != ZeroParamStatus.NOT_AVAILABLE
+                    ),
+                )
                 return func(*args, **(kwargs or {}))
 
         g = torch.Generator().manual_seed(0)
         B, I, T = 1, 64, 16
-        inputs = (torch.randn(B, I, 64, generator=g), torch.zeros(B, I, 3), torch.randn(B, T, 64, generator=g),
-                  torch.zeros(B, T, 3), torch.rand(B, generator=g), torch.randn(B, 32, generator=g), torch.ones(B))
-        for step in range(2):  # DeepSpeed records the module trace in the first step and prefetches from then on
+        inputs = (
+            torch.randn(B, I, 64, generator=g),
+            torch.zeros(B, I, 3),
+            torch.randn(B, T, 64, generator=g),
+            torch.zeros(B, T, 3),
+            torch.rand(B, generator=g),
+            torch.randn(B, 32, generator=g),
+            torch.ones(B),
+        )
+        for _step in range(2):  # DeepSpeed records the module trace in the first step and prefetches from then on
             peak[0] = 0
             with Gathered():
                 engine.backward(engine(*inputs).float().pow(2).mean())
             engine.step()
-        spec = memory.RunSpec(cfg, lora_rank=4, lora_targets="all-linear",
-                              **{k: val for k, val in memory.run_options_from_ds_config({**ds, "fluxzero": {
-                                  "activation_checkpointing": {"every_k_blocks": v.checkpoint_every}}}, 1).items()
-                                 if k != "micro_batch"})
-        live = sum(i.bytes for i in memory.estimate(spec).items
-                   if i.name in ("live (gathered) parameters", "parameters left gathered for backward"))
-        results[name] = {"measured": peak[0], "predicted": live // 2,
-                         "total": sum(p.ds_numel for p in params if not p.ds_persist)}
+        spec = memory.RunSpec(
+            cfg,
+            lora_rank=4,
+            lora_targets="all-linear",
+            **{
+                k: val
+                for k, val in memory.run_options_from_ds_config(
+                    {**ds, "fluxzero": {"activation_checkpointing": {"every_k_blocks": v.checkpoint_every}}}, 1
+                ).items()
+                if k != "micro_batch"
+            },
+        )
+        live = sum(
+            i.bytes
+            for i in memory.estimate(spec).items
+            if i.name in ("live (gathered) parameters", "parameters left gathered for backward")
+        )
+        results[name] = {
+            "measured": peak[0],
+            "predicted": live // 2,
+            "total": sum(p.ds_numel for p in params if not p.ds_persist),
+        }
         engine.destroy()
     with open(out_file, "w") as f:
         json.dump(results, f)

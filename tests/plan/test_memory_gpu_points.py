@@ -9,6 +9,7 @@ change to the model that moves it away from the measurements fails here:
 - reserved within 10% (issue 6's bound): the allocator's fragmentation is one calibrated fraction of
   the per-step transients per regime, and the measured fraction spreads (worst point -8.8%).
 """
+
 import importlib.util
 from pathlib import Path
 
@@ -61,8 +62,9 @@ def test_zero2_allocated_within_3_and_reserved_within_10_percent(c):
 def test_fragmentation_is_the_refit():
     """The fractions in the model are what benchmarks/fragmentation_fit.py fits, and every held-out run is
     within 10% with them (the fit can fail here: a changed model moves the fitted values)."""
-    spec = importlib.util.spec_from_file_location("fluxzero_bench_fragfit",
-                                                  ROOT / "benchmarks" / "fragmentation_fit.py")
+    spec = importlib.util.spec_from_file_location(
+        "fluxzero_bench_fragfit", ROOT / "benchmarks" / "fragmentation_fit.py"
+    )
     ff = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ff)
     rows = ff.all_rows()
@@ -101,6 +103,7 @@ def test_tensor_order_and_sub_groups_are_deepspeeds(preset):
         for sub_group_size in (1000, 5000, 10**9):
             params = [SimpleNamespace(partition_numel=lambda n=n: -(-n // world)) for n in sizes]
             groups = DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups(
-                SimpleNamespace(sub_group_size=sub_group_size), params)
+                SimpleNamespace(sub_group_size=sub_group_size), params
+            )
             want = max(sum(p.partition_numel() for p in g) for g in groups)
             assert inv.largest_sub_group(world, sub_group_size) == want, (world, sub_group_size)

@@ -1,6 +1,7 @@
 """The memory model with optimizer modes, LoRA and EMA; `gen-config --fit` over the modes on the three reference
 machines; `--fit` models exactly the file it writes; `estimate` never says "yes" for an unchecked host.
 Pure Python (the memory model has no torch); the CLI runs through CliRunner."""
+
 import json
 import math
 import re
@@ -8,9 +9,9 @@ import re
 import pytest
 from click.testing import CliRunner
 
+from fluxzero import plan as memory
 from fluxzero.cli import main
 from fluxzero.config import LoraConfig, get_model_config, lora_param_count, optim_modes
-from fluxzero import plan as memory
 from fluxzero.plan import RunSpec, estimate
 
 DEV = get_model_config("flux-dev")
@@ -113,8 +114,14 @@ def test_stage1_holds_a_whole_gradient_until_backward_ends():
         spec = RunSpec(DEV, stage=1, gpus_per_node=8, zero=memory.ZeroSettings(overlap_comm=overlap))
         it = items(spec)
         part = math.ceil(P / 8)
-        held = sum(i.bytes for n, i in it.items() if n.startswith("gradient") and i.phase in ("resident", "train")
-                   and "bucket" not in n and "being produced" not in n)
+        held = sum(
+            i.bytes
+            for n, i in it.items()
+            if n.startswith("gradient")
+            and i.phase in ("resident", "train")
+            and "bucket" not in n
+            and "being produced" not in n
+        )
         assert held == (2 * P if overlap else 2 * P + 2 * part)
 
 
@@ -133,8 +140,10 @@ def test_fit_one_h200_needs_a_bf16_mode():
     assert r.exit_code == 0, r.output
     assert cfg["zero_optimization"]["stage"] == 0 and cfg["fluxzero"]["optimizer_mode"] == "bf16-kahan"
     assert "bf16" not in cfg  # ZeRO 0: bf16 off, the trainer casts the model
-    assert cfg["train_micro_batch_size_per_gpu"] == 16 and cfg["fluxzero"]["activation_checkpointing"][
-        "every_k_blocks"] == 1
+    assert (
+        cfg["train_micro_batch_size_per_gpu"] == 16
+        and cfg["fluxzero"]["activation_checkpointing"]["every_k_blocks"] == 1
+    )
     assert "optimizer mode bf16-kahan (KahanAdamW (ours)" in r.stderr  # its caveat, one line
     assert cfg["fluxzero"]["compile"] == {"blocks": True, "mode": "default"}  # what the trainer runs, written out
     assert optim_modes.get_mode("bf16-kahan").caveat in r.stderr
@@ -149,8 +158,10 @@ def test_fit_one_80gb_gpu():
     assert cfg["fluxzero"]["activation_checkpointing"]["every_k_blocks"] == 8
     assert "not AdamW's trajectory" in r.stderr
     r, cfg = fit("--gpu", "h100", "--host-memory", "128")
-    assert "ZeRO-0/1/2/3 without offload, optimizer mode adamw8bit-sr: even micro batch 1 with every block " \
-           "checkpointed does not fit: ZeRO-0: GPU needs 72.6 GiB > 71.2 GiB budget" in r.stderr
+    assert (
+        "ZeRO-0/1/2/3 without offload, optimizer mode adamw8bit-sr: even micro batch 1 with every block "
+        "checkpointed does not fit: ZeRO-0: GPU needs 72.6 GiB > 71.2 GiB budget" in r.stderr
+    )
     assert cfg["fluxzero"]["optimizer_mode"] == "fused-adafactor-sr"
 
 
@@ -159,8 +170,9 @@ def test_fit_several_gpus_choose_zero3_with_bf16_kahan(gpus, gib, micro):
     """Chunked steps put bf16-kahan at ZeRO-3 on 4 x 48 GB and 2 x 80 GB (its whole-partition step needed 98.3
     and 132.8 GiB, so --fit fell back to adamw8bit-sr); --fit tries the modes closest to fp32 masters first
     (docs/memory.md's table)."""
-    r = CliRunner().invoke(main, ["gen-config", "--fit", "--world-size", str(gpus), "--gpu-memory", str(gib),
-                                  "--host-memory", "128"])
+    r = CliRunner().invoke(
+        main, ["gen-config", "--fit", "--world-size", str(gpus), "--gpu-memory", str(gib), "--host-memory", "128"]
+    )
     assert r.exit_code == 0, r.output
     cfg = json.loads(r.stdout)
     assert (cfg["zero_optimization"]["stage"], cfg["fluxzero"]["optimizer_mode"]) == (3, "bf16-kahan")
@@ -171,8 +183,10 @@ def test_fit_one_24gb_gpu_needs_zero3_offload_and_a_larger_host():
     # DeepSpeed's CPU Adam on fp32 masters (the host modes fit there: test_fit_full_fine_tune_on_a_48gb_card...)
     r, _ = fit("--gpu", "rtx4090", "--host-memory", "128", "--adam-impl", "cpu")
     assert r.exit_code == 2
-    assert "ZeRO-3 with optimizer offload cpu, parameter offload cpu: even micro batch 1 with every block " \
-           "checkpointed does not fit (host needs 276.9 GiB per node > 115.2 GiB budget)" in r.output
+    assert (
+        "ZeRO-3 with optimizer offload cpu, parameter offload cpu: even micro batch 1 with every block "
+        "checkpointed does not fit (host needs 276.9 GiB per node > 115.2 GiB budget)" in r.output
+    )
     assert "ZeRO-3 with CPU offload of parameters and optimizer, given 308 GiB of host memory per node" in r.output
     r, cfg = fit("--gpu", "rtx4090", "--host-memory", "320", "--adam-impl", "cpu")
     assert r.exit_code == 0, r.output
@@ -187,8 +201,10 @@ def test_fit_one_24gb_gpu_names_the_host_a_host_mode_needs():
     # optimizer offload pinned: the fused mode, which streams blocks instead, fits 24 GB without it
     r, _ = fit("--gpu", "rtx4090", "--host-memory", "128", "--offload-optimizer", "cpu")
     assert r.exit_code == 2
-    assert "more host memory: ZeRO-3 with CPU offload of parameters and optimizer, optimizer mode cpu-adamw8bit-sr, " \
-           "given 184 GiB of host memory per node (--host-memory 184)" in r.output
+    assert (
+        "more host memory: ZeRO-3 with CPU offload of parameters and optimizer, optimizer mode cpu-adamw8bit-sr, "
+        "given 184 GiB of host memory per node (--host-memory 184)" in r.output
+    )
     r, cfg = fit("--gpu", "rtx4090", "--host-memory", "184", "--offload-optimizer", "cpu")
     assert r.exit_code == 0, r.output
     assert cfg["fluxzero"]["optimizer_mode"] == "cpu-adamw8bit-sr"
@@ -207,8 +223,12 @@ def test_fit_full_fine_tune_on_a_48gb_card_and_120gb_host_steps_on_the_host():
     assert (z["stage"], z["offload_optimizer"]["device"], "offload_param" in z) == (3, "cpu", False)
     assert cfg["fluxzero"]["optimizer_mode"] == "cpu-adamw8bit-sr" and cfg["zero_force_ds_cpu_optimizer"] is False
     assert cfg["bf16"] == optim_modes.BF16_MASTER_KEYS
-    assert "optimizer mode cpu-bf16-sr: even micro batch 1 with every block checkpointed does not fit: ZeRO-1: GPU " \
-           "needs 52.6 GiB" in r.stderr and "ZeRO-3: host needs 124.6 GiB per node > 108.0 GiB budget" in r.stderr
+    assert (
+        "optimizer mode cpu-bf16-sr: even micro batch 1 with every block checkpointed does not fit: ZeRO-1: GPU "
+        "needs 52.6 GiB"
+        in r.stderr
+        and "ZeRO-3: host needs 124.6 GiB per node > 108.0 GiB budget" in r.stderr
+    )
     assert re.search(r"host memory: the choice needs 102\.8 GiB per node of 108\.0 GiB budget", r.stderr)
     r, cfg = fit("--gpu-memory", "48", "--host-memory", "140", "--offload-optimizer", "cpu")  # bf16 states fit
     assert r.exit_code == 0 and cfg["fluxzero"]["optimizer_mode"] == "cpu-bf16-sr", r.output
@@ -217,21 +237,41 @@ def test_fit_full_fine_tune_on_a_48gb_card_and_120gb_host_steps_on_the_host():
 def test_fit_models_exactly_the_file_it_writes(tmp_path):
     """The new user's report: --adam-impl cpu modelled DeepSpeed's 5e8 buckets while 2e8 were written."""
     out = tmp_path / "ds.json"
-    r = CliRunner().invoke(main, ["gen-config", "--fit", "--gpu", "h100", "--world-size", "1", "--adam-impl", "cpu",
-                                  "--host-memory", "512", "--checkpoint-policy", "full", "-o", str(out)])
+    r = CliRunner().invoke(
+        main,
+        [
+            "gen-config",
+            "--fit",
+            "--gpu",
+            "h100",
+            "--world-size",
+            "1",
+            "--adam-impl",
+            "cpu",
+            "--host-memory",
+            "512",
+            "--checkpoint-policy",
+            "full",
+            "-o",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     cfg = json.loads(out.read_text())
     assert cfg["zero_optimization"]["reduce_bucket_size"] == 200_000_000
     predicted = float(re.search(r"chose .*?, ([\d.]+) GiB with allocator slack", r.stderr).group(1))
-    e = CliRunner().invoke(main, ["estimate", "--ds-config", str(out), "--gpu", "h100", "--host-memory", "512", "--json"])
+    e = CliRunner().invoke(
+        main, ["estimate", "--ds-config", str(out), "--gpu", "h100", "--host-memory", "512", "--json"]
+    )
     d = json.loads(e.output)
     assert d["micro_batch"] == cfg["train_micro_batch_size_per_gpu"] == 16
     assert d["fits"] and round(d["gpu_needed_gib"], 1) == predicted
 
 
 def test_fit_says_when_the_host_was_not_checked():
-    r = CliRunner().invoke(main, ["gen-config", "--fit", "--gpu", "a100-80", "--world-size", "1",
-                                  "--optimizer-mode", "fp32"])
+    r = CliRunner().invoke(
+        main, ["gen-config", "--fit", "--gpu", "a100-80", "--world-size", "1", "--optimizer-mode", "fp32"]
+    )
     assert r.exit_code == 0, r.output
     assert "host memory not given: not checked" in r.stderr
     assert re.search(r"host memory: the choice needs [\d.]+ GiB per node \(not checked", r.stderr)
@@ -253,8 +293,12 @@ def test_estimate_options_and_config_read_the_mode(tmp_path):
     d = json.loads(r.output)
     assert any(i["name"] == "optimizer states (bf16-sr)" for i in d["items"])
     path = tmp_path / "ds.json"
-    assert CliRunner().invoke(main, ["gen-config", "--optimizer-mode", "adamw8bit-sr", "--zero-stage", "0", "-o",
-                                     str(path)]).exit_code == 0
+    assert (
+        CliRunner()
+        .invoke(main, ["gen-config", "--optimizer-mode", "adamw8bit-sr", "--zero-stage", "0", "-o", str(path)])
+        .exit_code
+        == 0
+    )
     d = json.loads(CliRunner().invoke(main, ["estimate", "--ds-config", str(path), "--json"]).output)
     assert d["precision"] == "bf16" and any(i["name"] == "optimizer states (adamw8bit-sr)" for i in d["items"])
     d = json.loads(CliRunner().invoke(main, ["estimate", "--lora-rank", "32", "--ema", "bf16", "--json"]).output)
@@ -268,9 +312,21 @@ def test_fit_counts_the_optimizer_step_once_per_micro_batch():
     small = RunSpec("flux-dev", stage=0, micro_batch=4, checkpoint_every=0, optimizer_mode="bf16-sr")
     large = small.replace(micro_batch=16, checkpoint_every=1)
     assert memory.throughput_proxy(large) > memory.throughput_proxy(small)
-    r, ds = fit("--model", "flux-dev", "--gpu", "h200", "--host-memory", "128", "--optimizer-mode", "bf16-sr",
-                "--checkpoint-policy", "full")  # selective, not measured yet, takes micro batch 8
-    assert ds["train_micro_batch_size_per_gpu"] == 16 and ds["fluxzero"]["activation_checkpointing"]["every_k_blocks"] == 1
+    r, ds = fit(
+        "--model",
+        "flux-dev",
+        "--gpu",
+        "h200",
+        "--host-memory",
+        "128",
+        "--optimizer-mode",
+        "bf16-sr",
+        "--checkpoint-policy",
+        "full",
+    )  # selective, not measured yet, takes micro batch 8
+    assert (
+        ds["train_micro_batch_size_per_gpu"] == 16 and ds["fluxzero"]["activation_checkpointing"]["every_k_blocks"] == 1
+    )
 
 
 def test_fit_with_an_ema_counts_its_memory_and_names_the_section():
@@ -282,8 +338,10 @@ def test_fit_with_an_ema_counts_its_memory_and_names_the_section():
     assert "ema: {dtype: fp32, device: gpu}" in r.output
 
 
-@pytest.mark.parametrize("gib, host, px, streamed", [(24, 64, 512, True), (16, 64, 512, True), (48, 96, 512, False),
-                                                     (80, 120, 512, False), (24, 64, 1024, True)])
+@pytest.mark.parametrize(
+    "gib, host, px, streamed",
+    [(24, 64, 512, True), (16, 64, 512, True), (48, 96, 512, False), (80, 120, 512, False), (24, 64, 1024, True)],
+)
 def test_fit_chooses_the_fused_mode_on_one_card(gib, host, px, streamed):
     """One card below an H200: no AdamW mode fits without offload, and the fused mode (no gradient buffer) beats
     adafactor-sr at 48/80 GB and ZeRO-3 offload at 24/16 GB, streaming blocks from the host where the GPU is short."""
@@ -297,10 +355,19 @@ def test_fit_chooses_the_fused_mode_on_one_card(gib, host, px, streamed):
     if streamed:
         assert f"the last {fz['offload_blocks']} blocks streamed from host memory" in r.stderr
         assert "host -> GPU, recompute in backward" in r.stderr
-    spec = memory.RunSpec(DEV, stage=0, optimizer_mode="fused-adafactor-sr", height=px, width=px,
-                          micro_batch=cfg["train_micro_batch_size_per_gpu"], offload_blocks=fz["offload_blocks"],
-                          checkpoint_every=fz["activation_checkpointing"]["every_k_blocks"])
-    assert estimate(spec).gpu_total / memory.GiB <= gib * 0.9 and estimate(spec).host_per_node / memory.GiB <= host * 0.9
+    spec = memory.RunSpec(
+        DEV,
+        stage=0,
+        optimizer_mode="fused-adafactor-sr",
+        height=px,
+        width=px,
+        micro_batch=cfg["train_micro_batch_size_per_gpu"],
+        offload_blocks=fz["offload_blocks"],
+        checkpoint_every=fz["activation_checkpointing"]["every_k_blocks"],
+    )
+    assert (
+        estimate(spec).gpu_total / memory.GiB <= gib * 0.9 and estimate(spec).host_per_node / memory.GiB <= host * 0.9
+    )
 
 
 def test_fused_mode_memory_items():
@@ -318,9 +385,11 @@ def test_fused_mode_memory_items():
     assert it["streamed block weights (bf16, pinned)"].where == "host" and "pinned-memory rounding" not in it
     assert it["parameters (resident, bf16)"].bytes == 2 * (P - streamed)
     assert it["streamed block copies (3 blocks)"].bytes == 3 * 2 * inv.double_block
-    assert memory.stream_traffic(s) == [("host -> GPU, forward", 2 * streamed),
-                                        ("host -> GPU, recompute in backward", 2 * streamed),
-                                        ("GPU -> host, updated weights", 2 * streamed)]
+    assert memory.stream_traffic(s) == [
+        ("host -> GPU, forward", 2 * streamed),
+        ("host -> GPU, recompute in backward", 2 * streamed),
+        ("GPU -> host, updated weights", 2 * streamed),
+    ]
     assert memory.activation_bytes(s.replace(checkpoint_every=0))["checkpointed"] == 40  # streamed: recomputed
     with pytest.raises(ValueError, match="needs a fused optimizer mode"):
         RunSpec(DEV, stage=0, optimizer_mode="adafactor-sr", offload_blocks=4)

@@ -1,6 +1,7 @@
 """FLUX.1 Kontext sampling against diffusers' FluxKontextPipeline on the same tiny weights (tolerances as
 tests/sampling/test_sampling.py's: latents rel 1e-5, images within one level on nearly every pixel), and
 `fluxzero sample --reference`."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,7 @@ from fluxzero.sampling import sample
 from fluxzero.sampling.images import read_png_params
 from fluxzero.sampling.vae import decode, encode_reference
 from tests.model.test_model_parity import pair
-from tests.sampling.test_sampling import RTOL, STEPS, H, W_PX, rel_err, scheduler, tiny_vae
+from tests.sampling.test_sampling import RTOL, STEPS, W_PX, H, rel_err, scheduler, tiny_vae
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import FluxKontextPipeline  # noqa: E402
@@ -24,27 +25,55 @@ from diffusers import FluxKontextPipeline  # noqa: E402
 def setup():
     cfg, ours, theirs = pair("flux-tiny-kontext", seed=7)
     vae = tiny_vae()
-    pipe = FluxKontextPipeline(scheduler=scheduler(True), vae=vae, text_encoder=None, tokenizer=None,
-                               text_encoder_2=None, tokenizer_2=None, transformer=theirs)
+    pipe = FluxKontextPipeline(
+        scheduler=scheduler(True),
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=theirs,
+    )
     pipe.set_progress_bar_config(disable=True)
     g = torch.Generator().manual_seed(1)
-    emb = dict(txt=torch.randn(2, 7, cfg.context_in_dim, generator=g), y=torch.randn(2, cfg.vec_in_dim, generator=g),
-               ref=torch.randn(1, 16, H // 8, W_PX // 8, generator=g))
+    emb = dict(
+        txt=torch.randn(2, 7, cfg.context_in_dim, generator=g),
+        y=torch.randn(2, cfg.vec_in_dim, generator=g),
+        ref=torch.randn(1, 16, H // 8, W_PX // 8, generator=g),
+    )
     return cfg, ours, pipe, vae, emb
 
 
 def run_pipe(pipe, emb, output_type="latent", ref=None):
     # a 16-channel tensor is taken as the reference's latents as they are (no resize, no VAE); max_area: the
     # pipeline rescales the output to this area (1024^2 by default), here the size asked for
-    return pipe(max_area=H * W_PX, image=(emb["ref"] if ref is None else ref).expand(2, -1, -1, -1), prompt_embeds=emb["txt"],
-                pooled_prompt_embeds=emb["y"], height=H, width=W_PX, num_inference_steps=STEPS, guidance_scale=2.5,
-                generator=[torch.Generator().manual_seed(s) for s in (3, 5)], output_type=output_type,
-                return_dict=False)[0]
+    return pipe(
+        max_area=H * W_PX,
+        image=(emb["ref"] if ref is None else ref).expand(2, -1, -1, -1),
+        prompt_embeds=emb["txt"],
+        pooled_prompt_embeds=emb["y"],
+        height=H,
+        width=W_PX,
+        num_inference_steps=STEPS,
+        guidance_scale=2.5,
+        generator=[torch.Generator().manual_seed(s) for s in (3, 5)],
+        output_type=output_type,
+        return_dict=False,
+    )[0]
 
 
 def run_ours(model, emb, ref=None):
-    return sample(model, emb["txt"], emb["y"], height=H, width=W_PX, steps=STEPS, guidance=2.5, seed=[3, 5],
-                  reference=emb["ref"] if ref is None else ref)
+    return sample(
+        model,
+        emb["txt"],
+        emb["y"],
+        height=H,
+        width=W_PX,
+        steps=STEPS,
+        guidance=2.5,
+        seed=[3, 5],
+        reference=emb["ref"] if ref is None else ref,
+    )
 
 
 def test_latents_and_images_match_flux_kontext_pipeline(setup):
@@ -82,8 +111,23 @@ def test_sample_command_edits_a_reference_image(tmp_path):
     weights = tmp_path / "kontext.safetensors"
     W.save_weights(ours.state_dict(), weights, cfg=cfg, layout="bfl")
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 60, 3), dtype=np.uint8)).save(tmp_path / "ref.png")
-    args = ["--flux-dir", flux, "--prompt", "a red cat", "--height", "32", "--width", "48", "--steps", "2",
-            "--t5-max-length", "8", "--device", "cpu", "--no-grid"]
+    args = [
+        "--flux-dir",
+        flux,
+        "--prompt",
+        "a red cat",
+        "--height",
+        "32",
+        "--width",
+        "48",
+        "--steps",
+        "2",
+        "--t5-max-length",
+        "8",
+        "--device",
+        "cpu",
+        "--no-grid",
+    ]
     run = lambda *a: CliRunner().invoke(main, ["sample", *map(str, a)], catch_exceptions=False)  # noqa: E731
     r = run(weights, "--out", tmp_path / "edit", "--reference", tmp_path / "ref.png", *args)
     assert r.exit_code == 0, r.output

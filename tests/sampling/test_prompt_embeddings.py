@@ -2,6 +2,7 @@
 refused in one sentence naming the file, in `fluxzero sample` as in the trainer's previews (test_train_lora.py runs
 those through the trainer); `fluxzero encode-prompts` files are the same bytes each time, with the usual
 permissions."""
+
 import hashlib
 import math
 
@@ -11,8 +12,14 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from fluxzero.cli import main
-from fluxzero.sampling.embeddings import FORMAT, VERSION, EmbeddingsError, PromptEmbeddings, load_embeddings, \
-    save_embeddings
+from fluxzero.sampling.embeddings import (
+    FORMAT,
+    VERSION,
+    EmbeddingsError,
+    PromptEmbeddings,
+    load_embeddings,
+    save_embeddings,
+)
 from tests.helpers import umask_027 as _umask_027
 
 umask_027 = pytest.fixture(_umask_027)
@@ -31,16 +38,23 @@ def _poison(t, value):
 BAD = [  # (name, t5, clip_pooled, words)
     ("t5_nan", _poison(_t5(), math.nan), torch.randn(1, 32), "t5 holds NaN or infinite values"),
     ("clip_inf", _t5(), _poison(torch.randn(1, 32), math.inf), "clip_pooled holds NaN or infinite values"),
-    ("t5_int", (_t5() * 100).to(torch.int32), torch.randn(1, 32), "t5 holds int32 values, but prompt embeddings are "
-                                                                  "floating point"),
+    (
+        "t5_int",
+        (_t5() * 100).to(torch.int32),
+        torch.randn(1, 32),
+        "t5 holds int32 values, but prompt embeddings are floating point",
+    ),
     ("t5_no_tokens", _t5(tokens=0), torch.randn(1, 32), "the prompt embeddings are empty (t5 (1, 0, 64)"),
 ]
 
 
 def _raw_file(path, t5, clip):
     """A file as encode-prompts lays it out, written raw (save_embeddings itself refuses these values)."""
-    save_file({"t5": t5.contiguous(), "clip_pooled": clip.contiguous()}, str(path),
-              {"format": FORMAT, "version": VERSION, "prompts": '["a cat"]'})
+    save_file(
+        {"t5": t5.contiguous(), "clip_pooled": clip.contiguous()},
+        str(path),
+        {"format": FORMAT, "version": VERSION, "prompts": '["a cat"]'},
+    )
     return path
 
 
@@ -59,8 +73,19 @@ def test_sample_refuses_nan_embeddings_before_loading_anything(tmp_path):
     path = _raw_file(tmp_path / "nan.safetensors", _poison(_t5(), math.nan), torch.randn(1, 32))
     # WEIGHTS and the VAE are not even read: the embeddings are checked first
     (tmp_path / "w.safetensors").write_bytes(b"")
-    r = CliRunner().invoke(main, ["sample", str(tmp_path / "w.safetensors"), "--out", str(tmp_path / "o"),
-                                  "--embeddings", str(path), "--vae", str(tmp_path / "vae")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "sample",
+            str(tmp_path / "w.safetensors"),
+            "--out",
+            str(tmp_path / "o"),
+            "--embeddings",
+            str(path),
+            "--vae",
+            str(tmp_path / "vae"),
+        ],
+    )
     text = " ".join(r.output.split())
     assert r.exit_code == 2 and "t5 holds NaN or infinite values" in text and "Traceback" not in text, r.output
     assert not (tmp_path / "o").exists()

@@ -10,6 +10,7 @@ guidance or CFG formula moves the result by > 1e-2 (test_parity_check_can_fail).
 give uint8 pixels that differ only where a value sits on a rounding boundary: at most 1 level, on under
 1% of the pixels (measured: none).
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,12 +23,12 @@ from click.testing import CliRunner
 from fluxzero.cli import main
 from fluxzero.config import get_model_config
 from fluxzero.model import weights as W
+from fluxzero.model.packing import pack
 from fluxzero.sampling import initial_noise, sample
 from fluxzero.sampling import schedule as S
 from fluxzero.sampling.embeddings import PromptEmbeddings, load_embeddings, save_embeddings
 from fluxzero.sampling.images import grid, read_png_params, save_png
 from fluxzero.sampling.vae import decode
-from fluxzero.model.packing import pack
 from tests.model.test_model_parity import pair
 
 diffusers = pytest.importorskip("diffusers")
@@ -40,44 +41,82 @@ H, W_PX, STEPS = 48, 80, 6  # 6 x 10 latent, 15 image tokens: non-square catches
 
 def scheduler(dev: bool):
     # FLUX.1-dev's scheduler_config.json: dynamic (resolution) shift; schnell's: none (shift 1.0)
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0 if dev else 1.0,
-                                           use_dynamic_shifting=dev, base_shift=0.5, max_shift=1.15,
-                                           base_image_seq_len=256, max_image_seq_len=4096)
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0 if dev else 1.0,
+        use_dynamic_shifting=dev,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
 
 
 def tiny_vae(seed=0):
     torch.manual_seed(seed)
-    return AutoencoderKL(latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 4,
-                         up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-                         norm_num_groups=4, scaling_factor=0.3611, shift_factor=0.1159).eval()
+    return AutoencoderKL(
+        latent_channels=16,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        norm_num_groups=4,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+    ).eval()
 
 
 @pytest.fixture(scope="module", params=["flux-tiny", "flux-tiny-schnell"])
 def setup(request):
     cfg, ours, theirs = pair(request.param)
     vae = tiny_vae()
-    pipe = FluxPipeline(scheduler=scheduler(cfg.guidance_embed), vae=vae, text_encoder=None, tokenizer=None,
-                        text_encoder_2=None, tokenizer_2=None, transformer=theirs)
+    pipe = FluxPipeline(
+        scheduler=scheduler(cfg.guidance_embed),
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=theirs,
+    )
     pipe.set_progress_bar_config(disable=True)
     g = torch.Generator().manual_seed(1)
-    emb = dict(txt=torch.randn(2, 7, cfg.context_in_dim, generator=g), y=torch.randn(2, cfg.vec_in_dim, generator=g),
-               neg_txt=torch.randn(1, 7, cfg.context_in_dim, generator=g), neg_y=torch.randn(1, cfg.vec_in_dim, generator=g))
+    emb = dict(
+        txt=torch.randn(2, 7, cfg.context_in_dim, generator=g),
+        y=torch.randn(2, cfg.vec_in_dim, generator=g),
+        neg_txt=torch.randn(1, 7, cfg.context_in_dim, generator=g),
+        neg_y=torch.randn(1, cfg.vec_in_dim, generator=g),
+    )
     return cfg, ours, pipe, vae, emb
 
 
 def run_pipe(pipe, emb, output_type="latent", true_cfg=1.0, **kw):
     if true_cfg > 1:
-        kw |= dict(negative_prompt_embeds=emb["neg_txt"].expand(2, -1, -1),
-                   negative_pooled_prompt_embeds=emb["neg_y"].expand(2, -1), true_cfg_scale=true_cfg)
+        kw |= dict(
+            negative_prompt_embeds=emb["neg_txt"].expand(2, -1, -1),
+            negative_pooled_prompt_embeds=emb["neg_y"].expand(2, -1),
+            true_cfg_scale=true_cfg,
+        )
     kw.setdefault("generator", [torch.Generator().manual_seed(s) for s in (3, 5)])
-    return pipe(prompt_embeds=emb["txt"], pooled_prompt_embeds=emb["y"], height=H, width=W_PX, num_inference_steps=STEPS,
-                guidance_scale=3.5, output_type=output_type, return_dict=False, **kw)[0]
+    return pipe(
+        prompt_embeds=emb["txt"],
+        pooled_prompt_embeds=emb["y"],
+        height=H,
+        width=W_PX,
+        num_inference_steps=STEPS,
+        guidance_scale=3.5,
+        output_type=output_type,
+        return_dict=False,
+        **kw,
+    )[0]
 
 
 def run_ours(model, emb, true_cfg=1.0, **kw):
     kw.setdefault("seed", [3, 5])
     neg = dict(neg_txt=emb["neg_txt"], neg_y=emb["neg_y"]) if true_cfg > 1 else {}
-    return sample(model, emb["txt"], emb["y"], height=H, width=W_PX, steps=STEPS, guidance=3.5, true_cfg=true_cfg, **neg, **kw)
+    return sample(
+        model, emb["txt"], emb["y"], height=H, width=W_PX, steps=STEPS, guidance=3.5, true_cfg=true_cfg, **neg, **kw
+    )
 
 
 def rel_err(a, b):
@@ -211,8 +250,17 @@ def test_png_metadata_and_grid(tmp_path):
     from PIL import Image
 
     img = torch.randint(0, 256, (32, 48, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    params = {"prompt": "ein Fuchs im Schnee, 雪の中の狐", "seed": 7, "steps": 28, "guidance": 3.5, "width": 48,
-              "height": 32, "model": "flux-dev", "weights": "/w/flux1-dev.safetensors", "negative_prompt": None}
+    params = {
+        "prompt": "ein Fuchs im Schnee, 雪の中の狐",
+        "seed": 7,
+        "steps": 28,
+        "guidance": 3.5,
+        "width": 48,
+        "height": 32,
+        "model": "flux-dev",
+        "weights": "/w/flux1-dev.safetensors",
+        "negative_prompt": None,
+    }
     path = save_png(img, tmp_path / "a.png", params)
     with Image.open(path) as im:
         assert torch.equal(torch.from_numpy(np.array(im)), img)  # lossless
@@ -228,8 +276,9 @@ def test_png_metadata_and_grid(tmp_path):
 def test_embeddings_round_trip_and_errors(tmp_path):
     from fluxzero.sampling.embeddings import EmbeddingsError
 
-    emb = PromptEmbeddings(["a", "b"], torch.randn(2, 4, 8), torch.randn(2, 3), "blurry", torch.randn(1, 4, 8),
-                           torch.randn(1, 3))
+    emb = PromptEmbeddings(
+        ["a", "b"], torch.randn(2, 4, 8), torch.randn(2, 3), "blurry", torch.randn(1, 4, 8), torch.randn(1, 3)
+    )
     back = load_embeddings(save_embeddings(tmp_path / "e.safetensors", emb))
     assert back.prompts == ["a", "b"] and back.negative_prompt == "blurry"
     for k in ("t5", "clip_pooled", "neg_t5", "neg_clip_pooled"):
@@ -276,8 +325,25 @@ def test_sample_command_writes_pngs_grid_and_metadata(files, tmp_path):
 
     flux, weights = files
     out = tmp_path / "out"
-    r = _run("sample", weights, "--out", out, "--flux-dir", flux, "--prompt", "a red cat", "--prompt", "a blue dog",
-             "--seed", "1", "--seed", "2", "--batch-size", "3", *CLI_SIZE)
+    r = _run(
+        "sample",
+        weights,
+        "--out",
+        out,
+        "--flux-dir",
+        flux,
+        "--prompt",
+        "a red cat",
+        "--prompt",
+        "a blue dog",
+        "--seed",
+        "1",
+        "--seed",
+        "2",
+        "--batch-size",
+        "3",
+        *CLI_SIZE,
+    )
     assert r.exit_code == 0, r.output
     pngs = sorted(out.glob("0*.png"))
     assert [p.name for p in pngs] == ["0000-p0-s1.png", "0001-p0-s2.png", "0002-p1-s1.png", "0003-p1-s2.png"]
@@ -295,8 +361,23 @@ def test_sample_command_writes_pngs_grid_and_metadata(files, tmp_path):
     assert (decode(enc.vae, lat)[0].int() - _pixels(pngs[2]).int()).abs().max() <= 1  # batch of 3 vs 1
 
     # images do not depend on the batch size
-    r = _run("sample", weights, "--out", tmp_path / "one", "--flux-dir", flux, "--prompt", "a red cat", "--prompt",
-             "a blue dog", "--seed", "1", "--seed", "2", *CLI_SIZE)
+    r = _run(
+        "sample",
+        weights,
+        "--out",
+        tmp_path / "one",
+        "--flux-dir",
+        flux,
+        "--prompt",
+        "a red cat",
+        "--prompt",
+        "a blue dog",
+        "--seed",
+        "1",
+        "--seed",
+        "2",
+        *CLI_SIZE,
+    )
     assert r.exit_code == 0, r.output
     for p in pngs:
         assert (_pixels(tmp_path / "one" / p.name).int() - _pixels(p).int()).abs().max() <= 1
@@ -306,8 +387,20 @@ def test_encode_prompts_then_sample_from_embeddings(files, tmp_path):
     flux, weights = files
     emb = tmp_path / "prompts.safetensors"
     (tmp_path / "prompts.txt").write_text("a red cat\n\nthe sky\n", encoding="utf-8")
-    r = _run("encode-prompts", emb, "--flux-dir", flux, "--prompts", tmp_path / "prompts.txt", "--negative-prompt",
-             "small", "--t5-max-length", "8", "--device", "cpu")
+    r = _run(
+        "encode-prompts",
+        emb,
+        "--flux-dir",
+        flux,
+        "--prompts",
+        tmp_path / "prompts.txt",
+        "--negative-prompt",
+        "small",
+        "--t5-max-length",
+        "8",
+        "--device",
+        "cpu",
+    )
     assert r.exit_code == 0, r.output
     e = load_embeddings(emb)
     assert e.prompts == ["a red cat", "the sky"] and e.t5.shape == (2, 8, 64) and e.neg_t5.shape == (1, 8, 64)
@@ -317,25 +410,52 @@ def test_encode_prompts_then_sample_from_embeddings(files, tmp_path):
     assert r.exit_code == 2 and f"{emb} exists; pass --overwrite to replace it or choose another OUT" in r.output
     assert load_embeddings(emb).prompts == ["a red cat", "the sky"]
     assert _run(*again, "--overwrite").exit_code == 0 and load_embeddings(emb).prompts == ["a dog"]
-    r = _run("encode-prompts", emb, "--flux-dir", flux, "--prompts", tmp_path / "prompts.txt", "--negative-prompt",
-             "small", "--t5-max-length", "8", "--device", "cpu", "--overwrite")
+    r = _run(
+        "encode-prompts",
+        emb,
+        "--flux-dir",
+        flux,
+        "--prompts",
+        tmp_path / "prompts.txt",
+        "--negative-prompt",
+        "small",
+        "--t5-max-length",
+        "8",
+        "--device",
+        "cpu",
+        "--overwrite",
+    )
     assert r.exit_code == 0, r.output
     common = ["--seed", "4", "--true-cfg", "3", *CLI_SIZE]
     r = _run("sample", weights, "--out", tmp_path / "a", "--embeddings", emb, "--vae", flux / "vae", *common)
     assert r.exit_code == 0, r.output
-    r = _run("sample", weights, "--out", tmp_path / "b", "--flux-dir", flux, "--prompts", tmp_path / "prompts.txt",
-             "--negative-prompt", "small", *common)
+    r = _run(
+        "sample",
+        weights,
+        "--out",
+        tmp_path / "b",
+        "--flux-dir",
+        flux,
+        "--prompts",
+        tmp_path / "prompts.txt",
+        "--negative-prompt",
+        "small",
+        *common,
+    )
     assert r.exit_code == 0, r.output
     for name in ("0000-p0-s4.png", "0001-p1-s4.png"):
         assert torch.equal(_pixels(tmp_path / "a" / name), _pixels(tmp_path / "b" / name))  # same numbers, no T5
     meta = read_png_params(tmp_path / "a" / "0001-p1-s4.png")
     assert meta["prompt"] == "the sky" and meta["negative_prompt"] == "small" and meta["true_cfg"] == 3.0
-    r = _run("sample", weights, "--out", tmp_path / "c", "--embeddings", emb, "--vae", flux / "vae", "--seed", "4", *CLI_SIZE)
+    r = _run(
+        "sample", weights, "--out", tmp_path / "c", "--embeddings", emb, "--vae", flux / "vae", "--seed", "4", *CLI_SIZE
+    )
     assert not torch.equal(_pixels(tmp_path / "c" / "0000-p0-s4.png"), _pixels(tmp_path / "a" / "0000-p0-s4.png"))
     # the same weights as a diffusers folder give the same images (any layout convert reads)
     W.save_weights(W.load_weights(weights), tmp_path / "diffusers", layout="diffusers")
-    r = _run("sample", tmp_path / "diffusers", "--out", tmp_path / "d", "--embeddings", emb, "--vae", flux / "vae",
-             *common)
+    r = _run(
+        "sample", tmp_path / "diffusers", "--out", tmp_path / "d", "--embeddings", emb, "--vae", flux / "vae", *common
+    )
     assert r.exit_code == 0, r.output
     assert torch.equal(_pixels(tmp_path / "d" / "0001-p1-s4.png"), _pixels(tmp_path / "a" / "0001-p1-s4.png"))
 
@@ -348,29 +468,63 @@ def test_sample_bad_input_is_one_sentence(files, tmp_path):
     save_embeddings(small, PromptEmbeddings(["x"], torch.zeros(1, 8, 16), torch.zeros(1, 8)))
     base = ["sample", weights, "--out", tmp_path / "o"]
     cases = [
-        ([*base, "--prompt", "a cat", "--vae", tmp_path / "nope", "--flux-dir", flux],
-         f"diffusers AutoencoderKL folder not found at --vae {tmp_path / 'nope'}"),
+        (
+            [*base, "--prompt", "a cat", "--vae", tmp_path / "nope", "--flux-dir", flux],
+            f"diffusers AutoencoderKL folder not found at --vae {tmp_path / 'nope'}",
+        ),
         ([*base, "--embeddings", small, "--vae", tmp_path / "nope"], f"VAE folder {tmp_path / 'nope'} does not exist"),
-        ([*base, "--prompt", "a cat", "--flux-dir", tmp_path, "--vae", flux / "vae"],
-         "transformers T5EncoderModel folder not found"),
-        ([*base, "--prompts", tmp_path / "empty.txt", "--flux-dir", flux], "empty.txt holds no prompts; write one prompt per line"),
-        ([*base, "--prompt", "a cat", "--flux-dir", flux, "--height", "50"],
-         "Invalid value for --height: must be a multiple of 16 pixels, got 50; use 48 or 64"),
-        ([*base, "--prompt", "a cat", "--flux-dir", flux, "--model", "flux-tiny-schnell"],
-         "do not match the model: 4 unexpected: guidance_in"),
-        (["sample", flux / "vae" / "diffusion_pytorch_model.safetensors", "--out", tmp_path / "o", "--prompt", "a cat",
-          "--flux-dir", flux], "cannot tell the layout"),
-        ([*base, "--embeddings", small, "--flux-dir", flux], "the prompt embeddings are T5 16 / CLIP 8 wide but model "
-                                                             "'flux-tiny' takes 64 / 32"),
-        ([*base, "--prompt", "a cat", "--flux-dir", flux, "--true-cfg", "2"], "--true-cfg above 1 needs a negative prompt"),
-        ([*base, "--prompt", "a cat", "--flux-dir", flux, "--negative-prompt", "dog"], "acts only with --true-cfg above 1"),
+        (
+            [*base, "--prompt", "a cat", "--flux-dir", tmp_path, "--vae", flux / "vae"],
+            "transformers T5EncoderModel folder not found",
+        ),
+        (
+            [*base, "--prompts", tmp_path / "empty.txt", "--flux-dir", flux],
+            "empty.txt holds no prompts; write one prompt per line",
+        ),
+        (
+            [*base, "--prompt", "a cat", "--flux-dir", flux, "--height", "50"],
+            "Invalid value for --height: must be a multiple of 16 pixels, got 50; use 48 or 64",
+        ),
+        (
+            [*base, "--prompt", "a cat", "--flux-dir", flux, "--model", "flux-tiny-schnell"],
+            "do not match the model: 4 unexpected: guidance_in",
+        ),
+        (
+            [
+                "sample",
+                flux / "vae" / "diffusion_pytorch_model.safetensors",
+                "--out",
+                tmp_path / "o",
+                "--prompt",
+                "a cat",
+                "--flux-dir",
+                flux,
+            ],
+            "cannot tell the layout",
+        ),
+        (
+            [*base, "--embeddings", small, "--flux-dir", flux],
+            "the prompt embeddings are T5 16 / CLIP 8 wide but model 'flux-tiny' takes 64 / 32",
+        ),
+        (
+            [*base, "--prompt", "a cat", "--flux-dir", flux, "--true-cfg", "2"],
+            "--true-cfg above 1 needs a negative prompt",
+        ),
+        (
+            [*base, "--prompt", "a cat", "--flux-dir", flux, "--negative-prompt", "dog"],
+            "acts only with --true-cfg above 1",
+        ),
         ([*base, "--embeddings", small, "--flux-dir", flux, "--true-cfg", "2"], "holds none; encode one with"),
         ([*base, "--flux-dir", flux], "no prompts; pass --prompt TEXT"),
         ([*base, "--embeddings", weights, "--flux-dir", flux], "is not a fluxzero prompt-embeddings file"),
-        (["sample", weights, "--out", tmp_path / "file" / "o", "--embeddings", small, "--flux-dir", flux],
-         "Invalid value for --out: cannot create"),
-        ([*base, "--prompt", "a cat", "--flux-dir", flux, "--attention", "cudnn"],
-         "Invalid value for --attention: cudnn attention runs on CUDA only, and this samples on cpu"),
+        (
+            ["sample", weights, "--out", tmp_path / "file" / "o", "--embeddings", small, "--flux-dir", flux],
+            "Invalid value for --out: cannot create",
+        ),
+        (
+            [*base, "--prompt", "a cat", "--flux-dir", flux, "--attention", "cudnn"],
+            "Invalid value for --attention: cudnn attention runs on CUDA only, and this samples on cpu",
+        ),
     ]
     for args, message in cases:
         r = _run(*args[:1], *CLI_SIZE, *args[1:])  # the case's own options come last and win
@@ -392,7 +546,10 @@ def test_compiled_blocks_sample_what_eager_ones_do():
     torch.manual_seed(0)
     model = build_model("flux-tiny").eval()
     g = torch.Generator().manual_seed(1)
-    txt, y = torch.randn(2, 8, model.config.context_in_dim, generator=g), torch.randn(2, model.config.vec_in_dim, generator=g)
+    txt, y = (
+        torch.randn(2, 8, model.config.context_in_dim, generator=g),
+        torch.randn(2, model.config.vec_in_dim, generator=g),
+    )
     eager = sample(model, txt, y, height=32, width=48, steps=2, seed=[1, 2])
     prepare_model(model, attention="math", compile=True)
     assert model.attention == "math" and all(b.attention == "math" for b in model.single_blocks)
@@ -427,7 +584,7 @@ def test_attention_choices_are_the_models():
     from fluxzero.commands.sample import ATTENTION_CHOICES
     from fluxzero.model.math import ATTENTION_BACKENDS
 
-    assert ATTENTION_CHOICES == tuple(ATTENTION_BACKENDS)
+    assert tuple(ATTENTION_BACKENDS) == ATTENTION_CHOICES
 
 
 def test_sample_command_speed_options(files, tmp_path, monkeypatch):
@@ -438,7 +595,9 @@ def test_sample_command_speed_options(files, tmp_path, monkeypatch):
     flux, weights = files
     calls = []
     real = C.apply_compile
-    monkeypatch.setattr(C, "apply_compile", lambda model, backend: calls.append((real(model, backend="eager"), backend)))
+    monkeypatch.setattr(
+        C, "apply_compile", lambda model, backend: calls.append((real(model, backend="eager"), backend))
+    )
     args = ["--flux-dir", flux, "--prompt", "a red cat", "--seed", "1", "--seed", "2", *CLI_SIZE]
     r = _run("sample", weights, "--out", tmp_path / "plain", *args)
     assert r.exit_code == 0 and "images and grid.png" in r.output, r.output

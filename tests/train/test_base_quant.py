@@ -3,6 +3,7 @@
 under ZeRO-2 in bf16 (DeepSpeed must neither broadcast nor partition the int8 tensors), against a deliberately
 broken quantization that the same bounds must reject.
 """
+
 import json
 import os
 import sys
@@ -103,28 +104,50 @@ def trained(tmp_path_factory):
         (tmp / f"z{stage}.json").write_text(json.dumps(tiny_ds(stage, lr=LR, clipping=0.0, bf16={"enabled": True})))
 
     def job(name, quant, stage=2, **kw):
-        return name, {"deepspeed": str(tmp / f"z{stage}.json"), "data": DATA, "output_dir": str(tmp / name),
-                      "model": "flux-tiny", "weights": str(weights), "steps": STEPS, "seed": 5,
-                      "lora": {**LORA, "base_quant": quant}, "export": {"format": "diffusers", "dtype": "fp32"},
-                      **kw}
+        return name, {
+            "deepspeed": str(tmp / f"z{stage}.json"),
+            "data": DATA,
+            "output_dir": str(tmp / name),
+            "model": "flux-tiny",
+            "weights": str(weights),
+            "steps": STEPS,
+            "seed": 5,
+            "lora": {**LORA, "base_quant": quant},
+            "export": {"format": "diffusers", "dtype": "fp32"},
+            **kw,
+        }
 
-    jobs = [job("bf16", "none"), job("int8", "int8"), job("fp8", "fp8"), job("broken", "int8"),
-            job("z3", "int8", stage=3, steps=1)]
+    jobs = [
+        job("bf16", "none"),
+        job("int8", "int8"),
+        job("fp8", "fp8"),
+        job("broken", "int8"),
+        job("z3", "int8", stage=3, steps=1),
+    ]
     out = tmp / "results.json"
     spawn_ranks(_worker, 2, jobs, str(out))
     result = {"tmp": tmp, "weights": weights, "results": json.loads(out.read_text())}
     if os.environ.get("FLUXZERO_DEBUG"):
         r = result["results"]
-        print(json.dumps({name: {"curve_gap": _curve_gap(r[name], r["bf16"]),
-                                 "step_gap": max(abs(a / b - 1) for a, b in zip(r[name], r["bf16"])),
-                                 "merged_gap": _merged_gap(result, name)} for name in ("int8", "fp8", "broken")}))
+        print(
+            json.dumps(
+                {
+                    name: {
+                        "curve_gap": _curve_gap(r[name], r["bf16"]),
+                        "step_gap": max(abs(a / b - 1) for a, b in zip(r[name], r["bf16"])),
+                        "merged_gap": _merged_gap(result, name),
+                    }
+                    for name in ("int8", "fp8", "broken")
+                }
+            )
+        )
         print(json.dumps(r))
     return result
 
 
 def _smoothed(losses, window=10):
     """Mean loss over consecutive windows: the curve without the per-step noise of a 8-sample set."""
-    return [sum(losses[i:i + window]) / window for i in range(0, len(losses), window)]
+    return [sum(losses[i : i + window]) / window for i in range(0, len(losses), window)]
 
 
 def _curve_gap(a, b) -> float:
@@ -206,8 +229,9 @@ def test_quantizing_leaves_the_compile_settings_alone(kind):
     off here (and are restored after), so a quantization that switches them on is seen whatever ran before."""
     import torch._inductor.config as inductor
 
-    off = dict(coordinate_descent_tuning=False, coordinate_descent_check_all_directions=False,
-               force_fuse_int_mm_with_mul=False)
+    off = dict(
+        coordinate_descent_tuning=False, coordinate_descent_check_all_directions=False, force_fuse_int_mm_with_mul=False
+    )
     with inductor.patch(off):
         quantize_linear(torch.nn.Linear(64, 32, dtype=torch.bfloat16), kind)
         assert {k: getattr(inductor, k) for k in off} == off

@@ -8,6 +8,7 @@ an overflow: the step is skipped on both ranks and the adapters stay equal. At Z
 after each step is skipped while nothing moved (the adapters still train: the losses change every step) and done
 when the flat buffer moves.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,15 @@ def _inputs(cfg, rank, step, dtype):
 
     g = torch.Generator().manual_seed(1000 * rank + step)  # each rank its own batch, as data parallelism has
     r = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
-    return dict(img=r(1, 16, cfg.in_channels), img_ids=torch.zeros(1, 16, 3), txt=r(1, 8, cfg.context_in_dim),
-                txt_ids=torch.zeros(1, 8, 3), timesteps=torch.full((1,), 0.5).to(dtype), y=r(1, cfg.vec_in_dim),
-                guidance=torch.full((1,), 3.5).to(dtype))
+    return dict(
+        img=r(1, 16, cfg.in_channels),
+        img_ids=torch.zeros(1, 16, 3),
+        txt=r(1, 8, cfg.context_in_dim),
+        txt_ids=torch.zeros(1, 8, 3),
+        timesteps=torch.full((1,), 0.5).to(dtype),
+        y=r(1, cfg.vec_in_dim),
+        guidance=torch.full((1,), 3.5).to(dtype),
+    )
 
 
 def _run(stage: int, batched: bool, nan: bool) -> dict:
@@ -45,8 +52,14 @@ def _run(stage: int, batched: bool, nan: bool) -> dict:
     plain, replaced = E.batch_grad_checks, []
     E.batch_grad_checks = (lambda optimizer: replaced.extend(plain(optimizer))) if batched else (lambda optimizer: [])
     try:
-        engine = E.build_engine(cfg, ds, view(ds), torch.device("cpu"), seed=5,
-                                lora=LoraConfig(rank=4, targets="all-linear", init="gaussian"))
+        engine = E.build_engine(
+            cfg,
+            ds,
+            view(ds),
+            torch.device("cpu"),
+            seed=5,
+            lora=LoraConfig(rank=4, targets="all-linear", init="gaussian"),
+        )
     finally:
         E.batch_grad_checks = plain
     adapters = [p for p in engine.module.parameters() if p.requires_grad]
@@ -72,9 +85,17 @@ def _run(stage: int, batched: bool, nan: bool) -> dict:
         engine.optimizer._update_model_bit16_weights(0)
         lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
         repointed = all(lo <= p.data_ptr() < hi for p in engine.optimizer.bit16_groups[0])
-    out = {"losses": losses, "norms": norms, "checks": checks, "skipped": int(engine.skipped_steps), "replaced": replaced,
-           "optimizer": type(engine.optimizer).__name__, "weights": weights.tolist(),
-           "finite": bool(torch.isfinite(weights).all()), "repointed": repointed}
+    out = {
+        "losses": losses,
+        "norms": norms,
+        "checks": checks,
+        "skipped": int(engine.skipped_steps),
+        "replaced": replaced,
+        "optimizer": type(engine.optimizer).__name__,
+        "weights": weights.tolist(),
+        "finite": bool(torch.isfinite(weights).all()),
+        "repointed": repointed,
+    }
     engine.destroy()
     return out
 
@@ -87,8 +108,10 @@ def _local_overflow(optimizer, adapters) -> list[bool]:
         checker = optimizer.overflow_checker
         params = [p for g in optimizer.fp16_groups for p in g]
         return [bool(checker.has_overflow_serial(params)), bool(type(checker).has_overflow_serial(checker, params))]
-    return [bool(optimizer.has_overflow_partitioned_grads_serial()),
-            bool(type(optimizer).has_overflow_partitioned_grads_serial(optimizer))]
+    return [
+        bool(optimizer.has_overflow_partitioned_grads_serial()),
+        bool(type(optimizer).has_overflow_partitioned_grads_serial(optimizer)),
+    ]
 
 
 def _worker(rank, world, port, out_file):

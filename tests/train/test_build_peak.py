@@ -4,6 +4,7 @@ about 1 byte a parameter once built; loading pretrained weights adds one layer, 
 
 benchmarks/build_peak.py measures each case in a fresh one-rank process (the rise of its peak resident set).
 """
+
 import pytest
 
 from benchmarks.build_peak import measure
@@ -40,8 +41,8 @@ def test_loading_pretrained_weights_holds_one_layer_on_the_host(random_init_lora
     # Measured: a bf16 LoRA build peaks at 2.383 B/param with random init, 2.377 loading a bf16 BFL file, 2.432
     # a diffusers folder (q, k, v joined as they are read). Reading the model onto the host first, as the memory
     # model assumed, would add 2 (bf16) to 4 (fp32) B/param; it counts one layer at 4 B/param (model_states).
-    from fluxzero.plan import param_inventory
     from fluxzero.config.models import resolve_model
+    from fluxzero.plan import param_inventory
 
     row = measure("lora", SPEC, weights=layout)
     layer = param_inventory(resolve_model(SPEC)).largest_layer

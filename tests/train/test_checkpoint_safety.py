@@ -7,6 +7,7 @@ The bar is test_bad_inputs.py's: a non-zero exit, one "error:" line, no tracebac
 resumes run as 2 gloo ranks (one process pair for every case, main() called once per case), the exports through
 Click's CliRunner in this process.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,10 @@ RUNS = {  # name: (ZeRO stage, extra run-file keys): a full fine-tune at ZeRO-2,
 }
 # names DeepSpeed's glob (mp_rank_*_model_states.pt, zero_pp_rank_N_mp_rank_*_model_states.pt) matches and that sort
 # before the real file ('-' < '_'): its loader would unpickle them in place of the intact ones
-PLANTED = {"z2": ["mp_rank_00-a_model_states.pt"],
-           "z3_lora_ema": [f"zero_pp_rank_{r}_mp_rank_00-a_model_states.pt" for r in (0, 1)]}
+PLANTED = {
+    "z2": ["mp_rank_00-a_model_states.pt"],
+    "z3_lora_ema": [f"zero_pp_rank_{r}_mp_rank_00-a_model_states.pt" for r in (0, 1)],
+}
 TAG, EARLIER = "step_00000002", "step_00000001"
 Z3 = f"checkpoints/{TAG}"
 
@@ -40,8 +43,15 @@ Z3 = f"checkpoints/{TAG}"
 def _run_file(folder: Path, stage: int, extra: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "ds.json").write_text(json.dumps(tiny_ds(stage)))
-    run = {"deepspeed": str(folder / "ds.json"), "data": DATA, "output_dir": str(folder / "out"), "steps": 2,
-           "checkpoint": {"every": 1}, "export": {"format": None}, **extra}
+    run = {
+        "deepspeed": str(folder / "ds.json"),
+        "data": DATA,
+        "output_dir": str(folder / "out"),
+        "steps": 2,
+        "checkpoint": {"every": 1},
+        "export": {"format": None},
+        **extra,
+    }
     (folder / "run.yaml").write_text(yaml.safe_dump(run))
     return folder / "run.yaml"
 
@@ -82,13 +92,21 @@ EMA0, EMA1 = f"{Z3}/ema_rank_00000.safetensors", f"{Z3}/ema_rank_00001.safetenso
 # (name, run, damage: [(op, path in the copied output_dir, argument)], words the sentence holds)
 CASES = [
     ("planted_z2", "z2", [("plant", f"checkpoints/{TAG}/{PLANTED['z2'][0]}", None)], PLANTED["z2"][0]),
-    ("planted_z3", "z3_lora_ema", [("plant", f"{Z3}/{n}", None) for n in PLANTED["z3_lora_ema"]],
-     PLANTED["z3_lora_ema"][0]),
+    (
+        "planted_z3",
+        "z3_lora_ema",
+        [("plant", f"{Z3}/{n}", None) for n in PLANTED["z3_lora_ema"]],
+        PLANTED["z3_lora_ema"][0],
+    ),
     ("ema_missing_rank0", "z3_lora_ema", [("unlink", EMA0, None)], "ema_rank_00000.safetensors is missing"),
     ("ema_missing_rank1", "z3_lora_ema", [("unlink", EMA1, None)], "ema_rank_00001.safetensors is missing"),
     ("ema_flipped", "z3_lora_ema", [("flip_data", EMA1, None)], "ema_rank_00001.safetensors fails its checksum"),
-    ("ema_other_step", "z3_lora_ema", [("copy_file", EMA1, f"checkpoints/{EARLIER}/ema_rank_00001.safetensors")],
-     "holds the EMA of step 1, not step 2's"),
+    (
+        "ema_other_step",
+        "z3_lora_ema",
+        [("copy_file", EMA1, f"checkpoints/{EARLIER}/ema_rank_00001.safetensors")],
+        "holds the EMA of step 1, not step 2's",
+    ),
     ("ema_truncated", "z3_lora_ema", [("truncate", EMA0, 300)], "ema_rank_00000.safetensors is not a readable"),
     ("ema_pickle", "z3_lora_ema", [("pickle", EMA1, "PWNED")], "ema_rank_00001.safetensors is not a readable"),
     ("ema_rank0_over_rank1", "z3_lora_ema", [("copy_file", EMA1, EMA0)], "holds rank 0's EMA, not rank 1's"),
@@ -115,8 +133,10 @@ def _prepare(trained: Path, work: Path, name: str, run: str, ops) -> Path:
 def test_resume_refuses_a_planted_file_and_every_ema_shard_fault(trained, tmp_path):
     outs = {name: _prepare(trained, tmp_path, name, run, ops) for name, run, ops, _ in CASES}
     before = {name: tree_hash(out / "checkpoints") for name, out in outs.items()}  # the lock file is rewritten
-    todo = [[name, ["--config", str(trained / run / "run.yaml"), f"output_dir={outs[name]}", "steps=3"]]
-            for name, run, _, _ in CASES]
+    todo = [
+        [name, ["--config", str(trained / run / "run.yaml"), f"output_dir={outs[name]}", "steps=3"]]
+        for name, run, _, _ in CASES
+    ]
     results, err1 = two_rank_cases(todo, tmp_path, timeout=900)
     assert "Traceback" not in err1, err1[-3000:]
     assert not (tmp_path / "PWNED").exists(), "a planted pickle ran code"
@@ -146,8 +166,9 @@ def test_export_of_ema_with_every_shard_deleted_names_the_missing_shard(trained,
     assert r.exit_code != 0 and "ema_rank_00000.safetensors is missing" in r.output, r.output
     assert "no ema: section" not in r.output
     # the live weights still export, and the EMA of the intact checkpoint too
-    r = CliRunner().invoke(main, ["export", str(trained / "z3_lora_ema" / "out"), str(tmp_path / "e.safetensors"),
-                                  "--weights", "ema"])
+    r = CliRunner().invoke(
+        main, ["export", str(trained / "z3_lora_ema" / "out"), str(tmp_path / "e.safetensors"), "--weights", "ema"]
+    )
     assert r.exit_code == 0, r.output
 
 
@@ -158,8 +179,11 @@ def test_an_older_ema_shard_without_a_header_loads_unchecked_with_a_note(tmp_pat
     from fluxzero.train.ema import ShardError, read_shard
 
     layout = {"rank": 1, "world": 2}
-    sd = {"ema.0": torch.ones(3), "step": torch.tensor(4),
-          "layout": torch.frombuffer(bytearray(json.dumps(layout).encode()), dtype=torch.uint8)}
+    sd = {
+        "ema.0": torch.ones(3),
+        "step": torch.tensor(4),
+        "layout": torch.frombuffer(bytearray(json.dumps(layout).encode()), dtype=torch.uint8),
+    }
     save_file(sd, tmp_path / "old.safetensors")
     got, note = read_shard(tmp_path / "old.safetensors", rank=1, world=2, step=4, advice="fix it")
     assert torch.equal(got["ema.0"], sd["ema.0"]) and "predates EMA shard checksums" in note
@@ -171,18 +195,25 @@ def test_an_ema_shard_whose_layout_points_past_its_buffer_is_one_sentence(tmp_pa
     import torch
     from safetensors.torch import save_file
 
-    from fluxzero.train.export.consolidate import ema_state_dict
     from fluxzero.train.distributed import TrainingError
+    from fluxzero.train.export.consolidate import ema_state_dict
 
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({"ema": {"decay": 0.5}}))
     torch.save({"step": 4, "world_size": 1}, tmp_path / "trainer_state_rank0.pt")
     for pieces in ([["w", 0, 2, 0, 4]], [["w", 0, 0, 3, 4]], [["w", 1, 0, 0, 4]], [["v", 0, 0, 0, 4]]):
         layout = {"rank": 0, "world": 1, "replicated": False, "shapes": {"w": [2, 2]}, "pieces": pieces}
-        save_file({"ema.0": torch.ones(4), "layout": torch.frombuffer(bytearray(json.dumps(layout).encode()),
-                                                                      dtype=torch.uint8)},
-                  tmp_path / "ema_rank_00000.safetensors")  # an older shard: no header, loaded unchecked
-        with pytest.raises(TrainingError, match=r"^the EMA shards of .* cannot be read \(rank 0's EMA shard places 4 "
-                                                r"values of \w at \d of its buffer \d, which it does not hold\); "):
+        save_file(
+            {
+                "ema.0": torch.ones(4),
+                "layout": torch.frombuffer(bytearray(json.dumps(layout).encode()), dtype=torch.uint8),
+            },
+            tmp_path / "ema_rank_00000.safetensors",
+        )  # an older shard: no header, loaded unchecked
+        with pytest.raises(
+            TrainingError,
+            match=r"^the EMA shards of .* cannot be read \(rank 0's EMA shard places 4 "
+            r"values of \w at \d of its buffer \d, which it does not hold\); ",
+        ):
             ema_state_dict(tmp_path)
 
 
@@ -191,7 +222,8 @@ def test_a_lora_export_reads_the_settings_of_the_checkpoint_it_holds_before_prun
     training) must find the export done with it: the LoRA's settings (run.yaml) are read under the lock too."""
     import contextlib
 
-    from fluxzero.train.checkpoint import store as checkpoint, locks
+    from fluxzero.train.checkpoint import locks
+    from fluxzero.train.checkpoint import store as checkpoint
     from fluxzero.train.export.lora import export_lora
     from tests.helpers import train_ok
 
@@ -216,7 +248,8 @@ def test_a_lora_export_reads_the_settings_of_the_checkpoint_it_holds_before_prun
 # An export beside a running training: pruning skips the checkpoint it reads
 # ---------------------------------------------------------------------------------------------------------
 def test_pruning_skips_a_checkpoint_an_export_is_reading_and_takes_it_next_time(tmp_path):
-    from fluxzero.train.checkpoint import store as checkpoint, locks
+    from fluxzero.train.checkpoint import locks
+    from fluxzero.train.checkpoint import store as checkpoint
     from fluxzero.train.distributed import TrainingError
 
     for tag in ("step_00000001", "step_00000002"):
@@ -227,10 +260,15 @@ def test_pruning_skips_a_checkpoint_an_export_is_reading_and_takes_it_next_time(
         assert (tmp_path / "step_00000001" / "run.yaml").read_text() == "steps: 2\n"  # intact while it is read
     assert checkpoint.prune_checkpoints(tmp_path, "step_00000002", keep=1) == ["step_00000001"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
-    with pytest.raises(TrainingError, match=r"^step_00000001 was pruned by the running training \(checkpoint.keep"
-                                            r"\) before it could be read; run export again"):
-        with locks.reading(tmp_path, "step_00000001"):
-            pass
+    with (
+        pytest.raises(
+            TrainingError,
+            match=r"^step_00000001 was pruned by the running training \(checkpoint.keep"
+            r"\) before it could be read; run export again",
+        ),
+        locks.reading(tmp_path, "step_00000001"),
+    ):
+        pass
 
 
 def test_an_export_of_a_pruned_step_folder_says_so(tmp_path):
@@ -250,19 +288,29 @@ def test_a_reader_waiting_on_a_pruning_learns_the_folder_is_gone(tmp_path):
     from fluxzero.train.distributed import TrainingError
 
     (tmp_path / "step_00000001").mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import fcntl, os, shutil, sys, time
-        fd = os.open({str(tmp_path / 'step_00000001' / locks.READ_LOCK)!r}, os.O_RDWR | os.O_CREAT)
+        fd = os.open({str(tmp_path / "step_00000001" / locks.READ_LOCK)!r}, os.O_RDWR | os.O_CREAT)
         fcntl.flock(fd, fcntl.LOCK_EX)
         print("held", flush=True)
         time.sleep(1.0)
-        os.rename({str(tmp_path / 'step_00000001')!r}, {str(tmp_path / '.pruning-step_00000001')!r})
+        os.rename({str(tmp_path / "step_00000001")!r}, {str(tmp_path / ".pruning-step_00000001")!r})
         os.close(fd)
-    """)], stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline() == "held\n"
-    with pytest.raises(TrainingError, match="was pruned by the running training"):
-        with locks.reading(tmp_path, "step_00000001"):
-            pass
+    with (
+        pytest.raises(TrainingError, match="was pruned by the running training"),
+        locks.reading(tmp_path, "step_00000001"),
+    ):
+        pass
     assert holder.wait(timeout=30) == 0
 
 

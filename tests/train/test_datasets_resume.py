@@ -4,6 +4,7 @@ same samples, repeats, masks, weights and dropped captions after the restart.
 
 Real runs of launch/train.py (flux-tiny, CPU, one rank), each in its own process, as a user's would be.
 """
+
 import json
 import signal
 import subprocess
@@ -26,10 +27,19 @@ def _losses(out: Path) -> dict[int, float]:
 
 def _run_file(tmp: Path, shards: Path, name: str, weight: float = 0.5, floor: float = 0.1) -> Path:
     (tmp / "ds.json").write_text(json.dumps(tiny_ds()))
-    data = [{"path": str(shards), "repeats": 2},
-            {"path": "synthetic:n=6,hw=8x8,txt=4,ctx=64,vec=32", "loss_weight": weight, "caption_dropout": 0.3}]
-    cfg = {"deepspeed": str(tmp / "ds.json"), "data": data, "output_dir": str(tmp / name), "steps": STEPS,
-           "export": {"format": None}, "checkpoint": {"every": 2}, "flow": {"mask_floor": floor}}
+    data = [
+        {"path": str(shards), "repeats": 2},
+        {"path": "synthetic:n=6,hw=8x8,txt=4,ctx=64,vec=32", "loss_weight": weight, "caption_dropout": 0.3},
+    ]
+    cfg = {
+        "deepspeed": str(tmp / "ds.json"),
+        "data": data,
+        "output_dir": str(tmp / name),
+        "steps": STEPS,
+        "export": {"format": None},
+        "checkpoint": {"every": 2},
+        "flow": {"mask_floor": floor},
+    }
     (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
     return tmp / f"{name}.yaml"
 
@@ -42,8 +52,12 @@ def test_a_killed_run_on_several_datasets_resumes_exactly(tmp_path):
     with ShardWriter(tmp_path / "masked", samples_per_shard=2) as w:
         for i in range(5):
             mask = (torch.rand(4, 4, generator=g) > 0.5).float() if i != 2 else None  # one sample without
-            w.add(torch.randn(16, 8, 8, generator=g), torch.randn(4, 64, generator=g), torch.randn(32, generator=g),
-                  mask=mask)
+            w.add(
+                torch.randn(16, 8, 8, generator=g),
+                torch.randn(4, 64, generator=g),
+                torch.randn(32, generator=g),
+                mask=mask,
+            )
     reference = _run_file(tmp_path, tmp_path / "masked", "reference")
     unweighted = _run_file(tmp_path, tmp_path / "masked", "unweighted", weight=1.0, floor=1.0)
     train_all_ok((reference,), (unweighted, "steps=1"))

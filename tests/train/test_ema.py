@@ -6,6 +6,7 @@ reference EMA of the FULL fp32 master weights (read with DeepSpeed's public safe
 parameters / the fp32 copies at ZeRO-0). The sharded EMA applies the same elementwise lerp to the same fp32
 values, only split over ranks, so in fp32 it must equal the reference exactly (tolerance 0).
 """
+
 import os
 import re
 import time
@@ -35,9 +36,18 @@ MATRIX = {
 }
 # zero_to_fp32 reads ZeRO-1/2/3 checkpoints; BF16_Optimizer's (z1_bf16_fp32acc) it refuses as "not a zero checkpoint"
 ZERO_TO_FP32 = ("z2_bf16_lora", "z3_bf16_offload")  # ZeRO-2 with frozen params, ZeRO-3 offloaded
-KINDS = {"z0_fp32": "params", "z0_bf16": "fp16_unfused", "z1_bf16_fp32acc": "bf16_optimizer", "z2_fp32": "zero1_2",
-         "z2_bf16": "zero1_2", "z2_bf16_lora": "zero1_2", "z3_fp32": "zero3", "z3_bf16": "zero3",
-         "z3_bf16_offload": "zero3", "z3_bf16_ema_bf16": "zero3"}
+KINDS = {
+    "z0_fp32": "params",
+    "z0_bf16": "fp16_unfused",
+    "z1_bf16_fp32acc": "bf16_optimizer",
+    "z2_fp32": "zero1_2",
+    "z2_bf16": "zero1_2",
+    "z2_bf16_lora": "zero1_2",
+    "z3_fp32": "zero3",
+    "z3_bf16": "zero3",
+    "z3_bf16_offload": "zero3",
+    "z3_bf16_ema_bf16": "zero3",
+}
 
 
 class Tiny(torch.nn.Module):
@@ -53,10 +63,16 @@ class Tiny(torch.nn.Module):
 
 
 def ds_config(stage, bf16, acc, offload=False):
-    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 8,
-           "gradient_clipping": 0.0, "steps_per_print": 10**9, "zero_force_ds_cpu_optimizer": False,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "weight_decay": 0.01, "torch_adam": True}},
-           "zero_optimization": {"stage": stage}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 8,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "zero_force_ds_cpu_optimizer": False,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "weight_decay": 0.01, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+    }
     if stage == 3:  # biases (<= 20 elements) stay gathered, weights are released: swap() handles both
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 20
         if not bf16:  # several ZeRO-3 sub groups, each its own fp32 partition
@@ -112,8 +128,10 @@ def _run_one(name, tmp, rank):
         model = peft.inject_adapter_in_model(peft.LoraConfig(r=2, lora_alpha=4, target_modules=["a", "b"]), model)
     trained = [p for p in model.parameters() if p.requires_grad]
     if name == "z2_fp32":  # two param groups (no decay on biases): two flat partitions per rank
-        trained = [{"params": [p for p in trained if p.ndim > 1]},
-                   {"params": [p for p in trained if p.ndim == 1], "weight_decay": 0.0}]
+        trained = [
+            {"params": [p for p in trained if p.ndim > 1]},
+            {"params": [p for p in trained if p.ndim == 1], "weight_decay": 0.0},
+        ]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trained, config=ds)
     dtype = torch.bfloat16 if bf16 else torch.float32
     params = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
@@ -151,12 +169,14 @@ def _run_one(name, tmp, rank):
             resumed.load_state_dict(torch.load(tmp / f"{name}_mid_rank{rank}.pt", weights_only=True))
             # the path for another world size: every rank consolidates all shards and takes its pieces
             import torch.distributed as dist
+
             from fluxzero.train.ema import consolidate
 
             dist.barrier()  # both ranks' files are written
             resumed_full = ShardedEMA(engine, cfg, seed=5)
             resumed_full.load_full_state_dict(
-                consolidate([tmp / f"{name}_mid_rank{r}.safetensors" for r in range(2)]), step=SWITCH)
+                consolidate([tmp / f"{name}_mid_rank{r}.safetensors" for r in range(2)]), step=SWITCH
+            )
     full = ema.full_state_dict()
     full_resumed = resumed.full_state_dict()
     full_resumed_full = resumed_full.full_state_dict()
@@ -192,11 +212,26 @@ def _run_one(name, tmp, rank):
     x = torch.randn(4, 7, generator=gen).to(dtype)  # and training goes on from the restored weights
     engine.backward((engine(x).float() - 1.0).pow(2).mean())
     engine.step()
-    result = {"kind": ema.kind, "ref": ref, "full": full, "full_resumed": full_resumed, "nbytes": ema.nbytes,
-              "full_resumed_full": full_resumed_full, "buffers": len(ema.layout()["buffers"]),
-              "numel": ema.numel, "before": before, "inside": inside, "after": after, "out_before": out_before,
-              "out_inside": out_inside, "out_after": out_after, "times": times, "lp_dtype": str(dtype),
-              "fresh": fresh, "zero_to_fp32": from_zero_to_fp32}
+    result = {
+        "kind": ema.kind,
+        "ref": ref,
+        "full": full,
+        "full_resumed": full_resumed,
+        "nbytes": ema.nbytes,
+        "full_resumed_full": full_resumed_full,
+        "buffers": len(ema.layout()["buffers"]),
+        "numel": ema.numel,
+        "before": before,
+        "inside": inside,
+        "after": after,
+        "out_before": out_before,
+        "out_inside": out_inside,
+        "out_after": out_after,
+        "times": times,
+        "lp_dtype": str(dtype),
+        "fresh": fresh,
+        "zero_to_fp32": from_zero_to_fp32,
+    }
     engine.destroy()
     return result
 
@@ -205,7 +240,6 @@ def _worker(rank, world, port, tmp):
     import faulthandler
     import importlib
     import warnings
-
     from pathlib import Path
 
     faulthandler.dump_traceback_later(300, exit=True)  # a rank stuck in a collective fails, with stacks
@@ -236,8 +270,10 @@ def matrix(tmp_path_factory):
     ranks = [torch.load(tmp / f"results_rank{r}.pt", weights_only=False) for r in range(2)]
     for name, res in ranks[0].items():  # a sanity figure only: 2-core CPU timings of a 146-parameter model
         t = res["times"]
-        print(f"  {name}: {STEPS} steps {t['step'] * 1e3:.1f} ms, EMA updates {t['update'] * 1e3:.2f} ms, "
-              f"EMA elements per rank {[r[name]['numel'] for r in ranks]} ({res['nbytes']} B on rank 0)")
+        print(
+            f"  {name}: {STEPS} steps {t['step'] * 1e3:.1f} ms, EMA updates {t['update'] * 1e3:.2f} ms, "
+            f"EMA elements per rank {[r[name]['numel'] for r in ranks]} ({res['nbytes']} B on rank 0)"
+        )
     return tmp, ranks
 
 
@@ -258,7 +294,8 @@ def test_consolidated_ema_equals_full_weight_reference(matrix, name):
         assert torch.equal(res["full"][n], want), n
         assert not torch.equal(want, res["before"][n].float()), n  # the EMA is not simply the weights
     offline = __import__("fluxzero.train.ema", fromlist=["consolidate"]).consolidate(
-        [tmp / f"{name}_rank{r}.safetensors" for r in range(2)])
+        [tmp / f"{name}_rank{r}.safetensors" for r in range(2)]
+    )
     for n, want in res["ref"].items():
         assert torch.equal(offline[n], want), n
 
@@ -348,7 +385,9 @@ def test_shards_of_a_different_partitioning_are_refused_in_one_sentence(matrix):
 
 
 # ----- one rank: the bf16 optimizer modes at ZeRO-0 -------------------------------------------------------
-_BF16_WEIGHTS = ONE_RANK + r"""
+_BF16_WEIGHTS = (
+    ONE_RANK
+    + r"""
 import json
 from fluxzero.config.ema import EmaConfig
 from fluxzero.train.ema import ShardedEMA
@@ -371,6 +410,7 @@ moved = max((e - p.detach().float().reshape(-1)).abs().max().item() for e, p in 
 print(json.dumps({"kind": ema.kind, "dtype": str(ema._ema[0].dtype), "diff": diff, "moved": moved}))
 torch.distributed.destroy_process_group()
 """
+)
 
 
 def test_fp32_ema_of_bf16_weights_at_zero0():
@@ -414,9 +454,16 @@ def test_bad_decay_is_one_sentence(decay):
     assert "\n" not in str(e.value) and not re.search(r"[.;]\s+[A-Z]", str(e.value))  # one sentence
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("every", 0, "ema.every"), ("every", 1.5, "ema.every"), ("device", "cuda", "'gpu' or 'cpu'"),
-    ("dtype", "fp16", "'fp32' or 'bf16'"), ("warmup", "yes", "true or false")])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("every", 0, "ema.every"),
+        ("every", 1.5, "ema.every"),
+        ("device", "cuda", "'gpu' or 'cpu'"),
+        ("dtype", "fp16", "'fp32' or 'bf16'"),
+        ("warmup", "yes", "true or false"),
+    ],
+)
 def test_other_bad_values_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
         EmaConfig(**{field: value})

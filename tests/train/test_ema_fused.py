@@ -2,6 +2,7 @@
 
 On a GPU the update is one compiled kernel (`ema._fused_ema_bf16`); here it is compiled for the CPU, the same graph.
 """
+
 import pytest
 import torch
 
@@ -34,7 +35,7 @@ def test_counter_noise_is_lowbias32_of_the_index_and_uniform():
 def test_bf16_ema_update_is_unbiased_where_round_to_nearest_stalls():
     """decay 0.999 moves the EMA by 1e-3 of a gap under half a bf16 ulp: round-to-nearest never moves it."""
     e = torch.full((1 << 16,), 1.0, dtype=torch.bfloat16)
-    target = torch.full_like(e, 1.0 + 2 ** -8, dtype=torch.float32)  # half a bf16 ulp above 1.0
+    target = torch.full_like(e, 1.0 + 2**-8, dtype=torch.float32)  # half a bf16 ulp above 1.0
     exact = torch.full_like(target, 1.0)
     w = torch.tensor(1e-3)
     for step in range(50):

@@ -3,6 +3,7 @@
 torchao's float8 cast and scaled matmul run on the CPU too (torch's CPU _scaled_mm), with the numerics of the GPU
 kernels up to accumulation order, so the quality check runs in CI on flux-tiny.
 """
+
 import json
 
 import pytest
@@ -23,7 +24,7 @@ def test_gen_config_writes_the_fp8_recipe_and_check_refuses_a_bad_one():
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["fluxzero"]["fp8"] == {"recipe": "tensorwise"}
     bad = {**tiny_ds(2), "fluxzero": {"fp8": {"recipe": "blockwise"}}}
-    assert ds_check.check(bad) == ["fluxzero.fp8.recipe must be one of tensorwise, rowwise, got \"blockwise\""]
+    assert ds_check.check(bad) == ['fluxzero.fp8.recipe must be one of tensorwise, rowwise, got "blockwise"']
     typo = {**tiny_ds(2), "fluxzero": {"fp8": {"recpie": "rowwise"}}}
     assert any("unknown key 'fluxzero.fp8.recpie'" in p for p in ds_check.check(typo))
 
@@ -35,7 +36,9 @@ def _losses(fp8: bool, steps: int = 20) -> list[float]:
     torch.manual_seed(0)
     model = build_model("flux-tiny", dtype=torch.bfloat16)
     if fp8:
-        assert apply_fp8(model, "tensorwise") == 20  # attention and MLP layers: 2 double blocks x 8 + 2 single blocks x 2
+        assert (
+            apply_fp8(model, "tensorwise") == 20
+        )  # attention and MLP layers: 2 double blocks x 8 + 2 single blocks x 2
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     return plain_losses(model, opt, DATA, steps, seed=3)
 
@@ -76,8 +79,10 @@ def _worst_layer_error(broken_scale: bool = False) -> float:
 
 def _gap(a: list[float], b: list[float]) -> float:
     """Largest relative gap between two loss curves, each smoothed over 5 steps (single steps are noisy)."""
+
     def smooth(x):
-        return [sum(x[i:i + 5]) / 5 for i in range(len(x) - 4)]
+        return [sum(x[i : i + 5]) / 5 for i in range(len(x) - 4)]
+
     return max(abs(p - q) / q for p, q in zip(smooth(a), smooth(b)))
 
 
@@ -103,8 +108,10 @@ def test_trainer_runs_fp8_under_zero2(tmp_path):
     ds = {**tiny_ds(2), "bf16": {"enabled": True}, "fluxzero": {"fp8": {"recipe": "tensorwise"}}}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     run = tmp_path / "run.yaml"
-    run.write_text(f"deepspeed: {tmp_path / 'ds.json'}\ndata: '{DATA}'\noutput_dir: {tmp_path / 'out'}\n"
-                   f"steps: 3\nexport:\n  format: null\n")
+    run.write_text(
+        f"deepspeed: {tmp_path / 'ds.json'}\ndata: '{DATA}'\noutput_dir: {tmp_path / 'out'}\n"
+        f"steps: 3\nexport:\n  format: null\n"
+    )
     train_ok(run)
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(r["loss"] == r["loss"] for r in rows)
@@ -114,8 +121,15 @@ def test_trainer_runs_fp8_under_zero2(tmp_path):
 
     from tests.helpers import rank_env, train_cmd
 
-    p = subprocess.run(train_cmd(run, f"output_dir={tmp_path / 'out3'}"), capture_output=True, text=True,
-                       env=rank_env(), cwd=ROOT, timeout=600)
+    p = subprocess.run(
+        train_cmd(run, f"output_dir={tmp_path / 'out3'}"),
+        capture_output=True,
+        text=True,
+        env=rank_env(),
+        cwd=ROOT,
+        timeout=600,
+    )
     assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == (
         f"error: DeepSpeed config {tmp_path / 'ds.json'}: fluxzero.fp8 with ZeRO-3 is not supported (not tested "
-        f"with partitioned parameters): set zero_optimization.stage 2 (or 0/1), or remove fluxzero.fp8"), p.stderr[-2000:]
+        f"with partitioned parameters): set zero_optimization.stage 2 (or 0/1), or remove fluxzero.fp8"
+    ), p.stderr[-2000:]

@@ -7,6 +7,7 @@ lost on the way back, shows as a difference from the run with every block reside
 streamed is bit-identical to adafactor-sr stepped after backward (tests/train/test_fused_step.py), so it is the
 reference here.
 """
+
 import json
 from pathlib import Path
 
@@ -21,20 +22,43 @@ DATA = "synthetic:n=16,hw=4x4,txt=4,ctx=64,vec=32"
 
 
 def _ds(offload: int, **fz) -> dict:
-    return tiny_ds(0, clipping=0.0, weight_decay=0.0, lr=1e-2,
-                   fluxzero={"optimizer_mode": "fused-adafactor-sr", "offload_blocks": offload, **fz})
+    return tiny_ds(
+        0,
+        clipping=0.0,
+        weight_decay=0.0,
+        lr=1e-2,
+        fluxzero={"optimizer_mode": "fused-adafactor-sr", "offload_blocks": offload, **fz},
+    )
 
 
-def _run_file(tmp: Path, name: str, ds: dict, extras: bool = False, assets_dir: Path | None = None,
-              steps: int = 4) -> Path:
+def _run_file(
+    tmp: Path, name: str, ds: dict, extras: bool = False, assets_dir: Path | None = None, steps: int = 4
+) -> Path:
     (tmp / f"{name}.json").write_text(json.dumps(ds))
-    cfg = {"deepspeed": str(tmp / f"{name}.json"), "data": DATA, "output_dir": str(tmp / name), "steps": steps,
-           "checkpoint": {"every": 2}, "export": {"format": "bfl", "dtype": "fp32"}, "log_every": 1, "seed": 3}
+    cfg = {
+        "deepspeed": str(tmp / f"{name}.json"),
+        "data": DATA,
+        "output_dir": str(tmp / name),
+        "steps": steps,
+        "checkpoint": {"every": 2},
+        "export": {"format": "bfl", "dtype": "fp32"},
+        "log_every": 1,
+        "seed": 3,
+    }
     if extras:
-        cfg.update(ema={"decay": 0.9}, validation={"data": VALIDATION, "every": 2},
-                   sample={"every": 2, "prompts": str(assets_dir / "prompts.safetensors"),
-                           "vae": str(assets_dir / "vae"), "size": "32x32", "steps": 2, "seeds": [0],
-                           "weights": "ema"})
+        cfg.update(
+            ema={"decay": 0.9},
+            validation={"data": VALIDATION, "every": 2},
+            sample={
+                "every": 2,
+                "prompts": str(assets_dir / "prompts.safetensors"),
+                "vae": str(assets_dir / "vae"),
+                "size": "32x32",
+                "steps": 2,
+                "seeds": [0],
+                "weights": "ema",
+            },
+        )
         cfg["export"]["weights"] = "ema"
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -53,16 +77,20 @@ def test_ema_validation_and_previews_with_streamed_blocks_equal_the_resident_run
     from safetensors.torch import load_file
 
     ck = {"activation_checkpointing": {"every_k_blocks": 1, "implementation": "deepspeed"}}
-    runs = {"plain": _run_file(tmp_path, "plain", _ds(2, **ck)),
-            "resident": _run_file(tmp_path, "resident", _ds(0, **ck), True, assets),
-            "streamed": _run_file(tmp_path, "streamed", _ds(2, **ck), True, assets)}
+    runs = {
+        "plain": _run_file(tmp_path, "plain", _ds(2, **ck)),
+        "resident": _run_file(tmp_path, "resident", _ds(0, **ck), True, assets),
+        "streamed": _run_file(tmp_path, "streamed", _ds(2, **ck), True, assets),
+    }
     train_all_ok(*[[r] for r in runs.values()])
     rows = {n: _rows(tmp_path / n) for n in runs}
     losses = {n: [rows[n][s]["loss"] for s in range(1, 5)] for n in runs}
     assert losses["plain"] == losses["resident"] == losses["streamed"], losses
     for s in (2, 4):
         assert rows["streamed"][s]["val_loss"] == rows["resident"][s]["val_loss"] > 0
-        grid = [(tmp_path / n / "samples" / f"step_{s:08d}" / "grid.png").read_bytes() for n in ("resident", "streamed")]
+        grid = [
+            (tmp_path / n / "samples" / f"step_{s:08d}" / "grid.png").read_bytes() for n in ("resident", "streamed")
+        ]
         assert grid[0] == grid[1]
     assert rows["streamed"][2]["val_loss"] != rows["streamed"][4]["val_loss"]
     ema = {n: load_file(tmp_path / n / "export_ema.safetensors") for n in ("resident", "streamed")}
@@ -103,20 +131,26 @@ def test_a_run_beyond_the_host_is_refused_before_the_engine_starts(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     line = next(x for x in r.stderr.splitlines() if "host memory" in x)
     assert "this run needs 0.0 GiB of host memory on this machine (EMA (fp32) 0.0 GiB, streamed block weights " in line
-    assert line.endswith("but FLUXZERO_HOST_MEMORY_GIB gives 0.0 GiB and 10% of it is kept free: lower "
-                         "fluxzero.offload_blocks, keep the EMA on the GPU (ema.device: gpu), or let `fluxzero "
-                         "gen-config --fit --host-memory 1` choose a config for it"), line
+    assert line.endswith(
+        "but FLUXZERO_HOST_MEMORY_GIB gives 0.0 GiB and 10% of it is kept free: lower "
+        "fluxzero.offload_blocks, keep the EMA on the GPU (ema.device: gpu), or let `fluxzero "
+        "gen-config --fit --host-memory 1` choose a config for it"
+    ), line
     assert not (tmp_path / "short" / "checkpoints").exists()
     bad = train(run, env={**rank_env(), "FLUXZERO_HOST_MEMORY_GIB": "lots"})
-    assert bad.returncode == 1 and "environment variable FLUXZERO_HOST_MEMORY_GIB='lots' must be a positive number " \
-                                   "of GiB (the host memory this run may use); fix or unset it" in bad.stderr
+    assert (
+        bad.returncode == 1
+        and "environment variable FLUXZERO_HOST_MEMORY_GIB='lots' must be a positive number "
+        "of GiB (the host memory this run may use); fix or unset it"
+        in bad.stderr
+    )
 
 
 def test_the_host_need_is_the_memory_models(monkeypatch):
     """flux-dev with 44 of 57 blocks streamed and a bf16 EMA on the CPU: what `estimate` counts on the host (less
     its allowance for the running process), per rank on the machine; 20 GiB of it refuses, 64 fits."""
-    from fluxzero.config import get_model_config
     from fluxzero import plan as memory
+    from fluxzero.config import get_model_config
     from fluxzero.config.deepspeed.build import build, options_from
     from fluxzero.config.deepspeed.view import view
     from fluxzero.config.ema import EmaConfig
@@ -127,14 +161,16 @@ def test_the_host_need_is_the_memory_models(monkeypatch):
     ema = EmaConfig(device="cpu", dtype="bf16")
     spec = memory.RunSpec(model, **memory.run_options_from_ds_config(cfg), ema="bf16", ema_device="cpu")
     for local in (1, 2):
-        need, items = host_memory.run_host_need(model, ds, v, world=local, local_world=local, latent_sizes=[(64, 64)],
-                                                ema=ema)
+        need, items = host_memory.run_host_need(
+            model, ds, v, world=local, local_world=local, latent_sizes=[(64, 64)], ema=ema
+        )
         assert need == local * (memory.estimate(spec).host_per_rank() - 2 * memory.GiB)
         assert [name for name, _ in items] == ["EMA (bf16)", "streamed block weights (bf16, pinned)"]
     monkeypatch.setenv(host_memory.HOST_MEMORY_ENV, "20")
     assert host_memory.host_available() == 20 * 2**30
     assert host_memory.check_run(model, ds, v, world=1, local_world=1, ema=ema).startswith(
         "this run needs 36.0 GiB of host memory on this machine (EMA (bf16) 22.2 GiB, streamed block weights (bf16, "
-        "pinned) 13.8 GiB), but FLUXZERO_HOST_MEMORY_GIB gives 20.0 GiB")
+        "pinned) 13.8 GiB), but FLUXZERO_HOST_MEMORY_GIB gives 20.0 GiB"
+    )
     monkeypatch.setenv(host_memory.HOST_MEMORY_ENV, "64")
     assert host_memory.check_run(model, ds, v, world=1, local_world=1, ema=ema) is None

@@ -7,6 +7,7 @@ the same noise key, only earlier, so losses and weights must be bit-identical, w
 some streamed, and all streamed. On the CPU a streamed block's "device" copy is a second CPU tensor, fetched,
 updated and written back as on a GPU, so a lost write-back would show as a difference.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,10 +31,14 @@ def _setup(tmp_path, mode: str, k: int | None, every_k: int = 0, micro: int = 2,
         fz["offload_blocks"] = k
     out = tmp_path / f"{mode}-{k}-{every_k}-{micro}"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ds.json").write_text(json.dumps(tiny_ds(0, clipping=0.0, weight_decay=0.0, lr=1e-2, fluxzero=fz,
-                                                    train_micro_batch_size_per_gpu=micro)))
-    cfg = TrainConfig.from_dict({"deepspeed": str(out / "ds.json"), "data": data, "output_dir": str(out / "run"),
-                                 "steps": STEPS, "seed": SEED})
+    (out / "ds.json").write_text(
+        json.dumps(
+            tiny_ds(0, clipping=0.0, weight_decay=0.0, lr=1e-2, fluxzero=fz, train_micro_batch_size_per_gpu=micro)
+        )
+    )
+    cfg = TrainConfig.from_dict(
+        {"deepspeed": str(out / "ds.json"), "data": data, "output_dir": str(out / "run"), "steps": STEPS, "seed": SEED}
+    )
     rank, world, device = distributed.init_distributed()
     return setup(cfg, rank, world, device)
 
@@ -69,22 +74,26 @@ def _equivalence_worker(rank, world, port, tmp, out_file):
             run = _setup(Path(tmp), "fused-adafactor-sr", k, every_k)
             streamer = run.engine.optimizer._streamer
             grads = []
-            run.step.on_phase = lambda name, run=run: name == "update" and grads.append(
-                sum(p.grad is not None for p in run.engine.module.parameters()))
+            run.step.on_phase = lambda name, run=run: (
+                name == "update" and grads.append(sum(p.grad is not None for p in run.engine.module.parameters()))
+            )
             homes = []
 
             def between_steps(run, streamer=streamer):  # streamed weights back in their host buffers, none on device
                 for block in streamer.blocks if streamer else ():
                     base, end = block.host.data_ptr(), block.host.data_ptr() + block.host.numel()
-                    homes.append(block.device_buf is None and all(base <= p.data_ptr() < end
-                                                                  for p, _ in block.params))
+                    homes.append(block.device_buf is None and all(base <= p.data_ptr() < end for p, _ in block.params))
 
             losses, weights = _train(run, between_steps)
             results[f"{k}-{every_k}"] = {
-                "streamed": len(streamer.blocks) if streamer else 0, "losses_equal": losses == ref_losses,
+                "streamed": len(streamer.blocks) if streamer else 0,
+                "losses_equal": losses == ref_losses,
                 "weights_equal": all(torch.equal(weights[n], ref_weights[n]) for n in ref_weights),
-                "grads_after_backward": grads, "at_home": all(homes), "skipped": run.engine.skipped_steps,
-                "engine_allreduce": run.engine.enable_backward_allreduce}
+                "grads_after_backward": grads,
+                "at_home": all(homes),
+                "skipped": run.engine.skipped_steps,
+                "engine_allreduce": run.engine.enable_backward_allreduce,
+            }
         results["nonfinite"] = _nonfinite_gradient(Path(tmp))
         done = True
     finally:
@@ -106,9 +115,14 @@ def _nonfinite_gradient(tmp) -> dict:
         handle.remove()
         moved = [n for n, q in engine.module.named_parameters() if not torch.equal(q.detach(), before[n])]
         run.step()
-        return {"kept": name not in moved, "others_moved": len(moved), "skipped": r.skipped_steps,
-                "skipped_tensors": engine.optimizer.skipped_tensors, "finite": bool(torch.isfinite(p).all()),
-                "after": engine.skipped_steps}
+        return {
+            "kept": name not in moved,
+            "others_moved": len(moved),
+            "skipped": r.skipped_steps,
+            "skipped_tensors": engine.optimizer.skipped_tensors,
+            "finite": bool(torch.isfinite(p).all()),
+            "after": engine.skipped_steps,
+        }
     finally:
         run.step.close()
         run.engine.destroy()
@@ -136,7 +150,8 @@ def test_streamed_weights_beyond_the_host_are_refused_in_one_sentence():
     assert host_shortfall(20 * 2**30, 16 * 2**30, 44) == (
         "fluxzero.offload_blocks 44 keeps 20.0 GiB of block weights in host memory, but 16.0 GiB is available on "
         "this machine: lower offload_blocks, or let `fluxzero gen-config --fit --host-memory GIB` choose it for the "
-        "memory this machine has")
+        "memory this machine has"
+    )
     assert host_available() is None or host_available() > 0
 
 
@@ -151,9 +166,9 @@ def _two_rank_worker(rank, world, port, tmp, out_file, bucketed=True):
     the losses, the weights and whether every rank holds the same, and (one rank) the initial weights. bucketed:
     a block's gradients averaged in one all_reduce (the default), else one all_reduce per tensor."""
     enter_training_rank(rank, world, port)
-    import torch.distributed as dist
-
     from pathlib import Path
+
+    import torch.distributed as dist
 
     done = False
     name = f"world{world}" + ("" if bucketed else "-per-tensor")
@@ -167,8 +182,16 @@ def _two_rank_worker(rank, world, port, tmp, out_file, bucketed=True):
         every = [torch.zeros_like(flat) for _ in range(world)]
         dist.all_gather(every, flat)
         if rank == 0:
-            torch.save({"losses": losses, "weights": flat, "init": init, "buckets": buckets,
-                        "replicas_equal": all(torch.equal(every[0], f) for f in every)}, Path(tmp) / f"{name}.pt")
+            torch.save(
+                {
+                    "losses": losses,
+                    "weights": flat,
+                    "init": init,
+                    "buckets": buckets,
+                    "replicas_equal": all(torch.equal(every[0], f) for f in every),
+                },
+                Path(tmp) / f"{name}.pt",
+            )
         done = True
     finally:
         close_group(done)

@@ -1,6 +1,7 @@
 """The host modes (cpu-bf16-sr, cpu-adamw8bit-sr: fluxzero.train.optim.host.HostAdamW) without DeepSpeed: they
 train like fp32 masters on test_optim_quality.py's problem and its 5% bar, round-to-nearest in the same optimizer
 does not, chunking does not change the 8-bit states, and state_dict round-trips exactly (dtypes, generator)."""
+
 from __future__ import annotations
 
 import io
@@ -11,10 +12,9 @@ torch = pytest.importorskip("torch")
 
 from fluxzero.config.optim_modes import get_mode  # noqa: E402
 from fluxzero.train.optim import host as host_optim  # noqa: E402
-from fluxzero.train.optim.rounding import counter_noise, lowbias32, mix32, noise_key, round_keyed  # noqa: E402
 from fluxzero.train.optim.host import HostAdamW  # noqa: E402
 from fluxzero.train.optim.optimizers import OptimModeError, build_optimizer  # noqa: E402
-
+from fluxzero.train.optim.rounding import counter_noise, lowbias32, mix32, noise_key, round_keyed  # noqa: E402
 from tests.train.test_optim_quality import BOUND, LR, LeastSquares, _within  # noqa: E402
 
 HOST_MODES = ("cpu-bf16-sr", "cpu-adamw8bit-sr")
@@ -113,9 +113,11 @@ def test_the_compiled_step_equals_the_eager_one(states):
 def test_a_compiled_step_that_cannot_be_built_steps_eagerly(monkeypatch, caplog):
     """A C++ compiler that is found but fails at the build (headers missing, say) raises at the kernel's first
     call, before it touches a value: the step goes eagerly, with one warning, and equals the eager run."""
+
     def broken(states):
         def kernel(*args):
             raise RuntimeError("C++ compile error: Python.h: No such file or directory")
+
         return kernel
 
     runs = []
@@ -155,6 +157,7 @@ def test_resume_is_exact_and_keeps_state_dtypes(mode):
     torch.manual_seed(456)
     opt_b.step()
     assert torch.equal(a, b)
+
     def kinds(st):
         return {k: getattr(v, "dtype", type(v)) for k, v in st.items()}
 
@@ -208,7 +211,13 @@ def test_nearest_codes_are_the_nearest_map_values():
         q = torch.tensor(create_dynamic_map(signed=signed))
         mids = (q[1:] + q[:-1]) / 2
         x = torch.rand(100_000, generator=g) ** 4  # crowded near 0, where the map is finest
-        x = torch.cat([x * torch.sign(torch.randn(100_000, generator=g)) if signed else x, mids, q,
-                       torch.nextafter(mids, torch.zeros_like(mids))])
+        x = torch.cat(
+            [
+                x * torch.sign(torch.randn(100_000, generator=g)) if signed else x,
+                mids,
+                q,
+                torch.nextafter(mids, torch.zeros_like(mids)),
+            ]
+        )
         codes = host_optim.nearest_codes(x, *host_optim._code_tables(q))
         assert codes.dtype == torch.uint8 and torch.equal(codes.long(), torch.bucketize(x, mids, right=True))

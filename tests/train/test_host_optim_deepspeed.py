@@ -2,6 +2,7 @@
 starts them): same least-squares problem and 5% bar as test_optim_quality.py, against DeepSpeed's fp32 masters
 (torch's AdamW, bf16 on, no offload) at ZeRO 2; the optimizer steps bf16 partitions in host memory; save, load into
 a fresh engine, next step is bit-identical. No JIT build: the client optimizer replaces DeepSpeed's CPU Adam."""
+
 from __future__ import annotations
 
 import json
@@ -117,8 +118,14 @@ def _off(run, ref):
 @pytest.fixture(scope="module")
 def runs():
     pytest.importorskip("torchao")
-    r = subprocess.run([sys.executable, "-c", WORKER, json.dumps(CASES)], capture_output=True, text=True,
-                       timeout=800, cwd=ROOT, env=_env())
+    r = subprocess.run(
+        [sys.executable, "-c", WORKER, json.dumps(CASES)],
+        capture_output=True,
+        text=True,
+        timeout=800,
+        cwd=ROOT,
+        env=_env(),
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     assert "cpu_adam" not in r.stderr.lower()  # no DeepSpeedCPUAdam build was started
     return _rows(r.stdout)
@@ -145,9 +152,17 @@ def test_two_ranks_step_half_partitions_on_the_host_and_still_match(runs):
     """cpu-adamw8bit-sr at ZeRO 3 on 2 ranks: each rank steps half the bf16 partition in host memory; both see the
     same full-batch gradient, so the bar is the 1-rank fp32 reference's; resume exact on each rank."""
     port, ck = free_port(), tempfile.mkdtemp(prefix="fz-host-2rank-")
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, json.dumps([["cpu-adamw8bit-sr", 3, False]])],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_env(**rank_vars(r, 2, port), FZ_CKPT_DIR=ck)) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, json.dumps([["cpu-adamw8bit-sr", 3, False]])],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(**rank_vars(r, 2, port), FZ_CKPT_DIR=ck),
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     shutil.rmtree(ck, ignore_errors=True)
     for p, (_, err) in zip(procs, outs):

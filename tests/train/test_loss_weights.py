@@ -1,4 +1,5 @@
 """Per-token loss weights (cached masks, flow.mask_floor) and per-dataset loss weights in flow.loss, on flux-tiny."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,8 +14,12 @@ CFG = FlowConfig()
 
 def _batch(mask=None, loss_weight=None):
     g = torch.Generator().manual_seed(3)
-    batch = {"latents": torch.randn(2, 16, 8, 8, generator=g), "t5": torch.randn(2, 4, 64, generator=g),
-             "clip": torch.randn(2, 32, generator=g), "index": torch.tensor([0, 1])}
+    batch = {
+        "latents": torch.randn(2, 16, 8, 8, generator=g),
+        "t5": torch.randn(2, 4, 64, generator=g),
+        "clip": torch.randn(2, 32, generator=g),
+        "index": torch.tensor([0, 1]),
+    }
     if mask is not None:
         batch["mask"] = mask
     if loss_weight is not None:

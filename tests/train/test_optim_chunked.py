@@ -1,5 +1,6 @@
 """The eager bf16 optimizers step a flat tensor (a ZeRO 1-3 partition) a chunk at a time: same result, bounded
 temporaries. Plain torch on CPU; the DeepSpeed runs of the modes are tests/train/test_optim_deepspeed.py."""
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -55,8 +56,10 @@ def test_adafactor_norms_do_not_depend_on_the_chunking():
     opt = AdafactorSR([p], lr=1e-2)
     variance = torch.rand(N, generator=gen) * 1e-6
     with torch.no_grad():
-        scales = {c: opt._flat_scale(opt.param_groups[0], 3, p, variance, _pieces(p, c)).item()
-                  for c in (None, BLOCK, 2 * BLOCK)}
+        scales = {
+            c: opt._flat_scale(opt.param_groups[0], 3, p, variance, _pieces(p, c)).item()
+            for c in (None, BLOCK, 2 * BLOCK)
+        }
     assert len(set(scales.values())) == 1, scales
 
 

@@ -5,6 +5,7 @@ and its ZeRO wrappers between the loss and the optimizer. Each mode runs at a st
 reference is fp32 masters (DeepSpeed's own, bf16 on) with torch's AdamW / Adafactor at the same stage kind.
 The engines run in one subprocess (DeepSpeed in the pytest process would leave a process group behind).
 """
+
 from __future__ import annotations
 
 import json
@@ -115,15 +116,29 @@ for mode, stage in json.loads(sys.argv[1]):
 torch.distributed.destroy_process_group()  # a gloo group left to interpreter teardown can abort the process
 """
 
-CASES = [("fp32", 2), ("bf16-rtn", 2), ("bf16-sr", 2), ("bf16-kahan", 3), ("adamw8bit-sr", 1),
-         ("fp32-adafactor", 0), ("adafactor-sr", 0),
-         ("bf16-kahan:16384", 3), ("adafactor-sr", 2), ("adafactor-sr:16384", 2)]
+CASES = [
+    ("fp32", 2),
+    ("bf16-rtn", 2),
+    ("bf16-sr", 2),
+    ("bf16-kahan", 3),
+    ("adamw8bit-sr", 1),
+    ("fp32-adafactor", 0),
+    ("adafactor-sr", 0),
+    ("bf16-kahan:16384", 3),
+    ("adafactor-sr", 2),
+    ("adafactor-sr:16384", 2),
+]
 
 
 def _env(**extra) -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), **extra,
-            "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR",
-                                                      str(Path(tempfile.gettempdir()) / "fluxzero-inductor"))}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        **extra,
+        "TORCHINDUCTOR_CACHE_DIR": os.environ.get(
+            "TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "fluxzero-inductor")
+        ),
+    }
 
 
 def _rows(stdout: str) -> dict:
@@ -136,8 +151,14 @@ def _rows(stdout: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    r = subprocess.run([sys.executable, "-c", WORKER, json.dumps(CASES)], capture_output=True, text=True,
-                       timeout=800, cwd=ROOT, env=_env())
+    r = subprocess.run(
+        [sys.executable, "-c", WORKER, json.dumps(CASES)],
+        capture_output=True,
+        text=True,
+        timeout=800,
+        cwd=ROOT,
+        env=_env(),
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     rows = _rows(r.stdout)
     assert sorted(rows) == sorted(f"{m}@{s}" for m, s in CASES)
@@ -199,11 +220,25 @@ def test_two_ranks_step_half_partitions_in_bf16_and_still_match(runs):
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     ck = tempfile.mkdtemp(prefix="fz-optim-2rank-")
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, json.dumps([["bf16-sr", 2]])], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                       MASTER_PORT=port, OMP_NUM_THREADS="1", FZ_CKPT_DIR=ck))
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, json.dumps([["bf16-sr", 2]])],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                OMP_NUM_THREADS="1",
+                FZ_CKPT_DIR=ck,
+            ),
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     shutil.rmtree(ck, ignore_errors=True)
     for p, (_, err) in zip(procs, outs):

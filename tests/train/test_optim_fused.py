@@ -5,6 +5,7 @@ same graph. After one step from the same state, the Kahan sum (weight + carry, t
 must agree to fp32 rounding, and the stochastically rounded m and v must lie within one bf16 ulp of each other
 (their rounding draws differ between the two paths).
 """
+
 import copy
 
 import pytest

@@ -10,6 +10,7 @@ the issue's 200: torchao's bf16 m and v are rounded to nearest, v's EMA stalls (
 and its steps come out larger; measured +4.9% weight change at 200 steps, +4.4% at 400, too close to the bar
 to make a test of. Round-to-nearest misses it by -79% (weight change) and +105% (loss) at 400 steps.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,9 +25,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fluxzero.config.optim_modes import MODES, get_mode  # noqa: E402
-from fluxzero.train.optim.optimizers import (AdafactorSR, OptimModeError, build_optimizer,  # noqa: E402
-                                  stochastic_round_bf16)
-
+from fluxzero.train.optim.optimizers import AdafactorSR, OptimModeError, build_optimizer, stochastic_round_bf16  # noqa: E402
 from tests.pure_python import ROOT, run_without_torch  # noqa: E402
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "fluxzero-inductor"))
@@ -94,8 +93,7 @@ def test_adamw_modes_match_fp32_masters_and_rtn_does_not(problem):
     for mode in ("bf16-sr", "bf16-kahan", "adamw8bit-sr"):
         dw, dl = _within(problem.train(lambda p: build_optimizer(p, mode, lr=LR), torch.bfloat16), ref)
         assert dw < BOUND and dl < BOUND, (mode, dw, dl)
-    rtn = problem.train(lambda p: build_optimizer(p, "bf16-rtn", lr=LR, allow_comparison_only=True),
-                        torch.bfloat16)
+    rtn = problem.train(lambda p: build_optimizer(p, "bf16-rtn", lr=LR, allow_comparison_only=True), torch.bfloat16)
     dw, dl = _within(rtn, ref)
     assert dw > BOUND and dl > BOUND, ("round-to-nearest should fail the bound", dw, dl)
 
@@ -108,8 +106,7 @@ def test_adafactor_sr_matches_fp32_adafactor_and_rtn_does_not(problem):
     assert dw < BOUND and dl < BOUND, (dw, dl)
     # torch's own on bf16 tensors, given fp32's eps1 so that rounding is the only difference
     eps = (torch.finfo(torch.float32).eps, 1e-3)
-    rtn = problem.train(lambda p: torch.optim.Adafactor(p, lr=LR_ADAFACTOR, eps=eps, foreach=False),
-                        torch.bfloat16)
+    rtn = problem.train(lambda p: torch.optim.Adafactor(p, lr=LR_ADAFACTOR, eps=eps, foreach=False), torch.bfloat16)
     dw, dl = _within(rtn, ref)
     assert dw > BOUND and dl > BOUND, (dw, dl)
 
@@ -209,11 +206,18 @@ def test_missing_torchao_is_one_sentence_naming_the_extra():
             print(e)
         build_optimizer([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))], "bf16-kahan", lr=1e-3)
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == ("optimizer mode 'bf16-sr' needs torchao: pip install -e '.[lowmem]' in the fluxzero "
-                                "checkout")
+    assert r.stdout.strip() == (
+        "optimizer mode 'bf16-sr' needs torchao: pip install -e '.[lowmem]' in the fluxzero checkout"
+    )
 
 
 def test_registry_is_pure_and_adds_up():

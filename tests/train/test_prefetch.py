@@ -1,4 +1,5 @@
 """The step's data phase ahead of the step: the prefetch thread gives the same batches, positions and errors."""
+
 import time
 
 import pytest

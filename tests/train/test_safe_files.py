@@ -1,6 +1,7 @@
 """fluxzero.train.checkpoint.safe_files: a torch.save file that would import code is refused before anything unpickles
 it, and every file of a real DeepSpeed checkpoint (ZeRO 0-3, fp32 and bf16) and fluxzero's trainer state
 passes."""
+
 import io
 import json
 import os
@@ -15,8 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from fluxzero.train.checkpoint.safe_files import (ALLOWED_GLOBALS, FP16_GLOBALS, MEASURED_GLOBALS, _pickle_globals,
-                                       check_checkpoint_file, load_trainer_state, unsafe_globals)
+from fluxzero.train.checkpoint.safe_files import (
+    ALLOWED_GLOBALS,
+    FP16_GLOBALS,
+    MEASURED_GLOBALS,
+    _pickle_globals,
+    check_checkpoint_file,
+    load_trainer_state,
+    unsafe_globals,
+)
 from tests.helpers import ONE_RANK
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,8 +41,15 @@ class _Payload:
 
 
 def _trainer_state():
-    loader = {"epoch": 0, "batches_done": 3, "micro_batch": 1, "world_size": 1, "seed": 0, "data": "0f" * 8,
-              "num_samples": 8}
+    loader = {
+        "epoch": 0,
+        "batches_done": 3,
+        "micro_batch": 1,
+        "world_size": 1,
+        "seed": 0,
+        "data": "0f" * 8,
+        "num_samples": 8,
+    }
     rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     return {"step": 3, "loader": loader, "rng": rng, "world_size": 1}
 
@@ -74,8 +89,11 @@ def test_stack_global_strings_are_followed_through_the_memo_and_computed_ones_re
 def test_other_torch_formats_are_refused(tmp_path):
     legacy = tmp_path / "legacy.pt"
     torch.save({"x": torch.zeros(2)}, legacy, _use_new_zipfile_serialization=False)  # unpickled directly
-    with pytest.raises(ValueError, match=r"legacy.pt is not a zip-format torch.save file, so fluxzero does not "
-                                         r"load it: it was not written by fluxzero or DeepSpeed; delete it"):
+    with pytest.raises(
+        ValueError,
+        match=r"legacy.pt is not a zip-format torch.save file, so fluxzero does not "
+        r"load it: it was not written by fluxzero or DeepSpeed; delete it",
+    ):
         check_checkpoint_file(legacy)
     script = tmp_path / "script.pt"
     torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), script)  # torch.load would hand it to torch.jit.load
@@ -117,7 +135,9 @@ def test_trainer_state_loads_with_weights_only_and_equals_the_unrestricted_load(
     assert got["step"] == 3 and got["loader"] == want["loader"] and got["world_size"] == 1
     assert torch.equal(got["rng"]["torch"], want["rng"]["torch"]) and got["rng"]["python"] == want["rng"]["python"]
     name, keys, *rest = got["rng"]["numpy"]
-    assert name == "MT19937" and np.array_equal(keys, want["rng"]["numpy"][1]) and rest == list(want["rng"]["numpy"][2:])
+    assert (
+        name == "MT19937" and np.array_equal(keys, want["rng"]["numpy"][1]) and rest == list(want["rng"]["numpy"][2:])
+    )
     np.random.set_state(got["rng"]["numpy"])  # what resume does with it
     a = np.random.rand(3)
     np.random.set_state(want["rng"]["numpy"])
@@ -131,8 +151,14 @@ def test_trainer_state_loads_with_weights_only_and_equals_the_unrestricted_load(
 def test_the_dtypes_of_fp16_runs_and_of_adamw8bit_sr_states_are_allowed(tmp_path):
     # what an fp16 run's ZeRO optimizer states and adamw8bit-sr's packed 8-bit states hold, on any CPU
     path = tmp_path / "states.pt"
-    torch.save({"state": {0: {"codes": torch.zeros(4, dtype=torch.uint8), "dtype": torch.bfloat16}},
-                "fp16": torch.zeros(2, dtype=torch.float16), "dtype": torch.float16}, path)
+    torch.save(
+        {
+            "state": {0: {"codes": torch.zeros(4, dtype=torch.uint8), "dtype": torch.bfloat16}},
+            "fp16": torch.zeros(2, dtype=torch.float16),
+            "dtype": torch.float16,
+        },
+        path,
+    )
     assert {"torch.bfloat16", "torch.float16", "torch.HalfStorage"} <= set(unsafe_globals(path))
     check_checkpoint_file(path)
 
@@ -140,7 +166,9 @@ def test_the_dtypes_of_fp16_runs_and_of_adamw8bit_sr_states_are_allowed(tmp_path
 # ---------------------------------------------------------------------------------------------------------
 # real DeepSpeed checkpoints: what the allow-list was measured from
 
-_WRITE_CHECKPOINTS = ONE_RANK + r"""
+_WRITE_CHECKPOINTS = (
+    ONE_RANK
+    + r"""
 import json, os, random, sys
 from pathlib import Path
 import numpy as np, torch, deepspeed
@@ -180,19 +208,26 @@ for name in sys.argv[3:]:
                           "optimizer": type(eng.optimizer).__name__}), flush=True)
 torch.distributed.destroy_process_group()  # a gloo group left to interpreter teardown can abort the process
 """
+)
 
 
 @pytest.mark.slow
 def test_every_file_of_real_deepspeed_checkpoints_passes(tmp_path):
     presets = ["zero0.json", "zero1.json", "zero2.json", "zero3.json", "zero2-offload.json", "zero3-offload.json"]
-    r = subprocess.run([sys.executable, "-c", _WRITE_CHECKPOINTS, str(ROOT / "ds_configs"), str(tmp_path), *presets],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", _WRITE_CHECKPOINTS, str(ROOT / "ds_configs"), str(tmp_path), *presets],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     runs = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
     fp16 = [d for d in runs if d["precision"] == "fp16"]  # where DeepSpeed's accelerator trains fp16
     runs = [d for d in runs if d["precision"] != "fp16"]
     assert sorted((d["stage"], d["bf16"]) for d in runs) == sorted(
-        [(s, b) for s in (0, 1, 2, 3) for b in (False, True)] + [(s, b) for s in (2, 3) for b in (False, True)])
+        [(s, b) for s in (0, 1, 2, 3) for b in (False, True)] + [(s, b) for s in (2, 3) for b in (False, True)]
+    )
     from fluxzero.train.checkpoint.integrity import FLUXZERO_FILES, clean_save_files
     from fluxzero.train.checkpoint.locks import READ_LOCK
 
@@ -202,7 +237,9 @@ def test_every_file_of_real_deepspeed_checkpoints_passes(tmp_path):
         names = {f.name for f in files}
         # DeepSpeed writes exactly the names the resume's stray-file check expects (rank 0 adds the others)
         assert set(os.listdir(run["dir"])) == clean_save_files(run["stage"], run["bf16"], 1, False) - {
-            *FLUXZERO_FILES, READ_LOCK}, run
+            *FLUXZERO_FILES,
+            READ_LOCK,
+        }, run
         assert "trainer_state_rank0.pt" in names and any("model_states" in n for n in names), names
         if run["stage"] >= 1:
             assert any("optim_states" in n for n in names), names
@@ -225,9 +262,22 @@ def test_every_file_of_real_deepspeed_checkpoints_passes(tmp_path):
             check_checkpoint_file(f)
     # a resume at another world size reads DeepSpeed's universal checkpoint: its files pass too (~10 s)
     src = next(d["dir"] for d in runs if d["stage"] == 3 and d["bf16"])
-    r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src,
-                        "--output_folder", str(tmp_path / "universal"), "--inject_missing_state"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            src,
+            "--output_folder",
+            str(tmp_path / "universal"),
+            "--inject_missing_state",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     files = sorted((tmp_path / "universal").rglob("*.pt"))
     assert any(f.name == "optimizer_state.pt" for f in files) and any(f.name == "exp_avg.pt" for f in files)

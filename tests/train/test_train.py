@@ -4,6 +4,7 @@ the `fluxzero train` / `fluxzero export` commands and the quick start.
 DeepSpeed itself never runs in the pytest process (later fork-based DataLoader workers could hang): every
 training case runs in one child process that calls fluxzero.train.loop.main once per case.
 """
+
 import json
 import os
 import shutil
@@ -41,31 +42,55 @@ def test_load_config_with_overrides(tmp_path):
     assert TrainConfig.from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg  # the saved run.yaml
     from fluxzero.config.runfile import ConfigError
 
-    for over, match in [("steps.x=3", "steps is a value, not a section"), ("flow.guidance.x=1", "flow.guidance is a value")]:
+    for over, match in [
+        ("steps.x=3", "steps is a value, not a section"),
+        ("flow.guidance.x=1", "flow.guidance is a value"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             load_config(str(run), [over])
     (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe")
-    for path, match in [(tmp_path, "run file .* is a folder; pass a YAML"), (tmp_path / "bin.yaml", "is not a text file")]:
+    for path, match in [
+        (tmp_path, "run file .* is a folder; pass a YAML"),
+        (tmp_path / "bin.yaml", "is not a text file"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             load_config(str(path))
 
 
-@pytest.mark.parametrize("data, match", [
-    ({"deepspeed": "a", "data": "b"}, "must set output_dir"),
-    ({"deepspeed": "a", "data": "b", "output_dir": "c", "stpes": 3}, r"unknown run-file keys \['stpes'\] \(did you mean 'steps' for 'stpes'\?\)"),
-    ({"deepspeed": "a", "data": "b", "output_dir": "c", "flow": {"shfit": "none"}}, "unknown flow keys .* 'shift' for 'shfit'"),
-    ({"deepspeed": "a", "data": "b", "output_dir": "c", "precision": "fp8"},
-     r"^precision is set in the DeepSpeed config now \(bf16.enabled / fp16.enabled in a\): remove it"),
-    ({"deepspeed": "a", "data": "b", "output_dir": "c", "model": "flux-huge"}, "unknown model preset"),
-    ({"deepspeed": "a", "data": "b", "output_dir": "c", "micro_batch": 0},
-     r"^micro_batch is set in the DeepSpeed config now \(train_micro_batch_size_per_gpu in a\)"),
-    ({"deepspeed": "a", "data": "b", "output_dir": "c", "steps": "abc"}, "steps must be a whole number, got 'abc'"),
-    ({"deepspeed": "a", "data": "b", "output_dir": "c", "checkpoint": {"resume": "maybe"}},
-     "checkpoint.resume must be true or false"),
-    ({"deepspeed": "a", "data": "b", "output_dir": 5}, "output_dir must be text"),
-    ({"deepspeed": "a", "data": "b", "output_dir": "c", "flow": {"guidance": "x"}}, "flow.guidance must be a number"),
-    ({"deepspeed": "a", "data": "b", "output_dir": " "}, "output_dir is empty"),
-])
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"deepspeed": "a", "data": "b"}, "must set output_dir"),
+        (
+            {"deepspeed": "a", "data": "b", "output_dir": "c", "stpes": 3},
+            r"unknown run-file keys \['stpes'\] \(did you mean 'steps' for 'stpes'\?\)",
+        ),
+        (
+            {"deepspeed": "a", "data": "b", "output_dir": "c", "flow": {"shfit": "none"}},
+            "unknown flow keys .* 'shift' for 'shfit'",
+        ),
+        (
+            {"deepspeed": "a", "data": "b", "output_dir": "c", "precision": "fp8"},
+            r"^precision is set in the DeepSpeed config now \(bf16.enabled / fp16.enabled in a\): remove it",
+        ),
+        ({"deepspeed": "a", "data": "b", "output_dir": "c", "model": "flux-huge"}, "unknown model preset"),
+        (
+            {"deepspeed": "a", "data": "b", "output_dir": "c", "micro_batch": 0},
+            r"^micro_batch is set in the DeepSpeed config now \(train_micro_batch_size_per_gpu in a\)",
+        ),
+        ({"deepspeed": "a", "data": "b", "output_dir": "c", "steps": "abc"}, "steps must be a whole number, got 'abc'"),
+        (
+            {"deepspeed": "a", "data": "b", "output_dir": "c", "checkpoint": {"resume": "maybe"}},
+            "checkpoint.resume must be true or false",
+        ),
+        ({"deepspeed": "a", "data": "b", "output_dir": 5}, "output_dir must be text"),
+        (
+            {"deepspeed": "a", "data": "b", "output_dir": "c", "flow": {"guidance": "x"}},
+            "flow.guidance must be a number",
+        ),
+        ({"deepspeed": "a", "data": "b", "output_dir": " "}, "output_dir is empty"),
+    ],
+)
 def test_bad_run_files(data, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig.from_dict(data)
@@ -104,8 +129,17 @@ def test_progress_bar_shows_the_loss_of_the_step_it_counts(tmp_path, monkeypatch
     from fluxzero.train.metrics import Metrics
 
     monkeypatch.delenv("FLUXZERO_NO_PROGRESS", raising=False)
-    m = Metrics(str(tmp_path), 0, 1, torch.device("cpu"), total_steps=3, start_step=0, global_batch=1,
-                flops_per_sample=None, dtype=torch.float32)
+    m = Metrics(
+        str(tmp_path),
+        0,
+        1,
+        torch.device("cpu"),
+        total_steps=3,
+        start_step=0,
+        global_batch=1,
+        flops_per_sample=None,
+        dtype=torch.float32,
+    )
     m.bar.mininterval = 0  # draw at every update, as a step slower than 0.1 s does
     for step, loss in [(1, 0.5), (2, 0.25)]:
         m.log(step, loss, 1e-3, None, 0, img_tokens=4, txt_tokens=4, log=False)
@@ -148,8 +182,11 @@ def test_tiny_default_files():
     assert (v.micro_batch, v.grad_accum, v.precision) == (2, 1, "fp32")
     # the committed DeepSpeed config is exactly what the gen-config command in tiny.yaml's comment writes
     text = (ROOT / "launch/tiny.yaml").read_text()
-    cmd = " ".join(line.strip("# \\") for line in text.splitlines() if line.startswith("#   fluxzero gen-config")
-                   or line.startswith("#     --warmup"))
+    cmd = " ".join(
+        line.strip("# \\")
+        for line in text.splitlines()
+        if line.startswith("#   fluxzero gen-config") or line.startswith("#     --warmup")
+    )
     args = cmd.split()[2:]
     out = CliRunner().invoke(main, ["gen-config", *args[:-2]])
     assert out.exit_code == 0, out.output
@@ -170,8 +207,13 @@ def test_process_group_is_torn_down_before_interpreter_exit():
         init_distributed()
         dist.barrier()
     """)
-    p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(
+        [sys.executable, "-c", child],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert "group alive at exit: False" in p.stdout
 
@@ -235,12 +277,21 @@ def cases(tmp_path_factory):
     from fluxzero.model.weights import save_weights
 
     save_weights(build_model("flux-tiny-schnell").state_dict(), tmp / "schnell.safetensors")
-    run = {"deepspeed": str(tmp / "ds.json"), "data": DATA, "steps": 4, "export": {"format": None}}  # micro batch 2: _ds
+    run = {
+        "deepspeed": str(tmp / "ds.json"),
+        "data": DATA,
+        "steps": 4,
+        "export": {"format": None},
+    }  # micro batch 2: _ds
     (tmp / "run.yaml").write_text(yaml.safe_dump(run))
 
     def case(name, *over, fsize=0, out=None, prep=None):
-        return [name, ["--config", str(tmp / "run.yaml"), f"output_dir={tmp / (out or name)}", *over], fsize,
-                prep or {}]
+        return [
+            name,
+            ["--config", str(tmp / "run.yaml"), f"output_dir={tmp / (out or name)}", *over],
+            fsize,
+            prep or {},
+        ]
 
     todo = [
         case("missing_data", f"data={tmp / 'nope'}"),
@@ -258,8 +309,12 @@ def cases(tmp_path_factory):
         case("unwritable_output", out="a_file/run"),
         case("export_blocked", "steps=1", "export.format=bfl"),
         case("nan", f"deepspeed={tmp / 'nan.json'}", "checkpoint.every=1"),
-        case("bad_saved_run", f"deepspeed={tmp / 'nan.json'}", out="nan",
-             prep={str(tmp / "nan/checkpoints/step_00000001/run.yaml"): "model: [flux-tiny\n"}),
+        case(
+            "bad_saved_run",
+            f"deepspeed={tmp / 'nan.json'}",
+            out="nan",
+            prep={str(tmp / "nan/checkpoints/step_00000001/run.yaml"): "model: [flux-tiny\n"},
+        ),
         case("first", "stop_after=2", "checkpoint.every=2", out="disk"),
         case("tensorboard_disk_full", fsize=1, out="disk"),  # a rerun on a full disk: no log can start
         case("disk_full", fsize=600_000, out="disk"),  # the model states file alone is ~2 MB
@@ -276,18 +331,45 @@ def cases(tmp_path_factory):
         case("keep_two", "checkpoint.every=1", "checkpoint.keep=2"),
         case("before_sections", "stop_after=2", "checkpoint.every=2"),
         # its checkpoint's run.yaml as the version before the sections wrote it: flat keys, resumed and exported
-        case("after_sections", "export.format=bfl", out="before_sections", prep={
-            str(tmp / "before_sections/checkpoints/step_00000002/run.yaml"): yaml.safe_dump(
-                {**{k: v for k, v in run.items() if k != "export"}, "output_dir": str(tmp / "before_sections"), "model": "flux-tiny", "seed": 0, "stop_after": 2,
-                 "checkpoint_every": 2, "keep_checkpoints": 0, "resume": True, "export_format": None,
-                 "export_dtype": "bf16", "export_merged": False, "export_weights": "live", "sample_every": 0,
-                 "sample_size": "512x512", "sample_seeds": [0], "validation_data": None,
-                 "validation_timesteps": [0.1, 0.3, 0.5, 0.7, 0.9]}, sort_keys=False)}),
+        case(
+            "after_sections",
+            "export.format=bfl",
+            out="before_sections",
+            prep={
+                str(tmp / "before_sections/checkpoints/step_00000002/run.yaml"): yaml.safe_dump(
+                    {
+                        **{k: v for k, v in run.items() if k != "export"},
+                        "output_dir": str(tmp / "before_sections"),
+                        "model": "flux-tiny",
+                        "seed": 0,
+                        "stop_after": 2,
+                        "checkpoint_every": 2,
+                        "keep_checkpoints": 0,
+                        "resume": True,
+                        "export_format": None,
+                        "export_dtype": "bf16",
+                        "export_merged": False,
+                        "export_weights": "live",
+                        "sample_every": 0,
+                        "sample_size": "512x512",
+                        "sample_seeds": [0],
+                        "validation_data": None,
+                        "validation_timesteps": [0.1, 0.3, 0.5, 0.7, 0.9],
+                    },
+                    sort_keys=False,
+                )
+            },
+        ),
     ]
     (tmp / "cases.json").write_text(json.dumps(todo))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-c", CHILD, str(tmp / "cases.json"), str(tmp / "results.json")],
-                   check=True, env=env, cwd=tmp, timeout=600)
+    subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp / "cases.json"), str(tmp / "results.json")],
+        check=True,
+        env=env,
+        cwd=tmp,
+        timeout=600,
+    )
     return tmp, json.loads((tmp / "results.json").read_text())
 
 
@@ -299,30 +381,39 @@ def _one_sentence_error(result):
     return lines[0]
 
 
-@pytest.mark.parametrize("name, match", [
-    ("missing_data", "nope"),
-    ("empty_data", "empty"),
-    ("corrupt_shard", "shard"),
-    ("wide_t5", "4096"),
-    ("odd_latent", "7x8"),
-    ("old_manifest", "version 999"),
-    ("no_resume_over_checkpoints", "already holds checkpoints (latest step_00000004) and checkpoint.resume is off"),
-    ("other_model", "is a checkpoint of flux-tiny but the run file trains flux-tiny-schnell"),
-    ("other_stage", "was written under ZeRO stage 2 but"),
-    ("other_precision", "was written in fp32 but"),
-    ("wrong_weights_zero3", "guidance_in"),  # pretrained load into the partitioned model checks names first
-    ("micro_in_run_file", "micro_batch is set in the DeepSpeed config now (train_micro_batch_size_per_gpu in "),
-    ("precision_in_run_file", "precision is set in the DeepSpeed config now (bf16.enabled / fp16.enabled in "),
-    ("ds_not_object", "ds_list.json must be a JSON object"),
-    ("unwritable_output", "cannot write to output_dir"),
-    ("export_blocked", "cannot write the export"),
-    ("bad_saved_run", "step_00000001/run.yaml is not valid YAML"),
-    ("other_data", "step_00000004 was trained with data=synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32, flow.shift="
-                   "resolution but this run has data=synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32, flow.shift=none; "
-                   "resume with the checkpoint's values, choose another output_dir, or add allow_config_change=true"),
-    ("other_seed", "was trained with seed=0 but this run has seed=1; resume with the checkpoint's values, or "
-                   "choose another output_dir"),
-])
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("missing_data", "nope"),
+        ("empty_data", "empty"),
+        ("corrupt_shard", "shard"),
+        ("wide_t5", "4096"),
+        ("odd_latent", "7x8"),
+        ("old_manifest", "version 999"),
+        ("no_resume_over_checkpoints", "already holds checkpoints (latest step_00000004) and checkpoint.resume is off"),
+        ("other_model", "is a checkpoint of flux-tiny but the run file trains flux-tiny-schnell"),
+        ("other_stage", "was written under ZeRO stage 2 but"),
+        ("other_precision", "was written in fp32 but"),
+        ("wrong_weights_zero3", "guidance_in"),  # pretrained load into the partitioned model checks names first
+        ("micro_in_run_file", "micro_batch is set in the DeepSpeed config now (train_micro_batch_size_per_gpu in "),
+        ("precision_in_run_file", "precision is set in the DeepSpeed config now (bf16.enabled / fp16.enabled in "),
+        ("ds_not_object", "ds_list.json must be a JSON object"),
+        ("unwritable_output", "cannot write to output_dir"),
+        ("export_blocked", "cannot write the export"),
+        ("bad_saved_run", "step_00000001/run.yaml is not valid YAML"),
+        (
+            "other_data",
+            "step_00000004 was trained with data=synthetic:n=8,hw=8x8,txt=4,ctx=64,vec=32, flow.shift="
+            "resolution but this run has data=synthetic:n=16,hw=8x8,txt=4,ctx=64,vec=32, flow.shift=none; "
+            "resume with the checkpoint's values, choose another output_dir, or add allow_config_change=true",
+        ),
+        (
+            "other_seed",
+            "was trained with seed=0 but this run has seed=1; resume with the checkpoint's values, or "
+            "choose another output_dir",
+        ),
+    ],
+)
 def test_user_errors_exit_with_one_sentence(cases, name, match):
     _, results = cases
     assert match in _one_sentence_error(results[name])
@@ -335,8 +426,10 @@ def test_fp16_trains_resumes_and_exports_where_the_accelerator_supports_it_and_i
     accel = get_accelerator()  # it decides, not the test: some CPUs train fp16 (AVX512-FP16 / AMX), most do not
     if not accel.is_fp16_supported():
         for name in ("fp16_on_cpu", "fp16_resumed"):
-            assert (f"trains in fp16, which DeepSpeed's {accel.device_name()} accelerator does not support"
-                    in _one_sentence_error(results[name]))
+            assert (
+                f"trains in fp16, which DeepSpeed's {accel.device_name()} accelerator does not support"
+                in _one_sentence_error(results[name])
+            )
         return
     assert results["fp16_on_cpu"][0] == 0 and results["fp16_resumed"][0] == 0, results["fp16_resumed"][1][-2000:]
     assert (tmp / "fp16_on_cpu" / "export.safetensors").is_file()
@@ -366,13 +459,17 @@ def test_disk_full_keeps_previous_checkpoint_loadable(cases):
 def test_full_disk_outside_checkpoints_is_one_sentence(cases):
     """A rerun on a full disk fails where logging starts: TensorBoard's first event, or metrics.jsonl."""
     tmp, results = cases
-    for name, what in [("tensorboard_disk_full", f"TensorBoard logs in {tmp / 'disk' / 'tensorboard'}"),
-                       ("jsonl_disk_full", str(tmp / "disk" / "metrics.jsonl"))]:
+    for name, what in [
+        ("tensorboard_disk_full", f"TensorBoard logs in {tmp / 'disk' / 'tensorboard'}"),
+        ("jsonl_disk_full", str(tmp / "disk" / "metrics.jsonl")),
+    ]:
         msg = _one_sentence_error(results[name])
-        assert msg.startswith(f"error: cannot write {what} (File too large): the disk holding {tmp / 'disk'} is "
-                              f"probably full; training stopped at step 2 and the last complete checkpoint "
-                              f"{tmp / 'disk' / 'checkpoints'}/step_00000002 is intact: free disk space there and "
-                              f"run the same command again to resume from it"), msg
+        assert msg.startswith(
+            f"error: cannot write {what} (File too large): the disk holding {tmp / 'disk'} is "
+            f"probably full; training stopped at step 2 and the last complete checkpoint "
+            f"{tmp / 'disk' / 'checkpoints'}/step_00000002 is intact: free disk space there and "
+            f"run the same command again to resume from it"
+        ), msg
 
 
 def test_resumed_steps_are_logged_once(cases):
@@ -416,23 +513,31 @@ def test_export_command(cases, tmp_path):
     (lost / "checkpoints" / "latest").unlink()
     r = CliRunner().invoke(main, ["export", str(lost), str(tmp_path / "lost.safetensors"), "--dtype", "fp32"])
     assert r.exit_code == 0, r.output
-    assert f"note: {lost / 'checkpoints' / 'latest'} is missing; exporting step_00000004, the newest complete " \
-           "checkpoint there" in r.output, r.output
+    assert (
+        f"note: {lost / 'checkpoints' / 'latest'} is missing; exporting step_00000004, the newest complete "
+        "checkpoint there" in r.output
+    ), r.output
     again = load_weights(tmp_path / "lost.safetensors")
     assert all(again[k].equal(v) for k, v in ours.items())
     for tag in ("step_00000002", "step_00000004"):  # saves killed before their last files
         (lost / "checkpoints" / tag / "ds_config.json").unlink()
     r = CliRunner().invoke(main, ["export", str(lost), str(tmp_path / "none.safetensors")])
-    assert r.exit_code == 2 and "has no 'latest' file and none of its step folders is a complete checkpoint" \
-        in r.output and not (tmp_path / "none.safetensors").exists(), r.output
+    assert (
+        r.exit_code == 2
+        and "has no 'latest' file and none of its step folders is a complete checkpoint" in r.output
+        and not (tmp_path / "none.safetensors").exists()
+    ), r.output
     (tmp_path / "a_file").write_text("")
     r = CliRunner().invoke(main, ["export", str(run_dir), str(tmp_path / "a_file" / "x.safetensors")])
     assert r.exit_code == 2 and "cannot write the export" in r.output, r.output
     # run.yaml names what was trained: unreadable, or another model than the weights, is one sentence
     copy = tmp_path / "copy"
     shutil.copytree(run_dir / "checkpoints" / "step_00000004", copy)
-    for text, words in (("model: [unclosed", "is not valid YAML"), ("model: flux-nope\n", "does not name a known model"),
-                        ("model: flux-dev\n", "cannot export")):
+    for text, words in (
+        ("model: [unclosed", "is not valid YAML"),
+        ("model: flux-nope\n", "does not name a known model"),
+        ("model: flux-dev\n", "cannot export"),
+    ):
         (copy / "run.yaml").write_text(text)
         r = CliRunner().invoke(main, ["export", str(copy), str(tmp_path / "y.safetensors")])
         assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output, r.output
@@ -458,11 +563,24 @@ def test_ctrl_c_exits_cleanly_with_checkpoint_to_resume(tmp_path):
     import time
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "launch/train.py", "--config", "launch/tiny.yaml", "steps=100000", "checkpoint.every=2",
-           "export.format=null", f"output_dir={out}"]
-    p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "FLUXZERO_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"},
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a CI shell may ignore it
+    cmd = [
+        sys.executable,
+        "launch/train.py",
+        "--config",
+        "launch/tiny.yaml",
+        "steps=100000",
+        "checkpoint.every=2",
+        "export.format=null",
+        f"output_dir={out}",
+    ]
+    p = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "FLUXZERO_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # a CI shell may ignore it
     latest = out / "checkpoints" / "latest"
     deadline = time.time() + 120
     while not latest.is_file() and p.poll() is None and time.time() < deadline:
@@ -531,12 +649,14 @@ def test_two_ranks_print_each_error_once(tmp_path):
     with ShardWriter(shards, samples_per_shard=1) as w:  # one sample a shard: a rank's shards are its own
         for _ in range(8):
             w.add(torch.randn(16, 8, 8), torch.randn(4, 64), torch.randn(32))
-    run = {"deepspeed": str(tmp_path / "ds.json"), "data": str(shards), "steps": 2,
-           "export": {"format": None}}
+    run = {"deepspeed": str(tmp_path / "ds.json"), "data": str(shards), "steps": 2, "export": {"format": None}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
     argv = ["--config", str(tmp_path / "run.yaml"), f"output_dir={tmp_path / 'out'}"]
-    todo = [["bad_override", [*argv, "steps=abc"], None], ["missing_data", [*argv, f"data={tmp_path / 'nope'}"], None],
-            ["shard_gone", argv, 1]]
+    todo = [
+        ["bad_override", [*argv, "steps=abc"], None],
+        ["missing_data", [*argv, f"data={tmp_path / 'nope'}"], None],
+        ["shard_gone", argv, 1],
+    ]
     (tmp_path / "cases.json").write_text(json.dumps(todo))
     procs = popen_ranks([sys.executable, "-c", MULTI, str(tmp_path / "cases.json")], cwd=tmp_path)
     (out0, err0), (out1, err1) = [p.communicate(timeout=240) for p in procs]
@@ -564,7 +684,7 @@ QUICK_START = "torchrun --nproc_per_node 2 launch/train.py --config launch/tiny.
 def test_readme_quick_start_is_what_ci_and_this_file_run():
     """README command 2 is .ci/run's test line; command 1 is the run the next test makes (shortened)."""
     readme = (ROOT / "README.md").read_text()
-    quick = readme[readme.index("## Quick start"):readme.index("\n## ", readme.index("## Quick start") + 1)]
+    quick = readme[readme.index("## Quick start") : readme.index("\n## ", readme.index("## Quick start") + 1)]
     commands = [b.split("\n")[1].strip() for b in quick.split("```bash")[1:]]
     assert len(commands) == 2, commands
     assert commands[0] == f"pip install torch==2.13.0 && pip install -e '.[train]' && {QUICK_START}"
@@ -577,18 +697,37 @@ def test_quick_start_torchrun_two_ranks(tmp_path):
     from fluxzero.model.weights import load_weights
 
     out = tmp_path / "tiny"
-    cmd = [sys.executable, "-m", "torch.distributed.run", *QUICK_START.split()[1:],
-           "steps=12", "checkpoint.every=6", "log_every=3", f"output_dir={out}"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "FLUXZERO_PEAK_TFLOPS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *QUICK_START.split()[1:],
+        "steps=12",
+        "checkpoint.every=6",
+        "log_every=3",
+        f"output_dir={out}",
+    ]
+    p = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "FLUXZERO_PEAK_TFLOPS": "1"},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "done: step 12/12" in p.stderr
     assert (out / "checkpoints" / "latest").read_text() == "step_00000012"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tags = EventAccumulator(str(out / "tensorboard")).Reload().Tags()["scalars"]
-    assert {"train/loss", "train/skipped_steps", "per_rank/step_time_s/rank0", "per_rank/step_time_s/rank1",
-            "per_rank/peak_memory_gb/rank1"} <= set(tags)
+    assert {
+        "train/loss",
+        "train/skipped_steps",
+        "per_rank/step_time_s/rank0",
+        "per_rank/step_time_s/rank1",
+        "per_rank/peak_memory_gb/rank1",
+    } <= set(tags)
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [3, 6, 9, 12]
     assert len(records[0]["step_time_s_per_rank"]) == 2 and records[-1]["samples_per_s"] > 0

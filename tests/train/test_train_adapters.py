@@ -3,6 +3,7 @@ partitioned) against ZeRO-0, exact resume and the adapters' EMA at ZeRO-3, the L
 export --as-lora-rank` on the checkpoint: one rank in one child process (DeepSpeed never runs in pytest's); and
 on two spawned ranks ZeRO-3 and ZeRO-2 against plain PyTorch.
 """
+
 import json
 import os
 import subprocess
@@ -13,24 +14,37 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from tests.helpers import (TRAINER_CHILD, close_group, enter_training_rank, exit_rank, plain_losses, spawn_ranks,
-                           tiny_ds, tiny_weights)
+from tests.helpers import (
+    TRAINER_CHILD,
+    close_group,
+    enter_training_rank,
+    exit_rank,
+    plain_losses,
+    spawn_ranks,
+    tiny_ds,
+    tiny_weights,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA4 = "synthetic:n=4,hw=8x8,txt=4,ctx=64,vec=32"
 LR = 1e-2
 STEPS = 3
-KINDS = {"dora": {"rank": 4, "alpha": 8, "targets": "all-linear", "type": "dora"},
-         "lokr": {"rank": 4, "alpha": 8, "targets": "all-linear", "type": "lokr", "factor": 4}}
+KINDS = {
+    "dora": {"rank": 4, "alpha": 8, "targets": "all-linear", "type": "dora"},
+    "lokr": {"rank": 4, "alpha": 8, "targets": "all-linear", "type": "lokr", "factor": 4},
+}
 LOSS_RTOL = 1e-5  # fp32: the stages differ from plain PyTorch in summation order only (test_train_lora.py)
 
-_CHILD = TRAINER_CHILD + """
+_CHILD = (
+    TRAINER_CHILD
+    + """
 from fluxzero.config import TrainConfig
 results = {}
 for name, cfg in json.load(open(sys.argv[1])):
     results[name] = train(TrainConfig.from_dict(cfg))["losses"]
 json.dump(results, open(sys.argv[2], "w"))
 """
+)
 
 
 def _reference(weights, lora):
@@ -54,27 +68,54 @@ def runs(tmp_path_factory):
     weights = tiny_weights(tmp / "base.safetensors")
     z3 = {"stage": 3, "stage3_param_persistence_threshold": 0}  # the adapters partitioned too
     for name, zero in {"z0": {"stage": 0}, "z3": z3}.items():
-        ds = tiny_ds(zero["stage"], clipping=0.0, lr=LR, weight_decay=0.0, train_micro_batch_size_per_gpu=4,
-                     zero_optimization=zero)
+        ds = tiny_ds(
+            zero["stage"],
+            clipping=0.0,
+            lr=LR,
+            weight_decay=0.0,
+            train_micro_batch_size_per_gpu=4,
+            zero_optimization=zero,
+        )
         (tmp / f"{name}.json").write_text(json.dumps(ds))
     jobs = []
     for kind, lora in KINDS.items():
+
         def job(name, ds, **kw):
-            cfg = {"deepspeed": str(tmp / f"{ds}.json"), "data": DATA4, "output_dir": str(tmp / f"{kind}_{name}"),
-                   "weights": str(weights), "steps": STEPS, "seed": 3, "lora": lora,
-                   "export": {"format": "comfyui", "dtype": "fp32"}}
+            cfg = {
+                "deepspeed": str(tmp / f"{ds}.json"),
+                "data": DATA4,
+                "output_dir": str(tmp / f"{kind}_{name}"),
+                "weights": str(weights),
+                "steps": STEPS,
+                "seed": 3,
+                "lora": lora,
+                "export": {"format": "comfyui", "dtype": "fp32"},
+            }
             return [f"{kind}_{name}", {**cfg, **kw}]
 
         ema = {"ema": {"decay": 0.5}, "export": {"format": "comfyui", "dtype": "fp32", "weights": "ema"}}
         # ZeRO-3 first: a ZeRO-3 build as the process's first model is what drew other adapters once
         # (engine._meta_outlives_zero_init)
-        jobs += [job("z3", "z3", **ema), job("z0", "z0"), job("stop3", "z3", stop_after=2, **ema),
-                 job("resumed3", "z3", output_dir=str(tmp / f"{kind}_stop3"), **ema)]
+        jobs += [
+            job("z3", "z3", **ema),
+            job("z0", "z0"),
+            job("stop3", "z3", stop_after=2, **ema),
+            job("resumed3", "z3", output_dir=str(tmp / f"{kind}_stop3"), **ema),
+        ]
     (tmp / "jobs.json").write_text(json.dumps(jobs))
-    subprocess.run([sys.executable, "-c", _CHILD, str(tmp / "jobs.json"), str(tmp / "out.json")], cwd=ROOT,
-                   check=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    return {"tmp": tmp, "weights": weights, "losses": json.loads((tmp / "out.json").read_text()),
-            "reference": {kind: _reference(weights, lora) for kind, lora in KINDS.items()}}
+    subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp / "jobs.json"), str(tmp / "out.json")],
+        cwd=ROOT,
+        check=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    return {
+        "tmp": tmp,
+        "weights": weights,
+        "losses": json.loads((tmp / "out.json").read_text()),
+        "reference": {kind: _reference(weights, lora) for kind, lora in KINDS.items()},
+    }
 
 
 @pytest.mark.slow
@@ -118,15 +159,30 @@ def test_export_as_a_plain_lora_from_the_checkpoint(runs):
     tmp = runs["tmp"]
     for kind in KINDS:
         out = tmp / f"{kind}_plain.safetensors"
-        r = CliRunner().invoke(cli, ["export", str(tmp / f"{kind}_z0"), str(out), "--format", "diffusers",
-                                     "--as-lora-rank", "64", "--max-error", "1e-5", "--dtype", "fp32"])
+        r = CliRunner().invoke(
+            cli,
+            [
+                "export",
+                str(tmp / f"{kind}_z0"),
+                str(out),
+                "--format",
+                "diffusers",
+                "--as-lora-rank",
+                "64",
+                "--max-error",
+                "1e-5",
+                "--dtype",
+                "fp32",
+            ],
+        )
         assert r.exit_code == 0 and "plain LoRA of rank 64" in r.output, r.output
         assert r.output.count("double_blocks.0.img_attn.qkv") == 1 and "overall" in r.output
         sd, info = read_lora(out)
         assert info.rank == 64 and len(sd) == 2 * 26  # flux-tiny's all-linear: 26 linears
         refused = tmp / f"{kind}_refused.safetensors"
-        r = CliRunner().invoke(cli, ["export", str(tmp / f"{kind}_z0"), str(refused), "--as-lora-rank", "1",
-                                     "--max-error", "1e-9"])
+        r = CliRunner().invoke(
+            cli, ["export", str(tmp / f"{kind}_z0"), str(refused), "--as-lora-rank", "1", "--max-error", "1e-9"]
+        )
         assert r.exit_code == 2 and "above --max-error 1e-09" in r.output and not refused.exists(), r.output
 
 
@@ -157,9 +213,23 @@ def test_adapters_on_two_ranks(runs, tmp_path):
     for stage, zero in ((3, z3), (2, {"stage": 2})):
         ds = tiny_ds(stage, clipping=0.0, lr=LR, weight_decay=0.0, zero_optimization=zero)
         (tmp_path / f"z{stage}.json").write_text(json.dumps(ds))
-    jobs = [[f"{kind}{stage}", {"deepspeed": str(tmp_path / f"z{stage}.json"), "data": DATA4, "weights": str(runs["weights"]),
-                                "output_dir": str(tmp_path / f"{kind}{stage}"), "steps": STEPS, "seed": 3, "lora": lora,
-                                "export": {"format": None}}] for stage in (3, 2) for kind, lora in KINDS.items()]
+    jobs = [
+        [
+            f"{kind}{stage}",
+            {
+                "deepspeed": str(tmp_path / f"z{stage}.json"),
+                "data": DATA4,
+                "weights": str(runs["weights"]),
+                "output_dir": str(tmp_path / f"{kind}{stage}"),
+                "steps": STEPS,
+                "seed": 3,
+                "lora": lora,
+                "export": {"format": None},
+            },
+        ]
+        for stage in (3, 2)
+        for kind, lora in KINDS.items()
+    ]
     spawn_ranks(_worker, 2, jobs, str(tmp_path / "out.json"))
     got = json.loads((tmp_path / "out.json").read_text())
     assert got["meta"] == "meta"

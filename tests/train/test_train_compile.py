@@ -6,6 +6,7 @@ which activation checkpointing and ZeRO-3's hooks go through, without inductor's
 more per case on CPU). That proves the wiring; the kernels inductor writes on a GPU are measured by
 benchmarks/sweep.py --set levers2.
 """
+
 import json
 import os
 import subprocess
@@ -36,13 +37,16 @@ def test_gen_config_compile_flag():
     assert ds_check.check(on) == []
 
 
-@pytest.mark.parametrize("section, match", [
-    ({"blocks": "yes"}, "fluxzero.compile.blocks must be true or false"),
-    ({"blocks": True, "mode": "reduce-overhead"}, "fluxzero.compile.mode must be one of .* CUDA graphs"),
-    ({"blocks": True, "backend": "cudagraphs"}, "fluxzero.compile.backend must be one of"),
-    ({"blocks": True, "dynamic": "auto"}, "fluxzero.compile.dynamic must be true or false"),
-    ({"blocks": True, "mdoe": "default"}, "unknown key 'fluxzero.compile.mdoe' \\(did you mean 'mode'\\?\\)"),
-])
+@pytest.mark.parametrize(
+    "section, match",
+    [
+        ({"blocks": "yes"}, "fluxzero.compile.blocks must be true or false"),
+        ({"blocks": True, "mode": "reduce-overhead"}, "fluxzero.compile.mode must be one of .* CUDA graphs"),
+        ({"blocks": True, "backend": "cudagraphs"}, "fluxzero.compile.backend must be one of"),
+        ({"blocks": True, "dynamic": "auto"}, "fluxzero.compile.dynamic must be true or false"),
+        ({"blocks": True, "mdoe": "default"}, "unknown key 'fluxzero.compile.mdoe' \\(did you mean 'mode'\\?\\)"),
+    ],
+)
 def test_check_refuses_bad_compile_sections(section, match):
     import re
 
@@ -53,26 +57,37 @@ def test_check_refuses_bad_compile_sections(section, match):
 
 def test_check_refuses_deepcompile_the_trainer_never_runs():
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "compile": {"deepcompile": True}}
-    assert ds_check.check(cfg) == ["compile.deepcompile takes effect only through DeepSpeed's engine.compile(), "
-                                    "which the fluxzero trainer does not call: remove it, and set "
-                                    "fluxzero.compile.blocks true to compile the blocks"]
+    assert ds_check.check(cfg) == [
+        "compile.deepcompile takes effect only through DeepSpeed's engine.compile(), "
+        "which the fluxzero trainer does not call: remove it, and set "
+        "fluxzero.compile.blocks true to compile the blocks"
+    ]
 
 
-@pytest.mark.parametrize("section, match", [
-    (True, "fluxzero.compile must be a JSON object, got true"),
-    ({"blocks": "yes"}, 'fluxzero.compile.blocks must be true or false, got "yes"'),
-    ({"blocks": True, "mode": "reduce-overhead"}, 'fluxzero.compile.mode must be one of default, '
-                                                  'max-autotune-no-cudagraphs, got "reduce-overhead"'),
-    ({"blocks": True, "backend": "tvm"}, "fluxzero.compile.backend must be one of inductor, aot_eager, eager"),
-])
+@pytest.mark.parametrize(
+    "section, match",
+    [
+        (True, "fluxzero.compile must be a JSON object, got true"),
+        ({"blocks": "yes"}, 'fluxzero.compile.blocks must be true or false, got "yes"'),
+        (
+            {"blocks": True, "mode": "reduce-overhead"},
+            'fluxzero.compile.mode must be one of default, max-autotune-no-cudagraphs, got "reduce-overhead"',
+        ),
+        ({"blocks": True, "backend": "tvm"}, "fluxzero.compile.backend must be one of inductor, aot_eager, eager"),
+    ],
+)
 def test_trainer_refuses_bad_compile_sections(tmp_path, section, match):
     # one rule set: the trainer refuses with check-config's own sentence
     from fluxzero.config.deepspeed.file import load_for_training
     from fluxzero.config.deepspeed.view import DSConfigError
 
-    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-          "fluxzero": {"compile": section}}
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "fluxzero": {"compile": section},
+    }
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     with pytest.raises(DSConfigError, match=match):
         load_for_training(str(tmp_path / "ds.json"), 1)
@@ -104,18 +119,33 @@ CHILD = textwrap.dedent("""
 def _jobs(tmp_path, cases, data=DATA):
     jobs = []
     for name, (stage, every, impl, compiled, *policy) in cases.items():
-        ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
-              "fluxzero": {"activation_checkpointing": {"every_k_blocks": every, "implementation": impl}}}
+        ds = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            "zero_optimization": {"stage": stage},
+            "steps_per_print": 10**9,
+            "fluxzero": {"activation_checkpointing": {"every_k_blocks": every, "implementation": impl}},
+        }
         if compiled:
             ds["fluxzero"]["compile"] = {"blocks": True, "backend": "aot_eager"}
         if policy:
             ds["fluxzero"]["activation_checkpointing"]["policy"] = policy[0]
         assert ds_check.check(ds) == []
         (tmp_path / f"{name}.json").write_text(json.dumps(ds))
-        jobs.append([name, {"deepspeed": str(tmp_path / f"{name}.json"), "data": data,
-                            "steps": STEPS, "output_dir": str(tmp_path / name), "export": {"format": None}}])
+        jobs.append(
+            [
+                name,
+                {
+                    "deepspeed": str(tmp_path / f"{name}.json"),
+                    "data": data,
+                    "steps": STEPS,
+                    "output_dir": str(tmp_path / name),
+                    "export": {"format": None},
+                },
+            ]
+        )
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     (tmp_path / "child.py").write_text(CHILD)
     return [str(tmp_path / "child.py"), str(tmp_path / "jobs.json"), str(tmp_path / "out.json")]
@@ -124,8 +154,9 @@ def _jobs(tmp_path, cases, data=DATA):
 def _run(tmp_path, cases) -> dict:
     """The cases in one child process; their results by name (timings printed)."""
     child = _jobs(tmp_path, cases)
-    subprocess.run([sys.executable, *child], check=True, cwd=tmp_path, timeout=600,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    subprocess.run(
+        [sys.executable, *child], check=True, cwd=tmp_path, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     r = json.loads((tmp_path / "out.json").read_text())
     print({name: round(v["s"], 1) for name, v in r.items()})
     return r
@@ -167,8 +198,13 @@ def test_compiled_blocks_train_like_eager(tmp_path):
 def test_compiled_blocks_train_like_eager_on_two_ranks(tmp_path):
     """2 ranks (gloo), ZeRO-3 with checkpointing: each rank holds half of every parameter."""
     child = _jobs(tmp_path, {"z3_ck1": (3, 1, "torch", False), "z3_ck1_compiled": (3, 1, "torch", True)})
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *child], check=True,
-                   cwd=tmp_path, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *child],
+        check=True,
+        cwd=tmp_path,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     r = json.loads((tmp_path / "out.json").read_text())
     _check(r, ["z3_ck1", "z3_ck1_compiled"])
     assert (r["z3_ck1_compiled"]["graphs"], r["z3_ck1_compiled"]["graph_breaks"]) == (2, 0)
@@ -180,8 +216,9 @@ def test_compiled_blocks_train_like_eager_on_aspect_buckets(tmp_path):
     hands the loader's buckets to the engine, which compiles each block class once with a dynamic token axis."""
     cases = {"z2_ck1": (2, 1, "torch", False), "z2_ck1_compiled": (2, 1, "torch", True)}
     child = _jobs(tmp_path, cases, data="synthetic:n=8,hw=8x8*2+6x10+4x12,txt=4,ctx=64,vec=32")
-    subprocess.run([sys.executable, *child], check=True, cwd=tmp_path, timeout=600,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    subprocess.run(
+        [sys.executable, *child], check=True, cwd=tmp_path, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     r = json.loads((tmp_path / "out.json").read_text())
     _check(r, list(cases))
     assert (r["z2_ck1_compiled"]["graphs"], r["z2_ck1_compiled"]["graph_breaks"]) == (2, 0)

@@ -5,6 +5,7 @@ Every run trains flux-tiny from the same weights file on a synthetic set of 4 sa
 the same: all layouts compute the same numbers up to float summation order. The reference is plain
 PyTorch (no DeepSpeed) in this process.
 """
+
 import hashlib
 import json
 import os
@@ -30,11 +31,14 @@ def ds_config(stage, micro=2, accum=1, world=2, offload_optimizer=False, offload
     if offload_param:
         zero["offload_param"] = {"device": "cpu"}
     return {
-        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
         "train_batch_size": micro * accum * world,
         "gradient_clipping": 0.0,  # clipping would hide small gradient differences between layouts
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "torch_adam": True}},
-        "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9,
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
         "fluxzero": {"activation_checkpointing": {"every_k_blocks": ckpt[0], "implementation": ckpt[1]}},
     }
 
@@ -42,8 +46,16 @@ def ds_config(stage, micro=2, accum=1, world=2, offload_optimizer=False, offload
 def run_config(tmp, name, ds, weights, **kw):
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(ds))
-    cfg = {"deepspeed": str(path), "data": DATA4, "output_dir": str(tmp / name), "model": "flux-tiny",
-           "weights": str(weights), "steps": STEPS, "seed": 3, "export": {"format": None}}  # batch: in `ds`
+    cfg = {
+        "deepspeed": str(path),
+        "data": DATA4,
+        "output_dir": str(tmp / name),
+        "model": "flux-tiny",
+        "weights": str(weights),
+        "steps": STEPS,
+        "seed": 3,
+        "export": {"format": None},
+    }  # batch: in `ds`
     cfg.update(kw)
     return name, cfg
 
@@ -87,8 +99,9 @@ def _partition_probe(cfg):
     from fluxzero.train import engine as ds_engine
 
     ds, v = load_for_training(cfg.deepspeed, dist.get_world_size())
-    engine = ds_engine.build_engine(get_model_config(cfg.model), ds, v, torch.device("cpu"), seed=cfg.seed,
-                                    weights=cfg.weights)
+    engine = ds_engine.build_engine(
+        get_model_config(cfg.model), ds, v, torch.device("cpu"), seed=cfg.seed, weights=cfg.weights
+    )
     params = list(engine.module.parameters())
     local = sum(p.ds_tensor.numel() for p in params)
     placeholders = sum(p.numel() for p in params)  # what a rank sees outside a gather: empty tensors
@@ -113,14 +126,17 @@ def _damage(ckpt, case):
     elif case == "overwritten":  # rank 1's own optimizer file, same size: only rank 1 reads it
         victim = out / "step_00000008" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
         data = bytearray(victim.read_bytes())
-        data[len(data) // 2:len(data) // 2 + 2000] = bytes(2000)
+        data[len(data) // 2 : len(data) // 2 + 2000] = bytes(2000)
         victim.write_bytes(bytes(data))
     return out
 
 
 def _tree_digest(folder):
-    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(folder.rglob("*")) if f.is_file()}
+    return {
+        str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(folder.rglob("*"))
+        if f.is_file()
+    }
 
 
 CHECKPOINT_CASES = ("empty_latest", "missing_tag", "no_model_states", "overwritten", "not_shared")
@@ -135,8 +151,9 @@ def _checkpoint_checks_probe(cfg):
 
     from fluxzero.config import get_model_config
     from fluxzero.config.deepspeed.file import load_for_training
-    from fluxzero.train.checkpoint import store as checkpoint, resume
     from fluxzero.train import engine as ds_engine
+    from fluxzero.train.checkpoint import resume
+    from fluxzero.train.checkpoint import store as checkpoint
 
     rank = dist.get_rank()
     ckpt = Path(cfg.output_dir) / "checkpoints"
@@ -170,9 +187,13 @@ def _checkpoint_checks_probe(cfg):
 
     out_dir = Path(cfg.output_dir) if rank == 0 else ckpt.parent.parent / "damaged_not_shared" / "other_node"
     try:
-        resume.decide_resume(dataclasses.replace(
-            cfg, output_dir=str(out_dir), checkpoint=dataclasses.replace(cfg.checkpoint, resume=False)), v,
-                                 out_dir / "checkpoints")
+        resume.decide_resume(
+            dataclasses.replace(
+                cfg, output_dir=str(out_dir), checkpoint=dataclasses.replace(cfg.checkpoint, resume=False)
+            ),
+            v,
+            out_dir / "checkpoints",
+        )
         error = None
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
@@ -212,19 +233,38 @@ def matrix(tmp_path_factory):
     # activation checkpointing under ZeRO-3, with and without CPU parameter offload
     for impl in ("torch", "deepspeed"):
         jobs.append(run_config(tmp, f"z3_ckpt_{impl}", ds_config(3, ckpt=(1, impl)), weights))
-        jobs.append(run_config(tmp, f"z3_offload_ckpt_{impl}",
-                               ds_config(3, offload_optimizer=True, offload_param=True, ckpt=(1, impl)), weights))
+        jobs.append(
+            run_config(
+                tmp,
+                f"z3_offload_ckpt_{impl}",
+                ds_config(3, offload_optimizer=True, offload_param=True, ckpt=(1, impl)),
+                weights,
+            )
+        )
     # resume: 12 samples, 6 batches per epoch, 8 steps with warmup + cosine; stopped after 5 (mid-epoch)
     for s in (2, 3):
         # the schedule is DeepSpeed's (its state is in the checkpoint): 2 linear warmup steps, cosine to 0.1 x lr
-        ds = {**ds_config(s, micro=1), "scheduler": {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": 8, "warmup_num_steps": 2, "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1,
-            "warmup_type": "linear"}}}
+        ds = {
+            **ds_config(s, micro=1),
+            "scheduler": {
+                "type": "WarmupCosineLR",
+                "params": {
+                    "total_num_steps": 8,
+                    "warmup_num_steps": 2,
+                    "warmup_min_ratio": 0.0,
+                    "cos_min_ratio": 0.1,
+                    "warmup_type": "linear",
+                },
+            },
+        }
         common = dict(data=DATA12, steps=8)
         jobs.append(run_config(tmp, f"full{s}", ds, weights, **common))
         jobs.append(run_config(tmp, f"stop{s}", ds, weights, checkpoint={"every": 2}, stop_after=5, **common))
-        jobs.append(run_config(tmp, f"resumed{s}", ds, weights, checkpoint={"every": 2},
-                               output_dir=str(tmp / f"stop{s}"), **common))
+        jobs.append(
+            run_config(
+                tmp, f"resumed{s}", ds, weights, checkpoint={"every": 2}, output_dir=str(tmp / f"stop{s}"), **common
+            )
+        )
     # resume in bf16 (ZeRO-2): fp32 master weights and optimizer states come back from the checkpoint
     ds = {**ds_config(2, micro=1), "bf16": {"enabled": True}}
     common = dict(data=DATA12, steps=6)
@@ -277,13 +317,14 @@ def test_resume_reproduces_uninterrupted_run_bit_exactly(matrix, stage):
 def test_export_round_trip_from_zero3_shards(matrix, tmp_path):
     from diffusers import FluxTransformer2DModel
 
-    from fluxzero.train.export.full import export_checkpoint
     from fluxzero.model.weights import load_weights
+    from fluxzero.train.export.full import export_checkpoint
 
     ckpt = matrix["tmp"] / "z3" / "checkpoints"
     # ground truth: the same training at ZeRO-0, whose checkpoint holds the whole model unpartitioned
-    z0 = torch.load(matrix["tmp"] / "z0" / "checkpoints" / "step_00000003" / "mp_rank_00_model_states.pt",
-                    weights_only=False)["module"]
+    z0 = torch.load(
+        matrix["tmp"] / "z0" / "checkpoints" / "step_00000003" / "mp_rank_00_model_states.pt", weights_only=False
+    )["module"]
     trained = {k: v.float() for k, v in z0.items()}
     init = load_weights(matrix["weights"])
     assert len(list((ckpt / "step_00000003").glob("zero_pp_rank_*_optim_states.pt"))) == 2  # really sharded
@@ -303,7 +344,9 @@ def test_export_round_trip_from_zero3_shards(matrix, tmp_path):
     # ZeRO-1/2 consolidation of the same run is bit-identical to ZeRO-0 (2 ranks: one addition per element);
     # ZeRO-0 itself is exported from its module states
     for stage in (0, 1, 2):
-        export_checkpoint(matrix["tmp"] / f"z{stage}" / "checkpoints", tmp_path / f"z{stage}.safetensors", "bfl", "fp32")
+        export_checkpoint(
+            matrix["tmp"] / f"z{stage}" / "checkpoints", tmp_path / f"z{stage}.safetensors", "bfl", "fp32"
+        )
         got = load_weights(tmp_path / f"z{stage}.safetensors")
         assert all(torch.equal(got[k], trained[k]) for k in trained), stage
     diff = FluxTransformer2DModel.from_pretrained(tmp_path / "diffusers")
@@ -333,16 +376,26 @@ def test_zero3_ranks_hold_only_their_partition(matrix):
     assert sum(row[0] for row in probe) >= total and all(row[0] <= total // 2 + 64 for row in probe)
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("empty_latest", "damaged_empty_latest/checkpoints/latest is empty; write step_00000005 (the newest checkpoint "
-                     "before it) into"),
-    ("missing_tag", "latest names 'step_00000099', which is not a folder in "),
-    ("no_model_states", "step_00000008 is incomplete or corrupt (mp_rank_00_model_states.pt is missing); write "
-                        "step_00000005"),
-    ("overwritten", "step_00000008 is incomplete or corrupt (zero_pp_rank_1_mp_rank_00_optim_states.pt fails "
-                    "its CRC-32 check"),
-    ("not_shared", "rank 1 (host "),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        (
+            "empty_latest",
+            "damaged_empty_latest/checkpoints/latest is empty; write step_00000005 (the newest checkpoint "
+            "before it) into",
+        ),
+        ("missing_tag", "latest names 'step_00000099', which is not a folder in "),
+        (
+            "no_model_states",
+            "step_00000008 is incomplete or corrupt (mp_rank_00_model_states.pt is missing); write step_00000005",
+        ),
+        (
+            "overwritten",
+            "step_00000008 is incomplete or corrupt (zero_pp_rank_1_mp_rank_00_optim_states.pt fails its CRC-32 check",
+        ),
+        ("not_shared", "rank 1 (host "),
+    ],
+)
 def test_resume_refuses_damaged_checkpoints_on_every_rank(matrix, case, expected):
     got = matrix["results"]["checkpoint_checks"][case]
     first, second = got["errors"]
@@ -362,8 +415,14 @@ def test_output_dir_is_judged_by_rank_0_for_every_rank(matrix):
 def test_checkpoint_file_names_match_deepspeed(matrix):
     from fluxzero.train.checkpoint.integrity import checkpoint_files
 
-    for name, stage, bf16 in [("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z3", 3, False),
-                              ("z0_bf16", 0, True), ("full_bf16", 2, True)]:
+    for name, stage, bf16 in [
+        ("z0", 0, False),
+        ("z1", 1, False),
+        ("z2", 2, False),
+        ("z3", 3, False),
+        ("z0_bf16", 0, True),
+        ("full_bf16", 2, True),
+    ]:
         tag_dir = matrix["tmp"] / name / "checkpoints" / (matrix["tmp"] / name / "checkpoints" / "latest").read_text()
         expected = set()
         for rank in (0, 1):
@@ -373,8 +432,8 @@ def test_checkpoint_file_names_match_deepspeed(matrix):
 
 
 def test_fp32_export_of_bf16_runs_is_the_fp32_master_weights(matrix, tmp_path):
-    from fluxzero.train.export.full import export_checkpoint
     from fluxzero.model.weights import load_weights
+    from fluxzero.train.export.full import export_checkpoint
 
     # ZeRO-0: the masters are the optimizer wrapper's fp32_groups, in module parameter order
     tag_dir = matrix["tmp"] / "z0_bf16" / "checkpoints" / "step_00000003"
@@ -384,10 +443,13 @@ def test_fp32_export_of_bf16_runs_is_the_fp32_master_weights(matrix, tmp_path):
     assert len(masters) == len(module) and not states["buffer_names"]
     export_checkpoint(tag_dir, tmp_path / "z0.safetensors", "bfl", "fp32")
     got = load_weights(tmp_path / "z0.safetensors")
-    for (k, v), master in zip(module.items(), masters):
+    for (k, _v), master in zip(module.items(), masters):
         assert got[k].dtype == torch.float32 and torch.equal(got[k], master), k
     # ZeRO-2 (zero_to_fp32 reads the fp32 partitions): the same properties, checked without DeepSpeed's names
-    for run, tag_dir in [("z0_bf16", tag_dir), ("full_bf16", matrix["tmp"] / "full_bf16" / "checkpoints" / "step_00000006")]:
+    for run, tag_dir in [
+        ("z0_bf16", tag_dir),
+        ("full_bf16", matrix["tmp"] / "full_bf16" / "checkpoints" / "step_00000006"),
+    ]:
         export_checkpoint(tag_dir, tmp_path / f"{run}.safetensors", "bfl", "fp32")
         got = load_weights(tmp_path / f"{run}.safetensors")
         module = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]

@@ -5,6 +5,7 @@ the target's, flow.loss covers the target's), and launch/tiny-kontext.yaml as th
 Tolerance: fp32 on CPU, one rank; the stages differ from plain PyTorch only in summation order (~1e-7 a step),
 grown a little by Adam over 3 steps: rel 1e-5, as tests/train/test_train_lora.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,10 +32,10 @@ print("LOSSES", json.dumps({name: train(TrainConfig.from_dict(cfg))["losses"] fo
 
 
 def _reference(weights, lora: bool) -> list[float]:
+    from fluxzero.config import LoraConfig
     from fluxzero.model import build_model
     from fluxzero.model.lora import apply_lora
     from fluxzero.model.weights import load_weights
-    from fluxzero.config import LoraConfig
 
     torch.manual_seed(3)  # build_engine's order: seed, build, load the weights, apply_lora
     model = build_model("flux-tiny-kontext")
@@ -51,18 +52,27 @@ def test_full_and_lora_train_under_every_zero_stage(tmp_path):
     jobs = []
     for stage in (0, 1, 2, 3):
         ds = tmp_path / f"z{stage}.json"
-        ds.write_text(json.dumps(tiny_ds(stage, clipping=0.0, lr=LR, weight_decay=0.0,
-                                         train_micro_batch_size_per_gpu=4)))
+        ds.write_text(
+            json.dumps(tiny_ds(stage, clipping=0.0, lr=LR, weight_decay=0.0, train_micro_batch_size_per_gpu=4))
+        )
         for kind in ("full", "lora"):
-            cfg = {"deepspeed": str(ds), "data": DATA, "output_dir": str(tmp_path / f"{kind}{stage}"),
-                   "model": "flux-tiny-kontext", "weights": str(weights), "steps": STEPS, "seed": 3,
-                   "export": {"format": None}}
+            cfg = {
+                "deepspeed": str(ds),
+                "data": DATA,
+                "output_dir": str(tmp_path / f"{kind}{stage}"),
+                "model": "flux-tiny-kontext",
+                "weights": str(weights),
+                "steps": STEPS,
+                "seed": 3,
+                "export": {"format": None},
+            }
             jobs.append((f"{kind}{stage}", {**cfg, **({"lora": LORA} if kind == "lora" else {})}))
     env = {**os.environ, "FLUXZERO_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(k, None)
-    p = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(jobs)], env=env, capture_output=True, text=True,
-                       timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(jobs)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     losses = json.loads(p.stdout.split("LOSSES", 1)[1])
     ref = {kind: _reference(weights, kind == "lora") for kind in ("full", "lora")}
@@ -78,10 +88,28 @@ def test_tiny_kontext_run_file_trains_and_exports_a_kontext_lora(tmp_path):
     from fluxzero.model.lora_formats import read_lora
 
     out = tmp_path / "tiny-kontext"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "launch/train.py", "--config",
-           "launch/tiny-kontext.yaml", "steps=2", "checkpoint.every=0", "log_every=1", f"output_dir={out}"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "launch/train.py",
+        "--config",
+        "launch/tiny-kontext.yaml",
+        "steps=2",
+        "checkpoint.every=0",
+        "log_every=1",
+        f"output_dir={out}",
+    ]
+    p = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "done: step 2/2" in p.stderr
     _, info = read_lora(out / "lora.safetensors")
@@ -130,26 +158,58 @@ def test_kontext_previews_edit_the_reference_as_fluxzero_sample_does(tmp_path):
 
     tiny_vae().save_pretrained(tmp_path / "vae")
     torch.manual_seed(0)
-    save_embeddings(tmp_path / "prompts.safetensors", PromptEmbeddings(["make it night"], torch.randn(1, 4, 64),
-                                                                       torch.randn(1, 32)))
+    save_embeddings(
+        tmp_path / "prompts.safetensors", PromptEmbeddings(["make it night"], torch.randn(1, 4, 64), torch.randn(1, 32))
+    )
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 60, 3), dtype=np.uint8)).save(tmp_path / "ref.png")
     (tmp_path / "ds.json").write_text(json.dumps(tiny_ds(2, clipping=0.0, lr=LR, train_micro_batch_size_per_gpu=4)))
-    sample = {"every": 2, "prompts": str(tmp_path / "prompts.safetensors"), "vae": str(tmp_path / "vae"),
-              "size": "48x32", "steps": 2, "seeds": [5]}
+    sample = {
+        "every": 2,
+        "prompts": str(tmp_path / "prompts.safetensors"),
+        "vae": str(tmp_path / "vae"),
+        "size": "48x32",
+        "steps": 2,
+        "seeds": [5],
+    }
     runs = {}
-    for name, extra in (("image", {"sample": {**sample, "reference": str(tmp_path / "ref.png")}}),
-                        ("val", {"sample": sample, "validation": {"data": DATA}})):
-        cfg = {"deepspeed": str(tmp_path / "ds.json"), "data": DATA, "output_dir": str(tmp_path / name),
-               "model": "flux-tiny-kontext", "weights": str(tiny_weights(tmp_path / "base.safetensors")), "steps": 2,
-               "seed": 3, "export": {"format": "diffusers", "dtype": "fp32"}, **extra}
+    for name, extra in (
+        ("image", {"sample": {**sample, "reference": str(tmp_path / "ref.png")}}),
+        ("val", {"sample": sample, "validation": {"data": DATA}}),
+    ):
+        cfg = {
+            "deepspeed": str(tmp_path / "ds.json"),
+            "data": DATA,
+            "output_dir": str(tmp_path / name),
+            "model": "flux-tiny-kontext",
+            "weights": str(tiny_weights(tmp_path / "base.safetensors")),
+            "steps": 2,
+            "seed": 3,
+            "export": {"format": "diffusers", "dtype": "fp32"},
+            **extra,
+        }
         runs[name] = tmp_path / f"{name}.yaml"
         runs[name].write_text(yaml.safe_dump(cfg))
     train_all_ok(*[(run,) for run in runs.values()])
 
     val_ref = build_dataloader(DATA, micro_batch=1, rank=0, world_size=1, seed=0).source.get(0)["reference"]
     save_file({"latents": val_ref.contiguous()}, tmp_path / "val_ref.safetensors")
-    common = ["--embeddings", tmp_path / "prompts.safetensors", "--vae", tmp_path / "vae", "--width", 48, "--height",
-              32, "--steps", 2, "--seed", 5, "--device", "cpu", "--no-grid"]
+    common = [
+        "--embeddings",
+        tmp_path / "prompts.safetensors",
+        "--vae",
+        tmp_path / "vae",
+        "--width",
+        48,
+        "--height",
+        32,
+        "--steps",
+        2,
+        "--seed",
+        5,
+        "--device",
+        "cpu",
+        "--no-grid",
+    ]
     pixels = lambda png: np.asarray(Image.open(png)).astype(int)  # noqa: E731
     for name, reference in (("image", tmp_path / "ref.png"), ("val", tmp_path / "val_ref.safetensors")):
         preview = tmp_path / name / "samples" / "step_00000002" / "0000-p0-s5.png"
@@ -157,25 +217,41 @@ def test_kontext_previews_edit_the_reference_as_fluxzero_sample_does(tmp_path):
         assert json.loads((export / "model_index.json").read_text())["_class_name"] == "FluxKontextPipeline"
         _sample_cli(export, "--out", tmp_path / f"{name}-cli", "--reference", reference, *common)
         _sample_cli(export, "--out", tmp_path / f"{name}-text", "--model", "flux-tiny-kontext", *common)
-        same, text = pixels(tmp_path / f"{name}-cli" / "0000-p0-s5.png"), pixels(tmp_path / f"{name}-text" / "0000-p0-s5.png")
+        same, text = (
+            pixels(tmp_path / f"{name}-cli" / "0000-p0-s5.png"),
+            pixels(tmp_path / f"{name}-text" / "0000-p0-s5.png"),
+        )
         assert np.array_equal(pixels(preview), same), name
         assert np.abs(pixels(preview) - text).mean() > 1, name  # the reference steers the preview
         params = read_png_params(preview)
         assert params["model"] == "flux-tiny-kontext" and params["seed"] == 5
-        assert params["reference"] == (str((tmp_path / "ref.png").resolve()) if name == "image"
-                                       else "synthetic sample 0 (validation.data)")
+        assert params["reference"] == (
+            str((tmp_path / "ref.png").resolve()) if name == "image" else "synthetic sample 0 (validation.data)"
+        )
 
 
 def test_bad_kontext_preview_settings_are_one_sentence(tmp_path):
     from fluxzero.config import TrainConfig
 
-    base = {"deepspeed": "d.json", "data": DATA, "output_dir": str(tmp_path), "model": "flux-tiny-kontext",
-            "sample": {"every": 2, "prompts": "p.safetensors", "vae": "vae"}}
-    with pytest.raises(ValueError, match=r"^model flux-tiny-kontext is FLUX.1 Kontext, so its previews edit a "
-                                         r"reference image; set sample.reference .* or validation.data"):
+    base = {
+        "deepspeed": "d.json",
+        "data": DATA,
+        "output_dir": str(tmp_path),
+        "model": "flux-tiny-kontext",
+        "sample": {"every": 2, "prompts": "p.safetensors", "vae": "vae"},
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"^model flux-tiny-kontext is FLUX.1 Kontext, so its previews edit a "
+        r"reference image; set sample.reference .* or validation.data",
+    ):
         TrainConfig.from_dict(base)
-    with pytest.raises(ValueError, match=r"^sample.reference is an image for a FLUX.1 Kontext model to edit, and "
-                                         r"model flux-tiny is not one; remove sample.reference"):
-        TrainConfig.from_dict({**base, "model": "flux-tiny", "data": DATA.replace(",ref=1", ""),
-                               "sample": {"reference": "ref.png"}})
+    with pytest.raises(
+        ValueError,
+        match=r"^sample.reference is an image for a FLUX.1 Kontext model to edit, and "
+        r"model flux-tiny is not one; remove sample.reference",
+    ):
+        TrainConfig.from_dict(
+            {**base, "model": "flux-tiny", "data": DATA.replace(",ref=1", ""), "sample": {"reference": "ref.png"}}
+        )
     # a reference file that is not there: tests/test_bad_inputs.py (sample_reference_missing)

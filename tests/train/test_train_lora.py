@@ -6,6 +6,7 @@ diffusers loads.
 DeepSpeed never runs in the pytest process for training (forked workers could hang): the trainer runs in a
 child process (launch/train.py) or in spawned ranks.
 """
+
 import json
 import os
 import subprocess
@@ -18,8 +19,16 @@ import yaml
 
 from fluxzero.config import LoraConfig, TrainConfig, get_model_config, lora_param_count
 from fluxzero.config.lora import TARGET_PRESETS
-from tests.helpers import (TRAINER_CHILD, close_group, enter_training_rank, exit_rank, plain_losses, spawn_ranks,
-                           tiny_ds, tiny_weights)
+from tests.helpers import (
+    TRAINER_CHILD,
+    close_group,
+    enter_training_rank,
+    exit_rank,
+    plain_losses,
+    spawn_ranks,
+    tiny_ds,
+    tiny_weights,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA4 = "synthetic:n=4,hw=8x8,txt=4,ctx=64,vec=32"
@@ -36,8 +45,11 @@ OUT_RTOL = 1e-5
 # Pure: adapter count, run file
 # ---------------------------------------------------------------------------------------------------------
 # flux-dev on meta: ~3 s per PEFT injection over 12B parameters, so two of its cases
-@pytest.mark.parametrize("name, targets", [("flux-tiny", t) for t in (*TARGET_PRESETS, ["*"])] + [
-    ("flux-dev", "attention+mlp"), ("flux-dev", ["*"]), ("flux-tiny", ["double_blocks.0.*", "final_layer.linear"])])
+@pytest.mark.parametrize(
+    "name, targets",
+    [("flux-tiny", t) for t in (*TARGET_PRESETS, ["*"])]
+    + [("flux-dev", "attention+mlp"), ("flux-dev", ["*"]), ("flux-tiny", ["double_blocks.0.*", "final_layer.linear"])],
+)
 def test_lora_param_count_equals_apply_lora(name, targets):
     from fluxzero.model import build_model
     from fluxzero.model.lora import apply_lora
@@ -48,15 +60,18 @@ def test_lora_param_count_equals_apply_lora(name, targets):
     real = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert lora_param_count(get_model_config(name), lcfg) == real
     if name == "flux-dev" and targets == "attention+mlp":
-        assert real == 8 * (19 * 2 * (3072 * 4 + 3072 * 2 + 2 * (3072 + 12288)) + 38 * (3072 * 4 + 12288 + 3072 * 2
-                                                                                         + 12288))
+        assert real == 8 * (
+            19 * 2 * (3072 * 4 + 3072 * 2 + 2 * (3072 + 12288)) + 38 * (3072 * 4 + 12288 + 3072 * 2 + 12288)
+        )
 
 
 def test_lora_param_count_imports_no_torch():
     from tests.pure_python import run_without_torch
 
-    r = run_without_torch("from fluxzero.config import LoraConfig, get_model_config, lora_param_count; "
-                          "print(lora_param_count(get_model_config('flux-dev'), LoraConfig(rank=16)))")
+    r = run_without_torch(
+        "from fluxzero.config import LoraConfig, get_model_config, lora_param_count; "
+        "print(lora_param_count(get_model_config('flux-dev'), LoraConfig(rank=16)))"
+    )
     assert r.returncode == 0 and int(r.stdout) > 0, r.stderr
 
 
@@ -69,13 +84,15 @@ def test_run_file_lora_section(tmp_path):
     assert cfg.lora == LoraConfig(rank=8, targets=["single_blocks.*.linear1"]) and cfg.lora.alpha == 8.0
     assert TrainConfig.from_dict(yaml.safe_load(config_text(cfg))) == cfg  # what a checkpoint's run.yaml holds
     assert load_config(str(run), ["lora=null"]).lora is None
-    for over, words in [(["lora.rank=0"], "lora.rank must be a whole number of at least 1, got 0"),
-                        (["lora.rnak=4"], "unknown lora keys ['rnak']"),
-                        (["lora=4"], "lora must be a mapping of LoRA options"),
-                        (["lora=null", "export.merged=true"], "export.merged merges a LoRA into its base weights"),
-                        (["weights=null", "export.merged=true"], "export.merged needs the base weights"),
-                        # `lora` is the nearest run-file key to `lr`: the sentence must point at the DeepSpeed config
-                        (["lr=1e-4"], "lr is set in the DeepSpeed config now (optimizer.params.lr in ds.json)")]:
+    for over, words in [
+        (["lora.rank=0"], "lora.rank must be a whole number of at least 1, got 0"),
+        (["lora.rnak=4"], "unknown lora keys ['rnak']"),
+        (["lora=4"], "lora must be a mapping of LoRA options"),
+        (["lora=null", "export.merged=true"], "export.merged merges a LoRA into its base weights"),
+        (["weights=null", "export.merged=true"], "export.merged needs the base weights"),
+        # `lora` is the nearest run-file key to `lr`: the sentence must point at the DeepSpeed config
+        (["lr=1e-4"], "lr is set in the DeepSpeed config now (optimizer.params.lr in ds.json)"),
+    ]:
         with pytest.raises(ConfigError) as e:
             load_config(str(run), over)
         assert words in str(e.value) and "\n" not in str(e.value), over
@@ -103,8 +120,8 @@ def _lora_model(lcfg, seed=0, name="flux-tiny"):
 
 def test_weights_loader_names_a_lora_file(tmp_path):
     from fluxzero.model import lora as L
-    from fluxzero.model.lora_formats import save_lora
     from fluxzero.model.layouts import WeightsError
+    from fluxzero.model.lora_formats import save_lora
     from fluxzero.model.weights import load_weights
 
     lcfg = LoraConfig(rank=2)
@@ -113,9 +130,11 @@ def test_weights_loader_names_a_lora_file(tmp_path):
         save_lora(tmp_path / f"{layout}.safetensors", L.lora_state_dict(model), lcfg, layout=layout)
         with pytest.raises(WeightsError) as e:
             load_weights(tmp_path / f"{layout}.safetensors")
-        assert str(e.value).endswith(f"{layout}.safetensors is a LoRA file (adapters only), not full model weights; "
-                                     "give the base model's weights here and the LoRA to lora.weights in the run "
-                                     "file (or `fluxzero sample --lora`)"), str(e.value)
+        assert str(e.value).endswith(
+            f"{layout}.safetensors is a LoRA file (adapters only), not full model weights; "
+            "give the base model's weights here and the LoRA to lora.weights in the run "
+            "file (or `fluxzero sample --lora`)"
+        ), str(e.value)
 
 
 def test_sample_lora_merges_into_the_weights(tmp_path):
@@ -149,9 +168,14 @@ def test_sample_lora_merges_into_the_weights(tmp_path):
     wide = build_model(get_model_config("flux-tiny").replace(hidden_size=96, num_heads=4, axes_dim=(8, 8, 8)))
     before = {k: v.clone() for k, v in wide.state_dict().items()}
     for target, bad, words in [
-            (wide, tmp_path / "kohya.safetensors", "makes a (64, 64) update but double_blocks.0.img_attn.proj.weight "
-                                                  "is (96, 96); the LoRA was made for another model shape"),
-            (merged, tmp_path / "base.safetensors", "base.safetensors is a full model weights file, not a LoRA")]:
+        (
+            wide,
+            tmp_path / "kohya.safetensors",
+            "makes a (64, 64) update but double_blocks.0.img_attn.proj.weight "
+            "is (96, 96); the LoRA was made for another model shape",
+        ),
+        (merged, tmp_path / "base.safetensors", "base.safetensors is a full model weights file, not a LoRA"),
+    ]:
         with pytest.raises(click.BadParameter) as e:
             _apply_adapters(target, bad)
         assert words in e.value.message and "\n" not in e.value.message, e.value.message
@@ -166,7 +190,9 @@ def _ds(stage=2, **kw):
 
 
 # launch/train.py is `sys.exit(main())`: one child process calls main() once per case, sharing the imports
-_CHILD = TRAINER_CHILD + """
+_CHILD = (
+    TRAINER_CHILD
+    + """
 import contextlib, io
 results = {}
 for name, argv in json.load(open(sys.argv[1])):
@@ -176,6 +202,7 @@ for name, argv in json.load(open(sys.argv[1])):
     results[name] = [code, err.getvalue()]
 json.dump(results, open(sys.argv[2], "w"))
 """
+)
 
 
 def test_bad_lora_input_through_the_trainer(tmp_path):
@@ -191,64 +218,117 @@ def test_bad_lora_input_through_the_trainer(tmp_path):
     lora_file = tmp_path / "rank4.safetensors"
     save_lora(lora_file, L.lora_state_dict(model), lcfg, layout="kohya")
     with safe_open(str(lora_file), framework="pt") as f:
-        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        tensors, meta = {k: f.get_tensor(k) for k in f}, f.metadata()
     save_file(tensors, str(tmp_path / "rank_text.safetensors"), metadata={**meta, "fluxzero.rank": "four"})
     up = next(k for k in sorted(tensors) if k.endswith(".lora_up.weight"))
     save_file({**tensors, up: torch.full_like(tensors[up], float("nan"))}, str(tmp_path / "nan.safetensors"), meta)
     # preview prompts: another T5 width (flux-tiny's is 64), NaN T5 values (written raw: the writer refuses them)
     from diffusers import AutoencoderKL
 
-    AutoencoderKL(latent_channels=16, block_out_channels=(8,), norm_num_groups=8, layers_per_block=1,
-                  down_block_types=("DownEncoderBlock2D",),
-                  up_block_types=("UpDecoderBlock2D",)).save_pretrained(tmp_path / "vae")
-    save_embeddings(tmp_path / "wide.safetensors", PromptEmbeddings(["a cat"], torch.randn(1, 4, 128), torch.randn(1, 32)))
-    save_file({"t5": torch.full((1, 4, 64), float("nan")), "clip_pooled": torch.randn(1, 32)},
-              str(tmp_path / "emb_nan.safetensors"), {"format": FORMAT, "version": VERSION, "prompts": '["a cat"]'})
+    AutoencoderKL(
+        latent_channels=16,
+        block_out_channels=(8,),
+        norm_num_groups=8,
+        layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+    ).save_pretrained(tmp_path / "vae")
+    save_embeddings(
+        tmp_path / "wide.safetensors", PromptEmbeddings(["a cat"], torch.randn(1, 4, 128), torch.randn(1, 32))
+    )
+    save_file(
+        {"t5": torch.full((1, 4, 64), float("nan")), "clip_pooled": torch.randn(1, 32)},
+        str(tmp_path / "emb_nan.safetensors"),
+        {"format": FORMAT, "version": VERSION, "prompts": '["a cat"]'},
+    )
     previews = ["sample.every=1", f"sample.vae={tmp_path / 'vae'}", "sample.size=16x16", "sample.steps=1"]
     from fluxzero.model.weights import save_weights
 
     save_weights(base, tmp_path / "base.safetensors")  # another base than the run's (random init)
     (tmp_path / "ds.json").write_text(json.dumps(_ds()))
     (tmp_path / "ds3c.json").write_text(json.dumps(_ds(3, fluxzero={"compile": {"blocks": True, "backend": "eager"}})))
-    run = {"deepspeed": str(tmp_path / "ds.json"), "data": DATA4, "steps": 1, "export": {"format": None},
-           "lora": {"rank": 4}}
+    run = {
+        "deepspeed": str(tmp_path / "ds.json"),
+        "data": DATA4,
+        "steps": 1,
+        "export": {"format": None},
+        "lora": {"rank": 4},
+    }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
     cases = {  # name: (overrides, output_dir, start of the one error line; None: trains)
         "rank": (["lora.rank=0"], "rank", "lora.rank must be a whole number of at least 1, got 0; set e.g. rank: 16"),
-        "pattern": (["lora.targets=[double_blocks.*.img_attn.qvk]"], "pattern",
-                    "lora.targets pattern 'double_blocks.*.img_attn.qvk' matches no linear layer of flux-tiny; "
-                    "patterns are fnmatch globs over whole module names such as double_blocks.*.img_attn.qkv or "
-                    "single_blocks.*.linear1"),
-        "shape": (["lora.rank=8", f"lora.weights={lora_file}"], "shape",
-                  f"{lora_file}: LoRA tensor double_blocks.0.img_attn.qkv.lora_A.weight has shape (4, 64) in the file "
-                  f"but (8, 64) in the model; the file was made for another model shape or rank"),
-        "compile_zero3": ([f"deepspeed={tmp_path / 'ds3c.json'}"], "compile_zero3",
-                          "compiled blocks (fluxzero.compile.blocks) with LoRA under ZeRO-3 fail in DeepSpeed 0.19.8's "
-                          "backward pass"),
-        "header": ([f"lora.weights={tmp_path / 'rank_text.safetensors'}"], "header",
-                   f"{tmp_path / 'rank_text.safetensors'}: header entry fluxzero.rank is 'four', not a whole number"),
-        "nan": ([f"lora.weights={tmp_path / 'nan.safetensors'}"], "nan",
-                f"{tmp_path / 'nan.safetensors'}: {up} holds NaN or infinite values"),
-        "prompts_width": ([*previews, f"sample.prompts={tmp_path / 'wide.safetensors'}"], "prompts_width",
-                          f"sample.prompts {tmp_path / 'wide.safetensors'}: the prompt embeddings are T5 128 / CLIP "
-                          "32 wide but model 'flux-tiny' takes 64 / 32"),
-        "prompts_nan": ([*previews, f"sample.prompts={tmp_path / 'emb_nan.safetensors'}"], "prompts_nan",
-                        f"sample.prompts {tmp_path / 'emb_nan.safetensors'}: t5 holds NaN or infinite values"),
+        "pattern": (
+            ["lora.targets=[double_blocks.*.img_attn.qvk]"],
+            "pattern",
+            "lora.targets pattern 'double_blocks.*.img_attn.qvk' matches no linear layer of flux-tiny; "
+            "patterns are fnmatch globs over whole module names such as double_blocks.*.img_attn.qkv or "
+            "single_blocks.*.linear1",
+        ),
+        "shape": (
+            ["lora.rank=8", f"lora.weights={lora_file}"],
+            "shape",
+            f"{lora_file}: LoRA tensor double_blocks.0.img_attn.qkv.lora_A.weight has shape (4, 64) in the file "
+            f"but (8, 64) in the model; the file was made for another model shape or rank",
+        ),
+        "compile_zero3": (
+            [f"deepspeed={tmp_path / 'ds3c.json'}"],
+            "compile_zero3",
+            "compiled blocks (fluxzero.compile.blocks) with LoRA under ZeRO-3 fail in DeepSpeed 0.19.8's backward pass",
+        ),
+        "header": (
+            [f"lora.weights={tmp_path / 'rank_text.safetensors'}"],
+            "header",
+            f"{tmp_path / 'rank_text.safetensors'}: header entry fluxzero.rank is 'four', not a whole number",
+        ),
+        "nan": (
+            [f"lora.weights={tmp_path / 'nan.safetensors'}"],
+            "nan",
+            f"{tmp_path / 'nan.safetensors'}: {up} holds NaN or infinite values",
+        ),
+        "prompts_width": (
+            [*previews, f"sample.prompts={tmp_path / 'wide.safetensors'}"],
+            "prompts_width",
+            f"sample.prompts {tmp_path / 'wide.safetensors'}: the prompt embeddings are T5 128 / CLIP "
+            "32 wide but model 'flux-tiny' takes 64 / 32",
+        ),
+        "prompts_nan": (
+            [*previews, f"sample.prompts={tmp_path / 'emb_nan.safetensors'}"],
+            "prompts_nan",
+            f"sample.prompts {tmp_path / 'emb_nan.safetensors'}: t5 holds NaN or infinite values",
+        ),
         "trains": ([f"lora.weights={lora_file}"], "run", None),
-        "resume_without_lora": (["lora=null"], "run", "is a checkpoint of a LoRA but the run file trains the full "
-                                "model (no lora section); add its lora section back, or choose another output_dir"),
-        "resume_other_rank": (["lora.rank=8", "steps=2"], "run", "was trained with lora.rank=4, lora.alpha=4.0 but "
-                              "this run has lora.rank=8, lora.alpha=8.0; resume with the checkpoint's values"),
-        "resume_other_base": ([f"weights={tmp_path / 'base.safetensors'}", "steps=2"], "run",
-                              "is a LoRA trained on weights=None but this run has weights="),
+        "resume_without_lora": (
+            ["lora=null"],
+            "run",
+            "is a checkpoint of a LoRA but the run file trains the full "
+            "model (no lora section); add its lora section back, or choose another output_dir",
+        ),
+        "resume_other_rank": (
+            ["lora.rank=8", "steps=2"],
+            "run",
+            "was trained with lora.rank=4, lora.alpha=4.0 but "
+            "this run has lora.rank=8, lora.alpha=8.0; resume with the checkpoint's values",
+        ),
+        "resume_other_base": (
+            [f"weights={tmp_path / 'base.safetensors'}", "steps=2"],
+            "run",
+            "is a LoRA trained on weights=None but this run has weights=",
+        ),
     }
-    todo = [[name, ["--config", str(tmp_path / "run.yaml"), f"output_dir={tmp_path / out}", *over]]
-            for name, (over, out, _) in cases.items()]
+    todo = [
+        [name, ["--config", str(tmp_path / "run.yaml"), f"output_dir={tmp_path / out}", *over]]
+        for name, (over, out, _) in cases.items()
+    ]
     (tmp_path / "cases.json").write_text(json.dumps(todo))
-    subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "cases.json"), str(tmp_path / "results.json")],
-                   cwd=ROOT, check=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path / "cases.json"), str(tmp_path / "results.json")],
+        cwd=ROOT,
+        check=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     results = json.loads((tmp_path / "results.json").read_text())
-    for name, (_, out, words) in cases.items():
+    for name, (_, _out, words) in cases.items():
         code, err = results[name]
         if words is None:
             assert code == 0, err
@@ -292,12 +372,16 @@ def _continue_probe(cfg):
     from fluxzero.train import engine as ds_engine
 
     ds, v = load_for_training(cfg.deepspeed, dist.get_world_size())
-    engine = ds_engine.build_engine(get_model_config(cfg.model), ds, v, torch.device("cpu"), seed=cfg.seed,
-                                    weights=cfg.weights, lora=cfg.lora)
+    engine = ds_engine.build_engine(
+        get_model_config(cfg.model), ds, v, torch.device("cpu"), seed=cfg.seed, weights=cfg.weights, lora=cfg.lora
+    )
     adapters = [p for p in engine.module.parameters() if p.requires_grad]
-    out = {"zero_params": all(hasattr(p, "ds_id") for p in adapters),
-           "held": sum(p.ds_tensor.numel() for p in adapters), "total": sum(p.ds_numel for p in adapters),
-           "dtype": str(adapters[0].ds_tensor.dtype)}
+    out = {
+        "zero_params": all(hasattr(p, "ds_id") for p in adapters),
+        "held": sum(p.ds_tensor.numel() for p in adapters),
+        "total": sum(p.ds_numel for p in adapters),
+        "dtype": str(adapters[0].ds_tensor.dtype),
+    }
     with deepspeed.zero.GatheredParameters(adapters):
         got = {k: t.clone() for k, t in L.lora_state_dict(engine.module).items()}
     want, _ = read_lora(cfg.lora.weights, scale=cfg.lora.scale)
@@ -330,12 +414,17 @@ STEPS = 4
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora_dist")
     weights = tiny_weights(tmp / "base.safetensors")
-    ckpt = {"torch": {"every_k_blocks": 1, "implementation": "torch"},
-            "deepspeed": {"every_k_blocks": 1, "implementation": "deepspeed"}}
+    ckpt = {
+        "torch": {"every_k_blocks": 1, "implementation": "torch"},
+        "deepspeed": {"every_k_blocks": 1, "implementation": "deepspeed"},
+    }
     configs = {  # persistence threshold 0: the adapters are partitioned too (they are below the default 1e5)
         "z2": _ds(2, fluxzero={"activation_checkpointing": ckpt["torch"]}),
-        "z3": _ds(3, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0},
-                  fluxzero={"activation_checkpointing": ckpt["deepspeed"]}),
+        "z3": _ds(
+            3,
+            zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0},
+            fluxzero={"activation_checkpointing": ckpt["deepspeed"]},
+        ),
         "z2_bf16": _ds(2, bf16={"enabled": True}, fluxzero={"activation_checkpointing": ckpt["deepspeed"]}),
         "z3_bf16": _ds(3, bf16={"enabled": True}),
     }
@@ -343,8 +432,17 @@ def trained(tmp_path_factory):
         (tmp / f"{name}.json").write_text(json.dumps(ds))
 
     def job(name, ds, **kw):
-        cfg = {"deepspeed": str(tmp / f"{ds}.json"), "data": DATA4, "output_dir": str(tmp / name), "model": "flux-tiny",
-               "weights": str(weights), "steps": STEPS, "seed": 3, "lora": LORA, "export": {"format": None}}
+        cfg = {
+            "deepspeed": str(tmp / f"{ds}.json"),
+            "data": DATA4,
+            "output_dir": str(tmp / name),
+            "model": "flux-tiny",
+            "weights": str(weights),
+            "steps": STEPS,
+            "seed": 3,
+            "lora": LORA,
+            "export": {"format": None},
+        }
         return name, {**cfg, **kw}
 
     jobs = [
@@ -361,8 +459,12 @@ def trained(tmp_path_factory):
     probe = job("probe", "z3", lora={**LORA, "weights": str(tmp / "z2" / "lora.safetensors")})[1]
     out = tmp / "results.json"
     spawn_ranks(_worker, 2, jobs, probe, str(out))
-    result = {"tmp": tmp, "weights": weights, "results": json.loads(out.read_text()),
-              "reference": _reference_losses(weights, STEPS)}
+    result = {
+        "tmp": tmp,
+        "weights": weights,
+        "results": json.loads(out.read_text()),
+        "reference": _reference_losses(weights, STEPS),
+    }
     if os.environ.get("FLUXZERO_DEBUG"):
         print(json.dumps({k: v for k, v in result.items() if k != "tmp" and k != "weights"}))
     return result
@@ -521,12 +623,14 @@ def test_merged_export_and_the_export_command(trained, tmp_path):
         merged = load_model(tmp / "z2" / "export", dtype=torch.float32)(**x)  # export.merged: the diffusers folder
     assert _rel(merged, want) <= OUT_RTOL
     runner = CliRunner()
-    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True).stdout)  # what exports killed while writing left
+    dead = int(
+        subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    )  # what exports killed while writing left
     for name in ("k", "m"):
         (tmp_path / f".{name}.safetensors.tmp-{dead}").write_bytes(b"half an export")
-    r = runner.invoke(cli, ["export", str(tmp / "z3"), str(tmp_path / "k.safetensors"), "--format", "comfyui",
-                            "--dtype", "fp32"])
+    r = runner.invoke(
+        cli, ["export", str(tmp / "z3"), str(tmp_path / "k.safetensors"), "--format", "comfyui", "--dtype", "fp32"]
+    )
     assert r.exit_code == 0, r.output
     assert "(LoRA, kohya layout for comfyui, fp32, live weights)" in r.output, r.output
     # what the run wrote at its end: the same file, byte for byte (the header in a fixed order)
@@ -535,8 +639,19 @@ def test_merged_export_and_the_export_command(trained, tmp_path):
     want_sd, _ = read_lora(tmp / "z3" / "lora.safetensors")
     assert info.layout == "kohya" and all(torch.equal(got[k], want_sd[k]) for k in want_sd)
     (tmp_path / "k.safetensors").chmod(0o604)  # a user's chmod survives --overwrite
-    r = runner.invoke(cli, ["export", str(tmp / "z3"), str(tmp_path / "k.safetensors"), "--format", "comfyui",
-                            "--dtype", "fp32", "--overwrite"])
+    r = runner.invoke(
+        cli,
+        [
+            "export",
+            str(tmp / "z3"),
+            str(tmp_path / "k.safetensors"),
+            "--format",
+            "comfyui",
+            "--dtype",
+            "fp32",
+            "--overwrite",
+        ],
+    )
     assert r.exit_code == 0 and oct((tmp_path / "k.safetensors").stat().st_mode & 0o777) == oct(0o604), r.output
     r = runner.invoke(cli, ["export", str(tmp / "z3"), str(tmp_path / "m.safetensors"), "--merge", "--dtype", "fp32"])
     assert r.exit_code == 0, r.output
@@ -545,12 +660,23 @@ def test_merged_export_and_the_export_command(trained, tmp_path):
     with torch.no_grad():
         z3 = _trained_model(trained, "z3")(**x)
         assert _rel(load_model(tmp_path / "m.safetensors", dtype=torch.float32)(**x), z3) <= OUT_RTOL
-    r = runner.invoke(cli, ["export", str(tmp / "z3"), str(tmp_path / "b.safetensors"), "--merge", "--base",
-                            str(tmp / "z2" / "lora.safetensors")])
+    r = runner.invoke(
+        cli,
+        [
+            "export",
+            str(tmp / "z3"),
+            str(tmp_path / "b.safetensors"),
+            "--merge",
+            "--base",
+            str(tmp / "z2" / "lora.safetensors"),
+        ],
+    )
     assert r.exit_code != 0 and "is a LoRA file (adapters only), not full model weights" in r.output, r.output
 
 
-_STAGES = TRAINER_CHILD + """
+_STAGES = (
+    TRAINER_CHILD
+    + """
 from fluxzero.config import TrainConfig
 from fluxzero.model.lora_formats import read_lora
 results = {}
@@ -560,27 +686,51 @@ for name, cfg in json.load(open(sys.argv[1])):
     results[name] = [losses, sorted(read_lora(cfg["output_dir"] + file)[0])]
 json.dump(results, open(sys.argv[2], "w"))
 """
+)
 
 
 @pytest.mark.slow
 def test_lora_at_zero_0_with_offload_and_ema(tmp_path):
     # one rank: the other stages and DeepSpeed's CPU offload (optimizer at ZeRO-2, parameters too at ZeRO-3)
     # train the same LoRA (fp32: the same numbers) and export it; ZeRO-0 bf16 through the FP16 wrapper's masters
-    configs = {"z0": {"stage": 0}, "z2_offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-               "z3_offload": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
-               "z0_bf16": {"stage": 0}, "z2_ema": {"stage": 2}}
+    configs = {
+        "z0": {"stage": 0},
+        "z2_offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "z3_offload": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+        "z0_bf16": {"stage": 0},
+        "z2_ema": {"stage": 2},
+    }
     jobs = []
     for name, zero in configs.items():
         ds = _ds(train_micro_batch_size_per_gpu=4, zero_optimization=zero, zero_force_ds_cpu_optimizer=False)
         if name.endswith("bf16"):
             ds["bf16"] = {"enabled": True}
         (tmp_path / f"{name}.json").write_text(json.dumps(ds))
-        jobs.append([name, {"deepspeed": str(tmp_path / f"{name}.json"), "data": DATA4, "steps": 3, "seed": 3,
-                            "output_dir": str(tmp_path / name), "lora": LORA, "export": {"format": "diffusers"}}])
-    jobs[-1][1].update(ema={"decay": 0.5}, export={"format": "diffusers", "weights": "ema", "dtype": "fp32"})  # z2_ema: lora_ema.safetensors
+        jobs.append(
+            [
+                name,
+                {
+                    "deepspeed": str(tmp_path / f"{name}.json"),
+                    "data": DATA4,
+                    "steps": 3,
+                    "seed": 3,
+                    "output_dir": str(tmp_path / name),
+                    "lora": LORA,
+                    "export": {"format": "diffusers"},
+                },
+            ]
+        )
+    jobs[-1][1].update(
+        ema={"decay": 0.5}, export={"format": "diffusers", "weights": "ema", "dtype": "fp32"}
+    )  # z2_ema: lora_ema.safetensors
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    subprocess.run([sys.executable, "-c", _STAGES, str(tmp_path / "jobs.json"), str(tmp_path / "out.json")], cwd=ROOT,
-                   check=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    subprocess.run(
+        [sys.executable, "-c", _STAGES, str(tmp_path / "jobs.json"), str(tmp_path / "out.json")],
+        cwd=ROOT,
+        check=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     r = json.loads((tmp_path / "out.json").read_text())
     for name in configs:  # 26 adapted linears of flux-tiny's all-linear, A and B each, all exported
         assert len(r[name][1]) == 2 * 26 and r[name][1] == r["z0"][1], name
@@ -602,8 +752,20 @@ def test_lora_at_zero_0_with_offload_and_ema(tmp_path):
 
     from fluxzero.cli import main as cli
 
-    r = CliRunner().invoke(cli, ["export", str(tmp_path / "z2_ema"), str(tmp_path / "cli_ema.safetensors"), "--weights",
-                                 "ema", "--format", "diffusers", "--dtype", "fp32"])
+    r = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            str(tmp_path / "z2_ema"),
+            str(tmp_path / "cli_ema.safetensors"),
+            "--weights",
+            "ema",
+            "--format",
+            "diffusers",
+            "--dtype",
+            "fp32",
+        ],
+    )
     assert r.exit_code == 0, r.output
     again, _ = read_lora(tmp_path / "cli_ema.safetensors")  # `fluxzero export --weights ema` writes the same EMA
     assert all(torch.equal(again[k], ema[k]) for k in ema)

@@ -4,6 +4,7 @@ its checkpoint reproduces the uninterrupted one exactly, and the export holds th
 The modes' training quality against fp32 masters is proven in tests/train/test_optim_quality.py (plain PyTorch) and
 tests/train/test_optim_deepspeed.py (real engines); here: that the trainer builds, checkpoints and exports them.
 """
+
 import json
 
 import pytest
@@ -42,10 +43,20 @@ def _losses(out):
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("mode, stage", [("bf16-kahan", 2), ("adafactor-sr", 0), ("bf16-sr", 3), ("cpu-bf16-sr", 2),
-                                         ("cpu-adamw8bit-sr", 3), ("adamw8bit-sr", 0), ("adamw8bit-sr", 2),
-                                         ("adamw8bit-sr", 3),
-                                         ("fused-adafactor-sr", 0)])
+@pytest.mark.parametrize(
+    "mode, stage",
+    [
+        ("bf16-kahan", 2),
+        ("adafactor-sr", 0),
+        ("bf16-sr", 3),
+        ("cpu-bf16-sr", 2),
+        ("cpu-adamw8bit-sr", 3),
+        ("adamw8bit-sr", 0),
+        ("adamw8bit-sr", 2),
+        ("adamw8bit-sr", 3),
+        ("fused-adafactor-sr", 0),
+    ],
+)
 def test_mode_resumes_exactly_and_exports_the_trained_weights(tmp_path, monkeypatch, mode, stage):
     from safetensors.torch import load_file
 
@@ -55,15 +66,24 @@ def test_mode_resumes_exactly_and_exports_the_trained_weights(tmp_path, monkeypa
     (tmp_path / "ds.json").write_text(json.dumps(_ds(mode, stage)))
     runs = {}
     for name in ("whole", "cut"):
-        cfg = {"deepspeed": str(tmp_path / "ds.json"), "data": DATA, "output_dir": str(tmp_path / name),
-               "steps": 4, "checkpoint": {"every": 2},
-               "export": {"format": "bfl", "dtype": "fp32"}, "seed": 1}
+        cfg = {
+            "deepspeed": str(tmp_path / "ds.json"),
+            "data": DATA,
+            "output_dir": str(tmp_path / name),
+            "steps": 4,
+            "checkpoint": {"every": 2},
+            "export": {"format": "bfl", "dtype": "fp32"},
+            "seed": 1,
+        }
         runs[name] = tmp_path / f"{name}.yaml"
         runs[name].write_text(yaml.safe_dump(cfg))
     train_all_ok([runs["whole"]], [runs["cut"], "stop_after=2"])  # one process; the resume in a new one:
     _train(runs["cut"])
     assert _losses(tmp_path / "whole") == _losses(tmp_path / "cut")
-    whole, cut = load_file(tmp_path / "whole" / "export.safetensors"), load_file(tmp_path / "cut" / "export.safetensors")
+    whole, cut = (
+        load_file(tmp_path / "whole" / "export.safetensors"),
+        load_file(tmp_path / "cut" / "export.safetensors"),
+    )
     assert all(torch.equal(whole[k], cut[k]) for k in whole)
 
     # the export is the trained model: the bf16 module weights DeepSpeed saved at the last step, exactly

@@ -4,6 +4,7 @@ A run with previews, validation and EMA must have exactly the losses of a run wi
 random streams alone), the validation loss must be deterministic across a resume, images land in
 output_dir/samples/step_XXXXXXXX/ with their parameters, and the EMA is saved, resumed and exported.
 """
+
 import json
 from pathlib import Path
 
@@ -29,23 +30,47 @@ def assets(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("previews")
     torch.manual_seed(0)
-    AutoencoderKL(latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 4,
-                  up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-                  norm_num_groups=4, scaling_factor=0.3611, shift_factor=0.1159).save_pretrained(tmp / "vae")
-    save_embeddings(tmp / "prompts.safetensors", PromptEmbeddings(
-        ["a cat", "a dog"], torch.randn(2, 4, 64), torch.randn(2, 32)))
+    AutoencoderKL(
+        latent_channels=16,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        norm_num_groups=4,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+    ).save_pretrained(tmp / "vae")
+    save_embeddings(
+        tmp / "prompts.safetensors", PromptEmbeddings(["a cat", "a dog"], torch.randn(2, 4, 64), torch.randn(2, 32))
+    )
     for stage in (2, 3):
         (tmp / f"ds{stage}.json").write_text(json.dumps(_ds(stage)))
     return tmp
 
 
 def _run_file(assets, out, *, previews: bool, stage=2, **over):
-    cfg = {"deepspeed": str(assets / f"ds{stage}.json"), "data": DATA, "output_dir": str(out), "steps": 4,
-           "checkpoint": {"every": 2}, "export": {"format": "bfl", "dtype": "fp32"}, "log_every": 1}
+    cfg = {
+        "deepspeed": str(assets / f"ds{stage}.json"),
+        "data": DATA,
+        "output_dir": str(out),
+        "steps": 4,
+        "checkpoint": {"every": 2},
+        "export": {"format": "bfl", "dtype": "fp32"},
+        "log_every": 1,
+    }
     if previews:
-        cfg.update(ema={"decay": 0.9}, validation={"data": VALIDATION, "every": 2},
-                   sample={"every": 2, "prompts": str(assets / "prompts.safetensors"), "vae": str(assets / "vae"),
-                           "size": "32x32", "steps": 2, "seeds": [0, 1]})
+        cfg.update(
+            ema={"decay": 0.9},
+            validation={"data": VALIDATION, "every": 2},
+            sample={
+                "every": 2,
+                "prompts": str(assets / "prompts.safetensors"),
+                "vae": str(assets / "vae"),
+                "size": "32x32",
+                "steps": 2,
+                "seeds": [0, 1],
+            },
+        )
         cfg["export"]["weights"] = "ema"
     for key, value in over.items():  # a section's keys are merged into it
         cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
@@ -89,7 +114,10 @@ def test_previews_validation_and_ema_leave_training_unchanged(assets, tmp_path):
     # the EMA was saved with each checkpoint and exported instead of the live weights
     ck = tmp_path / "full" / "checkpoints" / "step_00000004"
     assert (ck / "ema_rank_00000.safetensors").is_file()
-    ema, live = load_file(tmp_path / "full" / "export_ema.safetensors"), load_file(tmp_path / "plain" / "export.safetensors")
+    ema, live = (
+        load_file(tmp_path / "full" / "export_ema.safetensors"),
+        load_file(tmp_path / "plain" / "export.safetensors"),
+    )
     assert ema.keys() == live.keys() and any(not torch.equal(ema[k], live[k]) for k in ema)
 
     # `fluxzero export --weights ema` writes the same file from the checkpoint
@@ -114,7 +142,10 @@ def test_validation_and_ema_resume_exactly(assets, tmp_path):
     assert whole[4]["val_loss"] == cut[4]["val_loss"] and whole[2]["val_loss"] == cut[2]["val_loss"]
     from safetensors.torch import load_file
 
-    a, b = load_file(tmp_path / "whole" / "export_ema.safetensors"), load_file(tmp_path / "cut" / "export_ema.safetensors")
+    a, b = (
+        load_file(tmp_path / "whole" / "export_ema.safetensors"),
+        load_file(tmp_path / "cut" / "export_ema.safetensors"),
+    )
     assert all(torch.equal(a[k], b[k]) for k in a)  # the EMA resumed from its shard, not from the weights
 
 
@@ -136,11 +167,13 @@ def test_bad_preview_settings_are_one_sentence(assets, tmp_path):
     from fluxzero.config import TrainConfig
 
     base = {"deepspeed": "d.json", "data": DATA, "output_dir": str(tmp_path)}
-    for bad, words in (({"sample": {"every": 2}}, "sample.every needs sample.prompts"),
-                       ({"sample": {"size": "30x32"}}, "multiples of 16"),
-                       ({"sample": {"weights": "ema"}}, "keeps no EMA"),
-                       ({"validation": {"every": 5}}, "validation.every needs validation.data"),
-                       ({"ema": {"decay": 1.0}}, "ema.decay must be between 0 and 1")):
+    for bad, words in (
+        ({"sample": {"every": 2}}, "sample.every needs sample.prompts"),
+        ({"sample": {"size": "30x32"}}, "multiples of 16"),
+        ({"sample": {"weights": "ema"}}, "keeps no EMA"),
+        ({"validation": {"every": 5}}, "validation.every needs validation.data"),
+        ({"ema": {"decay": 1.0}}, "ema.decay must be between 0 and 1"),
+    ):
         with pytest.raises(ValueError, match=words):
             TrainConfig.from_dict({**base, **bad})
 
@@ -148,8 +181,9 @@ def test_bad_preview_settings_are_one_sentence(assets, tmp_path):
 @pytest.mark.slow
 def test_zero3_two_ranks_sample_and_validate(assets, tmp_path):
     # every rank takes part in the forward passes (ZeRO-3 gathers the parameters collectively); rank 0 writes
-    run = _run_file(assets, tmp_path / "z3", previews=True, stage=3, steps=2, export={"format": None},
-                    sample={"seeds": [0]})
+    run = _run_file(
+        assets, tmp_path / "z3", previews=True, stage=3, steps=2, export={"format": None}, sample={"seeds": [0]}
+    )
     _train(run, world=2)
     rows = _rows(tmp_path / "z3")
     assert rows[2]["val_loss"] > 0

@@ -5,6 +5,7 @@ run's results is refused, another lr scheduler on resume and duplicate run-file 
 Real runs of launch/train.py (flux-tiny, CPU, gloo), each in its own process; two ranks are started by hand
 (RANK/WORLD_SIZE set, no launcher) so that a signal can reach one rank alone.
 """
+
 import json
 import os
 import re
@@ -26,8 +27,15 @@ DATA = "synthetic:n=64,hw=8x8,txt=4,ctx=64,vec=32"
 
 def _files(tmp, ds=None, **run):
     (tmp / "ds.json").write_text(json.dumps(ds or tiny_ds()))
-    cfg = {"deepspeed": str(tmp / "ds.json"), "data": DATA, "output_dir": str(tmp / "out"), "steps": 6,
-           "export": {"format": None}, "log_every": 1, **run}
+    cfg = {
+        "deepspeed": str(tmp / "ds.json"),
+        "data": DATA,
+        "output_dir": str(tmp / "out"),
+        "steps": 6,
+        "export": {"format": None},
+        "log_every": 1,
+        **run,
+    }
     (tmp / "run.yaml").write_text(yaml.safe_dump(cfg))
     return tmp / "run.yaml"
 
@@ -47,7 +55,9 @@ def _wait_for_step(out: Path, step: int, procs, timeout=240):
         if (out / "metrics.jsonl").is_file() and max(_losses(out), default=0) >= step:
             return
         if any(p.poll() is not None for p in procs):
-            raise AssertionError("a rank ended before the signal: " + "".join(p.communicate()[1][-2000:] for p in procs))
+            raise AssertionError(
+                "a rank ended before the signal: " + "".join(p.communicate()[1][-2000:] for p in procs)
+            )
         time.sleep(0.05)
     raise AssertionError("training did not reach the step in time")
 
@@ -91,8 +101,13 @@ def test_stop_signal_to_one_rank_saves_the_same_step_on_both_and_resumes_exactly
 def test_a_diverged_update_is_never_saved_and_the_good_checkpoint_stays(tmp_path):
     # step 1 at lr 1e-3, step 2 at 1e39: torch's fused AdamW (what gen-config writes) applies it, the weights
     # after step 2 are inf while the loss of step 2 (computed before that update) is still finite
-    boom = _ds(gradient_clipping=0.0, scheduler={"type": "WarmupLR", "params": {
-        "warmup_min_lr": 1e-3, "warmup_max_lr": 1e39, "warmup_num_steps": 1, "warmup_type": "linear"}})
+    boom = _ds(
+        gradient_clipping=0.0,
+        scheduler={
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e39, "warmup_num_steps": 1, "warmup_type": "linear"},
+        },
+    )
     boom["optimizer"]["params"]["fused"] = True
     run = _files(tmp_path, boom, steps=3, checkpoint={"every": 1, "keep": 1})
     r = _train(run)
@@ -118,8 +133,21 @@ def test_refusals_in_one_sentence(tmp_path):
         assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
         return lines[0]
 
-    (tmp_path / "sched.json").write_text(json.dumps(_ds(scheduler={"type": "WarmupLR", "params": {
-        "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 2, "warmup_type": "linear"}})))
+    (tmp_path / "sched.json").write_text(
+        json.dumps(
+            _ds(
+                scheduler={
+                    "type": "WarmupLR",
+                    "params": {
+                        "warmup_min_lr": 0.0,
+                        "warmup_max_lr": 1e-3,
+                        "warmup_num_steps": 2,
+                        "warmup_type": "linear",
+                    },
+                }
+            )
+        )
+    )
     assert "was trained with lr scheduler none but" in refused(f"deepspeed={tmp_path / 'sched.json'}", "steps=2")
 
     # a finished run whose checkpoints were deleted: its export would be overwritten
@@ -204,8 +232,10 @@ def test_a_damaged_or_nan_validation_sample_is_refused_before_training(tmp_path)
     _flip_latent_byte(flipped, 2)
     nan = _validation_shards(tmp_path / "nan", nan_sample=1)
     run = _files(tmp_path, steps=2)
-    for data, words in ((flipped, "sample 2 (global index 2) fails its checksum"),
-                        (nan, "sample 1 (global index 1) holds non-finite latents values")):
+    for data, words in (
+        (flipped, "sample 2 (global index 2) fails its checksum"),
+        (nan, "sample 1 (global index 1) holds non-finite latents values"),
+    ):
         r = _train(run, f"validation.data={data}", f"output_dir={tmp_path / data.name / 'out'}")
         lines = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
         assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
@@ -215,8 +245,7 @@ def test_a_damaged_or_nan_validation_sample_is_refused_before_training(tmp_path)
 
 def test_a_validation_sample_damaged_mid_run_stops_after_saving_the_training(tmp_path):
     val = _validation_shards(tmp_path / "val")
-    run = _files(tmp_path, steps=40, validation={"data": str(val), "every": 20},
-                 checkpoint={"every": 0})
+    run = _files(tmp_path, steps=40, validation={"data": str(val), "every": 20}, checkpoint={"every": 0})
     out = tmp_path / "out"
     procs = start_ranks(run, world=1)
     _wait_for_step(out, 1, procs)
@@ -241,8 +270,11 @@ def test_a_lost_latest_resumes_from_the_newest_complete_step_folder(tmp_path):
     (ck / "step_00000006" / "ds_config.json").unlink()
     r = _train(run)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert (f"note: {ck / 'latest'} is missing; resuming from step_00000004, the newest complete checkpoint there"
-            in r.stderr and "resuming from step 4 " in r.stderr), r.stderr[-3000:]
+    assert (
+        f"note: {ck / 'latest'} is missing; resuming from step_00000004, the newest complete checkpoint there"
+        in r.stderr
+        and "resuming from step 4 " in r.stderr
+    ), r.stderr[-3000:]
     assert sorted(_losses(out)) == [1, 2, 3, 4, 5, 6]
     assert (ck / "latest").read_text() == "step_00000006" and (ck / "step_00000002" / "run.yaml").is_file()
 
@@ -260,6 +292,7 @@ def test_ctrl_c_and_the_launchers_sigterm_together_interrupt_once():
         "distributed.restore_handlers(old)\n"
         "old = distributed.install_stop_handlers()\n"
         "try:\n    os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\n"
-        "except KeyboardInterrupt:\n    print('interrupted again')\n")
+        "except KeyboardInterrupt:\n    print('interrupted again')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split("\n")[:2] == ["cleaned", "interrupted again"], out.stdout + out.stderr

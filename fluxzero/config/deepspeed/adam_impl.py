@@ -5,6 +5,7 @@ What deepspeed 0.19.8 builds for {"type": "AdamW"} (engine.get_optimizer_configu
 torch.optim.AdamW (with the remaining params, so `fused` reaches torch), whatever the offload; else optimizer
 offload cpu/nvme -> DeepSpeedCPUAdam; else FusedAdam.
 """
+
 from __future__ import annotations
 
 # --adam-impl: torch = torch.optim.AdamW(fused=True), fused = DeepSpeed's FusedAdam, cpu = DeepSpeedCPUAdam

@@ -41,6 +41,7 @@ The trainer then builds that mode's client optimizer (fluxzero.train.optim.optim
 "bf16" keys each needs are in fluxzero.config.optim_modes. gen-config writes those keys, and
 zero_allow_untested_optimizer / zero_force_ds_cpu_optimizer where DeepSpeed needs them for a client optimizer.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,12 +49,18 @@ import json
 import math
 from dataclasses import dataclass
 
-from fluxzero.config.deepspeed import adam_impl, view as ds_view
-
 from fluxzero.config import optim_modes
+from fluxzero.config.deepspeed import adam_impl
+from fluxzero.config.deepspeed import view as ds_view
 from fluxzero.config.deepspeed.check import (
-    CHECKPOINT_IMPLS, CHECKPOINT_POLICIES, OFFLOAD_DEVICES, PRECISIONS, SCHEDULERS, WARMUP_TYPES,
-    ZERO_STAGE3_ONLY_KNOBS, combination_problems,
+    CHECKPOINT_IMPLS,
+    CHECKPOINT_POLICIES,
+    OFFLOAD_DEVICES,
+    PRECISIONS,
+    SCHEDULERS,
+    WARMUP_TYPES,
+    ZERO_STAGE3_ONLY_KNOBS,
+    combination_problems,
 )
 from fluxzero.config.deepspeed.view import FLUXZERO_SECTION, DSView, checkpointed_blocks
 
@@ -142,7 +149,7 @@ class DSOptions:
     tensorboard_dir: str | None = None
     job_name: str | None = None
 
-    def replace(self, **changes) -> "DSOptions":
+    def replace(self, **changes) -> DSOptions:
         return dataclasses.replace(self, **changes)
 
 
@@ -224,24 +231,36 @@ def option_name(what: str) -> str:
     """The command-line spelling of a view field or ZeRO key (combination_problems' names for options)."""
     return {"stage": "--zero-stage", "optimizer": "the optimizer", "precision": "--precision"}.get(what) or flag(what)
 
+
 def options_view(o: DSOptions) -> DSView:
     """The DSView of the config build(o) writes, as far as the combination rules read it (no build needed)."""
     impl = adam_impl.optimizer_impl(o.adam_impl)
     mode_keys = _mode_keys(o)
     bf16 = mode_keys.get("bf16", {"enabled": o.precision == "bf16"})
     precision = "fp32" if "bf16" in mode_keys and not bf16.get("enabled") else o.precision  # bf16 modes, ZeRO 0
-    return DSView(stage=o.zero_stage, precision=precision,
-                  offload_optimizer=o.offload_optimizer,
-                  offload_param=o.offload_param, checkpoint_every=o.checkpoint_every,
-                  checkpoint_impl=o.checkpoint_impl, checkpoint_policy=o.checkpoint_policy, compile=o.compile, fp8=o.fp8, optimizer="adamw",
-                  optimizer_impl=impl,
-                  lr=o.lr, scheduler=None if o.scheduler == "none" else o.scheduler,
-                  gradient_clipping=o.gradient_clipping, optimizer_mode=o.optimizer_mode,
-                  grad_accum=_accum_or_none(o), offload_blocks=o.offload_blocks,
-                  bf16_master_weights_and_grads=bf16.get("bf16_master_weights_and_grads") is True,
-                  bf16_optimizer_states=bf16.get("bf16_optimizer_states") is True,
-                  allow_untested_optimizer=mode_keys.get("zero_allow_untested_optimizer") is True,
-                  force_ds_cpu_optimizer=mode_keys.get("zero_force_ds_cpu_optimizer", True) is not False)
+    return DSView(
+        stage=o.zero_stage,
+        precision=precision,
+        offload_optimizer=o.offload_optimizer,
+        offload_param=o.offload_param,
+        checkpoint_every=o.checkpoint_every,
+        checkpoint_impl=o.checkpoint_impl,
+        checkpoint_policy=o.checkpoint_policy,
+        compile=o.compile,
+        fp8=o.fp8,
+        optimizer="adamw",
+        optimizer_impl=impl,
+        lr=o.lr,
+        scheduler=None if o.scheduler == "none" else o.scheduler,
+        gradient_clipping=o.gradient_clipping,
+        optimizer_mode=o.optimizer_mode,
+        grad_accum=_accum_or_none(o),
+        offload_blocks=o.offload_blocks,
+        bf16_master_weights_and_grads=bf16.get("bf16_master_weights_and_grads") is True,
+        bf16_optimizer_states=bf16.get("bf16_optimizer_states") is True,
+        allow_untested_optimizer=mode_keys.get("zero_allow_untested_optimizer") is True,
+        force_ds_cpu_optimizer=mode_keys.get("zero_force_ds_cpu_optimizer", True) is not False,
+    )
 
 
 def _accum_or_none(o: DSOptions) -> int | None:
@@ -298,8 +317,10 @@ def check_options(o: DSOptions) -> list[str]:
     if _model(o.model) is None:
         from fluxzero.config.models import MODEL_PRESETS
 
-        p.append(f"{flag('model')} must be one of {', '.join(MODEL_PRESETS)} or another model spec "
-                 f"(PRESET:field=value,... or a diffusers config.json), got {o.model!r}")
+        p.append(
+            f"{flag('model')} must be one of {', '.join(MODEL_PRESETS)} or another model spec "
+            f"(PRESET:field=value,... or a diffusers config.json), got {o.model!r}"
+        )
     choice("precision", PRECISIONS)
     choice("offload_optimizer", OFFLOAD_DEVICES)
     choice("offload_param", OFFLOAD_DEVICES)
@@ -310,12 +331,28 @@ def check_options(o: DSOptions) -> list[str]:
     choice("warmup_type", WARMUP_TYPES)
     if o.zero_stage not in (0, 1, 2, 3):
         p.append(f"{flag('zero_stage')} must be 0, 1, 2 or 3, got {o.zero_stage!r}")
-    for f in ("micro_batch", "nvme_param_buffer_count", "nvme_param_buffer_size", "nvme_param_max_in_cpu",
-              "nvme_optimizer_buffer_count", "warmup_steps", "steps_per_print", "fp16_loss_scale_window",
-              "fp16_hysteresis", "fp16_min_loss_scale"):
+    for f in (
+        "micro_batch",
+        "nvme_param_buffer_count",
+        "nvme_param_buffer_size",
+        "nvme_param_max_in_cpu",
+        "nvme_optimizer_buffer_count",
+        "warmup_steps",
+        "steps_per_print",
+        "fp16_loss_scale_window",
+        "fp16_hysteresis",
+        "fp16_min_loss_scale",
+    ):
         at_least(f, 1)
-    for f in ("grad_accum", "global_batch", "world_size", "total_steps", "reduce_bucket_size",
-              "allgather_bucket_size", "stage3_max_live_parameters"):
+    for f in (
+        "grad_accum",
+        "global_batch",
+        "world_size",
+        "total_steps",
+        "reduce_bucket_size",
+        "allgather_bucket_size",
+        "stage3_max_live_parameters",
+    ):
         at_least(f, 1, optional=True)
     for f in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_reuse_distance"):
         at_least(f, 0, optional=True)
@@ -349,7 +386,9 @@ def _check_batch_options(o: DSOptions, p: list[str]) -> None:
     if o.global_batch is None:
         return
     if world is None:
-        p.append(f"{flag('global_batch')} needs the world size: pass --world-size, --hostfile or --nodes/--gpus-per-node")
+        p.append(
+            f"{flag('global_batch')} needs the world size: pass --world-size, --hostfile or --nodes/--gpus-per-node"
+        )
         return
     if o.grad_accum is not None:
         if o.global_batch != micro * o.grad_accum * world:
@@ -373,8 +412,9 @@ def _check_zero_options(o: DSOptions, p: list[str]) -> None:
     if nvme and not o.nvme_path:
         p.append(f"NVMe offload needs {flag('nvme_path')} (a directory on a local NVMe drive)")
     if o.nvme_path and not nvme:
-        p.append(f"{flag('nvme_path')} is only used with {flag('offload_optimizer')} nvme or "
-                 f"{flag('offload_param')} nvme")
+        p.append(
+            f"{flag('nvme_path')} is only used with {flag('offload_optimizer')} nvme or {flag('offload_param')} nvme"
+        )
     if stage == 0:  # allgather_bucket_size at stage 0 is one of combination_problems' stage-only keys
         for f in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size"):
             if getattr(o, f) is not None:
@@ -388,16 +428,24 @@ def _check_zero_options(o: DSOptions, p: list[str]) -> None:
         need = -(-largest // (o.world_size or 1))
         if o.nvme_param_buffer_size < need:
             at = f"at world size {o.world_size}" if o.world_size else "whole, with no world size given"
-            p.append(f"{flag('nvme_param_buffer_size')} {o.nvme_param_buffer_size} cannot hold {o.model}'s largest "
-                     f"parameter partition ({need} elements {at}); pass at least {need}")
+            p.append(
+                f"{flag('nvme_param_buffer_size')} {o.nvme_param_buffer_size} cannot hold {o.model}'s largest "
+                f"parameter partition ({need} elements {at}); pass at least {need}"
+            )
 
 
 def _check_precision_options(o: DSOptions, p: list[str]) -> None:
     if o.precision == "fp16":
         return
     defaults = DSOptions()
-    for f in ("fp16_loss_scale", "fp16_initial_scale_power", "fp16_loss_scale_window", "fp16_hysteresis",
-              "fp16_consecutive_hysteresis", "fp16_min_loss_scale"):
+    for f in (
+        "fp16_loss_scale",
+        "fp16_initial_scale_power",
+        "fp16_loss_scale_window",
+        "fp16_hysteresis",
+        "fp16_consecutive_hysteresis",
+        "fp16_min_loss_scale",
+    ):
         if getattr(o, f) != getattr(defaults, f):
             p.append(f"{flag(f)} applies only with {flag('precision')} fp16 (got {o.precision})")
 
@@ -407,11 +455,15 @@ def _check_checkpoint_options(o: DSOptions, p: list[str]) -> None:
     on = [f for f in ds_flags if getattr(o, f)]
     if on and (o.checkpoint_impl != "deepspeed" or o.checkpoint_every == 0):
         verb = "takes" if len(on) == 1 else "take"
-        p.append(f"{', '.join(map(flag, on))} {verb} effect only with {flag('checkpoint_impl')} deepspeed and "
-                 f"{flag('checkpoint_every')} >= 1")
+        p.append(
+            f"{', '.join(map(flag, on))} {verb} effect only with {flag('checkpoint_impl')} deepspeed and "
+            f"{flag('checkpoint_every')} >= 1"
+        )
     if o.checkpoint_policy == "selective" and o.checkpoint_impl == "deepspeed":
-        p.append(f"{flag('checkpoint_policy')} selective needs {flag('checkpoint_impl')} torch (deepspeed.checkpointing "
-                 f"recomputes whole blocks)")
+        p.append(
+            f"{flag('checkpoint_policy')} selective needs {flag('checkpoint_impl')} torch (deepspeed.checkpointing "
+            f"recomputes whole blocks)"
+        )
     elif o.checkpoint_policy == "selective" and o.checkpoint_every == 0:
         p.append(f"{flag('checkpoint_policy')} selective takes effect only with {flag('checkpoint_every')} >= 1")
     # deepspeed.checkpointing asserts this at configure time
@@ -421,40 +473,48 @@ def _check_checkpoint_options(o: DSOptions, p: list[str]) -> None:
     if model is not None and o.offload_blocks > num_blocks(o.model):
         p.append(f"{flag('offload_blocks')} {o.offload_blocks} exceeds the {num_blocks(o.model)} blocks of {o.model}")
     if model is not None and o.checkpoint_every > num_blocks(o.model):
-        p.append(f"{flag('checkpoint_every')} {o.checkpoint_every} exceeds the {num_blocks(o.model)} blocks of "
-                 f"{o.model}")
+        p.append(
+            f"{flag('checkpoint_every')} {o.checkpoint_every} exceeds the {num_blocks(o.model)} blocks of {o.model}"
+        )
 
 
 def _check_optimizer_options(o: DSOptions, p: list[str]) -> None:
     # What DeepSpeed builds (fluxzero.config.deepspeed.adam_impl): "fused" with offload would silently become
     # DeepSpeedCPUAdam, and "cpu" without offload would silently become FusedAdam.
     if o.adam_impl == "fused" and o.offload_optimizer != "none":
-        p.append(f"{flag('adam_impl')} fused cannot run with {flag('offload_optimizer')} {o.offload_optimizer} "
-                 f"(DeepSpeed then builds DeepSpeedCPUAdam): use {flag('adam_impl')} cpu or torch")
+        p.append(
+            f"{flag('adam_impl')} fused cannot run with {flag('offload_optimizer')} {o.offload_optimizer} "
+            f"(DeepSpeed then builds DeepSpeedCPUAdam): use {flag('adam_impl')} cpu or torch"
+        )
     if o.adam_impl == "cpu" and o.offload_optimizer == "none":
-        p.append(f"{flag('adam_impl')} cpu (DeepSpeedCPUAdam) needs {flag('offload_optimizer')} cpu or nvme; "
-                 f"without offload use {flag('adam_impl')} fused or torch")
+        p.append(
+            f"{flag('adam_impl')} cpu (DeepSpeedCPUAdam) needs {flag('offload_optimizer')} cpu or nvme; "
+            f"without offload use {flag('adam_impl')} fused or torch"
+        )
     if o.scheduler != "none" and o.warmup_steps != 1 and o.warmup_steps - WARMUP_OFFSET[o.warmup_type] < 2:
         # DeepSpeed gives optimizer steps 1 and 2 the same lr and clamps warmup_num_steps to >= 2
         low = 4 if o.warmup_type == "linear" else 3
-        p.append(f"{flag('warmup_steps')} {o.warmup_steps} is too short for DeepSpeed's {o.warmup_type} warm-up "
-                 f"(its first two steps share one lr): use 1 (no warm-up) or at least {low}")
+        p.append(
+            f"{flag('warmup_steps')} {o.warmup_steps} is too short for DeepSpeed's {o.warmup_type} warm-up "
+            f"(its first two steps share one lr): use 1 (no warm-up) or at least {low}"
+        )
     if o.scheduler in ("WarmupCosineLR", "WarmupDecayLR"):
         if o.total_steps is None:
             p.append(f"{flag('scheduler')} {o.scheduler} needs {flag('total_steps')}")
         elif o.total_steps < o.warmup_steps:
-            p.append(f"{flag('total_steps')} {o.total_steps} is smaller than {flag('warmup_steps')} "
-                     f"{o.warmup_steps}")
+            p.append(f"{flag('total_steps')} {o.total_steps} is smaller than {flag('warmup_steps')} {o.warmup_steps}")
     elif o.total_steps is not None:
         p.append(f"{flag('total_steps')} is used only by {flag('scheduler')} WarmupCosineLR or WarmupDecayLR")
     if o.optimizer_mode is not None and o.adam_impl != "torch":
-        p.append(f"{flag('adam_impl')} {o.adam_impl} chooses DeepSpeed's own AdamW, which {flag('optimizer_mode')} "
-                 f"replaces with the mode's optimizer: leave {flag('adam_impl')} out")
+        p.append(
+            f"{flag('adam_impl')} {o.adam_impl} chooses DeepSpeed's own AdamW, which {flag('optimizer_mode')} "
+            f"replaces with the mode's optimizer: leave {flag('adam_impl')} out"
+        )
     if o.min_lr >= o.lr and o.scheduler != "none":
         p.append(f"{flag('min_lr')} {o.min_lr} must be below {flag('lr')} {o.lr}")
 
 
-def build(o: DSOptions) -> dict:
+def build(o: DSOptions) -> dict:  # noqa: C901
     """The DeepSpeed config for `o` (raises DSConfigError naming every bad option)."""
     problems = check_options(o)
     if problems:
@@ -560,14 +620,22 @@ def _zero_section(o: DSOptions) -> dict:
     if o.offload_optimizer != "none":
         off = {"device": o.offload_optimizer, "pin_memory": o.offload_pin_memory}
         if o.offload_optimizer == "nvme":
-            off.update(nvme_path=o.nvme_path, buffer_count=o.nvme_optimizer_buffer_count,
-                       pipeline_read=o.nvme_optimizer_pipeline, pipeline_write=o.nvme_optimizer_pipeline)
+            off.update(
+                nvme_path=o.nvme_path,
+                buffer_count=o.nvme_optimizer_buffer_count,
+                pipeline_read=o.nvme_optimizer_pipeline,
+                pipeline_write=o.nvme_optimizer_pipeline,
+            )
         z["offload_optimizer"] = off
     if o.offload_param != "none":
         off = {"device": o.offload_param, "pin_memory": o.offload_pin_memory}
         if o.offload_param == "nvme":
-            off.update(nvme_path=o.nvme_path, buffer_count=o.nvme_param_buffer_count,
-                       buffer_size=o.nvme_param_buffer_size, max_in_cpu=o.nvme_param_max_in_cpu)
+            off.update(
+                nvme_path=o.nvme_path,
+                buffer_count=o.nvme_param_buffer_count,
+                buffer_size=o.nvme_param_buffer_size,
+                max_in_cpu=o.nvme_param_max_in_cpu,
+            )
         z["offload_param"] = off
     return z
 

@@ -1,6 +1,7 @@
 """A DeepSpeed JSON file on disk: read it (one sentence for each way it can be unreadable), and what the trainer
 starts from (the checked config and its view). Pure Python; `view` reads dicts, this module reads files.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,14 +14,21 @@ from fluxzero.config.user_files import ParseError, parse_json, read_text
 
 def read_json(path: str | Path) -> dict:
     """A DeepSpeed JSON file as a dict; DSConfigError with one sentence when it cannot be read."""
-    text = read_text(path, "DeepSpeed config", "point deepspeed at the JSON file from `fluxzero gen-config`",
-                     DSConfigError, missing="write one with `fluxzero gen-config`")
+    text = read_text(
+        path,
+        "DeepSpeed config",
+        "point deepspeed at the JSON file from `fluxzero gen-config`",
+        DSConfigError,
+        missing="write one with `fluxzero gen-config`",
+    )
+
     def no_duplicates(pairs):  # plain JSON keeps the last of two equal keys silently
         seen = {}
         for key, value in pairs:
             if key in seen:
-                raise DSConfigError(f"DeepSpeed config {path} sets {key!r} twice in one object (the last would win "
-                                    f"silently); keep one")
+                raise DSConfigError(
+                    f"DeepSpeed config {path} sets {key!r} twice in one object (the last would win silently); keep one"
+                )
             seen[key] = value
         return seen
 
@@ -29,8 +37,10 @@ def read_json(path: str | Path) -> dict:
     except ParseError as e:
         raise DSConfigError(f"DeepSpeed config {path} is not valid JSON ({e})") from None
     if not isinstance(ds, dict):
-        raise DSConfigError(f"DeepSpeed config {path} must be a JSON object ({{...}}), got {type(ds).__name__}; "
-                            f"write one with `fluxzero gen-config`")
+        raise DSConfigError(
+            f"DeepSpeed config {path} must be a JSON object ({{...}}), got {type(ds).__name__}; "
+            f"write one with `fluxzero gen-config`"
+        )
     return ds
 
 
@@ -50,8 +60,9 @@ def load_for_training(path: str | Path, world_size: int) -> tuple[dict, DSView]:
         raise DSConfigError(f"DeepSpeed config {path}: {problems[0]}{more}")
     v = view(ds)
     if v.optimizer is None:
-        raise DSConfigError(f"DeepSpeed config {path} has no optimizer section; add one (e.g. from "
-                            f"`fluxzero gen-config`)")
+        raise DSConfigError(
+            f"DeepSpeed config {path} has no optimizer section; add one (e.g. from `fluxzero gen-config`)"
+        )
     try:
         micro, accum, train = v.batch_for(world_size)
     except DSConfigError as e:

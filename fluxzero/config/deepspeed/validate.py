@@ -2,6 +2,7 @@
 
 deepspeed is imported inside the functions: importing it costs seconds, and `fluxzero gen-config` must not.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,8 +53,12 @@ def deepspeed_problems(cfg: dict, world_size: int = 1) -> list[str]:
 
 
 # pydantic model name -> the config section it parses
-_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16",
-             "DeepSpeedFP16Config": "fp16", "TensorBoardConfig": "tensorboard"}
+_SECTIONS = {
+    "DeepSpeedZeroConfig": "zero_optimization",
+    "DeepSpeedBF16Config": "bf16",
+    "DeepSpeedFP16Config": "fp16",
+    "TensorBoardConfig": "tensorboard",
+}
 
 
 def _lines(e: Exception) -> list[str]:

@@ -7,6 +7,7 @@ memory policy gen-config --fit chooses together with the stage (the "fluxzero" s
 checkpointing, compiled blocks, the optimizer mode, blocks streamed from host memory). The run file owns what the trainer does around the engine (model, weights,
 data, steps, seed, flow, logging, checkpoints, export). No setting is in both.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -137,7 +138,8 @@ class DSView:
             raise DSConfigError(
                 f"train_batch_size {train} is not train_micro_batch_size_per_gpu {self.micro_batch} x "
                 f"gradient_accumulation_steps {self.grad_accum} x world size {world_size}{hint}: fix the batch "
-                f"sizes (`fluxzero gen-config --world-size {world_size}`) or launch the ranks they imply")
+                f"sizes (`fluxzero gen-config --world-size {world_size}`) or launch the ranks they imply"
+            )
         return micro, accum, micro * accum * world_size
 
 
@@ -156,6 +158,7 @@ def view(ds: dict) -> DSView:
 
     Raises DSConfigError when a section has a type the view cannot read (say "zero_optimization": 2).
     """
+
     def section(d: dict, key: str, where: str | None = None) -> dict:
         value = d.get(key)
         if value is None:
@@ -186,8 +189,9 @@ def view(ds: dict) -> DSView:
         precision=precision,
         offload_optimizer=section(z, "offload_optimizer", "zero_optimization.offload_optimizer").get("device", "none"),
         offload_param=section(z, "offload_param", "zero_optimization.offload_param").get("device", "none"),
-        zero_settings=tuple(sorted((k, val) for k, val in z.items()
-                                   if k not in ("stage", "offload_optimizer", "offload_param"))),
+        zero_settings=tuple(
+            sorted((k, val) for k, val in z.items() if k not in ("stage", "offload_optimizer", "offload_param"))
+        ),
         micro_batch=_int_or_none(ds, "train_micro_batch_size_per_gpu"),
         grad_accum=_int_or_none(ds, "gradient_accumulation_steps"),
         train_batch=_int_or_none(ds, "train_batch_size"),

@@ -3,6 +3,7 @@ unpickled: the names a clean save writes (nothing else may lie beside them), eac
 (safe_files), the `latest` pointer, and each rank's view of the files it will read. Each check answers with a
 sentence or None; the callers (the resume decision, export) decide what follows.
 """
+
 from __future__ import annotations
 
 import os
@@ -79,9 +80,11 @@ def stray_files_problem(tag_dir: Path, expected, universal: bool = False, advice
     if not stray:
         return None
     more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
-    return (f"checkpoint {tag_dir} holds {stray[0]}{more}, which no fluxzero save of this run writes (DeepSpeed's "
-            f"loader picks its files by name pattern and would unpickle it), so nothing in it is loaded; "
-            f"remove it if you know what it is, otherwise {advice or 'use another checkpoint'}")
+    return (
+        f"checkpoint {tag_dir} holds {stray[0]}{more}, which no fluxzero save of this run writes (DeepSpeed's "
+        f"loader picks its files by name pattern and would unpickle it), so nothing in it is loaded; "
+        f"remove it if you know what it is, otherwise {advice or 'use another checkpoint'}"
+    )
 
 
 def _loadable(path: Path) -> bool:
@@ -121,9 +124,11 @@ def rank_checkpoint_problem(v: DSView, ckpt_dir: Path, tag: str, rank: int, advi
     """
     tag_dir = ckpt_dir / tag
     if not tag_dir.is_dir():
-        return (f"rank {rank} (host {socket.gethostname()}) cannot see {tag_dir}, the checkpoint rank 0 resumes "
-                f"from; output_dir must be on a filesystem all nodes share (or hold identical copies on every "
-                f"node)")
+        return (
+            f"rank {rank} (host {socket.gethostname()}) cannot see {tag_dir}, the checkpoint rank 0 resumes "
+            f"from; output_dir must be on a filesystem all nodes share (or hold identical copies on every "
+            f"node)"
+        )
     own, shared = checkpoint_files(v.stage, v.precision == "bf16", rank)
     if v.load_universal:  # DeepSpeed reads the universal layout itself
         own, shared = own[:1], []
@@ -158,8 +163,10 @@ def file_problem(path: Path, crc: bool = True) -> str | None:
     except (OSError, ValueError):
         return f"{path.name} is not a torch file fluxzero can read"
     if bad:
-        return (f"{path.name} holds Python code references ({', '.join(bad[:3])}), which no fluxzero or DeepSpeed "
-                f"checkpoint holds, so it is not loaded")
+        return (
+            f"{path.name} holds Python code references ({', '.join(bad[:3])}), which no fluxzero or DeepSpeed "
+            f"checkpoint holds, so it is not loaded"
+        )
     return None
 
 

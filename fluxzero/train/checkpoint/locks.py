@@ -2,6 +2,7 @@
 ends, however it ends, so a killed process never leaves a stale one. Rank 0 holds output_dir while a run lasts (a
 second run into it is refused); an export holds the step folder it reads shared (pruning skips it meanwhile).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +11,6 @@ import socket
 from pathlib import Path
 
 from fluxzero.train.distributed import TrainingError
-
 
 READ_LOCK = ".fluxzero-read.lock"  # in a step folder: readers hold it shared, pruning takes it exclusively
 
@@ -56,8 +56,10 @@ def reading(ckpt_dir: Path, tag: str):
     checkpoint.keep); one sentence when the training pruned it first."""
     with folder_lock(Path(ckpt_dir) / tag, exclusive=False) as held:
         if not held:
-            raise TrainingError(f"{tag} was pruned by the running training (checkpoint.keep) before it could be "
-                                f"read; run export again (it takes the newest checkpoint) or raise checkpoint.keep")
+            raise TrainingError(
+                f"{tag} was pruned by the running training (checkpoint.keep) before it could be "
+                f"read; run export again (it takes the newest checkpoint) or raise checkpoint.keep"
+            )
         yield
 
 
@@ -85,14 +87,17 @@ def lock_output_dir(out: Path) -> None:
         except OSError:
             holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise TrainingError(f"output_dir {out} is in use by another run ({holder}); wait for it to finish or "
-                                f"choose another output_dir") from None
+            raise TrainingError(
+                f"output_dir {out} is in use by another run ({holder}); wait for it to finish or "
+                f"choose another output_dir"
+            ) from None
         if _is_path_of(fd, out / LOCK_FILE):
             break
         os.close(fd)  # locked a file a finishing run had just removed: lock the one at the path now
     else:
-        raise TrainingError(f"output_dir {out} is being taken by other runs starting at the same time; start one run "
-                            f"per output_dir")
+        raise TrainingError(
+            f"output_dir {out} is being taken by other runs starting at the same time; start one run per output_dir"
+        )
     os.ftruncate(fd, 0)
     os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
     _held_lock[key] = fd

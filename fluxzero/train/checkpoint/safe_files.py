@@ -27,6 +27,7 @@ does not write, so every torch file a load can reach is one of the scanned ones.
 
 Torch only: no deepspeed import, so the export command and tests use it without starting DeepSpeed.
 """
+
 from __future__ import annotations
 
 import pickletools
@@ -37,24 +38,34 @@ from pathlib import Path
 # the CPU-offload presets), in fp32 and bf16, and in fluxzero's trainer state; tests/train/test_safe_files.py's
 # checkpoint script saves them and asserts that this set is exactly what those files hold. The files of
 # DeepSpeed's universal checkpoint (ds_to_universal, for a resume at another world size) hold a subset of it.
-MEASURED_GLOBALS = frozenset({
-    "torch._utils._rebuild_tensor_v2",             # every tensor
-    "torch._tensor._rebuild_from_type_v2", "torch.Tensor",  # ZeRO-3 optimizer states: a tensor with attributes
-    "torch.FloatStorage", "torch.BFloat16Storage",  # tensor data of each dtype
-    "torch.ByteStorage",                            # torch's RNG state (uint8)
-    "torch.Size",                                   # shapes (param_shapes, ...)
-    "collections.OrderedDict",                      # state dicts
-    "deepspeed.runtime.zero.config.ZeroStageEnum",  # ZeRO optimizer states: "zero_stage"
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",  # ZeRO optimizer states: the (static) loss scaler
-    "deepspeed.utils.tensor_fragment.fragment_address",  # ZeRO-1/2 optimizer states: parameter slices
-    "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",  # numpy RNG state (an ndarray)
-    "_codecs.encode",                               # ... whose bytes numpy pickles as a latin-1 string
-})
+MEASURED_GLOBALS = frozenset(
+    {
+        "torch._utils._rebuild_tensor_v2",  # every tensor
+        "torch._tensor._rebuild_from_type_v2",
+        "torch.Tensor",  # ZeRO-3 optimizer states: a tensor with attributes
+        "torch.FloatStorage",
+        "torch.BFloat16Storage",  # tensor data of each dtype
+        "torch.ByteStorage",  # torch's RNG state (uint8)
+        "torch.Size",  # shapes (param_shapes, ...)
+        "collections.OrderedDict",  # state dicts
+        "deepspeed.runtime.zero.config.ZeroStageEnum",  # ZeRO optimizer states: "zero_stage"
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",  # ZeRO optimizer states: the (static) loss scaler
+        "deepspeed.utils.tensor_fragment.fragment_address",  # ZeRO-1/2 optimizer states: parameter slices
+        "numpy._core.multiarray._reconstruct",
+        "numpy.ndarray",
+        "numpy.dtype",  # numpy RNG state (an ndarray)
+        "_codecs.encode",  # ... whose bytes numpy pickles as a latin-1 string
+    }
+)
 # fp16 runs, where DeepSpeed's accelerator trains fp16 (a GPU, or a CPU with AVX512-FP16):
 # the ZeRO optimizer states hold a DynamicLossScaler and name the fp16 dtype, the model states float16 tensors.
-FP16_GLOBALS = frozenset({
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler", "torch.HalfStorage", "torch.float16",
-})
+FP16_GLOBALS = frozenset(
+    {
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+        "torch.HalfStorage",
+        "torch.float16",
+    }
+)
 # fluxzero's optimizer modes: adamw8bit-sr saves each 8-bit state as its plain parts and its dtype
 # (optim.state._pack), so its files name the bf16 dtype (tests/train/test_train_optim_modes.py resumes and exports
 # them). A dtype is a constant, not code.
@@ -64,14 +75,13 @@ OPTIMIZER_MODE_GLOBALS = frozenset({"torch.bfloat16"})
 UNMEASURED_GLOBALS = frozenset({"numpy.core.multiarray._reconstruct"})
 ALLOWED_GLOBALS = MEASURED_GLOBALS | FP16_GLOBALS | OPTIMIZER_MODE_GLOBALS | UNMEASURED_GLOBALS
 
-_UNRESOLVED = "<a computed import>"   # STACK_GLOBAL whose module or name is not a literal string
+_UNRESOLVED = "<a computed import>"  # STACK_GLOBAL whose module or name is not a literal string
 _MARK = object()
 _UNKNOWN = object()
-_STRING_OPS = {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE",
-               "BINUNICODE8"}
+_STRING_OPS = {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
 
 
-def _pickle_globals(data: bytes) -> set[str]:
+def _pickle_globals(data: bytes) -> set[str]:  # noqa: C901
     """Every "module.name" the pickle `data` imports, from its opcodes alone (it is never unpickled).
 
     A small stack machine follows what pickletools reports about each opcode's stack effect, keeping only
@@ -178,15 +188,18 @@ def check_checkpoint_file(path) -> None:
     try:
         found = unsafe_globals(path)
     except OSError as e:
-        raise ValueError(f"checkpoint file {path} cannot be read ({e.strerror or e}); resume from another "
-                         f"checkpoint") from None
+        raise ValueError(
+            f"checkpoint file {path} cannot be read ({e.strerror or e}); resume from another checkpoint"
+        ) from None
     except ValueError as e:
         raise ValueError(f"{e}, so fluxzero does not load it: {advice}") from None
     bad = [g for g in found if g not in ALLOWED_GLOBALS]
     if bad:
         shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise ValueError(f"checkpoint file {path} holds Python code references ({shown}); fluxzero does not load "
-                         f"such files: {advice}")
+        raise ValueError(
+            f"checkpoint file {path} holds Python code references ({shown}); fluxzero does not load "
+            f"such files: {advice}"
+        )
 
 
 def _numpy_safe_globals() -> list:

@@ -4,6 +4,7 @@ must hold is integrity.py's; the locks are locks.py's.
 
 No deepspeed import: the engine object saves and loads its own states.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from fluxzero.fsutil import atomic_write
-from fluxzero.train.distributed import TrainingError, all_reduce, barrier, peer_stopped
 from fluxzero.train.checkpoint.locks import READ_LOCK, folder_lock
+from fluxzero.train.distributed import TrainingError, all_reduce, barrier, peer_stopped
 
 
 def rng_state() -> dict:
@@ -45,7 +46,7 @@ def prune_checkpoints(ckpt_dir: Path, latest: str, keep: int) -> list[str]:
     left: the new checkpoint is saved either way.
     """
     older = [t for t in step_folders(ckpt_dir) if re.fullmatch(r"step_\d{8}", t) and t < latest]
-    doomed = older[:max(0, len(older) - (keep - 1))]
+    doomed = older[: max(0, len(older) - (keep - 1))]
     for left in ckpt_dir.glob(".pruning-step_*"):  # what a pruning killed midway left
         shutil.rmtree(left, ignore_errors=True)
     deleted = []
@@ -69,8 +70,16 @@ def latest_tag(ckpt_dir: str | Path) -> str | None:
     return p.read_text().strip() if p.is_file() else None
 
 
-def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, run_config_text: str,
-                    ds: dict, keep: int = 0, rank_files: dict[str, bytes] | None = None) -> str:
+def save(
+    engine,
+    ckpt_dir: str | Path,
+    step: int,
+    trainer_state: dict,
+    run_config_text: str,
+    ds: dict,
+    keep: int = 0,
+    rank_files: dict[str, bytes] | None = None,
+) -> str:
     """Save step `step` as tag step_XXXXXXXX; `latest` moves to it only after every rank finished.
 
     rank_files: further files of this rank (name -> bytes, e.g. its EMA shard), written into the folder
@@ -92,8 +101,13 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, run_confi
     barrier()
     try:
         # LoRA: the frozen base is left out (it comes from the run's weights again), megabytes not gigabytes
-        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False,
-                               exclude_frozen_parameters=has_frozen(engine))
+        engine.save_checkpoint(
+            str(ckpt_dir),
+            tag=tag,
+            client_state={"step": step},
+            save_latest=False,
+            exclude_frozen_parameters=has_frozen(engine),
+        )
         buf = _torch_bytes({**trainer_state, "rng": rng_state(), "world_size": dist.get_world_size()})
         atomic_write(tag_dir / f"trainer_state_rank{rank}.pt", buf)
         for name, data in (rank_files or {}).items():
@@ -111,8 +125,10 @@ def save(engine, ckpt_dir: str | Path, step: int, trainer_state: dict, run_confi
             raise  # another rank left mid-save (its barrier broke): not a write failure here
         reason = e.strerror if isinstance(e, OSError) and e.strerror else "a write failed; is the disk full?"
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-        raise TrainingError(f"could not save checkpoint {tag} in {ckpt_dir} ({reason}); {kept}, "
-                            f"free disk space or change output_dir and resume") from None
+        raise TrainingError(
+            f"could not save checkpoint {tag} in {ckpt_dir} ({reason}); {kept}, "
+            f"free disk space or change output_dir and resume"
+        ) from None
     barrier()
     return str(tag_dir)
 
@@ -150,9 +166,13 @@ def load(engine, ckpt_dir: Path, tag: str) -> dict:
     and checked on every rank; returns the trainer state (step, loader position)."""
     rank = dist.get_rank()
     state = load_trainer_state(ckpt_dir / tag / f"trainer_state_rank{rank}.pt")
-    path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
-                                     load_lr_scheduler_states=True,
-                                     load_module_strict=not has_frozen(engine))  # LoRA: no base saved
+    path, _ = engine.load_checkpoint(
+        str(ckpt_dir),
+        tag=tag,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_strict=not has_frozen(engine),
+    )  # LoRA: no base saved
     if path is None:
         raise TrainingError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
     set_rng_state(state["rng"])

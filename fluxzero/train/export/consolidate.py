@@ -1,6 +1,7 @@
 """What an export is made from, and whether it is already written: a checkpoint of any ZeRO stage as one fp32
 state dict (live weights or the EMA), and the freshness check of a full or LoRA export (written after the
 checkpoint, in the layout and dtype asked). full.py (full weights) and lora.py (adapters) share it."""
+
 from __future__ import annotations
 
 import glob
@@ -12,10 +13,10 @@ import torch
 from fluxzero.config.user_files import parse_json
 from fluxzero.dtypes import safetensors_code
 from fluxzero.train.checkpoint import locks
-from fluxzero.train.checkpoint.store import load_trainer_state, step_folders
-from fluxzero.train.distributed import TrainingError, write_line
 from fluxzero.train.checkpoint.integrity import clean_save_files, file_problem, latest_problem, stray_files_problem
 from fluxzero.train.checkpoint.resume import newest_complete, saved_run, saved_view
+from fluxzero.train.checkpoint.store import load_trainer_state, step_folders
+from fluxzero.train.distributed import TrainingError, write_line
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
@@ -34,21 +35,27 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
         if step_folders(ckpt_dir):  # `latest` was lost, the step folders were not: the trainer's choice on resume
             tag = newest_complete(ckpt_dir)
             if tag is None:
-                raise TrainingError(f"{ckpt_dir} has no 'latest' file and none of its step folders is a complete "
-                                    f"checkpoint (each save was cut short); export another checkpoint")
-            write_line(f"note: {ckpt_dir / 'latest'} is missing; exporting {tag}, the newest complete checkpoint "
-                       f"there")
+                raise TrainingError(
+                    f"{ckpt_dir} has no 'latest' file and none of its step folders is a complete "
+                    f"checkpoint (each save was cut short); export another checkpoint"
+                )
+            write_line(f"note: {ckpt_dir / 'latest'} is missing; exporting {tag}, the newest complete checkpoint there")
             return ckpt_dir, tag
     if not path.exists() and re.fullmatch(r"step_\d{8}", path.name) and (path.parent / "latest").is_file():
-        raise TrainingError(f"{path} is gone: pruned by the running training (checkpoint.keep); export the run's "
-                            f"output_dir (its newest checkpoint) or raise checkpoint.keep")
+        raise TrainingError(
+            f"{path} is gone: pruned by the running training (checkpoint.keep); export the run's "
+            f"output_dir (its newest checkpoint) or raise checkpoint.keep"
+        )
     raise TrainingError(f"{path} is not a fluxzero checkpoint (no 'latest' file and no DeepSpeed model states)")
 
 
 def _export_advice(ckpt_dir: Path, tag: str | None) -> str:
     folders = step_folders(ckpt_dir)
-    return (f"export one of its checkpoint folders instead, such as {ckpt_dir / folders[-1]}" if folders
-            else "export another checkpoint")
+    return (
+        f"export one of its checkpoint folders instead, such as {ckpt_dir / folders[-1]}"
+        if folders
+        else "export another checkpoint"
+    )
 
 
 def consolidated_state_dict(path: str | Path, weights: str = "live") -> tuple[dict, Path]:
@@ -68,8 +75,9 @@ def consolidated_checkpoint(path: str | Path, weights: str = "live") -> tuple[di
         sd = _consolidate(ckpt_dir, tag)
         if weights == "ema":
             sd = {**sd, **ema_state_dict(ckpt_dir / tag)}
-        saved = saved_run(ckpt_dir / tag, "it records what the checkpoint trained: repair it, or export another "
-                                          "checkpoint")
+        saved = saved_run(
+            ckpt_dir / tag, "it records what the checkpoint trained: repair it, or export another checkpoint"
+        )
     return sd, ckpt_dir / tag, saved
 
 
@@ -77,8 +85,9 @@ def _consolidate(ckpt_dir: Path, tag: str) -> dict:
     tag_dir = ckpt_dir / tag
     advice = f"export another checkpoint folder of {ckpt_dir}"
     if not any(tag_dir.glob("*model_states.pt")):
-        raise TrainingError(f"checkpoint {tag_dir} is incomplete or corrupt (it has no DeepSpeed model states "
-                            f"file); {advice}")
+        raise TrainingError(
+            f"checkpoint {tag_dir} is incomplete or corrupt (it has no DeepSpeed model states file); {advice}"
+        )
     layout = _saved_layout(tag_dir, advice)
     if layout is not None:  # DeepSpeed's zero_to_fp32 globs *_model_states.pt and *_optim_states.pt
         problem = stray_files_problem(tag_dir, clean_save_files(*layout), advice=advice)
@@ -94,8 +103,9 @@ def _consolidate(ckpt_dir: Path, tag: str) -> dict:
 
             sd = zero_fp32_state_dict(str(ckpt_dir), tag)
         else:  # ZeRO stage 0: model and optimizer states in one file
-            sd = _stage0_master_weights(torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu",
-                                                   weights_only=False))
+            sd = _stage0_master_weights(
+                torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+            )
     except TrainingError:
         raise
     except Exception as e:  # missing shard files: torch and DeepSpeed raise many kinds
@@ -126,8 +136,9 @@ def _saved_world_step(tag_dir: Path, advice: str) -> tuple[int, int]:
         state = load_trainer_state(state_file)
         return int(state["world_size"]), int(state["step"])
     except Exception:  # intact zip, but not a fluxzero trainer state
-        raise TrainingError(f"checkpoint {tag_dir} holds no fluxzero trainer state in {state_file.name}; "
-                            f"{advice}") from None
+        raise TrainingError(
+            f"checkpoint {tag_dir} holds no fluxzero trainer state in {state_file.name}; {advice}"
+        ) from None
 
 
 def _stage0_master_weights(states: dict) -> dict:
@@ -154,10 +165,13 @@ def _stage0_master_weights(states: dict) -> dict:
         masters = list(flat.split(sizes)) if flat.numel() == sum(sizes) else []
         masters = [m.view(module[n].shape) for m, n in zip(masters, names)]
     if len(masters) != len(names) or not all(
-            m.shape == module[n].shape and torch.equal(m.to(module[n].dtype), module[n]) for m, n in zip(masters, names)):
-        raise TrainingError("the optimizer's fp32 master weights in this ZeRO-0 checkpoint do not pair up with its "
-                            "module weights, so the fluxzero trainer did not write it; consolidate it with "
-                            "DeepSpeed's own tools")
+        m.shape == module[n].shape and torch.equal(m.to(module[n].dtype), module[n]) for m, n in zip(masters, names)
+    ):
+        raise TrainingError(
+            "the optimizer's fp32 master weights in this ZeRO-0 checkpoint do not pair up with its "
+            "module weights, so the fluxzero trainer did not write it; consolidate it with "
+            "DeepSpeed's own tools"
+        )
     return {**module, **dict(zip(names, masters))}
 
 
@@ -169,12 +183,14 @@ def ema_state_dict(tag_dir: Path) -> dict:
     tag_dir = Path(tag_dir)
     had = saved_run(tag_dir).get("ema")
     if not had and not any(tag_dir.glob("ema_*.safetensors")):
-        raise TrainingError(f"checkpoint {tag_dir} holds no EMA (the run had no ema: section); export its live "
-                            f"weights instead")
+        raise TrainingError(
+            f"checkpoint {tag_dir} holds no EMA (the run had no ema: section); export its live weights instead"
+        )
     advice = "export its live weights (--weights live), or another checkpoint"
     world, step = _saved_world_step(tag_dir, advice)
-    shards = (read_shard(tag_dir / shard_name(r), rank=r, world=world, step=step, advice=advice)[0]
-              for r in range(world))
+    shards = (
+        read_shard(tag_dir / shard_name(r), rank=r, world=world, step=step, advice=advice)[0] for r in range(world)
+    )
     try:
         ema = consolidate(shards)
         for _ in shards:  # ZeRO-0: one shard holds the whole EMA; the others are checked all the same
@@ -183,8 +199,9 @@ def ema_state_dict(tag_dir: Path) -> dict:
     except ShardError as e:
         raise TrainingError(str(e)) from None
     except (ValueError, OSError, KeyError, TypeError) as e:
-        raise TrainingError(f"the EMA shards of {tag_dir} cannot be read ({str(e).splitlines()[0][:200]}); "
-                            f"{advice}") from None
+        raise TrainingError(
+            f"the EMA shards of {tag_dir} cannot be read ({str(e).splitlines()[0][:200]}); {advice}"
+        ) from None
 
 
 def _diffusers_files(folder: Path) -> list[Path]:

@@ -1,19 +1,20 @@
 """Export: a checkpoint of any ZeRO stage, consolidated (consolidate.py), as FLUX.1 safetensors (BFL, diffusers,
 ComfyUI), and the end-of-run export (a rerun of a finished run writes nothing again); LoRA checkpoints go to
 lora.py."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
-
 from fluxzero.config.sections import ExportConfig
 from fluxzero.dtypes import torch_dtype
-from fluxzero.train.export.consolidate import consolidated_checkpoint, export_is_current
 from fluxzero.train.distributed import TrainingError
+from fluxzero.train.export.consolidate import consolidated_checkpoint, export_is_current
 
 
-def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dtype: str = "bf16",
-                      weights: str = "live") -> str:
+def export_checkpoint(
+    path: str | Path, out: str | Path, layout: str = "bfl", dtype: str = "bf16", weights: str = "live"
+) -> str:
     """Consolidate a checkpoint and write safetensors in the BFL, diffusers or ComfyUI layout.
 
     weights "ema": the EMA the run kept (its per-rank shards, consolidated on this CPU) replaces the trained
@@ -36,19 +37,21 @@ def export_checkpoint(path: str | Path, out: str | Path, layout: str = "bfl", dt
         try:
             cfg = resolve_model(saved["model"])
         except (TypeError, KeyError, ValueError) as e:
-            raise TrainingError(f"{run} does not name a known model ({str(e).splitlines()[0][:200]}); it records "
-                                f"what the checkpoint trained: repair it, or export another checkpoint") from None
+            raise TrainingError(
+                f"{run} does not name a known model ({str(e).splitlines()[0][:200]}); it records "
+                f"what the checkpoint trained: repair it, or export another checkpoint"
+            ) from None
     from fluxzero.fsutil import remove_stale_temps
 
     remove_stale_temps(out)  # what a killed earlier export left (its process is gone)
     try:
-        save_weights(sd, str(out), layout=layout, dtype=torch_dtype(dtype),
-                     cfg=cfg)
+        save_weights(sd, str(out), layout=layout, dtype=torch_dtype(dtype), cfg=cfg)
     except WeightsError as e:  # the weights do not fit the model run.yaml names, or the layout cannot hold them
         raise TrainingError(f"cannot export {tag_dir}: {e}") from None
     except (OSError, SafetensorError) as e:  # safetensors reports a failed write as SafetensorError
-        raise TrainingError(f"cannot write the export {out} ({_write_reason(e)}); choose a writable place with "
-                            f"free space") from None
+        raise TrainingError(
+            f"cannot write the export {out} ({_write_reason(e)}); choose a writable place with free space"
+        ) from None
     return str(out)
 
 
@@ -58,8 +61,9 @@ def _write_reason(e: Exception) -> str:
     return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
-def final_export(cfg: ExportConfig, output_dir: str, ckpt_dir: Path, rank: int, *, lora: bool,
-                 base: str | None) -> tuple[str, bool]:
+def final_export(
+    cfg: ExportConfig, output_dir: str, ckpt_dir: Path, rank: int, *, lora: bool, base: str | None
+) -> tuple[str, bool]:
     """Export the final checkpoint on rank 0 as the run file's export: section says; returns (path, whether it
     was written): an export newer than the checkpoint, in the same layout and dtype, is left as it is (a rerun
     of a finished run does nothing). lora: the run trains a LoRA (base: its base weights, for export.merged)."""
@@ -78,6 +82,7 @@ def final_export(cfg: ExportConfig, output_dir: str, ckpt_dir: Path, rank: int, 
             return str(out), False
         export_checkpoint(ckpt_dir, out, cfg.format, cfg.dtype, cfg.weights)
     except TrainingError as e:
-        raise TrainingError(f"{e} (training finished and is saved: `fluxzero export {output_dir} "
-                                      f"OUT` writes it again)") from None
+        raise TrainingError(
+            f"{e} (training finished and is saved: `fluxzero export {output_dir} OUT` writes it again)"
+        ) from None
     return str(out), True

@@ -5,6 +5,7 @@ checkpoints here.
 A LoRA checkpoint holds the adapters only (checkpoint.save leaves the frozen base out), so consolidation
 gives just the fp32 master adapters; rank, alpha and targets come from the run.yaml saved beside them.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,8 @@ import torch
 
 from fluxzero.config.sections import ExportConfig
 from fluxzero.dtypes import torch_dtype
-from fluxzero.train.export.consolidate import consolidated_checkpoint, export_is_current, lora_is_current
 from fluxzero.train.distributed import TrainingError
+from fluxzero.train.export.consolidate import consolidated_checkpoint, export_is_current, lora_is_current
 
 # export.format -> the layout of the adapter file: ComfyUI (and tools on BFL's names) read kohya's layout,
 # diffusers and PEFT their own (fluxzero.model.lora_formats)
@@ -45,11 +46,16 @@ def lora_settings(tag_dir: Path, saved: dict | None = None):
     from fluxzero.config.runfile import read_saved_run
 
     if saved is None:
-        saved = read_saved_run(Path(tag_dir) / "run.yaml", "it records the LoRA's rank, alpha and targets: restore "
-                               "it, or export another checkpoint", TrainingError)
+        saved = read_saved_run(
+            Path(tag_dir) / "run.yaml",
+            "it records the LoRA's rank, alpha and targets: restore it, or export another checkpoint",
+            TrainingError,
+        )
     if not saved.get("lora"):
-        raise TrainingError(f"checkpoint {tag_dir} holds LoRA adapters but its run.yaml has no lora section (their "
-                            f"rank, alpha and targets); restore run.yaml, or export another checkpoint")
+        raise TrainingError(
+            f"checkpoint {tag_dir} holds LoRA adapters but its run.yaml has no lora section (their "
+            f"rank, alpha and targets); restore run.yaml, or export another checkpoint"
+        )
     try:
         lcfg = LoraConfig.from_dict(saved["lora"])
         cfg = resolve_model(saved["model"]) if saved.get("model") else None  # a preset name or a whole shape
@@ -66,9 +72,19 @@ def canonical_lora(sd: dict) -> dict:
     return {canonical_adapter_name(k, ADAPTER): v for k, v in sd.items() if canonical_adapter_name(k, ADAPTER)}
 
 
-def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "bfl", dtype: str = "bf16",
-                      merge: bool = False, base: str | None = None, saved: dict | None = None,
-                      as_lora_rank: int | None = None, max_error: float | None = None, report=None) -> str:
+def write_lora_export(
+    sd: dict,
+    tag_dir: Path,
+    out: str | Path,
+    layout: str = "bfl",
+    dtype: str = "bf16",
+    merge: bool = False,
+    base: str | None = None,
+    saved: dict | None = None,
+    as_lora_rank: int | None = None,
+    max_error: float | None = None,
+    report=None,
+) -> str:
     """Write the consolidated adapter checkpoint `sd` (of folder `tag_dir`, whose run.yaml is `saved` when it was
     read with it): an adapter file in lora_layout(layout), or with `merge` the full weights in `layout` (bfl,
     comfyui, diffusers): `base` (default: the run's `weights`) with the adapters merged in (in fp32, then rounded
@@ -77,13 +93,12 @@ def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "b
     `report` receives its error lines."""
     from safetensors import SafetensorError
 
-    from fluxzero.model import adapters
-    from fluxzero.model.lora_keys import LoraError
-    from fluxzero.model.lora_formats import merge_lora, save_lora
-    from fluxzero.model.layouts import WeightsError
-    from fluxzero.model.weights import save_weights
-
     from fluxzero.fsutil import remove_stale_temps
+    from fluxzero.model import adapters
+    from fluxzero.model.layouts import WeightsError
+    from fluxzero.model.lora_formats import merge_lora, save_lora
+    from fluxzero.model.lora_keys import LoraError
+    from fluxzero.model.weights import save_weights
 
     lcfg, cfg, run_weights = lora_settings(tag_dir, saved)
     lora_sd = canonical_lora(sd)
@@ -109,15 +124,17 @@ def write_lora_export(sd: dict, tag_dir: Path, out: str | Path, layout: str = "b
         if lcfg.type == "lora":
             merged = merge_lora(weights, lora_sd, lcfg)
         else:
-            merged = adapters.merge_deltas(weights, adapters.module_deltas(adapters.trained_parts(lora_sd, lcfg),
-                                                                           weights))
+            merged = adapters.merge_deltas(
+                weights, adapters.module_deltas(adapters.trained_parts(lora_sd, lcfg), weights)
+            )
         save_weights(merged, str(out), layout=layout, dtype=torch_dtype(dtype), cfg=cfg)
     except (WeightsError, LoraError) as e:
         raise TrainingError(f"cannot export {tag_dir}: {e}") from None
     except (OSError, SafetensorError) as e:  # safetensors reports a failed write as SafetensorError
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:200]
-        raise TrainingError(f"cannot write the export {out} ({reason}); choose a writable place with free "
-                            f"space") from None
+        raise TrainingError(
+            f"cannot write the export {out} ({reason}); choose a writable place with free space"
+        ) from None
     return str(out)
 
 
@@ -127,20 +144,33 @@ def _base_weights(tag_dir: Path, base: str | None, run_weights: str | None, cfg)
 
     base = base or run_weights
     if not base:
-        raise TrainingError(f"checkpoint {tag_dir} is an adapter trained on random weights (its run.yaml has no "
-                            f"weights:), so there is no base weight to merge into or rescale; name the base weights "
-                            f"file (--base)")
+        raise TrainingError(
+            f"checkpoint {tag_dir} is an adapter trained on random weights (its run.yaml has no "
+            f"weights:), so there is no base weight to merge into or rescale; name the base weights "
+            f"file (--base)"
+        )
     if base == run_weights and not Path(base).exists():  # the run's own base, moved or read from elsewhere
-        raise TrainingError(f"cannot export {tag_dir}: its base is the run's weights: {run_weights} (in its "
-                            f"run.yaml, a path relative to the folder training was launched from), which is "
-                            f"not found from {os.getcwd()}; run the export from that folder, or pass --base "
-                            f"with the base weights file")
+        raise TrainingError(
+            f"cannot export {tag_dir}: its base is the run's weights: {run_weights} (in its "
+            f"run.yaml, a path relative to the folder training was launched from), which is "
+            f"not found from {os.getcwd()}; run the export from that folder, or pass --base "
+            f"with the base weights file"
+        )
     return load_weights(base, cfg=cfg, dtype=torch.float32)
 
 
-def export_lora(path: str | Path, out: str | Path, layout: str = "bfl", dtype: str = "bf16", merge: bool = False,
-                base: str | None = None, weights: str = "live", as_lora_rank: int | None = None,
-                max_error: float | None = None, report=None) -> str:
+def export_lora(
+    path: str | Path,
+    out: str | Path,
+    layout: str = "bfl",
+    dtype: str = "bf16",
+    merge: bool = False,
+    base: str | None = None,
+    weights: str = "live",
+    as_lora_rank: int | None = None,
+    max_error: float | None = None,
+    report=None,
+) -> str:
     """A LoRA checkpoint (output_dir, checkpoints/ or one tag folder) -> LoRA file, or merged full weights, or
     (as_lora_rank) a plain LoRA of that rank standing for its adapters (write_lora_export).
     weights "ema": the EMA of the adapters the run kept instead of the trained ones."""
@@ -148,18 +178,34 @@ def export_lora(path: str | Path, out: str | Path, layout: str = "bfl", dtype: s
     sd, tag_dir, saved = consolidated_checkpoint(path, weights)
     if not is_lora_state_dict(sd):
         if merge:
-            raise TrainingError(f"checkpoint {tag_dir} is a full fine-tune, not a LoRA: there is nothing to merge; "
-                                f"export it without merging")
+            raise TrainingError(
+                f"checkpoint {tag_dir} is a full fine-tune, not a LoRA: there is nothing to merge; "
+                f"export it without merging"
+            )
         if as_lora_rank is not None:
-            raise TrainingError(f"checkpoint {tag_dir} is a full fine-tune, not an adapter: --as-lora-rank has "
-                                f"nothing to approximate; export it without --as-lora-rank")
+            raise TrainingError(
+                f"checkpoint {tag_dir} is a full fine-tune, not an adapter: --as-lora-rank has "
+                f"nothing to approximate; export it without --as-lora-rank"
+            )
         raise TrainingError(f"checkpoint {tag_dir} is a full fine-tune, not a LoRA; export its full weights")
-    return write_lora_export(sd, tag_dir, out, layout, dtype, merge=merge, base=base, saved=saved,
-                             as_lora_rank=as_lora_rank, max_error=max_error, report=report)
+    return write_lora_export(
+        sd,
+        tag_dir,
+        out,
+        layout,
+        dtype,
+        merge=merge,
+        base=base,
+        saved=saved,
+        as_lora_rank=as_lora_rank,
+        max_error=max_error,
+        report=report,
+    )
 
 
-def final_lora_export(cfg: ExportConfig, output_dir: str, ckpt_dir: Path, rank: int,
-                      base: str | None) -> tuple[str, bool]:
+def final_lora_export(
+    cfg: ExportConfig, output_dir: str, ckpt_dir: Path, rank: int, base: str | None
+) -> tuple[str, bool]:
     """A LoRA run's end, on rank 0: output_dir/lora.safetensors in export.format's LoRA layout and, with
     export.merged, the base weights `base` with it merged where a full fine-tune's export goes (export.safetensors
     or export/); export.weights: ema writes lora_ema.safetensors (and export_ema...) from the adapters' EMA.
@@ -184,6 +230,7 @@ def final_lora_export(cfg: ExportConfig, output_dir: str, ckpt_dir: Path, rank: 
             export_lora(ckpt_dir, merged, cfg.format, cfg.dtype, merge=True, base=base, weights=cfg.weights)
             written = True
     except TrainingError as e:
-        raise TrainingError(f"{e} (training finished and is saved: `fluxzero export {output_dir} OUT` writes "
-                            f"it again)") from None
+        raise TrainingError(
+            f"{e} (training finished and is saved: `fluxzero export {output_dir} OUT` writes it again)"
+        ) from None
     return str(out), written

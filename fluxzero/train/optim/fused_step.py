@@ -28,6 +28,7 @@ What an earlier per-parameter attempt under DeepSpeed got wrong, and how this an
 Rounding noise is keyed on (seed, the parameter's place, its step) (fluxzero.train.optim.rounding), so backward's order
 and a resume leave it unchanged: a resumed run is bit-identical to an uninterrupted one.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-
 
 
 class FusedStep:
@@ -102,7 +102,7 @@ class FusedStep:
             flat.div_(self._world)
             offset = 0
             for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
             del flat
         for p in params:
@@ -154,8 +154,12 @@ class FusedStep:
         # the step code's literals are: pickle then memoizes them as before the resume, and the next checkpoint is
         # byte for byte the uninterrupted run's
         for p, st in list(self.state.items()):
-            self.state[p] = {sys.intern(k): (v.cpu() if k == "step" else v.to(self._device or v.device))
-                             if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+            self.state[p] = {
+                sys.intern(k): (v.cpu() if k == "step" else v.to(self._device or v.device))
+                if isinstance(v, torch.Tensor)
+                else v
+                for k, v in st.items()
+            }
 
 
 def grad_buckets(model: torch.nn.Module) -> dict:

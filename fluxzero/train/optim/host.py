@@ -37,6 +37,7 @@ DeepSpeed 0.19.8 accepts this optimizer with offload only through fluxzero.train
 other half of that check (base_optimizer._configure_master_weights). Build it with fluxzero.train.optim.optimizers.
 build_optimizer, which checks torchao and, at the first step, that the tensors really are bf16 host partitions.
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,8 +48,8 @@ import os
 import torch
 
 from fluxzero.config.optim_modes import HOST_STEP_CHUNK, QUANT_BLOCK
-from fluxzero.train.optim.state import ExactStateMixin
 from fluxzero.train.optim.rounding import mix32, noise_key, round_keyed
+from fluxzero.train.optim.state import ExactStateMixin
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,19 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
 
     fp32_optimizer_states = False  # read by DeepSpeed's bf16_optimizer_states check: moments are not fp32
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, states="bf16",
-                 chunk=HOST_STEP_CHUNK, mode="cpu-bf16-sr", compiled: bool | None = None):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        *,
+        states="bf16",
+        chunk=HOST_STEP_CHUNK,
+        mode="cpu-bf16-sr",
+        compiled: bool | None = None,
+    ):
         if states not in STATE_FORMATS:
             raise ValueError(f"states must be one of {', '.join(STATE_FORMATS)}, got {states!r}")
         if chunk < QUANT_BLOCK or chunk % QUANT_BLOCK:
@@ -110,8 +122,9 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         # the step's scalars as one fp32 tensor: a compiled kernel takes them as data, so a new lr or step does not
         # recompile it (the values are what the Python floats round to in torch's fp32 kernels)
-        h = torch.tensor([1 - beta1, 1 - beta2, math.sqrt(1 - beta2**t), eps, 1 - lr * wd, -lr / (1 - beta1**t)],
-                         dtype=torch.float32)
+        h = torch.tensor(
+            [1 - beta1, 1 - beta2, math.sqrt(1 - beta2**t), eps, 1 - lr * wd, -lr / (1 - beta1**t)], dtype=torch.float32
+        )
         flat, grad = p.view(-1), p.grad.view(-1)
         draws = [mix32(_SEED, st["sr_stream"], t, what) for what in range(3)]  # m, v, weights: three draws a step
         fused = _fused_step(self.states) if self.compiled else None
@@ -144,8 +157,11 @@ class HostAdamW(ExactStateMixin, torch.optim.Optimizer):
             self._fused_ran = True
             return fused
         except Exception as e:  # noqa: BLE001 - any build failure: the eager function computes the same
-            log.warning("host_optim: the compiled host step could not be built (%s: %s); stepping eagerly, which "
-                        "is slower", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            log.warning(
+                "host_optim: the compiled host step could not be built (%s: %s); stepping eagerly, which is slower",
+                type(e).__name__,
+                str(e).splitlines()[0][:200] if str(e) else "",
+            )
             self.compiled = False
             _STEPS[self.states](*args)
             return None
@@ -225,8 +241,9 @@ def _slices(states: str, tensors: tuple, s: int, e: int) -> tuple:
         return tuple(x[s:e] for x in tensors)
     whole = (e - s) % QUANT_BLOCK == 0
     blocks = slice(s // QUANT_BLOCK, -(-e // QUANT_BLOCK))
-    return tuple(x[blocks] if x.dtype == torch.float32 else x[s:e].view(-1, QUANT_BLOCK) if whole else x[s:e]
-                 for x in tensors)
+    return tuple(
+        x[blocks] if x.dtype == torch.float32 else x[s:e].view(-1, QUANT_BLOCK) if whole else x[s:e] for x in tensors
+    )
 
 
 @functools.cache
@@ -266,7 +283,9 @@ def _code_tables(qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     that range (+inf if none). torchao's maps have at most one midpoint in any such range (checked here)."""
     mids = (qmap[1:] + qmap[:-1]) / 2
     top = torch.arange(1 << 16, dtype=torch.int64) << 16
-    ends = [torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32) for b in (top, top | 0xFFFF)]
+    ends = [
+        torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32) for b in (top, top | 0xFFFF)
+    ]
     low, high = torch.minimum(*ends), torch.maximum(*ends)
     base = torch.searchsorted(mids, low, right=True)
     inside = torch.searchsorted(mids, high, right=True) - base

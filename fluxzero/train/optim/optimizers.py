@@ -80,6 +80,7 @@ complete after its bucket's reduce-scatter; the step, the global-norm clip and t
 engine.step on the whole partition. Gradient release needs the reduction and the step in one place, which is
 DeepSpeed's optimizer, not a client optimizer.
 """
+
 from __future__ import annotations
 
 import functools
@@ -91,10 +92,17 @@ import torch
 
 from fluxzero.config.optim_modes import MODES, STEP_CHUNK, get_mode, trainable_modes
 from fluxzero.train.optim.fused_step import FusedStep
-from fluxzero.train.optim.state import ExactStateMixin
 from fluxzero.train.optim.rounding import mix32, noise_key, round_keyed, round_with_noise
+from fluxzero.train.optim.state import ExactStateMixin
 
-__all__ = ["build_optimizer", "KahanAdamW", "AdafactorSR", "FusedAdafactorSR", "stochastic_round_bf16", "OptimModeError"]
+__all__ = [
+    "build_optimizer",
+    "KahanAdamW",
+    "AdafactorSR",
+    "FusedAdafactorSR",
+    "stochastic_round_bf16",
+    "OptimModeError",
+]
 
 
 class OptimModeError(ValueError):
@@ -211,8 +219,9 @@ def _pieces(p: torch.Tensor, chunk: int | None) -> list:
 
 def _check_chunk(chunk: int | None, multiple_of: int = 1) -> int | None:
     if chunk is not None and (chunk < 1 or chunk % multiple_of):
-        raise ValueError(f"step_chunk must be a positive multiple of {multiple_of} elements or None (whole "
-                         f"tensors), got {chunk}")
+        raise ValueError(
+            f"step_chunk must be a positive multiple of {multiple_of} elements or None (whole tensors), got {chunk}"
+        )
     return chunk
 
 
@@ -228,8 +237,17 @@ class KahanAdamW(ExactStateMixin, torch.optim.Optimizer):
     CUDA; True/False forces it): measured on one H200, 0.131 s for FLUX.1-dev's 11.9e9 weights against 1.32 s eager.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 step_chunk: int | None = STEP_CHUNK, fused: bool | None = None):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        *,
+        step_chunk: int | None = STEP_CHUNK,
+        fused: bool | None = None,
+    ):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.step_chunk = _check_chunk(step_chunk)
         self.fused = fused
@@ -251,10 +269,20 @@ class KahanAdamW(ExactStateMixin, torch.optim.Optimizer):
                 lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
                 key = (id(group), p.device, t)
                 if key not in scalars:
-                    scalars[key] = torch.tensor([lr / (1 - beta1**t), math.sqrt(1 - beta2**t), lr * wd],
-                                                dtype=torch.float32).to(p.device, non_blocking=True)
-                _fused_kahan()(p.view(-1), p.grad.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1),
-                               st["comp"].view(-1), scalars[key], beta1, beta2, eps)
+                    scalars[key] = torch.tensor(
+                        [lr / (1 - beta1**t), math.sqrt(1 - beta2**t), lr * wd], dtype=torch.float32
+                    ).to(p.device, non_blocking=True)
+                _fused_kahan()(
+                    p.view(-1),
+                    p.grad.view(-1),
+                    st["exp_avg"].view(-1),
+                    st["exp_avg_sq"].view(-1),
+                    st["comp"].view(-1),
+                    scalars[key],
+                    beta1,
+                    beta2,
+                    eps,
+                )
                 continue
             for i in _pieces(p, self.step_chunk):
                 self._step_piece(group, t, p[i], p.grad[i], st["exp_avg"][i], st["exp_avg_sq"][i], st["comp"][i])
@@ -322,8 +350,18 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
     a factored tensor needs whole rows and columns and is stepped whole (ZeRO 0: one layer at a time).
     """
 
-    def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, *,
-                 step_chunk: int | None = STEP_CHUNK, noise_seed: int | None = None):
+    def __init__(
+        self,
+        params,
+        lr=1e-2,
+        beta2_decay=-0.8,
+        eps=(None, 1e-3),
+        d=1.0,
+        weight_decay=0.0,
+        *,
+        step_chunk: int | None = STEP_CHUNK,
+        noise_seed: int | None = None,
+    ):
         super().__init__(params, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay))
         self.step_chunk = _check_chunk(step_chunk, _SUMSQ_BLOCK)
         # None: rounding noise from torch's generator (its state is in the trainer's checkpoint); an int: noise
@@ -335,7 +373,7 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = _closure_loss(closure)
-        for group, p, st in _with_grads(self):
+        for group, p, _st in _with_grads(self):
             self.step_param(group, p)
         return loss
 
@@ -379,16 +417,27 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
         if key not in cache:
             if len(cache) > 64:  # a new step or lr: the old entries are done with
                 cache.clear()
-            cache[key] = torch.tensor([min(lr, 1 / t**0.5), t ** group["beta2_decay"], 1 - lr * wd],
-                                      dtype=torch.float64).to(p.device)
+            cache[key] = torch.tensor(
+                [min(lr, 1 / t**0.5), t ** group["beta2_decay"], 1 - lr * wd], dtype=torch.float64
+            ).to(p.device)
         return cache[key]
 
     def _step_factored(self, group, t, p, st, key=None, finite=None):
         scalars = self._scalars(group, t, p)
         # compiled where the noise is keyed: a draw from torch's generator inside a compiled kernel would move
         # the stream the trainer's own draws come from
-        args = (p, p.grad, st["row_var"], st["col_var"], scalars, finite, self._eps1(group), group["eps"][1],
-                group["d"], group["weight_decay"] != 0)
+        args = (
+            p,
+            p.grad,
+            st["row_var"],
+            st["col_var"],
+            scalars,
+            finite,
+            self._eps1(group),
+            group["eps"][1],
+            group["d"],
+            group["weight_decay"] != 0,
+        )
         new = None
         if p.is_cuda and key is not None and not _COMPILE_FAILED:
             try:
@@ -414,8 +463,9 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
                 factor = 1 - group["lr"] * group["weight_decay"]
                 p32.mul_(factor if finite is None else torch.where(finite, factor, 1.0).float())
             start = i.start if isinstance(i, slice) else 0
-            _store(p[i], p32.addcmul_(update, scale.float()), sr=True,
-                   key=None if key is None else noise_key(key, start))
+            _store(
+                p[i], p32.addcmul_(update, scale.float()), sr=True, key=None if key is None else noise_key(key, start)
+            )
 
     def _flat_update(self, group, t, p, variance, i, finite=None):
         """The new variance (fp32, not yet stored) and the update of piece `i` of a flat tensor."""
@@ -435,8 +485,9 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
             p_sq.append(_block_sumsq(p[i]))
             u_sq.append(_block_sumsq(self._flat_update(group, t, p, variance, i, finite)[1]))
         lr_t = min(group["lr"], 1 / t**0.5)
-        return _scale(torch.cat(p_sq).sum().sqrt(), torch.cat(u_sq).sum().sqrt(), lr_t, group["eps"][1], group["d"],
-                      p.numel())
+        return _scale(
+            torch.cat(p_sq).sum().sqrt(), torch.cat(u_sq).sum().sqrt(), lr_t, group["eps"][1], group["d"], p.numel()
+        )
 
 
 def _scale(p_norm: torch.Tensor, u_norm: torch.Tensor, lr_t, eps2: float, d: float, n: int) -> torch.Tensor:
@@ -446,8 +497,9 @@ def _scale(p_norm: torch.Tensor, u_norm: torch.Tensor, lr_t, eps2: float, d: flo
     return -alpha / torch.clamp(u_norm.double() / (n**0.5 * d), min=1.0)
 
 
-def _adafactor_factored(p, g, row_var, col_var, scalars, finite, e1: float, eps2: float, d: float,
-                        decay: bool) -> torch.Tensor:
+def _adafactor_factored(
+    p, g, row_var, col_var, scalars, finite, e1: float, eps2: float, d: float, decay: bool
+) -> torch.Tensor:
     """One AdafactorSR update of one tensor of two or more dimensions: the factored second moments (row and column
     means of g^2, fp32) in place, and the new weight returned in fp32 (the caller stores it, stochastically rounded
     when bf16). scalars: AdafactorSR._scalars. Where `finite` (a 0-d bool tensor, or None) is False, the gradient
@@ -488,8 +540,11 @@ _COMPILE_FAILED = False
 def _compile_failed(e: Exception) -> None:
     global _COMPILE_FAILED
     _COMPILE_FAILED = True
-    warnings.warn(f"the compiled Adafactor step could not be built ({type(e).__name__}: {str(e)[:200]}); stepping "
-                  f"eagerly (same math, slower)", stacklevel=3)
+    warnings.warn(
+        f"the compiled Adafactor step could not be built ({type(e).__name__}: {str(e)[:200]}); stepping "
+        f"eagerly (same math, slower)",
+        stacklevel=3,
+    )
 
 
 class FusedAdafactorSR(FusedStep, AdafactorSR):
@@ -503,17 +558,28 @@ def _torchao_optim(mode: str):
     try:
         import torchao.optim
     except ImportError:
-        raise OptimModeError(f"optimizer mode {mode!r} needs torchao: pip install -e '.[{MODES[mode].extra}]' in "
-                             f"the fluxzero checkout") from None
+        raise OptimModeError(
+            f"optimizer mode {mode!r} needs torchao: pip install -e '.[{MODES[mode].extra}]' in the fluxzero checkout"
+        ) from None
     if not hasattr(torchao.optim, "_AdamW"):
-        raise OptimModeError(f"optimizer mode {mode!r} needs torchao 0.18 or later (it has no bf16-state AdamW "
-                             f"before that): pip install -U -e '.[{MODES[mode].extra}]'")
+        raise OptimModeError(
+            f"optimizer mode {mode!r} needs torchao 0.18 or later (it has no bf16-state AdamW "
+            f"before that): pip install -U -e '.[{MODES[mode].extra}]'"
+        )
     return torchao.optim
 
 
-def build_optimizer(params: Iterable, mode: str, lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                    eps: float = 1e-8, weight_decay: float = 0.0, *,
-                    allow_comparison_only: bool = False, noise_seed: int = 0) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: Iterable,
+    mode: str,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    allow_comparison_only: bool = False,
+    noise_seed: int = 0,
+) -> torch.optim.Optimizer:
     """The client optimizer for `mode` (a name in `fluxzero.config.optim_modes.MODES`).
 
     Modes whose master weights are bf16 check, at their first step, that the tensors they step really are
@@ -526,8 +592,10 @@ def build_optimizer(params: Iterable, mode: str, lr: float, betas: tuple[float, 
     """
     spec = get_mode(mode)
     if not spec.trainable and not allow_comparison_only:
-        raise OptimModeError(f"optimizer mode {mode!r} is for comparison only ({spec.caveat}); "
-                             f"choose one of: {', '.join(trainable_modes())}")
+        raise OptimModeError(
+            f"optimizer mode {mode!r} is for comparison only ({spec.caveat}); "
+            f"choose one of: {', '.join(trainable_modes())}"
+        )
     builder = BUILDERS.get(spec.builder)
     if builder is None:  # a registry entry without a builder is a bug here, not a user error
         raise AssertionError(f"no optimizer for registered mode {mode!r} (builder {spec.builder!r})")
@@ -547,13 +615,15 @@ def _adamw(params, spec, lr, betas, eps, weight_decay, noise_seed):
 
 
 def _torchao_adamw(params, spec, lr, betas, eps, weight_decay, noise_seed):
-    return _exact(_torchao_optim(spec.name)._AdamW)(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                                    bf16_stochastic_round=True)
+    return _exact(_torchao_optim(spec.name)._AdamW)(
+        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bf16_stochastic_round=True
+    )
 
 
 def _torchao_adamw8bit(params, spec, lr, betas, eps, weight_decay, noise_seed):
-    opt = _exact(_torchao_optim(spec.name).AdamW8bit)(params, lr=lr, betas=betas, eps=eps,
-                                                      weight_decay=weight_decay, bf16_stochastic_round=True)
+    opt = _exact(_torchao_optim(spec.name).AdamW8bit)(
+        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bf16_stochastic_round=True
+    )
     opt.register_step_post_hook(_warn_unquantized_once())
     return opt
 
@@ -567,8 +637,7 @@ def _adafactor_sr(params, spec, lr, betas, eps, weight_decay, noise_seed):
 
 
 def _fused_adafactor_sr(params, spec, lr, betas, eps, weight_decay, noise_seed):
-    return FusedAdafactorSR(params, lr=lr, weight_decay=weight_decay, step_chunk=spec.step_chunk,
-                            noise_seed=noise_seed)
+    return FusedAdafactorSR(params, lr=lr, weight_decay=weight_decay, step_chunk=spec.step_chunk, noise_seed=noise_seed)
 
 
 def _host_adamw(states: str):
@@ -577,15 +646,21 @@ def _host_adamw(states: str):
 
         if states == "8bit":
             _torchao_optim(spec.name)  # the 8-bit format is torchao's
-        return HostAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, states=states,
-                         mode=spec.name)
+        return HostAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, states=states, mode=spec.name)
 
     return build
 
 
-BUILDERS = {"AdamW": _adamw, "torchao._AdamW": _torchao_adamw, "torchao.AdamW8bit": _torchao_adamw8bit,
-            "KahanAdamW": _kahan_adamw, "AdafactorSR": _adafactor_sr, "FusedAdafactorSR": _fused_adafactor_sr,
-            "HostAdamW": _host_adamw("bf16"), "HostAdamW8bit": _host_adamw("8bit")}
+BUILDERS = {
+    "AdamW": _adamw,
+    "torchao._AdamW": _torchao_adamw,
+    "torchao.AdamW8bit": _torchao_adamw8bit,
+    "KahanAdamW": _kahan_adamw,
+    "AdafactorSR": _adafactor_sr,
+    "FusedAdafactorSR": _fused_adafactor_sr,
+    "HostAdamW": _host_adamw("bf16"),
+    "HostAdamW8bit": _host_adamw("8bit"),
+}
 
 
 _EXACT: dict[type, type] = {}
@@ -594,8 +669,7 @@ _EXACT: dict[type, type] = {}
 def _exact(cls: type) -> type:
     """`cls` with ExactStateMixin (one subclass per library class, so pickling and isinstance keep working)."""
     if cls not in _EXACT:
-        _EXACT[cls] = type(cls.__name__, (ExactStateMixin, cls), {"__module__": __name__,
-                                                                   "__qualname__": cls.__name__})
+        _EXACT[cls] = type(cls.__name__, (ExactStateMixin, cls), {"__module__": __name__, "__qualname__": cls.__name__})
     return _EXACT[cls]
 
 
@@ -607,12 +681,19 @@ def _warn_unquantized_once():
         if done:
             return
         done = True
-        plain = sum(p.numel() for p in opt.state if p.numel() >= 4096 and "exp_avg" in opt.state[p]
-                    and type(opt.state[p]["exp_avg"]).__name__ != "OptimState8bit")
+        plain = sum(
+            p.numel()
+            for p in opt.state
+            if p.numel() >= 4096
+            and "exp_avg" in opt.state[p]
+            and type(opt.state[p]["exp_avg"]).__name__ != "OptimState8bit"
+        )
         if plain:
-            warnings.warn(f"adamw8bit-sr keeps bf16 states for {plain} values: tensors (under ZeRO, flat "
-                          f"partitions) whose size is not a multiple of {opt.block_size} cannot be quantized",
-                          stacklevel=2)
+            warnings.warn(
+                f"adamw8bit-sr keeps bf16 states for {plain} values: tensors (under ZeRO, flat "
+                f"partitions) whose size is not a multiple of {opt.block_size} cannot be quantized",
+                stacklevel=2,
+            )
 
     return hook
 
@@ -632,12 +713,14 @@ def _check_bf16_once(mode: str, host: bool = False):
                 f"optimizer mode {mode!r} steps bf16 master partitions in host memory, but was handed "
                 f"{sorted(f'{d} on {dev}' for d, dev in kinds)}: set zero_optimization.offload_optimizer.device cpu "
                 f"and bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states true (`fluxzero gen-config "
-                f"--optimizer-mode {mode} --offload-optimizer cpu` writes them)")
+                f"--optimizer-mode {mode} --offload-optimizer cpu` writes them)"
+            )
         if dtypes and dtypes != {torch.bfloat16}:
             raise OptimModeError(
                 f"optimizer mode {mode!r} is stepping {sorted(map(str, dtypes))} tensors, so its bf16 rounding "
                 "does nothing and it saves no memory: with ZeRO 1-3 set bf16.bf16_master_weights_and_grads and "
-                "bf16.bf16_optimizer_states to true; at ZeRO 0 leave bf16 off and cast the model to bf16")
+                "bf16.bf16_optimizer_states to true; at ZeRO 0 leave bf16 off and cast the model to bf16"
+            )
         checked = True
 
     return hook

@@ -6,6 +6,7 @@ A hash of (key, index) is torch's parallel integer kernels (6 ns a value on one 
 and inside a compiled kernel, and needs no generator state in a checkpoint: the host optimizer modes
 (fluxzero.train.optim.host) and the bf16 EMA (fluxzero.train.ema) draw their rounding noise here.
 """
+
 from __future__ import annotations
 
 import torch

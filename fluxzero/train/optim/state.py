@@ -1,5 +1,6 @@
 """Optimizer checkpoints that round-trip exactly: ExactStateMixin, shared by fluxzero.train.optim.optimizers's optimizers and
 fluxzero.train.optim.host's (a module of its own so that both can build on it without importing each other)."""
+
 from __future__ import annotations
 
 from itertools import chain
@@ -36,14 +37,15 @@ class ExactStateMixin:
 
 def _pack(v):
     if type(v).__name__ == "OptimState8bit":  # torchao's; matched by name so torchao stays optional here
-        return {_PACKED: True, "codes": v.codes, "scale": v.scale, "qmap": v.qmap, "signed": v.signed,
-                "dtype": v.dtype}
+        return {_PACKED: True, "codes": v.codes, "scale": v.scale, "qmap": v.qmap, "signed": v.signed, "dtype": v.dtype}
     return v
 
 
 def _unpack(v, p):
     if isinstance(v, dict) and v.get(_PACKED):
         from torchao.optim.subclass_8bit import OptimState8bit
-        return OptimState8bit(v["codes"].to(p.device), v["scale"].to(p.device), v["qmap"].to(p.device),
-                              v["signed"], dtype=v["dtype"])
+
+        return OptimState8bit(
+            v["codes"].to(p.device), v["scale"].to(p.device), v["qmap"].to(p.device), v["signed"], dtype=v["dtype"]
+        )
     return v.to(p.device) if isinstance(v, torch.Tensor) else v
