@@ -142,8 +142,8 @@ def throughput_proxy(spec: RunSpec) -> float:
     per-micro-step overheads (ZeRO-3 gathers, launches) badly: efficiency tokens / (tokens + 2048). The optimizer
     step is paid once per micro batch here (no accumulation): a mode whose step is measured adds its time
     (OptimMode.step_s_per_billion over this rank's partition), so a small micro batch no longer looks free.
-    Measured on one H200, 2026-12-04: bf16-sr at micro batch 4 without recompute ran at 3.18 samples/s, at 16 with every block
-    recomputed 5.13; without the step term this proxy ranked them the other way.
+    Without the step term this proxy ranked bf16-sr at micro batch 4 without recompute above micro batch 16 with
+    every block recomputed, which measured faster (benchmarks/RESULTS.md).
     """
     cfg = spec.model
     blocks = cfg.depth + cfg.depth_single_blocks
@@ -410,10 +410,9 @@ def fit(  # noqa: C901
         }
         if base.lora_rank:
             options["base_quant"] = quant
-        # Compiled blocks below ZeRO-3, written out so the JSON says what runs. Measured 2026-12-02 on one H200,
-        # the same config eager and compiled: FLUX.1-dev LoRA rank 16, ZeRO-2, mb 4, 3.48 -> 4.65 samples/s. For a
-        # full fine-tune compile was only measured together with the loader defaults (flux-dev-lite, every block
-        # checkpointed: 12.69 -> 20.42). The trainer refuses compile with a LoRA under ZeRO-3, and a full
+        # Compiled blocks below ZeRO-3, written out so the JSON says what runs: measured faster for a FLUX.1-dev
+        # LoRA (the same config eager and compiled) and, together with the loader defaults, for a full fine-tune
+        # (benchmarks/RESULTS.md). The trainer refuses compile with a LoRA under ZeRO-3, and a full
         # fine-tune there is not measured compiled. Compiled kernels save no more for backward than eager ones,
         # so the estimate (eager) bounds them.
         options["compile"] = st < 3

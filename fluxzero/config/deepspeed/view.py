@@ -102,8 +102,8 @@ class DSView:
 
     def compiles_blocks(self, device_type: str, lora: bool) -> bool:
         """Whether the trainer compiles the blocks: fluxzero.compile.blocks when the config sets it; when it does
-        not, on a GPU below ZeRO-3, where it was measured to win (one H200, 2026-12-02: a rank-16 FLUX.1-dev
-        LoRA 3.48 -> 4.65 samples/s at micro batch 4, flux-dev-lite 11.5 -> 15.3), and never on the CPU, where
+        not, on a GPU below ZeRO-3, where it was measured to win for a LoRA and a full fine-tune (benchmarks/
+        RESULTS.md), and never on the CPU, where
         the compile takes longer than the short runs it would speed up. ZeRO-3 is left eager unless asked (not
         measured there; with LoRA it fails, engine.apply_adapters says why)."""
         if self.compile is not None:

@@ -10,8 +10,8 @@ a bf16 buffer and adds it back on the next step.
 
 Libraries used: torchao's `_AdamW` / `AdamW8bit` with `bf16_stochastic_round=True` (torchao 0.18 ships the
 bf16-state AdamW only under the underscore name; it is the same class its AdamW8bit is built on). Written here:
-`KahanAdamW` (torch-optimi's `optimi.AdamW(kahan_sum=True)` was 30x faster on CPU, 0.29 s vs 9.0 s for 50M
-elements, 2026-12; switching needs a converter for the optimizer state of existing bf16-kahan checkpoints, so
+`KahanAdamW` (torch-optimi's `optimi.AdamW(kahan_sum=True)` was much faster than ours on the CPU,
+benchmarks/RESULTS.md; switching needs a converter for the optimizer state of existing bf16-kahan checkpoints, so
 ours stays for now) and `AdafactorSR` (Adafactor with stochastic rounding); `AdafactorSR` follows `torch.optim.Adafactor` step for step and a test holds
 it to torch's within float rounding on fp32 tensors.
 
@@ -202,9 +202,8 @@ def _kahan_adamw_(p, g, m, v, comp, scalars, beta1: float, beta2: float, eps: fl
 
 @functools.cache
 def _fused_kahan():
-    """`_kahan_adamw_` compiled once (dynamic sizes: flat tensors of any length share the kernel). Measured on
-    one H200 (benchmarks/RESULTS.md, 2026-12-04): over FLUX.1-dev's 11.9B bf16 weights the eager step took 1.32 s,
-    this one 0.131 s, and --fit's full fine-tune step (micro batch 16) went from 3.94 to 3.01 s."""
+    """`_kahan_adamw_` compiled once (dynamic sizes: flat tensors of any length share the kernel): about ten
+    times the eager step's speed over FLUX.1-dev's weights on a GPU (benchmarks/RESULTS.md)."""
     return torch.compile(_kahan_adamw_, dynamic=True, fullgraph=True)
 
 
