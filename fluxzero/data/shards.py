@@ -336,7 +336,7 @@ def read_header(path) -> tuple[dict, dict]:
 
     try:
         with safe_open(str(path), framework="numpy") as f:
-            entries = {k: {"dtype": (s := f.get_slice(k)).get_dtype(), "shape": list(s.get_shape())} for k in f}
+            entries = {k: {"dtype": (s := f.get_slice(k)).get_dtype(), "shape": list(s.get_shape())} for k in f.keys()}
             return entries, f.metadata() or {}
     except SafetensorError as e:
         raise ValueError(str(e).removeprefix("Error while deserializing header: ")) from None
@@ -470,7 +470,7 @@ class ShardSource:
         return self._info(s)["samples"][row]
 
     def _has_mask(self, s: int) -> bool:
-        return "mask" in self._handle(s)
+        return "mask" in self._handle(s).keys()
 
     def empty_caption(self) -> dict:
         """The embedding of the empty caption `fluxzero cache` kept beside the shards (for caption dropout)."""

@@ -237,7 +237,7 @@ def _open(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         raise LoraError(f"{path}: only .safetensors LoRA files are read (pickled files are refused)")
     try:
         with safe_open(str(path), framework="pt") as f:
-            raw, meta = {k: f.get_tensor(k) for k in f}, f.metadata() or {}
+            raw, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a corrupt header
         raise LoraError(f"{path}: not a readable safetensors file ({e}); write or download it again") from None
     for key, t in raw.items():

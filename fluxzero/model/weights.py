@@ -120,7 +120,7 @@ def _raw_files(path: str | os.PathLike) -> tuple[str, dict[str, Path]]:
             files = _index_files(d / DIFFUSERS_INDEX)
         else:
             with _safe_open(d / DIFFUSERS_WEIGHTS) as f:
-                files = {k: d / DIFFUSERS_WEIGHTS for k in f}
+                files = {k: d / DIFFUSERS_WEIGHTS for k in f.keys()}
         return "diffusers", files
     if path.suffix != ".safetensors":
         raise WeightsError(f"{path}: only .safetensors weights are read (pickled .pt/.ckpt/.bin files are refused)")

@@ -126,7 +126,7 @@ def load_embeddings(path: str | os.PathLike) -> PromptEmbeddings:
                     f"{path} is prompt-embeddings version {meta.get('version')!r}, this fluxzero "
                     f"reads version {VERSION}; {fix}"
                 )
-            t = {k: f.get_tensor(k) for k in f}
+            t = {k: f.get_tensor(k) for k in f.keys()}
     except EmbeddingsError:
         raise
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file

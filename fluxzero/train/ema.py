@@ -532,7 +532,7 @@ def read_shard(path, *, rank: int, world: int, step: int, advice: str) -> tuple[
     try:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
-            sd = {k: f.get_tensor(k) for k in f}
+            sd = {k: f.get_tensor(k) for k in f.keys()}
         layout = _read_layout(sd)
     except Exception:  # safetensors and json raise several kinds for a truncated or foreign file
         raise ShardError(

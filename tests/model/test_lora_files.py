@@ -42,7 +42,7 @@ def _lora_sd(lcfg=LCFG, seed=0):
 
 def _contents(path):
     with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f}, f.metadata()
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
 def _damaged(tmp_path, name, layout, tensors=None, meta=None):

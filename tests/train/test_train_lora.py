@@ -218,7 +218,7 @@ def test_bad_lora_input_through_the_trainer(tmp_path):
     lora_file = tmp_path / "rank4.safetensors"
     save_lora(lora_file, L.lora_state_dict(model), lcfg, layout="kohya")
     with safe_open(str(lora_file), framework="pt") as f:
-        tensors, meta = {k: f.get_tensor(k) for k in f}, f.metadata()
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
     save_file(tensors, str(tmp_path / "rank_text.safetensors"), metadata={**meta, "fluxzero.rank": "four"})
     up = next(k for k in sorted(tensors) if k.endswith(".lora_up.weight"))
     save_file({**tensors, up: torch.full_like(tensors[up], float("nan"))}, str(tmp_path / "nan.safetensors"), meta)
