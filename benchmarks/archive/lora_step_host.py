@@ -92,7 +92,7 @@ def main():
     ap.add_argument(
         "--deepspeed-loops",
         action="store_true",
-        help="leave DeepSpeed's per-tensor checks as they are (engine.batch_grad_checks off): the before",
+        help="leave DeepSpeed's per-tensor checks as they are (ds_patches.batch_grad_checks off): the before",
     )
     args = ap.parse_args()
     from fluxzero.train import engine as E
@@ -100,7 +100,9 @@ def main():
 
     _, world, device = init_distributed()
     if args.deepspeed_loops:
-        E.batch_grad_checks = lambda optimizer: []
+        from fluxzero.train import ds_patches
+
+        ds_patches.batch_grad_checks = lambda optimizer: []
     ds = ds_config(args.zero, not args.fp32)
     v = view(ds)
     engine = E.build_engine(SHAPE, ds, v, device, seed=0, lora=LoraConfig(rank=args.rank, targets="all-linear"))

@@ -266,7 +266,7 @@ MODES: dict[str, OptimMode] = {
             master_stage0=0,
             extra="lowmem",
             step_s_per_billion=_H200_STEP_S["adamw8bit-sr"],
-            universal_checkpoint=False,  # 8-bit blocks slice only at 256 values (train.engine.keep_block_states_whole)
+            universal_checkpoint=False,  # 8-bit blocks slice only at 256 values (train.ds_patches.keep_block_states_whole)
             caveat="8-bit blockwise m and v; a tensor (ZeRO: a flat partition) under 4096 values or not a "
             "multiple of 256 keeps bf16 states instead",
             builder="torchao.AdamW8bit",

@@ -1,4 +1,4 @@
-"""engine.batch_grad_checks: DeepSpeed's per-tensor overflow check and grad norm in one call each change nothing.
+"""ds_patches.batch_grad_checks: DeepSpeed's per-tensor overflow check and grad norm in one call each change nothing.
 
 Two ranks (gloo), a flux-tiny all-linear LoRA in bf16 at ZeRO 0, 1 and 2: the same run with DeepSpeed's own loops
 and with the batched checks gives bit-identical losses, grad norms and adapters (on CPU torch._foreach_norm calls
@@ -45,12 +45,13 @@ def _run(stage: int, batched: bool, nan: bool) -> dict:
     from fluxzero.config import get_model_config
     from fluxzero.config.deepspeed.view import view
     from fluxzero.config.lora import LoraConfig
+    from fluxzero.train import ds_patches as P
     from fluxzero.train import engine as E
 
     cfg = get_model_config("flux-tiny")
     ds = tiny_ds(stage, clipping=1e-3, lr=1e-2, train_micro_batch_size_per_gpu=1, bf16={"enabled": True})
-    plain, replaced = E.batch_grad_checks, []
-    E.batch_grad_checks = (lambda optimizer: replaced.extend(plain(optimizer))) if batched else (lambda optimizer: [])
+    plain, replaced = P.batch_grad_checks, []
+    P.batch_grad_checks = (lambda optimizer: replaced.extend(plain(optimizer))) if batched else (lambda optimizer: [])
     try:
         engine = E.build_engine(
             cfg,
@@ -61,7 +62,7 @@ def _run(stage: int, batched: bool, nan: bool) -> dict:
             lora=LoraConfig(rank=4, targets="all-linear", init="gaussian"),
         )
     finally:
-        E.batch_grad_checks = plain
+        P.batch_grad_checks = plain
     adapters = [p for p in engine.module.parameters() if p.requires_grad]
     losses, norms, checks = [], [], []
     for step in range(STEPS):

@@ -29,7 +29,8 @@ sys.path.insert(0, os.getcwd())
 import torch, deepspeed
 from deepspeed.utils import safe_get_full_fp32_param
 from fluxzero.train.distributed import init_distributed
-from fluxzero.train.engine import accept_host_optimizer, join_deepspeed_comm
+from fluxzero.train.ds_patches import accept_host_optimizer
+from fluxzero.train.engine import join_deepspeed_comm
 init_distributed()
 join_deepspeed_comm()
 torch.set_num_threads(1)

@@ -185,7 +185,7 @@ def _mode_problems(v: DSView, name) -> list[str]:  # noqa: C901
     host = [n for n, m in optim_modes.MODES.items() if m.needs_offload]
     if bf16_master and v.offload_optimizer != "none" and not mode.needs_offload:
         # _configure_master_weights: bf16 masters with offload assert type(optimizer) == DeepSpeedCPUAdam; only the
-        # host modes' optimizer is let through (fluxzero.train.engine.accept_host_optimizer)
+        # host modes' optimizer is let through (fluxzero.train.ds_patches.accept_host_optimizer)
         p.append(
             f"{M} {mode.name} keeps bf16 master weights, which deepspeed 0.19.8 offloads only for its own "
             f"DeepSpeedCPUAdam (it stops at engine start): drop {name('offload_optimizer')} "

@@ -32,7 +32,7 @@ rather than from a generator, which on the CPU fills tensors serially; the noise
 step alone, so resume is exact whatever else draws random numbers. Not DeepSpeedCPUAdam: it rounds bf16 masters to
 nearest (most of a fine-tuning update is lost: tests/train/test_optim_quality.py) and needs a C++ build.
 
-DeepSpeed 0.19.8 accepts this optimizer with offload only through fluxzero.train.engine.accept_host_optimizer
+DeepSpeed 0.19.8 accepts this optimizer with offload only through fluxzero.train.ds_patches.accept_host_optimizer
 (its bf16-master offload check asks for exactly DeepSpeedCPUAdam); `fp32_optimizer_states = False` answers the
 other half of that check (base_optimizer._configure_master_weights). Build it with fluxzero.train.optim.optimizers.
 build_optimizer, which checks torchao and, at the first step, that the tensors really are bf16 host partitions.

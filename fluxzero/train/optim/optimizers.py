@@ -39,7 +39,7 @@ bf16_optimizer_states it demands CPU offload with DeepSpeedCPUAdam).
   bf16 keys DeepSpeed asserts "Master weights feature requires ZeRO-2 Offload with DeepSpeedCPUAdam", and
   with bf16.enabled alone it hands over fp32 partitions (our check stops it). The bf16 modes and DeepSpeed's
   optimizer offload do not combine: offload means DeepSpeedCPUAdam. (The cpu-* modes' HostAdamW, fluxzero.train.
-  optim.host, is let through by fluxzero.train.engine.accept_host_optimizer.)
+  optim.host, is let through by fluxzero.train.ds_patches.accept_host_optimizer.)
 - bf16 modes with bf16 on at ZeRO 0, or bf16.enabled alone at ZeRO 1-3, step fp32 masters: rounding does
   nothing and nothing is saved. The step pre-hook of build_optimizer raises OptimModeError then.
 - Adafactor: at ZeRO 1-3 it sees one flat vector, so it is unfactored (a full variance: 2 B/param in bf16);
