@@ -570,6 +570,7 @@ def sample(
 
     from ..data.encode import T5_MAX_LENGTH
     from ..sampling.pipeline import auto_speed, prepare_model, sample_images
+    from ..sampling.schedule import image_tokens
 
     _check_size(height, width)
     _check_lora_scale(lora, lora_scale)
@@ -600,7 +601,8 @@ def sample(
     _check_dims(emb, cfg)
     steps = steps or (28 if cfg.guidance_embed else 4)
     images = len(emb.prompts) * len(seeds)
-    batch_size, compile_on = auto_speed(dev.type, images, steps, height, width, batch_size, compile_blocks)
+    tokens = image_tokens(height, width) + (0 if ref_latents is None else ref_latents[0, 0].numel() // 4)  # 2x2 packed
+    batch_size, compile_on = auto_speed(dev.type, images, steps, tokens, batch_size, compile_blocks)
     click.echo(f"{images} image(s), {batch_size} a model call{', compiled blocks' if compile_on else ''}", err=True)
     prepare_model(model, attention=attention, compile=compile_on)
     batches = -(-images // batch_size)

@@ -14,6 +14,7 @@ from ..model.math import check_attention_backend
 from .embeddings import PromptEmbeddings
 from .images import grid, save_png
 from .sampler import sample
+from .schedule import image_tokens
 from .vae import decode
 
 PNG_THREADS = min(4, os.cpu_count() or 1)  # a batch's PNGs and the grid at once; more buys nothing at 4 images
@@ -127,9 +128,10 @@ AUTO_BATCH = 4  # images per model call at --batch-size auto on a GPU (a forward
 
 
 def auto_speed(
-    device_type: str, images: int, steps: int, height: int, width: int, batch_size: int | None, compile: bool | None
+    device_type: str, images: int, steps: int, tokens: int, batch_size: int | None, compile: bool | None
 ) -> tuple[int, bool]:
-    """`fluxzero sample`'s --batch-size auto (None) and --compile auto (None) -> (batch_size, compile).
+    """`fluxzero sample`'s --batch-size auto (None) and --compile auto (None) -> (batch_size, compile); `tokens`:
+    the image tokens of one image's model call (a FLUX.1 Kontext reference's included).
 
     On a GPU: compile when the image-steps, weighted by image tokens, reach COMPILE_PAYS_OFF_IMAGE_STEPS; batch up
     to AUTO_BATCH images a call, and when compiling the largest batch that divides the images (a smaller last
@@ -137,7 +139,7 @@ def auto_speed(
     on the test models this runs)."""
     gpu = device_type == "cuda"
     if compile is None:
-        compile = gpu and images * steps * (height // 16) * (width // 16) >= COMPILE_PAYS_OFF_IMAGE_STEPS * 4096
+        compile = gpu and images * steps * tokens >= COMPILE_PAYS_OFF_IMAGE_STEPS * image_tokens(1024, 1024)
     if batch_size is None:
         if not gpu:
             batch_size = 1

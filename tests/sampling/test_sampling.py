@@ -636,15 +636,18 @@ def test_auto_speed_compiles_where_it_pays_off_and_never_recompiles_for_a_last_b
     from fluxzero.sampling.pipeline import COMPILE_PAYS_OFF_IMAGE_STEPS, auto_speed
 
     # 1024 px, 28 steps: compiling pays off from ~10 images (256 image-steps), not for 4
-    assert auto_speed("cuda", 4, 28, 1024, 1024, None, None) == (4, False)
-    assert auto_speed("cuda", 10, 28, 1024, 1024, None, None) == (2, True)  # 4+4+2 would compile twice
-    assert auto_speed("cuda", 12, 28, 1024, 1024, None, None) == (4, True)
-    assert auto_speed("cuda", 7, 28, 1024, 1024, None, True) == (1, True)
-    # a quarter of the tokens: four times the images before it pays off
+    assert auto_speed("cuda", 4, 28, 4096, None, None) == (4, False)
+    assert auto_speed("cuda", 10, 28, 4096, None, None) == (2, True)  # 4+4+2 would compile twice
+    assert auto_speed("cuda", 12, 28, 4096, None, None) == (4, True)
+    assert auto_speed("cuda", 7, 28, 4096, None, True) == (1, True)
+    # a quarter of the tokens (512 px): four times the images before it pays off; a Kontext reference of the
+    # same size doubles the tokens a call: 1024 px Kontext pays off from 5 images
     n = COMPILE_PAYS_OFF_IMAGE_STEPS * 4 // 28 + 1
-    assert auto_speed("cuda", n - 4, 28, 512, 512, None, None)[1] is False
-    assert auto_speed("cuda", n, 28, 512, 512, None, None)[1] is True
+    assert auto_speed("cuda", n - 4, 28, 1024, None, None)[1] is False
+    assert auto_speed("cuda", n, 28, 1024, None, None)[1] is True
+    assert auto_speed("cuda", 4, 28, 2 * 4096, None, None) == (4, False)
+    assert auto_speed("cuda", 5, 28, 2 * 4096, None, None) == (1, True)  # 5 images: one a call, compiled once
     # the CPU: eager, one image a call; what the user sets stays
-    assert auto_speed("cpu", 100, 28, 1024, 1024, None, None) == (1, False)
-    assert auto_speed("cpu", 100, 28, 1024, 1024, 3, True) == (3, True)
-    assert auto_speed("cuda", 100, 28, 1024, 1024, 5, False) == (5, False)
+    assert auto_speed("cpu", 100, 28, 4096, None, None) == (1, False)
+    assert auto_speed("cpu", 100, 28, 4096, 3, True) == (3, True)
+    assert auto_speed("cuda", 100, 28, 4096, 5, False) == (5, False)
