@@ -5,7 +5,8 @@
 # Each COMMAND runs with PYTHONPATH=.(:/tmp/site when wheels were installed) and R=<results folder> set; its
 # output goes to $R/NAME.log (the last lines are printed). Where a folder .whl/ of wheels exists (see
 # benchmarks/device_wheels.sh, for machines without a package index), they are installed into /tmp/site first.
-# The archive is $OUT/results.tgz ($OUT, or the current folder); it also holds the GPU's name and the versions.
+# The archive is $OUT/results.tgz ($OUT, or the current folder), rewritten after each job (weights and checkpoint
+# files left out); it also holds the GPU's name and the versions.
 #   bash benchmarks/gpu_run.sh 'bw 60 python3 benchmarks/copy_bandwidth.py --out $R/copy_bandwidth.json'
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} NCCL_NVLS_ENABLE=0
@@ -25,5 +26,6 @@ for job in "$@"; do
   rc=$?
   echo "== $name: rc $rc, $(( $(date +%s) - start )) s"
   tail -n 8 "$R/$name.log"
+  # after every job, so a call cut off at its limit still returns what the jobs before it measured
+  tar czf "${OUT:-.}/results.tgz" --exclude='*.safetensors' --exclude='*.pt' -C "$R" .
 done
-tar czf "${OUT:-.}/results.tgz" -C "$R" .
