@@ -521,7 +521,9 @@ def _adafactor_factored(
         row, col = torch.where(finite, row, row_var), torch.where(finite, col, col_var)
     row_var.copy_(row)
     col_var.copy_(col)
-    var = (row @ col).div(row.mean(dim=-2, keepdim=True).clamp(min=e1))
+    # the outer product as a broadcast multiply: the same values as torch's row_var @ col_var (one product each),
+    # and no mm for Inductor's CUDA passes, which failed to build it ("mat2 must be a matrix")
+    var = (row * col).div(row.mean(dim=-2, keepdim=True).clamp(min=e1))
     update = var.clamp(min=e1 * e1).rsqrt().mul(g)
     scale = _scale(p_norm, torch.linalg.vector_norm(update), scalars[0], eps2, d, p.numel())
     return p32.addcmul(update, scale.float())
