@@ -104,15 +104,15 @@ def verdict(est: Estimate, hw: Hardware, margin: float) -> tuple[bool, str]:
 
 
 # The forward + backward rate the modes' measured step times (OptimMode.step_s_per_billion) are set against, from
-# the same day: --fit's FLUX.1-dev run (mb 16, every block recomputed) took 3.01 s a step, 0.13 s of it the
-# optimizer: 2.88 s for 16 x 4/3 samples' worth of FLOPs.
+# the same GPU: --fit's FLUX.1-dev run (mb 16, every block recomputed) took 3.01 s a step, 0.13 s of it the
+# optimizer (benchmarks/RESULTS.md, "Full fine-tune at --fit's choice"): 2.88 s for 16 x 4/3 samples' worth of FLOPs.
 # 3 x forward FLOPs per sample (flux-dev at 512 px: 21.50e12 by ModelConfig.flops_per_sample) x 4/3 (recompute):
 _FWD_BWD_FLOPS_PER_S = 16 * (1 + 1 / 3) * 3 * 21.50e12 / 2.88  # ~478e12 FLOP/s
 
 
 # Host <-> GPU bandwidth of pinned copies in each direction while both directions run (one block comes in as the
 # last one's update goes out): --fit's speed proxy for streamed blocks (fluxzero.offload_blocks), as
-# benchmarks/copy_bandwidth.py measured it on an H200 (PCIe 5; benchmarks/RESULTS.md, "Host <-> GPU copies")
+# benchmarks/copy_bandwidth.py measures it on a PCIe 5 host (benchmarks/RESULTS.md, "Host <-> GPU copies")
 PCIE_BYTES_PER_S = 44e9
 
 
