@@ -133,11 +133,11 @@ def build(model_name: str, device: torch.device, dtype: torch.dtype, tiny_vae: b
 
     from fluxzero.model import build_model
     from fluxzero.model.layouts import bfl_to_diffusers
-    from fluxzero.model.weights import _diffusers_config
+    from fluxzero.model.weights import diffusers_config
 
     torch.manual_seed(SEED)
     ours = build_model(model_name, device=device, dtype=dtype).eval()
-    config = {k: v for k, v in _diffusers_config(ours.config, Path(model_name)).items() if k != "_class_name"}
+    config = {k: v for k, v in diffusers_config(ours.config, Path(model_name)).items() if k != "_class_name"}
     with torch.device("meta"):  # no second random init: the weights are ours, converted
         theirs = FluxTransformer2DModel(**config)
     theirs.load_state_dict(bfl_to_diffusers(ours.state_dict()), strict=True, assign=True)

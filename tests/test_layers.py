@@ -1,5 +1,5 @@
 """The package's import graph, read from the source with `ast` (nothing is imported): no cycles, no import against
-the layer order, and every name imported from the module that defines it.
+the layer order, every name imported from the module that defines it, and no private name across a package boundary.
 
 Layers, lowest first (a module may import its own layer and lower ones):
   0  top-level utilities (fluxzero/fsutil.py, ...)
@@ -196,6 +196,20 @@ def _sources():
         yield from ((path, None) for path in sorted((ROOT / folder).rglob("*.py")))
 
 
+def _module_aliases(tree: ast.Module, path: Path, module: str | None) -> dict[str, str]:
+    """Local name -> the fluxzero module it is bound to (`from fluxzero.x import mod`, `import fluxzero.x as m`)."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update((a.asname, a.name) for a in node.names if a.asname and a.name in MODULES)
+        elif isinstance(node, ast.ImportFrom):  # `from fluxzero.x import mod`, `from . import mod as M`
+            base = _absolute(node, module, path) if module else node.module
+            aliases.update(
+                (a.asname or a.name, f"{base}.{a.name}") for a in node.names if base and f"{base}.{a.name}" in MODULES
+            )
+    return aliases
+
+
 def test_names_are_imported_from_the_module_that_defines_them():
     """No re-export shims: `from fluxzero.config.deepspeed.build import check` where `check` lives in ds_check, or
     `ds_config.check`, would keep two spellings of one name alive."""
@@ -207,17 +221,7 @@ def test_names_are_imported_from_the_module_that_defines_them():
             if name is not None and name in borrowed.get(target, ()):
                 wrong.append(f"{where}:{line} imports {name} from {target}, which imports it from elsewhere")
         tree = ast.parse(path.read_text())
-        aliases = {}  # local name -> the fluxzero module it is bound to (`from fluxzero.x import mod`, `as`)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                aliases.update((a.asname, a.name) for a in node.names if a.asname and a.name in MODULES)
-            elif isinstance(node, ast.ImportFrom):  # `from fluxzero.x import mod`, `from . import mod as M`
-                base = _absolute(node, module, path) if module else node.module
-                aliases.update(
-                    (a.asname or a.name, f"{base}.{a.name}")
-                    for a in node.names
-                    if base and f"{base}.{a.name}" in MODULES
-                )
+        aliases = _module_aliases(tree, path, module)
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
                 target = aliases[node.value.id]
@@ -227,6 +231,47 @@ def test_names_are_imported_from_the_module_that_defines_them():
                         f"from elsewhere"
                     )
     assert not wrong, "import each name from where it lives: " + "; ".join(sorted(set(wrong)))
+
+
+def _package(module: str) -> str:
+    return module if _is_package(module) else module.rsplit(".", 1)[0]
+
+
+def _private_across(path: Path, module: str | None) -> list[str]:
+    """`line module._name` for each private name of a fluxzero module that `path` imports, or reads as an attribute
+    of the module, from another package (a subpackage is another package; scripts belong to none)."""
+
+    def foreign(target: str, name: str) -> bool:
+        private = name.startswith("_") and not name.startswith("__")
+        return private and target in MODULES and (module is None or _package(target) != _package(module))
+
+    found = [(line, target, name) for line, target, name in _imports(path, module) if name and foreign(target, name)]
+    tree = ast.parse(path.read_text())
+    aliases = _module_aliases(tree, path, module)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain, base = [], node.value  # fluxzero.x.y._z or mod._z: the module the attribute is read from
+        while isinstance(base, ast.Attribute):
+            chain.insert(0, base.attr)
+            base = base.value
+        if isinstance(base, ast.Name) and (base.id in aliases or base.id == "fluxzero"):
+            target = ".".join([aliases.get(base.id, base.id), *chain])
+            if foreign(target, node.attr):
+                found.append((node.lineno, target, node.attr))
+    return [f"{line} {target}.{name}" for line, target, name in sorted(set(found))]
+
+
+def test_no_private_name_crosses_a_package_boundary():
+    """A `_name` is its package's own: another package (or a benchmark, or launch/) asks for a public name instead.
+    Tests may reach the private helpers of the module they test."""
+    wrong = [
+        f"{path.relative_to(ROOT)}:{hit}"
+        for path, module in _sources()
+        if path.relative_to(ROOT).parts[0] != "tests"
+        for hit in _private_across(path, module)
+    ]
+    assert not wrong, "private names used outside their package (make them public, or move them): " + "; ".join(wrong)
 
 
 def test_every_import_names_a_module_that_exists():
@@ -240,7 +285,7 @@ def test_every_import_names_a_module_that_exists():
     assert not missing, "; ".join(missing)
 
 
-def test_the_checks_see_a_cycle_and_an_upward_import():
+def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
     """The graph reader finds what it must (a test that cannot fail is a defect)."""
     assert _cycles(
         {
@@ -264,6 +309,19 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     for package, rooms in ROOMS.items():  # each named room exists: a renamed folder must not leave its rank behind
         for room in rooms:
             assert f"fluxzero.{package}.{room}" in MODULES, room
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import fluxzero.data.encode\n"
+        "from fluxzero.data import encode as E\n"
+        "from fluxzero.data.encode import _read_json, check_model_folder\n"
+        "from fluxzero.sampling.images import _private_probe\n"
+        "E._read_json, fluxzero.data.encode._read_json, E.__name__, E.check_model_folder\n"
+    )
+    assert _private_across(probe, "fluxzero.sampling.probe") == [
+        "3 fluxzero.data.encode._read_json",
+        "5 fluxzero.data.encode._read_json",
+    ]
+    assert len(_private_across(probe, None)) == 3  # a script belongs to no package
     assert _against_the_rooms(
         {
             "fluxzero.train.optim.optimizers": {"fluxzero.train.checkpoint.store": 1},

@@ -333,8 +333,8 @@ def describe(spec: memory.RunSpec) -> str:
         f"({spec.nodes} node(s) x {spec.gpus_per_node}), {spec.height}x{spec.width} px = {spec.img_tokens} image "
         f"{'(target + Kontext reference) ' if spec.reference_tokens else ''}+ {spec.txt_len} text tokens, micro batch {spec.micro_batch}, {spec.precision}, {opt}, "
         f"{spec.attention} attention\n"
-        f"{memory._label(spec.stage, spec.offload_optimizer, spec.offload_param)}, "
-        f"{memory._ckpt_text(spec.checkpoint_every, spec.checkpoint_policy)}"
+        f"{memory.zero_label(spec.stage, spec.offload_optimizer, spec.offload_param)}, "
+        f"{memory.checkpointing_text(spec.checkpoint_every, spec.checkpoint_policy)}"
     )
 
 
@@ -390,7 +390,7 @@ def report(est: memory.Estimate, hw: memory.Hardware | None, margin: float, zero
     ]
     for r, e in memory.table(s, zero_by_stage):
         fits = "-" if hw is None else _fits_word(memory.verdict(e, hw, margin)[0], hw)
-        label = memory._label(r.stage, r.offload_optimizer, r.offload_param)
+        label = memory.zero_label(r.stage, r.offload_optimizer, r.offload_param)
         lines.append(
             f"  {label:<58}{e.gpu_allocated / GiB:10.1f}{e.gpu_total / GiB:9.1f}  "
             f"{PHASE_NAMES[e.peak_phase]:<8}{e.host_per_node / GiB:10.1f}  {fits}"
@@ -570,12 +570,12 @@ def advise(
             cmd,
         )
     o = r.options
-    chosen = memory._label(o["stage"], o["offload_optimizer"], o["offload_param"])
+    chosen = memory.zero_label(o["stage"], o["offload_optimizer"], o["offload_param"])
     extra = [f"optimizer mode {o['optimizer_mode']}"] if o["optimizer_mode"] else []
     extra += [f"{o['base_quant']} base"] if o.get("base_quant") else []
     text = (
         f"What fits instead: {chosen}{''.join(', ' + e for e in extra)}, micro batch {o['micro_batch']}, "
-        f"{memory._ckpt_text(o['checkpoint_every'], o['checkpoint_policy'])}: predicted {r.estimate.gpu_allocated / GiB:.1f} GiB "
+        f"{memory.checkpointing_text(o['checkpoint_every'], o['checkpoint_policy'])}: predicted {r.estimate.gpu_allocated / GiB:.1f} GiB "
         f"allocated, {r.estimate.gpu_total / GiB:.1f} GiB needed, {r.estimate.host_per_node / GiB:.1f} GiB "
         f"host per node"
     )

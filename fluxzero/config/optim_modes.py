@@ -54,9 +54,9 @@ class OptimMode:
     states_flat: float | None = None  # states at ZeRO 1-3 when flat partitions change them (None: same)
     trainable: bool = True  # False: comparison only, refused for training
     step_chunk: int | None = None  # a flat (1-D) tensor is stepped this many elements at a time; None: whole
-    # seconds one optimizer step takes per 1e9 stepped elements on the accelerator, measured on one H200
-    # (benchmarks/optim_step_speed.py, benchmarks/RESULTS.md); None: not measured. --fit's speed proxy
-    # pays it once per micro batch.
+    # seconds one optimizer step takes per 1e9 stepped elements on the GPU --fit's speed proxy models
+    # (benchmarks/optim_step_speed.py measures it; figures in benchmarks/RESULTS.md); None: not measured. The
+    # proxy pays it once per micro batch.
     step_s_per_billion: float | None = None
     where: str = "all on the accelerator"
     # "cpu": steps DeepSpeed's offloaded bf16 partitions in host memory, so it needs optimizer offload to cpu
@@ -135,9 +135,10 @@ class OptimMode:
         return dict(self.ds_bf16) if stage > 0 else {}
 
 
-# One optimizer step over FLUX.1-dev's 11.90e9 bf16 weights on one H200, seconds (benchmarks/RESULTS.md,
-# optim_step_speed.py): bf16-kahan is one compiled kernel per tensor, bf16-sr torchao's. adamw8bit-sr is not
-# measured: torchao's same compiled per-tensor step with 8-bit states, taken at bf16-sr's figure.
+# One optimizer step over FLUX.1-dev's 11.90e9 bf16 weights on the GPU the speed proxy models, seconds
+# (optim_step_speed.py; benchmarks/RESULTS.md, "Full fine-tune at --fit's choice, the optimizer step"):
+# bf16-kahan is one compiled kernel per tensor, bf16-sr torchao's. adamw8bit-sr is not measured: torchao's same
+# compiled per-tensor step with 8-bit states, taken at bf16-sr's figure.
 _H200_STEP_S = {m: s / 11.90 for m, s in (("bf16-kahan", 0.131), ("bf16-sr", 0.467), ("adamw8bit-sr", 0.467))}
 
 # STEP_TEMP_NOTE: transient bytes per stepped element of one optimizer step beyond its states, on one flat 1-D

@@ -64,7 +64,17 @@ def _read_json(path: Path) -> dict:
     return doc
 
 
-def _check_model_folder(role: str, path: Path, what: str, where: str) -> None:
+def latent_factors(vae) -> tuple[float, float]:
+    """(scaling_factor, shift_factor) of a VAE, as latents are (z - shift) * scale: FLUX's own when the config
+    carries no shift. FLUX's VAE config carries both; a config without a shift is not FLUX's, and its
+    scaling_factor default (SD's) would be wrong. `fluxzero cache` encodes and `sample` decodes by this rule."""
+    cfg = vae.config
+    if getattr(cfg, "shift_factor", None) is not None:
+        return float(cfg.scaling_factor), float(cfg.shift_factor)
+    return FLUX_VAE_SCALE, FLUX_VAE_SHIFT
+
+
+def check_model_folder(role: str, path: Path, what: str, where: str) -> None:
     """config.json names the right model class and the weights are .safetensors (never a silent pickle load)."""
     key, accepted = KINDS[role]
     cfg = _read_json(path / "config.json")
@@ -118,7 +128,7 @@ def resolve_paths(flux_dir=None, **explicit) -> EncoderPaths:
                 f"{path} is not a {what} (no tokenizer.json, tokenizer_config.json, vocab.json or spiece.model) given by {where}; {LAYOUT}."
             )
         if role in KINDS:
-            _check_model_folder(role, path, what, where)
+            check_model_folder(role, path, what, where)
         else:
             _check_tokenizer_folder(role, path, what, where)
         out[role] = os.path.abspath(path)
@@ -201,12 +211,7 @@ class Encoders:
             raise DataError(
                 f"the VAE has {cfg.latent_channels} latent channels but FLUX.1 needs 16; use FLUX's vae/ folder."
             )
-        # FLUX's VAE config carries shift_factor 0.1159 and scaling_factor 0.3611; a config without a
-        # shift is not FLUX's own, and its scaling_factor default (0.18215, SD's) would be wrong: use FLUX's.
-        if getattr(cfg, "shift_factor", None) is not None:
-            self.shift, self.scale = float(cfg.shift_factor), float(cfg.scaling_factor)
-        else:
-            self.shift, self.scale = FLUX_VAE_SHIFT, FLUX_VAE_SCALE
+        self.scale, self.shift = latent_factors(self.vae)
         self.paths = paths or EncoderPaths("<memory>", "<memory>", "<memory>", "<memory>", "<memory>")
         self._gen = torch.Generator(device=device)
 

@@ -37,7 +37,7 @@ def apply_compile(
     checkpoint=None,
 ) -> int:
     """torch.compile every transformer block (double and single); returns how many. The trainer calls it
-    before fluxzero.train.engine.apply_activation_checkpointing; `fluxzero sample --compile` on the loaded model.
+    before fluxzero.train.recompute.apply_activation_checkpointing; `fluxzero sample --compile` on the loaded model.
 
     Applied from outside, like checkpointing: each block's forward is replaced by a compiled callable, so
     parameter names, state dicts and checkpoints do not change and the model stays plain PyTorch. One

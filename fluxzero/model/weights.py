@@ -320,7 +320,9 @@ def load_model(path, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.
     return model
 
 
-def _diffusers_config(cfg: ModelConfig, path: Path) -> dict:
+def diffusers_config(cfg: ModelConfig, path: Path) -> dict:
+    """The config.json of diffusers' FluxTransformer2DModel for `cfg`; WeightsError (naming `path`, the file to be
+    written) for a model diffusers cannot hold."""
     if cfg.mlp_ratio != 4.0 or not cfg.qkv_bias:
         raise WeightsError(
             f"{path} not written: diffusers' FluxTransformer2DModel needs mlp_ratio 4 and qkv_bias, "
@@ -374,7 +376,7 @@ def save_weights(
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_safetensors(path, [_Out.of(prefix + k, v, "copy", None, dtype) for k, v in state_dict.items()], meta)
         return
-    config = _diffusers_config(cfg, path)  # before anything is written: a model diffusers cannot hold is refused
+    config = diffusers_config(cfg, path)  # before anything is written: a model diffusers cannot hold is refused
     shards = _shards(
         [
             _Out.of(name, state_dict[key], how, rows, dtype)

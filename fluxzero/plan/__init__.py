@@ -50,8 +50,7 @@ from fluxzero.plan.fit import (  # noqa: F401
     FitResult,
     GenConfigFit,
     Hardware,
-    _ckpt_text,
-    _label,
+    checkpointing_text,
     fit,
     fit_gen_config,
     fit_grid,
@@ -60,6 +59,7 @@ from fluxzero.plan.fit import (  # noqa: F401
     table,
     throughput_proxy,
     verdict,
+    zero_label,
 )
 from fluxzero.plan.model_states import (  # noqa: F401
     MODE_STEP_TEMP,

@@ -102,7 +102,7 @@ def single_block_saved(
 
 # ---------------------------------------------------------------------------------------------------------
 # Selective checkpointing (fluxzero.activation_checkpointing.policy selective): a checkpointed block keeps the
-# output of every matmul and of attention (fluxzero.train.engine.selective_policy), and recomputes the pointwise
+# output of every matmul and of attention (fluxzero.train.recompute.selective_policy), and recomputes the pointwise
 # ops (norms, modulation, RoPE, GELU, gates) in backward. Each item: (bytes per sample, also in the block's
 # saved set of double_block_saved / single_block_saved, so that recompute does not make it again).
 # ---------------------------------------------------------------------------------------------------------
@@ -197,7 +197,7 @@ def outside_blocks_saved(cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: 
 
 
 def checkpointed_split(cfg: ModelConfig, every: int, streamed: int = 0) -> tuple[int, int]:
-    """(double, single) blocks checkpointed. As fluxzero.train.engine.apply_activation_checkpointing: one index
+    """(double, single) blocks checkpointed. As fluxzero.train.recompute.apply_activation_checkpointing: one index
     over double then single blocks, block i checkpointed iff i % k == 0, and the last `streamed` blocks always."""
     n = cfg.depth + cfg.depth_single_blocks
     flags = [every > 0 and i % every == 0 or i >= n - streamed for i in range(n)]

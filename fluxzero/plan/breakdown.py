@@ -47,20 +47,14 @@ class Estimate:
         parameters, gradients, the step's copies) leaves cached blocks that later requests of other sizes
         (or on other streams) cannot reuse. Model states are allocated once and do not fragment.
 
-        Fitted on H200 runs, each regime on some runs and checked on others held out
+        Fitted on GPU runs, each regime on some runs and checked on others held out
         (benchmarks/fragmentation_fit.py: f minimises the largest relative error of the predicted reserved
-        memory over the fit runs; results in benchmarks/results/2026-11-h200 and 2026-12-h200):
-        - stage 0, 0.19: fit on flux-dev-lite's 512 px runs (lite1 #1-3, #7-9, #15, lite_after #1), held out
-          the 1024 px ones (#4 +0.5%, #10 -8.0%). The step's per-tensor gradients and fp32 copies have the
-          sizes of the fp32 model's tensors freed at engine start, so they mostly reuse those cached blocks;
-        - stages 1-2, 0.33: fit on flux-dev-lite ZeRO-2 at 512 px with every block checkpointed at micro
-          batch 1 and none at 16 (lite_z2 #1, #6), held out micro batch 8/16 checkpointed and 1/8 not (-1.5% to
-          +8.7%). The former 0.8 (stage 3's, unmeasured here) was 10% high with checkpointing and 22-24% high
-          without: at ZeRO-2 the step's flat copies reuse much of the activations' cached memory;
-        - stage 3, 0.8: fit on flux-dev-lite on one GPU (lite1 #11-14), held out two GPUs and flux-dev
-          (scale #1-2, dev2 #1, #2, #4, dev2b #1, dev2c #1: -8.8% to -0.1%). The step's copies are flat
-          sub-groups and training's are tensor-sized activations and gathered parameters on their own
-          streams: neither set reuses the other's cached blocks;
+        memory over the fit runs; which runs, and the errors, in benchmarks/RESULTS.md):
+        - stage 0, 0.19: the step's per-tensor gradients and fp32 copies have the sizes of the fp32 model's
+          tensors freed at engine start, so they mostly reuse those cached blocks;
+        - stages 1-2, 0.33: the step's flat copies reuse much of the activations' cached memory;
+        - stage 3, 0.8: the step's copies are flat sub-groups and training's are tensor-sized activations and
+          gathered parameters on their own streams: neither set reuses the other's cached blocks;
         - expandable_segments, 0.05: segments grow and shrink in place, little is stranded (not refitted).
         """
         if self.spec.fragmentation is not None:

@@ -104,15 +104,15 @@ def verdict(est: Estimate, hw: Hardware, margin: float) -> tuple[bool, str]:
 
 
 # The forward + backward rate the modes' measured step times (OptimMode.step_s_per_billion) are set against, from
-# the same day: --fit's FLUX.1-dev run (mb 16, every block recomputed) took 3.01 s a step, 0.13 s of it the
-# optimizer: 2.88 s for 16 x 4/3 samples' worth of FLOPs.
+# the same GPU: --fit's FLUX.1-dev run (mb 16, every block recomputed) took 3.01 s a step, 0.13 s of it the
+# optimizer (benchmarks/RESULTS.md, "Full fine-tune at --fit's choice"): 2.88 s for 16 x 4/3 samples' worth of FLOPs.
 # 3 x forward FLOPs per sample (flux-dev at 512 px: 21.50e12 by ModelConfig.flops_per_sample) x 4/3 (recompute):
 _FWD_BWD_FLOPS_PER_S = 16 * (1 + 1 / 3) * 3 * 21.50e12 / 2.88  # ~478e12 FLOP/s
 
 
 # Host <-> GPU bandwidth of pinned copies in each direction while both directions run (one block comes in as the
 # last one's update goes out): --fit's speed proxy for streamed blocks (fluxzero.offload_blocks), as
-# benchmarks/copy_bandwidth.py measured it on an H200 (PCIe 5; benchmarks/RESULTS.md, "Host <-> GPU copies")
+# benchmarks/copy_bandwidth.py measures it on a PCIe 5 host (benchmarks/RESULTS.md, "Host <-> GPU copies")
 PCIE_BYTES_PER_S = 44e9
 
 
@@ -253,7 +253,7 @@ def lora_grid(
 
 
 def _row_label(st: int, oo: str, op: str, mode: str | None, quant: str | None) -> str:
-    return _label(st, oo, op) + (f", optimizer mode {mode}" if mode else "") + (f", {quant} base" if quant else "")
+    return zero_label(st, oo, op) + (f", optimizer mode {mode}" if mode else "") + (f", {quant} base" if quant else "")
 
 
 def fit(  # noqa: C901
@@ -386,7 +386,7 @@ def fit(  # noqa: C901
                     mode,
                     quant,
                     f"even micro batch {micros[0]} with "
-                    f"{_ckpt_text(smallest.checkpoint_every, smallest.checkpoint_policy)} does not fit "
+                    f"{checkpointing_text(smallest.checkpoint_every, smallest.checkpoint_policy)} does not fit "
                     f"({why})",
                 )
             )
@@ -483,13 +483,15 @@ def _ckpt_count(spec: RunSpec) -> int:
     return sum(checkpointed_split(spec.model, spec.checkpoint_every, spec.offload_blocks))
 
 
-def _label(stage: int, oo: str, op: str) -> str:
+def zero_label(stage: int, oo: str, op: str) -> str:
+    """The ZeRO stage and its offloads in words ("ZeRO-2 with optimizer offload cpu")."""
     off = [f"optimizer offload {oo}"] if oo != "none" else []
     off += [f"parameter offload {op}"] if op != "none" else []
     return f"ZeRO-{stage}" + (f" with {', '.join(off)}" if off else " without offload")
 
 
-def _ckpt_text(k: int, policy: str = "full") -> str:
+def checkpointing_text(k: int, policy: str = "full") -> str:
+    """Activation checkpointing of every k-th block with `policy`, in words ("every 2nd block checkpointed")."""
     sel = " selectively (matmul and attention outputs kept)" if policy == "selective" else ""
     if k in (0, 1):
         return {0: "no activation checkpointing", 1: f"every block checkpointed{sel}"}[k]
@@ -516,7 +518,7 @@ def _why_choice(
     ckpts: tuple[int, ...] = CHECKPOINT_CHOICES,
 ) -> str:
     text = (
-        f"micro batch {spec.micro_batch}, {_ckpt_text(spec.checkpoint_every, spec.checkpoint_policy)}; predicted "
+        f"micro batch {spec.micro_batch}, {checkpointing_text(spec.checkpoint_every, spec.checkpoint_policy)}; predicted "
         f"{est.gpu_allocated / GiB:.1f} GiB allocated, {est.gpu_total / GiB:.1f} GiB with allocator slack "
         f"and CUDA context, of {hw.gpu_memory_gib * (1 - margin):.1f} GiB budget "
         f"({hw.gpu_memory_gib:g} GiB - {margin:.0%} margin)"
@@ -542,10 +544,10 @@ def _why_choice(
         alt = _best_micro(spec.replace(checkpoint_every=k), hw, margin, micros)
         if alt is None:
             _, why = verdict(estimate(spec.replace(checkpoint_every=k, micro_batch=micros[0])), hw, margin)
-            text += f". With {_ckpt_text(k)} not even micro batch {micros[0]} fits ({why})"
+            text += f". With {checkpointing_text(k)} not even micro batch {micros[0]} fits ({why})"
             break  # checkpointing still fewer blocks needs more memory still
         text += (
-            f". With {_ckpt_text(k)} micro batch {alt.micro_batch} fits, estimated "
+            f". With {checkpointing_text(k)} micro batch {alt.micro_batch} fits, estimated "
             f"{throughput_proxy(alt) / throughput_proxy(spec):.0%} of this speed"
         )
     return text
@@ -588,7 +590,7 @@ def _what_would_fit(  # noqa: C901
                 _try(base, stage=st, offload_optimizer=oo, offload_param=op, **lean)
             ):
                 tips.append(
-                    f"{_label(st, oo, op)} instead of the pinned {', '.join(f'{k} {fixed[k]}' for k in pinned)}"
+                    f"{zero_label(st, oo, op)} instead of the pinned {', '.join(f'{k} {fixed[k]}' for k in pinned)}"
                 )
                 break
     zero3 = _try(base, stage=3, offload_optimizer="none", offload_param="none", base_quant=None, **lean)
@@ -670,7 +672,7 @@ def _what_would_fit(  # noqa: C901
         )
         if r is not None:
             tips.append(
-                f"a lower resolution: {px}x{px} px with {_label(r.stage, r.offload_optimizer, r.offload_param)}"
+                f"a lower resolution: {px}x{px} px with {zero_label(r.stage, r.offload_optimizer, r.offload_param)}"
                 f" (--resolution {px})"
             )
             break
@@ -712,7 +714,7 @@ def _more_memory(closest: tuple[str, RunSpec] | None, hw: Hardware, margin: floa
         return "It would fit a larger GPU."
     return (
         f"It would fit with {' and '.join(needs)}: {label}, micro batch {spec.micro_batch}, "
-        f"{_ckpt_text(spec.checkpoint_every, spec.checkpoint_policy)}."
+        f"{checkpointing_text(spec.checkpoint_every, spec.checkpoint_policy)}."
     )
 
 

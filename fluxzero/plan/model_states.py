@@ -307,9 +307,9 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:  # noqa: C
         )
 
     # --- page-locked offload buffers. torch's pinned-memory allocator (at::CachingHostAllocator, which DeepSpeed's
-    # pin_memory goes through) rounds every block up to a power of two and keeps freed blocks cached. Measured on
-    # one H200 (benchmarks/RESULTS.md): the 48 GB full fine-tune (ZeRO-3, optimizer offload) held 103.1 GiB of
-    # host against 91.1 predicted without this, the ZeRO-3 parameter-offload LoRA 33.4 against 24.2.
+    # pin_memory goes through) rounds every block up to a power of two and keeps freed blocks cached; without
+    # this the host need of GPU runs with offload was predicted well short (benchmarks/RESULTS.md, "Host memory
+    # of loading pretrained weights").
     pinned: list[int] = []  # bytes of each pinned buffer as DeepSpeed 0.19.8 asks for it
     if s.offload_optimizer == "cpu" and s.pin_offload_optimizer and s.stage in (1, 2):
         # stage_1_and_2.__init__: the master partition, its bit16 staging copy and its gradient per group,

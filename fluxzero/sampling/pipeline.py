@@ -55,9 +55,8 @@ def sample_images(
     and decode, write and return nothing.
 
     The PNGs are encoded in a few threads (Pillow's encoder releases the GIL) while the next batch samples, so
-    only the last batch's PNGs and the grid wait at the end (lossless, Pillow's default level). Measured with
-    Pillow 13 on noisy images like a random-init model's: 0.16-0.21 s of CPU a 1024 px PNG, 0.32 s the 4096 x
-    1024 grid of four.
+    only the last batch's PNGs and the grid wait at the end (lossless, Pillow's default level; what they cost:
+    benchmarks/RESULTS.md, "Figures behind code choices").
     """
     if out_dir is not None:
         out_dir = Path(out_dir)
@@ -121,8 +120,8 @@ def sample_images(
 
 # --compile auto: compiling FLUX.1's blocks costs seconds once (again for a new batch shape) and saves a fixed share of
 # every model call's pointwise work, which grows with the image tokens: it pays off from about this many
-# image-steps at 1024 x 1024 px (4096 image tokens) on one GPU (benchmarks/RESULTS.md, "Sampling with the speed
-# options": ~11.5 s of compile against ~45 ms saved an image a step)
+# image-steps at 1024 x 1024 px (4096 image tokens) on one GPU (the compile time and the time saved an image a step:
+# benchmarks/RESULTS.md, "The 48 GB full fine-tune's steady state, ...", the sampling rows)
 COMPILE_PAYS_OFF_IMAGE_STEPS = 256
 AUTO_BATCH = 4  # images per model call at --batch-size auto on a GPU (a forward pass keeps no activations)
 

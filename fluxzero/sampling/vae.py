@@ -8,19 +8,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..data.encode import FLUX_VAE_SCALE, FLUX_VAE_SHIFT, _check_model_folder
+from ..data.encode import check_model_folder, latent_factors
 from ..data.errors import DataError
 
 VAE_LAYOUT = "a diffusers AutoencoderKL folder (config.json and .safetensors), e.g. FLUX.1's vae/"
-
-
-def latent_factors(vae) -> tuple[float, float]:
-    """(scaling_factor, shift_factor) of a VAE; FLUX's own when the config carries no shift (the rule
-    `fluxzero cache` encodes with: a config without shift_factor is not FLUX's and its scale would be SD's)."""
-    cfg = vae.config
-    if getattr(cfg, "shift_factor", None) is not None:
-        return float(cfg.scaling_factor), float(cfg.shift_factor)
-    return FLUX_VAE_SCALE, FLUX_VAE_SHIFT
 
 
 def load_vae(path: str | os.PathLike, *, device="cpu", dtype: torch.dtype = torch.float32):
@@ -30,7 +21,7 @@ def load_vae(path: str | os.PathLike, *, device="cpu", dtype: torch.dtype = torc
         raise DataError(f"VAE folder {path} does not exist; pass --vae {VAE_LAYOUT}.")
     if not (path / "config.json").exists():
         raise DataError(f"{path} has no config.json, so it is not {VAE_LAYOUT}; pass the right folder to --vae.")
-    _check_model_folder("vae", path, "diffusers AutoencoderKL folder", f"--vae {path}")
+    check_model_folder("vae", path, "diffusers AutoencoderKL folder", f"--vae {path}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from diffusers import AutoencoderKL
 

@@ -3,17 +3,14 @@ module that imports deepspeed at top level (check-config's DeepSpeed parse in co
 commands/config.py, and `fluxzero doctor`, import it inside a call).
 
 Like torchtitan's parallelize, it applies what the DeepSpeed config asks for from outside the model: the model is
-born partitioned under ZeRO-3 (zero.Init), pretrained weights are copied into the partitions, blocks are
-compiled and checkpointed by wrapping their forwards, then deepspeed.initialize builds the engine.
+born partitioned under ZeRO-3 (zero.Init), pretrained weights are copied into the partitions, the blocks' linears get
+FP8 matmuls (fp8.py), blocks are compiled (model/compile.py) and checkpointed (recompute.py) by wrapping their
+forwards, then deepspeed.initialize builds the engine.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib
-import io
-import os
 
 import deepspeed
 import torch
@@ -25,6 +22,8 @@ from fluxzero.config.deepspeed.view import DSView
 from fluxzero.model.compile import apply_compile
 from fluxzero.train import ds_patches
 from fluxzero.train.distributed import TrainingError, broadcast_objects
+from fluxzero.train.fp8 import apply_fp8
+from fluxzero.train.recompute import apply_activation_checkpointing, checkpoint_function, checkpointed_indices
 
 
 def join_deepspeed_comm() -> None:
@@ -356,152 +355,6 @@ def load_pretrained(model: torch.nn.Module, path: str, model_cfg: ModelConfig) -
                     p.data.copy_(take(f"{name}.{pname}" if name else pname))
 
 
-def _checkpointed(checkpoint_fn, forward, *args):
-    return checkpoint_fn(forward, *args)
-
-
-def _selective_ops() -> frozenset:
-    """The ops whose outputs selective checkpointing keeps: the matmuls (the linears' addmm / mm, bmm, FP8's
-    _scaled_mm) and attention's kernels (SDPA dispatches to one of these), where a block's FLOPs are. Everything
-    else in a block is pointwise or a reduction over one row (norms, modulation, RoPE, GELU, gates): cheap to
-    recompute and, kept, most of the block's saved bytes. Names this torch build lacks are left out."""
-    aten = torch.ops.aten
-    names = (
-        "mm",
-        "addmm",
-        "bmm",
-        "_scaled_mm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    )
-    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
-
-
-def selective_policy(ctx, op, *args, **kwargs):
-    """torch.utils.checkpoint's policy for fluxzero.activation_checkpointing.policy selective: keep what
-    _selective_ops lists, recompute the rest (the memory model counts the same: memory.double_block_kept)."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return CheckpointPolicy.MUST_SAVE if op in _SELECTIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_SELECTIVE_OPS = _selective_ops()
-
-
-def _selective_contexts():
-    return torch.utils.checkpoint.create_selective_checkpoint_contexts(selective_policy)
-
-
-def _torch_linear(forward, *args):
-    """forward(*args) with torch.nn.functional.linear torch's own for its length.
-
-    ZeRO-3's zero.Init replaces it for the whole process with DeepSpeed's LinearFunctionForZeroStage3, which adds the
-    bias in place onto the matmul's output: the very tensor the selective policy keeps, so the recompute would add
-    it a second time (measured: ZeRO-3 losses off by 1e-3 after one step). torch's own linear adds it out of place
-    (addmm). What DeepSpeed's version saves instead of torch's (the weight, not a view of its gathered storage) does
-    not matter here: inside a checkpointed block torch's saved tensors live only from the recompute to the block's
-    backward, while the parameters are gathered anyway. Under torch.compile the graph is functional and the in-place
-    add harmless: the compiled path does not need this.
-    """
-    patched = torch.nn.functional.linear
-    torch.nn.functional.linear = torch._C._nn.linear
-    try:
-        return forward(*args)
-    finally:
-        torch.nn.functional.linear = patched
-
-
-def _selective_checkpoint(forward, *args, compiled: bool = False):
-    return torch.utils.checkpoint.checkpoint(
-        forward if compiled else functools.partial(_torch_linear, forward),
-        *args,
-        use_reentrant=False,
-        context_fn=_selective_contexts,
-    )
-
-
-def checkpoint_function(
-    implementation: str = "torch", policy: str = "full", v: DSView | None = None, compiled: bool = False
-):
-    """fn(forward, *args) that runs a block checkpointed by `implementation` with `policy` (fluxzero.config.deepspeed.check's names;
-    deepspeed.checkpointing's options from `v`); `compiled`: fn runs inside the compiled graph. The DeepSpeed config
-    check refuses the selective policy with implementation deepspeed."""
-    if implementation == "deepspeed":
-        if policy != "full":
-            raise TrainingError(
-                "fluxzero.activation_checkpointing.policy selective needs implementation torch: "
-                "deepspeed.checkpointing recomputes whole blocks"
-            )
-        deepspeed.checkpointing.configure(
-            None,
-            partition_activations=bool(v and v.partition_activations),
-            checkpoint_in_cpu=bool(v and v.cpu_checkpointing),
-            synchronize=False,
-            profile=False,
-        )
-        return deepspeed.checkpointing.checkpoint
-    if policy == "selective":
-        return functools.partial(_selective_checkpoint, compiled=compiled)
-    return functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-
-
-def checkpointed_indices(model, every_k: int, skip_last: int = 0) -> frozenset[int]:
-    """Indices (double blocks, then single ones) of the blocks checkpointing every k-th block recomputes: block i
-    iff i % every_k == 0, the last `skip_last` (streamed: the BlockStreamer checkpoints them) left out."""
-    n = len(model.double_blocks) + len(model.single_blocks)
-    return frozenset(i for i in range(n - skip_last) if every_k > 0 and i % every_k == 0)
-
-
-def apply_activation_checkpointing(
-    model, every_k: int, implementation: str, v: DSView | None = None, skip_last: int = 0, policy: str = "full"
-) -> int:
-    """Recompute every k-th transformer block (double then single) in backward; returns how many.
-
-    Applied from outside: the block's bound forward is wrapped, so parameter names (and checkpoints)
-    do not change. Blocks take only positional tensors, which both implementations require. The last `skip_last`
-    blocks are left alone: they are streamed, and the BlockStreamer checkpoints them itself. `policy`:
-    "full" recomputes the whole block, "selective" keeps its matmul and attention outputs (selective_policy).
-    """
-    chosen = checkpointed_indices(model, every_k, skip_last)
-    if not chosen:
-        return 0
-    fn = checkpoint_function(implementation, policy, v)
-    blocks = list(model.double_blocks) + list(model.single_blocks)
-    for i in chosen:
-        blocks[i].forward = functools.partial(_checkpointed, fn, blocks[i].forward)
-    return len(chosen)
-
-
-def fp8_layer(module: torch.nn.Module, name: str) -> bool:
-    """The linear layers that get FP8 matmuls: the attention and MLP layers of the transformer blocks (where
-    the FLOPs are) whose sides are multiples of 16 (FP8 matmul kernels need that). The modulation layers (one
-    row per sample: nothing to gain from FP8, only the cast), the embedders and the final layer stay in bf16,
-    as torchtitan keeps its input and output layers."""
-    return (
-        isinstance(module, torch.nn.Linear)
-        and name.startswith(("double_blocks.", "single_blocks."))
-        and "mod" not in name.rsplit(".", 2)[-2]
-        and module.in_features % 16 == 0
-        and module.out_features % 16 == 0
-    )
-
-
-def apply_fp8(model: torch.nn.Module, recipe: str) -> int:
-    """torchao float8 training (dynamic scaling, `recipe` tensorwise or rowwise) on fp8_layer's layers; returns
-    how many. Weights and their state-dict names stay as they are (Float8Linear keeps the Linear's parameters
-    and casts them at each matmul), so checkpoints, exports and EMA do not change. Fast only when compiled.
-    Not at ZeRO-3, which the DeepSpeed config check refuses (ds_check.combination_problems)."""
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError:
-        raise TrainingError("fluxzero.fp8 needs torchao: pip install -e '.[lowmem]'") from None
-    names = [n for n, m in model.named_modules() if fp8_layer(m, n)]
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=fp8_layer)
-    return len(names)
-
-
 def zero3_leaf_blocks(model) -> int:
     """Make every transformer block a ZeRO-3 leaf module (DeepSpeed's `set_z3_leaf_modules`); returns how many.
 
@@ -531,17 +384,3 @@ def set_lr(engine, lr: float) -> float | None:
         else:
             group["lr"] = lr
     return before
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Consolidation (for export)
-# ---------------------------------------------------------------------------------------------------------
-def zero_fp32_state_dict(ckpt_dir: str, tag: str) -> dict:
-    """The fp32 master weights of a ZeRO-1/2/3 checkpoint, merged from every rank's partition by DeepSpeed's
-    own zero_to_fp32 (one CPU process)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    # it prints five lines of its own bookkeeping per export; its shard progress bar (stderr) stays
-    quiet = contextlib.nullcontext() if os.environ.get("FLUXZERO_DEBUG") else contextlib.redirect_stdout(io.StringIO())
-    with quiet:
-        return get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag=tag)

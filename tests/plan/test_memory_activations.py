@@ -175,7 +175,7 @@ def test_whole_model_training_peak_matches(every, policy):
     with fluxzero.train.engine's own activation checkpointing every k-th block (full or selective) and parameter
     gradients dropped as they are made (ZeRO-2/3 move them to buckets): the live-storage peak against memory's activation items
     plus linear2's weight gradient in flight. Measured: within 0.2-0.8% for k = 0..3, micro batch 1, 3 and 4."""
-    from fluxzero.train.engine import apply_activation_checkpointing
+    from fluxzero.train.recompute import apply_activation_checkpointing
 
     cfg = get_model_config("flux-dev").replace(
         depth=2, depth_single_blocks=4, hidden_size=384, num_heads=3, context_in_dim=128, vec_in_dim=32
@@ -231,7 +231,7 @@ def test_whole_model_training_peak_matches(every, policy):
 def test_selective_kept_bytes_match_measurement(dtype, attention):
     """What a block checkpointed with the selective policy keeps from its forward to its backward, measured as the
     live storages its forward leaves behind (less its output), against memory's per-block selective bytes."""
-    from fluxzero.train.engine import apply_activation_checkpointing
+    from fluxzero.train.recompute import apply_activation_checkpointing
 
     att = "math" if attention == "math" else "flash"
     I, T, B = 48, 24, 2

@@ -31,7 +31,7 @@ def test_gen_config_writes_the_fp8_recipe_and_check_refuses_a_bad_one():
 
 def _losses(fp8: bool, steps: int = 20) -> list[float]:
     from fluxzero.model import build_model
-    from fluxzero.train.engine import apply_fp8
+    from fluxzero.train.fp8 import apply_fp8
 
     torch.manual_seed(0)
     model = build_model("flux-tiny", dtype=torch.bfloat16)
@@ -50,7 +50,7 @@ def _worst_layer_error(broken_scale: bool = False) -> float:
     import torchao.float8.float8_linear as fl
 
     from fluxzero.model import build_model
-    from fluxzero.train.engine import apply_fp8
+    from fluxzero.train.fp8 import apply_fp8
 
     torch.manual_seed(1)
     model = build_model("flux-tiny", dtype=torch.bfloat16)

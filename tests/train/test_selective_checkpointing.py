@@ -13,7 +13,7 @@ from fluxzero.config.deepspeed import check as ds_check
 from fluxzero.model import build_model
 from fluxzero.model.compile import apply_compile
 from fluxzero.train.distributed import TrainingError
-from fluxzero.train.engine import apply_activation_checkpointing, checkpoint_function, checkpointed_indices
+from fluxzero.train.recompute import apply_activation_checkpointing, checkpoint_function, checkpointed_indices
 
 
 def _grads(how: str, every: int = 1) -> list[torch.Tensor]:

@@ -86,7 +86,7 @@ def _worker(rank, world, port, jobs, out_file):
         with open(out_file, "w") as f:
             json.dump(results, f)
     # Leave without interpreter teardown: a gloo group's threads can abort a finished rank there
-    # ("terminate called without an active exception"); see fluxzero.train.engine._destroy_group_at_exit.
+    # ("terminate called without an active exception"); see fluxzero.train.distributed._destroy_group_at_exit.
     os._exit(0)
 
 

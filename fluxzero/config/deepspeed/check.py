@@ -26,7 +26,7 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 CHECKPOINT_IMPLS = ("torch", "deepspeed")
 # What a checkpointed block keeps for backward: only its inputs ("full": everything else is recomputed), or also
 # its matmul and attention outputs ("selective": torch.utils.checkpoint with a policy, only the cheap pointwise
-# ops are recomputed; fluxzero.train.engine.selective_policy)
+# ops are recomputed; fluxzero.train.recompute.selective_policy)
 CHECKPOINT_POLICIES = ("full", "selective")
 # torch.compile modes without CUDA graphs ("reduce-overhead" and "max-autotune" capture them): a captured graph
 # replays fixed memory addresses, while ZeRO-3 gathers parameters into fresh buffers every step and
@@ -124,7 +124,7 @@ def combination_problems(v: DSView, name=config_name, zero_keys=()) -> list[str]
             f"{name('optimizer')} {v.optimizer} is not one ZeRO is tested with (DeepSpeed stops at engine "
             f"start): use AdamW, or set zero_allow_untested_optimizer: true"
         )
-    # torchao's Float8Linear is not tested with ZeRO-3's partitioned parameters (fluxzero.train.engine.apply_fp8)
+    # torchao's Float8Linear is not tested with ZeRO-3's partitioned parameters (fluxzero.train.fp8.apply_fp8)
     if v.fp8 and stage == 3:
         p.append(
             f"{name('fp8')} with ZeRO-3 is not supported (not tested with partitioned parameters): set {S} 2 "

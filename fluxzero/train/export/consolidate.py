@@ -4,7 +4,10 @@ checkpoint, in the layout and dtype asked). full.py (full weights) and lora.py (
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
+import os
 import re
 from pathlib import Path
 
@@ -99,8 +102,6 @@ def _consolidate(ckpt_dir: Path, tag: str) -> dict:
             raise TrainingError(f"checkpoint {tag_dir} is incomplete or corrupt ({problem}); {advice}")
     try:
         if glob.glob(str(tag_dir / "*zero_pp_rank_*optim_states.pt")):
-            from fluxzero.train.engine import zero_fp32_state_dict  # DeepSpeed's own zero_to_fp32
-
             sd = zero_fp32_state_dict(str(ckpt_dir), tag)
         else:  # ZeRO stage 0: model and optimizer states in one file
             sd = _stage0_master_weights(
@@ -139,6 +140,17 @@ def _saved_world_step(tag_dir: Path, advice: str) -> tuple[int, int]:
         raise TrainingError(
             f"checkpoint {tag_dir} holds no fluxzero trainer state in {state_file.name}; {advice}"
         ) from None
+
+
+def zero_fp32_state_dict(ckpt_dir: str, tag: str) -> dict:
+    """The fp32 master weights of a ZeRO-1/2/3 checkpoint, merged from every rank's partition by DeepSpeed's
+    own zero_to_fp32 (one CPU process)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    # it prints five lines of its own bookkeeping per export; its shard progress bar (stderr) stays
+    quiet = contextlib.nullcontext() if os.environ.get("FLUXZERO_DEBUG") else contextlib.redirect_stdout(io.StringIO())
+    with quiet:
+        return get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag=tag)
 
 
 def _stage0_master_weights(states: dict) -> dict:
