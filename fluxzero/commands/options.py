@@ -10,8 +10,8 @@ import click
 from click.core import ParameterSource
 
 from fluxzero import plan as memory
-from fluxzero.config.ema import EMA_DEVICES, EMA_DTYPES
-from fluxzero.config.lora import ADAPTER_TYPES, DEFAULT_TARGETS, TARGET_PRESETS
+from fluxzero.config.ema import EMA_DEVICES, EMA_DTYPES, EmaConfig
+from fluxzero.config.lora import ADAPTER_TYPES, DEFAULT_TARGETS, TARGET_PRESETS, LoraConfig
 
 POS = click.IntRange(min=1)
 NONNEG = click.IntRange(min=0)
@@ -203,13 +203,33 @@ ADAPTER_OPTIONS = [
 ADAPTER_KEYS = ("lora_type", "lora_factor", "lora_decompose_both")
 
 
-def adapter_fields(values: dict) -> dict:
-    """RunSpec's adapter fields from the ADAPTER_OPTIONS values (their defaults where absent)."""
-    return {
-        "lora_type": values.get("lora_type", "lora"),
-        "lora_factor": values.get("lora_factor", -1),
-        "lora_decompose_both": values.get("lora_decompose_both", False),
-    }
+def lora_section(values: dict, base_quant: str = "none") -> LoraConfig | None:
+    """The run file's `lora:` section that --lora-rank, --lora-targets, --lora-dropout (where the command has it)
+    and ADAPTER_OPTIONS describe, with `base_quant` (--fit's "auto" as none); None for rank 0. A UsageError for
+    adapter options or a quantized base without a rank; ValueError (naming the lora.KEY) for a section the
+    trainer refuses."""
+    if not values["lora_rank"]:
+        if values["lora_type"] != "lora" or values["lora_factor"] != -1 or values["lora_decompose_both"]:
+            raise click.UsageError(
+                "--lora-type, --lora-factor and --lora-decompose-both describe adapters: give --lora-rank too"
+            )
+        if base_quant not in ("none", "auto"):
+            raise click.UsageError(f"--base-quant {base_quant} quantizes the frozen base of a LoRA: add --lora-rank")
+        return None
+    return LoraConfig(
+        rank=values["lora_rank"],
+        targets=parse_lora_targets(values["lora_targets"]),
+        dropout=values.get("lora_dropout", 0.0),
+        type=values["lora_type"],
+        factor=values["lora_factor"],
+        decompose_both=values["lora_decompose_both"],
+        base_quant="none" if base_quant == "auto" else base_quant,
+    )
+
+
+def ema_section(dtype: str, device: str) -> EmaConfig | None:
+    """The run file's `ema:` section that --ema and --ema-device describe (None for --ema none)."""
+    return None if dtype == "none" else EmaConfig(dtype=dtype, device=device)
 
 
 def ema(dest: str = "ema", when: str = ""):

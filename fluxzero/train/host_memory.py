@@ -106,16 +106,7 @@ def run_host_need(
         h, w = max(latent_sizes, key=lambda s: s[0] * s[1])
         if (8 * h) % 16 == 0 and (8 * w) % 16 == 0:
             height, width = 8 * h, 8 * w
-    if ema is not None:
-        fields.update(ema=ema.dtype, ema_device=ema.device)
-    if lora is not None:
-        targets = lora.targets if isinstance(lora.targets, str) else tuple(lora.targets)
-        fields.update(
-            lora_rank=lora.rank,
-            lora_targets=targets,
-            lora_dropout=lora.dropout,
-            base_quant=None if lora.base_quant == "none" else lora.base_quant,
-        )
+    fields.update(memory.section_fields(lora, ema))
     local = max(1, min(local_world, world))
     spec = memory.RunSpec(
         model_cfg,
