@@ -210,7 +210,7 @@ def build_spec(
     fields["optimizer_impl"] = optimizer_impl(adam_impl)
     try:  # the run file's sections these options describe, as the trainer reads them
         lora = options.lora_section(values, values["base_quant"])
-        sections = memory.section_fields(lora, options.ema_section(values["ema"], values["ema_device"]))
+        ema = options.ema_section(values["ema"], values["ema_device"])
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     fields["zero"] = memory.gen_config_zero(model, fields["stage"])
@@ -268,14 +268,13 @@ def build_spec(
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     try:
-        if (
-            fields.get("optimizer_mode")
-            and optim_modes.get_mode(fields["optimizer_mode"]).master_dtype == "bf16"
-            and ctx.get_parameter_source("precision") != ParameterSource.COMMANDLINE
-        ):
-            fields["precision"] = "bf16"
-        return memory.RunSpec(
+        if ctx.get_parameter_source("precision") != ParameterSource.COMMANDLINE:
+            fields["precision"] = optim_modes.trained_precision(fields.get("optimizer_mode"), fields["precision"])
+        return memory.RunSpec.from_run(
             shape,
+            lora=lora,
+            ema=ema,
+            weights=weights,
             nodes=nodes,
             gpus_per_node=gpus_per_node,
             height=h,
@@ -283,9 +282,7 @@ def build_spec(
             txt_len=txt_len,
             attention=attention,
             expandable_segments=expandable_segments,
-            load_bytes=4 if weights else 0,
             **fields,
-            **sections,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None

@@ -1,5 +1,5 @@
-"""The options `estimate` and `gen-config` share: one name, one meaning, one list of choices (from the config
-modules), one default. Pure: no torch import.
+"""The options commands share (`estimate` and `gen-config`; `cache`, `sample` and `encode-prompts`): one name,
+one meaning, one list of choices (from the config modules), one default. Pure: no torch import.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from click.core import ParameterSource
 from fluxzero import plan as memory
 from fluxzero.config.ema import EMA_DEVICES, EMA_DTYPES, EmaConfig
 from fluxzero.config.lora import ADAPTER_TYPES, DEFAULT_TARGETS, TARGET_PRESETS, LoraConfig
+from fluxzero.data.encode import T5_MAX_TOKENS
 
 POS = click.IntRange(min=1)
+DIR = click.Path(file_okay=False, path_type=str)
 NONNEG = click.IntRange(min=0)
 
 
@@ -253,6 +255,47 @@ def ema_device(dest: str = "ema_device", when: str = ""):
         show_default=True,
         help=f"{when}Where the EMA lives (ema.device).",
     )
+
+
+def encoders(t5_length_help: str):
+    """--flux-dir and the folders that override its parts (--vae, --t5, --clip, --t5-tokenizer, --clip-tokenizer),
+    then --t5-max-length with `t5_length_help` (what the length is of, and its default, differ per command)."""
+    folders = [
+        click.option(
+            "--flux-dir",
+            type=DIR,
+            default=None,
+            help="Local FLUX.1 diffusers folder: vae/, text_encoder/ (CLIP), text_encoder_2/ (T5), tokenizer/, "
+            "tokenizer_2/.",
+        ),
+        click.option("--vae", type=DIR, default=None, help="diffusers AutoencoderKL folder (overrides FLUX_DIR/vae)."),
+        click.option(
+            "--t5",
+            type=DIR,
+            default=None,
+            help="transformers T5EncoderModel folder (overrides FLUX_DIR/text_encoder_2).",
+        ),
+        click.option(
+            "--clip",
+            type=DIR,
+            default=None,
+            help="transformers CLIPTextModel folder (overrides FLUX_DIR/text_encoder).",
+        ),
+        click.option(
+            "--t5-tokenizer", type=DIR, default=None, help="T5 tokenizer folder (overrides FLUX_DIR/tokenizer_2)."
+        ),
+        click.option(
+            "--clip-tokenizer", type=DIR, default=None, help="CLIP tokenizer folder (overrides FLUX_DIR/tokenizer)."
+        ),
+        click.option("--t5-max-length", type=click.IntRange(1, T5_MAX_TOKENS), default=None, help=t5_length_help),
+    ]
+
+    def decorate(fn):
+        for decorator in reversed(folders):
+            fn = decorator(fn)
+        return fn
+
+    return decorate
 
 
 def renamed(old: str, new: str, dest: str, type_=None, note: str = ""):

@@ -325,7 +325,7 @@ def fit(  # noqa: C901
     closest = None  # (label, spec) of the last row rejected by memory: the grid's leanest that was estimated
     for st, oo, op, mode, quant in grid:
         label = _row_label(st, oo, op, mode, quant)
-        precision = "bf16" if mode is not None and optim_modes.get_mode(mode).master_dtype == "bf16" else base.precision
+        precision = optim_modes.trained_precision(mode, base.precision)
         row = {
             "stage": st,
             "offload_optimizer": oo,

@@ -175,11 +175,9 @@ def run_options_from_ds_config(ds: dict, world_size: int | None = None, v: ds_vi
     if v.checkpoint_impl == "deepspeed":
         out["cpu_checkpointing"] = v.cpu_checkpointing
     out["zero"] = ZeroSettings.from_view(v)
-    zero = ds.get("zero_optimization")
-    for key in ("offload_optimizer", "offload_param"):  # DeepSpeed's default: not pinned
-        section = zero.get(key) if isinstance(zero, dict) else None
-        if isinstance(section, dict):
-            out[f"pin_{key}"] = section.get("pin_memory", False) is True
+    for key in ("pin_offload_optimizer", "pin_offload_param"):  # without the section, the run's own default
+        if getattr(v, key) is not None:
+            out[key] = getattr(v, key)
     return out
 
 
@@ -339,6 +337,16 @@ class RunSpec:
     def img_tokens(self) -> int:
         """Image tokens through the blocks: the target's, then a Kontext model's reference tokens."""
         return image_tokens(self.height, self.width) + self.reference_tokens
+
+    @classmethod
+    def from_run(
+        cls, model, *, lora: LoraConfig | None = None, ema: EmaConfig | None = None, weights: bool = True, **fields
+    ) -> RunSpec:
+        """The spec of a run given as its records: the run file's `lora:` and `ema:` sections (None: none;
+        section_fields), whether pretrained `weights` are read (each rank reads the file one tensor at a time, an
+        fp32 file at worst: load_bytes), and any other RunSpec `fields` (what a DeepSpeed config decides:
+        run_options_from_ds_config; the topology, image size and text length)."""
+        return cls(model, load_bytes=4 if weights else 0, **section_fields(lora, ema), **fields)
 
     def replace(self, **changes) -> RunSpec:
         return dataclasses.replace(self, **changes)
