@@ -550,7 +550,7 @@ def check_config(file, hostfile, world_size, run_deepspeed):
     elif implied:  # all three batch keys set: they divide for this one world size only
         v = ds_view.view(cfg)
         where = (
-            f"world size {implied} only: train_batch_size {v.train_batch} = micro batch {v.micro_batch} x "
+            f"world size {implied} only: train_batch_size {v.global_batch} = micro batch {v.micro_batch} x "
             f"accumulation {v.grad_accum} x {implied} ranks; launch {implied} ranks or regenerate the batch "
             f"sizes"
         )

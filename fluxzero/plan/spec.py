@@ -155,7 +155,7 @@ def run_options_from_ds_config(ds: dict, world_size: int | None = None, v: ds_vi
             raise ValueError(f"{key} must be an integer, got {getattr(v, ours)!r}")
     if isinstance(v.micro_batch, int):
         out["micro_batch"] = v.micro_batch
-    elif world_size and v.train_batch is not None:
+    elif world_size and v.global_batch is not None:
         try:
             out["micro_batch"] = v.batch_for(world_size)[0]
         except (ds_view.DSConfigError, TypeError):

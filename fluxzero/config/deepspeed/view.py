@@ -44,7 +44,7 @@ class DSView:
     zero_settings: tuple = dataclasses.field(default=(), hash=False)  # values may be JSON objects (unhashable)
     micro_batch: int | None = None  # train_micro_batch_size_per_gpu; None: not set (or "auto")
     grad_accum: int | None = None  # gradient_accumulation_steps; None: not set (DeepSpeed derives it, or 1)
-    train_batch: int | None = None  # train_batch_size
+    global_batch: int | None = None  # train_batch_size (gen-config's --global-batch)
     gradient_clipping: float | None = None  # None: not set (deepspeed 0.19.8 then clips at 1.0)
     checkpoint_every: int = 0  # fluxzero.activation_checkpointing.every_k_blocks; 0 = none
     checkpoint_impl: str = "torch"  # "torch" | "deepspeed"
@@ -127,7 +127,7 @@ class DSView:
 
         Raises DSConfigError with one sentence when the config does not divide for that world size.
         """
-        micro, accum, train = self.micro_batch, self.grad_accum, self.train_batch
+        micro, accum, train = self.micro_batch, self.grad_accum, self.global_batch
         if micro is None and train is None:
             raise DSConfigError("train_micro_batch_size_per_gpu is not set: set it (and gradient_accumulation_steps)")
         if micro is not None and accum is None:
@@ -201,7 +201,7 @@ def view(ds: dict) -> DSView:
         ),
         micro_batch=_int_or_none(ds, "train_micro_batch_size_per_gpu"),
         grad_accum=_int_or_none(ds, "gradient_accumulation_steps"),
-        train_batch=_int_or_none(ds, "train_batch_size"),
+        global_batch=_int_or_none(ds, "train_batch_size"),
         gradient_clipping=None if clip is None else clip,
         checkpoint_every=fac.get("every_k_blocks", 0),
         checkpoint_impl=fac.get("implementation", "torch"),
