@@ -185,6 +185,18 @@ CHECKPOINT_CHOICES = (0, 8, 4, 2, 1)  # every k-th block: none, 1/8, 1/4, 1/2, a
 # Optimizer modes --fit tries, best training quality first: None = DeepSpeed's own optimizer on fp32 masters (the
 # reference), then the modes by their fit_rank (fluxzero.config.optim_modes, FIT_ORDER_NOTE says why that order)
 FIT_MODES: tuple[str | None, ...] = (None, *optim_modes.fit_modes())
+# The RunSpec fields fit can pin (`fixed`): what the user chose himself is kept, fit chooses the rest
+FIT_PINS = (
+    "stage",
+    "offload_optimizer",
+    "offload_param",
+    "micro_batch",
+    "checkpoint_every",
+    "checkpoint_policy",
+    "optimizer_mode",
+    "base_quant",
+    "offload_blocks",
+)
 
 
 def fit_grid(
@@ -725,19 +737,8 @@ def _try(base: RunSpec, **changes) -> RunSpec | None:
 # ---------------------------------------------------------------------------------------------------------
 # gen-config --fit: the search over the configs gen-config can write, and what it says
 # ---------------------------------------------------------------------------------------------------------
-# What fit can pin (what the user set himself is kept, fit chooses the rest), and the gen-config options that set
-# them (their RunSpec fields, OPTION_FIELDS)
-FIT_PINS = (
-    "stage",
-    "offload_optimizer",
-    "offload_param",
-    "micro_batch",
-    "checkpoint_every",
-    "checkpoint_policy",
-    "optimizer_mode",
-    "base_quant",
-    "offload_blocks",
-)
+# The gen-config options that set a fit pin (by their RunSpec fields, OPTION_FIELDS): what the user set himself is
+# kept, --fit chooses the rest
 GEN_CONFIG_PINS = {option: name for option, name in OPTION_FIELDS.items() if name in FIT_PINS}
 # Host memory that common machines have per GPU: a 24 GB desktop card usually sits in a 64 GB machine, cloud
 # GPU instances give 60-250 GB per GPU. Without --host-memory a choice that needs more says so on its last line.
