@@ -6,11 +6,11 @@ import json
 
 import click
 
+from fluxzero.commands import options
 from fluxzero.commands.options import Finite
 from fluxzero.config.run import MAX_SEED
-from fluxzero.data.encode import T5_MAX_TOKENS
 
-_DIR = click.Path(file_okay=False, path_type=str)
+_DIR = options.DIR
 # import name -> pip name of what `fluxzero cache` needs beyond the trainer (setup.cfg's [cache] extra)
 _NEEDS = {
     "torch": "torch",
@@ -40,33 +40,13 @@ def check_dependencies(command: str = "fluxzero cache", without: tuple[str, ...]
 @click.argument("images_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.argument("out_dir", type=_DIR)
 @click.option(
-    "--flux-dir",
-    type=_DIR,
-    default=None,
-    help="Local FLUX.1 diffusers folder: vae/, text_encoder/ (CLIP), text_encoder_2/ (T5), tokenizer/, tokenizer_2/.",
-)
-@click.option("--vae", type=_DIR, default=None, help="diffusers AutoencoderKL folder (overrides FLUX_DIR/vae).")
-@click.option(
-    "--t5", type=_DIR, default=None, help="transformers T5EncoderModel folder (overrides FLUX_DIR/text_encoder_2)."
-)
-@click.option(
-    "--clip", type=_DIR, default=None, help="transformers CLIPTextModel folder (overrides FLUX_DIR/text_encoder)."
-)
-@click.option("--t5-tokenizer", type=_DIR, default=None, help="T5 tokenizer folder (overrides FLUX_DIR/tokenizer_2).")
-@click.option("--clip-tokenizer", type=_DIR, default=None, help="CLIP tokenizer folder (overrides FLUX_DIR/tokenizer).")
-@click.option(
     "--variant",
     type=click.Choice(["dev", "schnell"]),
     default="dev",
     show_default=True,
     help="FLUX.1 variant: sets the T5 length (dev 512 tokens, schnell 256).",
 )
-@click.option(
-    "--t5-max-length",
-    type=click.IntRange(1, T5_MAX_TOKENS),
-    default=None,
-    help="T5 tokens per caption (padded); overrides the variant's length.",
-)
+@options.encoders("T5 tokens per caption (padded); overrides the variant's length.")
 @click.option(
     "--resolution",
     type=click.IntRange(min=16),

@@ -18,7 +18,6 @@ from fluxzero.commands.model_spec import MODEL_SPEC
 from fluxzero.commands.options import (
     ADAPTER_KEYS,
     ADAPTER_OPTIONS,
-    adapter_fields,
     gpu_memory_from,
     parse_lora_targets,
     topology_from,
@@ -314,8 +313,10 @@ def fit_options(fn):
     return options.renamed("--fit-margin", "--margin", "margin", options.FRACTION)(wrapper)
 
 
-def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node, world_size) -> memory.GenConfigFit:
-    """Run memory.fit_gen_config for gen-config's flags; prints its lines on stderr. A UsageError when the
+def apply_fit(
+    request: dict, lora, preset, given: dict, hostfile, nodes, gpus_per_node, world_size
+) -> memory.GenConfigFit:
+    """Run memory.fit_gen_config for gen-config's flags (`lora`: the run file's lora section they describe); prints its lines on stderr. A UsageError when the
     request cannot be searched; when nothing fits, what would on stderr and one sentence (exit 2, nothing written)."""
     one_gpu = hostfile is None and gpus_per_node is None and world_size is None
     if hostfile is not None:
@@ -333,16 +334,8 @@ def apply_fit(request: dict, preset, given: dict, hostfile, nodes, gpus_per_node
         raise click.UsageError("\n".join(e.problems)) from None
     h, w = request["resolution"]
     try:
-        run = {
-            "height": h,
-            "width": w,
-            "txt_len": request["txt_len"],
-            "lora_rank": request["lora_rank"],
-            "lora_targets": parse_lora_targets(request["lora_targets"]),
-            **(adapter_fields(request) if request["lora_rank"] else {}),
-            "ema": None if request["fit_ema"] == "none" else request["fit_ema"],
-            "ema_device": request["fit_ema_device"],
-        }
+        ema = options.ema_section(request["fit_ema"], request["fit_ema_device"])
+        run = {"height": h, "width": w, "txt_len": request["txt_len"], **memory.section_fields(lora, ema)}
         req = memory.FitRequest(
             memory.Hardware(capacity, request["host_memory"], nodes, gpus_per_node),
             run,
@@ -434,50 +427,37 @@ def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, 
         if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
     }
     request, plan = fit, None
-    if request["lora_rank"]:
-        from fluxzero.config.lora import LoraConfig
-        from fluxzero.config.models import resolve_model
+    try:  # the trainer's checks of the run file's lora section, so the printed `lora:` line trains
+        lora = options.lora_section(request, request["base_quant"])
+        if lora is not None:
+            from fluxzero.config.models import resolve_model
 
-        try:  # the trainer's checks of the run file's lora section, so the printed `lora:` line trains
-            LoraConfig(
-                rank=request["lora_rank"],
-                targets=parse_lora_targets(request["lora_targets"]),
-                type=request["lora_type"],
-                factor=request["lora_factor"],
-                decompose_both=request["lora_decompose_both"],
-                base_quant="none" if request["base_quant"] == "auto" else request["base_quant"],
-            ).check_model(resolve_model(fields["model"]))
-        except ValueError as e:
-            hints = {
-                k: f"--lora-{k.replace('_', '-')}" for k in ("rank", "targets", "type", "factor", "decompose_both")
-            }
-            hint = next(
-                (h for k, h in {**hints, "base_quant": "--base-quant"}.items() if str(e).startswith(f"lora.{k}")),
-                "--lora-type",
-            )
-            raise click.BadParameter(str(e), param_hint=hint) from None
-        mode = optim_modes.MODES.get(fields.get("optimizer_mode") or "")
-        if mode is not None and mode.fused:  # the trainer's rule (train.engine.plan_streaming)
-            raise click.UsageError(
-                f"--optimizer-mode {mode.name} is for full fine-tunes; a LoRA trains few tensors "
-                f"and needs no fused step: choose another --optimizer-mode or drop --lora-rank"
-            )
-    elif request["lora_type"] != "lora" or request["lora_factor"] != -1 or request["lora_decompose_both"]:
+            lora.check_model(resolve_model(fields["model"]))
+    except ValueError as e:
+        hints = {k: f"--lora-{k.replace('_', '-')}" for k in ("rank", "targets", "type", "factor", "decompose_both")}
+        hint = next(
+            (h for k, h in {**hints, "base_quant": "--base-quant"}.items() if str(e).startswith(f"lora.{k}")),
+            "--lora-type",
+        )
+        raise click.BadParameter(str(e), param_hint=hint) from None
+    mode = optim_modes.MODES.get(fields.get("optimizer_mode") or "")
+    if lora is not None and mode is not None and mode.fused:  # the trainer's rule (train.engine.plan_streaming)
         raise click.UsageError(
-            "--lora-type, --lora-factor and --lora-decompose-both describe adapters: give --lora-rank too"
+            f"--optimizer-mode {mode.name} is for full fine-tunes; a LoRA trains few tensors "
+            f"and needs no fused step: choose another --optimizer-mode or drop --lora-rank"
         )
     if request["fit"]:  # memory.fit picks stage, offload, micro batch, checkpointing; what was given stays pinned
-        plan = apply_fit(request, preset, given, hostfile, nodes, gpus_per_node, world_size)
+        plan = apply_fit(request, lora, preset, given, hostfile, nodes, gpus_per_node, world_size)
         given.update(plan.overrides)
     try:
-        options = ds_config.options_from(preset, lora=request["lora_rank"] > 0, world_size=world, **given)
-        if plan and options.nvme_path and "nvme" not in (options.offload_optimizer, options.offload_param):
+        ds_options = ds_config.options_from(preset, lora=request["lora_rank"] > 0, world_size=world, **given)
+        if plan and ds_options.nvme_path and "nvme" not in (ds_options.offload_optimizer, ds_options.offload_param):
             click.echo(
-                f"gen-config --fit: the choice needs no NVMe; --nvme-path {options.nvme_path} is left out", err=True
+                f"gen-config --fit: the choice needs no NVMe; --nvme-path {ds_options.nvme_path} is left out", err=True
             )
-            options = options.replace(nvme_path=None)
-        # options that choose settings for the user (e.g. a memory fit) adjust `options` here, before build
-        cfg = ds_config.build(options)
+            ds_options = ds_options.replace(nvme_path=None)
+        # options that choose settings for the user (e.g. a memory fit) adjust `ds_options` here, before build
+        cfg = ds_config.build(ds_options)
     except DSConfigError as e:
         raise click.UsageError("\n".join(e.problems)) from None
     text = ds_config.to_json(cfg)
@@ -570,7 +550,7 @@ def check_config(file, hostfile, world_size, run_deepspeed):
     elif implied:  # all three batch keys set: they divide for this one world size only
         v = ds_view.view(cfg)
         where = (
-            f"world size {implied} only: train_batch_size {v.train_batch} = micro batch {v.micro_batch} x "
+            f"world size {implied} only: train_batch_size {v.global_batch} = micro batch {v.micro_batch} x "
             f"accumulation {v.grad_accum} x {implied} ranks; launch {implied} ranks or regenerate the batch "
             f"sizes"
         )

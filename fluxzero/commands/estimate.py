@@ -17,9 +17,7 @@ from fluxzero.commands.options import (
     ADAPTER_OPTIONS,
     POS,
     Finite,
-    adapter_fields,
     gpu_memory_from,
-    parse_lora_targets,
     topology_from,
 )
 from fluxzero.config import get_model_config, optim_modes, reshaped
@@ -193,20 +191,6 @@ def _with_options(fn):
     return fn
 
 
-_SPEC_OPTIONS = {
-    "micro_batch": "micro_batch",
-    "precision": "precision",
-    "zero_stage": "stage",
-    "offload_optimizer": "offload_optimizer",
-    "offload_param": "offload_param",
-    "checkpoint_every": "checkpoint_every",
-    "checkpoint_policy": "checkpoint_policy",
-    "optimizer": "optimizer",
-    "optimizer_mode": "optimizer_mode",
-    "offload_blocks": "offload_blocks",
-}
-
-
 def build_spec(
     ctx,
     model,
@@ -222,17 +206,13 @@ def build_spec(
     **values,
 ) -> memory.RunSpec:
     """RunSpec from defaults < DeepSpeed config (--ds-config) < options given on the command line."""
-    fields = {ours: values[opt] for opt, ours in _SPEC_OPTIONS.items()}
+    fields = {ours: values[opt] for opt, ours in memory.OPTION_FIELDS.items()}
     fields["optimizer_impl"] = optimizer_impl(adam_impl)
-    lora = {
-        "lora_rank": values.get("lora_rank", 0),
-        "lora_targets": parse_lora_targets(values.get("lora_targets", DEFAULT_TARGETS)),
-        "lora_dropout": values.get("lora_dropout", 0.0),
-        **adapter_fields(values),
-        "base_quant": None if values.get("base_quant", "none") == "none" else values["base_quant"],
-        "ema": None if values.get("ema", "none") == "none" else values["ema"],
-        "ema_device": values.get("ema_device", "gpu"),
-    }
+    try:  # the run file's sections these options describe, as the trainer reads them
+        lora = options.lora_section(values, values["base_quant"])
+        ema = options.ema_section(values["ema"], values["ema_device"])
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     fields["zero"] = memory.gen_config_zero(model, fields["stage"])
     if ds_path is not None:
         from fluxzero.config.deepspeed import check as ds_check
@@ -269,7 +249,9 @@ def build_spec(
                 err=True,
             )
         given = {
-            ours for opt, ours in _SPEC_OPTIONS.items() if ctx.get_parameter_source(opt) == ParameterSource.COMMANDLINE
+            ours
+            for opt, ours in memory.OPTION_FIELDS.items()
+            if ctx.get_parameter_source(opt) == ParameterSource.COMMANDLINE
         }
         if ctx.get_parameter_source("adam_impl") == ParameterSource.COMMANDLINE:
             given.add("optimizer_impl")
@@ -286,14 +268,13 @@ def build_spec(
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     try:
-        if (
-            fields.get("optimizer_mode")
-            and optim_modes.get_mode(fields["optimizer_mode"]).master_dtype == "bf16"
-            and ctx.get_parameter_source("precision") != ParameterSource.COMMANDLINE
-        ):
-            fields["precision"] = "bf16"
-        return memory.RunSpec(
+        if ctx.get_parameter_source("precision") != ParameterSource.COMMANDLINE:
+            fields["precision"] = optim_modes.trained_precision(fields.get("optimizer_mode"), fields["precision"])
+        return memory.RunSpec.from_run(
             shape,
+            lora=lora,
+            ema=ema,
+            weights=weights,
             nodes=nodes,
             gpus_per_node=gpus_per_node,
             height=h,
@@ -301,9 +282,7 @@ def build_spec(
             txt_len=txt_len,
             attention=attention,
             expandable_segments=expandable_segments,
-            load_bytes=4 if weights else 0,
             **fields,
-            **lora,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None

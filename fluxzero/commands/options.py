@@ -1,5 +1,5 @@
-"""The options `estimate` and `gen-config` share: one name, one meaning, one list of choices (from the config
-modules), one default. Pure: no torch import.
+"""The options commands share (`estimate` and `gen-config`; `cache`, `sample` and `encode-prompts`): one name,
+one meaning, one list of choices (from the config modules), one default. Pure: no torch import.
 """
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ import click
 from click.core import ParameterSource
 
 from fluxzero import plan as memory
-from fluxzero.config.ema import EMA_DEVICES, EMA_DTYPES
-from fluxzero.config.lora import ADAPTER_TYPES, DEFAULT_TARGETS, TARGET_PRESETS
+from fluxzero.config.ema import EMA_DEVICES, EMA_DTYPES, EmaConfig
+from fluxzero.config.lora import ADAPTER_TYPES, DEFAULT_TARGETS, TARGET_PRESETS, LoraConfig
+from fluxzero.data.encode import T5_MAX_TOKENS
 
 POS = click.IntRange(min=1)
+DIR = click.Path(file_okay=False, path_type=str)
 NONNEG = click.IntRange(min=0)
 
 
@@ -203,13 +205,33 @@ ADAPTER_OPTIONS = [
 ADAPTER_KEYS = ("lora_type", "lora_factor", "lora_decompose_both")
 
 
-def adapter_fields(values: dict) -> dict:
-    """RunSpec's adapter fields from the ADAPTER_OPTIONS values (their defaults where absent)."""
-    return {
-        "lora_type": values.get("lora_type", "lora"),
-        "lora_factor": values.get("lora_factor", -1),
-        "lora_decompose_both": values.get("lora_decompose_both", False),
-    }
+def lora_section(values: dict, base_quant: str = "none") -> LoraConfig | None:
+    """The run file's `lora:` section that --lora-rank, --lora-targets, --lora-dropout (where the command has it)
+    and ADAPTER_OPTIONS describe, with `base_quant` (--fit's "auto" as none); None for rank 0. A UsageError for
+    adapter options or a quantized base without a rank; ValueError (naming the lora.KEY) for a section the
+    trainer refuses."""
+    if not values["lora_rank"]:
+        if values["lora_type"] != "lora" or values["lora_factor"] != -1 or values["lora_decompose_both"]:
+            raise click.UsageError(
+                "--lora-type, --lora-factor and --lora-decompose-both describe adapters: give --lora-rank too"
+            )
+        if base_quant not in ("none", "auto"):
+            raise click.UsageError(f"--base-quant {base_quant} quantizes the frozen base of a LoRA: add --lora-rank")
+        return None
+    return LoraConfig(
+        rank=values["lora_rank"],
+        targets=parse_lora_targets(values["lora_targets"]),
+        dropout=values.get("lora_dropout", 0.0),
+        type=values["lora_type"],
+        factor=values["lora_factor"],
+        decompose_both=values["lora_decompose_both"],
+        base_quant="none" if base_quant == "auto" else base_quant,
+    )
+
+
+def ema_section(dtype: str, device: str) -> EmaConfig | None:
+    """The run file's `ema:` section that --ema and --ema-device describe (None for --ema none)."""
+    return None if dtype == "none" else EmaConfig(dtype=dtype, device=device)
 
 
 def ema(dest: str = "ema", when: str = ""):
@@ -233,6 +255,47 @@ def ema_device(dest: str = "ema_device", when: str = ""):
         show_default=True,
         help=f"{when}Where the EMA lives (ema.device).",
     )
+
+
+def encoders(t5_length_help: str):
+    """--flux-dir and the folders that override its parts (--vae, --t5, --clip, --t5-tokenizer, --clip-tokenizer),
+    then --t5-max-length with `t5_length_help` (what the length is of, and its default, differ per command)."""
+    folders = [
+        click.option(
+            "--flux-dir",
+            type=DIR,
+            default=None,
+            help="Local FLUX.1 diffusers folder: vae/, text_encoder/ (CLIP), text_encoder_2/ (T5), tokenizer/, "
+            "tokenizer_2/.",
+        ),
+        click.option("--vae", type=DIR, default=None, help="diffusers AutoencoderKL folder (overrides FLUX_DIR/vae)."),
+        click.option(
+            "--t5",
+            type=DIR,
+            default=None,
+            help="transformers T5EncoderModel folder (overrides FLUX_DIR/text_encoder_2).",
+        ),
+        click.option(
+            "--clip",
+            type=DIR,
+            default=None,
+            help="transformers CLIPTextModel folder (overrides FLUX_DIR/text_encoder).",
+        ),
+        click.option(
+            "--t5-tokenizer", type=DIR, default=None, help="T5 tokenizer folder (overrides FLUX_DIR/tokenizer_2)."
+        ),
+        click.option(
+            "--clip-tokenizer", type=DIR, default=None, help="CLIP tokenizer folder (overrides FLUX_DIR/tokenizer)."
+        ),
+        click.option("--t5-max-length", type=click.IntRange(1, T5_MAX_TOKENS), default=None, help=t5_length_help),
+    ]
+
+    def decorate(fn):
+        for decorator in reversed(folders):
+            fn = decorator(fn)
+        return fn
+
+    return decorate
 
 
 def renamed(old: str, new: str, dest: str, type_=None, note: str = ""):

@@ -6,62 +6,16 @@ from pathlib import Path
 
 import click
 
+from fluxzero.commands import options
 from fluxzero.config.run import MAX_SEED
-from fluxzero.data.encode import T5_MAX_TOKENS
 
 from . import refuse_existing
 
 # fluxzero.model.math.ATTENTION_BACKENDS' names, spelled here so `--help` needs no torch (tests/sampling checks they agree)
 ATTENTION_CHOICES = ("auto", "any", "flash", "efficient", "cudnn", "math")
 CUDA_ONLY_ATTENTION = ("efficient", "cudnn")  # torch's CPU SDPA has flash and math only
-_DIR = click.Path(file_okay=False, path_type=str)
+_DIR = options.DIR
 _FILE = click.Path(dir_okay=False, path_type=Path)
-
-
-def _encoder_options(f):
-    """The encoder folders, spelled as `fluxzero cache` takes them."""
-    for decorator in reversed(
-        [
-            click.option(
-                "--flux-dir",
-                type=_DIR,
-                default=None,
-                help="Local FLUX.1 diffusers folder: vae/, text_encoder/ (CLIP), text_encoder_2/ (T5), tokenizer/, tokenizer_2/.",
-            ),
-            click.option(
-                "--vae", type=_DIR, default=None, help="diffusers AutoencoderKL folder (overrides FLUX_DIR/vae)."
-            ),
-            click.option(
-                "--t5",
-                type=_DIR,
-                default=None,
-                help="transformers T5EncoderModel folder (overrides FLUX_DIR/text_encoder_2).",
-            ),
-            click.option(
-                "--clip",
-                type=_DIR,
-                default=None,
-                help="transformers CLIPTextModel folder (overrides FLUX_DIR/text_encoder).",
-            ),
-            click.option(
-                "--t5-tokenizer", type=_DIR, default=None, help="T5 tokenizer folder (overrides FLUX_DIR/tokenizer_2)."
-            ),
-            click.option(
-                "--clip-tokenizer",
-                type=_DIR,
-                default=None,
-                help="CLIP tokenizer folder (overrides FLUX_DIR/tokenizer).",
-            ),
-            click.option(
-                "--t5-max-length",
-                type=click.IntRange(1, T5_MAX_TOKENS),
-                default=None,
-                help="T5 tokens per prompt (padded)  [default: 512 for dev, 256 for schnell].",
-            ),
-        ]
-    ):
-        f = decorator(f)
-    return f
 
 
 def _prompt_options(f):
@@ -426,7 +380,7 @@ def _reference(model, reference: Path | None, preset: str | None, vae, height: i
     default=None,
     help="Prompt embeddings written by `fluxzero encode-prompts` instead of --prompt/--prompts (no T5 needed).",
 )
-@_encoder_options
+@options.encoders("T5 tokens per prompt (padded)  [default: 512 for dev, 256 for schnell].")
 @click.option(
     "--width",
     type=click.IntRange(min=16),
@@ -632,7 +586,7 @@ def sample(
 @click.command("encode-prompts")
 @click.argument("out", metavar="OUT.safetensors", type=_FILE)
 @_prompt_options
-@_encoder_options
+@options.encoders("T5 tokens per prompt (padded)  [default: 512 for dev, 256 for schnell].")
 @_device_options
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 def encode_prompts_cmd(

@@ -381,6 +381,12 @@ def trainer_casts_to_bf16(mode_name: str | None, stage: int) -> bool:
     return mode is not None and mode.master_dtype == "bf16" and stage == 0 and stage in mode.zero_stages
 
 
+def trained_precision(mode_name: str | None, precision: str) -> str:
+    """The precision a run trains in: bf16 under a bf16-master mode (its masters are the model's weights), else
+    `precision`. ValueError for an unknown mode."""
+    return "bf16" if mode_name is not None and get_mode(mode_name).master_dtype == "bf16" else precision
+
+
 def get_mode(name: str) -> OptimMode:
     try:
         return MODES[name]

@@ -43,6 +43,7 @@ from fluxzero.plan.fit import (  # noqa: F401
     CHECKPOINT_CHOICES,
     COMMON_HOST_GIB_PER_GPU,
     FIT_MODES,
+    FIT_PINS,
     GEN_CONFIG_PINS,
     GPU_MEMORY_GIB,
     STAGE_OFFLOAD_GRID,
@@ -72,6 +73,7 @@ from fluxzero.plan.spec import (  # noqa: F401
     BASE_QUANT_BYTES,
     FRAGMENTATION,
     OPTIMIZER_STATE_BYTES,
+    OPTION_FIELDS,
     PHASES,
     PRECISION_BYTES,
     GiB,
@@ -85,6 +87,7 @@ from fluxzero.plan.spec import (  # noqa: F401
     optim_mode,
     param_inventory,
     run_options_from_ds_config,
+    section_fields,
     streamed_blocks,
     trained_params,
 )

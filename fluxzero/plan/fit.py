@@ -20,7 +20,15 @@ from fluxzero.config.models import get_model_config
 from fluxzero.plan.activations import checkpointed_split
 from fluxzero.plan.breakdown import Estimate, estimate
 from fluxzero.plan.model_states import stream_traffic
-from fluxzero.plan.spec import PRECISION_BYTES, GiB, RunSpec, ZeroSettings, run_options_from_ds_config, streamed_blocks
+from fluxzero.plan.spec import (
+    OPTION_FIELDS,
+    PRECISION_BYTES,
+    GiB,
+    RunSpec,
+    ZeroSettings,
+    run_options_from_ds_config,
+    streamed_blocks,
+)
 
 # Usable GPU memory as torch reports it (total_memory), for `--gpu NAME`.
 GPU_MEMORY_GIB = {
@@ -177,6 +185,18 @@ CHECKPOINT_CHOICES = (0, 8, 4, 2, 1)  # every k-th block: none, 1/8, 1/4, 1/2, a
 # Optimizer modes --fit tries, best training quality first: None = DeepSpeed's own optimizer on fp32 masters (the
 # reference), then the modes by their fit_rank (fluxzero.config.optim_modes, FIT_ORDER_NOTE says why that order)
 FIT_MODES: tuple[str | None, ...] = (None, *optim_modes.fit_modes())
+# The RunSpec fields fit can pin (`fixed`): what the user chose himself is kept, fit chooses the rest
+FIT_PINS = (
+    "stage",
+    "offload_optimizer",
+    "offload_param",
+    "micro_batch",
+    "checkpoint_every",
+    "checkpoint_policy",
+    "optimizer_mode",
+    "base_quant",
+    "offload_blocks",
+)
 
 
 def fit_grid(
@@ -291,17 +311,7 @@ def fit(  # noqa: C901
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     fixed = dict(fixed or {})
-    unknown = set(fixed) - {
-        "stage",
-        "offload_optimizer",
-        "offload_param",
-        "micro_batch",
-        "checkpoint_every",
-        "checkpoint_policy",
-        "optimizer_mode",
-        "base_quant",
-        "offload_blocks",
-    }
+    unknown = set(fixed) - set(FIT_PINS)
     if unknown:
         raise ValueError(f"fit cannot pin {sorted(unknown)}")
     if "optimizer_mode" in fixed:
@@ -327,7 +337,7 @@ def fit(  # noqa: C901
     closest = None  # (label, spec) of the last row rejected by memory: the grid's leanest that was estimated
     for st, oo, op, mode, quant in grid:
         label = _row_label(st, oo, op, mode, quant)
-        precision = "bf16" if mode is not None and optim_modes.get_mode(mode).master_dtype == "bf16" else base.precision
+        precision = optim_modes.trained_precision(mode, base.precision)
         row = {
             "stage": st,
             "offload_optimizer": oo,
@@ -729,17 +739,9 @@ def _try(base: RunSpec, **changes) -> RunSpec | None:
 # ---------------------------------------------------------------------------------------------------------
 # gen-config --fit: the search over the configs gen-config can write, and what it says
 # ---------------------------------------------------------------------------------------------------------
-# gen-config option -> fit pin: what the user set himself is kept, --fit chooses the rest
-GEN_CONFIG_PINS = {
-    "zero_stage": "stage",
-    "offload_optimizer": "offload_optimizer",
-    "offload_param": "offload_param",
-    "micro_batch": "micro_batch",
-    "checkpoint_every": "checkpoint_every",
-    "checkpoint_policy": "checkpoint_policy",
-    "optimizer_mode": "optimizer_mode",
-    "offload_blocks": "offload_blocks",
-}
+# The gen-config options that set a fit pin (by their RunSpec fields, OPTION_FIELDS): what the user set himself is
+# kept, --fit chooses the rest
+GEN_CONFIG_PINS = {option: name for option, name in OPTION_FIELDS.items() if name in FIT_PINS}
 # Host memory that common machines have per GPU: a 24 GB desktop card usually sits in a 64 GB machine, cloud
 # GPU instances give 60-250 GB per GPU. Without --host-memory a choice that needs more says so on its last line.
 COMMON_HOST_GIB_PER_GPU = 64

@@ -323,7 +323,7 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:  # noqa: C
         # zero.Init pins each parameter's partition as it is made (persistent ones stay on the GPU); the trained
         # ones then move into one flat pinned buffer (param_groups_fp16_flat_cpu_memory) and their first blocks
         # stay in the allocator's cache
-        pinned += [b * -(-n // N) for n in inv.tensor_sizes if n >= s.zero.param_persistence_threshold]
+        pinned += [b * -(-n // N) for n in inv.tensor_sizes if n >= s.zero.stage3_param_persistence_threshold]
         add(
             "trained parameters' flat buffer (pinned)",
             b * part,
@@ -507,9 +507,9 @@ def communication_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
         )
         unit = inv.largest_layer
         block = max(inv.double_block, inv.single_block)
-        if s.checkpoint_every and z.max_reuse_distance >= block:
+        if s.checkpoint_every and z.stage3_max_reuse_distance >= block:
             unit = block  # recompute then backward reuses the whole block's params: not released in between
-        prefetch = min(z.prefetch_bucket_size, max(0, z.max_live_parameters - unit))
+        prefetch = min(z.stage3_prefetch_bucket_size, max(0, z.stage3_max_live_parameters - unit))
         items.append(
             Item(
                 "live (gathered) parameters",
@@ -540,14 +540,14 @@ def communication_items(s: RunSpec, inv: ParamInventory) -> list[Item]:
                 ds=True,
             )
         )
-        persistent = inv.persistent(z.param_persistence_threshold)
+        persistent = inv.persistent(z.stage3_param_persistence_threshold)
         items.append(
             Item(
                 "persistent parameters",
                 b * persistent,
                 "gpu",
                 "resident",
-                f"tensors under param_persistence_threshold={z.param_persistence_threshold}",
+                f"tensors under param_persistence_threshold={z.stage3_param_persistence_threshold}",
             )
         )
     return items
@@ -573,17 +573,17 @@ def gathered_at_turn(s: RunSpec, inv: ParamInventory) -> int:
     layer give it one.
     """
     z, cfg = s.zero, s.model
-    total = inv.total - inv.persistent(z.param_persistence_threshold)
+    total = inv.total - inv.persistent(z.stage3_param_persistence_threshold)
     blocks = [inv.double_block] * cfg.depth + [inv.single_block] * cfg.depth_single_blocks
     away = 3 if s.checkpoint_every else 2
     kept, later = 0, 0
     for n in reversed(blocks):  # the last blocks first
-        if away * later >= z.max_reuse_distance:
+        if away * later >= z.stage3_max_reuse_distance:
             break
         kept, later = kept + n, later + n
-    lead = sum(z.prefetch_bucket_size - n for n in _forward_modules(s))
+    lead = sum(z.stage3_prefetch_bucket_size - n for n in _forward_modules(s))
     last = inv.single_block if cfg.depth_single_blocks else inv.double_block
-    ahead = min(lead, z.max_live_parameters) + last if lead > 0 else 0
+    ahead = min(lead, z.stage3_max_live_parameters) + last if lead > 0 else 0
     return min(total, max(kept, ahead))
 
 

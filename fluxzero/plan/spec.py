@@ -14,6 +14,7 @@ from fluxzero.config.architecture import linear_shapes
 from fluxzero.config.deepspeed import view as ds_view
 from fluxzero.config.deepspeed.adam_impl import OPTIMIZER_IMPLS
 from fluxzero.config.deepspeed.check import CHECKPOINT_POLICIES, OFFLOAD_DEVICES
+from fluxzero.config.ema import EmaConfig
 from fluxzero.config.lora import DEFAULT_TARGETS, LoraConfig, lora_param_count
 from fluxzero.config.models import ModelConfig, get_model_config
 from fluxzero.dtypes import BYTES
@@ -105,16 +106,17 @@ def image_tokens(height: int, width: int) -> int:
 # ---------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ZeroSettings:
-    """DeepSpeed's communication settings that cost memory; defaults are deepspeed 0.19.8's."""
+    """DeepSpeed's communication settings that cost memory, each named as its zero_optimization key (and its
+    DSOptions field); defaults are deepspeed 0.19.8's."""
 
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
     overlap_comm: bool | None = None  # None: DeepSpeed's default (True at stage 3 only)
     contiguous_gradients: bool = True
-    prefetch_bucket_size: int = 50_000_000
-    param_persistence_threshold: int = 100_000
-    max_live_parameters: int = 1_000_000_000
-    max_reuse_distance: int = 1_000_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
     sub_group_size: int = 1_000_000_000
 
     @classmethod
@@ -123,19 +125,9 @@ class ZeroSettings:
 
     @classmethod
     def from_view(cls, v: ds_view.DSView) -> ZeroSettings:
+        """The settings a config writes (a value "auto" is left to the default)."""
         z = dict(v.zero_settings)
-        keys = {
-            "reduce_bucket_size": "reduce_bucket_size",
-            "allgather_bucket_size": "allgather_bucket_size",
-            "overlap_comm": "overlap_comm",
-            "contiguous_gradients": "contiguous_gradients",
-            "prefetch_bucket_size": "stage3_prefetch_bucket_size",
-            "param_persistence_threshold": "stage3_param_persistence_threshold",
-            "max_live_parameters": "stage3_max_live_parameters",
-            "max_reuse_distance": "stage3_max_reuse_distance",
-            "sub_group_size": "sub_group_size",
-        }
-        values = {ours: z[theirs] for ours, theirs in keys.items() if theirs in z and z[theirs] != "auto"}
+        values = {f.name: z[f.name] for f in dataclasses.fields(cls) if z.get(f.name, "auto") != "auto"}
         return cls(**{k: (v if isinstance(v, bool) else int(v)) for k, v in values.items()})
 
 
@@ -163,7 +155,7 @@ def run_options_from_ds_config(ds: dict, world_size: int | None = None, v: ds_vi
             raise ValueError(f"{key} must be an integer, got {getattr(v, ours)!r}")
     if isinstance(v.micro_batch, int):
         out["micro_batch"] = v.micro_batch
-    elif world_size and v.train_batch is not None:
+    elif world_size and v.global_batch is not None:
         try:
             out["micro_batch"] = v.batch_for(world_size)[0]
         except (ds_view.DSConfigError, TypeError):
@@ -183,12 +175,31 @@ def run_options_from_ds_config(ds: dict, world_size: int | None = None, v: ds_vi
     if v.checkpoint_impl == "deepspeed":
         out["cpu_checkpointing"] = v.cpu_checkpointing
     out["zero"] = ZeroSettings.from_view(v)
-    zero = ds.get("zero_optimization")
-    for key in ("offload_optimizer", "offload_param"):  # DeepSpeed's default: not pinned
-        section = zero.get(key) if isinstance(zero, dict) else None
-        if isinstance(section, dict):
-            out[f"pin_{key}"] = section.get("pin_memory", False) is True
+    for key in ("pin_offload_optimizer", "pin_offload_param"):  # without the section, the run's own default
+        if getattr(v, key) is not None:
+            out[key] = getattr(v, key)
     return out
+
+
+# The command-line options that set a RunSpec field (`estimate`'s, and `gen-config`'s where --fit pins them), by
+# option name: each is named as its field, but --zero-stage, which sets `stage` (the DSView's name for it)
+OPTION_FIELDS = {
+    "zero_stage": "stage",
+    **{
+        name: name
+        for name in (
+            "micro_batch",
+            "precision",
+            "offload_optimizer",
+            "offload_param",
+            "checkpoint_every",
+            "checkpoint_policy",
+            "optimizer",
+            "optimizer_mode",
+            "offload_blocks",
+        )
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -327,6 +338,16 @@ class RunSpec:
         """Image tokens through the blocks: the target's, then a Kontext model's reference tokens."""
         return image_tokens(self.height, self.width) + self.reference_tokens
 
+    @classmethod
+    def from_run(
+        cls, model, *, lora: LoraConfig | None = None, ema: EmaConfig | None = None, weights: bool = True, **fields
+    ) -> RunSpec:
+        """The spec of a run given as its records: the run file's `lora:` and `ema:` sections (None: none;
+        section_fields), whether pretrained `weights` are read (each rank reads the file one tensor at a time, an
+        fp32 file at worst: load_bytes), and any other RunSpec `fields` (what a DeepSpeed config decides:
+        run_options_from_ds_config; the topology, image size and text length)."""
+        return cls(model, load_bytes=4 if weights else 0, **section_fields(lora, ema), **fields)
+
     def replace(self, **changes) -> RunSpec:
         return dataclasses.replace(self, **changes)
 
@@ -358,6 +379,7 @@ def streamed_blocks(s: RunSpec, inv: ParamInventory | None = None) -> list[int]:
 
 
 def lora_config(s: RunSpec) -> LoraConfig | None:
+    """The run file's `lora:` section of the spec (None for a full fine-tune); section_fields is the way there."""
     if not s.lora_rank:
         return None
     targets = s.lora_targets if isinstance(s.lora_targets, str) else list(s.lora_targets)
@@ -370,6 +392,25 @@ def lora_config(s: RunSpec) -> LoraConfig | None:
         decompose_both=s.lora_decompose_both,
         base_quant=s.base_quant or "none",
     )
+
+
+def section_fields(lora: LoraConfig | None = None, ema: EmaConfig | None = None) -> dict:
+    """The RunSpec fields of the run file's `lora:` and `ema:` sections (None: no such section); lora_config is
+    the way back."""
+    out: dict = {}
+    if lora is not None:
+        out.update(
+            lora_rank=lora.rank,
+            lora_targets=lora.targets if isinstance(lora.targets, str) else tuple(lora.targets),
+            lora_dropout=lora.dropout,
+            lora_type=lora.type,
+            lora_factor=lora.factor,
+            lora_decompose_both=lora.decompose_both,
+            base_quant=None if lora.base_quant == "none" else lora.base_quant,
+        )
+    if ema is not None:
+        out.update(ema=ema.dtype, ema_device=ema.device)
+    return out
 
 
 def base_bytes(s: RunSpec, inv: ParamInventory | None = None) -> int:

@@ -106,25 +106,17 @@ def run_host_need(
         h, w = max(latent_sizes, key=lambda s: s[0] * s[1])
         if (8 * h) % 16 == 0 and (8 * w) % 16 == 0:
             height, width = 8 * h, 8 * w
-    if ema is not None:
-        fields.update(ema=ema.dtype, ema_device=ema.device)
-    if lora is not None:
-        targets = lora.targets if isinstance(lora.targets, str) else tuple(lora.targets)
-        fields.update(
-            lora_rank=lora.rank,
-            lora_targets=targets,
-            lora_dropout=lora.dropout,
-            base_quant=None if lora.base_quant == "none" else lora.base_quant,
-        )
     local = max(1, min(local_world, world))
-    spec = memory.RunSpec(
+    spec = memory.RunSpec.from_run(
         model_cfg,
+        lora=lora,
+        ema=ema,
+        weights=weights,
         nodes=max(1, world // local),
         gpus_per_node=local,
         height=height,
         width=width,
         txt_len=txt_len,
-        load_bytes=4 if weights else 0,
         **fields,
     )
     est = memory.estimate(spec)

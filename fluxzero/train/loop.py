@@ -337,7 +337,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
             device,
             run.total,
             run.done,
-            run.view.train_batch,
+            run.view.global_batch,
             run.flops_per_sample,
             run.dtype,
         )

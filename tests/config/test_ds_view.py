@@ -30,7 +30,7 @@ def test_absent_keys_read_as_deepspeed_defaults():
     v = view({})
     assert v == DSView()
     assert (v.stage, v.precision, v.offload_optimizer, v.offload_param) == (0, "fp32", "none", "none")
-    assert (v.micro_batch, v.grad_accum, v.train_batch, v.gradient_clipping) == (None, None, None, None)
+    assert (v.micro_batch, v.grad_accum, v.global_batch, v.gradient_clipping) == (None, None, None, None)
     assert (v.checkpoint_every, v.compile, v.optimizer, v.scheduler) == (
         0,
         None,
@@ -58,7 +58,7 @@ def test_view_reads_what_gen_config_writes():
     )
     v = view(ds_config.build(o))
     assert (v.stage, v.precision, v.offload_optimizer, v.offload_param) == (3, "bf16", "cpu", "cpu")
-    assert (v.micro_batch, v.grad_accum, v.train_batch, v.gradient_clipping) == (3, 2, 12, 0.5)
+    assert (v.micro_batch, v.grad_accum, v.global_batch, v.gradient_clipping) == (3, 2, 12, 0.5)
     assert (v.checkpoint_every, v.compile, v.optimizer, v.optimizer_impl) == (2, True, "adamw", "torch-fused")
     # total_num_steps is written one short (DeepSpeed's iteration k - 2 at step k: the floor lands on step 50)
     assert (v.scheduler, v.scheduler_total_steps, v.lr) == ("WarmupCosineLR", 49, 1e-5)

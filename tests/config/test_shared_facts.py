@@ -1,7 +1,7 @@
 """Facts written once: the quantized LoRA bases the run file accepts are the ones the memory model and --fit model,
 the Adam(W) implementation table agrees with what gen-config writes and what the checker and the view read back,
-and `estimate` / `gen-config` share their options (names, choices, defaults; renamed ones keep their old name).
-Pure Python; CliRunner."""
+`estimate` / `gen-config` share their options (names, choices, defaults; renamed ones keep their old name), and the
+run file's sections reach the memory model through one conversion. Pure Python; CliRunner."""
 
 import json
 
@@ -16,7 +16,7 @@ from fluxzero.config.deepspeed import adam_impl
 from fluxzero.config.deepspeed import build as ds_config
 from fluxzero.config.deepspeed import check as ds_check
 from fluxzero.config.deepspeed import view as ds_view
-from fluxzero.config.ema import EMA_DEVICES, EMA_DTYPES
+from fluxzero.config.ema import EMA_DEVICES, EMA_DTYPES, EmaConfig
 from fluxzero.config.lora import BASE_QUANTS, DEFAULT_TARGETS, LoraConfig
 from fluxzero.plan import RunSpec
 
@@ -144,3 +144,35 @@ def test_old_option_names_still_work_with_one_sentence(tmp_path):
     assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
     assert "30% margin" in new.stderr and "30% margin" in old.stderr
     assert "note: --fit-margin is now --margin; the old name still works." in old.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One description of a run: the run file's sections -> RunSpec in one function, the way back in another
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "lora",
+    [
+        LoraConfig(rank=4, targets=["double_blocks.*.img_attn.qkv"], type="lokr", factor=4),
+        LoraConfig(rank=8, targets="all-linear", type="lokr", decompose_both=True),
+        LoraConfig(rank=8, dropout=0.1, type="dora"),
+        LoraConfig(rank=16, base_quant="int8"),
+    ],
+)
+def test_the_run_file_s_lora_and_ema_sections_reach_the_memory_model_whole(lora):
+    """RunSpec.from_run carries every key of the sections the memory model reads (lora_config is the way back),
+    and the trainer's host check reads a run through it, so a DoRA or LoKr is counted as one, as `estimate` does."""
+    from fluxzero.train import host_memory
+
+    ema = EmaConfig(dtype="bf16", device="cpu")
+    spec = RunSpec.from_run("flux-dev", lora=lora, ema=ema, weights=False, stage=2, offload_optimizer="cpu")
+    assert memory.lora_config(spec) == lora and (spec.ema, spec.ema_device, spec.load_bytes) == ("bf16", "cpu", 0)
+    ds = ds_config.build(ds_config.options_from(model="flux-dev", lora=True, zero_stage=2, offload_optimizer="cpu"))
+
+    def host_need(section: LoraConfig) -> int:
+        return host_memory.run_host_need(
+            spec.model, ds, ds_view.view(ds), world=1, local_world=1, ema=ema, lora=section
+        )[0]
+
+    plain = LoraConfig(rank=lora.rank, targets=lora.targets, dropout=lora.dropout, base_quant=lora.base_quant)
+    if lora.type != "lora":  # the adapters' offloaded states and the EMA of them differ by type
+        assert host_need(lora) != host_need(plain)

@@ -64,7 +64,7 @@ def test_int8_base_is_a_byte_per_weight_plus_scales():
 @pytest.mark.parametrize(
     "args,word",
     [
-        (["--base-quant", "int8"], "needs a LoRA"),
+        (["--base-quant", "int8"], "add --lora-rank"),
         (["--base-quant", "int8", "--lora-rank", "16", "--zero-stage", "3"], "stage 0, 1 or 2"),
     ],
 )
@@ -326,8 +326,8 @@ def test_gen_config_names_the_adapter_type_and_refuses_what_the_trainer_refuses(
     ):
         r, _ = gen(*args)
         assert r.exit_code == 2 and word in r.output and "Traceback" not in r.output, r.output
-    r = CliRunner().invoke(main, ["estimate", "--lora-type", "dora"])
-    assert r.exit_code == 2 and "needs adapters" in r.output
+    r = CliRunner().invoke(main, ["estimate", "--lora-type", "dora"])  # the same sentence in both commands
+    assert r.exit_code == 2 and "give --lora-rank too" in r.output
     # --fit never tries the int8 base for a DoRA (the trainer refuses one) and counts its magnitudes
     r, _ = gen("--lora-rank", "16", "--lora-type", "dora", "--fit", "--gpu", "rtx4090")
     assert "int8" not in r.stderr.split("next:")[-1] and "type: dora" in r.stderr

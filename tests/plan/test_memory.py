@@ -47,7 +47,7 @@ def test_largest_layer_agrees_with_deepspeed_model_to_params():
 # the step-time fp32 gradients to the resident states as if they were always there).
 # ZeRO-3 parity needs: every sub-group the whole partition (DeepSpeed counts 4 B fp32 gradients for all of
 # it), no prefetch and no checkpointing (its 4 x largest_layer = one gathered layer + its gradient, 2 B each).
-PARITY_ZERO = ZeroSettings(prefetch_bucket_size=0, sub_group_size=10**13)
+PARITY_ZERO = ZeroSettings(stage3_prefetch_bucket_size=0, sub_group_size=10**13)
 PARITY_MODELS = ["flux-dev", "flux-dev-lite", "flux-tiny"]
 
 
@@ -139,7 +139,7 @@ def test_documented_differences_from_deepspeed_estimators():
         stage=3,
         optimizer_impl="fused",
         checkpoint_every=0,
-        zero=ZeroSettings(prefetch_bucket_size=0),
+        zero=ZeroSettings(stage3_prefetch_bucket_size=0),
     )
     fp32_grads = [i for i in estimate(s3).items if i.name == "fp32 gradient partition at step"]
     largest_part = -(-max(memory.param_inventory(cfg).tensor_sizes) // 2)
@@ -156,7 +156,7 @@ def test_documented_differences_from_deepspeed_estimators():
 # Measured facts (2x H200, bf16, AdamW, every block checkpointed, flash attention) to reproduce within 10%
 # ---------------------------------------------------------------------------------------------------------
 # The 1024 px runs used larger stage-3 prefetch / persistence; 5e8 / 1e6 are assumed here.
-BIG_PREFETCH = ZeroSettings(prefetch_bucket_size=500_000_000, param_persistence_threshold=1_000_000)
+BIG_PREFETCH = ZeroSettings(stage3_prefetch_bucket_size=500_000_000, stage3_param_persistence_threshold=1_000_000)
 MEASURED = [  # (stage, micro batch, resolution, zero settings, measured max_memory_allocated GiB)
     (3, 1, 512, ZeroSettings(), 97),
     (3, 16, 512, ZeroSettings(), 104),

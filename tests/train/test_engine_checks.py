@@ -89,7 +89,7 @@ def test_batch_sizes_come_from_the_deepspeed_config(tmp_path):
         1,
         6,
     )
-    assert (v.micro_batch, v.grad_accum, v.train_batch) == (2, 1, 6)
+    assert (v.micro_batch, v.grad_accum, v.global_batch) == (2, 1, 6)
     out, v = _load(tmp_path, {**ds, "train_batch_size": 12}, world=3)
     assert (v.micro_batch, v.grad_accum) == (2, 2)
     assert "fluxzero" not in _load(tmp_path, {**GOOD, "fluxzero": {"compile": {"blocks": False}}})[0]

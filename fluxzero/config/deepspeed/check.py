@@ -643,7 +643,7 @@ def implied_world_size(cfg: dict) -> int | None:
         v = view(cfg)
     except ds_view.DSConfigError:
         return None
-    vals = (v.train_batch, v.micro_batch, v.grad_accum)
+    vals = (v.global_batch, v.micro_batch, v.grad_accum)
     if all(_is_int(x) and x > 0 for x in vals) and vals[0] % (vals[1] * vals[2]) == 0:
         return vals[0] // (vals[1] * vals[2])
     return None

@@ -69,4 +69,4 @@ def load_for_training(path: str | Path, world_size: int) -> tuple[dict, DSView]:
         raise DSConfigError(f"DeepSpeed config {path}: {e}") from None
     ds = {k: val for k, val in ds.items() if k != FLUXZERO_SECTION}
     ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum, train_batch_size=train)
-    return ds, dataclasses.replace(v, micro_batch=micro, grad_accum=accum, train_batch=train)
+    return ds, dataclasses.replace(v, micro_batch=micro, grad_accum=accum, global_batch=train)

@@ -37,11 +37,14 @@ class DSView:
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16"
     offload_optimizer: str = "none"  # "none" | "cpu" | "nvme"
     offload_param: str = "none"
+    # offload_optimizer.pin_memory, offload_param.pin_memory (deepspeed 0.19.8's default false); None: no section
+    pin_offload_optimizer: bool | None = None
+    pin_offload_param: bool | None = None
     # zero_optimization's other keys (bucket sizes, overlap_comm, ...) as sorted (key, value) pairs, as written
     zero_settings: tuple = dataclasses.field(default=(), hash=False)  # values may be JSON objects (unhashable)
     micro_batch: int | None = None  # train_micro_batch_size_per_gpu; None: not set (or "auto")
     grad_accum: int | None = None  # gradient_accumulation_steps; None: not set (DeepSpeed derives it, or 1)
-    train_batch: int | None = None  # train_batch_size
+    global_batch: int | None = None  # train_batch_size (gen-config's --global-batch)
     gradient_clipping: float | None = None  # None: not set (deepspeed 0.19.8 then clips at 1.0)
     checkpoint_every: int = 0  # fluxzero.activation_checkpointing.every_k_blocks; 0 = none
     checkpoint_impl: str = "torch"  # "torch" | "deepspeed"
@@ -124,7 +127,7 @@ class DSView:
 
         Raises DSConfigError with one sentence when the config does not divide for that world size.
         """
-        micro, accum, train = self.micro_batch, self.grad_accum, self.train_batch
+        micro, accum, train = self.micro_batch, self.grad_accum, self.global_batch
         if micro is None and train is None:
             raise DSConfigError("train_micro_batch_size_per_gpu is not set: set it (and gradient_accumulation_steps)")
         if micro is not None and accum is None:
@@ -170,6 +173,8 @@ def view(ds: dict) -> DSView:
     if not isinstance(ds, dict):
         raise DSConfigError(f"the config must be a JSON object ({{...}}), got {type(ds).__name__}")
     z = section(ds, "zero_optimization")
+    oo = section(z, "offload_optimizer", "zero_optimization.offload_optimizer")
+    op = section(z, "offload_param", "zero_optimization.offload_param")
     bf16 = section(ds, "bf16") or section(ds, "bfloat16")
     fp16 = section(ds, "fp16")
     precision = "bf16" if bf16.get("enabled") is True else "fp16" if fp16.get("enabled") is True else "fp32"
@@ -187,14 +192,16 @@ def view(ds: dict) -> DSView:
     return DSView(
         stage=z.get("stage", 0),
         precision=precision,
-        offload_optimizer=section(z, "offload_optimizer", "zero_optimization.offload_optimizer").get("device", "none"),
-        offload_param=section(z, "offload_param", "zero_optimization.offload_param").get("device", "none"),
+        offload_optimizer=oo.get("device", "none"),
+        offload_param=op.get("device", "none"),
+        pin_offload_optimizer=oo.get("pin_memory") is True if z.get("offload_optimizer") is not None else None,
+        pin_offload_param=op.get("pin_memory") is True if z.get("offload_param") is not None else None,
         zero_settings=tuple(
             sorted((k, val) for k, val in z.items() if k not in ("stage", "offload_optimizer", "offload_param"))
         ),
         micro_batch=_int_or_none(ds, "train_micro_batch_size_per_gpu"),
         grad_accum=_int_or_none(ds, "gradient_accumulation_steps"),
-        train_batch=_int_or_none(ds, "train_batch_size"),
+        global_batch=_int_or_none(ds, "train_batch_size"),
         gradient_clipping=None if clip is None else clip,
         checkpoint_every=fac.get("every_k_blocks", 0),
         checkpoint_impl=fac.get("implementation", "torch"),
