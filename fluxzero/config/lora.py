@@ -204,8 +204,9 @@ class LoraConfig:
 
     def check_model(self, model_cfg) -> None:
         """ValueError (one sentence naming the setting) unless these adapters fit a model of shape `model_cfg` (a
-        ModelConfig): a rank from 1 to the model's width (a larger one adds nothing but memory), and targets
-        that select linears of it, every pattern of a list at least one (fluxzero.model.lora.target_modules
+        ModelConfig): a rank from 1 to the model's width (a larger one adds nothing but memory), targets
+        that select linears of it, every pattern of a list at least one, and a LoKr factor no larger than the
+        smallest targeted dimension (fluxzero.model.lora.target_modules
         applies the same rule to the built model). The one check of a LoRA against its model, for the run file,
         gen-config and the memory model."""
         import fnmatch
@@ -216,22 +217,33 @@ class LoraConfig:
                 f"lora.rank must be from 1 to the model's width {width} ({model_cfg.name}), got "
                 f"{self.rank}; set e.g. rank: 16"
             )
-        names = list(linear_shapes(model_cfg))
-        hits = {p: [n for n in names if fnmatch.fnmatchcase(n, p)] for p in self.patterns}
+        shapes = linear_shapes(model_cfg)
+        hits = {p: [n for n in shapes if fnmatch.fnmatchcase(n, p)] for p in self.patterns}
         if isinstance(self.targets, str):
             if not any(hits.values()):
                 raise ValueError(
                     f"lora.targets {self.targets!r} selects no linear layer of {model_cfg.name}; name "
                     f"module patterns instead (e.g. img_in, final_layer.linear)"
                 )
-            return
-        missed = [p for p, hit in hits.items() if not hit]
-        if missed:
-            raise ValueError(
-                f"lora.targets pattern {excerpt(missed[0])} matches no linear layer of {model_cfg.name}; "
-                f"patterns are fnmatch globs over whole module names such as "
-                f"double_blocks.*.img_attn.qkv or single_blocks.*.linear1"
+        else:
+            missed = [p for p, hit in hits.items() if not hit]
+            if missed:
+                raise ValueError(
+                    f"lora.targets pattern {excerpt(missed[0])} matches no linear layer of {model_cfg.name}; "
+                    f"patterns are fnmatch globs over whole module names such as "
+                    f"double_blocks.*.img_attn.qkv or single_blocks.*.linear1"
+                )
+        if self.type == "lokr" and self.factor != -1:
+            # PEFT splits each dimension as (factor, dim / factor) only when factor divides it; a factor past a
+            # dimension silently falls back to the automatic split there, so it would not mean what it says.
+            name, dim = min(
+                ((n, d) for hit in hits.values() for n in hit for d in shapes[n]), key=lambda nd: nd[1]
             )
+            if self.factor > dim:
+                raise ValueError(
+                    f"lora.factor {self.factor} is larger than the smallest dimension {dim} of a targeted layer "
+                    f"({name} of {model_cfg.name}); set lora.factor from 1 to {dim}, or -1 (automatic)"
+                )
 
 
 def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:
