@@ -236,9 +236,7 @@ class LoraConfig:
         if self.type == "lokr" and self.factor != -1:
             # PEFT splits each dimension as (factor, dim / factor) only when factor divides it; a factor past a
             # dimension silently falls back to the automatic split there, so it would not mean what it says.
-            name, dim = min(
-                ((n, d) for hit in hits.values() for n in hit for d in shapes[n]), key=lambda nd: nd[1]
-            )
+            name, dim = min(((n, d) for hit in hits.values() for n in hit for d in shapes[n]), key=lambda nd: nd[1])
             if self.factor > dim:
                 raise ValueError(
                     f"lora.factor {self.factor} is larger than the smallest dimension {dim} of a targeted layer "

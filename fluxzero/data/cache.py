@@ -23,7 +23,16 @@ from fluxzero.data import kontext
 from fluxzero.data import shards as fmt
 from fluxzero.data.buckets import STEP, make_buckets, nearest_bucket
 from fluxzero.data.errors import DataError, InputFileError
-from fluxzero.data.images import captions_for, has_alpha, list_images, load_bucketed, load_mask, mask_for, probe_size
+from fluxzero.data.images import (
+    captions_for,
+    has_alpha,
+    list_images,
+    load_bucketed,
+    load_mask,
+    mask_for,
+    orphan_masks,
+    probe_size,
+)
 from fluxzero.fsutil import atomic_write
 
 PLAN_FILE = "cache_plan.json"
@@ -199,6 +208,7 @@ def make_plan(opts: CacheOptions) -> dict:  # noqa: C901
         "num_images": len(images),
         "min_image_side": min_image,
         "ignored_txt": ignored_txt,
+        "unused_masks": orphan_masks(root, images),
         "pairs": references is not None,
     }
 
@@ -221,7 +231,13 @@ def _check_mask(root: Path, image: str, size: tuple[int, int]) -> str | None:
             f"mask {root / mask} is {mw}x{mh} px but its image {root / image} is {size[0]}x{size[1]} px; "
             f"save the mask at its image's size (white where the loss applies, black where not)."
         )
-    if _all_black(root / mask):
+    gray = _mask_gray(root / mask)
+    if gray is None:
+        raise InputFileError(
+            f"mask {root / mask} has colour (its red, green and blue channels differ), and a mask is one weight "
+            f"per pixel; save it as a grayscale PNG (white where the loss applies, black where not)."
+        )
+    if gray.getextrema()[1] == 0:
         raise InputFileError(
             f"mask {root / mask} is black everywhere, so {root / image} would train nothing; paint "
             f"white where the loss applies (black where not), or delete the mask to train on the "
@@ -230,11 +246,20 @@ def _check_mask(root: Path, image: str, size: tuple[int, int]) -> str | None:
     return mask
 
 
-def _all_black(path: Path) -> bool:
+def _mask_gray(path: Path):
+    """The mask as 8-bit gray (PIL "L"), or None for a colour one. A single-channel mask (alpha, if any, ignored)
+    is gray as it is; an RGB or palette one only if its red, green and blue are equal everywhere, as editors save a
+    gray drawing: any weighting of real colour would be a guess."""
+    import numpy as np
     from PIL import Image
 
     with Image.open(path) as im:
-        return im.convert("L").getextrema()[1] == 0
+        if len([b for b in im.getbands() if b != "A"]) == 1 and im.mode not in ("P", "PA"):
+            return im.convert("L")
+        rgb = np.asarray(im.convert("RGB"))
+    if not ((rgb[..., 0] == rgb[..., 1]).all() and (rgb[..., 1] == rgb[..., 2]).all()):
+        return None
+    return Image.fromarray(rgb[..., 0])
 
 
 # ------------------------------------------------------------------------------------------ resume state
@@ -584,7 +609,8 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
 
 
 def _log_captions(plan: dict, opts: CacheOptions, log) -> None:
-    """Say up front what would otherwise show only in the report: images without caption, unused caption rows."""
+    """Say up front what would otherwise show only in the report: images without caption, unused caption rows and
+    unused mask files."""
     n, images = len(plan["no_caption"]), plan["num_images"] - len(plan["skipped"])
     if n:
         src = "no same-name .txt file" if plan["caption_source"] == "txt" else f"no row in {plan['caption_source']}"
@@ -607,6 +633,13 @@ def _log_captions(plan: dict, opts: CacheOptions, log) -> None:
         log(
             f"{len(u)} row(s) of {plan['caption_source']} name no image in {opts.images_dir} (first: {u[0]}; "
             f"all listed in {REPORT_FILE})"
+        )
+    if plan["unused_masks"]:
+        u = plan["unused_masks"]
+        log(
+            f"{len(u)} mask file(s) in {opts.images_dir} belong to no image cached here and are not used (first: "
+            f"{u[0]}; a mask is NAME.mask.png beside its image NAME.png, .jpg, .jpeg or .webp; all listed in "
+            f"{REPORT_FILE})"
         )
 
 
@@ -651,6 +684,7 @@ def _finalize(out: Path, plan: dict, opts: CacheOptions):
         "skipped": skipped,
         "no_caption": [im for im in plan["no_caption"] if im not in bad],
         "captions_matching_no_image": plan["unmatched_captions"],
+        "masks_matching_no_image": plan["unused_masks"],
     }
     _write_if_changed(out / REPORT_FILE, report)
     if not records:
