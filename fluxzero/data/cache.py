@@ -441,10 +441,11 @@ def _load(path: Path, bucket, flip: bool, mask: Path | None = None, alpha: bool 
 
 def _encode_shard(
     shard: dict, opts: CacheOptions, enc, empty: dict, storage_dtype: str, bar, pool
-) -> tuple[dict | None, list]:
+) -> tuple[dict | None, list, list]:
+    """(the shard's record or None, the files skipped, the files whose caption T5 cut at t5_max_length)."""
     import torch
 
-    root, samples, skipped = Path(opts.images_dir), [], []
+    root, samples, skipped, cut = Path(opts.images_dir), [], [], []
     bucket = tuple(shard["bucket"])
     batches = [shard["items"][k : k + opts.batch_size] for k in range(0, len(shard["items"]), opts.batch_size)]
 
@@ -484,6 +485,9 @@ def _encode_shard(
         ref_latents = _encode_references(enc, refs, ok, opts)
         texts = [it["caption"] for it in ok if not it["dropped"]]
         t5, t5_len, clip = enc.encode_text(texts) if texts else (None, None, None)
+        if texts:
+            kept = [it for it in ok if not it["dropped"]]
+            cut += [it["file"] for it, c in zip(kept, enc.t5_cut(texts)) if c and it["file"] not in cut]
         k = 0
         for j, it in enumerate(ok):
             if it["dropped"]:
@@ -509,8 +513,8 @@ def _encode_shard(
                 }
             )
     if not samples:
-        return None, skipped
-    return fmt.write_shard(Path(opts.out_dir) / fmt.shard_name(shard["id"]), samples, storage_dtype), skipped
+        return None, skipped, cut
+    return fmt.write_shard(Path(opts.out_dir) / fmt.shard_name(shard["id"]), samples, storage_dtype), skipped, cut
 
 
 def _encode_references(enc, refs: list, items: list[dict], opts: CacheOptions):
@@ -564,7 +568,7 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
                 ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool,
             ):
                 for s in todo:
-                    record, skipped = _encode_shard(s, opts, enc, empty, storage, bar, pool)
+                    record, skipped, cut = _encode_shard(s, opts, enc, empty, storage, bar, pool)
                     for sk in {sk["file"]: sk for sk in skipped}.values():
                         bar.write(f"skipped {sk['file']}: {sk['reason']}")
                     _check_plan_unchanged(out, plan)
@@ -572,6 +576,7 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
                         "fingerprint": plan["fingerprint"],
                         "record": record,
                         "skipped": skipped,
+                        "captions_truncated": cut,
                         "dims": _shard_dims(enc, plan),
                         "dtype": storage,
                         "vae_scale": enc.scale,
@@ -685,6 +690,8 @@ def _finalize(out: Path, plan: dict, opts: CacheOptions):
         "no_caption": [im for im in plan["no_caption"] if im not in bad],
         "captions_matching_no_image": plan["unmatched_captions"],
         "masks_matching_no_image": plan["unused_masks"],
+        # parts written before this key existed count none (a rerun does not re-encode them)
+        "captions_truncated": sorted({f for p in parts for f in p.get("captions_truncated", []) if f not in bad}),
     }
     _write_if_changed(out / REPORT_FILE, report)
     if not records:

@@ -323,6 +323,33 @@ def test_a_gray_rgb_mask_is_its_gray_and_a_mask_without_image_is_reported(masked
     torch.testing.assert_close(b["mask"][0], torch.tensor([[1.0, 1.0, 0.0, 0.0]] * 4), rtol=0, atol=0)
 
 
+def test_captions_cut_at_t5s_length_are_counted_and_keep_their_prefix(masked_images, tmp_path):
+    """T5 keeps a caption's first --t5-max-length tokens (as FLUX.1's pipeline and kohya's cache do): the prefix
+    survives, the caption's end is lost; the cache says how many and lists them."""
+    flux, images = masked_images
+    root = tmp_path / "images"
+    root.mkdir()
+    for name in ("a.png", "a.txt", "b.jpg"):
+        (root / name).write_bytes((images / name).read_bytes())
+    (root / "b.txt").write_text(WORDS[5])
+    out = tmp_path / "out"
+    # 8 tokens: a's 3 prefix + 5 caption words + end-of-text is 9 (cut), b's 3 + 1 + 1 is 5
+    r = _cache(root, out, "--flux-dir", flux, *CACHE_ARGS, "--flip", "both", "--caption-prefix", "ohwx ohwx ohwx ")
+    assert r.exit_code == 0, r.output
+    assert [line for line in r.output.splitlines() if "T5 tokens" in line] == [
+        "1 of 2 image(s) have captions longer than 8 T5 tokens, cut at the end (a --caption-prefix, at the start, "
+        f"is kept; first: a.png; all listed in {out}/cache_report.json); shorten them, or raise --t5-max-length "
+        "(FLUX.1-dev's pipeline uses 512)"
+    ], r.output
+    assert json.loads((out / "cache_report.json").read_text())["captions_truncated"] == ["a.png"]
+    from safetensors.torch import load_file
+
+    lengths = sorted(int(n) for f in out.glob("shard-*.safetensors") for n in load_file(f)["t5_len"])
+    assert lengths == [5, 5, 8, 8]  # a's row is full (its start, the prefix, kept); b's is not
+    r = _cache(root, tmp_path / "plain", "--flux-dir", flux, *CACHE_ARGS)  # 5 + 1 tokens: nothing cut, nothing said
+    assert r.exit_code == 0 and "T5 tokens" not in r.output, r.output
+
+
 def test_masks_are_checked_with_the_shard():
     """A mask row is part of its sample's checksum: damage to it is caught as damage to the latents is."""
     import tempfile
