@@ -8,7 +8,7 @@ import click
 
 from fluxzero.commands.options import Finite
 from fluxzero.config.run import MAX_SEED
-from fluxzero.data.encode import T5_MAX_LENGTH, T5_MAX_TOKENS
+from fluxzero.data.encode import T5_MAX_TOKENS
 
 _DIR = click.Path(file_okay=False, path_type=str)
 # import name -> pip name of what `fluxzero cache` needs beyond the trainer (setup.cfg's [cache] extra)
