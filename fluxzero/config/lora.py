@@ -264,16 +264,23 @@ def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:
     return (n, m) if m > n else (m, n)
 
 
+def lokr_factors(shape: tuple[int, int], lora_cfg: LoraConfig) -> tuple[tuple[int, int, bool], tuple[int, int, bool]]:
+    """A LoKr's two factors on a linear of (in_features, out_features): (rows, columns, low-rank?) of w1 and of w2,
+    kron(w1, w2) the (out, in) update. A low-rank factor is a product of two rank-r matrices (PEFT's use_w1 /
+    use_w2 rule: w1 only with decompose_both, each only where the rank is below half its larger side)."""
+    fan_in, fan_out = shape
+    r = lora_cfg.rank
+    (a, c), (b, d) = factorization(fan_out, lora_cfg.factor), factorization(fan_in, lora_cfg.factor)
+    return (a, b, lora_cfg.decompose_both and r < max(a, b) / 2), (c, d, r < max(c, d) / 2)
+
+
 def adapter_param_count(shape: tuple[int, int], lora_cfg: LoraConfig) -> int:
     """Trainable parameters of one adapter on a linear of (in_features, out_features)."""
     fan_in, fan_out = shape
     r = lora_cfg.rank
     if lora_cfg.type != "lokr":
         return r * (fan_in + fan_out) + (fan_out if lora_cfg.type == "dora" else 0)  # DoRA: a magnitude per row
-    (a, c), (b, d) = factorization(fan_out, lora_cfg.factor), factorization(fan_in, lora_cfg.factor)
-    w1 = r * (a + b) if lora_cfg.decompose_both and r < max(a, b) / 2 else a * b  # PEFT's use_w1 / use_w2 rule
-    w2 = r * (c + d) if r < max(c, d) / 2 else c * d
-    return w1 + w2
+    return sum(r * (m + n) if low else m * n for m, n, low in lokr_factors(shape, lora_cfg))
 
 
 def lora_param_count(model_cfg, lora_cfg: LoraConfig) -> int:
