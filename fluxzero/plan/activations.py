@@ -342,9 +342,13 @@ def selective_split(s: RunSpec) -> tuple[int, int, int, int]:
 
 
 def lora_block_saved(s: RunSpec) -> tuple[int, int]:
-    """(double, single) block bytes per sample that the adapters (LoRA, DoRA, LoKr: lora.type) add to what autograd
-    saves, per token of each adapted linear (PEFT's forwards); what they save per block whatever the micro batch
-    is adapter_block_fixed's.
+    """(double, single) block bytes per sample that the adapters (LoRA, DoRA, LoKr: lora.type) change in what
+    autograd saves, per token of each block linear (PEFT's forwards); what they save per block whatever the micro
+    batch is adapter_block_fixed's.
+
+    A frozen linear no adapter covers saves no input: each block linear's input is saved for its weight's gradient
+    only (the block's saved set counts it once), so such a linear takes it out (the MLP's under the attention
+    preset, the modulation's under attention+mlp).
 
     The base linears are frozen, so backward runs no weight-gradient matmul for them, but it still needs each
     adapted linear's input x for the adapter's gradient (the same tensor the block saves already). A LoRA saves
@@ -369,6 +373,8 @@ def lora_block_saved(s: RunSpec) -> tuple[int, int]:
         if lc.type == "dora":
             per_token += n_out * (b + ab)
         out[single] += tokens * per_token
+    for single, name, tokens, _ in _adapted_block_linears(s, lc, adapted=False):
+        out[single] -= tokens * shapes[name][0] * b
     return out[0], out[1]
 
 
@@ -417,15 +423,15 @@ def adapter_bytes(s: RunSpec) -> int:
     return 4 if s.stage == 3 else PRECISION_BYTES[s.precision]
 
 
-def _adapted_block_linears(s: RunSpec, lc) -> list[tuple[bool, str, int, int]]:
-    """(single block?, name, tokens per sample, out features) of each linear the LoRA adapts in the first double
-    and the first single block (every block of a kind is adapted alike)."""
+def _adapted_block_linears(s: RunSpec, lc, adapted: bool = True) -> list[tuple[bool, str, int, int]]:
+    """(single block?, name, tokens per sample, out features) of each linear the LoRA adapts (adapted=False: leaves
+    alone) in the first double and the first single block (every block of a kind is adapted alike)."""
     I, T = s.img_tokens, s.txt_len
     out = []
     for name, (_, n_out) in linear_shapes(s.model).items():
         if not (name.startswith("double_blocks.0.") or name.startswith("single_blocks.0.")):
             continue
-        if not any(fnmatch.fnmatchcase(name, p) for p in lc.patterns):
+        if any(fnmatch.fnmatchcase(name, p) for p in lc.patterns) != adapted:
             continue
         single = name.startswith("single_blocks.")
         tokens = I + T if single else (T if ".txt_" in name else I)

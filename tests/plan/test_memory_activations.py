@@ -289,6 +289,8 @@ ADAPTERS = {  # name: lora section; LoKr's w2 (and with decompose_both w1) produ
     "dora": {"type": "dora"},
     "lokr": {"type": "lokr"},
     "lokr-both": {"type": "lokr", "factor": 4, "decompose_both": True},
+    # frozen linears left without adapters (the MLPs, the modulations) save no input
+    "lora-attention": {"targets": "attention"},
 }
 
 
@@ -302,8 +304,8 @@ def _adapted_blocks(kind, adapters, **spec_kw):
     I, T, B = 48, 24, 2
     cfg = get_model_config("flux-tiny").replace(depth=1, depth_single_blocks=1)
     model = build_model(cfg, dtype=torch.bfloat16)
-    section = ADAPTERS[kind]
-    apply_lora(model, LoraConfig(rank=4, targets="all-linear", **section))
+    section = {"targets": "all-linear", **ADAPTERS[kind]}
+    apply_lora(model, LoraConfig(rank=4, **section))
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.to(adapters)
@@ -316,7 +318,7 @@ def _adapted_blocks(kind, adapters, **spec_kw):
         width=16 * 6,
         txt_len=T,
         lora_rank=4,
-        lora_targets="all-linear",
+        lora_targets=section["targets"],
         lora_type=section.get("type", "lora"),
         lora_factor=section.get("factor", -1),
         lora_decompose_both=section.get("decompose_both", False),
