@@ -205,10 +205,9 @@ class LoraConfig:
     def check_model(self, model_cfg) -> None:
         """ValueError (one sentence naming the setting) unless these adapters fit a model of shape `model_cfg` (a
         ModelConfig): a rank from 1 to the model's width (a larger one adds nothing but memory), targets
-        that select linears of it, every pattern of a list at least one, and a LoKr factor no larger than the
-        smallest targeted dimension (fluxzero.model.lora.target_modules
-        applies the same rule to the built model). The one check of a LoRA against its model, for the run file,
-        gen-config and the memory model."""
+        that select linears of it, every pattern of a list at least one (fluxzero.model.lora.target_modules
+        applies the same rule to the built model), and a LoKr factor no larger than the smallest targeted
+        dimension. The one check of a LoRA against its model, for the run file, gen-config and the memory model."""
         import fnmatch
 
         width = model_cfg.hidden_size
