@@ -307,7 +307,7 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     return {
         "stored": B * stored,
         "recompute": B * (peak - stored),
-        "workspace": B * workspace,
+        "workspace": max(B * workspace, adapter_workspace(s)),
         "on_host": on_host,
         "grads_net": both - B * peak,
         "per_block_double": d,
@@ -414,6 +414,30 @@ def adapter_block_fixed(s: RunSpec) -> BlockFixed:
             kept[single] += products
             both[single] += products
     return BlockFixed(tuple(saved), tuple(kept), tuple(both))
+
+
+def adapter_workspace(s: RunSpec) -> int:
+    """Bytes one adapted linear's forward (or recompute) holds at once beyond what it keeps, at the largest adapted
+    linear, whatever the micro batch; the memory model counts the larger of this and the block's working set.
+
+    A DoRA's weight norm ||W + s B A|| per output row: PEFT builds B A as B(A(I)) from an (in, in) identity, then
+    s B A and W + s B A, all alive together (in the adapters' dtype, with W's copy in it when that differs). A LoKr
+    builds kron(w1, w2) before scaling it into the update it keeps. A LoRA adds only per-token tensors.
+    """
+    lc = lora_config(s)
+    if lc is None or lc.type == "lora":
+        return 0
+    b, ab = PRECISION_BYTES[s.precision], adapter_bytes(s)
+    shapes = linear_shapes(s.model)
+    most = 0
+    for _single, name, _, n_out in _adapted_block_linears(s, lc):
+        n_in = shapes[name][0]
+        if lc.type == "dora":
+            held = n_in * n_in + n_in * lc.rank + (3 + (ab != b)) * n_in * n_out
+        else:
+            held = n_in * n_out
+        most = max(most, held * ab)
+    return most
 
 
 def adapter_bytes(s: RunSpec) -> int:
