@@ -266,11 +266,15 @@ def worker(case: Case, ds_path: str, result_path: str) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Blocks: saved-for-backward bytes and backward peak of one block of each kind, on this device
 # ---------------------------------------------------------------------------------------------------------
-def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path) -> list[str]:
+def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path, lora: str | None = None) -> list[str]:
     """Per block kind, resolution and attention kernel: bytes saved for backward (saved_tensors_hooks,
-    distinct storages, minus parameters and inputs) vs memory.double/single_block_saved, and (CUDA) the
-    allocator peak of forward+backward above the inputs, weight gradients dropped as made, vs saved +
-    memory.block_backward_workspace + the block's largest weight gradient (in flight)."""
+    distinct storages still held when forward returns, minus parameters and inputs) vs
+    memory.double/single_block_saved, and (CUDA) the allocator peak of forward+backward above the inputs, weight
+    gradients dropped as made, vs saved + memory.block_backward_workspace + the block's largest weight gradient (in
+    flight). `lora` (lora, dora, lokr): rank-16 bf16 adapters on attention+mlp (ZeRO 0-2's), the prediction then
+    the frozen block's plus memory.lora_block_saved and memory.adapter_block_fixed."""
+    import weakref
+
     import torch
 
     from fluxzero.model import build_model
@@ -279,9 +283,15 @@ def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path) -> lis
     dev = "cuda" if cuda else "cpu"
     cfg = get_model_config(model).replace(depth=1, depth_single_blocks=1)
     net = build_model(cfg, device=dev, dtype=torch.bfloat16)
+    if lora:
+        from fluxzero.config.lora import LoraConfig
+        from fluxzero.model.lora import apply_lora
+
+        apply_lora(net, LoraConfig(rank=16, type=lora))
+        net.to(torch.bfloat16)  # the adapters in the training dtype, as the engine casts them below ZeRO-3
     params = list(net.parameters())
-    for p_ in params:  # ZeRO-2/3 move each weight gradient into a bucket as soon as it exists: do the same
-        p_.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    for p_ in (q for q in params if q.requires_grad):  # ZeRO-2/3 move each weight gradient into a bucket as soon
+        p_.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))  # as it exists: do the same
     rows, C = [], cfg.hidden_size
     for px in pxs:
         I, T = (px // 16) ** 2, txt_len
@@ -300,20 +310,25 @@ def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path) -> lis
                 ("double", net.double_blocks[0], (img, txt, vec, pe), memory.double_block_saved),
                 ("single", net.single_blocks[0], (x, vec, pe), memory.single_block_saved),
             ):
-                seen: dict[int, int] = {}
+                held: list = []
+
+                class Box:  # what the graph holds: a tensor saved and dropped within forward is not counted
+                    __slots__ = ("t", "__weakref__")
 
                 def pack(t):
-                    st = t.untyped_storage()
-                    seen.setdefault(st.data_ptr(), st.nbytes())
-                    return t
+                    box = Box()
+                    box.t = t
+                    held.append(weakref.ref(box))
+                    return box
 
                 if cuda:
                     torch.cuda.synchronize()
                     base = torch.cuda.memory_allocated()
                     torch.cuda.reset_peak_memory_stats()
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
                     out = block(*args)
                 skip = {t.untyped_storage().data_ptr() for t in params + list(args)}
+                seen = {b.t.untyped_storage().data_ptr(): b.t.untyped_storage().nbytes() for r in held if (b := r())}
                 saved = sum(n for ptr, n in seen.items() if ptr not in skip)
                 outs = out if isinstance(out, tuple) else (out,)
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
@@ -321,7 +336,11 @@ def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path) -> lis
                 del out, outs
                 for p_ in params + list(args):
                     p_.grad = None
-                pred_saved = sum(predict_fn(cfg, I, T, 2, device=dev, attention=att).values())
+                pred_saved = sum(predict_fn(cfg, I, T, 2, device=dev, attention=att, frozen=bool(lora)).values())
+                if lora:
+                    spec = memory.RunSpec(cfg, height=px, width=px, txt_len=T, lora_rank=16, lora_type=lora, device=dev)
+                    i = int(kind == "single")
+                    pred_saved += memory.lora_block_saved(spec)[i] + memory.adapter_block_fixed(spec).saved[i]
                 in_flight = 2 * max(
                     sum(q.numel() for q in m.parameters()) for m in block.modules() if isinstance(m, torch.nn.Linear)
                 )  # one weight gradient, bf16
@@ -332,6 +351,7 @@ def blocks_check(model: str, pxs: list[int], txt_len: int, out_dir: Path) -> lis
                     "px": px,
                     "txt_len": T,
                     "attention": backend,
+                    "lora": lora,
                     "device": dev,
                     "saved_gib": saved / GiB,
                     "saved_pred_gib": pred_saved / GiB,
@@ -473,12 +493,16 @@ def main(argv=None) -> int:
     p.add_argument("--blocks-model", default="flux-dev")
     p.add_argument("--blocks-px", default="512,1024", help="resolutions for --blocks, comma-separated")
     p.add_argument("--blocks-txt", type=int, default=512)
+    p.add_argument(
+        "--blocks-lora", choices=("lora", "dora", "lokr"), help="--blocks with rank-16 adapters of this type"
+    )
     p.add_argument("--worker", nargs=3, metavar=("CASE", "DS", "RESULT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.blocks:
         out_dir = runner.out_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
-        rows = blocks_check(a.blocks_model, [int(v) for v in a.blocks_px.split(",")], a.blocks_txt, out_dir)
+        pxs = [int(v) for v in a.blocks_px.split(",")]
+        rows = blocks_check(a.blocks_model, pxs, a.blocks_txt, out_dir, a.blocks_lora)
         print(
             "| block | px | attention | saved MiB pred / meas | fwd+bwd peak above inputs MiB pred / meas |\n"
             "|---|---|---|---|---|\n" + "\n".join(rows)

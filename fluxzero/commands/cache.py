@@ -298,6 +298,16 @@ def cache(  # noqa: C901
         ]
         if kinds:
             click.echo(f"skipped {' and '.join(kinds)} image(s); see {out_dir}/cache_report.json")
+        if report["captions_truncated"]:
+            cut, n = report["captions_truncated"], opts.t5_max_length
+            top = max(T5_MAX_LENGTH.values())  # FLUX.1's own pipelines go no further
+            more = f", or raise --t5-max-length (FLUX.1-dev's pipeline uses {top})" if n < top else ""
+            click.echo(
+                f"{len(cut)} of {report['num_images']} image(s) have captions longer than {n} T5 tokens, cut at the "
+                f"end (a --caption-prefix, at the start, is kept; first: {cut[0]}; all listed in "
+                f"{out_dir}/cache_report.json); shorten them{more}",
+                err=True,
+            )
         n_small, n_in_small, n_buckets = small_buckets(m)
         if n_small:
             click.echo(

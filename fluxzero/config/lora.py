@@ -204,10 +204,10 @@ class LoraConfig:
 
     def check_model(self, model_cfg) -> None:
         """ValueError (one sentence naming the setting) unless these adapters fit a model of shape `model_cfg` (a
-        ModelConfig): a rank from 1 to the model's width (a larger one adds nothing but memory), and targets
+        ModelConfig): a rank from 1 to the model's width (a larger one adds nothing but memory), targets
         that select linears of it, every pattern of a list at least one (fluxzero.model.lora.target_modules
-        applies the same rule to the built model). The one check of a LoRA against its model, for the run file,
-        gen-config and the memory model."""
+        applies the same rule to the built model), and a LoKr factor no larger than the smallest targeted
+        dimension. The one check of a LoRA against its model, for the run file, gen-config and the memory model."""
         import fnmatch
 
         width = model_cfg.hidden_size
@@ -216,22 +216,31 @@ class LoraConfig:
                 f"lora.rank must be from 1 to the model's width {width} ({model_cfg.name}), got "
                 f"{self.rank}; set e.g. rank: 16"
             )
-        names = list(linear_shapes(model_cfg))
-        hits = {p: [n for n in names if fnmatch.fnmatchcase(n, p)] for p in self.patterns}
+        shapes = linear_shapes(model_cfg)
+        hits = {p: [n for n in shapes if fnmatch.fnmatchcase(n, p)] for p in self.patterns}
         if isinstance(self.targets, str):
             if not any(hits.values()):
                 raise ValueError(
                     f"lora.targets {self.targets!r} selects no linear layer of {model_cfg.name}; name "
                     f"module patterns instead (e.g. img_in, final_layer.linear)"
                 )
-            return
-        missed = [p for p, hit in hits.items() if not hit]
-        if missed:
-            raise ValueError(
-                f"lora.targets pattern {excerpt(missed[0])} matches no linear layer of {model_cfg.name}; "
-                f"patterns are fnmatch globs over whole module names such as "
-                f"double_blocks.*.img_attn.qkv or single_blocks.*.linear1"
-            )
+        else:
+            missed = [p for p, hit in hits.items() if not hit]
+            if missed:
+                raise ValueError(
+                    f"lora.targets pattern {excerpt(missed[0])} matches no linear layer of {model_cfg.name}; "
+                    f"patterns are fnmatch globs over whole module names such as "
+                    f"double_blocks.*.img_attn.qkv or single_blocks.*.linear1"
+                )
+        if self.type == "lokr" and self.factor != -1:
+            # PEFT splits each dimension as (factor, dim / factor) only when factor divides it; a factor past a
+            # dimension silently falls back to the automatic split there, so it would not mean what it says.
+            name, dim = min(((n, d) for hit in hits.values() for n in hit for d in shapes[n]), key=lambda nd: nd[1])
+            if self.factor > dim:
+                raise ValueError(
+                    f"lora.factor {self.factor} is larger than the smallest dimension {dim} of a targeted layer "
+                    f"({name} of {model_cfg.name}); set lora.factor from 1 to {dim}, or -1 (automatic)"
+                )
 
 
 def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:
@@ -254,16 +263,23 @@ def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:
     return (n, m) if m > n else (m, n)
 
 
+def lokr_factors(shape: tuple[int, int], lora_cfg: LoraConfig) -> tuple[tuple[int, int, bool], tuple[int, int, bool]]:
+    """A LoKr's two factors on a linear of (in_features, out_features): (rows, columns, low-rank?) of w1 and of w2,
+    kron(w1, w2) the (out, in) update. A low-rank factor is a product of two rank-r matrices (PEFT's use_w1 /
+    use_w2 rule: w1 only with decompose_both, each only where the rank is below half its larger side)."""
+    fan_in, fan_out = shape
+    r = lora_cfg.rank
+    (a, c), (b, d) = factorization(fan_out, lora_cfg.factor), factorization(fan_in, lora_cfg.factor)
+    return (a, b, lora_cfg.decompose_both and r < max(a, b) / 2), (c, d, r < max(c, d) / 2)
+
+
 def adapter_param_count(shape: tuple[int, int], lora_cfg: LoraConfig) -> int:
     """Trainable parameters of one adapter on a linear of (in_features, out_features)."""
     fan_in, fan_out = shape
     r = lora_cfg.rank
     if lora_cfg.type != "lokr":
         return r * (fan_in + fan_out) + (fan_out if lora_cfg.type == "dora" else 0)  # DoRA: a magnitude per row
-    (a, c), (b, d) = factorization(fan_out, lora_cfg.factor), factorization(fan_in, lora_cfg.factor)
-    w1 = r * (a + b) if lora_cfg.decompose_both and r < max(a, b) / 2 else a * b  # PEFT's use_w1 / use_w2 rule
-    w2 = r * (c + d) if r < max(c, d) / 2 else c * d
-    return w1 + w2
+    return sum(r * (m + n) if low else m * n for m, n, low in lokr_factors(shape, lora_cfg))
 
 
 def lora_param_count(model_cfg, lora_cfg: LoraConfig) -> int:

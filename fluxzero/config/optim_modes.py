@@ -334,6 +334,9 @@ MODES: dict[str, OptimMode] = {
             ds_bf16=BF16_MASTER_KEYS,
             optimizer_offload="cpu",
             where="master, gradients and states in host memory (optimizer offload cpu)",
+            # a universal-checkpoint load gives HostAdamW m, v and step but not its rounding stream (sr_stream), which
+            # a step needs: DeepSpeed's loader knows only torch's Adam keys
+            universal_checkpoint=False,
             caveat="m, v and weights stochastically rounded: within 1% of fp32 masters at 400 steps; the step "
             "runs on the CPU",
             builder="HostAdamW",
@@ -352,6 +355,8 @@ MODES: dict[str, OptimMode] = {
             optimizer_offload="cpu",
             extra="lowmem",
             where="master, gradients and 8-bit states in host memory (optimizer offload cpu)",
+            # DeepSpeed's ds_to_universal reads each partition's exp_avg / exp_avg_sq, which 8-bit codes and scales are not
+            universal_checkpoint=False,
             caveat="8-bit blockwise m and v: a few % from fp32 masters, 2 B/param less host memory than "
             "cpu-bf16-sr; the step runs on the CPU",
             builder="HostAdamW8bit",

@@ -23,7 +23,16 @@ from fluxzero.data import kontext
 from fluxzero.data import shards as fmt
 from fluxzero.data.buckets import STEP, make_buckets, nearest_bucket
 from fluxzero.data.errors import DataError, InputFileError
-from fluxzero.data.images import captions_for, has_alpha, list_images, load_bucketed, load_mask, mask_for, probe_size
+from fluxzero.data.images import (
+    captions_for,
+    has_alpha,
+    list_images,
+    load_bucketed,
+    load_mask,
+    mask_for,
+    orphan_masks,
+    probe_size,
+)
 from fluxzero.fsutil import atomic_write
 
 PLAN_FILE = "cache_plan.json"
@@ -199,6 +208,7 @@ def make_plan(opts: CacheOptions) -> dict:  # noqa: C901
         "num_images": len(images),
         "min_image_side": min_image,
         "ignored_txt": ignored_txt,
+        "unused_masks": orphan_masks(root, images),
         "pairs": references is not None,
     }
 
@@ -221,7 +231,13 @@ def _check_mask(root: Path, image: str, size: tuple[int, int]) -> str | None:
             f"mask {root / mask} is {mw}x{mh} px but its image {root / image} is {size[0]}x{size[1]} px; "
             f"save the mask at its image's size (white where the loss applies, black where not)."
         )
-    if _all_black(root / mask):
+    gray = _mask_gray(root / mask)
+    if gray is None:
+        raise InputFileError(
+            f"mask {root / mask} has colour (its red, green and blue channels differ), and a mask is one weight "
+            f"per pixel; save it as a grayscale PNG (white where the loss applies, black where not)."
+        )
+    if gray.getextrema()[1] == 0:
         raise InputFileError(
             f"mask {root / mask} is black everywhere, so {root / image} would train nothing; paint "
             f"white where the loss applies (black where not), or delete the mask to train on the "
@@ -230,11 +246,20 @@ def _check_mask(root: Path, image: str, size: tuple[int, int]) -> str | None:
     return mask
 
 
-def _all_black(path: Path) -> bool:
+def _mask_gray(path: Path):
+    """The mask as 8-bit gray (PIL "L"), or None for a colour one. A single-channel mask (alpha, if any, ignored)
+    is gray as it is; an RGB or palette one only if its red, green and blue are equal everywhere, as editors save a
+    gray drawing: any weighting of real colour would be a guess."""
+    import numpy as np
     from PIL import Image
 
     with Image.open(path) as im:
-        return im.convert("L").getextrema()[1] == 0
+        if len([b for b in im.getbands() if b != "A"]) == 1 and im.mode not in ("P", "PA"):
+            return im.convert("L")
+        rgb = np.asarray(im.convert("RGB"))
+    if not ((rgb[..., 0] == rgb[..., 1]).all() and (rgb[..., 1] == rgb[..., 2]).all()):
+        return None
+    return Image.fromarray(rgb[..., 0])
 
 
 # ------------------------------------------------------------------------------------------ resume state
@@ -416,10 +441,11 @@ def _load(path: Path, bucket, flip: bool, mask: Path | None = None, alpha: bool 
 
 def _encode_shard(
     shard: dict, opts: CacheOptions, enc, empty: dict, storage_dtype: str, bar, pool
-) -> tuple[dict | None, list]:
+) -> tuple[dict | None, list, list]:
+    """(the shard's record or None, the files skipped, the files whose caption T5 cut at t5_max_length)."""
     import torch
 
-    root, samples, skipped = Path(opts.images_dir), [], []
+    root, samples, skipped, cut = Path(opts.images_dir), [], [], []
     bucket = tuple(shard["bucket"])
     batches = [shard["items"][k : k + opts.batch_size] for k in range(0, len(shard["items"]), opts.batch_size)]
 
@@ -459,6 +485,9 @@ def _encode_shard(
         ref_latents = _encode_references(enc, refs, ok, opts)
         texts = [it["caption"] for it in ok if not it["dropped"]]
         t5, t5_len, clip = enc.encode_text(texts) if texts else (None, None, None)
+        if texts:
+            kept = [it for it in ok if not it["dropped"]]
+            cut += [it["file"] for it, c in zip(kept, enc.t5_cut(texts)) if c and it["file"] not in cut]
         k = 0
         for j, it in enumerate(ok):
             if it["dropped"]:
@@ -484,8 +513,8 @@ def _encode_shard(
                 }
             )
     if not samples:
-        return None, skipped
-    return fmt.write_shard(Path(opts.out_dir) / fmt.shard_name(shard["id"]), samples, storage_dtype), skipped
+        return None, skipped, cut
+    return fmt.write_shard(Path(opts.out_dir) / fmt.shard_name(shard["id"]), samples, storage_dtype), skipped, cut
 
 
 def _encode_references(enc, refs: list, items: list[dict], opts: CacheOptions):
@@ -539,7 +568,7 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
                 ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool,
             ):
                 for s in todo:
-                    record, skipped = _encode_shard(s, opts, enc, empty, storage, bar, pool)
+                    record, skipped, cut = _encode_shard(s, opts, enc, empty, storage, bar, pool)
                     for sk in {sk["file"]: sk for sk in skipped}.values():
                         bar.write(f"skipped {sk['file']}: {sk['reason']}")
                     _check_plan_unchanged(out, plan)
@@ -547,6 +576,7 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
                         "fingerprint": plan["fingerprint"],
                         "record": record,
                         "skipped": skipped,
+                        "captions_truncated": cut,
                         "dims": _shard_dims(enc, plan),
                         "dtype": storage,
                         "vae_scale": enc.scale,
@@ -584,7 +614,8 @@ def run_cache(opts: CacheOptions, load_encoders, log=print) -> dict:
 
 
 def _log_captions(plan: dict, opts: CacheOptions, log) -> None:
-    """Say up front what would otherwise show only in the report: images without caption, unused caption rows."""
+    """Say up front what would otherwise show only in the report: images without caption, unused caption rows and
+    unused mask files."""
     n, images = len(plan["no_caption"]), plan["num_images"] - len(plan["skipped"])
     if n:
         src = "no same-name .txt file" if plan["caption_source"] == "txt" else f"no row in {plan['caption_source']}"
@@ -607,6 +638,13 @@ def _log_captions(plan: dict, opts: CacheOptions, log) -> None:
         log(
             f"{len(u)} row(s) of {plan['caption_source']} name no image in {opts.images_dir} (first: {u[0]}; "
             f"all listed in {REPORT_FILE})"
+        )
+    if plan["unused_masks"]:
+        u = plan["unused_masks"]
+        log(
+            f"{len(u)} mask file(s) in {opts.images_dir} belong to no image cached here and are not used (first: "
+            f"{u[0]}; a mask is NAME.mask.png beside its image NAME.png, .jpg, .jpeg or .webp; all listed in "
+            f"{REPORT_FILE})"
         )
 
 
@@ -651,6 +689,9 @@ def _finalize(out: Path, plan: dict, opts: CacheOptions):
         "skipped": skipped,
         "no_caption": [im for im in plan["no_caption"] if im not in bad],
         "captions_matching_no_image": plan["unmatched_captions"],
+        "masks_matching_no_image": plan["unused_masks"],
+        # parts written before this key existed count none (a rerun does not re-encode them)
+        "captions_truncated": sorted({f for p in parts for f in p.get("captions_truncated", []) if f not in bad}),
     }
     _write_if_changed(out / REPORT_FILE, report)
     if not records:

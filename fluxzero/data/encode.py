@@ -290,6 +290,12 @@ class Encoders:
                 z = dist.mode()
             return ((z.float() - self.shift) * self.scale).cpu()
 
+    def t5_cut(self, captions: list[str]) -> list[bool]:
+        """Whether each caption has more T5 tokens (its end-of-text token included) than t5_max_length, so that
+        encode_text keeps only its first t5_max_length tokens: the start, where a caption prefix stands, survives."""
+        ids = self.t5_tok(captions, truncation=False, verbose=False).input_ids
+        return [len(i) > self.t5_max_length for i in ids]
+
     def encode_text(self, captions: list[str]):
         """Shape: B captions -> t5 (B, L, D), t5_len (B,) real token counts, clip (B, V); float32 on CPU.
 

@@ -41,7 +41,23 @@ def list_images(root) -> list[str]:
     return sorted(
         p.relative_to(root).as_posix()
         for p in root.rglob("*")
-        if p.suffix.lower() in IMAGE_EXTS and Path(p.stem).suffix.lower() != ".mask" and p.is_file()
+        if p.suffix.lower() in IMAGE_EXTS and not _is_mask(p) and p.is_file()
+    )
+
+
+def _is_mask(p: Path) -> bool:
+    return p.suffix.lower() in IMAGE_EXTS and Path(p.stem).suffix.lower() == ".mask"
+
+
+def orphan_masks(root, images: list[str]) -> list[str]:
+    """Mask files under `root` (NAME.mask.png and the like, relative, sorted) that belong to none of `images`: they
+    are never read, which a user who misnamed the mask or its image should be told."""
+    root = Path(root)
+    stems = {Path(im).with_suffix("").as_posix() for im in images}
+    return sorted(
+        rel
+        for rel in (p.relative_to(root).as_posix() for p in root.rglob("*") if _is_mask(p) and p.is_file())
+        if Path(rel).with_suffix("").with_suffix("").as_posix() not in stems
     )
 
 
@@ -82,7 +98,8 @@ def _alpha(im):
 def load_mask(path, bucket: tuple[int, int], flip: bool, from_alpha: bool = False):
     """A mask image cropped and flipped as its image is (load_bucketed), averaged over each image token's pixels.
 
-    Gray levels are weights (white 1, black 0; colour is converted to gray, alpha ignored); with from_alpha,
+    Gray levels are weights (white 1, black 0; an RGB mask has equal channels, which `fluxzero cache`
+    checks before it writes, so its gray is any of them; alpha ignored); with from_alpha,
     `path` is the image itself and its alpha channel is the mask (opaque 1). Shape: returns (H/16, W/16)
     float32 in [0, 1] with (H, W) = bucket, row-major as fluxzero.model.packing.pack's tokens.
     """

@@ -27,6 +27,8 @@ from fluxzero.config.deepspeed.view import checkpointed_blocks  # noqa: F401  (o
 from fluxzero.plan.activations import (  # noqa: F401
     activation_bytes,
     activation_items,
+    adapter_block_fixed,
+    adapter_workspace,
     block_backward_workspace,
     checkpointed_split,
     double_block_kept,

@@ -7,9 +7,11 @@ Pure Python (no torch). Sizes are bytes per sample unless a function says otherw
 from __future__ import annotations
 
 import fnmatch
+from typing import NamedTuple
 
 from fluxzero.config import architecture, optim_modes
 from fluxzero.config.architecture import linear_shapes
+from fluxzero.config.lora import lokr_factors
 from fluxzero.config.models import ModelConfig
 from fluxzero.plan.spec import PRECISION_BYTES, Item, RunSpec, lora_config, param_inventory, trained_params
 
@@ -18,19 +20,20 @@ from fluxzero.plan.spec import PRECISION_BYTES, Item, RunSpec, lora_config, para
 # Activations, from fluxzero.model.layers (per sample; L = L_txt + L_img, C hidden, M mlp hidden, H heads;
 # L_img = RunSpec.img_tokens: a FLUX.1 Kontext model's reference tokens are image tokens too)
 # ---------------------------------------------------------------------------------------------------------
-def _rms_saved(L: int, cfg: ModelConfig, b: int, device: str) -> dict[str, int]:
+def _rms_saved(L: int, cfg: ModelConfig, b: int, device: str, frozen: bool = False) -> dict[str, int]:
     """What F.rms_norm saves for ONE of q/k, beyond its input (which is a view of the qkv projection).
 
-    CUDA (torch >= 2.8): the fused kernel saves its input and the fp32 rstd per row.
-    CPU: the composite saves the fp32 upcast input (the input itself if already fp32), rstd and the fp32
-    normalised tensor (it is multiplied by the learned scale).
+    CUDA (torch >= 2.8): the fused kernel saves its input and the fp32 rstd per row, frozen scale or not.
+    CPU: the composite saves the fp32 upcast input (the input itself if already fp32), rstd and, for the learned
+    scale's gradient, the fp32 normalised tensor it multiplies; under adapters (`frozen`) the scale takes no
+    gradient and that tensor is not kept.
     """
     H = cfg.num_heads
     rstd = L * H * 4
     if device == "cuda":
         return {"rstd": rstd}
     upcast = 0 if b == 4 else L * cfg.hidden_size * 4
-    return {"rstd": rstd, "fp32 upcast": upcast, "fp32 normalised": L * cfg.hidden_size * 4}
+    return {"rstd": rstd, "fp32 upcast": upcast, "fp32 normalised": 0 if frozen else L * cfg.hidden_size * 4}
 
 
 def _attention_saved(L: int, cfg: ModelConfig, b: int, attention: str, device: str, v_separate: bool) -> dict[str, int]:
@@ -54,9 +57,17 @@ def _ln_stats(L: int, b: int, device: str) -> int:
 
 
 def double_block_saved(
-    cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, *, device: str = "cuda", attention: str = "flash"
+    cfg: ModelConfig,
+    img_tokens: int,
+    txt_tokens: int,
+    b: int = 2,
+    *,
+    device: str = "cuda",
+    attention: str = "flash",
+    frozen: bool = False,
 ) -> dict[str, int]:
-    """Bytes autograd saves inside one DoubleStreamBlock for one sample, not counting its inputs."""
+    """Bytes autograd saves inside one DoubleStreamBlock for one sample, not counting its inputs (`frozen`: its
+    parameters take no gradient, adapters train instead; their own additions are lora_block_saved's)."""
     C, M = cfg.hidden_size, cfg.mlp_hidden_dim
     L = img_tokens + txt_tokens
     out: dict[str, int] = {}
@@ -72,7 +83,7 @@ def double_block_saved(
         add("mlp hidden before/after GELU", 2 * Ls * M * b)
         if device == "cuda" or b == 4:
             add("qkv projection (kept by q/k norm input views)", 3 * Ls * C * b)
-        for key, v in _rms_saved(Ls, cfg, b, device).items():
+        for key, v in _rms_saved(Ls, cfg, b, device, frozen).items():
             add(f"q/k rms norm {key}", 2 * v)
     for key, v in _attention_saved(L, cfg, b, attention, device, v_separate=True).items():
         add(key, v)
@@ -81,9 +92,17 @@ def double_block_saved(
 
 
 def single_block_saved(
-    cfg: ModelConfig, img_tokens: int, txt_tokens: int, b: int = 2, *, device: str = "cuda", attention: str = "flash"
+    cfg: ModelConfig,
+    img_tokens: int,
+    txt_tokens: int,
+    b: int = 2,
+    *,
+    device: str = "cuda",
+    attention: str = "flash",
+    frozen: bool = False,
 ) -> dict[str, int]:
-    """Bytes autograd saves inside one SingleStreamBlock for one sample, not counting its input."""
+    """Bytes autograd saves inside one SingleStreamBlock for one sample, not counting its input (`frozen`: as
+    double_block_saved's)."""
     C, M = cfg.hidden_size, cfg.mlp_hidden_dim
     L = img_tokens + txt_tokens
     out = {
@@ -94,7 +113,7 @@ def single_block_saved(
         "concat(attn, mlp) (linear2 input)": L * (C + M) * b,
         "linear2 output (gate)": L * C * b,
     }
-    for key, v in _rms_saved(L, cfg, b, device).items():
+    for key, v in _rms_saved(L, cfg, b, device, frozen).items():
         out[f"q/k rms norm {key}"] = 2 * v
     out.update(_attention_saved(L, cfg, b, attention, device, v_separate=False))
     return out
@@ -150,17 +169,21 @@ def single_block_kept(
 
 
 def lora_block_kept(s: RunSpec) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((double, single) bytes, (double, single) of them saved without the policy) per sample that LoRA adapters
-    add to what the selective policy keeps: each adapter's A x (rank values per token, which B's gradient saves)
-    and B A x (the adapted layer's output width per token)."""
+    """((double, single) bytes, (double, single) of them saved without the policy) per sample that the adapters
+    add to what the selective policy keeps: a LoRA's or DoRA's A x (rank values per token, which B's gradient
+    saves) and B A x (the adapted layer's output width per token, which a DoRA's magnitude gradient saves too); a
+    LoKr's x times its update (output width). Their per-block additions are adapter_block_fixed's."""
     lc = lora_config(s)
     if lc is None:
         return (0, 0), (0, 0)
     ab = adapter_bytes(s)
     kept, saved = [0, 0], [0, 0]
     for single, _name, tokens, n_out in _adapted_block_linears(s, lc):
+        if lc.type == "lokr":
+            kept[single] += tokens * n_out * ab
+            continue
         kept[single] += tokens * (lc.rank + n_out) * ab
-        saved[single] += tokens * lc.rank * ab
+        saved[single] += tokens * (lc.rank + (n_out if lc.type == "dora" else 0)) * ab
     return (kept[0], kept[1]), (saved[0], saved[1])
 
 
@@ -216,8 +239,9 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     I, T = s.img_tokens, s.txt_len
     L, C = I + T, cfg.hidden_size
     att = "math" if s.attention == "math" else "flash"
-    d = sum(double_block_saved(cfg, I, T, b, device=s.device, attention=att).values())
-    si = sum(single_block_saved(cfg, I, T, b, device=s.device, attention=att).values())
+    frozen = bool(s.lora_rank)
+    d = sum(double_block_saved(cfg, I, T, b, device=s.device, attention=att, frozen=frozen).values())
+    si = sum(single_block_saved(cfg, I, T, b, device=s.device, attention=att, frozen=frozen).values())
     lora_d, lora_s = lora_block_saved(s)
     d, si = d + lora_d, si + lora_s
     k = s.checkpoint_every
@@ -243,11 +267,22 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     ]  # per block, one sample
     embed, head = outside_blocks_saved(cfg, I, T, b)
     # A quantized base dequantizes each weight for its matmul, and autograd saves that bf16 copy for the input's
-    # gradient (mm saves the other operand): per block, whatever the micro batch; a checkpointed block's only
-    # while it is recomputed. Counted in sample units of B so the walk below stays one sum.
+    # gradient (mm saves the other operand); a LoKr saves its whole update kron(w1, w2) the same way
+    # (adapter_block_fixed): per block, whatever the micro batch; a checkpointed block's only while it is
+    # recomputed, less what the selective policy keeps of it from forward. Counted in sample units of B so the walk
+    # below stays one sum.
     wq = [n * b / B for n in _block_linear_weights(cfg)] if s.base_quant else [0.0] * len(kinds)
-    kept = [k_ + (0 if c else w) for k_, w, c in zip(kept, wq, ckpt)]
-    redo = [r + (w if c else 0) for r, w, c in zip(redo, wq, ckpt)]
+    fixed = adapter_block_fixed(s)
+    for j, c in enumerate(ckpt):
+        i = int(j >= cfg.depth)
+        w = wq[j] + fixed.saved[i] / B
+        if not c:
+            kept[j] += w
+        elif selective[j]:
+            kept[j] += fixed.kept[i] / B
+            redo[j] += w - fixed.both[i] / B
+        else:
+            redo[j] += w
     stored = embed + sum(kept)  # alive when backward reaches the blocks (the head's tensors are freed by then)
     # At stage 0 every parameter's full gradient stays from the moment backward makes it until the step:
     # they grow block by block (the head's first) while the activations shrink, and the peak may come later
@@ -272,7 +307,7 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     return {
         "stored": B * stored,
         "recompute": B * (peak - stored),
-        "workspace": B * workspace,
+        "workspace": max(B * workspace, adapter_workspace(s)),
         "on_host": on_host,
         "grads_net": both - B * peak,
         "per_block_double": d,
@@ -298,7 +333,8 @@ def selective_split(s: RunSpec) -> tuple[int, int, int, int]:
         (single_block_kept, single_block_saved, lk_s, ls_s, lora_s),
     ):
         kept = kept_fn(cfg, I, T, b, device=s.device, attention=att)
-        saved = sum(saved_fn(cfg, I, T, b, device=s.device, attention=att).values()) + lsaved
+        saved = sum(saved_fn(cfg, I, T, b, device=s.device, attention=att, frozen=bool(s.lora_rank)).values())
+        saved += lsaved
         both = sum(n for n, in_saved in kept.values() if in_saved) + ls
         out.append((sum(n for n, _ in kept.values()) + lk, saved - both))
     (kd, rd), (ks, rs) = out
@@ -306,11 +342,20 @@ def selective_split(s: RunSpec) -> tuple[int, int, int, int]:
 
 
 def lora_block_saved(s: RunSpec) -> tuple[int, int]:
-    """(double, single) block bytes per sample that LoRA adapters add to what autograd saves.
+    """(double, single) block bytes per sample that the adapters (LoRA, DoRA, LoKr: lora.type) change in what
+    autograd saves, per token of each block linear (PEFT's forwards); what they save per block whatever the micro
+    batch is adapter_block_fixed's.
+
+    A frozen linear no adapter covers saves no input: each block linear's input is saved for its weight's gradient
+    only (the block's saved set counts it once), so such a linear takes it out (the MLP's under the attention
+    preset, the modulation's under attention+mlp).
 
     The base linears are frozen, so backward runs no weight-gradient matmul for them, but it still needs each
-    adapted linear's input x for A's gradient (the same tensor the block saves already) and saves the
-    adapter's own A x (rank values per token) for B's gradient; with dropout, the dropped-out copy of x too.
+    adapted linear's input x for the adapter's gradient (the same tensor the block saves already). A LoRA saves
+    its own A x (rank values per token) for B's gradient; with dropout, the dropped-out copy of x too. A DoRA
+    adds, for its magnitude's gradient, the base output less its bias (a new tensor: FLUX.1's linears all have
+    one) in the base dtype and B A x in the adapters'. A LoKr multiplies x by its whole update, so it keeps
+    nothing per token of its own.
     """
     lc = lora_config(s)
     if lc is None:
@@ -318,13 +363,81 @@ def lora_block_saved(s: RunSpec) -> tuple[int, int]:
     b, ab = PRECISION_BYTES[s.precision], adapter_bytes(s)
     shapes = linear_shapes(s.model)
     out = [0, 0]
-    for single, name, tokens, _ in _adapted_block_linears(s, lc):
-        # A's input: the layer's input, counted in the block's saved set already, unless PEFT makes a copy: with
-        # dropout, and in the adapters' dtype when that is wider (then the input itself is no longer saved: the
-        # frozen base layer needs it for no weight gradient, so the copy adds the difference)
-        copy = shapes[name][0] * (ab if lc.dropout else ab - b)
-        out[single] += tokens * (lc.rank * ab + copy)
+    for single, name, tokens, n_out in _adapted_block_linears(s, lc):
+        # the adapter's input: the layer's input, counted in the block's saved set already, unless PEFT makes a
+        # copy: with dropout, and in the adapters' dtype when that is wider (then the input itself is no longer
+        # saved: the frozen base layer needs it for no weight gradient, so the copy adds the difference)
+        per_token = shapes[name][0] * (ab if lc.dropout else ab - b)
+        if lc.type != "lokr":
+            per_token += lc.rank * ab
+        if lc.type == "dora":
+            per_token += n_out * (b + ab)
+        out[single] += tokens * per_token
+    for single, name, tokens, _ in _adapted_block_linears(s, lc, adapted=False):
+        out[single] -= tokens * shapes[name][0] * b
     return out[0], out[1]
+
+
+class BlockFixed(NamedTuple):
+    """Adapter bytes per block whatever the micro batch, each (double, single): what autograd saves, what the
+    selective policy keeps of a checkpointed block from forward to backward, and how much of that it saves too."""
+
+    saved: tuple[int, int]
+    kept: tuple[int, int]
+    both: tuple[int, int]
+
+
+def adapter_block_fixed(s: RunSpec) -> BlockFixed:
+    """The adapters' bytes per block that do not grow with the micro batch (BlockFixed).
+
+    Saved: a LoKr builds each adapted linear's whole (out, in) update kron(w1, w2) x scale and multiplies the input
+    by it, which saves the update for the input's gradient, and kron saves its factors: those that are products of
+    two low-rank matrices are new tensors (lora.lokr_factors). A DoRA keeps three vectors per output row: the
+    detached weight norm, and magnitude / norm and that less 1 (the two scales of its output). A LoRA keeps none.
+    Kept by the selective policy (matmul outputs): a LoKr's factor products; a DoRA's B A of its weight norm,
+    which PEFT computes as B(A(I)) for each adapted linear ((in, rank) and (in, out) matmul outputs, which the
+    policy caches though backward never reads them).
+    """
+    lc = lora_config(s)
+    saved, kept, both = [0, 0], [0, 0], [0, 0]
+    if lc is not None and lc.type != "lora":
+        ab = adapter_bytes(s)
+        shapes = linear_shapes(s.model)
+        for single, name, _, n_out in _adapted_block_linears(s, lc):
+            n_in = shapes[name][0]
+            if lc.type == "dora":
+                saved[single] += 3 * n_out * ab
+                kept[single] += n_in * (lc.rank + n_out) * ab
+                continue
+            products = sum(m * n for m, n, low in lokr_factors(shapes[name], lc) if low) * ab
+            saved[single] += n_in * n_out * ab + products
+            kept[single] += products
+            both[single] += products
+    return BlockFixed(tuple(saved), tuple(kept), tuple(both))
+
+
+def adapter_workspace(s: RunSpec) -> int:
+    """Bytes one adapted linear's forward (or recompute) holds at once beyond what it keeps, at the largest adapted
+    linear, whatever the micro batch; the memory model counts the larger of this and the block's working set.
+
+    A DoRA's weight norm ||W + s B A|| per output row: PEFT builds B A as B(A(I)) from an (in, in) identity, then
+    s B A and W + s B A, all alive together (in the adapters' dtype, with W's copy in it when that differs). A LoKr
+    builds kron(w1, w2) before scaling it into the update it keeps. A LoRA adds only per-token tensors.
+    """
+    lc = lora_config(s)
+    if lc is None or lc.type == "lora":
+        return 0
+    b, ab = PRECISION_BYTES[s.precision], adapter_bytes(s)
+    shapes = linear_shapes(s.model)
+    most = 0
+    for _single, name, _, n_out in _adapted_block_linears(s, lc):
+        n_in = shapes[name][0]
+        if lc.type == "dora":
+            held = n_in * n_in + n_in * lc.rank + (3 + (ab != b)) * n_in * n_out
+        else:
+            held = n_in * n_out
+        most = max(most, held * ab)
+    return most
 
 
 def adapter_bytes(s: RunSpec) -> int:
@@ -334,15 +447,15 @@ def adapter_bytes(s: RunSpec) -> int:
     return 4 if s.stage == 3 else PRECISION_BYTES[s.precision]
 
 
-def _adapted_block_linears(s: RunSpec, lc) -> list[tuple[bool, str, int, int]]:
-    """(single block?, name, tokens per sample, out features) of each linear the LoRA adapts in the first double
-    and the first single block (every block of a kind is adapted alike)."""
+def _adapted_block_linears(s: RunSpec, lc, adapted: bool = True) -> list[tuple[bool, str, int, int]]:
+    """(single block?, name, tokens per sample, out features) of each linear the LoRA adapts (adapted=False: leaves
+    alone) in the first double and the first single block (every block of a kind is adapted alike)."""
     I, T = s.img_tokens, s.txt_len
     out = []
     for name, (_, n_out) in linear_shapes(s.model).items():
         if not (name.startswith("double_blocks.0.") or name.startswith("single_blocks.0.")):
             continue
-        if not any(fnmatch.fnmatchcase(name, p) for p in lc.patterns):
+        if any(fnmatch.fnmatchcase(name, p) for p in lc.patterns) != adapted:
             continue
         single = name.startswith("single_blocks.")
         tokens = I + T if single else (T if ".txt_" in name else I)

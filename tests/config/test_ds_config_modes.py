@@ -58,7 +58,8 @@ def test_no_mode_writes_what_it_always_did():
 
 
 def _cfg(mode: str, stage: int = 2, **top) -> dict:
-    cfg = build(options_from(None, optimizer_mode=mode, zero_stage=stage))
+    offload = "cpu" if optim_modes.get_mode(mode).needs_offload else "none"
+    cfg = build(options_from(None, optimizer_mode=mode, zero_stage=stage, offload_optimizer=offload))
     cfg.update(top)
     return cfg
 
@@ -340,17 +341,21 @@ def test_check_config_and_the_trainer_refuse_what_the_fused_mode_cannot_run(tmp_
     assert "DeepSpeed config" in str(e.value)
 
 
-def test_adamw8bit_sr_with_a_universal_checkpoint_load_is_refused_up_front(tmp_path):
+@pytest.mark.parametrize("mode", ["adamw8bit-sr", "cpu-adamw8bit-sr", "cpu-bf16-sr"])
+def test_modes_a_universal_checkpoint_cannot_resume_are_refused_up_front(tmp_path, mode):
+    """ZeRO's per-parameter views cannot slice adamw8bit-sr's 8-bit blocks; DeepSpeed's ds_to_universal stops with
+    KeyError 'exp_avg' on a cpu-adamw8bit-sr checkpoint (codes and scales); a cpu-bf16-sr checkpoint converts, but
+    the loaded HostAdamW's first step stops with KeyError 'sr_stream' (DeepSpeed restores only Adam's keys)."""
     from fluxzero.config.deepspeed.file import load_for_training
     from fluxzero.config.deepspeed.view import DSConfigError
 
     sentence = (
-        "fluxzero.optimizer_mode adamw8bit-sr keeps optimizer states that DeepSpeed's universal checkpoint "
+        f"fluxzero.optimizer_mode {mode} keeps optimizer states that DeepSpeed's universal checkpoint "
         "cannot split per parameter: remove checkpoint.load_universal and resume at the world size the "
         "checkpoint was saved with, or train with another optimizer mode"
     )
-    for stage in optim_modes.get_mode("adamw8bit-sr").zero_stages:
-        cfg = _cfg("adamw8bit-sr", stage, checkpoint={"load_universal": True})
+    for stage in optim_modes.get_mode(mode).zero_stages:
+        cfg = _cfg(mode, stage, checkpoint={"load_universal": True})
         assert check(cfg, 1) == [sentence]
         assert check(_cfg("bf16-sr", stage, checkpoint={"load_universal": True}), 1) == []  # the mode's own rule
     (tmp_path / "ds.json").write_text(json.dumps(cfg))

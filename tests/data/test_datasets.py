@@ -249,6 +249,7 @@ def test_an_alpha_channel_is_the_mask_when_asked(masked_images, tmp_path):
 
 
 def test_a_bad_mask_stops_the_cache_before_anything_is_written(masked_images, tmp_path):
+    import numpy as np
     from PIL import Image
 
     flux, images = masked_images
@@ -273,6 +274,16 @@ def test_a_bad_mask_stops_the_cache_before_anything_is_written(masked_images, tm
     r = _cache(bad, out, "--flux-dir", flux, *CACHE_ARGS)
     assert r.exit_code == 2 and f"mask {bad / 'a.mask.png'} is black everywhere" in r.output, r.output
     assert not out.exists()
+    rgb = np.zeros((64, 64, 3), np.uint8)
+    rgb[:, :32] = (255, 0, 0)  # a red brush stroke: which weight it means would be a guess
+    Image.fromarray(rgb).save(bad / "a.mask.png")
+    r = _cache(bad, out, "--flux-dir", flux, *CACHE_ARGS)
+    assert r.exit_code == 2, r.output
+    assert [line for line in r.output.splitlines() if line.startswith("Error:")] == [
+        f"Error: mask {bad / 'a.mask.png'} has colour (its red, green and blue channels differ), and a mask is one "
+        "weight per pixel; save it as a grayscale PNG (white where the loss applies, black where not)."
+    ], r.output
+    assert not out.exists()
     (bad / "a.mask.png").unlink()  # a mask saved as JPEG was cached as an image of its own
     Image.new("L", (64, 64), 255).save(bad / "a.mask.jpg")
     r = _cache(bad, out, "--flux-dir", flux, *CACHE_ARGS)
@@ -280,6 +291,63 @@ def test_a_bad_mask_stops_the_cache_before_anything_is_written(masked_images, tm
         r.exit_code == 2 and f"mask {bad / 'a.mask.jpg'} is not a PNG; save it as {bad / 'a.mask.png'}" in r.output
     ), r.output
     assert not out.exists()
+
+
+def test_a_gray_rgb_mask_is_its_gray_and_a_mask_without_image_is_reported(masked_images, tmp_path):
+    """An RGB(A) mask with equal channels (how editors save a gray drawing) weighs as the same mask saved as gray;
+    a mask whose image is not in the folder is named in one line and in the report, and the cache goes on."""
+    import numpy as np
+    from PIL import Image
+
+    flux, images = masked_images
+    root = tmp_path / "images"
+    root.mkdir()
+    for name in ("a.png", "a.txt"):
+        (root / name).write_bytes((images / name).read_bytes())
+    gray = np.asarray(Image.open(images / "a.mask.png"))
+    rgba = np.stack([gray, gray, gray, np.full_like(gray, 128)], -1)  # alpha ignored
+    Image.fromarray(rgba, "RGBA").save(root / "a.mask.png")
+    for name in ("cat.mask.png", "sub/dog.mask.png"):  # cat.jpg renamed, dog never there
+        (root / name).parent.mkdir(exist_ok=True)
+        Image.new("L", (64, 64), 255).save(root / name)
+    out = tmp_path / "out"
+    r = _cache(root, out, "--flux-dir", flux, *CACHE_ARGS)
+    assert r.exit_code == 0, r.output
+    assert [line for line in r.output.splitlines() if "mask file(s)" in line] == [
+        f"2 mask file(s) in {root} belong to no image cached here and are not used (first: cat.mask.png; a mask "
+        "is NAME.mask.png beside its image NAME.png, .jpg, .jpeg or .webp; all listed in cache_report.json)"
+    ], r.output
+    report = json.loads((out / "cache_report.json").read_text())
+    assert report["masks_matching_no_image"] == ["cat.mask.png", "sub/dog.mask.png"]
+    b = next(iter(build_dataloader(str(out), micro_batch=1, rank=0, world_size=1, seed=0)))
+    torch.testing.assert_close(b["mask"][0], torch.tensor([[1.0, 1.0, 0.0, 0.0]] * 4), rtol=0, atol=0)
+
+
+def test_captions_cut_at_t5s_length_are_counted_and_keep_their_prefix(masked_images, tmp_path):
+    """T5 keeps a caption's first --t5-max-length tokens (as FLUX.1's pipeline and kohya's cache do): the prefix
+    survives, the caption's end is lost; the cache says how many and lists them."""
+    flux, images = masked_images
+    root = tmp_path / "images"
+    root.mkdir()
+    for name in ("a.png", "a.txt", "b.jpg"):
+        (root / name).write_bytes((images / name).read_bytes())
+    (root / "b.txt").write_text(WORDS[5])
+    out = tmp_path / "out"
+    # 8 tokens: a's 3 prefix + 5 caption words + end-of-text is 9 (cut), b's 3 + 1 + 1 is 5
+    r = _cache(root, out, "--flux-dir", flux, *CACHE_ARGS, "--flip", "both", "--caption-prefix", "ohwx ohwx ohwx ")
+    assert r.exit_code == 0, r.output
+    assert [line for line in r.output.splitlines() if "T5 tokens" in line] == [
+        "1 of 2 image(s) have captions longer than 8 T5 tokens, cut at the end (a --caption-prefix, at the start, "
+        f"is kept; first: a.png; all listed in {out}/cache_report.json); shorten them, or raise --t5-max-length "
+        "(FLUX.1-dev's pipeline uses 512)"
+    ], r.output
+    assert json.loads((out / "cache_report.json").read_text())["captions_truncated"] == ["a.png"]
+    from safetensors.torch import load_file
+
+    lengths = sorted(int(n) for f in out.glob("shard-*.safetensors") for n in load_file(f)["t5_len"])
+    assert lengths == [5, 5, 8, 8]  # a's row is full (its start, the prefix, kept); b's is not
+    r = _cache(root, tmp_path / "plain", "--flux-dir", flux, *CACHE_ARGS)  # 5 + 1 tokens: nothing cut, nothing said
+    assert r.exit_code == 0 and "T5 tokens" not in r.output, r.output
 
 
 def test_masks_are_checked_with_the_shard():

@@ -79,6 +79,20 @@ def test_config_types_and_their_checks():
         LoraConfig(rank=4, type="dora", weights="x.safetensors")
 
 
+def test_lokr_factor_past_a_targeted_dimension_is_refused():
+    # PEFT would fall back to its automatic split on such a layer, so the factor would not mean what it says
+    tiny = get_model_config("flux-tiny")
+    LoraConfig(rank=4, type="lokr", factor=64, targets="attention").check_model(tiny)
+    with pytest.raises(
+        ValueError,
+        match=r"^lora.factor 65 is larger than the smallest dimension 64 of a targeted layer "
+        r"\(double_blocks.0.img_attn.qkv of flux-tiny\); set lora.factor from 1 to 64, or -1 \(automatic\)$",
+    ):
+        LoraConfig(rank=4, type="lokr", factor=65, targets="attention").check_model(tiny)
+    with pytest.raises(ValueError, match=r"smallest dimension 32 of a targeted layer \(vector_in.in_layer of"):
+        LoraConfig(rank=4, type="lokr", factor=48, targets=["img_in", "vector_in.in_layer"]).check_model(tiny)
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_param_count_is_what_peft_makes(name):
     lcfg = TYPES[name]

@@ -304,7 +304,11 @@ def test_adapter_types_count_their_own_parameters():
     )
     assert memory.trained_params(dora) == memory.trained_params(lora) + rows  # one magnitude per output row
     assert memory.trained_params(lokr) < memory.trained_params(lora) / 10
-    assert estimate(dora).gpu_total > estimate(lora).gpu_total > estimate(lokr).gpu_total
+    assert estimate(dora).gpu_total > estimate(lora).gpu_total > estimate(lokr).gpu_total  # blocks checkpointed
+    # not checkpointed, a LoKr's saved whole updates (out x in per adapted linear, per block) and a DoRA's
+    # output-width tensors per token outweigh what their states save
+    kept = {s.lora_type: estimate(s.replace(checkpoint_every=0)).gpu_total for s in (lora, dora, lokr)}
+    assert kept["lokr"] > kept["dora"] > kept["lora"]
     r = CliRunner().invoke(
         main, ["estimate", "--lora-rank", "16", "--lora-type", "lokr", "--lora-factor", "16", "--json"]
     )
