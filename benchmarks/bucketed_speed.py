@@ -4,6 +4,7 @@ both fed the same batches by the trainer's loader.
 
     PYTHONPATH=. python3 benchmarks/bucketed_speed.py --out $OUT/bucketed.jsonl                  # 512 px, 200 steps
     PYTHONPATH=. python3 benchmarks/bucketed_speed.py --res 1024 --out $OUT/bucketed.jsonl
+    PYTHONPATH=. python3 benchmarks/bucketed_speed.py --micro-batch 8 --out $OUT/b.jsonl   # an 80 GB card
     PYTHONPATH=. python3 benchmarks/bucketed_speed.py --workloads tiny --steps 4 --out /tmp/b.jsonl   # CPU, flux-tiny
 
 Workloads (WORKLOADS): `lite` is flux-dev-lite (the benchmark model) trained in full, `lora` a rank-16 LoRA on
@@ -358,6 +359,12 @@ def main(argv=None) -> int:
     runner.add_timeout(ap, 900, "seconds per run")
     ap.add_argument("--budget", type=float, default=None, help="seconds for all runs; later runs are not started")
     ap.add_argument("--shards", action="store_true", help="write the samples as a shard folder and train on that")
+    ap.add_argument(
+        "--micro-batch",
+        type=int,
+        help="instead of the workload's row (the rows are sized for a 141 GB H200: an 80 GB card needs a smaller one)",
+    )
+    ap.add_argument("--checkpoint-every", type=int, help="instead of the workload's row (0: no checkpointing)")
     ap.add_argument("--peer-child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.peer_child:
@@ -382,6 +389,8 @@ def main(argv=None) -> int:
         for w, data, impl, cache in _runs(a):
             model, lora, per_res = WORKLOADS[w]
             mb, ckpt = per_res[a.res]
+            mb = a.micro_batch or mb
+            ckpt = ckpt if a.checkpoint_every is None else a.checkpoint_every
             spec = data_spec(model, a.res, data, n=mb * a.steps)  # one epoch: every sample seen once
             name = f"{impl} {w} {a.res}px {data} {cache}"
             row = {

@@ -290,7 +290,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="fz-kontext-lora-") as tmp:
         print(f"fluxzero: launch/train.py, {case.name}, {case.warmup} + {case.steps} steps", flush=True)
         ours = run_trainer(case, a.device, Path(tmp), a.timeout)
-    print(f"fluxzero: {ours['status']} [{ours['wall_s']:.0f} s]", flush=True)
+    speed = f", {ours['samples_per_s']:.3f} samples/s" if ours.get("samples_per_s") else ""
+    print(f"fluxzero: {ours['status']} [{ours['wall_s']:.0f} s]{speed}", flush=True)
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -299,13 +300,17 @@ def main(argv=None) -> int:
         "--baseline-case",
         json.dumps(dataclasses.asdict(case)),
     ]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=a.timeout, env=_env(a.device))
-    line = next((x for x in p.stdout.splitlines() if x.startswith("BASELINE ")), None)
-    theirs = (
-        json.loads(line[9:])
-        if line
-        else {"status": f"failed (exit {p.returncode})", "log_tail": p.stderr.strip().splitlines()[-8:]}
-    )
+    try:  # a baseline that runs out of time is a row of its own: the trainer's figures are kept either way
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=a.timeout, env=_env(a.device))
+        line = next((x for x in p.stdout.splitlines() if x.startswith("BASELINE ")), None)
+        theirs = (
+            json.loads(line[9:])
+            if line
+            else {"status": f"failed (exit {p.returncode})", "log_tail": p.stderr.strip().splitlines()[-8:]}
+        )
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+        theirs = {"status": f"timed out after {a.timeout} s", "log_tail": err.strip().splitlines()[-8:]}
     print(f"diffusers + PEFT: {theirs['status']}", flush=True)
     result = {
         "case": dataclasses.asdict(case),

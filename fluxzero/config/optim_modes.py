@@ -138,8 +138,20 @@ class OptimMode:
 # One optimizer step over FLUX.1-dev's 11.90e9 bf16 weights on the GPU the speed proxy models, seconds
 # (optim_step_speed.py; benchmarks/RESULTS.md, "Full fine-tune at --fit's choice, the optimizer step"):
 # bf16-kahan is one compiled kernel per tensor, bf16-sr torchao's. adamw8bit-sr is not measured: torchao's same
-# compiled per-tensor step with 8-bit states, taken at bf16-sr's figure.
-_H200_STEP_S = {m: s / 11.90 for m, s in (("bf16-kahan", 0.131), ("bf16-sr", 0.467), ("adamw8bit-sr", 0.467))}
+# compiled per-tensor step with 8-bit states, taken at bf16-sr's figure. AdafactorSR (fused-adafactor-sr, and
+# adafactor-sr, the same per-tensor step after backward): what --fit's four full fine-tunes at 512 px took per step
+# beyond the proxy's compute (benchmarks/RESULTS.md, "--fit's full fine-tunes on the cards users own"), with the
+# step running eagerly.
+_STEP_S = {
+    m: s / 11.90
+    for m, s in (
+        ("bf16-kahan", 0.131),
+        ("bf16-sr", 0.467),
+        ("adamw8bit-sr", 0.467),
+        ("adafactor-sr", 1.14),
+        ("fused-adafactor-sr", 1.14),
+    )
+}
 
 # STEP_TEMP_NOTE: transient bytes per stepped element of one optimizer step beyond its states, on one flat 1-D
 # tensor as ZeRO 1-3 hand it: measured on CPU by benchmarks/optim_step_memory.py (peak RSS over the steady state,
@@ -224,7 +236,7 @@ MODES: dict[str, OptimMode] = {
             ds_bf16=BF16_MASTER_KEYS,
             stage0=_STAGE0_BF16,
             master_stage0=0,
-            step_s_per_billion=_H200_STEP_S["bf16-sr"],
+            step_s_per_billion=_STEP_S["bf16-sr"],
             extra="lowmem",
             caveat="unbiased weight updates, but torchao rounds bf16 m and v to nearest: v's "
             "EMA stalls and steps come out a few % larger (+4.4% weight change "
@@ -246,7 +258,7 @@ MODES: dict[str, OptimMode] = {
             stage0=_STAGE0_BF16,
             master_stage0=0,
             step_chunk=STEP_CHUNK,
-            step_s_per_billion=_H200_STEP_S["bf16-kahan"],
+            step_s_per_billion=_STEP_S["bf16-kahan"],
             caveat="the carry keeps every weight update and m, v are stochastically rounded: closest to fp32 "
             "masters (0.05% at 400 steps), at 2 bytes more than bf16-sr",
             builder="KahanAdamW",
@@ -266,7 +278,7 @@ MODES: dict[str, OptimMode] = {
             stage0=_STAGE0_BF16,
             master_stage0=0,
             extra="lowmem",
-            step_s_per_billion=_H200_STEP_S["adamw8bit-sr"],
+            step_s_per_billion=_STEP_S["adamw8bit-sr"],
             universal_checkpoint=False,  # 8-bit blocks slice only at 256 values (train.ds_patches.keep_block_states_whole)
             caveat="8-bit blockwise m and v; a tensor (ZeRO: a flat partition) under 4096 values or not a "
             "multiple of 256 keeps bf16 states instead",
@@ -293,6 +305,7 @@ MODES: dict[str, OptimMode] = {
             caveat="no momentum and relative step sizes: not AdamW's trajectory; factored only at ZeRO 0 "
             "(ZeRO 1-3 flatten tensors, so its variance becomes full-size)",
             builder="AdafactorSR",
+            step_s_per_billion=_STEP_S["adafactor-sr"],
             step_temp=_ADAFACTOR_TEMP,
             fit_rank=5,
         ),
@@ -318,6 +331,7 @@ MODES: dict[str, OptimMode] = {
             caveat="Adafactor's trajectory (adafactor-sr's, stepped per tensor with keyed rounding noise); no "
             "gradient accumulation and no global-norm clipping (Adafactor clips each update's RMS)",
             builder="FusedAdafactorSR",
+            step_s_per_billion=_STEP_S["fused-adafactor-sr"],
             step_temp=_ADAFACTOR_TEMP,
             fit_rank=4,
         ),  # AdafactorSR's code, per tensor

@@ -387,7 +387,7 @@ def test_adapted_block_selective_kept_bytes_match_measurement(kind, adapters):
     """What an adapted block checkpointed with the selective policy keeps from forward to backward (as
     test_selective_kept_bytes_match_measurement measures it), against the memory model's per-sample selective
     bytes and the adapters' per-block ones (a DoRA's B(A(I)), cached by the policy though backward never reads it)."""
-    from fluxzero.train.engine import apply_activation_checkpointing
+    from fluxzero.train.recompute import apply_activation_checkpointing
 
     model, blocks, inputs, spec = _adapted_blocks(kind, adapters, checkpoint_policy="selective")
     assert apply_activation_checkpointing(model, 1, "torch", policy="selective") == 2

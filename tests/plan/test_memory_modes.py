@@ -156,8 +156,11 @@ def test_fit_one_80gb_gpu():
     r, cfg = fit("--gpu", "h100", "--host-memory", "128", "--optimizer-mode", "adafactor-sr")
     assert r.exit_code == 0, r.output
     assert (cfg["zero_optimization"]["stage"], cfg["fluxzero"]["optimizer_mode"]) == (0, "adafactor-sr")
-    assert cfg["train_micro_batch_size_per_gpu"] == 4
-    assert cfg["fluxzero"]["activation_checkpointing"]["every_k_blocks"] == 8
+    # the AdafactorSR step, paid once per micro batch (OptimMode.step_s_per_billion), makes micro batch 16 with every
+    # block checkpointed faster than micro batch 4 with every 8th (measured so for fused-adafactor-sr,
+    # benchmarks/RESULTS.md); without the step term --fit chose the latter
+    assert cfg["train_micro_batch_size_per_gpu"] == 16
+    assert cfg["fluxzero"]["activation_checkpointing"]["every_k_blocks"] == 1
     assert "not AdamW's trajectory" in r.stderr
     r, cfg = fit("--gpu", "h100", "--host-memory", "128")
     assert (
