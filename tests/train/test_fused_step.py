@@ -234,3 +234,34 @@ def test_a_lora_and_too_many_streamed_blocks_are_refused_before_the_model_is_bui
         plan_streaming(cfg, v, torch.device("cpu"), lora=True)
     with pytest.raises(TrainingError, match="offload_blocks 5 exceeds the 4 transformer blocks of flux-tiny"):
         plan_streaming(cfg, v, torch.device("cpu"), lora=False)
+
+
+def test_the_compiled_adafactor_step_takes_every_weight_shape(monkeypatch):
+    """One compiled graph per weight shape: more shapes than Dynamo's default recompile limit (8; FLUX.1-dev has 13)
+    must all run compiled, with the same result as the eager step. With fullgraph=True the 9th shape raised, and the
+    trainer stepped every tensor eagerly from there on. Dynamo's eager backend: the limit is Dynamo's, not the
+    compiler's."""
+    import warnings
+
+    import torch._dynamo
+
+    from fluxzero.train.optim import optimizers as o
+
+    monkeypatch.setattr(o, "_COMPILE_FAILED", False)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    shapes = [(8 + 4 * i, 12 + 8 * (i % 3)) for i in range(12)]
+    assert len(set(shapes)) == 12
+    scalars = torch.tensor([1e-3, 0.5, 1.0], dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed build warns: an error here
+        for shape in shapes:
+            p = torch.randn(shape, generator=g).to(torch.bfloat16)
+            grad = torch.randn(shape, generator=g).to(torch.bfloat16)
+            states = (torch.rand(shape[0], 1, generator=g), torch.rand(1, shape[1], generator=g))
+            eager_states = tuple(t.clone() for t in states)
+            want = o._adafactor_factored(p, grad, *eager_states, scalars, None, 1e-30, 1e-3, 1.0, False)
+            got = o._factored_update((p, grad, *states, scalars, None, 1e-30, 1e-3, 1.0, False), backend="eager")
+            assert torch.equal(got, want) and all(map(torch.equal, states, eager_states))
+    assert not o._COMPILE_FAILED

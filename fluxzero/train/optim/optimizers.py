@@ -438,14 +438,7 @@ class AdafactorSR(ExactStateMixin, torch.optim.Optimizer):
             group["d"],
             group["weight_decay"] != 0,
         )
-        new = None
-        if p.is_cuda and key is not None and not _COMPILE_FAILED:
-            try:
-                new = _compiled_factored()(*args)
-            except Exception as e:  # a compiler that cannot build it: the same math eagerly, said once
-                _compile_failed(e)
-        if new is None:
-            new = _adafactor_factored(*args)
+        new = _factored_update(args) if p.is_cuda and key is not None else _adafactor_factored(*args)
         # the rounding stays outside the compiled graph (its int32 hash is not Inductor-safe on CUDA), eager but
         # with no host sync
         _store(p, new, sr=True, key=key)
@@ -531,12 +524,31 @@ def _adafactor_factored(
 
 
 @functools.cache
-def _compiled_factored():
-    """`_adafactor_factored` compiled (a graph per weight shape: FLUX.1 has a handful)."""
-    return torch.compile(_adafactor_factored, dynamic=False, fullgraph=True)
+def _compiled_factored(backend: str = "inductor"):
+    """`_adafactor_factored` compiled: a graph per weight shape (FLUX.1-dev has 13) and per variant of the
+    arguments that are not tensors."""
+    return torch.compile(_adafactor_factored, dynamic=False, fullgraph=True, backend=backend)
 
 
+# Graphs the compiled step may hold. Dynamo's default limit (8 per function) is below FLUX.1-dev's 13 weight shapes,
+# and with fullgraph=True the 9th shape raises instead of running eagerly: the limit is raised for these calls only.
+RECOMPILE_LIMIT = 64
 _COMPILE_FAILED = False
+
+
+def _factored_update(args: tuple, backend: str = "inductor") -> torch.Tensor:
+    """`_adafactor_factored(*args)` through its compiled graphs; eagerly once a build has failed (said once)."""
+    if not _COMPILE_FAILED:
+        import torch._dynamo  # loaded by torch.compile anyway; imported here for its config
+
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+        try:
+            with config.patch(**{name: max(RECOMPILE_LIMIT, getattr(config, name))}):
+                return _compiled_factored(backend)(*args)
+        except Exception as e:  # a compiler that cannot build it: the same math eagerly
+            _compile_failed(e)
+    return _adafactor_factored(*args)
 
 
 def _compile_failed(e: Exception) -> None:
