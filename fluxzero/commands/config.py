@@ -456,6 +456,9 @@ def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, 
                 f"gen-config --fit: the choice needs no NVMe; --nvme-path {ds_options.nvme_path} is left out", err=True
             )
             ds_options = ds_options.replace(nvme_path=None)
+        streaming = ds_check.streaming_problems(ds_config.options_view(ds_options), lora, name=ds_config.option_name)
+        if streaming:  # the trainer's rule for the run file with this config (train.engine.plan_streaming)
+            raise DSConfigError(streaming)
         # options that choose settings for the user (e.g. a memory fit) adjust `ds_options` here, before build
         cfg = ds_config.build(ds_options)
     except DSConfigError as e:

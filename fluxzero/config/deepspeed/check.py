@@ -153,8 +153,9 @@ def streaming_problems(v: DSView, lora, name=config_name) -> list[str]:
     if lora is None:
         fused = [n for n, m in optim_modes.MODES.items() if m.fused]
         return [
-            f"{K} streams blocks from host memory, which a full fine-tune does only with a fused optimizer mode: "
-            f"set {name('optimizer_mode')} to {' or '.join(fused)}, or set {name('offload_blocks')} to 0"
+            f"{K} streams blocks from host memory, which a full fine-tune does only with a fused optimizer mode (a "
+            f"LoRA's frozen base with any): set {name('optimizer_mode')} to {' or '.join(fused)}, or set "
+            f"{name('offload_blocks')} to 0"
         ]
     if lora.type != "lora":
         return [
