@@ -21,6 +21,10 @@ lora: section) and records --fit's predicted peak beside the measured one. A sho
     # GPU, the full fine-tune in the fused mode as --fit writes it, one step profiled (copies vs compute)
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set fit --cases fit-full-512px-24gb --memory-cap-gib 23.6 \
         --profile-step 5
+    # GPU, a LoRA's base streamed from host memory on a 16 GB card, then --fit's config for that card beside it
+    PYTHONPATH=. python3 benchmarks/capped_runs.py --set lora16-stream --memory-cap-gib 15.6 --out $OUT/capped.jsonl
+    PYTHONPATH=. python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-512px-16gb --memory-cap-gib 15.6 \
+        --out $OUT/capped.jsonl
     # CPU smoke test of the same code path on flux-tiny (no cap: there is no CUDA allocator to cap)
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set cpu-smoke --out /tmp/capped.jsonl
 """
@@ -149,6 +153,17 @@ SETS = {
         Case("fused-512px-80gb", _fused(0), micro_batch=16),  # --memory-cap-gib 79.1, host <= 120 GiB
         Case("fused-1024px-24gb", _fused(38), data=_DATA_1024),  # --memory-cap-gib 23.6, host <= 64 GiB
     ],
+    # a LoRA's frozen bf16 base, the last K blocks streamed from pinned host memory (opt-in: --fit does not choose
+    # it; gen-config needs --lora-rank to write offload_blocks without a fused mode); K=54 of 57: `fluxzero estimate` predicts 10.8 GiB allocated, 13.3 GiB needed at micro batch 8, every
+    # block checkpointed. Beside it, fit-lora16-512px-16gb (set fit) is what --fit writes for the same card
+    "lora16-stream": [
+        Case(
+            "lora16-stream-512px-16gb",
+            ["--zero-stage", "0", "--offload-blocks", "54", "--lora-rank", "16", "--lora-targets", "all-linear"],
+            {**_LORA16, "base_quant": "none"},
+            micro_batch=8,
+        ),  # --memory-cap-gib 15.6, host <= 64 GiB
+    ],
     "cpu-fused-smoke": [
         Case(
             "tiny-fused-k2",
@@ -198,6 +213,7 @@ SETS = {
             ("z2-bf16-base", ["--zero-stage", "2"], "none"),
             ("z2-int8-base", ["--zero-stage", "2"], "int8"),
             ("z3-param-offload", ["--zero-stage", "3", "--offload-param", "cpu"], "none"),
+            ("z0-lora-stream-k2", ["--zero-stage", "0", "--offload-blocks", "2", "--lora-rank", "4"], "none"),
         ]
     ],
 }
