@@ -374,7 +374,8 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:  # noqa: C
     # FP16_Optimizer of stage 0 makes that flat copy and its fp32 master clone of it. Stage 3 builds the model
     # partitioned (zero.Init): nothing whole, no init peak.
     model_bytes = base + b * P
-    one_layer = b * inv.largest_layer if s.base_quant else 0
+    # a quantized layer is made in bf16 first; a LoRA's streamed layer is made on the GPU, then moved to the host
+    one_layer = b * inv.largest_layer if s.base_quant or (lora and streamed) else 0
     if fused and s.offload_blocks:
         add(
             "building the engine",
