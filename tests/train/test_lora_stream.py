@@ -117,6 +117,45 @@ def _worker(rank, world, port, tmp, out_file):
     exit_rank(rank, out_file, results)
 
 
+def _two_rank_worker(rank, world, port, tmp, out_file):
+    """ZeRO-2 on two ranks (gloo; the streamed weights broadcast one block at a time, ds_patches.keep_on_host, the
+    adapters inside streamed blocks partitioned like the rest): the same losses and export as every block
+    resident."""
+    enter_training_rank(rank, world, port)
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from fluxzero.config import TrainConfig
+    from fluxzero.train.loop import train
+
+    tmp, weights = Path(tmp), Path(tmp) / "base.safetensors"  # written before the ranks start
+    results, done = {}, False
+    try:
+        export = {"format": "diffusers"}
+        streamed = train(TrainConfig.from_dict(_cfg(tmp, "w2-k2", 2, 2, weights, export=export)))["losses"]
+        resident = train(TrainConfig.from_dict(_cfg(tmp, "w2-k0", 2, 0, weights, export=export)))["losses"]
+        if rank == 0:
+            a, b = (load_file(tmp / name / "lora.safetensors") for name in ("w2-k2", "w2-k0"))
+            results = {
+                "losses_equal": streamed == resident,
+                "exports_equal": set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a),
+            }
+        done = True
+    finally:
+        close_group(done)
+    exit_rank(rank, out_file, results)
+
+
+@pytest.mark.slow
+def test_streamed_lora_base_on_two_ranks(tmp_path):
+    out = tmp_path / "results.json"
+    tiny_weights(tmp_path / "base.safetensors")
+    spawn_ranks(_two_rank_worker, 2, str(tmp_path), str(out))
+    r = json.loads(out.read_text())
+    assert r["losses_equal"] and r["exports_equal"], r
+
+
 @pytest.mark.slow
 def test_streamed_lora_base_trains_as_resident(tmp_path):
     out = tmp_path / "results.json"
