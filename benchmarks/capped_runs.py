@@ -22,7 +22,10 @@ lora: section) and records --fit's predicted peak beside the measured one. A sho
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set fit --cases fit-full-512px-24gb --memory-cap-gib 23.6 \
         --profile-step 5
     # GPU, a LoRA's base streamed from host memory on a 16 GB card, then --fit's config for that card beside it
-    PYTHONPATH=. python3 benchmarks/capped_runs.py --set lora16-stream --memory-cap-gib 15.6 --out $OUT/capped.jsonl
+    PYTHONPATH=. python3 benchmarks/capped_runs.py --set lora16-stream --cases lora16-stream-512px-16gb \
+        --memory-cap-gib 15.6 --out $OUT/capped.jsonl
+    PYTHONPATH=. python3 benchmarks/capped_runs.py --set lora16-stream --cases lora16-resident-512px-mb8 \
+        --memory-cap-gib 0 --out $OUT/capped.jsonl
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-512px-16gb --memory-cap-gib 15.6 \
         --out $OUT/capped.jsonl
     # CPU smoke test of the same code path on flux-tiny (no cap: there is no CUDA allocator to cap)
@@ -162,7 +165,16 @@ SETS = {
             ["--zero-stage", "0", "--offload-blocks", "54", "--lora-rank", "16", "--lora-targets", "all-linear"],
             {**_LORA16, "base_quant": "none"},
             micro_batch=8,
+            timeout=540,  # inside one 10-minute device command
         ),  # --memory-cap-gib 15.6, host <= 64 GiB
+        # the same run with every block resident (~31 GiB predicted: uncapped, on the same card): what streaming costs
+        Case(
+            "lora16-resident-512px-mb8",
+            ["--zero-stage", "0", "--lora-rank", "16", "--lora-targets", "all-linear"],
+            {**_LORA16, "base_quant": "none"},
+            micro_batch=8,
+            timeout=540,
+        ),  # --memory-cap-gib 0
     ],
     "cpu-fused-smoke": [
         Case(
