@@ -165,7 +165,7 @@ SETS = {
             ["--zero-stage", "0", "--offload-blocks", "54", "--lora-rank", "16", "--lora-targets", "all-linear"],
             {**_LORA16, "base_quant": "none"},
             micro_batch=8,
-            timeout=540,  # inside one 10-minute device command
+            timeout=540,  # a case ends within 9 minutes
         ),  # --memory-cap-gib 15.6, host <= 64 GiB
         # the same run with every block resident (~31 GiB predicted: uncapped, on the same card): what streaming costs
         Case(
