@@ -157,8 +157,9 @@ SETS = {
         Case("fused-1024px-24gb", _fused(38), data=_DATA_1024),  # --memory-cap-gib 23.6, host <= 64 GiB
     ],
     # a LoRA's frozen bf16 base, the last K blocks streamed from pinned host memory (opt-in: --fit does not choose
-    # it; gen-config needs --lora-rank to write offload_blocks without a fused mode); K=54 of 57: `fluxzero estimate` predicts 10.8 GiB allocated, 13.3 GiB needed at micro batch 8, every
-    # block checkpointed. Beside it, fit-lora16-512px-16gb (set fit) is what --fit writes for the same card
+    # it; gen-config needs --lora-rank to write offload_blocks without a fused mode); K=54 of 57: `fluxzero
+    # estimate` predicts 10.8 GiB allocated, 13.3 GiB needed at micro batch 8, every block checkpointed. Beside
+    # it, fit-lora16-512px-16gb (set fit) is what --fit writes for the same card
     "lora16-stream": [
         Case(
             "lora16-stream-512px-16gb",

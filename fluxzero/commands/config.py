@@ -192,8 +192,9 @@ _OPTIONS = [
     _opt(
         "offload_blocks",
         _NONNEG,
-        "Fused optimizer modes, or a LoRA's frozen base (opt-in, with --lora-rank): the last K transformer blocks keep their bf16 weights "
-        "in pinned host memory, streamed to the GPU one block ahead (0: all resident).",
+        "Fused optimizer modes, or a LoRA's frozen base (opt-in, with --lora-rank): the last K transformer "
+        "blocks keep their bf16 weights in pinned host memory, streamed to the GPU one block ahead (0: all "
+        "resident).",
     ),
     _opt(
         "lr",

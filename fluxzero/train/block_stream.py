@@ -176,7 +176,11 @@ class BlockStreamer:
             block.trained = sum(1 for p, _ in block.params if p.requires_grad)
             module.forward = functools.partial(self._forward, j, module.forward)
         if self.blocks:
-            model.register_forward_pre_hook(lambda m, args: self._fetch(self.blocks[0]))
+            model.register_forward_pre_hook(lambda m, args: self._begin())
+
+    def _begin(self) -> None:
+        self._end_queued = False  # a backward that raised never ran its queued release
+        self._fetch(self.blocks[0])
 
     def modules(self) -> list[nn.Module]:
         return [b.module for b in self.blocks]
