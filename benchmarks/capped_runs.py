@@ -26,6 +26,8 @@ lora: section) and records --fit's predicted peak beside the measured one. A sho
         --memory-cap-gib 15.6 --out $OUT/capped.jsonl
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set lora16-stream --cases lora16-resident-512px-mb8 \
         --memory-cap-gib 0 --out $OUT/capped.jsonl
+    # (each row records its losses: the streamed and the resident LoRA log the same ones; on flux-tiny in seconds:
+    #  --set cpu-smoke --cases tiny-z0-lora-resident,tiny-z0-lora-stream-k2, on a GPU too)
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-512px-16gb --memory-cap-gib 15.6 \
         --out $OUT/capped.jsonl
     # CPU smoke test of the same code path on flux-tiny (no cap: there is no CUDA allocator to cap)
@@ -226,6 +228,7 @@ SETS = {
             ("z2-bf16-base", ["--zero-stage", "2"], "none"),
             ("z2-int8-base", ["--zero-stage", "2"], "int8"),
             ("z3-param-offload", ["--zero-stage", "3", "--offload-param", "cpu"], "none"),
+            ("z0-lora-resident", ["--zero-stage", "0", "--lora-rank", "4"], "none"),
             ("z0-lora-stream-k2", ["--zero-stage", "0", "--offload-blocks", "2", "--lora-rank", "4"], "none"),
         ]
     ],
@@ -461,6 +464,8 @@ def run_case(case: Case, cap: float, work: Path, profile_step: int | None = None
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         speeds = [r["samples_per_s"] for r in rows if "samples_per_s" in r and r.get("step", 0) > case.warmup]
     row["samples_per_s"] = statistics.median(speeds) if speeds else None
+    # per step: runs of the same seed and data that differ only in where weights live log the same losses
+    row["losses"] = [r["loss"] for r in rows if "loss" in r] if metrics.is_file() else []
     row["steps_logged"] = sum("samples_per_s" in r for r in rows) if metrics.is_file() else 0
     row["ok"] = code == 0 and bool(speeds)
     if not row["ok"]:
