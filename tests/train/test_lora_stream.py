@@ -20,7 +20,10 @@ STEPS = 3
 
 
 def _cfg(tmp, name: str, stage: int, k: int, weights, **kw) -> dict:
-    fz = {"activation_checkpointing": {"every_k_blocks": 1, "implementation": "torch"}, "offload_blocks": k}
+    # the resident blocks checkpointed by torch (ZeRO-0) or DeepSpeed's reentrant checkpoint (ZeRO-2); the
+    # streamed ones always by the streamer (torch's, non-reentrant)
+    impl = "deepspeed" if stage == 2 else "torch"
+    fz = {"activation_checkpointing": {"every_k_blocks": 1, "implementation": impl}, "offload_blocks": k}
     extra = {"bf16": {"enabled": True}} if stage == 2 else {}
     ds = tiny_ds(stage, clipping=0.0, lr=1e-2, weight_decay=0.0, fluxzero=fz, **extra)
     (tmp / f"{name}.json").write_text(json.dumps(ds))
