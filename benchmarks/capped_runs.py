@@ -21,6 +21,15 @@ lora: section) and records --fit's predicted peak beside the measured one. A sho
     # GPU, the full fine-tune in the fused mode as --fit writes it, one step profiled (copies vs compute)
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set fit --cases fit-full-512px-24gb --memory-cap-gib 23.6 \
         --profile-step 5
+    # GPU, a LoRA's base streamed from host memory on a 16 GB card, then --fit's config for that card beside it
+    PYTHONPATH=. python3 benchmarks/capped_runs.py --set lora16-stream --cases lora16-stream-512px-16gb \
+        --memory-cap-gib 15.6 --out $OUT/capped.jsonl
+    PYTHONPATH=. python3 benchmarks/capped_runs.py --set lora16-stream --cases lora16-resident-512px-mb8 \
+        --memory-cap-gib 0 --out $OUT/capped.jsonl
+    # (each row records its losses: the streamed and the resident LoRA log the same ones; on flux-tiny in seconds:
+    #  --set cpu-smoke --cases tiny-z0-lora-resident,tiny-z0-lora-stream-k2, on a GPU too)
+    PYTHONPATH=. python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-512px-16gb --memory-cap-gib 15.6 \
+        --out $OUT/capped.jsonl
     # CPU smoke test of the same code path on flux-tiny (no cap: there is no CUDA allocator to cap)
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set cpu-smoke --out /tmp/capped.jsonl
 """
@@ -149,6 +158,27 @@ SETS = {
         Case("fused-512px-80gb", _fused(0), micro_batch=16),  # --memory-cap-gib 79.1, host <= 120 GiB
         Case("fused-1024px-24gb", _fused(38), data=_DATA_1024),  # --memory-cap-gib 23.6, host <= 64 GiB
     ],
+    # a LoRA's frozen bf16 base, the last K blocks streamed from pinned host memory (opt-in: --fit does not choose
+    # it; gen-config needs --lora-rank to write offload_blocks without a fused mode); K=54 of 57: `fluxzero
+    # estimate` predicts 10.8 GiB allocated, 13.3 GiB needed at micro batch 8, every block checkpointed. Beside
+    # it, fit-lora16-512px-16gb (set fit) is what --fit writes for the same card
+    "lora16-stream": [
+        Case(
+            "lora16-stream-512px-16gb",
+            ["--zero-stage", "0", "--offload-blocks", "54", "--lora-rank", "16", "--lora-targets", "all-linear"],
+            {**_LORA16, "base_quant": "none"},
+            micro_batch=8,
+            timeout=540,  # a case ends within 9 minutes
+        ),  # --memory-cap-gib 15.6, host <= 64 GiB
+        # the same run with every block resident (~31 GiB predicted: uncapped, on the same card): what streaming costs
+        Case(
+            "lora16-resident-512px-mb8",
+            ["--zero-stage", "0", "--lora-rank", "16", "--lora-targets", "all-linear"],
+            {**_LORA16, "base_quant": "none"},
+            micro_batch=8,
+            timeout=540,
+        ),  # --memory-cap-gib 0
+    ],
     "cpu-fused-smoke": [
         Case(
             "tiny-fused-k2",
@@ -198,6 +228,8 @@ SETS = {
             ("z2-bf16-base", ["--zero-stage", "2"], "none"),
             ("z2-int8-base", ["--zero-stage", "2"], "int8"),
             ("z3-param-offload", ["--zero-stage", "3", "--offload-param", "cpu"], "none"),
+            ("z0-lora-resident", ["--zero-stage", "0", "--lora-rank", "4"], "none"),
+            ("z0-lora-stream-k2", ["--zero-stage", "0", "--offload-blocks", "2", "--lora-rank", "4"], "none"),
         ]
     ],
 }
@@ -432,6 +464,8 @@ def run_case(case: Case, cap: float, work: Path, profile_step: int | None = None
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         speeds = [r["samples_per_s"] for r in rows if "samples_per_s" in r and r.get("step", 0) > case.warmup]
     row["samples_per_s"] = statistics.median(speeds) if speeds else None
+    # per step: runs of the same seed and data that differ only in where weights live log the same losses
+    row["losses"] = [r["loss"] for r in rows if "loss" in r] if metrics.is_file() else []
     row["steps_logged"] = sum("samples_per_s" in r for r in rows) if metrics.is_file() else 0
     row["ok"] = code == 0 and bool(speeds)
     if not row["ok"]:

@@ -192,8 +192,9 @@ _OPTIONS = [
     _opt(
         "offload_blocks",
         _NONNEG,
-        "Fused optimizer modes: the last K transformer blocks keep their bf16 weights "
-        "in pinned host memory, streamed to the GPU one block ahead (0: all resident).",
+        "Fused optimizer modes, or a LoRA's frozen base (opt-in, with --lora-rank): the last K transformer "
+        "blocks keep their bf16 weights in pinned host memory, streamed to the GPU one block ahead (0: all "
+        "resident).",
     ),
     _opt(
         "lr",
@@ -456,6 +457,9 @@ def gen_config(ctx, preset, output, hostfile, nodes, gpus_per_node, world_size, 
                 f"gen-config --fit: the choice needs no NVMe; --nvme-path {ds_options.nvme_path} is left out", err=True
             )
             ds_options = ds_options.replace(nvme_path=None)
+        streaming = ds_check.streaming_problems(ds_config.options_view(ds_options), lora, name=ds_config.option_name)
+        if streaming:  # the trainer's rule for the run file with this config (train.engine.plan_streaming)
+            raise DSConfigError(streaming)
         # options that choose settings for the user (e.g. a memory fit) adjust `ds_options` here, before build
         cfg = ds_config.build(ds_options)
     except DSConfigError as e:

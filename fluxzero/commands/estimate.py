@@ -131,8 +131,8 @@ OPTIONS = [
         type=click.IntRange(min=0),
         default=0,
         show_default=True,
-        help="Fused optimizer modes: the last K blocks' bf16 weights in pinned host memory, streamed to the "
-        "GPU (--ds-config reads fluxzero.offload_blocks).",
+        help="Fused optimizer modes, or a LoRA's frozen base: the last K blocks' bf16 weights in pinned host "
+        "memory, streamed to the GPU (--ds-config reads fluxzero.offload_blocks).",
     ),
     click.option(
         "--lora-rank",

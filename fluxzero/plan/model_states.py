@@ -82,6 +82,11 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:  # noqa: C
     what = "LoRA adapters" if lora else "parameters"
     base = base_bytes(s, inv)
     base_dtype = s.base_quant or s.precision
+    # fluxzero.train.block_stream: the last K blocks' weights (a fused mode's trained ones, a LoRA's frozen base) in
+    # one host buffer per block, pinned in place (no rounding)
+    streamed = sum(streamed_blocks(s, inv)) if s.stage < 3 else 0
+    if lora:
+        base -= b * streamed  # what stays on the GPU; a LoRA's adapters all stay there
     if s.stage < 3:
         if lora:
             add(
@@ -92,17 +97,18 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:  # noqa: C
                     f"; linear weights {s.base_quant} (torchao weight-only) + per-channel scales"
                     if s.base_quant
                     else ""
-                ),
+                )
+                + (f"; all but the last {s.offload_blocks} blocks" if streamed else ""),
                 ds=True,
             )
-        streamed = sum(streamed_blocks(s, inv))
-        if streamed:  # fluxzero.train.block_stream: one host buffer per block, pinned in place (no rounding)
+        if streamed and not lora:
             add(
                 f"{what} (resident, {s.precision})",
                 b * (P - streamed),
                 note=f"all but the last {s.offload_blocks} blocks",
                 ds=True,
             )
+        if streamed:
             add(
                 f"streamed block weights ({s.precision}, pinned)",
                 b * streamed,
@@ -113,9 +119,10 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:  # noqa: C
                 "streamed block copies (3 blocks)",
                 3 * b * max(streamed_blocks(s, inv)),
                 phase="train",
-                note="the block computing, the next one arriving, the last one being written back",
+                note="the block computing, the next one arriving, "
+                + ("the one before it finishing its backward" if lora else "the last one being written back"),
             )
-        else:
+        if lora or not streamed:
             add(f"{what} (full, {s.precision})", b * P, note="every rank holds all of them below stage 3", ds=True)
     else:
         where = {"none": "gpu", "cpu": "host", "nvme": "nvme"}[s.offload_param]
@@ -367,11 +374,12 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:  # noqa: C
     # FP16_Optimizer of stage 0 makes that flat copy and its fp32 master clone of it. Stage 3 builds the model
     # partitioned (zero.Init): nothing whole, no init peak.
     model_bytes = base + b * P
-    one_layer = b * inv.largest_layer if s.base_quant else 0
+    # a quantized layer is made in bf16 first; a LoRA's streamed layer is made on the GPU, then moved to the host
+    one_layer = b * inv.largest_layer if s.base_quant or (lora and streamed) else 0
     if fused and s.offload_blocks:
         add(
             "building the engine",
-            model_bytes - b * sum(streamed_blocks(s, inv)) + b * inv.largest_layer,
+            model_bytes - b * streamed + b * inv.largest_layer,
             phase="init",
             note="resident bf16 weights; each streamed module is made here, then moved to the host",
         )
@@ -605,12 +613,10 @@ def _forward_modules(s: RunSpec) -> list[int]:
 
 def stream_traffic(s: RunSpec) -> list[tuple[str, int]]:
     """What streamed blocks (fluxzero.offload_blocks) move between host and GPU per micro batch, in bytes: each
-    streamed block's weights in for its forward and again for its recompute in backward, and back out updated."""
+    streamed block's weights in for its forward and again for its recompute in backward, and back out updated (not
+    a LoRA's frozen base)."""
     moved = PRECISION_BYTES[s.precision] * sum(streamed_blocks(s))
     if not moved:
         return []
-    return [
-        ("host -> GPU, forward", moved),
-        ("host -> GPU, recompute in backward", moved),
-        ("GPU -> host, updated weights", moved),
-    ]
+    back = [] if s.lora_rank else [("GPU -> host, updated weights", moved)]  # a LoRA's streamed base is frozen
+    return [("host -> GPU, forward", moved), ("host -> GPU, recompute in backward", moved), *back]

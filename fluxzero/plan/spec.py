@@ -245,7 +245,7 @@ class RunSpec:
     ema: str | None = None  # None: no EMA; "fp32" | "bf16": EMA of the trained weights (fluxzero.config.ema)
     ema_device: str = "gpu"  # "gpu" | "cpu" (ema.device)
     base_quant: str | None = None  # None: the frozen LoRA base in the training dtype; "int8" / "fp8": BASE_QUANT_BYTES
-    offload_blocks: int = 0  # fluxzero.offload_blocks: the last K blocks' weights in host memory (fused modes)
+    offload_blocks: int = 0  # fluxzero.offload_blocks: the last K blocks' weights in host memory (fused mode, LoRA)
 
     def __post_init__(self):  # noqa: C901
         if isinstance(self.model, str):
@@ -299,8 +299,13 @@ class RunSpec:
         blocks = self.model.depth + self.model.depth_single_blocks
         if not 0 <= self.offload_blocks <= blocks:
             raise ValueError(f"offload_blocks must be within 0-{blocks}, got {self.offload_blocks}")
-        if self.offload_blocks and not (self.optimizer_mode and optim_modes.get_mode(self.optimizer_mode).fused):
-            raise ValueError("offload_blocks streams blocks from host memory: it needs a fused optimizer mode")
+        fused = self.optimizer_mode and optim_modes.get_mode(self.optimizer_mode).fused
+        if self.offload_blocks and not fused and not self.lora_rank:
+            raise ValueError(
+                "offload_blocks streams blocks from host memory: it needs a fused optimizer mode or a LoRA"
+            )
+        if self.offload_blocks and self.lora_rank and (self.stage == 3 or self.lora_type != "lora"):
+            raise ValueError("offload_blocks streams a plain LoRA's base at ZeRO stage 0, 1 or 2 only")
         if not self.lora_rank and self.lora_type != "lora":
             raise ValueError(f"lora_type {self.lora_type} needs adapters: set lora_rank above 0")
         if self.lora_rank:
@@ -319,6 +324,8 @@ class RunSpec:
                     "a quantized base (base_quant) needs ZeRO stage 0, 1 or 2 (stage 3 partitions "
                     "the base in the training dtype)"
                 )
+            if self.offload_blocks:
+                raise ValueError("offload_blocks streams the base in the training dtype: it needs base_quant None")
         if self.ema not in (None, "fp32", "bf16"):
             raise ValueError(f"ema must be fp32, bf16 or None, got {self.ema!r}")
         if self.ema_device not in ("gpu", "cpu"):

@@ -1,5 +1,6 @@
 """Transformer blocks whose bf16 weights live in host memory and are streamed to the accelerator one block ahead
-(DeepSpeed config "fluxzero": {"offload_blocks": K}: the LAST K blocks, double then single, one index).
+(DeepSpeed config "fluxzero": {"offload_blocks": K}: the LAST K blocks, double then single, one index): a fused
+mode's weights, or a LoRA's frozen base weights.
 
 Applied from outside the model, like compile and checkpointing (fluxzero.train.engine builds it):
 - Host storage: one plain CPU tensor per streamed block, exactly its parameters' bytes (each tensor's start
@@ -16,6 +17,9 @@ Applied from outside the model, like compile and checkpointing (fluxzero.train.e
   are copied back to the host on a second side stream and the device copy is released to the allocator.
 - `finish()` (the optimizer's step and state_dict) writes back and releases anything still on the device and
   waits for the write-backs, so the host copies are what a checkpoint saves.
+- A LoRA's frozen base (no fused step; its adapters inside streamed blocks stay on the device, DeepSpeed's like
+  the others): nothing is written back. A block's device copy is released when the next block in reverse order
+  starts its recompute (its own backward is then done), the last one's at the end of the backward pass.
 On the CPU the "host" and "device" copies are both CPU memory (no pinning, no streams); the same fetch, write-back
 and release happen, so the logic is tested there.
 """
@@ -88,6 +92,7 @@ class BlockStreamer:
         self.blocks, self.device = blocks, torch.device(device)
         self._by_name = {b.name: b for b in blocks}
         self._of_param: dict = {}
+        self._end_queued = False  # a frozen block's release is queued for the end of this backward pass
         self.cuda = self.device.type == "cuda"
         self._h2d = torch.cuda.Stream(self.device) if self.cuda else None
         self._d2h = torch.cuda.Stream(self.device) if self.cuda else None
@@ -155,19 +160,35 @@ class BlockStreamer:
         start the first streamed block's copy as the model's forward begins."""
         for j, block in enumerate(self.blocks):
             module = block.module = model.get_submodule(block.name)
-            for pname, p in module.named_parameters():
-                view = self._view(block, pname)
-                if p.data_ptr() != view.data_ptr():
-                    raise AssertionError(f"{block.name}.{pname} is not in its host buffer: place() missed it")
-                block.params.append((p, view))
-                self._of_param[p] = block
+            # by address: adapters wrapping a linear rename its weight (`.base_layer.weight`) but keep the tensor
+            views = {v.data_ptr(): v for v in (self._view(block, s) for s in block.slots)}
+            for p in module.parameters():
+                view = views.pop(p.data_ptr(), None)
+                if view is not None:
+                    block.params.append((p, view))
+                    self._of_param[p] = block
+                elif not p.requires_grad:
+                    raise AssertionError(f"a frozen parameter of {block.name} is outside its host buffer")
+            if views:
+                raise AssertionError(
+                    f"{len(views)} parameters of {block.name} are not in its host buffer: place() missed them"
+                )
             block.trained = sum(1 for p, _ in block.params if p.requires_grad)
             module.forward = functools.partial(self._forward, j, module.forward)
         if self.blocks:
-            model.register_forward_pre_hook(lambda m, args: self._fetch(self.blocks[0]))
+            model.register_forward_pre_hook(lambda m, args: self._begin())
+
+    def _begin(self) -> None:
+        self._end_queued = False  # a backward that raised never ran its queued release
+        self._fetch(self.blocks[0])
 
     def modules(self) -> list[nn.Module]:
         return [b.module for b in self.blocks]
+
+    def streams(self, p: torch.Tensor) -> bool:
+        """Whether parameter `p` is streamed (a LoRA's adapters inside a streamed block are not: they stay on the
+        device)."""
+        return p in self._of_param
 
     @torch.no_grad()
     def broadcast(self, src: int = 0) -> None:
@@ -205,6 +226,8 @@ class BlockStreamer:
                 streamer._acquire(block)
                 if recompute:
                     block.pending = block.trained
+                    if not block.trained:
+                        streamer._frozen_recompute(j)
                 if 0 <= j + ahead < len(streamer.blocks):
                     streamer._fetch(streamer.blocks[j + ahead])
 
@@ -269,6 +292,22 @@ class BlockStreamer:
                 block.written = torch.cuda.Event()
                 block.written.record(self._d2h)
         block.dirty = False
+
+    def _frozen_recompute(self, j: int) -> None:
+        """Block j (its streamed weights frozen: a LoRA's base) is recomputed in backward, so the backward of
+        block j+1, recomputed before it, is done: release that one. The end of the backward pass releases the
+        rest (nothing is written back: frozen weights never change)."""
+        if j + 1 < len(self.blocks):
+            self._release(self.blocks[j + 1])
+        if not self._end_queued:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        self._end_queued = False
+        for block in self.blocks:
+            if not block.trained:
+                self._release(block)
 
     # ---- the fused step's side ------------------------------------------------------------------------------
     def stepped(self, p: torch.Tensor) -> None:

@@ -2,7 +2,7 @@
 works around or replaces, why, and what stays the same. build_engine (fluxzero.train.engine) applies them.
 
 - keep_block_states_whole: ZeRO-1/2 would slice adamw8bit-sr's 8-bit states off their 256-value blocks.
-- keep_on_host: the fused mode's streamed blocks stay in host memory through deepspeed.initialize.
+- keep_on_host: streamed blocks' weights stay in host memory through deepspeed.initialize.
 - batch_grad_checks: the update's per-tensor overflow check and gradient norm as one multi-tensor call each.
 - accept_host_optimizer: ZeRO's bf16-master offload lets fluxzero's host AdamW through its DeepSpeedCPUAdam check.
 """
@@ -40,7 +40,7 @@ def keep_block_states_whole(optimizer) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Fused optimizer modes: streamed blocks stay on the host through deepspeed.initialize
+# Streamed blocks stay on the host through deepspeed.initialize
 # ---------------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def keep_on_host(streamer):
@@ -48,10 +48,12 @@ def keep_on_host(streamer):
 
     deepspeed 0.19.8's _configure_distributed_model moves the whole module to the accelerator
     (`self.module.to(self.device)`, engine.py, unless `dont_change_device`, which deepspeed.initialize does not
-    expose): the streamed blocks get an `_apply` that leaves them where they are (Module._apply recurses through
-    each child's own `_apply`). Its _broadcast_model then broadcasts every parameter from rank 0, which NCCL cannot
-    do for host tensors: the streamed ones are left out of it (DeepSpeed skips a parameter with `ds_optim_param`,
-    its mark for OptimizedLinear's per-rank shards) and broadcast here one block at a time through the device.
+    expose), and casts it to bf16 (`self.module.bfloat16()`): the streamed blocks get an `_apply` that leaves
+    their streamed weights where they are and applies the move or cast to the rest, a LoRA's adapters (Module._apply
+    recurses through each child's own `_apply`). Its _broadcast_model then broadcasts every parameter from rank 0,
+    which NCCL cannot do for host tensors: the streamed ones are left out of it (DeepSpeed skips a parameter with
+    `ds_optim_param`, its mark for OptimizedLinear's per-rank shards) and broadcast here one block at a time through
+    the device.
     """
     if streamer is None:
         yield
@@ -59,7 +61,7 @@ def keep_on_host(streamer):
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     blocks = streamer.modules()
-    params = [p for m in blocks for p in m.parameters()]
+    params = [p for m in blocks for p in m.parameters() if streamer.streams(p)]
     plain = DeepSpeedEngine._broadcast_model
 
     def broadcast(engine):
@@ -74,7 +76,7 @@ def keep_on_host(streamer):
             streamer.broadcast(src=0)
 
     for m in blocks:
-        m._apply = functools.partial(_left_in_place, m)
+        m._apply = functools.partial(_apply_to_resident, m, streamer)
     DeepSpeedEngine._broadcast_model = broadcast
     try:
         yield
@@ -84,7 +86,13 @@ def keep_on_host(streamer):
             del m._apply
 
 
-def _left_in_place(module, fn, recurse=True):
+@torch.no_grad()
+def _apply_to_resident(module, streamer, fn, recurse=True):
+    """Module._apply for a streamed block: `fn` on its parameters that are not streamed (none in a full fine-tune),
+    in place as Module._apply does by default (`param.data = fn(param)`); the model has no buffers."""
+    for p in module.parameters():
+        if not streamer.streams(p):
+            p.data = fn(p)
     return module
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from fluxzero.config import ModelConfig
+from fluxzero.config.deepspeed.check import streaming_problems
 from fluxzero.config.deepspeed.view import DSView
 from fluxzero.model.compile import apply_compile
 from fluxzero.train import ds_patches
@@ -76,7 +77,7 @@ def build_engine(
             f"fluxzero.fp8 and lora.base_quant {quant} both change the base's linear layers; keep "
             f"one (FP8 for speed, the quantized base for memory)"
         )
-    streamer = plan_streaming(model_cfg, v, device, lora is not None)
+    streamer = plan_streaming(model_cfg, v, device, lora)
     model = born_model(
         model_cfg,
         ds,
@@ -126,17 +127,21 @@ def build_engine(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Fused optimizer modes: blocks streamed from host memory (fluxzero.train.block_stream)
+# Blocks streamed from host memory (fluxzero.train.block_stream): a fused mode's weights or a LoRA's frozen base
 # ---------------------------------------------------------------------------------------------------------
-def plan_streaming(model_cfg: ModelConfig, v: DSView, device: torch.device, lora: bool):
+def plan_streaming(model_cfg: ModelConfig, v: DSView, device: torch.device, lora):
     """The BlockStreamer of fluxzero.offload_blocks (None when it is 0), its host buffers allocated (and pinned on
-    CUDA) before the model is built, so the pretrained weights are copied straight into them."""
-    if v.fused_step and lora:
+    CUDA) before the model is built, so the pretrained weights are copied straight into them. `lora`: the run's
+    LoraConfig (its frozen base blocks streamed, its adapters resident) or None."""
+    if v.fused_step and lora is not None and lora is not False:
         raise TrainingError(
             f"fluxzero.optimizer_mode {v.optimizer_mode} is for full fine-tunes; a LoRA trains few "
             f"tensors and needs no fused step: choose another optimizer mode or remove the lora: "
             f"section"
         )
+    problems = streaming_problems(v, lora)
+    if problems:
+        raise TrainingError(problems[0])
     k = int(v.offload_blocks or 0)
     if k == 0:
         return None

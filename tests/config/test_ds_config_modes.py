@@ -293,10 +293,16 @@ def test_offload_blocks_needs_a_fused_mode():
     )
     assert (
         r.exit_code == 2
-        and "--offload-blocks 4 streams blocks from host memory, which only a fused optimizer "
-        "mode supports: set --optimizer-mode to fused-adafactor-sr"
+        and "--offload-blocks 4 streams blocks from host memory, which a full fine-tune does only with a fused "
+        "optimizer mode (a LoRA's frozen base with any): set --optimizer-mode to fused-adafactor-sr"
         in r.output
     )
+    # a LoRA streams its frozen base with DeepSpeed's AdamW (docs/lora.md)
+    r = CliRunner().invoke(main, ["gen-config", "--zero-stage", "2", "--offload-blocks", "4", "--lora-rank", "16"])
+    lora, _ = json.JSONDecoder().raw_decode(r.output)  # the run file's lora line follows the JSON
+    assert r.exit_code == 0 and lora["fluxzero"]["offload_blocks"] == 4 and check(lora, 1) == [], r.output
+    r = CliRunner().invoke(main, ["gen-config", "--offload-blocks", "4", "--lora-rank", "16", "--base-quant", "int8"])
+    assert r.exit_code == 2 and "--offload-blocks 4 streams the bf16 base, and lora.base_quant int8" in r.output
 
 
 @pytest.mark.parametrize(
@@ -323,8 +329,8 @@ def test_offload_blocks_needs_a_fused_mode():
         ),
         (lambda c: c["fluxzero"].update(offload_blocks=-1), "fluxzero.offload_blocks must be an integer >= 0"),
         (
-            lambda c: c["fluxzero"].update(optimizer_mode="adafactor-sr"),
-            "fluxzero.offload_blocks 2 streams blocks from host memory, which only a fused optimizer mode supports",
+            lambda c: (c["fluxzero"].pop("optimizer_mode"), c["zero_optimization"].update(stage=3)),
+            "fluxzero.offload_blocks 2 streams a LoRA's frozen base blocks from host memory below ZeRO-3 only",
         ),
     ],
 )

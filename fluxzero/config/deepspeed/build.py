@@ -129,7 +129,7 @@ class DSOptions:
     # optimizer (AdamW) and gradient clipping
     adam_impl: str = "torch"
     optimizer_mode: str | None = None  # a fluxzero.config.optim_modes name; None: DeepSpeed's AdamW, fp32 masters
-    offload_blocks: int = 0  # fluxzero.offload_blocks: the last K blocks streamed from host memory (fused modes)
+    offload_blocks: int = 0  # fluxzero.offload_blocks: the last K blocks streamed from host memory (fused mode, LoRA)
     lr: float = 1e-5
     beta1: float = 0.9
     beta2: float = 0.999
@@ -583,7 +583,7 @@ def build(o: DSOptions) -> dict:  # noqa: C901
         cfg[FLUXZERO_SECTION]["compile"] = {"blocks": True, "mode": "default"} if o.compile else {"blocks": False}
     if o.optimizer_mode is not None:
         cfg[FLUXZERO_SECTION]["optimizer_mode"] = o.optimizer_mode
-    if options_view(o).fused_step:  # written for every fused mode, 0 included: the key says what is resident
+    if options_view(o).fused_step or o.offload_blocks:  # a fused mode's 0 too: the key says what is resident
         cfg[FLUXZERO_SECTION]["offload_blocks"] = o.offload_blocks
     if o.fp8 is not None:
         cfg[FLUXZERO_SECTION]["fp8"] = {"recipe": o.fp8}

@@ -132,14 +132,42 @@ def combination_problems(v: DSView, name=config_name, zero_keys=()) -> list[str]
         )
     if v.optimizer_mode is not None:
         p += _mode_problems(v, name)
-    if isinstance(v.offload_blocks, int) and v.offload_blocks > 0 and not v.fused_step:
-        fused = [n for n, m in optim_modes.MODES.items() if m.fused]
+    if isinstance(v.offload_blocks, int) and v.offload_blocks > 0 and not v.fused_step and stage == 3:
         p.append(
-            f"{name('offload_blocks')} {v.offload_blocks} streams blocks from host memory, which only a fused "
-            f"optimizer mode supports: set {name('optimizer_mode')} to {' or '.join(fused)}, or set "
+            f"{name('offload_blocks')} {v.offload_blocks} streams a LoRA's frozen base blocks from host memory "
+            f"below ZeRO-3 only (ZeRO-3 partitions those weights itself): set {S} 0, 1 or 2, or set "
             f"{name('offload_blocks')} to 0"
         )
     return p
+
+
+def streaming_problems(v: DSView, lora, name=config_name) -> list[str]:
+    """What the run file's `lora:` section (a LoraConfig, None for a full fine-tune) and fluxzero.offload_blocks
+    cannot do together, one sentence each (the trainer checks it before building the model; gen-config too).
+    Streamed blocks serve a fused mode's full fine-tune (its weights written back as they are stepped) or a plain
+    LoRA's frozen base (fetched, never written back) at ZeRO 0-2."""
+    k = v.offload_blocks
+    if not isinstance(k, int) or k <= 0 or v.fused_step:
+        return []
+    K = f"{name('offload_blocks')} {k}"
+    if lora is None:
+        fused = [n for n, m in optim_modes.MODES.items() if m.fused]
+        return [
+            f"{K} streams blocks from host memory, which a full fine-tune does only with a fused optimizer mode (a "
+            f"LoRA's frozen base with any): set {name('optimizer_mode')} to {' or '.join(fused)}, or set "
+            f"{name('offload_blocks')} to 0"
+        ]
+    if lora.type != "lora":
+        return [
+            f"{K} streams the base under a plain LoRA only (lora.type is {lora.type}): set lora.type: lora, or "
+            f"set {name('offload_blocks')} to 0"
+        ]
+    if lora.base_quant != "none":
+        return [
+            f"{K} streams the bf16 base, and lora.base_quant {lora.base_quant} quantizes it instead: set "
+            f"lora.base_quant: none, or set {name('offload_blocks')} to 0"
+        ]
+    return []
 
 
 def _mode_problems(v: DSView, name) -> list[str]:  # noqa: C901

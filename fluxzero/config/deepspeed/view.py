@@ -74,7 +74,8 @@ class DSView:
     force_ds_cpu_optimizer: bool = True  # zero_force_ds_cpu_optimizer (0.19.8 default true)
     # fluxzero.offload_blocks: the LAST K transformer blocks (double then single, one index, as for
     # checkpointing) keep their bf16 weights in pinned host memory and are streamed to the accelerator one block
-    # ahead (fluxzero.train.block_stream); a fused optimizer mode only. 0: every block resident
+    # ahead (fluxzero.train.block_stream): a fused optimizer mode's weights, or a LoRA's frozen base below ZeRO-3.
+    # 0: every block resident
     offload_blocks: int = 0
 
     @property
