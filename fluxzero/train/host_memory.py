@@ -161,21 +161,9 @@ def fixes_for(v, ema) -> list[str]:
     return out
 
 
-def check_run(
-    model_cfg,
-    ds: dict,
-    v,
-    *,
-    world: int,
-    local_world: int,
-    latent_sizes=(),
-    txt_len: int = 512,
-    ema=None,
-    lora=None,
-    weights: bool = False,
-) -> str | None:
-    """run_host_need against host_available(): the refusing sentence, or None (also where the memory model does
-    not cover the run: the check must never stop a run it cannot estimate)."""
+def check_run(model_cfg, ds: dict, v, **run) -> str | None:
+    """run_host_need(model_cfg, ds, v, **run) against host_available(): the refusing sentence, or None (also
+    where the memory model does not cover the run: the check must never stop a run it cannot estimate)."""
     try:
         available = host_available()
     except ValueError as e:
@@ -183,18 +171,7 @@ def check_run(
     if available is None:
         return None
     try:
-        need, items = run_host_need(
-            model_cfg,
-            ds,
-            v,
-            world=world,
-            local_world=local_world,
-            latent_sizes=latent_sizes,
-            txt_len=txt_len,
-            ema=ema,
-            lora=lora,
-            weights=weights,
-        )
+        need, items = run_host_need(model_cfg, ds, v, **run)
     except ValueError:
         return None
-    return host_problem(need, items, available, fixes_for(v, ema))
+    return host_problem(need, items, available, fixes_for(v, run.get("ema")))

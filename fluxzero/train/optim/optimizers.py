@@ -523,29 +523,29 @@ def _adafactor_factored(
     return p32.addcmul(update, scale.float())
 
 
-@functools.cache
-def _compiled_factored(backend: str = "inductor"):
-    """`_adafactor_factored` compiled: a graph per weight shape (FLUX.1-dev has 13) and per variant of the
-    arguments that are not tensors."""
-    return torch.compile(_adafactor_factored, dynamic=False, fullgraph=True, backend=backend)
-
-
 # Graphs the compiled step may hold. Dynamo's default limit (8 per function) is below FLUX.1-dev's 13 weight shapes,
 # and with fullgraph=True the 9th shape raises instead of running eagerly: the limit is raised for these calls only.
 RECOMPILE_LIMIT = 64
 _COMPILE_FAILED = False
 
 
+@functools.cache
+def _compiled_factored(backend: str = "inductor"):
+    """`_adafactor_factored` compiled, called under a recompile limit of at least RECOMPILE_LIMIT: a graph per
+    weight shape (FLUX.1-dev has 13) and per variant of the arguments that are not tensors."""
+    import torch._dynamo  # loaded by torch.compile anyway; imported here for its config
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+    limit = config.patch(**{name: max(RECOMPILE_LIMIT, getattr(config, name))})
+    return limit(torch.compile(_adafactor_factored, dynamic=False, fullgraph=True, backend=backend))
+
+
 def _factored_update(args: tuple, backend: str = "inductor") -> torch.Tensor:
     """`_adafactor_factored(*args)` through its compiled graphs; eagerly once a build has failed (said once)."""
     if not _COMPILE_FAILED:
-        import torch._dynamo  # loaded by torch.compile anyway; imported here for its config
-
-        config = torch._dynamo.config
-        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
         try:
-            with config.patch(**{name: max(RECOMPILE_LIMIT, getattr(config, name))}):
-                return _compiled_factored(backend)(*args)
+            return _compiled_factored(backend)(*args)
         except Exception as e:  # a compiler that cannot build it: the same math eagerly
             _compile_failed(e)
     return _adafactor_factored(*args)
