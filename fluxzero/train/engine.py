@@ -20,6 +20,7 @@ from deepspeed.accelerator import get_accelerator
 from fluxzero.config import ModelConfig
 from fluxzero.config.deepspeed.check import streaming_problems
 from fluxzero.config.deepspeed.view import DSView
+from fluxzero.config.lora import LoraConfig
 from fluxzero.model.compile import apply_compile
 from fluxzero.train import ds_patches
 from fluxzero.train.distributed import TrainingError, broadcast_objects
@@ -129,11 +130,11 @@ def build_engine(
 # ---------------------------------------------------------------------------------------------------------
 # Blocks streamed from host memory (fluxzero.train.block_stream): a fused mode's weights or a LoRA's frozen base
 # ---------------------------------------------------------------------------------------------------------
-def plan_streaming(model_cfg: ModelConfig, v: DSView, device: torch.device, lora):
+def plan_streaming(model_cfg: ModelConfig, v: DSView, device: torch.device, lora: LoraConfig | None):
     """The BlockStreamer of fluxzero.offload_blocks (None when it is 0), its host buffers allocated (and pinned on
     CUDA) before the model is built, so the pretrained weights are copied straight into them. `lora`: the run's
     LoraConfig (its frozen base blocks streamed, its adapters resident) or None."""
-    if v.fused_step and lora is not None and lora is not False:
+    if v.fused_step and lora is not None:
         raise TrainingError(
             f"fluxzero.optimizer_mode {v.optimizer_mode} is for full fine-tunes; a LoRA trains few "
             f"tensors and needs no fused step: choose another optimizer mode or remove the lora: "

@@ -225,15 +225,16 @@ def test_a_blocks_gradients_averaged_in_one_all_reduce_equal_one_all_reduce_per_
 def test_a_lora_and_too_many_streamed_blocks_are_refused_before_the_model_is_built():
     from fluxzero.config import get_model_config
     from fluxzero.config.deepspeed.view import view
+    from fluxzero.config.lora import LoraConfig
     from fluxzero.train.distributed import TrainingError
     from fluxzero.train.engine import plan_streaming
 
     cfg = get_model_config("flux-tiny")
     v = view(tiny_ds(0, clipping=0.0, fluxzero={"optimizer_mode": "fused-adafactor-sr", "offload_blocks": 5}))
     with pytest.raises(TrainingError, match="is for full fine-tunes; a LoRA trains few tensors"):
-        plan_streaming(cfg, v, torch.device("cpu"), lora=True)
+        plan_streaming(cfg, v, torch.device("cpu"), lora=LoraConfig(rank=4))
     with pytest.raises(TrainingError, match="offload_blocks 5 exceeds the 4 transformer blocks of flux-tiny"):
-        plan_streaming(cfg, v, torch.device("cpu"), lora=False)
+        plan_streaming(cfg, v, torch.device("cpu"), lora=None)
 
 
 def test_the_compiled_adafactor_step_takes_every_weight_shape(monkeypatch):
