@@ -287,17 +287,22 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     # At stage 0 every parameter's full gradient stays from the moment backward makes it until the step:
     # they grow block by block (the head's first) while the activations shrink, and the peak may come later
     inv = param_inventory(cfg)
-    params = [inv.double_block] * cfg.depth + [inv.single_block] * cfg.depth_single_blocks
+    params = _block_params(cfg)
     if s.lora_rank:  # only the adapters get gradients: spread them over the blocks like the parameters
         params = [n * trained_params(s, inv) / inv.total for n in params]
     fused = s.optimizer_mode is not None and optim_modes.get_mode(s.optimizer_mode).fused
     g_bytes = b if s.stage == 0 and not fused else 0  # a fused mode steps and drops each gradient in backward
     grads = g_bytes * (inv.outside_blocks - _embedder_params(cfg))  # the head's, made before the blocks
-    peak, alive = stored, stored
+    # fluxzero.train.block_stream: while a streamed block recomputes and runs its backward, three copies of blocks of
+    # its size are on the device (the block computing, the next one arriving, the one before it leaving); at the
+    # backward peak those are the last (single) blocks, not the largest. Whole bytes, counted in sample units of B.
+    copies = [3 * b * n / B if st else 0.0 for n, st in zip(_block_params(cfg), streamed)]
+    peak, alive, at_peak = stored, stored, 0.0
     both = B * stored + grads  # activations and gradients together
     for j in reversed(range(len(kinds))):
-        moment = alive + redo[j]
-        peak = max(peak, moment)
+        moment = alive + redo[j] + copies[j]
+        if moment > peak:
+            peak, at_peak = moment, copies[j]
         both = max(both, B * moment + grads)
         alive -= kept[j]
         grads += g_bytes * params[j]
@@ -306,7 +311,8 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     on_host = B * sum(L * C * b for c, g in zip(ckpt, on_gpu) if c and not g)
     return {
         "stored": B * stored,
-        "recompute": B * (peak - stored),
+        "recompute": B * (peak - stored - at_peak),
+        "stream_copies": B * at_peak,
         "workspace": max(B * workspace, adapter_workspace(s)),
         "on_host": on_host,
         "grads_net": both - B * peak,
@@ -476,6 +482,12 @@ def _block_linear_weights(cfg: ModelConfig) -> list[int]:
     return [per["double_blocks.0."]] * cfg.depth + [per["single_blocks.0."]] * cfg.depth_single_blocks
 
 
+def _block_params(cfg: ModelConfig) -> list[int]:
+    """Parameters of each block, double blocks then single ones."""
+    inv = param_inventory(cfg)
+    return [inv.double_block] * cfg.depth + [inv.single_block] * cfg.depth_single_blocks
+
+
 def _embedder_params(cfg: ModelConfig) -> int:
     """Parameters of img_in, time_in, vector_in, guidance_in and txt_in: their gradients come last."""
     return architecture.block_params(architecture.embedders(cfg))
@@ -508,6 +520,13 @@ def activation_items(s: RunSpec) -> list[Item]:
             "checkpointed block re-run in backward, net of what backward freed before it",
         ),
         Item("backward working set", a["workspace"], "gpu", "train", "gradients alive inside one block"),
+        Item(
+            "streamed block copies (3 blocks)",
+            a["stream_copies"],
+            "gpu",
+            "train",
+            "at the backward peak: the block computing, the next one arriving, the one before it leaving",
+        ),
         Item(
             "checkpointed block inputs (cpu_checkpointing)",
             a["on_host"],

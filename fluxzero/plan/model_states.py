@@ -14,6 +14,7 @@ import math
 from fluxzero.config import architecture, optim_modes
 from fluxzero.config.architecture import linear_shapes
 from fluxzero.config.lora import adapter_param_count
+from fluxzero.plan.activations import activation_bytes
 from fluxzero.plan.spec import (
     OPTIMIZER_STATE_BYTES,
     PRECISION_BYTES,
@@ -115,13 +116,6 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:  # noqa: C
                 "host",
                 note=f"the last {s.offload_blocks} blocks, cudaHostRegister'd: exactly their bytes",
             )
-            add(
-                "streamed block copies (3 blocks)",
-                3 * b * max(streamed_blocks(s, inv)),
-                phase="train",
-                note="the block computing, the next one arriving, "
-                + ("the one before it finishing its backward" if lora else "the last one being written back"),
-            )
         if lora or not streamed:
             add(f"{what} (full, {s.precision})", b * P, note="every rank holds all of them below stage 3", ds=True)
     else:
@@ -210,8 +204,16 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:  # noqa: C
         tnote = "_foreach_sqrt(exp_avg_sq)"
     if s.stage == 0:
         if fused:
+            # a tensor is stepped inside its block's backward, once its gradient is complete: in memory the block's
+            # recompute and backward working set have mostly freed by then, so only what the step needs beyond them
+            # adds to the peak (measured on FLUX.1-dev, benchmarks/RESULTS.md "--fit's full fine-tunes": counting
+            # both over-predicted every streamed row by 2.0 GiB)
+            a = activation_bytes(s)
             add(
-                "optimizer working set in backward (one tensor)", impl_temp * largest_trained, phase="train", note=tnote
+                "optimizer working set beyond the block's",
+                max(0, impl_temp * largest_trained - a["recompute"] - a["workspace"]),
+                phase="train",
+                note=f"{impl_temp * largest_trained / GiB:.2f} GiB; {tnote}",
             )
         elif bf16_master:
             # torch's optimizers loop over tensors: one tensor's working set at a time

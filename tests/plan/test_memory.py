@@ -511,8 +511,8 @@ def test_gen_config_fit_refuses_when_nothing_fits(tmp_path):
     assert r.exit_code == 2 and "nothing fits" in r.output
     # the leanest host that would: the fused mode streaming blocks (not ZeRO-3's 184 GiB of offload)
     assert (
-        "fused-adafactor-sr with the last 32 blocks streamed from host memory, given 12 GiB of host memory per "
-        "node (--host-memory 12)" in r.output
+        "fused-adafactor-sr with the last 28 blocks streamed from host memory, given 11 GiB of host memory per "
+        "node (--host-memory 11)" in r.output
     )
     assert not out.exists()
 
