@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
 import re
 import warnings
 from collections.abc import Sequence
@@ -137,6 +138,13 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, gather=None) -> list[str]:
                 with gather(list(model.get_submodule(name).parameters())):
                     peft.inject_adapter_in_model(_peft_config(cfg, [name]), model, adapter_name=ADAPTER)
     cast_adapter_dtype(model, ADAPTER, autocast_adapter_dtype=True)  # bf16 / fp16 adapters -> fp32
+    if cfg.type == "dora":
+        from peft.tuners.lora.dora import DoraLinearLayer
+
+        dora = _dora_layer_class()
+        for m in model.modules():
+            if type(m) is DoraLinearLayer:
+                m.__class__ = dora
     for name, p in model.named_parameters():
         p.requires_grad_(canonical_adapter_name(name, ADAPTER) is not None)
     if cfg.weights is not None:
@@ -148,6 +156,25 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, gather=None) -> list[str]:
         except LoraError as e:
             raise LoraError(f"{cfg.weights}: {e}") from None
     return names
+
+
+@functools.cache
+def _dora_layer_class() -> type:
+    """PEFT's DoraLinearLayer, its weight norm's B A built without autograd.
+
+    PEFT builds B A as B(A(I)) in every forward with autograd on, then detaches it before the norm (the DoRA paper
+    keeps the norm out of the gradient): the graph it records is never used by backward, but under selective
+    activation checkpointing its two matmul outputs, (in, rank) and (in, out) per adapted linear, are kept until
+    backward (fluxzero.train.recompute.selective_policy keeps matmul outputs). Without autograd the values are the
+    same, nothing is recorded, and the policy keeps nothing of it (it keeps only what runs with gradients)."""
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    class DoraLayer(DoraLinearLayer):
+        def get_lora_weight(self, lora_A, lora_B, adapter_name=None):
+            with torch.no_grad():
+                return super().get_lora_weight(lora_A, lora_B, adapter_name=adapter_name)
+
+    return DoraLayer
 
 
 def _adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -400,9 +400,8 @@ def adapter_block_fixed(s: RunSpec) -> BlockFixed:
     by it, which saves the update for the input's gradient, and kron saves its factors: those that are products of
     two low-rank matrices are new tensors (lora.lokr_factors). A DoRA keeps three vectors per output row: the
     detached weight norm, and magnitude / norm and that less 1 (the two scales of its output). A LoRA keeps none.
-    Kept by the selective policy (matmul outputs): a LoKr's factor products; a DoRA's B A of its weight norm,
-    which PEFT computes as B(A(I)) for each adapted linear ((in, rank) and (in, out) matmul outputs, which the
-    policy caches though backward never reads them).
+    Kept by the selective policy (matmul outputs): a LoKr's factor products. A DoRA's B A of its weight norm is
+    built without autograd (fluxzero.model.lora._dora_layer_class), which the policy does not keep.
     """
     lc = lora_config(s)
     saved, kept, both = [0, 0], [0, 0], [0, 0]
@@ -413,7 +412,6 @@ def adapter_block_fixed(s: RunSpec) -> BlockFixed:
             n_in = shapes[name][0]
             if lc.type == "dora":
                 saved[single] += 3 * n_out * ab
-                kept[single] += n_in * (lc.rank + n_out) * ab
                 continue
             products = sum(m * n for m, n, low in lokr_factors(shapes[name], lc) if low) * ab
             saved[single] += n_in * n_out * ab + products
@@ -426,8 +424,9 @@ def adapter_workspace(s: RunSpec) -> int:
     """Bytes one adapted linear's forward (or recompute) holds at once beyond what it keeps, at the largest adapted
     linear, whatever the micro batch; the memory model counts the larger of this and the block's working set.
 
-    A DoRA's weight norm ||W + s B A|| per output row: PEFT builds B A as B(A(I)) from an (in, in) identity, then
-    s B A and W + s B A, all alive together (in the adapters' dtype, with W's copy in it when that differs). A LoKr
+    A DoRA's weight norm ||W + s B A|| per output row: PEFT builds B A as B(A(I)) from an (in, in) identity (without
+    autograd: fluxzero.model.lora._dora_layer_class, so the identity goes when B A is made), then s B A and
+    W + s B A beside B A (in the adapters' dtype, with W's copy in it when that differs). A LoKr
     builds kron(w1, w2) before scaling it into the update it keeps. A LoRA adds only per-token tensors.
     """
     lc = lora_config(s)
@@ -439,7 +438,8 @@ def adapter_workspace(s: RunSpec) -> int:
     for _single, name, _, n_out in _adapted_block_linears(s, lc):
         n_in = shapes[name][0]
         if lc.type == "dora":
-            held = n_in * n_in + n_in * lc.rank + (3 + (ab != b)) * n_in * n_out
+            # B(A(I)) with I alive, then (I freed: no autograd graph holds it) s B A and W + s B A beside B A
+            held = max(n_in * n_in + n_in * lc.rank + n_in * n_out, (3 + (ab != b)) * n_in * n_out)
         else:
             held = n_in * n_out
         most = max(most, held * ab)

@@ -39,10 +39,12 @@ def _selective_ops() -> frozenset:
 
 def selective_policy(ctx, op, *args, **kwargs):
     """torch.utils.checkpoint's policy for fluxzero.activation_checkpointing.policy selective: keep what
-    _selective_ops lists, recompute the rest (the memory model counts the same: memory.double_block_kept)."""
+    _selective_ops lists, recompute the rest (the memory model counts the same: memory.double_block_kept). What
+    runs without autograd (a DoRA's weight norm, fluxzero.model.lora) backward never reads: recomputed too."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in _SELECTIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in _SELECTIVE_OPS and torch.is_grad_enabled()
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 _SELECTIVE_OPS = _selective_ops()

@@ -190,9 +190,9 @@ def _single_block_peak(batch: int, adapters: str | None = None):
 
 
 def test_dora_forward_working_set_is_counted():
-    """A DoRA-adapted single block peaks in forward, where linear2's weight norm holds B(A(I)) from a (3840, 3840)
-    identity and two weight-sized tensors: its saved tensors plus memory.adapter_workspace (larger here than the
-    block's backward working set)."""
+    """A DoRA-adapted single block peaks in forward, where linear2's weight norm builds B(A(I)) from a (3840, 3840)
+    identity: its saved tensors plus memory.adapter_workspace (larger here than the block's backward working set).
+    With autograd on for B(A(I)) (PEFT's own), the identity stayed alive through the norm: 13% more."""
     B, (_, _, I, T) = 2, QUARTER
     peak, _, cfg = _single_block_peak(B, "dora")
     spec = memory.RunSpec(cfg, height=256, width=256, txt_len=T, lora_rank=16, lora_type="dora", device="cpu")
@@ -200,7 +200,7 @@ def test_dora_forward_working_set_is_counted():
     saved = B * (frozen + memory.lora_block_saved(spec)[1]) + memory.adapter_block_fixed(spec).saved[1]
     working = memory.adapter_workspace(spec)
     assert working > B * memory.block_backward_workspace(cfg, I, T, 2)
-    assert abs(peak - (saved + working)) / peak < 0.02, (peak, saved + working)  # measured: 1.2% under
+    assert abs(peak - (saved + working)) / peak < 0.02, (peak, saved + working)  # measured: 1.4% under
 
 
 # batch 1 and 2 prove the batch scaling (saved and workspace scale, the weight gradient in flight does not); 4 cost
