@@ -552,6 +552,7 @@ def advise(
     chosen = memory.zero_label(o["stage"], o["offload_optimizer"], o["offload_param"])
     extra = [f"optimizer mode {o['optimizer_mode']}"] if o["optimizer_mode"] else []
     extra += [f"{o['base_quant']} base"] if o.get("base_quant") else []
+    extra += [f"the last {o['offload_blocks']} blocks streamed from host memory"] if o.get("offload_blocks") else []
     text = (
         f"What fits instead: {chosen}{''.join(', ' + e for e in extra)}, micro batch {o['micro_batch']}, "
         f"{memory.checkpointing_text(o['checkpoint_every'], o['checkpoint_policy'])}: predicted {r.estimate.gpu_allocated / GiB:.1f} GiB "

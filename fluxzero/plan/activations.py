@@ -307,7 +307,7 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
         alive -= kept[j]
         grads += g_bytes * params[j]
     # the forward's end holds the head instead of a working set: count the larger of the two
-    workspace = max(block_backward_workspace(cfg, I, T, b, att), head)
+    workspace = max(block_backward_workspace(cfg, I, T, b, att) + lora_backward_extra(s), head)
     on_host = B * sum(L * C * b for c, g in zip(ckpt, on_gpu) if c and not g)
     return {
         "stored": B * stored,
@@ -418,6 +418,18 @@ def adapter_block_fixed(s: RunSpec) -> BlockFixed:
             kept[single] += products
             both[single] += products
     return BlockFixed(tuple(saved), tuple(kept), tuple(both))
+
+
+def lora_backward_extra(s: RunSpec) -> int:
+    """Bytes per sample a LoRA or DoRA adds to one block's backward working set: PEFT adds the adapter's output as
+    result + B(A(x)) * s, whose backward makes the upstream gradient times s, a (tokens, out) tensor in the adapters'
+    dtype, beside the block's own gradients; counted at the widest adapted linear (a single block's linear1: 21504
+    features over every token). Measured (benchmarks/RESULTS.md, LoRA r16 at micro batch 8): without it the peak was
+    under-predicted by 0.8-0.95 GiB."""
+    lc = lora_config(s)
+    if lc is None or lc.type == "lokr":
+        return 0
+    return max((tokens * n_out for _, _, tokens, n_out in _adapted_block_linears(s, lc)), default=0) * adapter_bytes(s)
 
 
 def adapter_workspace(s: RunSpec) -> int:

@@ -19,11 +19,13 @@ LORA = {"rank": 4, "alpha": 8, "targets": "all-linear"}
 STEPS = 3
 
 
-def _cfg(tmp, name: str, stage: int, k: int, weights, **kw) -> dict:
+def _cfg(tmp, name: str, stage: int, k: int, weights, compiled: bool = False, **kw) -> dict:
     # the resident blocks checkpointed by torch (ZeRO-0) or DeepSpeed's reentrant checkpoint (ZeRO-2); the
     # streamed ones always by the streamer (torch's, non-reentrant)
     impl = "deepspeed" if stage == 2 else "torch"
     fz = {"activation_checkpointing": {"every_k_blocks": 1, "implementation": impl}, "offload_blocks": k}
+    if compiled:  # what gen-config --fit writes (blocks compiled), with the CPU's quick backend
+        fz["compile"] = {"blocks": True, "backend": "aot_eager"}
     extra = {"bf16": {"enabled": True}} if stage == 2 else {}
     ds = tiny_ds(stage, clipping=0.0, lr=1e-2, weight_decay=0.0, fluxzero=fz, **extra)
     (tmp / f"{name}.json").write_text(json.dumps(ds))
@@ -220,3 +222,37 @@ def test_deepspeed_casts_and_moves_the_adapters_of_streamed_blocks_only():
     adapters = [p for m in streamer.modules() for p in m.parameters() if not streamer.streams(p)]
     assert adapters and all(p.requires_grad and p.dtype == torch.bfloat16 for p in adapters)
     assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if not n.startswith("single_blocks."))
+
+
+def _compiled_worker(rank, world, port, tmp, out_file):
+    enter_training_rank(rank, world, port)
+    from pathlib import Path
+
+    tmp = Path(tmp)
+    weights = tiny_weights(tmp / "base.safetensors")
+    results, done = {}, False
+    try:
+        ref = _stepped(_cfg(tmp, "c-k0", 0, 0, weights, compiled=True))
+        got = _stepped(_cfg(tmp, "c-k2", 0, 2, weights, compiled=True))
+        results = {
+            "losses_equal": got["losses"] == ref["losses"],
+            "adapters_equal": set(got["adapters"]) == set(ref["adapters"])
+            and all(torch.equal(got["adapters"][n], ref["adapters"][n]) for n in ref["adapters"]),
+            "moved": got["losses"][-1] != got["losses"][0],
+            "home": got["home"],
+        }
+        done = True
+    finally:
+        close_group(done)
+    exit_rank(rank, out_file, results)
+
+
+@pytest.mark.slow  # two compiles of the blocks (aot_eager) on the CPU
+def test_streamed_lora_base_with_compiled_blocks_trains_as_resident(tmp_path):
+    """gen-config --fit chooses a streamed base for a LoRA on a small card, with the blocks compiled: the streamer's
+    checkpoint wraps the compiled forward, whose weights are swapped to the device copy each time; the same losses
+    and adapters as every block resident, compiled alike."""
+    out = tmp_path / "results.json"
+    spawn_ranks(_compiled_worker, 1, str(tmp_path), str(out))
+    r = json.loads(out.read_text())
+    assert r["losses_equal"] and r["adapters_equal"] and r["moved"] and r["home"], r
