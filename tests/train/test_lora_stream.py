@@ -78,6 +78,19 @@ def _stepped(cfg) -> dict:
         run.engine.destroy()
 
 
+def _streamed_vs_resident(tmp, name: str, stage: int, weights, **kw) -> dict:
+    """Two blocks streamed against none, step by step: equal losses and adapters, and what _stepped saw."""
+    ref = _stepped(_cfg(tmp, f"{name}-k0", stage, 0, weights, **kw))
+    got = _stepped(_cfg(tmp, f"{name}-k2", stage, 2, weights, **kw))
+    return {
+        "losses_equal": got["losses"] == ref["losses"],
+        "adapters_equal": set(got["adapters"]) == set(ref["adapters"])
+        and all(torch.equal(got["adapters"][n], ref["adapters"][n]) for n in ref["adapters"]),
+        "moved": got["losses"][-1] != got["losses"][0],
+        **{k: got[k] for k in ("streamed", "streamed_params", "adapters_in_streamed", "home")},
+    }
+
+
 def _worker(rank, world, port, tmp, out_file):
     enter_training_rank(rank, world, port)
     from pathlib import Path
@@ -92,15 +105,7 @@ def _worker(rank, world, port, tmp, out_file):
     results, done = {}, False
     try:
         for stage in (0, 2):
-            ref = _stepped(_cfg(tmp, f"z{stage}-k0", stage, 0, weights))
-            got = _stepped(_cfg(tmp, f"z{stage}-k2", stage, 2, weights))
-            results[f"z{stage}"] = {
-                "losses_equal": got["losses"] == ref["losses"],
-                "adapters_equal": set(got["adapters"]) == set(ref["adapters"])
-                and all(torch.equal(got["adapters"][n], ref["adapters"][n]) for n in ref["adapters"]),
-                "moved": got["losses"][-1] != got["losses"][0],
-                **{k: got[k] for k in ("streamed", "streamed_params", "adapters_in_streamed", "home")},
-            }
+            results[f"z{stage}"] = _streamed_vs_resident(tmp, f"z{stage}", stage, weights)
         # ZeRO-2: the run through train() with its export, stopped after 2 steps and resumed
         export = {"format": "diffusers"}
         whole = train(TrainConfig.from_dict(_cfg(tmp, "whole", 2, 2, weights, export=export)))["losses"]
@@ -229,18 +234,9 @@ def _compiled_worker(rank, world, port, tmp, out_file):
     from pathlib import Path
 
     tmp = Path(tmp)
-    weights = tiny_weights(tmp / "base.safetensors")
     results, done = {}, False
     try:
-        ref = _stepped(_cfg(tmp, "c-k0", 0, 0, weights, compiled=True))
-        got = _stepped(_cfg(tmp, "c-k2", 0, 2, weights, compiled=True))
-        results = {
-            "losses_equal": got["losses"] == ref["losses"],
-            "adapters_equal": set(got["adapters"]) == set(ref["adapters"])
-            and all(torch.equal(got["adapters"][n], ref["adapters"][n]) for n in ref["adapters"]),
-            "moved": got["losses"][-1] != got["losses"][0],
-            "home": got["home"],
-        }
+        results = _streamed_vs_resident(tmp, "c", 0, tiny_weights(tmp / "base.safetensors"), compiled=True)
         done = True
     finally:
         close_group(done)
