@@ -329,7 +329,7 @@ def _cli_cases():
         (
             "gen_fit_nothing_fits_a_lora",
             ["gen-config", "--fit", "--gpu-memory", "1", "--host-memory", "8", "--lora-rank", "16", "-o", "{out}.json"],
-            "--host-memory 37",
+            "--host-memory 38",
         ),
         ("gen_two_world_sizes", ["gen-config", "--world-size", "2", "--hostfile", f"{I}/hosts_good"], "one way only"),
         # check-config (one line per finding)
