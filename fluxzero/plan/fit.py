@@ -371,7 +371,10 @@ def fit(  # noqa: C901
             continue
         for k in streams:  # fewest streamed blocks first: each one streamed costs transfers
             every = True
-            for ck, policy in ((c, p) for c in ckpts for p in (policies if c else ("full",))):
+            pairs = [(c, p) for c in ckpts for p in (policies if c else ("full",))]
+            if base.lora_rank and k and (1, "full") in pairs:
+                pairs = [(1, "full")]  # a LoRA streams its base on a small card: every block recomputed anyway
+            for ck, policy in pairs:
                 for mb in micros:
                     cand = stage_base.replace(
                         micro_batch=mb, checkpoint_every=ck, checkpoint_policy=policy, offload_blocks=k
