@@ -287,7 +287,7 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     # At stage 0 every parameter's full gradient stays from the moment backward makes it until the step:
     # they grow block by block (the head's first) while the activations shrink, and the peak may come later
     inv = param_inventory(cfg)
-    params = _block_params(cfg)
+    params = _block_params(cfg, inv)
     if s.lora_rank:  # only the adapters get gradients: spread them over the blocks like the parameters
         params = [n * trained_params(s, inv) / inv.total for n in params]
     fused = s.optimizer_mode is not None and optim_modes.get_mode(s.optimizer_mode).fused
@@ -296,7 +296,7 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
     # fluxzero.train.block_stream: while a streamed block recomputes and runs its backward, three copies of blocks of
     # its size are on the device (the block computing, the next one arriving, the one before it leaving); at the
     # backward peak those are the last (single) blocks, not the largest. Whole bytes, counted in sample units of B.
-    copies = [3 * b * n / B if st else 0.0 for n, st in zip(_block_params(cfg), streamed)]
+    copies = [3 * b * n / B if st else 0.0 for n, st in zip(_block_params(cfg, inv), streamed)]
     peak, alive, at_peak = stored, stored, 0.0
     both = B * stored + grads  # activations and gradients together
     for j in reversed(range(len(kinds))):
@@ -494,9 +494,8 @@ def _block_linear_weights(cfg: ModelConfig) -> list[int]:
     return [per["double_blocks.0."]] * cfg.depth + [per["single_blocks.0."]] * cfg.depth_single_blocks
 
 
-def _block_params(cfg: ModelConfig) -> list[int]:
-    """Parameters of each block, double blocks then single ones."""
-    inv = param_inventory(cfg)
+def _block_params(cfg: ModelConfig, inv) -> list[int]:
+    """Parameters of each block, double blocks then single ones (inv: param_inventory(cfg))."""
     return [inv.double_block] * cfg.depth + [inv.single_block] * cfg.depth_single_blocks
 
 

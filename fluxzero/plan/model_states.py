@@ -435,8 +435,9 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:  # noqa: C
         note="one layer at a time (the file memory-mapped)" if streamed else "whole model on every local rank",
         ds=True,
     )
-    # measured: 2.2-2.7 GiB resident beyond the pinned buffers in single-rank FLUX.1-dev runs on H100 and H200
-    # (benchmarks/RESULTS.md, "--fit's full fine-tunes", 2026-12-05); 2 GiB under-predicted the 48/80 GB rows by 23%
+    # measured beyond the pinned buffers in single-rank FLUX.1-dev runs (benchmarks/RESULTS.md, 2026-12-05): 2.2-2.7
+    # GiB resident or streaming on an H200, 2.7-4.2 GiB streaming on an H100; 2 GiB under-predicted the resident rows
+    # by 23%
     add(PROCESS_ITEM, int(2.5 * GiB), "host", note="per rank; measured typical RSS")
     return items
 
