@@ -7,7 +7,8 @@
 On the GPU (the H200 figure: 0.147 s of a 0.783 s step) an AdamW step over 76.6M values is ~1-2 ms of kernels;
 the rest is Python and launch overhead that scales with the number of tensors, not their size, so this model
 shows it on a CPU: each timed step runs forward + backward on a 16-token input, then times TrainStep's update
-part (fluxzero's own norm/reduction, then engine.step()). Median of --steps. Figures: benchmarks/README.md.
+part (fluxzero's own norm/reduction, then engine.step()). Median of --steps. On a GPU the same script times
+the update from a synchronized start to its last kernel (one process, the same command). Figures: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def ds_config(stage: int, bf16: bool) -> dict:
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        # fused on a GPU, as gen-config writes it there
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": torch.cuda.is_available()}},
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**9,
     }
@@ -108,7 +110,8 @@ def main():
     engine = E.build_engine(SHAPE, ds, v, device, seed=0, lora=LoraConfig(rank=args.rank, targets="all-linear"))
     params = [p for p in engine.module.parameters() if p.requires_grad]
     dtype = next(engine.module.parameters()).dtype
-    x = inputs(SHAPE, dtype)
+    x = {k: v.to(device) for k, v in inputs(SHAPE, dtype).items()}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # time the update's kernels too
     # TrainStep's update part, as it runs after the last backward
     ts = TrainStep.__new__(TrainStep)
     ts.engine, ts.world_size, ts.device = engine, world, device
@@ -127,8 +130,10 @@ def main():
         losses.append(loss.item())
         if args.profile and i >= 3:
             prof.enable()
+        sync()
         t0 = time.perf_counter()
         update()
+        sync()
         dt = time.perf_counter() - t0
         if args.profile and i >= 3:
             prof.disable()

@@ -122,7 +122,9 @@ def batch_grad_checks(optimizer) -> list[str]:
       a checkpoint load that assigns new tensors.
     - ZeRO-0 with DeepSpeed's bf16 (FP16_UnfusedOptimizer): its overflow check converted each gradient's check to
       a Python bool, a device sync per tensor, stopping at the first non-finite one; now one sync in all, the same
-      answer.
+      answer. Its step (`_unfused_step`) ran five more per-tensor loops (a norm, an fp32 copy of the gradient, the
+      unscale/clip multiply, the copy back into the bf16 weights: ~4 kernels per tensor, ~2,400 for 608 adapters);
+      now each is one multi-tensor call, with the same values.
     Any other optimizer (BF16_Optimizer, ZeRO-3, CPU offload, a client optimizer at ZeRO 0) is left as it is.
     """
     import types
@@ -151,6 +153,9 @@ def batch_grad_checks(optimizer) -> list[str]:
             _any_nonfinite([p.grad for p in params if p.grad is not None])
         )
         done = ["overflow_checker.has_overflow_serial"]
+        if not optimizer.fused_lamb_legacy and optimizer.mpu is None and hasattr(optimizer, "unscale_and_clip_grads"):
+            optimizer.step = types.MethodType(_unfused_step, optimizer)
+            done.append("step")
     return done
 
 
@@ -207,6 +212,69 @@ def _zero_grad_norm(self, gradients, params, norm_type=2, *, plain):
     total_norm = total_norm.pow(1.0 / 2.0)
     mask_nan_or_inf_with_val_inplace(total_norm, device=self.device)
     return total_norm
+
+
+def _sequential_norm(grads: list) -> float:
+    """deepspeed.runtime.utils.get_weight_norm(grads) without model parallelism (mpu None): the L2 norm of all
+    `grads`, -1 when it is not finite. There each tensor's norm is an fp32 `g.float().norm(2)` and their squares are
+    added one by one in fp32; here the norms are one torch._foreach_norm (dtype fp32: on CPU the same per-tensor norm),
+    their squares one pow on the stacked norms, and the squares are added in the same order in fp32 on the host
+    (numpy's add.accumulate is sequential), so the value is the same on CPU; one device sync, as before."""
+    import math
+
+    import numpy as np
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+
+    grads = [g for g in grads if not (hasattr(g, PIPE_REPLICATED) and g.ds_pipe_replicated)]
+    if not grads:
+        return 0.0
+    squares = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).pow(2.0).cpu().numpy()
+    total = float(np.add.accumulate(squares, dtype=np.float32)[-1]) ** 0.5
+    return total if math.isfinite(total) else -1
+
+
+def _unfused_step(self, closure=None):
+    """FP16_UnfusedOptimizer.step (deepspeed 0.19.8, runtime/fp16/unfused_optimizer.py) without mpu or fused LAMB,
+    each per-tensor loop one multi-tensor call: the gradient norm (`_sequential_norm`), the fp32 copies of the bf16
+    gradients (torch._foreach_copy_ into fresh fp32 tensors: the same cast as `.to(fp32)`), the unscale/clip multiply
+    (DeepSpeed's own unscale_and_clip_grads computes the factor; torch._foreach_mul_ applies it) and the copy of the
+    stepped fp32 masters into the bf16 weights (torch._foreach_copy_: the same rounding as copy_). The overflow
+    check, the skip, the loss scale update and the inner optimizer's step are DeepSpeed's own calls."""
+    from deepspeed.moe.utils import split_params_grads_into_shared_and_expert_params
+    from deepspeed.runtime.utils import get_global_norm, is_invalid_grad_norm
+
+    self.overflow = self.overflow_checker.check()
+    if self.overflow:
+        return self._skip_invalid_grad_norm()
+    norm_groups = []
+    for fp32_group, fp16_group in zip(self.fp32_groups, self.fp16_groups):
+        grads_for_norm, _ = split_params_grads_into_shared_and_expert_params(fp16_group)
+        norm_groups.append(_sequential_norm(grads_for_norm) if grads_for_norm else 0.0)
+        pairs = []
+        for fp32_param, fp16_param in zip(fp32_group, fp16_group):
+            if fp16_param.grad is None:
+                fp32_param.grad = torch.zeros(fp16_param.size(), dtype=fp32_param.dtype, device=fp32_param.device)
+            else:
+                fp32_param.grad = torch.empty_like(fp32_param)
+                pairs.append((fp32_param.grad, fp16_param.grad))
+        if pairs:
+            torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
+    self._global_grad_norm = get_global_norm(norm_list=norm_groups)
+    if is_invalid_grad_norm(self._global_grad_norm):
+        return self._skip_invalid_grad_norm()
+    self._update_scale(False)
+    combined_scale = self.unscale_and_clip_grads(self._global_grad_norm, apply_scale=False)
+    grads = [p.grad for group in self.fp32_groups for p in group if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, 1.0 / combined_scale)
+    self.optimizer.step()
+    for fp32_group, fp16_group in zip(self.fp32_groups, self.fp16_groups):
+        for fp32_param in fp32_group:
+            fp32_param.grad = None
+        if fp16_group:
+            with torch.no_grad():  # as `.data.copy_`, without a detach per tensor
+                torch._foreach_copy_(fp16_group, fp32_group)
+    return self.overflow
 
 
 @contextlib.contextmanager
