@@ -22,7 +22,9 @@ file with only the data, model, LoRA and output keys, `python launch/train.py --
 step k is when metrics.jsonl first holds step k (polled every 0.2 s). The peer: this file's `--peer-child`,
 benchmarks/sweep.py's diffusers baseline (its own step, the trainer's loader, the same DeepSpeed config
 builder), writing a line per step after a device synchronisation, with as many loader workers as the
-trainer takes; its time to step k is when that line is first seen. A row per run: wall_s (process start to
+trainer takes; its time to step k is when that line is first seen. By default the peer runs with Dynamo's automatic
+dynamic shapes off (`peer-static`: a graph per bucket shape), as a user of it must on torch 2.11, where it crashed
+with them on; `--impls peer` runs it as it comes. A row per run: wall_s (process start to
 step N), first_step_s (start-up and the first compile), steady_samples_per_s over the last `--last` steps (their
 samples over the sum of their step times, so every bucket counts by its share) and steady_wall_samples_per_s
 (the same samples over the time between the first sightings of their first and last steps: the time between
@@ -60,7 +62,10 @@ DATA = ("bucketed", "one-shape")
 # fluxzero-static: the trainer with fluxzero.compile.dynamic false (a graph per token count); fluxzero-dynamo: the
 # token axis left to Dynamo's default, as the trainer compiled before fluxzero.compile.dynamic (a sitecustomize
 # module on the child's path replaces DSView.dynamic_tokens; the trainer's files are untouched)
-IMPLS = ("fluxzero", "peer", "fluxzero-static", "fluxzero-dynamo")
+# peer-static: the peer with torch._dynamo.config.automatic_dynamic_shapes off (a graph per shape): with it on, the
+# compiled peer crashed on bucketed data on torch 2.11 (an Inductor kernel for a dynamic sequence length,
+# benchmarks/RESULTS.md 2026-12-05 afternoon), so this is the peer a user of it runs on buckets
+IMPLS = ("fluxzero", "peer", "fluxzero-static", "fluxzero-dynamo", "peer-static")
 SITECUSTOMIZE_DYNAMO = """from fluxzero.config.deepspeed.view import DSView
 DSView.dynamic_tokens = lambda self, token_counts: None
 """
@@ -222,9 +227,19 @@ def run_fluxzero(
 
 
 def run_peer(
-    work: Path, model: str, lora, mb: int, ckpt: int, spec: str, steps: int, timeout: float, cache: Path
+    work: Path,
+    model: str,
+    lora,
+    mb: int,
+    ckpt: int,
+    spec: str,
+    steps: int,
+    timeout: float,
+    cache: Path,
+    static: bool = False,
 ) -> tuple[dict, list, str]:
     args = {"model": model, "lora": lora or {}, "mb": mb, "ckpt": ckpt, "data": spec, "steps": steps, "work": str(work)}
+    args["static"] = static
     out = work / "peer_steps.jsonl"
     seen, _, rc = _follow(
         [sys.executable, str(Path(__file__).resolve()), "--peer-child", json.dumps(args)],
@@ -246,6 +261,8 @@ def peer_child(args: dict) -> int:
     from fluxzero.config import TrainConfig
     from fluxzero.train import distributed
 
+    if args.get("static"):
+        torch._dynamo.config.automatic_dynamic_shapes = False
     rank, world, device = distributed.init_distributed()
     work = Path(args["work"])
     case = sweep.Case(
@@ -287,6 +304,7 @@ def peer_child(args: dict) -> int:
                         "loss": r.loss,
                         "img_tokens": r.img_tokens,
                         "peak_memory_gb": peak,
+                        "automatic_dynamic_shapes": torch._dynamo.config.automatic_dynamic_shapes,
                     }
                 )
                 + "\n"
@@ -347,7 +365,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", type=_csv(WORKLOADS), default=["lite", "lora"])
     ap.add_argument("--res", type=int, default=512, help="pixels: the bucket mix's resolution")
     ap.add_argument("--data", type=_csv(DATA), default=["bucketed"])
-    ap.add_argument("--impls", type=_csv(IMPLS), default=list(IMPLS[:2]))
+    ap.add_argument("--impls", type=_csv(IMPLS), default=["fluxzero", "peer-static"])
     ap.add_argument(
         "--cache",
         type=_csv(("cold", "warm")),
@@ -424,12 +442,14 @@ def main(argv=None) -> int:
 
                         write_shards(spec, source)
                 args = (work, model, lora, mb, ckpt, source, a.steps, a.timeout, Path(tmp) / f"inductor-{key}")
-                if impl == "peer":
-                    seen, rows, why = run_peer(*args)
+                if impl.startswith("peer"):
+                    seen, rows, why = run_peer(*args, static=impl == "peer-static")
                 else:
                     seen, rows, why = run_fluxzero(*args, impl=impl)
                 row = summarize(row, seen, rows, a.steps, a.last)
-                log = work / ("peer.log" if impl == "peer" else "train.log")
+                if impl.startswith("peer") and rows:
+                    row["automatic_dynamic_shapes"] = rows[0].get("automatic_dynamic_shapes")
+                log = work / ("peer.log" if impl.startswith("peer") else "train.log")
                 row["recompiles"] = log.read_text(errors="replace").count("[__recompiles] Recompiling function")
                 if why:
                     row.update(why=why, log_tail=log.read_text(errors="replace").strip().splitlines()[-5:])

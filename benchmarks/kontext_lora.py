@@ -4,6 +4,7 @@ diffusers + PEFT on the same configuration, in one call.
     PYTHONPATH=. python3 benchmarks/kontext_lora.py --gpu h200                     # flux-kontext-dev, 512 px, rank 16
     PYTHONPATH=. python3 benchmarks/kontext_lora.py --device cpu --model flux-tiny-kontext --res 64 --txt 16 \\
         --gpu-memory 8 --warmup 1 --steps 2 --attn auto                              # CPU smoke test
+    PYTHONPATH=. python3 benchmarks/kontext_lora.py --gpu h200 --zero-stage 2 --name kontext_lora_z2  # --fit at ZeRO-2
 
 1. `fluxzero gen-config --fit` for the model, resolution and LoRA rank on one GPU of --gpu (the memory model counts
    the reference's tokens: 512 px is 1024 target + 1024 reference image tokens).
@@ -84,6 +85,7 @@ def fit_config(a, path: Path) -> None:
         "-o",
         str(path),
         *(["--gpu", a.gpu] if a.gpu else ["--gpu-memory", str(a.gpu_memory)]),
+        *(["--zero-stage", str(a.zero_stage)] if a.zero_stage is not None else []),
     ]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), env=_env(a.device))
     if p.returncode:
@@ -255,6 +257,9 @@ def parse_args(argv):
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = rank)")
     p.add_argument("--gpu", default="h200", help="gen-config --fit's --gpu (empty: use --gpu-memory)")
     p.add_argument("--gpu-memory", type=float, default=None, help="GiB, for --fit instead of --gpu")
+    p.add_argument(
+        "--zero-stage", type=int, choices=(0, 1, 2, 3), help="pin --fit's ZeRO stage (default: the one --fit chooses)"
+    )
     p.add_argument("--attn", default="flash")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (a compiled run compiles in the first)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")

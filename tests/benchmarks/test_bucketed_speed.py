@@ -1,5 +1,6 @@
 """benchmarks/bucketed_speed.py end to end on CPU with flux-tiny: the GPU command's code path produces its rows
-(launch/train.py and the diffusers peer, plain and with PEFT adapters, on bucketed data). No timing is checked."""
+(launch/train.py and the diffusers peer, plain and with PEFT adapters, with Dynamo's automatic dynamic shapes off
+and as it comes, on bucketed data). No timing is checked."""
 
 import json
 import os
@@ -45,9 +46,10 @@ def test_rows_for_the_trainer_and_the_peer_on_the_same_buckets(tmp_path):
     rows += _bench(tmp_path / "l.jsonl", "--workloads", "tiny-lora", "--impls", "peer")
     assert [(r["impl"], r["workload"], r["status"]) for r in rows] == [
         ("fluxzero", "tiny", "ok"),
-        ("peer", "tiny", "ok"),
+        ("peer-static", "tiny", "ok"),  # the default peer: Dynamo's automatic dynamic shapes off
         ("peer", "tiny-lora", "ok"),
     ], [r.get("log_tail") for r in rows]
+    assert [r.get("automatic_dynamic_shapes") for r in rows] == [None, False, True]
     for r in rows:
         assert r["wall_s"] >= r["first_step_s"] > 0 and r["steady_samples_per_s"] > 0
         assert r["steady_wall_samples_per_s"] > 0 and r["recompiles"] == 0  # eager on the CPU

@@ -65,3 +65,14 @@ def test_the_baselines_lora_targets_are_fluxzeros_attention_mlp_layers():
         if n.endswith(".lora_A"):
             want |= {d.removesuffix(".weight") for d in diffusers_names(n.removesuffix(".lora_A") + ".weight")[0]}
     assert adapted == want, sorted(adapted ^ want)
+
+
+def test_the_fit_json_takes_a_pinned_zero_stage(tmp_path):
+    kontext = _load("kontext_lora")
+    base = ["--device", "cpu", "--model", "flux-tiny-kontext", "--res", "64", "--txt", "16", "--gpu-memory", "8"]
+    stages = []
+    for pin in ([], ["--zero-stage", "2"]):
+        path = tmp_path / f"fit{len(pin)}.json"
+        kontext.fit_config(kontext.parse_args(base + pin), path)
+        stages.append(json.loads(path.read_text())["zero_optimization"]["stage"])
+    assert stages == [0, 2]  # --fit's own choice for a LoRA on one GPU, then the pin
