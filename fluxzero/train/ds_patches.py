@@ -153,7 +153,13 @@ def batch_grad_checks(optimizer) -> list[str]:
             _any_nonfinite([p.grad for p in params if p.grad is not None])
         )
         done = ["overflow_checker.has_overflow_serial"]
-        if not optimizer.fused_lamb_legacy and optimizer.mpu is None and hasattr(optimizer, "unscale_and_clip_grads"):
+        one_device = len({p.device for group in optimizer.fp16_groups for p in group}) <= 1  # one multi-tensor call
+        if (
+            one_device
+            and not optimizer.fused_lamb_legacy
+            and optimizer.mpu is None
+            and hasattr(optimizer, "unscale_and_clip_grads")
+        ):
             optimizer.step = types.MethodType(_unfused_step, optimizer)
             done.append("step")
     return done
