@@ -29,7 +29,7 @@ step N), first_step_s (start-up and the first compile), steady_samples_per_s ove
 samples over the sum of their step times, so every bucket counts by its share) and steady_wall_samples_per_s
 (the same samples over the time between the first sightings of their first and last steps: the time between
 steps too), each step's image token count (the bucket sequence, the same for both sides), the recompiles Dynamo
-logged (TORCH_LOGS=recompiles), peak memory, and provenance. A table is printed last; `--budget` records the runs that would start after it as not run.
+logged (TORCH_LOGS=recompiles) and the guard failures that caused the first of them, peak memory, and provenance. A table is printed last; `--budget` records the runs that would start after it as not run.
 """
 
 from __future__ import annotations
@@ -338,6 +338,21 @@ def summarize(row: dict, seen: dict, rows: list, steps: int, last: int) -> dict:
     }
 
 
+def recompiles(log: str, keep: int = 12) -> tuple[int, list[str]]:
+    """(how many recompiles TORCH_LOGS=recompiles logged, the first `keep` guard failures that caused them): each
+    recompile logs "Recompiling function F in FILE:LINE", then its failed guards as "    - 0/1: ..." lines."""
+    count, reasons = 0, []
+    for line in log.splitlines():
+        if "[__recompiles]" not in line:
+            continue
+        text = line.split("[__recompiles]", 1)[1].strip()
+        if text.startswith("Recompiling function"):
+            count += 1
+        elif text.startswith("- ") and len(reasons) < keep:
+            reasons.append(text[2:])
+    return count, reasons
+
+
 def _runs(a) -> list[tuple]:
     runs = []
     for w in a.workloads:
@@ -450,7 +465,7 @@ def main(argv=None) -> int:
                 if impl.startswith("peer") and rows:
                     row["automatic_dynamic_shapes"] = rows[0].get("automatic_dynamic_shapes")
                 log = work / ("peer.log" if impl.startswith("peer") else "train.log")
-                row["recompiles"] = log.read_text(errors="replace").count("[__recompiles] Recompiling function")
+                row["recompiles"], row["recompile_reasons"] = recompiles(log.read_text(errors="replace"))
                 if why:
                     row.update(why=why, log_tail=log.read_text(errors="replace").strip().splitlines()[-5:])
             results.append(row)

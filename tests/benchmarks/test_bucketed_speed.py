@@ -58,3 +58,24 @@ def test_rows_for_the_trainer_and_the_peer_on_the_same_buckets(tmp_path):
     # both take their batches from the trainer's loader: the same bucket sequence
     assert rows[0]["img_tokens_per_step"] == rows[1]["img_tokens_per_step"]
     assert len(rows[0]["img_tokens_per_step"]) == 3
+
+
+def test_recompiles_are_counted_with_their_guard_failures_from_torchs_own_log():
+    from tests.benchmarks.test_benchmarks import _load
+
+    code = (
+        "import torch\n"
+        "f = torch.compile(lambda x: x * 2, backend='eager', dynamic=False)\n"
+        "f(torch.ones(3)); f(torch.ones(4)); f(torch.ones(5, 2))\n"
+    )
+    log = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "TORCH_LOGS": "recompiles"},
+        timeout=300,
+    ).stderr
+    count, reasons = _load("bucketed_speed").recompiles(log)
+    assert count == 2, log
+    assert "size mismatch at index 0. expected 3, actual 4" in reasons[0] and "rank mismatch" in reasons[1]
