@@ -50,6 +50,7 @@ class Run:
     ema: object = None  # ShardedEMA, when the run file has an ema: section
     validation: object = None  # evaluate.Validation, when it has validation.data
     previews: object = None  # evaluate.Previews, when it has sample.every
+    compiled: bool = False  # the blocks run under torch.compile (they compile in the first step)
 
 
 def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: bool = False) -> Run:
@@ -143,6 +144,7 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
         model_cfg.flops_per_sample,
         dtype,
     )
+    run.compiled = v.compiles_blocks(device.type, cfg.lora is not None)
     run.step = TrainStep(
         engine,
         batches(loader),
@@ -329,6 +331,8 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     losses, saved_step, result, metrics = [], run.done if run.last_ckpt else None, {}, None
     if rank == 0:
         write_line(_summary(run, cfg, world))
+        if run.compiled and run.done < run.stop:
+            write_line(_compile_note(run))
     try:
         metrics = Metrics(
             cfg.output_dir,
@@ -409,6 +413,17 @@ def _summary(run: Run, cfg: TrainConfig, world: int) -> str:
         f"{len(run.loader.dims['latent_sizes'])} bucket(s); {world} rank(s), ZeRO-{run.view.stage}, global batch "
         f"{micro} x {accum} accumulation x {world} = {global_batch}; {steps}"
     )
+
+
+def _compile_note(run: Run) -> str:
+    """Why the first step takes long when the blocks are compiled, and where the compiled code is kept."""
+    from fluxzero.model.compile import compile_cache_dir
+
+    shapes = len(run.loader.dims["latent_sizes"])
+    again = f", and briefly again as new bucket shapes arrive ({shapes} here)" if shapes > 1 else ""
+    cache = compile_cache_dir()
+    kept = f"; the compiled code is kept in {cache}, so a later run of the same model compiles faster" if cache else ""
+    return f"compiling the blocks (torch.compile) during the first step: a minute or more for FLUX.1-dev{again}{kept}"
 
 
 def _done(run: Run, result: dict) -> str:
