@@ -39,6 +39,18 @@ import runner  # noqa: E402
 DEV_LORA = {"rank": 16, "targets": "all-linear"}
 # a case whose gen-config args hold --fit gets only --model and --world-size 1 besides them: --fit chooses the rest
 FIT_H200 = ["--fit", "--gpu-memory", "141", "--host-memory", "128"]
+# a rank-16 all-linear LoRA as --fit writes it for an 80 GB card (the config runs the same on a larger one)
+FIT_LORA_80 = [
+    "--fit",
+    "--gpu-memory",
+    "80",
+    "--host-memory",
+    "128",
+    "--lora-rank",
+    "16",
+    "--lora-targets",
+    "all-linear",
+]
 SEL = ["--checkpoint-policy", "selective"]
 FULL_SR_CK1 = ["--zero-stage", "0", "--optimizer-mode", "bf16-sr", "--micro-batch", "16", "--checkpoint-every", "1"]
 CASES = {
@@ -94,18 +106,29 @@ CASES = {
     "full-sr-ck1-fp8": ("flux-dev", 512, [*FULL_SR_CK1, "--fp8", "tensorwise"], {}, None),
     "full-sr-ck1-ema": ("flux-dev", 512, FULL_SR_CK1, {"ema": {"decay": 0.9999, "dtype": "bf16"}}, None),
     "cpu-smoke-fit": ("flux-tiny", 128, ["--fit", "--gpu-memory", "8", "--host-memory", "16"], {}, None),
+    # the LoRA rows as users on an 80 GB card get them from --fit (micro batch, stage and checkpointing its choice)
+    "lora-fit-80gb": ("flux-dev", 512, FIT_LORA_80, {}, DEV_LORA),
+    "lora-1024-fit-80gb": ("flux-dev", 1024, [*FIT_LORA_80, "--resolution", "1024"], {}, DEV_LORA),
 }
+PEER_LORA = ["--model", "flux-dev", "--zero", "2", "--ckpt", "1", "--compile", "1", "--lora-rank", "16"]
 PEERS = {  # benchmarks/sweep.py arguments of the diffusers + DeepSpeed baseline (--compile 1: compiled blocks)
     "peer:lite-ckpt0": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "0", "--mb", "16", "--compile", "1"],
     "peer:lite-ckpt1": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "1", "--mb", "16", "--compile", "1"],
     "peer:lite-ckpt1-mb8": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "1", "--mb", "8", "--compile", "1"],
     # issue 22 target 2's other bar: 1.3x the eager peer
     "peer:lite-ckpt1-eager": ["--model", "flux-dev-lite", "--zero", "2", "--ckpt", "1", "--mb", "16", "--compile", "0"],
+    # the compiled PEFT peer of the LoRA rows (rank 16 on all linears), every block checkpointed as they are
+    "peer:lora-mb4": [*PEER_LORA, "--mb", "4"],
+    "peer:lora-mb1": [*PEER_LORA, "--mb", "1"],
+    "peer:lora-1024-mb1": [*PEER_LORA, "--mb", "1", "--res", "1024"],
 }
 SETS = {
     "lite": ["lite-ckpt1-old", "lite-ckpt1", "lite-ckpt1-fp8", "lite-ckpt0", "lite-ckpt0-fp8", "peer:lite-ckpt0"],
     "lora": ["lora-mb4", "lora-mb4-fp8", "lora-mb1", "lora-mb1-fp8"],
     "adapters": ["lora-mb4", "dora-mb4", "lokr-mb4"],
+    # the LoRA speed targets: each row beside its PEFT peer, then --fit's own choices on an 80 GB card
+    "lora-peer": ["lora-mb4", "peer:lora-mb4", "lora-mb1", "peer:lora-mb1", "lora-1024-mb1", "peer:lora-1024-mb1"],
+    "lora-fit": ["lora-fit-80gb", "lora-1024-fit-80gb"],
     # selective checkpointing against full and none: flux-dev-lite at micro batch 16, the LoRA at 512 px mb 4 and
     # 1024 px mb 1 (compiled blocks, as gen-config writes them below ZeRO-3)
     "policy": [
@@ -160,10 +183,9 @@ def _rss_gib(pid: int) -> float | None:
     return None
 
 
-def run_case(name: str, work: Path, rows: int, timeout: float, cap: float | None, peak: float | None) -> dict:
-    model, res, gen_args, keys, lora = CASES[name]
-    work.mkdir(parents=True, exist_ok=True)
-    ds = work / "ds.json"
+def gen_config_args(name: str) -> list[str]:
+    """`fluxzero gen-config`'s arguments for case `name` (its -o excepted)."""
+    model, _, gen_args, _, _ = CASES[name]
     if "--fit" in gen_args:
         base = ["--model", model, "--world-size", "1"]
     else:
@@ -174,8 +196,15 @@ def run_case(name: str, work: Path, rows: int, timeout: float, cap: float | None
             model,
             *([] if "--micro-batch" in gen_args else ["--micro-batch", "16"]),
         ]
+    return [*base, *gen_args]
+
+
+def run_case(name: str, work: Path, rows: int, timeout: float, cap: float | None, peak: float | None) -> dict:
+    model, res, gen_args, keys, lora = CASES[name]
+    work.mkdir(parents=True, exist_ok=True)
+    ds = work / "ds.json"
     gen = subprocess.run(
-        [sys.executable, "-m", "fluxzero.cli", "gen-config", *base, *gen_args, "-o", str(ds)],
+        [sys.executable, "-m", "fluxzero.cli", "gen-config", *gen_config_args(name), "-o", str(ds)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -273,9 +302,9 @@ def run_peer(name: str, work: Path, timeout: float) -> dict:
         str(HERE / "sweep.py"),
         "--impl",
         "diffusers",
-        *PEERS[name],
         "--res",
-        "512",
+        "512",  # unless the case says otherwise: the last --res counts
+        *PEERS[name],
         "--warmup",
         "3",
         "--steps",

@@ -1220,7 +1220,8 @@ def parse_args(argv):
         "--lora-rank",
         type=int,
         default=0,
-        help="train a LoRA of this rank (targets all-linear) instead of the whole model (fluxzero rows)",
+        help="train a LoRA of this rank (targets all-linear) instead of the whole model (fluxzero rows; the "
+        "diffusers baseline takes PEFT adapters of that rank)",
     )
     p.add_argument(
         "--ds-json",
