@@ -18,6 +18,8 @@ lora: section) and records --fit's predicted peak beside the measured one. A sho
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set lora24 --memory-cap-gib 23.6 --out $OUT/capped.jsonl
     # GPU, every card of issue 23 as --fit chooses (one case per call: --cases, with a --timeout each)
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-512px-24gb --memory-cap-gib 23.6
+    # GPU, launch/train.py's LoRA at 1024 px micro batch 1 with one step profiled (its GPU idle time)
+    PYTHONPATH=. python3 benchmarks/capped_runs.py --set lora-defaults --cases lora16-1024px-mb1 --profile-step 6
     # GPU, the full fine-tune in the fused mode as --fit writes it, one step profiled (copies vs compute)
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set fit --cases fit-full-512px-24gb --memory-cap-gib 23.6 \
         --profile-step 5
@@ -117,6 +119,12 @@ SETS = {
             {**_LORA16, "base_quant": "none"},
             micro_batch=4,
         ),
+    ],
+    # the LoRA rows of defaults_speed.py (ZeRO-2, every block checkpointed, compiled) through this runner, so that
+    # --profile-step shows launch/train.py's own GPU idle time (no cap needed: --memory-cap-gib 0)
+    "lora-defaults": [
+        Case("lora16-512px-mb4", ["--zero-stage", "2"], _LORA16, micro_batch=4),
+        Case("lora16-1024px-mb1", ["--zero-stage", "2"], _LORA16, data=_DATA_1024),
     ],
     # what `gen-config --fit` chooses for each card of the issue (the configs users run); host 128 GiB
     "fit": [

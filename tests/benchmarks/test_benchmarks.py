@@ -542,3 +542,20 @@ def test_capped_runs_reads_what_fit_writes_and_prints(tmp_path, name):
         assert config["fluxzero"]["offload_blocks"] == 40
     else:
         assert "lora" not in chose
+
+
+def test_every_capped_runs_case_without_fit_writes_its_config(tmp_path):
+    """The hand-written cases (lora24, lora-defaults, fused): gen-config takes each one's arguments, and the JSON says
+    what the case is named for (its stage, micro batch and streamed blocks)."""
+    capped = _load("capped_runs")
+    for name, cases in capped.SETS.items():
+        for case in (c for c in cases if c.fit is None and not name.startswith("cpu")):
+            path = tmp_path / f"{case.name}.json"
+            assert capped._gen_config(case, path) == {}, case.name
+            config = json.loads(path.read_text())
+            assert config["train_micro_batch_size_per_gpu"] == case.micro_batch, case.name
+            stage = case.gen_config[case.gen_config.index("--zero-stage") + 1]
+            assert config["zero_optimization"]["stage"] == int(stage), case.name
+            if "--offload-blocks" in case.gen_config:
+                blocks = case.gen_config[case.gen_config.index("--offload-blocks") + 1]
+                assert config["fluxzero"]["offload_blocks"] == int(blocks), case.name
