@@ -6,7 +6,9 @@ the same per-tensor norm, so equality is exact, not a tolerance); clipping is ac
 so the norm reaches the weights. A NaN put into one adapter's gradient on one rank at step 2 is caught by both as
 an overflow: the step is skipped on both ranks and the adapters stay equal. At ZeRO-1/2 the parameters' re-pointing
 after each step is skipped while nothing moved (the adapters still train: the losses change every step) and done
-when the flat buffer moves.
+when the flat buffer moves. At ZeRO-0 the whole FP16_UnfusedOptimizer step is batched: bit-identical in bf16 and in
+fp16 with a loss scale, and the ops it dispatches around the inner AdamW are counted (a few dozen, not ~20 per
+adapter tensor).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def _inputs(cfg, rank, step, dtype):
     )
 
 
-def _run(stage: int, batched: bool, nan: bool) -> dict:
+def _run(stage: int, batched: bool, nan: bool, fp16: bool = False) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -49,7 +51,9 @@ def _run(stage: int, batched: bool, nan: bool) -> dict:
     from fluxzero.train import engine as E
 
     cfg = get_model_config("flux-tiny")
-    ds = tiny_ds(stage, clipping=1e-3, lr=1e-2, train_micro_batch_size_per_gpu=1, bf16={"enabled": True})
+    precision = {"fp16": {"enabled": True, "initial_scale_power": 8}} if fp16 else {"bf16": {"enabled": True}}
+    ds = tiny_ds(stage, clipping=1e-3, lr=1e-2, train_micro_batch_size_per_gpu=1, **precision)
+    dtype = torch.float16 if fp16 else torch.bfloat16
     plain, replaced = P.batch_grad_checks, []
     P.batch_grad_checks = (lambda optimizer: replaced.extend(plain(optimizer))) if batched else (lambda optimizer: [])
     try:
@@ -69,7 +73,7 @@ def _run(stage: int, batched: bool, nan: bool) -> dict:
         hook = None
         if nan and step == NAN_STEP and dist.get_rank() == 1:
             hook = adapters[len(adapters) // 2].register_hook(lambda g: g * float("nan"))
-        loss = engine(**_inputs(cfg, dist.get_rank(), step, torch.bfloat16)).float().square().mean()
+        loss = engine(**_inputs(cfg, dist.get_rank(), step, dtype)).float().square().mean()
         engine.backward(loss)
         checks.append(_local_overflow(engine.optimizer, adapters))
         engine.step()
@@ -78,7 +82,7 @@ def _run(stage: int, batched: bool, nan: bool) -> dict:
         losses.append(loss.item())
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
-    step_ops = _update_ops(engine, cfg) if stage == 0 and not nan else None
+    step_ops = _update_ops(engine, cfg, dtype) if stage == 0 and not nan else None
     weights = torch.cat([p.detach().float().flatten() for p in adapters])
     repointed = None
     if hasattr(engine.optimizer, "bit16_groups_flat"):  # ZeRO-1/2: a moved flat buffer is re-pointed, not skipped
@@ -107,10 +111,9 @@ def _run(stage: int, batched: bool, nan: bool) -> dict:
 METADATA_OPS = {"detach", "view", "empty_like", "empty", "alias", "_unsafe_view", "t", "as_strided", "split"}
 
 
-def _update_ops(engine, cfg) -> int:
+def _update_ops(engine, cfg, dtype) -> int:
     """Aten ops (metadata-only ones left out) one more engine.step() dispatches around the inner AdamW, which is
     stubbed out for this count: what the ZeRO-0 wrapper itself launches (the weights are not compared after it)."""
-    import torch
     import torch.distributed as dist
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -122,7 +125,7 @@ def _update_ops(engine, cfg) -> int:
                 Count.n += 1
             return func(*args, **(kwargs or {}))
 
-    engine.backward(engine(**_inputs(cfg, dist.get_rank(), STEPS, torch.bfloat16)).float().square().mean())
+    engine.backward(engine(**_inputs(cfg, dist.get_rank(), STEPS, dtype)).float().square().mean())
     engine.optimizer.optimizer.step = lambda *a, **k: None
     with Count():
         engine.step()
@@ -160,6 +163,8 @@ def _worker(rank, world, port, out_file):
                     dist.all_gather_object(every, out["checks"])  # each rank checks its own partition
                     out["checks"] = every
                     results[f"{stage}/{batched}/{nan}"] = out
+        for batched in (False, True):  # fp16 with a loss scale through the same ZeRO-0 optimizer
+            results[f"fp16/{batched}"] = _run(0, batched, False, fp16=True)
         done = True
     finally:
         close_group(done)
@@ -202,3 +207,12 @@ def test_a_nan_gradient_is_still_skipped(runs, stage):
         assert [any(rank[step][0] for rank in got) for step in range(STEPS)] == [s == NAN_STEP for s in range(STEPS)]
     assert after["finite"] and after["weights"] == before["weights"]
     assert after["losses"] == before["losses"]
+
+
+def test_fp16_at_zero0_changes_nothing_either(runs):
+    """FP16_UnfusedOptimizer with a dynamic loss scale (2^8): the batched step unscales by the same factor."""
+    before, after = runs["fp16/False"], runs["fp16/True"]
+    assert after["optimizer"] == "FP16_UnfusedOptimizer" and "step" in after["replaced"]
+    assert after["losses"] == before["losses"] and after["norms"] == before["norms"]
+    assert after["weights"] == before["weights"] and after["skipped"] == before["skipped"]
+    assert len(set(after["losses"])) == STEPS and after["finite"]
