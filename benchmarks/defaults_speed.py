@@ -278,6 +278,7 @@ def run_case(name: str, work: Path, rows: int, timeout: float, cap: float | None
         status="ok",
         samples_per_s=round(sps, 3),
         step_s=round(statistics.median(r["step_time_s"] for r in after), 4),
+        step_s_all=[round(r["step_time_s"], 4) for r in got],  # every logged step: the spread behind the median
         peak_allocated_gb=max(r["peak_memory_gb"] for r in got),
         mfu_datasheet=flops,
         losses=[round(r["loss"], 4) for r in got],
