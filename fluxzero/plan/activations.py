@@ -504,8 +504,9 @@ def _embedder_params(cfg: ModelConfig) -> int:
     return architecture.block_params(architecture.embedders(cfg))
 
 
-def activation_items(s: RunSpec) -> list[Item]:
-    a = activation_bytes(s)
+def activation_items(s: RunSpec, a: dict[str, int] | None = None) -> list[Item]:
+    """The activation items of `s` from `a`, its activation_bytes (computed here when not given)."""
+    a = a if a is not None else activation_bytes(s)
     ck = f"{a['checkpointed']} of {s.model.depth + s.model.depth_single_blocks} blocks checkpointed"
     return [
         Item(

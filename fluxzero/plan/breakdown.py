@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fluxzero.plan.activations import activation_items
+from fluxzero.plan.activations import activation_bytes, activation_items
 from fluxzero.plan.model_states import communication_items, model_state_items
 from fluxzero.plan.spec import FRAGMENTATION, PHASES, GiB, Item, RunSpec, param_inventory
 
@@ -102,5 +102,6 @@ class Estimate:
 def estimate(spec: RunSpec) -> Estimate:
     """Itemised memory of one rank (GPU) and one node (host) for `spec`."""
     inv = param_inventory(spec.model)
-    items = model_state_items(spec, inv) + communication_items(spec, inv) + activation_items(spec)
+    acts = activation_bytes(spec)  # once: the model states' fused-step item reads it too
+    items = model_state_items(spec, inv, acts) + communication_items(spec, inv) + activation_items(spec, acts)
     return Estimate(spec, items)

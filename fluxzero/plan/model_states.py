@@ -56,7 +56,9 @@ def stepped_at_once(mode, elements: int) -> int:
     return elements if chunk is None else min(elements, chunk)
 
 
-def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:  # noqa: C901
+def model_state_items(s: RunSpec, inv: ParamInventory, acts: dict[str, int] | None = None) -> list[Item]:  # noqa: C901
+    """The parameters', gradients', masters' and optimizer states' items of `s`; `acts`: its activation_bytes when
+    the caller has them (a fused mode's step is counted beyond its block's recompute and working set)."""
     N, b = s.world_size, PRECISION_BYTES[s.precision]
     total = inv.total
     lora = lora_config(s) is not None
@@ -208,7 +210,7 @@ def model_state_items(s: RunSpec, inv: ParamInventory) -> list[Item]:  # noqa: C
             # recompute and backward working set have mostly freed by then, so only what the step needs beyond them
             # adds to the peak (measured on FLUX.1-dev, benchmarks/RESULTS.md "--fit's full fine-tunes": counting
             # both over-predicted every streamed row by 2.0 GiB)
-            a = activation_bytes(s)
+            a = acts if acts is not None else activation_bytes(s)
             add(
                 "optimizer working set beyond the block's",
                 max(0, impl_temp * largest_trained - a["recompute"] - a["workspace"]),
