@@ -28,6 +28,55 @@ def compile_cache_dir() -> str | None:
     return os.environ[CACHE_ENV]
 
 
+ARTIFACTS_FILE = "compile_cache.bin"  # beside the checkpoints: torch.compiler's portable cache of a run's compile
+
+
+def _keys(info) -> frozenset:
+    """The (kind, key) pairs of a torch CacheInfo."""
+    return frozenset((kind, key) for kind, keys in getattr(info, "artifacts", {}).items() for key in keys)
+
+
+def load_artifacts(path: str | os.PathLike) -> tuple[int, frozenset] | None:
+    """Hot-load a file `save_artifacts` wrote (torch.compiler.load_cache_artifacts: Inductor's graphs, AOTAutograd's
+    joint graphs, Triton kernels and autotuning results, as an earlier run on any machine compiled them), so that
+    compiling the same blocks reads them instead of compiling again; entries of another torch, Triton or GPU are
+    not used (torch checks). Returns (the file's bytes, the entries loaded, for `save_artifacts`); None when there
+    is no file or this torch has no such API. Raises ValueError for a file torch cannot read (it only logs that)."""
+    path = Path(path)
+    if not path.is_file() or not hasattr(torch.compiler, "load_cache_artifacts"):
+        return None
+    data = path.read_bytes()
+    info = torch.compiler.load_cache_artifacts(data)
+    if info is None:
+        raise ValueError("not a compile cache this torch can read")
+    return len(data), _keys(info)
+
+
+def save_artifacts(path: str | os.PathLike, loaded: frozenset = frozenset()) -> frozenset | None:
+    """Write what this process compiled, or loaded and used, as one file (torch.compiler.save_cache_artifacts),
+    replacing `path` whole (a temporary file, then a rename: a crash leaves the old file or the new one, never half
+    of one). Returns the entries written; None when nothing was written: nothing to save (eager blocks, or a
+    backend that caches nothing, such as aot_eager), no such API in this torch, or `loaded` (the entries the file
+    held when this process loaded it) not all used yet while nothing new was compiled -- torch saves only the
+    entries a process used, so writing then would drop the buckets this run has not met yet.
+
+    Call it once per process: torch serializes each call's new entries as one more batch per kind and, loading,
+    keeps only the last batch of each kind (torch 2.11-2.13), so a second call's file would lose the first's."""
+    if not hasattr(torch.compiler, "save_cache_artifacts"):
+        return None
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None or not saved[0]:
+        return None
+    keys = _keys(saved[1])
+    if not (keys >= loaded or keys - loaded):
+        return None
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(saved[0])
+    os.replace(tmp, path)
+    return keys
+
+
 def apply_compile(
     model,
     mode: str = "default",

@@ -51,6 +51,8 @@ class Run:
     validation: object = None  # evaluate.Validation, when it has validation.data
     previews: object = None  # evaluate.Previews, when it has sample.every
     compiled: bool = False  # the blocks run under torch.compile (they compile in the first step)
+    compiled_kept: frozenset = frozenset()  # the entries output_dir/compile_cache.bin held at start (model.compile)
+    compiled_saved: bool = False  # this process has saved them (once per process: model.compile.save_artifacts)
 
 
 def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: bool = False) -> Run:
@@ -160,6 +162,8 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
         prefetch=cfg.prefetch_batches,
     )
     _setup_extras(run, cfg, model_cfg, tag, rank, world, device)
+    if run.compiled:
+        run.compiled_kept = _load_compiled(cfg, rank)
     return run
 
 
@@ -332,7 +336,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
     if rank == 0:
         write_line(_summary(run, cfg, world))
         if run.compiled and run.done < run.stop:
-            write_line(_compile_note(run))
+            write_line(_compile_note(run, cfg))
     try:
         metrics = Metrics(
             cfg.output_dir,
@@ -415,14 +419,15 @@ def _summary(run: Run, cfg: TrainConfig, world: int) -> str:
     )
 
 
-def _compile_note(run: Run) -> str:
+def _compile_note(run: Run, cfg: TrainConfig) -> str:
     """Why the first step takes long when the blocks are compiled, and where the compiled code is kept."""
     from fluxzero.model.compile import compile_cache_dir
 
     shapes = len(run.loader.dims["latent_sizes"])
     again = f", and briefly again as new bucket shapes arrive ({shapes} here)" if shapes > 1 else ""
     cache = compile_cache_dir()
-    kept = f"; the compiled code is kept in {cache}, so a later run of the same model compiles faster" if cache else ""
+    kept = f"; the compiled code is kept in {cache}" if cache else "; the compiled code is kept"
+    kept += f" and in {_compiled_file(cfg)}, so a later run or a resume on another machine compiles faster"
     return f"compiling the blocks (torch.compile) during the first step: a minute or more for FLUX.1-dev{again}{kept}"
 
 
@@ -461,7 +466,52 @@ def _save(run: Run, cfg: TrainConfig, rank: int) -> int:
         if checkpoint.latest_tag(run.ckpt_dir) == f"step_{step:08d}":
             run.last_ckpt = str(run.ckpt_dir / f"step_{step:08d}")
         raise
+    if run.compiled and rank == 0 and not run.compiled_saved:
+        run.compiled_saved = True  # the first checkpoint: what the first steps compiled, for a resume anywhere
+        _save_compiled(run, cfg)
     return step
+
+
+def _compiled_file(cfg: TrainConfig) -> Path:
+    from fluxzero.model.compile import ARTIFACTS_FILE
+
+    return Path(cfg.output_dir) / ARTIFACTS_FILE
+
+
+def _load_compiled(cfg: TrainConfig, rank: int) -> frozenset:
+    """Hot-load the compiled blocks an earlier run in this output_dir saved (on any machine): a resume on a fresh
+    machine, or the ranks of a node without the first one's compile cache, skip most of the first step's compile.
+    Returns the entries loaded. A file that cannot be read costs a warning, never the run."""
+    from fluxzero.model.compile import load_artifacts
+
+    path = _compiled_file(cfg)
+    try:
+        loaded = load_artifacts(path)
+    except Exception as e:  # noqa: BLE001 - a stale or broken cache file must not stop training
+        if rank == 0:
+            write_line(f"warning: could not load {path} ({e}); the blocks compile from scratch")
+        return frozenset()
+    if not loaded:
+        return frozenset()
+    size, keys = loaded
+    if rank == 0:
+        write_line(
+            f"loaded the compiled blocks of an earlier run ({path}, {size / 2**20:.1f} MiB, {len(keys)} entries)"
+        )
+    return keys
+
+
+def _save_compiled(run: Run, cfg: TrainConfig) -> None:
+    """Rank 0, at this process's first checkpoint: what it compiled, to output_dir/compile_cache.bin
+    (fluxzero.model.compile.save_artifacts). A failure (a full disk) is one warning line: the training and its
+    checkpoints are unaffected."""
+    from fluxzero.model.compile import save_artifacts
+
+    path = _compiled_file(cfg)
+    try:
+        save_artifacts(path, run.compiled_kept)
+    except Exception as e:  # noqa: BLE001 - a cache file must never cost the run
+        write_line(f"warning: could not save the compiled blocks to {path} ({type(e).__name__}: {e})")
 
 
 def _loader_state(run: Run) -> dict:

@@ -248,3 +248,51 @@ def test_selective_checkpointing_trains_like_no_checkpointing(tmp_path):
     assert (r["z2_sel_compiled"]["graphs"], r["z2_sel_compiled"]["graph_breaks"]) == (2, 0)
     # every 2nd block: the checkpointed and the plain forward of each block class, one graph each
     assert (r["z3_sel2_compiled"]["graphs"], r["z3_sel2_compiled"]["graph_breaks"]) == (4, 0)
+
+
+def _train(tmp_path: Path, name: str, backend: str, cache: str) -> str:
+    """launch/train.py, flux-tiny, 1 step with compiled blocks (`backend`), output_dir tmp_path/name, an empty
+    Inductor cache folder of its own; returns its stderr."""
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 10**9,
+        "fluxzero": {"compile": {"blocks": True, "backend": backend}},
+    }
+    (tmp_path / f"{name}.json").write_text(json.dumps(ds))
+    run = {"deepspeed": str(tmp_path / f"{name}.json"), "data": DATA, "steps": 1, "output_dir": str(tmp_path / name)}
+    (tmp_path / f"{name}.yaml").write_text(json.dumps({**run, "export": {"format": None}}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache)}
+    env["FLUXZERO_NO_PROGRESS"] = "1"
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(tmp_path / f"{name}.yaml")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stderr
+
+
+@pytest.mark.slow
+def test_the_compiled_blocks_are_kept_beside_the_checkpoints_and_read_by_a_later_run(tmp_path):
+    """Inductor (CPU) compiles the blocks in the first step; the trainer keeps that in output_dir/compile_cache.bin.
+    A later run whose output_dir holds the file (a resume on another machine) loads it; a broken one costs a
+    warning line, not the run."""
+    _train(tmp_path, "first", "inductor", "cache-a")
+    kept = tmp_path / "first" / "compile_cache.bin"
+    assert kept.stat().st_size > 0
+    (tmp_path / "second").mkdir()
+    (tmp_path / "second" / "compile_cache.bin").write_bytes(kept.read_bytes())
+    err = _train(tmp_path, "second", "aot_eager", "cache-b")
+    assert f"loaded the compiled blocks of an earlier run ({tmp_path / 'second' / 'compile_cache.bin'}" in err
+    # aot_eager caches nothing, and the file's Inductor entries went unused: the file is left as it was
+    assert (tmp_path / "second" / "compile_cache.bin").read_bytes() == kept.read_bytes()
+    (tmp_path / "third").mkdir()
+    (tmp_path / "third" / "compile_cache.bin").write_bytes(b"not a cache")
+    err = _train(tmp_path, "third", "aot_eager", "cache-c")
+    assert "warning: could not load" in err and "the blocks compile from scratch" in err
+    assert "done: step 1/1" in err
