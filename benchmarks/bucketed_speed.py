@@ -16,7 +16,9 @@ and CLIP 768 as FLUX.1's encoders give. `--shards` writes the samples as a shard
 synthetic.write_shards), so both sides read them through the shard reader as they would a cached folder.
 
 Each run is one process, started with a fresh Inductor cache folder (TORCHINDUCTOR_CACHE_DIR; `--cache warm`
-runs the case a second time on the folder the first run filled: what a user's second run on a machine costs)
+runs the case a second time on the folder the first run filled: what a user's second run on a machine costs;
+`--cache portable` runs it on another empty folder with the first run's output_dir/compile_cache.bin, as a resume
+on a fresh machine finds it)
 and killed after step N (no checkpoint is written). fluxzero: `gen-config --preset zero2 --model M ARGS`, a run
 file with only the data, model, LoRA and output keys, `python launch/train.py --config run.yaml`; its time to
 step k is when metrics.jsonl first holds step k (polled every 0.2 s). The peer: this file's `--peer-child`,
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -203,10 +206,13 @@ def run_fluxzero(
     }
     (work / "run.yaml").write_text(json.dumps(run))  # JSON is YAML
     metrics = work / "out" / "metrics.jsonl"
+    env = _child_env(cache, site)
+    # the trainer keeps its compile in out/compile_cache.bin after 50 steps (or a checkpoint): before the kill here
+    env["FLUXZERO_COMPILE_SAVE_STEP"] = str(max(1, min(50, steps - 1)))
     seen, _, rc = _follow(
         [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(work / "run.yaml")],
         work / "train.log",
-        _child_env(cache, site),
+        env,
         metrics,
         steps,
         timeout,
@@ -353,13 +359,25 @@ def recompiles(log: str, keep: int = 12) -> tuple[int, list[str]]:
     return count, reasons
 
 
+def _portable_start(cold: Path, work: Path) -> int:
+    """Put the cold run's output_dir/compile_cache.bin into this run's output_dir, as a resume on another machine
+    finds it; returns its bytes (0: the cold run kept none, e.g. eager blocks on a CPU)."""
+    kept = cold / "out" / "compile_cache.bin"
+    if not kept.is_file():
+        return 0
+    (work / "out").mkdir(parents=True, exist_ok=True)
+    shutil.copy(kept, work / "out" / "compile_cache.bin")
+    return kept.stat().st_size
+
+
 def _runs(a) -> list[tuple]:
     runs = []
     for w in a.workloads:
         for data in a.data:
             for impl in a.impls:
                 for cache in a.cache:
-                    runs.append((w, data, impl, cache))
+                    if not (impl.startswith("peer") and cache == "portable"):  # the peer keeps no such file
+                        runs.append((w, data, impl, cache))
     return runs
 
 
@@ -383,9 +401,11 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", type=_csv(IMPLS), default=["fluxzero", "peer-static"])
     ap.add_argument(
         "--cache",
-        type=_csv(("cold", "warm")),
+        type=_csv(("cold", "warm", "portable")),
         default=["cold"],
-        help="cold: a fresh Inductor cache folder; warm: again on the folder the cold run filled",
+        help="cold: a fresh Inductor cache folder; warm: again on the folder the cold run filled; portable (the "
+        "trainer): another fresh folder, with the cold run's output_dir/compile_cache.bin in its output_dir, as a "
+        "resume on another machine has it",
     )
     ap.add_argument("--steps", type=int, default=200, help="the step the wall time runs to")
     ap.add_argument("--last", type=int, default=50, help="steps at the end that the steady speed is taken over")
@@ -412,8 +432,8 @@ def main(argv=None) -> int:
         )
     if a.steps < 2 or not 1 <= a.last < a.steps:
         ap.error("--steps must be >= 2 and --last between 1 and steps - 1 (the first step compiles)")
-    if "warm" in a.cache and "cold" not in a.cache:
-        a.cache = ["cold", *a.cache]  # a warm run reads the folder its cold run filled
+    if {"warm", "portable"} & set(a.cache) and "cold" not in a.cache:
+        a.cache = ["cold", *a.cache]  # a warm or portable run reads what its cold run compiled
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     versions = provenance.versions("torch", "deepspeed", "diffusers", "peft")
@@ -456,7 +476,11 @@ def main(argv=None) -> int:
                         from fluxzero.data.synthetic import write_shards
 
                         write_shards(spec, source)
-                args = (work, model, lora, mb, ckpt, source, a.steps, a.timeout, Path(tmp) / f"inductor-{key}")
+                folder = Path(tmp) / f"inductor-{key}"
+                if cache == "portable":
+                    folder = folder.with_name(f"{folder.name}-portable")
+                    row["compile_cache_bytes"] = _portable_start(Path(tmp) / f"{key}-cold", work)
+                args = (work, model, lora, mb, ckpt, source, a.steps, a.timeout, folder)
                 if impl.startswith("peer"):
                     seen, rows, why = run_peer(*args, static=impl == "peer-static")
                 else:

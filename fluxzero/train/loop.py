@@ -350,11 +350,15 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
             run.dtype,
         )
         distributed.graceful_stops(True)  # SIGTERM / SIGUSR1 now mean: checkpoint at the next step boundary
+        first, save_compiled_after = run.done, _compile_save_step()
         while run.done < run.stop:  # batch -> forward -> loss -> backward -> step -> log -> checkpoint
             metrics.step_started()
             r = run.step()
             metrics.step_finished()
             step = run.done = run.done + 1
+            if run.compiled and rank == 0 and not run.compiled_saved and step - first >= save_compiled_after:
+                run.compiled_saved = True  # this start's buckets have mostly come by: keep what they compiled
+                _save_compiled(run, cfg, step)
             losses.append(r.loss)
             extra = _after_step(run, cfg, step, metrics)
             metrics.log(
@@ -467,9 +471,17 @@ def _save(run: Run, cfg: TrainConfig, rank: int) -> int:
             run.last_ckpt = str(run.ckpt_dir / f"step_{step:08d}")
         raise
     if run.compiled and rank == 0 and not run.compiled_saved:
-        run.compiled_saved = True  # the first checkpoint: what the first steps compiled, for a resume anywhere
-        _save_compiled(run, cfg)
+        run.compiled_saved = True  # this start's first checkpoint: what its steps compiled, for a resume anywhere
+        _save_compiled(run, cfg, step)
     return step
+
+
+def _compile_save_step() -> int:
+    """After how many steps of this start the compiled blocks are saved (if no checkpoint came first)."""
+    from fluxzero.model.compile import SAVE_AFTER_STEPS
+
+    value = os.environ.get("FLUXZERO_COMPILE_SAVE_STEP", "")
+    return int(value) if value.isdigit() and int(value) > 0 else SAVE_AFTER_STEPS
 
 
 def _compiled_file(cfg: TrainConfig) -> Path:
@@ -501,17 +513,20 @@ def _load_compiled(cfg: TrainConfig, rank: int) -> frozenset:
     return keys
 
 
-def _save_compiled(run: Run, cfg: TrainConfig) -> None:
-    """Rank 0, at this process's first checkpoint: what it compiled, to output_dir/compile_cache.bin
-    (fluxzero.model.compile.save_artifacts). A failure (a full disk) is one warning line: the training and its
+def _save_compiled(run: Run, cfg: TrainConfig, step: int) -> None:
+    """Rank 0, once per start (its first checkpoint, or SAVE_AFTER_STEPS steps): what it compiled, to
+    output_dir/compile_cache.bin (fluxzero.model.compile.save_artifacts). A failure (a full disk) is one warning line: the training and its
     checkpoints are unaffected."""
     from fluxzero.model.compile import save_artifacts
 
     path = _compiled_file(cfg)
     try:
-        save_artifacts(path, run.compiled_kept)
+        kept = save_artifacts(path, run.compiled_kept)
     except Exception as e:  # noqa: BLE001 - a cache file must never cost the run
         write_line(f"warning: could not save the compiled blocks to {path} ({type(e).__name__}: {e})")
+        return
+    if kept is not None:
+        write_line(f"compiled blocks kept in {path} after step {step} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
 def _loader_state(run: Run) -> dict:

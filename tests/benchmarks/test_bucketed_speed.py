@@ -44,6 +44,12 @@ def _bench(out: Path, *args: str) -> list[dict]:
 def test_rows_for_the_trainer_and_the_peer_on_the_same_buckets(tmp_path):
     rows = _bench(tmp_path / "b.jsonl", "--workloads", "tiny")
     rows += _bench(tmp_path / "l.jsonl", "--workloads", "tiny-lora", "--impls", "peer")
+    # --cache portable: another empty Inductor folder and the cold run's compile_cache.bin (eager on a CPU: none)
+    portable = _bench(tmp_path / "p.jsonl", "--workloads", "tiny", "--impls", "fluxzero", "--cache", "portable")
+    assert [(r["cache"], r["status"], r.get("compile_cache_bytes")) for r in portable] == [
+        ("cold", "ok", None),
+        ("portable", "ok", 0),
+    ], [r.get("log_tail") for r in portable]
     assert [(r["impl"], r["workload"], r["status"]) for r in rows] == [
         ("fluxzero", "tiny", "ok"),
         ("peer-static", "tiny", "ok"),  # the default peer: Dynamo's automatic dynamic shapes off

@@ -250,9 +250,9 @@ def test_selective_checkpointing_trains_like_no_checkpointing(tmp_path):
     assert (r["z3_sel2_compiled"]["graphs"], r["z3_sel2_compiled"]["graph_breaks"]) == (4, 0)
 
 
-def _train(tmp_path: Path, name: str, backend: str, cache: str) -> str:
-    """launch/train.py, flux-tiny, 1 step with compiled blocks (`backend`), output_dir tmp_path/name, an empty
-    Inductor cache folder of its own; returns its stderr."""
+def _train(tmp_path: Path, name: str, backend: str, cache: str, steps: int = 1, save_step: str = "") -> str:
+    """launch/train.py, flux-tiny, `steps` steps with compiled blocks (`backend`), output_dir tmp_path/name, an empty
+    Inductor cache folder of its own (FLUXZERO_COMPILE_SAVE_STEP `save_step` where given); returns its stderr."""
     ds = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_clipping": 1.0,
@@ -262,10 +262,16 @@ def _train(tmp_path: Path, name: str, backend: str, cache: str) -> str:
         "fluxzero": {"compile": {"blocks": True, "backend": backend}},
     }
     (tmp_path / f"{name}.json").write_text(json.dumps(ds))
-    run = {"deepspeed": str(tmp_path / f"{name}.json"), "data": DATA, "steps": 1, "output_dir": str(tmp_path / name)}
+    run = {
+        "deepspeed": str(tmp_path / f"{name}.json"),
+        "data": DATA,
+        "steps": steps,
+        "output_dir": str(tmp_path / name),
+    }
     (tmp_path / f"{name}.yaml").write_text(json.dumps({**run, "export": {"format": None}}))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache)}
     env["FLUXZERO_NO_PROGRESS"] = "1"
+    env["FLUXZERO_COMPILE_SAVE_STEP"] = save_step
     p = subprocess.run(
         [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(tmp_path / f"{name}.yaml")],
         capture_output=True,
@@ -279,12 +285,15 @@ def _train(tmp_path: Path, name: str, backend: str, cache: str) -> str:
 
 @pytest.mark.slow
 def test_the_compiled_blocks_are_kept_beside_the_checkpoints_and_read_by_a_later_run(tmp_path):
-    """Inductor (CPU) compiles the blocks in the first step; the trainer keeps that in output_dir/compile_cache.bin.
+    """Inductor (CPU) compiles the blocks in the first step; the trainer keeps that in output_dir/compile_cache.bin
+    (once, after the step FLUXZERO_COMPILE_SAVE_STEP names, not again at the final checkpoint).
     A later run whose output_dir holds the file (a resume on another machine) loads it; a broken one costs a
     warning line, not the run."""
-    _train(tmp_path, "first", "inductor", "cache-a")
+    err = _train(tmp_path, "first", "inductor", "cache-a", steps=2, save_step="1")
     kept = tmp_path / "first" / "compile_cache.bin"
     assert kept.stat().st_size > 0
+    # once per start, after FLUXZERO_COMPILE_SAVE_STEP steps (50 by default) or at its first checkpoint
+    assert err.count("compiled blocks kept in") == 1 and f"compiled blocks kept in {kept} after step 1 (" in err
     (tmp_path / "second").mkdir()
     (tmp_path / "second" / "compile_cache.bin").write_bytes(kept.read_bytes())
     err = _train(tmp_path, "second", "aot_eager", "cache-b")
