@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -147,18 +148,24 @@ def _rows(path: Path) -> list[dict]:
     return rows
 
 
-def run_fluxzero(
-    work: Path,
-    model: str,
-    lora,
-    mb: int,
-    ckpt: int,
-    spec: str,
-    steps: int,
-    timeout: float,
-    cache: Path,
-    impl: str = "fluxzero",
-) -> tuple[dict, list, str]:
+@dataclass(frozen=True)
+class Job:
+    """One run, the trainer's or the peer's: its folder, workload, data, steps, time limit and Inductor cache folder."""
+
+    work: Path
+    model: str
+    lora: dict | None
+    mb: int
+    ckpt: int
+    spec: str
+    steps: int
+    timeout: float
+    cache: Path
+    impl: str
+
+
+def run_fluxzero(job: Job) -> tuple[dict, list, str]:
+    work, model, lora, mb, ckpt, spec, steps, timeout, cache, impl = astuple(job)
     ds = work / "ds.json"
     gen = subprocess.run(
         [
@@ -232,28 +239,18 @@ def run_fluxzero(
     return seen, steps_rows, _why(seen, steps, rc)
 
 
-def run_peer(
-    work: Path,
-    model: str,
-    lora,
-    mb: int,
-    ckpt: int,
-    spec: str,
-    steps: int,
-    timeout: float,
-    cache: Path,
-    static: bool = False,
-) -> tuple[dict, list, str]:
-    args = {"model": model, "lora": lora or {}, "mb": mb, "ckpt": ckpt, "data": spec, "steps": steps, "work": str(work)}
-    args["static"] = static
+def run_peer(job: Job) -> tuple[dict, list, str]:
+    work, steps = job.work, job.steps
+    args = {"model": job.model, "lora": job.lora or {}, "mb": job.mb, "ckpt": job.ckpt, "data": job.spec}
+    args.update(steps=steps, work=str(work), static=job.impl == "peer-static")
     out = work / "peer_steps.jsonl"
     seen, _, rc = _follow(
         [sys.executable, str(Path(__file__).resolve()), "--peer-child", json.dumps(args)],
         work / "peer.log",
-        _child_env(cache),
+        _child_env(job.cache),
         out,
         steps,
-        timeout,
+        job.timeout,
     )
     return seen, _rows(out), _why(seen, steps, rc)
 
@@ -480,11 +477,8 @@ def main(argv=None) -> int:
                 if cache == "portable":
                     folder = folder.with_name(f"{folder.name}-portable")
                     row["compile_cache_bytes"] = _portable_start(Path(tmp) / f"{key}-cold", work)
-                args = (work, model, lora, mb, ckpt, source, a.steps, a.timeout, folder)
-                if impl.startswith("peer"):
-                    seen, rows, why = run_peer(*args, static=impl == "peer-static")
-                else:
-                    seen, rows, why = run_fluxzero(*args, impl=impl)
+                job = Job(work, model, lora, mb, ckpt, source, a.steps, a.timeout, folder, impl)
+                seen, rows, why = (run_peer if impl.startswith("peer") else run_fluxzero)(job)
                 row = summarize(row, seen, rows, a.steps, a.last)
                 if impl.startswith("peer") and rows:
                     row["automatic_dynamic_shapes"] = rows[0].get("automatic_dynamic_shapes")

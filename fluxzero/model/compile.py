@@ -29,9 +29,6 @@ def compile_cache_dir() -> str | None:
 
 
 ARTIFACTS_FILE = "compile_cache.bin"  # beside the checkpoints: torch.compiler's portable cache of a run's compile
-# the trainer saves it once per start, at its first checkpoint or after this many steps, whichever comes first (by
-# then the aspect buckets of a typical mix have all come by); FLUXZERO_COMPILE_SAVE_STEP overrides it (benchmarks)
-SAVE_AFTER_STEPS = 50
 
 
 def _keys(info) -> frozenset:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import math
 
 import deepspeed
+import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
@@ -122,9 +124,10 @@ def batch_grad_checks(optimizer) -> list[str]:
       a checkpoint load that assigns new tensors.
     - ZeRO-0 with DeepSpeed's bf16 (FP16_UnfusedOptimizer): its overflow check converted each gradient's check to
       a Python bool, a device sync per tensor, stopping at the first non-finite one; now one sync in all, the same
-      answer. Its step (`_unfused_step`) ran five more per-tensor loops (a norm, an fp32 copy of the gradient, the
-      unscale/clip multiply, the copy back into the bf16 weights: ~4 kernels per tensor, ~2,400 for 608 adapters);
-      now each is one multi-tensor call, with the same values.
+      answer. Its step (`_unfused_step`) ran four more per-tensor loops (a norm, an fp32 copy of the gradient, the
+      unscale/clip multiply, the copy back into the bf16 weights): 15,214 aten ops outside the inner AdamW for
+      FLUX.1-dev's 608 all-linear adapter tensors; now each loop is one multi-tensor call, 635 ops (608 of them
+      allocations), with the same values (benchmarks/RESULTS.md).
     Any other optimizer (BF16_Optimizer, ZeRO-3, CPU offload, a client optimizer at ZeRO 0) is left as it is.
     """
     import types
@@ -226,9 +229,6 @@ def _sequential_norm(grads: list) -> float:
     added one by one in fp32; here the norms are one torch._foreach_norm (dtype fp32: on CPU the same per-tensor norm),
     their squares one pow on the stacked norms, and the squares are added in the same order in fp32 on the host
     (numpy's add.accumulate is sequential), so the value is the same on CPU; one device sync, as before."""
-    import math
-
-    import numpy as np
     from deepspeed.runtime.constants import PIPE_REPLICATED
 
     grads = [g for g in grads if not (hasattr(g, PIPE_REPLICATED) and g.ds_pipe_replicated)]

@@ -30,6 +30,10 @@ from fluxzero.config.runfile import ConfigError, config_text, load_config, overr
 from fluxzero.train import distributed
 from fluxzero.train.distributed import Interrupted, TrainingError, write_line
 
+# compiled blocks are saved beside the checkpoints once per start, at its first checkpoint or after this many steps,
+# whichever comes first: by then the aspect buckets of a typical mix have all come by
+COMPILE_SAVE_STEPS = 50
+
 
 @dataclass
 class Run:
@@ -356,9 +360,8 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
             r = run.step()
             metrics.step_finished()
             step = run.done = run.done + 1
-            if run.compiled and rank == 0 and not run.compiled_saved and step - first >= save_compiled_after:
-                run.compiled_saved = True  # this start's buckets have mostly come by: keep what they compiled
-                _save_compiled(run, cfg, step)
+            if step - first >= save_compiled_after:  # this start's buckets have mostly come by
+                _save_compiled(run, cfg, step, rank)
             losses.append(r.loss)
             extra = _after_step(run, cfg, step, metrics)
             metrics.log(
@@ -470,18 +473,15 @@ def _save(run: Run, cfg: TrainConfig, rank: int) -> int:
         if checkpoint.latest_tag(run.ckpt_dir) == f"step_{step:08d}":
             run.last_ckpt = str(run.ckpt_dir / f"step_{step:08d}")
         raise
-    if run.compiled and rank == 0 and not run.compiled_saved:
-        run.compiled_saved = True  # this start's first checkpoint: what its steps compiled, for a resume anywhere
-        _save_compiled(run, cfg, step)
+    _save_compiled(run, cfg, step, rank)  # unless this start saved them already
     return step
 
 
 def _compile_save_step() -> int:
-    """After how many steps of this start the compiled blocks are saved (if no checkpoint came first)."""
-    from fluxzero.model.compile import SAVE_AFTER_STEPS
-
+    """After how many steps of this start the compiled blocks are saved (if no checkpoint came first):
+    COMPILE_SAVE_STEPS, or FLUXZERO_COMPILE_SAVE_STEP where set (benchmarks and tests)."""
     value = os.environ.get("FLUXZERO_COMPILE_SAVE_STEP", "")
-    return int(value) if value.isdigit() and int(value) > 0 else SAVE_AFTER_STEPS
+    return int(value) if value.isdigit() and int(value) > 0 else COMPILE_SAVE_STEPS
 
 
 def _compiled_file(cfg: TrainConfig) -> Path:
@@ -513,12 +513,16 @@ def _load_compiled(cfg: TrainConfig, rank: int) -> frozenset:
     return keys
 
 
-def _save_compiled(run: Run, cfg: TrainConfig, step: int) -> None:
-    """Rank 0, once per start (its first checkpoint, or SAVE_AFTER_STEPS steps): what it compiled, to
-    output_dir/compile_cache.bin (fluxzero.model.compile.save_artifacts). A failure (a full disk) is one warning line: the training and its
-    checkpoints are unaffected."""
+def _save_compiled(run: Run, cfg: TrainConfig, step: int, rank: int) -> None:
+    """Rank 0, once per start (at its first checkpoint or after COMPILE_SAVE_STEPS steps, whichever comes first; torch
+    can serialize a process's compile only once, model.compile.save_artifacts): what it compiled, to
+    output_dir/compile_cache.bin. Nothing for eager blocks. A failure (a full disk) is one warning line: the
+    training and its checkpoints are unaffected."""
     from fluxzero.model.compile import save_artifacts
 
+    if not run.compiled or rank != 0 or run.compiled_saved:
+        return
+    run.compiled_saved = True
     path = _compiled_file(cfg)
     try:
         kept = save_artifacts(path, run.compiled_kept)
