@@ -5,6 +5,8 @@ diffusers + PEFT on the same configuration, in one call.
     PYTHONPATH=. python3 benchmarks/kontext_lora.py --device cpu --model flux-tiny-kontext --res 64 --txt 16 \\
         --gpu-memory 8 --warmup 1 --steps 2 --attn auto                              # CPU smoke test
     PYTHONPATH=. python3 benchmarks/kontext_lora.py --gpu h200 --zero-stage 2 --name kontext_lora_z2  # --fit at ZeRO-2
+    FLUXZERO_DEEPSPEED_LOOPS=1 PYTHONPATH=. python3 benchmarks/kontext_lora.py --gpu h200 --no-baseline \
+        --name kontext_lora_loops                   # DeepSpeed's own per-tensor update (the before), no peer
 
 1. `fluxzero gen-config --fit` for the model, resolution and LoRA rank on one GPU of --gpu (the memory model counts
    the reference's tokens: 512 px is 1024 target + 1024 reference image tokens).
@@ -20,7 +22,8 @@ diffusers + PEFT on the same configuration, in one call.
    loader and flow.prepare_batch (reference tokens after the target's, loss over the target's). Timed per step
    with a device sync; peak from torch.cuda.max_memory_allocated.
 
-Writes $OUT/<name>.json with both sides and fluxzero / baseline; exit 0 when both measured, 2 otherwise.
+Writes $OUT/<name>.json with both sides and fluxzero / baseline; exit 0 when both measured (fluxzero with
+--no-baseline), 2 otherwise.
 """
 
 from __future__ import annotations
@@ -244,6 +247,30 @@ def baseline(case: sweep.Case, device: str) -> dict:
     }
 
 
+def run_baseline(a, case: sweep.Case) -> dict:
+    """diffusers + PEFT on the same case, in a process of its own; a row with a status either way."""
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--device",
+        a.device,
+        "--baseline-case",
+        json.dumps(dataclasses.asdict(case)),
+    ]
+    try:  # a baseline that runs out of time is a row of its own: the trainer's figures are kept either way
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=a.timeout, env=_env(a.device))
+        line = next((x for x in p.stdout.splitlines() if x.startswith("BASELINE ")), None)
+        theirs = (
+            json.loads(line[9:])
+            if line
+            else {"status": f"failed (exit {p.returncode})", "log_tail": p.stderr.strip().splitlines()[-8:]}
+        )
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+        theirs = {"status": f"timed out after {a.timeout} s", "log_tail": err.strip().splitlines()[-8:]}
+    return theirs
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -264,6 +291,7 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (a compiled run compiles in the first)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--timeout", type=int, default=500, help="seconds for the trainer, start-up included")
+    p.add_argument("--no-baseline", action="store_true", help="measure fluxzero alone (a second trainer row)")
     p.add_argument("--baseline-case", help=argparse.SUPPRESS)  # the baseline's own process
     a = p.parse_args(argv)
     if a.gpu_memory is not None:
@@ -297,25 +325,7 @@ def main(argv=None) -> int:
         ours = run_trainer(case, a.device, Path(tmp), a.timeout)
     speed = f", {ours['samples_per_s']:.3f} samples/s" if ours.get("samples_per_s") else ""
     print(f"fluxzero: {ours['status']} [{ours['wall_s']:.0f} s]{speed}", flush=True)
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--device",
-        a.device,
-        "--baseline-case",
-        json.dumps(dataclasses.asdict(case)),
-    ]
-    try:  # a baseline that runs out of time is a row of its own: the trainer's figures are kept either way
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), timeout=a.timeout, env=_env(a.device))
-        line = next((x for x in p.stdout.splitlines() if x.startswith("BASELINE ")), None)
-        theirs = (
-            json.loads(line[9:])
-            if line
-            else {"status": f"failed (exit {p.returncode})", "log_tail": p.stderr.strip().splitlines()[-8:]}
-        )
-    except subprocess.TimeoutExpired as e:
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
-        theirs = {"status": f"timed out after {a.timeout} s", "log_tail": err.strip().splitlines()[-8:]}
+    theirs = {"status": "not run (--no-baseline)"} if a.no_baseline else run_baseline(a, case)
     print(f"diffusers + PEFT: {theirs['status']}", flush=True)
     result = {
         "case": dataclasses.asdict(case),
@@ -324,8 +334,9 @@ def main(argv=None) -> int:
         "fit_json": json.loads(ds_path.read_text()),
         "fluxzero": ours,
         "baseline": theirs,
+        "deepspeed_loops": bool(os.environ.get("FLUXZERO_DEEPSPEED_LOOPS")),  # the before of the batched update
     }
-    code = 2
+    code = 0 if ours["status"] == "ok" and a.no_baseline else 2
     if ours["status"] == "ok" and theirs["status"] == "ok":
         result["speedup"] = ours["samples_per_s"] / theirs["samples_per_s"]
         code = 0

@@ -11,6 +11,7 @@ forwards, then deepspeed.initialize builds the engine.
 from __future__ import annotations
 
 import importlib
+import os
 
 import deepspeed
 import torch
@@ -26,6 +27,9 @@ from fluxzero.train import ds_patches
 from fluxzero.train.distributed import TrainingError, broadcast_objects
 from fluxzero.train.fp8 import apply_fp8
 from fluxzero.train.recompute import apply_activation_checkpointing, checkpoint_function, checkpointed_indices
+
+# set (to anything): leave DeepSpeed's per-tensor update loops in place, for benchmarks' before/after figures
+DEEPSPEED_LOOPS_ENV = "FLUXZERO_DEEPSPEED_LOOPS"
 
 
 def join_deepspeed_comm() -> None:
@@ -122,7 +126,8 @@ def build_engine(
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=ds)
     if v.fused_step:  # the fused step all-reduces each gradient itself; the engine's would re-create them all
         engine.enable_backward_allreduce = False
-    ds_patches.batch_grad_checks(engine.optimizer)
+    if not os.environ.get(DEEPSPEED_LOOPS_ENV):  # benchmarks set it to measure DeepSpeed's own loops (the before)
+        ds_patches.batch_grad_checks(engine.optimizer)
     ds_patches.keep_block_states_whole(engine.optimizer)
     return engine
 
