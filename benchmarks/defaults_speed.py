@@ -109,6 +109,10 @@ CASES = {
     # the LoRA rows as users on an 80 GB card get them from --fit (micro batch, stage and checkpointing its choice)
     "lora-fit-80gb": ("flux-dev", 512, FIT_LORA_80, {}, DEV_LORA),
     "lora-1024-fit-80gb": ("flux-dev", 1024, [*FIT_LORA_80, "--resolution", "1024"], {}, DEV_LORA),
+    # --fit on an 80 GB card told the issue's micro batches: what it checkpoints is its own choice
+    "lora-fit-mb4": ("flux-dev", 512, [*FIT_LORA_80, "--micro-batch", "4"], {}, DEV_LORA),
+    "lora-fit-mb1": ("flux-dev", 512, [*FIT_LORA_80, "--micro-batch", "1"], {}, DEV_LORA),
+    "lora-1024-fit-mb1": ("flux-dev", 1024, [*FIT_LORA_80, "--resolution", "1024", "--micro-batch", "1"], {}, DEV_LORA),
 }
 PEER_LORA = ["--model", "flux-dev", "--zero", "2", "--ckpt", "1", "--compile", "1", "--lora-rank", "16"]
 PEERS = {  # benchmarks/sweep.py arguments of the diffusers + DeepSpeed baseline (--compile 1: compiled blocks)
@@ -121,6 +125,10 @@ PEERS = {  # benchmarks/sweep.py arguments of the diffusers + DeepSpeed baseline
     "peer:lora-mb4": [*PEER_LORA, "--mb", "4"],
     "peer:lora-mb1": [*PEER_LORA, "--mb", "1"],
     "peer:lora-1024-mb1": [*PEER_LORA, "--mb", "1", "--res", "1024"],
+    # the same peer without gradient checkpointing, where the card holds it: the peer's own best on that card
+    "peer:lora-mb4-ckpt0": [*PEER_LORA, "--mb", "4", "--ckpt", "0"],
+    "peer:lora-mb1-ckpt0": [*PEER_LORA, "--mb", "1", "--ckpt", "0"],
+    "peer:lora-1024-mb1-ckpt0": [*PEER_LORA, "--mb", "1", "--res", "1024", "--ckpt", "0"],
 }
 SETS = {
     "lite": ["lite-ckpt1-old", "lite-ckpt1", "lite-ckpt1-fp8", "lite-ckpt0", "lite-ckpt0-fp8", "peer:lite-ckpt0"],
@@ -129,6 +137,18 @@ SETS = {
     # the LoRA speed targets: each row beside its PEFT peer, then --fit's own choices on an 80 GB card
     "lora-peer": ["lora-mb4", "peer:lora-mb4", "lora-mb1", "peer:lora-mb1", "lora-1024-mb1", "peer:lora-1024-mb1"],
     "lora-fit": ["lora-fit-80gb", "lora-1024-fit-80gb"],
+    # --fit at the issue's micro batches beside the peer checkpointed (as diffusers' examples run it) and not
+    "lora-fit-peer": [
+        "lora-1024-fit-mb1",
+        "peer:lora-1024-mb1",
+        "peer:lora-1024-mb1-ckpt0",
+        "lora-fit-mb4",
+        "peer:lora-mb4",
+        "peer:lora-mb4-ckpt0",
+        "lora-fit-mb1",
+        "peer:lora-mb1",
+        "peer:lora-mb1-ckpt0",
+    ],
     # selective checkpointing against full and none: flux-dev-lite at micro batch 16, the LoRA at 512 px mb 4 and
     # 1024 px mb 1 (compiled blocks, as gen-config writes them below ZeRO-3)
     "policy": [
