@@ -1,4 +1,5 @@
 """ds_patches.batch_grad_checks: DeepSpeed's per-tensor overflow check and grad norm in one call each change nothing.
+The runs with DeepSpeed's own loops set FLUXZERO_DEEPSPEED_LOOPS, the benchmarks' switch for the before.
 
 Two ranks (gloo), a flux-tiny all-linear LoRA in bf16 at ZeRO 0, 1 and 2: the same run with DeepSpeed's own loops
 and with the batched checks gives bit-identical losses, grad norms and adapters (on CPU torch._foreach_norm calls
@@ -14,6 +15,7 @@ adapter tensor).
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -55,7 +57,9 @@ def _run(stage: int, batched: bool, nan: bool, fp16: bool = False) -> dict:
     ds = tiny_ds(stage, clipping=1e-3, lr=1e-2, train_micro_batch_size_per_gpu=1, **precision)
     dtype = torch.float16 if fp16 else torch.bfloat16
     plain, replaced = P.batch_grad_checks, []
-    P.batch_grad_checks = (lambda optimizer: replaced.extend(plain(optimizer))) if batched else (lambda optimizer: [])
+    P.batch_grad_checks = lambda optimizer: replaced.extend(plain(optimizer))
+    if not batched:  # the before: the benchmarks' switch leaves DeepSpeed's loops in place
+        os.environ[E.DEEPSPEED_LOOPS_ENV] = "1"
     try:
         engine = E.build_engine(
             cfg,
@@ -67,6 +71,7 @@ def _run(stage: int, batched: bool, nan: bool, fp16: bool = False) -> dict:
         )
     finally:
         P.batch_grad_checks = plain
+        os.environ.pop(E.DEEPSPEED_LOOPS_ENV, None)
     adapters = [p for p in engine.module.parameters() if p.requires_grad]
     losses, norms, checks = [], [], []
     for step in range(STEPS):
@@ -182,6 +187,7 @@ def runs(tmp_path_factory):
 def test_batched_checks_change_nothing(runs, stage):
     before, after = runs[f"{stage}/False/False"], runs[f"{stage}/True/False"]
     assert after["replaced"], f"ZeRO-{stage} ({after['optimizer']}): nothing was replaced"
+    assert before["replaced"] == [], f"FLUXZERO_DEEPSPEED_LOOPS set, yet {before['replaced']} replaced"
     assert before["skipped"] == after["skipped"] == 0
     assert after["losses"] == before["losses"]
     assert after["norms"] == before["norms"]
