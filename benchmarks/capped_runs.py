@@ -18,6 +18,8 @@ lora: section) and records --fit's predicted peak beside the measured one. A sho
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set lora24 --memory-cap-gib 23.6 --out $OUT/capped.jsonl
     # GPU, every card of issue 23 as --fit chooses (one case per call: --cases, with a --timeout each)
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-512px-24gb --memory-cap-gib 23.6
+    # GPU (Ada or Hopper), the same LoRA with --base-quant fp8-matmul pinned: FP8 matmuls on the frozen base
+    PYTHONPATH=. python3 benchmarks/capped_runs.py --set fit --cases fit-lora16-512px-24gb-fp8mm --memory-cap-gib 23.6
     # GPU, launch/train.py's LoRA at 1024 px micro batch 1 with one step profiled (its GPU idle time)
     PYTHONPATH=. python3 benchmarks/capped_runs.py --set lora-defaults --cases lora16-1024px-mb1 --profile-step 6
     # GPU, the full fine-tune in the fused mode as --fit writes it, one step profiled (copies vs compute)
@@ -136,6 +138,12 @@ SETS = {
             fit=["--gpu-memory", "24", "--host-memory", "128", "--lora-rank", "16", "--resolution", "1024"],
         ),
         Case("fit-lora16-512px-16gb", [], fit=["--gpu-memory", "16", "--host-memory", "128", "--lora-rank", "16"]),
+        # the 24 GB LoRA on an fp8-matmul base (FP8 matmuls, opt-in: --fit models it only when pinned)
+        Case(
+            "fit-lora16-512px-24gb-fp8mm",
+            [],
+            fit=["--gpu-memory", "24", "--host-memory", "128", "--lora-rank", "16", "--base-quant", "fp8-matmul"],
+        ),
         # full fine-tunes: --fit chooses fused-adafactor-sr on these cards (blocks streamed from the host at 24/16 GB)
         Case("fit-full-512px-80gb", [], fit=["--gpu-memory", "80", "--host-memory", "120"]),
         Case("fit-full-512px-48gb", [], fit=["--gpu-memory", "48", "--host-memory", "96"]),

@@ -257,9 +257,9 @@ FIT_OPTIONS = [
         type=click.Choice(memory.BASE_QUANT_CHOICES),
         default="auto",
         show_default=True,
-        help="With --lora-rank: the frozen base quantized (int8 or fp8, torchao weight-only; the run file's "
-        "lora.base_quant, which the printed next step names); auto lets --fit choose int8 when the "
-        "bf16 base does not fit (without --fit: none).",
+        help="With --lora-rank: the frozen base quantized (int8 or fp8, torchao weight-only; fp8-matmul, FP8 "
+        "matmuls on an Ada or Hopper GPU; the run file's lora.base_quant, which the printed next step names); "
+        "auto lets --fit choose int8 when the bf16 base does not fit (without --fit: none).",
     ),
     click.option(
         "--fit",

@@ -155,9 +155,9 @@ OPTIONS = [
         type=click.Choice(BASE_QUANTS),
         default="none",
         show_default=True,
-        help="LoRA: the frozen base quantized weight-only (int8 or fp8 through "
-        "torchao, the run file's lora.base_quant), the adapters in bf16 with "
-        "fp32 masters.",
+        help="LoRA: the frozen base quantized (int8 or fp8 weight-only through "
+        "torchao; fp8-matmul: e4m3 with FP8 matmuls, on an Ada or Hopper GPU; the run "
+        "file's lora.base_quant), the adapters in bf16 with fp32 masters.",
     ),
     options.ema(),
     options.ema_device(),

@@ -48,8 +48,10 @@ DEFAULT_TARGETS = "attention+mlp"  # lora.targets when the run file leaves it ou
 # valid only against the rewritten base.
 LORA_INITS = ("default", "gaussian")
 # How the frozen base's block linears are stored under a LoRA (fluxzero/model/quant.py): in the training dtype,
-# or weight-only quantized through torchao (int8: one scale per output row; fp8: e4m3, one scale per row).
-BASE_QUANTS = ("none", "int8", "fp8")
+# weight-only quantized through torchao (int8: one scale per output row; fp8: e4m3, one scale per row), or
+# fp8-matmul: e4m3 with one scale per row like fp8, its forward matmuls in FP8 (activations quantized per token;
+# needs an Ada or Hopper GPU)
+BASE_QUANTS = ("none", "int8", "fp8", "fp8-matmul")
 # What is trained on each targeted linear (all through PEFT): "lora" = B A; "dora" = LoRA plus a trained magnitude
 # per output row, m (W + s B A) / ||W + s B A||; "lokr" = a Kronecker product w1 (x) w2, w2 (and with
 # decompose_both w1) itself low-rank when the rank is small against its shape (PEFT's and LyCORIS' rule).

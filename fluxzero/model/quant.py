@@ -1,11 +1,14 @@
-"""A quantized frozen base for LoRA (QLoRA-style): the transformer blocks' linear weights stored weight-only
-quantized through torchao, dequantized inside each matmul; the adapters PEFT puts on top (its torchao tuner,
-peft/tuners/lora/torchao.py) train in the usual dtypes.
+"""A quantized frozen base for LoRA (QLoRA-style): the transformer blocks' linear weights stored at 1 byte a weight,
+either weight-only through torchao (dequantized inside each matmul) or for FP8 matmuls; the adapters PEFT puts on
+top (its torchao tuner, peft/tuners/lora/torchao.py, or its plain lora.Linear) train in the usual dtypes.
 
 - int8: torchao's Int8WeightOnlyConfig, symmetric absmax with one float32 scale per output row: 1 byte a weight
   instead of bf16's 2. FLUX.1-dev's blocks hold 11.8B of its 11.9B parameters, so the base goes from 23.8 GB
   to 12.0 GB.
 - fp8: Float8WeightOnlyConfig (e4m3, one scale per row): the same size, 3 mantissa bits instead of int8's ~7.
+- fp8-matmul: the same e4m3 storage, but the forward's matmul runs in FP8 on the tensor cores with each activation
+  quantized per token (our own layer, fluxzero/model/fp8_matmul.py, which says why not torchao's); it needs a GPU
+  of compute capability 8.9+ (Ada, Hopper), or the CPU.
 
 Only the linears of `double_blocks` / `single_blocks` are quantized; the embedders, norms, biases and final
 layer stay in the model's dtype (0.6% of FLUX.1-dev). A quantized weight becomes a non-persistent buffer, not a
@@ -17,6 +20,7 @@ and a merged export merges them into the base weights file, never into these qua
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 BLOCKS = ("double_blocks.", "single_blocks.")
@@ -24,6 +28,9 @@ BLOCKS = ("double_blocks.", "single_blocks.")
 
 class QuantError(ValueError):
     """A quantized base that this installation or configuration cannot train."""
+
+
+FP8_MATMUL = "fp8-matmul"  # the kind served by fluxzero.model.fp8_matmul rather than torchao
 
 
 def _config(kind: str):
@@ -38,9 +45,22 @@ def _config(kind: str):
 
 
 def check_quant(kind: str) -> None:
-    """Raise QuantError (one sentence naming the pip extra) when `kind` cannot be made here."""
-    if kind != "none":
+    """Raise QuantError (one sentence saying what to install or set) when `kind` cannot be made here: torchao's kinds
+    need torchao; fp8-matmul needs no package, but the GPU this process trains on (the current CUDA device, where
+    there is one) must have FP8 tensor cores."""
+    if kind == FP8_MATMUL:
+        if torch.cuda.is_available():
+            _check_device(torch.device("cuda", torch.cuda.current_device()))
+    elif kind != "none":
         _config(kind)
+
+
+def _check_device(device) -> None:
+    from .fp8_matmul import device_problem
+
+    problem = device_problem(device)
+    if problem:
+        raise QuantError(problem)
 
 
 def quantizes(name: str, module: nn.Module) -> bool:
@@ -49,8 +69,15 @@ def quantizes(name: str, module: nn.Module) -> bool:
 
 
 def quantize_linear(module: nn.Linear, kind: str) -> None:
-    """Replace `module`'s weight by its `kind` (int8, fp8) weight-only quantized copy, kept as a non-persistent
-    buffer (module docstring: why); its bias stays a frozen parameter."""
+    """Replace `module`'s weight by its `kind` (int8, fp8, fp8-matmul) quantized copy, kept as a non-persistent
+    buffer (module docstring: why); its bias stays a frozen parameter. fp8-matmul also changes the module's class (to
+    fp8_matmul.Fp8MatmulLinear, in place) and raises QuantError for a module on a CUDA device without FP8 matmuls."""
+    if kind == FP8_MATMUL:
+        from .fp8_matmul import make_fp8_matmul
+
+        _check_device(module.weight.device)
+        make_fp8_matmul(module)
+        return
     from torchao.quantization import quantize_
 
     quantize_(module, _config(kind))
@@ -60,6 +87,13 @@ def quantize_linear(module: nn.Linear, kind: str) -> None:
 
 
 def is_quantized(module: nn.Module) -> bool:
-    from torchao.utils import TorchAOBaseTensor
+    """True for a module `quantize_linear` quantized, of any kind."""
+    from .fp8_matmul import Fp8MatmulLinear
 
+    if isinstance(module, Fp8MatmulLinear):
+        return True
+    try:
+        from torchao.utils import TorchAOBaseTensor
+    except ImportError:
+        return False
     return isinstance(getattr(module, "weight", None), TorchAOBaseTensor)

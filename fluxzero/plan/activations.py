@@ -13,7 +13,15 @@ from fluxzero.config import architecture, optim_modes
 from fluxzero.config.architecture import linear_shapes
 from fluxzero.config.lora import lokr_factors
 from fluxzero.config.models import ModelConfig
-from fluxzero.plan.spec import PRECISION_BYTES, Item, RunSpec, lora_config, param_inventory, trained_params
+from fluxzero.plan.spec import (
+    PRECISION_BYTES,
+    WEIGHT_ONLY_QUANTS,
+    Item,
+    RunSpec,
+    lora_config,
+    param_inventory,
+    trained_params,
+)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -266,12 +274,13 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
         for saved, c, g, kept_sel in zip(kinds, ckpt, on_gpu, sel)
     ]  # per block, one sample
     embed, head = outside_blocks_saved(cfg, I, T, b)
-    # A quantized base dequantizes each weight for its matmul, and autograd saves that bf16 copy for the input's
-    # gradient (mm saves the other operand); a LoKr saves its whole update kron(w1, w2) the same way
+    # A weight-only quantized base dequantizes each weight for its matmul, and autograd saves that bf16 copy for the
+    # input's gradient (mm saves the other operand); a LoKr saves its whole update kron(w1, w2) the same way
     # (adapter_block_fixed): per block, whatever the micro batch; a checkpointed block's only while it is
     # recomputed, less what the selective policy keeps of it from forward. Counted in sample units of B so the walk
-    # below stays one sum.
-    wq = [n * b / B for n in _block_linear_weights(cfg)] if s.base_quant else [0.0] * len(kinds)
+    # below stays one sum. (fp8-matmul saves only the e4m3 weight it holds anyway: dequantized_weight_bytes.)
+    weight_only = s.base_quant in WEIGHT_ONLY_QUANTS
+    wq = [n * b / B for n in _block_linear_weights(cfg)] if weight_only else [0.0] * len(kinds)
     fixed = adapter_block_fixed(s)
     for j, c in enumerate(ckpt):
         i = int(j >= cfg.depth)
@@ -313,7 +322,7 @@ def activation_bytes(s: RunSpec) -> dict[str, int]:
         "stored": B * stored,
         "recompute": B * (peak - stored - at_peak),
         "stream_copies": B * at_peak,
-        "workspace": max(B * workspace, adapter_workspace(s)),
+        "workspace": max(B * workspace + dequantized_weight_bytes(s), adapter_workspace(s)),
         "on_host": on_host,
         "grads_net": both - B * peak,
         "per_block_double": d,
@@ -458,6 +467,17 @@ def adapter_workspace(s: RunSpec) -> int:
     return most
 
 
+def dequantized_weight_bytes(s: RunSpec) -> int:
+    """Bytes of the one dequantized weight an fp8-matmul base's backward holds at a time beside the block's gradients
+    (fluxzero.model.fp8_matmul.dequantize: a float32 product rounded to the training dtype), at the largest block
+    linear; 0 for any other base. Its forward's per-token e4m3 copy of an input (1 byte a value, plus a float32 one
+    while it is made) is smaller than the backward working set, and freed before it."""
+    if s.base_quant != "fp8-matmul":
+        return 0
+    largest = max(i * o for n, (i, o) in linear_shapes(s.model).items() if n.startswith(("double_", "single_")))
+    return (4 + PRECISION_BYTES[s.precision]) * largest
+
+
 def adapter_bytes(s: RunSpec) -> int:
     """Bytes per value of LoRA adapters and of what they compute: the training dtype, but fp32 under ZeRO-3, where
     deepspeed.initialize converts the adapters made after zero.Init without casting them (fluxzero.train.engine.
@@ -515,7 +535,11 @@ def activation_items(s: RunSpec, a: dict[str, int] | None = None) -> list[Item]:
             "gpu",
             "train",
             f"micro batch {s.micro_batch}; {ck} (block inputs only for those)"
-            + ("; with the dequantized bf16 weights of the blocks not checkpointed" if s.base_quant else ""),
+            + (
+                "; with the dequantized bf16 weights of the blocks not checkpointed"
+                if s.base_quant in WEIGHT_ONLY_QUANTS
+                else ""
+            ),
         ),
         Item(
             "gradients made in backward, net of activations freed",
@@ -531,7 +555,14 @@ def activation_items(s: RunSpec, a: dict[str, int] | None = None) -> list[Item]:
             "train",
             "checkpointed block re-run in backward, net of what backward freed before it",
         ),
-        Item("backward working set", a["workspace"], "gpu", "train", "gradients alive inside one block"),
+        Item(
+            "backward working set",
+            a["workspace"],
+            "gpu",
+            "train",
+            "gradients alive inside one block"
+            + ("; with one dequantized linear weight (fp8-matmul)" if dequantized_weight_bytes(s) else ""),
+        ),
         Item(
             "streamed block copies (3 blocks)",
             a["stream_copies"],

@@ -21,8 +21,10 @@ from fluxzero.plan.activations import checkpointed_split
 from fluxzero.plan.breakdown import Estimate, estimate
 from fluxzero.plan.model_states import stream_traffic
 from fluxzero.plan.spec import (
+    BASE_QUANT_MATMUL,
     OPTION_FIELDS,
     PRECISION_BYTES,
+    WEIGHT_ONLY_QUANTS,
     GiB,
     RunSpec,
     ZeroSettings,
@@ -320,7 +322,8 @@ def fit(  # noqa: C901
         raise ValueError(f"fit cannot pin {sorted(unknown)}")
     if "optimizer_mode" in fixed:
         modes = (fixed.pop("optimizer_mode"),)
-    if "base_quant" in fixed:
+    pinned_quant = "base_quant" in fixed
+    if pinned_quant:
         quants = (fixed.pop("base_quant"),)
     base = base.replace(nodes=hw.nodes, gpus_per_node=hw.gpus_per_node)
     micros = micro_batches or tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= max_micro_batch)
@@ -444,10 +447,15 @@ def fit(  # noqa: C901
                 f"samples/s measured)"
             )
         if quant is not None:
+            needs = ", pip install -e '.[lowmem]'" if quant in WEIGHT_ONLY_QUANTS else "; needs an Ada or Hopper GPU"
+            why = (
+                "pinned by --base-quant"
+                if pinned_quant
+                else "the bf16 base does not fit without parameter offload, which is slower"
+            )
             reason.append(
-                f"{quant} base: set lora.base_quant: {quant} in the run file (torchao weight-only {quant}, "
-                f"pip install -e '.[lowmem]'); the bf16 base does not fit without parameter "
-                f"offload, which is slower; the exported LoRA applies to the bf16 base"
+                f"{quant} base: set lora.base_quant: {quant} in the run file ({BASE_QUANT_MATMUL[quant]}{needs}); "
+                f"{why}; the exported LoRA applies to the bf16 base"
             )
         if mode is not None:
             m = optim_modes.get_mode(mode)
@@ -753,7 +761,8 @@ GEN_CONFIG_PINS = {option: name for option, name in OPTION_FIELDS.items() if nam
 # GPU instances give 60-250 GB per GPU. Without --host-memory a choice that needs more says so on its last line.
 COMMON_HOST_GIB_PER_GPU = 64
 # --base-quant: the run file's lora.base_quant kinds, or auto: --fit chooses int8 for a LoRA when bf16 does not fit
-# (fp8 is the same size with fewer mantissa bits, so --fit never prefers it; pinned, it is modelled as asked)
+# (fp8 is the same size with fewer mantissa bits, so --fit never prefers it; fp8-matmul's speed is not measured yet
+# and it needs an Ada or Hopper GPU, so --fit does not choose it either; pinned, each is modelled as asked)
 BASE_QUANT_CHOICES = ("auto", *BASE_QUANTS)
 
 

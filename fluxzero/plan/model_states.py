@@ -16,6 +16,7 @@ from fluxzero.config.architecture import linear_shapes
 from fluxzero.config.lora import adapter_param_count
 from fluxzero.plan.activations import activation_bytes
 from fluxzero.plan.spec import (
+    BASE_QUANT_MATMUL,
     OPTIMIZER_STATE_BYTES,
     PRECISION_BYTES,
     GiB,
@@ -97,7 +98,7 @@ def model_state_items(s: RunSpec, inv: ParamInventory, acts: dict[str, int] | No
                 base,
                 note="LoRA: no gradients, no optimizer states"
                 + (
-                    f"; linear weights {s.base_quant} (torchao weight-only) + per-channel scales"
+                    f"; linear weights {s.base_quant} ({BASE_QUANT_MATMUL[s.base_quant]}) + per-channel scales"
                     if s.base_quant
                     else ""
                 )

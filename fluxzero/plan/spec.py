@@ -31,13 +31,22 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lion": 4, "sgd": 4}
 # estimate's --attention: what the model tells apart (flash / efficient: O(L) softmax statistics; math: O(L^2));
 # a run file's auto and cudnn are read as flash
 ATTENTION_KERNELS = ("flash", "efficient", "math")
-# A quantized frozen LoRA base (the run file's lora.base_quant, one of config.lora.BASE_QUANTS, weight-only through
-# torchao): bytes per weight element of every nn.Linear of the base (int8, and fp8 e4m3), and per output channel
-# its scale and zero point (an upper bound: int8 keeps an fp32 scale and an int8 zero point, fp8 an fp32 scale).
+# A quantized frozen LoRA base (the run file's lora.base_quant, one of config.lora.BASE_QUANTS): bytes per weight
+# element of every nn.Linear of the base (int8, and fp8 / fp8-matmul e4m3), and per output channel its scale and
+# zero point (an upper bound: int8 keeps an fp32 scale and an int8 zero point, fp8 and fp8-matmul an fp32 scale).
 # Biases, norm scales and the adapters stay in the training dtype. Every quantized kind the run file accepts has
-# a row here (tests/plan/test_memory.py).
-BASE_QUANT_BYTES = {"int8": 1, "fp8": 1}
+# a row here (tests/config/test_shared_facts.py).
+BASE_QUANT_BYTES = {"int8": 1, "fp8": 1, "fp8-matmul": 1}
 BASE_QUANT_CHANNEL_BYTES = 10
+# How each kind multiplies, as estimate's line says it. The weight-only kinds (torchao) dequantize every weight for
+# a bf16 matmul, and autograd saves that copy for the input's gradient (activations.py counts it); fp8-matmul
+# (fluxzero.model.fp8_matmul) multiplies the e4m3 weight itself and saves nothing beyond it.
+BASE_QUANT_MATMUL = {
+    "int8": "torchao weight-only",
+    "fp8": "torchao weight-only",
+    "fp8-matmul": "FP8 matmuls, activations quantized per token",
+}
+WEIGHT_ONLY_QUANTS = frozenset({"int8", "fp8"})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -244,7 +253,7 @@ class RunSpec:
     lora_decompose_both: bool = False  # lokr: lora.decompose_both
     ema: str | None = None  # None: no EMA; "fp32" | "bf16": EMA of the trained weights (fluxzero.config.ema)
     ema_device: str = "gpu"  # "gpu" | "cpu" (ema.device)
-    base_quant: str | None = None  # None: the frozen LoRA base in the training dtype; "int8" / "fp8": BASE_QUANT_BYTES
+    base_quant: str | None = None  # None: the frozen LoRA base in the training dtype; else a BASE_QUANT_BYTES kind
     offload_blocks: int = 0  # fluxzero.offload_blocks: the last K blocks' weights in host memory (fused mode, LoRA)
 
     def __post_init__(self):  # noqa: C901
@@ -319,7 +328,7 @@ class RunSpec:
                 )
             if not self.lora_rank:
                 raise ValueError("a quantized base (base_quant) is frozen: it needs a LoRA (lora_rank > 0)")
-            if self.stage == 3:  # ZeRO-3 would partition and gather torchao's tensor subclasses: not supported
+            if self.stage == 3:  # ZeRO-3 would partition and gather the quantized buffers: not supported
                 raise ValueError(
                     "a quantized base (base_quant) needs ZeRO stage 0, 1 or 2 (stage 3 partitions "
                     "the base in the training dtype)"

@@ -40,14 +40,18 @@ def _selective_ops() -> frozenset:
 def selective_policy(ctx, op, *args, **kwargs):
     """torch.utils.checkpoint's policy for fluxzero.activation_checkpointing.policy selective: keep what
     _selective_ops lists, recompute the rest (the memory model counts the same: memory.double_block_kept). What
-    runs without autograd (a DoRA's weight norm, fluxzero.model.lora) backward never reads: recomputed too."""
+    runs without autograd (a DoRA's weight norm, fluxzero.model.lora) backward never reads: recomputed too, except
+    _scaled_mm, which runs inside an autograd.Function's forward (lora.base_quant fp8-matmul's,
+    fluxzero.model.fp8_matmul), where torch always turns autograd off: it is a linear's matmul, the work this policy
+    keeps so as not to redo it."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    keep = op in _SELECTIVE_OPS and torch.is_grad_enabled()
+    keep = op in _SELECTIVE_OPS and (torch.is_grad_enabled() or op in _FP8_MATMULS)
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 _SELECTIVE_OPS = _selective_ops()
+_FP8_MATMULS = frozenset(op for op in _SELECTIVE_OPS if op.name() == "aten::_scaled_mm")
 
 
 def _selective_contexts():

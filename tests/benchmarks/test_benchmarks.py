@@ -526,7 +526,7 @@ def test_device_wheels_empties_the_folder_and_its_pins_are_in_the_readme(tmp_pat
     assert "../shared/" not in readme  # .whl/ itself is in .gitignore
 
 
-@pytest.mark.parametrize("name", ["fit-lora16-512px-24gb", "fit-full-512px-80gb"])
+@pytest.mark.parametrize("name", ["fit-lora16-512px-24gb", "fit-lora16-512px-24gb-fp8mm", "fit-full-512px-80gb"])
 def test_capped_runs_reads_what_fit_writes_and_prints(tmp_path, name):
     """The `fit` set runs what `gen-config --fit` chose: its micro batch, its lora: line and its predicted peak come
     from the CLI's own output, so a change of that wording must show here, not as empty rows on a GPU."""
@@ -536,7 +536,10 @@ def test_capped_runs_reads_what_fit_writes_and_prints(tmp_path, name):
     config = json.loads((tmp_path / "ds.json").read_text())
     assert chose["micro_batch"] == config["train_micro_batch_size_per_gpu"] >= 1
     assert chose["fit_chose"].startswith("chose ZeRO-") and chose["fit_predicted_gib"] > 1
-    if "--lora-rank" in case.fit:
+    if "--base-quant" in case.fit:  # pinned: the lora: line names it, and the base stays resident
+        assert chose["lora"]["rank"] == 16 and chose["lora"]["base_quant"] == "fp8-matmul"
+        assert config["fluxzero"].get("offload_blocks", 0) == 0
+    elif "--lora-rank" in case.fit:
         # the 24 GB choice: a bf16 base with its last 40 blocks streamed from host memory
         assert chose["lora"]["rank"] == 16 and chose["lora"].get("base_quant", "none") == "none"
         assert config["fluxzero"]["offload_blocks"] == 40

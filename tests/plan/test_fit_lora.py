@@ -61,6 +61,23 @@ def test_int8_base_is_a_byte_per_weight_plus_scales():
     assert q["activations saved for backward"] - plain["activations saved for backward"] == 2 * linear_weights
 
 
+def test_fp8_matmul_base_saves_no_dequantized_weight():
+    """fp8-matmul multiplies the e4m3 weight itself: the same base bytes as int8, the bf16 base's saved activations
+    (tests/plan/test_memory_activations.py measures the block), and one dequantized linear weight in backward."""
+    items = {
+        q: {
+            i.name: i.bytes
+            for i in estimate(RunSpec(DEV, stage=2, lora_rank=16, checkpoint_every=0, base_quant=q)).items
+        }
+        for q in (None, "int8", "fp8-matmul")
+    }
+    plain, int8, fp8mm = items[None], items["int8"], items["fp8-matmul"]
+    assert fp8mm["frozen base parameters (fp8-matmul)"] == int8["frozen base parameters (int8)"]
+    assert fp8mm["activations saved for backward"] == plain["activations saved for backward"]
+    largest = max(i * o for n, (i, o) in memory.spec.linear_shapes(DEV).items() if "_blocks." in n)  # linear1
+    assert fp8mm["backward working set"] - plain["backward working set"] == (4 + 2) * largest
+
+
 @pytest.mark.parametrize(
     "args,word",
     [

@@ -324,6 +324,9 @@ ADAPTERS = {  # name: lora section; LoKr's w2 (and with decompose_both w1) produ
     "lokr-both": {"type": "lokr", "factor": 4, "decompose_both": True},
     # frozen linears left without adapters (the MLPs, the modulations) save no input
     "lora-attention": {"targets": "attention"},
+    # FP8 matmuls on the frozen base (fluxzero.model.fp8_matmul): nothing saved beyond the e4m3 weight it holds,
+    # and under the selective policy the _scaled_mm outputs kept like any linear's
+    "lora-fp8-matmul": {"base_quant": "fp8-matmul"},
 }
 
 
@@ -333,11 +336,19 @@ def _adapted_blocks(kind, adapters, **spec_kw):
     and the memory model's RunSpec for them."""
     from fluxzero.config.lora import LoraConfig
     from fluxzero.model.lora import apply_lora
+    from fluxzero.model.quant import quantize_linear, quantizes
 
     I, T, B = 48, 24, 2
     cfg = get_model_config("flux-tiny").replace(depth=1, depth_single_blocks=1)
     model = build_model(cfg, dtype=torch.bfloat16)
     section = {"targets": "all-linear", **ADAPTERS[kind]}
+    quant = section.get("base_quant", "none")
+    if quant != "none" and adapters == torch.float32:
+        pytest.skip("fp32 adapters are ZeRO-3's, which refuses a quantized base")
+    if quant != "none":
+        for name, m in list(model.named_modules()):
+            if quantizes(name, m):
+                quantize_linear(m, quant)
     apply_lora(model, LoraConfig(rank=4, **section))
     for p in model.parameters():
         if p.requires_grad:
@@ -355,6 +366,7 @@ def _adapted_blocks(kind, adapters, **spec_kw):
         lora_type=section.get("type", "lora"),
         lora_factor=section.get("factor", -1),
         lora_decompose_both=section.get("decompose_both", False),
+        base_quant=None if quant == "none" else quant,
         stage=3 if adapters == torch.float32 else 2,
         device="cpu",
         **spec_kw,
@@ -371,7 +383,7 @@ def test_adapted_block_saved_bytes_match_autograd(kind, adapters):
     adapters' per-token additions (lora_block_saved) and their per-block ones (adapter_block_fixed)."""
     model, blocks, inputs, spec = _adapted_blocks(kind, adapters)
     cfg, B, I, T = spec.model, 2, spec.img_tokens, spec.txt_len
-    params = list(model.parameters())
+    params = list(model.parameters()) + list(model.buffers())  # a quantized base's weights are buffers
     got = tuple(saved_bytes(block, args, params + list(args)) for block, args in blocks)
     frozen = (
         sum(memory.double_block_saved(cfg, I, T, 2, device="cpu", frozen=True).values()),
@@ -395,7 +407,7 @@ def test_adapted_block_selective_kept_bytes_match_measurement(kind, adapters):
     for (block, args), want in zip(
         blocks, (2 * a["selective_double"] + fixed[0], 2 * a["selective_single"] + fixed[1])
     ):
-        live = LiveBytes(list(model.parameters()) + inputs)
+        live = LiveBytes(list(model.parameters()) + list(model.buffers()) + inputs)
         with live.mode:
             out = block(*args)
         outputs = out if isinstance(out, tuple) else (out,)
