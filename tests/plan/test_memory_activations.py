@@ -328,6 +328,13 @@ ADAPTERS = {  # name: lora section; LoKr's w2 (and with decompose_both w1) produ
     # and under the selective policy the _scaled_mm outputs kept like any linear's
     "lora-fp8-matmul": {"base_quant": "fp8-matmul"},
 }
+# (kind, adapter dtype): fp32 adapters are ZeRO-3's, which refuses a quantized base, so a quantized kind has bf16 only
+ADAPTER_CASES = [
+    pytest.param(kind, dtype, id=f"{kind}-{str(dtype).split('.')[-1]}")
+    for kind in ADAPTERS
+    for dtype in (torch.bfloat16, torch.float32)
+    if dtype == torch.bfloat16 or "base_quant" not in ADAPTERS[kind]
+]
 
 
 def _adapted_blocks(kind, adapters, **spec_kw):
@@ -343,8 +350,6 @@ def _adapted_blocks(kind, adapters, **spec_kw):
     model = build_model(cfg, dtype=torch.bfloat16)
     section = {"targets": "all-linear", **ADAPTERS[kind]}
     quant = section.get("base_quant", "none")
-    if quant != "none" and adapters == torch.float32:
-        pytest.skip("fp32 adapters are ZeRO-3's, which refuses a quantized base")
     if quant != "none":
         for name, m in list(model.named_modules()):
             if quantizes(name, m):
@@ -376,8 +381,7 @@ def _adapted_blocks(kind, adapters, **spec_kw):
     return model, blocks, [img, txt, vec, pe, x], spec
 
 
-@pytest.mark.parametrize("adapters", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("kind", ADAPTERS)
+@pytest.mark.parametrize("kind,adapters", ADAPTER_CASES)
 def test_adapted_block_saved_bytes_match_autograd(kind, adapters):
     """What autograd saves in an adapted block against the memory model: the frozen block's saved set, the
     adapters' per-token additions (lora_block_saved) and their per-block ones (adapter_block_fixed)."""
@@ -393,8 +397,7 @@ def test_adapted_block_saved_bytes_match_autograd(kind, adapters):
     assert got == tuple(B * (f + t) + x for f, t, x in zip(frozen, per_token, fixed))
 
 
-@pytest.mark.parametrize("adapters", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("kind", ADAPTERS)
+@pytest.mark.parametrize("kind,adapters", ADAPTER_CASES)
 def test_adapted_block_selective_kept_bytes_match_measurement(kind, adapters):
     """What an adapted block checkpointed with the selective policy keeps from forward to backward (as
     test_selective_kept_bytes_match_measurement measures it), against the memory model's per-sample selective
