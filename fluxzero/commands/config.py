@@ -326,7 +326,7 @@ def apply_fit(
         nodes = nodes or 1
     else:  # one GPU unless told otherwise, as `fluxzero estimate` assumes
         nodes, gpus_per_node = 1, world_size or 1
-    capacity = gpu_memory_from(request["gpu"], request["gpu_memory"])
+    capacity = gpu_memory_from(request["gpu"], request["gpu_memory"], request["base_quant"])
     if capacity is None:
         raise click.UsageError("--fit needs the GPU memory: give --gpu NAME or --gpu-memory GIB")
     try:

@@ -487,7 +487,7 @@ def estimate(
         weights,
         **values,
     )
-    capacity = gpu_memory_from(gpu, gpu_memory)
+    capacity = gpu_memory_from(gpu, gpu_memory, values["base_quant"])
     hw = None
     if capacity is not None:
         hw = memory.Hardware(capacity, host_memory, nodes, gpus_per_node)

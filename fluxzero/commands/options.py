@@ -62,9 +62,14 @@ def parse_lora_targets(value: str):
     return tuple(t.strip() for t in value.split(",") if t.strip())
 
 
-def gpu_memory_from(gpu: str | None, gpu_memory: float | None) -> float | None:
+def gpu_memory_from(gpu: str | None, gpu_memory: float | None, base_quant: str | None = None) -> float | None:
+    """The GPU memory --gpu NAME or --gpu-memory gives; a UsageError for both, or for a --gpu that cannot train
+    `base_quant` (fp8-matmul needs FP8 tensor cores)."""
     if gpu is not None and gpu_memory is not None:
         raise click.UsageError("give the GPU memory one way only: --gpu NAME or --gpu-memory GIB")
+    problem = memory.gpu_quant_problem(gpu, base_quant)
+    if problem:
+        raise click.UsageError(problem)
     return memory.GPU_MEMORY_GIB[gpu] if gpu is not None else gpu_memory
 
 

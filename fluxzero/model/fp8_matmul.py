@@ -39,6 +39,11 @@ def device_problem(device: torch.device | str) -> str | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
+    if torch.version.hip:  # ROCm's FP8 GPUs (MI300) multiply e4m3fnuz, another variant than this layer's e4m3fn
+        return (
+            "lora.base_quant fp8-matmul multiplies NVIDIA's FP8 (e4m3fn), which this ROCm GPU does not; use "
+            "lora.base_quant: fp8 (weight-only) or int8 instead"
+        )
     return capability_problem(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))
 
 

@@ -45,6 +45,20 @@ GPU_MEMORY_GIB = {
     "rtx4080": 15.7,
     "mi300x": 191.5,
 }
+# The --gpu names with FP8 tensor cores that lora.base_quant fp8-matmul multiplies on (NVIDIA compute capability
+# 8.9+: Ada, Hopper; fluxzero.model.fp8_matmul.MIN_CAPABILITY). The others: A100 8.0, A6000 and RTX 3090 8.6, and
+# MI300X, whose FP8 is another e4m3 variant (e4m3fnuz) than the layer's.
+GPU_FP8_MATMUL = frozenset({"h200", "h100", "l40s", "rtx4090", "rtx4080"})
+
+
+def gpu_quant_problem(gpu: str | None, base_quant: str | None) -> str | None:
+    """One sentence saying why `--gpu gpu` cannot train a `base_quant` base, or None where it can (or no --gpu)."""
+    if gpu is None or base_quant != "fp8-matmul" or gpu in GPU_FP8_MATMUL:
+        return None
+    return (
+        f"--base-quant fp8-matmul needs FP8 tensor cores (Ada or Hopper: {', '.join(sorted(GPU_FP8_MATMUL))}), "
+        f"which --gpu {gpu} lacks; use --base-quant fp8 (weight-only) or int8"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------

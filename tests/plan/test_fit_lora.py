@@ -90,6 +90,21 @@ def test_estimate_base_quant_refusals(args, word):
     assert r.exit_code == 2 and word in r.output and "Traceback" not in r.output
 
 
+@pytest.mark.parametrize("command", ["estimate", "gen-config"])
+def test_fp8_matmul_base_on_a_gpu_without_fp8_tensor_cores_is_refused(command, tmp_path):
+    """--gpu names a card: fp8-matmul is refused on one without FP8 tensor cores (A100) in one sentence that names
+    the kinds it can take, and accepted on an Ada card (RTX 4090)."""
+    fit = ["--fit", "--world-size", "1", "-o", str(tmp_path / "ds.json")] if command == "gen-config" else []
+    args = [command, *fit, "--lora-rank", "16", "--base-quant", "fp8-matmul", "--gpu"]
+    r = CliRunner().invoke(main, [*args, "a100-80"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "--base-quant fp8-matmul needs FP8 tensor cores" in r.output and "--gpu a100-80 lacks" in r.output
+    assert "use --base-quant fp8 (weight-only) or int8" in r.output
+    r = CliRunner().invoke(main, [*args, "rtx4090"])
+    assert r.exit_code == 0 and "FP8 tensor cores" not in r.output, r.output
+    assert memory.GPU_FP8_MATMUL.issubset(memory.GPU_MEMORY_GIB)  # every card it names is one --gpu takes
+
+
 def test_estimate_says_what_fits_instead_and_the_next_command():
     r = CliRunner().invoke(main, ["estimate", "--gpu", "rtx4090", "--lora-rank", "16", "--zero-stage", "2"])
     assert r.exit_code == 0 and "DOES NOT FIT" in r.output
