@@ -44,6 +44,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -412,6 +413,8 @@ def _gen_config(case: Case, path: Path) -> dict:
 def run_case(case: Case, cap: float, work: Path, profile_step: int | None = None) -> dict:
     """One case in its own process; the row of what it measured (or how it failed)."""
     work.mkdir(parents=True, exist_ok=True)
+    # an earlier run of the case in this --workdir left its metrics.jsonl: its rows would be read as this run's
+    shutil.rmtree(work / "run", ignore_errors=True)
     row = {
         "case": case.name,
         "model": case.model,
