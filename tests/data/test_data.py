@@ -213,6 +213,35 @@ def test_workers_match_in_process(shard_dir):
     assert [t["index"].tolist() for t in loader] == [t["index"].tolist() for t in ref][2:]
 
 
+def test_threads_started_after_the_first_batch_get_the_loaders_thread_count():
+    """A pin-memory thread's torch.set_num_threads(1) (DataLoader does it when its thread starts) sets the count
+    that threads started later take, autograd's CUDA device thread among them: compiled blocks recomputed there
+    compiled a second time. After the first batch the loader hands new threads this thread's count again."""
+    import threading
+
+    def new_thread_count() -> int:
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        return seen[0]
+
+    before = torch.get_num_threads()
+    loader = build_dataloader("synthetic:n=4,hw=4x4,txt=3,ctx=64,vec=32", micro_batch=1, rank=0, world_size=1, seed=0)
+    try:
+        torch.set_num_threads(2 if before == 1 else before)
+        main = torch.get_num_threads()
+        pin = threading.Thread(target=torch.set_num_threads, args=(1,))  # what the pin-memory thread does
+        pin.start()
+        pin.join()
+        assert new_thread_count() == 1  # the leak this guards against
+        next(iter(loader))
+        assert torch.get_num_threads() == main
+        assert new_thread_count() == main
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_model_fit(shard_dir):
     from fluxzero.config import get_model_config
 
