@@ -323,7 +323,8 @@ def header(rows: list[dict]) -> str:
         + [
             "",
             f"MFU over the bf16 matmul peak ({sizes}) measured at the start of each row's own sweep (column above); "
-            "model FLOPs = 3 x ModelConfig.flops_per_sample, recompute excluded.",
+            "model FLOPs = ModelConfig.train_flops_per_sample (3x the forward; a LoRA's frozen linears 2x), "
+            "recompute excluded.",
             f"fluxzero engine: {'; '.join(apis) or '-'}. DeepSpeed config: {'; '.join(srcs)}.",
             "Step time = median of the timed steps (synchronised), their range in brackets; memory = max over ranks. "
             "Rows of a sweep with parallel > 1 may have run beside another case (one GPU each, shared host).",

@@ -25,9 +25,11 @@ on_phase hook (no sync inside a step) split the time into data (next(loader) + p
 forward (incl. loss), backward (incl. the loss reduction over ranks, one host sync), optimizer step.
 FLOPs: ModelConfig.flops_per_sample(img_tokens, txt_tokens) is the forward cost of one sample (every
 linear layer on its real tokens, attention's two matmuls, per-sample modulation once). Training costs
-3x that (backward = 2x forward); recomputation by activation checkpointing is NOT counted, so MFU is
-"useful" work: MFU = 3 * F * micro_batch / step_time / peak, per GPU, with peak the bf16 dense matmul
-rate (8192^3, median of 20) measured once at the start of the same sweep.
+ModelConfig.train_flops_per_sample: 3x that (backward = 2x forward), and for a LoRA 2x on the frozen linears (no
+weight gradient) with attention still 3x (rows before 2026-12-05 counted 3x for a LoRA too);
+recomputation by activation checkpointing is NOT counted, so MFU is "useful" work: MFU = training FLOPs *
+micro_batch / step_time / peak, per GPU, with peak the bf16 dense matmul rate (8192^3, median of 20) measured
+once at the start of the same sweep.
 A row whose engine skipped steps (overflow / non-finite gradients) or whose loss or gradient norm went
 non-finite is marked invalid: its speed is not a training speed.
 --profile adds one step under torch.profiler per case (row "profile": GPU time by kernel category).
@@ -755,12 +757,13 @@ def run_case(case: Case, phase: _Phase) -> dict:
     # tokens as the loader delivered them (shards: the bucket of the last timed step; synthetic: the case's)
     img_tokens, txt_tokens = timed[-1]["img_tokens"], timed[-1]["txt_tokens"]
     flops = model_cfg.flops_per_sample(img_tokens, txt_tokens)
+    step_flops = model_cfg.train_flops_per_sample(img_tokens, txt_tokens, frozen_linears=bool(case.lora))
     losses = [x for m in everyone for x in m["losses"]]
     skipped_all = max(m["skipped_steps"] for m in everyone)
     norms = [x for m in everyone for x in m["grad_norms"] if x is not None]
     finite = all(math.isfinite(x) for x in losses + norms)
     peak = float(os.environ.get("FLUXZERO_BENCH_PEAK_TFLOPS", "0")) or None
-    tflops = 3 * flops * case.mb / step_s / 1e12
+    tflops = step_flops * case.mb / step_s / 1e12
     return {
         "rank": 0,
         "ok": True,

@@ -194,6 +194,21 @@ def flops_per_sample(cfg, img_tokens: int, txt_tokens: int) -> float:
     return float(cfg.depth * block(double_block(cfg)) + cfg.depth_single_blocks * block(single_block(cfg)) + outside)
 
 
+def train_flops_per_sample(cfg, img_tokens: int, txt_tokens: int, frozen_linears: bool = False) -> float:
+    """Model FLOPs of one sample's training step, forward and backward; what MFU divides by the peak.
+
+    Attention costs 3x its forward (the backward's four matmuls against the forward's two). A trained linear costs
+    3x (forward, input gradient, weight gradient); with `frozen_linears` (a LoRA's frozen base) 2x, having no weight
+    gradient: the adapters' own rank-r matmuls (under 1% at rank 16) and the embedders' unneeded input gradients
+    are left out. Recompute by activation checkpointing is not counted: this is the useful work.
+    """
+    forward = flops_per_sample(cfg, img_tokens, txt_tokens)
+    if not frozen_linears:
+        return 3 * forward
+    attention = (cfg.depth + cfg.depth_single_blocks) * attention_flops(cfg, img_tokens + txt_tokens)
+    return 2 * forward + attention  # 2 x (forward - attention) + 3 x attention
+
+
 def reference_tokens(cfg, target_tokens: int) -> int:
     """Reference image tokens a model takes beside a target of `target_tokens` (FLUX.1 Kontext: the reference,
     cached at the target's size; 0 for the others)."""

@@ -102,6 +102,11 @@ class ModelConfig:
         fluxzero.config.architecture.flops_per_sample says what is counted."""
         return architecture.flops_per_sample(self, img_tokens, txt_tokens)
 
+    def train_flops_per_sample(self, img_tokens: int, txt_tokens: int, frozen_linears: bool = False) -> float:
+        """FLOPs of one sample's training step (forward and backward; 2x instead of 3x for a LoRA's frozen
+        linears): fluxzero.config.architecture.train_flops_per_sample."""
+        return architecture.train_flops_per_sample(self, img_tokens, txt_tokens, frozen_linears)
+
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -48,7 +49,7 @@ class Run:
     stop: int  # this start stops after this step (stop_after)
     done: int  # optimizer steps done (from the checkpoint on a resume)
     last_ckpt: str | None  # the last complete checkpoint this process knows of (rank 0 chose the resumed one)
-    flops_per_sample: object
+    train_flops: object  # (img_tokens, txt_tokens) -> FLOPs of one sample's training step
     dtype: torch.dtype
     step: object = None  # the TrainStep
     ema: object = None  # ShardedEMA, when the run file has an ema: section
@@ -147,7 +148,7 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
         min(total, cfg.stop_after) if cfg.stop_after else total,
         start,
         str(ckpt_dir / tag) if tag else None,
-        model_cfg.flops_per_sample,
+        functools.partial(model_cfg.train_flops_per_sample, frozen_linears=cfg.lora is not None),
         dtype,
     )
     run.compiled = v.compiles_blocks(device.type, cfg.lora is not None)
@@ -350,7 +351,7 @@ def train(cfg: TrainConfig, allow_config_change: bool = False) -> dict:
             run.total,
             run.done,
             run.view.global_batch,
-            run.flops_per_sample,
+            run.train_flops,
             run.dtype,
         )
         distributed.graceful_stops(True)  # SIGTERM / SIGUSR1 now mean: checkpoint at the next step boundary

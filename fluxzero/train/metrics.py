@@ -118,14 +118,15 @@ class Metrics:
         total_steps: int,
         start_step: int,
         global_batch: int,
-        flops_per_sample,
+        train_flops,
         dtype: torch.dtype,
     ):
-        """flops_per_sample(img_tokens, txt_tokens) -> forward FLOPs of one sample (ModelConfig's method)."""
+        """train_flops(img_tokens, txt_tokens) -> FLOPs of one sample's training step (ModelConfig's
+        train_flops_per_sample), the work that MFU counts."""
         self.rank, self.world_size, self.device = rank, world_size, device
         self.global_batch = global_batch
         self.peak = peak_flops(device, dtype)
-        self.flops_per_sample = flops_per_sample
+        self.train_flops = train_flops
         self._t, self._dt = time.perf_counter(), None
         self.writer = self.jsonl = self.bar = None
         if rank == 0:
@@ -215,8 +216,8 @@ class Metrics:
             "peak_memory_gb_per_rank": mems,
             **(extra or {}),
         }
-        if self.peak and self.flops_per_sample:  # the batch's bucket sets the tokens, hence the FLOPs
-            flops = 3 * self.flops_per_sample(img_tokens, txt_tokens)
+        if self.peak and self.train_flops:  # the batch's bucket sets the tokens, hence the FLOPs
+            flops = self.train_flops(img_tokens, txt_tokens)
             record["mfu"] = flops * record["samples_per_s"] / (self.peak * self.world_size)
         if self.writer is not None:
             _writing(self._what["writer"], self._add_scalars, record, times, mems, step)

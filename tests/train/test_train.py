@@ -137,7 +137,7 @@ def test_progress_bar_shows_the_loss_of_the_step_it_counts(tmp_path, monkeypatch
         total_steps=3,
         start_step=0,
         global_batch=1,
-        flops_per_sample=None,
+        train_flops=None,
         dtype=torch.float32,
     )
     m.bar.mininterval = 0  # draw at every update, as a step slower than 0.1 s does
