@@ -139,7 +139,8 @@ SETS = {
             fit=["--gpu-memory", "24", "--host-memory", "128", "--lora-rank", "16", "--resolution", "1024"],
         ),
         Case("fit-lora16-512px-16gb", [], fit=["--gpu-memory", "16", "--host-memory", "128", "--lora-rank", "16"]),
-        # the 24 GB LoRA on an fp8-matmul base (FP8 matmuls, opt-in: --fit models it only when pinned)
+        # the 24 GB LoRA on an fp8-matmul base (FP8 matmuls): what --fit chooses for --gpu rtx4090; --gpu-memory
+        # leaves the GPU unknown (no FP8 tensor cores assumed), so it is pinned here
         Case(
             "fit-lora16-512px-24gb-fp8mm",
             [],

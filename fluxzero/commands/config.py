@@ -259,7 +259,8 @@ FIT_OPTIONS = [
         show_default=True,
         help="With --lora-rank: the frozen base quantized (int8 or fp8, torchao weight-only; fp8-matmul, FP8 "
         "matmuls on an Ada or Hopper GPU; the run file's lora.base_quant, which the printed next step names); "
-        "auto lets --fit choose int8 when the bf16 base does not fit (without --fit: none).",
+        "auto lets --fit choose int8 when the bf16 base does not fit, and fp8-matmul on a --gpu with FP8 tensor "
+        "cores where the bf16 base would be streamed or offloaded (without --fit: none).",
     ),
     click.option(
         "--fit",
@@ -338,7 +339,13 @@ def apply_fit(
         ema = options.ema_section(request["fit_ema"], request["fit_ema_device"])
         run = {"height": h, "width": w, "txt_len": request["txt_len"], **memory.section_fields(lora, ema)}
         req = memory.FitRequest(
-            memory.Hardware(capacity, request["host_memory"], nodes, gpus_per_node),
+            memory.Hardware(
+                capacity,
+                request["host_memory"],
+                nodes,
+                gpus_per_node,
+                fp8_matmul=request["gpu"] in memory.GPU_FP8_MATMUL,
+            ),
             run,
             margin=request["margin"],
             max_micro_batch=request["max_micro_batch"],

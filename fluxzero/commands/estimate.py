@@ -490,7 +490,7 @@ def estimate(
     capacity = gpu_memory_from(gpu, gpu_memory, values["base_quant"])
     hw = None
     if capacity is not None:
-        hw = memory.Hardware(capacity, host_memory, nodes, gpus_per_node)
+        hw = memory.Hardware(capacity, host_memory, nodes, gpus_per_node, fp8_matmul=gpu in memory.GPU_FP8_MATMUL)
     est = memory.estimate(spec)
     # the table's other stages: gen-config's defaults, unless a config file fixes the settings for all rows
     zero_by_stage = None if ds_path else {st: memory.gen_config_zero(model, st) for st in range(4)}

@@ -99,6 +99,9 @@ class Hardware:
     host_memory_gib: float | None = None  # per node; None = do not check
     nodes: int = 1
     gpus_per_node: int = 1
+    # FP8 tensor cores (a --gpu in GPU_FP8_MATMUL): fit may then choose a LoRA's fp8-matmul base; False where the
+    # GPU is unknown (--gpu-memory alone)
+    fp8_matmul: bool = False
 
     def __post_init__(self):
         if self.gpu_memory_gib <= 0:
@@ -141,6 +144,18 @@ PCIE_BYTES_PER_S = 44e9
 
 
 STREAM_TOLERANCE = 0.9
+
+# Why fp8-matmul beats the streamed bf16 base, as the reason text cites it. Measured on one NVIDIA H200, 2026-12-05,
+# torch 2.11.0+cu130, deepspeed 0.19.8: `benchmarks/capped_runs.py --set fit --cases
+# fit-lora16-512px-24gb-fp8mm,fit-lora16-512px-24gb --memory-cap-gib 23.6 --steps 12 --warmup 4` (FLUX.1-dev rank-16
+# LoRA, 512 px, micro batch 8, every block checkpointed, allocator capped at 23.6 GiB): the fp8-matmul base (ZeRO-0,
+# nothing streamed) 7.39 samples/s, peak 18.68 GiB allocated (predicted 18.60), host RSS 2.7 GiB; the bf16 base with
+# its last 40 blocks streamed (what --fit writes for --gpu-memory 24) 6.31 samples/s, 18.92 GiB, host RSS 14.2 GiB.
+FP8_MATMUL_MEASURED = (
+    "measured 7.39 samples/s and 2.7 GiB host RSS against 6.31 and 14.2 GiB for the bf16 base with its last 40 "
+    "blocks streamed (FLUX.1-dev rank-16 LoRA, 512 px, micro batch 8, every block checkpointed, 23.6 GiB cap; one "
+    "NVIDIA H200, 2026-12-05, torch 2.11.0+cu130, deepspeed 0.19.8; benchmarks/RESULTS.md)"
+)
 
 # The share of a block's forward time that selective checkpointing recomputes: the pointwise ops and row reductions
 # (norms, modulation, RoPE, GELU, gates), memory-bound next to the matmuls and attention it keeps. Assumed, for the
@@ -296,7 +311,7 @@ def _row_label(st: int, oo: str, op: str, mode: str | None, quant: str | None) -
     return zero_label(st, oo, op) + (f", optimizer mode {mode}" if mode else "") + (f", {quant} base" if quant else "")
 
 
-def fit(  # noqa: C901
+def fit(
     base: RunSpec,
     hw: Hardware,
     margin: float = 0.10,
@@ -327,7 +342,73 @@ def fit(  # noqa: C901
     the RunSpec fields of the very config that row would be written as (gen-config builds it and reads it back
     with run_options_from_ds_config), or raises ValueError when it cannot be written (the row is skipped with
     that reason): what is modelled is what is written.
+
+    On a GPU with FP8 tensor cores (`hw.fp8_matmul`) a plain LoRA whose base quantization is not pinned gets the
+    fp8-matmul base (nothing streamed) where the choice above streams blocks of the bf16 base, offloads its
+    parameters, quantizes it weight-only (int8) or finds nothing, and the fp8-matmul base fits (against a streamed
+    bf16 base: at no smaller micro batch, the measured comparison's terms, FP8_MATMUL_MEASURED). A bf16 base that
+    fits whole stays: the reference numerics.
     """
+    search = dict(
+        margin=margin,
+        max_micro_batch=max_micro_batch,
+        micro_batches=micro_batches,
+        fixed=fixed,
+        zero_by_stage=zero_by_stage,
+        allow_nvme=allow_nvme,
+        modes=modes,
+        settings_for=settings_for,
+    )
+    first = _fit(base, hw, quants=quants, **search)
+    fixed = fixed or {}
+    if (
+        not hw.fp8_matmul
+        or not base.lora_rank
+        or base.lora_type != "lora"  # the trainer quantizes the base under a plain LoRA only
+        or "base_quant" in fixed
+        or fixed.get("offload_blocks")  # streaming pinned: the bf16 base
+        or "fp8-matmul" in quants
+    ):
+        return first
+    o = first.options
+    if first.spec is None:
+        over = "nothing else fitting (neither the bf16 nor a weight-only quantized base)"
+    elif o["offload_blocks"]:
+        over = f"the bf16 base with its last {o['offload_blocks']} blocks streamed from host memory"
+    elif o["offload_param"] != "none":
+        over = f"the bf16 base with parameter offload {o['offload_param']}"
+    elif o["base_quant"]:
+        over = f"the {o['base_quant']} base (weight-only, dequantized for each matmul)"
+    else:
+        return first  # the bf16 base fits whole
+    why = (
+        f"chosen on an FP8 GPU over {over}: {FP8_MATMUL_MEASURED}; --base-quant none keeps the bf16 base, "
+        "--base-quant int8 the int8 base"
+    )
+    fp8 = _fit(base, hw, quants=("fp8-matmul",), quant_reason=why, **search)
+    if fp8.spec is None or (o.get("offload_blocks") and fp8.spec.micro_batch < first.spec.micro_batch):
+        return first
+    lines = first.reason.split("\n") if first.spec is not None else []
+    kept = lines[: next((i for i, line in enumerate(lines) if line.startswith("chose ")), 0)]  # its rejections
+    return dataclasses.replace(fp8, reason="\n".join(kept + [fp8.reason]))
+
+
+def _fit(  # noqa: C901
+    base: RunSpec,
+    hw: Hardware,
+    margin: float = 0.10,
+    max_micro_batch: int = 16,
+    micro_batches: tuple[int, ...] | None = None,
+    fixed: dict | None = None,
+    zero_by_stage: dict[int, ZeroSettings] | None = None,
+    allow_nvme: bool = True,
+    modes: tuple[str | None, ...] = (None,),
+    settings_for=None,
+    quants: tuple[str | None, ...] = (None, "int8"),
+    quant_reason: str | None = None,
+) -> FitResult:
+    """fit's search over the rows of the base quantizations `quants`; `quant_reason` says why an unpinned quantized
+    base was chosen (default: the bf16 base does not fit without parameter offload)."""
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     fixed = dict(fixed or {})
@@ -465,7 +546,7 @@ def fit(  # noqa: C901
             why = (
                 "pinned by --base-quant"
                 if pinned_quant
-                else "the bf16 base does not fit without parameter offload, which is slower"
+                else quant_reason or "the bf16 base does not fit without parameter offload, which is slower"
             )
             reason.append(
                 f"{quant} base: set lora.base_quant: {quant} in the run file ({BASE_QUANT_MATMUL[quant]}{needs}); "
@@ -775,8 +856,9 @@ GEN_CONFIG_PINS = {option: name for option, name in OPTION_FIELDS.items() if nam
 # GPU instances give 60-250 GB per GPU. Without --host-memory a choice that needs more says so on its last line.
 COMMON_HOST_GIB_PER_GPU = 64
 # --base-quant: the run file's lora.base_quant kinds, or auto: --fit chooses int8 for a LoRA when bf16 does not fit
-# (fp8 is the same size with fewer mantissa bits, so --fit never prefers it; fp8-matmul's speed is not measured yet
-# and it needs an Ada or Hopper GPU, so --fit does not choose it either; pinned, each is modelled as asked)
+# (fp8 is the same size with fewer mantissa bits, so --fit never prefers it), and on a GPU with FP8 tensor cores
+# (Hardware.fp8_matmul) fp8-matmul where the bf16 base would be streamed or offloaded, or int8 chosen (fit,
+# FP8_MATMUL_MEASURED); a bf16 base that fits whole stays, the reference numerics. Pinned, each is modelled as asked.
 BASE_QUANT_CHOICES = ("auto", *BASE_QUANTS)
 
 
