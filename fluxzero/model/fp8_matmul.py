@@ -13,6 +13,8 @@ the dequantized copy lives for one linear's backward at a time.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -44,7 +46,28 @@ def device_problem(device: torch.device | str) -> str | None:
             "lora.base_quant fp8-matmul multiplies NVIDIA's FP8 (e4m3fn), which this ROCm GPU does not; use "
             "lora.base_quant: fp8 (weight-only) or int8 instead"
         )
-    return capability_problem(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))
+    name = torch.cuda.get_device_name(device)
+    return capability_problem(torch.cuda.get_device_capability(device), name) or _probe(device, name)
+
+
+@functools.cache
+def _probe(device: torch.device, name: str = "this device") -> str | None:
+    """Run one small layer as training will (row-wise scales, bias in the epilogue): None when it works, else one
+    sentence. An FP8 GPU is not enough: torch's row-wise _scaled_mm kernels came to Ada later than to Hopper, and
+    the first forward would otherwise fail minutes into a run, after the model loaded."""
+    try:
+        x = torch.linspace(-1, 1, 256, device=device, dtype=torch.bfloat16).reshape(16, 16)
+        codes, scale = quantize_rows(x)
+        y = fp8_linear(x, codes, scale.reshape(-1), torch.zeros(16, device=device, dtype=torch.bfloat16))
+        if not torch.isfinite(y).all():
+            raise RuntimeError("a non-finite result")
+    except RuntimeError as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return (
+            f"lora.base_quant fp8-matmul: torch {torch.__version__} cannot multiply FP8 with row-wise scales on "
+            f"{name} ({why}); use a newer torch, or lora.base_quant: fp8 (weight-only) or int8 instead"
+        )
+    return None
 
 
 def quantize_rows(t: Tensor) -> tuple[Tensor, Tensor]:

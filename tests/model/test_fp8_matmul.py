@@ -119,6 +119,31 @@ def test_a_gpu_without_fp8_matmuls_is_refused_in_one_sentence(capability, ok):
     )
 
 
+def test_the_startup_probe_runs_the_layer_and_says_what_to_change_when_torch_cannot(monkeypatch):
+    """An FP8 GPU whose torch has no row-wise _scaled_mm kernel for it fails at startup in one sentence, not at the
+    first forward minutes later. The probe runs the real layer (here on the CPU, which has the kernel); the
+    missing kernel is stood in for by a _scaled_mm that raises as torch does."""
+    from fluxzero.model import fp8_matmul
+
+    fp8_matmul._probe.cache_clear()
+    assert fp8_matmul._probe(torch.device("cpu")) is None
+
+    def missing(*args, **kwargs):
+        raise RuntimeError("Only sm90+ supports row-wise scaling\n(further lines)")
+
+    monkeypatch.setattr(torch, "_scaled_mm", missing)
+    fp8_matmul._probe.cache_clear()
+    try:
+        msg = fp8_matmul._probe(torch.device("cpu"), "NVIDIA GeForce RTX 4090")
+    finally:
+        fp8_matmul._probe.cache_clear()
+    assert msg == (
+        f"lora.base_quant fp8-matmul: torch {torch.__version__} cannot multiply FP8 with row-wise scales on NVIDIA "
+        "GeForce RTX 4090 (Only sm90+ supports row-wise scaling); use a newer torch, or lora.base_quant: fp8 "
+        "(weight-only) or int8 instead"
+    )
+
+
 def test_peft_wraps_it_as_a_plain_linear_whose_adapters_train():
     pytest.importorskip("peft")
     from fluxzero.config import LoraConfig
