@@ -7,6 +7,7 @@ Pure Python (no torch, no deepspeed).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from fluxzero.config import architecture, optim_modes
@@ -87,8 +88,10 @@ class ParamInventory:
         return max(self.sub_group_sizes(world_size, sub_group_size), default=0)
 
 
+@functools.lru_cache(maxsize=16)
 def param_inventory(cfg: ModelConfig) -> ParamInventory:
-    """The inventory of a model of shape `cfg`, from fluxzero.config.architecture's table."""
+    """The inventory of a model of shape `cfg`, from fluxzero.config.architecture's table (cached: --fit estimates
+    hundreds of configurations of one model, and walking its ~1,000 modules each time was most of its time)."""
     double, single = architecture.double_block(cfg), architecture.single_block(cfg)
     outside = architecture.outside_blocks(cfg)
     modules = [lay for _, lay in architecture.layers(cfg)]  # ZeRO-3 cuts its optimizer sub-groups along this order
