@@ -17,6 +17,9 @@ from tests.helpers import ROOT, plain_losses, tiny_ds, train_ok
 torchao = pytest.importorskip("torchao")
 
 DATA = "synthetic:n=4,hw=16x16,txt=16,ctx=64,vec=32"
+# the loss curves: 16 image tokens a sample, since torch's CPU _scaled_mm with tensor-wide scales runs ~50 ms a call at
+# 64 (1,200 calls: two minutes of CI), against 4 ms here
+CURVE_DATA = "synthetic:n=4,hw=8x8,txt=16,ctx=64,vec=32"
 
 
 def test_gen_config_writes_the_fp8_recipe_and_check_refuses_a_bad_one():
@@ -40,7 +43,7 @@ def _losses(fp8: bool, steps: int = 20) -> list[float]:
             apply_fp8(model, "tensorwise") == 20
         )  # attention and MLP layers: 2 double blocks x 8 + 2 single blocks x 2
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    return plain_losses(model, opt, DATA, steps, seed=3)
+    return plain_losses(model, opt, CURVE_DATA, steps, seed=3)
 
 
 def _worst_layer_error(broken_scale: bool = False) -> float:
@@ -88,10 +91,10 @@ def _gap(a: list[float], b: list[float]) -> float:
 
 def test_fp8_trains_like_bf16():
     bf16, fp8 = _losses(False), _losses(True)
-    # measured on CPU (torch 2.13, torchao 0.18): the smoothed curves differ by under 2% of the loss; the bound
-    # leaves room for other hardware's accumulation order
+    # measured on CPU (torch 2.13, torchao 0.18): the smoothed curves differ by 0.03% of the loss (2% with 64 image
+    # tokens a sample); the bound leaves room for other hardware's accumulation order
     assert _gap(fp8, bf16) < 0.05, (fp8, bf16)
-    assert fp8[-1] < 0.9 * fp8[0]  # it learns (to 0.86 of the first loss in 20 steps on CPU)
+    assert fp8[-1] < 0.9 * fp8[0]  # it learns (to 0.78 of the first loss in 20 steps on CPU)
 
 
 def test_fp8_layers_match_bf16_and_a_broken_scale_does_not():
