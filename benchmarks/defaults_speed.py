@@ -354,12 +354,19 @@ def run_peer(name: str, work: Path, timeout: float) -> dict:
             status=r.get("status", "ok"),
             samples_per_s=round(r["samples_per_s"], 3),
             mfu_measured_peak=r.get("mfu"),
-            peak_allocated_gb=r.get("peak_allocated_gb") or r.get("peak_mem_gb"),
+            peak_allocated_gb=_sweep_peak_gb(r),
         )
     else:
         row.update(status="failed", log_tail=(p.stdout + p.stderr).strip().splitlines()[-3:])
     del out
     return row
+
+
+def _sweep_peak_gb(row: dict) -> float | None:
+    """The largest rank's peak allocated memory of a sweep row (peak_alloc_gib, one value per rank) in GB, as the
+    trainer's rows give theirs; None off CUDA. (Peer rows read other keys before 2026-12-05 and recorded None.)"""
+    peaks = [x for x in row.get("peak_alloc_gib") or [] if x is not None]
+    return round(max(peaks) * 2**30 / 1e9, 3) if peaks else None
 
 
 def _cuda() -> bool:

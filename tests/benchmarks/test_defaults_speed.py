@@ -37,3 +37,10 @@ def test_every_peer_case_is_a_sweep_command_and_every_set_names_known_cases():
     assert sweep.parse_args(["--impl", "diffusers", "--res", "512", *ds.PEERS["peer:lora-1024-mb1"]]).res == [1024]
     for name, cases in ds.SETS.items():
         assert set(cases) <= set(ds.CASES) | set(ds.PEERS), name
+
+
+def test_a_peer_row_records_the_largest_rank_peak_the_sweep_wrote():
+    # benchmarks/sweep.py writes peak_alloc_gib, one value per rank (None off CUDA); the peer rows read other keys
+    # before and recorded no peak at all
+    assert ds._sweep_peak_gb({"peak_alloc_gib": [60.0, 61.5]}) == round(61.5 * 2**30 / 1e9, 3)
+    assert ds._sweep_peak_gb({"peak_alloc_gib": [None]}) is None
