@@ -5,6 +5,7 @@ both fed the same batches by the trainer's loader.
     PYTHONPATH=. python3 benchmarks/bucketed_speed.py --out $OUT/bucketed.jsonl                  # 512 px, 200 steps
     PYTHONPATH=. python3 benchmarks/bucketed_speed.py --res 1024 --out $OUT/bucketed.jsonl
     PYTHONPATH=. python3 benchmarks/bucketed_speed.py --micro-batch 8 --out $OUT/b.jsonl   # an 80 GB card
+    PYTHONPATH=. python3 benchmarks/bucketed_speed.py --bucket-step 64 --out $OUT/b.jsonl  # token counts % 16 == 0
     PYTHONPATH=. python3 benchmarks/bucketed_speed.py --workloads tiny --steps 4 --out /tmp/b.jsonl   # CPU, flux-tiny
 
 Workloads (WORKLOADS): `lite` is flux-dev-lite (the benchmark model) trained in full, `lora` a rank-16 LoRA on
@@ -80,13 +81,18 @@ def text_tokens(model: str) -> int:
     return 16 if model == "flux-tiny" else 512
 
 
-def data_spec(model: str, res: int, data: str, n: int) -> str:
-    """The synthetic spec of one run: `n` samples of the model's text and latent widths."""
+def data_spec(model: str, res: int, data: str, n: int, bucket_step: int | None = None) -> str:
+    """The synthetic spec of one run: `n` samples of the model's text and latent widths; `bucket_step`: the bucket
+    mix as `fluxzero cache --bucket-step` would make it (default: the command's default)."""
     from fluxzero.config import get_model_config
+    from fluxzero.data.synthetic import bucket_mix
 
     m = get_model_config(model)
     txt = text_tokens(model)
-    shape = f"buckets={res}" if data == "bucketed" else f"hw={res // 8}x{res // 8}"
+    if data != "bucketed":
+        shape = f"hw={res // 8}x{res // 8}"
+    else:
+        shape = f"buckets={res}" if bucket_step is None else f"hw={bucket_mix(res, bucket_step)}"
     return f"synthetic:n={n},{shape},txt={txt},ctx={m.context_in_dim},vec={m.vec_in_dim},ch={m.latent_channels}"
 
 
@@ -415,6 +421,12 @@ def main(argv=None) -> int:
         help="instead of the workload's row (the rows are sized for a 141 GB H200: an 80 GB card needs a smaller one)",
     )
     ap.add_argument("--checkpoint-every", type=int, help="instead of the workload's row (0: no checkpointing)")
+    ap.add_argument(
+        "--bucket-step",
+        type=int,
+        help="the buckets `fluxzero cache --bucket-step N` makes (default: its default, 16 px); 64 makes every token "
+        "count a multiple of 16, which Inductor's alignment guard on attention does not split",
+    )
     ap.add_argument("--peer-child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.peer_child:
@@ -441,7 +453,7 @@ def main(argv=None) -> int:
             mb, ckpt = per_res[a.res]
             mb = a.micro_batch or mb
             ckpt = ckpt if a.checkpoint_every is None else a.checkpoint_every
-            spec = data_spec(model, a.res, data, n=mb * a.steps)  # one epoch: every sample seen once
+            spec = data_spec(model, a.res, data, n=mb * a.steps, bucket_step=a.bucket_step)  # one epoch: all seen once
             name = f"{impl} {w} {a.res}px {data} {cache}"
             row = {
                 "run": name,
@@ -456,6 +468,7 @@ def main(argv=None) -> int:
                 "checkpoint_every": ckpt,
                 "steps": a.steps,
                 "data_spec": spec,
+                "bucket_step": a.bucket_step or 16,
                 "shards": a.shards,
                 "date": provenance.stamp(),
                 "versions": versions,
