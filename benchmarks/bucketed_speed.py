@@ -55,6 +55,8 @@ sys.path.insert(0, str(HERE))  # provenance, runner and sweep, also when this fi
 import provenance  # noqa: E402 - needs the line above
 import runner  # noqa: E402
 
+from fluxzero.data.buckets import STEP as BUCKET_STEP  # noqa: E402 - torch-free: fluxzero cache's default step
+
 LORA = {"rank": 16, "targets": "all-linear"}
 # name: (model, lora, {resolution: (micro batch, checkpoint every k blocks)})
 WORKLOADS = {
@@ -468,7 +470,7 @@ def main(argv=None) -> int:
                 "checkpoint_every": ckpt,
                 "steps": a.steps,
                 "data_spec": spec,
-                "bucket_step": a.bucket_step or 16,
+                "bucket_step": a.bucket_step or BUCKET_STEP,
                 "shards": a.shards,
                 "date": provenance.stamp(),
                 "versions": versions,

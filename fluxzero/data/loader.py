@@ -251,24 +251,17 @@ class ShardLoader:
         threads = torch.get_num_threads()
         try:
             for i, batch in enumerate(self._dl):
-                if i == 0:  # a pin-memory thread has started by now
-                    _restore_threads(threads)
+                if i == 0:
+                    # A pin-memory thread has started by now, and its torch.set_num_threads(1) set the count that
+                    # threads started later take (not this one's), autograd's CUDA device thread among them, where
+                    # checkpointed blocks recompute: their compiled code is guarded on the count, so every block
+                    # compiled twice ("GLOBAL_STATE changed: num_threads") and backward's CPU work ran on one thread.
+                    torch.set_num_threads(threads)
                 self.batches_done += 1
                 yield batch
         except DataError as e:
             raise _clean_worker_error(e) from None
         self.epoch, self.batches_done = self.epoch + 1, 0
-
-
-def _restore_threads(threads: int) -> None:
-    """Give threads started from now on `threads` intra-op threads again. The DataLoader's pin-memory thread
-    calls torch.set_num_threads(1) when it starts: that leaves this thread's count alone but sets the default
-    that threads started later take, among them autograd's CUDA device thread (made at the first backward),
-    where checkpointed blocks recompute. Their compiled code is guarded on the count, so every compiled block
-    compiled twice (Dynamo: "GLOBAL_STATE changed: num_threads"), and the backward's CPU work ran on one thread."""
-    import torch
-
-    torch.set_num_threads(threads)
 
 
 def open_source(source, seed: int = 0):

@@ -25,9 +25,9 @@ def bucket_mix(resolution: int, step: int | None = None) -> str:
     (fluxzero.data.buckets; `step`: its --bucket-step, default its default), as latent h x w (pixels / 8) with its
     weight. At 512: 64x64*4+74x54*2+54x74*2+78x52+52x78 (512x512 40%, 592x432 and 432x592 20%, 624x416 and 416x624
     10%); with step 64: 64x64*4+72x56*2+56x72*2+80x48+48x80 (every token count a multiple of 16)."""
-    from fluxzero.data.buckets import make_buckets, nearest_bucket
+    from fluxzero.data.buckets import STEP, make_buckets, nearest_bucket
 
-    buckets = make_buckets(resolution) if step is None else make_buckets(resolution, step=step)
+    buckets = make_buckets(resolution, step=step or STEP)
     parts = []
     for w, h, weight in PHOTO_ASPECTS:
         bh, bw = nearest_bucket(w, h, buckets)
