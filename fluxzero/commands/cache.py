@@ -70,9 +70,9 @@ def check_dependencies(command: str = "fluxzero cache", without: tuple[str, ...]
 @click.option(
     "--bucket-step",
     type=click.IntRange(min=16),
-    default=16,
-    show_default=True,
-    help="Bucket sides are multiples of this many pixels (a multiple of 16); larger means fewer buckets (64: 33 at 1024 px, not 129).",
+    default=None,
+    help="Bucket sides are multiples of this many pixels (a multiple of 16); larger means fewer buckets (64: 33 at "
+    "1024 px, 16: 129)  [default: 64 where it divides --resolution, else 16; a folder cached before keeps its step].",
 )
 @click.option(
     "--min-image-side",
@@ -200,13 +200,23 @@ def cache(  # noqa: C901
     import os
 
     check_dependencies()
-    from fluxzero.data.buckets import STEP
-    from fluxzero.data.cache import SMALL_BUCKET, CacheOptions, env_rank_world, run_cache, small_buckets
+    from fluxzero.data.buckets import STEP, default_step
+    from fluxzero.data.cache import (
+        SMALL_BUCKET,
+        CacheOptions,
+        env_rank_world,
+        planned_bucket_step,
+        run_cache,
+        small_buckets,
+    )
     from fluxzero.data.encode import T5_MAX_LENGTH, pick_device_dtype, resolve_paths
     from fluxzero.data.errors import DataError, InputFileError
 
     if resolution % STEP:
         raise click.BadParameter(f"must be a multiple of {STEP}, got {resolution}", param_hint="--resolution")
+    if bucket_step is None:  # a folder cached (or half cached) before keeps the step its plan was made with
+        planned = planned_bucket_step(out_dir)
+        bucket_step = planned if planned and resolution % planned == 0 else default_step(resolution)
     if bucket_step % STEP or resolution % bucket_step:
         raise click.BadParameter(
             f"must be a multiple of {STEP} that divides --resolution {resolution}, got {bucket_step}",
@@ -214,7 +224,8 @@ def cache(  # noqa: C901
         )
     if min_side is not None and (min_side % bucket_step or min_side > resolution):
         raise click.BadParameter(
-            f"must be a multiple of --bucket-step {bucket_step} no larger than --resolution, got {min_side}",
+            f"must be a multiple of --bucket-step {bucket_step} no larger than --resolution, got {min_side}"
+            + ("" if bucket_step == STEP else f" (--bucket-step {STEP} allows any multiple of {STEP})"),
             param_hint="--min-side",
         )
     if rank is None or world_size is None:

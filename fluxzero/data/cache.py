@@ -21,7 +21,7 @@ from pathlib import Path
 from fluxzero.config.user_files import parse_json
 from fluxzero.data import kontext
 from fluxzero.data import shards as fmt
-from fluxzero.data.buckets import STEP, make_buckets, nearest_bucket
+from fluxzero.data.buckets import STEP, default_step, make_buckets, nearest_bucket
 from fluxzero.data.errors import DataError, InputFileError
 from fluxzero.data.images import (
     captions_for,
@@ -51,7 +51,7 @@ class CacheOptions:
     resolution: int = 1024
     min_side: int | None = None
     max_aspect: float = 4.0
-    bucket_step: int = STEP
+    bucket_step: int | None = None  # None: buckets.default_step(resolution)
     min_image_side: int | None = None  # None: half the smallest bucket side; 0: keep every image
     flip: str = "none"
     caption_dropout: float = 0.0
@@ -76,6 +76,8 @@ class CacheOptions:
             raise ValueError("shard_size, batch_size and t5_max_length must be >= 1")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={self.rank}, world_size={self.world_size}")
+        if self.bucket_step is None:
+            object.__setattr__(self, "bucket_step", default_step(self.resolution))
         if self.bucket_step < STEP or self.bucket_step % STEP:
             raise ValueError(f"bucket_step must be a multiple of {STEP}, got {self.bucket_step}")
         if self.min_image_side is not None and self.min_image_side < 0:
@@ -302,6 +304,15 @@ def _create_exclusive(path: Path, data: bytes) -> bool:
         return False
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def planned_bucket_step(out_dir) -> int | None:
+    """The bucket step of the plan an earlier run left in `out_dir` (STEP for one made before the option existed,
+    which left it out); None where there is none."""
+    if not Path(out_dir).is_dir():
+        return None
+    options = _read_plan(Path(out_dir) / PLAN_FILE).get("options")
+    return options.get("bucket_step", STEP) if isinstance(options, dict) else None
 
 
 def _read_plan(plan_file: Path) -> dict:

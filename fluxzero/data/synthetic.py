@@ -23,11 +23,11 @@ PHOTO_ASPECTS = ((1, 1, 4), (3, 4, 2), (4, 3, 2), (2, 3, 1), (3, 2, 1))
 def bucket_mix(resolution: int, step: int | None = None) -> str:
     """The `hw` value of PHOTO_ASPECTS at `resolution` px: each aspect's bucket as `fluxzero cache` picks it
     (fluxzero.data.buckets; `step`: its --bucket-step, default its default), as latent h x w (pixels / 8) with its
-    weight. At 512: 64x64*4+74x54*2+54x74*2+78x52+52x78 (512x512 40%, 592x432 and 432x592 20%, 624x416 and 416x624
-    10%); with step 64: 64x64*4+72x56*2+56x72*2+80x48+48x80 (every token count a multiple of 16)."""
-    from fluxzero.data.buckets import STEP, make_buckets, nearest_bucket
+    weight. At 512: 64x64*4+72x56*2+56x72*2+80x48+48x80 (512x512 40%, 576x448 and 448x576 20%, 640x384 and 384x640
+    10%; every token count a multiple of 16); with step 16: 64x64*4+74x54*2+54x74*2+78x52+52x78."""
+    from fluxzero.data.buckets import make_buckets, nearest_bucket
 
-    buckets = make_buckets(resolution, step=step or STEP)
+    buckets = make_buckets(resolution, step=step)
     parts = []
     for w, h, weight in PHOTO_ASPECTS:
         bh, bw = nearest_bucket(w, h, buckets)

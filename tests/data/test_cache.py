@@ -49,7 +49,7 @@ def test_buckets_respect_step_area_and_aspect():
 
 
 def test_nearest_bucket_by_log_aspect():
-    buckets = make_buckets(1024)
+    buckets = make_buckets(1024, step=16)
     assert nearest_bucket(1000, 1000, buckets) == (1024, 1024)
     assert nearest_bucket(2048, 1024, buckets) == (720, 1440)  # exactly 2:1 within 1024^2
     assert nearest_bucket(1024, 2048, buckets) == (1440, 720)
@@ -372,7 +372,27 @@ def test_captions_small_images_and_bucket_step(tiny, tmp_path):
     assert "loading encoders" not in r.output
     r = _cache(data, tmp_path / "out2", "--flux-dir", flux, *CACHE_ARGS, "--bucket-step", "48")
     assert r.exit_code == 2 and "--bucket-step" in r.output and "divides --resolution 64" in r.output
-    assert len(make_buckets(1024, step=64)) == 33 < len(make_buckets(1024)) == 129
+    assert len(make_buckets(1024)) == len(make_buckets(1024, step=64)) == 33 < len(make_buckets(1024, step=16)) == 129
+
+
+def test_default_bucket_step_is_64_and_a_cached_folder_keeps_its_own(tiny, tmp_path):
+    """At 256 px and above the default step is 64 (every token count a multiple of 16); a folder cached with
+    another step (an explicit one, or 16 before the default changed) is resumed with that step, not refused."""
+    flux, images = tiny
+    args = ["--flux-dir", flux, "--resolution", "256", "--t5-max-length", T5_LEN, "--shard-size", "2"]
+    r = _cache(images, tmp_path / "d", *args)
+    assert r.exit_code == 0, r.output
+    c = json.loads((tmp_path / "d" / "manifest.json").read_text())["cache"]
+    assert c["bucket_step"] == 64
+    assert all(int(h) * int(w) // 256 % 16 == 0 for h, w in (k.split("x") for k in c["pixel_buckets"]))
+    r = _cache(images, tmp_path / "s", *args, "--bucket-step", "16")
+    assert r.exit_code == 0, r.output
+    before = _state(tmp_path / "s")
+    r = _cache(images, tmp_path / "s", *args)  # no --bucket-step: the folder's 16, so a no-op rerun
+    assert r.exit_code == 0 and "changed" not in r.output, r.output
+    assert _state(tmp_path / "s") == before
+    r = _cache(images, tmp_path / "s", *args, "--bucket-step", "64")  # an explicit other step is a change
+    assert r.exit_code != 0 and "--bucket-step was 16, now 64" in r.output, r.output
 
 
 def test_user_errors_are_one_sentence(tiny, tmp_path, monkeypatch):

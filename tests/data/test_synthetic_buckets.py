@@ -22,11 +22,14 @@ def test_weighted_sizes_repeat_in_proportion():
 
 
 def test_bucket_mix_is_what_cache_buckets_a_photo_collection_into():
-    assert bucket_mix(512) == "64x64*4+74x54*2+54x74*2+78x52+52x78"
+    assert bucket_mix(512) == "64x64*4+72x56*2+56x72*2+80x48+48x80"  # the 64 px default step
+    assert bucket_mix(512, step=16) == "64x64*4+74x54*2+54x74*2+78x52+52x78"
     pixels = {(h * 8, w * 8) for h, w in SyntheticSource("synthetic:n=10,buckets=1024").latent_sizes()}
     assert pixels <= set(make_buckets(1024)) and (1024, 1024) in pixels and len(pixels) == 5
     sizes = Counter(SyntheticSource("synthetic:n=100,buckets=512").latent_sizes())
-    assert sizes == {(64, 64): 40, (74, 54): 20, (54, 74): 20, (78, 52): 10, (52, 78): 10}
+    assert sizes == {(64, 64): 40, (72, 56): 20, (56, 72): 20, (80, 48): 10, (48, 80): 10}
+    # every image token count (latent h x w / 4) a multiple of 16: one compiled shape family for Inductor
+    assert all(h * w // 4 % 16 == 0 for h, w in sizes)
 
 
 @pytest.mark.parametrize(
