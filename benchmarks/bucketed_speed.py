@@ -5,7 +5,7 @@ both fed the same batches by the trainer's loader.
     PYTHONPATH=. python3 benchmarks/bucketed_speed.py --out $OUT/bucketed.jsonl                  # 512 px, 200 steps
     PYTHONPATH=. python3 benchmarks/bucketed_speed.py --res 1024 --out $OUT/bucketed.jsonl
     PYTHONPATH=. python3 benchmarks/bucketed_speed.py --micro-batch 8 --out $OUT/b.jsonl   # an 80 GB card
-    PYTHONPATH=. python3 benchmarks/bucketed_speed.py --bucket-step 64 --out $OUT/b.jsonl  # token counts % 16 == 0
+    PYTHONPATH=. python3 benchmarks/bucketed_speed.py --bucket-step 16 --out $OUT/b.jsonl  # the finer buckets
     PYTHONPATH=. python3 benchmarks/bucketed_speed.py --workloads tiny --steps 4 --out /tmp/b.jsonl   # CPU, flux-tiny
 
 Workloads (WORKLOADS): `lite` is flux-dev-lite (the benchmark model) trained in full, `lora` a rank-16 LoRA on
@@ -55,7 +55,7 @@ sys.path.insert(0, str(HERE))  # provenance, runner and sweep, also when this fi
 import provenance  # noqa: E402 - needs the line above
 import runner  # noqa: E402
 
-from fluxzero.data.buckets import STEP as BUCKET_STEP  # noqa: E402 - torch-free: fluxzero cache's default step
+from fluxzero.data.buckets import default_step  # noqa: E402 - torch-free: fluxzero cache's default step
 
 LORA = {"rank": 16, "targets": "all-linear"}
 # name: (model, lora, {resolution: (micro batch, checkpoint every k blocks)})
@@ -288,15 +288,11 @@ def peer_child(args: dict) -> int:
         lora=args["lora"],
         warmup=0,
         steps=args["steps"],
+        workers=None,  # the loader workers the trainer takes on this machine (TrainConfig.loader_workers)
     )
     ds_path = work / "peer_ds.json"
     ds_path.write_text(json.dumps(sweep.deepspeed_config(case, world)))
-    keys = sweep.run_file(case, world, str(ds_path), str(work / "peer_out"))
-    # the loader workers the trainer takes on this machine (fluxzero.config.run.TrainConfig.loader_workers)
-    workers = TrainConfig(**keys).loader_workers(
-        device.type, len(os.sched_getaffinity(0)), distributed.local_world_size()
-    )
-    cfg = TrainConfig(**{**keys, "num_workers": workers})
+    cfg = TrainConfig(**sweep.run_file(case, world, str(ds_path), str(work / "peer_out")))
     engine, step = sweep.baseline_runner(case, cfg, rank, world, device, hook=lambda name: None)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with open(work / "peer_steps.jsonl", "a") as out:
@@ -426,8 +422,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--bucket-step",
         type=int,
-        help="the buckets `fluxzero cache --bucket-step N` makes (default: its default, 16 px); 64 makes every token "
-        "count a multiple of 16, which Inductor's alignment guard on attention does not split",
+        help="the buckets `fluxzero cache --bucket-step N` makes (default: its default, 64 px from 256 px up, where "
+        "every token count is a multiple of 16); 16 gives counts such as 999 that Inductor's alignment guard on "
+        "attention splits",
     )
     ap.add_argument("--peer-child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -470,7 +467,7 @@ def main(argv=None) -> int:
                 "checkpoint_every": ckpt,
                 "steps": a.steps,
                 "data_spec": spec,
-                "bucket_step": a.bucket_step or BUCKET_STEP,
+                "bucket_step": a.bucket_step or default_step(a.res),
                 "shards": a.shards,
                 "date": provenance.stamp(),
                 "versions": versions,

@@ -326,6 +326,8 @@ def run_peer(name: str, work: Path, timeout: float) -> dict:
         "--res",
         "512",  # unless the case says otherwise: the last --res counts
         *PEERS[name],
+        "--workers",
+        "auto",  # the trainer's loader workers, as the fluxzero rows' launch/train.py takes them
         "--warmup",
         "3",
         "--steps",

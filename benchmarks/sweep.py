@@ -101,7 +101,7 @@ class Case:
     # the trainer's data: "" = a synthetic source of the case's sizes (see data_source), or a shard folder made
     # by `fluxzero cache` / fluxzero.data.ShardWriter (res and txt then come from the shards)
     data: str = ""
-    workers: int = 0  # the loader's worker processes (run-file num_workers)
+    workers: int | None = 0  # the loader's worker processes (run-file num_workers; None: the trainer's choice)
     lora: dict = field(default_factory=dict)  # the run file's lora: section (the baseline: PEFT's); {} = full fine-tune
     # a DeepSpeed JSON written by `fluxzero gen-config` (or --fit), used as it is instead of the case's own; its
     # micro batch, stage and checkpointing must be the case's (main() reads them from it for --ds-json)
@@ -123,7 +123,7 @@ class Case:
             problems.append(f"res must be a multiple of 16 pixels (8x VAE, 2x2 packing), got {self.res}")
         if self.z3_leaf and self.zero != 3:
             problems.append("z3_leaf needs zero 3")
-        if min(self.gpus, self.mb, self.txt, self.steps) < 1 or min(self.ckpt, self.warmup, self.workers) < 0:
+        if min(self.gpus, self.mb, self.txt, self.steps) < 1 or min(self.ckpt, self.warmup, self.workers or 0) < 0:
             problems.append("gpus, mb, txt, steps must be >= 1 and ckpt, warmup, workers >= 0")
         if (
             self.lora
@@ -180,8 +180,8 @@ class Case:
             parts.append("compiled")
         if self.data:
             parts.append(f"data={Path(self.data).name or self.data}")
-        if self.workers:
-            parts.append(f"workers={self.workers}")
+        if self.workers != 0:
+            parts.append(f"workers={'auto' if self.workers is None else self.workers}")
         if self.lora:
             parts.append(f"lora{self.lora.get('rank')}")
         if self.ds_json:
@@ -586,8 +586,10 @@ def _fluxzero_runner(case: Case, cfg, rank: int, world: int, device, hook):
 
 
 def baseline_runner(case: Case, cfg, rank: int, world: int, device, hook):
-    """The baseline keeps a step of its own (diffusers + DeepSpeed as users write it), fed by the trainer's
-    loader and flow.prepare_batch, with the same phase marks."""
+    """The baseline keeps a step of its own (diffusers + DeepSpeed as users write it), fed as the trainer feeds
+    its own: the trainer's loader with the trainer's worker count, flow.prepare_batch run ahead of the step by the
+    trainer's prefetch thread (prefetch_batches), and the same phase marks. So the two differ in model, engine
+    use and step alone, not in how the data arrives. The returned step has close() (the prefetch thread)."""
     import baseline_diffusers
     import torch
     from torch.nn.attention import sdpa_kernel
@@ -596,20 +598,21 @@ def baseline_runner(case: Case, cfg, rank: int, world: int, device, hook):
     from fluxzero.config.deepspeed.file import load_for_training
     from fluxzero.data import build_dataloader
     from fluxzero.model.math import ATTENTION_BACKENDS
-    from fluxzero.train import flow
-    from fluxzero.train.step import StepResult, batches
+    from fluxzero.train import distributed, flow
+    from fluxzero.train.step import StepResult, ahead, batches, prepared_batches
 
     model_cfg = get_model_config(cfg.model)
     ds, v = load_for_training(cfg.deepspeed, world)
+    workers = cfg.loader_workers(device.type, len(os.sched_getaffinity(0)), distributed.local_world_size())
     loader = build_dataloader(
         cfg.data,
         micro_batch=v.micro_batch,
         rank=rank,
         world_size=world,
         seed=cfg.seed,
-        num_workers=cfg.num_workers,
+        num_workers=workers,
         pin_memory=device.type == "cuda",
-        multiprocessing_context="spawn" if cfg.num_workers else None,
+        multiprocessing_context="spawn" if workers else None,
     )
     engine = baseline_diffusers.build_engine(
         model_cfg, ds, v.checkpoint_every, device, seed=cfg.seed, compile=v.compile, lora_rank=case.lora.get("rank", 0)
@@ -619,14 +622,19 @@ def baseline_runner(case: Case, cfg, rank: int, world: int, device, hook):
     if case.inject_nan:
         source = _with_nan(source, case.warmup)
     allowed = ATTENTION_BACKENDS[cfg.attention]  # diffusers calls SDPA: restrict it as our model does
+    prepared = ahead(
+        lambda: prepared_batches(
+            source, cfg.flow, seed=cfg.seed, guidance_embed=model_cfg.guidance_embed, device=device, dtype=dtype
+        ),
+        cfg.prefetch_batches,
+        device,
+    )
 
     def step() -> StepResult:
         lr = engine.get_lr()[0]
         hook("data")
-        epoch, batch = next(source)
-        inputs, target = flow.prepare_batch(
-            batch, cfg.flow, cfg.seed, epoch, guidance_embed=model_cfg.guidance_embed, device=device, dtype=dtype
-        )
+        item = next(prepared)
+        inputs, target = item.inputs, item.target
         hook("forward")
         with sdpa_kernel(allowed):
             loss = flow.loss(baseline_diffusers.forward(engine, inputs), target)
@@ -645,6 +653,7 @@ def baseline_runner(case: Case, cfg, rank: int, world: int, device, hook):
             txt_tokens=inputs["txt"].shape[1],
         )
 
+    step.close = getattr(prepared, "close", lambda: None)
     return engine, step
 
 
@@ -731,6 +740,7 @@ def run_case(case: Case, phase: _Phase) -> dict:
                 profile = {"error": f"{type(e).__name__}: {e}"[:300]}
     phase.persist = True
     phase("report")
+    train_step.close()  # the prefetch thread: none left inside torch while the process tears down
     skipped = int(getattr(engine, "skipped_steps", 0) or 0) - skipped_before
     compiled = None
     if case.compile:
@@ -1218,7 +1228,12 @@ def parse_args(argv):
         "or synthetic spec, through the trainer's loader (default: synthetic latents "
         "of each case's res and txt)",
     )
-    p.add_argument("--workers", type=int, default=0, help="loader worker processes (run-file num_workers)")
+    p.add_argument(
+        "--workers",
+        type=lambda v: None if v == "auto" else int(v),
+        default=0,
+        help="loader worker processes (run-file num_workers); auto: the trainer's own choice (up to 4 on a GPU)",
+    )
     p.add_argument(
         "--lora-rank",
         type=int,
@@ -1322,7 +1337,7 @@ def main(argv=None) -> int:  # noqa: C901
             )
             for c in cases
         ]
-    if args.workers:
+    if args.workers != 0:
         cases = [dataclasses.replace(c, workers=args.workers) for c in cases]
     if args.lora_rank:
         cases = [dataclasses.replace(c, lora={"rank": args.lora_rank, "targets": "all-linear"}) for c in cases]

@@ -128,6 +128,34 @@ class Prefetcher:
             self._thread.join(timeout=wait)
 
 
+def prepared_batches(
+    source: Iterator[tuple[int, dict]],
+    flow_cfg: FlowConfig,
+    *,
+    seed: int,
+    guidance_embed: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    position: Callable[[], dict] | None = None,
+) -> Iterator[Prepared]:
+    """The loader's (epoch, batch) stream as model inputs and targets on `device` (flow.prepare_batch), with the
+    loss weights of masked samples; position(), when given, is read right after each batch leaves `source`."""
+    for epoch, batch in source:
+        pos = position() if position is not None else None
+        inputs, target = flow.prepare_batch(
+            batch, flow_cfg, seed, epoch, guidance_embed=guidance_embed, device=device, dtype=dtype
+        )
+        weight = flow.loss_weights(batch, flow_cfg.mask_floor)
+        if weight is not None:
+            weight = weight.to(device, non_blocking=True)
+        yield Prepared(inputs, target, batch["index"], pos, weight)
+
+
+def ahead(make: Callable[[], Iterator[Prepared]], prefetch: int, device: torch.device) -> Iterator[Prepared]:
+    """make()'s batches, prepared `prefetch` ahead by a Prefetcher (0: in the caller's thread, as asked)."""
+    return Prefetcher(make, prefetch, device) if prefetch > 0 else make()
+
+
 class TrainStep:
     """Callable that runs one optimizer step and returns a StepResult.
 
@@ -176,27 +204,19 @@ class TrainStep:
         self._own_norm = not hasattr(engine.optimizer, "_global_grad_norm")
 
     def _prepare_all(self) -> Iterator[Prepared]:
-        for epoch, batch in self.source:
-            position = self._position_fn() if self._position_fn is not None else None
-            inputs, target = flow.prepare_batch(
-                batch,
-                self.flow_cfg,
-                self.seed,
-                epoch,
-                guidance_embed=self.guidance_embed,
-                device=self.device,
-                dtype=self.dtype,
-            )
-            weight = flow.loss_weights(batch, self.flow_cfg.mask_floor)
-            if weight is not None:
-                weight = weight.to(self.device, non_blocking=True)
-            yield Prepared(inputs, target, batch["index"], position, weight)
+        return prepared_batches(
+            self.source,
+            self.flow_cfg,
+            seed=self.seed,
+            guidance_embed=self.guidance_embed,
+            device=self.device,
+            dtype=self.dtype,
+            position=self._position_fn,
+        )
 
     def _next_batch(self) -> Prepared:
         if self._prepared is None:
-            self._prepared = (
-                Prefetcher(self._prepare_all, self.prefetch, self.device) if self.prefetch > 0 else self._prepare_all()
-            )
+            self._prepared = ahead(self._prepare_all, self.prefetch, self.device)
         item = next(self._prepared)
         self.position = item.position
         return item

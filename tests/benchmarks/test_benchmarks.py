@@ -562,3 +562,43 @@ def test_every_capped_runs_case_without_fit_writes_its_config(tmp_path):
             if "--offload-blocks" in case.gen_config:
                 blocks = case.gen_config[case.gen_config.index("--offload-blocks") + 1]
                 assert config["fluxzero"]["offload_blocks"] == int(blocks), case.name
+
+
+PEER_FEED = r"""
+import json, sys, threading
+sys.path.insert(0, "benchmarks")
+import sweep
+from fluxzero.config import TrainConfig
+from fluxzero.train import distributed
+
+rank, world, device = distributed.init_distributed()
+out = {}
+for prefetch in (0, 1):
+    case = sweep.Case(**sweep._cpu(impl="diffusers", zero=2, ckpt=0, mb=2, workers=None))
+    ds = f"{sys.argv[1]}/ds{prefetch}.json"
+    open(ds, "w").write(json.dumps(sweep.deepspeed_config(case, world)))
+    cfg = TrainConfig(**{**sweep.run_file(case, world, ds, f"{sys.argv[1]}/o{prefetch}"), "prefetch_batches": prefetch})
+    engine, step = sweep.baseline_runner(case, cfg, rank, world, device, hook=lambda name: None)
+    losses = [step().loss for _ in range(3)]
+    ahead = any(t.name == "fluxzero-prefetch" and t.is_alive() for t in threading.enumerate())
+    step.close()
+    out[prefetch] = {"losses": losses, "prefetch_thread": ahead}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_the_peer_gets_its_batches_the_way_the_trainer_does(tmp_path):
+    """The diffusers peer's step takes batches the trainer's prefetch thread prepared ahead of it (before, it read
+    and prepared each batch inside its timed step, which the trainer does not), and the numbers are the same."""
+    p = subprocess.run(
+        [sys.executable, "-c", PEER_FEED, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.split("RESULT ", 1)[1])
+    assert out["1"]["prefetch_thread"] and not out["0"]["prefetch_thread"]
+    assert out["1"]["losses"] == out["0"]["losses"]
