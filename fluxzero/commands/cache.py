@@ -324,7 +324,8 @@ def cache(  # noqa: C901
             click.echo(
                 f"{n_small} of {n_buckets} buckets hold fewer than {SMALL_BUCKET} samples ({n_in_small} samples in all); "
                 f"the trainer repeats the samples of a bucket smaller than a global batch (micro batch x GPUs) to fill "
-                f"one, so a larger --bucket-step (e.g. 64) or a smaller --max-aspect (both merge buckets) may suit this data better."
+                f"one, so a larger --bucket-step (this run's: {opts.bucket_step}) or a smaller --max-aspect (both merge "
+                f"buckets) may suit this data better."
             )
 
 
