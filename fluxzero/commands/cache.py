@@ -72,7 +72,8 @@ def check_dependencies(command: str = "fluxzero cache", without: tuple[str, ...]
     type=click.IntRange(min=16),
     default=None,
     help="Bucket sides are multiples of this many pixels (a multiple of 16); larger means fewer buckets (64: 33 at "
-    "1024 px, 16: 129)  [default: 64 where it divides --resolution, else 16; a folder cached before keeps its step].",
+    "1024 px, 16: 129)  [default: 64 where it divides a --resolution of 256 or more, else 16; a folder cached before "
+    "keeps its step].",
 )
 @click.option(
     "--min-image-side",
