@@ -431,12 +431,29 @@ def _compile_note(run: Run, cfg: TrainConfig) -> str:
     """Why the first step takes long when the blocks are compiled, and where the compiled code is kept."""
     from fluxzero.model.compile import compile_cache_dir
 
-    shapes = len(run.loader.dims["latent_sizes"])
-    again = f", and briefly again as new bucket shapes arrive ({shapes} here)" if shapes > 1 else ""
+    sizes = run.loader.dims["latent_sizes"]
+    again = f", and briefly again as new bucket shapes arrive ({len(sizes)} here)" if len(sizes) > 1 else ""
     cache = compile_cache_dir()
     kept = f"; the compiled code is kept in {cache}" if cache else "; the compiled code is kept"
     kept += f" and in {_compiled_file(cfg)}, so a later run or a resume on another machine compiles faster"
-    return f"compiling the blocks (torch.compile) during the first step: a minute or more for FLUX.1-dev{again}{kept}"
+    return (
+        f"compiling the blocks (torch.compile) during the first step: a minute or more for FLUX.1-dev{again}{kept}"
+        + unaligned_buckets_note(sizes)
+    )
+
+
+def unaligned_buckets_note(latent_sizes: list[tuple[int, int]]) -> str:
+    """A hint where buckets of several token counts include counts that are not multiples of 8: Inductor's alignment
+    guard on attention compiles those apart (16 px bucket sides; measured: 3 recompiles over 200 steps, 26 s of 164,
+    benchmarks/RESULTS.md), which buckets with 64 px sides, `fluxzero cache`'s default, avoid."""
+    tokens = {(h // 2) * (w // 2) for h, w in latent_sizes}  # 2x2 patches
+    odd = sorted(t for t in tokens if t % 8)
+    if len(tokens) < 2 or not odd:
+        return ""
+    return (
+        f"; {len(odd)} of the {len(tokens)} bucket token counts are not multiples of 8 (e.g. {odd[0]}), which the "
+        "compiled blocks compile apart: data cached by `fluxzero cache --bucket-step 64` (its default) avoids that"
+    )
 
 
 def _done(run: Run, result: dict) -> str:

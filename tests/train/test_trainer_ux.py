@@ -277,3 +277,17 @@ def test_under_torchrun_the_error_sentence_ends_its_summary(tmp_path):
     assert r.returncode == 1 and lines[-1].startswith("====="), r.stderr[-3000:]
     assert lines[-2].strip() == f"traceback : {sentence}", r.stderr[-3000:]  # the root cause: rank 0
     assert sum(line.strip() == f"traceback : {sentence}" for line in lines) == 2  # and rank 1's failure
+
+
+def test_the_compile_note_names_bucket_token_counts_that_compile_apart():
+    """16 px bucket sides give token counts such as 999 (27 x 37 patches) that Inductor's alignment guard compiles
+    apart; the note says so, and says nothing for 64 px buckets (multiples of 16) or a single shape."""
+    from fluxzero.data.buckets import make_buckets
+    from fluxzero.train.loop import unaligned_buckets_note
+
+    fine = [(h // 8, w // 8) for h, w in make_buckets(512, step=16)]
+    coarse = [(h // 8, w // 8) for h, w in make_buckets(512)]
+    note = unaligned_buckets_note(fine)
+    assert "are not multiples of 8" in note and "--bucket-step 64" in note, note
+    assert unaligned_buckets_note(coarse) == ""
+    assert unaligned_buckets_note([(74, 54)]) == ""  # one shape: nothing compiles apart
