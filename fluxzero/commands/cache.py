@@ -58,7 +58,7 @@ def check_dependencies(command: str = "fluxzero cache", without: tuple[str, ...]
     "--min-side",
     type=click.IntRange(min=16),
     default=None,
-    help="Smallest bucket side in pixels, a multiple of 16  [default: resolution/4].",
+    help="Smallest bucket side in pixels, a multiple of --bucket-step  [default: resolution/4, rounded down to the step].",
 )
 @click.option(
     "--max-aspect",
