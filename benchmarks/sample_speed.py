@@ -12,9 +12,11 @@ CPU), and diffusers' FluxTransformer2DModel holding the same weights (fluxzero.m
 one VAE (diffusers AutoencoderKL with FLUX.1's shapes, random init); random T5 (images x 512 x 4096) and CLIP
 pooled (images x 768) embeddings; seed 0 for every image. Rows, in the order they run:
   fluxzero            the loop `fluxzero sample` runs (fluxzero.sampling.pipeline.sample_images, called as
-                      fluxzero/commands/sample.py calls it) at the command's defaults: --batch-size 1 (one
-                      image per model call), attention "any" (torch's choice: cuDNN's kernel on Hopper),
-                      eager, PNGs and grid.png written to a temporary folder.
+                      fluxzero/commands/sample.py calls it) at the command's defaults: --batch-size and
+                      --compile chosen as the command chooses them (auto_speed: on a GPU 4 images a call,
+                      eager, for 4 images of 28 steps at 1024 px), attention "any" (torch's choice: cuDNN's
+                      kernel on Hopper), PNGs and grid.png written to a temporary folder.
+  fluxzero-batch1     the same at --batch-size 1 --no-compile (the "fluxzero" row before 2026-12-05 (close)).
   diffusers           FluxPipeline(FLUX.1-dev's scheduler config, vae, transformer, no text encoders) called
                       with prompt_embeds / pooled_prompt_embeds, guidance_scale 3.5, output_type "pil", as a
                       diffusers user runs it (eager), each image then saved as a PNG.
@@ -96,7 +98,9 @@ import runner  # noqa: E402
 
 # fluxzero rows: the command's options (--batch-size, --compile, --attention, --grid) for each
 FLUXZERO_ROWS = {
-    "fluxzero": dict(batch_size=1, compile=False, attention="any", grid=True),
+    # None: chosen as the command chooses them (fluxzero.sampling.pipeline.auto_speed), see row_options
+    "fluxzero": dict(batch_size=None, compile=None, attention="any", grid=True),
+    "fluxzero-batch1": dict(batch_size=1, compile=False, attention="any", grid=True),
     "fluxzero-batch4": dict(batch_size=4, compile=False, attention="any", grid=True),
     "fluxzero-compile": dict(batch_size=1, compile=True, attention="any", grid=True),
     "fluxzero-cudnn": dict(batch_size=1, compile=False, attention="cudnn", grid=True),
@@ -305,12 +309,25 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+def row_options(name: str, device_type: str, images: int, steps: int, size: int) -> dict:
+    """A fluxzero row's options, its None ones (--batch-size, --compile) chosen as `fluxzero sample` chooses them
+    for these images, steps and size on this device."""
+    from fluxzero.sampling.pipeline import auto_speed
+    from fluxzero.sampling.schedule import image_tokens
+
+    opts = dict(FLUXZERO_ROWS[name])
+    if device_type != "cuda" and opts["attention"] == "cudnn":  # torch's CPU SDPA has no cuDNN: exercise a switch
+        opts["attention"] = "math"
+    opts["batch_size"], opts["compile"] = auto_speed(
+        device_type, images, steps, image_tokens(size, size), opts["batch_size"], opts["compile"]
+    )
+    return opts
+
+
 def measure_row(name: str, args, ctx: dict, watchdog: Watchdog) -> dict:
     device = ctx["device"]
     if name in FLUXZERO_ROWS:
-        opts = dict(FLUXZERO_ROWS[name])
-        if device.type != "cuda" and opts["attention"] == "cudnn":  # torch's CPU SDPA has no cuDNN: exercise a switch
-            opts["attention"] = "math"
+        opts = row_options(name, device.type, args.images, args.steps, args.size)
         from fluxzero.sampling.pipeline import prepare_model
 
         # as the command does; --compile-backend eager only for the CPU smoke test (Inductor there: ~15 s a row)
@@ -382,7 +399,7 @@ def _measure(name: str, args, ctx: dict, watchdog: Watchdog, opts: dict) -> dict
             run,
             device,
             watchdog,
-            args.run_timeout_s + (COMPILE_ALLOWANCE_S if name in COMPILING_ROWS else 0),
+            args.run_timeout_s + (COMPILE_ALLOWANCE_S if name in COMPILING_ROWS or opts.get("compile") else 0),
             f"{name}: warm-up {w + 1}",
         )
         warm.append(round(s, 3))

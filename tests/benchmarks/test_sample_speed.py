@@ -155,3 +155,20 @@ def test_compile_rows_count_their_compile_in_the_budget():
     assert not bench.fits("fluxzero-fast", args, t0, 20.0)
     args.profile = True
     assert bench.fits("fluxzero-cudnn", args, t0, 20.0)
+
+
+def test_the_default_row_is_what_the_command_chooses():
+    """The "fluxzero" row measures `fluxzero sample` at its defaults: on a GPU 4 images a call, eager, for the
+    benchmark's 4 images of 28 steps at 1024 px, compiled from about 10 images on (it pinned one image a call,
+    eager, after the command's defaults had changed); fluxzero-batch1 keeps the old row."""
+    bench = _bench()
+    assert bench.row_options("fluxzero", "cuda", 4, 28, 1024) == {
+        "batch_size": 4,
+        "compile": False,
+        "attention": "any",
+        "grid": True,
+    }
+    many = bench.row_options("fluxzero", "cuda", 12, 28, 1024)
+    assert (many["batch_size"], many["compile"]) == (4, True)
+    assert bench.row_options("fluxzero", "cpu", 4, 28, 1024)["batch_size"] == 1
+    assert bench.row_options("fluxzero-batch1", "cuda", 4, 28, 1024)["batch_size"] == 1
