@@ -438,15 +438,16 @@ def _compile_note(run: Run, cfg: TrainConfig) -> str:
     kept += f" and in {_compiled_file(cfg)}, so a later run or a resume on another machine compiles faster"
     return (
         f"compiling the blocks (torch.compile) during the first step: a minute or more for FLUX.1-dev{again}{kept}"
-        + unaligned_buckets_note(sizes)
+        + unaligned_buckets_note(sizes, images=2 if run.loader.dims.get("reference") else 1)
     )
 
 
-def unaligned_buckets_note(latent_sizes: list[tuple[int, int]]) -> str:
+def unaligned_buckets_note(latent_sizes: list[tuple[int, int]], images: int = 1) -> str:
     """A hint where buckets of several token counts include counts that are not multiples of 8: Inductor's alignment
     guard on attention compiles those apart (16 px bucket sides; measured: 3 recompiles over 200 steps, 26 s of 164,
-    benchmarks/RESULTS.md), which buckets with 64 px sides, `fluxzero cache`'s default, avoid."""
-    tokens = {(h // 2) * (w // 2) for h, w in latent_sizes}  # 2x2 patches
+    benchmarks/RESULTS.md), which buckets with 64 px sides, `fluxzero cache`'s default, avoid. `images`: latents of
+    the bucket's size in a sample's image tokens (2 for a FLUX.1 Kontext pair: the target and its reference)."""
+    tokens = {images * (h // 2) * (w // 2) for h, w in latent_sizes}  # 2x2 patches
     odd = sorted(t for t in tokens if t % 8)
     if len(tokens) < 2 or not odd:
         return ""
