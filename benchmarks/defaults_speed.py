@@ -129,6 +129,9 @@ PEERS = {  # benchmarks/sweep.py arguments of the diffusers + DeepSpeed baseline
     "peer:lora-mb4-ckpt0": [*PEER_LORA, "--mb", "4", "--ckpt", "0"],
     "peer:lora-mb1-ckpt0": [*PEER_LORA, "--mb", "1", "--ckpt", "0"],
     "peer:lora-1024-mb1-ckpt0": [*PEER_LORA, "--mb", "1", "--res", "1024", "--ckpt", "0"],
+    # the peer's code path on the CPU, flux-tiny (tests/benchmarks/test_defaults_speed.py)
+    "peer:cpu-smoke-eager": ["--model", "flux-tiny", "--zero", "2", "--ckpt", "0", "--mb", "1", "--compile", "0"]
+    + ["--res", "64", "--device", "cpu"],
 }
 SETS = {
     "lite": ["lite-ckpt1-old", "lite-ckpt1", "lite-ckpt1-fp8", "lite-ckpt0", "lite-ckpt0-fp8", "peer:lite-ckpt0"],
@@ -357,6 +360,9 @@ def run_peer(name: str, work: Path, timeout: float) -> dict:
             samples_per_s=round(r["samples_per_s"], 3),
             mfu_measured_peak=r.get("mfu"),
             peak_allocated_gb=_sweep_peak_gb(r),
+            # the step's wait for its batch (prefetched as the trainer does: near 0 unless the data path is slow)
+            data_s=r.get("data_s"),
+            step_s=r.get("step_s"),
         )
     else:
         row.update(status="failed", log_tail=(p.stdout + p.stderr).strip().splitlines()[-3:])

@@ -44,3 +44,13 @@ def test_a_peer_row_records_the_largest_rank_peak_the_sweep_wrote():
     # before and recorded no peak at all
     assert ds._sweep_peak_gb({"peak_alloc_gib": [60.0, 61.5]}) == round(61.5 * 2**30 / 1e9, 3)
     assert ds._sweep_peak_gb({"peak_alloc_gib": [None]}) is None
+
+
+def test_a_peer_row_runs_the_sweep_with_the_trainers_workers_and_records_its_data_wait(tmp_path):
+    """defaults_speed's peer row on the CPU: the sweep's diffusers baseline with `--workers auto` (the trainer's
+    own worker count) and the step's wait for its batch recorded beside its samples/s."""
+    row = ds.run_peer("peer:cpu-smoke-eager", tmp_path / "w", timeout=240)
+    assert row["status"] == "ok" and row["samples_per_s"] > 0, row
+    assert row["data_s"] is not None and 0 <= row["data_s"] < row["step_s"], row
+    sweep_rows = [json.loads(line) for f in (tmp_path / "w").glob("*.jsonl") for line in f.read_text().splitlines()]
+    assert "workers=auto" in sweep_rows[-1]["name"]
