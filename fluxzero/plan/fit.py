@@ -214,6 +214,7 @@ class FitResult:
     reason: str  # which constraint decided, in sentences
     # stage, offload_optimizer, offload_param, micro_batch, checkpoint_every, optimizer_mode
     options: dict = field(default_factory=dict)
+    rejected: tuple[str, ...] = ()  # the reason's first lines: the faster rows passed over, and why
 
 
 CHECKPOINT_CHOICES = (0, 8, 4, 2, 1)  # every k-th block: none, 1/8, 1/4, 1/2, all
@@ -388,9 +389,7 @@ def fit(
     fp8 = _fit(base, hw, quants=("fp8-matmul",), quant_reason=why, **search)
     if fp8.spec is None or (o.get("offload_blocks") and fp8.spec.micro_batch < first.spec.micro_batch):
         return first
-    lines = first.reason.split("\n") if first.spec is not None else []
-    kept = lines[: next((i for i, line in enumerate(lines) if line.startswith("chose ")), 0)]  # its rejections
-    return dataclasses.replace(fp8, reason="\n".join(kept + [fp8.reason]))
+    return dataclasses.replace(fp8, reason="\n".join([*first.rejected, fp8.reason]))
 
 
 def _fit(  # noqa: C901
@@ -512,7 +511,8 @@ def _fit(  # noqa: C901
         _, mb, _, _, spec, est = max(
             (t for t in fitting if t[0] >= STREAM_TOLERANCE * fastest), key=lambda t: (t[3], *t[:3])
         )
-        reason = _rejections(rejected) + [f"chose {label}: " + _why_choice(spec, est, hw, margin, micros, ckpts)]
+        passed_over = _rejections(rejected)
+        reason = [*passed_over, f"chose {label}: " + _why_choice(spec, est, hw, margin, micros, ckpts)]
         options = {
             "stage": st,
             "offload_optimizer": oo,
@@ -565,7 +565,7 @@ def _fit(  # noqa: C901
                 f" {spec.offload_blocks}, recomputed in backward): per micro batch "
                 + ", ".join(f"{what} {n / 1e9:.1f} GB" for what, n in moved)
             )
-        return FitResult(spec, est, "\n".join(reason), options)
+        return FitResult(spec, est, "\n".join(reason), options, tuple(passed_over))
     if not grid:
         return FitResult(None, None, "nothing to try: the pinned stage and offload choices contradict each other")
     return FitResult(None, None, _what_would_fit(base, hw, margin, micros[0], fixed, allow_nvme, rejected, closest))
