@@ -596,24 +596,14 @@ def baseline_runner(case: Case, cfg, rank: int, world: int, device, hook):
 
     from fluxzero.config import get_model_config
     from fluxzero.config.deepspeed.file import load_for_training
-    from fluxzero.data import build_dataloader
     from fluxzero.model.math import ATTENTION_BACKENDS
-    from fluxzero.train import distributed, flow
+    from fluxzero.train import flow
+    from fluxzero.train.loop import build_loader
     from fluxzero.train.step import StepResult, ahead, batches, prepared_batches
 
     model_cfg = get_model_config(cfg.model)
     ds, v = load_for_training(cfg.deepspeed, world)
-    workers = cfg.loader_workers(device.type, len(os.sched_getaffinity(0)), distributed.local_world_size())
-    loader = build_dataloader(
-        cfg.data,
-        micro_batch=v.micro_batch,
-        rank=rank,
-        world_size=world,
-        seed=cfg.seed,
-        num_workers=workers,
-        pin_memory=device.type == "cuda",
-        multiprocessing_context="spawn" if workers else None,
-    )
+    loader = build_loader(cfg, v.micro_batch, rank, world, device)
     engine = baseline_diffusers.build_engine(
         model_cfg, ds, v.checkpoint_every, device, seed=cfg.seed, compile=v.compile, lora_rank=case.lora.get("rank", 0)
     )

@@ -60,9 +60,27 @@ class Run:
     compiled_saved: bool = False  # this process has saved them (once per process: model.compile.save_artifacts)
 
 
+def build_loader(cfg: TrainConfig, micro_batch: int, rank: int, world: int, device: torch.device):
+    """The trainer's loader of cfg.data: its worker processes (TrainConfig.loader_workers on this machine), pinned
+    memory on a GPU. Benchmarks feed their peers with it too."""
+    from fluxzero.data import build_dataloader
+
+    workers = cfg.loader_workers(device.type, len(os.sched_getaffinity(0)), distributed.local_world_size())
+    return build_dataloader(
+        cfg.data,
+        micro_batch=micro_batch,
+        rank=rank,
+        world_size=world,
+        seed=cfg.seed,
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        # forked workers can hang once DeepSpeed's threads and process group exist
+        multiprocessing_context="spawn" if workers else None,
+    )
+
+
 def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: bool = False) -> Run:
     """Everything the loop needs, built as the trainer builds it (benchmarks call this too, then time run.step)."""
-    from fluxzero.data import build_dataloader
     from fluxzero.train import engine as ds_engine
     from fluxzero.train.checkpoint import resume
     from fluxzero.train.checkpoint import store as checkpoint
@@ -84,18 +102,7 @@ def setup(cfg: TrainConfig, rank: int, world: int, device, allow_config_change: 
     random.seed(cfg.seed * 1_000_003 + rank)
     np.random.seed((cfg.seed * 1_000_003 + rank) % 2**32)
     model_cfg = resolve_model(cfg.model)
-    workers = cfg.loader_workers(device.type, len(os.sched_getaffinity(0)), distributed.local_world_size())
-    loader = build_dataloader(
-        cfg.data,
-        micro_batch=v.micro_batch,
-        rank=rank,
-        world_size=world,
-        seed=cfg.seed,
-        num_workers=workers,
-        pin_memory=device.type == "cuda",
-        # forked workers can hang once DeepSpeed's threads and process group exist
-        multiprocessing_context="spawn" if workers else None,
-    )
+    loader = build_loader(cfg, v.micro_batch, rank, world, device)
     loader.check_model(model_cfg)
     if rank == 0 and hasattr(loader.source, "summary"):  # several datasets: what an epoch draws from each
         write_line(loader.source.summary())
