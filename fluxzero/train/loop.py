@@ -450,13 +450,14 @@ def _compile_note(run: Run, cfg: TrainConfig) -> str:
 
 
 def unaligned_buckets_note(latent_sizes: list[tuple[int, int]], images: int = 1) -> str:
-    """A hint where buckets of several token counts include counts that are not multiples of 8: Inductor's alignment
-    guard on attention compiles those apart (16 px bucket sides; measured: 3 recompiles over 200 steps, 26 s of 164,
-    benchmarks/RESULTS.md), which buckets with 64 px sides, `fluxzero cache`'s default, avoid. `images`: latents of
-    the bucket's size in a sample's image tokens (2 for a FLUX.1 Kontext pair: the target and its reference)."""
+    """A hint where the buckets' token counts are multiples of 8 for some buckets and not for others: Inductor's
+    alignment guard on attention is a yes/no on that, so the two kinds compile apart (16 px bucket sides; measured:
+    3 recompiles over 200 steps, 26 s of 164, benchmarks/RESULTS.md), which buckets with 64 px sides, `fluxzero
+    cache`'s default, avoid. `images`: latents of the bucket's size in a sample's image tokens (2 for a FLUX.1
+    Kontext pair: the target and its reference)."""
     tokens = {images * (h // 2) * (w // 2) for h, w in latent_sizes}  # 2x2 patches
     odd = sorted(t for t in tokens if t % 8)
-    if len(tokens) < 2 or not odd:
+    if not odd or len(odd) == len(tokens):  # one kind only: one graph serves them all
         return ""
     return (
         f"; {len(odd)} of the {len(tokens)} bucket token counts are not multiples of 8 (e.g. {odd[0]}), which the "

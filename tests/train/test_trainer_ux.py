@@ -291,6 +291,7 @@ def test_the_compile_note_names_bucket_token_counts_that_compile_apart():
     assert "are not multiples of 8" in note and "--bucket-step 64" in note, note
     assert unaligned_buckets_note(coarse) == ""
     assert unaligned_buckets_note([(74, 54)]) == ""  # one shape: nothing compiles apart
+    assert unaligned_buckets_note([(74, 54), (78, 52)]) == ""  # 999 and 1014: neither aligned, one graph for both
     # a Kontext pair's attention sees target and reference: 972 tokens are not a multiple of 8, 2 x 972 is
     assert (
         unaligned_buckets_note([(64, 64), (36, 108)]) != "" and unaligned_buckets_note([(64, 64), (36, 108)], 2) == ""
