@@ -306,13 +306,18 @@ def _create_exclusive(path: Path, data: bytes) -> bool:
         tmp.unlink(missing_ok=True)
 
 
+def _with_legacy_defaults(options: dict) -> dict:
+    """A plan's options with the keys output_options leaves out at their old defaults filled in (bucket_step:
+    STEP, as every plan made before the option existed was)."""
+    return {"bucket_step": STEP, **options}
+
+
 def planned_bucket_step(out_dir) -> int | None:
-    """The bucket step of the plan an earlier run left in `out_dir` (STEP for one made before the option existed,
-    which left it out); None where there is none."""
+    """The bucket step of the plan an earlier run left in `out_dir`; None where there is none."""
     if not Path(out_dir).is_dir():
         return None
     options = _read_plan(Path(out_dir) / PLAN_FILE).get("options")
-    return options.get("bucket_step", STEP) if isinstance(options, dict) else None
+    return _with_legacy_defaults(options)["bucket_step"] if isinstance(options, dict) else None
 
 
 def _read_plan(plan_file: Path) -> dict:
@@ -386,7 +391,7 @@ _FLAGS = {
 
 def _what_changed(old: dict, opts: CacheOptions) -> str:
     """Which options differ from those an earlier plan was made with; the images or captions when none do."""
-    was, now = {"bucket_step": STEP, **old.get("options", {})}, {"bucket_step": STEP, **opts.output_options()}
+    was, now = _with_legacy_defaults(old.get("options", {})), _with_legacy_defaults(opts.output_options())
     changed = [k for k in now if was.get(k) != now[k]]
     if not changed:
         return "the options are the same, so the images or their captions changed"
